@@ -1,0 +1,9 @@
+"""infire_jax: an LLM inference engine on JAX/XLA."""
+
+from infire_jax.engine import Engine, EngineConfig
+from infire_jax.llm import LLM
+from infire_jax.outputs import CompletionOutput, RequestOutput
+from infire_jax.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

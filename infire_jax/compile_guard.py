@@ -1,0 +1,40 @@
+"""Counts XLA compilations, so tests and the engine can prove nothing compiles after warmup."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_count = 0
+
+
+def _on_event(event: str, duration_secs: float, **kwargs) -> None:
+    global _count
+    if event == _BACKEND_COMPILE:
+        with _lock:
+            _count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_count() -> int:
+    """Backend compilations in this process so far (cache hits of jit do not count)."""
+    return _count
+
+
+class RecompileError(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def forbid_compiles():
+    """Raises RecompileError if anything compiles inside the block."""
+    before = _count
+    yield
+    if _count != before:
+        raise RecompileError(f"{_count - before} XLA compilation(s) happened after warmup")

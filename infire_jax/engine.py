@@ -1,0 +1,280 @@
+"""The engine: requests in, per-step deltas out. Owns the scheduler, the KV manager and the runner.
+
+Each `step()` plans and dispatches step N+1 on the device, then reads back step N's tokens and
+turns them into text while the device computes. A front end (the offline `LLM`, the async server
+engine) only calls `add_request`, `abort` and `step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from infire_jax.buckets import Buckets, default_token_buckets
+from infire_jax.compile_guard import compile_count
+from infire_jax.detokenizer import IncrementalDetokenizer
+from infire_jax.errors import ConfigError, InvalidRequestError
+from infire_jax.kv_cache import KVCacheManager
+from infire_jax.loaders import LoadedModel, load_model
+from infire_jax.models.registry import build_state
+from infire_jax.outputs import Delta
+from infire_jax.request import Request, Status
+from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_per_page
+from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from infire_jax.scheduler import Scheduler
+from pallas_kernels.attention import resolve_impl
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+_GIB = 1 << 30
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine settings. None means: derive a default from the model and the device."""
+
+    model: str | None = None
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+    max_model_len: int | None = None  # default: min(model's context, 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # token budget of one step; default 512 on CPU, 8192 on GPU
+    token_buckets: tuple[int, ...] | None = None
+    page_size: int = 16
+    num_kv_pages: int | None = None  # overrides kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU, 90% of free memory minus 2 GiB on GPU
+    enable_prefix_caching: bool = True
+    attn_impl: str = "auto"
+    seed: int = 0
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def resolve_dtype(name: str):
+    if name == "auto":
+        return jnp.bfloat16 if _on_gpu() else jnp.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose auto, float32 or bfloat16")
+    return _DTYPES[name]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None,
+                 progress: Callable[[str, int, int], None] | None = None):
+        ec = self.config = config or EngineConfig()
+        report = progress or (lambda stage, done, total: None)
+        if ec.max_num_seqs < 1 or ec.page_size < 1:
+            raise ConfigError("max_num_seqs and page_size must be positive")
+        self.dtype = resolve_dtype(ec.dtype)
+        attn_impl = resolve_impl(ec.attn_impl)
+
+        report("load", 0, 1)
+        t0 = time.monotonic()
+        self.loaded = loaded or load_model(ec.model)
+        cfg = self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        graphdef, state = build_state(cfg, self.loaded.weights, self.dtype, seed=self.loaded.random_seed)
+        jax.block_until_ready(state)
+        self.load_seconds = time.monotonic() - t0
+        report("load", 1, 1)
+
+        self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
+        budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
+        if budget < ec.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({ec.max_num_seqs})")
+        buckets = Buckets(ec.token_buckets or default_token_buckets(budget), ec.max_num_seqs)
+        if buckets.token_buckets[-1] != budget:
+            raise ConfigError(f"the largest token bucket must equal max_num_batched_tokens ({budget})")
+        num_pages = self._num_pages()
+        if num_pages - 1 < -(-self.max_model_len // ec.page_size):
+            raise ConfigError(f"the KV pool ({num_pages - 1} pages of {ec.page_size}) cannot hold one "
+                              f"sequence of max_model_len={self.max_model_len}")
+        rc = RunnerConfig(page_size=ec.page_size, num_pages=num_pages, max_model_len=self.max_model_len,
+                          max_num_seqs=ec.max_num_seqs, buckets=buckets, attn_impl=attn_impl)
+        self.runner = ModelRunner(cfg, graphdef, state, rc, dtype=self.dtype)
+        self.kv = KVCacheManager(num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
+
+        t0 = time.monotonic()
+        shapes = buckets.shapes
+        done = itertools.count(1)
+        report("compile", 0, len(shapes))
+        self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
+        self.warmup_seconds = time.monotonic() - t0
+        self.compiles_at_warmup = compile_count()
+
+        self._rng = random.Random(ec.seed)
+        self._ids = itertools.count()
+        self._requests: dict[str, list[Request]] = {}
+        self._inflight: PendingStep | None = None
+        self.stats = EngineStats()
+
+    def _num_pages(self) -> int:
+        ec, cfg = self.config, self.model_config
+        if ec.num_kv_pages:
+            return ec.num_kv_pages
+        per_page = kv_bytes_per_page(cfg, ec.page_size, self.dtype)
+        budget = ec.kv_cache_memory
+        if budget is None:
+            stats = jax.devices()[0].memory_stats() if _on_gpu() else None
+            if stats and "bytes_limit" in stats:
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                budget = int(free * 0.9) - 2 * _GIB
+            else:
+                budget = _GIB
+        return max(2, budget // per_page)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                raise InvalidRequestError("prompt token ids must be integers", param="prompt")
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                          f"[0, {self.model_config.vocab_size})", param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0, tenant: str | None = None,
+                    prefix_hint_tokens: int = 0, session_id: str | None = None) -> tuple[str, list[int]]:
+        """Queues a prompt (text or token ids) for `params.n` samples; returns (request id, prompt ids)."""
+        params = params or SamplingParams()
+        ids = self.tokenize_prompt(prompt)
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {n_prompt + max_tokens} "
+                f"were requested ({n_prompt} in the prompt, {max_tokens} to generate)", param="max_tokens")
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        stop_ids = tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+        if params.min_tokens and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"min_tokens supports at most {MAX_STOP_TOKEN_IDS} stop token ids "
+                                      f"(eos included), got {len(stop_ids)}", param="stop_token_ids")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        children = []
+        for i in range(params.n):
+            seed = (params.seed + i) & (2 ** 64 - 1) if params.seed is not None else self._rng.getrandbits(64)
+            req = Request(f"{request_id}#{i}", ids, params, eos_token_ids=eos, max_tokens=max_tokens, seed=seed,
+                          priority=priority, cache_salt=tenant, prefix_hint_tokens=prefix_hint_tokens,
+                          session_id=session_id, min_tokens_stop_ids=stop_ids, parent_id=request_id, index=i)
+            req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
+            children.append(req)
+        self._requests[request_id] = children
+        for req in children:
+            self.scheduler.add(req)
+        self.stats.prompt_tokens += n_prompt * params.n
+        return request_id, ids
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its pages now; later results for it are dropped."""
+        for req in self._requests.pop(request_id, []):
+            if not req.is_finished:
+                self.scheduler.finish(req, Status.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[Delta]:
+        plan = self.scheduler.schedule()
+        pending = None
+        if plan.seqs:
+            pending = self.runner.dispatch(plan)
+            self.scheduler.commit(plan)
+            self.stats.steps += 1
+            self.stats.step_tokens += plan.num_tokens
+        deltas = self._process(self._inflight) if self._inflight is not None else []
+        self._inflight = pending
+        return deltas
+
+    def _process(self, p: PendingStep) -> list[Delta]:
+        res = self.runner.fetch(p)
+        deltas = []
+        for row, sq in enumerate(p.plan.seqs):
+            if not sq.samples:
+                continue
+            req = sq.req
+            req.num_pending_tokens -= 1
+            if req.is_finished:
+                continue  # stopped or aborted while this step was in flight
+            tok = int(res.tokens[row])
+            req.output_token_ids.append(tok)
+            self.stats.generation_tokens += 1
+            lp = None
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                entry = {int(i): float(v) for i, v in zip(res.top_ids[row, :k], res.top_logprobs[row, :k])}
+                entry[tok] = float(res.logprob[row])
+                lp = [entry]
+            n_out = len(req.output_token_ids)
+            check = n_out >= req.params.min_tokens
+            text, stop_str = req.detok.add(tok, check_stop=check)
+            status, reason = Status.RUNNING, None
+            if stop_str is not None:
+                status, reason = Status.FINISHED_STOPPED, stop_str
+            elif check and tok in req.eos_token_ids:
+                status = Status.FINISHED_STOPPED
+            elif check and tok in req.params.stop_token_ids:
+                status, reason = Status.FINISHED_STOPPED, tok
+            elif n_out >= req.max_tokens:
+                status = Status.FINISHED_LENGTH
+            finish = None
+            if status is not Status.RUNNING:
+                if stop_str is None:
+                    text += req.detok.flush()
+                self.scheduler.finish(req, status)
+                finish = status.value
+                self._forget(req)
+            deltas.append(Delta(req.parent_id, req.index, [tok], text, lp, finish, reason,
+                                req.num_prompt_tokens, req.num_cached_tokens))
+        return deltas
+
+    def _forget(self, req: Request) -> None:
+        children = self._requests.get(req.parent_id)
+        if children is not None and all(c.is_finished for c in children):
+            del self._requests[req.parent_id]
+
+    # ---- introspection ----------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def compiles_since_warmup(self) -> int:
+        return compile_count() - self.compiles_at_warmup
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    step_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0

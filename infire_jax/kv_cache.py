@@ -1,0 +1,165 @@
+"""Host-side page allocator with prefix caching. Pure Python: no jax here.
+
+Pages are reference counted. A full page is published under a hash chain over its tokens, salted
+with the tenant in the first block, so a request can reuse the KV of an earlier request's equal
+prefix but never another tenant's. Pages nobody references stay cached in an LRU free queue
+until they are reused. Pages a request asked to retain (a stated reusable prefix, or a session's
+pages) go to a second queue that is evicted only when the first is empty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from infire_jax.request import Request
+
+NULL_PAGE = 0  # never allocated: padding tokens write there (same constant as pallas_kernels)
+
+
+def block_hash(parent: bytes | None, tokens, salt: str | None) -> bytes:
+    """Hash of one full block given its parent's hash; the salt enters the first block only."""
+    h = hashlib.sha256()
+    if parent is None:
+        h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
+    else:
+        h.update(parent)
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages (one is reserved), got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_pages
+        self.page_hash: list[bytes | None] = [None] * num_pages
+        self.cached: dict[bytes, int] = {}  # block hash -> page holding it
+        self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))
+        self._free_retained: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0  # prompt tokens looked up in the prefix cache
+        self.hits = 0  # of which found
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free) + len(self._free_retained)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable pages referenced by requests (cached-but-free pages count as free)."""
+        return 1.0 - self.num_free_pages / self.num_usable_pages
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        ps = self.page_size
+        tokens = req.all_token_ids
+        while len(req.block_hashes) < num_tokens // ps:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(block_hash(parent, tokens[i * ps:(i + 1) * ps], req.cache_salt))
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Pages holding the longest cached prefix of the request's tokens.
+
+        At least one token is left to compute, since the step needs its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        n = req.num_tokens
+        self._extend_hashes(req, n - 1)
+        pages = []
+        for h in req.block_hashes[:(n - 1) // self.page_size]:
+            page = self.cached.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def record_query(self, num_tokens: int, num_hit: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit
+
+    def register_full_blocks(self, req: Request) -> None:
+        """Publishes the request's newly completed pages so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.page_size
+        if full <= req.num_registered_blocks:
+            return
+        self._extend_hashes(req, full * self.page_size)
+        for i in range(req.num_registered_blocks, full):
+            h, page = req.block_hashes[i], req.pages[i]
+            if h not in self.cached:
+                self.cached[h] = page
+                self.page_hash[page] = h
+        req.num_registered_blocks = full
+
+    # ---- allocation -------------------------------------------------------------------------
+    def _take(self, page: int) -> None:
+        """References a page, taking it out of a free queue if nobody held it."""
+        if self.ref_cnt[page] == 0:
+            queue = self._free if page in self._free else self._free_retained
+            del queue[page]
+        self.ref_cnt[page] += 1
+
+    def _pop_free(self) -> int:
+        queue = self._free if self._free else self._free_retained
+        page, _ = queue.popitem(last=False)
+        h = self.page_hash[page]
+        if h is not None:  # evict its cached content
+            if self.cached.get(h) == page:
+                del self.cached[h]
+            self.page_hash[page] = None
+        self.ref_cnt[page] = 1
+        return page
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = ()) -> bool:
+        needed = self.pages_needed(req.num_computed_tokens + num_new_tokens) - len(req.pages)
+        reclaimed = sum(1 for p in cached_pages if self.ref_cnt[p] == 0)
+        return needed <= self.num_free_pages - reclaimed
+
+    def allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = ()) -> bool:
+        """Gives the request pages for `num_new_tokens` more tokens (after its cached prefix).
+
+        Returns False, changing nothing, when the pool cannot hold them.
+        """
+        if cached_pages:
+            assert not req.pages and req.num_computed_tokens == 0
+            req.num_computed_tokens = len(cached_pages) * self.page_size
+        if not self.can_allocate(req, num_new_tokens, cached_pages):
+            if cached_pages:
+                req.num_computed_tokens = 0
+            return False
+        for page in cached_pages:
+            self._take(page)
+        req.pages.extend(cached_pages)
+        req.num_registered_blocks = max(req.num_registered_blocks, len(cached_pages))
+        needed = self.pages_needed(req.num_computed_tokens + num_new_tokens) - len(req.pages)
+        req.pages.extend(self._pop_free() for _ in range(needed))
+        return True
+
+    def free(self, req: Request) -> None:
+        """Drops the request's references. Tail pages are queued first, so they are evicted first."""
+        retain_blocks = req.prefix_hint_tokens // self.page_size
+        for i in range(len(req.pages) - 1, -1, -1):
+            page = req.pages[i]
+            self.ref_cnt[page] -= 1
+            if self.ref_cnt[page] == 0:
+                retained = self.page_hash[page] is not None and (req.session_id is not None or i < retain_blocks)
+                (self._free_retained if retained else self._free)[page] = None
+        req.pages = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0

@@ -1,0 +1,73 @@
+"""The offline Python API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from infire_jax.engine import Engine, EngineConfig
+from infire_jax.errors import InvalidRequestError
+from infire_jax.outputs import CompletionOutput, RequestOutput
+from infire_jax.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Runs batches of prompts to completion on one engine.
+
+    `model` is a .gguf file, an HF directory, `dummy:<name>`, or None for the embedded default.
+    Other keyword arguments are `EngineConfig` fields (dtype, max_model_len, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids); returns outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise InvalidRequestError("no prompts given", param="prompt")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
+        for prompt in prompts:
+            self.engine.tokenize_prompt(prompt)
+        results: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                rid, ids = self.engine.add_request(prompt, params)
+                order.append(rid)
+                results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+                                             [CompletionOutput(i) for i in range(params.n)])
+            while self.engine.has_unfinished():
+                for d in self.engine.step():
+                    out = results[d.request_id]
+                    out.outputs[d.index].add(d)
+                    out.num_cached_tokens = d.num_cached_tokens
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **template_kwargs) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.tokenizer.encode(
+            self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=True, **template_kwargs),
+            add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, sampling_params)

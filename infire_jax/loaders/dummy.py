@@ -1,0 +1,71 @@
+"""`dummy:<name>`: random weights of a real model configuration, drawn on the device, for benchmarks."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from infire_jax.errors import ModelNotFoundError
+from infire_jax.loaders.weights import LoadedModel
+from infire_jax.models.config import ModelConfig, config_from_hf
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+# The published HF config.json values of each model (only the fields we read).
+CONFIGS: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, max_position_embeddings=131072, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}, max_position_embeddings=131072, tie_word_embeddings=True,
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "qwen3-0.6b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, bos_token_id=151643, eos_token_id=151645),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+        bos_token_id=1, eos_token_id=2),
+}
+
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def dummy_tokenizer(cfg: ModelConfig):
+    """Byte-level tokenizer spanning the model's vocabulary: bytes first, then placeholder tokens."""
+    from infire_jax.tokenizer import Tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for i in range(len(vocab), cfg.vocab_size):
+        vocab[f"<|dummy_{i}|>"] = i
+    tk = HFTokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+    return Tokenizer(tk, bos_token=None, eos_token=f"<|dummy_{eos}|>" if eos else None, chat_template=_CHATML)
+
+
+def load_dummy(name: str, seed: int = 0) -> LoadedModel:
+    if name not in CONFIGS:
+        raise ModelNotFoundError(f"unknown dummy model {name!r}; known: {sorted(CONFIGS)}")
+    cfg = config_from_hf(CONFIGS[name])
+    return LoadedModel(config=cfg, tokenizer=dummy_tokenizer(cfg), name=f"dummy:{name}", weights=None,
+                       random_seed=seed)

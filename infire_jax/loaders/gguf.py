@@ -1,0 +1,116 @@
+"""GGUF files: metadata, tokenizer and dequantized weights, read with the `gguf` package."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from infire_jax.errors import UnsupportedModelError
+from infire_jax.loaders.weights import LoadedModel, stack_layers
+from infire_jax.models.config import config_from_gguf
+from infire_jax.tokenizer import tokenizer_from_gguf
+
+# Architectures whose q/k rows llama.cpp's converter interleaves for its RoPE kernel.
+_PERMUTED_QK = {"llama", "mistral"}
+
+_LAYER_MAP = {
+    "attn_norm.weight": "attn_norm",
+    "ffn_norm.weight": "mlp_norm",
+    "attn_q.weight": "wq",
+    "attn_k.weight": "wk",
+    "attn_v.weight": "wv",
+    "attn_output.weight": "wo",
+    "attn_q.bias": "bq",
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row interleave; `w` is [n_head * head_dim, ...] in HF orientation."""
+    rows = w.shape[0]
+    hd = rows // n_head
+    return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
+
+
+def load_gguf(path: str) -> LoadedModel:
+    reader = GGUFReader(path)
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    raw = {t.name: t for t in reader.tensors}
+    rope_freqs = raw.pop("rope_freqs.weight", None)
+    names = set(raw)
+    cfg = config_from_gguf(
+        meta,
+        has_output_weight="output.weight" in names,
+        has_qkv_bias="blk.0.attn_q.bias" in names,
+        has_qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_freq_factors=tuple(float(x) for x in dequantize(rope_freqs.data, rope_freqs.tensor_type))
+        if rope_freqs is not None else None,
+    )
+    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    permuted = arch in _PERMUTED_QK
+
+    def tensor(name: str) -> np.ndarray:
+        t = raw[name]
+        return np.asarray(dequantize(t.data, t.tensor_type), np.float32)  # HF orientation: (out, in)
+
+    def convert(short: str, w: np.ndarray) -> np.ndarray:
+        if short in ("wq", "bq") and permuted:
+            w = unpermute_qk(w, hq)
+        if short in ("wk", "bk") and permuted:
+            w = unpermute_qk(w, hkv)
+        if short == "wq":
+            return w.reshape(hq, d, e).transpose(2, 0, 1)
+        if short in ("wk", "wv"):
+            return w.reshape(hkv, d, e).transpose(2, 0, 1)
+        if short == "wo":
+            return w.reshape(e, hq, d).transpose(1, 2, 0)
+        if short == "bq":
+            return w.reshape(hq, d)
+        if short in ("bk", "bv"):
+            return w.reshape(hkv, d)
+        if short in ("w_gate", "w_up", "w_down"):
+            return w.T
+        return w
+
+    per_layer: dict[str, list[np.ndarray | None]] = {}
+    weights: dict[str, np.ndarray] = {}
+    for name in sorted(names):
+        m = _BLOCK.fullmatch(name)
+        if m:
+            layer, rest = int(m.group(1)), m.group(2)
+            short = _LAYER_MAP.get(rest)
+            if short is None:
+                raise UnsupportedModelError(f"unexpected GGUF tensor {name!r} for architecture {arch!r}")
+            per_layer.setdefault(short, [None] * cfg.num_layers)[layer] = convert(short, tensor(name))
+        elif name == "token_embd.weight":
+            weights["embed"] = tensor(name)
+        elif name == "output_norm.weight":
+            weights["final_norm"] = tensor(name)
+        elif name == "output.weight":
+            weights["lm_head"] = tensor(name).T
+        else:
+            raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
+    weights.update(stack_layers(per_layer))
+    return LoadedModel(config=cfg, weights=weights, tokenizer=tokenizer_from_gguf(meta),
+                       name=str(meta.get("general.name") or path))

@@ -1,0 +1,119 @@
+"""HF model directories: `config.json`, `*.safetensors`, `tokenizer.json`."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import jax
+import numpy as np
+from safetensors import safe_open
+
+from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
+from infire_jax.loaders.weights import LoadedModel, stack_layers
+from infire_jax.models.config import ModelConfig, config_from_hf
+from infire_jax.tokenizer import Tokenizer
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+
+_DENSE = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+    "block_sparse_moe.gate.weight": "router",
+    "mlp.gate.weight": "router",
+}
+# Expert projections: Mixtral's w1/w3/w2 and Qwen3-MoE's gate/up/down.
+_EXPERT_NAMES = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": "w_up",
+                 "w2": "w_down", "down_proj": "w_down"}
+
+
+def convert_hf_tensor(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """HF (out, in) layout -> our einsum layout."""
+    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if short == "wq":
+        return w.reshape(hq, d, e).transpose(2, 0, 1)
+    if short in ("wk", "wv"):
+        return w.reshape(hkv, d, e).transpose(2, 0, 1)
+    if short == "wo":
+        return w.reshape(e, hq, d).transpose(1, 2, 0)
+    if short == "bq":
+        return w.reshape(hq, d)
+    if short in ("bk", "bv"):
+        return w.reshape(hkv, d)
+    if short in ("w_gate", "w_up", "w_down", "router"):
+        return w.T
+    return w
+
+
+def _read_safetensors(path: str):
+    """Yields (name, array) from a safetensors file; bf16 comes back as ml_dtypes bfloat16."""
+    with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as f:
+        for name in f.keys():
+            yield name, np.asarray(f.get_tensor(name))
+
+
+def load_hf_dir(path: str) -> LoadedModel:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelNotFoundError(f"{path} has no config.json")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    cfg = config_from_hf(hf)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ModelNotFoundError(f"{path} has no tokenizer.json")
+
+    n, x = cfg.num_layers, cfg.num_experts
+    per_layer: dict[str, list] = {}
+    experts: dict[str, list[list]] = {}
+    weights: dict[str, np.ndarray] = {}
+    for file in files:
+        for name, w in _read_safetensors(file):
+            m = _LAYER.fullmatch(name)
+            if m:
+                layer, rest = int(m.group(1)), m.group(2)
+                em = _EXPERT.fullmatch(rest)
+                if em and cfg.is_moe:
+                    short = _EXPERT_NAMES[em.group(2)]
+                    experts.setdefault(short, [[None] * x for _ in range(n)])[layer][int(em.group(1))] = w.T
+                    continue
+                short = _DENSE.get(rest)
+                if short is None:
+                    if rest.endswith("rotary_emb.inv_freq"):
+                        continue
+                    raise UnsupportedModelError(f"unexpected weight {name!r} for {cfg.architecture}")
+                per_layer.setdefault(short, [None] * n)[layer] = convert_hf_tensor(short, w, cfg)
+            elif name == "model.embed_tokens.weight":
+                weights["embed"] = w
+            elif name == "model.norm.weight":
+                weights["final_norm"] = w
+            elif name == "lm_head.weight":
+                if not cfg.tie_word_embeddings:
+                    weights["lm_head"] = w.T
+            else:
+                raise UnsupportedModelError(f"unexpected weight {name!r}")
+    for short, by_layer in experts.items():
+        for i, layer in enumerate(by_layer):
+            if any(w is None for w in layer):
+                raise UnsupportedModelError(f"expert weights {short!r} are incomplete in layer {i}")
+        per_layer[short] = [np.stack(layer) for layer in by_layer]
+    weights.update(stack_layers(per_layer))
+    tok = Tokenizer.from_dir(path)
+    return LoadedModel(config=cfg, tokenizer=tok, name=os.path.basename(os.path.normpath(path)), weights=weights)

@@ -1,0 +1,78 @@
+"""What every loader returns, and the native on-disk form (safetensors with our own names).
+
+Weights use the model's parameter paths ("embed", "layers.wq", ...) with the layer axis stacked,
+so a native checkpoint loads with no renaming or restacking: read, cast, place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Mapping
+
+import numpy as np
+
+from infire_jax.errors import UnsupportedModelError
+from infire_jax.models.config import ModelConfig
+from infire_jax.tokenizer import Tokenizer
+
+NATIVE_FORMAT_VERSION = 1
+_WEIGHTS_FILE = "model.safetensors"
+_CONFIG_FILE = "infire_config.json"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str
+    # Host arrays by parameter path; None for `dummy:` models, whose weights are drawn on the device.
+    weights: Mapping[str, np.ndarray] | None
+    random_seed: int = 0
+
+
+def stack_layers(per_layer: Mapping[str, list[np.ndarray | None]]) -> dict[str, np.ndarray]:
+    out = {}
+    for short, arrays in per_layer.items():
+        missing = [i for i, a in enumerate(arrays) if a is None]
+        if missing:
+            raise UnsupportedModelError(f"weight {short!r} is missing for layers {missing}")
+        out[f"layers.{short}"] = np.stack(arrays)
+    return out
+
+
+def is_native_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, _CONFIG_FILE))
+
+
+def save_native(model: LoadedModel, path: str) -> None:
+    """Writes the model in native form, atomically (a temp dir renamed into place)."""
+    from safetensors.numpy import save_file
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in model.weights.items()}, os.path.join(tmp, _WEIGHTS_FILE))
+    model.tokenizer.save(tmp)
+    with open(os.path.join(tmp, _CONFIG_FILE), "w") as f:
+        json.dump({"format_version": NATIVE_FORMAT_VERSION, "name": model.name,
+                   "config": model.config.to_dict()}, f)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process won the race; keep its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_native(path: str) -> LoadedModel:
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(path, _CONFIG_FILE)) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != NATIVE_FORMAT_VERSION:
+        raise UnsupportedModelError(f"{path} has native format {meta.get('format_version')}, "
+                                    f"expected {NATIVE_FORMAT_VERSION}")
+    return LoadedModel(config=ModelConfig.from_dict(meta["config"]), tokenizer=Tokenizer.from_dir(path),
+                       name=meta["name"], weights=load_file(os.path.join(path, _WEIGHTS_FILE)))

@@ -1,0 +1,72 @@
+"""Building blocks shared by the decoder models: parameters with logical axes, RMSNorm, RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from infire_jax.models.config import ModelConfig
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, init: str = "normal") -> nnx.Param:
+    """A parameter tagged with its logical axis names; `sharding.rules` maps them to mesh axes.
+
+    Real weights replace these values at load time; the random init serves `dummy:` models.
+    """
+    assert len(shape) == len(axes), (shape, axes)
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, axes=axes)
+
+
+def rms_norm(x: Float[Array, "... E"], weight: Float[Array, "E"], eps: float) -> Float[Array, "... E"]:
+    """RMSNorm computed in float32, returned in the input dtype (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim/2], with linear or Llama-3 scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if cfg.rope_freq_factors is not None:
+        inv = inv / np.asarray(cfg.rope_freq_factors, np.float64)
+    rs = cfg.rope_scaling
+    if rs is not None and rs.kind == "linear":
+        inv = inv / rs.factor
+    elif rs is not None and rs.kind == "llama3":
+        old = rs.original_max_position_embeddings
+        low_wavelen = old / rs.low_freq_factor
+        high_wavelen = old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_tables(inv_freq: np.ndarray, positions: Int[Array, "T"]) -> tuple[Float[Array, "T half"], Float[Array, "T half"]]:
+    """cos and sin of position * frequency, in float32, computed once per step for all layers."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Float[Array, "T H D"], cos: Float[Array, "T half"], sin: Float[Array, "T half"]) -> Float[Array, "T H D"]:
+    """Rotary embedding in the HF "rotate half" layout (GGUF's interleaved q/k are unpermuted at load)."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

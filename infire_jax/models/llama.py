@@ -1,0 +1,133 @@
+"""Llama-architecture decoder (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and their MoE kin).
+
+Layer weights are stacked along a leading `layers` axis and the forward scans over them: one
+compiled layer body keeps compile time flat in depth, and the stacked axis is what pipeline
+parallelism shards. Attention reads and writes the paged KV pool through `pallas_kernels`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
+from pallas_kernels.attention import paged_attention
+from pallas_kernels.metadata import AttentionMetadata
+
+KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' weights, stacked: every array has a leading `layers` axis."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        n, e, hq, hkv, d = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.attn_norm = param(rngs, (n, e), ("layers", "norm"), dtype, init="ones")
+        self.wq = param(rngs, (n, e, hq, d), ("layers", "embed", "q_heads", "head_dim"), dtype)
+        self.wk = param(rngs, (n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wv = param(rngs, (n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wo = param(rngs, (n, hq, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        if cfg.attention_bias:
+            self.bq = param(rngs, (n, hq, d), ("layers", "q_heads", "head_dim"), dtype, init="zeros")
+            self.bk = param(rngs, (n, hkv, d), ("layers", "kv_heads", "head_dim"), dtype, init="zeros")
+            self.bv = param(rngs, (n, hkv, d), ("layers", "kv_heads", "head_dim"), dtype, init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = param(rngs, (n, d), ("layers", "norm"), dtype, init="ones")
+            self.k_norm = param(rngs, (n, d), ("layers", "norm"), dtype, init="ones")
+        self.mlp_norm = param(rngs, (n, e), ("layers", "norm"), dtype, init="ones")
+        f = cfg.intermediate_size
+        self.w_gate = param(rngs, (n, e, f), ("layers", "embed", "mlp"), dtype)
+        self.w_up = param(rngs, (n, e, f), ("layers", "embed", "mlp"), dtype)
+        self.w_down = param(rngs, (n, f, e), ("layers", "mlp", "embed"), dtype)
+
+    def arrays(self) -> dict[str, Array]:
+        """The raw stacked arrays, keyed by attribute name, for `lax.scan`."""
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
+    gate = jnp.einsum("te,ef->tf", x, lp["w_gate"])
+    up = jnp.einsum("te,ef->tf", x, lp["w_up"])
+    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, lp["w_down"])
+
+
+def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str) -> Callable:
+    """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index) -> carry."""
+    scale = cfg.head_dim ** -0.5
+    mlp = dense_mlp
+
+    def layer(carry, xs):
+        h, k_pages, v_pages = carry
+        lp, idx = xs
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("te,ehd->thd", x, lp["wq"])
+        k = jnp.einsum("te,ehd->thd", x, lp["wk"])
+        v = jnp.einsum("te,ehd->thd", x, lp["wv"])
+        if cfg.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=scale, impl=attn_impl)
+        h = h + jnp.einsum("thd,hde->te", o, lp["wo"])
+        h = h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
+        return (h, k_pages, v_pages), None
+
+    return layer
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = DecoderLayers(cfg, dtype, rngs)
+        self.final_norm = param(rngs, (cfg.hidden_size,), ("norm",), dtype, init="ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+
+    def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
+        return self.embed[...][tokens]
+
+    def run_layers(
+        self,
+        h: Float[Array, "T E"],
+        kv: KVPages,
+        meta: AttentionMetadata,
+        *,
+        attn_impl: str,
+        scan_unroll: int | bool = 1,
+    ) -> tuple[Float[Array, "T E"], KVPages]:
+        """Applies every decoder layer; the KV pool is a loop carry so its updates stay in place."""
+        cos, sin = rope_tables(rope_inv_freq(self.cfg), meta.positions)
+        layer = make_layer_fn(self.cfg, cos, sin, meta, attn_impl)
+        weights = self.layers.arrays()
+        idx = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, *kv), (weights, idx), unroll=scan_unroll)
+        return h, (k_pages, v_pages)
+
+    def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S V"]:
+        """Final norm and LM head, in float32."""
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        if self.cfg.tie_word_embeddings:
+            return jnp.einsum("se,ve->sv", h, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("se,ev->sv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "T"],
+        kv: KVPages,
+        meta: AttentionMetadata,
+        logits_indices: Int[Array, "S"],
+        *,
+        attn_impl: str,
+        scan_unroll: int | bool = 1,
+    ) -> tuple[Float[Array, "S V"], KVPages]:
+        h = self.embed_tokens(tokens)
+        h, kv = self.run_layers(h, kv, meta, attn_impl=attn_impl, scan_unroll=scan_unroll)
+        return self.logits(h[logits_indices]), kv

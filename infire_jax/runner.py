@@ -1,0 +1,160 @@
+"""The device side: holds the weights and the KV pool, runs the jitted step. The only module with device arrays.
+
+One jitted function serves every step: embed, all decoder layers over the paged pool, LM head at
+each row's last token, sampling. It is compiled once per token bucket at warmup. The pool and the
+per-slot sampling history are donated, so each step updates them in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepBatch, build_batch
+from infire_jax.buckets import Buckets, StepShape
+from infire_jax.models.config import ModelConfig
+from infire_jax.sampler import SamplerOutput, sample
+from infire_jax.scheduler import SchedulerOutput
+
+
+class DeviceCache(NamedTuple):
+    """State that lives on the device across steps; donated to every step."""
+
+    k_pages: Float[Array, "L N ps Hkv D"]
+    v_pages: Float[Array, "L N ps Hkv D"]
+    counts: Int[Array, "R V"]  # output-token counts per request slot (penalties)
+    prompt_mask: Bool[Array, "R V"]  # prompt tokens per request slot (repetition penalty)
+    last_tokens: Int[Array, "R"]  # last sampled token per slot (asynchronous scheduling)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    page_size: int
+    num_pages: int
+    max_model_len: int
+    max_num_seqs: int
+    buckets: Buckets
+    attn_impl: str = "reference"
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_num_seqs + 1  # the last slot absorbs padding rows
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.max_num_seqs
+
+
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def _step(graphdef: nnx.GraphDef, attn_impl: str, state: nnx.State, cache: DeviceCache,
+          b: StepBatch) -> tuple[DeviceCache, SamplerOutput]:
+    model = nnx.merge(graphdef, state)
+    dummy = cache.last_tokens.shape[0] - 1
+    rows = b.row_slots.shape[0]
+    valid = b.meta.seq_ids < rows
+    tok_slot = jnp.where(valid, b.row_slots[jnp.clip(b.meta.seq_ids, 0, rows - 1)], dummy)
+    tokens = jnp.where(b.from_device, cache.last_tokens[tok_slot], b.token_ids)
+
+    # Each slot's token history, for the penalties: reset on admission, then add this step's tokens.
+    reset = jnp.where(b.reset_rows, b.row_slots, dummy)
+    counts = cache.counts.at[reset].set(0)
+    prompt_mask = cache.prompt_mask.at[reset].set(False)
+    counts = counts.at[jnp.where(b.token_kind == TOKEN_OUTPUT, tok_slot, dummy), tokens].add(1)
+    prompt_mask = prompt_mask.at[jnp.where(b.token_kind == TOKEN_PROMPT, tok_slot, dummy), tokens].set(True)
+
+    logits, (k_pages, v_pages) = model(
+        tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices, attn_impl=attn_impl)
+    out = sample(logits, b.sampling, counts, prompt_mask, b.row_slots)
+    last = cache.last_tokens.at[jnp.where(b.sample_rows, b.row_slots, dummy)].set(out.tokens)
+    return DeviceCache(k_pages, v_pages, counts, prompt_mask, last), out
+
+
+class PendingStep(NamedTuple):
+    plan: SchedulerOutput
+    out: SamplerOutput  # device arrays, not yet read back
+    want_logprobs: bool
+
+
+class StepResult(NamedTuple):
+    tokens: np.ndarray  # [rows] int32
+    logprob: np.ndarray | None  # [rows]
+    top_ids: np.ndarray | None  # [rows, MAX_LOGPROBS]
+    top_logprobs: np.ndarray | None
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, rc: RunnerConfig,
+                 *, dtype, cache_sharding: Callable[[str], jax.sharding.Sharding] | None = None):
+        self.cfg = cfg
+        self.rc = rc
+        self.state = state
+        self.dtype = dtype
+        self.cache = self._allocate_cache(cache_sharding)
+        self._step = jax.jit(functools.partial(_step, graphdef, rc.attn_impl), donate_argnums=(1,))
+
+    def _allocate_cache(self, sharding) -> DeviceCache:
+        c, rc = self.cfg, self.rc
+        pages_shape = (c.num_layers, rc.num_pages, rc.page_size, c.num_kv_heads, c.head_dim)
+
+        def make(name, shape, dtype):
+            return jax.jit(lambda: jnp.zeros(shape, dtype),
+                           out_shardings=sharding(name) if sharding else None)()
+
+        return DeviceCache(
+            k_pages=make("k_pages", pages_shape, self.dtype),
+            v_pages=make("v_pages", pages_shape, self.dtype),
+            counts=make("counts", (rc.num_slots, c.vocab_size), jnp.int32),
+            prompt_mask=make("prompt_mask", (rc.num_slots, c.vocab_size), jnp.bool_),
+            last_tokens=make("last_tokens", (rc.num_slots,), jnp.int32),
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.cache.k_pages.nbytes + self.cache.v_pages.nbytes
+
+    def _run(self, batch: StepBatch) -> SamplerOutput:
+        self.cache, out = self._step(self.state, self.cache, batch)
+        return out
+
+    def warmup(self, on_shape: Callable[[StepShape], None] | None = None) -> None:
+        """Compiles and runs every bucket once, on an all-padding batch that touches no real page."""
+        empty = SchedulerOutput([], [])
+        for shape in self.rc.buckets.shapes:
+            out = self._run(self._build(empty, shape))
+            jax.block_until_ready(out)
+            if on_shape:
+                on_shape(shape)
+
+    def _build(self, plan: SchedulerOutput, shape: StepShape) -> StepBatch:
+        return build_batch(plan, shape, page_size=self.rc.page_size, pages_per_seq=self.rc.pages_per_seq,
+                           dummy_slot=self.rc.dummy_slot)
+
+    def dispatch(self, plan: SchedulerOutput) -> PendingStep:
+        """Enqueues one step on the device and returns without waiting for it."""
+        shape = self.rc.buckets.shape_for(plan.num_tokens, len(plan.seqs))
+        out = self._run(self._build(plan, shape))
+        want_lp = any(s.samples and s.req.params.logprobs is not None for s in plan.seqs)
+        return PendingStep(plan, out, want_lp)
+
+    @staticmethod
+    def fetch(p: PendingStep) -> StepResult:
+        """Reads the sampled tokens (and logprobs when asked for) back to the host: the step's one sync."""
+        if not p.want_logprobs:
+            return StepResult(np.asarray(p.out.tokens), None, None, None)
+        tokens, lp, ids, top = jax.device_get((p.out.tokens, p.out.logprob, p.out.top_ids, p.out.top_logprobs))
+        return StepResult(tokens, lp, ids, top)
+

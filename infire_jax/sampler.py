@@ -1,0 +1,120 @@
+"""Sampling on the device, each row with its own parameters, inside the jitted step.
+
+Work that only some requests need (penalties, top-k/top-p sorting, random draws, logprobs) sits
+behind `lax.cond` on "does any row need it", so a greedy batch pays for an argmax only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from infire_jax.sampling_params import MAX_LOGPROBS
+
+
+class SamplingInputs(NamedTuple):
+    """Per-row sampling parameters, as arrays of the step's row bucket S."""
+
+    temperature: Float[Array, "S"]  # 0 = greedy
+    top_k: Int[Array, "S"]  # 0 = off
+    top_p: Float[Array, "S"]
+    min_p: Float[Array, "S"]
+    repetition_penalty: Float[Array, "S"]
+    presence_penalty: Float[Array, "S"]
+    frequency_penalty: Float[Array, "S"]
+    seed: Int[Array, "S 2"]  # uint32 halves of the request's 64-bit seed
+    step: Int[Array, "S"]  # tokens generated so far: the draw index, so a seed replays exactly
+    want_logprobs: Bool[Array, "S"]
+    suppress_ids: Int[Array, "S K"]  # stop ids masked until min_tokens is reached; -1 = none
+
+
+class SamplerOutput(NamedTuple):
+    tokens: Int[Array, "S"]
+    logprob: Float[Array, "S"]  # of the chosen token, under the model's raw distribution
+    top_ids: Int[Array, "S L"]
+    top_logprobs: Float[Array, "S L"]
+
+
+def _apply_penalties(logits, s: SamplingInputs, counts_table, prompt_table, slots):
+    """vLLM semantics: repetition over prompt and output; presence and frequency over output."""
+    counts = counts_table[slots]
+    seen = (counts > 0) | prompt_table[slots]
+    rep = s.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - s.frequency_penalty[:, None] * counts.astype(logits.dtype)
+    return logits - s.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+
+
+def _suppress(logits, ids):
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[1])].set(-jnp.inf, mode="drop")
+
+
+def _truncate(logits, s: SamplingInputs):
+    """Top-k then top-p on temperature-scaled logits; ties with the threshold are kept."""
+    v = logits.shape[-1]
+    desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, v), v)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    keep = (before < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)
+    last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
+    pth = jnp.take_along_axis(desc, last[:, None], axis=-1)
+    return jnp.where(logits < jnp.maximum(kth, pth), -jnp.inf, logits)
+
+
+def _draw(logits, s: SamplingInputs):
+    """Gumbel-max with a key per row from (seed, step): independent of batch composition."""
+
+    def one(seed, step, row):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
+        return jnp.argmax(row + jax.random.gumbel(key, row.shape, row.dtype)).astype(jnp.int32)
+
+    return jax.vmap(one)(s.seed.astype(jnp.uint32), s.step, logits)
+
+
+def _sample_random(logits, s: SamplingInputs):
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    logits = logits / temp
+    # min_p: drop tokens whose probability is below min_p times the top probability.
+    floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30))
+    logits = jnp.where((s.min_p[:, None] > 0) & (logits < floor), -jnp.inf, logits)
+    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
+    logits = jax.lax.cond(needs_sort, _truncate, lambda x, _: x, logits, s)
+    return _draw(logits, s)
+
+
+def _logprobs(raw_logits, tokens):
+    lp = jax.nn.log_softmax(raw_logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def sample(
+    logits: Float[Array, "S V"],
+    s: SamplingInputs,
+    counts_table: Int[Array, "R V"],
+    prompt_table: Bool[Array, "R V"],
+    slots: Int[Array, "S"],
+) -> SamplerOutput:
+    """Picks the next token of every row. The tables hold each request slot's token history."""
+    raw = logits
+    has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
+    logits = jax.lax.cond(has_penalty, _apply_penalties, lambda x, *_: x, logits, s, counts_table, prompt_table, slots)
+    logits = jax.lax.cond(jnp.any(s.suppress_ids >= 0), _suppress, lambda x, _: x, logits, s.suppress_ids)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    any_random = jnp.any(s.temperature > 0)
+    random = jax.lax.cond(any_random, _sample_random, lambda x, _: greedy, logits, s)
+    tokens = jnp.where(s.temperature > 0, random, greedy)
+    zeros_f = jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32)
+    zeros_i = jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)
+    chosen, top_ids, top_lp = jax.lax.cond(
+        jnp.any(s.want_logprobs), _logprobs,
+        lambda *_: (jnp.zeros(logits.shape[0], jnp.float32), zeros_i, zeros_f), raw, tokens)
+    return SamplerOutput(tokens, chosen, top_ids, top_lp)

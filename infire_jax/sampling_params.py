@@ -1,0 +1,85 @@
+"""Per-request sampling parameters, validated when they are made."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from infire_jax.errors import InvalidRequestError
+
+# Logprobs: how many alternatives one token may return (OpenAI allows 20).
+MAX_LOGPROBS = 20
+# Stop token ids that `min_tokens` can hold back on the device, per request.
+MAX_STOP_TOKEN_IDS = 16
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """What to generate. Semantics follow vLLM: temperature 0 is greedy; 0/-1 disable top_k."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str, param: str):
+            raise InvalidRequestError(msg, param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}", "n")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
+        if not self.temperature >= 0:
+            bad(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        if not self.repetition_penalty > 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}", "repetition_penalty")
+        if not -2 <= self.presence_penalty <= 2:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}", "presence_penalty")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}", "frequency_penalty")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings", "stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 2:
+            bad(f"with min_tokens, at most {MAX_STOP_TOKEN_IDS - 2} stop_token_ids are supported", "stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,159 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+Pure Python, no jax. Every step, running requests go first (a decode is one token, an unfinished
+prompt continues with a chunk), then waiting requests are admitted while the token budget, the
+sequence limit and free KV pages allow. When a running request cannot get a page, the lowest
+priority running request is preempted by recompute: its pages are freed and it waits again.
+
+Scheduling runs one step ahead of the results (asynchronous scheduling): a request whose last
+token was sampled on the device but not yet read back is scheduled with that token taken from
+the device (`from_device`). `Request.num_pending_tokens` counts such tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from infire_jax.kv_cache import KVCacheManager
+from infire_jax.request import Request, Status
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    req: Request
+    start: int  # first position computed in this step
+    num_tokens: int
+    samples: bool  # the step reaches the end of the known tokens, so it samples the next one
+    from_device: bool  # the single token of this step is the one the device sampled last step
+    reset_slot: bool  # first step since (re)admission: clear the slot's device-side history
+    gen_index: int  # tokens generated before this step's sample (the seed's draw index)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def finish(self, req: Request, status: Status) -> None:
+        """Ends a request wherever it is and releases its pages and slot."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step plan ----------------------------------------------------------------------
+    def _wants_tokens(self, req: Request) -> int:
+        """Tokens the request could compute now (0 once its last allowed token is sampled)."""
+        if len(req.output_token_ids) + req.num_pending_tokens >= req.max_tokens:
+            return 0
+        return req.num_tokens - req.num_computed_tokens
+
+    def _plan(self, req: Request, n: int, reset: bool) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(
+            req=req, start=start, num_tokens=n,
+            samples=start + n == req.num_tokens,
+            from_device=start >= len(req.prompt_token_ids) + len(req.output_token_ids),
+            reset_slot=reset,
+            gen_index=len(req.output_token_ids) + req.num_pending_tokens,
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        scheduled: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(self._wants_tokens(req), budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.can_allocate(req, n):
+                candidates = [r for r in self.running if id(r) not in scheduled]
+                victim = max(candidates, key=Request.sort_key)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue  # it preempted itself; `running` shifted, so i points at the next one
+            i = self.running.index(req)  # victims may have stood before it
+            self.kv.allocate(req, n)
+            seqs.append(self._plan(req, n, reset=False))
+            scheduled.add(id(req))
+            budget -= n
+            i += 1
+
+        # Admit waiting requests, unless this step already had to preempt.
+        j = 0
+        while (j < len(self.waiting) and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[j]
+            if req.num_pending_tokens:  # preempted before its last sample was read back
+                j += 1
+                continue
+            cached = self.kv.find_cached_prefix(req)
+            n = min(req.num_tokens - len(cached) * self.kv.page_size, budget)
+            if not self.kv.allocate(req, n, cached):
+                break
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = len(cached) * self.kv.page_size
+                self.kv.record_query(req.num_tokens, req.num_cached_tokens)
+            self.waiting.pop(j)
+            req.status = Status.RUNNING
+            req.slot = self._free_slots.pop()
+            self.running.append(req)
+            seqs.append(self._plan(req, n, reset=True))
+            budget -= n
+        return SchedulerOutput(seqs, preempted)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Records that the planned step was dispatched: its tokens are (about to be) cached."""
+        for s in out.seqs:
+            s.req.num_computed_tokens += s.num_tokens
+            if s.samples:
+                s.req.num_pending_tokens += 1
+            self.kv.register_full_blocks(s.req)
