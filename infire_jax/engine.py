@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import time
 from typing import Callable
@@ -23,6 +24,7 @@ from infire_jax.detokenizer import IncrementalDetokenizer
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.loaders import LoadedModel, load_model
+from infire_jax.loaders.load import cache_dir
 from infire_jax.models.registry import build_state
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
@@ -55,6 +57,13 @@ class EngineConfig:
     seed: int = 0
 
 
+def enable_compilation_cache() -> None:
+    """Keeps compiled steps on disk (under the cache dir), so a second start skips XLA compilation."""
+    if jax.config.jax_compilation_cache_dir is None and not os.environ.get("INFIRE_JAX_NO_COMPILE_CACHE"):
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
@@ -76,6 +85,7 @@ class Engine:
             raise ConfigError("max_num_seqs and page_size must be positive")
         self.dtype = resolve_dtype(ec.dtype)
         attn_impl = resolve_impl(ec.attn_impl)
+        enable_compilation_cache()
 
         report("load", 0, 1)
         t0 = time.monotonic()

@@ -17,11 +17,12 @@ class LLM:
     """Runs batches of prompts to completion on one engine.
 
     `model` is a .gguf file, an HF directory, `dummy:<name>`, or None for the embedded default.
-    Other keyword arguments are `EngineConfig` fields (dtype, max_model_len, max_num_seqs, ...).
+    Other keyword arguments are `EngineConfig` fields (dtype, max_model_len, max_num_seqs, ...);
+    `engine` wraps an engine that already exists instead.
     """
 
-    def __init__(self, model: str | None = None, **engine_args):
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str | None = None, *, engine: Engine | None = None, **engine_args):
+        self.engine = engine or Engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

