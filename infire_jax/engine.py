@@ -121,7 +121,8 @@ class Engine:
         report("compile", 0, len(shapes))
         self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
         self.warmup_seconds = time.monotonic() - t0
-        self.compiles_at_warmup = compile_count()
+        # Compilations inside step() after warmup: must stay 0 (buckets are fixed).
+        self.compiles_since_warmup = 0
 
         self._rng = random.Random(ec.seed)
         self._ids = itertools.count()
@@ -210,6 +211,12 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        compiles = compile_count()
+        deltas = self._step()
+        self.compiles_since_warmup += compile_count() - compiles
+        return deltas
+
+    def _step(self) -> list[Delta]:
         plan = self.scheduler.schedule()
         pending = None
         if plan.seqs:
@@ -276,10 +283,6 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-    @property
-    def compiles_since_warmup(self) -> int:
-        return compile_count() - self.compiles_at_warmup
 
 
 @dataclasses.dataclass

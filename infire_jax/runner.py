@@ -101,6 +101,7 @@ class ModelRunner:
                  *, dtype, cache_sharding: Callable[[str], jax.sharding.Sharding] | None = None):
         self.cfg = cfg
         self.rc = rc
+        self.graphdef = graphdef
         self.state = state
         self.dtype = dtype
         self.cache = self._allocate_cache(cache_sharding)
@@ -121,6 +122,10 @@ class ModelRunner:
             prompt_mask=make("prompt_mask", (rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=make("last_tokens", (rc.num_slots,), jnp.int32),
         )
+
+    def model(self) -> nnx.Module:
+        """The model bound to the placed weights, for direct forwards outside the step (tests, tools)."""
+        return nnx.merge(self.graphdef, self.state)
 
     @property
     def kv_cache_bytes(self) -> int:

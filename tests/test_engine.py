@@ -1,0 +1,147 @@
+"""Engine behaviour on the real model: paged decode vs full recompute, batch invariance, the
+no-recompile guard, and rejection of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infire_jax import LLM, SamplingParams
+from infire_jax.compile_guard import RecompileError, forbid_compiles
+from infire_jax.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
+from pallas_kernels.metadata import AttentionMetadata
+
+PROMPT = "A short story about a lighthouse keeper who finds a message in a bottle:"
+
+
+def full_recompute_next_token(llm: LLM, ids: list[int]) -> int:
+    """Next greedy token from one fresh forward over the whole sequence (no cached KV)."""
+    model = llm.engine.runner.model()
+    t, ps = len(ids), llm.engine.config.page_size
+    n_pages = -(-t // ps)
+    cfg = llm.engine.model_config
+    pages = (jnp.zeros((cfg.num_layers, n_pages + 1, ps, cfg.num_kv_heads, cfg.head_dim), llm.engine.dtype),) * 2
+    table = np.arange(1, n_pages + 1, dtype=np.int32)[None, :]
+    pos = np.arange(t, dtype=np.int32)
+    meta = AttentionMetadata(pos, table[0][pos // ps] * ps + pos % ps, np.zeros(t, np.int32), table,
+                             np.array([t], np.int32), np.array([0, t], np.int32), np.int32(1))
+    meta = AttentionMetadata(*map(jnp.asarray, meta))
+    logits, _ = model(jnp.asarray(ids), pages, meta, jnp.array([t - 1]), attn_impl="reference")
+    return int(jnp.argmax(logits[0]))
+
+
+def test_paged_decode_equals_full_recompute(smol_llm):
+    ids = smol_llm.tokenizer.encode(PROMPT)
+    out = smol_llm.generate([ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    seq = list(ids)
+    for tok in out.token_ids:
+        assert full_recompute_next_token(smol_llm, seq) == tok
+        seq.append(tok)
+
+
+def test_results_do_not_depend_on_batch_or_padding(smol_llm):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3)
+    alone = smol_llm.generate([PROMPT], params)[0]
+    others = ["Hi", "Explain photosynthesis in detail, step by step, for a student.", "1 2 3 4 5 6 7",
+              "The weather today", "Once upon a time in a land far away there lived"]
+    mixed = smol_llm.generate(others[:2] + [PROMPT] + others[2:], params)[2]
+    assert mixed.token_ids == alone.token_ids
+    for a, b in zip(alone.logprobs, mixed.logprobs):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], atol=1e-4)
+
+
+def test_long_prompt_is_prefilled_in_chunks(smol_llm):
+    """A prompt several times the 64-token step budget gives the same tokens as the same
+    prompt in an engine whose budget holds it in one chunk."""
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)
+    ids = smol_llm.tokenizer.encode(text)
+    assert len(ids) > 3 * smol_llm.engine.scheduler.max_num_batched_tokens
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    chunked = smol_llm.generate([ids], params)[0]
+    big = LLM(dtype="float32", max_num_seqs=2, max_num_batched_tokens=256, token_buckets=(1, 2, 256),
+              max_model_len=1024)
+    whole = big.generate([ids], params)[0]
+    assert chunked.token_ids == whole.token_ids
+
+
+def test_no_compilation_after_warmup(smol_llm):
+    """A mixed stream of prompt lengths, batch sizes and sampling settings compiles nothing."""
+    tok = smol_llm.tokenizer
+    prompts = [tok.encode(" ".join(["word"] * n)) for n in (1, 5, 17, 40, 90, 200)]
+    params = [
+        SamplingParams(max_tokens=5, temperature=0),
+        SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(max_tokens=3, temperature=1.0, top_k=20, min_p=0.05, logprobs=5),
+        SamplingParams(max_tokens=7, temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5,
+                       frequency_penalty=0.5),
+        SamplingParams(max_tokens=4, temperature=0, min_tokens=2, stop=["."]),
+        SamplingParams(max_tokens=6, temperature=0, n=2),
+    ]
+    with forbid_compiles():
+        for batch in (1, 3, 6):
+            smol_llm.generate(prompts[:batch], params[:batch])
+        smol_llm.generate(prompts[::-1], params)
+    assert smol_llm.engine.compiles_since_warmup == 0
+
+
+def test_compile_guard_detects_compilation():
+    import jax
+
+    with pytest.raises(RecompileError):
+        with forbid_compiles():
+            jax.jit(lambda x: x * 3 + 1)(np.arange(7)).block_until_ready()
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(n=0), "n"),
+])
+def test_bad_sampling_params_are_rejected(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+    assert param in str(e.value)
+
+
+def test_bad_prompts_are_rejected_and_engine_still_serves(smol_llm):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        smol_llm.generate([""])
+    with pytest.raises(InvalidRequestError, match="empty"):
+        smol_llm.generate([[]])
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        smol_llm.generate([[1, 2, 10 ** 9]])
+    too_long = [1] * smol_llm.engine.max_model_len
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        smol_llm.generate([too_long])
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        smol_llm.generate([[1] * 1000], SamplingParams(max_tokens=100))
+    # A bad prompt in a batch leaves the engine untouched; good requests still complete.
+    with pytest.raises(InvalidRequestError):
+        smol_llm.generate(["fine", ""])
+    assert not smol_llm.engine.has_unfinished()
+    assert smol_llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+    assert smol_llm.engine.kv.usage == 0.0
+
+
+def test_unknown_model_path_is_rejected(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        LLM(model=str(tmp_path / "no-such-model.gguf"))
+    with pytest.raises(ModelNotFoundError, match="unknown dummy"):
+        LLM(model="dummy:no-such-config")
+
+
+def test_unsupported_architecture_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        LLM(model=str(tmp_path))
