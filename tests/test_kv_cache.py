@@ -1,0 +1,179 @@
+"""Page allocator, prefix cache and scheduler: pure host logic, no device."""
+
+from __future__ import annotations
+
+from infire_jax.kv_cache import KVCacheManager, block_hash
+from infire_jax.request import Request, Status
+from infire_jax.sampling_params import SamplingParams
+from infire_jax.scheduler import Scheduler
+
+PS = 4
+
+
+def make_req(rid: str, tokens: list[int], *, max_tokens: int = 8, salt: str | None = None, priority: int = 0,
+             hint: int = 0, session: str | None = None, arrival: float = 0.0) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens, seed=0,
+                   cache_salt=salt, priority=priority, prefix_hint_tokens=hint, session_id=session,
+                   arrival_time=arrival)
+
+
+def run_prefill(kv: KVCacheManager, req: Request) -> None:
+    """Admits a request, computes its whole prompt, and publishes its full pages."""
+    cached = kv.find_cached_prefix(req)
+    assert kv.allocate(req, req.num_tokens - len(cached) * PS, cached)
+    req.num_computed_tokens = req.num_tokens
+    kv.register_full_blocks(req)
+
+
+def test_hash_chain_is_salted_in_first_block_only():
+    a = block_hash(None, [1, 2, 3, 4], None)
+    assert a != block_hash(None, [1, 2, 3, 4], "tenant-a") != block_hash(None, [1, 2, 3, 4], "tenant-b")
+    assert block_hash(a, [5, 6, 7, 8], None) == block_hash(a, [5, 6, 7, 8], "ignored-after-first")
+    assert block_hash(a, [5, 6, 7, 8], None) != block_hash(None, [5, 6, 7, 8], None)
+
+
+def test_prefix_reuse_and_refcounts():
+    kv = KVCacheManager(16, PS)
+    a = make_req("a", list(range(10)))
+    run_prefill(kv, a)
+    assert len(a.pages) == 3 and kv.num_free_pages == 12
+    b = make_req("b", list(range(10)) + [99, 98])
+    cached = kv.find_cached_prefix(b)
+    assert cached == a.pages[:2]  # two full pages shared; the partial third is not cached
+    assert kv.allocate(b, b.num_tokens - 8, cached)
+    assert kv.ref_cnt[a.pages[0]] == 2 and b.num_computed_tokens == 8
+    kv.free(a)
+    assert kv.ref_cnt[b.pages[0]] == 1
+    kv.free(b)
+    assert kv.num_free_pages == 15 and kv.usage == 0.0
+
+
+def test_at_least_one_token_is_left_to_compute():
+    kv = KVCacheManager(16, PS)
+    a = make_req("a", list(range(8)))
+    run_prefill(kv, a)
+    kv.free(a)
+    again = make_req("a2", list(range(8)))
+    assert len(kv.find_cached_prefix(again)) == 1  # 8 tokens = 2 full pages, but the last token is recomputed
+
+
+def test_tenants_never_share_pages():
+    kv = KVCacheManager(32, PS)
+    t1 = make_req("t1", list(range(12)), salt="alice")
+    run_prefill(kv, t1)
+    assert kv.find_cached_prefix(make_req("t2", list(range(12)), salt="bob")) == []
+    assert kv.find_cached_prefix(make_req("t2", list(range(12)), salt=None)) == []
+    assert len(kv.find_cached_prefix(make_req("t1b", list(range(12)), salt="alice"))) == 2
+
+
+def test_eviction_is_lru_and_tail_first():
+    kv = KVCacheManager(7, PS)  # 6 usable pages
+    a = make_req("a", list(range(12)))  # 3 pages
+    run_prefill(kv, a)
+    pages_a = list(a.pages)
+    kv.free(a)
+    b = make_req("b", list(range(100, 112)))
+    run_prefill(kv, b)
+    kv.free(b)
+    # Both are cached and free. One new page must evict a's tail page first.
+    c = make_req("c", list(range(200, 203)))
+    assert kv.allocate(c, 3)
+    assert c.pages == [pages_a[2]]
+    assert len(kv.find_cached_prefix(make_req("a2", list(range(12)) + [0]))) == 2
+    assert len(kv.find_cached_prefix(make_req("b2", list(range(100, 112)) + [0]))) == 3
+
+
+def test_prefix_hint_and_session_pages_are_evicted_last():
+    kv = KVCacheManager(7, PS)
+    hinted = make_req("h", list(range(12)), hint=8)
+    run_prefill(kv, hinted)
+    pages_h = list(hinted.pages)
+    kv.free(hinted)
+    plain = make_req("p", list(range(50, 62)))
+    run_prefill(kv, plain)
+    kv.free(plain)
+    # Take 4 pages: the 3 plain ones and the un-hinted tail of the hinted request go first.
+    big = make_req("big", list(range(300, 316)))
+    assert kv.allocate(big, 16)
+    assert set(pages_h[:2]).isdisjoint(big.pages)
+    assert len(kv.find_cached_prefix(make_req("h2", list(range(12)) + [1]))) == 2
+    kv.free(big)
+    sess = make_req("s", list(range(400, 409)), session="chat-1")
+    run_prefill(kv, sess)
+    pages_s = list(sess.pages[:2])  # its two full, cached pages
+    kv.free(sess)
+    assert all(p in kv._free_retained for p in pages_s)
+    assert sess.pages == [] and kv.usage == 0.0
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(4, PS)  # 3 usable pages
+    a = make_req("a", list(range(8)))
+    run_prefill(kv, a)
+    before = (list(kv.ref_cnt), kv.num_free_pages)
+    b = make_req("b", list(range(50, 62)))
+    assert not kv.allocate(b, 12)
+    assert (list(kv.ref_cnt), kv.num_free_pages) == before and b.pages == [] and b.num_computed_tokens == 0
+
+
+# ---- scheduler --------------------------------------------------------------------------------
+
+def step(sched: Scheduler, sampled: int = 7):
+    """Plans, commits, and reports one token for every row that sampled (like the engine)."""
+    out = sched.schedule()
+    sched.commit(out)
+    for s in out.seqs:
+        if s.samples:
+            s.req.num_pending_tokens -= 1
+            s.req.output_token_ids.append(sampled)
+            if len(s.req.output_token_ids) >= s.req.max_tokens:
+                sched.finish(s.req, Status.FINISHED_LENGTH)
+    return out
+
+
+def test_chunked_prefill_and_decodes_share_the_budget():
+    kv = KVCacheManager(64, PS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=8)
+    short = make_req("short", [1, 2, 3], max_tokens=5, arrival=0)
+    long = make_req("long", list(range(20)), max_tokens=2, arrival=1)
+    sched.add(short)
+    sched.add(long)
+    out = step(sched)
+    assert [(s.req.request_id, s.num_tokens) for s in out.seqs] == [("short", 3), ("long", 5)]
+    out = step(sched)  # the decode goes first, the long prompt continues in a chunk
+    assert [(s.req.request_id, s.num_tokens, s.samples) for s in out.seqs] == [("short", 1, True), ("long", 7, False)]
+    out = step(sched)
+    assert [(s.req.request_id, s.num_tokens, s.samples) for s in out.seqs] == [("short", 1, True), ("long", 7, False)]
+    out = step(sched)
+    assert [(s.req.request_id, s.num_tokens, s.samples) for s in out.seqs] == [("short", 1, True), ("long", 1, True)]
+
+
+def test_priority_orders_admission():
+    kv = KVCacheManager(64, PS)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=16)
+    sched.add(make_req("late-low", [1, 2], priority=5, arrival=0))
+    sched.add(make_req("urgent", [3, 4], priority=-1, arrival=1))
+    assert step(sched).seqs[0].req.request_id == "urgent"
+
+
+def test_preemption_by_recompute_when_pages_run_out():
+    kv = KVCacheManager(5, PS)  # 4 usable pages
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32)
+    a = make_req("a", list(range(7)), max_tokens=6, arrival=0)
+    b = make_req("b", list(range(10, 17)), max_tokens=6, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both prefilled: 2 pages each, pool full
+    step(sched)  # position 7 still fits in the second page
+    out = step(sched)  # position 8 needs a new page -> b (latest arrival) is preempted
+    assert out.preempted == [b] and b.status is Status.WAITING and b.pages == [] and b.num_computed_tokens == 0
+    assert [s.req for s in out.seqs] == [a]
+    while a.status is Status.RUNNING:
+        step(sched)
+    # b is readmitted and recomputes prompt + its 2 generated tokens (its first page still cached).
+    out = step(sched)
+    re = out.seqs[0]
+    assert re.req is b and (re.start, re.num_tokens) == (4, 5) and re.reset_slot and re.samples
+    while not b.is_finished:
+        step(sched)
+    assert len(b.output_token_ids) == 6 and kv.num_free_pages == 4
