@@ -74,7 +74,7 @@ def build_batch(plan: SchedulerOutput, shape: StepShape, *, page_size: int, page
         cu[i + 1] = end
         logits_indices[i] = end - 1
         row_slots[i] = req.slot
-        reset[i] = sq.reset_slot
+        reset[i] = sq.reset_slot and st == 0  # with a cached prefix the runner loads the history first
         sample_rows[i] = sq.samples
         p = req.params
         temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p

@@ -83,6 +83,18 @@ def _step(graphdef: nnx.GraphDef, attn_impl: str, state: nnx.State, cache: Devic
     return DeviceCache(k_pages, v_pages, counts, prompt_mask, last), out
 
 
+def _load_history(cache: DeviceCache, slot: Int[Array, ""], prompt_ids: Int[Array, "M"],
+                  output_ids: Int[Array, "M"]) -> DeviceCache:
+    """Rebuilds one slot's token history (ids >= vocab are padding and dropped)."""
+    counts = cache.counts.at[slot].set(0).at[slot, output_ids].add(1, mode="drop")
+    prompt_mask = cache.prompt_mask.at[slot].set(False).at[slot, prompt_ids].set(True, mode="drop")
+    return cache._replace(counts=counts, prompt_mask=prompt_mask)
+
+
+def _uses_penalties(p) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
 class PendingStep(NamedTuple):
     plan: SchedulerOutput
     out: SamplerOutput  # device arrays, not yet read back
@@ -106,6 +118,7 @@ class ModelRunner:
         self.dtype = dtype
         self.cache = self._allocate_cache(cache_sharding)
         self._step = jax.jit(functools.partial(_step, graphdef, rc.attn_impl), donate_argnums=(1,))
+        self._history = jax.jit(_load_history, donate_argnums=(0,))
 
     def _allocate_cache(self, sharding) -> DeviceCache:
         c, rc = self.cfg, self.rc
@@ -138,6 +151,8 @@ class ModelRunner:
     def warmup(self, on_shape: Callable[[StepShape], None] | None = None) -> None:
         """Compiles and runs every bucket once, on an all-padding batch that touches no real page."""
         empty = SchedulerOutput([], [])
+        pad = np.full(self._history_len, self.cfg.vocab_size, np.int32)
+        self.cache = self._history(self.cache, np.int32(self.rc.dummy_slot), pad, pad)
         for shape in self.rc.buckets.shapes:
             out = self._run(self._build(empty, shape))
             jax.block_until_ready(out)
@@ -148,8 +163,26 @@ class ModelRunner:
         return build_batch(plan, shape, page_size=self.rc.page_size, pages_per_seq=self.rc.pages_per_seq,
                            dummy_slot=self.rc.dummy_slot)
 
+    @property
+    def _history_len(self) -> int:
+        return self.rc.pages_per_seq * self.rc.page_size
+
+    def _restore_history(self, req, upto: int) -> None:
+        """A request admitted with cached tokens needs its skipped tokens in its penalty history."""
+        pad = np.full(self._history_len, self.cfg.vocab_size, np.int32)
+        prompt, output = pad.copy(), pad
+        n_prompt = min(upto, req.num_prompt_tokens)
+        prompt[:n_prompt] = req.prompt_token_ids[:n_prompt]
+        if upto > n_prompt:
+            output = pad.copy()
+            output[:upto - n_prompt] = req.output_token_ids[:upto - n_prompt]
+        self.cache = self._history(self.cache, np.int32(req.slot), prompt, output)
+
     def dispatch(self, plan: SchedulerOutput) -> PendingStep:
         """Enqueues one step on the device and returns without waiting for it."""
+        for sq in plan.seqs:
+            if sq.reset_slot and sq.start > 0 and _uses_penalties(sq.req.params):
+                self._restore_history(sq.req, sq.start)
         shape = self.rc.buckets.shape_for(plan.num_tokens, len(plan.seqs))
         out = self._run(self._build(plan, shape))
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in plan.seqs)

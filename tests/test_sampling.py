@@ -214,3 +214,13 @@ def test_detokenizer_holds_back_possible_stop_prefix(smol_llm):
         if hit:
             break
     assert hit == "STOP" and shown == "alpha beta "
+
+
+def test_penalties_see_the_whole_prompt_after_a_prefix_cache_hit(smol_llm):
+    """The second request reuses cached pages, yet its repetition penalty covers the skipped tokens."""
+    prompt = "List the days of the week: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. " * 3
+    p = SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.8, frequency_penalty=0.4)
+    first = smol_llm.generate([prompt], p)[0]
+    second = smol_llm.generate([prompt], p)[0]
+    assert second.num_cached_tokens >= 32 and first.num_cached_tokens < second.num_cached_tokens
+    assert second.token_ids == first.token_ids
