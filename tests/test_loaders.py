@@ -1,0 +1,126 @@
+"""Loaders and tokenizer: GGUF vs HF's own reading of the same file, the native cache, dummy configs, CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from infire_jax.loaders import load_model
+from infire_jax.loaders.dummy import CONFIGS, load_dummy
+from infire_jax.loaders.weights import load_native, save_native
+from infire_jax.models.config import config_from_hf
+
+TEXTS = ["Hello world 12345", "  leading spaces\n\nnewlines\ttabs", "naïve café 😀 日本語のテキスト",
+         "<|im_start|>user\nhi<|im_end|>", "x=3.14159; y = [1,2,3] # comment", "I'm sure they'll've done it",
+         "2024-11-21T10:00:00Z", "".join(chr(c) for c in range(0x20, 0x250, 3))]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(None)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf))
+
+
+def test_gguf_tokenizer_matches_hf(smol, hf_tokenizer):
+    for text in TEXTS:
+        ids = smol.tokenizer.encode(text)
+        assert ids == hf_tokenizer.encode(text), text
+        assert smol.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_chat_template_matches_hf(smol, hf_tokenizer):
+    convs = [
+        [{"role": "user", "content": "hi there"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+    ]
+    for conv in convs:
+        for gen in (True, False):
+            ours = smol.tokenizer.apply_chat_template(conv, add_generation_prompt=gen)
+            assert ours == hf_tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+
+
+def test_gguf_weights_equal_hf_weights(smol, hf_smol):
+    """Dequantized and un-permuted GGUF tensors equal what HF loads from the same file."""
+    cfg = smol.config
+    e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    sd = {k: v.numpy() for k, v in hf_smol.state_dict().items()}
+    w = smol.weights
+    np.testing.assert_array_equal(w["embed"], sd["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(w["final_norm"], sd["model.norm.weight"])
+    for i in (0, 17, cfg.num_layers - 1):
+        p = f"model.layers.{i}."
+        np.testing.assert_array_equal(w["layers.wq"][i], sd[p + "self_attn.q_proj.weight"].reshape(h, d, e).transpose(2, 0, 1))
+        np.testing.assert_array_equal(w["layers.wk"][i], sd[p + "self_attn.k_proj.weight"].reshape(kv, d, e).transpose(2, 0, 1))
+        np.testing.assert_array_equal(w["layers.wv"][i], sd[p + "self_attn.v_proj.weight"].reshape(kv, d, e).transpose(2, 0, 1))
+        np.testing.assert_array_equal(w["layers.wo"][i], sd[p + "self_attn.o_proj.weight"].reshape(e, h, d).transpose(1, 2, 0))
+        np.testing.assert_array_equal(w["layers.w_gate"][i], sd[p + "mlp.gate_proj.weight"].T)
+        np.testing.assert_array_equal(w["layers.w_up"][i], sd[p + "mlp.up_proj.weight"].T)
+        np.testing.assert_array_equal(w["layers.w_down"][i], sd[p + "mlp.down_proj.weight"].T)
+        np.testing.assert_array_equal(w["layers.attn_norm"][i], sd[p + "input_layernorm.weight"])
+        np.testing.assert_array_equal(w["layers.mlp_norm"][i], sd[p + "post_attention_layernorm.weight"])
+
+
+def test_native_form_round_trips(smol, tmp_path):
+    path = str(tmp_path / "native")
+    save_native(smol, path)
+    again = load_native(path)
+    assert again.config == smol.config and again.name == smol.name
+    assert set(again.weights) == set(smol.weights)
+    for k in smol.weights:
+        np.testing.assert_array_equal(again.weights[k], smol.weights[k])
+    assert again.tokenizer.encode(TEXTS[2]) == smol.tokenizer.encode(TEXTS[2])
+    assert again.tokenizer.chat_template == smol.tokenizer.chat_template
+    assert load_model(path).config == smol.config  # a native directory is a model spec too
+
+
+def test_dummy_configs_have_published_sizes():
+    published = {"llama-3.1-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920,
+                 "smollm2-135m": 134_515_008}
+    for name, count in published.items():
+        assert config_from_hf(CONFIGS[name]).param_count() == count
+
+
+def test_dummy_model_shapes_without_allocating():
+    from flax import nnx
+
+    import jax.numpy as jnp
+    from infire_jax.models.registry import abstract_model
+
+    m = load_dummy("llama-3.1-8b")
+    state = nnx.state(abstract_model(m.config, jnp.bfloat16))
+    total = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(state))
+    assert total == m.config.param_count()
+    assert m.tokenizer.vocab_size == m.config.vocab_size
+    assert m.tokenizer.decode(m.tokenizer.encode("dummy text")) == "dummy text"
+
+
+def _cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+    small = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "512"]
+    return subprocess.run([sys.executable, "-m", "infire_jax", *args, *small], input=stdin, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_generate_and_chat():
+    gen = _cli("generate", "The capital of France is", "--max-tokens", "8")
+    assert gen.returncode == 0, gen.stderr
+    assert "Paris" in gen.stdout
+    chat = _cli("chat", "--max-tokens", "24", stdin="What is the capital of France?\n/exit\n")
+    assert chat.returncode == 0, chat.stderr
+    assert "Paris" in chat.stdout
+
+
+def test_cli_reports_bad_model_clearly(tmp_path):
+    res = _cli("generate", "hi", "--model", str(tmp_path / "missing.gguf"))
+    assert res.returncode == 2
+    assert "error:" in res.stderr and "not found" in res.stderr
