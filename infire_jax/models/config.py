@@ -136,7 +136,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     if arch is None:
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}; supported: {sorted(_ARCHITECTURES)}")
-    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+    # Qwen2/3 gate the window with use_sliding_window; Mistral and Mixtral apply any window given.
+    window_on = hf.get("use_sliding_window") if "use_sliding_window" in hf else model_type in ("mistral", "mixtral")
+    if window_on and hf.get("sliding_window"):
         raise UnsupportedModelError("sliding-window attention is not supported")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported")
@@ -172,7 +174,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 0))) if moe else 0,
         num_experts_per_tok=int(hf.get("num_experts_per_tok", 0)) if moe else 0,
         moe_intermediate_size=int(hf.get("moe_intermediate_size", hf.get("intermediate_size", 0))) if moe else 0,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if arch == "qwen3_moe" else True,
+        # HF Qwen3MoeConfig defaults to False; Mixtral always renormalises.
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if arch == "qwen3_moe" else True,
     )
 
 

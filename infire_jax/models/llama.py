@@ -7,6 +7,7 @@ parallelism shards. Attention reads and writes the paged KV pool through `pallas
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -16,6 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.moe import moe_mlp
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -40,10 +42,17 @@ class DecoderLayers(nnx.Module):
             self.q_norm = param(rngs, (n, d), ("layers", "norm"), dtype, init="ones")
             self.k_norm = param(rngs, (n, d), ("layers", "norm"), dtype, init="ones")
         self.mlp_norm = param(rngs, (n, e), ("layers", "norm"), dtype, init="ones")
-        f = cfg.intermediate_size
-        self.w_gate = param(rngs, (n, e, f), ("layers", "embed", "mlp"), dtype)
-        self.w_up = param(rngs, (n, e, f), ("layers", "embed", "mlp"), dtype)
-        self.w_down = param(rngs, (n, f, e), ("layers", "mlp", "embed"), dtype)
+        if cfg.is_moe:  # the experts' weights, and a router whose expert axis stays replicated
+            x, f = cfg.num_experts, cfg.moe_intermediate_size
+            self.router = param(rngs, (n, e, x), ("layers", "embed", "router"), dtype)
+            self.w_gate = param(rngs, (n, x, e, f), ("layers", "experts", "embed", "mlp"), dtype)
+            self.w_up = param(rngs, (n, x, e, f), ("layers", "experts", "embed", "mlp"), dtype)
+            self.w_down = param(rngs, (n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
+        else:
+            f = cfg.intermediate_size
+            self.w_gate = param(rngs, (n, e, f), ("layers", "embed", "mlp"), dtype)
+            self.w_up = param(rngs, (n, e, f), ("layers", "embed", "mlp"), dtype)
+            self.w_down = param(rngs, (n, f, e), ("layers", "mlp", "embed"), dtype)
 
     def arrays(self) -> dict[str, Array]:
         """The raw stacked arrays, keyed by attribute name, for `lax.scan`."""
@@ -59,7 +68,7 @@ def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E
 def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str) -> Callable:
     """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index) -> carry."""
     scale = cfg.head_dim ** -0.5
-    mlp = dense_mlp
+    mlp = functools.partial(moe_mlp, cfg=cfg) if cfg.is_moe else dense_mlp
 
     def layer(carry, xs):
         h, k_pages, v_pages = carry
