@@ -1,4 +1,4 @@
-"""Turns a scheduler step plan into the fixed-shape host arrays of one jitted step (numpy only)."""
+"""Turns the work of one scheduler step into the fixed-shape host arrays of one jitted step (numpy only)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class StepBatch(NamedTuple):
     sampling: SamplingInputs
 
 
-def build_batch(plan: SchedulerOutput, shape: StepShape, *, page_size: int, pages_per_seq: int,
+def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, pages_per_seq: int,
                 dummy_slot: int) -> StepBatch:
     t, s = shape.num_tokens, shape.num_rows
     tokens = np.zeros(t, np.int32)
@@ -56,7 +56,7 @@ def build_batch(plan: SchedulerOutput, shape: StepShape, *, page_size: int, page
     suppress = np.full((s, MAX_STOP_TOKEN_IDS), -1, np.int32)
 
     off = 0
-    for i, sq in enumerate(plan.seqs):
+    for i, sq in enumerate(work.seqs):
         req, n, st = sq.req, sq.num_tokens, sq.start
         end = off + n
         if sq.from_device:
@@ -86,10 +86,10 @@ def build_batch(plan: SchedulerOutput, shape: StepShape, *, page_size: int, page
             ids = req.min_tokens_stop_ids
             suppress[i, :len(ids)] = ids
         off = end
-    cu[len(plan.seqs) + 1:] = off
+    cu[len(work.seqs) + 1:] = off
 
     meta = AttentionMetadata(
         positions=positions, slot_mapping=slot_mapping, seq_ids=seq_ids, page_table=page_table,
-        kv_lens=kv_lens, cu_q_lens=cu, num_seqs=np.int32(len(plan.seqs)))
+        kv_lens=kv_lens, cu_q_lens=cu, num_seqs=np.int32(len(work.seqs)))
     sampling = SamplingInputs(temperature, top_k, top_p, min_p, rep, pres, freq, seed, gen, want_lp, suppress)
     return StepBatch(tokens, from_device, kind, meta, logits_indices, row_slots, reset, sample_rows, sampling)

@@ -24,7 +24,7 @@ from infire_jax.detokenizer import IncrementalDetokenizer
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.loaders import LoadedModel, load_model
-from infire_jax.loaders.load import cache_dir
+from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.registry import build_state
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
@@ -32,6 +32,8 @@ from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_p
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
 from pallas_kernels.attention import resolve_impl
+from sharding.mesh import MeshConfigError, load_mesh_config
+from sharding.plan import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU, 90% of free memory minus 2 GiB on GPU
     enable_prefix_caching: bool = True
     attn_impl: str = "auto"
+    mesh: str | None = None  # mesh-config YAML; default: the shipped file for jax.device_count()
     seed: int = 0
 
 
@@ -87,13 +90,22 @@ class Engine:
         attn_impl = resolve_impl(ec.attn_impl)
         enable_compilation_cache()
 
+        # The mesh is checked against the devices and the model's config before any weight is read.
+        cfg = loaded.config if loaded else load_config(ec.model)
+        try:
+            mesh_config = load_mesh_config(ec.mesh, jax.device_count())
+            plan = ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
+        except MeshConfigError as e:
+            raise ConfigError(str(e)) from e
+        self.plan = plan
+
         report("load", 0, 1)
         t0 = time.monotonic()
         self.loaded = loaded or load_model(ec.model)
         cfg = self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        graphdef, state = build_state(cfg, self.loaded.weights, self.dtype, seed=self.loaded.random_seed)
+        graphdef, state = build_state(cfg, self.loaded.weights, self.dtype, plan=plan, seed=self.loaded.random_seed)
         jax.block_until_ready(state)
         self.load_seconds = time.monotonic() - t0
         report("load", 1, 1)
@@ -111,7 +123,8 @@ class Engine:
                               f"sequence of max_model_len={self.max_model_len}")
         rc = RunnerConfig(page_size=ec.page_size, num_pages=num_pages, max_model_len=self.max_model_len,
                           max_num_seqs=ec.max_num_seqs, buckets=buckets, attn_impl=attn_impl)
-        self.runner = ModelRunner(cfg, graphdef, state, rc, dtype=self.dtype)
+        placed_cfg = plan.effective_config(cfg) if plan else cfg
+        self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=plan)
         self.kv = KVCacheManager(num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
 
@@ -131,10 +144,14 @@ class Engine:
         self.stats = EngineStats()
 
     def _num_pages(self) -> int:
-        ec, cfg = self.config, self.model_config
+        ec, plan = self.config, self.plan
         if ec.num_kv_pages:
             return ec.num_kv_pages
+        cfg = plan.effective_config(self.model_config) if plan else self.model_config
+        # Bytes one page costs each device: the pool is split over pp (layers) and tp (kv heads).
         per_page = kv_bytes_per_page(cfg, ec.page_size, self.dtype)
+        if plan:
+            per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if plan.axis("kv_heads") else 1)
         budget = ec.kv_cache_memory
         if budget is None:
             stats = jax.devices()[0].memory_stats() if _on_gpu() else None
@@ -217,13 +234,13 @@ class Engine:
         return deltas
 
     def _step(self) -> list[Delta]:
-        plan = self.scheduler.schedule()
+        work = self.scheduler.schedule()
         pending = None
-        if plan.seqs:
-            pending = self.runner.dispatch(plan)
-            self.scheduler.commit(plan)
+        if work.seqs:
+            pending = self.runner.dispatch(work)
+            self.scheduler.commit(work)
             self.stats.steps += 1
-            self.stats.step_tokens += plan.num_tokens
+            self.stats.step_tokens += work.num_tokens
         deltas = self._process(self._inflight) if self._inflight is not None else []
         self._inflight = pending
         return deltas
@@ -231,7 +248,7 @@ class Engine:
     def _process(self, p: PendingStep) -> list[Delta]:
         res = self.runner.fetch(p)
         deltas = []
-        for row, sq in enumerate(p.plan.seqs):
+        for row, sq in enumerate(p.work.seqs):
             if not sq.samples:
                 continue
             req = sq.req
@@ -274,6 +291,15 @@ class Engine:
         children = self._requests.get(req.parent_id)
         if children is not None and all(c.is_finished for c in children):
             del self._requests[req.parent_id]
+
+    # ---- several processes --------------------------------------------------------------------------
+    def follow(self) -> None:
+        """On processes other than 0: run process 0's steps until it closes the engine."""
+        self.runner.follow()
+
+    def close(self) -> None:
+        """Releases follower processes (a no-op in a single process)."""
+        self.runner.stop_followers()
 
     # ---- introspection ----------------------------------------------------------------------------
     @property

@@ -17,11 +17,13 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from infire_jax import multihost
 from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepBatch, build_batch
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
 from infire_jax.sampler import SamplerOutput, sample
 from infire_jax.scheduler import SchedulerOutput
+from sharding.plan import KV_POOL_AXES, ShardPlan
 
 
 class DeviceCache(NamedTuple):
@@ -60,7 +62,7 @@ def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
     return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def _step(graphdef: nnx.GraphDef, attn_impl: str, state: nnx.State, cache: DeviceCache,
+def _step(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, state: nnx.State, cache: DeviceCache,
           b: StepBatch) -> tuple[DeviceCache, SamplerOutput]:
     model = nnx.merge(graphdef, state)
     dummy = cache.last_tokens.shape[0] - 1
@@ -77,7 +79,11 @@ def _step(graphdef: nnx.GraphDef, attn_impl: str, state: nnx.State, cache: Devic
     prompt_mask = prompt_mask.at[jnp.where(b.token_kind == TOKEN_PROMPT, tok_slot, dummy), tokens].set(True)
 
     logits, (k_pages, v_pages) = model(
-        tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices, attn_impl=attn_impl)
+        tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices, attn_impl=attn_impl, plan=plan)
+    if plan is not None:
+        # Gather the vocab-split logits once: the sampler's branches then hold no collectives
+        # (a collective inside a branch can stall the CPU backend's per-device threads).
+        logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
     out = sample(logits, b.sampling, counts, prompt_mask, b.row_slots)
     last = cache.last_tokens.at[jnp.where(b.sample_rows, b.row_slots, dummy)].set(out.tokens)
     return DeviceCache(k_pages, v_pages, counts, prompt_mask, last), out
@@ -96,7 +102,7 @@ def _uses_penalties(p) -> bool:
 
 
 class PendingStep(NamedTuple):
-    plan: SchedulerOutput
+    work: SchedulerOutput
     out: SamplerOutput  # device arrays, not yet read back
     want_logprobs: bool
 
@@ -110,30 +116,37 @@ class StepResult(NamedTuple):
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, rc: RunnerConfig,
-                 *, dtype, cache_sharding: Callable[[str], jax.sharding.Sharding] | None = None):
+                 *, dtype, plan: ShardPlan | None = None):
+        """`cfg` is the placed model's config (a plan's effective config on a mesh)."""
         self.cfg = cfg
         self.rc = rc
         self.graphdef = graphdef
         self.state = state
         self.dtype = dtype
-        self.cache = self._allocate_cache(cache_sharding)
-        self._step = jax.jit(functools.partial(_step, graphdef, rc.attn_impl), donate_argnums=(1,))
+        self.plan = plan
+        self.cache = self._allocate_cache()
+        # On a mesh the sampled tokens come back replicated, so every process can read them locally.
+        out_shardings = (jax.tree.map(lambda a: a.sharding, self.cache), plan.replicated) if plan else None
+        self._step = jax.jit(functools.partial(_step, graphdef, rc.attn_impl, plan), donate_argnums=(1,),
+                             out_shardings=out_shardings)
         self._history = jax.jit(_load_history, donate_argnums=(0,))
 
-    def _allocate_cache(self, sharding) -> DeviceCache:
-        c, rc = self.cfg, self.rc
+    def _allocate_cache(self) -> DeviceCache:
+        """The pool is split like the kv heads and layers; the per-slot history is replicated."""
+        c, rc, plan = self.cfg, self.rc, self.plan
         pages_shape = (c.num_layers, rc.num_pages, rc.page_size, c.num_kv_heads, c.head_dim)
+        pool = plan.sharding(KV_POOL_AXES) if plan else None
+        replicated = plan.replicated if plan else None
 
-        def make(name, shape, dtype):
-            return jax.jit(lambda: jnp.zeros(shape, dtype),
-                           out_shardings=sharding(name) if sharding else None)()
+        def make(shape, dtype, sharding):
+            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
         return DeviceCache(
-            k_pages=make("k_pages", pages_shape, self.dtype),
-            v_pages=make("v_pages", pages_shape, self.dtype),
-            counts=make("counts", (rc.num_slots, c.vocab_size), jnp.int32),
-            prompt_mask=make("prompt_mask", (rc.num_slots, c.vocab_size), jnp.bool_),
-            last_tokens=make("last_tokens", (rc.num_slots,), jnp.int32),
+            k_pages=make(pages_shape, self.dtype, pool),
+            v_pages=make(pages_shape, self.dtype, pool),
+            counts=make((rc.num_slots, c.vocab_size), jnp.int32, replicated),
+            prompt_mask=make((rc.num_slots, c.vocab_size), jnp.bool_, replicated),
+            last_tokens=make((rc.num_slots,), jnp.int32, replicated),
         )
 
     def model(self) -> nnx.Module:
@@ -148,19 +161,49 @@ class ModelRunner:
         self.cache, out = self._step(self.state, self.cache, batch)
         return out
 
+    def _load(self, slot: int, prompt: np.ndarray, output: np.ndarray) -> None:
+        self.cache = self._history(self.cache, np.int32(slot), prompt, output)
+
     def warmup(self, on_shape: Callable[[StepShape], None] | None = None) -> None:
-        """Compiles and runs every bucket once, on an all-padding batch that touches no real page."""
-        empty = SchedulerOutput([], [])
+        """Compiles and runs every bucket once, on an all-padding batch that touches no real page.
+
+        With several processes, each process also runs every broadcast shape once.
+        """
         pad = np.full(self._history_len, self.cfg.vocab_size, np.int32)
-        self.cache = self._history(self.cache, np.int32(self.rc.dummy_slot), pad, pad)
+        if multihost.is_multiprocess():
+            multihost.receive_header()
+            multihost.receive((pad, pad))
+        self._load(self.rc.dummy_slot, pad, pad)
         for shape in self.rc.buckets.shapes:
-            out = self._run(self._build(empty, shape))
-            jax.block_until_ready(out)
+            batch = self._empty_batch(shape)
+            if multihost.is_multiprocess():
+                batch = multihost.receive(batch)
+            jax.block_until_ready(self._run(batch))
             if on_shape:
                 on_shape(shape)
 
-    def _build(self, plan: SchedulerOutput, shape: StepShape) -> StepBatch:
-        return build_batch(plan, shape, page_size=self.rc.page_size, pages_per_seq=self.rc.pages_per_seq,
+    def _empty_batch(self, shape: StepShape) -> StepBatch:
+        return self._build(SchedulerOutput([], []), shape)
+
+    def follow(self) -> None:
+        """Follower processes: run the leader's device commands until it stops."""
+        shapes = self.rc.buckets.shapes
+        pad = np.full(self._history_len, self.cfg.vocab_size, np.int32)
+        while True:
+            command, arg = multihost.receive_header()
+            if command == multihost.STOP:
+                return
+            if command == multihost.HISTORY:
+                self._load(arg, *multihost.receive((pad, pad)))
+            else:
+                self._run(multihost.receive(self._empty_batch(shapes[arg])))
+
+    def stop_followers(self) -> None:
+        if multihost.is_multiprocess() and multihost.is_leader():
+            multihost.send(multihost.STOP, 0)
+
+    def _build(self, work: SchedulerOutput, shape: StepShape) -> StepBatch:
+        return build_batch(work, shape, page_size=self.rc.page_size, pages_per_seq=self.rc.pages_per_seq,
                            dummy_slot=self.rc.dummy_slot)
 
     @property
@@ -176,23 +219,30 @@ class ModelRunner:
         if upto > n_prompt:
             output = pad.copy()
             output[:upto - n_prompt] = req.output_token_ids[:upto - n_prompt]
-        self.cache = self._history(self.cache, np.int32(req.slot), prompt, output)
+        if multihost.is_multiprocess():
+            multihost.send(multihost.HISTORY, req.slot, (prompt, output))
+        self._load(req.slot, prompt, output)
 
-    def dispatch(self, plan: SchedulerOutput) -> PendingStep:
+    def dispatch(self, work: SchedulerOutput) -> PendingStep:
         """Enqueues one step on the device and returns without waiting for it."""
-        for sq in plan.seqs:
+        for sq in work.seqs:
             if sq.reset_slot and sq.start > 0 and _uses_penalties(sq.req.params):
                 self._restore_history(sq.req, sq.start)
-        shape = self.rc.buckets.shape_for(plan.num_tokens, len(plan.seqs))
-        out = self._run(self._build(plan, shape))
-        want_lp = any(s.samples and s.req.params.logprobs is not None for s in plan.seqs)
-        return PendingStep(plan, out, want_lp)
+        shape = self.rc.buckets.shape_for(work.num_tokens, len(work.seqs))
+        batch = self._build(work, shape)
+        if multihost.is_multiprocess():
+            multihost.send(multihost.STEP, self.rc.buckets.shapes.index(shape), batch)
+        out = self._run(batch)
+        want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
+        return PendingStep(work, out, want_lp)
 
     @staticmethod
     def fetch(p: PendingStep) -> StepResult:
-        """Reads the sampled tokens (and logprobs when asked for) back to the host: the step's one sync."""
-        if not p.want_logprobs:
-            return StepResult(np.asarray(p.out.tokens), None, None, None)
-        tokens, lp, ids, top = jax.device_get((p.out.tokens, p.out.logprob, p.out.top_ids, p.out.top_logprobs))
-        return StepResult(tokens, lp, ids, top)
+        """Reads the sampled tokens (and logprobs when asked for) back to the host: the step's one sync.
+
+        The outputs are replicated, so this process's first copy is the whole value.
+        """
+        local = [x.addressable_data(0) for x in p.out] if p.want_logprobs else [p.out.tokens.addressable_data(0)]
+        host = jax.device_get(local)
+        return StepResult(*host) if p.want_logprobs else StepResult(host[0], None, None, None)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 
@@ -24,3 +26,34 @@ class AttentionMetadata(NamedTuple):
 # Page 0 of the pool is never handed out: padding tokens write there and unused
 # page-table entries point there, so every gather stays in bounds.
 NULL_PAGE = 0
+
+
+def slice_tokens(meta: AttentionMetadata, start, size: int) -> AttentionMetadata:
+    """Tokens [start, start + size) as a step of their own (a pipeline microbatch).
+
+    A sequence's tokens before `start` are then part of its cached context: they were written to
+    the pages when the earlier microbatch went through the same layer.
+    """
+    cu = meta.cu_q_lens
+    lo = jnp.clip(cu[:-1], start, start + size)
+    hi = jnp.clip(cu[1:], start, start + size)
+    q_lens = hi - lo
+    kv_lens = jnp.where(q_lens > 0, meta.kv_lens - (cu[1:] - hi), 0)
+    cu_local = jnp.concatenate([jnp.zeros(1, cu.dtype), jnp.cumsum(q_lens).astype(cu.dtype)])
+
+    def part(x):
+        return jax.lax.dynamic_slice_in_dim(x, start, size)
+
+    return AttentionMetadata(part(meta.positions), part(meta.slot_mapping), part(meta.seq_ids), meta.page_table,
+                             kv_lens.astype(meta.kv_lens.dtype), cu_local, meta.num_seqs)
+
+
+def deactivate(meta: AttentionMetadata, active) -> AttentionMetadata:
+    """When `active` is false, the same shapes with every token padding (writes go to the null page)."""
+    assert NULL_PAGE == 0
+    rows = meta.kv_lens.shape[0]
+    return meta._replace(
+        slot_mapping=jnp.where(active, meta.slot_mapping, 0),  # slot 0 lies in the null page
+        seq_ids=jnp.where(active, meta.seq_ids, rows),
+        kv_lens=jnp.where(active, meta.kv_lens, 0),
+        cu_q_lens=jnp.where(active, meta.cu_q_lens, 0))

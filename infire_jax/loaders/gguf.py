@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.weights import LoadedModel, stack_layers
-from infire_jax.models.config import config_from_gguf
+from infire_jax.models.config import ModelConfig, config_from_gguf
 from infire_jax.tokenizer import tokenizer_from_gguf
 
 # Architectures whose q/k rows llama.cpp's converter interleaves for its RoPE kernel.
@@ -52,21 +52,32 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
 
 
+def _config(meta: dict[str, Any], raw: dict) -> ModelConfig:
+    rope_freqs = raw.get("rope_freqs.weight")
+    return config_from_gguf(
+        meta,
+        has_output_weight="output.weight" in raw,
+        has_qkv_bias="blk.0.attn_q.bias" in raw,
+        has_qk_norm="blk.0.attn_q_norm.weight" in raw,
+        rope_freq_factors=tuple(float(x) for x in dequantize(rope_freqs.data, rope_freqs.tensor_type))
+        if rope_freqs is not None else None,
+    )
+
+
+def read_gguf_config(path: str) -> ModelConfig:
+    """The model config alone: metadata and tensor names, no tensor data."""
+    reader = GGUFReader(path)
+    return _config(read_metadata(reader), {t.name: t for t in reader.tensors})
+
+
 def load_gguf(path: str) -> LoadedModel:
     reader = GGUFReader(path)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
     raw = {t.name: t for t in reader.tensors}
-    rope_freqs = raw.pop("rope_freqs.weight", None)
+    cfg = _config(meta, raw)
+    raw.pop("rope_freqs.weight", None)
     names = set(raw)
-    cfg = config_from_gguf(
-        meta,
-        has_output_weight="output.weight" in names,
-        has_qkv_bias="blk.0.attn_q.bias" in names,
-        has_qk_norm="blk.0.attn_q_norm.weight" in names,
-        rope_freq_factors=tuple(float(x) for x in dequantize(rope_freqs.data, rope_freqs.tensor_type))
-        if rope_freqs is not None else None,
-    )
     e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     permuted = arch in _PERMUTED_QK
 

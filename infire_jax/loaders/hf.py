@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -62,18 +63,29 @@ def convert_hf_tensor(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray
 
 def _read_safetensors(path: str):
     """Yields (name, array) from a safetensors file; bf16 comes back as ml_dtypes bfloat16."""
-    with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as f:
+    with jax.default_device(jax.local_devices(backend="cpu")[0]), safe_open(path, framework="flax") as f:
         for name in f.keys():
             yield name, np.asarray(f.get_tensor(name))
 
 
-def load_hf_dir(path: str) -> LoadedModel:
+def read_hf_config(path: str) -> ModelConfig:
+    """config.json, with generation_config.json's eos ids added (Llama 3 lists several there)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelNotFoundError(f"{path} has no config.json")
     with open(cfg_path) as f:
-        hf = json.load(f)
-    cfg = config_from_hf(hf)
+        cfg = config_from_hf(json.load(f))
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        extra = [eos] if isinstance(eos, int) else list(eos or [])
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys([*cfg.eos_token_ids, *extra])))
+    return cfg
+
+
+def load_hf_dir(path: str) -> LoadedModel:
+    cfg = read_hf_config(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors weights")

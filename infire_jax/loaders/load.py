@@ -13,7 +13,9 @@ import logging
 import os
 
 from infire_jax.errors import ModelNotFoundError
-from infire_jax.loaders.weights import LoadedModel, NATIVE_FORMAT_VERSION, is_native_dir, load_native, save_native
+from infire_jax.loaders.weights import (
+    NATIVE_FORMAT_VERSION, LoadedModel, is_native_dir, load_native, read_native_config, save_native)
+from infire_jax.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,30 @@ def _load_gguf_cached(path: str, name: str | None) -> LoadedModel:
     if name:
         model.name = name
     return model
+
+
+def load_config(spec: str | None) -> ModelConfig:
+    """The model's config without reading its weights, to validate a mesh before loading."""
+    if not spec:
+        spec = default_model_path()
+    if spec.startswith("dummy:"):
+        from infire_jax.loaders.dummy import load_dummy
+
+        return load_dummy(spec[len("dummy:"):]).config
+    if os.path.isfile(spec) and spec.endswith(".gguf"):
+        native = _native_cache_path(spec)
+        if is_native_dir(native):
+            return read_native_config(native)
+        from infire_jax.loaders.gguf import read_gguf_config
+
+        return read_gguf_config(spec)
+    if os.path.isdir(spec):
+        if is_native_dir(spec):
+            return read_native_config(spec)
+        from infire_jax.loaders.hf import read_hf_config
+
+        return read_hf_config(spec)
+    return load_model(spec).config  # raises the same clear error load_model would
 
 
 def load_model(spec: str | None) -> LoadedModel:

@@ -66,13 +66,22 @@ def save_native(model: LoadedModel, path: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_native(path: str) -> LoadedModel:
-    from safetensors.numpy import load_file
-
+def _native_meta(path: str) -> dict:
     with open(os.path.join(path, _CONFIG_FILE)) as f:
         meta = json.load(f)
     if meta.get("format_version") != NATIVE_FORMAT_VERSION:
         raise UnsupportedModelError(f"{path} has native format {meta.get('format_version')}, "
                                     f"expected {NATIVE_FORMAT_VERSION}")
+    return meta
+
+
+def read_native_config(path: str) -> ModelConfig:
+    return ModelConfig.from_dict(_native_meta(path)["config"])
+
+
+def load_native(path: str) -> LoadedModel:
+    from safetensors.numpy import load_file
+
+    meta = _native_meta(path)
     return LoadedModel(config=ModelConfig.from_dict(meta["config"]), tokenizer=Tokenizer.from_dir(path),
                        name=meta["name"], weights=load_file(os.path.join(path, _WEIGHTS_FILE)))

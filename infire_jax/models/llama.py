@@ -2,7 +2,8 @@
 
 Layer weights are stacked along a leading `layers` axis and the forward scans over them: one
 compiled layer body keeps compile time flat in depth, and the stacked axis is what pipeline
-parallelism shards. Attention reads and writes the paged KV pool through `pallas_kernels`.
+parallelism shards. Attention reads and writes the paged KV pool through `pallas_kernels`. On a
+mesh, `models.parallel` runs the same layer body on each device's shard of the weights.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from jaxtyping import Array, Float, Int
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
+from infire_jax.models.parallel import Reductions, psum, run_sharded
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import AttentionMetadata
+from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
 
@@ -58,6 +61,10 @@ class DecoderLayers(nnx.Module):
         """The raw stacked arrays, keyed by attribute name, for `lax.scan`."""
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
+    def axes(self) -> dict[str, tuple[str, ...]]:
+        """Each stacked array's logical axis names."""
+        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
 
 def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
     gate = jnp.einsum("te,ef->tf", x, lp["w_gate"])
@@ -65,10 +72,14 @@ def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E
     return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, lp["w_down"])
 
 
-def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str) -> Callable:
-    """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index) -> carry."""
+def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
+                  red: Reductions) -> Callable:
+    """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index) -> carry.
+
+    Head and MLP counts come from the weights' shapes, so the same body runs on a shard of them.
+    """
     scale = cfg.head_dim ** -0.5
-    mlp = functools.partial(moe_mlp, cfg=cfg) if cfg.is_moe else dense_mlp
+    mlp = functools.partial(moe_mlp, cfg=cfg, expert_axis=red.expert_axis) if cfg.is_moe else dense_mlp
 
     def layer(carry, xs):
         h, k_pages, v_pages = carry
@@ -84,11 +95,21 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=scale, impl=attn_impl)
-        h = h + jnp.einsum("thd,hde->te", o, lp["wo"])
-        h = h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
+        h = h + psum(jnp.einsum("thd,hde->te", o, lp["wo"]), red.attn)
+        h = h + psum(mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)), red.mlp)
         return (h, k_pages, v_pages), None
 
     return layer
+
+
+def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, Array],
+                  h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
+                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+    """Scans the stacked layers; the KV pool is a loop carry so its updates stay in place."""
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red)
+    idx = jnp.arange(next(iter(weights.values())).shape[0], dtype=jnp.int32)
+    (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), (weights, idx))
+    return h, k_pages, v_pages
 
 
 class Llama(nnx.Module):
@@ -110,15 +131,16 @@ class Llama(nnx.Module):
         meta: AttentionMetadata,
         *,
         attn_impl: str,
-        scan_unroll: int | bool = 1,
+        plan: ShardPlan | None = None,
     ) -> tuple[Float[Array, "T E"], KVPages]:
-        """Applies every decoder layer; the KV pool is a loop carry so its updates stay in place."""
+        """Applies every decoder layer, on one device or (with a plan) across the mesh."""
         cos, sin = rope_tables(rope_inv_freq(self.cfg), meta.positions)
-        layer = make_layer_fn(self.cfg, cos, sin, meta, attn_impl)
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
         weights = self.layers.arrays()
-        idx = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, *kv), (weights, idx), unroll=scan_unroll)
-        return h, (k_pages, v_pages)
+        if plan is None:
+            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
+            return h, (k_pages, v_pages)
+        return run_sharded(stack, plan, weights, self.layers.axes(), h, kv, meta, cos, sin)
 
     def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S V"]:
         """Final norm and LM head, in float32."""
@@ -135,8 +157,8 @@ class Llama(nnx.Module):
         logits_indices: Int[Array, "S"],
         *,
         attn_impl: str,
-        scan_unroll: int | bool = 1,
+        plan: ShardPlan | None = None,
     ) -> tuple[Float[Array, "S V"], KVPages]:
         h = self.embed_tokens(tokens)
-        h, kv = self.run_layers(h, kv, meta, attn_impl=attn_impl, scan_unroll=scan_unroll)
+        h, kv = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan)
         return self.logits(h[logits_indices]), kv

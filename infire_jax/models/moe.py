@@ -62,7 +62,7 @@ class Dispatch(NamedTuple):
     """The token rows of all assignments, sorted (stably) by expert."""
 
     x: Float[Array, "M E"]
-    group_sizes: Int[Array, "X"]  # rows per expert; they sum to M
+    group_sizes: Int[Array, "X"]  # rows per expert; rows past their sum (other devices' experts) stay 0
     order: Int[Array, "M"]  # sorted row -> flat assignment index (token * K + slot)
 
 
@@ -173,9 +173,22 @@ def combine(ys: Float[Array, "M E"], d: Dispatch, routing: Routing, dtype) -> Fl
     return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(dtype)
 
 
-def moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig,
-            impl: str | None = None) -> Float[Array, "T E"]:
-    """The sparse MLP of one decoder layer."""
+def moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig, impl: str | None = None,
+            expert_axis: str | None = None) -> Float[Array, "T E"]:
+    """The sparse MLP of one decoder layer.
+
+    With `expert_axis` (inside shard_map), the weights hold only this device's experts: rows routed
+    elsewhere go to a trailing group that is never computed, and the result is this device's
+    partial sum, which the caller reduces over the axis.
+    """
     routing = route_for(cfg, router_logits(lp, x))
-    d = dispatch(x, routing.experts, cfg.num_experts)
+    num_local = lp["w_gate"].shape[0]
+    experts = routing.experts
+    if expert_axis is not None:
+        local = experts - jax.lax.axis_index(expert_axis) * num_local
+        mine = (local >= 0) & (local < num_local)
+        experts = jnp.where(mine, local, num_local)
+        routing = routing._replace(weights=jnp.where(mine, routing.weights, jnp.zeros_like(routing.weights)))
+    d = dispatch(x, experts, num_local + (expert_axis is not None))
+    d = d._replace(group_sizes=d.group_sizes[:num_local])
     return combine(expert_mlp(d, lp, impl or default_grouped_impl()), d, routing, x.dtype)

@@ -1,0 +1,88 @@
+"""Runs the decoder stack on a mesh: one shard_map that is manual over every mesh axis.
+
+Inside, each device holds its shard of every layer weight and of the KV pool, and the code does
+its collectives explicitly (Megatron-style tensor parallelism):
+  * tp: q/k/v and gate/up are column-split (local heads, local MLP columns); the outputs of wo and
+    w_down are partial sums, reduced with `psum('tp')`. Activations stay replicated.
+  * ep: each device holds its experts; every device routes all tokens (they are replicated),
+    runs only its experts' rows, and the partial MLP outputs are reduced with `psum('ep')`.
+  * pp: the stacked layer axis is split into stages and microbatches flow through
+    `sharding.pipeline.pipeline_apply` (ppermute between stages). A stage with fewer layers than
+    the longest holds zero-weight padding layers, which are exact identities (every sublayer adds
+    a zero), so all devices run the same program with no branch around a collective.
+The embedding and LM head stay outside, sharded over the vocabulary by GSPMD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
+from pallas_kernels.metadata import AttentionMetadata, deactivate, slice_tokens
+from sharding.pipeline import num_microbatches, pipeline_apply
+from sharding.plan import KV_POOL_AXES, ShardPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Reductions:
+    """Mesh axes over which a layer sums partial results; all empty on a single device."""
+
+    attn: tuple[str, ...] = ()  # after wo
+    mlp: tuple[str, ...] = ()  # after w_down (dense) or the expert combine (MoE)
+    expert_axis: str | None = None  # experts are split over this axis
+
+    @classmethod
+    def for_plan(cls, plan: ShardPlan) -> "Reductions":
+        attn = plan.axis("q_heads")
+        mlp = tuple(a for a in (plan.axis("mlp"), plan.axis("experts")) if a)
+        return cls(attn=(attn,) if attn else (), mlp=mlp, expert_axis=plan.axis("experts"))
+
+
+def psum(x: Array, axes: tuple[str, ...]) -> Array:
+    return jax.lax.psum(x, axes) if axes else x
+
+
+# stack_fn(reductions, weights, h, k_pages, v_pages, meta, cos, sin) -> (h, k_pages, v_pages)
+StackFn = Callable[..., tuple[Array, Array, Array]]
+
+
+def run_sharded(
+    stack_fn: StackFn,
+    plan: ShardPlan,
+    weights: Mapping[str, Array],
+    weight_axes: Mapping[str, tuple[str, ...]],
+    h: Float[Array, "T E"],
+    kv: tuple[Array, Array],
+    meta: AttentionMetadata,
+    cos: Array,
+    sin: Array,
+) -> tuple[Float[Array, "T E"], tuple[Array, Array]]:
+    red = Reductions.for_plan(plan)
+    stages = plan.num_stages
+
+    def local(h, weights, k_pages, v_pages, meta, cos, sin):
+        if stages == 1:
+            return stack_fn(red, weights, h, k_pages, v_pages, meta, cos, sin)
+        size = h.shape[0] // num_microbatches(h.shape[0], stages)
+
+        def stage(x, pools, mb, active):
+            start = mb * size
+            rope = [jax.lax.dynamic_slice_in_dim(a, start, size) for a in (cos, sin)]
+            mb_meta = deactivate(slice_tokens(meta, start, size), active)
+            y, k, v = stack_fn(red, weights, x, *pools, mb_meta, *rope)
+            return y, (k, v)
+
+        h, (k_pages, v_pages) = pipeline_apply(stage, h, (k_pages, v_pages), num_stages=stages)
+        return h, k_pages, v_pages
+
+    kv_spec = plan.spec(KV_POOL_AXES)
+    w_specs = {name: plan.spec(axes) for name, axes in weight_axes.items()}
+    fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), w_specs, kv_spec, kv_spec, P(), P(), P()),
+                       out_specs=(P(), kv_spec, kv_spec), check_vma=False)
+    h, k_pages, v_pages = fn(h, dict(weights), *kv, meta, cos, sin)
+    return h, (k_pages, v_pages)

@@ -1,0 +1,159 @@
+"""How one model is laid out on one mesh: which mesh axis shards each logical axis, how many layers
+each pipeline stage holds, and how kv heads are replicated when tp exceeds them.
+
+Everything here is decided from shapes before any weight is read, so a config that does not fit
+the model fails with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from sharding.mesh import MESH_AXES, MeshConfig, MeshConfigError
+
+# The KV pool [layers, pages, page_size, kv_heads, head_dim].
+KV_POOL_AXES = ("layers", None, None, "kv_heads", None)
+
+
+def plan_stages(num_layers: int, num_stages: int, stage_extra: Sequence[float] | None = None,
+                layer_cost: float = 1.0) -> tuple[int, ...]:
+    """Layers per pipeline stage: contiguous, at least one each, minimising the costliest stage
+    (the pipeline's bottleneck), then the spread between stages.
+
+    `stage_extra` is each stage's non-layer work (embedding, LM head) in units of one layer. A small
+    dynamic program over (stages, layers) finds the exact optimum.
+    """
+    if num_layers < num_stages:
+        raise MeshConfigError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
+    extra = list(stage_extra or [0.0] * num_stages)
+    inf = (float("inf"), float("inf"))
+    # best[l] = (max stage cost, sum of squared costs, counts) for the first l layers in the stages so far.
+    best: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())] + [(*inf, ())] * num_layers
+    for s in range(num_stages):
+        nxt = [(*inf, ())] * (num_layers + 1)
+        for done in range(s, num_layers - (num_stages - s) + 1):
+            worst, sq, counts = best[done]
+            if worst == float("inf"):
+                continue
+            for n in range(1, num_layers - done - (num_stages - s - 1) + 1):
+                cost = n * layer_cost + extra[s]
+                cand = (max(worst, cost), sq + cost * cost, counts + (n,))
+                if cand[:2] < nxt[done + n][:2]:
+                    nxt[done + n] = cand
+        best = nxt
+    return best[num_layers][2]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    mesh_config: MeshConfig
+    mesh: Mesh
+    kv_repeat: int  # each kv head is stored this many times, so tp divides the kv heads
+    stage_layers: tuple[int, ...]  # real layers per pipeline stage
+    padded_layers: int  # layers per stage slot (the stacked axis holds pp * padded_layers)
+
+    # ---- construction and validation ----------------------------------------------------------
+    @classmethod
+    def create(cls, cfg, mc: MeshConfig, devices: Sequence[jax.Device] | None = None) -> "ShardPlan":
+        devices = list(devices if devices is not None else jax.devices())
+        mc.check_devices(len(devices))
+        sizes = mc.sizes
+        tp, pp, ep = sizes["tp"], sizes["pp"], sizes["ep"]
+
+        def bad(msg: str):
+            raise MeshConfigError(f"{mc.name} does not fit the model: {msg}")
+
+        kv_repeat = 1
+        if mc.rule("q_heads"):
+            if cfg.num_heads % tp:
+                bad(f"{cfg.num_heads} attention heads are not divisible by tp={tp}")
+            if cfg.num_kv_heads % tp:
+                if tp % cfg.num_kv_heads:
+                    bad(f"{cfg.num_kv_heads} kv heads neither divide nor are divisible by tp={tp}")
+                kv_repeat = tp // cfg.num_kv_heads
+        if mc.rule("mlp"):
+            width = cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
+            if width % tp:
+                bad(f"MLP width {width} is not divisible by tp={tp}")
+        vocab_shards = (pp if pp > 1 else 1) * (tp if mc.rule("vocab") else 1)
+        if cfg.vocab_size % vocab_shards:
+            bad(f"vocabulary {cfg.vocab_size} is not divisible by {vocab_shards} (pp x tp)")
+        if ep > 1 and not cfg.is_moe:
+            bad(f"ep={ep} needs a mixture-of-experts model")
+        if mc.rule("experts") and cfg.num_experts % ep:
+            bad(f"{cfg.num_experts} experts are not divisible by ep={ep}")
+        if cfg.num_layers < pp:
+            bad(f"{cfg.num_layers} layers cannot fill {pp} pipeline stages")
+        stages = plan_stages(cfg.num_layers, pp)
+        mesh = Mesh(np.asarray(devices[:mc.num_devices]).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
+        return cls(mc, mesh, kv_repeat, stages, max(stages))
+
+    @classmethod
+    def single_device(cls, cfg, device: jax.Device | None = None) -> "ShardPlan":
+        return cls.create(cfg, MeshConfig.single_device(), [device or jax.devices()[0]])
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.mesh_config.sizes
+
+    @property
+    def num_stages(self) -> int:
+        return self.sizes["pp"]
+
+    def axis(self, logical: str) -> str | None:
+        """The mesh axis that splits a logical axis inside the manual (shard_map) region."""
+        return self.mesh_config.rule(logical)
+
+    def effective_config(self, cfg):
+        """The config the placed model has: kv heads repeated, layers padded to whole stages."""
+        return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * self.kv_repeat,
+                                   num_layers=self.num_stages * self.padded_layers)
+
+    def spec(self, logical_axes: Sequence[str | None]) -> P:
+        parts = []
+        for name in logical_axes:
+            if name == "vocab":  # spread over the pipeline too, so every stage carries a share of the head
+                axes = tuple(a for a in ("pp", "tp") if (a == "pp" and self.num_stages > 1)
+                             or (a == "tp" and self.axis("vocab")))
+                parts.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+            else:
+                parts.append(self.axis(name) if name else None)
+        return P(*parts)
+
+    def sharding(self, logical_axes: Sequence[str | None]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def layer_slot_mask(self) -> np.ndarray:
+        """1 for stacked-layer slots that hold a real layer, 0 for a stage's padding slots."""
+        mask = np.zeros(self.num_stages * self.padded_layers, np.float32)
+        for s, n in enumerate(self.stage_layers):
+            mask[s * self.padded_layers:s * self.padded_layers + n] = 1
+        return mask
+
+    # ---- host weights -------------------------------------------------------------------------
+    def prepare_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Repeats kv heads and spreads the stacked layers over padded stage slots."""
+        out = dict(weights)
+        if self.kv_repeat > 1:
+            for name, axis in (("layers.wk", 2), ("layers.wv", 2), ("layers.bk", 1), ("layers.bv", 1)):
+                if name in out:
+                    out[name] = np.repeat(out[name], self.kv_repeat, axis=axis)
+        if self.num_stages > 1:
+            starts = np.cumsum((0,) + self.stage_layers[:-1])
+            for name in [k for k in out if k.startswith("layers.")]:
+                w = out[name]
+                padded = np.zeros((self.num_stages * self.padded_layers, *w.shape[1:]), w.dtype)
+                for s, (start, n) in enumerate(zip(starts, self.stage_layers)):
+                    padded[s * self.padded_layers:s * self.padded_layers + n] = w[start:start + n]
+                out[name] = padded
+        return out

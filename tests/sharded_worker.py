@@ -1,0 +1,62 @@
+"""Runs greedy generation for several (model, mesh) pairs in one process and prints JSON lines.
+
+Used by test_sharding.py in subprocesses that have 8 virtual CPU devices (or several processes
+joined with jax.distributed). Usage: python sharded_worker.py JOB.json
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    dist = job.get("distributed")
+    if dist:
+        from sharding.distributed import initialize
+
+        initialize(dist["address"], dist["num_processes"], dist["process_id"])
+    import jax
+
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.errors import ConfigError
+
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True, logprobs=1)
+    for run in job["runs"]:
+        result = {"model": run["model"], "mesh": run["mesh"]}
+        try:
+            llm = LLM(model=run["model"], mesh=run["mesh"], dtype="float32", **job["engine"])
+        except ConfigError as e:
+            result.update(fits=False, error=str(e))
+            print(json.dumps(result), flush=True)
+            continue
+        if jax.process_index() != 0:
+            llm.engine.follow()
+            del llm
+            continue
+        prompts = [llm.tokenizer.encode(p) for p in job["prompts"]]
+        outs = llm.generate(prompts, params)
+        llm.engine.close()
+        result.update(fits=True, tokens=[o.token_ids for o in outs],
+                      logprobs=[[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+        plan = llm.engine.plan
+        if plan is not None:
+            from flax import nnx
+
+            result["params"] = {
+                ".".join(map(str, path)): {
+                    "global": int(v.get_value().nbytes),
+                    "per_device": [int(s.data.nbytes) for s in v.get_value().addressable_shards],
+                    "spec": [list(a) if isinstance(a, tuple) else a for a in v.get_value().sharding.spec],
+                } for path, v in nnx.to_flat_state(llm.engine.runner.state)}
+            result["mesh_sizes"] = plan.sizes
+        print(json.dumps(result), flush=True)
+        del llm, outs
+        gc.collect()  # one engine's pool at a time: all 8 virtual devices share host memory
+
+
+if __name__ == "__main__":
+    main()
