@@ -1,21 +1,26 @@
-"""Chooses the attention implementation: the Pallas kernel on GPU, the `jnp` reference elsewhere."""
+"""Chooses the attention implementation: the Pallas kernels on GPU, the `jnp` reference elsewhere.
+
+"pallas_interpret" runs the same Pallas kernels in interpret mode (any backend, slow): it is how the
+CPU test suite checks the GPU path, down to a whole model forward.
+"""
 
 from __future__ import annotations
 
+import jax
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import reference
+from pallas_kernels import ragged_attention, reference
 from pallas_kernels.metadata import AttentionMetadata
 
-IMPLS = ("auto", "reference")
+IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
 def resolve_impl(impl: str) -> str:
-    """Maps "auto" to the best implementation for the default backend."""
+    """Maps "auto" to the best implementation for the default backend; other names pass through."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose one of {IMPLS}")
     if impl == "auto":
-        return "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
     return impl
 
 
@@ -34,4 +39,7 @@ def paged_attention(
     """Writes this step's k/v into the pages and returns (attention output, k_pages, v_pages)."""
     if impl == "reference":
         return reference.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale)
+    if impl in ("pallas", "pallas_interpret"):
+        return ragged_attention.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
+                                                       interpret=impl == "pallas_interpret")
     raise ValueError(f"unresolved attention implementation {impl!r}; call resolve_impl first")

@@ -1,0 +1,133 @@
+"""Pallas decode attention over the paged KV pool: one query token per row, GQA, split-K.
+
+Rows whose step holds exactly one token (decodes, and one-token prefill chunks) are handled here.
+Grid: (rows S, kv heads Hkv, splits K). A program takes the G query heads that share one kv head as
+the rows of its tile (padded to Gp >= 16, the smallest Triton dot), so each key/value block is read
+once for the whole group. The row's context `[0, kv_len)` is cut into `ceil(kv_len / block_k)`
+blocks and the blocks into K contiguous ranges of `ceil(blocks / K)`; program k runs an online
+softmax over its range and writes its unnormalised partial (acc, max, sum). The combine
+(flash-decoding) rescales every partial to the global max: out = sum_k e^(m_k - m) acc_k /
+sum_k e^(m_k - m) l_k. K is chosen from the batch so that S * Hkv * K fills the GPU; a split with no
+blocks writes (0, MASK_VALUE, 0) and drops out of the combine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Bool, Float, Int
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.paged_block import attend_block, initial_state, load_key_block
+from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
+
+BLOCK_K = 128  # keys per inner step
+MIN_GROUP_ROWS = 16  # Triton's smallest dot tile
+# Programs that keep every SM of an H100/H200 (132 SMs) busy about twice over.
+TARGET_PROGRAMS = 264
+MAX_SPLITS = 32
+
+
+def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks: int) -> int:
+    """Fewest splits that give TARGET_PROGRAMS programs, at most one split per key block."""
+    wanted = -(-TARGET_PROGRAMS // (num_rows * num_kv_heads))
+    return max(1, min(wanted, MAX_SPLITS, max_blocks))
+
+
+def decode_rows(meta: AttentionMetadata) -> Bool[Array, "S"]:
+    """Valid rows whose step is a single token."""
+    q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
+    return (q_lens == 1) & (jnp.arange(q_lens.shape[0]) < meta.num_seqs)
+
+
+def _decode_kernel(layer_ref, kv_lens_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, acc_ref, max_ref,
+                   total_ref, *, scale: float, page_size: int, block_k: int, num_splits: int, precision):
+    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    kv_len = kv_lens_ref[seq]
+    num_blocks = pl.cdiv(kv_len, block_k)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = split * per_split
+    last = jnp.minimum(first + per_split, num_blocks)
+    q = q_ref[...]
+
+    def body(j, state):
+        pos, k, v = load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head, j * block_k,
+                                   kv_len, block_k=block_k, page_size=page_size)
+        visible = jnp.broadcast_to((pos < kv_len)[None, :], (q.shape[0], block_k))
+        return attend_block(state, q, k, v, visible, scale=scale, precision=precision)
+
+    state = lax.fori_loop(first, last, body, initial_state(*q.shape))
+    acc_ref[...] = state.acc
+    max_ref[...] = state.row_max
+    total_ref[...] = state.total
+
+
+def combine_splits(acc: Float[Array, "K S Hkv Gp D"], row_max: Float[Array, "K S Hkv Gp"],
+                   total: Float[Array, "K S Hkv Gp"]) -> Float[Array, "S Hkv Gp D"]:
+    """Merges the per-split partial softmaxes into normalised outputs (rows with no keys -> 0)."""
+    global_max = jnp.max(row_max, axis=0)
+    weight = jnp.exp(row_max - global_max[None])
+    denom = jnp.sum(weight * total, axis=0)
+    numer = jnp.sum(weight[..., None] * acc, axis=0)
+    return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def decode_attention(
+    q: Float[Array, "T Hq D"],
+    k_pages: Float[Array, "L N ps Hkv D"],
+    v_pages: Float[Array, "L N ps Hkv D"],
+    layer: Int[Array, ""],
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    block_k: int = BLOCK_K,
+    num_splits: int | None = None,
+    interpret: bool = False,
+) -> tuple[Float[Array, "T Hq D"], Bool[Array, "T"]]:
+    """Attention of every single-token row's token over its pages (written already).
+
+    Returns the outputs and which tokens they cover; other tokens' outputs are 0.
+    """
+    t, hq, d = q.shape
+    hkv, page_size = k_pages.shape[3], k_pages.shape[2]
+    s, width = meta.page_table.shape
+    g = hq // hkv
+    gp = max(MIN_GROUP_ROWS, next_power_of_2(g))
+    if num_splits is None:
+        num_splits = choose_num_splits(s, hkv, -(-width * page_size // block_k))
+
+    is_decode = decode_rows(meta)
+    kv_lens = jnp.where(is_decode, meta.kv_lens, 0).astype(jnp.int32)
+    first_token = jnp.clip(meta.cu_q_lens[:-1], 0, t - 1)
+    q_rows = q.reshape(t, hkv, g, d)[first_token].astype(k_pages.dtype)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+
+    whole = pl.BlockSpec()
+    partial_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, k: (k, i, h, 0))
+    acc, row_max, total = pl.pallas_call(
+        functools.partial(_decode_kernel, scale=scale, page_size=page_size, block_k=block_k,
+                          num_splits=num_splits, precision=dot_precision(k_pages.dtype)),
+        grid=(s, hkv, num_splits),
+        in_specs=[whole, whole, whole, pl.BlockSpec((None, None, gp, d), lambda i, h, k: (i, h, 0, 0)), whole, whole],
+        out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, k: (k, i, h, 0, 0)),
+                   partial_spec, partial_spec],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, s, hkv, gp, d), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, s, hkv, gp), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, s, hkv, gp), jnp.float32)],
+        compiler_params=compiler_params(num_warps=4, num_stages=pipeline_stages(k_pages.dtype)),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), kv_lens, meta.page_table.astype(jnp.int32), q_rows,
+      k_pages, v_pages)
+
+    rows_out = combine_splits(acc, row_max, total)[:, :, :g].reshape(s, hq, d)
+    valid = jnp.arange(t) < meta.cu_q_lens[meta.num_seqs]
+    seq = jnp.clip(meta.seq_ids, 0, s - 1)
+    covered = valid & is_decode[seq]
+    out = jnp.where(covered[:, None, None], rows_out[seq], 0).astype(q.dtype)
+    return out, covered

@@ -1,0 +1,154 @@
+"""Pallas ragged prefill attention over the paged KV pool: causal, one launch for all chunks.
+
+Rows whose step holds two or more tokens (prefill chunks, with or without a cached prefix) are
+handled here. Each such row is cut into query blocks of `block_q` tokens; the list of (row, block)
+work items is built on the device from `cu_q_lens` and `kv_lens`, so chunks of any lengths share
+one launch. Grid: (work items W, kv heads Hkv). A program's tile has block_q * Gp rows: the G query
+heads of one kv head for each of its tokens (G padded to a power of two Gp), so every key block
+is read once per group. It runs an online softmax over keys `[0, last position of its tokens]`,
+`block_k` keys at a time through the page table, masking keys after each row's own position.
+W = ceil(T / block_q) + min(S, T // 2) bounds the items of any step (each row adds at most one
+partial block, and a row here has >= 2 tokens); items past the step's count return at once, without
+writing their (never gathered) output block.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Bool, Float, Int
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.paged_block import attend_block, initial_state, load_key_block
+from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
+
+TILE_ROWS = 128  # block_q * Gp: query rows of one program
+BLOCK_K = 64  # keys per inner step
+
+# Columns of the work-item table.
+ITEM_SEQ, ITEM_Q_START, ITEM_NUM_Q, ITEM_FIRST_POS = range(4)
+
+
+class WorkItems(NamedTuple):
+    table: Int[Array, "W 4"]  # seq, first flat token, tokens (0: no work), position of the first token
+    token_item: Int[Array, "T"]  # work item of each token (meaningful where `covered`)
+    token_row: Int[Array, "T"]  # index of the token inside its item's query block
+    covered: Bool[Array, "T"]  # valid token of a multi-token row
+
+
+def prefill_rows(meta: AttentionMetadata) -> Bool[Array, "S"]:
+    """Valid rows whose step has at least two tokens."""
+    q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
+    return (q_lens >= 2) & (jnp.arange(q_lens.shape[0]) < meta.num_seqs)
+
+
+def max_work_items(num_tokens: int, num_rows: int, block_q: int) -> int:
+    return -(-num_tokens // block_q) + min(num_rows, num_tokens // 2)
+
+
+def work_items(meta: AttentionMetadata, num_tokens: int, block_q: int) -> WorkItems:
+    """The (row, query block) items of this step and where each token lands in them."""
+    s = meta.kv_lens.shape[0]
+    cu = meta.cu_q_lens.astype(jnp.int32)
+    q_lens = cu[1:] - cu[:-1]
+    is_prefill = prefill_rows(meta)
+    blocks = jnp.where(is_prefill, -(-q_lens // block_q), 0)
+    ends = jnp.cumsum(blocks)
+    starts = ends - blocks
+
+    item = jnp.arange(max_work_items(num_tokens, s, block_q), dtype=jnp.int32)
+    seq = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)
+    has_work = seq < s
+    seq = jnp.minimum(seq, s - 1)
+    q_offset = (item - starts[seq]) * block_q
+    table = jnp.stack([
+        seq,
+        jnp.where(has_work, cu[seq] + q_offset, 0),
+        jnp.where(has_work, jnp.minimum(block_q, q_lens[seq] - q_offset), 0),
+        jnp.where(has_work, meta.kv_lens[seq] - q_lens[seq] + q_offset, 0),
+    ], axis=1).astype(jnp.int32)
+
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_seq = jnp.clip(meta.seq_ids, 0, s - 1)
+    in_row = token - cu[token_seq]
+    covered = (token < cu[meta.num_seqs]) & is_prefill[token_seq]
+    return WorkItems(table, starts[token_seq] + in_row // block_q, in_row % block_q, covered)
+
+
+def _prefill_kernel(layer_ref, items_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, out_ref, *,
+                    scale: float, page_size: int, block_k: int, group_rows: int, precision):
+    item, kv_head = pl.program_id(0), pl.program_id(1)
+    num_q = items_ref[item, ITEM_NUM_Q]
+
+    @pl.when(num_q > 0)  # an item past the step's count writes nothing: no token reads its block
+    def _():
+        layer = layer_ref[0]
+        seq = items_ref[item, ITEM_SEQ]
+        first_pos = items_ref[item, ITEM_FIRST_POS]
+        rows = out_ref.shape[0]
+        q = q_ref[pl.ds(items_ref[item, ITEM_Q_START] * group_rows, rows), :]
+        row_pos = first_pos + lax.div(jnp.arange(rows, dtype=jnp.int32), group_rows)
+        key_end = first_pos + num_q
+
+        def body(j, state):
+            pos, k, v = load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head, j * block_k,
+                                       key_end, block_k=block_k, page_size=page_size)
+            visible = (pos[None, :] <= row_pos[:, None]) & (pos < key_end)[None, :]
+            return attend_block(state, q, k, v, visible, scale=scale, precision=precision)
+
+        state = lax.fori_loop(0, pl.cdiv(key_end, block_k), body, initial_state(*q.shape))
+        out_ref[...] = (state.acc / state.total[:, None]).astype(out_ref.dtype)  # every row saw key 0
+
+
+def prefill_attention(
+    q: Float[Array, "T Hq D"],
+    k_pages: Float[Array, "L N ps Hkv D"],
+    v_pages: Float[Array, "L N ps Hkv D"],
+    layer: Int[Array, ""],
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    tile_rows: int = TILE_ROWS,
+    block_k: int = BLOCK_K,
+    interpret: bool = False,
+) -> tuple[Float[Array, "T Hq D"], Bool[Array, "T"]]:
+    """Causal attention of every token of multi-token rows over its pages (written already).
+
+    Returns the outputs and which tokens they cover; other tokens' outputs are 0.
+    """
+    t, hq, d = q.shape
+    hkv, page_size = k_pages.shape[3], k_pages.shape[2]
+    g = hq // hkv
+    gp = next_power_of_2(g)
+    block_q = max(1, tile_rows // gp)
+    rows = block_q * gp
+    items = work_items(meta, t, block_q)
+
+    # [Hkv, (T + block_q) * Gp, D]: row (token, head in group); the tail keeps every tile in bounds.
+    q_grouped = jnp.pad(q.reshape(t, hkv, g, d).astype(k_pages.dtype), ((0, block_q), (0, 0), (0, gp - g), (0, 0)))
+    q_grouped = q_grouped.transpose(1, 0, 2, 3).reshape(hkv, (t + block_q) * gp, d)
+
+    whole = pl.BlockSpec()
+    out = pl.pallas_call(
+        functools.partial(_prefill_kernel, scale=scale, page_size=page_size, block_k=block_k, group_rows=gp,
+                          precision=dot_precision(k_pages.dtype)),
+        grid=(items.table.shape[0], hkv),
+        in_specs=[whole, whole, whole, pl.BlockSpec((None, (t + block_q) * gp, d), lambda w, h: (h, 0, 0)),
+                  whole, whole],
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda w, h: (w, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((items.table.shape[0], hkv, rows, d), q.dtype),
+        compiler_params=compiler_params(num_warps=4 if d <= 64 else 8, num_stages=pipeline_stages(k_pages.dtype)),
+        interpret=interpret,
+        name="paged_prefill_attention",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), items.table, meta.page_table.astype(jnp.int32), q_grouped,
+      k_pages, v_pages)
+
+    item = jnp.clip(items.token_item, 0, items.table.shape[0] - 1)
+    per_token = out.reshape(-1, hkv, block_q, gp, d)[item[:, None], jnp.arange(hkv)[None, :], items.token_row[:, None]]
+    per_token = per_token[:, :, :g].reshape(t, hq, d)
+    return jnp.where(items.covered[:, None, None], per_token, 0).astype(q.dtype), items.covered

@@ -1,0 +1,39 @@
+"""The Pallas path of `paged_attention`: write the step's k/v, then decode and prefill kernels.
+
+A step mixes single-token rows and prefill chunks. Three launches serve it: the in-place KV write,
+then decode attention (split-K, GQA group as the tile rows) for single-token rows and ragged
+prefill attention for multi-token rows, both reading every key, this step's included, from the
+pages. Each launch skips the rows that are not its own, so the step's cost follows its mix and no
+shape depends on it. Padding tokens get a zero output.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.kv_write import write_kv_pages
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.prefill_attention import prefill_attention
+from pallas_kernels.triton_backend import check_supported
+
+
+def ragged_paged_attention(
+    q: Float[Array, "T Hq D"],
+    k: Float[Array, "T Hkv D"],
+    v: Float[Array, "T Hkv D"],
+    k_pages: Float[Array, "L N ps Hkv D"],
+    v_pages: Float[Array, "L N ps Hkv D"],
+    layer: Int[Array, ""],
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    interpret: bool = False,
+) -> tuple[Float[Array, "T Hq D"], Array, Array]:
+    """Same contract as `reference.ragged_paged_attention`, on Pallas kernels."""
+    check_supported(q.shape[2], q.shape[1], k.shape[1], k_pages.dtype)
+    k_pages, v_pages = write_kv_pages(k_pages, v_pages, layer, k, v, meta.slot_mapping, interpret=interpret)
+    decoded, is_decode = decode_attention(q, k_pages, v_pages, layer, meta, scale=scale, interpret=interpret)
+    prefilled, _ = prefill_attention(q, k_pages, v_pages, layer, meta, scale=scale, interpret=interpret)
+    return jnp.where(is_decode[:, None, None], decoded, prefilled), k_pages, v_pages
