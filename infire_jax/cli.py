@@ -7,6 +7,7 @@ import logging
 import sys
 
 from infire_jax.errors import InfireError
+from sharding.distributed import DistributedConfigError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", dest="attn_impl",
                    help="attention implementation: auto, reference or pallas")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
+    p.add_argument("--mesh", default=None,
+                   help="mesh-config YAML (default: the shipped file for the number of devices)")
+    p.add_argument("--coordinator-address", default=None,
+                   help="multi-host: host:port of process 0's coordinator (env INFIRE_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
 
 
 def engine_config(args: argparse.Namespace):
@@ -29,7 +36,16 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        num_kv_pages=args.num_kv_pages, attn_impl=args.attn_impl, seed=args.seed)
+                        num_kv_pages=args.num_kv_pages, attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed)
+
+
+def init_distributed(args: argparse.Namespace) -> bool:
+    """Joins a multi-host group when asked to; returns whether this process must only follow."""
+    import jax
+
+    from sharding.distributed import initialize
+
+    return initialize(args.coordinator_address, args.num_processes, args.process_id) and jax.process_index() != 0
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -48,10 +64,16 @@ def sampling_params(args: argparse.Namespace):
 
 
 def _make_llm(args):
+    """An LLM on process 0; on follower processes, runs process 0's steps and exits."""
     from infire_jax.engine import Engine
     from infire_jax.llm import LLM
 
-    return LLM(engine=Engine(engine_config(args), progress=progress_bar()))
+    follower = init_distributed(args)
+    engine = Engine(engine_config(args), progress=None if follower else progress_bar())
+    if follower:
+        engine.follow()
+        sys.exit(0)
+    return LLM(engine=engine)
 
 
 def progress_bar():
@@ -76,6 +98,7 @@ def progress_bar():
 def cmd_generate(args) -> int:
     llm = _make_llm(args)
     out = llm.generate(args.prompt, sampling_params(args))
+    llm.engine.close()
     print(out[0].text)
     return 0
 
@@ -91,8 +114,10 @@ def cmd_chat(args) -> int:
         try:
             line = input("> ")
         except EOFError:
+            llm.engine.close()
             return 0
         if line.strip() in ("/exit", "/quit"):
+            llm.engine.close()
             return 0
         if not line.strip():
             continue
@@ -126,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
+                   help="require this bearer key (repeatable); KEY:TENANT also names the key's cache tenant")
+    s.add_argument("--max-queue", type=int, default=1024,
+                   help="sequences allowed to wait beyond a full batch; past it requests get 429")
+    s.add_argument("--served-model-name", default=None, help="model name of the API (default: the model's name)")
     s.set_defaults(func=cmd_serve)
     return parser
 
@@ -135,6 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except InfireError as e:
+    except (InfireError, DistributedConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,318 @@
+"""Serves the Engine to asyncio code from a dedicated engine thread.
+
+The Engine is not thread-safe and `step()` blocks on the device, so one thread owns it: between
+steps it applies add/abort commands taken from a thread-safe queue, it steps while anything is
+unfinished, and it sleeps on that queue when idle (no busy loop). Each step's deltas go back to
+the event loop in one `call_soon_threadsafe` callback, which fans them out to per-request asyncio
+queues and records latencies, so the event loop never waits on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Protocol
+
+from infire_jax.engine import Engine
+from infire_jax.errors import InvalidRequestError
+from infire_jax.outputs import Delta
+from infire_jax.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (it crashed, or the server is shutting down)."""
+
+
+class QueueFullError(RuntimeError):
+    """Accepting the request would put more sequences in flight than the server allows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine counters, copied on the engine thread after every step, so readers need no lock."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    compiles_since_warmup: int = 0
+
+
+class LatencyObserver(Protocol):
+    """Receives per-sequence latencies (seconds), measured on the event loop's clock."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def inter_token(self, seconds: float) -> None: ...
+
+    def finished(self, seconds: float, reason: str) -> None: ...
+
+
+@dataclasses.dataclass
+class _Add:
+    stream: RequestStream
+    prompts: list[list[int]]
+    params: SamplingParams
+    options: dict[str, Any]  # priority, tenant, prefix_hint_tokens, session_id
+
+
+@dataclasses.dataclass
+class _Abort:
+    engine_ids: list[str]
+
+
+_STOP = object()
+
+
+class RequestStream:
+    """The sequences of one API request: its prompts times `params.n`.
+
+    `async with` admits it, raising InvalidRequestError, QueueFullError or EngineDeadError before
+    anything was generated (so a server can still choose the HTTP status). Iterating yields lists
+    of (prompt index, Delta) in arrival order. Leaving the block early, or being cancelled (a client
+    that disconnected), aborts every unfinished sequence and frees its KV pages.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 options: dict[str, Any]):
+        self.request_id = request_id
+        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.num_seqs = len(prompts) * params.n
+        self._engine = engine
+        self._command = _Add(self, prompts, params, options)
+        self._remaining = self.num_seqs
+        self._queue: asyncio.Queue[tuple[int, Delta] | BaseException] = asyncio.Queue()
+        self._admitted: asyncio.Future[BaseException | None] | None = None
+        self._arrival = time.monotonic()
+        self._last_token: dict[tuple[int, int], float] = {}
+        self.active = False  # registered with the engine: admitted or waiting for admission
+
+    @property
+    def finished(self) -> bool:
+        return self._remaining == 0
+
+    async def __aenter__(self) -> RequestStream:
+        self._admitted = asyncio.get_running_loop().create_future()
+        self._engine._submit(self)
+        try:
+            error = await self._admitted
+        except BaseException:
+            self._engine._cancel(self)
+            raise
+        if error is not None:
+            self._engine._unregister(self)
+            raise error
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._engine._cancel(self)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> list[tuple[int, Delta]]:
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for item in items:
+            if isinstance(item, BaseException):
+                self._remaining = 0  # nothing more will come
+                raise item
+        return items  # type: ignore[return-value]
+
+    # ---- called on the event loop by the AsyncEngine ----------------------------------------
+    def _admit(self, error: BaseException | None) -> None:
+        if self._admitted is not None and not self._admitted.done():
+            self._admitted.set_result(error)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._admitted is not None and not self._admitted.done():
+            self._admitted.set_result(error)
+        else:
+            self._queue.put_nowait(error)
+
+    def _push(self, prompt_index: int, d: Delta, now: float, observer: LatencyObserver | None) -> None:
+        key = (prompt_index, d.index)
+        last = self._last_token.get(key)
+        if observer is not None:
+            if last is None:
+                observer.first_token(now - self._arrival)
+            else:
+                observer.inter_token(now - last)
+            if d.finished:
+                observer.finished(now - self._arrival, d.finish_reason)
+        self._last_token[key] = now
+        if d.finished:
+            self._remaining -= 1
+        self._queue.put_nowait((prompt_index, d))
+
+
+class AsyncEngine:
+    """Owns the engine thread. `max_queue` bounds the sequences allowed to wait beyond a full batch."""
+
+    def __init__(self, engine: Engine, *, max_queue: int, observer: LatencyObserver | None = None):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine = engine
+        self.capacity = engine.config.max_num_seqs + max_queue
+        self.observer = observer
+        self.snapshot = EngineSnapshot()
+        self.error: BaseException | None = None  # why the engine thread stopped, once it has
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[RequestStream, int]] = {}  # engine request id -> (stream, prompt index)
+        self._in_flight = 0  # sequences of registered streams
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    def start(self) -> None:
+        """Starts the engine thread; deltas will be delivered to the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self.snapshot = self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="infire-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stops the engine thread after its current step; open requests fail with EngineDeadError."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self.error is None:
+            self.error = EngineDeadError("the engine was shut down")
+        self._fail_all(EngineDeadError(f"the engine is not running: {self.error!r}"))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, request_id: str, priority: int = 0,
+                 tenant: str | None = None, prefix_hint_tokens: int = 0,
+                 session_id: str | None = None) -> RequestStream:
+        """A stream of the deltas of `prompts` (token ids); use it as `async with ... as stream`."""
+        options = dict(priority=priority, tenant=tenant, prefix_hint_tokens=prefix_hint_tokens,
+                       session_id=session_id)
+        return RequestStream(self, request_id, prompts, params, options)
+
+    # ---- event-loop side ------------------------------------------------------------------
+    def _submit(self, stream: RequestStream) -> None:
+        if self.error is not None or self._thread is None:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        if stream.num_seqs > self.capacity:
+            raise InvalidRequestError(
+                f"the request asks for {stream.num_seqs} sequences (prompts x n); this server accepts at most "
+                f"{self.capacity}", param="n")
+        if self._in_flight + stream.num_seqs > self.capacity:
+            raise QueueFullError(f"the server is at capacity ({self._in_flight} sequences in flight, "
+                                 f"limit {self.capacity}); retry later")
+        for i, eid in enumerate(stream.engine_ids):
+            self._streams[eid] = (stream, i)
+        self._in_flight += stream.num_seqs
+        stream.active = True
+        self._commands.put(stream._command)
+
+    def _unregister(self, stream: RequestStream) -> None:
+        if not stream.active:
+            return
+        stream.active = False
+        for eid in stream.engine_ids:
+            self._streams.pop(eid, None)
+        self._in_flight -= stream.num_seqs
+
+    def _cancel(self, stream: RequestStream) -> None:
+        """Aborts the unfinished sequences of a stream its consumer gave up on."""
+        if stream.active and self.error is None:
+            self._commands.put(_Abort(list(stream.engine_ids)))
+        self._unregister(stream)
+
+    def _deliver(self, deltas: list[Delta], now: float) -> None:
+        for d in deltas:
+            entry = self._streams.get(d.request_id)
+            if entry is None:
+                continue  # aborted while the step was in flight
+            stream, prompt_index = entry
+            stream._push(prompt_index, d, now, self.observer)
+            if stream.finished:
+                self._unregister(stream)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = {id(s): s for s, _ in self._streams.values()}
+        for stream in streams.values():
+            self._unregister(stream)
+            stream._fail(error)
+
+    def _on_thread_exit(self, error: BaseException) -> None:
+        self.error = error
+        self._fail_all(EngineDeadError(f"the engine failed: {error!r}"))
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                for cmd in self._take_commands(block=not self.engine.has_unfinished()):
+                    if cmd is _STOP:
+                        self.engine.close()  # releases multi-host followers
+                        return
+                    self._apply(cmd)
+                if self.engine.has_unfinished():
+                    deltas = self.engine.step()
+                    if deltas:
+                        self._loop.call_soon_threadsafe(self._deliver, deltas, time.monotonic())
+                self.snapshot = self._take_snapshot()
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting clients
+            log.exception("the engine thread crashed")
+            self.error = e
+            try:
+                self._loop.call_soon_threadsafe(self._on_thread_exit, e)
+            except RuntimeError:  # the event loop is already closed
+                pass
+
+    def _take_commands(self, block: bool) -> list:
+        cmds = [self._commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            for eid in cmd.engine_ids:
+                self.engine.abort(eid)
+            return
+        if not cmd.stream.active:
+            return  # its consumer left before it was admitted
+        added: list[str] = []
+        error: InvalidRequestError | None = None
+        try:
+            for eid, prompt in zip(cmd.stream.engine_ids, cmd.prompts):
+                self.engine.add_request(prompt, cmd.params, request_id=eid, **cmd.options)
+                added.append(eid)
+        except InvalidRequestError as e:
+            error = e
+            for eid in added:  # a request's prompts are admitted together or not at all
+                self.engine.abort(eid)
+        self._loop.call_soon_threadsafe(cmd.stream._admit, error)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        e = self.engine
+        return EngineSnapshot(
+            num_running=e.num_running, num_waiting=e.num_waiting, kv_usage=e.kv.usage,
+            prefix_queries=e.kv.queries, prefix_hits=e.kv.hits, num_preemptions=e.scheduler.num_preemptions,
+            prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens,
+            compiles_since_warmup=e.compiles_since_warmup)

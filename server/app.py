@@ -1,0 +1,143 @@
+"""The aiohttp application: routes, middlewares, start-up and shut-down, and `serve(args)` for the CLI.
+
+Threads: the event loop (HTTP, tokenization, response building) and the engine thread (scheduling
+and device steps, see infire_jax.async_engine). Nothing on the event loop waits for the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+import time
+
+from aiohttp import web
+
+from infire_jax.async_engine import AsyncEngine
+from infire_jax.engine import Engine
+from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
+from server.endpoints import SESSION_HEADER, STATE, ServerState, chat_completions, completions
+from server.errors import error_middleware
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.responses import TokenText
+
+METRICS = web.AppKey("metrics", ServerMetrics)
+_MAX_BODY = 64 << 20  # bytes; prompts of token ids are large
+
+
+def build_app(engine: Engine, *, model_name: str | None = None, api_keys: dict[str, str] | None = None,
+              max_queue: int = 1024) -> web.Application:
+    """The app over an engine that is warmed up; the engine thread starts with the app."""
+    name = model_name or engine.model_name
+    metrics = ServerMetrics(name)
+    async_engine = AsyncEngine(engine, max_queue=max_queue, observer=metrics)
+    metrics.track_engine(lambda: async_engine.snapshot)
+
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=_MAX_BODY)
+    app[STATE] = ServerState(engine=async_engine, tokenizer=engine.tokenizer, token_text=TokenText(engine.tokenizer),
+                             model_name=name, max_model_len=engine.max_model_len)
+    app[AUTH] = Auth(api_keys or {})
+    app[METRICS] = metrics
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.on_response_prepare.append(_echo_session)
+    app.on_startup.append(_start_engine)
+    app.on_cleanup.append(_stop_engine)
+    return app
+
+
+async def _start_engine(app: web.Application) -> None:
+    app[STATE].engine.start()
+
+
+async def _stop_engine(app: web.Application) -> None:
+    await app[STATE].engine.shutdown()
+
+
+async def _echo_session(request: web.Request, response: web.StreamResponse) -> None:
+    """Echoes the session-affinity header, the routing key of a future multi-replica router."""
+    session = request.headers.get(SESSION_HEADER)
+    if session is not None:
+        response.headers[SESSION_HEADER] = session
+
+
+async def _models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return web.json_response({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": int(time.time()), "owned_by": "infire-jax",
+        "max_model_len": st.max_model_len}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    if engine.healthy:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unhealthy", "error": repr(engine.error)}, status=503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """Handler cancellation on: a client that disconnects cancels its handler, which aborts its request."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`infire-jax serve`: bind, load and warm up (with a progress bar), listen, print the ready line, serve."""
+    from infire_jax.cli import engine_config, init_distributed, progress_bar
+
+    if args.max_queue < 0:
+        print("error: --max-queue must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        keys = parse_api_keys(args.api_key or [])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if init_distributed(args):  # a multi-host follower: run process 0's steps, serve nothing
+        Engine(engine_config(args)).follow()
+        return 0
+    try:
+        sock = _bind(args.host, args.port)  # before the slow warmup, so a taken port fails at once
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with sock:
+        engine = Engine(engine_config(args), progress=progress_bar())
+        app = build_app(engine, model_name=args.served_model_name, api_keys=keys, max_queue=args.max_queue)
+        asyncio.run(_serve(app, sock, args.host))
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A bound socket that does not listen yet: until the server is ready, connections are refused."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    return sock
+
+
+async def _serve(app: web.Application, sock: socket.socket, host: str) -> None:
+    runner = make_runner(app)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    print(f"ready: http://{host}:{sock.getsockname()[1]}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

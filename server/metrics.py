@@ -1,0 +1,86 @@
+"""Prometheus metrics of one server: vLLM's metric names under an `infire:` prefix.
+
+Latency histograms are observed on the event loop as deltas arrive (the AsyncEngine's
+LatencyObserver). Engine gauges and counters are read at scrape time from the snapshot the engine
+thread publishes after every step, so a scrape never touches the engine itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from infire_jax.async_engine import EngineSnapshot
+
+PREFIX = "infire:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]):
+        self._model = model_name
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        for cls, name, doc, value in (
+            (GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", s.num_running),
+            (GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV pages held by requests (1 = full).",
+             s.kv_usage),
+            (GaugeMetricFamily, "compiles_since_warmup", "XLA compilations after warmup (should stay 0).",
+             s.compiles_since_warmup),
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_queries),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits),
+            (CounterMetricFamily, "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions),
+            (CounterMetricFamily, "prompt_tokens", "Prompt tokens of admitted sequences.", s.prompt_tokens),
+            (CounterMetricFamily, "generation_tokens", "Generated tokens.", s.generation_tokens),
+        ):
+            family = cls(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family
+
+
+class ServerMetrics:
+    """The registry of one app; implements the AsyncEngine's LatencyObserver."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self._itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
+        self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token, per sequence.", _E2E_BUCKETS)
+        self._success = Counter(PREFIX + "request_success", "Finished sequences, by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+
+    def track_engine(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.registry.register(_EngineCollector(self.model_name, snapshot))
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def finished(self, seconds: float, reason: str) -> None:
+        self._e2e.observe(seconds)
+        self._success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

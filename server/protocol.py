@@ -1,0 +1,265 @@
+"""OpenAI request validation: a JSON body becomes a CompletionRequest or a ChatRequest, or a 400.
+
+Follows the OpenAI schema: unknown fields, wrong types and out-of-range values are rejected, and so
+are fields OpenAI would honour but this server cannot (logit_bias, tools, suffix, ...), instead of
+being ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, ...) and its `priority` (lower runs first) are accepted too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from infire_jax.errors import InvalidRequestError
+from infire_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.errors import APIError
+
+_INT64 = 2 ** 63
+_INT32 = 2 ** 31  # token ids and top_k travel to the device as int32
+_MAX_N = 128
+_MAX_STOP = 4
+
+_COMMON = frozenset({
+    "model", "n", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
+    "stream", "stream_options", "logit_bias", "user",
+    # vLLM extensions
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+    "include_stop_str_in_output", "priority",
+})
+_COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
+                   "tool_choice", "parallel_tool_calls", "store"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """What both endpoints share once validated."""
+
+    model: str
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+@dataclasses.dataclass
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]]
+    echo: bool
+
+
+@dataclasses.dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict[str, str]]
+    top_logprobs: int | None  # None: no logprobs
+
+
+class _Body:
+    """Typed, range-checked access to the fields of a JSON object. A null field is an absent one."""
+
+    def __init__(self, data: Any, allowed: frozenset[str]):
+        if not isinstance(data, dict):
+            raise bad("the request body must be a JSON object")
+        unknown = sorted(k for k in data if k not in allowed)
+        if unknown:
+            raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        self.data = data
+
+    def present(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+    def _typed(self, name: str, ok: Callable[[Any], bool], kind: str) -> Any:
+        v = self.data.get(name)
+        if v is not None and not ok(v):
+            raise bad(f"Invalid type for '{name}': expected {kind}, but got {_json_type(v)} instead.", name)
+        return v
+
+    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+        v = self._typed(name, _is_int, "an integer")
+        if v is None:
+            return default
+        _check_range(name, v, lo, hi)
+        return v
+
+    def number(self, name: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
+        v = self._typed(name, lambda x: _is_int(x) or isinstance(x, float), "a number")
+        if v is None:
+            return default
+        _check_range(name, v, lo, hi)
+        return float(v)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        v = self._typed(name, lambda x: isinstance(x, bool), "a boolean")
+        return default if v is None else v
+
+    def string(self, name: str) -> str | None:
+        return self._typed(name, lambda x: isinstance(x, str), "a string")
+
+    def neutral(self, name: str, ok: Callable[[Any], bool], why: str) -> None:
+        """Accepts a field only with a value that changes nothing here."""
+        v = self.data.get(name)
+        if v is not None and not ok(v):
+            raise bad(f"'{name}' is not supported by this server: {why}", name)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _json_type(v: Any) -> str:
+    for t, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                    (list, "an array"), (dict, "an object")):
+        if isinstance(v, t):
+            return name
+    return "null"
+
+
+def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and v < lo:
+        raise bad(f"Invalid '{name}': expected a value >= {lo}, but got {v} instead.", name)
+    if hi is not None and v > hi:
+        raise bad(f"Invalid '{name}': expected a value <= {hi}, but got {v} instead.", name)
+
+
+def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None) -> GenerationRequest:
+    """Fields both endpoints share, and the SamplingParams they define."""
+    model = b.string("model")
+    if model is None:
+        raise bad("you must provide a model parameter", "model")
+    stream = b.boolean("stream", False)
+    include_usage = False
+    if b.present("stream_options"):
+        if not stream:
+            raise bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+        include_usage = _Body(b.data["stream_options"], frozenset({"include_usage"})).boolean("include_usage", False)
+    b.neutral("logit_bias", lambda v: v == {}, "logit bias is not implemented")
+    b.string("user")
+    stop = b.data.get("stop")
+    if stop is not None:
+        if isinstance(stop, list):
+            if len(stop) > _MAX_STOP or not all(isinstance(s, str) for s in stop):
+                raise bad(f"'stop' must be a string or an array of at most {_MAX_STOP} strings", "stop")
+        elif not isinstance(stop, str):
+            raise bad(f"Invalid type for 'stop': expected a string or an array, but got {_json_type(stop)} "
+                      "instead.", "stop")
+    stop_token_ids = b.data.get("stop_token_ids")
+    if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(
+            _is_int(t) and 0 <= t < _INT32 for t in stop_token_ids)):
+        raise bad("'stop_token_ids' must be an array of token ids (integers >= 0)", "stop_token_ids")
+    top_k = b.integer("top_k", 0, lo=-1, hi=_INT32 - 1)
+    try:
+        params = SamplingParams(
+            n=b.integer("n", 1, lo=1, hi=_MAX_N), max_tokens=max_tokens, min_tokens=b.integer("min_tokens", 0, lo=0),
+            temperature=b.number("temperature", 1.0, lo=0, hi=2), top_p=b.number("top_p", 1.0, lo=0, hi=1),
+            top_k=top_k, min_p=b.number("min_p", 0.0, lo=0, hi=1),
+            repetition_penalty=b.number("repetition_penalty", 1.0, lo=0),
+            presence_penalty=b.number("presence_penalty", 0.0, lo=-2, hi=2),
+            frequency_penalty=b.number("frequency_penalty", 0.0, lo=-2, hi=2),
+            seed=b.integer("seed", None, lo=-_INT64, hi=_INT64 - 1), stop=stop, stop_token_ids=stop_token_ids,
+            ignore_eos=b.boolean("ignore_eos", False), logprobs=logprobs,
+            skip_special_tokens=b.boolean("skip_special_tokens", True),
+            include_stop_str_in_output=b.boolean("include_stop_str_in_output", False))
+    except InvalidRequestError as e:  # SamplingParams' own checks
+        raise bad(str(e), e.param) from e
+    return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,
+                             priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1))
+
+
+def parse_completion(data: Any) -> CompletionRequest:
+    b = _Body(data, _COMPLETION)
+    if not b.present("prompt"):
+        raise bad("you must provide a prompt parameter", "prompt")
+    prompts = _prompts(b.data["prompt"])
+    logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    echo = b.boolean("echo", False)
+    if echo and logprobs is not None:
+        raise bad("'echo' together with 'logprobs' is not supported (it needs prompt logprobs)", "echo")
+    b.neutral("suffix", lambda v: v == "", "insertion (suffix) is not implemented")
+    common = _common(b, max_tokens=b.integer("max_tokens", 16, lo=1), logprobs=logprobs)
+    b.neutral("best_of", lambda v: v == common.params.n, "best_of must be null or equal to n")
+    return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
+
+
+def _prompts(raw: Any) -> list[str | list[int]]:
+    """A string, an array of strings, an array of token ids, or an array of token-id arrays."""
+    if isinstance(raw, str):
+        return [raw]
+    if isinstance(raw, list) and raw:
+        if all(isinstance(p, str) for p in raw):
+            return list(raw)
+        if all(_is_int(t) for t in raw):
+            return [list(raw)]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in raw):
+            return [list(p) for p in raw]
+    raise bad("'prompt' must be a string, an array of strings, an array of token ids, or an array of "
+              "non-empty token-id arrays", "prompt")
+
+
+def parse_chat(data: Any) -> ChatRequest:
+    b = _Body(data, _CHAT)
+    if not b.present("messages"):
+        raise bad("you must provide a messages parameter", "messages")
+    messages = _messages(b.data["messages"])
+    want_logprobs = b.boolean("logprobs", False)
+    top_logprobs = b.integer("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top_logprobs is not None and not want_logprobs:
+        raise bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    max_tokens = b.integer("max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = b.integer("max_tokens", None, lo=1)
+    b.neutral("response_format", lambda v: v == {"type": "text"}, "only {\"type\": \"text\"} is implemented")
+    b.neutral("tools", lambda v: v == [], "tool calling is not implemented")
+    b.neutral("tool_choice", lambda v: v == "none", "tool calling is not implemented")
+    b.boolean("parallel_tool_calls", False)
+    b.neutral("store", lambda v: v is False, "completions are not stored")
+    top = (top_logprobs or 0) if want_logprobs else None
+    common = _common(b, max_tokens=max_tokens, logprobs=top)
+    return ChatRequest(**vars(common), messages=messages,
+                       top_logprobs=top)
+
+
+def _messages(raw: Any) -> list[dict[str, str]]:
+    """Validated messages with text content; `developer` is rendered as `system`."""
+    if not isinstance(raw, list) or not raw:
+        raise bad("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"Invalid type for '{p}': expected an object, but got {_json_type(m)} instead.", p)
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise bad(f"Unrecognized or unsupported message field: {p}.{extra[0]}", f"{p}.{extra[0]}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"Invalid value for '{p}.role': expected one of {sorted(_ROLES)}, got {role!r}", f"{p}.role")
+        msg = {"role": _ROLES[role], "content": _content(m.get("content"), f"{p}.content")}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise bad(f"Invalid type for '{p}.name': expected a string", f"{p}.name")
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _content(content: Any, p: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                    and set(part) == {"type", "text"}):
+                raise bad(f"'{p}[{j}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
+                          f"{p}[{j}]")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad(f"Invalid type for '{p}': expected a string or an array of text parts, but got "
+              f"{_json_type(content)} instead.", p)

@@ -1,0 +1,188 @@
+"""OpenAI response objects: whole responses, stream chunks, logprobs and usage, built from Deltas.
+
+A request's choices are numbered `prompt_index * n + sample_index`, as OpenAI numbers them when
+one completions request carries several prompts.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import time
+from typing import Any
+
+from infire_jax.outputs import Delta
+from infire_jax.tokenizer import Tokenizer
+
+
+class TokenText:
+    """The text of single tokens, for logprobs; cached, since the same tokens recur."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._text = functools.lru_cache(maxsize=1 << 16)(
+            lambda t: tokenizer.decode([t], skip_special_tokens=False))
+
+    def __call__(self, token_id: int) -> str:
+        return self._text(token_id)
+
+
+class Usage:
+    """Token counts of one request; prompts count once each, whatever `n` is."""
+
+    def __init__(self, prompt_lens: list[int]):
+        self.prompt_tokens = sum(prompt_lens)
+        self.completion_tokens = 0
+        self._cached = [0] * len(prompt_lens)
+
+    def add(self, prompt_index: int, d: Delta) -> None:
+        self.completion_tokens += len(d.token_ids)
+        if d.index == 0:
+            self._cached[prompt_index] = d.num_cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached)}}
+
+
+@dataclasses.dataclass
+class Choice:
+    """One choice accumulated for a non-streaming response."""
+
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, d: Delta) -> None:
+        self.text.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.finished:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+class Formatter(abc.ABC):
+    """The envelope both APIs share."""
+
+    full_object: str
+    chunk_object: str
+
+    def __init__(self, request_id: str, model: str, token_text: TokenText, *, want_logprobs: bool,
+                 include_usage: bool):
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = self._envelope(self.chunk_object, choices)
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, []) | {"usage": usage.to_dict()}
+
+    def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        return self._envelope(self.full_object, [self._full_choice(i, c) for i, c in enumerate(choices)]) | {
+            "usage": usage.to_dict()}
+
+    @abc.abstractmethod
+    def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        """Chunks a stream opens with, before any token."""
+
+    @abc.abstractmethod
+    def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
+        """The chunk of one delta of choice `index`; None when it carries nothing to show."""
+
+    @abc.abstractmethod
+    def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
+        """One choice of a non-streaming response."""
+
+
+class CompletionFormatter(Formatter):
+    full_object = chunk_object = "text_completion"
+
+    def __init__(self, *args, echo_texts: list[str] | None, n: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._echo = echo_texts
+        self._n = n
+        self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
+
+    def _echo_text(self, index: int) -> str:
+        return self._echo[index // self._n] if self._echo is not None else ""
+
+    def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        if self._echo is None:
+            return []
+        return [self._chunk([{"index": i, "text": self._echo_text(i), "logprobs": None, "finish_reason": None}])
+                for i in range(num_choices)]
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
+        tt = self.token_text
+        tokens = [tt(t) for t in token_ids]
+        offset = self._offsets.get(index, len(self._echo_text(index)))
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{tt(i): lp for i, lp in e.items()} for e in entries], "text_offset": offsets}
+
+    def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
+        lp = self._logprobs(index, d.token_ids, d.logprobs) if self.want_logprobs and d.logprobs else None
+        if not d.text and lp is None and not d.finished:
+            return None
+        return self._chunk([{"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
+                             "stop_reason": d.stop_reason}])
+
+    def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
+        lp = self._logprobs(index, c.token_ids, c.logprobs) if self.want_logprobs else None
+        return {"index": index, "text": self._echo_text(index) + "".join(c.text), "logprobs": lp,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+class ChatFormatter(Formatter):
+    full_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, *args, top_logprobs: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._top = top_logprobs
+
+    def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(num_choices)]
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        s = self.token_text(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
+        # An entry holds the top alternatives in rank order, then the sampled token if it is not among them.
+        return {"content": [
+            self._token(t, e[t]) | {"top_logprobs": [self._token(i, lp) for i, lp in list(e.items())[:self._top]]}
+            for t, e in zip(token_ids, entries)]}
+
+    def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
+        lp = self._logprobs(d.token_ids, d.logprobs) if self.want_logprobs and d.logprobs else None
+        if not d.text and lp is None and not d.finished:
+            return None
+        return self._chunk([{"index": index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                             "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+
+    def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
+        lp = self._logprobs(c.token_ids, c.logprobs) if self.want_logprobs else None
+        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": lp,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

@@ -1,0 +1,71 @@
+"""Invalid OpenAI requests and the 4xx each must get: (path, changes to a valid base body, status, param)."""
+
+from __future__ import annotations
+
+from server_utils import MODEL
+
+DROP = object()  # removes the field from the base body
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+BASE = {CMPL: {"model": MODEL, "prompt": "hi", "max_tokens": 4},
+        CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+BAD_BODIES = [  # (path, changes to the base body, status, param)
+    (CMPL, {"model": DROP}, 400, "model"),
+    (CMPL, {"model": "gpt-4o"}, 404, "model"),
+    (CMPL, {"prompt": DROP}, 400, "prompt"),
+    (CMPL, {"temperature": "hot"}, 400, "temperature"),
+    (CMPL, {"max_tokens": "10"}, 400, "max_tokens"),
+    (CMPL, {"n": 1.5}, 400, "n"),
+    (CMPL, {"stream": "yes"}, 400, "stream"),
+    (CMPL, {"prompt": 5}, 400, "prompt"),
+    (CMPL, {"prompt": []}, 400, "prompt"),
+    (CMPL, {"prompt": [[1, "a"]]}, 400, "prompt"),
+    (CMPL, {"prompt": ""}, 400, "prompt"),
+    (CMPL, {"stop": 3}, 400, "stop"),
+    (CMPL, {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    (CMPL, {"logprobs": True}, 400, "logprobs"),
+    (CMPL, {"foo": 1}, 400, "foo"),
+    (CMPL, {"temperature": 3}, 400, "temperature"),
+    (CMPL, {"top_p": 1.5}, 400, "top_p"),
+    (CMPL, {"top_p": 0}, 400, "top_p"),
+    (CMPL, {"n": 0}, 400, "n"),
+    (CMPL, {"n": 129}, 400, "n"),
+    (CMPL, {"max_tokens": 0}, 400, "max_tokens"),
+    (CMPL, {"logprobs": 21}, 400, "logprobs"),
+    (CMPL, {"presence_penalty": 5}, 400, "presence_penalty"),
+    (CMPL, {"frequency_penalty": -2.5}, 400, "frequency_penalty"),
+    (CMPL, {"top_k": -2}, 400, "top_k"),
+    (CMPL, {"top_k": 2 ** 40}, 400, "top_k"),
+    (CMPL, {"stop_token_ids": [2 ** 40]}, 400, "stop_token_ids"),
+    (CMPL, {"min_p": 2}, 400, "min_p"),
+    (CMPL, {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    (CMPL, {"seed": 2 ** 64}, 400, "seed"),
+    (CMPL, {"priority": "high"}, 400, "priority"),
+    (CMPL, {"prompt": [5] * 1100}, 400, "prompt"),  # longer than max_model_len
+    (CMPL, {"max_tokens": 1030}, 400, "max_tokens"),  # prompt + max_tokens > max_model_len
+    (CMPL, {"prompt": [10 ** 6]}, 400, "prompt"),  # outside the vocabulary
+    (CMPL, {"prompt": [10 ** 6], "stream": True}, 400, "prompt"),  # admission fails before the stream starts
+    (CMPL, {"temperature": -1, "stream": True}, 400, "temperature"),
+    (CMPL, {"logit_bias": {"50": 5}}, 400, "logit_bias"),
+    (CMPL, {"suffix": "the end"}, 400, "suffix"),
+    (CMPL, {"echo": True, "logprobs": 1}, 400, "echo"),
+    (CMPL, {"best_of": 3}, 400, "best_of"),
+    (CMPL, {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (CMPL, {"stream": True, "stream_options": {"include_usage": "yes"}}, 400, "include_usage"),
+    (CMPL, {"stream": True, "stream_options": {"bogus": 1}}, 400, "bogus"),
+    (CHAT, {"messages": DROP}, 400, "messages"),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content[0]"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "messages[0].tool_calls"),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 1100}]}, 400, "messages"),
+    (CHAT, {"top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    (CHAT, {"max_tokens": 2000}, 400, "max_tokens"),
+]

@@ -1,0 +1,74 @@
+"""Helpers of the live-server tests: start `infire-jax serve` as a subprocess, read its metrics."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Callable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "SmolLM2-135M-Instruct"
+_READY_TIMEOUT_S = 600  # a first start compiles every bucket; later starts hit the on-disk cache
+
+
+class ServerProcess:
+    """One server on a free port (`--port 0`; the ready line names the port)."""
+
+    def __init__(self, args: list[str]):
+        self._log = tempfile.NamedTemporaryFile(prefix="infire-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infire_jax", "serve", "--host", "127.0.0.1", "--port", "0", "--dtype", "float32",
+             *args],
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.url = ""
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            readable, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if readable:
+                line = self.proc.stdout.readline()
+                if line.startswith("ready: "):
+                    self.url = line.split(" ", 1)[1].strip()
+                    return
+        raise TimeoutError(f"the server was not ready after {_READY_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self._log.name, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self._log.close()
+        os.unlink(self._log.name)
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled view of /metrics: sample name -> value (each metric has one model_name label)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if "le" not in s.labels and "finished_reason" not in s.labels}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)

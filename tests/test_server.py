@@ -1,0 +1,472 @@
+"""The OpenAI-compatible server, live: two `infire-jax serve` subprocesses driven by the official client.
+
+`main` has API keys (two tenants) and a large KV pool; `small` has no keys (tenants come from
+x-tenant-id), a KV pool too small for its load (preemption) and a short queue (overload). Outputs
+are compared greedily: a request under load must produce what it produces alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+
+from bad_requests import BAD_BODIES, BASE, CMPL, DROP
+from server_utils import MODEL, ServerProcess, wait_until
+
+KEY_A, KEY_B = "sk-alpha-0123", "sk-beta-4567"
+MAIN_ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--max-model-len", "1024",
+             "--api-key", f"{KEY_A}:alpha", "--api-key", f"{KEY_B}:beta", "--max-queue", "64"]
+# 23 usable pages of 16 tokens; 8 running sequences + 4 queued at most.
+SMALL_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+              "--num-kv-pages", "24", "--max-queue", "4"]
+PAGE = 16
+LONG_TEXT = ("The history of the printing press begins with movable type in East Asia and continues with "
+             "Gutenberg's press in Mainz around 1440, which spread across Europe within a few decades. ")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    procs = [ServerProcess(MAIN_ARGS), ServerProcess(SMALL_ARGS)]  # start both, so they load in parallel
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def main(servers) -> ServerProcess:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def small(servers) -> ServerProcess:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def client(main):
+    with openai.OpenAI(base_url=main.url + "/v1", api_key=KEY_A, max_retries=0, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from gguf import GGUFReader
+
+    from infire_jax.loaders.gguf import read_metadata
+    from infire_jax.loaders.load import default_model_path
+    from infire_jax.tokenizer import tokenizer_from_gguf
+
+    return tokenizer_from_gguf(read_metadata(GGUFReader(default_model_path())))
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def greedy(**kw) -> dict:
+    return dict(model=MODEL, temperature=0, **kw)
+
+
+def cached_expected(num_prompt_tokens: int) -> int:
+    """Full pages of the prompt, less the page of the last token (its logits must be computed)."""
+    return (num_prompt_tokens - 1) // PAGE * PAGE
+
+
+# ---- basics ---------------------------------------------------------------------------------------
+def test_models_health_and_auth(main, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for path in ("/health", "/metrics"):  # operational endpoints need no key
+        with urllib.request.urlopen(main.url + path, timeout=30) as r:
+            assert r.status == 200
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=main.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+
+
+def test_chat_non_streaming_usage_and_session_header(client, tokenizer):
+    content = "What is the capital of France? Answer in one word."
+    raw = client.chat.completions.with_raw_response.create(
+        messages=[{"role": "user", "content": content}], max_tokens=12, extra_headers={"x-session-affinity": "s-42"},
+        **greedy())
+    assert raw.headers["x-session-affinity"] == "s-42"
+    r = raw.parse()
+    assert r.object == "chat.completion" and r.model == MODEL and len(r.choices) == 1
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and "Paris" in msg.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(chat_ids(tokenizer, content))
+    assert 0 < r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    kw = greedy(messages=[{"role": "user", "content": "Name three colors."}], max_completion_tokens=16)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completion_prompt_forms(client, tokenizer):
+    p1, p2 = "The capital of Italy is", "Water boils at a temperature of"
+    kw = greedy(max_tokens=8)
+    t1 = client.completions.create(prompt=p1, **kw).choices[0].text
+    t2 = client.completions.create(prompt=p2, **kw).choices[0].text
+    assert t1 and t2
+    ids1, ids2 = tokenizer.encode(p1), tokenizer.encode(p2)
+    assert client.completions.create(prompt=ids1, **kw).choices[0].text == t1
+    for prompt in ([p1, p2], [ids1, ids2]):
+        r = client.completions.create(prompt=prompt, **kw)
+        assert [(c.index, c.text) for c in r.choices] == [(0, t1), (1, t2)]
+        assert r.usage.prompt_tokens == len(ids1) + len(ids2)
+    echoed = client.completions.create(prompt=p1, echo=True, **kw).choices[0].text
+    assert echoed == p1 + t1
+
+
+def test_completion_streaming_n2_usage(client):
+    kw = greedy(prompt="Once upon a time", max_tokens=10, n=2)
+    whole = client.completions.create(**kw)
+    assert [c.text for c in whole.choices] == [whole.choices[0].text] * 2  # greedy: both samples agree
+    texts = {0: "", 1: ""}
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == {0: whole.choices[0].text, 1: whole.choices[1].text}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 20
+    sampled = client.completions.create(prompt="List some random words:", max_tokens=16, n=2, temperature=1.0,
+                                        seed=7, model=MODEL)
+    assert sorted(c.index for c in sampled.choices) == [0, 1]
+    assert sampled.choices[0].text != sampled.choices[1].text  # each sample has its own seed
+
+
+def test_stop_strings(client):
+    kw = greedy(prompt="Here is a list of fruits: apple, banana, cherry,", max_tokens=24)
+    full = client.completions.create(**kw).choices[0].text
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = words[2]
+    cut = full[:full.index(stop)]
+    r = client.completions.create(stop=[stop, "#never#"], **kw).choices[0]
+    assert (r.text, r.finish_reason, r.stop_reason) == (cut, "stop", stop)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, stop=stop, **kw))
+    assert streamed == cut
+    kept = client.completions.create(stop=stop, extra_body={"include_stop_str_in_output": True}, **kw)
+    assert kept.choices[0].text == cut + stop
+
+
+def test_seed_reproducibility(main, client):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=16, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    assert client.completions.create(seed=1234, **kw).choices[0].text == a
+    assert client.completions.create(seed=4321, **kw).choices[0].text != a
+
+    async def under_load() -> str:  # the same seed gives the same sample inside a busy batch
+        async with openai.AsyncOpenAI(base_url=main.url + "/v1", api_key=KEY_A, max_retries=0) as ac:
+            others = [ac.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=16, temperature=1.0)
+                      for i in range(6)]
+            results = await asyncio.gather(ac.completions.create(seed=1234, **kw), *others)
+            return results[0].choices[0].text
+
+    assert asyncio.run(under_load()) == a
+
+
+def test_logprobs(client):
+    r = client.completions.create(prompt="The capital of France is", max_tokens=6, logprobs=3, **greedy())
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and logprob <= 0
+        assert top[tok] == logprob == max(top.values())  # greedy picks the most likely token
+
+    kw = greedy(messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == t.logprob >= t.top_logprobs[1].logprob
+        assert bytes(t.bytes).decode() == t.token
+    streamed = [t for ch in client.chat.completions.create(stream=True, **kw) if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    # The repeat reuses cached prefix pages, so its prefill runs in other shapes: equal up to rounding.
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-3)
+    no_top = client.chat.completions.create(**{**kw, "top_logprobs": None})
+    assert all(t.top_logprobs == [] for t in no_top.choices[0].logprobs.content)
+
+
+# ---- prefix cache, tenants, retention ---------------------------------------------------------------
+def test_cached_tokens_and_api_key_tenants(main, tokenizer):
+    prompt = "[cache test] " + LONG_TEXT * 3
+    n = len(tokenizer.encode(prompt))
+    assert n > 3 * PAGE
+
+    def cached(key: str, headers: dict | None = None) -> int:
+        c = openai.OpenAI(base_url=main.url + "/v1", api_key=key, max_retries=0)
+        r = c.completions.create(prompt=prompt, max_tokens=2, extra_headers=headers, **greedy())
+        assert r.usage.prompt_tokens == n
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(KEY_A) == 0
+    assert cached(KEY_A) == cached_expected(n)  # a tenant's repeat hits its own pages
+    assert cached(KEY_B) == 0  # the other tenant's first request never sees them
+    assert cached(KEY_B) == cached_expected(n)
+    assert cached(KEY_A, {"x-tenant-id": "beta"}) == cached_expected(n)  # with keys, the header cannot pick a tenant
+
+
+def test_header_tenants(small, tokenizer):
+    prompt = "[tenant test] " + LONG_TEXT * 2
+    n = len(tokenizer.encode(prompt))
+    c = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
+
+    def cached(tenant: str | None) -> int:
+        headers = {"x-tenant-id": tenant} if tenant else None
+        r = c.completions.create(prompt=prompt, max_tokens=2, extra_headers=headers, **greedy())
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached("t1"), cached("t2"), cached(None), cached("t2"), cached("t1"), cached(None)] == \
+        [0, 0, 0] + [cached_expected(n)] * 3
+
+
+# ---- load ----------------------------------------------------------------------------------------
+def test_64_concurrent_streams_equal_alone(main):
+    topics = ["rivers", "volcanoes", "chess", "bread", "owls", "comets", "jazz", "glaciers", "bees", "castles",
+              "deserts", "robots", "tea", "whales", "bridges", "maps"]
+    requests = [dict(messages=[{"role": "user", "content": f"Tell me one fact about {t}."}],
+                     max_tokens=8 + i % 5 * 3, **greedy()) for i, t in enumerate(topics)]
+
+    async def run(ac: openai.AsyncOpenAI, kw: dict) -> tuple[str, str, int]:
+        text, finish, usage = "", None, None
+        async for ch in await ac.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                finish = ch.choices[0].finish_reason or finish
+            else:
+                usage = ch.usage.completion_tokens
+        return text, finish, usage
+
+    async def probe(stop: asyncio.Event) -> float:
+        """Worst /health latency while the batch runs: the device work must not block the event loop."""
+        worst = 0.0
+        async with aiohttp.ClientSession() as s:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                async with s.get(main.url + "/health") as r:
+                    assert r.status == 200
+                worst = max(worst, time.monotonic() - t0)
+                await asyncio.sleep(0.2)
+        return worst
+
+    async def scenario():
+        async with openai.AsyncOpenAI(base_url=main.url + "/v1", api_key=KEY_A, max_retries=0, timeout=300) as ac:
+            alone = [await run(ac, kw) for kw in requests]
+            stop = asyncio.Event()
+            prober = asyncio.create_task(probe(stop))
+            together = await asyncio.gather(*(run(ac, requests[i % len(requests)]) for i in range(64)))
+            stop.set()
+            return alone, together, await prober
+
+    alone, together, worst_health = asyncio.run(scenario())
+    for i, out in enumerate(together):
+        assert out == alone[i % len(requests)], f"request {i} under load differs from its run alone"
+    assert all(text and finish in ("stop", "length") and usage > 0 for text, finish, usage in alone)
+    assert worst_health < 2.0
+    wait_until(lambda: main.metrics()["infire:num_requests_running"] == 0, 30, "the batch to drain")
+
+
+def test_disconnect_aborts_and_frees_pages(main):
+    idle = main.metrics()
+    assert idle["infire:num_requests_running"] == 0
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 900,
+            "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    url = main.url + "/v1/completions"
+
+    async def mid_stream() -> None:
+        async with aiohttp.ClientSession(headers=headers) as s:
+            r = await s.post(url, json={**body, "stream": True})
+            assert r.status == 200
+            events = 0
+            async for line in r.content:
+                events += line.startswith(b"data: ")
+                if events == 3:
+                    break
+            busy = main.metrics()
+            assert busy["infire:num_requests_running"] == 1
+            assert busy["infire:kv_cache_usage_perc"] > idle["infire:kv_cache_usage_perc"]
+            r.close()  # drop the connection with the stream unfinished
+
+    async def before_first_byte() -> None:
+        async with aiohttp.ClientSession(headers=headers) as s:
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=1.5)) as r:
+                    await r.read()
+
+    for scenario in (mid_stream, before_first_byte):
+        asyncio.run(scenario())
+        wait_until(lambda: (m := main.metrics())["infire:num_requests_running"] == 0
+                   and m["infire:kv_cache_usage_perc"] == idle["infire:kv_cache_usage_perc"], 20,
+                   f"{scenario.__name__}: the aborted request to free its pages")
+    generated = main.metrics()["infire:generation_tokens_total"] - idle["infire:generation_tokens_total"]
+    assert 3 <= generated < 900  # both were cut off long before max_tokens
+
+
+def test_preemption_completes_every_request(small):
+    # Six sequences of 40 + 40 tokens need 30 pages; the pool has 23, so running ones get preempted.
+    prompts = [f"Story {i}: " + "one two three four five six seven eight nine ten " * 3 for i in range(6)]
+    kw = dict(model=MODEL, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    before = small.metrics()["infire:num_preemptions_total"]
+
+    async def scenario():
+        async with openai.AsyncOpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as ac:
+            alone = [await ac.completions.create(prompt=p, **kw) for p in prompts]
+            assert small.metrics()["infire:num_preemptions_total"] == before  # one at a time fits
+            together = await asyncio.gather(*(ac.completions.create(prompt=p, **kw) for p in prompts))
+            return alone, together
+
+    alone, together = asyncio.run(scenario())
+    assert small.metrics()["infire:num_preemptions_total"] > before
+    for a, t in zip(alone, together):
+        assert t.choices[0].finish_reason == "length" and t.usage.completion_tokens == 40
+        assert t.choices[0].text == a.choices[0].text
+    wait_until(lambda: small.metrics()["infire:kv_cache_usage_perc"] == 0, 20, "the pool to be released")
+
+
+def test_overload_gets_429_then_serves(small):
+    url = small.url + "/v1/completions"
+
+    async def one(s: aiohttp.ClientSession, i: int) -> tuple[int, dict]:
+        body = {"model": MODEL, "prompt": f"Count from {i}:", "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                "priority": i % 3}
+        async with s.post(url, json=body) as r:
+            return r.status, await r.json()
+
+    async def burst():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(one(s, i) for i in range(20)))
+
+    results = asyncio.run(burst())
+    ok = [b for status, b in results if status == 200]
+    rejected = [b for status, b in results if status == 429]
+    assert len(ok) + len(rejected) == 20 and len(ok) >= 12 and rejected  # capacity: 8 running + 4 queued
+    assert all(b["usage"]["completion_tokens"] == 32 for b in ok)
+    assert all(b["error"]["code"] == "queue_full" and b["error"]["message"] for b in rejected)
+    c = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
+    assert c.completions.create(prompt="Hello", max_tokens=4, **greedy()).usage.completion_tokens == 4
+    wait_until(lambda: small.metrics()["infire:num_requests_running"] == 0, 20, "the burst to drain")
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+def _is_error_object(body: dict) -> bool:
+    err = body.get("error")
+    return (isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+            and isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str))
+
+
+def test_bad_input_gets_4xx_error_objects_and_server_keeps_serving(main, small, client):
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    cases = []  # (server, method, path, headers, raw body, status, param)
+    for path, change, status, param in BAD_BODIES:
+        body = {k: v for k, v in {**BASE[path], **change}.items() if v is not DROP}
+        cases.append((main, "POST", path, auth, json.dumps(body).encode(), status, param))
+    plain = json.dumps(BASE[CMPL]).encode()
+    cases += [
+        (main, "POST", CMPL, auth, b"{not json", 400, None),
+        (main, "POST", CMPL, auth, b"[1, 2]", 400, None),
+        (main, "POST", CMPL, auth, b"", 400, None),
+        (main, "POST", CMPL, auth, plain.replace(b'"max_tokens": 4', b'"temperature": NaN'), 400, None),
+        (main, "POST", CMPL, auth, b'{"prompt": "\xff"}', 400, None),  # not UTF-8
+        (main, "POST", CMPL, {}, plain, 401, None),
+        (main, "POST", CMPL, {"Authorization": "Bearer sk-nope"}, plain, 401, None),
+        (main, "POST", CMPL, {**auth, "x-prefix-tokens": "many"}, plain, 400, None),
+        (main, "POST", CMPL, {**auth, "x-prefix-tokens": "-16"}, plain, 400, None),
+        (main, "GET", CMPL, auth, b"", 405, None),
+        (main, "POST", "/v1/nowhere", auth, plain, 404, None),
+        (small, "POST", CMPL, {"x-tenant-id": "t" * 300}, plain, 400, None),
+        (small, "POST", CMPL, {"x-session-affinity": "s" * 300}, plain, 400, None),
+        (small, "POST", CMPL, {}, json.dumps({**BASE[CMPL], "n": 13}).encode(), 400, "n"),  # over its capacity
+    ]
+
+    async def run_all():
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for server, method, path, headers, data, _, _ in cases:
+                async with s.request(method, server.url + path, data=data, headers=headers) as r:
+                    out.append((r.status, await r.json()))
+            return out
+
+    for case, (status, body) in zip(cases, asyncio.run(run_all())):
+        _, method, path, _, data, want_status, want_param = case
+        assert (status, _is_error_object(body)) == (want_status, True), (method, path, data[:200], body)
+        if want_param is not None:
+            assert body["error"]["param"] == want_param, (path, data[:200], body)
+
+    with pytest.raises(openai.BadRequestError) as e:  # the official client parses the error object
+        client.completions.create(model=MODEL, prompt="hi", temperature=7)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    for server in (main, small):  # still healthy and serving
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            assert r.status == 200
+    assert client.completions.create(prompt="Hi", max_tokens=3, **greedy()).usage.completion_tokens == 3
+
+
+# ---- cache retention ---------------------------------------------------------------------------------
+def test_prefix_hint_and_session_keep_pages_warm(small, tokenizer):
+    """Three 4-page prefixes, one hinted (x-prefix-tokens), one in a session, one plain; then a filler
+    request takes every free page that is not retained. Only the plain prefix is evicted.
+
+    Pool arithmetic (23 usable pages, all free and none retained before this test): each request holds
+    5 pages; afterwards 8 are retained (4 hinted + 4 of the session) and 15 are free, the plain prefix's
+    first page 13th in LRU order. The filler grows to 14 pages: past that page, short of the retained ones.
+    """
+    c = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
+    words = LONG_TEXT.split()
+
+    def prefix(tag: str) -> list[int]:
+        ids = tokenizer.encode(f"[{tag}] " + " ".join(words[::-1] if tag == "plain" else words) * 3)
+        return ids[:4 * PAGE]
+
+    sfx1, sfx2 = tokenizer.encode(" Question: why?"), tokenizer.encode(" Question: when and where?")
+    pre = {tag: prefix(tag) for tag in ("plain", "hint", "session")}
+    headers = {"plain": {}, "hint": {"x-prefix-tokens": str(4 * PAGE)}, "session": {"x-session-affinity": "sess-1"}}
+
+    def cached(tag: str, suffix: list[int]) -> int:
+        r = c.completions.create(prompt=pre[tag] + suffix, max_tokens=2, extra_headers=headers[tag], **greedy())
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(tag, sfx1) for tag in ("plain", "hint", "session")] == [0, 0, 0]
+    filler = tokenizer.encode("[filler] " + LONG_TEXT * 8)[:215]
+    c.completions.create(prompt=filler, max_tokens=9, extra_body={"ignore_eos": True}, **greedy())
+    assert cached("plain", sfx2) == 0  # evicted by the filler
+    assert cached("hint", sfx2) == 4 * PAGE
+    assert cached("session", sfx2) == 4 * PAGE
+
+
+def test_no_recompiles_after_warmup(servers):
+    """Runs last: everything above (prefill chunks, decode, n, logprobs, penalties, preemption) reused warmup's
+    compilations."""
+    for server in servers:
+        assert server.metrics()["infire:compiles_since_warmup"] == 0
