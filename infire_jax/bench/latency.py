@@ -1,0 +1,121 @@
+"""`bench latency`: TTFT and decode ms/token of a batch of fixed-length prompts, on the engine itself.
+
+For each --batch-size, the batch's prompts (fresh random token ids every iteration) are added at
+once and decoded to exactly --output-len tokens. TTFT is the time to each request's first token;
+decode ms/token is the mean gap between steps that decode every request of the batch and nothing
+else. Roofline: decode bytes (weights + KV at the actual contexts) per step ÷ step time, over the
+measured copy bandwidth; prefill FLOPs ÷ the time to the batch's last first token, over the
+measured matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from infire_jax.bench.common import add_bench_engine_args, int_at_least, positive_int
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-len", type=positive_int, default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int_at_least(2), default=128,
+                   help="tokens generated per request, EOS ignored (at least 2, so a decode step can be timed)")
+    p.add_argument("--batch-size", type=positive_int, nargs="+", default=[1, 8],
+                   help="requests decoded together; each size given is measured in turn (e.g. 1 8)")
+    p.add_argument("--num-iters-warmup", type=int_at_least(0), default=1,
+                   help="untimed iterations per batch size before the timed ones")
+    p.add_argument("--num-iters", type=positive_int, default=3, help="timed iterations per batch size")
+    add_bench_engine_args(p, "the largest --batch-size")
+
+
+def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters: int, warmup: int,
+            seed: int, bar=None) -> dict:
+    """Times `warmup + iters` runs of one batch; returns the figures of the timed runs."""
+    import numpy as np
+
+    from infire_jax.bench import driver, roofline
+    from infire_jax.bench.common import BenchError, engine_itemsize
+    from infire_jax.bench.datasets import random_prompts
+
+    cfg, itemsize = engine.model_config, engine_itemsize(engine)
+    ttfts, e2es, decode_s, decode_bytes, prefill_s, prefill_flops = [], [], 0.0, 0.0, 0.0, 0
+    decode_steps = output_tokens = 0
+    for it in range(warmup + iters):
+        prompts = [p.prompt for p in random_prompts(batch, input_len, output_len, cfg.vocab_size,
+                                                    seed=(seed, batch, it))]
+        trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch,
+                           tenant=f"bench-latency-{batch}-{it}")
+        if bar is not None:
+            bar.update(1)
+        if it < warmup:
+            continue
+        timings = [r.timing() for r in trace.requests]
+        ttfts += [t.ttft for t in timings]
+        e2es.append(trace.duration)
+        output_tokens += sum(t.output_tokens for t in timings)
+        prefill_s += max(r.token_times[0] for r in trace.requests) - trace.start
+        prefill_flops += sum(roofline.forward_flops(cfg, r.prompt_len - r.num_cached_tokens, r.num_cached_tokens)
+                             for r in trace.requests)
+        for seconds, step in trace.decode_intervals(batch):
+            decode_s += seconds
+            decode_bytes += roofline.decode_step_bytes(cfg, itemsize, step.contexts)
+            decode_steps += 1
+    if decode_steps == 0:
+        raise BenchError(f"no step decoded all {batch} requests together: the KV pool (--num-kv-pages) "
+                         f"or --max-num-seqs cannot hold the whole batch")
+    step_s = decode_s / decode_steps
+    e2e_ms = np.asarray(e2es) * 1000
+    return dict(
+        label=f"bs={batch}", batch_size=batch, input_len=input_len, output_len=output_len,
+        num_iters=iters, num_requests=batch * iters, total_output_tokens=output_tokens,
+        mean_ttft_ms=float(np.mean(ttfts) * 1000), p50_ttft_ms=float(np.median(ttfts) * 1000),
+        prefill_ms=prefill_s / iters * 1000,
+        decode_ms_per_token=step_s * 1000, decode_steps_timed=decode_steps,
+        decode_tokens_per_s=batch / step_s,
+        mean_e2e_ms=float(e2e_ms.mean()),
+        **{f"p{p}_e2e_ms": float(np.percentile(e2e_ms, p)) for p in (50, 90, 99)},
+        output_throughput=output_tokens / sum(e2es),
+        decode_bytes_per_step=decode_bytes / decode_steps,
+        decode_bandwidth=decode_bytes / decode_s,
+        decode_bw_util=decode_bytes / decode_s / peaks.total_bandwidth,
+        prefill_flops=prefill_flops / iters,
+        prefill_flops_per_s=prefill_flops / prefill_s,
+        prefill_flops_util=prefill_flops / prefill_s / peaks.total_matmul_flops,
+    )
+
+
+COLUMNS = [
+    ("batch_size", "batch", "{}"), ("input_len", "in", "{}"), ("output_len", "out", "{}"),
+    ("mean_ttft_ms", "TTFT ms", "{:.1f}"), ("decode_ms_per_token", "decode ms/tok", "{:.2f}"),
+    ("decode_tokens_per_s", "decode tok/s", "{:.1f}"), ("mean_e2e_ms", "E2E ms", "{:.0f}"),
+    ("decode_bw_util", "decode BW roofline", "{:.1%}"), ("prefill_flops_util", "prefill FLOP roofline", "{:.1%}"),
+]
+
+
+def plot_point(r: dict) -> dict:
+    return dict(label=r["label"], throughput=r["decode_tokens_per_s"], ttft_ms=r["mean_ttft_ms"],
+                tpot_ms=r["decode_ms_per_token"])
+
+
+def run(args: argparse.Namespace):
+    from tqdm import tqdm
+
+    from infire_jax.bench import report
+    from infire_jax.bench.common import device_info, engine_info, settings, start_engine
+
+    engine, peaks = start_engine(args, max(args.batch_size))
+    results = []
+    try:
+        with tqdm(total=len(args.batch_size) * (args.num_iters_warmup + args.num_iters), desc="latency",
+                  unit="iter", leave=False) as bar:
+            for batch in args.batch_size:
+                results.append(measure(engine, peaks, batch=batch, input_len=args.input_len,
+                                       output_len=args.output_len, iters=args.num_iters,
+                                       warmup=args.num_iters_warmup, seed=args.seed, bar=bar))
+    finally:
+        engine.close()
+    payload = dict(benchmark="latency", settings=settings(args), device=device_info(), peaks=peaks.to_dict(),
+                   engine=engine_info(engine), results=results)
+    return report.Result(payload, report.table(results, COLUMNS), [plot_point(r) for r in results],
+                         f"latency: {engine.model_name}")

@@ -1,0 +1,159 @@
+"""Roofline: what a step must move or compute, and what this device measurably can.
+
+Decode is bound by memory: a step reads every weight it uses once, plus each sequence's cached K
+and V, so bytes per step ÷ step time, over the bandwidth of a large on-device copy, says how close
+decode runs to the hardware. Prefill is bound by compute: its FLOPs ÷ time, over the rate of a
+large matmul in the model's dtype. Both ceilings are measured here, never taken from a spec sheet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Sequence
+
+from infire_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePeaks:
+    """The measured ceilings of one device, and how many such devices the engine spans."""
+
+    device: str
+    backend: str
+    bandwidth: float  # bytes/s of an on-device copy (bytes read + bytes written)
+    matmul_flops: float  # FLOP/s of a square matmul in `dtype`
+    dtype: str
+    copy_bytes: int  # size of the array copied
+    matmul_size: int  # n of the n x n x n matmul
+    num_devices: int = 1
+
+    @property
+    def total_bandwidth(self) -> float:
+        return self.bandwidth * self.num_devices
+
+    @property
+    def total_matmul_flops(self) -> float:
+        return self.matmul_flops * self.num_devices
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _best_seconds(fn: Callable, args: tuple, iters: int, repeats: int, *, carry: bool = False) -> float:
+    """Fastest mean time of `iters` back-to-back calls, over `repeats` tries (after a warm call).
+
+    With `carry`, each call's output is the next call's (donated) input.
+    """
+    import jax
+
+    out = fn(*args)
+    jax.block_until_ready(out)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(out) if carry else fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def measure_bandwidth(nbytes: int, iters: int = 10, repeats: int = 3) -> float:
+    """Bytes/s of an in-place elementwise copy of `nbytes` (counting the read and the write).
+
+    The buffer is donated, so every call rewrites the same memory: a fresh output buffer per call
+    would time the allocator (page faults on a CPU) instead of the memory.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.zeros(nbytes // 4, jnp.float32)
+    # An identity would be forwarded without a copy; adding one forces a read and a write.
+    copy = jax.jit(lambda a: a + 1, donate_argnums=0)
+    seconds = _best_seconds(copy, (x,), iters, repeats, carry=True)
+    return 2 * (nbytes // 4) * 4 / seconds
+
+
+def measure_matmul_rate(n: int, dtype, iters: int = 5, repeats: int = 3) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs each)."""
+    import jax
+
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
+    seconds = _best_seconds(jax.jit(lambda p, q: p @ q), (a, b), iters, repeats)
+    return 2 * n ** 3 / seconds
+
+
+def measure_peaks(dtype) -> DevicePeaks:
+    """Measures the default device. Run it before the engine takes the device memory for its KV pool."""
+    import jax
+    import jax.numpy as jnp
+
+    on_gpu = jax.default_backend() == "gpu"
+    # Large enough to leave every cache behind: 1 GiB on a GPU, 128 MiB on a CPU (its L3 is far smaller).
+    nbytes = (1 << 30) if on_gpu else (1 << 27)
+    n = 8192 if on_gpu else 1024
+    return DevicePeaks(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
+                       bandwidth=measure_bandwidth(nbytes), matmul_flops=measure_matmul_rate(n, dtype),
+                       dtype=jnp.dtype(dtype).name, copy_bytes=nbytes, matmul_size=n)
+
+
+# ---- what the model needs per step ----------------------------------------------------------------
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights one token multiplies through in all decoder layers (the routed experts only, for MoE)."""
+    e = cfg.hidden_size
+    attn = e * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    if cfg.is_moe:
+        mlp = cfg.num_experts_per_tok * 3 * e * cfg.moe_intermediate_size + e * cfg.num_experts
+    else:
+        mlp = 3 * e * cfg.intermediate_size
+    return cfg.num_layers * (attn + mlp)
+
+
+def forward_flops(cfg: ModelConfig, new_tokens: int, cached_tokens: int, sampled_rows: int = 1) -> int:
+    """FLOPs of one sequence's step over `new_tokens` that follow `cached_tokens` already in the KV cache.
+
+    2 per multiply-add: the layer weights for every new token (the embedding is a gather, no FLOPs),
+    the LM head for the rows that sample, and causal attention (QK^T and PV), where new token i
+    attends to cached_tokens + i + 1 keys.
+    """
+    n, c = new_tokens, cached_tokens
+    keys = n * c + n * (n + 1) // 2
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
+    head = 2 * cfg.hidden_size * cfg.vocab_size * sampled_rows
+    return 2 * layer_matmul_params(cfg) * n + head + attention
+
+
+def expected_experts_touched(num_experts: int, per_token: int, batch: int) -> float:
+    """Distinct experts that `batch` tokens route to, in expectation, when routing is uniform."""
+    return num_experts * (1 - (1 - per_token / num_experts) ** batch)
+
+
+def decode_weight_bytes(cfg: ModelConfig, itemsize: int, batch: int) -> float:
+    """Weight bytes one decode step of `batch` sequences reads.
+
+    Every weight counts once, except: an untied input embedding is only gathered (`batch` rows),
+    and of an MoE layer's experts only those the batch routes to are read.
+    """
+    e = cfg.hidden_size
+    params = float(cfg.param_count())
+    if not cfg.tie_word_embeddings:
+        params -= (cfg.vocab_size - batch) * e
+    if cfg.is_moe:
+        idle = cfg.num_experts - expected_experts_touched(cfg.num_experts, cfg.num_experts_per_tok, batch)
+        params -= cfg.num_layers * idle * 3 * e * cfg.moe_intermediate_size
+    return params * itemsize
+
+
+def kv_bytes(cfg: ModelConfig, itemsize: int, tokens: int) -> int:
+    """Bytes of the K and V of `tokens` cached positions, over all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * tokens
+
+
+def decode_step_bytes(cfg: ModelConfig, itemsize: int, contexts: Sequence[int]) -> float:
+    """Bytes one decode step reads: the weights, plus each sequence's K and V over its context."""
+    return decode_weight_bytes(cfg, itemsize, len(contexts)) + kv_bytes(cfg, itemsize, sum(contexts))
