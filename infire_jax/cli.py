@@ -21,7 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
     p.add_argument("--attention", default="auto", dest="attn_impl",
-                   help="attention implementation: auto, reference or pallas")
+                   help="attention implementation: auto (pallas on GPU, else reference), reference, pallas, "
+                        "or pallas_interpret (the Pallas kernels in interpret mode, for checking on CPU)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
     p.add_argument("--mesh", default=None,
                    help="mesh-config YAML (default: the shipped file for the number of devices)")

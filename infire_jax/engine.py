@@ -31,7 +31,7 @@ from infire_jax.request import Request, Status
 from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_per_page
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
-from pallas_kernels.attention import resolve_impl
+from pallas_kernels.attention import choose_impl, resolve_impl
 from sharding.mesh import MeshConfigError, load_mesh_config
 from sharding.plan import ShardPlan
 
@@ -87,7 +87,10 @@ class Engine:
         if ec.max_num_seqs < 1 or ec.page_size < 1:
             raise ConfigError("max_num_seqs and page_size must be positive")
         self.dtype = resolve_dtype(ec.dtype)
-        attn_impl = resolve_impl(ec.attn_impl)
+        try:
+            resolve_impl(ec.attn_impl)  # an unknown name fails before anything loads
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         enable_compilation_cache()
 
         # The mesh is checked against the devices and the model's config before any weight is read.
@@ -110,6 +113,12 @@ class Engine:
         self.load_seconds = time.monotonic() - t0
         report("load", 1, 1)
 
+        try:
+            attn_impl = choose_impl(ec.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
+                                    num_kv_heads=cfg.num_kv_heads, dtype=self.dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        self.attn_impl = attn_impl
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
         if budget < ec.max_num_seqs:

@@ -59,7 +59,7 @@ class SamplingParams:
             bad(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2 ** 31:
             bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
         if not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
@@ -75,8 +75,8 @@ class SamplingParams:
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings", "stop")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if any(not isinstance(t, int) or not 0 <= t < 2 ** 31 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative 32-bit integers", "stop_token_ids")
         if self.min_tokens and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 2:
             bad(f"with min_tokens, at most {MAX_STOP_TOKEN_IDS - 2} stop_token_ids are supported", "stop_token_ids")
 

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels import ragged_attention, reference
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.triton_backend import check_supported
 
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 
@@ -22,6 +23,22 @@ def resolve_impl(impl: str) -> str:
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
     return impl
+
+
+def choose_impl(impl: str, *, head_dim: int, num_q_heads: int, num_kv_heads: int, dtype) -> str:
+    """Resolves "auto" and checks that the kernels can tile the model.
+
+    "auto" falls back to the reference for shapes the kernels refuse; an explicit "pallas" raises.
+    """
+    chosen = resolve_impl(impl)
+    if chosen in ("pallas", "pallas_interpret"):
+        try:
+            check_supported(head_dim, num_q_heads, num_kv_heads, dtype)
+        except ValueError:
+            if impl != "auto":
+                raise
+            return "reference"
+    return chosen
 
 
 def paged_attention(

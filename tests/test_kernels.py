@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.llama import Llama
+from infire_jax.models.registry import build_state
 from pallas_kernels import benchmark, reference
 from pallas_kernels.attention import IMPLS, paged_attention, resolve_impl
 from pallas_kernels.decode_attention import choose_num_splits, decode_attention
@@ -317,7 +317,7 @@ def test_model_forward_on_pallas_path_matches_reference():
     """Two engine-like steps of a tiny random Llama: prefill chunks, then decodes mixed with a chunk."""
     cfg = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=8, num_kv_heads=2, head_dim=32)
-    model = Llama(cfg, rngs=nnx.Rngs(0))
+    model = nnx.merge(*build_state(cfg, None, jnp.float32, seed=0))  # random `dummy:`-style weights
     for w in (model.layers.wq, model.layers.wk):  # sharper attention than the 0.02 init gives
         w[...] = w[...] * 20
     ps, width, num_pages, num_tokens, num_rows = 8, 6, 16, 32, 4

@@ -13,19 +13,14 @@ from jaxtyping import Array, Float, Int
 from infire_jax.models.config import ModelConfig
 
 
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, init: str = "normal") -> nnx.Param:
-    """A parameter tagged with its logical axis names; `sharding.rules` maps them to mesh axes.
+def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, init: str = "normal") -> nnx.Param:
+    """A parameter tagged with its logical axis names (`sharding` maps them to mesh axes).
 
-    Real weights replace these values at load time; the random init serves `dummy:` models.
+    Models are only ever built abstractly (`nnx.eval_shape`): loaders put real weights in place,
+    and `registry` draws random `dummy:` weights following the `init` tag ("normal", "ones", "zeros").
     """
     assert len(shape) == len(axes), (shape, axes)
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, axes=axes)
+    return nnx.Param(jnp.zeros(shape, dtype), axes=axes, init=init)
 
 
 def rms_norm(x: Float[Array, "... E"], weight: Float[Array, "E"], eps: float) -> Float[Array, "... E"]:

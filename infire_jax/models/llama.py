@@ -30,32 +30,32 @@ KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_si
 class DecoderLayers(nnx.Module):
     """All decoder layers' weights, stacked: every array has a leading `layers` axis."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype):
         n, e, hq, hkv, d = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.attn_norm = param(rngs, (n, e), ("layers", "norm"), dtype, init="ones")
-        self.wq = param(rngs, (n, e, hq, d), ("layers", "embed", "q_heads", "head_dim"), dtype)
-        self.wk = param(rngs, (n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
-        self.wv = param(rngs, (n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
-        self.wo = param(rngs, (n, hq, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        self.wq = param((n, e, hq, d), ("layers", "embed", "q_heads", "head_dim"), dtype)
+        self.wk = param((n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wv = param((n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wo = param((n, hq, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
         if cfg.attention_bias:
-            self.bq = param(rngs, (n, hq, d), ("layers", "q_heads", "head_dim"), dtype, init="zeros")
-            self.bk = param(rngs, (n, hkv, d), ("layers", "kv_heads", "head_dim"), dtype, init="zeros")
-            self.bv = param(rngs, (n, hkv, d), ("layers", "kv_heads", "head_dim"), dtype, init="zeros")
+            self.bq = param((n, hq, d), ("layers", "q_heads", "head_dim"), dtype, init="zeros")
+            self.bk = param((n, hkv, d), ("layers", "kv_heads", "head_dim"), dtype, init="zeros")
+            self.bv = param((n, hkv, d), ("layers", "kv_heads", "head_dim"), dtype, init="zeros")
         if cfg.qk_norm:
-            self.q_norm = param(rngs, (n, d), ("layers", "norm"), dtype, init="ones")
-            self.k_norm = param(rngs, (n, d), ("layers", "norm"), dtype, init="ones")
-        self.mlp_norm = param(rngs, (n, e), ("layers", "norm"), dtype, init="ones")
+            self.q_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
+            self.k_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
+        self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
         if cfg.is_moe:  # the experts' weights, and a router whose expert axis stays replicated
             x, f = cfg.num_experts, cfg.moe_intermediate_size
-            self.router = param(rngs, (n, e, x), ("layers", "embed", "router"), dtype)
-            self.w_gate = param(rngs, (n, x, e, f), ("layers", "experts", "embed", "mlp"), dtype)
-            self.w_up = param(rngs, (n, x, e, f), ("layers", "experts", "embed", "mlp"), dtype)
-            self.w_down = param(rngs, (n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
+            self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
+            self.w_gate = param((n, x, e, f), ("layers", "experts", "embed", "mlp"), dtype)
+            self.w_up = param((n, x, e, f), ("layers", "experts", "embed", "mlp"), dtype)
+            self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
         else:
             f = cfg.intermediate_size
-            self.w_gate = param(rngs, (n, e, f), ("layers", "embed", "mlp"), dtype)
-            self.w_up = param(rngs, (n, e, f), ("layers", "embed", "mlp"), dtype)
-            self.w_down = param(rngs, (n, f, e), ("layers", "mlp", "embed"), dtype)
+            self.w_gate = param((n, e, f), ("layers", "embed", "mlp"), dtype)
+            self.w_up = param((n, e, f), ("layers", "embed", "mlp"), dtype)
+            self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
 
     def arrays(self) -> dict[str, Array]:
         """The raw stacked arrays, keyed by attribute name, for `lax.scan`."""
@@ -113,13 +113,13 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32):
         self.cfg = cfg
-        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = DecoderLayers(cfg, dtype, rngs)
-        self.final_norm = param(rngs, (cfg.hidden_size,), ("norm",), dtype, init="ones")
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = DecoderLayers(cfg, dtype)
+        self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
-            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+            self.lm_head = param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
     def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
         return self.embed[...][tokens]

@@ -21,7 +21,7 @@ def abstract_model(cfg: ModelConfig, dtype) -> nnx.Module:
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
         raise UnsupportedModelError(f"unsupported architecture {cfg.architecture!r}")
-    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype))
 
 
 def _place(w: np.ndarray, dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -29,6 +29,27 @@ def _place(w: np.ndarray, dtype, sharding: jax.sharding.Sharding | None) -> jax.
     if sharding is None:
         return jax.device_put(np.asarray(w, dtype=dtype))
     return jax.make_array_from_callback(w.shape, sharding, lambda idx: np.asarray(w[idx], dtype=dtype))
+
+
+def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: np.ndarray | None) -> jax.Array:
+    """One `dummy:` weight, drawn on its devices by its own small program (peak memory: one weight).
+
+    Padding slots of short pipeline stages are zero, which makes them identity layers.
+    """
+    shape, dtype, init = tuple(var.shape), var.dtype, var.get_metadata()["init"]
+
+    def draw():
+        if init == "ones":
+            w = jnp.ones(shape, jnp.float32)
+        elif init == "zeros":
+            w = jnp.zeros(shape, jnp.float32)
+        else:
+            w = 0.02 * jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), shape, jnp.float32)
+        if slot_mask is not None:
+            w = w * slot_mask.reshape(-1, *[1] * (len(shape) - 1))
+        return w.astype(dtype)
+
+    return jax.jit(draw, out_shardings=sharding)()
 
 
 def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtype, *,
@@ -48,20 +69,10 @@ def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtyp
     shardings = {path: plan.sharding(var.axes) if plan else None for path, var in flat}
 
     if weights is None:
-        cls = MODEL_CLASSES[cfg.architecture]
-        out_shardings = nnx.from_flat_state(list(shardings.items())) if plan else None
-        slot_mask = plan.layer_slot_mask() if plan else None
-
-        def init():
-            state = nnx.state(cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
-            if slot_mask is None:
-                return state
-            # Padding slots of short pipeline stages must be zero: that makes them identities.
-            return nnx.from_flat_state([
-                (p, v.replace(v[...] * slot_mask.reshape(-1, *[1] * (v[...].ndim - 1)).astype(v[...].dtype))
-                 if p[0] == "layers" else v) for p, v in nnx.to_flat_state(state)])
-
-        return graphdef, jax.jit(init, out_shardings=out_shardings)()
+        mask = plan.layer_slot_mask() if plan else None
+        placed = [(path, var.replace(_random_weight(i, var, seed, shardings[path], mask if path[0] == "layers" else None)))
+                  for i, (path, var) in enumerate(flat)]
+        return graphdef, nnx.from_flat_state(placed)
 
     expected = {".".join(map(str, p)) for p, _ in flat}
     extra = sorted(set(weights) - expected)
