@@ -53,19 +53,50 @@ def _suppress(logits, ids):
     return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[1])].set(-jnp.inf, mode="drop")
 
 
+_BISECT_STEPS = 32  # halvings of the threshold interval: 2^-32 of the value range
+
+
+def _kth_largest(x: Float[Array, "S V"], k: Int[Array, "S"]) -> Float[Array, "S"]:
+    """The k-th largest value of each row, by bisection on the value (a full sort is ~80x slower on CPU)."""
+    lo = jnp.min(x, axis=-1)  # count(x >= lo) = V >= k
+    hi = jnp.max(x, axis=-1)
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        ok = jnp.sum(x >= mid[:, None], axis=-1) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi))
+    return jnp.where(jnp.sum(x >= hi[:, None], axis=-1) >= k, hi, lo)
+
+
+def _nucleus_floor(probs: Float[Array, "S V"], top_p: Float[Array, "S"]) -> Float[Array, "S"]:
+    """The largest probability t such that the tokens with probability >= t hold at least top_p of the mass.
+
+    Keeping exactly those tokens is vLLM's top-p: the smallest top set reaching top_p, ties included.
+    """
+    lo = jnp.zeros(probs.shape[0], probs.dtype)
+    hi = jnp.max(probs, axis=-1)
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        ok = jnp.sum(jnp.where(probs >= mid[:, None], probs, 0), axis=-1) >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi))
+    return jnp.where(jnp.sum(jnp.where(probs >= hi[:, None], probs, 0), axis=-1) >= top_p, hi, lo)
+
+
 def _truncate(logits, s: SamplingInputs):
-    """Top-k then top-p on temperature-scaled logits; ties with the threshold are kept."""
+    """Top-k, then top-p on the renormalised rest, on temperature-scaled logits; ties are kept."""
     v = logits.shape[-1]
-    desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, v), v)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-    keep = (before < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)
-    last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
-    pth = jnp.take_along_axis(desc, last[:, None], axis=-1)
-    return jnp.where(logits < jnp.maximum(kth, pth), -jnp.inf, logits)
+    logits = jnp.where(logits < _kth_largest(logits, k)[:, None], -jnp.inf, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    floor = jnp.where(s.top_p < 1.0, _nucleus_floor(probs, s.top_p), 0.0)
+    return jnp.where(probs < floor[:, None], -jnp.inf, logits)
 
 
 def _draw(logits, s: SamplingInputs):
