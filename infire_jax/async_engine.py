@@ -46,6 +46,8 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     compiles_since_warmup: int = 0
+    step_seconds: float = 0.0
+    device_wait_seconds: float = 0.0
 
 
 class LatencyObserver(Protocol):
@@ -315,4 +317,5 @@ class AsyncEngine:
             num_running=e.num_running, num_waiting=e.num_waiting, kv_usage=e.kv.usage,
             prefix_queries=e.kv.queries, prefix_hits=e.kv.hits, num_preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens,
-            compiles_since_warmup=e.compiles_since_warmup)
+            compiles_since_warmup=e.compiles_since_warmup, step_seconds=e.stats.step_seconds,
+            device_wait_seconds=e.stats.device_wait_seconds)

@@ -237,8 +237,9 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
-        compiles = compile_count()
+        compiles, start = compile_count(), time.perf_counter()
         deltas = self._step()
+        self.stats.step_seconds += time.perf_counter() - start
         self.compiles_since_warmup += compile_count() - compiles
         return deltas
 
@@ -255,7 +256,9 @@ class Engine:
         return deltas
 
     def _process(self, p: PendingStep) -> list[Delta]:
+        start = time.perf_counter()
         res = self.runner.fetch(p)
+        self.stats.device_wait_seconds += time.perf_counter() - start
         deltas = []
         for row, sq in enumerate(p.work.seqs):
             if not sq.samples:
@@ -326,3 +329,9 @@ class EngineStats:
     step_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    step_seconds: float = 0.0  # wall time inside step()
+    device_wait_seconds: float = 0.0  # of which blocked on the device's results; the rest is host work
+
+    @property
+    def host_seconds(self) -> float:
+        return self.step_seconds - self.device_wait_seconds

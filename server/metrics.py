@@ -46,6 +46,11 @@ class _EngineCollector(Collector):
             (CounterMetricFamily, "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions),
             (CounterMetricFamily, "prompt_tokens", "Prompt tokens of admitted sequences.", s.prompt_tokens),
             (CounterMetricFamily, "generation_tokens", "Generated tokens.", s.generation_tokens),
+            (CounterMetricFamily, "engine_step_seconds", "Wall time of the engine thread inside steps.",
+             s.step_seconds),
+            (CounterMetricFamily, "engine_device_wait_seconds",
+             "Part of the step time blocked on the device's results (the rest is host work).",
+             s.device_wait_seconds),
         ):
             family = cls(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self._model], value)

@@ -4,7 +4,9 @@ Requests stream (SSE) from --base-url; they arrive as a Poisson process at --req
 with --burstiness; inf sends all at once) with at most --max-concurrency in flight. Several rates
 or concurrencies make a sweep. Reported per sweep point: request and token throughput, TTFT, TPOT,
 ITL and E2E latency statistics, and goodput under the --goodput SLOs. Output lengths are what the
-server reports in its usage (or the number of streamed chunks when it reports none).
+server reports in its usage (or the number of streamed chunks when it reports none). Against our
+own server, "host share" is the part of the engine's step time spent outside the jitted step
+(scheduling, batch building, detokenizing), read from its /metrics.
 """
 
 from __future__ import annotations
@@ -114,6 +116,34 @@ async def _first_model(session, base_url: str, headers: dict) -> str:
         raise BenchError(f"cannot list the models at {url} ({type(e).__name__}: {e}); pass --model") from None
 
 
+_STEP_COUNTERS = ("infire:engine_step_seconds_total", "infire:engine_device_wait_seconds_total")
+
+
+async def _engine_counters(session, base_url: str, headers: dict) -> dict[str, float] | None:
+    """Our server's engine time counters from /metrics; None for servers that do not export them."""
+    try:
+        async with session.get(_url(base_url, "/metrics"), headers=headers) as resp:
+            text = await resp.text() if resp.status == 200 else ""
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return None
+    found = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _STEP_COUNTERS:
+            found[name] = float(line.rsplit(" ", 1)[1])
+    return found if len(found) == len(_STEP_COUNTERS) else None
+
+
+def _host_share(before: dict | None, after: dict | None) -> dict:
+    """Share of the engine's step time spent on the host (scheduling, batching, detokenizing) rather
+    than blocked on the jitted step, over one sweep point."""
+    if not before or not after:
+        return {}
+    step = after[_STEP_COUNTERS[0]] - before[_STEP_COUNTERS[0]]
+    wait = after[_STEP_COUNTERS[1]] - before[_STEP_COUNTERS[1]]
+    return dict(engine_step_seconds=step, engine_host_share=(step - wait) / step) if step > 0 else {}
+
+
 async def _run_point(session, url, bodies, headers, *, request_rate, concurrency, burstiness, rng, bar):
     """Sends every body on the arrival schedule; returns (timings or errors, seconds from first send to last end)."""
     limit = asyncio.Semaphore(concurrency) if concurrency else None
@@ -145,7 +175,7 @@ def _columns(percentiles, goodput: bool):
     cols.append(("output_throughput", "out tok/s", "{:.1f}"))
     for metric in ("ttft", "tpot", "itl", "e2el"):
         cols += [(f"{pct_label(p)}_{metric}_ms", f"{pct_label(p)} {metric.upper()}", "{:.1f}") for p in percentiles]
-    return cols
+    return cols + [("engine_host_share", "host share", "{:.1%}")]
 
 
 async def _bench(args, prompts) -> tuple[str, list[dict]]:
@@ -181,15 +211,18 @@ async def _bench(args, prompts) -> tuple[str, list[dict]]:
                 drawn = prompts or random_prompts(args.num_prompts, args.input_len, args.output_len,
                                                   args.vocab_size, (args.seed, 0, i))
                 rng = np.random.default_rng((args.seed, 2, i))
+                before = await _engine_counters(session, args.base_url, headers)
                 outs, duration = await _run_point(
                     session, url, [body(p.prompt, p.output_len) for p in drawn], headers,
                     request_rate=request_rate, concurrency=concurrency, burstiness=args.burstiness, rng=rng, bar=bar)
+                engine_time = _host_share(before, await _engine_counters(session, args.base_url, headers))
                 timings = [o for o in outs if isinstance(o, RequestTiming)]
                 errors = [o for o in outs if isinstance(o, str)]
                 rate_label = "inf" if math.isinf(request_rate) else request_rate
                 point = dict(label=f"rate={rate_label}" + (f" c={concurrency}" if concurrency else ""),
                              request_rate=rate_label, max_concurrency=concurrency, burstiness=args.burstiness,
-                             num_prompts=len(drawn), completed=len(timings), failed=len(errors), errors=errors[:5])
+                             num_prompts=len(drawn), completed=len(timings), failed=len(errors), errors=errors[:5],
+                             **engine_time)
                 if timings:
                     point |= summarize(timings, duration, args.metric_percentiles, dict(args.goodput or []))
                     point["mean_output_len"] = point["total_output_tokens"] / len(timings)
