@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from infire_jax.engine import EngineStats
 from infire_jax.errors import InvalidRequestError
 from infire_jax.outputs import Delta
 from infire_jax.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ class ScriptedEngine:
         self.model_name, self.max_model_len = "scripted", 64
         self.kv = SimpleNamespace(usage=0.0, queries=0, hits=0)
         self.scheduler = SimpleNamespace(num_preemptions=0)
-        self.stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0)
+        self.stats = EngineStats()
         self.compiles_since_warmup = 0
         self.step_seconds = step_seconds
         self.seqs: dict[str, list[list[int]]] = {}  # request id -> [index, produced, max_tokens] per sample
