@@ -25,6 +25,7 @@ from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.loaders import LoadedModel, load_model
 from infire_jax.loaders.load import cache_dir, load_config
+from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
@@ -32,7 +33,7 @@ from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_p
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
 from pallas_kernels.attention import choose_impl, resolve_impl
-from sharding.mesh import MeshConfigError, load_mesh_config
+from sharding.mesh import load_mesh_config
 from sharding.plan import ShardPlan
 
 log = logging.getLogger(__name__)
@@ -82,25 +83,12 @@ def resolve_dtype(name: str):
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None,
                  progress: Callable[[str, int, int], None] | None = None):
+        """Validates the settings, loads and places the model, and compiles every step bucket."""
         ec = self.config = config or EngineConfig()
         report = progress or (lambda stage, done, total: None)
-        if ec.max_num_seqs < 1 or ec.page_size < 1:
-            raise ConfigError("max_num_seqs and page_size must be positive")
         self.dtype = resolve_dtype(ec.dtype)
-        try:
-            resolve_impl(ec.attn_impl)  # an unknown name fails before anything loads
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+        self.plan = self._check_settings(loaded.config if loaded else load_config(ec.model))
         enable_compilation_cache()
-
-        # The mesh is checked against the devices and the model's config before any weight is read.
-        cfg = loaded.config if loaded else load_config(ec.model)
-        try:
-            mesh_config = load_mesh_config(ec.mesh, jax.device_count())
-            plan = ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
-        except MeshConfigError as e:
-            raise ConfigError(str(e)) from e
-        self.plan = plan
 
         report("load", 0, 1)
         t0 = time.monotonic()
@@ -108,37 +96,24 @@ class Engine:
         cfg = self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        graphdef, state = build_state(cfg, self.loaded.weights, self.dtype, plan=plan, seed=self.loaded.random_seed)
+        graphdef, state = build_state(cfg, self.loaded.weights, self.dtype, plan=self.plan,
+                                      seed=self.loaded.random_seed)
         jax.block_until_ready(state)
         self.load_seconds = time.monotonic() - t0
         report("load", 1, 1)
 
-        try:
-            attn_impl = choose_impl(ec.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
-                                    num_kv_heads=cfg.num_kv_heads, dtype=self.dtype)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        self.attn_impl = attn_impl
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
-        if budget < ec.max_num_seqs:
-            raise ConfigError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({ec.max_num_seqs})")
-        buckets = Buckets(ec.token_buckets or default_token_buckets(budget), ec.max_num_seqs)
-        if buckets.token_buckets[-1] != budget:
-            raise ConfigError(f"the largest token bucket must equal max_num_batched_tokens ({budget})")
-        num_pages = self._num_pages()
-        if num_pages - 1 < -(-self.max_model_len // ec.page_size):
-            raise ConfigError(f"the KV pool ({num_pages - 1} pages of {ec.page_size}) cannot hold one "
-                              f"sequence of max_model_len={self.max_model_len}")
-        rc = RunnerConfig(page_size=ec.page_size, num_pages=num_pages, max_model_len=self.max_model_len,
-                          max_num_seqs=ec.max_num_seqs, buckets=buckets, attn_impl=attn_impl)
-        placed_cfg = plan.effective_config(cfg) if plan else cfg
-        self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=plan)
-        self.kv = KVCacheManager(num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
+        rc = RunnerConfig(page_size=ec.page_size, num_pages=self._num_pages(), max_model_len=self.max_model_len,
+                          max_num_seqs=ec.max_num_seqs, buckets=self._buckets(budget),
+                          attn_impl=self._attention(cfg))
+        placed_cfg = self.plan.effective_config(cfg) if self.plan else cfg
+        self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=self.plan)
+        self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
 
         t0 = time.monotonic()
-        shapes = buckets.shapes
+        shapes = rc.buckets.shapes
         done = itertools.count(1)
         report("compile", 0, len(shapes))
         self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
@@ -152,10 +127,40 @@ class Engine:
         self._inflight: PendingStep | None = None
         self.stats = EngineStats()
 
+    # ---- set-up -----------------------------------------------------------------------------------
+    def _check_settings(self, cfg: ModelConfig) -> ShardPlan | None:
+        """Everything that can be checked from the config alone, before any weight is read."""
+        ec = self.config
+        if ec.max_num_seqs < 1 or ec.page_size < 1:
+            raise ConfigError("max_num_seqs and page_size must be positive")
+        try:
+            resolve_impl(ec.attn_impl)
+            mesh_config = load_mesh_config(ec.mesh, jax.device_count())
+            return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
+        except ValueError as e:  # unknown attention name, MeshConfigError
+            raise ConfigError(str(e)) from e
+
+    def _attention(self, cfg: ModelConfig) -> str:
+        try:
+            return choose_impl(self.config.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
+                               num_kv_heads=cfg.num_kv_heads, dtype=self.dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+    def _buckets(self, budget: int) -> Buckets:
+        ec = self.config
+        if budget < ec.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({ec.max_num_seqs})")
+        buckets = Buckets(ec.token_buckets or default_token_buckets(budget), ec.max_num_seqs)
+        if buckets.token_buckets[-1] != budget:
+            raise ConfigError(f"the largest token bucket must equal max_num_batched_tokens ({budget})")
+        return buckets
+
     def _num_pages(self) -> int:
+        """Pages in the pool: given, or as many as the memory budget holds; at least one full sequence."""
         ec, plan = self.config, self.plan
         if ec.num_kv_pages:
-            return ec.num_kv_pages
+            return self._check_pool(ec.num_kv_pages)
         cfg = plan.effective_config(self.model_config) if plan else self.model_config
         # Bytes one page costs each device: the pool is split over pp (layers) and tp (kv heads).
         per_page = kv_bytes_per_page(cfg, ec.page_size, self.dtype)
@@ -163,13 +168,20 @@ class Engine:
             per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if plan.axis("kv_heads") else 1)
         budget = ec.kv_cache_memory
         if budget is None:
-            stats = jax.devices()[0].memory_stats() if _on_gpu() else None
+            stats = jax.local_devices()[0].memory_stats() if _on_gpu() else None
             if stats and "bytes_limit" in stats:
                 free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
                 budget = int(free * 0.9) - 2 * _GIB
             else:
                 budget = _GIB
-        return max(2, budget // per_page)
+        return self._check_pool(max(2, budget // per_page))
+
+    def _check_pool(self, num_pages: int) -> int:
+        page_size = self.config.page_size
+        if num_pages - 1 < -(-self.max_model_len // page_size):
+            raise ConfigError(f"the KV pool ({num_pages - 1} pages of {page_size}) cannot hold one "
+                              f"sequence of max_model_len={self.max_model_len}")
+        return num_pages
 
     # ---- requests ---------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

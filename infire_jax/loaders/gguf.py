@@ -10,7 +10,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.loaders.weights import LoadedModel, stack_layers
+from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig, config_from_gguf
 from infire_jax.tokenizer import tokenizer_from_gguf
 
@@ -78,7 +78,6 @@ def load_gguf(path: str) -> LoadedModel:
     cfg = _config(meta, raw)
     raw.pop("rope_freqs.weight", None)
     names = set(raw)
-    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     permuted = arch in _PERMUTED_QK
 
     def tensor(name: str) -> np.ndarray:
@@ -87,22 +86,10 @@ def load_gguf(path: str) -> LoadedModel:
 
     def convert(short: str, w: np.ndarray) -> np.ndarray:
         if short in ("wq", "bq") and permuted:
-            w = unpermute_qk(w, hq)
+            w = unpermute_qk(w, cfg.num_heads)
         if short in ("wk", "bk") and permuted:
-            w = unpermute_qk(w, hkv)
-        if short == "wq":
-            return w.reshape(hq, d, e).transpose(2, 0, 1)
-        if short in ("wk", "wv"):
-            return w.reshape(hkv, d, e).transpose(2, 0, 1)
-        if short == "wo":
-            return w.reshape(e, hq, d).transpose(1, 2, 0)
-        if short == "bq":
-            return w.reshape(hq, d)
-        if short in ("bk", "bv"):
-            return w.reshape(hkv, d)
-        if short in ("w_gate", "w_up", "w_down"):
-            return w.T
-        return w
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        return from_hf_layout(short, w, cfg)
 
     per_layer: dict[str, list[np.ndarray | None]] = {}
     weights: dict[str, np.ndarray] = {}

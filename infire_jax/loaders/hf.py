@@ -13,7 +13,7 @@ import numpy as np
 from safetensors import safe_open
 
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
-from infire_jax.loaders.weights import LoadedModel, stack_layers
+from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig, config_from_hf
 from infire_jax.tokenizer import Tokenizer
 
@@ -41,24 +41,6 @@ _DENSE = {
 # Expert projections: Mixtral's w1/w3/w2 and Qwen3-MoE's gate/up/down.
 _EXPERT_NAMES = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": "w_up",
                  "w2": "w_down", "down_proj": "w_down"}
-
-
-def convert_hf_tensor(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """HF (out, in) layout -> our einsum layout."""
-    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if short == "wq":
-        return w.reshape(hq, d, e).transpose(2, 0, 1)
-    if short in ("wk", "wv"):
-        return w.reshape(hkv, d, e).transpose(2, 0, 1)
-    if short == "wo":
-        return w.reshape(e, hq, d).transpose(1, 2, 0)
-    if short == "bq":
-        return w.reshape(hq, d)
-    if short in ("bk", "bv"):
-        return w.reshape(hkv, d)
-    if short in ("w_gate", "w_up", "w_down", "router"):
-        return w.T
-    return w
 
 
 def _read_safetensors(path: str):
@@ -111,7 +93,7 @@ def load_hf_dir(path: str) -> LoadedModel:
                     if rest.endswith("rotary_emb.inv_freq"):
                         continue
                     raise UnsupportedModelError(f"unexpected weight {name!r} for {cfg.architecture}")
-                per_layer.setdefault(short, [None] * n)[layer] = convert_hf_tensor(short, w, cfg)
+                per_layer.setdefault(short, [None] * n)[layer] = from_hf_layout(short, w, cfg)
             elif name == "model.embed_tokens.weight":
                 weights["embed"] = w
             elif name == "model.norm.weight":

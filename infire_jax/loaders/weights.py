@@ -42,6 +42,24 @@ def stack_layers(per_layer: Mapping[str, list[np.ndarray | None]]) -> dict[str, 
     return out
 
 
+def from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """One layer weight from HF's (out, in) layout to ours (the layout the model's einsums take)."""
+    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if short == "wq":
+        return w.reshape(hq, d, e).transpose(2, 0, 1)
+    if short in ("wk", "wv"):
+        return w.reshape(hkv, d, e).transpose(2, 0, 1)
+    if short == "wo":
+        return w.reshape(e, hq, d).transpose(1, 2, 0)
+    if short == "bq":
+        return w.reshape(hq, d)
+    if short in ("bk", "bv"):
+        return w.reshape(hkv, d)
+    if short in ("w_gate", "w_up", "w_down", "router"):
+        return w.T
+    return w
+
+
 def is_native_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, _CONFIG_FILE))
 
