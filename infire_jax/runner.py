@@ -212,13 +212,11 @@ class ModelRunner:
 
     def _restore_history(self, req, upto: int) -> None:
         """A request admitted with cached tokens needs its skipped tokens in its penalty history."""
-        pad = np.full(self._history_len, self.cfg.vocab_size, np.int32)
-        prompt, output = pad.copy(), pad
+        prompt = np.full(self._history_len, self.cfg.vocab_size, np.int32)  # ids >= vocab are dropped
+        output = prompt.copy()
         n_prompt = min(upto, req.num_prompt_tokens)
         prompt[:n_prompt] = req.prompt_token_ids[:n_prompt]
-        if upto > n_prompt:
-            output = pad.copy()
-            output[:upto - n_prompt] = req.output_token_ids[:upto - n_prompt]
+        output[:upto - n_prompt] = req.output_token_ids[:upto - n_prompt]
         if multihost.is_multiprocess():
             multihost.send(multihost.HISTORY, req.slot, (prompt, output))
         self._load(req.slot, prompt, output)
