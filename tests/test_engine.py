@@ -145,3 +145,25 @@ def test_unsupported_architecture_is_rejected(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         LLM(model=str(tmp_path))
+
+
+def test_next_step_is_dispatched_before_the_previous_is_read_back(smol_llm, monkeypatch):
+    """Asynchronous scheduling: the host plans and launches step N+1 before it waits for step N."""
+    runner = smol_llm.engine.runner
+    calls = []
+    dispatch, fetch = runner.dispatch, runner.fetch
+
+    def logged_dispatch(work):
+        calls.append("dispatch")
+        return dispatch(work)
+
+    def logged_fetch(pending):
+        calls.append("fetch")
+        return fetch(pending)
+
+    monkeypatch.setattr(runner, "dispatch", logged_dispatch)
+    monkeypatch.setattr(runner, "fetch", logged_fetch)
+    out = smol_llm.generate(["Count to ten:"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6
+    # One step per token; every read-back but the last follows the launch of the next step.
+    assert calls == ["dispatch"] + ["dispatch", "fetch"] * 5 + ["fetch"]
