@@ -19,7 +19,6 @@ import dataclasses
 from typing import Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
