@@ -30,6 +30,8 @@ ALLOWED_RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "norm": (),
     "router": (),
+    "qkv": (),  # the fused q/k/v weight's (G queries, k, v) axis
+    "gate_up": (),  # the fused gate/up weight's (gate, up) axis
 }
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 

@@ -49,6 +49,19 @@ def plan_stages(num_layers: int, num_stages: int, stage_extra: Sequence[float] |
     return best[num_layers][2]
 
 
+def repeat_kv_heads(w: np.ndarray, r: int) -> np.ndarray:
+    """A fused q/k/v weight [..., Hkv, G + 2, D] as [..., Hkv * r, G / r + 2, D].
+
+    Copy i of kv head j keeps j's k and v and the i-th r-th of its G query heads, so query head
+    order (j * G + i) is unchanged and each of the tp devices gets one kv head and its queries.
+    """
+    *lead, hkv, g2, d = w.shape
+    g = g2 - 2
+    q = w[..., :g, :].reshape(*lead, hkv, r, g // r, d)
+    kv = np.broadcast_to(w[..., None, g:, :], (*lead, hkv, r, 2, d))
+    return np.concatenate([q, kv], axis=-2).reshape(*lead, hkv * r, g // r + 2, d)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
     mesh_config: MeshConfig
@@ -145,9 +158,9 @@ class ShardPlan:
         """Repeats kv heads and spreads the stacked layers over padded stage slots."""
         out = dict(weights)
         if self.kv_repeat > 1:
-            for name, axis in (("layers.wk", 2), ("layers.wv", 2), ("layers.bk", 1), ("layers.bv", 1)):
+            for name in ("layers.wqkv", "layers.bqkv"):
                 if name in out:
-                    out[name] = np.repeat(out[name], self.kv_repeat, axis=axis)
+                    out[name] = repeat_kv_heads(out[name], self.kv_repeat)
         if self.num_stages > 1:
             starts = np.cumsum((0,) + self.stage_layers[:-1])
             for name in [k for k in out if k.startswith("layers.")]:

@@ -60,12 +60,15 @@ def test_gguf_weights_equal_hf_weights(smol, hf_smol):
     np.testing.assert_array_equal(w["final_norm"], sd["model.norm.weight"])
     for i in (0, 17, cfg.num_layers - 1):
         p = f"model.layers.{i}."
-        np.testing.assert_array_equal(w["layers.wq"][i], sd[p + "self_attn.q_proj.weight"].reshape(h, d, e).transpose(2, 0, 1))
-        np.testing.assert_array_equal(w["layers.wk"][i], sd[p + "self_attn.k_proj.weight"].reshape(kv, d, e).transpose(2, 0, 1))
-        np.testing.assert_array_equal(w["layers.wv"][i], sd[p + "self_attn.v_proj.weight"].reshape(kv, d, e).transpose(2, 0, 1))
+        g = h // kv  # wqkv [E, Hkv, G + 2, D]: kv head j's G query heads, then its k and v
+        wqkv = w["layers.wqkv"][i]
+        q = sd[p + "self_attn.q_proj.weight"].reshape(h, d, e).transpose(2, 0, 1)
+        np.testing.assert_array_equal(wqkv[:, :, :g].reshape(e, h, d), q)
+        np.testing.assert_array_equal(wqkv[:, :, g], sd[p + "self_attn.k_proj.weight"].reshape(kv, d, e).transpose(2, 0, 1))
+        np.testing.assert_array_equal(wqkv[:, :, g + 1], sd[p + "self_attn.v_proj.weight"].reshape(kv, d, e).transpose(2, 0, 1))
         np.testing.assert_array_equal(w["layers.wo"][i], sd[p + "self_attn.o_proj.weight"].reshape(e, h, d).transpose(1, 2, 0))
-        np.testing.assert_array_equal(w["layers.w_gate"][i], sd[p + "mlp.gate_proj.weight"].T)
-        np.testing.assert_array_equal(w["layers.w_up"][i], sd[p + "mlp.up_proj.weight"].T)
+        np.testing.assert_array_equal(w["layers.w_gate_up"][i][:, 0], sd[p + "mlp.gate_proj.weight"].T)
+        np.testing.assert_array_equal(w["layers.w_gate_up"][i][:, 1], sd[p + "mlp.up_proj.weight"].T)
         np.testing.assert_array_equal(w["layers.w_down"][i], sd[p + "mlp.down_proj.weight"].T)
         np.testing.assert_array_equal(w["layers.attn_norm"][i], sd[p + "input_layernorm.weight"])
         np.testing.assert_array_equal(w["layers.mlp_norm"][i], sd[p + "post_attention_layernorm.weight"])

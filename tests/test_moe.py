@@ -61,8 +61,8 @@ def test_routing_matches_float64(arch, norm, experts, k, dtype):
 
 def _layer_weights(rng, cfg: ModelConfig, router_bias: np.ndarray | None = None):
     e, x, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    lp = {"router": rng.normal(0, 0.5, (e, x)), "w_gate": rng.normal(0, 0.2, (x, e, f)),
-          "w_up": rng.normal(0, 0.2, (x, e, f)), "w_down": rng.normal(0, 0.2, (x, f, e))}
+    lp = {"router": rng.normal(0, 0.5, (e, x)), "w_gate_up": rng.normal(0, 0.2, (x, e, 2, f)),
+          "w_down": rng.normal(0, 0.2, (x, f, e))}
     inputs = rng.normal(0, 1, (cfg.hidden_size,))
     if router_bias is not None:  # a direction of x that favours some experts: skewed group sizes
         lp["router"] += np.outer(inputs, router_bias) / (inputs @ inputs)
@@ -77,7 +77,7 @@ def _np_moe(lp, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         for j, ex in enumerate(idx[t]):
-            g, u = x[t] @ lp["w_gate"][ex], x[t] @ lp["w_up"][ex]
+            g, u = x[t] @ lp["w_gate_up"][ex][:, 0], x[t] @ lp["w_gate_up"][ex][:, 1]
             out[t] += w[t, j] * ((g / (1 + np.exp(-g)) * u) @ lp["w_down"][ex])
     return out
 
@@ -117,7 +117,8 @@ def _largest_intermediate(jaxpr) -> int:
 def _dense_moe(lp, x, cfg):
     """Every expert on every token: the [T, X, F] product the grouped matmul must avoid."""
     r = route_for(cfg, x @ lp["router"])
-    h = jax.nn.silu(jnp.einsum("te,xef->txf", x, lp["w_gate"])) * jnp.einsum("te,xef->txf", x, lp["w_up"])
+    gate_up = jnp.einsum("te,xecf->txcf", x, lp["w_gate_up"])
+    h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
     y = jnp.einsum("txf,xfe->txe", h, lp["w_down"])
     return jnp.einsum("tke,tk->te", jnp.take_along_axis(y, r.experts[..., None], axis=1), r.weights)
 
@@ -127,8 +128,9 @@ def test_grouped_matmul_builds_no_dense_intermediate():
     cfg = _cfg("qwen3_moe", experts=128, k=8)
     cfg = ModelConfig(**{**cfg.to_dict(), "hidden_size": 256, "moe_intermediate_size": 128})
     t, e, x, f = 512, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    lp = {"router": jax.ShapeDtypeStruct((e, x), jnp.float32), "w_gate": jax.ShapeDtypeStruct((x, e, f), jnp.float32),
-          "w_up": jax.ShapeDtypeStruct((x, e, f), jnp.float32), "w_down": jax.ShapeDtypeStruct((x, f, e), jnp.float32)}
+    lp = {"router": jax.ShapeDtypeStruct((e, x), jnp.float32),
+          "w_gate_up": jax.ShapeDtypeStruct((x, e, 2, f), jnp.float32),
+          "w_down": jax.ShapeDtypeStruct((x, f, e), jnp.float32)}
     h = jax.ShapeDtypeStruct((t, e), jnp.float32)
     dense_elems = t * x * f
 
@@ -161,8 +163,7 @@ def test_dummy_moe_model_constructs_abstractly(name):
     params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     n, e, x, f = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     expected = {"layers.router": ((n, e, x), ("layers", "embed", "router")),
-                "layers.w_gate": ((n, x, e, f), ("layers", "experts", "embed", "mlp")),
-                "layers.w_up": ((n, x, e, f), ("layers", "experts", "embed", "mlp")),
+                "layers.w_gate_up": ((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp")),
                 "layers.w_down": ((n, x, f, e), ("layers", "experts", "mlp", "embed"))}
     for key, (shape, axes) in expected.items():
         assert params[key].shape == shape and params[key].axes == axes, key

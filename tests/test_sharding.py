@@ -106,16 +106,20 @@ def test_prepare_weights_repeats_kv_heads_and_pads_stages():
                            "rules": {"q_heads": "tp", "kv_heads": "tp", "layers": "pp"}}, "t")
     plan = ShardPlan.create(cfg, mc, [jax.devices()[0]] * 8)
     rng = np.random.default_rng(0)
-    wk = rng.normal(size=(3, 576, 2, 64)).astype(np.float32)
+    wqkv = rng.normal(size=(3, 576, 2, 6, 64)).astype(np.float32)  # 2 kv heads, each 4 q heads + k + v
     norm = rng.normal(size=(3, 576)).astype(np.float32)
-    out = plan.prepare_weights({"layers.wk": wk, "layers.attn_norm": norm, "embed": norm})
+    out = plan.prepare_weights({"layers.wqkv": wqkv, "layers.attn_norm": norm, "embed": norm})
     assert plan.stage_layers == (1, 2) and plan.padded_layers == 2
-    assert out["layers.wk"].shape == (4, 576, 4, 64)  # 2 stages x 2 slots, kv heads 0 0 1 1
-    np.testing.assert_array_equal(out["layers.wk"][0, :, 0], wk[0, :, 0])
-    np.testing.assert_array_equal(out["layers.wk"][0, :, 1], wk[0, :, 0])  # head 0 stored twice
-    np.testing.assert_array_equal(out["layers.wk"][2:, :, 3], wk[1:, :, 1])  # stage 1 holds layers 1, 2
+    w = out["layers.wqkv"]
+    assert w.shape == (4, 576, 4, 4, 64)  # 2 stages x 2 slots; kv heads 0 0 1 1, each with 2 q heads + k + v
+    np.testing.assert_array_equal(w[0, :, 0, :2], wqkv[0, :, 0, :2])  # q heads 0, 1 with kv head 0
+    np.testing.assert_array_equal(w[0, :, 1, :2], wqkv[0, :, 0, 2:4])  # q heads 2, 3 with its copy
+    np.testing.assert_array_equal(w[0, :, 0, 2:], wqkv[0, :, 0, 4:])  # kv head 0's k and v ...
+    np.testing.assert_array_equal(w[0, :, 1, 2:], wqkv[0, :, 0, 4:])  # ... stored twice
+    np.testing.assert_array_equal(w[2:, :, 3, :2], wqkv[1:, :, 1, 2:4])  # stage 1 holds layers 1, 2
+    np.testing.assert_array_equal(w[2:, :, 3, 2:], wqkv[1:, :, 1, 4:])
     np.testing.assert_array_equal(out["layers.attn_norm"][2:], norm[1:])
-    assert not out["layers.wk"][1].any() and not out["layers.attn_norm"][1].any()  # stage 0's padding slot
+    assert not w[1].any() and not out["layers.attn_norm"][1].any()  # stage 0's padding slot
     assert out["embed"] is norm
 
 

@@ -106,9 +106,9 @@ def load_gguf(path: str) -> LoadedModel:
         elif name == "output_norm.weight":
             weights["final_norm"] = tensor(name)
         elif name == "output.weight":
-            weights["lm_head"] = tensor(name).T
+            weights["lm_head"] = tensor(name)  # [V, E], as the embedding
         else:
             raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
-    weights.update(stack_layers(per_layer))
+    weights.update(stack_layers(per_layer, cfg))
     return LoadedModel(config=cfg, weights=weights, tokenizer=tokenizer_from_gguf(meta),
                        name=str(meta.get("general.name") or path))

@@ -100,7 +100,7 @@ def load_hf_dir(path: str) -> LoadedModel:
                 weights["final_norm"] = w
             elif name == "lm_head.weight":
                 if not cfg.tie_word_embeddings:
-                    weights["lm_head"] = w.T
+                    weights["lm_head"] = w  # [V, E], as the embedding
             else:
                 raise UnsupportedModelError(f"unexpected weight {name!r}")
     for short, by_layer in experts.items():
@@ -108,6 +108,6 @@ def load_hf_dir(path: str) -> LoadedModel:
             if any(w is None for w in layer):
                 raise UnsupportedModelError(f"expert weights {short!r} are incomplete in layer {i}")
         per_layer[short] = [np.stack(layer) for layer in by_layer]
-    weights.update(stack_layers(per_layer))
+    weights.update(stack_layers(per_layer, cfg))
     tok = Tokenizer.from_dir(path)
     return LoadedModel(config=cfg, tokenizer=tok, name=os.path.basename(os.path.normpath(path)), weights=weights)

@@ -1,7 +1,8 @@
 """What every loader returns, and the native on-disk form (safetensors with our own names).
 
-Weights use the model's parameter paths ("embed", "layers.wq", ...) with the layer axis stacked,
-so a native checkpoint loads with no renaming or restacking: read, cast, place.
+Weights use the model's parameter paths ("embed", "layers.wqkv", ...) with the layer axis stacked
+and the projections fused as the model holds them, so a native checkpoint loads with no renaming,
+restacking or concatenation: read, cast, place.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
 from infire_jax.tokenizer import Tokenizer
 
-NATIVE_FORMAT_VERSION = 1
+NATIVE_FORMAT_VERSION = 2  # 2: fused q/k/v and gate/up, LM head [V, E]
 _WEIGHTS_FILE = "model.safetensors"
 _CONFIG_FILE = "infire_config.json"
 
@@ -32,14 +33,38 @@ class LoadedModel:
     random_seed: int = 0
 
 
-def stack_layers(per_layer: Mapping[str, list[np.ndarray | None]]) -> dict[str, np.ndarray]:
-    out = {}
+def stack_layers(per_layer: Mapping[str, list[np.ndarray | None]], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Stacks each per-layer weight along a leading layer axis, then fuses the projections."""
+    stacked = {}
     for short, arrays in per_layer.items():
         missing = [i for i, a in enumerate(arrays) if a is None]
         if missing:
             raise UnsupportedModelError(f"weight {short!r} is missing for layers {missing}")
-        out[f"layers.{short}"] = np.stack(arrays)
-    return out
+        stacked[short] = np.stack(arrays)
+    return {f"layers.{k}": v for k, v in fuse_projections(stacked, cfg).items()}
+
+
+def fuse_projections(w: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """wq/wk/wv -> wqkv [L, E, Hkv, G + 2, D] (bq/bk/bv likewise), w_gate/w_up -> w_gate_up [..., 2, F].
+
+    The q heads of kv head j (j*G .. j*G + G - 1, the GQA grouping) sit beside j's k and v.
+    """
+    w = dict(w)
+    hkv = cfg.num_kv_heads
+    for names, fused in ((("wq", "wk", "wv"), "wqkv"), (("bq", "bk", "bv"), "bqkv")):
+        present = [n for n in names if n in w]
+        if not present:
+            continue
+        if len(present) != 3:
+            raise UnsupportedModelError(f"the checkpoint has {present} but not all of {list(names)}")
+        q, k, v = (w.pop(n) for n in names)
+        q = q.reshape(*q.shape[:-2], hkv, q.shape[-2] // hkv, q.shape[-1])
+        w[fused] = np.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+    if ("w_gate" in w) != ("w_up" in w):
+        raise UnsupportedModelError("the checkpoint has only one of the MLP's gate and up projections")
+    if "w_gate" in w:
+        w["w_gate_up"] = np.stack([w.pop("w_gate"), w.pop("w_up")], axis=-2)
+    return w
 
 
 def from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:

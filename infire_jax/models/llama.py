@@ -28,19 +28,23 @@ KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_si
 
 
 class DecoderLayers(nnx.Module):
-    """All decoder layers' weights, stacked: every array has a leading `layers` axis."""
+    """All decoder layers' weights, stacked: every array has a leading `layers` axis.
+
+    q/k/v are one weight and gate/up another, so each is one GEMM. The q/k/v weight is grouped by
+    kv head, `[E, Hkv, G + 2, D]`: kv head j's G query heads, then its k and v. Splitting the
+    `kv_heads` axis over tp therefore hands every device whole GQA groups, as separate q/k/v
+    weights split by heads did. gate/up is `[E, 2, F]`, so splitting F keeps each device's gate and
+    up columns paired.
+    """
 
     def __init__(self, cfg: ModelConfig, dtype):
-        n, e, hq, hkv, d = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n, e, hkv, d = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+        g = cfg.num_heads // hkv
         self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
-        self.wq = param((n, e, hq, d), ("layers", "embed", "q_heads", "head_dim"), dtype)
-        self.wk = param((n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
-        self.wv = param((n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
-        self.wo = param((n, hq, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        self.wqkv = param((n, e, hkv, g + 2, d), ("layers", "embed", "kv_heads", "qkv", "head_dim"), dtype)
+        self.wo = param((n, cfg.num_heads, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
         if cfg.attention_bias:
-            self.bq = param((n, hq, d), ("layers", "q_heads", "head_dim"), dtype, init="zeros")
-            self.bk = param((n, hkv, d), ("layers", "kv_heads", "head_dim"), dtype, init="zeros")
-            self.bv = param((n, hkv, d), ("layers", "kv_heads", "head_dim"), dtype, init="zeros")
+            self.bqkv = param((n, hkv, g + 2, d), ("layers", "kv_heads", "qkv", "head_dim"), dtype, init="zeros")
         if cfg.qk_norm:
             self.q_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
             self.k_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
@@ -48,13 +52,11 @@ class DecoderLayers(nnx.Module):
         if cfg.is_moe:  # the experts' weights, and a router whose expert axis stays replicated
             x, f = cfg.num_experts, cfg.moe_intermediate_size
             self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
-            self.w_gate = param((n, x, e, f), ("layers", "experts", "embed", "mlp"), dtype)
-            self.w_up = param((n, x, e, f), ("layers", "experts", "embed", "mlp"), dtype)
+            self.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
             self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
         else:
             f = cfg.intermediate_size
-            self.w_gate = param((n, e, f), ("layers", "embed", "mlp"), dtype)
-            self.w_up = param((n, e, f), ("layers", "embed", "mlp"), dtype)
+            self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
             self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
 
     def arrays(self) -> dict[str, Array]:
@@ -67,9 +69,17 @@ class DecoderLayers(nnx.Module):
 
 
 def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
-    gate = jnp.einsum("te,ef->tf", x, lp["w_gate"])
-    up = jnp.einsum("te,ef->tf", x, lp["w_up"])
-    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, lp["w_down"])
+    gate_up = jnp.einsum("te,ecf->tcf", x, lp["w_gate_up"])
+    return jnp.einsum("tf,fe->te", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"])
+
+
+def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool) -> tuple[Array, Array, Array]:
+    """One GEMM for q, k and v: q [T, Hq, D] (head j*G + i is kv head j's i-th), k and v [T, Hkv, D]."""
+    qkv = jnp.einsum("te,ekgd->tkgd", x, lp["wqkv"])
+    if bias:
+        qkv = qkv + lp["bqkv"]
+    t, hkv, g2, d = qkv.shape
+    return qkv[:, :, :g2 - 2].reshape(t, hkv * (g2 - 2), d), qkv[:, :, g2 - 2], qkv[:, :, g2 - 1]
 
 
 def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
@@ -85,11 +95,7 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
         h, k_pages, v_pages = carry
         lp, idx = xs
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("te,ehd->thd", x, lp["wq"])
-        k = jnp.einsum("te,ehd->thd", x, lp["wk"])
-        v = jnp.einsum("te,ehd->thd", x, lp["wv"])
-        if cfg.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q, k, v = project_qkv(lp, x, cfg.attention_bias)
         if cfg.qk_norm:
             q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -118,8 +124,8 @@ class Llama(nnx.Module):
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         self.layers = DecoderLayers(cfg, dtype)
         self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
-        if not cfg.tie_word_embeddings:
-            self.lm_head = param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+        if not cfg.tie_word_embeddings:  # [V, E] like the embedding, so both heads are one code path
+            self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
 
     def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
         return self.embed[...][tokens]
@@ -143,11 +149,11 @@ class Llama(nnx.Module):
         return run_sharded(stack, plan, weights, self.layers.axes(), h, kv, meta, cos, sin)
 
     def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S V"]:
-        """Final norm and LM head, in float32."""
+        """Final norm and LM head: the head is read once in the weights' dtype, with float32
+        accumulation and float32 logits (no converted or transposed copy of the head)."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
-        if self.cfg.tie_word_embeddings:
-            return jnp.einsum("se,ve->sv", h, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("se,ev->sv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jax.lax.dot_general(h, head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     def __call__(
         self,

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE): route, dispatch, grouped SwiGLU experts, combine.
 
-Pure functions over one layer's weight dict: `router [E, X]`, `w_gate`/`w_up [X, E, F]`,
-`w_down [X, F, E]` (T tokens, E hidden, X experts, K experts per token, F expert width,
+Pure functions over one layer's weight dict: `router [E, X]`, `w_gate_up [X, E, 2, F]` (gate and
+up fused, one GEMM), `w_down [X, F, E]` (T tokens, E hidden, X experts, K experts per token, F expert width,
 M = T*K assignments). The steps are separate functions so that expert parallelism slots in between
 them: with the `experts` axis sharded over an `ep` mesh axis, `dispatch` is followed by an all-to-all
 that sends each assignment row to the shard holding its expert, `expert_mlp` runs on the local experts
@@ -116,47 +116,63 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
     return min(_MAX_TILE_ROWS, 1 << (mean.bit_length() - 1))
 
 
-def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate: Float[Array, "X E F"],
-                  w_up: Float[Array, "X E F"], w_down: Float[Array, "X F E"]) -> Float[Array, "M E"]:
+def max_tiles(num_rows: int, num_experts: int, b: int) -> int:
+    """A static bound on the tiles in use: sum over non-empty groups of ceil(size / b).
+
+    Each of at most min(X, M) non-empty groups wastes under one tile, so the sum is at most
+    (M + min(X, M) * (b - 1)) // b; with b = 1 (decode) it is exactly M.
+    """
+    return (num_rows + min(num_experts, num_rows) * (b - 1)) // b
+
+
+def _swiglu(x: Array, w_gate_up: Float[Array, "E 2 F"], w_down: Float[Array, "F E"]) -> Array:
+    gate_up = jnp.einsum("me,ecf->mcf", x, w_gate_up)
+    return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ w_down
+
+
+def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_up: Float[Array, "X E 2 F"],
+                  w_down: Float[Array, "X F E"]) -> Float[Array, "M E"]:
     """Grouped SwiGLU as a loop over row tiles, each inside one expert's group.
 
     Tile i of expert g covers sorted rows [start, start + B); rows past the group's end belong to the
-    next expert (or to padding) and are left untouched when the tile's result is written back.
+    next expert (or to padding) and are left untouched when the tile's result is written back. The
+    loop runs a static number of trips (`max_tiles`): a trip count read from the routing would make
+    XLA on a GPU copy it to the host every layer. Trips past the tiles in use write nothing.
     """
     m, e = xs.shape
     nx = group_sizes.shape[0]
     b = tile_rows(m, nx)
-    max_tiles = -(-m // b) + min(nx, m)
+    trips = max_tiles(m, nx, b)
     tiles = (group_sizes + b - 1) // b
     tile_end = jnp.cumsum(tiles)
     group_end = jnp.cumsum(group_sizes)
-    i = jnp.arange(max_tiles, dtype=jnp.int32)
+    i = jnp.arange(trips, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), nx - 1).astype(jnp.int32)
     start = (group_end - group_sizes)[group] + (i - (tile_end - tiles)[group]) * b
-    end = group_end[group]
+    end = jnp.where(i < tile_end[-1], group_end[group], 0)  # an unused trip keeps no row
     xs_pad = jnp.pad(xs, ((0, b), (0, 0)))  # a tile starting near the end must not be clamped back
 
     def tile(j, ys):
         g, r0 = group[j], start[j]
         xt = jax.lax.dynamic_slice_in_dim(xs_pad, r0, b)
-        yt = (jax.nn.silu(xt @ w_gate[g]) * (xt @ w_up[g])) @ w_down[g]
+        yt = _swiglu(xt, w_gate_up[g], w_down[g])
         keep = (r0 + jnp.arange(b)) < end[j]
         old = jax.lax.dynamic_slice_in_dim(ys, r0, b)
         return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where(keep[:, None], yt, old), r0, axis=0)
 
-    ys = jax.lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((m + b, e), xs.dtype))
+    ys = jax.lax.fori_loop(0, trips, tile, jnp.zeros((m + b, e), xs.dtype))
     return ys[:m]
 
 
 def expert_mlp(d: Dispatch, lp: dict[str, Array], impl: str) -> Float[Array, "M E"]:
     """Each sorted row through its own expert's SwiGLU (silu(x Wg) * (x Wu)) Wd."""
     if impl == "ragged_dot":
-        gate = jax.lax.ragged_dot(d.x, lp["w_gate"], d.group_sizes)
-        up = jax.lax.ragged_dot(d.x, lp["w_up"], d.group_sizes)
-        return jax.lax.ragged_dot(jax.nn.silu(gate) * up, lp["w_down"], d.group_sizes)
+        x, e, _, f = lp["w_gate_up"].shape
+        gate_up = jax.lax.ragged_dot(d.x, lp["w_gate_up"].reshape(x, e, 2 * f), d.group_sizes)
+        return jax.lax.ragged_dot(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], lp["w_down"], d.group_sizes)
     if impl != "tiled":
         raise ConfigError(f"unknown grouped matmul {impl!r}; choose one of {GROUPED_IMPLS}")
-    return _tiled_swiglu(d.x, d.group_sizes, lp["w_gate"], lp["w_up"], lp["w_down"])
+    return _tiled_swiglu(d.x, d.group_sizes, lp["w_gate_up"], lp["w_down"])
 
 
 def combine(ys: Float[Array, "M E"], d: Dispatch, routing: Routing, dtype) -> Float[Array, "T E"]:
@@ -182,7 +198,7 @@ def moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig, i
     partial sum, which the caller reduces over the axis.
     """
     routing = route_for(cfg, router_logits(lp, x))
-    num_local = lp["w_gate"].shape[0]
+    num_local = lp["w_gate_up"].shape[0]
     experts = routing.experts
     if expert_axis is not None:
         local = experts - jax.lax.axis_index(expert_axis) * num_local
