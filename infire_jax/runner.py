@@ -1,8 +1,11 @@
 """The device side: holds the weights and the KV pool, runs the jitted step. The only module with device arrays.
 
-One jitted function serves every step: embed, all decoder layers over the paged pool, LM head at
-each row's last token, sampling. It is compiled once per token bucket at warmup. The pool and the
-per-slot sampling history are donated, so each step updates them in place.
+A step is two jitted calls, launched back to back without waiting: the forward (embed, all decoder
+layers over the paged pool, the LM head at each row's last token), compiled once per token bucket,
+and the sampler, compiled once per row count and sampler variant (see sampler.py). Keeping the
+sampler apart means its variants do not multiply the forward's compilations. The pool, the
+per-slot sampling history and the last sampled tokens are donated, so each step updates them in
+place; the logits stay on the device between the two calls.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from infire_jax import multihost
 from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepBatch, build_batch
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
-from infire_jax.sampler import SamplerOutput, sample
+from infire_jax.sampler import BRANCHING, SamplerOutput, SamplingInputs, choose_variant, sample
 from infire_jax.scheduler import SchedulerOutput
 from sharding.plan import KV_POOL_AXES, ShardPlan
 
@@ -44,6 +47,8 @@ class RunnerConfig:
     max_num_seqs: int
     buckets: Buckets
     attn_impl: str = "reference"
+    # Compiled sampler variants: (BRANCHING,) where conditionals are free (CPU), else the branch-free ones.
+    sampler_variants: tuple[str, ...] = (BRANCHING,)
 
     @property
     def pages_per_seq(self) -> int:
@@ -62,8 +67,19 @@ def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
     return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def _step(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, state: nnx.State, cache: DeviceCache,
-          b: StepBatch) -> tuple[DeviceCache, SamplerOutput]:
+def matmul_precision(dtype) -> str:
+    """float32 means float32: full-precision dots, where XLA on a GPU would otherwise use TF32."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
+
+
+def _forward(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, precision: str, state: nnx.State,
+             cache: DeviceCache, b: StepBatch) -> tuple[DeviceCache, Float[Array, "S V"]]:
+    """The model over this step's tokens: updated pool and history, and each row's float32 logits."""
+    with jax.default_matmul_precision(precision):
+        return _forward_body(graphdef, attn_impl, plan, state, cache, b)
+
+
+def _forward_body(graphdef, attn_impl, plan, state, cache: DeviceCache, b: StepBatch):
     model = nnx.merge(graphdef, state)
     dummy = cache.last_tokens.shape[0] - 1
     rows = b.row_slots.shape[0]
@@ -80,13 +96,18 @@ def _step(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, state:
 
     logits, (k_pages, v_pages) = model(
         tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices, attn_impl=attn_impl, plan=plan)
-    if plan is not None:
-        # Gather the vocab-split logits once: the sampler's branches then hold no collectives
-        # (a collective inside a branch can stall the CPU backend's per-device threads).
+    if plan is not None:  # gather the vocab-split logits once, so the sampler holds no collectives
         logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
-    out = sample(logits, b.sampling, counts, prompt_mask, b.row_slots)
-    last = cache.last_tokens.at[jnp.where(b.sample_rows, b.row_slots, dummy)].set(out.tokens)
-    return DeviceCache(k_pages, v_pages, counts, prompt_mask, last), out
+    return DeviceCache(k_pages, v_pages, counts, prompt_mask, cache.last_tokens), logits
+
+
+def _sample(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
+            logits: Float[Array, "S V"], sampling: SamplingInputs, row_slots: Int[Array, "S"],
+            sample_rows: Bool[Array, "S"]) -> tuple[Int[Array, "R"], SamplerOutput]:
+    """Samples every row and records the sampled tokens per slot (read by the next forward)."""
+    out = sample(logits, sampling, counts, prompt_mask, row_slots, variant)
+    dummy = last_tokens.shape[0] - 1
+    return last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(out.tokens), out
 
 
 def _load_history(cache: DeviceCache, slot: Int[Array, ""], prompt_ids: Int[Array, "M"],
@@ -126,9 +147,13 @@ class ModelRunner:
         self.plan = plan
         self.cache = self._allocate_cache()
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
-        out_shardings = (jax.tree.map(lambda a: a.sharding, self.cache), plan.replicated) if plan else None
-        self._step = jax.jit(functools.partial(_step, graphdef, rc.attn_impl, plan), donate_argnums=(1,),
-                             out_shardings=out_shardings)
+        cache_shardings = jax.tree.map(lambda a: a.sharding, self.cache) if plan else None
+        self._forward = jax.jit(functools.partial(_forward, graphdef, rc.attn_impl, plan, matmul_precision(dtype)),
+                                donate_argnums=(1,),
+                                out_shardings=(cache_shardings, plan.replicated) if plan else None)
+        self._samplers = {v: jax.jit(functools.partial(_sample, v), donate_argnums=(0,),
+                                     out_shardings=plan.replicated if plan else None)
+                          for v in rc.sampler_variants}
         self._history = jax.jit(_load_history, donate_argnums=(0,))
 
     def _allocate_cache(self) -> DeviceCache:
@@ -149,6 +174,26 @@ class ModelRunner:
             last_tokens=make((rc.num_slots,), jnp.int32, replicated),
         )
 
+    def resize_pool(self, num_pages: int) -> None:
+        """Frees the KV pool and allocates one of `num_pages` (before warmup: the steps do not depend on it)."""
+        self.rc = dataclasses.replace(self.rc, num_pages=num_pages)
+        for a in (self.cache.k_pages, self.cache.v_pages):
+            a.delete()
+        self.cache = self._allocate_cache()
+
+    def peak_activation_bytes(self) -> int:
+        """Temporaries of the largest step on one device, from XLA's memory analysis of the compiled
+        forward and samplers (the larger of the two: they run one after the other)."""
+        shape = self.rc.buckets.shapes[-1]
+        batch, c = self._empty_batch(shape), self.cache
+        peaks = [self._forward.lower(self.state, c, batch).compile().memory_analysis().temp_size_in_bytes]
+        logits = jax.ShapeDtypeStruct((shape.num_rows, self.cfg.vocab_size), jnp.float32)
+        for fn in self._samplers.values():
+            m = fn.lower(c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling, batch.row_slots,
+                         batch.sample_rows).compile().memory_analysis()
+            peaks.append(m.temp_size_in_bytes + shape.num_rows * self.cfg.vocab_size * 4)
+        return max(peaks)
+
     def model(self) -> nnx.Module:
         """The model bound to the placed weights, for direct forwards outside the step (tests, tools)."""
         return nnx.merge(self.graphdef, self.state)
@@ -157,9 +202,18 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.k_pages.nbytes + self.cache.v_pages.nbytes
 
-    def _run(self, batch: StepBatch) -> SamplerOutput:
-        self.cache, out = self._step(self.state, self.cache, batch)
+    def _run(self, batch: StepBatch, variant: str) -> SamplerOutput:
+        """Launches the forward and the sampler; neither waits for the device."""
+        cache, logits = self._forward(self.state, self.cache, batch)
+        last, out = self._samplers[variant](cache.last_tokens, cache.counts, cache.prompt_mask, logits,
+                                            batch.sampling, batch.row_slots, batch.sample_rows)
+        self.cache = cache._replace(last_tokens=last)
         return out
+
+    def _command(self, shape: StepShape, variant: str) -> int:
+        """A step's (bucket, sampler variant) as one integer, for the multi-process header."""
+        return self.rc.buckets.shapes.index(shape) * len(self.rc.sampler_variants) + \
+            self.rc.sampler_variants.index(variant)
 
     def _load(self, slot: int, prompt: np.ndarray, output: np.ndarray) -> None:
         self.cache = self._history(self.cache, np.int32(slot), prompt, output)
@@ -178,7 +232,8 @@ class ModelRunner:
             batch = self._empty_batch(shape)
             if multihost.is_multiprocess():
                 batch = multihost.receive(batch)
-            jax.block_until_ready(self._run(batch))
+            for variant in self.rc.sampler_variants:  # the sampler compiles once per row count
+                jax.block_until_ready(self._run(batch, variant))
             if on_shape:
                 on_shape(shape)
 
@@ -196,7 +251,8 @@ class ModelRunner:
             if command == multihost.HISTORY:
                 self._load(arg, *multihost.receive((pad, pad)))
             else:
-                self._run(multihost.receive(self._empty_batch(shapes[arg])))
+                shape, variant = divmod(arg, len(self.rc.sampler_variants))
+                self._run(multihost.receive(self._empty_batch(shapes[shape])), self.rc.sampler_variants[variant])
 
     def stop_followers(self) -> None:
         if multihost.is_multiprocess() and multihost.is_leader():
@@ -228,9 +284,10 @@ class ModelRunner:
                 self._restore_history(sq.req, sq.start)
         shape = self.rc.buckets.shape_for(work.num_tokens, len(work.seqs))
         batch = self._build(work, shape)
+        variant = choose_variant(batch.sampling, self.rc.sampler_variants)
         if multihost.is_multiprocess():
-            multihost.send(multihost.STEP, self.rc.buckets.shapes.index(shape), batch)
-        out = self._run(batch)
+            multihost.send(multihost.STEP, self._command(shape, variant), batch)
+        out = self._run(batch, variant)
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
         return PendingStep(work, out, want_lp)
 

@@ -1,7 +1,16 @@
-"""Sampling on the device, each row with its own parameters, inside the jitted step.
+"""Sampling on the device, each row with its own parameters, in a jitted call of its own.
 
-Work that only some requests need (penalties, top-k/top-p sorting, random draws, logprobs) sits
-behind `lax.cond` on "does any row need it", so a greedy batch pays for an argmax only.
+Work that only some requests need (penalties, top-k/top-p truncation, random draws, logprobs) must
+not cost a greedy batch anything. Two ways to skip it, one per backend:
+
+* `branching` (CPU): `lax.cond` on "does any row need it". On the CPU backend the host runs the
+  program, so a conditional costs nothing extra.
+* `greedy`, `sample`, `full` (GPU): on XLA GPU a data-dependent conditional copies its predicate
+  to the host, so the launch blocks until the device gets there and nothing overlaps (measured:
+  batch 1 went from 11.0 to 8.8 ms/token without them). There the host picks the smallest
+  variant that covers the batch (`choose_variant`) and each variant is branch-free: `greedy` is an
+  argmax; `sample` adds penalties, min-tokens suppression, temperature, min-p, the seeded draw and
+  logprobs, each a no-op for rows that do not ask for it; `full` adds top-k/top-p truncation.
 """
 
 from __future__ import annotations
@@ -9,10 +18,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.sampling_params import MAX_LOGPROBS
+
+BRANCHING, GREEDY, SAMPLE, FULL = "branching", "greedy", "sample", "full"
+BRANCH_FREE_VARIANTS = (GREEDY, SAMPLE, FULL)  # each covers the batches the ones before it cover
 
 
 class SamplingInputs(NamedTuple):
@@ -109,14 +122,18 @@ def _draw(logits, s: SamplingInputs):
     return jax.vmap(one)(s.seed.astype(jnp.uint32), s.step, logits)
 
 
-def _sample_random(logits, s: SamplingInputs):
+def _sample_random(logits, s: SamplingInputs, truncate: bool | None):
+    """Temperature, min-p, then (if `truncate`; None: if any row asks) top-k/top-p, then the draw."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     logits = logits / temp
     # min_p: drop tokens whose probability is below min_p times the top probability.
     floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30))
     logits = jnp.where((s.min_p[:, None] > 0) & (logits < floor), -jnp.inf, logits)
-    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
-    logits = jax.lax.cond(needs_sort, _truncate, lambda x, _: x, logits, s)
+    if truncate is None:
+        needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
+        logits = jax.lax.cond(needs_sort, _truncate, lambda x, _: x, logits, s)
+    elif truncate:
+        logits = _truncate(logits, s)
     return _draw(logits, s)
 
 
@@ -127,25 +144,52 @@ def _logprobs(raw_logits, tokens):
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
+def _no_logprobs(rows: int):
+    return (jnp.zeros(rows, jnp.float32), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
+
+
+def choose_variant(s: SamplingInputs, variants: tuple[str, ...]) -> str:
+    """The cheapest compiled variant that covers this batch's host-side parameters (numpy)."""
+    if variants == (BRANCHING,):
+        return BRANCHING
+    if np.any((s.top_k > 0) | (s.top_p < 1.0)) and np.any(s.temperature > 0):
+        return FULL
+    plain = not (np.any(s.temperature > 0) or np.any(s.want_logprobs) or np.any(s.suppress_ids >= 0)
+                 or np.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0)))
+    return GREEDY if plain else SAMPLE
+
+
 def sample(
     logits: Float[Array, "S V"],
     s: SamplingInputs,
     counts_table: Int[Array, "R V"],
     prompt_table: Bool[Array, "R V"],
     slots: Int[Array, "S"],
+    variant: str = BRANCHING,
 ) -> SamplerOutput:
     """Picks the next token of every row. The tables hold each request slot's token history."""
+    rows = logits.shape[0]
+    if variant == GREEDY:
+        return SamplerOutput(jnp.argmax(logits, axis=-1).astype(jnp.int32), *_no_logprobs(rows))
     raw = logits
-    has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
-    logits = jax.lax.cond(has_penalty, _apply_penalties, lambda x, *_: x, logits, s, counts_table, prompt_table, slots)
-    logits = jax.lax.cond(jnp.any(s.suppress_ids >= 0), _suppress, lambda x, _: x, logits, s.suppress_ids)
+    branch = variant == BRANCHING
+    if branch:
+        has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
+        logits = jax.lax.cond(has_penalty, _apply_penalties, lambda x, *_: x, logits, s, counts_table,
+                              prompt_table, slots)
+        logits = jax.lax.cond(jnp.any(s.suppress_ids >= 0), _suppress, lambda x, _: x, logits, s.suppress_ids)
+    else:  # neutral parameters leave a row's logits bit-identical
+        logits = _suppress(_apply_penalties(logits, s, counts_table, prompt_table, slots), s.suppress_ids)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    any_random = jnp.any(s.temperature > 0)
-    random = jax.lax.cond(any_random, _sample_random, lambda x, _: greedy, logits, s)
+    if branch:
+        random = jax.lax.cond(jnp.any(s.temperature > 0), lambda x, s: _sample_random(x, s, None),
+                              lambda x, _: greedy, logits, s)
+    else:
+        random = _sample_random(logits, s, truncate=variant == FULL)
     tokens = jnp.where(s.temperature > 0, random, greedy)
-    zeros_f = jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32)
-    zeros_i = jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)
-    chosen, top_ids, top_lp = jax.lax.cond(
-        jnp.any(s.want_logprobs), _logprobs,
-        lambda *_: (jnp.zeros(logits.shape[0], jnp.float32), zeros_i, zeros_f), raw, tokens)
-    return SamplerOutput(tokens, chosen, top_ids, top_lp)
+    if branch:
+        logprobs = jax.lax.cond(jnp.any(s.want_logprobs), _logprobs, lambda *_: _no_logprobs(rows), raw, tokens)
+    else:
+        logprobs = _logprobs(raw, tokens)
+    return SamplerOutput(tokens, *logprobs)

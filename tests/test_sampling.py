@@ -9,10 +9,18 @@ import pytest
 
 from infire_jax import SamplingParams
 from infire_jax.detokenizer import IncrementalDetokenizer
-from infire_jax.sampler import SamplingInputs, sample
+from infire_jax.sampler import (BRANCH_FREE_VARIANTS, BRANCHING, FULL, GREEDY, SAMPLE, SamplingInputs, choose_variant,
+                                sample)
 from infire_jax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 V = 64
+MODES = ["branching", "branch_free"]  # the CPU sampler (lax.cond) and the GPU one (variants picked on the host)
+
+
+def sample_as(mode: str, logits, inputs: SamplingInputs, *tables):
+    """`sample` the way the engine runs it in `mode`: the branch-free variant is chosen from the inputs."""
+    variant = BRANCHING if mode == "branching" else choose_variant(jax.device_get(inputs), BRANCH_FREE_VARIANTS)
+    return sample(logits, inputs, *tables, variant)
 
 
 def make_inputs(rows: list[dict]) -> SamplingInputs:
@@ -66,7 +74,8 @@ ROWS = [
 ]
 
 
-def test_random_sampling_matches_reference_distribution():
+@pytest.mark.parametrize("mode", MODES)
+def test_random_sampling_matches_reference_distribution(mode):
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(0, 2.0, (len(ROWS), V)), jnp.float32)
     inputs = make_inputs(ROWS)
@@ -77,8 +86,8 @@ def test_random_sampling_matches_reference_distribution():
 
     @jax.jit
     def draws(steps):
-        return jax.vmap(lambda st: sample(logits, inputs._replace(step=jnp.full(len(ROWS), st)),
-                                          counts, prompt, slots).tokens)(steps)
+        return jax.vmap(lambda st: sample_as(mode, logits, inputs._replace(step=jnp.full(len(ROWS), st)),
+                                             counts, prompt, slots).tokens)(steps)
 
     toks = np.asarray(draws(jnp.arange(n)))
     for i, r in enumerate(ROWS):
@@ -88,18 +97,21 @@ def test_random_sampling_matches_reference_distribution():
         assert 0.5 * np.abs(emp - ref).sum() < 0.05, f"row {i} distribution is off"
 
 
-def test_same_seed_and_step_give_same_draw_different_seeds_differ():
+@pytest.mark.parametrize("mode", MODES)
+def test_same_seed_and_step_give_same_draw_different_seeds_differ(mode):
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(0, 1.0, (2, V)), jnp.float32)
     rows = [dict(temperature=1.0, seed=123), dict(temperature=1.0, seed=123)]
     z = jnp.zeros((3, V), jnp.int32), jnp.zeros((3, V), bool), jnp.arange(2)
-    a = sample(logits[:1].repeat(2, 0), make_inputs(rows), *z).tokens
+    a = sample_as(mode, logits[:1].repeat(2, 0), make_inputs(rows), *z).tokens
     assert a[0] == a[1]
-    many = [int(sample(logits, make_inputs([dict(temperature=1.0, seed=s)] * 2), *z).tokens[0]) for s in range(20)]
+    many = [int(sample_as(mode, logits, make_inputs([dict(temperature=1.0, seed=s)] * 2), *z).tokens[0])
+            for s in range(20)]
     assert len(set(many)) > 3
 
 
-def test_penalties_match_vllm_formula():
+@pytest.mark.parametrize("mode", MODES)
+def test_penalties_match_vllm_formula(mode):
     rng = np.random.default_rng(2)
     logits = rng.normal(0, 3.0, (2, V)).astype(np.float32)
     counts = np.zeros((3, V), np.int32)
@@ -108,7 +120,8 @@ def test_penalties_match_vllm_formula():
     prompt = np.zeros((3, V), bool)
     prompt[0, [1, 3, 20]] = True
     rows = [dict(temperature=0.0, rep=1.5, pres=0.7, freq=0.3), dict(temperature=0.0)]
-    out = sample(jnp.asarray(logits), make_inputs(rows), jnp.asarray(counts), jnp.asarray(prompt), jnp.arange(2))
+    out = sample_as(mode, jnp.asarray(logits), make_inputs(rows), jnp.asarray(counts), jnp.asarray(prompt),
+                    jnp.arange(2))
     x = logits[0].astype(np.float64)
     seen = (counts[0] > 0) | prompt[0]
     x = np.where(seen, np.where(x > 0, x / 1.5, x * 1.5), x)
@@ -117,19 +130,55 @@ def test_penalties_match_vllm_formula():
     assert int(out.tokens[1]) == int(np.argmax(logits[1]))
 
 
-def test_logprobs_are_raw_log_softmax_and_suppression_masks():
+@pytest.mark.parametrize("mode", MODES)
+def test_logprobs_are_raw_log_softmax_and_suppression_masks(mode):
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 2.0, (2, V)).astype(np.float32)
     best = int(np.argmax(logits[0]))
     rows = [dict(temperature=0.0, logprobs=True, suppress=[best]), dict(temperature=0.0, logprobs=True)]
     z = jnp.zeros((3, V), jnp.int32), jnp.zeros((3, V), bool), jnp.arange(2)
-    out = sample(jnp.asarray(logits), make_inputs(rows), *z)
+    out = sample_as(mode, jnp.asarray(logits), make_inputs(rows), *z)
     assert int(out.tokens[0]) != best and int(out.tokens[0]) == int(np.argsort(-logits[0])[1])
     ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     for i in range(2):
         np.testing.assert_allclose(float(out.logprob[i]), ref[i, int(out.tokens[i])], atol=1e-5)
         np.testing.assert_array_equal(np.asarray(out.top_ids[i]), np.argsort(-ref[i])[:MAX_LOGPROBS])
         np.testing.assert_allclose(np.asarray(out.top_logprobs[i]), np.sort(ref[i])[::-1][:MAX_LOGPROBS], atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,variant", [
+    ([dict(), dict()], GREEDY),
+    ([dict(), dict(logprobs=True)], SAMPLE),
+    ([dict(rep=1.2), dict()], SAMPLE),
+    ([dict(suppress=[3]), dict()], SAMPLE),
+    ([dict(temperature=0.8), dict(pres=0.5, logprobs=True)], SAMPLE),
+    ([dict(top_p=0.5), dict()], GREEDY),  # truncation is moot for greedy rows
+    ([dict(temperature=0.8), dict(top_k=4)], FULL),
+    ([dict(temperature=0.9, top_p=0.7, min_p=0.05, freq=0.2, logprobs=True, suppress=[1, 2]), dict(rep=1.3)], FULL),
+])
+def test_branch_free_variants_equal_the_branching_sampler(rows, variant):
+    """The host picks the cheapest variant that covers the batch, and it samples exactly as the
+    conditional sampler does: same tokens and logprobs, bit for bit, over many draws."""
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.normal(0, 2.0, (len(rows), V)), jnp.float32)
+    counts = jnp.asarray(rng.integers(0, 3, (len(rows) + 1, V)), jnp.int32)
+    prompt = jnp.asarray(rng.random((len(rows) + 1, V)) < 0.2)
+    inputs = make_inputs(rows)
+    assert choose_variant(jax.device_get(inputs), BRANCH_FREE_VARIANTS) == variant
+    assert choose_variant(jax.device_get(inputs), (BRANCHING,)) == BRANCHING
+
+    @jax.jit
+    def both(step):
+        s = inputs._replace(step=jnp.full(len(rows), step))
+        tables = (counts, prompt, jnp.arange(len(rows)))
+        return sample(logits, s, *tables, BRANCHING), sample(logits, s, *tables, variant)
+
+    for step in range(0, 400, 7):
+        want, got = both(step)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        if any(r.get("logprobs") for r in rows):
+            for a, b in zip(got[1:], want[1:]):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---- the real model ---------------------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""The compiled step holds nothing that makes the host wait for the device.
+
+On XLA GPU a data-dependent `conditional` copies its predicate to the host, and so does the
+condition of a `while` whose trip count is not known at compile time: the launch of the step then
+blocks until the device reaches it, and host work stops overlapping device work. These tests
+inspect the programs the engine runs on a GPU (Pallas attention, branch-free sampler variants)
+and pin float32 dots to full precision.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infire_jax.buckets import Buckets
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.registry import build_state
+from infire_jax.runner import ModelRunner, RunnerConfig
+from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
+from infire_jax.scheduler import SchedulerOutput
+
+DENSE = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=8, num_kv_heads=2, head_dim=32)
+MOE = ModelConfig(architecture="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=8, num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, qk_norm=True)
+
+
+def make_runner(cfg: ModelConfig, attn_impl: str, variants=BRANCH_FREE_VARIANTS, dtype=jnp.float32) -> ModelRunner:
+    graphdef, state = build_state(cfg, None, dtype, seed=0)
+    rc = RunnerConfig(page_size=8, num_pages=24, max_model_len=64, max_num_seqs=4, buckets=Buckets((4, 32), 4),
+                      attn_impl=attn_impl, sampler_variants=variants)
+    return ModelRunner(cfg, graphdef, state, rc, dtype=dtype)
+
+
+def primitives(jaxpr, skip=("pallas_call",)) -> set[str]:
+    """Every primitive in a jaxpr and its sub-jaxprs, except inside kernels (their loops run on the GPU)."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        found.add(eqn.primitive.name)
+        if eqn.primitive.name in skip:
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found |= primitives(sub, skip)
+    return found
+
+
+def forward_jaxpr(runner: ModelRunner, rows_tokens: int):
+    shape = next(s for s in runner.rc.buckets.shapes if s.num_tokens == rows_tokens)
+    batch = runner._build(SchedulerOutput([], []), shape)
+    return jax.make_jaxpr(runner._forward)(runner.state, runner.cache, batch).jaxpr
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_gpu_forward_has_no_conditional_or_data_dependent_loop(cfg):
+    """The GPU forward (Pallas attention): fixed-trip loops are scans; there is no cond and no while.
+    The MoE tile loop runs a static bound of trips."""
+    runner = make_runner(cfg, "pallas")
+    for tokens in (4, 32):  # a decode-sized and a prefill-sized bucket
+        prims = primitives(forward_jaxpr(runner, tokens))
+        assert "pallas_call" in prims
+        assert not prims & {"cond", "while"}, prims & {"cond", "while"}
+
+
+def compiled_hlo(fn, *args) -> str:
+    return fn.lower(*args).compile().as_text()
+
+
+def assert_no_host_sync(hlo: str) -> list[str]:
+    """Fails on a conditional or a loop without a known trip count; returns the (fixed-trip) loops."""
+    assert not re.search(r"\bconditional\(", hlo), "a conditional in the compiled program"
+    loops = [line for line in hlo.splitlines() if re.search(r"\swhile\(", line) and "condition=" in line]
+    for line in loops:
+        assert "known_trip_count" in line, f"a while loop of unknown trip count: {line.strip()[:200]}"
+    return loops
+
+
+@pytest.mark.parametrize("variant", BRANCH_FREE_VARIANTS)
+def test_branch_free_samplers_compile_without_host_syncs(variant):
+    """Each GPU sampler variant, compiled: no conditional, and every loop's trip count is known."""
+    runner = make_runner(DENSE, "reference")
+    shape = runner.rc.buckets.shapes[-1]
+    batch, c = runner._build(SchedulerOutput([], []), shape), runner.cache
+    logits = jax.ShapeDtypeStruct((shape.num_rows, DENSE.vocab_size), jnp.float32)
+    hlo = compiled_hlo(runner._samplers[variant], c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling,
+                       batch.row_slots, batch.sample_rows)
+    assert_no_host_sync(hlo)
+
+
+def test_cpu_sampler_is_the_branching_one():
+    """The CPU sampler keeps its conditionals (there the host runs the program, so they cost nothing):
+    this is the check above seeing one."""
+    runner = make_runner(DENSE, "reference", variants=(BRANCHING,))
+    shape = runner.rc.buckets.shapes[-1]
+    batch, c = runner._build(SchedulerOutput([], []), shape), runner.cache
+    logits = jax.ShapeDtypeStruct((shape.num_rows, DENSE.vocab_size), jnp.float32)
+    with pytest.raises(AssertionError, match="conditional"):
+        assert_no_host_sync(compiled_hlo(runner._samplers[BRANCHING], c.last_tokens, c.counts, c.prompt_mask,
+                                         logits, batch.sampling, batch.row_slots, batch.sample_rows))
+
+
+def test_forward_compiles_without_conditionals_on_cpu():
+    """The CPU forward (reference attention) has no conditional either; its one loop of unknown trip
+    count is the reference attention's walk over cached blocks, which follows real context lengths
+    (on the CPU backend the host runs loops anyway). The layer scan's trip count is known."""
+    runner = make_runner(DENSE, "reference")
+    shape = runner.rc.buckets.shapes[0]
+    hlo = compiled_hlo(runner._forward, runner.state, runner.cache, runner._build(SchedulerOutput([], []), shape))
+    assert not re.search(r"\bconditional\(", hlo)
+    with pytest.raises(AssertionError, match="unknown trip count"):
+        assert_no_host_sync(hlo)
+    loops = [line for line in hlo.splitlines() if re.search(r"\swhile\(", line) and "condition=" in line]
+    assert sum('"known_trip_count":{"n":"2"}' in line for line in loops) == 1  # the scan over 2 layers
+
+
+@pytest.mark.parametrize("dtype,want", [(jnp.float32, "HIGHEST"), (jnp.bfloat16, None)])
+def test_float32_engine_dots_run_at_full_precision(dtype, want):
+    """A float32 engine asks for full-precision dots (XLA on a GPU would use TF32 by default);
+    a bfloat16 one leaves the default."""
+    runner = make_runner(DENSE, "reference", dtype=dtype)
+    shape = runner.rc.buckets.shapes[0]
+    text = runner._forward.lower(runner.state, runner.cache, runner._build(SchedulerOutput([], []), shape)).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    assert len(dots) >= 5  # q/k/v, attention (2), o, gate/up, down, LM head
+    for dot in dots:
+        if want:
+            assert f"precision = [{want}, {want}]" in dot, dot[:200]
+        else:
+            assert "HIGHEST" not in dot
+
+
+def test_float32_logits_match_float64_on_cpu():
+    """The LM head reads the [V, E] weight once with float32 accumulation: logits agree with float64."""
+    runner = make_runner(DENSE, "reference")
+    model = runner.model()
+    h = jax.random.normal(jax.random.key(0), (3, DENSE.hidden_size), jnp.float32)
+    got = np.asarray(model.logits(h))
+    x = np.asarray(h, np.float64)
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + DENSE.rms_norm_eps) * np.asarray(model.final_norm[...])
+    want = x @ np.asarray(model.lm_head[...], np.float64).T
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
