@@ -1,5 +1,10 @@
 """infire_jax: an LLM inference engine on JAX/XLA."""
 
+from infire_jax import xla_flags
+
+xla_flags.apply()  # before anything can start a jax backend
+
+# ruff: noqa: E402
 from infire_jax.engine import Engine, EngineConfig
 from infire_jax.llm import LLM
 from infire_jax.outputs import CompletionOutput, RequestOutput

@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="fraction of each GPU's memory for weights, activations and the KV pool (default 0.90)")
     p.add_argument("--attention", default="auto", dest="attn_impl",
                    help="attention implementation: auto (pallas on GPU, else reference), reference, pallas, "
                         "or pallas_interpret (the Pallas kernels in interpret mode, for checking on CPU)")
@@ -37,7 +39,8 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        num_kv_pages=args.num_kv_pages, attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed)
+                        num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
+                        attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

@@ -23,6 +23,7 @@ from infire_jax.compile_guard import compile_count
 from infire_jax.detokenizer import IncrementalDetokenizer
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
+from infire_jax.kv_pool import PoolSizing, size_from_budget, size_from_device_memory
 from infire_jax.loaders import LoadedModel, load_model
 from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.config import ModelConfig
@@ -30,11 +31,13 @@ from infire_jax.models.registry import build_state
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
 from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_per_page
+from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
 from pallas_kernels.attention import choose_impl, resolve_impl
 from sharding.mesh import load_mesh_config
 from sharding.plan import ShardPlan
+from infire_jax.xla_flags import allocator_fraction
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +56,14 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget of one step; default 512 on CPU, 8192 on GPU
     token_buckets: tuple[int, ...] | None = None
     page_size: int = 16
-    num_kv_pages: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes; default 1 GiB on CPU, 90% of free memory minus 2 GiB on GPU
+    num_kv_pages: int | None = None  # overrides the two below
+    kv_cache_memory: int | None = None  # bytes per device; default: sized by gpu_memory_utilization, 1 GiB on CPU
+    gpu_memory_utilization: float = 0.90  # of each GPU: weights + activations + KV pool (kv_pool.py)
     enable_prefix_caching: bool = True
     attn_impl: str = "auto"
     mesh: str | None = None  # mesh-config YAML; default: the shipped file for jax.device_count()
     seed: int = 0
+    branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
 
 
 def enable_compilation_cache() -> None:
@@ -104,11 +109,20 @@ class Engine:
 
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
-        rc = RunnerConfig(page_size=ec.page_size, num_pages=self._num_pages(), max_model_len=self.max_model_len,
-                          max_num_seqs=ec.max_num_seqs, buckets=self._buckets(budget),
-                          attn_impl=self._attention(cfg))
+        branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else _on_gpu()
+        sizing = self._fixed_pool()
+        rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else self._min_pages(),
+                          max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
+                          buckets=self._buckets(budget), attn_impl=self._attention(cfg),
+                          sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,))
         placed_cfg = self.plan.effective_config(cfg) if self.plan else cfg
         self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=self.plan)
+        if sizing is None:  # fill the card: measure the largest step's activations with a minimal pool
+            sizing = self._pool_from_device_memory()
+            self.runner.resize_pool(sizing.num_pages)
+        self.pool_sizing: PoolSizing = sizing
+        log.info("%s", sizing.describe())
+        rc = self.runner.rc
         self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
 
@@ -156,32 +170,58 @@ class Engine:
             raise ConfigError(f"the largest token bucket must equal max_num_batched_tokens ({budget})")
         return buckets
 
-    def _num_pages(self) -> int:
-        """Pages in the pool: given, or as many as the memory budget holds; at least one full sequence."""
-        ec, plan = self.config, self.plan
-        if ec.num_kv_pages:
-            return self._check_pool(ec.num_kv_pages)
+    def _page_bytes(self) -> int:
+        """Bytes one page costs each device: the pool is split over pp (layers) and tp (kv heads)."""
+        plan = self.plan
         cfg = plan.effective_config(self.model_config) if plan else self.model_config
-        # Bytes one page costs each device: the pool is split over pp (layers) and tp (kv heads).
-        per_page = kv_bytes_per_page(cfg, ec.page_size, self.dtype)
+        per_page = kv_bytes_per_page(cfg, self.config.page_size, self.dtype)
         if plan:
             per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if plan.axis("kv_heads") else 1)
-        budget = ec.kv_cache_memory
-        if budget is None:
-            stats = jax.local_devices()[0].memory_stats() if _on_gpu() else None
-            if stats and "bytes_limit" in stats:
-                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-                budget = int(free * 0.9) - 2 * _GIB
-            else:
-                budget = _GIB
-        return self._check_pool(max(2, budget // per_page))
+        return per_page
 
-    def _check_pool(self, num_pages: int) -> int:
-        page_size = self.config.page_size
-        if num_pages - 1 < -(-self.max_model_len // page_size):
-            raise ConfigError(f"the KV pool ({num_pages - 1} pages of {page_size}) cannot hold one "
+    def _min_pages(self) -> int:
+        """One sequence of max_model_len, plus the null page."""
+        return -(-self.max_model_len // self.config.page_size) + 1
+
+    def _fixed_pool(self) -> PoolSizing | None:
+        """The pool when it is given (pages or bytes) or no device memory figure exists; else None."""
+        ec = self.config
+        if ec.num_kv_pages:
+            sizing = PoolSizing(ec.num_kv_pages, self._page_bytes(), "num_kv_pages")
+        elif ec.kv_cache_memory is not None or self._device_memory() is None:
+            source = "kv_cache_memory" if ec.kv_cache_memory is not None else "default budget, no device memory figure"
+            sizing = size_from_budget(ec.kv_cache_memory or _GIB, self._page_bytes(), source)
+        else:
+            return None
+        if sizing.num_pages < self._min_pages():
+            raise ConfigError(f"the KV pool ({sizing.num_pages - 1} pages of {ec.page_size}) cannot hold one "
                               f"sequence of max_model_len={self.max_model_len}")
-        return num_pages
+        return sizing
+
+    @staticmethod
+    def _device_memory() -> tuple[int, int, int] | None:
+        """(the card's memory, XLA's allocator limit, bytes in use) of the first local device, on GPU."""
+        stats = jax.local_devices()[0].memory_stats() if _on_gpu() else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limit = stats["bytes_limit"]
+        return int(limit / allocator_fraction()), limit, stats.get("bytes_in_use", 0)
+
+    def _pool_from_device_memory(self) -> PoolSizing:
+        """Called with the minimal pool allocated (not counted: resize_pool frees it)."""
+        total, limit, in_use = self._device_memory()
+        device = jax.local_devices()[0]
+
+        def on_device(tree) -> int:
+            return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+                       if s.device == device)
+
+        weights = on_device(self.runner.state)
+        pool = on_device((self.runner.cache.k_pages, self.runner.cache.v_pages))
+        return size_from_device_memory(
+            device_bytes=total, allocator_limit=limit, utilization=self.config.gpu_memory_utilization,
+            weight_bytes=weights, activation_bytes=self.runner.peak_activation_bytes(),
+            other_bytes=max(0, in_use - weights - pool), page_bytes=self._page_bytes(), min_pages=self._min_pages())
 
     # ---- requests ---------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -33,7 +33,7 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_keys: dict[s
     name = model_name or engine.model_name
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, max_queue=max_queue, observer=metrics)
-    metrics.track_engine(lambda: async_engine.snapshot)
+    metrics.track_engine(lambda: async_engine.snapshot, engine.pool_sizing)
 
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=_MAX_BODY)
     app[STATE] = ServerState(engine=async_engine, tokenizer=engine.tokenizer, token_text=TokenText(engine.tokenizer),
@@ -111,6 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     with sock:
         engine = Engine(engine_config(args), progress=progress_bar())
+        print(engine.pool_sizing.describe(), file=sys.stderr, flush=True)
         app = build_app(engine, model_name=args.served_model_name, api_keys=keys, max_queue=args.max_queue)
         asyncio.run(_serve(app, sock, args.host))
     return 0

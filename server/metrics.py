@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from infire_jax.async_engine import EngineSnapshot
+from infire_jax.kv_pool import PoolSizing
 
 PREFIX = "infire:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -27,13 +28,32 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], pool: PoolSizing | None):
         self._model = model_name
         self._snapshot = snapshot
+        self._pool = pool
+
+    def _pool_gauges(self) -> list[tuple]:
+        """The KV pool's size and the arithmetic that chose it (fixed at start-up)."""
+        p = self._pool
+        if p is None:
+            return []
+        return [(GaugeMetricFamily, name, doc, value) for name, doc, value in (
+            ("kv_pool_pages", "Pages in the KV pool (one is the null page).", p.num_pages),
+            ("kv_pool_bytes", "Bytes of the KV pool on one device.", p.pool_bytes),
+            ("kv_pool_page_bytes", "Bytes of one KV page on one device.", p.page_bytes),
+            ("kv_pool_device_memory_bytes", "One device's memory (0 where the pool has a fixed budget).",
+             p.device_bytes),
+            ("kv_pool_gpu_memory_utilization", "The fraction of device memory the engine may use.", p.utilization),
+            ("kv_pool_weight_bytes", "Weights on one device, as counted when sizing the pool.", p.weight_bytes),
+            ("kv_pool_activation_bytes", "The largest step's activation peak on one device (XLA's analysis).",
+             p.activation_bytes),
+        )]
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
         for cls, name, doc, value in (
+            *self._pool_gauges(),
             (GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", s.num_running),
             (GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
             (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV pages held by requests (1 = full).",
@@ -74,8 +94,8 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Finished sequences, by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
 
-    def track_engine(self, snapshot: Callable[[], EngineSnapshot]) -> None:
-        self.registry.register(_EngineCollector(self.model_name, snapshot))
+    def track_engine(self, snapshot: Callable[[], EngineSnapshot], pool: PoolSizing | None = None) -> None:
+        self.registry.register(_EngineCollector(self.model_name, snapshot, pool))
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

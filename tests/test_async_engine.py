@@ -19,6 +19,7 @@ from aiohttp import web
 from infire_jax.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from infire_jax.engine import EngineStats
 from infire_jax.errors import InvalidRequestError
+from infire_jax.kv_pool import PoolSizing
 from infire_jax.outputs import Delta
 from infire_jax.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class ScriptedEngine:
         self.kv = SimpleNamespace(usage=0.0, queries=0, hits=0)
         self.scheduler = SimpleNamespace(num_preemptions=0)
         self.stats = EngineStats()
+        self.pool_sizing = PoolSizing(num_pages=8, page_bytes=1024, source="num_kv_pages")
         self.compiles_since_warmup = 0
         self.step_seconds = step_seconds
         self.seqs: dict[str, list[list[int]]] = {}  # request id -> [index, produced, max_tokens] per sample

@@ -94,6 +94,16 @@ def test_models_health_and_auth(main, client):
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
 
 
+def test_kv_pool_size_and_arithmetic_in_metrics(main, small):
+    """The pool's size is exported: SmolLM2's page is 2 (k, v) x 30 layers x 16 tokens x 3 kv heads x 64 x 4 bytes."""
+    page = 2 * 30 * PAGE * 3 * 64 * 4
+    m = small.metrics()
+    assert m["infire:kv_pool_pages"] == 24 and m["infire:kv_pool_page_bytes"] == page  # --num-kv-pages 24
+    assert m["infire:kv_pool_bytes"] == 24 * page
+    m = main.metrics()  # no device memory figure on CPU: the 1 GiB default budget
+    assert m["infire:kv_pool_pages"] == (1 << 30) // page and m["infire:kv_pool_device_memory_bytes"] == 0
+
+
 def test_chat_non_streaming_usage_and_session_header(client, tokenizer):
     content = "What is the capital of France? Answer in one word."
     raw = client.chat.completions.with_raw_response.create(

@@ -1,0 +1,67 @@
+"""How many KV pages the pool gets, and the arithmetic behind it (logged, and exported as metrics).
+
+On a GPU the pool takes what is left of the card, as vLLM's `--gpu-memory-utilization` does:
+device memory x utilization - the weights - the activation peak of the largest step, where the
+peak is the compiled step's own temporary buffers (XLA's memory analysis), not a guess. The usable
+part is also capped by XLA's allocator limit (`XLA_PYTHON_CLIENT_MEM_FRACTION` of the card; see
+xla_flags.py). Elsewhere (CPU) there is no device memory figure, so the pool gets a fixed budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from infire_jax.errors import ConfigError
+
+_GIB = float(1 << 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizing:
+    num_pages: int
+    page_bytes: int  # one page on one device (its share of layers and kv heads)
+    source: str  # "device memory", "kv_cache_memory" or "num_kv_pages"
+    device_bytes: int = 0  # one device's memory, for "device memory"
+    utilization: float = 0.0
+    usable_bytes: int = 0  # min(utilization x device memory, XLA's allocator limit)
+    weight_bytes: int = 0  # one device's share of the weights
+    activation_bytes: int = 0  # the largest step's temporaries on one device
+    other_bytes: int = 0  # other buffers already in use (sampling history, the minimal pool measured with)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def describe(self) -> str:
+        pool = f"{self.num_pages} pages x {self.page_bytes / 2**20:.2f} MiB = {self.pool_bytes / _GIB:.2f} GiB"
+        if self.source != "device memory":
+            return f"KV pool ({self.source}): {pool}"
+        capped = " (XLA's allocator limit)" if self.usable_bytes < int(self.utilization * self.device_bytes) else ""
+        return (f"KV pool: {self.utilization:.2f} x {self.device_bytes / _GIB:.2f} GiB device memory = "
+                f"{self.usable_bytes / _GIB:.2f} GiB usable{capped}, - {self.weight_bytes / _GIB:.2f} GiB weights "
+                f"- {self.activation_bytes / _GIB:.2f} GiB activations - {self.other_bytes / _GIB:.2f} GiB other buffers "
+                f"-> {pool}")
+
+
+def size_from_device_memory(*, device_bytes: int, allocator_limit: int, utilization: float, weight_bytes: int,
+                            activation_bytes: int, other_bytes: int, page_bytes: int, min_pages: int) -> PoolSizing:
+    """The pool that fills `utilization` of the device beside the weights and the activation peak."""
+    if not 0.0 < utilization <= 1.0:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    usable = min(int(device_bytes * utilization), allocator_limit)
+    budget = usable - weight_bytes - activation_bytes - other_bytes
+    num_pages = budget // page_bytes if budget > 0 else 0
+    if num_pages < min_pages:
+        raise ConfigError(
+            f"no room for the KV pool: {usable / _GIB:.2f} GiB usable ({utilization:.2f} x {device_bytes / _GIB:.2f} GiB "
+            f"of device memory, within XLA's allocator limit of {allocator_limit / _GIB:.2f} GiB), "
+            f"less {weight_bytes / _GIB:.2f} GiB of weights, {activation_bytes / _GIB:.2f} GiB of activations and "
+            f"{other_bytes / _GIB:.2f} GiB of other buffers, "
+            f"holds {max(num_pages, 0)} pages of {page_bytes} bytes, and one sequence of max_model_len needs "
+            f"{min_pages}; raise gpu_memory_utilization, or lower max_model_len or max_num_batched_tokens")
+    return PoolSizing(num_pages, page_bytes, "device memory", device_bytes, utilization, usable, weight_bytes,
+                      activation_bytes, other_bytes)
+
+
+def size_from_budget(budget_bytes: int, page_bytes: int, source: str) -> PoolSizing:
+    return PoolSizing(max(2, budget_bytes // page_bytes), page_bytes, source)
