@@ -126,20 +126,21 @@ class KVCacheManager:
         self.ref_cnt[page] = 1
         return page
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = ()) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = (), reserve: int = 0) -> bool:
+        """Whether the pages fit while leaving `reserve` pages free."""
         needed = self.pages_needed(req.num_computed_tokens + num_new_tokens) - len(req.pages)
         reclaimed = sum(1 for p in cached_pages if self.ref_cnt[p] == 0)
-        return needed <= self.num_free_pages - reclaimed
+        return needed <= self.num_free_pages - reclaimed - reserve
 
-    def allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = (), reserve: int = 0) -> bool:
         """Gives the request pages for `num_new_tokens` more tokens (after its cached prefix).
 
-        Returns False, changing nothing, when the pool cannot hold them.
+        Returns False, changing nothing, when the pool cannot hold them and still keep `reserve` free.
         """
         if cached_pages:
             assert not req.pages and req.num_computed_tokens == 0
             req.num_computed_tokens = len(cached_pages) * self.page_size
-        if not self.can_allocate(req, num_new_tokens, cached_pages):
+        if not self.can_allocate(req, num_new_tokens, cached_pages, reserve):
             if cached_pages:
                 req.num_computed_tokens = 0
             return False

@@ -2,8 +2,9 @@
 
 Pure Python, no jax. Every step, running requests go first (a decode is one token, an unfinished
 prompt continues with a chunk), then waiting requests are admitted while the token budget, the
-sequence limit and free KV pages allow. When a running request cannot get a page, the lowest
-priority running request is preempted by recompute: its pages are freed and it waits again.
+sequence limit and free KV pages allow, keeping pages for the growth the running requests are
+expected to need. When a running request cannot get a page all the same, the lowest priority
+running request is preempted by recompute: its pages are freed and it waits again.
 
 Scheduling runs one step ahead of the results (asynchronous scheduling): a request whose last
 token was sampled on the device but not yet read back is scheduled with that token taken from
@@ -14,9 +15,20 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.request import Request, Status
+
+# Admission control (after SGLang's new_token_ratio): a running request is expected to generate
+# GROWTH_RATIO of the tokens it may still generate. Each preemption raises the ratio, each step
+# without one lowers it a little, so the pool is neither over-admitted (a preemption storm: 101
+# on the first H100 run at concurrency 256) nor left idle when requests stop early.
+GROWTH_RATIO_INIT = 0.5
+GROWTH_RATIO_MIN = 0.1
+GROWTH_RATIO_STEP = 0.2  # added per preempted request
+GROWTH_RATIO_DECAY = 0.002  # subtracted per step without a preemption
+GROWTH_CLIP_TOKENS = 4096  # max_tokens beyond this (an unset limit) counts as this much
 
 
 @dataclasses.dataclass
@@ -49,6 +61,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.growth_ratio = GROWTH_RATIO_INIT
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -98,6 +111,20 @@ class Scheduler:
             gen_index=len(req.output_token_ids) + req.num_pending_tokens,
         )
 
+    def _expected_pages(self, req: Request, num_pages_held: int) -> int:
+        """Pages the request is expected to need beyond `num_pages_held`: the rest of its prompt
+        and `growth_ratio` of the tokens it may still generate (at most GROWTH_CLIP_TOKENS)."""
+        left = min(req.max_tokens - len(req.output_token_ids) - req.num_pending_tokens, GROWTH_CLIP_TOKENS)
+        total = req.num_tokens + math.ceil(self.growth_ratio * max(left, 0))
+        return max(0, self.kv.pages_needed(total) - num_pages_held)
+
+    def _adapt_growth_ratio(self, num_preempted: int) -> None:
+        """Up after a preemption (admission was too optimistic), slowly down otherwise."""
+        if num_preempted:
+            self.growth_ratio = min(1.0, self.growth_ratio + GROWTH_RATIO_STEP * num_preempted)
+        else:
+            self.growth_ratio = max(GROWTH_RATIO_MIN, self.growth_ratio - GROWTH_RATIO_DECAY)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
@@ -127,18 +154,25 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting requests, unless this step already had to preempt.
+        # Admit waiting requests, unless this step already had to preempt, while the pool keeps
+        # room for what the running ones and the newcomer are expected to grow into.
+        self._adapt_growth_ratio(len(preempted))
         j = 0
+        reserve = None
         while (j < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[j]
             if req.num_pending_tokens:  # preempted before its last sample was read back
                 j += 1
                 continue
+            if reserve is None:
+                reserve = sum(self._expected_pages(r, len(r.pages)) for r in self.running)
             cached = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - len(cached) * self.kv.page_size, budget)
-            if not self.kv.allocate(req, n, cached):
+            own = self._expected_pages(req, self.kv.pages_needed(len(cached) * self.kv.page_size + n))
+            if not self.kv.allocate(req, n, cached, reserve=reserve + own):
                 break
+            reserve += own
             if req.num_preemptions == 0:
                 req.num_cached_tokens = len(cached) * self.kv.page_size
                 self.kv.record_query(req.num_tokens, req.num_cached_tokens)

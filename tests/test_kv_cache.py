@@ -5,7 +5,7 @@ from __future__ import annotations
 from infire_jax.kv_cache import KVCacheManager, block_hash
 from infire_jax.request import Request, Status
 from infire_jax.sampling_params import SamplingParams
-from infire_jax.scheduler import Scheduler
+from infire_jax.scheduler import GROWTH_RATIO_INIT, GROWTH_RATIO_MIN, GROWTH_RATIO_STEP, Scheduler
 
 PS = 4
 
@@ -159,6 +159,7 @@ def test_priority_orders_admission():
 def test_preemption_by_recompute_when_pages_run_out():
     kv = KVCacheManager(5, PS)  # 4 usable pages
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32)
+    sched.growth_ratio = GROWTH_RATIO_MIN  # the most optimistic admission: b is let in, and must yield later
     a = make_req("a", list(range(7)), max_tokens=6, arrival=0)
     b = make_req("b", list(range(10, 17)), max_tokens=6, arrival=1)
     sched.add(a)
@@ -177,3 +178,68 @@ def test_preemption_by_recompute_when_pages_run_out():
     while not b.is_finished:
         step(sched)
     assert len(b.output_token_ids) == 6 and kv.num_free_pages == 4
+
+
+def test_admission_keeps_room_for_expected_growth():
+    """Same pool and requests as above, at the starting growth estimate: b (2 prompt pages, a third
+    expected) does not fit beside a's expected growth, so it waits instead of being preempted."""
+    kv = KVCacheManager(5, PS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32)
+    a = make_req("a", list(range(7)), max_tokens=6, arrival=0)
+    b = make_req("b", list(range(10, 17)), max_tokens=6, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    assert [s.req for s in step(sched).seqs] == [a] and b.status is Status.WAITING
+    while not a.is_finished:
+        assert b.status is Status.WAITING
+        step(sched)
+    while not b.is_finished:
+        step(sched)
+    assert sched.num_preemptions == 0 and len(b.output_token_ids) == 6
+
+
+def test_growth_ratio_rises_on_preemption_and_decays_without():
+    kv = KVCacheManager(5, PS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32)
+    assert sched.growth_ratio == GROWTH_RATIO_INIT
+    sched.growth_ratio = GROWTH_RATIO_MIN
+    for r in (make_req("a", list(range(7)), max_tokens=6, arrival=0),
+              make_req("b", list(range(10, 17)), max_tokens=6, arrival=1)):
+        sched.add(r)
+    ratios = []
+    while sched.num_unfinished:
+        before = sched.num_preemptions
+        step(sched)
+        ratios.append((sched.num_preemptions - before, sched.growth_ratio))
+    bumped = [r for n, r in ratios if n]
+    assert len(bumped) == 1 and abs(bumped[0] - (GROWTH_RATIO_MIN + GROWTH_RATIO_STEP)) < 1e-9
+    quiet = [r for n, r in ratios[ratios.index((1, bumped[0])) + 1:]]
+    assert all(x > y for x, y in zip(quiet, quiet[1:]))  # slowly back down after it
+
+
+def _serve_all(sched: Scheduler, reqs: list[Request]) -> int:
+    for r in reqs:
+        sched.add(r)
+    while sched.num_unfinished:
+        step(sched)
+    assert all(len(r.output_token_ids) == r.max_tokens for r in reqs)
+    return sched.num_preemptions
+
+
+def test_no_preemption_storm_at_high_concurrency(monkeypatch):
+    """1000/1000 at concurrency 256, scaled to 100/100: 256 requests need 12,800 pages of 4 tokens at
+    full length, the pool has 2,000. Admitting whatever fits now (a growth estimate of 0) preempts
+    over a hundred times, as the first H100 run did; the growth estimate keeps it to a few."""
+    def make():
+        sched = Scheduler(KVCacheManager(2001, PS), max_num_seqs=256, max_num_batched_tokens=512)
+        return sched, [make_req(f"r{i}", list(range(i, i + 100)), max_tokens=100, arrival=i) for i in range(256)]
+
+    with monkeypatch.context() as m:
+        import infire_jax.scheduler as scheduler
+
+        m.setattr(scheduler, "GROWTH_RATIO_INIT", 0.0)
+        m.setattr(scheduler, "GROWTH_RATIO_MIN", 0.0)
+        m.setattr(scheduler, "GROWTH_RATIO_STEP", 0.0)
+        greedy = _serve_all(*make())
+    assert greedy > 100
+    assert _serve_all(*make()) <= 20
