@@ -14,6 +14,9 @@ import dataclasses
 from infire_jax.errors import ConfigError
 
 _GIB = float(1 << 30)
+# The pool's page count is rounded down to a multiple of this, so that small run-to-run differences
+# in memory use keep the pool's shape, and with it the persistent compilation cache's hits.
+PAGE_MULTIPLE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,8 @@ def size_from_device_memory(*, device_bytes: int, allocator_limit: int, utilizat
     usable = min(int(device_bytes * utilization), allocator_limit)
     budget = usable - weight_bytes - activation_bytes - other_bytes
     num_pages = budget // page_bytes if budget > 0 else 0
+    if num_pages >= 2 * PAGE_MULTIPLE:
+        num_pages -= num_pages % PAGE_MULTIPLE
     if num_pages < min_pages:
         raise ConfigError(
             f"no room for the KV pool: {usable / _GIB:.2f} GiB usable ({utilization:.2f} x {device_bytes / _GIB:.2f} GiB "
