@@ -138,7 +138,8 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infire-jax", description="LLM inference on JAX/XLA")
+    parser = argparse.ArgumentParser(prog="infire-jax", description="LLM inference on JAX/XLA",
+                                     epilog="infire-jax bench ... runs the benchmarks (python -m infire_jax.bench).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt")
@@ -167,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # `infire-jax bench ...` is `python -m infire_jax.bench ...`
+        from infire_jax.bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
