@@ -27,8 +27,17 @@ class StepBatch(NamedTuple):
     sampling: SamplingInputs
 
 
+def _column(values: list, size: int, fill, dtype) -> np.ndarray:
+    """A row column: the rows' values, then `fill` for the padding rows (one conversion per column)."""
+    out = np.full(size, fill, dtype)
+    out[:len(values)] = values
+    return out
+
+
 def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, pages_per_seq: int,
                 dummy_slot: int) -> StepBatch:
+    """Per-row values are gathered in Python lists and converted once per column: at batch 256 a
+    numpy write per value cost more host time than the device step has to spare."""
     t, s = shape.num_tokens, shape.num_rows
     tokens = np.zeros(t, np.int32)
     from_device = np.zeros(t, bool)
@@ -37,59 +46,72 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     slot_mapping = np.arange(t, dtype=np.int32) % page_size + NULL_PAGE * page_size
     seq_ids = np.full(t, s, np.int32)
     page_table = np.full((s, pages_per_seq), NULL_PAGE, np.int32)
-    kv_lens = np.zeros(s, np.int32)
-    cu = np.zeros(s + 1, np.int32)
-    logits_indices = np.zeros(s, np.int32)
-    row_slots = np.full(s, dummy_slot, np.int32)
-    reset = np.zeros(s, bool)
-    sample_rows = np.zeros(s, bool)
-    temperature = np.zeros(s, np.float32)
-    top_k = np.zeros(s, np.int32)
-    top_p = np.ones(s, np.float32)
-    min_p = np.zeros(s, np.float32)
-    rep = np.ones(s, np.float32)
-    pres = np.zeros(s, np.float32)
-    freq = np.zeros(s, np.float32)
-    seed = np.zeros((s, 2), np.uint32)
-    gen = np.zeros(s, np.int32)
-    want_lp = np.zeros(s, bool)
     suppress = np.full((s, MAX_STOP_TOKEN_IDS), -1, np.int32)
+    rows: dict[str, list] = {k: [] for k in (
+        "kv_lens", "ends", "slots", "reset", "sample", "temperature", "top_k", "top_p", "min_p", "rep", "pres",
+        "freq", "seed", "gen", "want_lp")}
 
     off = 0
     for i, sq in enumerate(work.seqs):
         req, n, st = sq.req, sq.num_tokens, sq.start
         end = off + n
-        if sq.from_device:
-            from_device[off] = True
+        pages = req.pages
+        if n == 1:  # a decode: scalars, no per-token arrays
+            if sq.from_device:
+                from_device[off] = True
+            else:
+                tokens[off] = req.token_at(st)
+            positions[off] = st
+            kind[off] = TOKEN_PROMPT if st < req.num_prompt_tokens else TOKEN_OUTPUT
+            slot_mapping[off] = pages[st // page_size] * page_size + st % page_size
         else:
-            tokens[off:end] = req.token_slice(st, n)
-        pos = np.arange(st, st + n, dtype=np.int32)
-        positions[off:end] = pos
-        kind[off:end] = np.where(pos < req.num_prompt_tokens, TOKEN_PROMPT, TOKEN_OUTPUT)
-        pages = np.asarray(req.pages, np.int32)
-        slot_mapping[off:end] = pages[pos // page_size] * page_size + pos % page_size
+            if sq.from_device:
+                from_device[off] = True
+            else:
+                tokens[off:end] = req.token_slice(st, n)
+            pos = np.arange(st, st + n, dtype=np.int32)
+            positions[off:end] = pos
+            kind[off:end] = np.where(pos < req.num_prompt_tokens, TOKEN_PROMPT, TOKEN_OUTPUT)
+            slot_mapping[off:end] = np.asarray(pages, np.int32)[pos // page_size] * page_size + pos % page_size
         seq_ids[off:end] = i
         page_table[i, :len(pages)] = pages
-        kv_lens[i] = st + n
-        cu[i + 1] = end
-        logits_indices[i] = end - 1
-        row_slots[i] = req.slot
-        reset[i] = sq.reset_slot and st == 0  # with a cached prefix the runner loads the history first
-        sample_rows[i] = sq.samples
         p = req.params
-        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-        rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        seed[i] = (req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF)
-        gen[i] = sq.gen_index
-        want_lp[i] = p.logprobs is not None
+        rows["kv_lens"].append(st + n)
+        rows["ends"].append(end)
+        rows["slots"].append(req.slot)
+        rows["reset"].append(sq.reset_slot and st == 0)  # with a cached prefix the runner loads the history first
+        rows["sample"].append(sq.samples)
+        rows["temperature"].append(p.temperature)
+        rows["top_k"].append(p.top_k)
+        rows["top_p"].append(p.top_p)
+        rows["min_p"].append(p.min_p)
+        rows["rep"].append(p.repetition_penalty)
+        rows["pres"].append(p.presence_penalty)
+        rows["freq"].append(p.frequency_penalty)
+        rows["seed"].append((req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF))
+        rows["gen"].append(sq.gen_index)
+        rows["want_lp"].append(p.logprobs is not None)
         if sq.gen_index < p.min_tokens:
             ids = req.min_tokens_stop_ids
             suppress[i, :len(ids)] = ids
         off = end
-    cu[len(work.seqs) + 1:] = off
 
+    nrows = len(work.seqs)
+    cu = np.full(s + 1, off, np.int32)
+    cu[0] = 0
+    cu[1:nrows + 1] = rows["ends"]
+    seed = np.zeros((s, 2), np.uint32)
+    if nrows:
+        seed[:nrows] = rows["seed"]
     meta = AttentionMetadata(
         positions=positions, slot_mapping=slot_mapping, seq_ids=seq_ids, page_table=page_table,
-        kv_lens=kv_lens, cu_q_lens=cu, num_seqs=np.int32(len(work.seqs)))
-    sampling = SamplingInputs(temperature, top_k, top_p, min_p, rep, pres, freq, seed, gen, want_lp, suppress)
-    return StepBatch(tokens, from_device, kind, meta, logits_indices, row_slots, reset, sample_rows, sampling)
+        kv_lens=_column(rows["kv_lens"], s, 0, np.int32), cu_q_lens=cu, num_seqs=np.int32(nrows))
+    sampling = SamplingInputs(
+        _column(rows["temperature"], s, 0.0, np.float32), _column(rows["top_k"], s, 0, np.int32),
+        _column(rows["top_p"], s, 1.0, np.float32), _column(rows["min_p"], s, 0.0, np.float32),
+        _column(rows["rep"], s, 1.0, np.float32), _column(rows["pres"], s, 0.0, np.float32),
+        _column(rows["freq"], s, 0.0, np.float32), seed, _column(rows["gen"], s, 0, np.int32),
+        _column(rows["want_lp"], s, False, bool), suppress)
+    logits_indices = _column([e - 1 for e in rows["ends"]], s, 0, np.int32)
+    return StepBatch(tokens, from_device, kind, meta, logits_indices, _column(rows["slots"], s, dummy_slot, np.int32),
+                     _column(rows["reset"], s, False, bool), _column(rows["sample"], s, False, bool), sampling)

@@ -65,11 +65,9 @@ class KVCacheManager:
     # ---- prefix cache -----------------------------------------------------------------------
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         ps = self.page_size
-        tokens = req.all_token_ids
-        while len(req.block_hashes) < num_tokens // ps:
-            i = len(req.block_hashes)
+        for i in range(len(req.block_hashes), num_tokens // ps):  # slices only: no whole-token list per step
             parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(block_hash(parent, tokens[i * ps:(i + 1) * ps], req.cache_salt))
+            req.block_hashes.append(block_hash(parent, req.token_slice(i * ps, ps), req.cache_salt))
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Pages holding the longest cached prefix of the request's tokens.
@@ -96,7 +94,7 @@ class KVCacheManager:
         """Publishes the request's newly completed pages so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
-        full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.page_size
+        full = min(req.num_computed_tokens, req.num_tokens - req.num_pending_tokens) // self.page_size
         if full <= req.num_registered_blocks:
             return
         self._extend_hashes(req, full * self.page_size)

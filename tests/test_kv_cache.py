@@ -243,3 +243,57 @@ def test_no_preemption_storm_at_high_concurrency(monkeypatch):
         greedy = _serve_all(*make())
     assert greedy > 100
     assert _serve_all(*make()) <= 20
+
+
+def test_build_batch_lays_out_a_mixed_step():
+    """Decodes (one from the device), a prompt chunk and padding: every array, position by position."""
+    import numpy as np
+
+    from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, build_batch
+    from infire_jax.buckets import StepShape
+
+    kv = KVCacheManager(64, PS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=8)
+    a = make_req("a", [11, 12, 13], max_tokens=4, arrival=0)
+    a.params = SamplingParams(max_tokens=4, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, repetition_penalty=1.2,
+                              presence_penalty=0.3, frequency_penalty=0.4, logprobs=2, min_tokens=3)
+    a.seed = (7 << 32) | 5
+    a.min_tokens_stop_ids = (2, 9)
+    b = make_req("b", list(range(20, 30)), max_tokens=2, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # a's prompt (3) and b's first chunk (5)
+    out = sched.schedule()  # a decodes its sampled token; b continues with a chunk of 5 (positions 5-9)
+    sched.commit(out)
+    assert [(s.req, s.start, s.num_tokens) for s in out.seqs] == [(a, 3, 1), (b, 5, 5)]
+    batch = build_batch(out, StepShape(8, 4), page_size=PS, pages_per_seq=4, dummy_slot=4)
+    m = batch.meta
+    np.testing.assert_array_equal(batch.token_ids, [7, 25, 26, 27, 28, 29, 0, 0])  # a's token 7 was read back
+    np.testing.assert_array_equal(batch.from_device, [False] * 8)
+    np.testing.assert_array_equal(batch.token_kind, [TOKEN_OUTPUT] + [TOKEN_PROMPT] * 5 + [TOKEN_PAD] * 2)
+    np.testing.assert_array_equal(m.positions, [3, 5, 6, 7, 8, 9, 0, 0])
+    pa, pb = a.pages, b.pages
+    want_slots = [pa[0] * PS + 3] + [pb[p // PS] * PS + p % PS for p in range(5, 10)] + [2, 3]  # padding: null page
+    np.testing.assert_array_equal(m.slot_mapping, want_slots)
+    np.testing.assert_array_equal(m.seq_ids, [0, 1, 1, 1, 1, 1, 4, 4])
+    np.testing.assert_array_equal(m.page_table, [pa + [0] * (4 - len(pa)), pb + [0] * (4 - len(pb)), [0] * 4, [0] * 4])
+    np.testing.assert_array_equal(m.kv_lens, [4, 10, 0, 0])
+    np.testing.assert_array_equal(m.cu_q_lens, [0, 1, 6, 6, 6])
+    assert int(m.num_seqs) == 2
+    np.testing.assert_array_equal(batch.logits_indices, [0, 5, 0, 0])
+    np.testing.assert_array_equal(batch.row_slots, [a.slot, b.slot, 4, 4])
+    np.testing.assert_array_equal(batch.reset_rows, [False] * 4)
+    np.testing.assert_array_equal(batch.sample_rows, [True, True, False, False])
+    sp = batch.sampling
+    np.testing.assert_allclose(sp.temperature, [0.5, 1, 0, 0])  # b: the OpenAI default
+    np.testing.assert_array_equal(sp.top_k, [3, 0, 0, 0])
+    np.testing.assert_allclose(sp.top_p, [0.9, 1, 1, 1])
+    np.testing.assert_allclose(sp.min_p, [0.1, 0, 0, 0])
+    np.testing.assert_allclose(sp.repetition_penalty, [1.2, 1, 1, 1])
+    np.testing.assert_allclose(sp.presence_penalty, [0.3, 0, 0, 0])
+    np.testing.assert_allclose(sp.frequency_penalty, [0.4, 0, 0, 0])
+    np.testing.assert_array_equal(sp.seed, [[5, 7], [0, 0], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(sp.step, [1, 0, 0, 0])
+    np.testing.assert_array_equal(sp.want_logprobs, [True, False, False, False])
+    assert sp.suppress_ids.shape[0] == 4 and list(sp.suppress_ids[0, :2]) == [2, 9] and (sp.suppress_ids[1:] == -1).all()
+    assert sp.temperature.dtype == np.float32 and sp.seed.dtype == np.uint32 and m.kv_lens.dtype == np.int32
