@@ -138,16 +138,19 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            evicted = False
             while not self.kv.can_allocate(req, n):
                 candidates = [r for r in self.running if id(r) not in scheduled]
                 victim = max(candidates, key=Request.sort_key)
                 self._preempt(victim)
                 preempted.append(victim)
+                evicted = True
                 if victim is req:
                     break
             if req.status is not Status.RUNNING:
                 continue  # it preempted itself; `running` shifted, so i points at the next one
-            i = self.running.index(req)  # victims may have stood before it
+            if evicted:
+                i = self.running.index(req)  # victims may have stood before it
             self.kv.allocate(req, n)
             seqs.append(self._plan(req, n, reset=False))
             scheduled.add(id(req))
