@@ -34,10 +34,10 @@ from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_p
 from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
+from infire_jax.xla_flags import allocator_fraction
 from pallas_kernels.attention import choose_impl, resolve_impl
 from sharding.mesh import load_mesh_config
 from sharding.plan import ShardPlan
-from infire_jax.xla_flags import allocator_fraction
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,8 @@ class Engine:
         ec = self.config
         if ec.max_num_seqs < 1 or ec.page_size < 1:
             raise ConfigError("max_num_seqs and page_size must be positive")
+        if not 0.0 < ec.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
         try:
             resolve_impl(ec.attn_impl)
             mesh_config = load_mesh_config(ec.mesh, jax.device_count())

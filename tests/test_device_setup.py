@@ -119,3 +119,11 @@ def test_engine_sizes_its_pool_from_a_stated_device_memory(monkeypatch):
 
     out = LLM(engine=engine).generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
     assert out[0].text.startswith(" Paris")
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
+def test_engine_refuses_a_bad_gpu_memory_utilization_before_loading(value):
+    from infire_jax import Engine, EngineConfig
+
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        Engine(EngineConfig(model="dummy:smollm2-135m", gpu_memory_utilization=value))
