@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.sampling_params import MAX_LOGPROBS
