@@ -18,12 +18,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from infire_jax import multihost
 from infire_jax.buckets import Buckets, default_token_buckets
 from infire_jax.compile_guard import compile_count
 from infire_jax.detokenizer import IncrementalDetokenizer
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.kv_pool import PoolSizing, size_from_budget, size_from_device_memory
+from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.loaders import LoadedModel, load_model
 from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.config import ModelConfig
@@ -357,6 +359,42 @@ class Engine:
         children = self._requests.get(req.parent_id)
         if children is not None and all(c.is_finished for c in children):
             del self._requests[req.parent_id]
+
+    # ---- moving a prompt's KV to another engine (prefill/decode disaggregation) -------------------------
+    @property
+    def kv_layout(self) -> KVLayout:
+        c, rc = self.runner.cfg, self.runner.rc
+        return KVLayout.of(self.model_config.to_dict(), jnp.dtype(self.dtype).name, rc.page_size,
+                           (c.num_layers, rc.page_size, c.num_kv_heads, c.head_dim))
+
+    def _check_single_process(self) -> None:
+        if multihost.is_multiprocess():
+            raise ConfigError("KV transfer is not supported across several processes yet")
+
+    def export_prompt_kv(self, prompt: str | list[int], *, tenant: str | None = None) -> KVBlocks:
+        """The KV of the prompt's full pages that this engine's prefix cache holds (after a prefill)."""
+        self._check_single_process()
+        ids = self.tokenize_prompt(prompt)
+        pages = self.kv.cached_block_pages(ids, tenant)
+        k, v = self.runner.read_pages(pages)
+        return KVBlocks(self.kv_layout, ids[:len(pages) * self.config.page_size], tenant, k, v)
+
+    def import_prompt_kv(self, blocks: KVBlocks) -> int:
+        """Puts another engine's prompt pages into this engine's prefix cache; returns the blocks written.
+
+        A request with that prompt and tenant then finds them cached, like any prefix-cache hit.
+        Call it between steps, on the thread that runs them.
+        """
+        self._check_single_process()
+        self.kv_layout.check_compatible(blocks.layout)
+        blocks.check()
+        if blocks.token_ids:
+            self.tokenize_prompt(blocks.token_ids)  # ids inside the vocabulary
+        targets = self.kv.import_blocks(blocks.token_ids, blocks.tenant)
+        if targets:
+            index = [i for i, _ in targets]
+            self.runner.write_pages([p for _, p in targets], blocks.k[:, index], blocks.v[:, index])
+        return len(targets)
 
     # ---- several processes --------------------------------------------------------------------------
     def follow(self) -> None:

@@ -105,6 +105,44 @@ class KVCacheManager:
                 self.page_hash[page] = h
         req.num_registered_blocks = full
 
+    # ---- moving a prompt's pages between engines ------------------------------------------------
+    def cached_block_pages(self, token_ids: list[int], salt: str | None) -> list[int]:
+        """Pages of the longest cached run of `token_ids`' full blocks (none held back: this is for export)."""
+        ps, parent, pages = self.page_size, None, []
+        for i in range(len(token_ids) // ps):
+            parent = block_hash(parent, token_ids[i * ps:(i + 1) * ps], salt)
+            page = self.cached.get(parent) if self.enable_prefix_caching else None
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def import_blocks(self, token_ids: list[int], salt: str | None) -> list[tuple[int, int]]:
+        """Publishes pages for those full blocks of `token_ids` that are not cached yet, under the hash
+        chain computed here, and returns (block index, page) for each: the caller writes their KV now.
+
+        The pages are taken first and released together, so a long import never evicts its own
+        blocks; they end up unreferenced in the retained queue (evicted last), like a session's.
+        Stops at the first block the pool has no page for: later blocks would be unreachable.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        ps, parent, taken = self.page_size, None, []
+        for i in range(len(token_ids) // ps):
+            parent = block_hash(parent, token_ids[i * ps:(i + 1) * ps], salt)
+            if parent in self.cached:
+                continue
+            if not self.num_free_pages:
+                break
+            page = self._pop_free()
+            self.cached[parent] = page
+            self.page_hash[page] = parent
+            taken.append((i, page))
+        for _, page in taken:
+            self.ref_cnt[page] = 0
+            self._free_retained[page] = None
+        return taken
+
     # ---- allocation -------------------------------------------------------------------------
     def _take(self, page: int) -> None:
         """References a page, taking it out of a free queue if nobody held it."""

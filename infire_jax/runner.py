@@ -26,6 +26,7 @@ from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
 from infire_jax.sampler import BRANCHING, SamplerOutput, SamplingInputs, choose_variant, sample
 from infire_jax.scheduler import SchedulerOutput
+from pallas_kernels.metadata import NULL_PAGE
 from sharding.plan import KV_POOL_AXES, ShardPlan
 
 
@@ -110,6 +111,14 @@ def _sample(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"
     return last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(out.tokens), out
 
 
+def _read_pages(k_pages: Array, v_pages: Array, pages: Int[Array, "P"]) -> tuple[Array, Array]:
+    return k_pages[:, pages], v_pages[:, pages]
+
+
+def _write_pages(cache: DeviceCache, pages: Int[Array, "P"], k: Array, v: Array) -> DeviceCache:
+    return cache._replace(k_pages=cache.k_pages.at[:, pages].set(k), v_pages=cache.v_pages.at[:, pages].set(v))
+
+
 def _load_history(cache: DeviceCache, slot: Int[Array, ""], prompt_ids: Int[Array, "M"],
                   output_ids: Int[Array, "M"]) -> DeviceCache:
     """Rebuilds one slot's token history (ids >= vocab are padding and dropped)."""
@@ -120,6 +129,15 @@ def _load_history(cache: DeviceCache, slot: Int[Array, ""], prompt_ids: Int[Arra
 
 def _uses_penalties(p) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+TRANSFER_PAGES = 16  # pages per compiled page read or write (KV transfer between engines)
+
+
+def _padded_pages(pages: list[int]) -> np.ndarray:
+    out = np.full(TRANSFER_PAGES, NULL_PAGE, np.int32)
+    out[:len(pages)] = pages
+    return out
 
 
 class PendingStep(NamedTuple):
@@ -155,6 +173,9 @@ class ModelRunner:
                                      out_shardings=plan.replicated if plan else None)
                           for v in rc.sampler_variants}
         self._history = jax.jit(_load_history, donate_argnums=(0,))
+        self._read_pages = jax.jit(_read_pages)
+        self._write_pages = jax.jit(_write_pages, donate_argnums=(0,),
+                                    out_shardings=cache_shardings if plan else None)
 
     def _allocate_cache(self) -> DeviceCache:
         """The pool is split like the kv heads and layers; the per-slot history is replicated."""
@@ -210,6 +231,28 @@ class ModelRunner:
         self.cache = cache._replace(last_tokens=last)
         return out
 
+    def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The KV of `pages`, [L, len(pages), page_size, Hkv, D] each, on the host (in chunks of
+        TRANSFER_PAGES: one compiled shape)."""
+        shape = (self.cfg.num_layers, 0, self.rc.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        parts = []
+        for i in range(0, len(pages), TRANSFER_PAGES):
+            chunk = pages[i:i + TRANSFER_PAGES]
+            k, v = self._read_pages(self.cache.k_pages, self.cache.v_pages, _padded_pages(chunk))
+            parts.append((k, v, len(chunk)))
+        host = jax.device_get([(k, v) for k, v, _ in parts])
+        empty = np.zeros(shape, jnp.dtype(self.dtype))
+        return tuple(np.concatenate([empty] + [kv[j][:, :n] for kv, (_, _, n) in zip(host, parts)], axis=1)
+                     for j in (0, 1))
+
+    def write_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
+        """Writes host KV [L, len(pages), page_size, Hkv, D] into `pages` (padding lands on the null page)."""
+        for i in range(0, len(pages), TRANSFER_PAGES):
+            chunk = pages[i:i + TRANSFER_PAGES]
+            pad = [(0, 0), (0, TRANSFER_PAGES - len(chunk))] + [(0, 0)] * 3
+            kc, vc = (np.pad(np.asarray(x[:, i:i + len(chunk)], jnp.dtype(self.dtype)), pad) for x in (k, v))
+            self.cache = self._write_pages(self.cache, _padded_pages(chunk), kc, vc)
+
     def _command(self, shape: StepShape, variant: str) -> int:
         """A step's (bucket, sampler variant) as one integer, for the multi-process header."""
         return self.rc.buckets.shapes.index(shape) * len(self.rc.sampler_variants) + \
@@ -236,6 +279,8 @@ class ModelRunner:
                 jax.block_until_ready(self._run(batch, variant))
             if on_shape:
                 on_shape(shape)
+        if not multihost.is_multiprocess():  # KV transfer: both page programs, on the null page only
+            self.write_pages([NULL_PAGE], *self.read_pages([NULL_PAGE]))
 
     def _empty_batch(self, shape: StepShape) -> StepBatch:
         return self._build(SchedulerOutput([], []), shape)

@@ -297,3 +297,16 @@ def test_build_batch_lays_out_a_mixed_step():
     np.testing.assert_array_equal(sp.want_logprobs, [True, False, False, False])
     assert sp.suppress_ids.shape[0] == 4 and list(sp.suppress_ids[0, :2]) == [2, 9] and (sp.suppress_ids[1:] == -1).all()
     assert sp.temperature.dtype == np.float32 and sp.seed.dtype == np.uint32 and m.kv_lens.dtype == np.int32
+
+
+def test_import_blocks_publishes_a_prefix_and_never_evicts_its_own_pages():
+    kv = KVCacheManager(4, PS)  # 3 usable pages
+    tokens = list(range(5 * PS))  # 5 full blocks: only the first 3 find a page
+    taken = kv.import_blocks(tokens, "t")
+    assert [i for i, _ in taken] == [0, 1, 2] and len({p for _, p in taken}) == 3
+    assert kv.cached_block_pages(tokens, "t") == [p for _, p in taken]
+    assert kv.cached_block_pages(tokens, None) == []  # the chain is salted with the tenant
+    assert kv.num_free_pages == 3 and kv.usage == 0  # cached, unreferenced, evictable
+    assert kv.import_blocks(tokens[:3 * PS], "t") == []  # already there
+    req = make_req("r", tokens[:3 * PS] + [7], salt="t")
+    assert kv.find_cached_prefix(req) == [p for _, p in taken]  # a request finds them like any cached prefix

@@ -1,0 +1,67 @@
+"""The KV of a prompt's full pages, as it travels between engines, and the layout both must share."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+
+from infire_jax.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """What two engines must agree on for one's pages to be valid in the other's pool."""
+
+    model: str  # a digest of the model config
+    dtype: str
+    page_size: int
+    page_shape: tuple[int, ...]  # [layers, page_size, kv_heads, head_dim] of one page, k or v
+
+    @classmethod
+    def of(cls, config_dict: dict, dtype: str, page_size: int, page_shape: tuple[int, ...]) -> "KVLayout":
+        digest = hashlib.sha256(json.dumps(config_dict, sort_keys=True).encode()).hexdigest()[:16]
+        return cls(digest, dtype, page_size, tuple(page_shape))
+
+    def check_compatible(self, other: "KVLayout") -> None:
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if mine != theirs:
+                raise InvalidRequestError(f"the KV pages do not fit this engine: {field.name} is {theirs!r} "
+                                          f"in the transfer and {mine!r} here", param="kv_transfer")
+
+
+@dataclasses.dataclass
+class KVBlocks:
+    """Full pages of a prompt's KV: block i holds tokens [i * page_size, (i + 1) * page_size).
+
+    The receiver recomputes the hash chain from `token_ids` and `tenant`, so pages land under the
+    same tenant-salted keys a local prefill would have made, and a sender cannot plant pages
+    under another tenant's keys.
+    """
+
+    layout: KVLayout
+    token_ids: list[int]  # the blocks' tokens: len(token_ids) == num_blocks * page_size
+    tenant: str | None
+    k: np.ndarray  # [layers, num_blocks, page_size, kv_heads, head_dim]
+    v: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def check(self) -> None:
+        """The payload is self-consistent: shapes match the layout and the token count."""
+        want = (self.layout.page_shape[0], self.num_blocks, *self.layout.page_shape[1:])
+        if self.k.shape != want or self.v.shape != want:
+            raise InvalidRequestError(f"KV blocks of shape {self.k.shape} / {self.v.shape}, expected {want}",
+                                      param="kv_transfer")
+        if len(self.token_ids) != self.num_blocks * self.layout.page_size:
+            raise InvalidRequestError(f"{len(self.token_ids)} tokens for {self.num_blocks} blocks of "
+                                      f"{self.layout.page_size}", param="kv_transfer")
