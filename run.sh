@@ -17,6 +17,16 @@ command -v nvidia-smi >/dev/null 2>&1 && extras="${extras:+$extras,}cuda12"
 stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)-${extras:-base}"
 if [ ! -f "$stamp" ]; then
   python3 -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
+  # Mooncake (KV transfer between engines) loads libibverbs even over TCP.
+  if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p; } | grep -q 'libibverbs\.so\.1'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      { apt-get update -qq && apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null; } || {
+        echo "error: could not install libibverbs1 with apt-get (needed by Mooncake)" >&2; exit 1; }
+    else
+      echo "error: libibverbs1 is missing; install it first, e.g. 'sudo apt-get install -y libibverbs1 ibverbs-providers'" >&2
+      exit 1
+    fi
+  fi
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
