@@ -127,20 +127,24 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        ps, parent, taken = self.page_size, None, []
+        ps, parent, taken, held = self.page_size, None, [], []
         for i in range(len(token_ids) // ps):
             parent = block_hash(parent, token_ids[i * ps:(i + 1) * ps], salt)
-            if parent in self.cached:
-                continue
-            if not self.num_free_pages:
+            page = self.cached.get(parent)
+            if page is not None:
+                self._take(page)  # held too, so a later block of this import cannot evict it
+            elif self.num_free_pages:
+                page = self._pop_free()
+                self.cached[parent] = page
+                self.page_hash[page] = parent
+                taken.append((i, page))
+            else:
                 break
-            page = self._pop_free()
-            self.cached[parent] = page
-            self.page_hash[page] = parent
-            taken.append((i, page))
-        for _, page in taken:
-            self.ref_cnt[page] = 0
-            self._free_retained[page] = None
+            held.append(page)
+        for page in held:
+            self.ref_cnt[page] -= 1
+            if self.ref_cnt[page] == 0:
+                self._free_retained[page] = None
         return taken
 
     # ---- allocation -------------------------------------------------------------------------

@@ -310,3 +310,17 @@ def test_import_blocks_publishes_a_prefix_and_never_evicts_its_own_pages():
     assert kv.import_blocks(tokens[:3 * PS], "t") == []  # already there
     req = make_req("r", tokens[:3 * PS] + [7], salt="t")
     assert kv.find_cached_prefix(req) == [p for _, p in taken]  # a request finds them like any cached prefix
+
+
+def test_import_blocks_keeps_the_cached_part_of_its_own_chain():
+    """Block 0 is cached already and sits first in the LRU queue; importing blocks 1 and 2 into a full
+    pool must evict other pages, not block 0, or the imported chain would start with a hole."""
+    kv = KVCacheManager(4, PS)  # 3 usable pages
+    tokens = list(range(3 * PS))
+    first = kv.import_blocks(tokens[:PS], "t")
+    other = kv.import_blocks([9] * 2 * PS, "u")  # fills the pool
+    assert kv.num_free_pages == 3 and len(first) == 1 and len(other) == 2
+    taken = kv.import_blocks(tokens, "t")
+    assert [i for i, _ in taken] == [1, 2]
+    assert kv.cached_block_pages(tokens, "t") == [first[0][1]] + [p for _, p in taken]
+    assert kv.cached_block_pages([9] * 2 * PS, "u") == []  # the other tenant's pages were the ones evicted
