@@ -223,12 +223,15 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.k_pages.nbytes + self.cache.v_pages.nbytes
 
-    def _run(self, batch: StepBatch, variant: str) -> SamplerOutput:
-        """Launches the forward and the sampler; neither waits for the device."""
+    def _run(self, batch: StepBatch, *variants: str) -> SamplerOutput:
+        """Launches the forward and the sampler; neither waits for the device. Warmup passes every
+        variant, to compile them all on one forward's logits; a step passes one."""
         cache, logits = self._forward(self.state, self.cache, batch)
-        last, out = self._samplers[variant](cache.last_tokens, cache.counts, cache.prompt_mask, logits,
-                                            batch.sampling, batch.row_slots, batch.sample_rows)
-        self.cache = cache._replace(last_tokens=last)
+        for variant in variants:
+            last, out = self._samplers[variant](cache.last_tokens, cache.counts, cache.prompt_mask, logits,
+                                                batch.sampling, batch.row_slots, batch.sample_rows)
+            cache = cache._replace(last_tokens=last)
+        self.cache = cache
         return out
 
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -275,8 +278,7 @@ class ModelRunner:
             batch = self._empty_batch(shape)
             if multihost.is_multiprocess():
                 batch = multihost.receive(batch)
-            for variant in self.rc.sampler_variants:  # the sampler compiles once per row count
-                jax.block_until_ready(self._run(batch, variant))
+            jax.block_until_ready(self._run(batch, *self.rc.sampler_variants))  # samplers: once per row count
             if on_shape:
                 on_shape(shape)
         if not multihost.is_multiprocess():  # KV transfer: both page programs, on the null page only
