@@ -144,3 +144,24 @@ def test_float32_logits_match_float64_on_cpu():
     want = x @ np.asarray(model.lm_head[...], np.float64).T
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles(smol_llm):
+    """The GPU configuration on the real model: every variant is compiled at warmup, and a mix of
+    greedy, seeded top-p, penalty and logprob requests gives the CPU engine's exact tokens."""
+    from conftest import SMALL_ENGINE
+
+    from infire_jax import LLM, SamplingParams
+
+    gpu_like = LLM(**SMALL_ENGINE, branch_free_sampler=True)
+    assert gpu_like.engine.runner.rc.sampler_variants == BRANCH_FREE_VARIANTS
+    prompts = ["The capital of France is", "List three fruits:", "Once upon a time"]
+    params = [SamplingParams(max_tokens=12, temperature=0),
+              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=5, logprobs=2),
+              SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.3, seed=9)]
+    for batch in ([params[0]] * 3, params):  # the greedy variant alone, then a mixed batch
+        want = smol_llm.generate(prompts, batch)
+        got = gpu_like.generate(prompts, batch)
+        for a, b in zip(got, want):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert gpu_like.engine.compiles_since_warmup == 0
