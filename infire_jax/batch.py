@@ -56,19 +56,15 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         req, n, st = sq.req, sq.num_tokens, sq.start
         end = off + n
         pages = req.pages
+        if sq.from_device:
+            from_device[off] = True
+        else:
+            tokens[off:end] = req.token_slice(st, n)
         if n == 1:  # a decode: scalars, no per-token arrays
-            if sq.from_device:
-                from_device[off] = True
-            else:
-                tokens[off] = req.token_at(st)
             positions[off] = st
             kind[off] = TOKEN_PROMPT if st < req.num_prompt_tokens else TOKEN_OUTPUT
             slot_mapping[off] = pages[st // page_size] * page_size + st % page_size
         else:
-            if sq.from_device:
-                from_device[off] = True
-            else:
-                tokens[off:end] = req.token_slice(st, n)
             pos = np.arange(st, st + n, dtype=np.int32)
             positions[off:end] = pos
             kind[off:end] = np.where(pos < req.num_prompt_tokens, TOKEN_PROMPT, TOKEN_OUTPUT)

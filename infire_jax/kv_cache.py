@@ -106,15 +106,20 @@ class KVCacheManager:
         req.num_registered_blocks = full
 
     # ---- moving a prompt's pages between engines ------------------------------------------------
-    def cached_block_pages(self, token_ids: list[int], salt: str | None) -> list[int]:
-        """Pages of the longest cached run of `token_ids`' full blocks (none held back: this is for export)."""
-        ps, parent, pages = self.page_size, None, []
+    def _block_chain(self, token_ids: list[int], salt: str | None):
+        """(index, hash) of each full block of `token_ids`, down the salted chain."""
+        ps, parent = self.page_size, None
         for i in range(len(token_ids) // ps):
             parent = block_hash(parent, token_ids[i * ps:(i + 1) * ps], salt)
-            page = self.cached.get(parent) if self.enable_prefix_caching else None
-            if page is None:
+            yield i, parent
+
+    def cached_block_pages(self, token_ids: list[int], salt: str | None) -> list[int]:
+        """Pages of the longest cached run of `token_ids`' full blocks (none held back: this is for export)."""
+        pages = []
+        for _, h in self._block_chain(token_ids, salt) if self.enable_prefix_caching else ():
+            if h not in self.cached:
                 break
-            pages.append(page)
+            pages.append(self.cached[h])
         return pages
 
     def import_blocks(self, token_ids: list[int], salt: str | None) -> list[tuple[int, int]]:
@@ -127,16 +132,15 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        ps, parent, taken, held = self.page_size, None, [], []
-        for i in range(len(token_ids) // ps):
-            parent = block_hash(parent, token_ids[i * ps:(i + 1) * ps], salt)
-            page = self.cached.get(parent)
+        taken, held = [], []
+        for i, h in self._block_chain(token_ids, salt):
+            page = self.cached.get(h)
             if page is not None:
                 self._take(page)  # held too, so a later block of this import cannot evict it
             elif self.num_free_pages:
                 page = self._pop_free()
-                self.cached[parent] = page
-                self.page_hash[page] = parent
+                self.cached[h] = page
+                self.page_hash[page] = h
                 taken.append((i, page))
             else:
                 break

@@ -237,16 +237,14 @@ class ModelRunner:
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The KV of `pages`, [L, len(pages), page_size, Hkv, D] each, on the host (in chunks of
         TRANSFER_PAGES: one compiled shape)."""
-        shape = (self.cfg.num_layers, 0, self.rc.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        parts = []
-        for i in range(0, len(pages), TRANSFER_PAGES):
-            chunk = pages[i:i + TRANSFER_PAGES]
-            k, v = self._read_pages(self.cache.k_pages, self.cache.v_pages, _padded_pages(chunk))
-            parts.append((k, v, len(chunk)))
-        host = jax.device_get([(k, v) for k, v, _ in parts])
-        empty = np.zeros(shape, jnp.dtype(self.dtype))
-        return tuple(np.concatenate([empty] + [kv[j][:, :n] for kv, (_, _, n) in zip(host, parts)], axis=1)
-                     for j in (0, 1))
+        chunks = [pages[i:i + TRANSFER_PAGES] for i in range(0, len(pages), TRANSFER_PAGES)]
+        host = jax.device_get([self._read_pages(self.cache.k_pages, self.cache.v_pages, _padded_pages(c))
+                               for c in chunks])
+        empty = np.zeros((self.cfg.num_layers, 0, self.rc.page_size, self.cfg.num_kv_heads, self.cfg.head_dim),
+                         jnp.dtype(self.dtype))  # so that no pages still concatenates
+        k = np.concatenate([empty] + [k[:, :len(c)] for (k, _), c in zip(host, chunks)], axis=1)
+        v = np.concatenate([empty] + [v[:, :len(c)] for (_, v), c in zip(host, chunks)], axis=1)
+        return k, v
 
     def write_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
         """Writes host KV [L, len(pages), page_size, Hkv, D] into `pages` (padding lands on the null page)."""
