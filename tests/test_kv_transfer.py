@@ -93,8 +93,9 @@ def test_mismatched_or_malformed_blocks_are_refused(pair):
 # ---- over Mooncake --------------------------------------------------------------------------------
 
 def test_blocks_cross_mooncake_and_serve_the_prompt(pair):
-    """Sender engine -> Mooncake (TCP, loopback) -> receiver's staging buffer -> receiver's prefix
-    cache: the bytes arrive intact, the prompt is served from them, and every region is returned."""
+    """Sender engine -> its staging buffer -> Mooncake read (TCP, loopback) -> receiver's staging
+    buffer -> receiver's prefix cache: the bytes arrive intact, the prompt is served from them, and
+    every region is returned."""
     from infire_jax.kv_transfer.mooncake import MooncakeTransport
 
     sender, receiver = pair
@@ -102,14 +103,15 @@ def test_blocks_cross_mooncake_and_serve_the_prompt(pair):
     want = run(sender, prompt, tenant="mc")[0]
     blocks = sender.export_prompt_kv(prompt, tenant="mc")
     src, dst = MooncakeTransport(16 << 20), MooncakeTransport(16 << 20)
-    region = dst.reserve(blocks.nbytes)  # control message 1: the decode side reserves, tells the address
-    seconds = src.send(blocks, region)
-    assert seconds > 0
+    held = src.hold(blocks)  # control message 1: the prefill side names the held region
+    region = dst.reserve(blocks.nbytes)
+    assert dst.fetch(held, region) > 0
+    src.release(held)  # control message 2: fetched, the sender's region is free again
     arrived = dst.received(region, blocks.layout, blocks.token_ids, blocks.tenant)
     np.testing.assert_array_equal(arrived.k, blocks.k)
     np.testing.assert_array_equal(arrived.v, blocks.v)
     assert receiver.import_prompt_kv(arrived) == 6
-    dst.release(region)  # control message 2: imported, the region is free again
+    dst.release(region)  # imported: the receiver's region is free again
     assert dst._free == [(0, 16 << 20)] and src._free == [(0, 16 << 20)]
     got, _, cached = run(receiver, prompt, tenant="mc")
     assert cached == 6 * PS and got == want

@@ -1,9 +1,10 @@
-"""`python -m infire_jax.kv_transfer.measure`: KV blocks over Mooncake against a plain Mooncake write.
+"""`python -m infire_jax.kv_transfer.measure`: KV blocks over Mooncake against plain Mooncake transfers.
 
-Both move the same bytes between two transfer engines on this machine (TCP loopback): once as
-`MooncakeTransport.send` of KV blocks (k and v in one batched write; the copy into the staging
-buffer is not timed), once as one `transfer_sync_write` of a registered buffer. Median of --reps,
-after a first transfer that opens the connection.
+All move the same bytes between two transfer engines on this machine (TCP loopback): once as
+`MooncakeTransport.fetch` of held KV blocks (the receiver reads k and v in one batched read; the
+sender's copy into its staging buffer is not timed), once as one plain `transfer_sync_read` and
+once as one plain `transfer_sync_write` of a registered buffer. Median of --reps, after a first
+transfer that opens the connection.
 """
 
 from __future__ import annotations
@@ -34,22 +35,23 @@ def main(argv: list[str] | None = None) -> None:
                       rng.standard_normal(shape).astype(np.float16))
     n = blocks.nbytes
     src, dst = MooncakeTransport(2 * n), MooncakeTransport(2 * n)
+    held = src.hold(blocks)
     region = dst.reserve(n)
-    send, plain = [], []
+    fetch, read, write = [], [], []
     for _ in range(a.reps + 1):  # the first opens the connection
-        send.append(src.send(blocks, region))
-        local = src.reserve(n)
-        start = time.perf_counter()
-        rc = src._engine.transfer_sync_write(region.target, local.address, region.address, n)
-        plain.append(time.perf_counter() - start)
-        src.release(local)
-        assert rc == 0, rc
+        fetch.append(dst.fetch(held, region))
+        for seconds, op in ((read, dst._engine.transfer_sync_read), (write, dst._engine.transfer_sync_write)):
+            start = time.perf_counter()
+            rc = op(held.target, region.address, held.address, n)
+            seconds.append(time.perf_counter() - start)
+            assert rc == 0, rc
+    dst.fetch(held, region)
     arrived = dst.received(region, layout, blocks.token_ids, None)
     assert np.array_equal(arrived.k, blocks.k) and np.array_equal(arrived.v, blocks.v)
-    send_s, plain_s = statistics.median(send[1:]), statistics.median(plain[1:])
-    print(json.dumps(dict(bytes=n, pages=a.pages, kv_send_GBps=round(n / send_s / 1e9, 3),
-                          plain_write_GBps=round(n / plain_s / 1e9, 3), ratio=round(plain_s / send_s, 3),
-                          first_send_s=round(send[0], 4))))
+    fetch_s, read_s, write_s = (statistics.median(x[1:]) for x in (fetch, read, write))
+    print(json.dumps(dict(bytes=n, pages=a.pages, kv_fetch_GBps=round(n / fetch_s / 1e9, 3),
+                          plain_read_GBps=round(n / read_s / 1e9, 3), plain_write_GBps=round(n / write_s / 1e9, 3),
+                          fetch_over_plain_read=round(read_s / fetch_s, 3), first_fetch_s=round(fetch[0], 4))))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """KV blocks over Mooncake Transfer Engine: the transport Infire uses between prefill and decode.
 
 Each side runs one `TransferEngine` (TCP here; RDMA where the hardware and the CUDA build of the
-wheel are present) with one staging buffer registered once at start. A receiver hands out regions
-of its buffer (`reserve`); the sender copies a request's k and v pages into its own buffer and
-writes both into the receiver's region in one batched transfer. What is sent where (the region's
-address, the layout, the tokens and the tenant) travels as control messages beside it (HTTP
-between workers); here that is `Reservation` and the `KVBlocks` header.
+wheel are present) with one staging buffer registered once at start. The sender copies a
+request's k and v pages into a region of its buffer (`hold`); the receiver reserves a region of
+its own and reads the sender's into it in one transfer (`fetch`), the way vLLM's decode workers
+pull KV over NIXL, so a prefill worker never needs to know which decode worker comes next. What
+is where (the region's address, the layout, the tokens) travels as control messages beside it
+(HTTP between workers, server/kv_handoff.py); here that is `Reservation` and the `KVBlocks` header.
 
 The Debian package libibverbs1 must be installed for the wheel to load, even over TCP.
 """
@@ -13,6 +14,7 @@ The Debian package libibverbs1 must be installed for the wheel to load, even ove
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -34,11 +36,11 @@ def _transfer_engine():
 
 @dataclasses.dataclass(frozen=True)
 class Reservation:
-    """A region of a receiver's staging buffer, handed to a sender."""
+    """A region of one process's staging buffer; `target` names that process's transfer engine."""
 
-    target: str  # the receiver's "host:port"
-    address: int  # start of the region in the receiver's address space
-    offset: int  # start of the region in the receiver's buffer
+    target: str  # the owner's "host:port"
+    address: int  # start of the region in the owner's address space
+    offset: int  # start of the region in the owner's buffer
     nbytes: int
 
 
@@ -51,41 +53,74 @@ class MooncakeTransport:
         if rc != 0:
             raise ConfigError(f"Mooncake transfer engine failed to start on {host} over {protocol} (rc={rc})")
         self.host = host
+        self.protocol = protocol
         self.buffer = np.zeros(buffer_bytes, np.uint8)
         self._base = self.buffer.ctypes.data
         if self._engine.register_memory(self._base, buffer_bytes) != 0:
             raise ConfigError(f"Mooncake could not register a staging buffer of {buffer_bytes} bytes")
         self._free: list[tuple[int, int]] = [(0, buffer_bytes)]  # (offset, size), sorted by offset
+        self._lock = threading.Lock()  # regions are taken and returned from several threads
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self._engine.get_rpc_port()}"
 
-    # ---- receiving side ------------------------------------------------------------------------
+    # ---- regions of the staging buffer ---------------------------------------------------------
     def reserve(self, nbytes: int) -> Reservation:
-        """A region for one incoming transfer (first fit); `release` gives it back."""
-        for i, (off, size) in enumerate(self._free):
-            if size >= nbytes:
-                self._free[i:i + 1] = [(off + nbytes, size - nbytes)] if size > nbytes else []
-                return Reservation(self.address, self._base + off, off, nbytes)
+        """A region of `nbytes` (first fit); `release` gives it back."""
+        with self._lock:
+            for i, (off, size) in enumerate(self._free):
+                if size >= nbytes:
+                    self._free[i:i + 1] = [(off + nbytes, size - nbytes)] if size > nbytes else []
+                    return Reservation(self.address, self._base + off, off, nbytes)
         raise InvalidRequestError(f"no room in the KV staging buffer for {nbytes} bytes "
                                   f"({len(self.buffer)} in all)", param="kv_transfer")
 
     def release(self, r: Reservation) -> None:
-        """Returns a region (after its blocks were imported, or the transfer failed or timed out)."""
-        self._free.append((r.offset, r.nbytes))
-        self._free.sort()
-        merged = [self._free[0]]
-        for off, size in self._free[1:]:
-            last_off, last_size = merged[-1]
-            if last_off + last_size == off:
-                merged[-1] = (last_off, last_size + size)
-            else:
-                merged.append((off, size))
-        self._free = merged
+        """Returns a region (its blocks were imported or fetched, or the transfer failed or timed out)."""
+        with self._lock:
+            free = sorted([*self._free, (r.offset, r.nbytes)])
+            merged = [free[0]]
+            for off, size in free[1:]:
+                last_off, last_size = merged[-1]
+                if last_off + last_size == off:
+                    merged[-1] = (last_off, last_size + size)
+                else:
+                    merged.append((off, size))
+            self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+    # ---- sending side --------------------------------------------------------------------------
+    def hold(self, blocks: KVBlocks) -> Reservation:
+        """Copies k then v into a region of the staging buffer, where a receiver `fetch`es them;
+        `release` it once the receiver says it is done (or a deadline passes)."""
+        r = self.reserve(blocks.nbytes)
+        half = blocks.k.nbytes
+        self.buffer[r.offset:r.offset + half] = np.ascontiguousarray(blocks.k).view(np.uint8).reshape(-1)
+        self.buffer[r.offset + half:r.offset + r.nbytes] = np.ascontiguousarray(blocks.v).view(np.uint8).reshape(-1)
+        return r
+
+    # ---- receiving side --------------------------------------------------------------------------
+    def fetch(self, source: Reservation, into: Reservation) -> float:
+        """Reads a sender's held region into a reserved local one in one transfer; returns its seconds.
+
+        Blocking (call it off the event loop); raises ConnectionError when Mooncake reports a failure.
+        """
+        if source.nbytes != into.nbytes:
+            raise InvalidRequestError(f"{source.nbytes} bytes held for a region of {into.nbytes}",
+                                      param="kv_transfer_params")
+        start = time.perf_counter()
+        rc = self._engine.batch_transfer_sync_read(source.target, [into.address], [source.address], [into.nbytes])
+        seconds = time.perf_counter() - start
+        if rc != 0:
+            raise ConnectionError(f"Mooncake read of {into.nbytes} bytes from {source.target} failed (rc={rc})")
+        return seconds
 
     def received(self, r: Reservation, layout: KVLayout, token_ids: list[int], tenant: str | None) -> KVBlocks:
-        """The blocks a sender wrote into `r`, as views of the staging buffer (import them, then release)."""
+        """The blocks fetched into `r`, as views of the staging buffer (import them, then release)."""
         num_blocks = len(token_ids) // layout.page_size
         dtype = np.dtype(layout.dtype) if layout.dtype != "bfloat16" else _bfloat16()
         shape = (layout.page_shape[0], num_blocks, *layout.page_shape[1:])
@@ -96,28 +131,6 @@ class MooncakeTransport:
         k = region[:half].view(dtype).reshape(shape)
         v = region[half:].view(dtype).reshape(shape)
         return KVBlocks(layout, token_ids, tenant, k, v)
-
-    # ---- sending side --------------------------------------------------------------------------
-    def send(self, blocks: KVBlocks, to: Reservation) -> float:
-        """Writes k and v into the reserved region in one batched transfer; returns the seconds it took."""
-        if blocks.nbytes != to.nbytes:
-            raise InvalidRequestError(f"{blocks.nbytes} bytes of blocks for a region of {to.nbytes}",
-                                      param="kv_transfer")
-        local = self.reserve(blocks.nbytes)
-        try:
-            half = blocks.k.nbytes
-            self.buffer[local.offset:local.offset + half] = np.ascontiguousarray(blocks.k).view(np.uint8).reshape(-1)
-            self.buffer[local.offset + half:local.offset + 2 * half] = \
-                np.ascontiguousarray(blocks.v).view(np.uint8).reshape(-1)
-            start = time.perf_counter()
-            rc = self._engine.batch_transfer_sync_write(to.target, [local.address, local.address + half],
-                                                        [to.address, to.address + half], [half, half])
-            seconds = time.perf_counter() - start
-        finally:
-            self.release(local)
-        if rc != 0:
-            raise ConnectionError(f"Mooncake transfer of {blocks.nbytes} bytes to {to.target} failed (rc={rc})")
-        return seconds
 
 
 def _bfloat16() -> np.dtype:
