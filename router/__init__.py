@@ -1,0 +1,1 @@
+"""The router: one OpenAI-compatible endpoint in front of infire-jax worker servers (no engine, no JAX)."""

@@ -1,0 +1,272 @@
+"""The proxied endpoints: choose a request's workers, prefill it remotely when that pays, forward it to
+its decode worker and pass the answer through (whole, or event by event when it streams).
+
+Disaggregation (vLLM's `kv_transfer_params`): the prefill worker runs the prompt with max_tokens 1
+and answers the parameters its KV can be pulled with; the decode worker gets the client's own body
+plus those parameters, pulls the KV and generates. A failed prefill fails no request: the decode
+worker prefills locally, as it does for short prompts and for completions of several prompts (a
+transfer carries one). A `both` replica serves the requests routed to it whole.
+
+The router never checks keys: Authorization and every x-* header go to the workers as they came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from typing import Awaitable, Sequence
+
+import aiohttp
+from aiohttp import web
+
+from router.errors import APIError, no_healthy_worker, worker_unavailable
+from router.metrics import RouterMetrics
+from router.policy import Policy, route_key
+from router.workers import InFlight, Worker, WorkerDown
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-affinity"
+TENANT_HEADER = "x-tenant-id"
+PREFILL_HEADER = "x-infire-prefill-worker"
+DECODE_HEADER = "x-infire-decode-worker"
+KV_BYTES_HEADER = "x-infire-kv-bytes"
+KV_SECONDS_HEADER = "x-infire-kv-seconds"
+DECODE_ROLES = ("decode", "both")
+_PREFILL_DROPS = ("max_completion_tokens", "min_tokens", "stream_options")
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclasses.dataclass
+class RouterState:
+    """What the handlers need; the session is opened at start-up."""
+
+    workers: list[Worker]
+    policy: Policy
+    metrics: RouterMetrics
+    disagg_min_tokens: int
+    request_timeout: float
+    session: aiohttp.ClientSession = dataclasses.field(init=False)
+
+    def healthy(self, roles: Sequence[str]) -> list[Worker]:
+        return [w for w in self.workers if w.healthy and w.role in roles]
+
+
+STATE = web.AppKey("router_state", RouterState)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while we wrote to it."""
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completions", "/v1/completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat", "/v1/chat/completions")
+
+
+async def models(request: web.Request) -> web.Response:
+    """The first healthy worker's model list."""
+    st = request.app[STATE]
+    pool = [w for w in st.workers if w.healthy]
+    if not pool:
+        raise _no_worker(st, "")
+    worker = pool[0]
+    try:
+        with InFlight(worker, 0) as flight:
+            async with asyncio.timeout(st.request_timeout):
+                async with st.session.get(worker.url + "/v1/models", headers=_forward_headers(request)) as up:
+                    flight.answering()
+                    data = await up.read()
+    except (WorkerDown, TimeoutError, aiohttp.ClientError) as e:
+        raise _upstream_error(st, worker, e) from e
+    return web.Response(status=up.status, body=data, headers=_response_headers(up, {}))
+
+
+async def _generate(request: web.Request, kind: str, path: str) -> web.StreamResponse:
+    st = request.app[STATE]
+    raw = await request.read()
+    body = _parse(raw)
+    tenant = f"{request.headers.get('Authorization', '')}\0{request.headers.get(TENANT_HEADER, '')}"
+    key = route_key(kind, body, tenant=tenant, session=request.headers.get(SESSION_HEADER))
+    pool = st.healthy(DECODE_ROLES)
+    if not pool:
+        raise _no_worker(st, "decode")
+    choice = st.policy.choose(pool, key)
+    if choice.affinity_hit is not None:
+        st.metrics.affinity(choice.affinity_hit)
+    target = choice.worker
+    headers = _forward_headers(request)
+    route = {DECODE_HEADER: target.url}
+    uncached = key.tokens - choice.cached_tokens  # what the target computes unless the KV comes to it
+    if target.role == "both":
+        route[PREFILL_HEADER] = target.url
+    elif key.prompts == 1 and uncached >= st.disagg_min_tokens and (prefills := st.healthy(("prefill",))):
+        prefill = st.policy.choose_prefill(prefills)
+        kv = await _prefill(st, prefill, path, body, headers, key.tokens, route)
+        if isinstance(kv, web.Response):
+            return kv
+        if kv is not None:
+            raw = json.dumps({**body, "kv_transfer_params": kv}).encode()
+            st.metrics.disaggregated()
+            uncached = 0
+    return await _forward(request, st, target, path, raw, headers, uncached, route)
+
+
+def _parse(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # also UnicodeDecodeError
+        raise APIError(400, f"We could not parse the JSON body of your request ({e}). "
+                            "The body must be a JSON object.") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "The body of your request must be a JSON object.")
+    return body
+
+
+async def _prefill(st: RouterState, worker: Worker, path: str, body: dict, headers: dict[str, str], tokens: int,
+                   route: dict[str, str]) -> web.Response | dict | None:
+    """The prompt's kv_transfer_params (None: nothing to transfer, or the prefill failed and the decode
+    worker prefills locally), or the prefill worker's 4xx answer for the client."""
+    req = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    req.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    st.metrics.request(worker, "prefill")
+    try:
+        with InFlight(worker, tokens) as flight:
+            async with asyncio.timeout(st.request_timeout):
+                async with st.session.post(worker.url + path, data=json.dumps(req).encode(), headers=headers) as up:
+                    flight.answering()
+                    data = await up.read()
+    except (WorkerDown, TimeoutError, aiohttp.ClientError) as e:
+        _prefill_failed(st, worker, *_failure(st, e))
+        return None
+    if up.status >= 500:
+        _prefill_failed(st, worker, f"http_{up.status}", f"prefill answered {up.status}: {data[:200]!r}")
+        return None
+    if up.status >= 400:  # the client's own fault (a bad field, a wrong key): it gets the worker's answer
+        return web.Response(status=up.status, body=data, headers=_response_headers(up, {PREFILL_HEADER: worker.url}))
+    route[PREFILL_HEADER] = worker.url
+    try:
+        kv = json.loads(data).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        kv = None
+    return kv if isinstance(kv, dict) else None
+
+
+def _prefill_failed(st: RouterState, worker: Worker, code: str, detail: str) -> None:
+    log.warning("prefill on %s failed (%s); the decode worker prefills locally", worker.url, detail)
+    st.metrics.error(worker.url, code)
+    worker.mark_down(detail)
+
+
+async def _forward(request: web.Request, st: RouterState, worker: Worker, path: str, data: bytes,
+                   headers: dict[str, str], tokens: int, route: dict[str, str]) -> web.StreamResponse:
+    """Sends the request to its (decode) worker and passes the answer through."""
+    st.metrics.request(worker, worker.role)
+    response: web.StreamResponse | None = None
+    try:
+        with InFlight(worker, tokens) as flight:
+            async with asyncio.timeout(st.request_timeout):  # until the response's headers
+                up = await st.session.post(worker.url + path, data=data, headers=headers)
+            async with up:  # leaving early closes the connection: the worker aborts the request
+                _count_kv(st, up)
+                if up.content_type != "text/event-stream":
+                    flight.answering()
+                    return web.Response(status=up.status, body=await up.read(), headers=_response_headers(up, route))
+                response = web.StreamResponse(status=up.status, headers=_response_headers(up, route))
+                await _pipe(request, up, response, flight)
+    except _ClientGone:
+        return response
+    except (WorkerDown, TimeoutError, aiohttp.ClientError) as e:
+        error = _upstream_error(st, worker, e)
+        if response is None or not response.prepared:
+            raise error from e
+        try:  # the headers are sent: end the stream with the error
+            await response.write(error.event() + _DONE)
+        except ConnectionResetError:
+            return response
+    await response.write_eof()
+    return response
+
+
+async def _pipe(request: web.Request, up: aiohttp.ClientResponse, response: web.StreamResponse,
+                flight: InFlight) -> None:
+    """Sends the headers, then the upstream's events as they arrive, whole events only (so an error
+    event after a broken upstream never lands inside a half-sent one)."""
+    await _to_client(response.prepare(request))
+    pending = b""
+    async for chunk in up.content.iter_any():
+        flight.answering()  # the first event; the headers come at admission, before the prefill
+        pending += chunk
+        cut = pending.rfind(b"\n\n") + 2
+        if cut > 1:
+            await _to_client(response.write(pending[:cut]))
+            pending = pending[cut:]
+    if pending:
+        await _to_client(response.write(pending))
+
+
+async def _to_client(write: Awaitable[object]) -> None:
+    """A write to the client; its reset (an aiohttp ClientError too) is told apart from the worker's."""
+    try:
+        await write
+    except ConnectionResetError as e:
+        raise _ClientGone from e
+
+
+def _count_kv(st: RouterState, up: aiohttp.ClientResponse) -> None:
+    """The decode worker's report of the KV it imported."""
+    if KV_BYTES_HEADER in up.headers:
+        try:
+            st.metrics.kv_transfer(float(up.headers[KV_BYTES_HEADER]), float(up.headers.get(KV_SECONDS_HEADER, 0)))
+        except ValueError:
+            log.warning("worker sent malformed KV transfer headers: %s", dict(up.headers))
+
+
+def _failure(st: RouterState, e: BaseException) -> tuple[str, str]:
+    """The metric code and the description of a failed upstream call."""
+    if isinstance(e, WorkerDown):
+        return "worker_down", e.reason
+    if isinstance(e, TimeoutError):
+        return "timeout", f"did not answer within {st.request_timeout:g}s"
+    return "connection_lost", f"lost the connection ({type(e).__name__}: {e})"
+
+
+def _upstream_error(st: RouterState, worker: Worker, e: BaseException) -> APIError:
+    """The error a client gets for a failed upstream call; a broken connection has the worker probed now."""
+    code, detail = _failure(st, e)
+    st.metrics.error(worker.url, code)
+    log.warning("request to %s failed: %s", worker.url, detail)
+    if isinstance(e, WorkerDown):
+        return e.api_error()
+    if isinstance(e, aiohttp.ClientConnectorError):  # refused: a fresh connection, so the worker is gone
+        worker.mark_down(detail)
+    elif not isinstance(e, TimeoutError):
+        worker.suspect()
+    return worker_unavailable(worker.url, detail, 504 if code == "timeout" else 502)
+
+
+def _no_worker(st: RouterState, pool: str) -> APIError:
+    st.metrics.error("", "no_healthy_worker")
+    return no_healthy_worker(pool)
+
+
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    """Authorization and every x-* header (tenant, session, prefix hint), as the client sent them."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization" or k.lower().startswith("x-")}
+    headers["Content-Type"] = "application/json"
+    return headers
+
+
+def _response_headers(up: aiohttp.ClientResponse, route: dict[str, str]) -> dict[str, str]:
+    """The worker's x-* headers and content type, then the router's own."""
+    headers = {k: v for k, v in up.headers.items() if k.lower().startswith("x-")}
+    headers["Content-Type"] = up.headers.get("Content-Type", "application/json")
+    if up.content_type == "text/event-stream":
+        headers["Cache-Control"] = "no-cache"
+    headers.update(route)
+    return headers
