@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from infire_jax.engine import Engine
 from infire_jax.errors import InvalidRequestError
@@ -71,6 +71,12 @@ class _Add:
 @dataclasses.dataclass
 class _Abort:
     engine_ids: list[str]
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: asyncio.Future
 
 
 _STOP = object()
@@ -175,6 +181,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, int]] = {}  # engine request id -> (stream, prompt index)
         self._in_flight = 0  # sequences of registered streams
+        self._calls: set[asyncio.Future] = set()  # futures of `call`s the engine thread has not answered
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -210,6 +217,19 @@ class AsyncEngine:
         options = dict(priority=priority, tenant=tenant, prefix_hint_tokens=prefix_hint_tokens,
                        session_id=session_id)
         return RequestStream(self, request_id, prompts, params, options)
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Runs `fn(engine)` on the engine thread between two steps and returns its result (or raises
+        its exception), for work that must not race a step: exporting or importing KV pages."""
+        if self.error is not None or self._thread is None:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        future = asyncio.get_running_loop().create_future()
+        self._calls.add(future)
+        self._commands.put(_Call(fn, future))
+        try:
+            return await future
+        finally:
+            self._calls.discard(future)
 
     # ---- event-loop side ------------------------------------------------------------------
     def _submit(self, stream: RequestStream) -> None:
@@ -257,6 +277,18 @@ class AsyncEngine:
         for stream in streams.values():
             self._unregister(stream)
             stream._fail(error)
+        for future in self._calls:
+            if not future.done():
+                future.set_exception(error)
+
+    @staticmethod
+    def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        if future.done():  # its caller was cancelled, or the engine failed it first
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     def _on_thread_exit(self, error: BaseException) -> None:
         self.error = error
@@ -292,10 +324,18 @@ class AsyncEngine:
             except queue.Empty:
                 return cmds
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
         if isinstance(cmd, _Abort):
             for eid in cmd.engine_ids:
                 self.engine.abort(eid)
+            return
+        if isinstance(cmd, _Call):
+            result, error = None, None
+            try:
+                result = cmd.fn(self.engine)
+            except Exception as e:  # noqa: BLE001 - the caller gets it; the engine keeps running
+                error = e
+            self._loop.call_soon_threadsafe(self._settle, cmd.future, result, error)
             return
         if not cmd.stream.active:
             return  # its consumer left before it was admitted

@@ -137,6 +137,18 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_router(args) -> int:
+    from router.app import run_router
+
+    return run_router(args)
+
+
+def cmd_fleet(args) -> int:
+    from router.fleet import run_fleet
+
+    return run_fleet(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infire-jax", description="LLM inference on JAX/XLA",
                                      epilog="infire-jax bench ... runs the benchmarks (python -m infire_jax.bench).")
@@ -163,7 +175,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=1024,
                    help="sequences allowed to wait beyond a full batch; past it requests get 429")
     s.add_argument("--served-model-name", default=None, help="model name of the API (default: the model's name)")
+    s.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="fleet role: prefill workers hand their prompts' KV to decode workers (docs/FLEET.md)")
+    s.add_argument("--kv-buffer-mb", type=int, default=512,
+                   help="prefill/decode: the Mooncake staging buffer for KV transfers, in MiB")
+    s.add_argument("--kv-host", default="127.0.0.1",
+                   help="prefill/decode: the address this worker's Mooncake transfer engine listens on")
+    s.add_argument("--kv-hold-seconds", type=float, default=30.0,
+                   help="prefill: how long exported KV waits for a decode worker to fetch it")
     s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("router", help="route OpenAI requests over prefill/decode workers or replicas")
+    from router.app import add_router_args
+
+    add_router_args(r)
+    r.set_defaults(func=cmd_router)
+
+    f = sub.add_parser("fleet", help="start a router and its workers on this machine from a YAML file")
+    from router.fleet import add_fleet_args
+
+    add_fleet_args(f)
+    f.set_defaults(func=cmd_fleet)
     return parser
 
 

@@ -19,6 +19,7 @@ from infire_jax.errors import InvalidRequestError
 from infire_jax.tokenizer import Tokenizer
 from server.auth import TENANT
 from server.errors import APIError, to_api_error
+from server.kv_handoff import KVHandoff, Pulled
 from server.protocol import GenerationRequest, bad, parse_chat, parse_completion
 from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, TokenText, Usage
 from server.streaming import SSEWriter
@@ -37,9 +38,12 @@ class ServerState:
     token_text: TokenText
     model_name: str
     max_model_len: int
+    role: str = "both"  # prefill, decode or both (server/kv_handoff.py)
+    handoff: KVHandoff | None = None  # the KV transfer of a prefill or decode worker
 
 
 STATE = web.AppKey("state", ServerState)
+KV_PULLED: web.RequestKey[Pulled | None] = web.RequestKey("kv_pulled")  # set when a transfer was asked
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -127,31 +131,71 @@ def _headers(request: web.Request, prompts: list[list[int]]) -> tuple[int, str |
     return hint, session
 
 
+def _check_transfer(st: ServerState, req: GenerationRequest, prompts: list[list[int]]) -> None:
+    """kv_transfer_params ask for what this worker's role serves, on one prompt."""
+    want = "prefill" if req.kv_transfer.get("do_remote_decode") else "decode"
+    if st.role != want:
+        flag = "do_remote_decode" if want == "prefill" else "do_remote_prefill"
+        raise bad(f"kv_transfer_params with {flag} need a worker started with --role {want}; this one's role is "
+                  f"{st.role}", "kv_transfer_params")
+    if len(prompts) != 1:
+        raise bad("kv_transfer_params need a request with one prompt", "kv_transfer_params")
+    if want == "prefill" and req.stream:
+        raise bad("kv_transfer_params with do_remote_decode need a non-streaming request", "stream")
+
+
 async def _run(request: web.Request, st: ServerState, req: GenerationRequest, prompts: list[list[int]],
                make_formatter: Callable[[], Formatter], prompt_param: str) -> web.StreamResponse:
     """Admits the request, then answers it whole or as a stream."""
     hint, session = _headers(request, prompts)
+    tenant = request.get(TENANT)
+    if req.kv_transfer is not None:
+        _check_transfer(st, req, prompts)
+        if req.kv_transfer.get("do_remote_prefill"):  # import the prompt's pages, then run as a prefix hit
+            request[KV_PULLED] = await st.handoff.pull(req.kv_transfer, prompts[0], tenant, dict(request.headers))
     stream = st.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
-                                tenant=request.get(TENANT), prefix_hint_tokens=hint, session_id=session)
+                                tenant=tenant, prefix_hint_tokens=hint, session_id=session)
     try:
         async with stream:  # admits the request; leaving early (a disconnect) aborts it
             usage = Usage([len(p) for p in prompts])
             if req.stream:
                 return await _stream(request, req, stream, make_formatter(), usage, len(prompts))
-            return await _collect(req, stream, make_formatter(), usage, len(prompts))
+            choices = await _collect(req, stream, usage, len(prompts))
     except InvalidRequestError as e:  # the engine's admission checks; name the field the client sent
         raise bad(str(e), prompt_param if e.param == "prompt" else e.param) from e
+    body = make_formatter().response(choices, usage)
+    if req.kv_transfer is not None and req.kv_transfer.get("do_remote_decode"):
+        first = choices[0]
+        token = first.token_ids[0] if first.token_ids else None
+        logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
+        body["kv_transfer_params"] = await st.handoff.export(prompts[0], tenant, f"{request.scheme}://{request.host}",
+                                                             token, logprob)
+    return web.json_response(body)
 
 
-async def _collect(req: GenerationRequest, stream: RequestStream, fmt: Formatter, usage: Usage,
-                   num_prompts: int) -> web.Response:
+async def _collect(req: GenerationRequest, stream: RequestStream, usage: Usage, num_prompts: int) -> list[Choice]:
     n = req.params.n
     choices = [Choice() for _ in range(num_prompts * n)]
     async for batch in stream:
         for pi, d in batch:
             usage.add(pi, d)
             choices[pi * n + d.index].add(d)
-    return web.json_response(fmt.response(choices, usage))
+    return choices
+
+
+async def release_kv(request: web.Request) -> web.Response:
+    """`POST /v1/kv_transfer/release`: a decode worker fetched a hold (or gives up on it)."""
+    st = request.app[STATE]
+    if st.handoff is None or st.role != "prefill":
+        raise APIError(404, f"this worker's role is {st.role}; only prefill workers hold KV", code="not_found")
+    body = await _json(request)
+    transfer_id = body.get("transfer_id") if isinstance(body, dict) else None
+    if not isinstance(transfer_id, str):
+        raise bad("the body must be {\"transfer_id\": \"...\"}", "transfer_id")
+    if not st.handoff.release(transfer_id, request.get(TENANT)):
+        raise APIError(404, f"no live KV hold {transfer_id!r} for this tenant (it expired or was released)",
+                       param="transfer_id", code="kv_hold_not_found")
+    return web.json_response({"released": True})
 
 
 async def _stream(request: web.Request, req: GenerationRequest, stream: RequestStream, fmt: Formatter, usage: Usage,

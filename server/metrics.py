@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -93,9 +93,28 @@ class ServerMetrics:
         self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token, per sequence.", _E2E_BUCKETS)
         self._success = Counter(PREFIX + "request_success", "Finished sequences, by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
+        self._kv_bytes = Counter(PREFIX + "kv_transfer_received_bytes", "KV bytes fetched from prefill workers.",
+                                 labels, registry=self.registry).labels(model_name)
+        self._kv_seconds = Counter(PREFIX + "kv_transfer_received_seconds", "Time spent in those fetches.",
+                                   labels, registry=self.registry).labels(model_name)
+        self._kv_failures = Counter(PREFIX + "kv_transfer_failures",
+                                    "KV transfers that failed (the prompt was computed locally), by reason.",
+                                    labels + ["reason"], registry=self.registry)
 
     def track_engine(self, snapshot: Callable[[], EngineSnapshot], pool: PoolSizing | None = None) -> None:
         self.registry.register(_EngineCollector(self.model_name, snapshot, pool))
+
+    def track_holds(self, holds: Callable[[], int]) -> None:
+        """A prefill worker's live KV holds, read at scrape time."""
+        Gauge(PREFIX + "kv_transfer_holds", "KV regions held for decode workers to fetch.", ["model_name"],
+              registry=self.registry).labels(self.model_name).set_function(holds)
+
+    def kv_transferred(self, nbytes: int, seconds: float) -> None:
+        self._kv_bytes.inc(nbytes)
+        self._kv_seconds.inc(seconds)
+
+    def kv_transfer_failed(self, reason: str) -> None:
+        self._kv_failures.labels(self.model_name, reason).inc()
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

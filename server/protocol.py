@@ -26,6 +26,8 @@ _COMMON = frozenset({
     # vLLM extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "priority",
+    # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
+    "kv_transfer_params",
 })
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
@@ -46,6 +48,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     priority: int
+    kv_transfer: dict | None  # kv_transfer_params that ask for a transfer; None: none asked
 
 
 @dataclasses.dataclass
@@ -168,7 +171,28 @@ def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None) -> Genera
     except InvalidRequestError as e:  # SamplingParams' own checks
         raise bad(str(e), e.param) from e
     return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,
-                             priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1))
+                             priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1),
+                             kv_transfer=_transfer_params(b.data.get("kv_transfer_params")))
+
+
+def _transfer_params(raw: Any) -> dict | None:
+    """The field's shape only; whether this worker's role can serve it is the handler's check.
+
+    vLLM's proxies send `{"do_remote_decode": true, "remote_engine_id": null, ...}`: extra keys are
+    accepted. Neither flag set means no transfer.
+    """
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad(f"Invalid type for 'kv_transfer_params': expected an object, but got {_json_type(raw)} instead.",
+                  "kv_transfer_params")
+    for flag in ("do_remote_decode", "do_remote_prefill"):
+        if raw.get(flag) is not None and not isinstance(raw[flag], bool):
+            raise bad(f"'kv_transfer_params.{flag}' must be a boolean", "kv_transfer_params")
+    if raw.get("do_remote_decode") and raw.get("do_remote_prefill"):
+        raise bad("'kv_transfer_params' cannot ask for both do_remote_decode and do_remote_prefill",
+                  "kv_transfer_params")
+    return raw if raw.get("do_remote_decode") or raw.get("do_remote_prefill") else None
 
 
 def parse_completion(data: Any) -> CompletionRequest:

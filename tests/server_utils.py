@@ -1,4 +1,4 @@
-"""Helpers of the live-server tests: start `infire-jax serve` as a subprocess, read its metrics."""
+"""Helpers of the live-server tests: start `infire-jax serve` (or `router`) as a subprocess, read its metrics."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ _READY_TIMEOUT_S = 600  # a first start compiles every bucket; later starts hit 
 
 
 class ServerProcess:
-    """One server on a free port (`--port 0`; the ready line names the port)."""
+    """One server on a free port (`--port 0`; the ready line names the port). `command` "router"
+    starts a router instead, whose arguments carry no engine flags."""
 
-    def __init__(self, args: list[str]):
-        self._log = tempfile.NamedTemporaryFile(prefix="infire-serve-", suffix=".log", delete=False)
+    def __init__(self, args: list[str], command: str = "serve"):
+        self._log = tempfile.NamedTemporaryFile(prefix=f"infire-{command}-", suffix=".log", delete=False)
+        engine_args = ["--dtype", "float32"] if command == "serve" else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infire_jax", "serve", "--host", "127.0.0.1", "--port", "0", "--dtype", "float32",
-             *args],
+            [sys.executable, "-m", "infire_jax", command, "--host", "127.0.0.1", "--port", "0", *engine_args, *args],
             stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = ""
 
@@ -58,12 +59,20 @@ class ServerProcess:
         self._log.close()
         os.unlink(self._log.name)
 
+    def kill(self) -> None:
+        """SIGKILL: a crash, with no chance to close connections cleanly."""
+        self.proc.kill()
+        self.proc.wait()
+
     def metrics(self) -> dict[str, float]:
         """Unlabelled view of /metrics: sample name -> value (each metric has one model_name label)."""
+        return {s.name: s.value for s in self.metric_samples()
+                if "le" not in s.labels and "finished_reason" not in s.labels and "reason" not in s.labels}
+
+    def metric_samples(self) -> list:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
             text = r.read().decode()
-        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-                if "le" not in s.labels and "finished_reason" not in s.labels}
+        return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -1,0 +1,233 @@
+"""The worker side of prefill/decode disaggregation: `kv_transfer_params`, as vLLM's workers speak it.
+
+A prefill worker (`serve --role prefill`) given `"kv_transfer_params": {"do_remote_decode": true}`
+runs the request (a router sends `max_tokens: 1`), copies the prompt's cached full pages into its
+Mooncake staging buffer, holds them there, and answers with `kv_transfer_params` that say where
+they are (its transfer engine, the region's address and size, the layout, how many tokens and a
+digest of them, the first sampled token). A decode worker (`--role decode`) given those params
+with the same request reserves a region of its own staging buffer, reads the held one in one
+Mooncake transfer, then asks the prefill worker over HTTP to release it. Only if the hold was
+still live when it was released are the bytes known to be intact (an expired hold's region may
+have been reused): then they are imported into the prefix cache under the hash chain this worker
+computes from its own tokens and the request's own tenant, and the request runs as a prefix hit.
+
+Any transport failure (the prefill worker died, the hold expired, no room in the buffer) makes the
+decode worker compute the prompt itself: a slower answer, never a wrong one. Holds expire after
+`hold_seconds`; a region is returned only after the thread or engine call that uses it finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import secrets
+import time
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from infire_jax.async_engine import AsyncEngine
+from infire_jax.kv_transfer import KVBlocks, KVLayout
+from infire_jax.kv_transfer.mooncake import MooncakeTransport, Reservation
+from server.errors import APIError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
+RELEASE_PATH = "/v1/kv_transfer/release"
+_FORWARDED = ("Authorization", "x-tenant-id")  # the release runs as the same client, hence the same tenant
+_PARAM = "kv_transfer_params"
+
+
+def tokens_digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:32]
+
+
+def _bad(message: str) -> APIError:
+    return APIError(400, message, param=_PARAM)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    region: Reservation
+    tenant: str | None
+    deadline: float
+
+
+@dataclasses.dataclass
+class Pulled:
+    """What a decode worker imported for one request (reported in response headers and metrics)."""
+
+    num_bytes: int
+    seconds: float
+    blocks: int
+
+
+class KVHandoff:
+    """One worker's transfer engine, its staging buffer, and the holds it serves."""
+
+    def __init__(self, engine: AsyncEngine, role: str, *, buffer_bytes: int, host: str, hold_seconds: float,
+                 metrics=None):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"a KV handoff serves role prefill or decode, not {role!r}")
+        self.engine = engine
+        self.role = role
+        self.hold_seconds = hold_seconds
+        self._buffer_bytes = buffer_bytes
+        self._host = host
+        self._metrics = metrics
+        self._holds: dict[str, _Held] = {}
+        self._pending: set[asyncio.Task] = set()  # pulls that own a region until they finish
+        self.transport: MooncakeTransport | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._reaper: asyncio.Task | None = None
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.engine.engine.kv_layout
+
+    @property
+    def num_holds(self) -> int:
+        return len(self._holds)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.transport = await loop.run_in_executor(
+            None, lambda: MooncakeTransport(self._buffer_bytes, host=self._host))
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        self._reaper = asyncio.create_task(self._expire_holds())
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+
+    # ---- prefill side ------------------------------------------------------------------------------
+    async def export(self, prompt: list[int], tenant: str | None, public_url: str, first_token: int | None,
+                     first_logprob: float | None) -> dict | None:
+        """Holds the prompt's cached full pages; the `kv_transfer_params` a decode worker needs, or
+        None when no full page is cached (a prompt shorter than a page)."""
+        blocks: KVBlocks = await self.engine.call(lambda e: e.export_prompt_kv(prompt, tenant=tenant))
+        if blocks.num_blocks == 0:
+            return None
+        region = await asyncio.get_running_loop().run_in_executor(None, self.transport.hold, blocks)
+        transfer_id = secrets.token_hex(16)
+        self._holds[transfer_id] = _Held(region, tenant, time.monotonic() + self.hold_seconds)
+        layout = blocks.layout
+        host, _, port = public_url.rpartition("//")[2].rpartition(":")
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": region.target, "remote_host": host, "remote_port": int(port) if port else None,
+            "remote_url": public_url, "transfer_id": transfer_id, "remote_address": region.address,
+            "num_bytes": region.nbytes, "num_tokens": len(blocks.token_ids),
+            "tokens_digest": tokens_digest(blocks.token_ids), "expires_in_s": self.hold_seconds,
+            "layout": {"model": layout.model, "dtype": layout.dtype, "page_size": layout.page_size,
+                       "page_shape": list(layout.page_shape)},
+            "first_token_id": first_token, "first_token_logprob": first_logprob,
+        }
+
+    def release(self, transfer_id: Any, tenant: str | None) -> bool:
+        """Frees a hold; False when there is none of that id for this tenant (expired, or never made)."""
+        held = self._holds.get(transfer_id) if isinstance(transfer_id, str) else None
+        if held is None or held.tenant != tenant:
+            return False
+        del self._holds[transfer_id]
+        self.transport.release(held.region)
+        return True
+
+    async def _expire_holds(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.hold_seconds / 4))
+            now = time.monotonic()
+            for tid in [t for t, h in self._holds.items() if h.deadline <= now]:
+                self.transport.release(self._holds.pop(tid).region)
+                log.warning("a KV hold expired before any decode worker fetched it (%s)", tid)
+                self._count_failure("expired")
+
+    # ---- decode side -------------------------------------------------------------------------------
+    def _check(self, params: dict, prompt: list[int]) -> tuple[Reservation, str, str, int]:
+        """The held region, the release URL and id, and the token count the params name; a 400 when
+        they are malformed, made for another model or layout, or for another prompt."""
+        def field(name: str, kind: type) -> Any:
+            v = params.get(name)
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise _bad(f"'{_PARAM}.{name}' is missing or not {'an integer' if kind is int else 'a string'}; "
+                           "pass the kv_transfer_params a prefill worker returned")
+            return v
+
+        layout = params.get("layout")
+        if not isinstance(layout, dict):
+            raise _bad(f"'{_PARAM}.layout' is missing; pass the kv_transfer_params a prefill worker returned")
+        mine = self.layout
+        theirs = {"model": layout.get("model"), "dtype": layout.get("dtype"), "page_size": layout.get("page_size"),
+                  "page_shape": tuple(layout.get("page_shape") or ())}
+        for name, value in theirs.items():
+            if getattr(mine, name) != value:
+                raise _bad(f"the transferred KV does not fit this worker: {name} is {value!r} on the prefill "
+                           f"worker and {getattr(mine, name)!r} here (serve the same model, dtype and page size)")
+        num_tokens = field("num_tokens", int)
+        if num_tokens % mine.page_size or not 0 < num_tokens <= len(prompt):
+            raise _bad(f"'{_PARAM}.num_tokens' ({num_tokens}) must be a positive multiple of the page size "
+                       f"({mine.page_size}) within the prompt ({len(prompt)} tokens)")
+        if field("tokens_digest", str) != tokens_digest(prompt[:num_tokens]):
+            raise _bad(f"the '{_PARAM}' were made for another prompt")
+        source = Reservation(field("remote_engine_id", str), field("remote_address", int), 0,
+                             field("num_bytes", int))
+        layers, _, heads, dim = mine.page_shape
+        itemsize = 2 if mine.dtype == "bfloat16" else np.dtype(mine.dtype).itemsize
+        if source.nbytes != 2 * layers * heads * dim * itemsize * num_tokens:
+            raise _bad(f"'{_PARAM}.num_bytes' ({source.nbytes}) does not match {num_tokens} tokens of this layout")
+        return source, field("remote_url", str), field("transfer_id", str), num_tokens
+
+    async def pull(self, params: dict, prompt: list[int], tenant: str | None, headers: dict[str, str]) -> Pulled | None:
+        """Fetches and imports the prompt's pages a prefill worker holds; None when the transfer failed
+        (the request then computes its prompt here). Malformed params raise a 400."""
+        source, url, transfer_id, num_tokens = self._check(params, prompt)
+        try:
+            region = self.transport.reserve(source.nbytes)
+        except Exception as e:  # noqa: BLE001 - no room: compute locally
+            log.warning("KV pull skipped: %s", e)
+            self._count_failure("no_room")
+            return None
+        forwarded = {k: v for k, v in headers.items() if k in _FORWARDED}
+        task = asyncio.create_task(self._fetch_and_import(source, region, url, transfer_id, prompt[:num_tokens],
+                                                          tenant, forwarded))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        # The task owns the region until it ends; a client that leaves does not cut it short.
+        return await asyncio.shield(task)
+
+    async def _fetch_and_import(self, source: Reservation, region: Reservation, url: str, transfer_id: str,
+                                token_ids: list[int], tenant: str | None, headers: dict[str, str]) -> Pulled | None:
+        try:
+            seconds = await asyncio.get_running_loop().run_in_executor(None, self.transport.fetch, source, region)
+            if not await self._confirm(url, transfer_id, headers):
+                self._count_failure("hold_gone")
+                return None
+            blocks = self.transport.received(region, self.layout, token_ids, tenant)
+            written = await self.engine.call(lambda e: e.import_prompt_kv(blocks))
+            if self._metrics is not None:
+                self._metrics.kv_transferred(region.nbytes, seconds)
+            return Pulled(region.nbytes, seconds, written)
+        except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("KV pull from %s failed, computing the prompt here: %s", url, e)
+            self._count_failure("transport")
+            return None
+        finally:
+            self.transport.release(region)
+
+    async def _confirm(self, url: str, transfer_id: str, headers: dict[str, str]) -> bool:
+        """Releases the hold; True only if it was still live (so the bytes read were intact)."""
+        async with self._http.post(url.rstrip("/") + RELEASE_PATH, json={"transfer_id": transfer_id},
+                                   headers=headers) as r:
+            return r.status == 200
+
+    def _count_failure(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.kv_transfer_failed(reason)
