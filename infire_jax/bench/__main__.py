@@ -1,4 +1,4 @@
-"""`python -m infire_jax.bench`: latency, throughput, serve, suite and profile subcommands.
+"""`python -m infire_jax.bench`: latency, throughput, serve, fleet, suite and profile subcommands.
 
 Flags follow `vllm bench` where they overlap. Every subcommand prints a table and takes
 --json FILE and --plot FILE.
@@ -10,11 +10,11 @@ import argparse
 import logging
 import sys
 
-from infire_jax.bench import latency, profile, serve, suite, throughput
+from infire_jax.bench import fleet, latency, profile, serve, suite, throughput
 from infire_jax.bench.common import add_output_args
 from infire_jax.errors import InfireError
 
-SUBCOMMANDS = {"latency": latency, "throughput": throughput, "serve": serve, "suite": suite,
+SUBCOMMANDS = {"latency": latency, "throughput": throughput, "serve": serve, "fleet": fleet, "suite": suite,
                "profile": profile}
 
 
