@@ -127,6 +127,10 @@ def test_hit_ratio_accounting():
     assert (later["completed"], later["failed"], later["cached_tokens"], later["cache_hit_ratio"]) == \
         (2, 2, 288, pytest.approx(288 / 500))
     assert (every["completed"], every["failed"], every["prompt_tokens"]) == (4, 3, 700)
+    # Reusable: the previous turn's prompt and its 4 output tokens.
+    assert bf.reusable_tokens(turns) == {(0, 1): 104, (1, 1): 104}
+    assert (later["reusable_tokens"], later["reusable_hit_ratio"]) == (208, pytest.approx(288 / 208))
+    assert first["reusable_tokens"] == 0 and first["reusable_hit_ratio"] is None
 
 
 def test_user_message_length_and_variety():

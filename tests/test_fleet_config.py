@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from router.fleet import (FleetConfig, RouterSpec, WorkerSpec, add_fleet_args, load_fleet_config,
-                          parse_fleet_config, run_fleet)
+from router.fleet import add_fleet_args, run_fleet
+from router.fleet_config import FleetConfig, RouterSpec, WorkerSpec, load_fleet_config, parse_fleet_config
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "router", "configs")
 

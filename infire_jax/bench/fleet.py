@@ -23,7 +23,9 @@ history to /v1/chat/completions (greedy, --reply-len tokens at most, with the he
 `x-session-affinity: session-I` unless --no-session-header), and appends the reply. Every session
 is open from the start; at most --concurrency turns are in flight. Reported for the first turns,
 the later turns and all of them: the prefix-cache hit ratio, the sum of
-usage.prompt_tokens_details.cached_tokens over the sum of usage.prompt_tokens, and TTFT.
+usage.prompt_tokens_details.cached_tokens over the sum of usage.prompt_tokens; the same over the
+reusable tokens only (a later turn's previous prompt and reply: its new user message can never be
+cached), which says how close routing and caching came to the workload's own ceiling; and TTFT.
 
 Times are taken on the client's monotonic clock.
 """
@@ -232,9 +234,19 @@ def hit_ratio(turns: Sequence[Turn]) -> float | None:
     return sum(t.timing.cached_tokens for t in turns) / prompt if prompt else None
 
 
+def reusable_tokens(turns: Sequence[Turn]) -> dict[tuple[int, int], int]:
+    """Per (session, turn): the tokens a perfect cache could serve, the previous turn's prompt and
+    reply (the new user message never can be; at least one prompt token is always computed)."""
+    prev = {(t.session, t.turn): t.timing for t in turns}
+    return {(t.session, t.turn): min(p.prompt_tokens + p.output_tokens, t.timing.prompt_tokens - 1)
+            for t in turns if (p := prev.get((t.session, t.turn - 1))) is not None}
+
+
 def multiturn_rows(turns: Sequence[Turn], failed_first: int, failed_later: int, duration: float,
                    percentiles: Sequence[float]) -> list[dict]:
-    """Rows for the first turns, the later turns and all turns: counts, hit ratio, latencies."""
+    """Rows for the first turns, the later turns and all turns: counts, hit ratio (of all prompt
+    tokens, and of the reusable ones of later turns whose previous turn completed), latencies."""
+    reusable = reusable_tokens(turns)
     rows = []
     for label, chosen, failed in (("first turns", [t for t in turns if t.turn == 0], failed_first),
                                   ("later turns", [t for t in turns if t.turn > 0], failed_later),
@@ -242,6 +254,10 @@ def multiturn_rows(turns: Sequence[Turn], failed_first: int, failed_later: int, 
         row = class_summary(label, [t.timing for t in chosen], failed, duration, percentiles)
         row["cached_tokens"] = sum(t.timing.cached_tokens for t in chosen)
         row["cache_hit_ratio"] = hit_ratio(chosen)
+        with_prev = [t for t in chosen if (t.session, t.turn) in reusable]
+        row["reusable_tokens"] = sum(reusable[t.session, t.turn] for t in with_prev)
+        row["reusable_hit_ratio"] = (sum(t.timing.cached_tokens for t in with_prev) / row["reusable_tokens"]
+                                     if row["reusable_tokens"] else None)
         rows.append(row)
     return rows
 
@@ -461,7 +477,8 @@ def _columns(workload: str, percentiles: Sequence[float]) -> list[tuple[str, str
     cols = [("label", "requests", "{}"), ("completed", "ok", "{}"), ("failed", "failed", "{}")]
     if workload == "multiturn":
         cols += [("prompt_tokens", "prompt tok", "{}"), ("cached_tokens", "cached tok", "{}"),
-                 ("cache_hit_ratio", "hit ratio", "{:.1%}")]
+                 ("cache_hit_ratio", "hit ratio", "{:.1%}"), ("reusable_tokens", "reusable tok", "{}"),
+                 ("reusable_hit_ratio", "of reusable", "{:.1%}")]
         metrics = ("ttft", "e2el")
     else:
         cols.append(("output_throughput", "out tok/s", "{:.1f}"))
@@ -486,7 +503,8 @@ def fleet_label(config, session_header: bool | None = None) -> str:
 
 def _start_fleet(path: str, log_dir: str | None):
     """The fleet of a YAML file, started, its router on a free port; BenchError if it cannot start."""
-    from router.fleet import Fleet, FleetError, load_fleet_config
+    from router.fleet import Fleet, FleetError
+    from router.fleet_config import load_fleet_config
 
     try:
         config = load_fleet_config(path)
@@ -546,5 +564,6 @@ def run(args: argparse.Namespace):
     if args.workload == "multiturn":
         later, every = rows[1]["cache_hit_ratio"], rows[2]["cache_hit_ratio"]
         fmt = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
-        title += f"\nprefix-cache hit ratio: {fmt(later)} after each session's first turn, {fmt(every)} over all turns"
+        title += (f"\nprefix-cache hit ratio: {fmt(later)} after each session's first turn, {fmt(every)} over all "
+                  f"turns; {fmt(rows[1]['reusable_hit_ratio'])} of the reusable tokens (earlier turns)")
     return report.Result(payload, table, points, title)
