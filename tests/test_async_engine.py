@@ -251,6 +251,33 @@ def test_engine_crash_fails_open_requests_and_refuses_new_ones():
     assert run_with(engine, scenario) == 0
 
 
+def test_call_runs_between_steps_on_the_engine_thread_and_reports_errors():
+    """`call` (KV export and import) runs on the engine thread while requests stream; its exception
+    reaches the caller and the engine keeps serving; a crash fails pending calls."""
+    engine = ScriptedEngine()
+
+    async def scenario(ae):
+        async with ae.generate([[1]], SamplingParams(max_tokens=6), request_id="r") as s:
+            ran_on = await ae.call(lambda e: (threading.current_thread().name, e.steps))
+            out = await collect(s)
+        with pytest.raises(ZeroDivisionError):
+            await ae.call(lambda e: 1 / 0)
+        assert ae.healthy and await ae.call(lambda e: e.model_name) == "scripted"
+        engine.fail_at_step = engine.steps + 1
+        engine.gate.clear()  # the next step waits: the call below is queued behind it, then the step fails
+        async with ae.generate([[1]], SamplingParams(max_tokens=4), request_id="crash") as s:
+            pending = asyncio.ensure_future(ae.call(lambda e: "never"))
+            await asyncio.sleep(0.05)
+            engine.gate.set()
+            with pytest.raises(EngineDeadError):
+                await collect(s)
+        return ran_on, out, pending
+
+    (thread, _), out, pending = run_with(engine, scenario)
+    assert thread == "infire-engine" and out == {(0, 0): [1, 2, 3, 4, 5, 6]}
+    assert isinstance(pending.exception(), EngineDeadError)
+
+
 def test_http_engine_crash_gives_500_then_503_and_unhealthy():
     from infire_jax.loaders.dummy import CONFIGS, dummy_tokenizer
     from infire_jax.models.config import config_from_hf
