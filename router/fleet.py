@@ -23,6 +23,7 @@ The YAML file (unknown keys are errors; every key but `workers` is optional):
         model: null              # this worker's --model, instead of the top-level one
         cpus: [0]                # pin the process to these CPU cores (sched_setaffinity)
         gpus: [0]                # CUDA_VISIBLE_DEVICES of the worker
+        env: {XLA_PYTHON_CLIENT_MEM_FRACTION: 0.45}   # more environment variables of the worker
         args: ["--max-num-batched-tokens", "512"]   # more serve flags of this worker
       - name: decode0
         role: decode
@@ -254,7 +255,7 @@ class Fleet:
         os.makedirs(self.log_dir, exist_ok=True)
         try:
             for w in self.config.workers:  # every Popen first: the stdout readers are threads
-                env = {**self.env, "PYTHONUNBUFFERED": "1"}
+                env = {**self.env, **dict(w.env), "PYTHONUNBUFFERED": "1"}
                 if w.gpus is not None:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, w.gpus))
                 self.workers[w.name] = Process(w.name, w.role, self.config.worker_command(w, self.python),

@@ -31,6 +31,7 @@ class WorkerSpec:
     model: str | None = None
     cpus: tuple[int, ...] | None = None
     gpus: tuple[int, ...] | None = None
+    env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = ()
 
 
@@ -134,7 +135,7 @@ def _indices(value: Any, path: str, *, limit: int | None, what: str) -> tuple[in
 
 
 def _worker(value: Any, path: str, index_in_role: Callable[[str], int]) -> WorkerSpec:
-    d = _mapping(value, path, {"name", "role", "host", "port", "model", "cpus", "gpus", "args"})
+    d = _mapping(value, path, {"name", "role", "host", "port", "model", "cpus", "gpus", "env", "args"})
     role = d.get("role")
     if role not in ROLES:
         raise ValueError(f"{path}.role: expected one of {', '.join(ROLES)}, got {role!r}")
@@ -149,7 +150,17 @@ def _worker(value: Any, path: str, index_in_role: Callable[[str], int]) -> Worke
         port=check_port(d.get("port", 0), f"{path}.port"), model=_string(d.get("model"), f"{path}.model", optional=True),
         cpus=_indices(d.get("cpus"), f"{path}.cpus", limit=os.cpu_count() or 1, what="CPU"),
         gpus=_indices(d.get("gpus"), f"{path}.gpus", limit=None, what="GPU"),
-        args=_flags(d.get("args"), f"{path}.args", _WORKER_OWNED))
+        env=_env(d.get("env"), f"{path}.env"), args=_flags(d.get("args"), f"{path}.args", _WORKER_OWNED))
+
+
+def _env(value: Any, path: str) -> tuple[tuple[str, str], ...]:
+    """Environment variables of one worker (e.g. XLA_PYTHON_CLIENT_MEM_FRACTION when workers share a GPU)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k and isinstance(v, (str, int, float))
+                                              and not isinstance(v, bool) for k, v in value.items()):
+        raise ValueError(f"{path}: expected a mapping of variable names to strings or numbers, got {value!r}")
+    return tuple((k, str(v)) for k, v in value.items())
 
 
 def parse_fleet_config(data: Any, source: str = "<config>") -> FleetConfig:

@@ -30,6 +30,7 @@ import aiohttp
 import numpy as np
 
 from infire_jax.async_engine import AsyncEngine
+from infire_jax.errors import InvalidRequestError
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.mooncake import MooncakeTransport, Reservation
 from server.errors import APIError
@@ -116,9 +117,11 @@ class KVHandoff:
         blocks: KVBlocks = await self.engine.call(lambda e: e.export_prompt_kv(prompt, tenant=tenant))
         if blocks.num_blocks == 0:
             return None
-        region = await asyncio.get_running_loop().run_in_executor(None, self.transport.hold, blocks)
-        transfer_id = secrets.token_hex(16)
-        self._holds[transfer_id] = _Held(region, tenant, time.monotonic() + self.hold_seconds)
+        # Registered by a task of its own: a client that leaves mid-copy leaves a hold that expires.
+        held = await asyncio.shield(asyncio.ensure_future(self._hold(blocks, tenant)))
+        if held is None:
+            return None
+        transfer_id, region = held
         layout = blocks.layout
         host, _, port = public_url.rpartition("//")[2].rpartition(":")
         return {
@@ -131,6 +134,17 @@ class KVHandoff:
                        "page_shape": list(layout.page_shape)},
             "first_token_id": first_token, "first_token_logprob": first_logprob,
         }
+
+    async def _hold(self, blocks: KVBlocks, tenant: str | None) -> tuple[str, Reservation] | None:
+        try:
+            region = await asyncio.get_running_loop().run_in_executor(None, self.transport.hold, blocks)
+        except InvalidRequestError as e:  # no room: the decode worker computes the prompt itself
+            log.warning("KV export skipped: %s", e)
+            self._count_failure("no_room")
+            return None
+        transfer_id = secrets.token_hex(16)
+        self._holds[transfer_id] = _Held(region, tenant, time.monotonic() + self.hold_seconds)
+        return transfer_id, region
 
     def release(self, transfer_id: Any, tenant: str | None) -> bool:
         """Frees a hold; False when there is none of that id for this tenant (expired, or never made)."""
@@ -191,7 +205,7 @@ class KVHandoff:
         source, url, transfer_id, num_tokens = self._check(params, prompt)
         try:
             region = self.transport.reserve(source.nbytes)
-        except Exception as e:  # noqa: BLE001 - no room: compute locally
+        except InvalidRequestError as e:  # no room: compute locally
             log.warning("KV pull skipped: %s", e)
             self._count_failure("no_room")
             return None

@@ -37,6 +37,7 @@ def test_full_config_loads(tmp_path):
             port: 8101
             cpus: [0]
             gpus: [0, 1]
+            env: {XLA_PYTHON_CLIENT_MEM_FRACTION: 0.45}
             args: ["--max-num-batched-tokens", "512"]
           - name: d0
             role: decode
@@ -46,7 +47,7 @@ def test_full_config_loads(tmp_path):
     cfg = load_fleet_config(path)
     assert cfg == FleetConfig(
         workers=(WorkerSpec(name="p0", role="prefill", port=8101, cpus=(0,), gpus=(0, 1),
-                            args=("--max-num-batched-tokens", "512")),
+                            env=(("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45"),), args=("--max-num-batched-tokens", "512")),
                  WorkerSpec(name="d0", role="decode", model="/models/other.gguf", cpus=(0,))),
         router=RouterSpec(host="0.0.0.0", port=9000, args=("--policy", "round_robin", "--no-affinity")),
         model="/models/smol.gguf", worker_args=("--dtype", "float32", "--max-num-seqs", "32"), source=path)
@@ -75,13 +76,17 @@ def test_mixed_roles_with_prefill_and_decode():
     assert cfg.roles() == {"prefill": 1, "decode": 1, "both": 1}
 
 
-@pytest.mark.parametrize("name", ["local-disaggregated.yaml", "local-replicas.yaml"])
+@pytest.mark.parametrize("name", ["local-disaggregated.yaml", "local-replicas.yaml", "gpu1-disaggregated.yaml",
+                                  "gpu1-replicas.yaml"])
 def test_shipped_examples_load(name):
     cfg = load_fleet_config(os.path.join(CONFIGS, name))
-    if name == "local-disaggregated.yaml":
-        assert [(w.role, w.cpus) for w in cfg.workers] == [("prefill", (0,)), ("decode", (1,))]
-    else:
-        assert [(w.role, w.cpus) for w in cfg.workers] == [("both", (0,)), ("both", (1,))]
+    roles = ["prefill", "decode"] if "disaggregated" in name else ["both", "both"]
+    if name.startswith("local"):
+        assert [(w.role, w.cpus) for w in cfg.workers] == list(zip(roles, [(0,), (1,)]))
+    else:  # one GPU shared: each worker's allocator takes under half of it
+        assert [(w.role, w.gpus, dict(w.env)) for w in cfg.workers] == [
+            (r, (0,), {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.47"}) for r in roles]
+        assert cfg.model == "dummy:llama-3.1-8b"
 
 
 GOOD_WORKERS = [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}]
@@ -95,6 +100,8 @@ GOOD_WORKERS = [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"
     ({"workers": {"name": "p"}}, "workers: expected a non-empty list"),
     ({"workers": ["both"]}, "workers[0]: expected a mapping"),
     ({"workers": [{"role": "both", "cpu": [0]}]}, "workers[0].cpu: unknown key"),
+    ({"workers": [{"role": "both", "env": ["A=1"]}]}, "workers[0].env: expected a mapping"),
+    ({"workers": [{"role": "both", "env": {"A": True}}]}, "workers[0].env: expected a mapping"),
     ({"workers": [{"name": "x"}]}, "workers[0].role: expected one of prefill, decode, both, got None"),
     ({"workers": [{"role": "encode"}]}, "workers[0].role: expected one of prefill, decode, both, got 'encode'"),
     ({"workers": [{"role": "prefill"}]}, "need at least one 'decode' worker"),
