@@ -189,7 +189,10 @@ async def _forward(request: web.Request, st: RouterState, worker: Worker, path: 
             await response.write(error.event() + _DONE)
         except ConnectionResetError:
             return response
-    await response.write_eof()
+    try:
+        await response.write_eof()
+    except ConnectionResetError:  # the client left after the last event
+        pass
     return response
 
 
