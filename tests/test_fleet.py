@@ -89,11 +89,11 @@ def greedy(prompt, max_tokens: int = 20, **kw) -> dict:
     return dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2, **kw)
 
 
-def same_output(got: dict, want: dict) -> None:
+def same_output(got: dict, want: dict, rtol: float = 0.0) -> None:
     g, w = got["choices"][0], want["choices"][0]
     assert g["text"] == w["text"]
     assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
-    np.testing.assert_allclose(g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"], atol=1e-5)
+    np.testing.assert_allclose(g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"], atol=1e-5, rtol=rtol)
     for a, b in zip(g["logprobs"]["top_logprobs"], w["logprobs"]["top_logprobs"]):
         assert a.keys() == b.keys()  # unlikely alternatives (logprob ~ -9) may differ in float32's 7th digit
         np.testing.assert_allclose([a[t] for t in a], [b[t] for t in a], atol=1e-5, rtol=1e-5)
@@ -287,7 +287,9 @@ def test_killed_prefill_then_decode_workers(fleet):
     assert status == 200, got
     assert hdrs["x-infire-decode-worker"] == d.url and "x-infire-prefill-worker" not in hdrs
     _, want, _ = post(reference.url, greedy(prompt, max_tokens=8))
-    same_output(got, want)
+    # The decode worker may hold part of this prompt from earlier tests, so its chunks (and float32
+    # summation order) differ from the reference's: 1.4e-5 on a logprob of -1.58 was seen.
+    same_output(got, want, rtol=1e-5)
     health = asyncio.run(_get_json(router.url + "/health"))
     assert [w["healthy"] for w in health["workers"] if w["url"] == p.url] == [False]
     wait_until(lambda: idle(d), 30, "the decode worker to drain")
