@@ -26,10 +26,10 @@ from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.kv_pool import PoolSizing, size_from_budget, size_from_device_memory
 from infire_jax.kv_transfer import KVBlocks, KVLayout
-from infire_jax.loaders import LoadedModel, load_model
+from infire_jax.loaders import LoadedModel
+from infire_jax.loaders.checkpoint import load_placed
 from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.registry import build_state
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
 from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_per_page
@@ -99,12 +99,11 @@ class Engine:
 
         report("load", 0, 1)
         t0 = time.monotonic()
-        self.loaded = loaded or load_model(ec.model)
+        placed = load_placed(ec.model, self.dtype, self.plan, loaded=loaded)
+        self.loaded, graphdef, state = placed.loaded, placed.graphdef, placed.state
         cfg = self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        graphdef, state = build_state(cfg, self.loaded.weights, self.dtype, plan=self.plan,
-                                      seed=self.loaded.random_seed)
         jax.block_until_ready(state)
         self.load_seconds = time.monotonic() - t0
         report("load", 1, 1)

@@ -28,7 +28,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
-    # Host arrays by parameter path; None for `dummy:` models, whose weights are drawn on the device.
+    # Host arrays by parameter path; None for `dummy:` models, whose weights are drawn on the device;
+    # empty for a model restored from a checkpoint straight onto the devices (loaders/checkpoint.py).
     weights: Mapping[str, np.ndarray] | None
     random_seed: int = 0
 

@@ -52,6 +52,17 @@ def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: n
     return jax.jit(draw, out_shardings=sharding)()
 
 
+def abstract_placement(cfg: ModelConfig, dtype, plan: ShardPlan | None
+                       ) -> tuple[nnx.GraphDef, nnx.FlatState, dict[tuple, jax.sharding.Sharding | None]]:
+    """The placed model's structure, shapes and each weight's sharding (None: the default device),
+    with no weight read: what a checkpoint restore targets and what `build_state` fills."""
+    if plan is not None:
+        cfg = plan.effective_config(cfg)
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    flat = nnx.to_flat_state(abstract)
+    return graphdef, flat, {path: plan.sharding(var.axes) if plan else None for path, var in flat}
+
+
 def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtype, *,
                 plan: ShardPlan | None = None, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     """Places the weights on the device(s), each in `dtype` and its sharding.
@@ -61,12 +72,9 @@ def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtyp
     model's random init runs on the device itself (for `dummy:` models), so no host copy of a
     multi-GB model is ever made.
     """
-    if plan is not None:
-        cfg = plan.effective_config(cfg)
-        weights = plan.prepare_weights(weights) if weights is not None else None
-    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
-    flat = nnx.to_flat_state(abstract)
-    shardings = {path: plan.sharding(var.axes) if plan else None for path, var in flat}
+    if plan is not None and weights is not None:
+        weights = plan.prepare_weights(weights)
+    graphdef, flat, shardings = abstract_placement(cfg, dtype, plan)
 
     if weights is None:
         mask = plan.layer_slot_mask() if plan else None
