@@ -111,7 +111,7 @@ def test_restore_is_bit_identical_to_the_source_on_one_device(tiny, cache, monke
 
 
 def _weight_files(path: str) -> list[str]:
-    """The orbax checkpoint's files, largest first."""
+    """The stored weight files (orbax's, or the one safetensors file), largest first."""
     files = {r: st.st_size for r, st in checkpoint._files(path).items() if r.startswith(checkpoint._WEIGHTS + os.sep)}
     return [os.path.join(path, r) for r in sorted(files, key=files.get, reverse=True)]
 
