@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import signal
-import socket
 import sys
 from urllib.parse import urlsplit
 
@@ -24,6 +22,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import POLICIES, Policy
 from router.proxy import DECODE_ROLES, STATE, RouterState, chat_completions, completions, models
 from router.workers import HealthMonitor, Worker
+from server.listen import bind, serve_until_signal
 
 MONITOR = web.AppKey("monitor", HealthMonitor)
 _MAX_BODY = 64 << 20  # bytes, as the workers take
@@ -138,37 +137,10 @@ def run_router(args: argparse.Namespace) -> int:
     """`infire-jax router`: bind, probe the workers, listen, print the ready line, serve until SIGINT/SIGTERM."""
     try:
         config = config_from_args(args)
-        sock = _bind(args.host, args.port)
+        sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with sock:
-        asyncio.run(_serve(build_router_app(config), sock, args.host))
+        asyncio.run(serve_until_signal(build_router_app(config), sock, args.host))
     return 0
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A bound socket that does not listen yet: until the router is ready, connections are refused."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    return sock
-
-
-async def _serve(app: web.Application, sock: socket.socket, host: str) -> None:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)  # a disconnect cancels its handler
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
-    print(f"ready: http://{host}:{sock.getsockname()[1]}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
-import socket
 import sys
 import time
 
@@ -21,6 +19,7 @@ from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
 from server.endpoints import (KV_PULLED, SESSION_HEADER, STATE, ServerState, chat_completions, completions,
                               release_kv)
 from server.errors import error_middleware
+from server.listen import bind, serve_until_signal
 from server.kv_handoff import RELEASE_PATH, ROLES, KVHandoff
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.responses import TokenText
@@ -114,11 +113,6 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def make_runner(app: web.Application) -> web.AppRunner:
-    """Handler cancellation on: a client that disconnects cancels its handler, which aborts its request."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None)
-
-
 def serve(args: argparse.Namespace) -> int:
     """`infire-jax serve`: bind, load and warm up (with a progress bar), listen, print the ready line, serve."""
     from infire_jax.cli import engine_config, init_distributed, progress_bar
@@ -138,7 +132,7 @@ def serve(args: argparse.Namespace) -> int:
         Engine(engine_config(args)).follow()
         return 0
     try:
-        sock = _bind(args.host, args.port)  # before the slow warmup, so a taken port fails at once
+        sock = bind(args.host, args.port)  # before the slow warmup, so a taken port fails at once
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -148,32 +142,5 @@ def serve(args: argparse.Namespace) -> int:
         app = build_app(engine, model_name=args.served_model_name, api_keys=keys, max_queue=args.max_queue,
                         role=args.role, kv_buffer_bytes=args.kv_buffer_mb << 20, kv_host=args.kv_host,
                         kv_hold_seconds=args.kv_hold_seconds)
-        asyncio.run(_serve(app, sock, args.host))
+        asyncio.run(serve_until_signal(app, sock, args.host))
     return 0
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A bound socket that does not listen yet: until the server is ready, connections are refused."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    return sock
-
-
-async def _serve(app: web.Application, sock: socket.socket, host: str) -> None:
-    runner = make_runner(app)
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
-    print(f"ready: http://{host}:{sock.getsockname()[1]}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
