@@ -15,12 +15,15 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from infire_jax.engine import Engine
 from infire_jax.errors import InvalidRequestError
 from infire_jax.outputs import Delta
 from infire_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infire_jax.residency import Residency
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class _Call:
 
 
 _STOP = object()
+_RESIDENCY_WAIT = 0.05  # seconds an engine thread waits for the device (or a drain) before serving its commands
 
 
 class RequestStream:
@@ -170,10 +174,15 @@ class RequestStream:
 class AsyncEngine:
     """Owns the engine thread. `max_queue` bounds the sequences allowed to wait beyond a full batch."""
 
-    def __init__(self, engine: Engine, *, max_queue: int, observer: LatencyObserver | None = None):
+    def __init__(self, engine: Engine, *, max_queue: int, observer: LatencyObserver | None = None,
+                 residency: Residency | None = None, name: str | None = None):
+        """With `residency` (hot standby of several models), `name` is this engine's model there."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
+        self.residency = residency
+        self.name = name
+        self._deferred: list[_Add] = []  # admissions held back while this model drains (residency.py)
         self.capacity = engine.config.max_num_seqs + max_queue
         self.observer = observer
         self.snapshot = EngineSnapshot()
@@ -298,15 +307,27 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                for cmd in self._take_commands(block=not self.engine.has_unfinished()):
+                idle = not self.engine.has_unfinished()
+                wait = 0 if not idle else _RESIDENCY_WAIT if self._deferred else None
+                draining = self.residency is not None and self.residency.should_drain(self.name)
+                for cmd in self._take_commands(wait):
                     if cmd is _STOP:
                         self.engine.close()  # releases multi-host followers
                         return
-                    self._apply(cmd)
-                if self.engine.has_unfinished():
+                    if isinstance(cmd, _Add) and (draining or self._deferred):
+                        self._deferred.append(cmd)
+                    else:
+                        self._apply(cmd)
+                if self._deferred and not draining:
+                    for cmd in self._deferred:
+                        self._apply(cmd)
+                    self._deferred.clear()
+                if self.engine.has_unfinished() and self._on_device():
                     deltas = self.engine.step()
                     if deltas:
                         self._loop.call_soon_threadsafe(self._deliver, deltas, time.monotonic())
+                if self.residency is not None and not self.engine.has_unfinished():
+                    self.residency.release(self.name)  # before the thread sleeps: the model may leave
                 self.snapshot = self._take_snapshot()
         except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting clients
             log.exception("the engine thread crashed")
@@ -316,8 +337,18 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is already closed
                 pass
 
-    def _take_commands(self, block: bool) -> list:
-        cmds = [self._commands.get()] if block else []
+    def _on_device(self) -> bool:
+        """The model is on the device for the next step; waits a moment for it otherwise (residency.py)."""
+        return self.residency is None or self.residency.acquire(self.name, timeout=_RESIDENCY_WAIT)
+
+    def _take_commands(self, wait: float | None) -> list:
+        """The queued commands; first waits up to `wait` seconds for one (None: until one comes)."""
+        cmds = []
+        if wait != 0:
+            try:
+                cmds.append(self._commands.get(timeout=wait))
+            except queue.Empty:
+                pass
         while True:
             try:
                 cmds.append(self._commands.get_nowait())

@@ -10,10 +10,11 @@ from infire_jax.errors import InfireError
 from sharding.distributed import DistributedConfigError
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine."""
-    p.add_argument("--model", default=None,
-                   help="a .gguf file, an HF model directory, or dummy:<name> (default: embedded SmolLM2-135M-Instruct)")
+def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) -> None:
+    """Flags shared by every command that builds an engine (`several_models`: --model repeats)."""
+    p.add_argument("--model", default=None, action="append" if several_models else "store",
+                   help="a .gguf file, an HF model directory, or dummy:<name> (default: embedded SmolLM2-135M-Instruct)"
+                        + ("; repeat it to serve several models from one process" if several_models else ""))
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weight and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
@@ -34,10 +35,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
 
 
-def engine_config(args: argparse.Namespace):
+def engine_config(args: argparse.Namespace, model: str | None = None):
+    """The engine settings of the flags, for `model` when given (else --model)."""
     from infire_jax.engine import EngineConfig
 
-    return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed)
@@ -167,14 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_engine_args(s)
+    add_engine_args(s, several_models=True)
+    s.add_argument("--max-resident", type=int, default=None,
+                   help="several models: at most this many on the device at once, the others in host memory "
+                        "(default: all)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     s.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
                    help="require this bearer key (repeatable); KEY:TENANT also names the key's cache tenant")
     s.add_argument("--max-queue", type=int, default=1024,
                    help="sequences allowed to wait beyond a full batch; past it requests get 429")
-    s.add_argument("--served-model-name", default=None, help="model name of the API (default: the model's name)")
+    s.add_argument("--served-model-name", default=None, action="append",
+                   help="model name of the API (default: the model's name); one per --model, in order")
     s.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
                    help="fleet role: prefill workers hand their prompts' KV to decode workers (docs/FLEET.md)")
     s.add_argument("--kv-buffer-mb", type=int, default=512,

@@ -1,4 +1,5 @@
-"""Counts XLA compilations, so tests and the engine can prove nothing compiles after warmup."""
+"""Counts XLA compilations, so tests and the engine can prove nothing compiles after warmup, and
+the executables loaded from the persistent compilation cache instead (the boot timeline)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import threading
 import jax
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
 _count = 0
+_cache_hits = 0
 
 
 def _on_event(event: str, duration_secs: float, **kwargs) -> None:
@@ -19,12 +22,25 @@ def _on_event(event: str, duration_secs: float, **kwargs) -> None:
             _count += 1
 
 
+def _on_hit(event: str, **kwargs) -> None:
+    global _cache_hits
+    if event == _CACHE_HIT:
+        with _lock:
+            _cache_hits += 1
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_event)
+jax.monitoring.register_event_listener(_on_hit)
 
 
 def compile_count() -> int:
     """Backend compilations in this process so far (cache hits of jit do not count)."""
     return _count
+
+
+def cache_hit_count() -> int:
+    """Executables loaded from the persistent compilation cache in this process so far."""
+    return _cache_hits
 
 
 class RecompileError(RuntimeError):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from infire_jax import multihost
 from infire_jax.buckets import Buckets, default_token_buckets
-from infire_jax.compile_guard import compile_count
+from infire_jax.compile_guard import cache_hit_count, compile_count
 from infire_jax.detokenizer import IncrementalDetokenizer
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
@@ -127,12 +127,16 @@ class Engine:
         self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
 
-        t0 = time.monotonic()
+        t0, compiled, cached = time.monotonic(), compile_count(), cache_hit_count()
         shapes = rc.buckets.shapes
         done = itertools.count(1)
         report("compile", 0, len(shapes))
         self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
         self.warmup_seconds = time.monotonic() - t0
+        self.boot = BootTimeline(
+            weight_bytes=sum(a.nbytes for a in jax.tree.leaves(state)), load_seconds=self.load_seconds,
+            restored=placed.built_because is None, compile_seconds=self.warmup_seconds, num_steps=len(shapes),
+            compiled=compile_count() - compiled, cache_loaded=cache_hit_count() - cached)
         # Compilations inside step() after warmup: must stay 0 (buckets are fixed).
         self.compiles_since_warmup = 0
 
@@ -395,6 +399,24 @@ class Engine:
             self.runner.write_pages([p for _, p in targets], blocks.k[:, index], blocks.v[:, index])
         return len(targets)
 
+    # ---- hot standby: the model leaves the device and comes back (residency.py) -----------------------
+    @property
+    def resident(self) -> bool:
+        return self.runner.resident
+
+    def demote(self) -> int:
+        """Moves the weights to host memory and frees the KV pool, dropping the prefix cache; returns
+        the weight bytes moved. Waiting requests stay queued; no request may hold pages."""
+        if self._inflight is not None or self.scheduler.running:
+            raise RuntimeError("cannot take a model off the device while it runs requests")
+        nbytes = self.runner.offload()
+        self.kv.drop_cached()
+        return nbytes
+
+    def promote(self) -> int:
+        """Puts the weights back on the device with an empty KV pool; returns the bytes placed."""
+        return self.runner.restore()
+
     # ---- several processes --------------------------------------------------------------------------
     def follow(self) -> None:
         """On processes other than 0: run process 0's steps until it closes the engine."""
@@ -412,6 +434,27 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+@dataclasses.dataclass(frozen=True)
+class BootTimeline:
+    """Where an engine's start-up went: the weights (restored from the checkpoint or built from the
+    source) and the warmup of every step (XLA compilations, or executables from the persistent cache)."""
+
+    weight_bytes: int  # placed on the devices, all shards
+    load_seconds: float
+    restored: bool
+    compile_seconds: float
+    num_steps: int  # token buckets warmed up
+    compiled: int  # XLA compilations during warmup
+    cache_loaded: int  # executables loaded from the persistent cache during warmup
+
+    def describe(self) -> str:
+        source = "restored from its checkpoint" if self.restored else "built from the source (checkpoint written)"
+        return (f"boot: weights {self.weight_bytes / 1e9:.3f} GB {source} in {self.load_seconds:.2f} s "
+                f"({self.weight_bytes / 1e9 / max(self.load_seconds, 1e-9):.2f} GB/s); warmup of {self.num_steps} "
+                f"steps in {self.compile_seconds:.2f} s ({self.compiled} compiled, {self.cache_loaded} from the "
+                f"compilation cache)")
 
 
 @dataclasses.dataclass

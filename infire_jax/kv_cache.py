@@ -45,6 +45,16 @@ class KVCacheManager:
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found
 
+    def drop_cached(self) -> None:
+        """Forgets every cached page: the pool's contents are gone (its model left the device).
+        Only when no request holds a page."""
+        if any(self.ref_cnt):
+            raise RuntimeError("cannot drop the KV cache while requests hold pages")
+        self.page_hash = [None] * self.num_pages
+        self.cached.clear()
+        self._free = OrderedDict((p, None) for p in range(1, self.num_pages))
+        self._free_retained.clear()
+
     # ---- accounting -------------------------------------------------------------------------
     @property
     def num_usable_pages(self) -> int:

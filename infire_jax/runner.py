@@ -127,6 +127,11 @@ def _load_history(cache: DeviceCache, slot: Int[Array, ""], prompt_ids: Int[Arra
     return cache._replace(counts=counts, prompt_mask=prompt_mask)
 
 
+def _host_copy(a: np.ndarray) -> np.ndarray:
+    """An array that owns its memory: on CPU, device_get may alias the device buffer about to be freed."""
+    return a if a.base is None and a.flags.owndata else np.array(a, copy=True)
+
+
 def _uses_penalties(p) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
@@ -163,6 +168,7 @@ class ModelRunner:
         self.state = state
         self.dtype = dtype
         self.plan = plan
+        self._offloaded: tuple[nnx.State, nnx.State] | None = None  # host weights and their shardings
         self.cache = self._allocate_cache()
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
         cache_shardings = jax.tree.map(lambda a: a.sharding, self.cache) if plan else None
@@ -184,16 +190,15 @@ class ModelRunner:
         pool = plan.sharding(KV_POOL_AXES) if plan else None
         replicated = plan.replicated if plan else None
 
-        def make(shape, dtype, sharding):
-            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-
-        return DeviceCache(
-            k_pages=make(pages_shape, self.dtype, pool),
-            v_pages=make(pages_shape, self.dtype, pool),
-            counts=make((rc.num_slots, c.vocab_size), jnp.int32, replicated),
-            prompt_mask=make((rc.num_slots, c.vocab_size), jnp.bool_, replicated),
-            last_tokens=make((rc.num_slots,), jnp.int32, replicated),
-        )
+        shapes = DeviceCache(
+            k_pages=(pages_shape, self.dtype), v_pages=(pages_shape, self.dtype),
+            counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
+            last_tokens=((rc.num_slots,), jnp.int32))
+        shardings = DeviceCache(pool, pool, replicated, replicated, replicated)
+        # Kept, so a model coming back to the device (restore) allocates its pool without compiling.
+        self._new_cache = jax.jit(lambda: DeviceCache(*(jnp.zeros(shape, dtype) for shape, dtype in shapes)),
+                                  out_shardings=shardings if plan else None)
+        return self._new_cache()
 
     def resize_pool(self, num_pages: int) -> None:
         """Frees the KV pool and allocates one of `num_pages` (before warmup: the steps do not depend on it)."""
@@ -201,6 +206,35 @@ class ModelRunner:
         for a in (self.cache.k_pages, self.cache.v_pages):
             a.delete()
         self.cache = self._allocate_cache()
+
+    @property
+    def resident(self) -> bool:
+        return self._offloaded is None
+
+    def offload(self) -> int:
+        """Copies the weights to host memory and frees them, the KV pool and the per-slot state on the
+        device (hot standby: another model takes the device); returns the weight bytes copied."""
+        if multihost.is_multiprocess():
+            raise RuntimeError("models cannot leave the device across several processes")
+        # An uncommitted array (one device, no explicit placement) comes back uncommitted: the
+        # compiled steps were specialized to that, and a committed one would make them recompile.
+        shardings = jax.tree.map(lambda a: a.sharding if a.committed else None, self.state)
+        host = jax.tree.map(_host_copy, jax.device_get(self.state))
+        for a in jax.tree.leaves(self.state) + list(self.cache):
+            a.delete()
+        self._offloaded = (host, shardings)
+        self.state, self.cache = None, None
+        return sum(a.nbytes for a in jax.tree.leaves(host))
+
+    def restore(self) -> int:
+        """Places the weights back on their shardings and allocates an empty pool: the compiled steps
+        see the same shapes and shardings, so nothing recompiles. Returns the weight bytes placed."""
+        host, shardings = self._offloaded
+        self.state = jax.block_until_ready(jax.tree.map(jax.device_put, host, shardings,
+                                                        is_leaf=lambda x: x is None))
+        self.cache = jax.block_until_ready(self._new_cache())
+        self._offloaded = None
+        return sum(a.nbytes for a in jax.tree.leaves(host))
 
     def peak_activation_bytes(self) -> int:
         """Temporaries of the largest step on one device, from XLA's memory analysis of the compiled

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
+from typing import Sequence
 
 from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine
 from infire_jax.engine import Engine
+from infire_jax.residency import Residency, host_to_device_bandwidth, start_engines
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
-from server.endpoints import (KV_PULLED, SESSION_HEADER, STATE, ServerState, chat_completions, completions,
-                              release_kv)
+from server.endpoints import (KV_PULLED, SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions,
+                              completions, release_kv)
 from server.errors import error_middleware
 from server.listen import bind, serve_until_signal
 from server.kv_handoff import RELEASE_PATH, ROLES, KVHandoff
@@ -28,28 +31,44 @@ METRICS = web.AppKey("metrics", ServerMetrics)
 _MAX_BODY = 64 << 20  # bytes; prompts of token ids are large
 
 
-def build_app(engine: Engine, *, model_name: str | None = None, api_keys: dict[str, str] | None = None,
-              max_queue: int = 1024, role: str = "both", kv_buffer_bytes: int = 512 << 20,
-              kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0) -> web.Application:
-    """The app over an engine that is warmed up; the engine thread starts with the app.
+def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] | None = None,
+              api_keys: dict[str, str] | None = None, max_queue: int = 1024, role: str = "both",
+              kv_buffer_bytes: int = 512 << 20, kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0,
+              residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0) -> web.Application:
+    """The app over warmed-up engines (one per served model); their threads start with the app.
 
-    A prefill or decode worker (`role`) also runs a Mooncake transfer engine with a staging buffer
-    of `kv_buffer_bytes` on `kv_host`, whose holds expire after `kv_hold_seconds`.
+    Several engines share the device through `residency` (hot standby, infire_jax/residency.py).
+    A prefill or decode worker (`role`) serves one model and also runs a Mooncake transfer engine
+    with a staging buffer of `kv_buffer_bytes` on `kv_host`, whose holds expire after `kv_hold_seconds`.
     """
+    engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    names = list(model_names or [e.model_name for e in engines])
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    name = model_name or engine.model_name
-    metrics = ServerMetrics(name)
-    async_engine = AsyncEngine(engine, max_queue=max_queue, observer=metrics)
-    metrics.track_engine(lambda: async_engine.snapshot, engine.pool_sizing)
-    handoff = None if role == "both" else KVHandoff(async_engine, role, buffer_bytes=kv_buffer_bytes, host=kv_host,
-                                                    hold_seconds=kv_hold_seconds, metrics=metrics)
-    if handoff is not None:
+    if len(names) != len(engines) or len(set(names)) != len(names):
+        raise ValueError(f"each engine needs its own served model name, got {names}")
+    if role != "both" and len(engines) > 1:
+        raise ValueError("a prefill or decode worker serves one model")
+    if len(engines) > 1 and residency is None:
+        raise ValueError("several models share the device through a Residency")
+    metrics = ServerMetrics(names)
+    models = {}
+    for name, engine in zip(names, engines):
+        async_engine = AsyncEngine(engine, max_queue=max_queue, observer=metrics.observer(name), residency=residency,
+                                   name=name)
+        metrics.track_engine(name, lambda a=async_engine: a.snapshot, engine.pool_sizing)
+        models[name] = ServedModel(async_engine, engine.tokenizer, TokenText(engine.tokenizer), name,
+                                   engine.max_model_len)
+    if residency is not None:
+        metrics.track_residency(residency, host_to_device_bytes_per_second)
+    handoff = None
+    if role != "both":
+        handoff = KVHandoff(models[names[0]].engine, role, buffer_bytes=kv_buffer_bytes, host=kv_host,
+                            hold_seconds=kv_hold_seconds, metrics=metrics)
         metrics.track_holds(lambda: handoff.num_holds)
 
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=_MAX_BODY)
-    app[STATE] = ServerState(engine=async_engine, tokenizer=engine.tokenizer, token_text=TokenText(engine.tokenizer),
-                             model_name=name, max_model_len=engine.max_model_len, role=role, handoff=handoff)
+    app[STATE] = ServerState(models=models, role=role, handoff=handoff)
     app[AUTH] = Auth(api_keys or {})
     app[METRICS] = metrics
     app.router.add_post("/v1/completions", completions)
@@ -66,7 +85,8 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_keys: dict[s
 
 async def _start_engine(app: web.Application) -> None:
     st = app[STATE]
-    st.engine.start()
+    for m in st.models.values():
+        m.engine.start()
     if st.handoff is not None:
         await st.handoff.start()
 
@@ -75,7 +95,8 @@ async def _stop_engine(app: web.Application) -> None:
     st = app[STATE]
     if st.handoff is not None:
         await st.handoff.stop()
-    await st.engine.shutdown()
+    for m in st.models.values():
+        await m.engine.shutdown()
 
 
 async def _routing_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -92,44 +113,71 @@ async def _routing_headers(request: web.Request, response: web.StreamResponse) -
 
 
 async def _models(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    return web.json_response({"object": "list", "data": [{
-        "id": st.model_name, "object": "model", "created": int(time.time()), "owned_by": "infire-jax",
-        "max_model_len": st.max_model_len}]})
+    created = int(time.time())
+    return web.json_response({"object": "list", "data": [
+        {"id": m.name, "object": "model", "created": created, "owned_by": "infire-jax", "max_model_len": m.max_model_len}
+        for m in request.app[STATE].models.values()]})
 
 
 async def _health(request: web.Request) -> web.Response:
-    """Liveness and load, for routers: the role, sequences running and waiting, KV pool usage."""
+    """Liveness and load, for routers: the role, sequences running and waiting, KV pool usage (the
+    fullest model's), and each model's figures."""
     st = request.app[STATE]
-    engine = st.engine
-    if not engine.healthy:
-        return web.json_response({"status": "unhealthy", "role": st.role, "error": repr(engine.error)}, status=503)
-    s = engine.snapshot
-    return web.json_response({"status": "ok", "role": st.role, "running": s.num_running, "waiting": s.num_waiting,
-                              "kv_usage": s.kv_usage})
+    sick = {m.name: repr(m.engine.error) for m in st.models.values() if not m.engine.healthy}
+    if sick:
+        return web.json_response({"status": "unhealthy", "role": st.role, "error": "; ".join(sick.values()),
+                                  "models": sick}, status=503)
+    snaps = {m.name: m.engine.snapshot for m in st.models.values()}
+    return web.json_response({
+        "status": "ok", "role": st.role, "running": sum(s.num_running for s in snaps.values()),
+        "waiting": sum(s.num_waiting for s in snaps.values()), "kv_usage": max(s.kv_usage for s in snaps.values()),
+        "models": {n: {"running": s.num_running, "waiting": s.num_waiting, "kv_usage": s.kv_usage}
+                   for n, s in snaps.items()}})
 
 
 async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+def _served_models(args: argparse.Namespace) -> list[tuple[str | None, str | None]]:
+    """(served name, model spec) pairs from --model (repeatable) and --served-model-name (one per
+    model; a None name: the model's own)."""
+    specs = args.model or [None]
+    names = args.served_model_name or [None] * len(specs)
+    if len(names) != len(specs):
+        raise ValueError(f"give one --served-model-name per --model ({len(specs)} models, {len(names)} names)")
+    keys = [name or spec for name, spec in zip(names, specs)]
+    if len(set(keys)) != len(keys):  # the same name, or the same model unnamed: caught before any load
+        raise ValueError("two models would be served under the same name; give each its own --served-model-name")
+    return list(zip(names, specs))
+
+
+def _check_flags(args: argparse.Namespace) -> tuple[dict[str, str], list[tuple[str | None, str | None]]]:
+    """The API keys and the served models, or ValueError naming the bad flag."""
+    if args.max_queue < 0:
+        raise ValueError("--max-queue must be >= 0")
+    if args.kv_buffer_mb < 1 or args.kv_hold_seconds <= 0:
+        raise ValueError("--kv-buffer-mb must be >= 1 and --kv-hold-seconds > 0")
+    keys = parse_api_keys(args.api_key or [])
+    models = _served_models(args)
+    if args.max_resident is not None and args.max_resident < 1:
+        raise ValueError("--max-resident must be >= 1")
+    if len(models) > 1 and (args.role != "both" or args.num_processes):
+        raise ValueError("several models are served by one process with --role both")
+    return keys, models
+
+
 def serve(args: argparse.Namespace) -> int:
     """`infire-jax serve`: bind, load and warm up (with a progress bar), listen, print the ready line, serve."""
     from infire_jax.cli import engine_config, init_distributed, progress_bar
 
-    if args.max_queue < 0:
-        print("error: --max-queue must be >= 0", file=sys.stderr)
-        return 2
-    if args.kv_buffer_mb < 1 or args.kv_hold_seconds <= 0:
-        print("error: --kv-buffer-mb must be >= 1 and --kv-hold-seconds > 0", file=sys.stderr)
-        return 2
     try:
-        keys = parse_api_keys(args.api_key or [])
+        keys, models = _check_flags(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if init_distributed(args):  # a multi-host follower: run process 0's steps, serve nothing
-        Engine(engine_config(args)).follow()
+        Engine(engine_config(args, models[0][1])).follow()
         return 0
     try:
         sock = bind(args.host, args.port)  # before the slow warmup, so a taken port fails at once
@@ -137,10 +185,41 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with sock:
-        engine = Engine(engine_config(args), progress=progress_bar())
-        print(engine.pool_sizing.describe(), file=sys.stderr, flush=True)
-        app = build_app(engine, model_name=args.served_model_name, api_keys=keys, max_queue=args.max_queue,
+        bar = progress_bar()
+
+        def make(config) -> Engine:
+            engine = Engine(config, progress=bar)
+            for line in (engine.pool_sizing.describe(), engine.boot.describe()):
+                print(f"{engine.model_name}: {line}", file=sys.stderr, flush=True)
+            return engine
+
+        max_resident = args.max_resident or len(models)
+        engines, residency = start_engines([(name, engine_config(args, spec)) for name, spec in models],
+                                           max_resident, make)
+        bandwidth = host_to_device_bandwidth() if len(engines) > 1 else 0.0
+        if len(engines) > 1:
+            print(f"hot standby: {min(max_resident, len(engines))} of {len(engines)} models on the device; "
+                  f"host-to-device copies at {bandwidth / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+        app = build_app(list(engines.values()), model_names=list(engines), api_keys=keys, max_queue=args.max_queue,
                         role=args.role, kv_buffer_bytes=args.kv_buffer_mb << 20, kv_host=args.kv_host,
-                        kv_hold_seconds=args.kv_hold_seconds)
+                        kv_hold_seconds=args.kv_hold_seconds, residency=residency if len(engines) > 1 else None,
+                        host_to_device_bytes_per_second=bandwidth)
+        print(f"boot: ready to serve {time.monotonic() - _process_start():.2f} s after the process started",
+              file=sys.stderr, flush=True)
         asyncio.run(serve_until_signal(app, sock, args.host))
     return 0
+
+
+def _process_start() -> float:
+    """When this process started, on the time.monotonic clock (Linux /proc; else when this module loaded)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.monotonic() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _LOADED
+
+
+_LOADED = time.monotonic()

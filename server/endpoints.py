@@ -30,16 +30,27 @@ _MAX_SESSION_LEN = 256
 
 
 @dataclasses.dataclass
-class ServerState:
-    """What the handlers need, fixed when the app is built."""
+class ServedModel:
+    """One model the server serves: its engine thread and what requests are validated against."""
 
     engine: AsyncEngine
     tokenizer: Tokenizer
     token_text: TokenText
-    model_name: str
+    name: str
     max_model_len: int
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the handlers need, fixed when the app is built."""
+
+    models: dict[str, ServedModel]  # by served name; several with hot standby (infire_jax/residency.py)
     role: str = "both"  # prefill, decode or both (server/kv_handoff.py)
     handoff: KVHandoff | None = None  # the KV transfer of a prefill or decode worker
+
+    @property
+    def healthy(self) -> bool:
+        return all(m.engine.healthy for m in self.models.values())
 
 
 STATE = web.AppKey("state", ServerState)
@@ -47,49 +58,54 @@ KV_PULLED: web.RequestKey[Pulled | None] = web.RequestKey("kv_pulled")  # set wh
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    st = _ready(request)
+    st = request.app[STATE]
     req = parse_completion(await _json(request))
-    _check_model(st, req)
-    prompts = [st.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    m = _model(st, req)
+    prompts = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     if any(not ids for ids in prompts):
         raise bad("the prompt is empty", "prompt")
-    _check_length(st, prompts, "prompt")
+    _check_length(m, prompts, "prompt")
 
     def formatter() -> CompletionFormatter:  # after admission: token-id prompts are known to be valid
-        echo = [p if isinstance(p, str) else st.tokenizer.decode(p) for p in req.prompts] if req.echo else None
-        return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", st.model_name, st.token_text, echo_texts=echo,
+        echo = [p if isinstance(p, str) else m.tokenizer.decode(p) for p in req.prompts] if req.echo else None
+        return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", m.name, m.token_text, echo_texts=echo,
                                    n=req.params.n, want_logprobs=req.params.logprobs is not None,
                                    include_usage=req.include_usage)
 
-    return await _run(request, st, req, prompts, formatter, "prompt")
+    return await _run(request, st, m, req, prompts, formatter, "prompt")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    st = _ready(request)
+    st = request.app[STATE]
     req = parse_chat(await _json(request))
-    _check_model(st, req)
+    m = _model(st, req)
     try:
-        text = st.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        text = m.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
     except InvalidRequestError as e:
         raise bad(str(e), "messages") from e
-    prompts = [st.tokenizer.encode(text, add_special_tokens=False)]
-    _check_length(st, prompts, "messages")
+    prompts = [m.tokenizer.encode(text, add_special_tokens=False)]
+    _check_length(m, prompts, "messages")
 
     def formatter() -> ChatFormatter:
-        return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", st.model_name, st.token_text,
+        return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", m.name, m.token_text,
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
                              include_usage=req.include_usage)
 
-    return await _run(request, st, req, prompts, formatter, "messages")
+    return await _run(request, st, m, req, prompts, formatter, "messages")
 
 
 # ---- shared steps ---------------------------------------------------------------------------------
-def _ready(request: web.Request) -> ServerState:
-    st = request.app[STATE]
-    if not st.engine.healthy:
+def _model(st: ServerState, req: GenerationRequest) -> ServedModel:
+    """The requested model, if it is served and its engine runs."""
+    m = st.models.get(req.model)
+    if m is None:
+        names = ", ".join(f"`{n}`" for n in st.models)
+        raise APIError(404, f"The model `{req.model}` does not exist; this server serves {names}.",
+                       param="model", code="model_not_found")
+    if not m.engine.healthy:
         raise APIError(503, "the engine is not running; the server cannot generate", type="server_error",
                        code="engine_unavailable")
-    return st
+    return m
 
 
 def _no_constant(name: str):
@@ -103,16 +119,10 @@ async def _json(request: web.Request):
         raise bad(f"We could not parse the JSON body of your request ({e}). The body must be a JSON object.") from e
 
 
-def _check_model(st: ServerState, req: GenerationRequest) -> None:
-    if req.model != st.model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{st.model_name}`.",
-                       param="model", code="model_not_found")
-
-
-def _check_length(st: ServerState, prompts: list[list[int]], param: str) -> None:
+def _check_length(m: ServedModel, prompts: list[list[int]], param: str) -> None:
     for ids in prompts:
-        if len(ids) >= st.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {st.max_model_len} tokens, but the "
+        if len(ids) >= m.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {m.max_model_len} tokens, but the "
                                 f"{param} has {len(ids)} tokens (at least one token must be left to generate).",
                            param=param, code="context_length_exceeded")
 
@@ -144,7 +154,7 @@ def _check_transfer(st: ServerState, req: GenerationRequest, prompts: list[list[
         raise bad("kv_transfer_params with do_remote_decode need a non-streaming request", "stream")
 
 
-async def _run(request: web.Request, st: ServerState, req: GenerationRequest, prompts: list[list[int]],
+async def _run(request: web.Request, st: ServerState, m: ServedModel, req: GenerationRequest, prompts: list[list[int]],
                make_formatter: Callable[[], Formatter], prompt_param: str) -> web.StreamResponse:
     """Admits the request, then answers it whole or as a stream."""
     hint, session = _headers(request, prompts)
@@ -153,7 +163,7 @@ async def _run(request: web.Request, st: ServerState, req: GenerationRequest, pr
         _check_transfer(st, req, prompts)
         if req.kv_transfer.get("do_remote_prefill"):  # import the prompt's pages, then run as a prefix hit
             request[KV_PULLED] = await st.handoff.pull(req.kv_transfer, prompts[0], tenant, dict(request.headers))
-    stream = st.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
+    stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
                                 tenant=tenant, prefix_hint_tokens=hint, session_id=session)
     try:
         async with stream:  # admits the request; leaving early (a disconnect) aborts it

@@ -1,13 +1,13 @@
 """Prometheus metrics of one server: vLLM's metric names under an `infire:` prefix.
 
-Latency histograms are observed on the event loop as deltas arrive (the AsyncEngine's
+Latency histograms are observed on the event loop as deltas arrive (each model's AsyncEngine has a
 LatencyObserver). Engine gauges and counters are read at scrape time from the snapshot the engine
 thread publishes after every step, so a scrape never touches the engine itself.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from infire_jax.async_engine import EngineSnapshot
 from infire_jax.kv_pool import PoolSizing
+from infire_jax.residency import Residency
 
 PREFIX = "infire:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -28,14 +29,17 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], pool: PoolSizing | None):
-        self._model = model_name
-        self._snapshot = snapshot
-        self._pool = pool
+    """Each model's engine counters, from the snapshots its engine thread publishes."""
 
-    def _pool_gauges(self) -> list[tuple]:
+    def __init__(self):
+        self._models: list[tuple[str, Callable[[], EngineSnapshot], PoolSizing | None]] = []
+
+    def add(self, model_name: str, snapshot: Callable[[], EngineSnapshot], pool: PoolSizing | None) -> None:
+        self._models.append((model_name, snapshot, pool))
+
+    @staticmethod
+    def _pool_gauges(p: PoolSizing | None) -> list[tuple]:
         """The KV pool's size and the arithmetic that chose it (fixed at start-up)."""
-        p = self._pool
         if p is None:
             return []
         return [(GaugeMetricFamily, name, doc, value) for name, doc, value in (
@@ -51,9 +55,17 @@ class _EngineCollector(Collector):
         )]
 
     def collect(self) -> Iterator[Metric]:
-        s = self._snapshot()
-        for cls, name, doc, value in (
-            *self._pool_gauges(),
+        families: dict[str, Metric] = {}
+        for model, snapshot, pool in self._models:
+            for cls, name, doc, value in (*self._pool_gauges(pool), *self._engine_values(snapshot())):
+                if name not in families:
+                    families[name] = cls(PREFIX + name, doc, labels=["model_name"])
+                families[name].add_metric([model], value)
+        yield from families.values()
+
+    @staticmethod
+    def _engine_values(s: EngineSnapshot) -> tuple[tuple, ...]:
+        return (
             (GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", s.num_running),
             (GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
             (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV pages held by requests (1 = full).",
@@ -71,22 +83,70 @@ class _EngineCollector(Collector):
             (CounterMetricFamily, "engine_device_wait_seconds",
              "Part of the step time blocked on the device's results (the rest is host work).",
              s.device_wait_seconds),
+        )
+
+
+class _ResidencyCollector(Collector):
+    """Hot standby: which models are on the device, and what their promotions cost."""
+
+    def __init__(self, residency: Residency, host_to_device_bytes_per_second: float):
+        self._residency = residency
+        self._bandwidth = host_to_device_bytes_per_second
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._residency
+        bandwidth = GaugeMetricFamily(PREFIX + "host_to_device_bytes_per_second",
+                                      "Measured host-to-device copy speed at start (the floor of a promotion).")
+        bandwidth.add_metric([], self._bandwidth)
+        yield bandwidth
+        for cls, name, doc, value in (
+            (GaugeMetricFamily, "model_resident", "1 if the model's weights are on the device.",
+             lambda n: float(r.is_resident(n))),
+            (CounterMetricFamily, "model_swaps", "Promotions of the model onto the device.",
+             lambda n: r.stats[n].promotions),
+            (CounterMetricFamily, "model_swap_seconds", "Wall time of those promotions (demotions included).",
+             lambda n: r.stats[n].seconds),
+            (CounterMetricFamily, "model_swap_bytes", "Weight bytes copied to the device by those promotions.",
+             lambda n: r.stats[n].bytes),
         ):
             family = cls(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self._model], value)
+            for model in r.engines:
+                family.add_metric([model], value(model))
             yield family
 
 
-class ServerMetrics:
-    """The registry of one app; implements the AsyncEngine's LatencyObserver."""
+class _ModelObserver:
+    """The LatencyObserver of one model's engine."""
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, metrics: ServerMetrics, model_name: str):
+        self._ttft = metrics._ttft.labels(model_name)
+        self._itl = metrics._itl.labels(model_name)
+        self._e2e = metrics._e2e.labels(model_name)
+        self._success = metrics._success
+        self._model = model_name
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def finished(self, seconds: float, reason: str) -> None:
+        self._e2e.observe(seconds)
+        self._success.labels(self._model, reason).inc()
+
+
+class ServerMetrics:
+    """The registry of one app. KV-transfer metrics carry the first model's name (fleet workers
+    serve one model)."""
+
+    def __init__(self, model_names: Sequence[str]):
+        self.model_name = model_names[0]
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
         self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self._itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
@@ -94,15 +154,24 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Finished sequences, by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
         self._kv_bytes = Counter(PREFIX + "kv_transfer_received_bytes", "KV bytes fetched from prefill workers.",
-                                 labels, registry=self.registry).labels(model_name)
+                                 labels, registry=self.registry).labels(self.model_name)
         self._kv_seconds = Counter(PREFIX + "kv_transfer_received_seconds", "Time spent in those fetches.",
-                                   labels, registry=self.registry).labels(model_name)
+                                   labels, registry=self.registry).labels(self.model_name)
         self._kv_failures = Counter(PREFIX + "kv_transfer_failures",
                                     "KV transfers that failed (the prompt was computed locally), by reason.",
                                     labels + ["reason"], registry=self.registry)
+        self._engines = _EngineCollector()
+        self.registry.register(self._engines)
 
-    def track_engine(self, snapshot: Callable[[], EngineSnapshot], pool: PoolSizing | None = None) -> None:
-        self.registry.register(_EngineCollector(self.model_name, snapshot, pool))
+    def observer(self, model_name: str) -> _ModelObserver:
+        return _ModelObserver(self, model_name)
+
+    def track_engine(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
+                     pool: PoolSizing | None = None) -> None:
+        self._engines.add(model_name, snapshot, pool)
+
+    def track_residency(self, residency: Residency, host_to_device_bytes_per_second: float) -> None:
+        self.registry.register(_ResidencyCollector(residency, host_to_device_bytes_per_second))
 
     def track_holds(self, holds: Callable[[], int]) -> None:
         """A prefill worker's live KV holds, read at scrape time."""
@@ -115,16 +184,6 @@ class ServerMetrics:
 
     def kv_transfer_failed(self, reason: str) -> None:
         self._kv_failures.labels(self.model_name, reason).inc()
-
-    def first_token(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
-
-    def inter_token(self, seconds: float) -> None:
-        self._itl.observe(seconds)
-
-    def finished(self, seconds: float, reason: str) -> None:
-        self._e2e.observe(seconds)
-        self._success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
