@@ -34,7 +34,8 @@ jax.monitoring.register_event_listener(_on_hit)
 
 
 def compile_count() -> int:
-    """Backend compilations in this process so far (cache hits of jit do not count)."""
+    """Backend compilations in this process so far, loads from the persistent cache included (hits
+    of jit's in-memory cache do not count)."""
     return _count
 
 

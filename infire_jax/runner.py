@@ -168,7 +168,8 @@ class ModelRunner:
         self.state = state
         self.dtype = dtype
         self.plan = plan
-        self._offloaded: tuple[nnx.State, nnx.State] | None = None  # host weights and their shardings
+        self._host_weights: tuple[nnx.State, nnx.State] | None = None  # a host copy and the shardings, once offloaded
+        self.resident = True
         self.cache = self._allocate_cache()
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
         cache_shardings = jax.tree.map(lambda a: a.sharding, self.cache) if plan else None
@@ -207,34 +208,35 @@ class ModelRunner:
             a.delete()
         self.cache = self._allocate_cache()
 
-    @property
-    def resident(self) -> bool:
-        return self._offloaded is None
-
     def offload(self) -> int:
-        """Copies the weights to host memory and frees them, the KV pool and the per-slot state on the
-        device (hot standby: another model takes the device); returns the weight bytes copied."""
+        """Frees the weights, the KV pool and the per-slot state on the device (hot standby: another
+        model takes the device); returns the weight bytes. The weights never change, so the host copy
+        made the first time serves every later offload: only that one copies device to host."""
         if multihost.is_multiprocess():
             raise RuntimeError("models cannot leave the device across several processes")
-        # An uncommitted array (one device, no explicit placement) comes back uncommitted: the
-        # compiled steps were specialized to that, and a committed one would make them recompile.
-        shardings = jax.tree.map(lambda a: a.sharding if a.committed else None, self.state)
-        host = jax.tree.map(_host_copy, jax.device_get(self.state))
+        if self._host_weights is None:
+            # An uncommitted array (one device, no explicit placement) comes back uncommitted: the
+            # compiled steps were specialized to that, and a committed one would make them recompile.
+            shardings = jax.tree.map(lambda a: a.sharding if a.committed else None, self.state)
+            self._host_weights = (jax.tree.map(_host_copy, jax.device_get(self.state)), shardings)
         for a in jax.tree.leaves(self.state) + list(self.cache):
             a.delete()
-        self._offloaded = (host, shardings)
-        self.state, self.cache = None, None
-        return sum(a.nbytes for a in jax.tree.leaves(host))
+        self.state, self.cache, self.resident = None, None, False
+        return self.weight_bytes
 
     def restore(self) -> int:
         """Places the weights back on their shardings and allocates an empty pool: the compiled steps
         see the same shapes and shardings, so nothing recompiles. Returns the weight bytes placed."""
-        host, shardings = self._offloaded
+        host, shardings = self._host_weights
         self.state = jax.block_until_ready(jax.tree.map(jax.device_put, host, shardings,
                                                         is_leaf=lambda x: x is None))
         self.cache = jax.block_until_ready(self._new_cache())
-        self._offloaded = None
-        return sum(a.nbytes for a in jax.tree.leaves(host))
+        self.resident = True
+        return self.weight_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self.state if self.resident else self._host_weights[0]))
 
     def peak_activation_bytes(self) -> int:
         """Temporaries of the largest step on one device, from XLA's memory analysis of the compiled

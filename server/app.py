@@ -115,8 +115,8 @@ async def _routing_headers(request: web.Request, response: web.StreamResponse) -
 async def _models(request: web.Request) -> web.Response:
     created = int(time.time())
     return web.json_response({"object": "list", "data": [
-        {"id": m.name, "object": "model", "created": created, "owned_by": "infire-jax", "max_model_len": m.max_model_len}
-        for m in request.app[STATE].models.values()]})
+        {"id": m.name, "object": "model", "created": created, "owned_by": "infire-jax",
+         "max_model_len": m.max_model_len} for m in request.app[STATE].models.values()]})
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -10,12 +10,12 @@ import argparse
 import logging
 import sys
 
-from infire_jax.bench import fleet, latency, profile, serve, suite, throughput
+from infire_jax.bench import boot, fleet, latency, profile, serve, suite, swap, throughput
 from infire_jax.bench.common import add_output_args
 from infire_jax.errors import InfireError
 
 SUBCOMMANDS = {"latency": latency, "throughput": throughput, "serve": serve, "fleet": fleet, "suite": suite,
-               "profile": profile}
+               "profile": profile, "boot": boot, "swap": swap}
 
 
 def build_parser() -> argparse.ArgumentParser:

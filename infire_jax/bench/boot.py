@@ -1,0 +1,157 @@
+"""`bench boot`: time to ready and to the first token of a fresh engine process, cold and warm.
+
+Every boot is a new process that builds the engine from the flags and generates one token, with
+its caches in a fresh directory. The first boot finds them empty: it converts the model, writes
+its checkpoint (`built`) and compiles every step. Then each of --runs rounds boots once with the
+checkpoint's files evicted from the page cache (`cold`: weights read from the drive, steps from
+XLA's persistent cache) and once right after (`warm`: from memory). Times count from the
+process's start, imports included; `load` is the weights alone (checks, restore, placement) and
+`compile` the warmup of every step bucket (`compiled` by XLA, or `cached`: loaded from its
+persistent cache). The floor is the checkpoint's bytes over the drive's read speed, measured by
+reading the same files past the page cache. Single process only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from infire_jax.bench.common import BenchError, positive_int
+from infire_jax.cli import add_engine_args
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+_RESULT = "BOOT "
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs", type=positive_int, default=3, help="cold and warm boots measured (each)")
+    add_engine_args(p)
+
+
+def _files(path: str) -> list[str]:
+    return sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+
+
+def evict(path: str) -> None:
+    """Drops a directory's files from the page cache, so the next read comes from the drive."""
+    for name in _files(path):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_speed(path: str) -> tuple[int, float]:
+    """Bytes under `path` and the seconds to read them from the drive: O_DIRECT reads of 16 MiB, past
+    the page cache (buffered reads of evicted files where O_DIRECT is refused). np.fromfile of
+    evicted files measured 2 to 4x slower here, below what the loaders themselves reach."""
+    import mmap
+
+    evict(path)
+    buf, total = mmap.mmap(-1, 16 << 20), 0  # page-aligned, as O_DIRECT needs
+    t0 = time.perf_counter()
+    for name in _files(path):
+        try:
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            fd = os.open(name, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [buf]):
+                total += n
+        finally:
+            os.close(fd)
+    return total, time.perf_counter() - t0
+
+
+def boot(args: argparse.Namespace) -> None:
+    """One boot, in this fresh process: ready, then one token; prints the timings as a JSON line."""
+    started = float(os.environ["INFIRE_BOOT_STARTED"])
+    from infire_jax.cli import engine_config
+    from infire_jax.engine import Engine
+    from infire_jax.loaders.checkpoint import checkpoint_path
+    from infire_jax.sampling_params import SamplingParams
+
+    imported = time.time()
+    engine = Engine(engine_config(args))
+    ready = time.time()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    first = time.time()
+    engine.close()
+    path = checkpoint_path(args.model, engine.dtype, engine.plan)
+    manifest = os.path.join(path, "manifest.json")
+    print(_RESULT + json.dumps(dict(
+        import_s=imported - started, load_s=engine.load_seconds, compile_s=engine.warmup_seconds,
+        compiled=engine.boot.compiled, cache_loaded=engine.boot.cache_loaded, restored=engine.boot.restored,
+        ready_s=ready - started, first_token_s=first - started, checkpoint=path,
+        built=os.path.exists(manifest) and os.stat(manifest).st_mtime >= started)), flush=True)
+
+
+def _spawn(flags: dict, cache: str) -> dict:
+    env = dict(os.environ, INFIRE_BOOT_FLAGS=json.dumps(flags), INFIRE_JAX_CACHE=cache,
+               INFIRE_BOOT_STARTED=repr(time.time()))
+    proc = subprocess.run([sys.executable, "-m", "infire_jax.bench.boot"], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise BenchError(f"a boot failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(lines[0][len(_RESULT):])
+
+
+COLUMNS = [
+    ("mode", "boot", "{}"), ("runs", "runs", "{}"), ("built", "built", "{}"), ("import_s", "import s", "{:.2f}"),
+    ("load_s", "load s", "{:.2f}"), ("load_gb_per_s", "load GB/s", "{:.2f}"), ("floor_s", "floor s", "{:.2f}"),
+    ("compile_s", "compile s", "{:.2f}"), ("compiled", "compiled", "{:.0f}"), ("cache_loaded", "cached", "{:.0f}"),
+    ("ready_s", "ready s", "{:.2f}"), ("first_token_s", "first token s", "{:.2f}"),
+    ("ready_over_floor_s", "ready - floor s", "{:.2f}"),
+]
+
+
+def _summary(mode: str, boots: list[dict], nbytes: int, drive_s: float) -> dict:
+    import numpy as np
+
+    row = {k: float(np.median([b[k] for b in boots])) for k in ("import_s", "load_s", "compile_s", "compiled",
+                                                                 "cache_loaded", "ready_s", "first_token_s")}
+    return dict(mode=mode, runs=len(boots), built=sum(b["built"] for b in boots),
+                load_gb_per_s=nbytes / row["load_s"] / 1e9, floor_s=drive_s,
+                ready_over_floor_s=row["ready_s"] - drive_s, **row)
+
+
+def run(args: argparse.Namespace):
+    from infire_jax.bench import report
+    from infire_jax.bench.common import settings
+
+    if args.num_processes:
+        raise BenchError("bench boot runs a single process")
+    if (args.model or "").startswith("dummy:"):
+        raise BenchError("bench boot times checkpoint restores, and dummy: models have none")
+    flags = settings(args)
+    with tempfile.TemporaryDirectory(prefix="infire-boot-") as cache:  # the first boot finds every cache empty
+        first = _spawn(flags, cache)
+        if not os.path.isdir(first["checkpoint"]):
+            raise BenchError(f"no checkpoint was written at {first['checkpoint']} (INFIRE_JAX_NO_CHECKPOINT?)")
+        nbytes, drive_s = read_speed(first["checkpoint"])
+        cold, warm = [], []
+        for _ in range(args.runs):
+            evict(first["checkpoint"])
+            cold.append(_spawn(flags, cache))
+            warm.append(_spawn(flags, cache))
+    rows = [_summary("first", [first], nbytes, drive_s), _summary("cold", cold, nbytes, drive_s),
+            _summary("warm", warm, nbytes, drive_s)]
+    payload = dict(benchmark="boot", settings=flags, checkpoint=first["checkpoint"], checkpoint_bytes=nbytes,
+                   drive_seconds=drive_s, drive_gb_per_s=nbytes / drive_s / 1e9, results=rows,
+                   boots=dict(first=first, cold=cold, warm=warm))
+    title = (f"boot: {args.model or 'default model'}, checkpoint {nbytes / 1e9:.2f} GB, "
+             f"drive {nbytes / drive_s / 1e9:.2f} GB/s")
+    return report.Result(payload, report.table(rows, COLUMNS), [], title)
+
+
+if __name__ == "__main__":
+    boot(argparse.Namespace(**json.loads(os.environ["INFIRE_BOOT_FLAGS"])))

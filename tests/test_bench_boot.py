@@ -1,0 +1,46 @@
+"""`bench boot` and `bench swap`, run for real on small shapes: their figures hang together.
+
+`bench boot` boots fresh processes with their caches in a new directory: the first converts the
+model, writes its checkpoint and compiles; the later ones restore it and load every step from
+XLA's persistent cache. `bench swap` alternates requests between two models with one resident.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32", "--max-num-seqs", "4"]
+
+
+def _bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "-m", "infire_jax.bench", *args, *SMALL, "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_boot_first_cold_warm(tmp_path):
+    result = _bench(tmp_path, "boot", "--runs", "1")
+    rows = {r["mode"]: r for r in result["results"]}
+    first, cold, warm = rows["first"], rows["cold"], rows["warm"]
+    assert result["checkpoint_bytes"] > 400e6  # SmolLM2-135M in float32
+    assert first["built"] == 1 and first["compiled"] > 0
+    for row in (cold, warm):
+        assert row["built"] == 0 and row["compiled"] == 0 and row["cache_loaded"] > 0  # every step from the cache
+        assert row["import_s"] + row["load_s"] + row["compile_s"] <= row["ready_s"] <= row["first_token_s"]
+        assert row["ready_over_floor_s"] == row["ready_s"] - result["drive_seconds"]
+    assert warm["ready_s"] < first["ready_s"]
+
+
+def test_bench_swap_counts_against_the_floor(tmp_path):
+    result = _bench(tmp_path, "swap", "--model", "dummy:smollm2-135m", "--model", "dummy:smollm2-135m",
+                    "--swaps", "4", "--max-resident", "1")
+    bandwidth = result["host_to_device_bytes_per_second"]
+    assert bandwidth > 0 and len(result["results"]) == 2
+    for row in result["results"]:
+        assert row["swaps"] == 2 and len(row["rounds_s"]) == 2
+        assert row["floor_s"] == row["gb"] * 1e9 / bandwidth
+        assert 0 < row["swap_s"] <= row["first_token_s"]
