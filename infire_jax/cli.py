@@ -1,4 +1,4 @@
-"""`infire-jax` command line: generate, chat, serve (also `python -m infire_jax ...`)."""
+"""`infire-jax` command line: generate, chat, serve, compress (also `python -m infire_jax ...`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                         + ("; repeat it to serve several models from one process" if several_models else ""))
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weight and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--weights-compression", default=None, metavar="palette[:KINDS]",
+                   help="keep weights losslessly palette-compressed on the device, decoded per layer (needs "
+                        "--dtype bfloat16); KINDS: mlp (default), attn, e.g. palette:mlp,attn")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
@@ -42,7 +45,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None):
     return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
-                        attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed)
+                        attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed,
+                        weights_compression=args.weights_compression)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:
@@ -139,6 +143,24 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_compress(args) -> int:
+    """Writes a compressed native checkpoint and prints how much each kind of weight shrank."""
+    from infire_jax.compression import parse_kinds
+    from infire_jax.errors import ConfigError
+    from infire_jax.loaders.compressed import size_summary, write_compressed
+    from infire_jax.loaders.load import load_model
+
+    try:
+        kinds = parse_kinds(args.tensors)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    tensors = write_compressed(load_model(args.model), args.out, args.format, kinds)
+    for kind, (before, after) in size_summary(tensors).items():
+        print(f"{kind:>6}: {before / 1e6:10.2f} MB bf16 -> {after / 1e6:10.2f} MB ({1 - after / before:6.1%} smaller)")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_router(args) -> int:
     from router.app import run_router
 
@@ -190,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-hold-seconds", type=float, default=30.0,
                    help="prefill: how long exported KV waits for a decode worker to fetch it")
     s.set_defaults(func=cmd_serve)
+
+    z = sub.add_parser("compress", help="write a losslessly compressed bfloat16 checkpoint (serve it with --model DIR)")
+    z.add_argument("--model", default=None, help="model spec, as for generate (default: the embedded model)")
+    z.add_argument("--out", required=True, help="directory to write (must not exist, or be empty)")
+    z.add_argument("--dtype", default="bfloat16", choices=["bfloat16"], help="stored dtype (compression is of bfloat16)")
+    z.add_argument("--format", default="entropy", choices=["palette", "entropy"],
+                   help="entropy: rANS-coded exponents, smallest on disk; palette: the fixed-rate device format")
+    z.add_argument("--tensors", default="mlp", help="comma-separated kinds to compress: mlp, attn, embed (default mlp)")
+    z.set_defaults(func=cmd_compress)
 
     r = sub.add_parser("router", help="route OpenAI requests over prefill/decode workers or replicas")
     from router.app import add_router_args

@@ -28,6 +28,7 @@ from infire_jax.kv_pool import PoolSizing, size_from_budget, size_from_device_me
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.loaders import LoadedModel
 from infire_jax.loaders.checkpoint import load_placed
+from infire_jax.loaders.compressed import load_resident_placed
 from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.config import ModelConfig
 from infire_jax.outputs import Delta
@@ -66,6 +67,7 @@ class EngineConfig:
     mesh: str | None = None  # mesh-config YAML; default: the shipped file for jax.device_count()
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
+    weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
 
 
 def enable_compilation_cache() -> None:
@@ -99,7 +101,8 @@ class Engine:
 
         report("load", 0, 1)
         t0 = time.monotonic()
-        placed = load_placed(ec.model, self.dtype, self.plan, loaded=loaded)
+        placed = (load_resident_placed(ec.model, self.dtype, self.plan, ec.weights_compression, loaded=loaded)
+                  if ec.weights_compression else load_placed(ec.model, self.dtype, self.plan, loaded=loaded))
         self.loaded, graphdef, state = placed.loaded, placed.graphdef, placed.state
         cfg = self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

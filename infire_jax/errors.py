@@ -23,3 +23,7 @@ class InvalidRequestError(InfireError, ValueError):
 
 class ConfigError(InfireError, ValueError):
     """An engine, mesh or sharding configuration is invalid."""
+
+
+class CorruptCheckpointError(InfireError, ValueError):
+    """A checkpoint file is missing, truncated or fails its checksum: it is refused, never half-used."""

@@ -26,9 +26,10 @@ def main() -> None:
 
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True, logprobs=1)
     for run in job["runs"]:
-        result = {"model": run["model"], "mesh": run["mesh"]}
+        result = {"model": run["model"], "mesh": run["mesh"], "weights_compression": run.get("weights_compression")}
         try:
-            llm = LLM(model=run["model"], mesh=run["mesh"], dtype="float32", **job["engine"])
+            llm = LLM(model=run["model"], mesh=run["mesh"], dtype=run.get("dtype", "float32"),
+                      weights_compression=run.get("weights_compression"), **job["engine"])
         except ConfigError as e:
             result.update(fits=False, error=str(e))
             print(json.dumps(result), flush=True)

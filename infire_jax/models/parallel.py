@@ -54,7 +54,7 @@ def run_sharded(
     stack_fn: StackFn,
     plan: ShardPlan,
     weights: Mapping[str, Array],
-    weight_axes: Mapping[str, tuple[str, ...]],
+    weight_axes: Mapping[str, tuple[str, ...] | Mapping[str, tuple[str, ...]]],  # a dict per compressed weight
     h: Float[Array, "T E"],
     kv: tuple[Array, Array],
     meta: AttentionMetadata,
@@ -80,7 +80,7 @@ def run_sharded(
         return h, k_pages, v_pages
 
     kv_spec = plan.spec(KV_POOL_AXES)
-    w_specs = {name: plan.spec(axes) for name, axes in weight_axes.items()}
+    w_specs = jax.tree.map(plan.spec, dict(weight_axes), is_leaf=lambda x: isinstance(x, tuple))
     fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), w_specs, kv_spec, kv_spec, P(), P(), P()),
                        out_specs=(P(), kv_spec, kv_spec), check_vma=False)
     h, k_pages, v_pages = fn(h, dict(weights), *kv, meta, cos, sin)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from infire_jax.compression.resident import ResidentLayout, compress_resident
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.llama import Llama
@@ -17,11 +18,12 @@ from sharding.plan import ShardPlan
 # Every supported family is a Llama-architecture decoder with flags (bias, qk-norm, MoE).
 MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llama, "qwen3_moe": Llama}
 
-def abstract_model(cfg: ModelConfig, dtype) -> nnx.Module:
+
+def abstract_model(cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None) -> nnx.Module:
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
         raise UnsupportedModelError(f"unsupported architecture {cfg.architecture!r}")
-    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype))
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, resident=resident))
 
 
 def _place(w: np.ndarray, dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -52,29 +54,46 @@ def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: n
     return jax.jit(draw, out_shardings=sharding)()
 
 
-def abstract_placement(cfg: ModelConfig, dtype, plan: ShardPlan | None
+def abstract_placement(cfg: ModelConfig, dtype, plan: ShardPlan | None,
+                       resident: dict[str, ResidentLayout] | None = None
                        ) -> tuple[nnx.GraphDef, nnx.FlatState, dict[tuple, jax.sharding.Sharding | None]]:
     """The placed model's structure, shapes and each weight's sharding (None: the default device),
     with no weight read: what a checkpoint restore targets and what `build_state` fills."""
     if plan is not None:
         cfg = plan.effective_config(cfg)
-    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, resident))
     flat = nnx.to_flat_state(abstract)
     return graphdef, flat, {path: plan.sharding(var.axes) if plan else None for path, var in flat}
 
 
+def drawn_weights(cfg: ModelConfig, dtype, *, plan: ShardPlan | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """A `dummy:` model's weights, drawn on the device(s) as `build_state` draws them, copied to the
+    host by parameter path (already in the plan's layout)."""
+    _, state = build_state(cfg, None, dtype, plan=plan, seed=seed)
+    return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
 def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtype, *,
-                plan: ShardPlan | None = None, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+                plan: ShardPlan | None = None, seed: int = 0,
+                compress: tuple[str, ...] = ()) -> tuple[nnx.GraphDef, nnx.State]:
     """Places the weights on the device(s), each in `dtype` and its sharding.
 
     With a plan, the model is the plan's effective config (kv heads repeated, layers padded to
     whole pipeline stages) and each device receives only its shard. With `weights=None` the
     model's random init runs on the device itself (for `dummy:` models), so no host copy of a
-    multi-GB model is ever made.
+    multi-GB model is ever made. `compress` names the kinds of weights (`mlp`, `attn`) kept
+    palette-compressed on the devices (compression/resident.py).
     """
     if plan is not None and weights is not None:
         weights = plan.prepare_weights(weights)
-    graphdef, flat, shardings = abstract_placement(cfg, dtype, plan)
+    resident = None
+    if compress:
+        if weights is None:  # drawn weights are compressed on the host, one copy of the model there
+            weights = drawn_weights(cfg, dtype, plan=plan, seed=seed)
+        _, plain, _ = abstract_placement(cfg, dtype, plan)
+        axes = {".".join(map(str, p)): var.axes for p, var in plain}
+        weights, resident = compress_resident(weights, axes, compress, plan)
+    graphdef, flat, shardings = abstract_placement(cfg, dtype, plan, resident)
 
     if weights is None:
         mask = plan.layer_slot_mask() if plan else None
@@ -94,5 +113,5 @@ def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtyp
         w = weights[name]
         if tuple(w.shape) != tuple(var.shape):
             raise UnsupportedModelError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(var.shape)}")
-        placed.append((path, var.replace(_place(w, jnp.dtype(dtype), shardings[path]))))
+        placed.append((path, var.replace(_place(w, jnp.dtype(var.dtype), shardings[path]))))
     return graphdef, nnx.from_flat_state(placed)
