@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import random
+import threading
 import time
 from typing import Callable
 
@@ -31,6 +32,7 @@ from infire_jax.loaders.checkpoint import load_placed
 from infire_jax.loaders.compressed import load_resident_placed
 from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.registry import abstract_state
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
 from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_per_page
@@ -96,21 +98,9 @@ class Engine:
         ec = self.config = config or EngineConfig()
         report = progress or (lambda stage, done, total: None)
         self.dtype = resolve_dtype(ec.dtype)
-        self.plan = self._check_settings(loaded.config if loaded else load_config(ec.model))
+        cfg = self.model_config = loaded.config if loaded else load_config(ec.model)
+        self.plan = self._check_settings(cfg)
         enable_compilation_cache()
-
-        report("load", 0, 1)
-        t0 = time.monotonic()
-        placed = (load_resident_placed(ec.model, self.dtype, self.plan, ec.weights_compression, loaded=loaded)
-                  if ec.weights_compression else load_placed(ec.model, self.dtype, self.plan, loaded=loaded))
-        self.loaded, graphdef, state = placed.loaded, placed.graphdef, placed.state
-        cfg = self.model_config = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        self.model_name = self.loaded.name
-        jax.block_until_ready(state)
-        self.load_seconds = time.monotonic() - t0
-        report("load", 1, 1)
-
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
         branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else _on_gpu()
@@ -120,26 +110,53 @@ class Engine:
                           buckets=self._buckets(budget), attn_impl=self._attention(cfg),
                           sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,))
         placed_cfg = self.plan.effective_config(cfg) if self.plan else cfg
-        self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=self.plan)
-        if sizing is None:  # fill the card: measure the largest step's activations with a minimal pool
-            sizing = self._pool_from_device_memory()
-            self.runner.resize_pool(sizing.num_pages)
+        shapes = rc.buckets.shapes
+        done = itertools.count(1)
+        t0, events, cached = time.monotonic(), compile_count(), cache_hit_count()
+        # Compiling needs only the weights' shapes: with a pool fixed in advance, one process and
+        # uncompressed weights, the steps compile on another thread while the weights are read.
+        warmup = None
+        if sizing is not None and not ec.weights_compression and not multihost.is_multiprocess():
+            self.runner = ModelRunner(placed_cfg, *abstract_state(cfg, self.dtype, self.plan), rc, dtype=self.dtype,
+                                      plan=self.plan)
+            report("compile", 0, len(shapes))
+            warmup = _Background(self.runner.warmup, lambda shape: report("compile", next(done), len(shapes)))
+
+        report("load", 0, 1)
+        t_load = time.monotonic()
+        placed = (load_resident_placed(ec.model, self.dtype, self.plan, ec.weights_compression, loaded=loaded)
+                  if ec.weights_compression else load_placed(ec.model, self.dtype, self.plan, loaded=loaded))
+        self.loaded, graphdef, state = placed.loaded, placed.graphdef, placed.state
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        jax.block_until_ready(state)
+        self.load_seconds = time.monotonic() - t_load
+        report("load", 1, 1)
+
+        if warmup is not None:
+            warmup.join()
+            self.runner.attach_weights(state)
+            self.warmup_seconds = warmup.seconds
+        else:
+            t_warmup = time.monotonic()
+            self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=self.plan)
+            if sizing is None:  # fill the card: measure the largest step's activations with a minimal pool
+                sizing = self._pool_from_device_memory()
+                self.runner.resize_pool(sizing.num_pages)
+            report("compile", 0, len(shapes))
+            self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
+            self.warmup_seconds = time.monotonic() - t_warmup
         self.pool_sizing: PoolSizing = sizing
         log.info("%s", sizing.describe())
         rc = self.runner.rc
         self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
-
-        t0, events, cached = time.monotonic(), compile_count(), cache_hit_count()
-        shapes = rc.buckets.shapes
-        done = itertools.count(1)
-        report("compile", 0, len(shapes))
-        self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
-        self.warmup_seconds = time.monotonic() - t0
         self.boot = BootTimeline(
             weight_bytes=sum(a.nbytes for a in jax.tree.leaves(state)), load_seconds=self.load_seconds,
             restored=placed.built_because is None, compile_seconds=self.warmup_seconds, num_steps=len(shapes),
-            compiled=compile_count() - events - (cache_hit_count() - cached), cache_loaded=cache_hit_count() - cached)
+            compiled=compile_count() - events - (cache_hit_count() - cached), cache_loaded=cache_hit_count() - cached,
+            overlapped=warmup is not None, ready_seconds=time.monotonic() - t0)
         # Compilations inside step() after warmup: must stay 0 (buckets are fixed).
         self.compiles_since_warmup = 0
 
@@ -439,6 +456,29 @@ class Engine:
         return len(self.scheduler.waiting)
 
 
+class _Background(threading.Thread):
+    """Runs fn(*args) on its own thread; join() re-raises what it raised."""
+
+    def __init__(self, fn: Callable, *args):
+        super().__init__(name="infire-warmup", daemon=True)
+        self._call, self._error, self.seconds = (fn, args), None, 0.0
+        self.start()
+
+    def run(self) -> None:
+        fn, args = self._call
+        start = time.monotonic()
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+            self._error = e
+        self.seconds = time.monotonic() - start
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self._error is not None:
+            raise self._error
+
+
 @dataclasses.dataclass(frozen=True)
 class BootTimeline:
     """Where an engine's start-up went: the weights (restored from the checkpoint or built from the
@@ -450,14 +490,18 @@ class BootTimeline:
     compile_seconds: float
     num_steps: int  # token buckets warmed up
     compiled: int  # XLA compilations during warmup (the cache loads below not counted)
-    cache_loaded: int  # executables loaded from the persistent cache during warmup
+    cache_loaded: int  # executables loaded from XLA's persistent cache during warmup
+    overlapped: bool  # the warmup ran while the weights were read
+    ready_seconds: float  # the engine's construction, from its first compile or read to ready
 
     def describe(self) -> str:
         source = "restored from its checkpoint" if self.restored else "built from the source (checkpoint written)"
         return (f"boot: weights {self.weight_bytes / 1e9:.3f} GB {source} in {self.load_seconds:.2f} s "
                 f"({self.weight_bytes / 1e9 / max(self.load_seconds, 1e-9):.2f} GB/s); warmup of {self.num_steps} "
-                f"steps in {self.compile_seconds:.2f} s ({self.compiled} compiled, {self.cache_loaded} from the "
-                f"compilation cache)")
+                f"steps in {self.compile_seconds:.2f} s ({self.compiled} programs compiled, {self.cache_loaded} "
+                f"from XLA's cache"
+                f"{', while the weights were read' if self.overlapped else ''}); "
+                f"engine ready in {self.ready_seconds:.2f} s")
 
 
 @dataclasses.dataclass

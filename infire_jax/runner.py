@@ -161,7 +161,8 @@ class StepResult(NamedTuple):
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, rc: RunnerConfig,
                  *, dtype, plan: ShardPlan | None = None):
-        """`cfg` is the placed model's config (a plan's effective config on a mesh)."""
+        """`cfg` is the placed model's config (a plan's effective config on a mesh); `state` may be
+        the weights' shapes alone (attach_weights gives the weights)."""
         self.cfg = cfg
         self.rc = rc
         self.graphdef = graphdef
@@ -179,6 +180,10 @@ class ModelRunner:
         self._samplers = {v: jax.jit(functools.partial(_sample, v), donate_argnums=(0,),
                                      out_shardings=plan.replicated if plan else None)
                           for v in rc.sampler_variants}
+        # The step programs, compiled ahead of time per bucket (and per row count and variant): the
+        # steps call these, so nothing can compile after warmup, and warmup needs no weights.
+        self._compiled_forward: dict[StepShape, jax.stages.Compiled] = {}
+        self._compiled_samplers: dict[tuple[int, str], jax.stages.Compiled] = {}
         self._history = jax.jit(_load_history, donate_argnums=(0,))
         self._read_pages = jax.jit(_read_pages)
         self._write_pages = jax.jit(_write_pages, donate_argnums=(0,),
@@ -242,14 +247,29 @@ class ModelRunner:
         """Temporaries of the largest step on one device, from XLA's memory analysis of the compiled
         forward and samplers (the larger of the two: they run one after the other)."""
         shape = self.rc.buckets.shapes[-1]
-        batch, c = self._empty_batch(shape), self.cache
-        peaks = [self._forward.lower(self.state, c, batch).compile().memory_analysis().temp_size_in_bytes]
-        logits = jax.ShapeDtypeStruct((shape.num_rows, self.cfg.vocab_size), jnp.float32)
-        for fn in self._samplers.values():
-            m = fn.lower(c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling, batch.row_slots,
-                         batch.sample_rows).compile().memory_analysis()
+        batch = self._empty_batch(shape)
+        peaks = [self._lower_forward(batch).compile().memory_analysis().temp_size_in_bytes]
+        for variant in self.rc.sampler_variants:
+            m = self._lower_sampler(variant, batch).compile().memory_analysis()
             peaks.append(m.temp_size_in_bytes + shape.num_rows * self.cfg.vocab_size * 4)
         return max(peaks)
+
+    def _lower_forward(self, batch: StepBatch) -> jax.stages.Lowered:
+        return self._forward.lower(self.state, self.cache, batch)
+
+    def _lower_sampler(self, variant: str, batch: StepBatch) -> jax.stages.Lowered:
+        c = self.cache
+        logits = jax.ShapeDtypeStruct((batch.row_slots.shape[0], self.cfg.vocab_size), jnp.float32,
+                                      sharding=self.plan.replicated if self.plan else None)
+        return self._samplers[variant].lower(c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling,
+                                             batch.row_slots, batch.sample_rows)
+
+    def _compile(self, shape: StepShape, batch: StepBatch) -> None:
+        """Compiles (or loads from XLA's persistent cache) the step programs of one bucket."""
+        self._compiled_forward[shape] = self._lower_forward(batch).compile()
+        for variant in self.rc.sampler_variants:
+            if (shape.num_rows, variant) not in self._compiled_samplers:
+                self._compiled_samplers[shape.num_rows, variant] = self._lower_sampler(variant, batch).compile()
 
     def model(self) -> nnx.Module:
         """The model bound to the placed weights, for direct forwards outside the step (tests, tools)."""
@@ -259,15 +279,13 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.k_pages.nbytes + self.cache.v_pages.nbytes
 
-    def _run(self, batch: StepBatch, *variants: str) -> SamplerOutput:
-        """Launches the forward and the sampler; neither waits for the device. Warmup passes every
-        variant, to compile them all on one forward's logits; a step passes one."""
-        cache, logits = self._forward(self.state, self.cache, batch)
-        for variant in variants:
-            last, out = self._samplers[variant](cache.last_tokens, cache.counts, cache.prompt_mask, logits,
-                                                batch.sampling, batch.row_slots, batch.sample_rows)
-            cache = cache._replace(last_tokens=last)
-        self.cache = cache
+    def _run(self, shape: StepShape, batch: StepBatch, variant: str) -> SamplerOutput:
+        """Launches the bucket's compiled forward and sampler; neither waits for the device."""
+        cache, logits = self._compiled_forward[shape](self.state, self.cache, batch)
+        last, out = self._compiled_samplers[shape.num_rows, variant](
+            cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
+            batch.sample_rows)
+        self.cache = cache._replace(last_tokens=last)
         return out
 
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -299,7 +317,9 @@ class ModelRunner:
         self.cache = self._history(self.cache, np.int32(slot), prompt, output)
 
     def warmup(self, on_shape: Callable[[StepShape], None] | None = None) -> None:
-        """Compiles and runs every bucket once, on an all-padding batch that touches no real page.
+        """Compiles every bucket's programs ahead of time (from XLA's persistent cache after the first
+        start), without running them: that needs only the weights' shapes, so it may run while they
+        load. The small page and history programs run once, on the null page and the padding slot.
 
         With several processes, each process also runs every broadcast shape once.
         """
@@ -312,11 +332,19 @@ class ModelRunner:
             batch = self._empty_batch(shape)
             if multihost.is_multiprocess():
                 batch = multihost.receive(batch)
-            jax.block_until_ready(self._run(batch, *self.rc.sampler_variants))  # samplers: once per row count
+            self._compile(shape, batch)
             if on_shape:
                 on_shape(shape)
         if not multihost.is_multiprocess():  # KV transfer: both page programs, on the null page only
             self.write_pages([NULL_PAGE], *self.read_pages([NULL_PAGE]))
+
+    def attach_weights(self, state: nnx.State) -> None:
+        """The weights, once read, for a runner built (and warmed up) on their shapes alone."""
+        want = jax.tree.map(lambda a: (a.shape, a.dtype), self.state)
+        got = jax.tree.map(lambda a: (a.shape, a.dtype), state)
+        if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+            raise RuntimeError("the loaded weights do not match the shapes the steps were compiled for")
+        self.state = state
 
     def _empty_batch(self, shape: StepShape) -> StepBatch:
         return self._build(SchedulerOutput([], []), shape)
@@ -333,7 +361,8 @@ class ModelRunner:
                 self._load(arg, *multihost.receive((pad, pad)))
             else:
                 shape, variant = divmod(arg, len(self.rc.sampler_variants))
-                self._run(multihost.receive(self._empty_batch(shapes[shape])), self.rc.sampler_variants[variant])
+                self._run(shapes[shape], multihost.receive(self._empty_batch(shapes[shape])),
+                          self.rc.sampler_variants[variant])
 
     def stop_followers(self) -> None:
         if multihost.is_multiprocess() and multihost.is_leader():
@@ -368,7 +397,7 @@ class ModelRunner:
         variant = choose_variant(batch.sampling, self.rc.sampler_variants)
         if multihost.is_multiprocess():
             multihost.send(multihost.STEP, self._command(shape, variant), batch)
-        out = self._run(batch, variant)
+        out = self._run(shape, batch, variant)
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
         return PendingStep(work, out, want_lp)
 

@@ -30,7 +30,8 @@ def test_bench_boot_first_cold_warm(tmp_path):
     assert first["built"] == 1 and first["compiled"] > 0
     for row in (cold, warm):
         assert row["built"] == 0 and row["compiled"] == 0 and row["cache_loaded"] > 0  # every step from the cache
-        assert row["import_s"] + row["load_s"] + row["compile_s"] <= row["ready_s"] <= row["first_token_s"]
+        # the steps compile while the weights are read
+        assert row["import_s"] + max(row["load_s"], row["compile_s"]) <= row["ready_s"] <= row["first_token_s"]
         assert row["ready_over_floor_s"] == row["ready_s"] - result["drive_seconds"]
     assert warm["ready_s"] < first["ready_s"]
 

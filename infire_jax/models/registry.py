@@ -66,6 +66,14 @@ def abstract_placement(cfg: ModelConfig, dtype, plan: ShardPlan | None,
     return graphdef, flat, {path: plan.sharding(var.axes) if plan else None for path, var in flat}
 
 
+def abstract_state(cfg: ModelConfig, dtype, plan: ShardPlan | None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The placed (uncompressed) weights as shapes, dtypes and shardings only: enough to compile the
+    steps while the weights are still being read."""
+    graphdef, flat, shardings = abstract_placement(cfg, dtype, plan)
+    return graphdef, nnx.from_flat_state([
+        (p, var.replace(jax.ShapeDtypeStruct(var.shape, dtype, sharding=shardings[p]))) for p, var in flat])
+
+
 def drawn_weights(cfg: ModelConfig, dtype, *, plan: ShardPlan | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     """A `dummy:` model's weights, drawn on the device(s) as `build_state` draws them, copied to the
     host by parameter path (already in the plan's layout)."""
