@@ -27,6 +27,7 @@ def test_bench_boot_first_cold_warm(tmp_path):
     rows = {r["mode"]: r for r in result["results"]}
     first, cold, warm = rows["first"], rows["cold"], rows["warm"]
     assert result["checkpoint_bytes"] > 400e6  # SmolLM2-135M in float32
+    assert result["fromfile_seconds"]["cold"] > 0 and result["fromfile_seconds"]["warm"] > 0
     assert first["built"] == 1 and first["compiled"] > 0
     for row in (cold, warm):
         assert row["built"] == 0 and row["compiled"] == 0 and row["cache_loaded"] > 0  # every step from the cache

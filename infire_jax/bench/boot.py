@@ -49,8 +49,7 @@ def evict(path: str) -> None:
 
 def read_speed(path: str) -> tuple[int, float]:
     """Bytes under `path` and the seconds to read them from the drive: O_DIRECT reads of 16 MiB, past
-    the page cache (buffered reads of evicted files where O_DIRECT is refused). np.fromfile of
-    evicted files measured 2 to 4x slower here, below what the loaders themselves reach."""
+    the page cache (buffered reads of evicted files where O_DIRECT is refused)."""
     import mmap
 
     evict(path)
@@ -67,6 +66,19 @@ def read_speed(path: str) -> tuple[int, float]:
         finally:
             os.close(fd)
     return total, time.perf_counter() - t0
+
+
+def fromfile_seconds(path: str, cold: bool) -> float:
+    """Seconds for np.fromfile to read every file under `path` into memory (evicted first if `cold`):
+    the plain-numpy baseline a loader is compared with."""
+    import numpy as np
+
+    if cold:
+        evict(path)
+    t0 = time.perf_counter()
+    for name in _files(path):
+        np.fromfile(name, np.uint8)
+    return time.perf_counter() - t0
 
 
 def boot(args: argparse.Namespace) -> None:
@@ -138,6 +150,8 @@ def run(args: argparse.Namespace):
         if not os.path.isdir(first["checkpoint"]):
             raise BenchError(f"no checkpoint was written at {first['checkpoint']} (INFIRE_JAX_NO_CHECKPOINT?)")
         nbytes, drive_s = read_speed(first["checkpoint"])
+        fromfile = dict(cold=fromfile_seconds(first["checkpoint"], cold=True),
+                        warm=fromfile_seconds(first["checkpoint"], cold=False))
         cold, warm = [], []
         for _ in range(args.runs):
             evict(first["checkpoint"])
@@ -146,10 +160,12 @@ def run(args: argparse.Namespace):
     rows = [_summary("first", [first], nbytes, drive_s), _summary("cold", cold, nbytes, drive_s),
             _summary("warm", warm, nbytes, drive_s)]
     payload = dict(benchmark="boot", settings=flags, checkpoint=first["checkpoint"], checkpoint_bytes=nbytes,
-                   drive_seconds=drive_s, drive_gb_per_s=nbytes / drive_s / 1e9, results=rows,
+                   drive_seconds=drive_s, drive_gb_per_s=nbytes / drive_s / 1e9, fromfile_seconds=fromfile,
+                   results=rows,
                    boots=dict(first=first, cold=cold, warm=warm))
     title = (f"boot: {args.model or 'default model'}, checkpoint {nbytes / 1e9:.2f} GB, "
-             f"drive {nbytes / drive_s / 1e9:.2f} GB/s")
+             f"drive {nbytes / drive_s / 1e9:.2f} GB/s; np.fromfile {fromfile['cold']:.2f} s cold, "
+             f"{fromfile['warm']:.2f} s warm")
     return report.Result(payload, report.table(rows, COLUMNS), [], title)
 
 
