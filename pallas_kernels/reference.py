@@ -5,7 +5,9 @@ Attention of a token is split in two parts that are merged with an online softma
     freshly projected k/v, and
   * part A, the positions cached before this step, read from the pages block by block. The loop
     runs ceil(longest cached prefix / block) times, so a step costs what its contexts need, not
-    what `max_model_len` would.
+    what `max_model_len` would. Each row's tokens are cut into query blocks that gather the row's
+    pages once for all their tokens: gathered per token, a 512-token prompt chunk copied the same
+    pages 512 times.
 
 Scores and weighted sums are float32 dots. When any input is float32, they run at
 `Precision.HIGHEST`: XLA's default float32 dot on a GPU is TF32 (10-bit mantissa), which left this
@@ -16,18 +18,21 @@ kernels' `dot_precision` does.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.metadata import AttentionMetadata
 
-# Tokens per part-A block: large enough that the loop overhead is small on CPU...
+# Positions per part-A block: large enough that the loop overhead is small on CPU, but the
+# block each query block gathers shrinks until all of them together stay about cache-sized.
 _BLOCK_TOKENS = 128
-# ...but part A gathers each token's own copy of the block, so with many tokens (a prompt chunk)
-# the block shrinks until that copy stays about cache-sized: 128 -> 16 tokens took a 2048-token
-# prefill on one CPU core from 26.7 s to 19.5 s. Decode steps (few tokens) keep 128.
 _BLOCK_GATHER_BYTES = 4 << 20
+# Most tokens per part-A query block. Padding items cost scores like real ones: one layer of a
+# 512-token chunk after 1536 cached positions, S = 8, took 75 ms with blocks of 64, 69 with 16 or 32.
+_MAX_QUERY_BLOCK = 32
 
 
 def _dot_precision(*arrays) -> jax.lax.Precision | None:
@@ -53,7 +58,7 @@ def write_kv(
 
 
 def _pages_per_block(num_pages_per_seq: int, page_size: int, gather_bytes_per_position: int) -> int:
-    """Largest divisor of the page-table width whose tokens fit in one block (at least 1 page)."""
+    """Largest divisor of the page-table width whose positions fit in one block (at least 1 page)."""
     limit = min(_BLOCK_TOKENS, _BLOCK_GATHER_BYTES // gather_bytes_per_position)
     best = 1
     for d in range(1, num_pages_per_seq + 1):
@@ -62,14 +67,39 @@ def _pages_per_block(num_pages_per_seq: int, page_size: int, gather_bytes_per_po
     return best
 
 
-def token_context(meta: AttentionMetadata, num_tokens: int) -> tuple[Array, Array, Array]:
-    """Per token: is it a real token, its clipped sequence row, and how many positions precede this step."""
-    num_rows = meta.kv_lens.shape[0]
-    valid = jnp.arange(num_tokens) < meta.cu_q_lens[meta.num_seqs]
-    sid = jnp.clip(meta.seq_ids, 0, num_rows - 1)
-    q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
-    ctx = jnp.where(valid, (meta.kv_lens - q_lens)[sid], 0)
-    return valid, sid, ctx
+def query_block_size(num_tokens: int, num_rows: int) -> int:
+    """Tokens per part-A query block. Any split of the step into rows fits (T + S (C - 1)) // C items
+    of C slots; C <= T // S keeps those slots, each scored against every cached position, under 2T,
+    and gives decode steps (T = S) one slot per item: the per-token gather they always had."""
+    return max(1, min(num_tokens // num_rows, _MAX_QUERY_BLOCK))
+
+
+class QueryBlocks(NamedTuple):
+    row: Int[Array, "W"]  # sequence row of each item (clipped)
+    ctx: Int[Array, "W"]  # positions cached before this step in the item's row; 0 past the step's items
+    token: Int[Array, "W C"]  # flat token of each slot (clipped: slots past their row's tokens repeat one)
+    token_item: Int[Array, "T"]  # item of each token (meaningful for valid tokens)
+    token_slot: Int[Array, "T"]  # slot of each token in its item
+
+
+def query_blocks(meta: AttentionMetadata, num_tokens: int, block: int) -> QueryBlocks:
+    """Each row's tokens cut into blocks of `block` slots: W = (T + S * (block - 1)) // block items
+    bound any step, as a row adds at most one partial block."""
+    s = meta.kv_lens.shape[0]
+    cu = meta.cu_q_lens.astype(jnp.int32)
+    q_lens = cu[1:] - cu[:-1]
+    blocks = jnp.where(jnp.arange(s) < meta.num_seqs, -(-q_lens // block), 0)
+    ends = jnp.cumsum(blocks)
+    starts = ends - blocks
+    item = jnp.arange((num_tokens + s * (block - 1)) // block, dtype=jnp.int32)
+    row = jnp.minimum(jnp.searchsorted(ends, item, side="right"), s - 1).astype(jnp.int32)
+    first = cu[row] + (item - starts[row]) * block
+    token = jnp.minimum(first[:, None] + jnp.arange(block), cu[row + 1][:, None] - 1)
+    sid = jnp.clip(meta.seq_ids, 0, s - 1)
+    in_row = jnp.arange(num_tokens, dtype=jnp.int32) - cu[sid]
+    token_item = jnp.clip(starts[sid] + in_row // block, 0, item.shape[0] - 1)
+    ctx = jnp.where(item < ends[-1], meta.kv_lens[row] - q_lens[row], 0)
+    return QueryBlocks(row, ctx, jnp.clip(token, 0, num_tokens - 1), token_item, in_row % block)
 
 
 def ragged_paged_attention(
@@ -91,7 +121,8 @@ def ragged_paged_attention(
     precision = _dot_precision(q, k, v, k_pages, v_pages)
     k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, meta.slot_mapping)
 
-    valid, sid, ctx = token_context(meta, t)
+    valid = jnp.arange(t) < meta.cu_q_lens[meta.num_seqs]
+    sid = jnp.clip(meta.seq_ids, 0, meta.kv_lens.shape[0] - 1)
     pos = meta.positions
     qg = q.astype(jnp.float32).reshape(t, hkv, g, d) * scale
 
@@ -105,28 +136,42 @@ def ragged_paged_attention(
     l_sum = jnp.sum(p, axis=-1)
     acc = jnp.einsum("tkgu,ukd->tkgd", p, v.astype(jnp.float32), precision=precision)
 
-    # Part A: cached positions [0, ctx), one block of pages per iteration.
+    # Part A: cached positions [0, ctx), one block of pages per iteration. A row's tokens share its
+    # context, so each query block of one row gathers the row's pages once for all its tokens.
+    qb = query_blocks(meta, t, query_block_size(t, meta.kv_lens.shape[0]))
+    w, c = qb.token.shape
+
+    def to_items(x):  # [T, Hkv, G, ...] -> [W, Hkv, C * G, ...]
+        if c == 1:  # decode steps: W = T and item i is token i, so no gather
+            return x
+        x = jnp.moveaxis(x[qb.token], 1, 2)
+        return x.reshape(w, hkv, c * g, *x.shape[4:])
+
+    qi = to_items(qg)
     num_pages = meta.page_table.shape[1]
-    ppb = _pages_per_block(num_pages, ps, t * hkv * d * 4)
+    ppb = _pages_per_block(num_pages, ps, w * hkv * d * 4)
     block = ppb * ps
-    token_pages = meta.page_table[sid]
-    n_blocks = (jnp.max(ctx) + block - 1) // block
+    item_pages = meta.page_table[qb.row]
+    n_blocks = (jnp.max(qb.ctx) + block - 1) // block
 
     def body(j, carry):
         m, l_sum, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(token_pages, j * ppb, ppb, axis=1)
-        kb = k_pages[layer, pages].reshape(t, block, hkv, d).astype(jnp.float32)
-        vb = v_pages[layer, pages].reshape(t, block, hkv, d).astype(jnp.float32)
-        s = jnp.einsum("tkgd,tbkd->tkgb", qg, kb, precision=precision)
-        in_ctx = (j * block + jnp.arange(block))[None, :] < ctx[:, None]
+        pages = jax.lax.dynamic_slice_in_dim(item_pages, j * ppb, ppb, axis=1)
+        kb = k_pages[layer, pages].reshape(w, block, hkv, d).astype(jnp.float32)
+        vb = v_pages[layer, pages].reshape(w, block, hkv, d).astype(jnp.float32)
+        s = jnp.einsum("wkmd,wbkd->wkmb", qi, kb, precision=precision)
+        in_ctx = (j * block + jnp.arange(block))[None, :] < qb.ctx[:, None]
         s = jnp.where(in_ctx[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
         l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgb,tbkd->tkgd", p, vb, precision=precision)
+        acc = acc * alpha[..., None] + jnp.einsum("wkmb,wbkd->wkmd", p, vb, precision=precision)
         return m_new, l_sum, acc
 
-    m, l_sum, acc = jax.lax.fori_loop(0, n_blocks, body, (m, l_sum, acc))
-    out = (acc / l_sum[..., None]).reshape(t, hq, d).astype(q.dtype)
-    return out, k_pages, v_pages
+    _, l_items, acc_items = jax.lax.fori_loop(0, n_blocks, body, (to_items(m), to_items(l_sum), to_items(acc)))
+    out = acc_items / l_items[..., None]
+    if c > 1:  # padding tokens keep their part-B output: finite, as the null page they write must stay
+        out = out.reshape(w, hkv, c, g, d)[qb.token_item, :, qb.token_slot]
+        out = jnp.where(valid[:, None, None, None], out, acc / l_sum[..., None])
+    return out.reshape(t, hq, d).astype(q.dtype), k_pages, v_pages

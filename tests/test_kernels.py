@@ -321,6 +321,22 @@ def round_to_tf32(x: np.ndarray) -> np.ndarray:
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
+@pytest.mark.parametrize("block", [1, 4, 7, NUM_TOKENS])
+def test_reference_query_blocks_of_any_size(monkeypatch, block):
+    """Part A's per-row query blocks: each real token in one slot of its row's item, within the bound,
+    and the same attention as the oracle from one token per item to the whole step in one."""
+    shapes = SHAPES[3]
+    case = make_case(shapes, seed=11, poison=True)
+    qb = reference.query_blocks(device_meta(case.meta), NUM_TOKENS, block)
+    token, item, slot = np.asarray(qb.token), np.asarray(qb.token_item), np.asarray(qb.token_slot)
+    assert token.shape == ((NUM_TOKENS + NUM_ROWS * (block - 1)) // block, block)
+    real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
+    np.testing.assert_array_equal(token[item[real], slot[real]], np.flatnonzero(real))
+    np.testing.assert_array_equal(np.asarray(qb.row)[item[real]], case.meta.seq_ids[real])
+    monkeypatch.setattr(reference, "query_block_size", lambda num_tokens, num_rows: block)
+    assert_close(module_reference(case, shapes)[real], numpy_attention(case, shapes.num_q_heads)[real], shapes.tol)
+
+
 def test_reference_attention_float32_is_full_precision():
     """The reference multiplies float32 in float32, not TF32, on whatever backend runs the tests.
 
