@@ -48,10 +48,6 @@ class ServerState:
     role: str = "both"  # prefill, decode or both (server/kv_handoff.py)
     handoff: KVHandoff | None = None  # the KV transfer of a prefill or decode worker
 
-    @property
-    def healthy(self) -> bool:
-        return all(m.engine.healthy for m in self.models.values())
-
 
 STATE = web.AppKey("state", ServerState)
 KV_PULLED: web.RequestKey[Pulled | None] = web.RequestKey("kv_pulled")  # set when a transfer was asked
