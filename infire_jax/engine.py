@@ -7,12 +7,12 @@ engine) only calls `add_request`, `abort` and `step`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import os
 import random
-import threading
 import time
 from typing import Callable
 
@@ -120,7 +120,9 @@ class Engine:
             self.runner = ModelRunner(placed_cfg, *abstract_state(cfg, self.dtype, self.plan), rc, dtype=self.dtype,
                                       plan=self.plan)
             report("compile", 0, len(shapes))
-            warmup = _Background(self.runner.warmup, lambda shape: report("compile", next(done), len(shapes)))
+            pool = concurrent.futures.ThreadPoolExecutor(1, "infire-warmup")
+            warmup = pool.submit(_timed, self.runner.warmup, lambda shape: report("compile", next(done), len(shapes)))
+            pool.shutdown(wait=False)  # its thread ends with the warmup
 
         report("load", 0, 1)
         t_load = time.monotonic()
@@ -135,9 +137,8 @@ class Engine:
         report("load", 1, 1)
 
         if warmup is not None:
-            warmup.join()
+            self.warmup_seconds = warmup.result()  # re-raises what the warmup raised
             self.runner.attach_weights(state)
-            self.warmup_seconds = warmup.seconds
         else:
             t_warmup = time.monotonic()
             self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=self.plan)
@@ -456,27 +457,10 @@ class Engine:
         return len(self.scheduler.waiting)
 
 
-class _Background(threading.Thread):
-    """Runs fn(*args) on its own thread; join() re-raises what it raised."""
-
-    def __init__(self, fn: Callable, *args):
-        super().__init__(name="infire-warmup", daemon=True)
-        self._call, self._error, self.seconds = (fn, args), None, 0.0
-        self.start()
-
-    def run(self) -> None:
-        fn, args = self._call
-        start = time.monotonic()
-        try:
-            fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the joining thread
-            self._error = e
-        self.seconds = time.monotonic() - start
-
-    def join(self, timeout: float | None = None) -> None:
-        super().join(timeout)
-        if self._error is not None:
-            raise self._error
+def _timed(fn: Callable, *args) -> float:
+    start = time.monotonic()
+    fn(*args)
+    return time.monotonic() - start
 
 
 @dataclasses.dataclass(frozen=True)
