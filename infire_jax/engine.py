@@ -479,7 +479,7 @@ class BootTimeline:
     ready_seconds: float  # the engine's construction, from its first compile or read to ready
 
     def describe(self) -> str:
-        source = "restored from its checkpoint" if self.restored else "built from the source (checkpoint written)"
+        source = "restored from its checkpoint" if self.restored else "loaded from the source"
         return (f"boot: weights {self.weight_bytes / 1e9:.3f} GB {source} in {self.load_seconds:.2f} s "
                 f"({self.weight_bytes / 1e9 / max(self.load_seconds, 1e-9):.2f} GB/s); warmup of {self.num_steps} "
                 f"steps in {self.compile_seconds:.2f} s ({self.compiled} programs compiled, {self.cache_loaded} "

@@ -161,7 +161,7 @@ def test_serve_two_models_boots_with_a_timeline(default_gguf):
     finally:
         server.stop()
     assert ready < 120, f"the server took {ready:.0f} s to be ready"
-    assert re.search(r"boot: weights [\d.]+ GB (restored from its checkpoint|built from the source)", log)
+    assert re.search(r"boot: weights [\d.]+ GB (restored from its checkpoint|loaded from the source)", log)
     assert "warmup of" in log and "hot standby: 1 of" in log and "ready to serve" in log
     assert served == ["smol", "random"] and all(isinstance(t, str) for t in texts.values())
     assert resident["infire:model_resident"] == 1.0
