@@ -21,6 +21,7 @@ from infire_jax.engine import Engine
 from infire_jax.errors import InvalidRequestError
 from infire_jax.outputs import Delta
 from infire_jax.sampling_params import SamplingParams
+from infire_jax.speculative.controller import SpecStats
 
 if TYPE_CHECKING:
     from infire_jax.residency import Residency
@@ -51,6 +52,7 @@ class EngineSnapshot:
     compiles_since_warmup: int = 0
     step_seconds: float = 0.0
     device_wait_seconds: float = 0.0
+    spec: SpecStats | None = None  # speculative decoding's counters, when the engine speculates
 
 
 class LatencyObserver(Protocol):
@@ -389,4 +391,5 @@ class AsyncEngine:
             prefix_queries=e.kv.queries, prefix_hits=e.kv.hits, num_preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens,
             compiles_since_warmup=e.compiles_since_warmup, step_seconds=e.stats.step_seconds,
-            device_wait_seconds=e.stats.device_wait_seconds)
+            device_wait_seconds=e.stats.device_wait_seconds,
+            spec=e.spec.stats.copy() if e.spec else None)

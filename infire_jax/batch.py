@@ -12,7 +12,9 @@ from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS
 from infire_jax.scheduler import SchedulerOutput
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 
-TOKEN_PAD, TOKEN_PROMPT, TOKEN_OUTPUT = 0, 1, 2
+# A token's role, for the device-side penalty history: prompt and output tokens are recorded
+# there as they go through the model; proposed tokens only once verification accepts them.
+TOKEN_PAD, TOKEN_PROMPT, TOKEN_OUTPUT, TOKEN_DRAFT = 0, 1, 2, 3
 
 
 class StepBatch(NamedTuple):
@@ -20,11 +22,27 @@ class StepBatch(NamedTuple):
     from_device: np.ndarray  # [T] bool: use the device's last sample for this token's slot
     token_kind: np.ndarray  # [T] int32: TOKEN_PAD / TOKEN_PROMPT / TOKEN_OUTPUT
     meta: AttentionMetadata
-    logits_indices: np.ndarray  # [S] int32: the last token of each row
+    logits_indices: np.ndarray  # [S] int32: the last token of each row; [S * (K + 1)] when verifying K proposals
     row_slots: np.ndarray  # [S] int32: device-side request slot of each row (padding -> dummy slot)
     reset_rows: np.ndarray  # [S] bool
     sample_rows: np.ndarray  # [S] bool: rows whose sample is a real next token
     sampling: SamplingInputs
+
+
+class DraftInputs(NamedTuple):
+    """The proposed tokens of a verifying step (speculative/verify.py)."""
+
+    tokens: np.ndarray  # [S, K] int32; -1 past a row's proposals
+    num: np.ndarray  # [S] int32
+
+
+def draft_inputs(work: SchedulerOutput, shape: StepShape, num_spec: int) -> DraftInputs:
+    tokens = np.full((shape.num_rows, num_spec), -1, np.int32)
+    num = np.zeros(shape.num_rows, np.int32)
+    for i, sq in enumerate(work.seqs):
+        tokens[i, :len(sq.drafts)] = sq.drafts
+        num[i] = len(sq.drafts)
+    return DraftInputs(tokens, num)
 
 
 def _column(values: list, size: int, fill, dtype) -> np.ndarray:
@@ -35,9 +53,12 @@ def _column(values: list, size: int, fill, dtype) -> np.ndarray:
 
 
 def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, pages_per_seq: int,
-                dummy_slot: int) -> StepBatch:
+                dummy_slot: int, num_spec: int = 0) -> StepBatch:
     """Per-row values are gathered in Python lists and converted once per column: at batch 256 a
-    numpy write per value cost more host time than the device step has to spare."""
+    numpy write per value cost more host time than the device step has to spare.
+
+    With `num_spec` = K > 0 (a verifying step) each row has logits at K + 1 positions: its known
+    token and its proposals, repeating its last token past them."""
     t, s = shape.num_tokens, shape.num_rows
     tokens = np.zeros(t, np.int32)
     from_device = np.zeros(t, bool)
@@ -49,15 +70,18 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     suppress = np.full((s, MAX_STOP_TOKEN_IDS), -1, np.int32)
     rows: dict[str, list] = {k: [] for k in (
         "kv_lens", "ends", "slots", "reset", "sample", "temperature", "top_k", "top_p", "min_p", "rep", "pres",
-        "freq", "seed", "gen", "want_lp")}
+        "freq", "seed", "gen", "want_lp", "drafts")}
 
     off = 0
     for i, sq in enumerate(work.seqs):
         req, n, st = sq.req, sq.num_tokens, sq.start
         end = off + n
         pages = req.pages
+        nd = len(sq.drafts)
         if sq.from_device:
             from_device[off] = True
+        elif nd:
+            tokens[off:end] = req.token_slice(st, n - nd) + sq.drafts
         else:
             tokens[off:end] = req.token_slice(st, n)
         if n == 1:  # a decode: scalars, no per-token arrays
@@ -68,12 +92,14 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
             pos = np.arange(st, st + n, dtype=np.int32)
             positions[off:end] = pos
             kind[off:end] = np.where(pos < req.num_prompt_tokens, TOKEN_PROMPT, TOKEN_OUTPUT)
+            kind[end - nd:end] = TOKEN_DRAFT
             slot_mapping[off:end] = np.asarray(pages, np.int32)[pos // page_size] * page_size + pos % page_size
         seq_ids[off:end] = i
         page_table[i, :len(pages)] = pages
         p = req.params
         rows["kv_lens"].append(st + n)
         rows["ends"].append(end)
+        rows["drafts"].append(nd)
         rows["slots"].append(req.slot)
         rows["reset"].append(sq.reset_slot and st == 0)  # with a cached prefix the runner loads the history first
         rows["sample"].append(sq.samples)
@@ -108,6 +134,11 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         _column(rows["rep"], s, 1.0, np.float32), _column(rows["pres"], s, 0.0, np.float32),
         _column(rows["freq"], s, 0.0, np.float32), seed, _column(rows["gen"], s, 0, np.int32),
         _column(rows["want_lp"], s, False, bool), suppress)
-    logits_indices = _column([e - 1 for e in rows["ends"]], s, 0, np.int32)
+    if num_spec:  # row i: its known token's index, then its proposals', then its last again
+        ends = _column(rows["ends"], s, 1, np.int32)
+        first = ends - 1 - _column(rows["drafts"], s, 0, np.int32)
+        logits_indices = np.minimum(first[:, None] + np.arange(num_spec + 1), ends[:, None] - 1).reshape(-1)
+    else:
+        logits_indices = _column([e - 1 for e in rows["ends"]], s, 0, np.int32)
     return StepBatch(tokens, from_device, kind, meta, logits_indices, _column(rows["slots"], s, dummy_slot, np.int32),
                      _column(rows["reset"], s, False, bool), _column(rows["sample"], s, False, bool), sampling)

@@ -39,6 +39,8 @@ from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_p
 from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
+from infire_jax.speculative.config import SpeculativeConfig
+from infire_jax.speculative.controller import SpecController
 from infire_jax.xla_flags import allocator_fraction
 from pallas_kernels.attention import choose_impl, resolve_impl
 from sharding.mesh import load_mesh_config
@@ -46,6 +48,10 @@ from sharding.plan import ShardPlan
 
 log = logging.getLogger(__name__)
 
+# Speculation stops when more sequences than this run (SpeculativeConfig.disable_by_batch_size):
+# past it decode is compute-bound on this device, and checking proposals costs more than it saves.
+SPEC_MAX_BATCH_CPU = 4
+SPEC_MAX_BATCH_GPU = 32
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 _GIB = 1 << 30
 
@@ -70,6 +76,8 @@ class EngineConfig:
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
+    # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
 
 def enable_compilation_cache() -> None:
@@ -104,11 +112,13 @@ class Engine:
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
         branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else _on_gpu()
+        self.spec_config = self._speculation()
         sizing = self._fixed_pool()
         rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else self._min_pages(),
                           max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
                           buckets=self._buckets(budget), attn_impl=self._attention(cfg),
-                          sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,))
+                          sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,),
+                          num_spec=self.spec_config.num_speculative_tokens if self.spec_config else 0)
         placed_cfg = self.plan.effective_config(cfg) if self.plan else cfg
         shapes = rc.buckets.shapes
         done = itertools.count(1)
@@ -153,6 +163,11 @@ class Engine:
         rc = self.runner.rc
         self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
+        self.spec = None
+        if self.spec_config:
+            sc = self.spec_config
+            self.spec = SpecController(sc, sc.disable_by_batch_size or (SPEC_MAX_BATCH_GPU if _on_gpu() else
+                                                                         SPEC_MAX_BATCH_CPU))
         self.boot = BootTimeline(
             weight_bytes=sum(a.nbytes for a in jax.tree.leaves(state)), load_seconds=self.load_seconds,
             restored=placed.built_because is None, compile_seconds=self.warmup_seconds, num_steps=len(shapes),
@@ -181,6 +196,16 @@ class Engine:
             return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
         except ValueError as e:  # unknown attention name, MeshConfigError
             raise ConfigError(str(e)) from e
+
+    def _speculation(self) -> SpeculativeConfig | None:
+        sc = SpeculativeConfig.parse(self.config.speculative_config)
+        if sc is None:
+            return None
+        if sc.method != "ngram":
+            raise ConfigError(f"speculative_config.method {sc.method!r} is not available yet; use ngram")
+        if multihost.is_multiprocess():
+            raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
+        return sc
 
     def _attention(self, cfg: ModelConfig) -> str:
         try:
@@ -299,6 +324,7 @@ class Engine:
                           priority=priority, cache_salt=tenant, prefix_hint_tokens=prefix_hint_tokens,
                           session_id=session_id, min_tokens_stop_ids=stop_ids, parent_id=request_id, index=i)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
+            req.spec_wait = self.spec is not None  # so its first decode step can already carry proposals
             children.append(req)
         self._requests[request_id] = children
         for req in children:
@@ -325,13 +351,21 @@ class Engine:
 
     def _step(self) -> list[Delta]:
         work = self.scheduler.schedule()
+        deltas = []
+        if not work.seqs and self._inflight is not None:
+            # Every runnable request waits for the step in flight (speculating ones do): read it
+            # back first, so the next step can start in this call.
+            deltas = self._process(self._inflight)
+            self._inflight = None
+            work = self.scheduler.schedule()
         pending = None
         if work.seqs:
             pending = self.runner.dispatch(work)
             self.scheduler.commit(work)
             self.stats.steps += 1
             self.stats.step_tokens += work.num_tokens
-        deltas = self._process(self._inflight) if self._inflight is not None else []
+        if self._inflight is not None:
+            deltas = self._process(self._inflight)
         self._inflight = pending
         return deltas
 
@@ -347,37 +381,56 @@ class Engine:
             req.num_pending_tokens -= 1
             if req.is_finished:
                 continue  # stopped or aborted while this step was in flight
-            tok = int(res.tokens[row])
-            req.output_token_ids.append(tok)
-            self.stats.generation_tokens += 1
-            lp = None
-            if req.params.logprobs is not None:
-                k = req.params.logprobs
-                entry = {int(i): float(v) for i, v in zip(res.top_ids[row, :k], res.top_logprobs[row, :k])}
-                entry[tok] = float(res.logprob[row])
-                lp = [entry]
-            n_out = len(req.output_token_ids)
-            check = n_out >= req.params.min_tokens
-            text, stop_str = req.detok.add(tok, check_stop=check)
-            status, reason = Status.RUNNING, None
-            if stop_str is not None:
-                status, reason = Status.FINISHED_STOPPED, stop_str
-            elif check and tok in req.eos_token_ids:
-                status = Status.FINISHED_STOPPED
-            elif check and tok in req.params.stop_token_ids:
-                status, reason = Status.FINISHED_STOPPED, tok
-            elif n_out >= req.max_tokens:
-                status = Status.FINISHED_LENGTH
+            num = int(res.num_tokens[row])
+            if sq.drafts:
+                self.spec.record(req, len(sq.drafts), num - 1)
+            tokens, text, lps, status, reason = [], "", None, Status.RUNNING, None
+            for j in range(num):
+                tok = int(res.tokens[row, j])
+                tokens.append(tok)
+                if req.params.logprobs is not None:
+                    k = req.params.logprobs
+                    entry = {int(i): float(v) for i, v in zip(res.top_ids[row, j, :k], res.top_logprobs[row, j, :k])}
+                    entry[tok] = float(res.logprob[row, j])
+                    lps = (lps or []) + [entry]
+                piece, status, reason = self._append_token(req, tok)
+                text += piece
+                if status is not Status.RUNNING:
+                    break  # tokens accepted after a stop are dropped
+            self.stats.generation_tokens += len(tokens)
             finish = None
             if status is not Status.RUNNING:
-                if stop_str is None:
+                if not isinstance(reason, str):
                     text += req.detok.flush()
                 self.scheduler.finish(req, status)
                 finish = status.value
                 self._forget(req)
-            deltas.append(Delta(req.parent_id, req.index, [tok], text, lp, finish, reason,
+            elif req.status is Status.RUNNING:  # not preempted while the step was in flight
+                if num > 1:  # the accepted proposals' KV is valid: they join the computed tokens
+                    req.num_computed_tokens += num - 1
+                    self.kv.register_full_blocks(req)
+                if self.spec is not None:
+                    self.spec.plan(req, len(self.scheduler.running))
+            deltas.append(Delta(req.parent_id, req.index, tokens, text, lps, finish, reason,
                                 req.num_prompt_tokens, req.num_cached_tokens))
         return deltas
+
+    @staticmethod
+    def _append_token(req: Request, tok: int) -> tuple[str, Status, int | str | None]:
+        """Adds one generated token: (its text, the request's status after it, the stop reason)."""
+        req.output_token_ids.append(tok)
+        n_out = len(req.output_token_ids)
+        check = n_out >= req.params.min_tokens
+        text, stop_str = req.detok.add(tok, check_stop=check)
+        if stop_str is not None:
+            return text, Status.FINISHED_STOPPED, stop_str
+        if check and tok in req.eos_token_ids:
+            return text, Status.FINISHED_STOPPED, None
+        if check and tok in req.params.stop_token_ids:
+            return text, Status.FINISHED_STOPPED, tok
+        if n_out >= req.max_tokens:
+            return text, Status.FINISHED_LENGTH, None
+        return text, Status.RUNNING, None
 
     def _forget(self, req: Request) -> None:
         children = self._requests.get(req.parent_id)

@@ -73,6 +73,11 @@ class Request:
         # Tokens sampled but not yet read back from the device (asynchronous scheduling).
         self.num_pending_tokens = 0
         self.detok = None  # the engine's IncrementalDetokenizer for this sequence
+        # Speculative decoding (speculative/controller.py): tokens proposed for the next step, and
+        # whether the request waits for its last token to be read back before it is scheduled.
+        self.spec_drafts: list[int] = []
+        self.spec_wait = False
+        self.spec_state = None
 
     @property
     def num_prompt_tokens(self) -> int:

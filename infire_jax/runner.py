@@ -6,6 +6,10 @@ and the sampler, compiled once per row count and sampler variant (see sampler.py
 sampler apart means its variants do not multiply the forward's compilations. The pool, the
 per-slot sampling history and the last sampled tokens are donated, so each step updates them in
 place; the logits stay on the device between the two calls.
+
+With speculative decoding, a step in which some row carries proposed tokens is a verifying step:
+a forward with logits at every proposed position (one more program per bucket), then the
+verifier (speculative/verify.py) in place of the sampler.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax import multihost
-from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepBatch, build_batch
+from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, DraftInputs, StepBatch, build_batch, draft_inputs
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
 from infire_jax.sampler import BRANCHING, SamplerOutput, SamplingInputs, choose_variant, sample
 from infire_jax.scheduler import SchedulerOutput
+from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
 from pallas_kernels.metadata import NULL_PAGE
 from sharding.plan import KV_POOL_AXES, ShardPlan
 
@@ -50,6 +55,7 @@ class RunnerConfig:
     attn_impl: str = "reference"
     # Compiled sampler variants: (BRANCHING,) where conditionals are free (CPU), else the branch-free ones.
     sampler_variants: tuple[str, ...] = (BRANCHING,)
+    num_spec: int = 0  # speculative decoding: proposed tokens a row may carry (0: off)
 
     @property
     def pages_per_seq(self) -> int:
@@ -111,6 +117,18 @@ def _sample(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"
     return last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(out.tokens), out
 
 
+def _verify(branch: bool, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
+            logits: Float[Array, "SP V"], sampling: SamplingInputs, row_slots: Int[Array, "S"],
+            sample_rows: Bool[Array, "S"], drafts: DraftInputs) -> tuple[Int[Array, "R"], Int[Array, "R V"], VerifyOutput]:
+    """The sampler of a verifying step: accepts proposals, samples the token after them, and
+    records the accepted proposals in the slots' histories."""
+    out = verify(logits, sampling, counts, prompt_mask, row_slots, drafts.tokens, drafts.num, None, branch)
+    dummy = last_tokens.shape[0] - 1
+    last = jnp.take_along_axis(out.tokens, (out.num_tokens - 1)[:, None], axis=1)[:, 0]
+    last_tokens = last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(last)
+    return last_tokens, count_accepted(counts, jnp.where(sample_rows, row_slots, dummy), drafts.tokens, out), out
+
+
 def _read_pages(k_pages: Array, v_pages: Array, pages: Int[Array, "P"]) -> tuple[Array, Array]:
     return k_pages[:, pages], v_pages[:, pages]
 
@@ -147,14 +165,17 @@ def _padded_pages(pages: list[int]) -> np.ndarray:
 
 class PendingStep(NamedTuple):
     work: SchedulerOutput
-    out: SamplerOutput  # device arrays, not yet read back
+    out: SamplerOutput | VerifyOutput  # device arrays, not yet read back
     want_logprobs: bool
 
 
 class StepResult(NamedTuple):
-    tokens: np.ndarray  # [rows] int32
-    logprob: np.ndarray | None  # [rows]
-    top_ids: np.ndarray | None  # [rows, MAX_LOGPROBS]
+    """Each row's new tokens: [rows, P] (P = 1, or K + 1 when verifying), the first num_tokens valid."""
+
+    tokens: np.ndarray  # [rows, P] int32
+    num_tokens: np.ndarray  # [rows] int32
+    logprob: np.ndarray | None  # [rows, P]
+    top_ids: np.ndarray | None  # [rows, P, MAX_LOGPROBS]
     top_logprobs: np.ndarray | None
 
 
@@ -180,10 +201,14 @@ class ModelRunner:
         self._samplers = {v: jax.jit(functools.partial(_sample, v), donate_argnums=(0,),
                                      out_shardings=plan.replicated if plan else None)
                           for v in rc.sampler_variants}
+        self._verifier = jax.jit(functools.partial(_verify, rc.sampler_variants == (BRANCHING,)),
+                                 donate_argnums=(0, 1), out_shardings=plan.replicated if plan else None)
         # The step programs, compiled ahead of time per bucket (and per row count and variant): the
         # steps call these, so nothing can compile after warmup, and warmup needs no weights.
         self._compiled_forward: dict[StepShape, jax.stages.Compiled] = {}
         self._compiled_samplers: dict[tuple[int, str], jax.stages.Compiled] = {}
+        self._compiled_verify_forward: dict[StepShape, jax.stages.Compiled] = {}  # speculative decoding
+        self._compiled_verifiers: dict[int, jax.stages.Compiled] = {}
         self._history = jax.jit(_load_history, donate_argnums=(0,))
         self._read_pages = jax.jit(_read_pages)
         self._write_pages = jax.jit(_write_pages, donate_argnums=(0,),
@@ -252,6 +277,11 @@ class ModelRunner:
         for variant in self.rc.sampler_variants:
             m = self._lower_sampler(variant, batch).compile().memory_analysis()
             peaks.append(m.temp_size_in_bytes + shape.num_rows * self.cfg.vocab_size * 4)
+        if self.rc.num_spec:
+            batch = self._empty_batch(shape, verify=True)
+            peaks.append(self._lower_forward(batch).compile().memory_analysis().temp_size_in_bytes)
+            m = self._lower_verifier(batch, self._empty_drafts(shape)).compile().memory_analysis()
+            peaks.append(m.temp_size_in_bytes + batch.logits_indices.shape[0] * self.cfg.vocab_size * 4)
         return max(peaks)
 
     def _lower_forward(self, batch: StepBatch) -> jax.stages.Lowered:
@@ -259,10 +289,17 @@ class ModelRunner:
 
     def _lower_sampler(self, variant: str, batch: StepBatch) -> jax.stages.Lowered:
         c = self.cache
-        logits = jax.ShapeDtypeStruct((batch.row_slots.shape[0], self.cfg.vocab_size), jnp.float32,
-                                      sharding=self.plan.replicated if self.plan else None)
-        return self._samplers[variant].lower(c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling,
-                                             batch.row_slots, batch.sample_rows)
+        return self._samplers[variant].lower(c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch),
+                                             batch.sampling, batch.row_slots, batch.sample_rows)
+
+    def _logits_struct(self, batch: StepBatch) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((batch.logits_indices.shape[0], self.cfg.vocab_size), jnp.float32,
+                                    sharding=self.plan.replicated if self.plan else None)
+
+    def _lower_verifier(self, batch: StepBatch, drafts: DraftInputs) -> jax.stages.Lowered:
+        c = self.cache
+        return self._verifier.lower(c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch),
+                                    batch.sampling, batch.row_slots, batch.sample_rows, drafts)
 
     def _compile(self, shape: StepShape, batch: StepBatch) -> None:
         """Compiles (or loads from XLA's persistent cache) the step programs of one bucket."""
@@ -270,6 +307,11 @@ class ModelRunner:
         for variant in self.rc.sampler_variants:
             if (shape.num_rows, variant) not in self._compiled_samplers:
                 self._compiled_samplers[shape.num_rows, variant] = self._lower_sampler(variant, batch).compile()
+        if self.rc.num_spec:
+            batch = self._empty_batch(shape, verify=True)
+            self._compiled_verify_forward[shape] = self._lower_forward(batch).compile()
+            if shape.num_rows not in self._compiled_verifiers:
+                self._compiled_verifiers[shape.num_rows] = self._lower_verifier(batch, self._empty_drafts(shape)).compile()
 
     def model(self) -> nnx.Module:
         """The model bound to the placed weights, for direct forwards outside the step (tests, tools)."""
@@ -286,6 +328,15 @@ class ModelRunner:
             cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
             batch.sample_rows)
         self.cache = cache._replace(last_tokens=last)
+        return out
+
+    def _run_verify(self, shape: StepShape, batch: StepBatch, drafts: DraftInputs) -> VerifyOutput:
+        """Launches a verifying step: the forward with logits at every proposed position, then the verifier."""
+        cache, logits = self._compiled_verify_forward[shape](self.state, self.cache, batch)
+        last, counts, out = self._compiled_verifiers[shape.num_rows](
+            cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
+            batch.sample_rows, drafts)
+        self.cache = cache._replace(last_tokens=last, counts=counts)
         return out
 
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -346,8 +397,11 @@ class ModelRunner:
             raise RuntimeError("the loaded weights do not match the shapes the steps were compiled for")
         self.state = state
 
-    def _empty_batch(self, shape: StepShape) -> StepBatch:
-        return self._build(SchedulerOutput([], []), shape)
+    def _empty_batch(self, shape: StepShape, verify: bool = False) -> StepBatch:
+        return self._build(SchedulerOutput([], []), shape, verify)
+
+    def _empty_drafts(self, shape: StepShape) -> DraftInputs:
+        return draft_inputs(SchedulerOutput([], []), shape, self.rc.num_spec)
 
     def follow(self) -> None:
         """Follower processes: run the leader's device commands until it stops."""
@@ -368,9 +422,9 @@ class ModelRunner:
         if multihost.is_multiprocess() and multihost.is_leader():
             multihost.send(multihost.STOP, 0)
 
-    def _build(self, work: SchedulerOutput, shape: StepShape) -> StepBatch:
+    def _build(self, work: SchedulerOutput, shape: StepShape, verify: bool = False) -> StepBatch:
         return build_batch(work, shape, page_size=self.rc.page_size, pages_per_seq=self.rc.pages_per_seq,
-                           dummy_slot=self.rc.dummy_slot)
+                           dummy_slot=self.rc.dummy_slot, num_spec=self.rc.num_spec if verify else 0)
 
     @property
     def _history_len(self) -> int:
@@ -393,13 +447,16 @@ class ModelRunner:
             if sq.reset_slot and sq.start > 0 and _uses_penalties(sq.req.params):
                 self._restore_history(sq.req, sq.start)
         shape = self.rc.buckets.shape_for(work.num_tokens, len(work.seqs))
+        want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
+        if any(s.drafts for s in work.seqs):  # one process only (the engine checks)
+            batch = self._build(work, shape, verify=True)
+            return PendingStep(work, self._run_verify(shape, batch, draft_inputs(work, shape, self.rc.num_spec)),
+                               want_lp)
         batch = self._build(work, shape)
         variant = choose_variant(batch.sampling, self.rc.sampler_variants)
         if multihost.is_multiprocess():
             multihost.send(multihost.STEP, self._command(shape, variant), batch)
-        out = self._run(shape, batch, variant)
-        want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
-        return PendingStep(work, out, want_lp)
+        return PendingStep(work, self._run(shape, batch, variant), want_lp)
 
     @staticmethod
     def fetch(p: PendingStep) -> StepResult:
@@ -407,7 +464,16 @@ class ModelRunner:
 
         The outputs are replicated, so this process's first copy is the whole value.
         """
-        local = [x.addressable_data(0) for x in p.out] if p.want_logprobs else [p.out.tokens.addressable_data(0)]
-        host = jax.device_get(local)
-        return StepResult(*host) if p.want_logprobs else StepResult(host[0], None, None, None)
+        verifying = isinstance(p.out, VerifyOutput)
+        wanted = [p.out.tokens] + ([p.out.num_tokens] if verifying else [])
+        if p.want_logprobs:
+            wanted += [p.out.logprob, p.out.top_ids, p.out.top_logprobs]
+        host = jax.device_get([x.addressable_data(0) for x in wanted])
+        tokens = host.pop(0)
+        if verifying:
+            num = host.pop(0)
+        else:  # one token per row
+            tokens, num = tokens[:, None], np.ones(len(tokens), np.int32)
+            host = [host[0][:, None], host[1][:, None], host[2][:, None]] if host else host
+        return StepResult(tokens, num, *host) if host else StepResult(tokens, num, None, None, None)
 

@@ -51,17 +51,16 @@ class SamplerOutput(NamedTuple):
     top_logprobs: Float[Array, "S L"]
 
 
-def _apply_penalties(logits, s: SamplingInputs, counts_table, prompt_table, slots):
+def apply_penalties(logits, s: SamplingInputs, counts: Int[Array, "S V"], in_prompt: Bool[Array, "S V"]):
     """vLLM semantics: repetition over prompt and output; presence and frequency over output."""
-    counts = counts_table[slots]
-    seen = (counts > 0) | prompt_table[slots]
+    seen = (counts > 0) | in_prompt
     rep = s.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - s.frequency_penalty[:, None] * counts.astype(logits.dtype)
     return logits - s.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
 
 
-def _suppress(logits, ids):
+def suppress(logits, ids):
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[1])].set(-jnp.inf, mode="drop")
 
@@ -102,7 +101,7 @@ def _nucleus_floor(probs: Float[Array, "S V"], top_p: Float[Array, "S"]) -> Floa
     return jnp.where(jnp.sum(jnp.where(probs >= hi[:, None], probs, 0), axis=-1) >= top_p, hi, lo)
 
 
-def _truncate(logits, s: SamplingInputs):
+def truncate(logits, s: SamplingInputs):
     """Top-k, then top-p on the renormalised rest, on temperature-scaled logits; ties are kept."""
     v = logits.shape[-1]
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, v), v)
@@ -112,39 +111,42 @@ def _truncate(logits, s: SamplingInputs):
     return jnp.where(probs < floor[:, None], -jnp.inf, logits)
 
 
+def draw_key(seed: Int[Array, "2"], step: Int[Array, ""]) -> Array:
+    """The key of one row's draw: from (seed, step) alone, so it is independent of batch composition."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
+
+
 def _draw(logits, s: SamplingInputs):
-    """Gumbel-max with a key per row from (seed, step): independent of batch composition."""
+    """Gumbel-max with a key per row from (seed, step)."""
 
     def one(seed, step, row):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
-        return jnp.argmax(row + jax.random.gumbel(key, row.shape, row.dtype)).astype(jnp.int32)
+        return jnp.argmax(row + jax.random.gumbel(draw_key(seed, step), row.shape, row.dtype)).astype(jnp.int32)
 
     return jax.vmap(one)(s.seed.astype(jnp.uint32), s.step, logits)
 
 
-def _sample_random(logits, s: SamplingInputs, truncate: bool | None):
-    """Temperature, min-p, then (if `truncate`; None: if any row asks) top-k/top-p, then the draw."""
+def sampling_logits(logits, s: SamplingInputs, truncation: bool | None):
+    """Temperature, min-p, then (if `truncation`; None: if any row asks) top-k/top-p: the logits
+    whose softmax is the distribution a row samples from."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     logits = logits / temp
     # min_p: drop tokens whose probability is below min_p times the top probability.
     floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30))
     logits = jnp.where((s.min_p[:, None] > 0) & (logits < floor), -jnp.inf, logits)
-    if truncate is None:
+    if truncation is None:
         needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
-        logits = jax.lax.cond(needs_sort, _truncate, lambda x, _: x, logits, s)
-    elif truncate:
-        logits = _truncate(logits, s)
-    return _draw(logits, s)
+        return jax.lax.cond(needs_sort, truncate, lambda x, _: x, logits, s)
+    return truncate(logits, s) if truncation else logits
 
 
-def _logprobs(raw_logits, tokens):
+def logprobs_of(raw_logits, tokens):
     lp = jax.nn.log_softmax(raw_logits, axis=-1)
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
-def _no_logprobs(rows: int):
+def no_logprobs(rows: int):
     return (jnp.zeros(rows, jnp.float32), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
             jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
 
@@ -171,25 +173,25 @@ def sample(
     """Picks the next token of every row. The tables hold each request slot's token history."""
     rows = logits.shape[0]
     if variant == GREEDY:
-        return SamplerOutput(jnp.argmax(logits, axis=-1).astype(jnp.int32), *_no_logprobs(rows))
+        return SamplerOutput(jnp.argmax(logits, axis=-1).astype(jnp.int32), *no_logprobs(rows))
     raw = logits
     branch = variant == BRANCHING
     if branch:
         has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
-        logits = jax.lax.cond(has_penalty, _apply_penalties, lambda x, *_: x, logits, s, counts_table,
-                              prompt_table, slots)
-        logits = jax.lax.cond(jnp.any(s.suppress_ids >= 0), _suppress, lambda x, _: x, logits, s.suppress_ids)
+        logits = jax.lax.cond(has_penalty, lambda x: apply_penalties(x, s, counts_table[slots], prompt_table[slots]),
+                              lambda x: x, logits)
+        logits = jax.lax.cond(jnp.any(s.suppress_ids >= 0), suppress, lambda x, _: x, logits, s.suppress_ids)
     else:  # neutral parameters leave a row's logits bit-identical
-        logits = _suppress(_apply_penalties(logits, s, counts_table, prompt_table, slots), s.suppress_ids)
+        logits = suppress(apply_penalties(logits, s, counts_table[slots], prompt_table[slots]), s.suppress_ids)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if branch:
-        random = jax.lax.cond(jnp.any(s.temperature > 0), lambda x, s: _sample_random(x, s, None),
+        random = jax.lax.cond(jnp.any(s.temperature > 0), lambda x, s: _draw(sampling_logits(x, s, None), s),
                               lambda x, _: greedy, logits, s)
     else:
-        random = _sample_random(logits, s, truncate=variant == FULL)
+        random = _draw(sampling_logits(logits, s, truncation=variant == FULL), s)
     tokens = jnp.where(s.temperature > 0, random, greedy)
     if branch:
-        logprobs = jax.lax.cond(jnp.any(s.want_logprobs), _logprobs, lambda *_: _no_logprobs(rows), raw, tokens)
+        logprobs = jax.lax.cond(jnp.any(s.want_logprobs), logprobs_of, lambda *_: no_logprobs(rows), raw, tokens)
     else:
-        logprobs = _logprobs(raw, tokens)
+        logprobs = logprobs_of(raw, tokens)
     return SamplerOutput(tokens, *logprobs)

@@ -9,6 +9,10 @@ running request is preempted by recompute: its pages are freed and it waits agai
 Scheduling runs one step ahead of the results (asynchronous scheduling): a request whose last
 token was sampled on the device but not yet read back is scheduled with that token taken from
 the device (`from_device`). `Request.num_pending_tokens` counts such tokens.
+
+A request that speculates waits instead (`spec_wait`): its proposals need its last token. Its
+proposed tokens (`spec_drafts`) ride in its row after its last known token; they are not part of
+the request until the step accepts them, so only the known token counts as computed on commit.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class ScheduledSeq:
     from_device: bool  # the single token of this step is the one the device sampled last step
     reset_slot: bool  # first step since (re)admission: clear the slot's device-side history
     gen_index: int  # tokens generated before this step's sample (the seed's draw index)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # proposed tokens to verify, after the known ones
 
 
 @dataclasses.dataclass
@@ -78,6 +83,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_drafts = []
         if req.slot is not None:
             self._free_slots.append(req.slot)
             req.slot = None
@@ -99,13 +105,14 @@ class Scheduler:
         """Tokens the request could compute now (0 once its last allowed token is sampled)."""
         if len(req.output_token_ids) + req.num_pending_tokens >= req.max_tokens:
             return 0
-        return req.num_tokens - req.num_computed_tokens
+        return req.num_tokens - req.num_computed_tokens + len(req.spec_drafts)
 
     def _plan(self, req: Request, n: int, reset: bool) -> ScheduledSeq:
         start = req.num_computed_tokens
+        drafts, req.spec_drafts = req.spec_drafts, []
         return ScheduledSeq(
-            req=req, start=start, num_tokens=n,
-            samples=start + n == req.num_tokens,
+            req=req, start=start, num_tokens=n, drafts=drafts,
+            samples=start + n - len(drafts) == req.num_tokens,
             from_device=start >= len(req.prompt_token_ids) + len(req.output_token_ids),
             reset_slot=reset,
             gen_index=len(req.output_token_ids) + req.num_pending_tokens,
@@ -134,7 +141,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.spec_wait and req.num_pending_tokens:  # its proposals wait for its last token
+                i += 1
+                continue
             n = min(self._wants_tokens(req), budget)
+            if req.spec_drafts and (n < 1 + len(req.spec_drafts) or not self.kv.can_allocate(req, n)):
+                req.spec_drafts = []  # never preempt anyone, or split a row, for proposed tokens
+                n = min(self._wants_tokens(req), budget)
             if n <= 0:
                 i += 1
                 continue
@@ -190,7 +203,7 @@ class Scheduler:
     def commit(self, out: SchedulerOutput) -> None:
         """Records that the planned step was dispatched: its tokens are (about to be) cached."""
         for s in out.seqs:
-            s.req.num_computed_tokens += s.num_tokens
+            s.req.num_computed_tokens += s.num_tokens - len(s.drafts)  # the engine adds the accepted ones
             if s.samples:
                 s.req.num_pending_tokens += 1
             self.kv.register_full_blocks(s.req)

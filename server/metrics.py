@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from infire_jax.async_engine import EngineSnapshot
 from infire_jax.kv_pool import PoolSizing
 from infire_jax.residency import Residency
+from infire_jax.speculative.controller import SpecStats
 
 PREFIX = "infire:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -57,11 +58,31 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         for model, snapshot, pool in self._models:
-            for cls, name, doc, value in (*self._pool_gauges(pool), *self._engine_values(snapshot())):
+            snap = snapshot()
+            for cls, name, doc, value in (*self._pool_gauges(pool), *self._engine_values(snap)):
                 if name not in families:
                     families[name] = cls(PREFIX + name, doc, labels=["model_name"])
                 families[name].add_metric([model], value)
+            if snap.spec is not None:
+                self._spec_values(families, model, snap.spec)
         yield from families.values()
+
+    @staticmethod
+    def _spec_values(families: dict[str, Metric], model: str, s: SpecStats) -> None:
+        """Speculative decoding, under vLLM's names (with our prefix)."""
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Verifying steps of a sequence with proposed tokens.", s.num_drafts),
+                ("spec_decode_num_draft_tokens", "Proposed tokens.", s.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", s.num_accepted_tokens)):
+            if name not in families:
+                families[name] = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            families[name].add_metric([model], value)
+        name = "spec_decode_num_accepted_tokens_per_pos"
+        if name not in families:
+            families[name] = CounterMetricFamily(PREFIX + name, "Proposed tokens accepted, by position in the proposal.",
+                                                 labels=["model_name", "position"])
+        for pos, value in enumerate(s.accepted_per_pos):
+            families[name].add_metric([model, str(pos)], value)
 
     @staticmethod
     def _engine_values(s: EngineSnapshot) -> tuple[tuple, ...]:

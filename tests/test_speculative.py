@@ -1,0 +1,257 @@
+"""Speculative decoding: the n-gram proposer, the rejection sampler, and the engine with speculation
+on, against the same engine without it (greedy: token-identical; sampled: the same distribution)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SMALL_ENGINE
+from scipy import stats
+
+from infire_jax import LLM
+from infire_jax.errors import ConfigError
+from infire_jax.request import Request
+from infire_jax.sampler import SamplingInputs
+from infire_jax.sampling_params import SamplingParams
+from infire_jax.scheduler import GROWTH_RATIO_MIN
+from infire_jax.speculative.config import SpeculativeConfig
+from infire_jax.speculative.controller import MAX_BACKOFF, SpecController
+from infire_jax.speculative.ngram import propose_ngram
+from infire_jax.speculative.verify import verify
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+TEXT = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran into the forest. "
+        "In the forest the fox met an owl who asked where it was going.")
+GROUNDED = f"Repeat this text exactly:\n{TEXT}\nRepeated text:\n"
+SIGNIFICANCE = 1e-3  # chi-square tests: a correct sampler fails one in a thousand runs
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return LLM(**SMALL_ENGINE, speculative_config=SPEC)
+
+
+# ---- the proposer and the config ------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    t = np.array([5, 2, 3, 7, 2, 3, 8, 1, 2, 3], np.int32)
+    assert propose_ngram(t, 2, 1, 3) == [8, 1]  # "2 3" last occurred before "8 1"
+    assert propose_ngram(t, 2, 3, 3) == []  # "1 2 3" never occurred before
+    assert propose_ngram(np.array([1, 2, 3, 4, 5, 9, 1, 2, 3]), 3, 1, 3) == [4, 5, 9]
+    assert propose_ngram(np.array([7, 8, 9]), 3, 1, 3) == []
+    assert propose_ngram(np.array([9, 4, 1, 2, 6, 4, 1, 2]), 5, 2, 4) == [6, 4, 1, 2]  # stops at the end
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel": 2}, "draft_tensor_parallel"),
+    ('{"method": "ngram", ', "JSON"),
+])
+def test_bad_speculative_config_names_the_field(value, field):
+    with pytest.raises(ConfigError, match=field):
+        SpeculativeConfig.parse(value)
+
+
+def _request(tokens: list[int], max_tokens: int = 100) -> Request:
+    req = Request("r", tokens[:3], SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens, seed=0)
+    req.output_token_ids = tokens[3:]
+    return req
+
+
+def test_controller_backs_off_doubling_and_turns_off_for_large_batches():
+    ctl = SpecController(SpeculativeConfig("ngram", 3, prompt_lookup_min=1), max_batch=4)
+    req = _request([1, 2, 3, 4, 1, 2])
+    ctl.plan(req, num_running=1)
+    assert req.spec_wait and req.spec_drafts == [3, 4, 1]
+    ctl.plan(req, num_running=5)  # too many running: decode without waiting
+    assert not req.spec_wait
+    for expected in (1, 2, 4):  # each rejected proposal doubles the back-off
+        ctl.record(req, 3, 0)
+        for _ in range(expected):
+            req.spec_drafts = []
+            ctl.plan(req, num_running=1)
+            assert not req.spec_wait and not req.spec_drafts
+        ctl.plan(req, num_running=1)
+        assert req.spec_wait
+    ctl.record(req, 3, 3)  # accepted: the next failure backs off one step again
+    ctl.record(req, 3, 0)
+    assert req.spec_state.backoff_left == 1
+    assert ctl.stats.num_drafts == 5 and ctl.stats.num_accepted_tokens == 3
+    assert ctl.stats.accepted_per_pos == [1, 1, 1]
+    assert MAX_BACKOFF >= 32
+    near_end = _request([1, 2, 3, 4, 1, 2], max_tokens=4)  # 3 generated, 1 left: nothing to propose
+    ctl.plan(near_end, num_running=1)
+    assert not near_end.spec_drafts
+
+
+# ---- the rejection sampler on synthetic distributions ----------------------------------------------
+
+def _inputs(rows: int, temperature: float, top_k: int = 0, top_p: float = 1.0) -> SamplingInputs:
+    return SamplingInputs(
+        jnp.full(rows, temperature, jnp.float32), jnp.full(rows, top_k, jnp.int32), jnp.full(rows, top_p, jnp.float32),
+        jnp.zeros(rows, jnp.float32), jnp.ones(rows, jnp.float32), jnp.zeros(rows, jnp.float32),
+        jnp.zeros(rows, jnp.float32), jnp.stack([jnp.arange(rows, dtype=jnp.uint32), jnp.full(rows, 7, jnp.uint32)], 1),
+        jnp.full(rows, 3, jnp.int32), jnp.zeros(rows, bool), jnp.full((rows, 16), -1, jnp.int32))
+
+
+def _target(p: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The distribution the plain sampler draws from, computed in float64 on the host."""
+    x = np.log(p) / temperature
+    q = np.exp(x - x.max())
+    q[np.argsort(-q)[top_k:]] = 0
+    q /= q.sum()
+    order = np.argsort(-q)
+    keep = np.cumsum(q[order]) - q[order] < top_p
+    q[order[~keep]] = 0
+    return q / q.sum()
+
+
+def _chi2_agrees(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    mask = expected_probs > 0
+    assert counts[~mask].sum() == 0, "a token outside the target's support was drawn"
+    return stats.chisquare(counts[mask], expected_probs[mask] * counts.sum()).pvalue
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(with_draft_probs):
+    """Over many seeds, the first output token follows p_0 and, where the first proposal was
+    accepted, the second follows p_1: with one-hot proposals (n-gram) and with a draft distribution."""
+    rng = np.random.default_rng(0)
+    rows, v, k = 20000, 24, 2
+    temperature, top_k, top_p = 1.0, 8, 0.9
+    p = rng.dirichlet(np.ones(v) * 0.7, size=k + 1)
+    logits = jnp.asarray(np.tile(np.log(p), (rows, 1, 1)).reshape(rows * (k + 1), v), jnp.float32)
+    targets = [_target(p[j], temperature, top_k, top_p) for j in range(k + 1)]
+    draft = np.array([np.argsort(-targets[0])[1], np.argsort(-targets[1])[0]])  # a plausible, not the best, guess
+    q = None
+    if with_draft_probs:
+        q_np = rng.dirichlet(np.ones(v), size=k)
+        q = jnp.asarray(np.tile(q_np, (rows, 1, 1)), jnp.float32)
+        draft_rows = np.stack([rng.choice(v, rows, p=q_np[j]) for j in range(k)], 1)  # proposals drawn from q
+    else:
+        draft_rows = np.tile(draft, (rows, 1))
+    table = jnp.zeros((rows + 1, v), jnp.int32)
+    out = jax.jit(verify, static_argnums=(8,))(
+        logits, _inputs(rows, temperature, top_k, top_p), table, table.astype(bool), jnp.arange(rows),
+        jnp.asarray(draft_rows, jnp.int32), jnp.full(rows, k, jnp.int32), q, True)
+    tokens, num = np.asarray(out.tokens), np.asarray(out.num_tokens)
+    assert ((num >= 1) & (num <= k + 1)).all()
+    assert _chi2_agrees(np.bincount(tokens[:, 0], minlength=v), targets[0]) > SIGNIFICANCE
+    second = tokens[(num >= 2) & (tokens[:, 0] == draft_rows[:, 0]), 1]
+    if not with_draft_probs:
+        second = second[second >= 0]
+        assert len(second) > 2000
+        assert _chi2_agrees(np.bincount(second, minlength=v), targets[1]) > SIGNIFICANCE
+
+
+def test_greedy_verification_accepts_the_matching_prefix_and_adds_the_argmax():
+    v, k = 24, 3
+    best = np.array([[4, 7, 1, 2], [4, 7, 1, 2], [3, 3, 3, 3]])
+    logits = np.full((3, k + 1, v), -5.0, np.float32)
+    for r in range(3):
+        logits[r, np.arange(k + 1), best[r]] = 5.0
+    drafts = jnp.array([[4, 7, 9], [4, 7, 1], [3, -1, -1]], jnp.int32)
+    table = jnp.zeros((4, v), jnp.int32)
+    out = verify(jnp.asarray(logits.reshape(-1, v)), _inputs(3, 0.0), table, table.astype(bool), jnp.arange(3),
+                 drafts, jnp.array([3, 3, 1], jnp.int32), None, True)
+    assert np.asarray(out.num_tokens).tolist() == [3, 4, 2]
+    assert np.asarray(out.tokens).tolist() == [[4, 7, 1, -1], [4, 7, 1, 2], [3, 3, -1, -1]]
+
+
+# ---- the engine with speculation ---------------------------------------------------------------------
+
+PROMPTS = [GROUNDED, "List the numbers from 1 to 40, separated by commas: 1, 2,",
+           "Write a short poem about the sea.", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=48, temperature=0),
+    SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),  # ends inside a proposal
+    SamplingParams(max_tokens=48, temperature=0, stop=["lazy dog. The dog", "15,"]),  # stop strings mid-proposal
+    SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.05, frequency_penalty=0.1),
+    SamplingParams(max_tokens=24, temperature=0, logprobs=3),
+])
+def test_greedy_output_is_token_identical_to_no_speculation(smol_llm, spec_llm, params):
+    before = spec_llm.engine.spec.stats.num_accepted_tokens
+    want = smol_llm.generate(PROMPTS, params)
+    got = spec_llm.generate(PROMPTS, params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+        assert (g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (w.outputs[0].finish_reason,
+                                                                        w.outputs[0].stop_reason)
+        if params.logprobs:
+            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert a.keys() == b.keys()
+                np.testing.assert_allclose(list(a.values()), [b[t] for t in a], atol=2e-4)
+    assert spec_llm.engine.spec.stats.num_accepted_tokens > before  # speculation did happen
+    assert spec_llm.engine.compiles_since_warmup == 0
+
+
+def _second_tokens(llm: LLM, n: int) -> np.ndarray:
+    params = SamplingParams(n=n, max_tokens=3, temperature=1.0, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
+    out = llm.generate([GROUNDED], params)[0]
+    return np.array([o.token_ids[1] for o in out.outputs])
+
+
+def test_sampled_output_keeps_the_distribution_on_the_real_model(smol_llm, spec_llm):
+    """The second generated token (verified against n-gram proposals with speculation on) has the
+    same distribution with and without speculation: a chi-square test over 400 seeds each."""
+    before = spec_llm.engine.spec.stats.num_drafts
+    want, got = _second_tokens(smol_llm, 400), _second_tokens(spec_llm, 400)
+    assert spec_llm.engine.spec.stats.num_drafts - before >= 100
+    ids = np.union1d(want, got)
+    table = np.array([[np.sum(want == t) for t in ids], [np.sum(got == t) for t in ids]])
+    common = table.sum(axis=0) >= 10
+    table = np.concatenate([table[:, common], table[:, ~common].sum(axis=1, keepdims=True)], axis=1)
+    assert stats.chi2_contingency(table).pvalue > SIGNIFICANCE
+    assert spec_llm.engine.compiles_since_warmup == 0
+
+
+def test_mixed_load_compiles_nothing_and_frees_everything(spec_llm):
+    """Greedy, sampled, penalized and logprob requests, more than speculate at once, with prompts
+    long enough for chunked prefill: no compile, every page and slot back afterwards."""
+    prompts = PROMPTS * 3 + [GROUNDED * 3]
+    params = [SamplingParams(max_tokens=20 + i, temperature=(i % 3) * 0.5, top_p=0.9 if i % 2 else 1.0,
+                             presence_penalty=0.5 if i % 4 == 0 else 0.0, logprobs=2 if i % 5 == 0 else None,
+                             seed=i) for i in range(len(prompts))]
+    out = spec_llm.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == p.max_tokens or o.outputs[0].finish_reason == "stop"
+               for o, p in zip(out, params))
+    e = spec_llm.engine
+    assert e.compiles_since_warmup == 0
+    assert e.kv.num_free_pages == e.kv.num_usable_pages
+    assert sorted(e.scheduler._free_slots) == list(range(e.config.max_num_seqs))
+
+
+def test_preempted_and_aborted_speculating_requests_free_everything():
+    llm = LLM(**{**SMALL_ENGINE, "num_kv_pages": 20, "max_model_len": 256}, speculative_config=SPEC)
+    e = llm.engine
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    prompts = [GROUNDED, "Please. " + GROUNDED, "Now. " + GROUNDED]  # no shared prefix pages
+    want = [LLM(engine=e).generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    e.scheduler.growth_ratio = GROWTH_RATIO_MIN  # admit all three at once: they outgrow the pool later
+    ids = [e.add_request(p, params)[0] for p in prompts]
+    outputs = {i: [] for i in ids}
+    steps = 0
+    while e.has_unfinished():
+        for d in e.step():
+            outputs[d.request_id] += d.token_ids
+        steps += 1
+        if steps == 12:
+            e.abort(ids[0])
+    assert e.scheduler.num_preemptions > 0  # two sequences of 12 pages do not fit 19
+    assert e.spec.stats.num_accepted_tokens > 0
+    assert 0 < len(outputs[ids[0]]) < 120
+    for i, tokens in zip(ids[1:], want[1:]):  # recomputed after preemption, still the same tokens
+        assert outputs[i] == tokens
+    assert e.kv.num_free_pages == e.kv.num_usable_pages
+    assert sorted(e.scheduler._free_slots) == list(range(e.config.max_num_seqs))
+    assert e.compiles_since_warmup == 0
