@@ -31,10 +31,13 @@ HEAD_CONFIG = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama
                "vocab_size": 49152, "draft_vocab_size": 8192, "tie_word_embeddings": False}
 
 
-def random_checkpoint(seed: int = 0, *, draft_vocab: int = 8192) -> dict[str, np.ndarray]:
-    """A random head in the published EAGLE-3 layout (HF names, (out, in) weights, d2t offsets, t2d mask)."""
+def random_checkpoint(seed: int = 0, *, draft_ids: list[int] | None = None) -> dict[str, np.ndarray]:
+    """A random head in the published EAGLE-3 layout (HF names, (out, in) weights, d2t offsets, t2d
+    mask), drafting over `draft_ids` (default: 8192 random target ids)."""
     rng = np.random.default_rng(seed)
     e, f, v = 576, 1536, 49152
+    target = np.sort(rng.choice(v, 8192, replace=False) if draft_ids is None else draft_ids)
+    draft_vocab = len(target)
 
     def mat(*shape, std=0.03):
         return (std * rng.standard_normal(shape)).astype(np.float32)
@@ -42,7 +45,6 @@ def random_checkpoint(seed: int = 0, *, draft_vocab: int = 8192) -> dict[str, np
     def norm():
         return (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
 
-    target = np.sort(rng.choice(v, draft_vocab, replace=False))
     t2d = np.zeros(v, bool)
     t2d[target] = True
     return {"fc.weight": mat(e, 3 * e), "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
@@ -242,23 +244,26 @@ def test_loader_reads_variants_and_names_what_is_wrong(checkpoint, tmp_path):
 def test_greedy_speculation_reproduces_greedy_decoding(smol, target, tmp_path):
     """Target verification with aux states, head catch-up and chain: the tokens are plain greedy's,
     and the head's pool, kept incrementally across acceptances, equals one catch-up over the whole
-    final sequence at every position up to the last accepted one."""
-    cfg, k, new = smol.config, 3, 12
-    head = load_eagle3(write_checkpoint(tmp_path, random_checkpoint(3), HEAD_CONFIG), cfg)
+    final sequence at every position up to the last accepted one. The prompt's greedy continuation
+    is " 1, 1, 1," and the head drafts among its three tokens, so some drafts are accepted."""
+    cfg, k, new = smol.config, 3, 16
+    prompt = smol.tokenizer.encode("1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1,")
+    draft_ids = sorted(set(smol.tokenizer.encode(" 1, 1,")))
+    config = dict(HEAD_CONFIG, draft_vocab_size=len(draft_ids))
+    head = load_eagle3(write_checkpoint(tmp_path, random_checkpoint(3, draft_ids=draft_ids), config), cfg)
     layers = head.cfg.aux_layers(cfg.num_layers)
-    pages = list(range(1, 9))
+    pages = list(range(1, 10))
     graphdef, state = nnx.split(target)
     forward = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args, attn_impl="reference", aux_layers=layers))
     propose = jit_propose(head, k)
     embed = target.embed[...]
-    prompt = smol.tokenizer.encode("Speculative decoding drafts tokens cheaply and")
 
     def run_target(kv, toks, start):
-        meta = make_meta([(list(range(start, start + len(toks))), pages)], num_tokens=len(toks), num_rows=1, width=8)
+        meta = make_meta([(list(range(start, start + len(toks))), pages)], num_tokens=len(toks), num_rows=1, width=9)
         logits, kv, aux = forward(state, jnp.asarray(toks), kv, meta, jnp.arange(len(toks)))
         return np.asarray(logits).argmax(-1), kv, aux, meta
 
-    pool = (jnp.zeros((cfg.num_layers, 9, PS, cfg.num_kv_heads, cfg.head_dim)),) * 2
+    pool = (jnp.zeros((cfg.num_layers, 10, PS, cfg.num_kv_heads, cfg.head_dim)),) * 2
     greedy_pool, seq = pool, list(prompt)
     best, greedy_pool, _, _ = run_target(greedy_pool, seq, 0)
     seq.append(int(best[-1]))
@@ -266,11 +271,12 @@ def test_greedy_speculation_reproduces_greedy_decoding(smol, target, tmp_path):
         best, greedy_pool, _, _ = run_target(greedy_pool, seq[-1:], len(seq) - 1)
         seq.append(int(best[-1]))
 
-    head_kv = (jnp.zeros((1, 9, PS, 3, 64)),) * 2
+    head_kv = (jnp.zeros((1, 10, PS, 3, 64)),) * 2
     best, pool, aux, meta = run_target(pool, prompt, 0)
     out = list(prompt) + [int(best[-1])]
     prop = propose(embed, head_kv, jnp.asarray(out[1:]), aux, meta, jnp.asarray([len(prompt) - 1]))
     head_kv = prop.kv
+    accepted_counts = []
     while len(out) < len(prompt) + new:
         drafts = [int(t) for t in prop.token_ids[0]]
         start = len(out) - 1
@@ -279,15 +285,17 @@ def test_greedy_speculation_reproduces_greedy_decoding(smol, target, tmp_path):
         while accepted < k and drafts[accepted] == best[accepted]:
             accepted += 1
         out += drafts[:accepted] + [int(best[accepted])]
+        accepted_counts.append(accepted)
         catch_up = drafts + [0]
         catch_up[accepted] = int(best[accepted])
         prop = propose(embed, head_kv, jnp.asarray(catch_up), aux, meta, jnp.asarray([accepted]))
         head_kv = prop.kv
     assert out[:len(seq)] == seq
+    assert min(accepted_counts) == 0 < max(accepted_counts)  # both paths taken
 
     last = len(out) - 2  # the last position the head has caught up to
     _, _, aux, meta = run_target((jnp.zeros_like(pool[0]),) * 2, out[:last + 1], 0)
-    fresh = propose(embed, (jnp.zeros((1, 9, PS, 3, 64)),) * 2, jnp.asarray(out[1:last + 2]), aux, meta,
+    fresh = propose(embed, (jnp.zeros((1, 10, PS, 3, 64)),) * 2, jnp.asarray(out[1:last + 2]), aux, meta,
                     jnp.asarray([last])).kv
     slots = np.asarray(pages)[np.arange(last + 1) // PS] * PS + np.arange(last + 1) % PS
     for a, b in zip(head_kv, fresh):
