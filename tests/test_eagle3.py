@@ -47,8 +47,9 @@ def random_checkpoint(seed: int = 0, *, draft_ids: list[int] | None = None) -> d
 
     t2d = np.zeros(v, bool)
     t2d[target] = True
-    return {"fc.weight": mat(e, 3 * e), "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
-            "midlayer.self_attn.q_proj.weight": mat(9 * 64, 2 * e), "midlayer.self_attn.k_proj.weight": mat(3 * 64, 2 * e),
+    return {"fc.weight": mat(e, 3 * e), "midlayer.input_layernorm.weight": norm(),
+            "midlayer.hidden_norm.weight": norm(), "midlayer.self_attn.q_proj.weight": mat(9 * 64, 2 * e),
+            "midlayer.self_attn.k_proj.weight": mat(3 * 64, 2 * e),
             "midlayer.self_attn.v_proj.weight": mat(3 * 64, 2 * e), "midlayer.self_attn.o_proj.weight": mat(e, 9 * 64),
             "midlayer.post_attention_layernorm.weight": norm(), "midlayer.mlp.gate_proj.weight": mat(f, e),
             "midlayer.mlp.up_proj.weight": mat(f, e), "midlayer.mlp.down_proj.weight": mat(e, f),
@@ -62,9 +63,11 @@ def write_checkpoint(path, tensors: dict[str, np.ndarray], config: dict) -> str:
     return str(path)
 
 
-def make_meta(rows: list[tuple[list[int], list[int]]], *, num_tokens: int, num_rows: int, width: int) -> AttentionMetadata:
+def make_meta(rows: list[tuple[list[int], list[int]]], *, num_tokens: int, num_rows: int,
+              width: int) -> AttentionMetadata:
     """A step as batch.build_batch lays it out: rows of (positions, pages), then padding."""
-    pos, slots, seq = np.zeros(num_tokens, np.int32), np.arange(num_tokens, dtype=np.int32) % PS, np.full(num_tokens, num_rows, np.int32)
+    pos, seq = np.zeros(num_tokens, np.int32), np.full(num_tokens, num_rows, np.int32)
+    slots = np.arange(num_tokens, dtype=np.int32) % PS  # padding: the null page
     table, kv_lens = np.zeros((num_rows, width), np.int32), np.zeros(num_rows, np.int32)
     cu = np.zeros(num_rows + 1, np.int32)
     off = 0
@@ -233,7 +236,8 @@ def test_loader_reads_variants_and_names_what_is_wrong(checkpoint, tmp_path):
             load_eagle3(write_checkpoint(d, tensors, config), target)
 
     refused({k: v for k, v in tensors.items() if k != "norm.weight"}, HEAD_CONFIG, "lacks \\['final_norm'\\]")
-    refused(dict(tensors, **{"lm_head.weight": tensors["lm_head.weight"][:100]}), HEAD_CONFIG, "'lm_head.weight' has shape")
+    short_head = dict(tensors, **{"lm_head.weight": tensors["lm_head.weight"][:100]})
+    refused(short_head, HEAD_CONFIG, "'lm_head.weight' has shape")
     refused(dict(tensors, extra=np.zeros(1)), HEAD_CONFIG, "unexpected weight 'extra'")
     refused(tensors, dict(HEAD_CONFIG, vocab_size=32000), "vocab_size is 32000")
     refused(tensors, HEAD_CONFIG, "hidden_size", target=ModelConfig("llama", 49152, 960, 2560, 32, 15, 5, 64))
@@ -298,7 +302,10 @@ def test_greedy_speculation_reproduces_greedy_decoding(smol, target, tmp_path):
     fresh = propose(embed, (jnp.zeros((1, 10, PS, 3, 64)),) * 2, jnp.asarray(out[1:last + 2]), aux, meta,
                     jnp.asarray([last])).kv
     slots = np.asarray(pages)[np.arange(last + 1) // PS] * PS + np.arange(last + 1) % PS
+
+    def at_slots(pool):
+        return np.asarray(pool[0]).reshape(-1, 3, 64)[slots]
+
     for a, b in zip(head_kv, fresh):
-        np.testing.assert_allclose(np.asarray(a[0]).reshape(-1, 3, 64)[slots], np.asarray(b[0]).reshape(-1, 3, 64)[slots],
-                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(at_slots(a), at_slots(b), rtol=1e-4, atol=1e-4)
 

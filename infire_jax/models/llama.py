@@ -130,7 +130,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 
 
 def check_aux_layers(aux_layers: tuple[int, ...], num_layers: int) -> None:
-    if not aux_layers or list(aux_layers) != sorted(set(aux_layers)) or not 0 <= aux_layers[0] <= aux_layers[-1] <= num_layers:
+    ascending = bool(aux_layers) and list(aux_layers) == sorted(set(aux_layers))
+    if not ascending or not 0 <= aux_layers[0] <= aux_layers[-1] <= num_layers:
         raise ConfigError(f"aux_layers must be strictly increasing hidden-state indices in [0, {num_layers}] "
                           f"(i: the input of layer i, {num_layers}: the last layer's output); got {aux_layers}")
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig, RopeScaling
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
@@ -191,6 +191,8 @@ def eagle3_propose(
     `embed` is the target's embedding table, used unless the head carries its own.
     """
     cfg = head.cfg
+    if num_draft < 1:
+        raise ValueError(f"num_draft must be at least 1, got {num_draft}")
     if hasattr(head, "embed"):
         embed = head.embed[...]
     if hidden.shape[-1] == 3 * cfg.target_hidden_size:

@@ -51,7 +51,8 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target: ModelConfig, *, has_em
         return default if value is None else value
 
     if int(field("num_hidden_layers", 1)) != 1:
-        raise UnsupportedModelError(f"EAGLE-3 heads with num_hidden_layers={raw['num_hidden_layers']} are not supported (1)")
+        raise UnsupportedModelError(
+            f"EAGLE-3 heads with num_hidden_layers={raw['num_hidden_layers']} are not supported (only 1)")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise UnsupportedModelError(f"EAGLE-3 config.json sets {flag}; only bias-free heads are supported")
@@ -75,7 +76,7 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target: ModelConfig, *, has_em
     checks = [("vocab_size", cfg.vocab_size, target.vocab_size),
               ("target_hidden_size", cfg.target_hidden_size, target.hidden_size)]
     if not has_embed:  # the target's embedding feeds the head
-        checks.append(("hidden_size (the head has no embed_tokens, so it uses the target's)", hidden, target.hidden_size))
+        checks.append(("hidden_size (no embed_tokens: the target's embedding is used)", hidden, target.hidden_size))
     for name, ours, theirs in checks:
         if ours != theirs:
             raise UnsupportedModelError(f"EAGLE-3 {name} is {ours}, the target's is {theirs}")
@@ -85,7 +86,7 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target: ModelConfig, *, has_em
     layers = cfg.aux_layers(target.num_layers)
     if len(layers) != 3 or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] <= target.num_layers:
         raise UnsupportedModelError(f"EAGLE-3 aux layer ids {cfg.aux_layer_ids} do not fit the target's "
-                                    f"{target.num_layers} layers (three increasing ids in [0, {target.num_layers - 1}])")
+                                    f"{target.num_layers} layers (three increasing ids, each < {target.num_layers})")
     return cfg
 
 
