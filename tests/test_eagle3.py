@@ -214,6 +214,22 @@ def test_sampled_drafts_come_with_the_distribution_they_were_drawn_from(checkpoi
     np.testing.assert_allclose(probs[0][:, np.arange(8192) + tensors["d2t"]], want, rtol=1e-5, atol=1e-7)
 
 
+def test_pallas_kernels_draft_as_the_reference_does(checkpoint):
+    """The GPU path's kernels (interpreted) under the same metadata, chain steps included."""
+    head = load_eagle3(checkpoint[1], SMOL)
+    rng = np.random.default_rng(4)
+    embed = jnp.asarray((0.5 * rng.standard_normal((49152, 576))).astype(np.float32))
+    meta = make_meta([(list(range(11)), [3, 5]), ([0, 1, 2], [7])], num_tokens=16, num_rows=4, width=2)
+    args = (embed, (jnp.zeros((1, 9, PS, 3, 64)),) * 2, jnp.asarray(rng.integers(0, 49152, 16)),
+            jnp.asarray(rng.standard_normal((16, 3 * 576)).astype(np.float32)), meta, jnp.asarray([10, 13, 0, 0]))
+    graphdef, state = nnx.split(head)
+    outs = [jax.jit(lambda state, *a, impl=impl: eagle3_propose(nnx.merge(graphdef, state), *a, num_draft=3,
+                                                                attn_impl=impl))(state, *args)
+            for impl in ("reference", "pallas_interpret")]
+    np.testing.assert_array_equal(outs[0].token_ids[:2], outs[1].token_ids[:2])
+    np.testing.assert_allclose(outs[0].draft_logits[:2], outs[1].draft_logits[:2], rtol=1e-4, atol=1e-4)
+
+
 def test_loader_reads_variants_and_names_what_is_wrong(checkpoint, tmp_path):
     tensors, path = checkpoint
     head = load_eagle3(path, SMOL)
