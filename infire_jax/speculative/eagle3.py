@@ -195,6 +195,8 @@ def eagle3_propose(
         raise ValueError(f"num_draft must be at least 1, got {num_draft}")
     if hasattr(head, "embed"):
         embed = head.embed[...]
+    elif embed is None:
+        raise ValueError("this EAGLE-3 head has no embed_tokens of its own: pass the target's embedding")
     if hidden.shape[-1] == 3 * cfg.target_hidden_size:
         hidden = head.fuse(hidden)
     elif hidden.shape[-1] != cfg.hidden_size:
