@@ -13,10 +13,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.compression.resident import PaletteParams, ResidentLayout, decode_layer
+from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
@@ -127,6 +129,43 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     return h, k_pages, v_pages
 
 
+def check_aux_layers(aux_layers: tuple[int, ...], num_layers: int) -> None:
+    ascending = bool(aux_layers) and list(aux_layers) == sorted(set(aux_layers))
+    if not ascending or not 0 <= aux_layers[0] <= aux_layers[-1] <= num_layers:
+        raise ConfigError(f"aux_layers must be strictly increasing hidden-state indices in [0, {num_layers}] "
+                          f"(i: the input of layer i, {num_layers}: the last layer's output); got {aux_layers}")
+
+
+def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, ...], weights: dict[str, Array],
+                      h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
+                      sin: Array) -> tuple[Float[Array, "T E"], Array, Array, Float[Array, "T N"]]:
+    """`decoder_stack` that also keeps the residual stream at `aux_layers` (HF `hidden_states` indices).
+
+    The scan carries one [T, E] slot per requested state plus a scratch slot: layer i writes its
+    output in place (one dynamic-update-slice of T x E) into the slot of index i + 1, or into the
+    scratch slot, so no layer's states but the requested ones are ever kept. Returns them
+    concatenated along the features, [T, len(aux_layers) * E], in `aux_layers` order.
+    """
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions())
+    n, count = cfg.num_layers, len(aux_layers)
+    slot_of_output = np.full(n, count, np.int32)  # layer i's output is hidden-state index i + 1
+    for j, a in enumerate(aux_layers):
+        if a > 0:
+            slot_of_output[a - 1] = j
+    aux = jnp.zeros((count + 1, *h.shape), h.dtype)
+    if aux_layers[0] == 0:
+        aux = aux.at[0].set(h)
+
+    def body(carry, xs):
+        lp, idx, slot = xs
+        (h, k_pages, v_pages), _ = layer(carry[:3], (lp, idx))
+        return (h, k_pages, v_pages, jax.lax.dynamic_update_index_in_dim(carry[3], h, slot, 0)), None
+
+    xs = (weights, jnp.arange(n, dtype=jnp.int32), jnp.asarray(slot_of_output))
+    (h, k_pages, v_pages, aux), _ = jax.lax.scan(body, (h, k_pages, v_pages, aux), xs)
+    return h, k_pages, v_pages, jnp.moveaxis(aux[:count], 0, 1).reshape(h.shape[0], count * h.shape[1])
+
+
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: dict[str, ResidentLayout] | None = None):
         self.cfg = cfg
@@ -147,11 +186,23 @@ class Llama(nnx.Module):
         *,
         attn_impl: str,
         plan: ShardPlan | None = None,
-    ) -> tuple[Float[Array, "T E"], KVPages]:
-        """Applies every decoder layer, on one device or (with a plan) across the mesh."""
+        aux_layers: tuple[int, ...] | None = None,
+    ) -> tuple[Float[Array, "T E"], KVPages] | tuple[Float[Array, "T E"], KVPages, Float[Array, "T N"]]:
+        """Applies every decoder layer, on one device or (with a plan) across the mesh.
+
+        With `aux_layers` (static; see `decoder_stack_aux`) the residual-stream states at those
+        indices come back too, as [T, len(aux_layers) * E]: EAGLE-3's low/middle/high features.
+        """
         cos, sin = rope_tables(rope_inv_freq(self.cfg), meta.positions)
-        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
         weights = self.layers.arrays()
+        if aux_layers is not None:
+            check_aux_layers(aux_layers, self.cfg.num_layers)
+            if plan is not None:
+                raise ConfigError("aux hidden states (EAGLE-3) are implemented on one device only, not on a mesh")
+            h, k_pages, v_pages, aux = decoder_stack_aux(self.cfg, attn_impl, aux_layers, weights, h, *kv, meta,
+                                                         cos, sin)
+            return h, (k_pages, v_pages), aux
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
         if plan is None:
             h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
             return h, (k_pages, v_pages)
@@ -173,7 +224,13 @@ class Llama(nnx.Module):
         *,
         attn_impl: str,
         plan: ShardPlan | None = None,
-    ) -> tuple[Float[Array, "S V"], KVPages]:
+        aux_layers: tuple[int, ...] | None = None,
+    ) -> tuple[Float[Array, "S V"], KVPages] | tuple[Float[Array, "S V"], KVPages, Float[Array, "T N"]]:
+        """Logits of each row's `logits_indices` token and the updated pool; with `aux_layers`, also
+        every token's residual-stream states at those indices (`run_layers`)."""
         h = self.embed_tokens(tokens)
-        h, kv = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan)
-        return self.logits(h[logits_indices]), kv
+        if aux_layers is None:
+            h, kv = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan)
+            return self.logits(h[logits_indices]), kv
+        h, kv, aux = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, aux_layers=aux_layers)
+        return self.logits(h[logits_indices]), kv, aux

@@ -1,0 +1,231 @@
+"""The EAGLE-3 draft head (Li et al., 2025): one decoder layer over the target's fused features.
+
+The head reads three residual-stream states of the target (low, middle, high: `Llama(aux_layers=...)`),
+fuses them with `fc` [3 Et -> E], and runs one Llama decoder layer whose q/k/v take 2E inputs,
+cat(input_norm(embed(token)), hidden_norm(hidden)); its LM head covers a reduced draft vocabulary,
+mapped to target ids by `d2t` (target id = draft id + d2t[draft id]), as in the public EAGLE code.
+
+Positions follow that code: the head's input at position p is (embed(x_{p+1}), h_p), where h_p is
+the target's state at p and x_{p+1} the token after it; its output there predicts x_{p+2}. Its KV
+for position p is written to the target's slot for p (same page table, a one-layer pool of its own),
+so the head needs no page bookkeeping beyond the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from infire_jax.models.config import ModelConfig, RopeScaling
+from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.llama import KVPages, dense_mlp, project_qkv
+from pallas_kernels.attention import paged_attention
+from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int  # E, the head's width
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (d2t maps into it)
+    draft_vocab_size: int
+    target_hidden_size: int  # Et: fc takes 3 Et
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    # `eagle_aux_hidden_state_layer_ids` as published: ids of target layers whose OUTPUT is read
+    # (SpecForge and SGLang's reading); None: the EAGLE default.
+    aux_layer_ids: tuple[int, ...] | None = None
+    norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of hidden
+    has_embed: bool = False  # the checkpoint carries its own embed_tokens (else the target's is used)
+
+    @property
+    def layer_config(self) -> ModelConfig:
+        """The decoder layer as a one-layer Llama config (for RoPE and head counts)."""
+        return ModelConfig("llama", self.vocab_size, self.hidden_size, self.intermediate_size, 1, self.num_heads,
+                           self.num_kv_heads, self.head_dim, rms_norm_eps=self.rms_norm_eps,
+                           rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
+
+    def aux_layers(self, target_num_layers: int) -> tuple[int, ...]:
+        """The target's hidden-state indices (HF `output_hidden_states`, i: the input of layer i) to
+        pass as `Llama(aux_layers=...)`: (2, L // 2, L - 3) by default as in EAGLE/vLLM/SGLang, else
+        each published layer id + 1 (that layer's output), as SpecForge trains and SGLang serves."""
+        if self.aux_layer_ids is None:
+            return 2, target_num_layers // 2, target_num_layers - 3
+        return tuple(i + 1 for i in self.aux_layer_ids)
+
+
+class IdMap(nnx.Variable):
+    """A fixed integer table loaded with the weights (not a trained parameter)."""
+
+
+class Eagle3Head(nnx.Module):
+    """fc, one decoder layer (2E-input q/k/v, fused like the target's), final norm, draft LM head, d2t."""
+
+    def __init__(self, cfg: Eagle3Config, *, dtype=jnp.float32):
+        e, hkv, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+        g = cfg.num_heads // hkv
+        self.cfg = cfg
+        self.fc = param((3 * cfg.target_hidden_size, e), ("embed", "embed"), dtype)
+        self.input_norm = param((e,), ("norm",), dtype, init="ones")
+        self.hidden_norm = param((e,), ("norm",), dtype, init="ones")
+        self.wqkv = param((2 * e, hkv, g + 2, d), ("embed", "kv_heads", "qkv", "head_dim"), dtype)
+        self.wo = param((cfg.num_heads, d, e), ("q_heads", "head_dim", "embed"), dtype)
+        self.mlp_norm = param((e,), ("norm",), dtype, init="ones")
+        self.w_gate_up = param((e, 2, cfg.intermediate_size), ("embed", "gate_up", "mlp"), dtype)
+        self.w_down = param((cfg.intermediate_size, e), ("mlp", "embed"), dtype)
+        self.final_norm = param((e,), ("norm",), dtype, init="ones")
+        self.lm_head = param((cfg.draft_vocab_size, e), ("vocab", "embed"), dtype)
+        self.d2t = IdMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
+        if cfg.has_embed:
+            self.embed = param((cfg.vocab_size, e), ("vocab", "embed"), dtype)
+
+    def fuse(self, aux: Float[Array, "T N"]) -> Float[Array, "T E"]:
+        """The target's low/middle/high states [T, 3 Et] -> the head's input width E."""
+        return jnp.einsum("tc,ce->te", aux.astype(self.fc.dtype), self.fc[...])
+
+    def layer(self, emb: Float[Array, "T E"], hidden: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *,
+              attn_impl: str) -> tuple[Float[Array, "T E"], KVPages]:
+        """The decoder layer; writes k/v at `meta.slot_mapping` and returns its (pre-norm) output."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        normed = rms_norm(hidden, self.hidden_norm[...], eps)
+        residual = normed if cfg.norm_before_residual else hidden
+        x = jnp.concatenate([rms_norm(emb, self.input_norm[...], eps), normed], axis=-1)
+        q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False)
+        cos, sin = rope_tables(rope_inv_freq(cfg.layer_config), meta.positions)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o, k_pages, v_pages = paged_attention(q, k, v, *kv, jnp.int32(0), meta, scale=cfg.head_dim ** -0.5,
+                                              impl=attn_impl)
+        h = residual + jnp.einsum("thd,hde->te", o, self.wo[...])
+        mlp = {"w_gate_up": self.w_gate_up[...], "w_down": self.w_down[...]}
+        return h + dense_mlp(mlp, rms_norm(h, self.mlp_norm[...], eps)), (k_pages, v_pages)
+
+    def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S Vd"]:
+        """Draft-vocabulary logits in float32 (the head read once in its dtype)."""
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        return jax.lax.dot_general(h, self.lm_head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+class Eagle3Proposal(NamedTuple):
+    token_ids: Int[Array, "S K"]  # drafts, in target ids
+    probs: Float[Array, "S K V"]  # the target-vocab distribution each draft was drawn from (one-hot if greedy)
+    draft_logits: Float[Array, "S K Vd"]  # the head's raw logits over the draft vocabulary
+    kv: KVPages
+
+
+def chain_metadata(meta: AttentionMetadata, positions: Int[Array, "S"], page_size: int) -> AttentionMetadata:
+    """One token per row at `positions`, on the rows' own pages: a chained draft step.
+
+    A position past the row's page table, and every padding row, writes into the null page.
+    """
+    s, width = meta.page_table.shape
+    rows = jnp.arange(s, dtype=jnp.int32)
+    valid = rows < meta.num_seqs
+    page_idx = positions // page_size
+    page = meta.page_table[rows, jnp.clip(page_idx, 0, width - 1)]
+    page = jnp.where(valid & (page_idx < width), page, NULL_PAGE)
+    return AttentionMetadata(
+        positions=jnp.where(valid, positions, 0).astype(jnp.int32),
+        slot_mapping=(page * page_size + positions % page_size).astype(jnp.int32),
+        seq_ids=jnp.where(valid, rows, s), page_table=meta.page_table,
+        kv_lens=jnp.where(valid, positions + 1, 0).astype(meta.kv_lens.dtype),
+        cu_q_lens=jnp.minimum(jnp.arange(s + 1), meta.num_seqs).astype(meta.cu_q_lens.dtype),
+        num_seqs=meta.num_seqs)
+
+
+def _draw(head: Eagle3Head, logits: Float[Array, "S Vd"], temperature: Float[Array, "S"] | None,
+          key: Array | None) -> tuple[Int[Array, "S"], Float[Array, "S V"]]:
+    """A draft per row and the target-vocab distribution it was drawn from: argmax and a one-hot
+    (temperature None or 0), or a sample of softmax(logits / temperature)."""
+    greedy = jnp.argmax(logits, axis=-1)
+    q = jax.nn.one_hot(greedy, logits.shape[-1], dtype=jnp.float32)
+    token = greedy
+    if temperature is not None:
+        hot = (temperature > 0)[:, None]
+        scaled = logits / jnp.where(hot, temperature[:, None], 1.0)
+        token = jnp.where(hot[:, 0], jax.random.categorical(key, scaled), greedy)
+        q = jnp.where(hot, jax.nn.softmax(scaled, axis=-1), q)
+    d2t = head.d2t[...]
+    target = jnp.arange(d2t.shape[0]) + d2t
+    probs = jnp.zeros((logits.shape[0], head.cfg.vocab_size), jnp.float32).at[:, target].set(q)
+    return token + d2t[token], probs
+
+
+def eagle3_propose(
+    head: Eagle3Head,
+    embed: Float[Array, "V E"] | None,
+    kv: KVPages,
+    tokens: Int[Array, "T"],
+    hidden: Float[Array, "T N"],
+    meta: AttentionMetadata,
+    last_index: Int[Array, "S"],
+    *,
+    num_draft: int,
+    attn_impl: str,
+    temperature: Float[Array, "S"] | None = None,
+    key: Array | None = None,
+) -> Eagle3Proposal:
+    """Catch-up over the step's tokens, then `num_draft - 1` chained single-token steps (jit-able).
+
+    tokens[i] is the token AFTER the one the target processed at flat index i (the next token of
+    the row: the next prompt token, an accepted draft, or the newly sampled one) and hidden[i] the
+    target's aux states there, [T, 3 Et] (or already [T, E]); meta is the target's step metadata.
+    last_index[r] is row r's last valid catch-up index (its last accepted position q_r); its output
+    gives draft 1. Draft j >= 2 is the head's output at position q_r + j - 1 on input
+    (embed(draft j-1), the head's previous output state).
+
+    KV written: every catch-up token's position (meta.slot_mapping, including positions past q_r
+    whose tokens were rejected), then positions q_r + 1 .. q_r + num_draft - 1 on the rows' pages
+    (the null page where the page table ends, and for padding rows). The head's KV is therefore
+    exact for every position <= q_r; later slots are scratch that the next call's catch-up
+    overwrites before anything reads them, as long as that call starts at q_r + 1 (or earlier).
+    `embed` is the target's embedding table, used unless the head carries its own.
+    """
+    cfg = head.cfg
+    if num_draft < 1:
+        raise ValueError(f"num_draft must be at least 1, got {num_draft}")
+    if hasattr(head, "embed"):
+        embed = head.embed[...]
+    elif embed is None:
+        raise ValueError("this EAGLE-3 head has no embed_tokens of its own: pass the target's embedding")
+    if hidden.shape[-1] == 3 * cfg.target_hidden_size:
+        hidden = head.fuse(hidden)
+    elif hidden.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"hidden states of width {hidden.shape[-1]}: expected {3 * cfg.target_hidden_size} "
+                         f"(3 x target hidden) or {cfg.hidden_size}")
+    if (temperature is None) != (key is None):
+        raise ValueError("sampled drafting needs both a temperature per row and a key")
+    keys = None if key is None else jax.random.split(key, num_draft)
+    dtype = head.lm_head.dtype
+    h, kv = head.layer(embed[tokens].astype(dtype), hidden.astype(dtype), kv, meta, attn_impl=attn_impl)
+    h = h[last_index]
+    logits = head.logits(h)
+    token, probs = _draw(head, logits, temperature, None if keys is None else keys[0])
+    start = meta.positions[last_index]
+    page_size = kv[0].shape[2]
+
+    def step(carry, xs):
+        kv, h, token = carry
+        j, step_key = xs
+        step_meta = chain_metadata(meta, start + j, page_size)
+        h, kv = head.layer(embed[token].astype(dtype), h, kv, step_meta, attn_impl=attn_impl)
+        logits = head.logits(h)
+        token, probs = _draw(head, logits, temperature, step_key)
+        return (kv, h, token), (token, probs, logits)
+
+    xs = (jnp.arange(1, num_draft), None if keys is None else keys[1:])
+    (kv, _, _), (tokens_n, probs_n, logits_n) = jax.lax.scan(step, (kv, h, token), xs, length=num_draft - 1)
+
+    def stack(first, rest):
+        return jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+
+    return Eagle3Proposal(stack(token, tokens_n), stack(probs, probs_n), stack(logits, logits_n), kv)

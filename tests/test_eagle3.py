@@ -1,0 +1,327 @@
+"""EAGLE-3: the target's aux hidden states against HF, the head against a float64 numpy reference
+(tests/eagle3_reference.py) on a random checkpoint in the published layout, the loader's checks, and
+a greedy speculative loop on the real model that must reproduce plain greedy decoding."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import save_file
+
+from eagle3_reference import ReferenceEagle3
+from infire_jax.errors import ConfigError, UnsupportedModelError
+from infire_jax.loaders import load_model
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.registry import build_state
+from infire_jax.speculative.eagle3 import eagle3_propose
+from infire_jax.speculative.eagle3_loader import load_eagle3
+from pallas_kernels.metadata import AttentionMetadata
+
+PS = 8  # page size
+SMOL = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64)  # SmolLM2-135M's shape
+HEAD_CONFIG = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+               "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+               "intermediate_size": 1536, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+               "vocab_size": 49152, "draft_vocab_size": 8192, "tie_word_embeddings": False}
+
+
+def random_checkpoint(seed: int = 0, *, draft_ids: list[int] | None = None) -> dict[str, np.ndarray]:
+    """A random head in the published EAGLE-3 layout (HF names, (out, in) weights, d2t offsets, t2d
+    mask), drafting over `draft_ids` (default: 8192 random target ids)."""
+    rng = np.random.default_rng(seed)
+    e, f, v = 576, 1536, 49152
+    target = np.sort(rng.choice(v, 8192, replace=False) if draft_ids is None else draft_ids)
+    draft_vocab = len(target)
+
+    def mat(*shape, std=0.03):
+        return (std * rng.standard_normal(shape)).astype(np.float32)
+
+    def norm():
+        return (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
+
+    t2d = np.zeros(v, bool)
+    t2d[target] = True
+    return {"fc.weight": mat(e, 3 * e), "midlayer.input_layernorm.weight": norm(),
+            "midlayer.hidden_norm.weight": norm(), "midlayer.self_attn.q_proj.weight": mat(9 * 64, 2 * e),
+            "midlayer.self_attn.k_proj.weight": mat(3 * 64, 2 * e),
+            "midlayer.self_attn.v_proj.weight": mat(3 * 64, 2 * e), "midlayer.self_attn.o_proj.weight": mat(e, 9 * 64),
+            "midlayer.post_attention_layernorm.weight": norm(), "midlayer.mlp.gate_proj.weight": mat(f, e),
+            "midlayer.mlp.up_proj.weight": mat(f, e), "midlayer.mlp.down_proj.weight": mat(e, f),
+            "norm.weight": norm(), "lm_head.weight": mat(draft_vocab, e, std=0.05),
+            "d2t": (target - np.arange(draft_vocab)).astype(np.int64), "t2d": t2d}
+
+
+def write_checkpoint(path, tensors: dict[str, np.ndarray], config: dict) -> str:
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def make_meta(rows: list[tuple[list[int], list[int]]], *, num_tokens: int, num_rows: int,
+              width: int) -> AttentionMetadata:
+    """A step as batch.build_batch lays it out: rows of (positions, pages), then padding."""
+    pos, seq = np.zeros(num_tokens, np.int32), np.full(num_tokens, num_rows, np.int32)
+    slots = np.arange(num_tokens, dtype=np.int32) % PS  # padding: the null page
+    table, kv_lens = np.zeros((num_rows, width), np.int32), np.zeros(num_rows, np.int32)
+    cu = np.zeros(num_rows + 1, np.int32)
+    off = 0
+    for r, (positions, pages) in enumerate(rows):
+        p = np.asarray(positions, np.int32)
+        pos[off:off + len(p)] = p
+        slots[off:off + len(p)] = np.asarray(pages)[p // PS] * PS + p % PS
+        seq[off:off + len(p)] = r
+        table[r, :len(pages)] = pages
+        kv_lens[r] = p[-1] + 1
+        off += len(p)
+        cu[r + 1:] = off
+    return AttentionMetadata(*map(jnp.asarray, (pos, slots, seq, table, kv_lens, cu, np.int32(len(rows)))))
+
+
+def jit_propose(head, num_draft: int, **kw):
+    graphdef, state = nnx.split(head)
+
+    @jax.jit
+    def run(state, embed, kv, tokens, hidden, meta, last_index, *args):
+        return eagle3_propose(nnx.merge(graphdef, state), embed, kv, tokens, hidden, meta, last_index,
+                              num_draft=num_draft, attn_impl="reference", **dict(zip(kw, args)))
+
+    return lambda *a: run(state, *a, *kw.values())
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(None)
+
+
+@pytest.fixture(scope="module")
+def target(smol):
+    graphdef, state = build_state(smol.config, smol.weights, jnp.float32)
+    return nnx.merge(graphdef, state)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tensors = random_checkpoint()
+    return tensors, write_checkpoint(tmp_path_factory.mktemp("eagle3"), tensors, HEAD_CONFIG)
+
+
+def test_aux_hidden_states_equal_hf_hidden_states(smol, target, hf_smol):
+    cfg = smol.config
+    layers = (2, cfg.num_layers // 2, cfg.num_layers - 3)
+    prompts = [smol.tokenizer.encode("The history of the Roman Empire begins with the founding of"),
+               smol.tokenizer.encode("def fibonacci(n):")]
+    rows, pages = [], iter(range(1, 100))
+    for ids in prompts:
+        rows.append((list(range(len(ids))), [next(pages) for _ in range(-(-len(ids) // PS))]))
+    meta = make_meta(rows, num_tokens=32, num_rows=3, width=4)
+    tokens = jnp.asarray(np.concatenate([np.concatenate(prompts), np.zeros(32 - sum(map(len, prompts)), int)]))
+    kv = (jnp.zeros((cfg.num_layers, 12, PS, cfg.num_kv_heads, cfg.head_dim)),) * 2
+    last = jnp.asarray([len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1, 0])
+    logits, kv_aux, aux = target(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers)
+    plain_logits, kv_plain = target(tokens, kv, meta, last, attn_impl="reference")
+    np.testing.assert_array_equal(logits, plain_logits)  # asking for aux states changes nothing else
+    np.testing.assert_array_equal(kv_aux[0], kv_plain[0])
+    assert aux.shape == (32, 3 * cfg.hidden_size)
+    off = 0
+    for ids in prompts:
+        with torch.no_grad():
+            hf = hf_smol(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        want = np.concatenate([hf[i][0].numpy() for i in layers], axis=-1)
+        got = np.asarray(aux[off:off + len(ids)])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        off += len(ids)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        target(tokens, kv, meta, last, attn_impl="reference", aux_layers=(15, 2, 27))
+    with pytest.raises(ConfigError, match="one device"):
+        target(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers, plan=object())
+
+
+def test_head_matches_float64_reference_through_paged_steps(checkpoint):
+    """Three calls on three rows with pages spread over the pool: prefills, a verification where
+    only some catch-up tokens were accepted (their KV slots are scratch), a page boundary, and a row
+    whose chain runs past its pages. Every draft equals the reference's greedy chain over the
+    accepted sequence, recomputed from scratch, and the logits agree to float32 accuracy."""
+    tensors, path = checkpoint
+    head = load_eagle3(path, SMOL)
+    rng = np.random.default_rng(1)
+    embed = (0.5 * rng.standard_normal((49152, 576))).astype(np.float32)
+    ref = ReferenceEagle3(tensors, HEAD_CONFIG, embed)
+    k = 4
+    pages = {0: [5, 17, 3, 9], 1: [11, 2], 2: [30]}
+    seqs = {r: ([], []) for r in pages}  # accepted (token, aux hidden) per position
+    calls = [  # per row: (first catch-up position, number of catch-up tokens, number accepted)
+        {0: (0, 19, 19), 1: (0, 5, 5), 2: (0, 1, 1)},
+        {0: (19, 4, 2), 1: (5, 2, 2), 2: (1, 3, 1)},
+        {0: (21, 3, 3), 1: (7, 3, 3), 2: (2, 6, 6)},
+    ]
+    propose = jit_propose(head, k)
+    kv = (jnp.zeros((1, 40, PS, 3, 64)),) * 2
+    for call in calls:
+        rows, tokens, hidden, last = [], [], [], []
+        for r, (start, n, accepted) in call.items():
+            toks = rng.integers(0, 49152, n)
+            hid = rng.standard_normal((n, 3 * 576)).astype(np.float32)
+            seqs[r][0].extend(toks[:accepted])
+            seqs[r][1].extend(hid[:accepted])
+            last.append(len(tokens) + accepted - 1)
+            rows.append((list(range(start, start + n)), pages[r]))
+            tokens.extend(toks)
+            hidden.extend(hid)
+        t = 48
+        meta = make_meta(rows, num_tokens=t, num_rows=4, width=4)
+        pad = t - len(tokens)
+        out = propose(jnp.asarray(embed), kv, jnp.asarray(np.concatenate([tokens, np.zeros(pad, int)])),
+                      jnp.asarray(np.concatenate([np.stack(hidden), np.zeros((pad, 3 * 576), np.float32)])), meta,
+                      jnp.asarray(last + [0]))
+        kv = out.kv
+        for r in call:
+            drafts, logits = ref.greedy_chain(np.asarray(seqs[r][0]), np.stack(seqs[r][1]), k)
+            exact = k if r != 2 or call[2][0] < 2 else 2  # row 2's last call drafts past its page from draft 3
+            assert list(np.asarray(out.token_ids[r, :exact])) == drafts[:exact], (call, r)
+            np.testing.assert_allclose(out.draft_logits[r, :exact], logits[:exact], rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(np.asarray(out.probs[r, np.arange(k), out.token_ids[r]]), 1.0)
+    untouched = sorted(set(range(1, 40)) - {p for ps in pages.values() for p in ps})
+    assert not np.asarray(kv[0][0, untouched]).any() and not np.asarray(kv[1][0, untouched]).any()
+
+
+def test_sampled_drafts_come_with_the_distribution_they_were_drawn_from(checkpoint):
+    tensors, path = checkpoint
+    head = load_eagle3(path, SMOL)
+    rng = np.random.default_rng(2)
+    embed = jnp.asarray((0.5 * rng.standard_normal((49152, 576))).astype(np.float32))
+    meta = make_meta([([0, 1, 2], [1]), ([0, 1], [2])], num_tokens=8, num_rows=2, width=2)
+    tokens = jnp.asarray(rng.integers(0, 49152, 8))
+    hidden = jnp.asarray(rng.standard_normal((8, 3 * 576)).astype(np.float32))
+    kv = (jnp.zeros((1, 4, PS, 3, 64)),) * 2
+    temperature = jnp.asarray([0.7, 0.0])
+    out = jit_propose(head, 3, temperature=temperature, key=jax.random.key(0))(
+        embed, kv, tokens, hidden, meta, jnp.asarray([2, 4]))
+    greedy = jit_propose(head, 3)(embed, kv, tokens, hidden, meta, jnp.asarray([2, 4]))
+    assert list(out.token_ids[1]) == list(greedy.token_ids[1])  # temperature 0 drafts greedily
+    in_draft_vocab = np.zeros(49152, bool)
+    in_draft_vocab[np.arange(8192) + tensors["d2t"]] = True
+    probs = np.asarray(out.probs)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    assert not probs[..., ~in_draft_vocab].any()
+    assert (probs[0, np.arange(3), np.asarray(out.token_ids[0])] > 0).all()
+    want = jax.nn.softmax(out.draft_logits[0] / 0.7, axis=-1)
+    np.testing.assert_allclose(probs[0][:, np.arange(8192) + tensors["d2t"]], want, rtol=1e-5, atol=1e-7)
+
+
+def test_pallas_kernels_draft_as_the_reference_does(checkpoint):
+    """The GPU path's kernels (interpreted) under the same metadata, chain steps included."""
+    head = load_eagle3(checkpoint[1], SMOL)
+    rng = np.random.default_rng(4)
+    embed = jnp.asarray((0.5 * rng.standard_normal((49152, 576))).astype(np.float32))
+    meta = make_meta([(list(range(11)), [3, 5]), ([0, 1, 2], [7])], num_tokens=16, num_rows=4, width=2)
+    args = (embed, (jnp.zeros((1, 9, PS, 3, 64)),) * 2, jnp.asarray(rng.integers(0, 49152, 16)),
+            jnp.asarray(rng.standard_normal((16, 3 * 576)).astype(np.float32)), meta, jnp.asarray([10, 13, 0, 0]))
+    graphdef, state = nnx.split(head)
+    outs = [jax.jit(lambda state, *a, impl=impl: eagle3_propose(nnx.merge(graphdef, state), *a, num_draft=3,
+                                                                attn_impl=impl))(state, *args)
+            for impl in ("reference", "pallas_interpret")]
+    np.testing.assert_array_equal(outs[0].token_ids[:2], outs[1].token_ids[:2])
+    np.testing.assert_allclose(outs[0].draft_logits[:2], outs[1].draft_logits[:2], rtol=1e-4, atol=1e-4)
+
+
+def test_loader_reads_variants_and_names_what_is_wrong(checkpoint, tmp_path):
+    tensors, path = checkpoint
+    head = load_eagle3(path, SMOL)
+    np.testing.assert_array_equal(head.d2t[...], tensors["d2t"])
+    np.testing.assert_array_equal(head.fc[...], tensors["fc.weight"].T)
+    assert head.cfg.aux_layers(30) == (2, 15, 27) and not hasattr(head, "embed")
+
+    # SpecForge's names, its own embedding, aux ids of layer outputs, no t2d.
+    spec = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items() if k != "t2d"}
+    spec["embed_tokens.weight"] = np.ones((49152, 576), np.float32)
+    cfg = dict(HEAD_CONFIG, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]})
+    (tmp_path / "specforge").mkdir()
+    head = load_eagle3(write_checkpoint(tmp_path / "specforge", spec, cfg), SMOL)
+    assert head.cfg.aux_layers(30) == (2, 15, 27) and head.embed.shape == (49152, 576)
+
+    def refused(tensors, config, match, target=SMOL):
+        d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        with pytest.raises(UnsupportedModelError, match=match):
+            load_eagle3(write_checkpoint(d, tensors, config), target)
+
+    refused({k: v for k, v in tensors.items() if k != "norm.weight"}, HEAD_CONFIG, "lacks \\['final_norm'\\]")
+    short_head = dict(tensors, **{"lm_head.weight": tensors["lm_head.weight"][:100]})
+    refused(short_head, HEAD_CONFIG, "'lm_head.weight' has shape")
+    refused(dict(tensors, extra=np.zeros(1)), HEAD_CONFIG, "unexpected weight 'extra'")
+    refused(tensors, dict(HEAD_CONFIG, vocab_size=32000), "vocab_size is 32000")
+    refused(tensors, HEAD_CONFIG, "hidden_size", target=ModelConfig("llama", 49152, 960, 2560, 32, 15, 5, 64))
+    refused(dict(tensors, d2t=np.zeros(8192, np.int64) + 5 * (np.arange(8192) % 2)), HEAD_CONFIG, "one-to-one")
+    refused(tensors, dict(HEAD_CONFIG, num_hidden_layers=2), "num_hidden_layers=2")
+
+
+def test_greedy_speculation_reproduces_greedy_decoding(smol, target, tmp_path):
+    """Target verification with aux states, head catch-up and chain: the tokens are plain greedy's,
+    and the head's pool, kept incrementally across acceptances, equals one catch-up over the whole
+    final sequence at every position up to the last accepted one. The prompt's greedy continuation
+    is " 1, 1, 1," and the head drafts among its three tokens, so some drafts are accepted."""
+    cfg, k, new = smol.config, 3, 16
+    prompt = smol.tokenizer.encode("1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1,")
+    draft_ids = sorted(set(smol.tokenizer.encode(" 1, 1,")))
+    config = dict(HEAD_CONFIG, draft_vocab_size=len(draft_ids))
+    head = load_eagle3(write_checkpoint(tmp_path, random_checkpoint(3, draft_ids=draft_ids), config), cfg)
+    layers = head.cfg.aux_layers(cfg.num_layers)
+    pages = list(range(1, 10))
+    graphdef, state = nnx.split(target)
+    forward = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args, attn_impl="reference", aux_layers=layers))
+    propose = jit_propose(head, k)
+    embed = target.embed[...]
+
+    def run_target(kv, toks, start):
+        meta = make_meta([(list(range(start, start + len(toks))), pages)], num_tokens=len(toks), num_rows=1, width=9)
+        logits, kv, aux = forward(state, jnp.asarray(toks), kv, meta, jnp.arange(len(toks)))
+        return np.asarray(logits).argmax(-1), kv, aux, meta
+
+    pool = (jnp.zeros((cfg.num_layers, 10, PS, cfg.num_kv_heads, cfg.head_dim)),) * 2
+    greedy_pool, seq = pool, list(prompt)
+    best, greedy_pool, _, _ = run_target(greedy_pool, seq, 0)
+    seq.append(int(best[-1]))
+    while len(seq) < len(prompt) + new:
+        best, greedy_pool, _, _ = run_target(greedy_pool, seq[-1:], len(seq) - 1)
+        seq.append(int(best[-1]))
+
+    head_kv = (jnp.zeros((1, 10, PS, 3, 64)),) * 2
+    best, pool, aux, meta = run_target(pool, prompt, 0)
+    out = list(prompt) + [int(best[-1])]
+    prop = propose(embed, head_kv, jnp.asarray(out[1:]), aux, meta, jnp.asarray([len(prompt) - 1]))
+    head_kv = prop.kv
+    accepted_counts = []
+    while len(out) < len(prompt) + new:
+        drafts = [int(t) for t in prop.token_ids[0]]
+        start = len(out) - 1
+        best, pool, aux, meta = run_target(pool, [out[-1]] + drafts, start)
+        accepted = 0
+        while accepted < k and drafts[accepted] == best[accepted]:
+            accepted += 1
+        out += drafts[:accepted] + [int(best[accepted])]
+        accepted_counts.append(accepted)
+        catch_up = drafts + [0]
+        catch_up[accepted] = int(best[accepted])
+        prop = propose(embed, head_kv, jnp.asarray(catch_up), aux, meta, jnp.asarray([accepted]))
+        head_kv = prop.kv
+    assert out[:len(seq)] == seq
+    assert min(accepted_counts) == 0 < max(accepted_counts)  # both paths taken
+
+    last = len(out) - 2  # the last position the head has caught up to
+    _, _, aux, meta = run_target((jnp.zeros_like(pool[0]),) * 2, out[:last + 1], 0)
+    fresh = propose(embed, (jnp.zeros((1, 10, PS, 3, 64)),) * 2, jnp.asarray(out[1:last + 2]), aux, meta,
+                    jnp.asarray([last])).kv
+    slots = np.asarray(pages)[np.arange(last + 1) // PS] * PS + np.arange(last + 1) % PS
+
+    def at_slots(pool):
+        return np.asarray(pool[0]).reshape(-1, 3, 64)[slots]
+
+    for a, b in zip(head_kv, fresh):
+        np.testing.assert_allclose(at_slots(a), at_slots(b), rtol=1e-4, atol=1e-4)
+
