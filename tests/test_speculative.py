@@ -255,3 +255,19 @@ def test_preempted_and_aborted_speculating_requests_free_everything():
     assert e.kv.num_free_pages == e.kv.num_usable_pages
     assert sorted(e.scheduler._free_slots) == list(range(e.config.max_num_seqs))
     assert e.compiles_since_warmup == 0
+
+
+def test_metrics_report_spec_decode_counters_under_vllm_names():
+    from infire_jax.async_engine import EngineSnapshot
+    from infire_jax.speculative.controller import SpecStats
+    from server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(["smol"])
+    spec = SpecStats(num_drafts=3, num_draft_tokens=12, num_accepted_tokens=7, accepted_per_pos=[3, 2, 1, 1])
+    metrics.track_engine("smol", lambda: EngineSnapshot(spec=spec))
+    text = metrics.render().decode()
+    for line in ('infire:spec_decode_num_drafts_total{model_name="smol"} 3.0',
+                 'infire:spec_decode_num_draft_tokens_total{model_name="smol"} 12.0',
+                 'infire:spec_decode_num_accepted_tokens_total{model_name="smol"} 7.0',
+                 'infire:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="1"} 2.0'):
+        assert line in text
