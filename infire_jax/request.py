@@ -73,6 +73,7 @@ class Request:
         # Tokens sampled but not yet read back from the device (asynchronous scheduling).
         self.num_pending_tokens = 0
         self.detok = None  # the engine's IncrementalDetokenizer for this sequence
+        self.grammar = None  # its structured.GrammarMatcher when the output is constrained
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax import multihost
-from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepBatch, build_batch
+from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, StepBatch, build_batch, grammar_bitmask
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
 from infire_jax.sampler import BRANCHING, SamplerOutput, SamplingInputs, choose_variant, sample
@@ -104,9 +104,9 @@ def _forward_body(graphdef, attn_impl, plan, state, cache: DeviceCache, b: StepB
 
 def _sample(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
             logits: Float[Array, "S V"], sampling: SamplingInputs, row_slots: Int[Array, "S"],
-            sample_rows: Bool[Array, "S"]) -> tuple[Int[Array, "R"], SamplerOutput]:
+            sample_rows: Bool[Array, "S"], grammar_mask: Int[Array, "S W"]) -> tuple[Int[Array, "R"], SamplerOutput]:
     """Samples every row and records the sampled tokens per slot (read by the next forward)."""
-    out = sample(logits, sampling, counts, prompt_mask, row_slots, variant)
+    out = sample(logits, sampling, counts, prompt_mask, row_slots, variant, grammar_mask)
     dummy = last_tokens.shape[0] - 1
     return last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(out.tokens), out
 
@@ -184,6 +184,10 @@ class ModelRunner:
         # steps call these, so nothing can compile after warmup, and warmup needs no weights.
         self._compiled_forward: dict[StepShape, jax.stages.Compiled] = {}
         self._compiled_samplers: dict[tuple[int, str], jax.stages.Compiled] = {}
+        # Structured outputs: a step with no constrained row passes its row bucket's all-allowed
+        # grammar mask, kept on the device, instead of copying one (structured/, sampler.py).
+        self.mask_words = -(-cfg.vocab_size // 32)
+        self._all_allowed: dict[int, jax.Array] = {}
         self._history = jax.jit(_load_history, donate_argnums=(0,))
         self._read_pages = jax.jit(_read_pages)
         self._write_pages = jax.jit(_write_pages, donate_argnums=(0,),
@@ -261,12 +265,16 @@ class ModelRunner:
         c = self.cache
         logits = jax.ShapeDtypeStruct((batch.row_slots.shape[0], self.cfg.vocab_size), jnp.float32,
                                       sharding=self.plan.replicated if self.plan else None)
+        mask = jax.ShapeDtypeStruct((batch.row_slots.shape[0], self.mask_words), jnp.int32,
+                                    sharding=self.plan.replicated if self.plan else None)
         return self._samplers[variant].lower(c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling,
-                                             batch.row_slots, batch.sample_rows)
+                                             batch.row_slots, batch.sample_rows, mask)
 
     def _compile(self, shape: StepShape, batch: StepBatch) -> None:
         """Compiles (or loads from XLA's persistent cache) the step programs of one bucket."""
         self._compiled_forward[shape] = self._lower_forward(batch).compile()
+        self._all_allowed[shape.num_rows] = jax.device_put(
+            np.full((shape.num_rows, self.mask_words), -1, np.int32), self.plan.replicated if self.plan else None)
         for variant in self.rc.sampler_variants:
             if (shape.num_rows, variant) not in self._compiled_samplers:
                 self._compiled_samplers[shape.num_rows, variant] = self._lower_sampler(variant, batch).compile()
@@ -279,12 +287,14 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.k_pages.nbytes + self.cache.v_pages.nbytes
 
-    def _run(self, shape: StepShape, batch: StepBatch, variant: str) -> SamplerOutput:
+    def _run(self, shape: StepShape, batch: StepBatch, variant: str,
+             grammar_mask: np.ndarray | None = None) -> SamplerOutput:
         """Launches the bucket's compiled forward and sampler; neither waits for the device."""
         cache, logits = self._compiled_forward[shape](self.state, self.cache, batch)
+        mask = self._all_allowed[shape.num_rows] if grammar_mask is None else grammar_mask
         last, out = self._compiled_samplers[shape.num_rows, variant](
             cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
-            batch.sample_rows)
+            batch.sample_rows, mask)
         self.cache = cache._replace(last_tokens=last)
         return out
 
@@ -397,7 +407,7 @@ class ModelRunner:
         variant = choose_variant(batch.sampling, self.rc.sampler_variants)
         if multihost.is_multiprocess():
             multihost.send(multihost.STEP, self._command(shape, variant), batch)
-        out = self._run(shape, batch, variant)
+        out = self._run(shape, batch, variant, grammar_bitmask(work, shape.num_rows, self.mask_words))
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
         return PendingStep(work, out, want_lp)
 
