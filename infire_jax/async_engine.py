@@ -21,6 +21,7 @@ from infire_jax.engine import Engine
 from infire_jax.errors import InvalidRequestError
 from infire_jax.outputs import Delta
 from infire_jax.sampling_params import SamplingParams
+from infire_jax.structured.backend import CompiledGrammar
 
 if TYPE_CHECKING:
     from infire_jax.residency import Residency
@@ -68,7 +69,7 @@ class _Add:
     stream: RequestStream
     prompts: list[list[int]]
     params: SamplingParams
-    options: dict[str, Any]  # priority, tenant, prefix_hint_tokens, session_id
+    options: dict[str, Any]  # priority, tenant, prefix_hint_tokens, session_id, grammar
 
 
 @dataclasses.dataclass
@@ -221,10 +222,11 @@ class AsyncEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, request_id: str, priority: int = 0,
                  tenant: str | None = None, prefix_hint_tokens: int = 0,
-                 session_id: str | None = None) -> RequestStream:
-        """A stream of the deltas of `prompts` (token ids); use it as `async with ... as stream`."""
+                 session_id: str | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
+        """A stream of the deltas of `prompts` (token ids); use it as `async with ... as stream`.
+        `grammar`: `params.structured_outputs`, compiled off the engine thread (GrammarBackend)."""
         options = dict(priority=priority, tenant=tenant, prefix_hint_tokens=prefix_hint_tokens,
-                       session_id=session_id)
+                       session_id=session_id, grammar=grammar)
         return RequestStream(self, request_id, prompts, params, options)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:

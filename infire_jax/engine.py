@@ -283,8 +283,8 @@ class Engine:
         thread); without it the constraint is compiled here."""
         params = params or SamplingParams()
         ids = self.tokenize_prompt(prompt)
-        if params.structured_outputs is not None and grammar is None:
-            grammar = self._compile_grammar(params)
+        if params.structured_outputs is not None:
+            grammar = self._grammar(params, grammar)
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
@@ -317,11 +317,11 @@ class Engine:
         self.stats.prompt_tokens += n_prompt * params.n
         return request_id, ids
 
-    def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar:
-        if multihost.is_multiprocess():
+    def _grammar(self, params: SamplingParams, compiled: CompiledGrammar | None) -> CompiledGrammar:
+        if multihost.is_multiprocess():  # followers would need each step's masks broadcast
             raise InvalidRequestError("structured outputs are not supported across several processes yet",
                                       param=params.structured_outputs.param)
-        return self.grammars.compile(params.structured_outputs)
+        return compiled or self.grammars.compile(params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages now; later results for it are dropped."""
