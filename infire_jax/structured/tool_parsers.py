@@ -110,6 +110,7 @@ class ToolCallStream:
         self.calls: list[ToolCall] = []
         self._sent = 0  # characters of `text` handed out as content or consumed by calls
         self._in_calls = False
+        self._calls_from = 0  # where the calls began: if none parses, content from there on
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         """(content to show now, calls completed now)."""
@@ -123,7 +124,7 @@ class ToolCallStream:
         if at < 0:
             return self._content(len(self.text) - _held_back(self.text, marker)), []
         content = self._content(at)
-        self._in_calls = True
+        self._in_calls, self._calls_from = True, at
         return content, self._closed_calls()
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -143,7 +144,7 @@ class ToolCallStream:
             calls = _json_calls(rest.removeprefix(PYTHON_TAG), "parameters") or []
         self.calls.extend(c for c in calls if c not in self.calls)
         if not self.calls:
-            return rest, []  # it looked like a call but is not one: plain content
+            return self.text[self._calls_from:], []  # it looked like a call but is not one: plain content
         return "", calls
 
     def _content(self, end: int) -> str:
@@ -171,6 +172,6 @@ class ToolCallStream:
             return ""  # undecided yet
         if self._sent == 0 and (head.startswith("{") or head.startswith(PYTHON_TAG)):
             self._in_calls = True
-            self._sent = len(self.text) - len(head)
+            self._sent = self._calls_from = len(self.text) - len(head)
             return ""
         return self._content(len(self.text))
