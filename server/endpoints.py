@@ -113,7 +113,7 @@ async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) 
         changes["skip_special_tokens"] = False
     if req.tools.forced:
         changes["structured_outputs"] = tool_call_constraint(
-            tool_format, req.tools.forced_functions(), parallel=req.tools.parallel,
+            tool_format, req.tools.forced_functions(), parallel=req.tools.forced_many,
             special_token_id=m.tokenizer.token_to_id(MISTRAL_MARKER))
     req.params = dataclasses.replace(req.params, **changes)
 

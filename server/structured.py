@@ -90,6 +90,11 @@ class ToolRequest:
     def forced(self) -> bool:
         return self.choice not in (NONE, AUTO)
 
+    @property
+    def forced_many(self) -> bool:
+        """Forced calls may be several: `required` with parallel_tool_calls; a named function is called once."""
+        return self.parallel and self.choice == REQUIRED
+
     def forced_functions(self) -> list[dict[str, Any]]:
         fns = [t["function"] for t in self.tools]
         return fns if self.choice == REQUIRED else [f for f in fns if f["name"] == self.choice]
