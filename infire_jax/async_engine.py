@@ -52,6 +52,7 @@ class EngineSnapshot:
     compiles_since_warmup: int = 0
     step_seconds: float = 0.0
     device_wait_seconds: float = 0.0
+    grammar_seconds: float = 0.0  # of the host time: in the grammar engine (structured outputs)
 
 
 class LatencyObserver(Protocol):
@@ -391,4 +392,4 @@ class AsyncEngine:
             prefix_queries=e.kv.queries, prefix_hits=e.kv.hits, num_preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens,
             compiles_since_warmup=e.compiles_since_warmup, step_seconds=e.stats.step_seconds,
-            device_wait_seconds=e.stats.device_wait_seconds)
+            device_wait_seconds=e.stats.device_wait_seconds, grammar_seconds=e.grammars.clock.seconds)

@@ -22,7 +22,7 @@ import threading
 import llguidance
 
 from infire_jax.errors import InvalidRequestError
-from infire_jax.structured.matcher import GrammarMatcher
+from infire_jax.structured.matcher import GrammarClock, GrammarMatcher
 from infire_jax.structured.spec import StructuredOutputs
 
 # JSON without free whitespace: a small model cannot wander into endless blank lines, and the
@@ -57,11 +57,12 @@ def to_grammar(spec: StructuredOutputs) -> str:
 class CompiledGrammar:
     """A constraint's matcher in its start state; `matcher()` hands out independent copies."""
 
-    def __init__(self, template: llguidance.LLMatcher):
+    def __init__(self, template: llguidance.LLMatcher, clock: GrammarClock):
         self._template = template
+        self._clock = clock
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+        return GrammarMatcher(self._template.deep_copy(), self._clock)
 
 
 class GrammarBackend:
@@ -71,6 +72,7 @@ class GrammarBackend:
         """`vocab_size` is the model's logits width, which may exceed the tokenizer's."""
         self.vocab_size = vocab_size
         self.timeout = timeout
+        self.clock = GrammarClock()
         self._pool = concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS, "infire-grammar")
         # The tokenizer's token trie takes ~0.2 s to build: once, on the pool, before the first compile.
         self._tokenizer = self._pool.submit(llguidance.LLTokenizer, tokenizer_json, n_vocab=vocab_size,
@@ -108,7 +110,7 @@ class GrammarBackend:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarCompileError(f"invalid {spec.kind} constraint: {matcher.get_error()}", spec.field_param)
-        return CompiledGrammar(matcher)
+        return CompiledGrammar(matcher, self.clock)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
