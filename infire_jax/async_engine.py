@@ -22,6 +22,7 @@ from infire_jax.errors import InvalidRequestError
 from infire_jax.outputs import Delta
 from infire_jax.sampling_params import SamplingParams
 from infire_jax.speculative.controller import SpecStats
+from infire_jax.structured.backend import CompiledGrammar
 
 if TYPE_CHECKING:
     from infire_jax.residency import Residency
@@ -53,6 +54,7 @@ class EngineSnapshot:
     step_seconds: float = 0.0
     device_wait_seconds: float = 0.0
     spec: SpecStats | None = None  # speculative decoding's counters, when the engine speculates
+    grammar_seconds: float = 0.0  # of the host time: in the grammar engine (structured outputs)
 
 
 class LatencyObserver(Protocol):
@@ -70,7 +72,7 @@ class _Add:
     stream: RequestStream
     prompts: list[list[int]]
     params: SamplingParams
-    options: dict[str, Any]  # priority, tenant, prefix_hint_tokens, session_id
+    options: dict[str, Any]  # priority, tenant, prefix_hint_tokens, session_id, grammar
 
 
 @dataclasses.dataclass
@@ -223,10 +225,11 @@ class AsyncEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, request_id: str, priority: int = 0,
                  tenant: str | None = None, prefix_hint_tokens: int = 0,
-                 session_id: str | None = None) -> RequestStream:
-        """A stream of the deltas of `prompts` (token ids); use it as `async with ... as stream`."""
+                 session_id: str | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
+        """A stream of the deltas of `prompts` (token ids); use it as `async with ... as stream`.
+        `grammar`: `params.structured_outputs`, compiled off the engine thread (GrammarBackend)."""
         options = dict(priority=priority, tenant=tenant, prefix_hint_tokens=prefix_hint_tokens,
-                       session_id=session_id)
+                       session_id=session_id, grammar=grammar)
         return RequestStream(self, request_id, prompts, params, options)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
@@ -391,5 +394,5 @@ class AsyncEngine:
             prefix_queries=e.kv.queries, prefix_hits=e.kv.hits, num_preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens,
             compiles_since_warmup=e.compiles_since_warmup, step_seconds=e.stats.step_seconds,
-            device_wait_seconds=e.stats.device_wait_seconds,
+            device_wait_seconds=e.stats.device_wait_seconds, grammar_seconds=e.grammars.clock.seconds,
             spec=e.spec.stats.copy() if e.spec else None)

@@ -10,6 +10,7 @@ from infire_jax.buckets import StepShape
 from infire_jax.sampler import SamplingInputs
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS
 from infire_jax.scheduler import SchedulerOutput
+from infire_jax.structured.matcher import fill_bitmasks
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 
 # A token's role, for the device-side penalty history: prompt and output tokens are recorded
@@ -142,3 +143,15 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         logits_indices = _column([e - 1 for e in rows["ends"]], s, 0, np.int32)
     return StepBatch(tokens, from_device, kind, meta, logits_indices, _column(rows["slots"], s, dummy_slot, np.int32),
                      _column(rows["reset"], s, False, bool), _column(rows["sample"], s, False, bool), sampling)
+
+
+def grammar_bitmask(work: SchedulerOutput, num_rows: int, words: int) -> np.ndarray | None:
+    """Structured outputs: each constrained sampling row's allowed next tokens as bits ([S, W] int32,
+    every bit set for the other rows), or None when no row is constrained, so an unconstrained step
+    copies no mask (the runner passes a device-resident all-allowed one)."""
+    rows = [(sq.req.grammar, i) for i, sq in enumerate(work.seqs) if sq.samples and sq.req.grammar is not None]
+    if not rows:
+        return None
+    mask = np.full((num_rows, words), -1, np.int32)
+    fill_bitmasks(rows, mask)
+    return mask

@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                    help="attention implementation: auto (pallas on GPU, else reference), reference, pallas, "
                         "or pallas_interpret (the Pallas kernels in interpret mode, for checking on CPU)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="longest a structured-output grammar may take to compile; longer is a 400 (default 10)")
     p.add_argument("--mesh", default=None,
                    help="mesh-config YAML (default: the shipped file for the number of devices)")
     p.add_argument("--coordinator-address", default=None,
@@ -49,7 +51,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed,
-                        weights_compression=args.weights_compression, speculative_config=args.speculative_config)
+                        weights_compression=args.weights_compression, speculative_config=args.speculative_config,
+                        grammar_compile_timeout=args.grammar_compile_timeout)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

@@ -41,6 +41,7 @@ from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.controller import SpecController
+from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 from infire_jax.xla_flags import allocator_fraction
 from pallas_kernels.attention import choose_impl, resolve_impl
 from sharding.mesh import load_mesh_config
@@ -78,6 +79,7 @@ class EngineConfig:
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
     # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
 
 
 def enable_compilation_cache() -> None:
@@ -142,6 +144,8 @@ class Engine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
+        self.grammars = GrammarBackend(self.tokenizer.tk.to_str(), self.model_config.vocab_size,
+                                       self.model_config.eos_token_ids, timeout=ec.grammar_compile_timeout)
         jax.block_until_ready(state)
         self.load_seconds = time.monotonic() - t_load
         report("load", 1, 1)
@@ -296,10 +300,16 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, tenant: str | None = None,
-                    prefix_hint_tokens: int = 0, session_id: str | None = None) -> tuple[str, list[int]]:
-        """Queues a prompt (text or token ids) for `params.n` samples; returns (request id, prompt ids)."""
+                    prefix_hint_tokens: int = 0, session_id: str | None = None,
+                    grammar: CompiledGrammar | None = None) -> tuple[str, list[int]]:
+        """Queues a prompt (text or token ids) for `params.n` samples; returns (request id, prompt ids).
+
+        `grammar` is `params.structured_outputs` compiled already (the server compiles off this
+        thread); without it the constraint is compiled here."""
         params = params or SamplingParams()
         ids = self.tokenize_prompt(prompt)
+        if params.structured_outputs is not None:
+            grammar = self._grammar(params, grammar)
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
@@ -324,13 +334,21 @@ class Engine:
                           priority=priority, cache_salt=tenant, prefix_hint_tokens=prefix_hint_tokens,
                           session_id=session_id, min_tokens_stop_ids=stop_ids, parent_id=request_id, index=i)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
-            req.spec_wait = self.spec is not None  # so its first decode step can already carry proposals
+            req.grammar = grammar.matcher() if params.structured_outputs is not None else None
+            # so its first decode step can already carry proposals (constrained outputs do not speculate)
+            req.spec_wait = self.spec is not None and req.grammar is None
             children.append(req)
         self._requests[request_id] = children
         for req in children:
             self.scheduler.add(req)
         self.stats.prompt_tokens += n_prompt * params.n
         return request_id, ids
+
+    def _grammar(self, params: SamplingParams, compiled: CompiledGrammar | None) -> CompiledGrammar:
+        if multihost.is_multiprocess():  # followers would need each step's masks broadcast
+            raise InvalidRequestError("structured outputs are not supported across several processes yet",
+                                      param=params.structured_outputs.param)
+        return compiled or self.grammars.compile(params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages now; later results for it are dropped."""
@@ -350,6 +368,7 @@ class Engine:
         return deltas
 
     def _step(self) -> list[Delta]:
+        synced = self._sync_for_grammar()
         work = self.scheduler.schedule()
         deltas = []
         if not work.seqs and self._inflight is not None:
@@ -367,7 +386,25 @@ class Engine:
         if self._inflight is not None:
             deltas = self._process(self._inflight)
         self._inflight = pending
-        return deltas
+        return synced + deltas
+
+    def _sync_for_grammar(self) -> list[Delta]:
+        """A constrained row's next mask needs the token the step in flight samples for it, so that
+        step is read back before the next is planned (structured outputs give up the overlap)."""
+        p = self._inflight
+        if p is None or not any(sq.samples and sq.req.grammar is not None for sq in p.work.seqs):
+            return []
+        self._inflight = None
+        return self._process(p)
+
+    @staticmethod
+    def _grammar_ends(req: Request, tok: int) -> bool:
+        """Advances the request's matcher; True once its grammar allows nothing but the end."""
+        if req.grammar is None:
+            return False
+        if not req.grammar.accept_token(tok) and tok not in req.eos_token_ids:
+            log.warning("request %s: token %d broke its grammar (%s)", req.request_id, tok, req.grammar.error)
+        return req.grammar.is_terminated()
 
     def _process(self, p: PendingStep) -> list[Delta]:
         start = time.perf_counter()
@@ -419,6 +456,7 @@ class Engine:
     def _append_token(req: Request, tok: int) -> tuple[str, Status, int | str | None]:
         """Adds one generated token: (its text, the request's status after it, the stop reason)."""
         req.output_token_ids.append(tok)
+        grammar_done = Engine._grammar_ends(req, tok)
         n_out = len(req.output_token_ids)
         check = n_out >= req.params.min_tokens
         text, stop_str = req.detok.add(tok, check_stop=check)
@@ -428,6 +466,8 @@ class Engine:
             return text, Status.FINISHED_STOPPED, None
         if check and tok in req.params.stop_token_ids:
             return text, Status.FINISHED_STOPPED, tok
+        if grammar_done:
+            return text, Status.FINISHED_STOPPED, None
         if n_out >= req.max_tokens:
             return text, Status.FINISHED_LENGTH, None
         return text, Status.RUNNING, None

@@ -78,6 +78,7 @@ class Request:
         self.spec_drafts: list[int] = []
         self.spec_wait = False
         self.spec_state = None
+        self.grammar = None  # its structured.GrammarMatcher when the output is constrained
 
     @property
     def num_prompt_tokens(self) -> int:

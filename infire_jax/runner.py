@@ -25,7 +25,8 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax import multihost
-from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, DraftInputs, StepBatch, build_batch, draft_inputs
+from infire_jax.batch import (TOKEN_OUTPUT, TOKEN_PROMPT, DraftInputs, StepBatch, build_batch, draft_inputs,
+                              grammar_bitmask)
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
 from infire_jax.sampler import BRANCHING, SamplerOutput, SamplingInputs, choose_variant, sample
@@ -110,19 +111,22 @@ def _forward_body(graphdef, attn_impl, plan, state, cache: DeviceCache, b: StepB
 
 def _sample(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
             logits: Float[Array, "S V"], sampling: SamplingInputs, row_slots: Int[Array, "S"],
-            sample_rows: Bool[Array, "S"]) -> tuple[Int[Array, "R"], SamplerOutput]:
+            sample_rows: Bool[Array, "S"], grammar_mask: Int[Array, "S W"]) -> tuple[Int[Array, "R"], SamplerOutput]:
     """Samples every row and records the sampled tokens per slot (read by the next forward)."""
-    out = sample(logits, sampling, counts, prompt_mask, row_slots, variant)
+    out = sample(logits, sampling, counts, prompt_mask, row_slots, variant, grammar_mask)
     dummy = last_tokens.shape[0] - 1
     return last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(out.tokens), out
 
 
 def _verify(branch: bool, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
             logits: Float[Array, "SP V"], sampling: SamplingInputs, row_slots: Int[Array, "S"],
-            sample_rows: Bool[Array, "S"], drafts: DraftInputs) -> tuple[Int[Array, "R"], Int[Array, "R V"], VerifyOutput]:
+            sample_rows: Bool[Array, "S"], drafts: DraftInputs,
+            grammar_mask: Int[Array, "S W"]) -> tuple[Int[Array, "R"], Int[Array, "R V"], VerifyOutput]:
     """The sampler of a verifying step: accepts proposals, samples the token after them, and
-    records the accepted proposals in the slots' histories."""
-    out = verify(logits, sampling, counts, prompt_mask, row_slots, drafts.tokens, drafts.num, None, branch)
+    records the accepted proposals in the slots' histories. Constrained rows carry no proposals
+    (speculative/controller.py), so their grammar mask applies at their one position."""
+    out = verify(logits, sampling, counts, prompt_mask, row_slots, drafts.tokens, drafts.num, None, branch,
+                 grammar_mask)
     dummy = last_tokens.shape[0] - 1
     last = jnp.take_along_axis(out.tokens, (out.num_tokens - 1)[:, None], axis=1)[:, 0]
     last_tokens = last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(last)
@@ -209,6 +213,10 @@ class ModelRunner:
         self._compiled_samplers: dict[tuple[int, str], jax.stages.Compiled] = {}
         self._compiled_verify_forward: dict[StepShape, jax.stages.Compiled] = {}  # speculative decoding
         self._compiled_verifiers: dict[int, jax.stages.Compiled] = {}
+        # Structured outputs: a step with no constrained row passes its row bucket's all-allowed
+        # grammar mask, kept on the device, instead of copying one (structured/, sampler.py).
+        self.mask_words = -(-cfg.vocab_size // 32)
+        self._all_allowed: dict[int, jax.Array] = {}
         self._history = jax.jit(_load_history, donate_argnums=(0,))
         self._read_pages = jax.jit(_read_pages)
         self._write_pages = jax.jit(_write_pages, donate_argnums=(0,),
@@ -290,20 +298,27 @@ class ModelRunner:
     def _lower_sampler(self, variant: str, batch: StepBatch) -> jax.stages.Lowered:
         c = self.cache
         return self._samplers[variant].lower(c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch),
-                                             batch.sampling, batch.row_slots, batch.sample_rows)
+                                             batch.sampling, batch.row_slots, batch.sample_rows, self._mask_struct(batch))
 
     def _logits_struct(self, batch: StepBatch) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((batch.logits_indices.shape[0], self.cfg.vocab_size), jnp.float32,
                                     sharding=self.plan.replicated if self.plan else None)
 
+    def _mask_struct(self, batch: StepBatch) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((batch.row_slots.shape[0], self.mask_words), jnp.int32,
+                                    sharding=self.plan.replicated if self.plan else None)
+
     def _lower_verifier(self, batch: StepBatch, drafts: DraftInputs) -> jax.stages.Lowered:
         c = self.cache
         return self._verifier.lower(c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch),
-                                    batch.sampling, batch.row_slots, batch.sample_rows, drafts)
+                                    batch.sampling, batch.row_slots, batch.sample_rows, drafts,
+                                    self._mask_struct(batch))
 
     def _compile(self, shape: StepShape, batch: StepBatch) -> None:
         """Compiles (or loads from XLA's persistent cache) the step programs of one bucket."""
         self._compiled_forward[shape] = self._lower_forward(batch).compile()
+        self._all_allowed[shape.num_rows] = jax.device_put(
+            np.full((shape.num_rows, self.mask_words), -1, np.int32), self.plan.replicated if self.plan else None)
         for variant in self.rc.sampler_variants:
             if (shape.num_rows, variant) not in self._compiled_samplers:
                 self._compiled_samplers[shape.num_rows, variant] = self._lower_sampler(variant, batch).compile()
@@ -321,21 +336,25 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.k_pages.nbytes + self.cache.v_pages.nbytes
 
-    def _run(self, shape: StepShape, batch: StepBatch, variant: str) -> SamplerOutput:
+    def _run(self, shape: StepShape, batch: StepBatch, variant: str,
+             grammar_mask: np.ndarray | None = None) -> SamplerOutput:
         """Launches the bucket's compiled forward and sampler; neither waits for the device."""
         cache, logits = self._compiled_forward[shape](self.state, self.cache, batch)
+        mask = self._all_allowed[shape.num_rows] if grammar_mask is None else grammar_mask
         last, out = self._compiled_samplers[shape.num_rows, variant](
             cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
-            batch.sample_rows)
+            batch.sample_rows, mask)
         self.cache = cache._replace(last_tokens=last)
         return out
 
-    def _run_verify(self, shape: StepShape, batch: StepBatch, drafts: DraftInputs) -> VerifyOutput:
+    def _run_verify(self, shape: StepShape, batch: StepBatch, drafts: DraftInputs,
+                    grammar_mask: np.ndarray | None) -> VerifyOutput:
         """Launches a verifying step: the forward with logits at every proposed position, then the verifier."""
         cache, logits = self._compiled_verify_forward[shape](self.state, self.cache, batch)
+        mask = self._all_allowed[shape.num_rows] if grammar_mask is None else grammar_mask
         last, counts, out = self._compiled_verifiers[shape.num_rows](
             cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
-            batch.sample_rows, drafts)
+            batch.sample_rows, drafts, mask)
         self.cache = cache._replace(last_tokens=last, counts=counts)
         return out
 
@@ -448,15 +467,16 @@ class ModelRunner:
                 self._restore_history(sq.req, sq.start)
         shape = self.rc.buckets.shape_for(work.num_tokens, len(work.seqs))
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
+        mask = grammar_bitmask(work, shape.num_rows, self.mask_words)
         if any(s.drafts for s in work.seqs):  # one process only (the engine checks)
             batch = self._build(work, shape, verify=True)
-            return PendingStep(work, self._run_verify(shape, batch, draft_inputs(work, shape, self.rc.num_spec)),
+            return PendingStep(work, self._run_verify(shape, batch, draft_inputs(work, shape, self.rc.num_spec), mask),
                                want_lp)
         batch = self._build(work, shape)
         variant = choose_variant(batch.sampling, self.rc.sampler_variants)
         if multihost.is_multiprocess():
             multihost.send(multihost.STEP, self._command(shape, variant), batch)
-        return PendingStep(work, self._run(shape, batch, variant), want_lp)
+        return PendingStep(work, self._run(shape, batch, variant, mask), want_lp)
 
     @staticmethod
     def fetch(p: PendingStep) -> StepResult:

@@ -70,7 +70,7 @@ _BISECT_STEPS = 32  # halvings of the threshold interval: 2^-32 of the value ran
 
 def _kth_largest(x: Float[Array, "S V"], k: Int[Array, "S"]) -> Float[Array, "S"]:
     """The k-th largest value of each row, by bisection on the value (a full sort is ~80x slower on CPU)."""
-    lo = jnp.min(x, axis=-1)  # count(x >= lo) = V >= k
+    lo = jnp.min(jnp.where(jnp.isfinite(x), x, jnp.inf), axis=-1)  # masked (-inf) tokens never bound the search
     hi = jnp.max(x, axis=-1)
 
     def step(_, bounds):
@@ -151,6 +151,21 @@ def no_logprobs(rows: int):
             jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
 
 
+def _apply_grammar_mask(logits: Float[Array, "S V"], mask: Int[Array, "S W"]) -> Float[Array, "S V"]:
+    """Bit t % 32 of word t // 32 clear: token t is not allowed (llguidance's bitmask layout)."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=mask.dtype)) & 1
+    allowed = bits.reshape(mask.shape[0], -1)[:, :logits.shape[1]].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def grammar_masked(logits, mask, branch: bool):
+    """Structured outputs: the mask goes first, before penalties and truncation. Rows without a
+    constraint have every bit set; on CPU a batch without any constraint skips the pass."""
+    if branch:
+        return jax.lax.cond(jnp.any(mask != -1), _apply_grammar_mask, lambda x, _: x, logits, mask)
+    return _apply_grammar_mask(logits, mask)
+
+
 def choose_variant(s: SamplingInputs, variants: tuple[str, ...]) -> str:
     """The cheapest compiled variant that covers this batch's host-side parameters (numpy)."""
     if variants == (BRANCHING,):
@@ -169,12 +184,17 @@ def sample(
     prompt_table: Bool[Array, "R V"],
     slots: Int[Array, "S"],
     variant: str = BRANCHING,
+    grammar_mask: Int[Array, "S W"] | None = None,
 ) -> SamplerOutput:
-    """Picks the next token of every row. The tables hold each request slot's token history."""
+    """Picks the next token of every row. The tables hold each request slot's token history.
+    `grammar_mask` (structured outputs) holds each row's allowed tokens as bits; logprobs stay
+    those of the model's own distribution, as vLLM reports them."""
     rows = logits.shape[0]
+    raw = logits
+    if grammar_mask is not None:
+        logits = grammar_masked(logits, grammar_mask, variant == BRANCHING)
     if variant == GREEDY:
         return SamplerOutput(jnp.argmax(logits, axis=-1).astype(jnp.int32), *no_logprobs(rows))
-    raw = logits
     branch = variant == BRANCHING
     if branch:
         has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))

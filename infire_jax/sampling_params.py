@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from infire_jax.errors import InvalidRequestError
+from infire_jax.structured.spec import StructuredOutputs
 
 # Logprobs: how many alternatives one token may return (OpenAI allows 20).
 MAX_LOGPROBS = 20
@@ -33,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # the output must match it (infire_jax/structured/)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -77,6 +79,8 @@ class SamplingParams:
             bad("stop must be a non-empty string or a list of non-empty strings", "stop")
         if any(not isinstance(t, int) or not 0 <= t < 2 ** 31 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative 32-bit integers", "stop_token_ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            bad("structured_outputs must be a StructuredOutputs", "structured_outputs")
         if self.min_tokens and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 2:
             bad(f"with min_tokens, at most {MAX_STOP_TOKEN_IDS - 2} stop_token_ids are supported", "stop_token_ids")
 

@@ -7,6 +7,7 @@ response is sent, so admission errors still get their 4xx status even when strea
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import uuid
@@ -16,11 +17,16 @@ from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine, RequestStream
 from infire_jax.errors import InvalidRequestError
+from infire_jax.structured import StructuredOutputs
+from infire_jax.structured.backend import CompiledGrammar
+from infire_jax.structured.tool_grammar import tool_call_constraint
+from infire_jax.structured.tool_parsers import MISTRAL, MISTRAL_MARKER, detect_format
+from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.tokenizer import Tokenizer
 from server.auth import TENANT
 from server.errors import APIError, to_api_error
 from server.kv_handoff import KVHandoff, Pulled
-from server.protocol import GenerationRequest, bad, parse_chat, parse_completion
+from server.protocol import ChatRequest, GenerationRequest, bad, parse_chat, parse_completion
 from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, TokenText, Usage
 from server.streaming import SSEWriter
 
@@ -75,19 +81,46 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     req = parse_chat(await _json(request))
     m = _model(st, req)
+    tool_format = detect_format(m.tokenizer.chat_template)
     try:
-        text = m.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        messages, extra = render_inputs(m.tokenizer.chat_template, req.messages,
+                                        req.tools.tools if req.tools else None)
+        text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except InvalidRequestError as e:
         raise bad(str(e), "messages") from e
     prompts = [m.tokenizer.encode(text, add_special_tokens=False)]
     _check_length(m, prompts, "messages")
+    if req.tools is not None:
+        await _force_tool_calls(m, req, tool_format)
 
     def formatter() -> ChatFormatter:
         return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", m.name, m.token_text,
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
-                             include_usage=req.include_usage)
+                             include_usage=req.include_usage, tool_format=tool_format if req.tools else None)
 
     return await _run(request, st, m, req, prompts, formatter, "messages")
+
+
+async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) -> None:
+    """Checks every tool's parameter schema, and with a forced `tool_choice` constrains the output to
+    calls in the model's format. Mistral's `[TOOL_CALLS]` is a special token: keep it in the text."""
+    for i, t in enumerate(req.tools.tools):
+        if "parameters" in t["function"]:
+            await _compile(m, StructuredOutputs(json=t["function"]["parameters"],
+                                                param=f"tools[{i}].function.parameters"))
+    changes = {}
+    if tool_format == MISTRAL:
+        changes["skip_special_tokens"] = False
+    if req.tools.forced:
+        changes["structured_outputs"] = tool_call_constraint(
+            tool_format, req.tools.forced_functions(), parallel=req.tools.forced_many,
+            special_token_id=m.tokenizer.token_to_id(MISTRAL_MARKER))
+    req.params = dataclasses.replace(req.params, **changes)
+
+
+async def _compile(m: ServedModel, spec: StructuredOutputs) -> CompiledGrammar:
+    """On the default executor: a grammar never compiles on the event loop or the engine thread."""
+    return await asyncio.get_running_loop().run_in_executor(None, m.engine.engine.grammars.compile, spec)
 
 
 # ---- shared steps ---------------------------------------------------------------------------------
@@ -159,8 +192,10 @@ async def _run(request: web.Request, st: ServerState, m: ServedModel, req: Gener
         _check_transfer(st, req, prompts)
         if req.kv_transfer.get("do_remote_prefill"):  # import the prompt's pages, then run as a prefix hit
             request[KV_PULLED] = await st.handoff.pull(req.kv_transfer, prompts[0], tenant, dict(request.headers))
+    spec = req.params.structured_outputs
+    grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
-                                tenant=tenant, prefix_hint_tokens=hint, session_id=session)
+                                tenant=tenant, prefix_hint_tokens=hint, session_id=session, grammar=grammar)
     try:
         async with stream:  # admits the request; leaving early (a disconnect) aborts it
             usage = Usage([len(p) for p in prompts])

@@ -104,6 +104,9 @@ class _EngineCollector(Collector):
             (CounterMetricFamily, "engine_device_wait_seconds",
              "Part of the step time blocked on the device's results (the rest is host work).",
              s.device_wait_seconds),
+            (CounterMetricFamily, "grammar_seconds",
+             "Host time in the grammar engine (structured outputs: filling token masks, advancing matchers).",
+             s.grammar_seconds),
         )
 
 

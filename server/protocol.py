@@ -1,9 +1,10 @@
 """OpenAI request validation: a JSON body becomes a CompletionRequest or a ChatRequest, or a 400.
 
 Follows the OpenAI schema: unknown fields, wrong types and out-of-range values are rejected, and so
-are fields OpenAI would honour but this server cannot (logit_bias, tools, suffix, ...), instead of
-being ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, ...) and its `priority` (lower runs first) are accepted too.
+are fields OpenAI would honour but this server cannot (logit_bias, suffix, ...), instead of being
+ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, ...), its `structured_outputs` and its `priority` (lower runs first) are accepted
+too. Structured-output and tool fields are checked in server/structured.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Callable
 
 from infire_jax.errors import InvalidRequestError
 from infire_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from infire_jax.structured import StructuredOutputs
+from server import structured
 from server.errors import APIError
 
 _INT64 = 2 ** 63
@@ -25,14 +28,14 @@ _COMMON = frozenset({
     "stream", "stream_options", "logit_bias", "user",
     # vLLM extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "priority",
+    "include_stop_str_in_output", "priority", "structured_outputs",
     # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
     "kv_transfer_params",
 })
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls", "store"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def bad(message: str, param: str | None = None) -> APIError:
@@ -59,8 +62,9 @@ class CompletionRequest(GenerationRequest):
 
 @dataclasses.dataclass
 class ChatRequest(GenerationRequest):
-    messages: list[dict[str, str]]
+    messages: list[dict]
     top_logprobs: int | None  # None: no logprobs
+    tools: structured.ToolRequest | None  # None: no tool may be called
 
 
 class _Body:
@@ -130,7 +134,8 @@ def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> Non
         raise bad(f"Invalid '{name}': expected a value <= {hi}, but got {v} instead.", name)
 
 
-def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None) -> GenerationRequest:
+def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None,
+            constraint: StructuredOutputs | None = None) -> GenerationRequest:
     """Fields both endpoints share, and the SamplingParams they define."""
     model = b.string("model")
     if model is None:
@@ -167,12 +172,20 @@ def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None) -> Genera
             seed=b.integer("seed", None, lo=-_INT64, hi=_INT64 - 1), stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=b.boolean("ignore_eos", False), logprobs=logprobs,
             skip_special_tokens=b.boolean("skip_special_tokens", True),
-            include_stop_str_in_output=b.boolean("include_stop_str_in_output", False))
+            include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
+            structured_outputs=_constraint(constraint, structured.structured_outputs(b.data.get("structured_outputs"))))
     except InvalidRequestError as e:  # SamplingParams' own checks
         raise bad(str(e), e.param) from e
     return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,
                              priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1),
                              kv_transfer=_transfer_params(b.data.get("kv_transfer_params")))
+
+
+def _constraint(response_format: StructuredOutputs | None,
+                structured_outputs: StructuredOutputs | None) -> StructuredOutputs | None:
+    if response_format is not None and structured_outputs is not None:
+        raise bad("give 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    return response_format or structured_outputs
 
 
 def _transfer_params(raw: Any) -> dict | None:
@@ -237,19 +250,20 @@ def parse_chat(data: Any) -> ChatRequest:
     max_tokens = b.integer("max_completion_tokens", None, lo=1)
     if max_tokens is None:
         max_tokens = b.integer("max_tokens", None, lo=1)
-    b.neutral("response_format", lambda v: v == {"type": "text"}, "only {\"type\": \"text\"} is implemented")
-    b.neutral("tools", lambda v: v == [], "tool calling is not implemented")
-    b.neutral("tool_choice", lambda v: v == "none", "tool calling is not implemented")
-    b.boolean("parallel_tool_calls", False)
+    fmt = structured.response_format(b.data.get("response_format"))
+    tools = structured.tools(b.data.get("tools"), b.data.get("tool_choice"), b.boolean("parallel_tool_calls", True))
     b.neutral("store", lambda v: v is False, "completions are not stored")
     top = (top_logprobs or 0) if want_logprobs else None
-    common = _common(b, max_tokens=max_tokens, logprobs=top)
-    return ChatRequest(**vars(common), messages=messages,
-                       top_logprobs=top)
+    common = _common(b, max_tokens=max_tokens, logprobs=top, constraint=fmt)
+    if tools is not None and tools.forced and common.params.structured_outputs is not None:
+        raise bad("a forced 'tool_choice' cannot be combined with 'response_format' or 'structured_outputs'",
+                  "tool_choice")
+    return ChatRequest(**vars(common), messages=messages, top_logprobs=top, tools=tools)
 
 
-def _messages(raw: Any) -> list[dict[str, str]]:
-    """Validated messages with text content; `developer` is rendered as `system`."""
+def _messages(raw: Any) -> list[dict]:
+    """Validated messages with text content; `developer` is rendered as `system`. Tool results and an
+    assistant's tool calls are checked in server/structured.py."""
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty array", "messages")
     out = []
@@ -257,13 +271,16 @@ def _messages(raw: Any) -> list[dict[str, str]]:
         p = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"Invalid type for '{p}': expected an object, but got {_json_type(m)} instead.", p)
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if extra:
             raise bad(f"Unrecognized or unsupported message field: {p}.{extra[0]}", f"{p}.{extra[0]}")
         role = m.get("role")
         if role not in _ROLES:
             raise bad(f"Invalid value for '{p}.role': expected one of {sorted(_ROLES)}, got {role!r}", f"{p}.role")
-        msg = {"role": _ROLES[role], "content": _content(m.get("content"), f"{p}.content")}
+        calls = structured.tool_message(m, p)
+        content = None if calls.get("tool_calls") and m.get("content") is None else \
+            _content(m.get("content"), f"{p}.content")
+        msg = {"role": _ROLES[role], "content": content} | calls
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):

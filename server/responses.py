@@ -14,6 +14,7 @@ from typing import Any
 
 from infire_jax.outputs import Delta
 from infire_jax.tokenizer import Tokenizer
+from server import tool_calls
 
 
 class TokenText:
@@ -157,9 +158,12 @@ class ChatFormatter(Formatter):
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args, top_logprobs: int, **kwargs):
+    def __init__(self, *args, top_logprobs: int, tool_format: str | None = None, **kwargs):
+        """`tool_format`: the model's tool-call format when the request offers tools (tool_calls.py)."""
         super().__init__(*args, **kwargs)
         self._top = top_logprobs
+        self._tool_format = tool_format
+        self._tool_deltas = tool_calls.StreamedToolCalls(tool_format) if tool_format else None
 
     def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -177,12 +181,18 @@ class ChatFormatter(Formatter):
 
     def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
         lp = self._logprobs(d.token_ids, d.logprobs) if self.want_logprobs and d.logprobs else None
-        if not d.text and lp is None and not d.finished:
+        delta, reason = {"content": d.text} if d.text else {}, d.finish_reason
+        if self._tool_deltas is not None:
+            delta, reason = self._tool_deltas.delta(index, d.text, d.finished, d.finish_reason)
+        if not delta and lp is None and not d.finished:
             return None
-        return self._chunk([{"index": index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                             "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+        return self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason,
+                             "stop_reason": d.stop_reason}])
 
     def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
         lp = self._logprobs(c.token_ids, c.logprobs) if self.want_logprobs else None
-        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": lp,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        msg, reason = {"role": "assistant", "content": "".join(c.text)}, c.finish_reason
+        if self._tool_format is not None:
+            msg, reason = tool_calls.message(self._tool_format, "".join(c.text), c.finish_reason)
+        return {"index": index, "message": msg, "logprobs": lp, "finish_reason": reason,
+                "stop_reason": c.stop_reason}

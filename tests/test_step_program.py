@@ -98,8 +98,9 @@ def test_branch_free_samplers_compile_without_host_syncs(variant):
     shape = runner.rc.buckets.shapes[-1]
     batch, c = runner._build(SchedulerOutput([], []), shape), runner.cache
     logits = jax.ShapeDtypeStruct((shape.num_rows, DENSE.vocab_size), jnp.float32)
+    mask = jax.ShapeDtypeStruct((shape.num_rows, runner.mask_words), jnp.int32)  # structured outputs' bitmask
     hlo = compiled_hlo(runner._samplers[variant], c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling,
-                       batch.row_slots, batch.sample_rows)
+                       batch.row_slots, batch.sample_rows, mask)
     assert_no_host_sync(hlo)
 
 
@@ -110,9 +111,10 @@ def test_cpu_sampler_is_the_branching_one():
     shape = runner.rc.buckets.shapes[-1]
     batch, c = runner._build(SchedulerOutput([], []), shape), runner.cache
     logits = jax.ShapeDtypeStruct((shape.num_rows, DENSE.vocab_size), jnp.float32)
+    mask = jax.ShapeDtypeStruct((shape.num_rows, runner.mask_words), jnp.int32)
     with pytest.raises(AssertionError, match="conditional"):
         assert_no_host_sync(compiled_hlo(runner._samplers[BRANCHING], c.last_tokens, c.counts, c.prompt_mask,
-                                         logits, batch.sampling, batch.row_slots, batch.sample_rows))
+                                         logits, batch.sampling, batch.row_slots, batch.sample_rows, mask))
 
 
 def test_forward_compiles_without_conditionals_on_cpu():

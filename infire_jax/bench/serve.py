@@ -6,7 +6,8 @@ or concurrencies make a sweep. Reported per sweep point: request and token throu
 ITL and E2E latency statistics, and goodput under the --goodput SLOs. Output lengths are what the
 server reports in its usage (or the number of streamed chunks when it reports none). Against our
 own server, "host share" is the part of the engine's step time spent outside the jitted step
-(scheduling, batch building, detokenizing), read from its /metrics.
+(scheduling, batch building, detokenizing), read from its /metrics, and "grammar share" the part
+of that host time spent in the grammar engine (with --structured-output).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="untimed requests sent first, one at a time")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request fails")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and the arrival times")
+    p.add_argument("--structured-output", choices=["json_schema"], default=None,
+                   help="constrain every request with vLLM's structured_outputs: json_schema sends a schema of "
+                        "records long enough that no output completes it, so outputs keep their lengths")
 
 
 def _url(base: str, path: str) -> str:
@@ -117,6 +121,18 @@ async def _first_model(session, base_url: str, headers: dict) -> str:
 
 
 _STEP_COUNTERS = ("infire:engine_step_seconds_total", "infire:engine_device_wait_seconds_total")
+_GRAMMAR_COUNTER = "infire:grammar_seconds_total"
+# --structured-output json_schema: nested objects, enums, bounded numbers and strings; 1000 records
+# at least, so every output runs to its max_tokens like an unconstrained one.
+BENCH_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "name": {"type": "string", "maxLength": 24},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}}},
+    "required": ["id", "name", "kind", "score", "tags"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False}
 
 
 async def _engine_counters(session, base_url: str, headers: dict) -> dict[str, float] | None:
@@ -129,9 +145,9 @@ async def _engine_counters(session, base_url: str, headers: dict) -> dict[str, f
     found = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in _STEP_COUNTERS:
+        if name in _STEP_COUNTERS or name == _GRAMMAR_COUNTER:
             found[name] = float(line.rsplit(" ", 1)[1])
-    return found if len(found) == len(_STEP_COUNTERS) else None
+    return found if all(c in found for c in _STEP_COUNTERS) else None
 
 
 def _host_share(before: dict | None, after: dict | None) -> dict:
@@ -141,7 +157,13 @@ def _host_share(before: dict | None, after: dict | None) -> dict:
         return {}
     step = after[_STEP_COUNTERS[0]] - before[_STEP_COUNTERS[0]]
     wait = after[_STEP_COUNTERS[1]] - before[_STEP_COUNTERS[1]]
-    return dict(engine_step_seconds=step, engine_host_share=(step - wait) / step) if step > 0 else {}
+    if step <= 0:
+        return {}
+    out = dict(engine_step_seconds=step, engine_host_share=(step - wait) / step)
+    if _GRAMMAR_COUNTER in after and step > wait:
+        grammar = after[_GRAMMAR_COUNTER] - before.get(_GRAMMAR_COUNTER, 0.0)
+        out |= dict(grammar_seconds=grammar, grammar_share_of_host=grammar / (step - wait))
+    return out
 
 
 async def _run_point(session, url, bodies, headers, *, request_rate, concurrency, burstiness, rng, bar):
@@ -175,7 +197,7 @@ def _columns(percentiles, goodput: bool):
     cols.append(("output_throughput", "out tok/s", "{:.1f}"))
     for metric in ("ttft", "tpot", "itl", "e2el"):
         cols += [(f"{pct_label(p)}_{metric}_ms", f"{pct_label(p)} {metric.upper()}", "{:.1f}") for p in percentiles]
-    return cols + [("engine_host_share", "host share", "{:.1%}")]
+    return cols + [("engine_host_share", "host share", "{:.1%}"), ("grammar_share_of_host", "grammar share", "{:.1%}")]
 
 
 async def _bench(args, prompts) -> tuple[str, list[dict]]:
@@ -196,6 +218,8 @@ async def _bench(args, prompts) -> tuple[str, list[dict]]:
                      stream_options={"include_usage": True})
             if args.ignore_eos:
                 b |= dict(ignore_eos=True, min_tokens=output_len)
+            if args.structured_output == "json_schema":
+                b["structured_outputs"] = {"json": BENCH_SCHEMA}
             return b
 
         for i in range(args.num_warmups):

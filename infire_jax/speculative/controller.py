@@ -84,8 +84,10 @@ class SpecController:
             st.backoff_left -= 1
             req.spec_wait = False
             return
-        if num_running > self.max_batch or len(req.output_token_ids) < req.params.min_tokens:
-            req.spec_wait = False  # min_tokens: stop ids are held back on the device per position 0 only
+        if num_running > self.max_batch or len(req.output_token_ids) < req.params.min_tokens or req.grammar:
+            # min_tokens: stop ids are held back on the device at position 0 only; a grammar's mask
+            # is filled for the next token only (its matcher would have to walk the proposals)
+            req.spec_wait = False
             return
         k = min(self.k, req.max_tokens - len(req.output_token_ids) - 1)
         drafts = self._propose(req, k) if k > 0 else []

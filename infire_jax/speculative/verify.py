@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.sampler import (SamplingInputs, apply_penalties, draw_key, logprobs_of, no_logprobs,
+from infire_jax.sampler import (SamplingInputs, apply_penalties, draw_key, grammar_masked, logprobs_of, no_logprobs,
                                 sampling_logits, suppress)
 
 
@@ -106,15 +106,19 @@ def verify(
     num_drafts: Int[Array, "S"],
     draft_probs: Float[Array, "S K V"] | None,
     branch: bool,
+    grammar_mask: Int[Array, "S W"] | None = None,
 ) -> VerifyOutput:
     """Accepts a prefix of each row's proposals and samples the token after it.
 
     `branch`: skip unused work with `lax.cond` (CPU), else run every part (GPU, see sampler.py).
+    `grammar_mask` (structured outputs) applies to every position of its row, first.
     """
     rows, k = drafts.shape
     p = k + 1
     ps = _per_position(s, p)
     x = logits
+    if grammar_mask is not None:
+        x = grammar_masked(x, jnp.repeat(grammar_mask, p, axis=0), branch)
     if branch:
         has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
         x = jax.lax.cond(has_penalty, lambda y: _penalize(y, ps, counts_table, prompt_table, slots, drafts,

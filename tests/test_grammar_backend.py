@@ -1,0 +1,138 @@
+"""The grammar backend (llguidance) on the default model's tokenizer, and the bitmask in the sampler (no model)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infire_jax.errors import InvalidRequestError
+from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING, choose_variant, sample
+from infire_jax.structured import StructuredOutputs
+from infire_jax.structured.backend import GrammarBackend, GrammarCompileError
+from test_sampling import V, make_inputs
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["a"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from gguf import GGUFReader
+
+    from infire_jax.loaders.gguf import read_metadata
+    from infire_jax.loaders.load import default_model_path
+    from infire_jax.tokenizer import tokenizer_from_gguf
+
+    return tokenizer_from_gguf(read_metadata(GGUFReader(default_model_path())))
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    b = GrammarBackend(tokenizer.tk.to_str(), 49152, (2,), timeout=10.0)
+    yield b
+    b.close()
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("spec,param", [
+    (dict(json={"type": "bogus"}), "structured_outputs.json"),
+    (dict(json={"type": "array", "uniqueItems": True}), "structured_outputs.json"),  # unsupported keyword
+    (dict(regex="(abc"), "structured_outputs.regex"),
+    (dict(grammar="start: missing_rule"), "structured_outputs.grammar"),
+    (dict(json={"type": "string", "format": "no-such-format"}, param="response_format.json_schema.schema"),
+     "response_format.json_schema.schema"),
+])
+def test_compile_errors_name_the_field(backend, spec, param):
+    with pytest.raises(GrammarCompileError) as e:
+        backend.compile(StructuredOutputs(**spec))
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({}, "structured_outputs"), (dict(regex="a", choice=["b"]), "structured_outputs"),
+    (dict(json="{not json"), "structured_outputs.json"), (dict(choice=[]), "structured_outputs.choice"),
+    (dict(regex=""), "structured_outputs.regex"), (dict(json=[1]), "structured_outputs.json"),
+])
+def test_spec_checks_shapes(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        StructuredOutputs(**kwargs)
+    assert e.value.param == param
+
+
+def test_cache_is_keyed_by_the_constraint(backend):
+    a = backend.compile(StructuredOutputs(json=SCHEMA))
+    b = backend.compile(StructuredOutputs(json=json.dumps(SCHEMA), param="response_format.json_schema.schema"))
+    assert a is b
+    assert backend.compile(StructuredOutputs(regex="x+")) is not a
+
+
+def test_a_slow_compile_is_bounded_and_the_backend_keeps_working(tokenizer):
+    slow = GrammarBackend(tokenizer.tk.to_str(), 49152, (2,), timeout=0.2)
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{3,9}x[0-9]{2,7}"}
+                                            for i in range(6000)}}  # about 2 s to compile here
+    start = time.monotonic()
+    with pytest.raises(GrammarCompileError, match="did not compile within 0.2 s") as e:
+        slow.compile(StructuredOutputs(json=big, param="response_format.json_schema.schema"))
+    assert time.monotonic() - start < 1.0 and e.value.param == "response_format.json_schema.schema"
+    assert slow.compile(StructuredOutputs(choice=["yes", "no"])) is not None  # the second thread serves it
+    slow.close()
+
+
+def test_matcher_accepts_rolls_back_and_terminates(backend, tokenizer):
+    m = backend.compile(StructuredOutputs(json=SCHEMA)).matcher()
+    toks = ids(tokenizer, '{"a": 7}')
+    assert m.accept_tokens(toks[:2]) == 2
+    m.rollback(2)
+    assert m.accept_tokens(toks + ids(tokenizer, "x")) == len(toks)  # the prefix that fits
+    assert m.is_terminated()
+    # a fresh matcher of the same compiled grammar starts over; a wrong token is refused
+    m2 = backend.compile(StructuredOutputs(json=SCHEMA)).matcher()
+    assert not m2.is_terminated() and not m2.accept_token(ids(tokenizer, "x")[0])
+
+
+def test_bitmask_marks_exactly_the_allowed_tokens(backend, tokenizer):
+    m = backend.compile(StructuredOutputs(choice=["yes", "no"])).matcher()
+    mask = np.full((2, backend.mask_words), -1, np.int32)
+    m.fill_bitmask(mask, 1)
+    bits = np.unpackbits(mask[1].view(np.uint8), bitorder="little")[:49152].astype(bool)
+    allowed = set(np.flatnonzero(bits))
+    assert ids(tokenizer, "yes")[0] in allowed and ids(tokenizer, "no")[0] in allowed
+    assert ids(tokenizer, "maybe")[0] not in allowed and 0 < len(allowed) < 50
+    assert (mask[0] == -1).all()  # other rows untouched
+
+
+@pytest.mark.parametrize("mode", ["branching", "branch_free"])
+def test_sampler_applies_the_mask_first_in_every_variant(mode):
+    """Rows 0 and 2 are constrained (greedy; sampled with top-k and a penalty), rows 1 and 3 are not."""
+    rows = [dict(), dict(temperature=0.9, seed=3), dict(temperature=0.9, top_k=5, rep=1.3, seed=4, logprobs=True),
+            dict(temperature=1.0, top_p=0.5, logprobs=True)]
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, V)) * 3, jnp.float32)
+    allowed = [5, 17, 40, 63]  # 63: the sign bit of its word
+    words = np.zeros(-(-V // 32), np.uint32)
+    for t in allowed:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    mask = np.full((4, len(words)), -1, np.int32)
+    mask[[0, 2]] = words.view(np.int32)
+    inputs = make_inputs(rows)
+    tables = (jnp.zeros((5, V), jnp.int32), jnp.zeros((5, V), bool), jnp.arange(4, dtype=jnp.int32))
+    variant = BRANCHING if mode == "branching" else choose_variant(jax.device_get(inputs), BRANCH_FREE_VARIANTS)
+    run = jax.jit(sample, static_argnums=5)
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for step in range(6):
+        inputs = inputs._replace(step=jnp.full(4, step, jnp.int32))
+        plain = run(logits, inputs, *tables, variant, jnp.full_like(mask, -1))
+        masked = run(logits, inputs, *tables, variant, jnp.asarray(mask))
+        assert int(masked.tokens[0]) in allowed and int(masked.tokens[2]) in allowed
+        np.testing.assert_array_equal(np.asarray(masked.tokens)[[1, 3]], np.asarray(plain.tokens)[[1, 3]])
+        # logprobs are of the model's raw distribution, as vLLM reports them
+        np.testing.assert_allclose(masked.logprob[2], raw[2, int(masked.tokens[2])], rtol=1e-5)
+    assert int(masked.tokens[0]) == allowed[int(np.argmax(np.asarray(logits)[0, allowed]))]  # greedy among allowed
