@@ -37,6 +37,7 @@ class ScriptedEngine:
         self.model_name, self.max_model_len = "scripted", 64
         self.kv = SimpleNamespace(usage=0.0, queries=0, hits=0)
         self.scheduler = SimpleNamespace(num_preemptions=0)
+        self.grammars = SimpleNamespace(clock=SimpleNamespace(seconds=0.0))
         self.stats = EngineStats()
         self.pool_sizing = PoolSizing(num_pages=8, page_bytes=1024, source="num_kv_pages")
         self.compiles_since_warmup = 0
