@@ -40,7 +40,8 @@ from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
 from infire_jax.speculative.config import SpeculativeConfig
-from infire_jax.speculative.controller import SpecController
+from infire_jax.speculative.controller import NgramProposer, SpecController
+from infire_jax.speculative.draft_model import DraftModel
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 from infire_jax.xla_flags import allocator_fraction
 from pallas_kernels.attention import choose_impl, resolve_impl
@@ -167,11 +168,9 @@ class Engine:
         rc = self.runner.rc
         self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
-        self.spec = None
+        self.spec = self.draft = None
         if self.spec_config:
-            sc = self.spec_config
-            self.spec = SpecController(sc, sc.disable_by_batch_size or (SPEC_MAX_BATCH_GPU if _on_gpu() else
-                                                                         SPEC_MAX_BATCH_CPU))
+            self.spec = self._spec_controller(self.spec_config)
         self.boot = BootTimeline(
             weight_bytes=sum(a.nbytes for a in jax.tree.leaves(state)), load_seconds=self.load_seconds,
             restored=placed.built_because is None, compile_seconds=self.warmup_seconds, num_steps=len(shapes),
@@ -205,11 +204,37 @@ class Engine:
         sc = SpeculativeConfig.parse(self.config.speculative_config)
         if sc is None:
             return None
-        if sc.method != "ngram":
-            raise ConfigError(f"speculative_config.method {sc.method!r} is not available yet; use ngram")
+        if sc.method == "eagle3":
+            raise ConfigError("speculative_config.method 'eagle3' is not served yet (the head exists in "
+                              "speculative/eagle3.py); use ngram or draft_model")
         if multihost.is_multiprocess():
             raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
+        if sc.method == "draft_model" and (self.plan is not None or self.config.weights_compression):
+            raise ConfigError("speculative_config.method 'draft_model' runs on one device with uncompressed weights")
         return sc
+
+    def _spec_controller(self, sc: SpeculativeConfig) -> SpecController:
+        """The speculation policy and its proposer; a draft model is loaded, given a pool beside the
+        target's and compiled here, and watches every step from now on."""
+        max_batch = self._spec_max_batch(sc)
+        if sc.method == "ngram":
+            return SpecController(sc, max_batch, NgramProposer(sc))
+        self.draft = DraftModel(sc.model, self.model_config, self.runner.rc, dtype=self.dtype,
+                                k=sc.num_speculative_tokens, max_rows=min(max_batch, self.config.max_num_seqs),
+                                reserve=self._reserve)
+        self.draft.warmup(self.runner.empty_batches(), self.runner.cache.last_tokens)
+        self.runner.observer = self.draft.observe
+        return SpecController(sc, max_batch, self.draft)
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """Pages for a request's next `num_tokens` tokens, if the pool has them free (never by preempting)."""
+        if not self.kv.can_allocate(req, num_tokens):
+            return False
+        return self.kv.allocate(req, num_tokens)
+
+    @staticmethod
+    def _spec_max_batch(sc: SpeculativeConfig) -> int:
+        return sc.disable_by_batch_size or (SPEC_MAX_BATCH_GPU if _on_gpu() else SPEC_MAX_BATCH_CPU)
 
     def _attention(self, cfg: ModelConfig) -> str:
         try:
@@ -234,6 +259,8 @@ class Engine:
         per_page = kv_bytes_per_page(cfg, self.config.page_size, self.dtype)
         if plan:
             per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if plan.axis("kv_heads") else 1)
+        if self.spec_config and self.spec_config.method == "draft_model":  # its pool has as many pages
+            per_page += DraftModel.page_bytes(self.spec_config.model, self.config.page_size, self.dtype)
         return per_page
 
     def _min_pages(self) -> int:
@@ -450,6 +477,8 @@ class Engine:
                     self.spec.plan(req, len(self.scheduler.running))
             deltas.append(Delta(req.parent_id, req.index, tokens, text, lps, finish, reason,
                                 req.num_prompt_tokens, req.num_cached_tokens))
+        if self.spec is not None:
+            self.spec.propose_queued()
         return deltas
 
     @staticmethod
@@ -523,6 +552,8 @@ class Engine:
         the weight bytes moved. Waiting requests stay queued; no request may hold pages."""
         if self._inflight is not None or self.scheduler.running:
             raise RuntimeError("cannot take a model off the device while it runs requests")
+        if self.draft is not None:
+            raise ConfigError("a model with a draft model cannot leave the device (hot standby) yet")
         nbytes = self.runner.offload()
         self.kv.drop_cached()
         return nbytes

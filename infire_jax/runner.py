@@ -87,13 +87,23 @@ def _forward(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, pre
         return _forward_body(graphdef, attn_impl, plan, state, cache, b)
 
 
+def token_slots(b: StepBatch, num_slots: int) -> Int[Array, "T"]:
+    """The request slot of each token of the step (padding: the dummy slot)."""
+    rows = b.row_slots.shape[0]
+    valid = b.meta.seq_ids < rows
+    return jnp.where(valid, b.row_slots[jnp.clip(b.meta.seq_ids, 0, rows - 1)], num_slots - 1)
+
+
+def step_tokens(b: StepBatch, last_tokens: Int[Array, "R"]) -> Int[Array, "T"]:
+    """The step's token ids, with the device's last samples where the host did not know them yet."""
+    return jnp.where(b.from_device, last_tokens[token_slots(b, last_tokens.shape[0])], b.token_ids)
+
+
 def _forward_body(graphdef, attn_impl, plan, state, cache: DeviceCache, b: StepBatch):
     model = nnx.merge(graphdef, state)
     dummy = cache.last_tokens.shape[0] - 1
-    rows = b.row_slots.shape[0]
-    valid = b.meta.seq_ids < rows
-    tok_slot = jnp.where(valid, b.row_slots[jnp.clip(b.meta.seq_ids, 0, rows - 1)], dummy)
-    tokens = jnp.where(b.from_device, cache.last_tokens[tok_slot], b.token_ids)
+    tok_slot = token_slots(b, cache.last_tokens.shape[0])
+    tokens = step_tokens(b, cache.last_tokens)
 
     # Each slot's token history, for the penalties: reset on admission, then add this step's tokens.
     reset = jnp.where(b.reset_rows, b.row_slots, dummy)
@@ -195,6 +205,9 @@ class ModelRunner:
         self.dtype = dtype
         self.plan = plan
         self._host_weights: tuple[nnx.State, nnx.State] | None = None  # a host copy and the shardings, once offloaded
+        # Called with every step's batch and the last tokens it reads, after the forward is launched
+        # (a draft model keeps its KV in step with the target's: speculative/draft_model.py).
+        self.observer: Callable[[StepBatch, Array], None] | None = None
         self.resident = True
         self.cache = self._allocate_cache()
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
@@ -340,6 +353,8 @@ class ModelRunner:
              grammar_mask: np.ndarray | None = None) -> SamplerOutput:
         """Launches the bucket's compiled forward and sampler; neither waits for the device."""
         cache, logits = self._compiled_forward[shape](self.state, self.cache, batch)
+        if self.observer is not None:  # before the sampler replaces the last tokens the batch refers to
+            self.observer(batch, cache.last_tokens)
         mask = self._all_allowed[shape.num_rows] if grammar_mask is None else grammar_mask
         last, out = self._compiled_samplers[shape.num_rows, variant](
             cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
@@ -351,6 +366,8 @@ class ModelRunner:
                     grammar_mask: np.ndarray | None) -> VerifyOutput:
         """Launches a verifying step: the forward with logits at every proposed position, then the verifier."""
         cache, logits = self._compiled_verify_forward[shape](self.state, self.cache, batch)
+        if self.observer is not None:
+            self.observer(batch, cache.last_tokens)
         mask = self._all_allowed[shape.num_rows] if grammar_mask is None else grammar_mask
         last, counts, out = self._compiled_verifiers[shape.num_rows](
             cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
@@ -418,6 +435,10 @@ class ModelRunner:
 
     def _empty_batch(self, shape: StepShape, verify: bool = False) -> StepBatch:
         return self._build(SchedulerOutput([], []), shape, verify)
+
+    def empty_batches(self) -> list[StepBatch]:
+        """A padding-only batch of every token bucket (to compile programs that take step batches)."""
+        return [self._empty_batch(shape) for shape in self.rc.buckets.shapes]
 
     def _empty_drafts(self, shape: StepShape) -> DraftInputs:
         return draft_inputs(SchedulerOutput([], []), shape, self.rc.num_spec)

@@ -17,7 +17,7 @@ from infire_jax.sampler import SamplingInputs
 from infire_jax.sampling_params import SamplingParams
 from infire_jax.scheduler import GROWTH_RATIO_MIN
 from infire_jax.speculative.config import SpeculativeConfig
-from infire_jax.speculative.controller import MAX_BACKOFF, SpecController
+from infire_jax.speculative.controller import MAX_BACKOFF, NgramProposer, SpecController
 from infire_jax.speculative.ngram import propose_ngram
 from infire_jax.speculative.verify import verify
 
@@ -66,9 +66,11 @@ def _request(tokens: list[int], max_tokens: int = 100) -> Request:
 
 
 def test_controller_backs_off_doubling_and_turns_off_for_large_batches():
-    ctl = SpecController(SpeculativeConfig("ngram", 3, prompt_lookup_min=1), max_batch=4)
+    sc = SpeculativeConfig("ngram", 3, prompt_lookup_min=1)
+    ctl = SpecController(sc, max_batch=4, proposer=NgramProposer(sc))
     req = _request([1, 2, 3, 4, 1, 2])
     ctl.plan(req, num_running=1)
+    ctl.propose_queued()
     assert req.spec_wait and req.spec_drafts == [3, 4, 1]
     ctl.plan(req, num_running=5)  # too many running: decode without waiting
     assert not req.spec_wait
@@ -77,8 +79,10 @@ def test_controller_backs_off_doubling_and_turns_off_for_large_batches():
         for _ in range(expected):
             req.spec_drafts = []
             ctl.plan(req, num_running=1)
+            ctl.propose_queued()
             assert not req.spec_wait and not req.spec_drafts
         ctl.plan(req, num_running=1)
+        ctl.propose_queued()
         assert req.spec_wait
     ctl.record(req, 3, 3)  # accepted: the next failure backs off one step again
     ctl.record(req, 3, 0)
@@ -88,7 +92,8 @@ def test_controller_backs_off_doubling_and_turns_off_for_large_batches():
     assert MAX_BACKOFF >= 32
     near_end = _request([1, 2, 3, 4, 1, 2], max_tokens=4)  # 3 generated, 1 left: nothing to propose
     ctl.plan(near_end, num_running=1)
-    assert not near_end.spec_drafts
+    ctl.propose_queued()
+    assert not near_end.spec_drafts and not near_end.spec_wait
 
 
 # ---- the rejection sampler on synthetic distributions ----------------------------------------------
@@ -271,3 +276,33 @@ def test_metrics_report_spec_decode_counters_under_vllm_names():
                  'infire:spec_decode_num_accepted_tokens_total{model_name="smol"} 7.0',
                  'infire:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="1"} 2.0'):
         assert line in text
+
+
+@pytest.mark.parametrize("draft", ["default", "dummy:smollm2-135m"])
+def test_draft_model_output_is_token_identical_and_frees_everything(smol_llm, default_gguf, draft):
+    """The default model drafting for itself (nearly every proposal accepted) and a random-weight
+    draft with its vocabulary (nearly none accepted): greedy output equals decoding without one."""
+    llm = LLM(**SMALL_ENGINE, speculative_config={
+        "method": "draft_model", "model": default_gguf if draft == "default" else draft,
+        "num_speculative_tokens": 3, "disable_by_batch_size": 8})
+    e = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0, stop=["15,"])
+    for w, g in zip(smol_llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    s = e.spec.stats
+    assert s.num_drafts > 0
+    if draft == "default":
+        assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens
+    else:
+        assert s.num_accepted_tokens <= 0.2 * s.num_draft_tokens
+    sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3))
+    assert all(len(o.outputs[0].token_ids) == 16 or o.outputs[0].finish_reason == "stop" for o in sampled)
+    assert e.compiles_since_warmup == 0
+    assert e.kv.num_free_pages == e.kv.num_usable_pages
+
+
+def test_draft_model_with_another_vocabulary_is_refused():
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(**SMALL_ENGINE, speculative_config={"method": "draft_model", "model": "dummy:qwen3-0.6b",
+                                                "num_speculative_tokens": 2})

@@ -17,6 +17,7 @@ which plain decoding has. So a request speculates only while it pays:
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 
@@ -46,12 +47,39 @@ class _SeqState:
     next_backoff: int = 1  # the length of the next back-off
 
 
+class Proposer(Protocol):
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] tokens to follow each request's known tokens (all known: none in flight)."""
+
+    def worth_waiting(self, req: Request, k: int) -> bool:
+        """For a request with a token in flight: whether to wait for it and speculate next."""
+
+
+class NgramProposer:
+    """Prompt lookup (ngram.py), on the host."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def _one(self, req: Request, k: int) -> list[int]:
+        return propose_ngram(np.asarray(req.all_token_ids, np.int32), k, self.min_n, self.max_n)
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        return [self._one(r, k) for r, k in zip(reqs, ks)]
+
+    def worth_waiting(self, req: Request, k: int) -> bool:
+        """A proposal from the tokens known so far predicts one once the last is known too."""
+        return bool(self._one(req, k))
+
+
 class SpecController:
-    def __init__(self, config: SpeculativeConfig, max_batch: int):
+    def __init__(self, config: SpeculativeConfig, max_batch: int, proposer: Proposer):
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_batch = max_batch
+        self.proposer = proposer
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+        self._queued: list[tuple[Request, int]] = []  # requests to propose for, once the step is read
 
     def _back_off(self, st: _SeqState) -> None:
         st.backoff_left = st.next_backoff
@@ -78,7 +106,8 @@ class SpecController:
             st.next_backoff = 1
 
     def plan(self, req: Request, num_running: int) -> None:
-        """After a step's tokens for `req` were read back (it still runs): what its next step carries."""
+        """After a step's tokens for `req` were read back (it still runs): whether it waits for its
+        next token to speculate, or (all its tokens known) queue it for proposals (`propose_queued`)."""
         st = self._state(req)
         if st.backoff_left:
             st.backoff_left -= 1
@@ -90,14 +119,20 @@ class SpecController:
             req.spec_wait = False
             return
         k = min(self.k, req.max_tokens - len(req.output_token_ids) - 1)
-        drafts = self._propose(req, k) if k > 0 else []
-        # With a token still in flight, the proposal from the tokens known so far only predicts
-        # whether waiting for it pays: a request with nothing to propose keeps decoding unhindered.
-        req.spec_wait = bool(drafts)
-        if not req.num_pending_tokens:
-            req.spec_drafts = drafts
+        if k <= 0:
+            req.spec_wait = False
+        elif req.num_pending_tokens:
+            req.spec_wait = self.proposer.worth_waiting(req, k)
+        else:
+            req.spec_wait = True
+            self._queued.append((req, k))
 
-    def _propose(self, req: Request, k: int) -> list[int]:
-        c = self.config
-        tokens = np.asarray(req.all_token_ids, np.int32)
-        return propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
+    def propose_queued(self) -> None:
+        """Proposals for the requests `plan` queued; one with nothing proposed decodes without waiting."""
+        if not self._queued:
+            return
+        reqs, ks = zip(*self._queued)
+        self._queued = []
+        for req, drafts in zip(reqs, self.proposer.propose(list(reqs), list(ks))):
+            req.spec_drafts = drafts
+            req.spec_wait = bool(drafts)
