@@ -42,6 +42,8 @@ from infire_jax.scheduler import Scheduler
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.controller import NgramProposer, SpecController
 from infire_jax.speculative.draft_model import DraftModel
+from infire_jax.speculative.eagle3_loader import load_eagle3
+from infire_jax.speculative.eagle3_proposer import Eagle3Proposer
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 from infire_jax.xla_flags import allocator_fraction
 from pallas_kernels.attention import choose_impl, resolve_impl
@@ -115,13 +117,15 @@ class Engine:
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
         branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else _on_gpu()
+        self.eagle_head = None
         self.spec_config = self._speculation()
         sizing = self._fixed_pool()
         rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else self._min_pages(),
                           max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
                           buckets=self._buckets(budget), attn_impl=self._attention(cfg),
                           sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,),
-                          num_spec=self.spec_config.num_speculative_tokens if self.spec_config else 0)
+                          num_spec=self.spec_config.num_speculative_tokens if self.spec_config else 0,
+                          aux_layers=self.eagle_head.cfg.aux_layers(cfg.num_layers) if self.eagle_head else None)
         placed_cfg = self.plan.effective_config(cfg) if self.plan else cfg
         shapes = rc.buckets.shapes
         done = itertools.count(1)
@@ -204,25 +208,28 @@ class Engine:
         sc = SpeculativeConfig.parse(self.config.speculative_config)
         if sc is None:
             return None
-        if sc.method == "eagle3":
-            raise ConfigError("speculative_config.method 'eagle3' is not served yet (the head exists in "
-                              "speculative/eagle3.py); use ngram or draft_model")
         if multihost.is_multiprocess():
             raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
-        if sc.method == "draft_model" and (self.plan is not None or self.config.weights_compression):
-            raise ConfigError("speculative_config.method 'draft_model' runs on one device with uncompressed weights")
+        if sc.method != "ngram" and (self.plan is not None or self.config.weights_compression):
+            raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
+        if sc.method == "eagle3":  # loaded first: the target's forward must return the states it reads
+            self.eagle_head = load_eagle3(sc.model, self.model_config, dtype=self.dtype)
         return sc
 
     def _spec_controller(self, sc: SpeculativeConfig) -> SpecController:
-        """The speculation policy and its proposer; a draft model is loaded, given a pool beside the
-        target's and compiled here, and watches every step from now on."""
+        """The speculation policy and its proposer; a draft model or EAGLE-3 head is given a pool beside
+        the target's and compiled here, and watches every step from now on."""
         max_batch = self._spec_max_batch(sc)
         if sc.method == "ngram":
             return SpecController(sc, max_batch, NgramProposer(sc))
-        self.draft = DraftModel(sc.model, self.model_config, self.runner.rc, dtype=self.dtype,
-                                k=sc.num_speculative_tokens, max_rows=min(max_batch, self.config.max_num_seqs),
-                                reserve=self._reserve)
-        self.draft.warmup(self.runner.empty_batches(), self.runner.cache.last_tokens)
+        if sc.method == "eagle3":
+            self.draft = Eagle3Proposer(self.eagle_head, self.model_config, self.runner, self.runner.rc,
+                                        dtype=self.dtype, k=sc.num_speculative_tokens)
+        else:
+            self.draft = DraftModel(sc.model, self.model_config, self.runner.rc, dtype=self.dtype,
+                                    k=sc.num_speculative_tokens, max_rows=min(max_batch, self.config.max_num_seqs),
+                                    reserve=self._reserve)
+        self.draft.warmup(self.runner.empty_batches())
         self.runner.observer = self.draft.observe
         return SpecController(sc, max_batch, self.draft)
 
@@ -261,6 +268,8 @@ class Engine:
             per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if plan.axis("kv_heads") else 1)
         if self.spec_config and self.spec_config.method == "draft_model":  # its pool has as many pages
             per_page += DraftModel.page_bytes(self.spec_config.model, self.config.page_size, self.dtype)
+        if self.spec_config and self.spec_config.method == "eagle3":
+            per_page += Eagle3Proposer.page_bytes(self.eagle_head, self.config.page_size, self.dtype)
         return per_page
 
     def _min_pages(self) -> int:
@@ -448,6 +457,8 @@ class Engine:
             num = int(res.num_tokens[row])
             if sq.drafts:
                 self.spec.record(req, len(sq.drafts), num - 1)
+            if res.drafts is not None:
+                req.spec_head_drafts = res.drafts[row].tolist()
             tokens, text, lps, status, reason = [], "", None, Status.RUNNING, None
             for j in range(num):
                 tok = int(res.tokens[row, j])
@@ -553,7 +564,7 @@ class Engine:
         if self._inflight is not None or self.scheduler.running:
             raise RuntimeError("cannot take a model off the device while it runs requests")
         if self.draft is not None:
-            raise ConfigError("a model with a draft model cannot leave the device (hot standby) yet")
+            raise ConfigError("a model with a draft model or EAGLE-3 head cannot leave the device (hot standby) yet")
         nbytes = self.runner.offload()
         self.kv.drop_cached()
         return nbytes

@@ -78,6 +78,7 @@ class Request:
         self.spec_drafts: list[int] = []
         self.spec_wait = False
         self.spec_state = None
+        self.spec_head_drafts: list[int] = []  # EAGLE-3: what the head drafted in the request's last step
         self.grammar = None  # its structured.GrammarMatcher when the output is constrained
 
     @property

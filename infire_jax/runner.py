@@ -57,6 +57,7 @@ class RunnerConfig:
     # Compiled sampler variants: (BRANCHING,) where conditionals are free (CPU), else the branch-free ones.
     sampler_variants: tuple[str, ...] = (BRANCHING,)
     num_spec: int = 0  # speculative decoding: proposed tokens a row may carry (0: off)
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states the forward also returns
 
     @property
     def pages_per_seq(self) -> int:
@@ -80,30 +81,39 @@ def matmul_precision(dtype) -> str:
     return "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
 
 
-def _forward(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, precision: str, state: nnx.State,
-             cache: DeviceCache, b: StepBatch) -> tuple[DeviceCache, Float[Array, "S V"]]:
+class StepForward(NamedTuple):
+    """What the forward of a step leaves on the device for the sampler and the step's observer."""
+
+    cache: DeviceCache
+    logits: Float[Array, "S V"]  # float32, at each row's logits_indices
+    tokens: Int[Array, "T"]  # the step's token ids, the device's last samples filled in
+    aux: Float[Array, "T N"] | None  # residual-stream states at RunnerConfig.aux_layers (EAGLE-3), else None
+
+
+def _forward(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, precision: str,
+             aux_layers: tuple[int, ...] | None, state: nnx.State, cache: DeviceCache, b: StepBatch) -> StepForward:
     """The model over this step's tokens: updated pool and history, and each row's float32 logits."""
     with jax.default_matmul_precision(precision):
-        return _forward_body(graphdef, attn_impl, plan, state, cache, b)
+        return _forward_body(graphdef, attn_impl, plan, aux_layers, state, cache, b)
 
 
-def token_slots(b: StepBatch, num_slots: int) -> Int[Array, "T"]:
+def _token_slots(b: StepBatch, num_slots: int) -> Int[Array, "T"]:
     """The request slot of each token of the step (padding: the dummy slot)."""
     rows = b.row_slots.shape[0]
     valid = b.meta.seq_ids < rows
     return jnp.where(valid, b.row_slots[jnp.clip(b.meta.seq_ids, 0, rows - 1)], num_slots - 1)
 
 
-def step_tokens(b: StepBatch, last_tokens: Int[Array, "R"]) -> Int[Array, "T"]:
+def _step_tokens(b: StepBatch, last_tokens: Int[Array, "R"]) -> Int[Array, "T"]:
     """The step's token ids, with the device's last samples where the host did not know them yet."""
-    return jnp.where(b.from_device, last_tokens[token_slots(b, last_tokens.shape[0])], b.token_ids)
+    return jnp.where(b.from_device, last_tokens[_token_slots(b, last_tokens.shape[0])], b.token_ids)
 
 
-def _forward_body(graphdef, attn_impl, plan, state, cache: DeviceCache, b: StepBatch):
+def _forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCache, b: StepBatch) -> StepForward:
     model = nnx.merge(graphdef, state)
     dummy = cache.last_tokens.shape[0] - 1
-    tok_slot = token_slots(b, cache.last_tokens.shape[0])
-    tokens = step_tokens(b, cache.last_tokens)
+    tok_slot = _token_slots(b, cache.last_tokens.shape[0])
+    tokens = _step_tokens(b, cache.last_tokens)
 
     # Each slot's token history, for the penalties: reset on admission, then add this step's tokens.
     reset = jnp.where(b.reset_rows, b.row_slots, dummy)
@@ -112,11 +122,16 @@ def _forward_body(graphdef, attn_impl, plan, state, cache: DeviceCache, b: StepB
     counts = counts.at[jnp.where(b.token_kind == TOKEN_OUTPUT, tok_slot, dummy), tokens].add(1)
     prompt_mask = prompt_mask.at[jnp.where(b.token_kind == TOKEN_PROMPT, tok_slot, dummy), tokens].set(True)
 
-    logits, (k_pages, v_pages) = model(
-        tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices, attn_impl=attn_impl, plan=plan)
+    aux = None
+    if aux_layers is None:
+        logits, (k_pages, v_pages) = model(
+            tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices, attn_impl=attn_impl, plan=plan)
+    else:
+        logits, (k_pages, v_pages), aux = model(tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices,
+                                                attn_impl=attn_impl, plan=plan, aux_layers=aux_layers)
     if plan is not None:  # gather the vocab-split logits once, so the sampler holds no collectives
         logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
-    return DeviceCache(k_pages, v_pages, counts, prompt_mask, cache.last_tokens), logits
+    return StepForward(DeviceCache(k_pages, v_pages, counts, prompt_mask, cache.last_tokens), logits, tokens, aux)
 
 
 def _sample(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
@@ -181,6 +196,7 @@ class PendingStep(NamedTuple):
     work: SchedulerOutput
     out: SamplerOutput | VerifyOutput  # device arrays, not yet read back
     want_logprobs: bool
+    drafts: Array | None = None  # [S, k] proposals the step's observer made (EAGLE-3), read back with the tokens
 
 
 class StepResult(NamedTuple):
@@ -191,6 +207,7 @@ class StepResult(NamedTuple):
     logprob: np.ndarray | None  # [rows, P]
     top_ids: np.ndarray | None  # [rows, P, MAX_LOGPROBS]
     top_logprobs: np.ndarray | None
+    drafts: np.ndarray | None = None  # [rows, k]
 
 
 class ModelRunner:
@@ -205,16 +222,19 @@ class ModelRunner:
         self.dtype = dtype
         self.plan = plan
         self._host_weights: tuple[nnx.State, nnx.State] | None = None  # a host copy and the shardings, once offloaded
-        # Called with every step's batch and the last tokens it reads, after the forward is launched
-        # (a draft model keeps its KV in step with the target's: speculative/draft_model.py).
-        self.observer: Callable[[StepBatch, Array], None] | None = None
+        # Called with every step (its plan, batch, forward and sampled tokens) once it is launched: a
+        # draft model or an EAGLE-3 head keeps its KV in step with the target's (speculative/). What
+        # it returns (EAGLE-3's next proposals) is read back with the step's tokens.
+        self.observer: Callable[[SchedulerOutput, StepBatch, StepForward, SamplerOutput | VerifyOutput],
+                                Array | None] | None = None
         self.resident = True
         self.cache = self._allocate_cache()
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
         cache_shardings = jax.tree.map(lambda a: a.sharding, self.cache) if plan else None
-        self._forward = jax.jit(functools.partial(_forward, graphdef, rc.attn_impl, plan, matmul_precision(dtype)),
-                                donate_argnums=(1,),
-                                out_shardings=(cache_shardings, plan.replicated) if plan else None)
+        self._forward = jax.jit(functools.partial(_forward, graphdef, rc.attn_impl, plan, matmul_precision(dtype),
+                                                  rc.aux_layers), donate_argnums=(1,),
+                                out_shardings=StepForward(cache_shardings, plan.replicated, plan.replicated,
+                                                          None) if plan else None)
         self._samplers = {v: jax.jit(functools.partial(_sample, v), donate_argnums=(0,),
                                      out_shardings=plan.replicated if plan else None)
                           for v in rc.sampler_variants}
@@ -350,30 +370,28 @@ class ModelRunner:
         return self.cache.k_pages.nbytes + self.cache.v_pages.nbytes
 
     def _run(self, shape: StepShape, batch: StepBatch, variant: str,
-             grammar_mask: np.ndarray | None = None) -> SamplerOutput:
+             grammar_mask: np.ndarray | None = None) -> tuple[StepForward, SamplerOutput]:
         """Launches the bucket's compiled forward and sampler; neither waits for the device."""
-        cache, logits = self._compiled_forward[shape](self.state, self.cache, batch)
-        if self.observer is not None:  # before the sampler replaces the last tokens the batch refers to
-            self.observer(batch, cache.last_tokens)
+        fwd = self._compiled_forward[shape](self.state, self.cache, batch)
+        cache = fwd.cache
         mask = self._all_allowed[shape.num_rows] if grammar_mask is None else grammar_mask
         last, out = self._compiled_samplers[shape.num_rows, variant](
-            cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
+            cache.last_tokens, cache.counts, cache.prompt_mask, fwd.logits, batch.sampling, batch.row_slots,
             batch.sample_rows, mask)
         self.cache = cache._replace(last_tokens=last)
-        return out
+        return fwd, out
 
     def _run_verify(self, shape: StepShape, batch: StepBatch, drafts: DraftInputs,
-                    grammar_mask: np.ndarray | None) -> VerifyOutput:
+                    grammar_mask: np.ndarray | None) -> tuple[StepForward, VerifyOutput]:
         """Launches a verifying step: the forward with logits at every proposed position, then the verifier."""
-        cache, logits = self._compiled_verify_forward[shape](self.state, self.cache, batch)
-        if self.observer is not None:
-            self.observer(batch, cache.last_tokens)
+        fwd = self._compiled_verify_forward[shape](self.state, self.cache, batch)
+        cache = fwd.cache
         mask = self._all_allowed[shape.num_rows] if grammar_mask is None else grammar_mask
         last, counts, out = self._compiled_verifiers[shape.num_rows](
-            cache.last_tokens, cache.counts, cache.prompt_mask, logits, batch.sampling, batch.row_slots,
+            cache.last_tokens, cache.counts, cache.prompt_mask, fwd.logits, batch.sampling, batch.row_slots,
             batch.sample_rows, drafts, mask)
         self.cache = cache._replace(last_tokens=last, counts=counts)
-        return out
+        return fwd, out
 
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The KV of `pages`, [L, len(pages), page_size, Hkv, D] each, on the host (in chunks of
@@ -491,13 +509,15 @@ class ModelRunner:
         mask = grammar_bitmask(work, shape.num_rows, self.mask_words)
         if any(s.drafts for s in work.seqs):  # one process only (the engine checks)
             batch = self._build(work, shape, verify=True)
-            return PendingStep(work, self._run_verify(shape, batch, draft_inputs(work, shape, self.rc.num_spec), mask),
-                               want_lp)
-        batch = self._build(work, shape)
-        variant = choose_variant(batch.sampling, self.rc.sampler_variants)
-        if multihost.is_multiprocess():
-            multihost.send(multihost.STEP, self._command(shape, variant), batch)
-        return PendingStep(work, self._run(shape, batch, variant, mask), want_lp)
+            fwd, out = self._run_verify(shape, batch, draft_inputs(work, shape, self.rc.num_spec), mask)
+        else:
+            batch = self._build(work, shape)
+            variant = choose_variant(batch.sampling, self.rc.sampler_variants)
+            if multihost.is_multiprocess():
+                multihost.send(multihost.STEP, self._command(shape, variant), batch)
+            fwd, out = self._run(shape, batch, variant, mask)
+        drafts = self.observer(work, batch, fwd, out) if self.observer is not None else None
+        return PendingStep(work, out, want_lp, drafts)
 
     @staticmethod
     def fetch(p: PendingStep) -> StepResult:
@@ -509,12 +529,15 @@ class ModelRunner:
         wanted = [p.out.tokens] + ([p.out.num_tokens] if verifying else [])
         if p.want_logprobs:
             wanted += [p.out.logprob, p.out.top_ids, p.out.top_logprobs]
+        if p.drafts is not None:
+            wanted.append(p.drafts)
         host = jax.device_get([x.addressable_data(0) for x in wanted])
+        drafts = host.pop() if p.drafts is not None else None
         tokens = host.pop(0)
         if verifying:
             num = host.pop(0)
         else:  # one token per row
             tokens, num = tokens[:, None], np.ones(len(tokens), np.int32)
             host = [host[0][:, None], host[1][:, None], host[2][:, None]] if host else host
-        return StepResult(tokens, num, *host) if host else StepResult(tokens, num, None, None, None)
+        return StepResult(tokens, num, *(host or (None, None, None)), drafts)
 

@@ -325,3 +325,31 @@ def test_greedy_speculation_reproduces_greedy_decoding(smol, target, tmp_path):
     for a, b in zip(head_kv, fresh):
         np.testing.assert_allclose(at_slots(a), at_slots(b), rtol=1e-4, atol=1e-4)
 
+
+
+def test_engine_serves_eagle3_losslessly(smol_llm, tmp_path):
+    """The head wired into the engine (observing every step, drafting for every row): greedy output
+    equals the engine without speculation, proposals are both accepted and rejected, nothing
+    compiles after warmup and every page comes back."""
+    from conftest import SMALL_ENGINE
+
+    from infire_jax import LLM
+    from infire_jax.sampling_params import SamplingParams
+
+    prompt = "1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1,"
+    draft_ids = sorted(set(smol_llm.tokenizer.encode(" 1, 1,")))
+    path = write_checkpoint(tmp_path, random_checkpoint(3, draft_ids=draft_ids),
+                            dict(HEAD_CONFIG, draft_vocab_size=len(draft_ids)))
+    llm = LLM(**SMALL_ENGINE, speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": 3,
+                                                  "disable_by_batch_size": 8})
+    prompts = [prompt, "Write a short poem about the sea.", "List the numbers from 1 to 30 separated by commas:"]
+    params = SamplingParams(max_tokens=30, temperature=0)
+    for w, g in zip(smol_llm.generate(prompts, params), llm.generate(prompts, params)):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    e = llm.engine
+    s = e.spec.stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    sampled = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=5))
+    assert all(len(o.outputs[0].token_ids) == 12 or o.outputs[0].finish_reason == "stop" for o in sampled)
+    assert e.compiles_since_warmup == 0
+    assert e.kv.num_free_pages == e.kv.num_usable_pages

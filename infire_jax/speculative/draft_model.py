@@ -4,8 +4,8 @@ The draft keeps a KV pool with the target's page count and page size and writes 
 target's page tables, so its KV for position p sits in the same page slot as the target's. Two
 programs keep it in step, with no bookkeeping of its own:
 
-* `observe`: every target step's tokens also go through the draft's layers (no LM head), on the
-  same slots. Its KV therefore covers every position the target computed, prefill chunks and
+* `observe`: every target step's tokens (as its forward resolved them) also go through the
+  draft's layers (no LM head), on the same slots. Its KV therefore covers every position the target computed, prefill chunks and
   shared prefix-cache pages included; KV of rejected proposals is overwritten later, as in the
   target's pool.
 * `propose`: for the requests that speculate, k greedy one-token steps from each one's last
@@ -34,16 +34,16 @@ from infire_jax.loaders.checkpoint import load_placed
 from infire_jax.loaders.load import load_config
 from infire_jax.models.config import ModelConfig
 from infire_jax.request import Request
-from infire_jax.runner import RunnerConfig, kv_bytes_per_page, matmul_precision, step_tokens
+from infire_jax.runner import RunnerConfig, StepForward, kv_bytes_per_page, matmul_precision
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 
 
-def _observe(graphdef, attn_impl: str, precision: str, state, kv, last_tokens: Int[Array, "R"],
-             b: StepBatch) -> tuple[Array, Array]:
+def _observe(graphdef, attn_impl: str, precision: str, state, kv, tokens: Int[Array, "T"],
+             meta: AttentionMetadata) -> tuple[Array, Array]:
     """The draft's layers over the target step's tokens: only the KV it writes is kept."""
     with jax.default_matmul_precision(precision):
         model = nnx.merge(graphdef, state)
-        _, kv = model.run_layers(model.embed_tokens(step_tokens(b, last_tokens)), kv, b.meta, attn_impl=attn_impl)
+        _, kv = model.run_layers(model.embed_tokens(tokens), kv, meta, attn_impl=attn_impl)
     return kv
 
 
@@ -71,12 +71,6 @@ def _propose(graphdef, attn_impl: str, precision: str, k: int, page_size: int, s
         model = nnx.merge(graphdef, state)
         (kv, _, _), drafts = jax.lax.scan(one, (kv, tokens, positions), None, length=k)
     return kv, drafts.T
-
-
-def _layers_only(b: StepBatch) -> StepBatch:
-    """The batch without what only the LM head and sampler read, so that a verifying step (more
-    logits rows) runs the same `observe` program as a plain step of its token bucket."""
-    return b._replace(logits_indices=None, sampling=None, reset_rows=None, sample_rows=None)
 
 
 class DraftModel:
@@ -108,20 +102,19 @@ class DraftModel:
         """One page of the draft's pool (for sizing the target's pool around it)."""
         return kv_bytes_per_page(load_config(spec), page_size, dtype)
 
-    def warmup(self, batches: list[StepBatch], last_tokens: Array) -> None:
+    def warmup(self, batches: list[StepBatch]) -> None:
         """Compiles `observe` for every token bucket and `propose` once: nothing compiles later."""
         for b in batches:
-            self._compiled_observe[b.token_ids.shape[0]] = self._observe.lower(self.state, self.kv, last_tokens,
-                                                                               _layers_only(b)).compile()
+            self._compiled_observe[b.token_ids.shape[0]] = self._observe.lower(
+                self.state, self.kv, b.token_ids, b.meta).compile()
         rows, pages = self.max_rows, self.rc.pages_per_seq
         self._compiled_propose = self._propose.lower(
             self.state, self.kv, np.zeros(rows, np.int32), np.zeros(rows, np.int32),
             np.zeros((rows, pages), np.int32), np.int32(0)).compile()
 
-    def observe(self, batch: StepBatch, last_tokens: Array) -> None:
-        """The runner's observer: called with every target step, right after its forward."""
-        self.kv = self._compiled_observe[batch.token_ids.shape[0]](self.state, self.kv, last_tokens,
-                                                                   _layers_only(batch))
+    def observe(self, work, batch: StepBatch, fwd: StepForward, out) -> None:
+        """The runner's observer: called with every target step, once it is launched."""
+        self.kv = self._compiled_observe[batch.token_ids.shape[0]](self.state, self.kv, fwd.tokens, batch.meta)
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
         """k greedy tokens after each request's last token, read back at once (the verifying step

@@ -1,0 +1,127 @@
+"""The EAGLE-3 proposer in the engine: the head watches every target step and drafts for every row.
+
+The target's forward also returns its low, middle and high residual-stream states
+(`RunnerConfig.aux_layers`). Once a step is launched, `observe` (one program per token bucket,
+for plain and for verifying steps) runs on the device:
+
+* the head's catch-up input for each token of the step is the token after it: the next token of
+  its row in the batch; at a sampling row's last accepted position, the token the step sampled
+  (the bonus or the correction of a verifying row); at the end of a prompt chunk that does not
+  finish the prompt, the next prompt token (from the host);
+* `eagle3_propose` writes the head's KV for every position the target computed (rejected ones
+  are scratch that the next catch-up overwrites) and drafts k tokens from each sampling row's
+  last accepted position.
+
+The drafts come back with the step's tokens (`PendingStep.drafts`), so a request that speculates
+has its proposals without another program or read. Drafts are the head's argmax (one-hot), so
+verification stays lossless.
+
+Known limits: chained draft positions past a row's pages write to the null page, where rows can
+collide (drafts get worse, output stays exact); a prefix-cache hit reuses the head's KV of the
+last cached position, computed with the earlier request's next token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from infire_jax.batch import StepBatch
+from infire_jax.models.config import ModelConfig
+from infire_jax.request import Request
+from infire_jax.runner import RunnerConfig, StepForward, kv_bytes_per_page, matmul_precision
+from infire_jax.sampler import SamplerOutput
+from infire_jax.scheduler import SchedulerOutput
+from infire_jax.speculative.eagle3 import Eagle3Head, eagle3_propose
+from infire_jax.speculative.verify import VerifyOutput
+from pallas_kernels.metadata import AttentionMetadata
+
+
+def catch_up_tokens(tokens: Int[Array, "T"], meta: AttentionMetadata, sample_rows: Bool[Array, "S"],
+                    next_tokens: Int[Array, "S"], final: Int[Array, "S"],
+                    num_out: Int[Array, "S"]) -> tuple[Int[Array, "T"], Int[Array, "S"]]:
+    """(the token after each of the step's tokens, each row's last accepted flat index)."""
+    t, s = tokens.shape[0], sample_rows.shape[0]
+    idx = jnp.arange(t)
+    row = jnp.clip(meta.seq_ids, 0, s - 1)
+    starts, ends = meta.cu_q_lens[:-1], meta.cu_q_lens[1:]
+    following = tokens[jnp.minimum(idx + 1, t - 1)]
+    row_next = jnp.where(sample_rows, final, next_tokens)
+    shifted = jnp.where(idx + 1 == ends[row], row_next[row], following)
+    last = jnp.where(sample_rows, starts + num_out - 1, ends - 1)
+    shifted = shifted.at[jnp.where(sample_rows, last, t)].set(final, mode="drop")
+    return shifted, jnp.clip(last, 0, t - 1)
+
+
+def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: int, head_state, target_state,
+             kv, tokens: Int[Array, "T"], aux: Float[Array, "T N"], meta: AttentionMetadata,
+             sample_rows: Bool[Array, "S"], next_tokens: Int[Array, "S"], out_tokens: Int[Array, "..."],
+             out_num: Int[Array, "S"]) -> tuple[tuple[Array, Array], Int[Array, "S k"]]:
+    """The head's catch-up over one target step and k drafts per row (see the module docstring)."""
+    if out_tokens.ndim == 1:  # a plain step: one sampled token per row
+        final = out_tokens
+    else:
+        final = jnp.take_along_axis(out_tokens, (out_num - 1)[:, None], axis=1)[:, 0]
+    shifted, last = catch_up_tokens(tokens, meta, sample_rows, next_tokens, final, out_num)
+    with jax.default_matmul_precision(precision):
+        head = nnx.merge(head_graphdef, head_state)
+        embed = nnx.merge(target_graphdef, target_state).embed[...]
+        prop = eagle3_propose(head, embed, kv, shifted, aux, meta, last, num_draft=k, attn_impl=attn_impl)
+    return prop.kv, prop.token_ids
+
+
+class Eagle3Proposer:
+    """Holds the head and its one-layer pool (on the target's pages), and observes the runner's steps."""
+
+    def __init__(self, head: Eagle3Head, target: ModelConfig, runner, rc: RunnerConfig, *, dtype, k: int):
+        self.runner, self.k = runner, k
+        cfg = head.cfg
+        head_graphdef, self.state = nnx.split(head)
+        shape = (1, rc.num_pages, rc.page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        self._observe = jax.jit(functools.partial(_observe, head_graphdef, runner.graphdef, rc.attn_impl,
+                                                  matmul_precision(dtype), k), donate_argnums=(2,))
+        self._aux_width = len(cfg.aux_layers(target.num_layers)) * target.hidden_size
+        self._dtype = dtype
+        self._compiled: dict[tuple[int, bool], jax.stages.Compiled] = {}
+
+    def warmup(self, batches: list[StepBatch]) -> None:
+        """Compiles `observe` for every token bucket, after plain and after verifying steps."""
+        for b in batches:
+            t, s = b.token_ids.shape[0], b.row_slots.shape[0]
+            for verifying in (False, True):
+                out = np.zeros((s, self.k + 1) if verifying else s, np.int32)
+                self._compiled[t, verifying] = self._observe.lower(
+                    self.state, self.runner.state, self.kv, b.token_ids,
+                    jax.ShapeDtypeStruct((t, self._aux_width), self._dtype), b.meta, b.sample_rows,
+                    np.zeros(s, np.int32), out, np.ones(s, np.int32)).compile()
+
+    @staticmethod
+    def page_bytes(head: Eagle3Head, page_size: int, dtype) -> int:
+        return kv_bytes_per_page(head.cfg.layer_config, page_size, dtype)
+
+    def observe(self, work: SchedulerOutput, batch: StepBatch, fwd: StepForward,
+                out: SamplerOutput | VerifyOutput) -> Int[Array, "S k"]:
+        """The runner's observer; returns the step's drafts per row (read back with its tokens)."""
+        next_tokens = np.zeros(batch.row_slots.shape[0], np.int32)
+        for i, sq in enumerate(work.seqs):
+            if not sq.samples:  # a prompt chunk that does not end the prompt
+                next_tokens[i] = sq.req.token_at(sq.start + sq.num_tokens)
+        verifying = isinstance(out, VerifyOutput)
+        num = out.num_tokens if verifying else np.ones(batch.row_slots.shape[0], np.int32)
+        self.kv, drafts = self._compiled[batch.token_ids.shape[0], verifying](
+            self.state, self.runner.state, self.kv, fwd.tokens, fwd.aux, batch.meta, batch.sample_rows, next_tokens,
+            out.tokens, num)
+        return drafts
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        """The drafts the head made in each request's last step (`Request.spec_head_drafts`)."""
+        return [list(r.spec_head_drafts[:k]) for r, k in zip(reqs, ks)]
+
+    def worth_waiting(self, req: Request, k: int) -> bool:
+        return True  # the head always drafts; the back-off judges whether that pays
