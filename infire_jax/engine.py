@@ -371,8 +371,7 @@ class Engine:
                           session_id=session_id, min_tokens_stop_ids=stop_ids, parent_id=request_id, index=i)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
             req.grammar = grammar.matcher() if params.structured_outputs is not None else None
-            # so its first decode step can already carry proposals (constrained outputs do not speculate)
-            req.spec_wait = self.spec is not None and req.grammar is None
+            req.spec_wait = self.spec is not None  # so its first decode step can already carry proposals
             children.append(req)
         self._requests[request_id] = children
         for req in children:

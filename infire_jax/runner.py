@@ -148,8 +148,7 @@ def _verify(branch: bool, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"
             sample_rows: Bool[Array, "S"], drafts: DraftInputs,
             grammar_mask: Int[Array, "S W"]) -> tuple[Int[Array, "R"], Int[Array, "R V"], VerifyOutput]:
     """The sampler of a verifying step: accepts proposals, samples the token after them, and
-    records the accepted proposals in the slots' histories. Constrained rows carry no proposals
-    (speculative/controller.py), so their grammar mask applies at their one position."""
+    records the accepted proposals in the slots' histories. The grammar mask has a row per position."""
     out = verify(logits, sampling, counts, prompt_mask, row_slots, drafts.tokens, drafts.num, None, branch,
                  grammar_mask)
     dummy = last_tokens.shape[0] - 1
@@ -338,7 +337,8 @@ class ModelRunner:
                                     sharding=self.plan.replicated if self.plan else None)
 
     def _mask_struct(self, batch: StepBatch) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((batch.row_slots.shape[0], self.mask_words), jnp.int32,
+        """The grammar mask: a row per logits row (K + 1 per row of a verifying step)."""
+        return jax.ShapeDtypeStruct((batch.logits_indices.shape[0], self.mask_words), jnp.int32,
                                     sharding=self.plan.replicated if self.plan else None)
 
     def _lower_verifier(self, batch: StepBatch, drafts: DraftInputs) -> jax.stages.Lowered:
@@ -350,8 +350,9 @@ class ModelRunner:
     def _compile(self, shape: StepShape, batch: StepBatch) -> None:
         """Compiles (or loads from XLA's persistent cache) the step programs of one bucket."""
         self._compiled_forward[shape] = self._lower_forward(batch).compile()
-        self._all_allowed[shape.num_rows] = jax.device_put(
-            np.full((shape.num_rows, self.mask_words), -1, np.int32), self.plan.replicated if self.plan else None)
+        for rows in (shape.num_rows, shape.num_rows * (self.rc.num_spec + 1)):  # plain, verifying steps
+            self._all_allowed.setdefault(rows, jax.device_put(np.full((rows, self.mask_words), -1, np.int32),
+                                                              self.plan.replicated if self.plan else None))
         for variant in self.rc.sampler_variants:
             if (shape.num_rows, variant) not in self._compiled_samplers:
                 self._compiled_samplers[shape.num_rows, variant] = self._lower_sampler(variant, batch).compile()
@@ -386,7 +387,7 @@ class ModelRunner:
         """Launches a verifying step: the forward with logits at every proposed position, then the verifier."""
         fwd = self._compiled_verify_forward[shape](self.state, self.cache, batch)
         cache = fwd.cache
-        mask = self._all_allowed[shape.num_rows] if grammar_mask is None else grammar_mask
+        mask = self._all_allowed[batch.logits_indices.shape[0]] if grammar_mask is None else grammar_mask
         last, counts, out = self._compiled_verifiers[shape.num_rows](
             cache.last_tokens, cache.counts, cache.prompt_mask, fwd.logits, batch.sampling, batch.row_slots,
             batch.sample_rows, drafts, mask)
@@ -506,11 +507,12 @@ class ModelRunner:
                 self._restore_history(sq.req, sq.start)
         shape = self.rc.buckets.shape_for(work.num_tokens, len(work.seqs))
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
-        mask = grammar_bitmask(work, shape.num_rows, self.mask_words)
         if any(s.drafts for s in work.seqs):  # one process only (the engine checks)
+            mask = grammar_bitmask(work, shape.num_rows, self.mask_words, self.rc.num_spec + 1)
             batch = self._build(work, shape, verify=True)
             fwd, out = self._run_verify(shape, batch, draft_inputs(work, shape, self.rc.num_spec), mask)
         else:
+            mask = grammar_bitmask(work, shape.num_rows, self.mask_words)
             batch = self._build(work, shape)
             variant = choose_variant(batch.sampling, self.rc.sampler_variants)
             if multihost.is_multiprocess():

@@ -306,3 +306,28 @@ def test_draft_model_with_another_vocabulary_is_refused():
     with pytest.raises(ConfigError, match="vocabulary"):
         LLM(**SMALL_ENGINE, speculative_config={"method": "draft_model", "model": "dummy:qwen3-0.6b",
                                                 "num_speculative_tokens": 2})
+
+
+def test_constrained_requests_speculate_within_their_grammar(smol_llm, spec_llm):
+    """JSON-schema and regex outputs with n-gram proposals: the proposals are cut to what the
+    grammar allows, each verified position is masked by the grammar after the proposals before it,
+    and greedy output equals constrained decoding without speculation."""
+    import json
+
+    from infire_jax.structured.spec import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"text": {"type": "string"}, "words": {"type": "integer"}},
+              "required": ["text", "words"], "additionalProperties": False}
+    prompt = f"Put this text in a JSON object with its word count:\n{TEXT}\nJSON:"
+    params = [SamplingParams(max_tokens=80, temperature=0, structured_outputs=StructuredOutputs(json=schema)),
+              SamplingParams(max_tokens=40, temperature=0,
+                             structured_outputs=StructuredOutputs(regex=r"(The [a-z]+ [a-z]+ fox\. ){2,4}"))]
+    before = spec_llm.engine.spec.stats.num_accepted_tokens
+    want = smol_llm.generate([prompt, GROUNDED], params)
+    got = spec_llm.generate([prompt, GROUNDED], params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    if got[0].outputs[0].finish_reason == "stop":
+        json.loads(got[0].outputs[0].text)
+    assert spec_llm.engine.spec.stats.num_accepted_tokens > before
+    assert spec_llm.engine.compiles_since_warmup == 0

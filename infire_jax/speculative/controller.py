@@ -113,10 +113,8 @@ class SpecController:
             st.backoff_left -= 1
             req.spec_wait = False
             return
-        if num_running > self.max_batch or len(req.output_token_ids) < req.params.min_tokens or req.grammar:
-            # min_tokens: stop ids are held back on the device at position 0 only; a grammar's mask
-            # is filled for the next token only (its matcher would have to walk the proposals)
-            req.spec_wait = False
+        if num_running > self.max_batch or len(req.output_token_ids) < req.params.min_tokens:
+            req.spec_wait = False  # min_tokens: stop ids are held back on the device at position 0 only
             return
         k = min(self.k, req.max_tokens - len(req.output_token_ids) - 1)
         if k <= 0:
@@ -134,5 +132,9 @@ class SpecController:
         reqs, ks = zip(*self._queued)
         self._queued = []
         for req, drafts in zip(reqs, self.proposer.propose(list(reqs), list(ks))):
+            if req.grammar is not None and drafts:  # keep the prefix its grammar allows
+                allowed = req.grammar.accept_tokens(drafts)
+                req.grammar.rollback(allowed)
+                drafts = drafts[:allowed]
             req.spec_drafts = drafts
             req.spec_wait = bool(drafts)

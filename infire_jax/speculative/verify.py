@@ -106,19 +106,20 @@ def verify(
     num_drafts: Int[Array, "S"],
     draft_probs: Float[Array, "S K V"] | None,
     branch: bool,
-    grammar_mask: Int[Array, "S W"] | None = None,
+    grammar_mask: Int[Array, "SP W"] | None = None,
 ) -> VerifyOutput:
     """Accepts a prefix of each row's proposals and samples the token after it.
 
     `branch`: skip unused work with `lax.cond` (CPU), else run every part (GPU, see sampler.py).
-    `grammar_mask` (structured outputs) applies to every position of its row, first.
+    `grammar_mask` (structured outputs, [S * (K + 1), W]) holds what each position allows, given
+    the proposals before it; it applies first, as in the plain sampler.
     """
     rows, k = drafts.shape
     p = k + 1
     ps = _per_position(s, p)
     x = logits
     if grammar_mask is not None:
-        x = grammar_masked(x, jnp.repeat(grammar_mask, p, axis=0), branch)
+        x = grammar_masked(x, grammar_mask, branch)
     if branch:
         has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
         x = jax.lax.cond(has_penalty, lambda y: _penalize(y, ps, counts_table, prompt_table, slots, drafts,
