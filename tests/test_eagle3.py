@@ -353,3 +353,18 @@ def test_engine_serves_eagle3_losslessly(smol_llm, tmp_path):
     assert all(len(o.outputs[0].token_ids) == 12 or o.outputs[0].finish_reason == "stop" for o in sampled)
     assert e.compiles_since_warmup == 0
     assert e.kv.num_free_pages == e.kv.num_usable_pages
+
+
+def test_catch_up_tokens_follow_each_position():
+    """The head's input after each token: the row's next token; at a sampling row's last accepted
+    position the sampled token; at the end of a prompt chunk the next prompt token."""
+    from infire_jax.speculative.eagle3_proposer import catch_up_tokens
+
+    # rows: a prompt's last chunk (samples 13), a chunk inside a prompt (next prompt token 77),
+    # a verifying row [t, d1, d2, d3] that accepted d1 and then sampled 9; then padding.
+    tokens = jnp.array([10, 11, 12, 20, 21, 30, 31, 32, 33, 0, 0, 0])
+    meta = make_meta([([0, 1, 2], [1]), ([0, 1], [2]), ([4, 5, 6, 7], [3])], num_tokens=12, num_rows=4, width=1)
+    shifted, last = catch_up_tokens(tokens, meta, jnp.array([True, False, True, False]), jnp.array([0, 77, 0, 0]),
+                                    jnp.array([0, 0, 3, 0]), jnp.array([13, 0, 9, 0]), jnp.array([1, 1, 2, 1]))
+    assert np.asarray(shifted)[:9].tolist() == [11, 12, 13, 21, 77, 31, 9, 33, 9]
+    assert np.asarray(last)[:3].tolist() == [2, 4, 6]

@@ -43,31 +43,33 @@ from pallas_kernels.metadata import AttentionMetadata
 
 
 def catch_up_tokens(tokens: Int[Array, "T"], meta: AttentionMetadata, sample_rows: Bool[Array, "S"],
-                    next_tokens: Int[Array, "S"], final: Int[Array, "S"],
+                    next_tokens: Int[Array, "S"], num_drafts: Int[Array, "S"], final: Int[Array, "S"],
                     num_out: Int[Array, "S"]) -> tuple[Int[Array, "T"], Int[Array, "S"]]:
-    """(the token after each of the step's tokens, each row's last accepted flat index)."""
+    """(the token after each of the step's tokens, each row's last accepted flat index).
+
+    A row's tokens end with its `num_drafts` proposals; the step accepted `num_out - 1` of them."""
     t, s = tokens.shape[0], sample_rows.shape[0]
     idx = jnp.arange(t)
     row = jnp.clip(meta.seq_ids, 0, s - 1)
-    starts, ends = meta.cu_q_lens[:-1], meta.cu_q_lens[1:]
+    ends = meta.cu_q_lens[1:]
     following = tokens[jnp.minimum(idx + 1, t - 1)]
     row_next = jnp.where(sample_rows, final, next_tokens)
     shifted = jnp.where(idx + 1 == ends[row], row_next[row], following)
-    last = jnp.where(sample_rows, starts + num_out - 1, ends - 1)
+    last = jnp.where(sample_rows, ends - 1 - num_drafts + num_out - 1, ends - 1)
     shifted = shifted.at[jnp.where(sample_rows, last, t)].set(final, mode="drop")
     return shifted, jnp.clip(last, 0, t - 1)
 
 
 def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: int, head_state, target_state,
              kv, tokens: Int[Array, "T"], aux: Float[Array, "T N"], meta: AttentionMetadata,
-             sample_rows: Bool[Array, "S"], next_tokens: Int[Array, "S"], out_tokens: Int[Array, "..."],
-             out_num: Int[Array, "S"]) -> tuple[tuple[Array, Array], Int[Array, "S k"]]:
+             sample_rows: Bool[Array, "S"], next_tokens: Int[Array, "S"], num_drafts: Int[Array, "S"],
+             out_tokens: Int[Array, "..."], out_num: Int[Array, "S"]) -> tuple[tuple[Array, Array], Int[Array, "S k"]]:
     """The head's catch-up over one target step and k drafts per row (see the module docstring)."""
     if out_tokens.ndim == 1:  # a plain step: one sampled token per row
         final = out_tokens
     else:
         final = jnp.take_along_axis(out_tokens, (out_num - 1)[:, None], axis=1)[:, 0]
-    shifted, last = catch_up_tokens(tokens, meta, sample_rows, next_tokens, final, out_num)
+    shifted, last = catch_up_tokens(tokens, meta, sample_rows, next_tokens, num_drafts, final, out_num)
     with jax.default_matmul_precision(precision):
         head = nnx.merge(head_graphdef, head_state)
         embed = nnx.merge(target_graphdef, target_state).embed[...]
@@ -99,7 +101,7 @@ class Eagle3Proposer:
                 self._compiled[t, verifying] = self._observe.lower(
                     self.state, self.runner.state, self.kv, b.token_ids,
                     jax.ShapeDtypeStruct((t, self._aux_width), self._dtype), b.meta, b.sample_rows,
-                    np.zeros(s, np.int32), out, np.ones(s, np.int32)).compile()
+                    np.zeros(s, np.int32), np.zeros(s, np.int32), out, np.ones(s, np.int32)).compile()
 
     @staticmethod
     def page_bytes(head: Eagle3Head, page_size: int, dtype) -> int:
@@ -109,14 +111,16 @@ class Eagle3Proposer:
                 out: SamplerOutput | VerifyOutput) -> Int[Array, "S k"]:
         """The runner's observer; returns the step's drafts per row (read back with its tokens)."""
         next_tokens = np.zeros(batch.row_slots.shape[0], np.int32)
+        num_drafts = np.zeros(batch.row_slots.shape[0], np.int32)
         for i, sq in enumerate(work.seqs):
+            num_drafts[i] = len(sq.drafts)
             if not sq.samples:  # a prompt chunk that does not end the prompt
                 next_tokens[i] = sq.req.token_at(sq.start + sq.num_tokens)
         verifying = isinstance(out, VerifyOutput)
         num = out.num_tokens if verifying else np.ones(batch.row_slots.shape[0], np.int32)
         self.kv, drafts = self._compiled[batch.token_ids.shape[0], verifying](
             self.state, self.runner.state, self.kv, fwd.tokens, fwd.aux, batch.meta, batch.sample_rows, next_tokens,
-            out.tokens, num)
+            num_drafts, out.tokens, num)
         return drafts
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
