@@ -23,6 +23,7 @@ from infire_jax import multihost
 from infire_jax.buckets import Buckets, default_token_buckets
 from infire_jax.compile_guard import cache_hit_count, compile_count
 from infire_jax.detokenizer import IncrementalDetokenizer
+from infire_jax.engine_stats import BootTimeline, EngineStats, timed
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.kv_pool import PoolSizing, size_from_budget, size_from_device_memory
@@ -40,10 +41,7 @@ from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
 from infire_jax.speculative.config import SpeculativeConfig
-from infire_jax.speculative.controller import NgramProposer, SpecController
-from infire_jax.speculative.draft_model import DraftModel
-from infire_jax.speculative.eagle3_loader import load_eagle3
-from infire_jax.speculative.eagle3_proposer import Eagle3Proposer
+from infire_jax.speculative.setup import build_speculation, extra_page_bytes, parse_speculation
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 from infire_jax.xla_flags import allocator_fraction
 from pallas_kernels.attention import choose_impl, resolve_impl
@@ -52,10 +50,6 @@ from sharding.plan import ShardPlan
 
 log = logging.getLogger(__name__)
 
-# Speculation stops when more sequences than this run (SpeculativeConfig.disable_by_batch_size):
-# past it decode is compute-bound on this device, and checking proposals costs more than it saves.
-SPEC_MAX_BATCH_CPU = 4
-SPEC_MAX_BATCH_GPU = 32
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 _GIB = 1 << 30
 
@@ -117,8 +111,9 @@ class Engine:
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
         branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else _on_gpu()
-        self.eagle_head = None
-        self.spec_config = self._speculation()
+        self.spec_config, self.eagle_head = parse_speculation(
+            ec.speculative_config, cfg, dtype=self.dtype, multiprocess=multihost.is_multiprocess(),
+            one_plain_device=self.plan is None and not ec.weights_compression)
         sizing = self._fixed_pool()
         rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else self._min_pages(),
                           max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
@@ -138,7 +133,7 @@ class Engine:
                                       plan=self.plan)
             report("compile", 0, len(shapes))
             pool = concurrent.futures.ThreadPoolExecutor(1, "infire-warmup")
-            warmup = pool.submit(_timed, self.runner.warmup, lambda shape: report("compile", next(done), len(shapes)))
+            warmup = pool.submit(timed, self.runner.warmup, lambda shape: report("compile", next(done), len(shapes)))
             pool.shutdown(wait=False)  # its thread ends with the warmup
 
         report("load", 0, 1)
@@ -172,9 +167,11 @@ class Engine:
         rc = self.runner.rc
         self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
-        self.spec = self.draft = None
+        self.spec, self.draft = None, None
         if self.spec_config:
-            self.spec = self._spec_controller(self.spec_config)
+            self.spec, self.draft = build_speculation(self.spec_config, self.eagle_head, self.model_config,
+                                                      self.runner, self.kv, max_num_seqs=ec.max_num_seqs,
+                                                      dtype=self.dtype, on_gpu=_on_gpu())
         self.boot = BootTimeline(
             weight_bytes=sum(a.nbytes for a in jax.tree.leaves(state)), load_seconds=self.load_seconds,
             restored=placed.built_because is None, compile_seconds=self.warmup_seconds, num_steps=len(shapes),
@@ -204,45 +201,6 @@ class Engine:
         except ValueError as e:  # unknown attention name, MeshConfigError
             raise ConfigError(str(e)) from e
 
-    def _speculation(self) -> SpeculativeConfig | None:
-        sc = SpeculativeConfig.parse(self.config.speculative_config)
-        if sc is None:
-            return None
-        if multihost.is_multiprocess():
-            raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
-        if sc.method != "ngram" and (self.plan is not None or self.config.weights_compression):
-            raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
-        if sc.method == "eagle3":  # loaded first: the target's forward must return the states it reads
-            self.eagle_head = load_eagle3(sc.model, self.model_config, dtype=self.dtype)
-        return sc
-
-    def _spec_controller(self, sc: SpeculativeConfig) -> SpecController:
-        """The speculation policy and its proposer; a draft model or EAGLE-3 head is given a pool beside
-        the target's and compiled here, and watches every step from now on."""
-        max_batch = self._spec_max_batch(sc)
-        if sc.method == "ngram":
-            return SpecController(sc, max_batch, NgramProposer(sc))
-        if sc.method == "eagle3":
-            self.draft = Eagle3Proposer(self.eagle_head, self.model_config, self.runner, self.runner.rc,
-                                        dtype=self.dtype, k=sc.num_speculative_tokens)
-        else:
-            self.draft = DraftModel(sc.model, self.model_config, self.runner.rc, dtype=self.dtype,
-                                    k=sc.num_speculative_tokens, max_rows=min(max_batch, self.config.max_num_seqs),
-                                    reserve=self._reserve)
-        self.draft.warmup(self.runner.empty_batches())
-        self.runner.observer = self.draft.observe
-        return SpecController(sc, max_batch, self.draft)
-
-    def _reserve(self, req: Request, num_tokens: int) -> bool:
-        """Pages for a request's next `num_tokens` tokens, if the pool has them free (never by preempting)."""
-        if not self.kv.can_allocate(req, num_tokens):
-            return False
-        return self.kv.allocate(req, num_tokens)
-
-    @staticmethod
-    def _spec_max_batch(sc: SpeculativeConfig) -> int:
-        return sc.disable_by_batch_size or (SPEC_MAX_BATCH_GPU if _on_gpu() else SPEC_MAX_BATCH_CPU)
-
     def _attention(self, cfg: ModelConfig) -> str:
         try:
             return choose_impl(self.config.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
@@ -266,11 +224,7 @@ class Engine:
         per_page = kv_bytes_per_page(cfg, self.config.page_size, self.dtype)
         if plan:
             per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if plan.axis("kv_heads") else 1)
-        if self.spec_config and self.spec_config.method == "draft_model":  # its pool has as many pages
-            per_page += DraftModel.page_bytes(self.spec_config.model, self.config.page_size, self.dtype)
-        if self.spec_config and self.spec_config.method == "eagle3":
-            per_page += Eagle3Proposer.page_bytes(self.eagle_head, self.config.page_size, self.dtype)
-        return per_page
+        return per_page + extra_page_bytes(self.spec_config, self.eagle_head, self.config.page_size, self.dtype)
 
     def _min_pages(self) -> int:
         """One sequence of max_model_len, plus the null page."""
@@ -589,48 +543,3 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-
-def _timed(fn: Callable, *args) -> float:
-    start = time.monotonic()
-    fn(*args)
-    return time.monotonic() - start
-
-
-@dataclasses.dataclass(frozen=True)
-class BootTimeline:
-    """Where an engine's start-up went: the weights (restored from the checkpoint or built from the
-    source) and the warmup of every step (XLA compilations, or executables from the persistent cache)."""
-
-    weight_bytes: int  # placed on the devices, all shards
-    load_seconds: float
-    restored: bool
-    compile_seconds: float
-    num_steps: int  # token buckets warmed up
-    compiled: int  # XLA compilations during warmup (the cache loads below not counted)
-    cache_loaded: int  # executables loaded from XLA's persistent cache during warmup
-    overlapped: bool  # the warmup ran while the weights were read
-    ready_seconds: float  # the engine's construction, from its first compile or read to ready
-
-    def describe(self) -> str:
-        source = "restored from its checkpoint" if self.restored else "loaded from the source"
-        return (f"boot: weights {self.weight_bytes / 1e9:.3f} GB {source} in {self.load_seconds:.2f} s "
-                f"({self.weight_bytes / 1e9 / max(self.load_seconds, 1e-9):.2f} GB/s); warmup of {self.num_steps} "
-                f"steps in {self.compile_seconds:.2f} s ({self.compiled} programs compiled, {self.cache_loaded} "
-                f"from XLA's cache"
-                f"{', while the weights were read' if self.overlapped else ''}); "
-                f"engine ready in {self.ready_seconds:.2f} s")
-
-
-@dataclasses.dataclass
-class EngineStats:
-    steps: int = 0
-    step_tokens: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    step_seconds: float = 0.0  # wall time inside step()
-    device_wait_seconds: float = 0.0  # of which blocked on the device's results; the rest is host work
-
-    @property
-    def host_seconds(self) -> float:
-        return self.step_seconds - self.device_wait_seconds

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from infire_jax.engine import EngineStats
+from infire_jax.engine_stats import EngineStats
 from infire_jax.errors import InvalidRequestError
 from infire_jax.kv_pool import PoolSizing
 from infire_jax.outputs import Delta

@@ -1,0 +1,66 @@
+"""An engine's speculation, set up: the checks, the proposer, its pool and its programs."""
+
+from __future__ import annotations
+
+from infire_jax.errors import ConfigError
+from infire_jax.kv_cache import KVCacheManager
+from infire_jax.models.config import ModelConfig
+from infire_jax.request import Request
+from infire_jax.runner import ModelRunner
+from infire_jax.speculative.config import SpeculativeConfig
+from infire_jax.speculative.controller import NgramProposer, SpecController
+from infire_jax.speculative.draft_model import DraftModel
+from infire_jax.speculative.eagle3 import Eagle3Head
+from infire_jax.speculative.eagle3_loader import load_eagle3
+from infire_jax.speculative.eagle3_proposer import Eagle3Proposer
+
+# Speculation stops when more sequences than this run (SpeculativeConfig.disable_by_batch_size):
+# past it decode is compute-bound on this device, and checking proposals costs more than it saves.
+MAX_BATCH_CPU = 4
+MAX_BATCH_GPU = 32
+
+
+def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool,
+                      one_plain_device: bool) -> tuple[SpeculativeConfig | None, Eagle3Head | None]:
+    """The engine's `speculative_config`, checked; an EAGLE-3 head is loaded now, since the target's
+    forward must be compiled to return the states it reads."""
+    sc = SpeculativeConfig.parse(value)
+    if sc is None:
+        return None, None
+    if multiprocess:
+        raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
+    if sc.method != "ngram" and not one_plain_device:
+        raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
+    return sc, load_eagle3(sc.model, target, dtype=dtype) if sc.method == "eagle3" else None
+
+
+def extra_page_bytes(sc: SpeculativeConfig | None, head: Eagle3Head | None, page_size: int, dtype) -> int:
+    """What a draft model's or EAGLE-3 head's pool adds to each page of the target's."""
+    if sc is not None and sc.method == "draft_model":
+        return DraftModel.page_bytes(sc.model, page_size, dtype)
+    if head is not None:
+        return Eagle3Proposer.page_bytes(head, page_size, dtype)
+    return 0
+
+
+def build_speculation(sc: SpeculativeConfig, head: Eagle3Head | None, target: ModelConfig, runner: ModelRunner,
+                      kv: KVCacheManager, *, max_num_seqs: int, dtype,
+                      on_gpu: bool) -> tuple[SpecController, DraftModel | Eagle3Proposer | None]:
+    """The speculation policy and its proposer. A draft model or EAGLE-3 head gets a pool beside the
+    target's, is compiled here, and watches every step of the runner from now on."""
+    max_batch = sc.disable_by_batch_size or (MAX_BATCH_GPU if on_gpu else MAX_BATCH_CPU)
+    if sc.method == "ngram":
+        return SpecController(sc, max_batch, NgramProposer(sc)), None
+
+    def reserve(req: Request, num_tokens: int) -> bool:
+        """Pages for a request's next tokens, if the pool has them free (never by preempting)."""
+        return kv.can_allocate(req, num_tokens) and kv.allocate(req, num_tokens)
+
+    if head is not None:
+        draft = Eagle3Proposer(head, target, runner, runner.rc, dtype=dtype, k=sc.num_speculative_tokens)
+    else:
+        draft = DraftModel(sc.model, target, runner.rc, dtype=dtype, k=sc.num_speculative_tokens,
+                           max_rows=min(max_batch, max_num_seqs), reserve=reserve)
+    draft.warmup(runner.empty_batches())
+    runner.observer = draft.observe
+    return SpecController(sc, max_batch, draft), draft
