@@ -43,3 +43,44 @@ def test_generate_matches_hf(name, tmp_path):
         want, want_lp = _hf_greedy(hf, prompt)
         assert out.token_ids == want
         np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+
+
+# ---- the real configurations, built abstractly -----------------------------------------------------
+
+@pytest.mark.parametrize("name,experts,heads", [("deepseek-v3", 256, 128), ("kimi-k2.5", 384, 64)])
+def test_dummy_configs_construct_abstractly(name, experts, heads):
+    """`dummy:` carries the published config; shapes only (no allocation of ~1T weights). The count
+    agrees with HF's own text model built on the meta device (plus the router biases, HF buffers)."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from infire_jax.loaders.dummy import CONFIGS, load_dummy
+    from infire_jax.models.kv_entry import kv_entry
+    from infire_jax.models.registry import abstract_model
+    from infire_jax.runner import kv_bytes_per_page
+
+    cfg = load_dummy(name).config
+    assert (cfg.num_experts, cfg.num_heads, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) == (experts, heads, 512, 64)
+    assert cfg.rope_scaling.kind == "yarn"
+    params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.bfloat16), nnx.Param))}
+    assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for v in params.values())  # nothing allocated
+    dense = cfg.deepseek_moe.first_k_dense_replace
+    assert params["moe_layers.w_gate_up"].shape == (61 - dense, experts, 7168, 2, 2048)
+    assert params["dense_layers.w_gate_up"].shape == (dense, 7168, 2, 18432)
+    ours = sum(math.prod(v.shape) for v in params.values())
+    # The pool: 576 values per token and layer (latent 512 + rope key 64), in bfloat16.
+    assert kv_entry(cfg).k_dim + kv_entry(cfg).v_dim == 576
+    assert kv_bytes_per_page(cfg, 16, jnp.bfloat16) == 61 * 16 * 576 * 2
+
+    raw = dict(CONFIGS[name])
+    raw = dict(raw["text_config"]) if raw["model_type"] == "kimi_k25" else raw
+    raw.pop("model_type")
+    with torch.device("meta"):
+        hf = DeepseekV3ForCausalLM(DeepseekV3Config(**raw))
+    hf_params = sum(p.numel() for p in hf.parameters())
+    assert ours == cfg.param_count() == hf_params + (61 - dense) * experts
