@@ -9,11 +9,26 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
-from test_moe import VOCAB, _save_tokenizer
+VOCAB = 320  # divisible by 8: the vocabulary splits over tp=8
 
+
+def _save_tokenizer(path) -> None:
+    """Byte-level BPE over the 256 byte symbols plus placeholder tokens, VOCAB in all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({f"<|extra_{i}|>": i for i in range(len(vocab), VOCAB)})
+    tk = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.save(str(path / "tokenizer.json"))
+
+
+# 8 heads and widths divisible by 8, so tp=8 fits.
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=48,
+               num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=48,
                qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, num_experts_per_tok=2,
                first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,
                initializer_range=0.1, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
@@ -50,7 +65,7 @@ def save(name: str, model, path) -> str:
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(path, safe_serialization=True)
-    _save_tokenizer(path)
+    _save_tokenizer(pathlib.Path(path))
     if name == "kimi-k2.5":
         file = os.path.join(path, "model.safetensors")
         tensors = {f"language_model.{k}": v for k, v in load_file(file).items()}

@@ -84,3 +84,31 @@ def test_dummy_configs_construct_abstractly(name, experts, heads):
         hf = DeepseekV3ForCausalLM(DeepseekV3Config(**raw))
     hf_params = sum(p.numel() for p in hf.parameters())
     assert ours == cfg.param_count() == hf_params + (61 - dense) * experts
+
+
+# ---- 8 virtual devices: expert and tensor parallel equal one device ---------------------------------
+
+def test_ep_and_tp_meshes_match_one_device(tmp_path):
+    import json
+    import os
+
+    from test_sharding import ROOT, _results, _run_worker
+
+    model = save("deepseek-v3", hf_model("deepseek-v3"), tmp_path / "model")
+    meshes = [os.path.join(ROOT, "sharding", "configs", f) for f in ("1.yaml", "8.yaml", "8-ep8.yaml", "8-tp2-ep4.yaml",
+                                                                   "8-pp8.yaml")]
+    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=[4, 32], num_kv_pages=40)
+    job = {"runs": [{"model": model, "mesh": m} for m in meshes], "prompts": ["Hello, MLA", "x" * 40, "abc"],
+           "max_tokens": 12, "engine": engine}
+    results = {os.path.basename(r["mesh"]): r for r in _results(_run_worker(job, 8, tmp_path, "ds8"))}
+    assert "pipeline parallelism is not supported" in results.pop("8-pp8.yaml")["error"]
+    single = results.pop("1.yaml")
+    assert set(results) == {"8.yaml", "8-ep8.yaml", "8-tp2-ep4.yaml"}
+    for name, r in results.items():
+        assert r["fits"] and r["tokens"] == single["tokens"], (name, json.dumps(r)[:500])
+        np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4)
+        specs = {k: v["spec"] for k, v in r["params"].items()}
+        if name != "8-ep8.yaml":  # tp splits heads and MLP widths
+            assert "tp" in specs["moe_layers.wq_b"] and "tp" in specs["dense_layers.w_gate_up"]
+        if name != "8.yaml":  # ep splits the experts
+            assert "ep" in specs["moe_layers.w_gate_up"]

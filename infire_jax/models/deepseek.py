@@ -11,7 +11,7 @@ The first `first_k_dense_replace` layers have a dense MLP, the rest the DeepSeek
 layers are two stacks (`dense_layers`, `moe_layers`), each scanned like llama.py's; the pool's
 layer index runs across both. On a mesh (models/parallel.py) heads and MLP widths split over tp
 (the latent path is replicated, each device writes the same latent into its copy of the pool),
-experts over ep. Pipeline parallelism is not supported for this family.
+experts over ep. Pipeline parallelism is refused for this family (sharding/plan.py).
 """
 
 from __future__ import annotations
@@ -167,8 +167,6 @@ class DeepseekV3(nnx.Module):
         if plan is None:
             h, latent_pages, rope_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
             return h, (latent_pages, rope_pages)
-        if plan.num_stages > 1:
-            raise ConfigError("pipeline parallelism (pp > 1) is not supported for the DeepSeek-V3 family")
         axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
         return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, kv_axes=kv_entry(cfg).pool_axes)
 
