@@ -1,6 +1,7 @@
 """MLA attention in the absorbed form (W_uk folded into q, W_uv after attention over the latent
-pages) against the expanded form in float64 numpy: per-head keys [c W_uk, k_pe] and values c W_uv
-built from each sequence's whole latent history, which never looks at the pages.
+pages), the jnp reference and the Pallas decode kernel (interpret mode), against the expanded form
+in float64 numpy: per-head keys [c W_uk, k_pe] and values c W_uv built from each sequence's whole
+latent history, which never looks at the pages.
 
 The batch is test_kernels' mix (prefill chunks with and without cached prefixes, decodes over short
 and long contexts, padding). Pool slots the step must not read hold stale random values.
@@ -17,9 +18,10 @@ import pytest
 
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mla import mla_attention
+from pallas_kernels.mla_decode import mla_decode_attention
 from test_kernels import LAYER, NUM_LAYERS, NUM_ROWS, NUM_TOKENS, ROWS, build_metadata, device_meta
 
-H, R, DR, DN, DV = 4, 32, 8, 16, 12
+R, DR, DN, DV = 32, 16, 16, 12
 SCALE = 0.17
 
 
@@ -36,7 +38,7 @@ class MLACase(NamedTuple):
     history: list[tuple[np.ndarray, np.ndarray]]  # per row: every latent and rope key after the step
 
 
-def make_case(page_size: int, seed: int) -> MLACase:
+def make_case(page_size: int, seed: int, h: int = 4) -> MLACase:
     rng = np.random.default_rng(seed)
     num_pages = [-(-(ctx + n) // page_size) for ctx, n in ROWS]
     order = rng.permutation(np.arange(1, sum(num_pages) + 4))
@@ -59,20 +61,21 @@ def make_case(page_size: int, seed: int) -> MLACase:
         latent[meta.cu_q_lens[i]:meta.cu_q_lens[i + 1]] = c[ctx:]
         k_pe[meta.cu_q_lens[i]:meta.cu_q_lens[i + 1]] = kr[ctx:]
         history.append((c, kr))
-    w = [(rng.standard_normal(s) / np.sqrt(R)).astype(np.float32) for s in ((R, H, DN), (R, H, DV))]
-    q_nope = rng.standard_normal((NUM_TOKENS, H, DN)).astype(np.float32)
-    q_pe = rng.standard_normal((NUM_TOKENS, H, DR)).astype(np.float32)
+    w = [(rng.standard_normal(s) / np.sqrt(R)).astype(np.float32) for s in ((R, h, DN), (R, h, DV))]
+    q_nope = rng.standard_normal((NUM_TOKENS, h, DN)).astype(np.float32)
+    q_pe = rng.standard_normal((NUM_TOKENS, h, DR)).astype(np.float32)
     return MLACase(q_nope, q_pe, latent, k_pe, *w, latent_pages, rope_pages, meta, history)
 
 
 def expanded_float64(case: MLACase) -> np.ndarray:
     """Per-head keys and values expanded from the latents, causal attention over each sequence."""
-    out = np.full((NUM_TOKENS, H, DV), np.nan)
+    h = case.w_uk.shape[1]
+    out = np.full((NUM_TOKENS, h, DV), np.nan)
     w_uk, w_uv = case.w_uk.astype(np.float64), case.w_uv.astype(np.float64)
     for i, (ctx, n) in enumerate(ROWS):
         rows = slice(case.meta.cu_q_lens[i], case.meta.cu_q_lens[i + 1])
         c, kr = (x.astype(np.float64) for x in case.history[i])
-        keys = np.concatenate([np.einsum("mr,rhd->mhd", c, w_uk), np.repeat(kr[:, None], H, axis=1)], axis=-1)
+        keys = np.concatenate([np.einsum("mr,rhd->mhd", c, w_uk), np.repeat(kr[:, None], h, axis=1)], axis=-1)
         values = np.einsum("mr,rhv->mhv", c, w_uv)
         q = np.concatenate([case.q_nope[rows], case.q_pe[rows]], axis=-1).astype(np.float64)
         scores = np.einsum("nhd,mhd->hnm", q, keys) * SCALE
@@ -106,3 +109,24 @@ def test_absorbed_matches_expanded_float64(page_size):
     keep[:, 0] = False  # the null page takes padding writes
     np.testing.assert_array_equal(np.asarray(latent_pages)[keep], want_latent[keep])
     np.testing.assert_array_equal(np.asarray(rope_pages)[keep], want_rope[keep])
+
+
+@pytest.mark.parametrize("page_size,heads,splits", [(16, 4, None), (5, 20, 3)])
+def test_pallas_decode_kernel_matches_float64(page_size, heads, splits):
+    """Interpret mode on CPU: decode rows only (the others are 0 and not covered); 20 heads are two
+    head blocks, 3 splits exercise the flash-decoding combine."""
+    case = make_case(page_size, seed=heads, h=heads)
+    _, latent_pages, rope_pages = run(case, "reference")  # the pages after this step's write
+    q_lat = jnp.einsum("thd,rhd->thr", case.q_nope, case.w_uk)
+    out_lat, covered = jax.jit(lambda *a: mla_decode_attention(*a, scale=SCALE, num_splits=splits, interpret=True))(
+        q_lat, jnp.asarray(case.q_pe), latent_pages, rope_pages, jnp.int32(LAYER), device_meta(case.meta))
+    covered = np.asarray(covered)
+    decodes = np.zeros(NUM_TOKENS, bool)
+    for i, (_, n) in enumerate(ROWS):
+        decodes[case.meta.cu_q_lens[i]:case.meta.cu_q_lens[i + 1]] = n == 1
+    np.testing.assert_array_equal(covered, decodes)
+    out = np.einsum("thr,rhv->thv", np.asarray(out_lat, np.float64), case.w_uv.astype(np.float64))
+    want = expanded_float64(case)
+    err = np.max(np.abs(out[covered] - want[covered])) / np.max(np.abs(want[covered]))
+    assert err < 2e-5, err
+    assert not np.asarray(out_lat)[~covered].any()
