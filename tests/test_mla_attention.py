@@ -86,15 +86,17 @@ def expanded_float64(case: MLACase) -> np.ndarray:
     return out
 
 
-def run(case: MLACase, impl: str):
-    fn = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, impl=impl))
+def run(case: MLACase, form: str = "absorbed"):
+    fn = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, impl="reference", form=form))
     return fn(*(jnp.asarray(x) for x in case[:8]), jnp.int32(LAYER), device_meta(case.meta))
 
 
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
 @pytest.mark.parametrize("page_size", [16, 5])
-def test_absorbed_matches_expanded_float64(page_size):
+def test_reference_matches_expanded_float64(page_size, form):
+    """Both forms of the jnp path: absorbed throughout, or the step's tokens expanded (prefill)."""
     case = make_case(page_size, seed=page_size)
-    out, latent_pages, rope_pages = run(case, "reference")
+    out, latent_pages, rope_pages = run(case, form)
     real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
     want = expanded_float64(case)
     err = np.max(np.abs(np.asarray(out, np.float64)[real] - want[real])) / np.max(np.abs(want[real]))
@@ -116,7 +118,7 @@ def test_pallas_decode_kernel_matches_float64(page_size, heads, splits):
     """Interpret mode on CPU: decode rows only (the others are 0 and not covered); 20 heads are two
     head blocks, 3 splits exercise the flash-decoding combine."""
     case = make_case(page_size, seed=heads, h=heads)
-    _, latent_pages, rope_pages = run(case, "reference")  # the pages after this step's write
+    _, latent_pages, rope_pages = run(case)  # the pages after this step's write
     q_lat = jnp.einsum("thd,rhd->thr", case.q_nope, case.w_uk)
     out_lat, covered = jax.jit(lambda *a: mla_decode_attention(*a, scale=SCALE, num_splits=splits, interpret=True))(
         q_lat, jnp.asarray(case.q_pe), latent_pages, rope_pages, jnp.int32(LAYER), device_meta(case.meta))

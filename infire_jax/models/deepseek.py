@@ -32,7 +32,7 @@ from infire_jax.models.llama import dense_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.mla import mla_attention
+from pallas_kernels.mla import mla_attention, step_form
 from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]  # (latent pages [L, N, ps, 1, R], rotary-key pages [L, N, ps, 1, Dr])
@@ -110,7 +110,8 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q_nope, q_pe, latent, k_pe = mla_project(cfg, lp, x, cos, sin)
         o, latent_pages, rope_pages = mla_attention(q_nope, q_pe, latent, k_pe, lp["w_uk"], lp["w_uv"], latent_pages,
-                                                    rope_pages, idx, meta, scale=scale, impl=attn_impl)
+                                                    rope_pages, idx, meta, scale=scale, impl=attn_impl,
+                                                    form=step_form(h.shape[0]))
         h = h + psum(jnp.einsum("thv,hve->te", o, lp["wo"]), red.attn)
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         if moe:
