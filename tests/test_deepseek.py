@@ -145,3 +145,20 @@ def test_ep_and_tp_meshes_match_one_device(tmp_path):
             assert "tp" in specs["moe_layers.wq_b"] and "tp" in specs["dense_layers.w_gate_up"]
         if name != "8.yaml":  # ep splits the experts
             assert "ep" in specs["moe_layers.w_gate_up"]
+
+
+# ---- configs this model does not implement are refused, naming the field ----------------------------
+
+@pytest.mark.parametrize("field,value", [("scoring_func", "softmax"), ("n_group", 3), ("topk_group", 5),
+                                         ("q_lora_rank", None), ("first_k_dense_replace", 4),
+                                         ("num_experts_per_tok", 7), ("hidden_act", "gelu")])
+def test_bad_configs_name_the_field(field, value):
+    from deepseek_models import TEXT_CONFIGS
+
+    from infire_jax.errors import UnsupportedModelError
+    from infire_jax.models.config import config_from_hf
+
+    raw = dict(TEXT_CONFIGS["deepseek-v3"], model_type="deepseek_v3")
+    config_from_hf(raw)  # the unmodified config is accepted
+    with pytest.raises(UnsupportedModelError, match=field):
+        config_from_hf({**raw, field: value})

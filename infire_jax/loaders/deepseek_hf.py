@@ -48,10 +48,10 @@ def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, laye
         layer[_NORMS[rest]] = w
     elif em:
         layer.setdefault("experts", {})[(int(em.group(1)), _MLP[em.group(2)])] = w.T
-    elif rest in ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight"):
+    elif rest == "self_attn.q_b_proj.weight":
         q = w.reshape(h, qk, -1)
         q = np.concatenate([q[:, :m.qk_nope_head_dim], q[:, m.qk_nope_head_dim:][:, rope]], axis=1)
-        layer["wq_b" if "q_b" in rest else "wq"] = q.transpose(2, 0, 1)
+        layer["wq_b"] = q.transpose(2, 0, 1)
     elif rest == "self_attn.q_a_proj.weight":
         layer["wq_a"] = w.T
     elif rest == "self_attn.kv_a_proj_with_mqa.weight":

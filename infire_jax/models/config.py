@@ -43,7 +43,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-    """Multi-head Latent Attention sizes (DeepSeek-V3 family); q_lora_rank 0: q projected directly."""
+    """Multi-head Latent Attention sizes (DeepSeek-V3 family)."""
 
     q_lora_rank: int
     kv_lora_rank: int

@@ -49,12 +49,9 @@ class MLALayers(nnx.Module):
         m, e, h = cfg.mla, cfg.hidden_size, cfg.num_heads
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
-        if m.q_lora_rank:
-            self.wq_a = param((n, e, m.q_lora_rank), ("layers", "embed", "latent"), dtype)
-            self.q_a_norm = param((n, m.q_lora_rank), ("layers", "norm"), dtype, init="ones")
-            self.wq_b = param((n, m.q_lora_rank, h, qk), ("layers", "latent", "q_heads", "head_dim"), dtype)
-        else:
-            self.wq = param((n, e, h, qk), ("layers", "embed", "q_heads", "head_dim"), dtype)
+        self.wq_a = param((n, e, m.q_lora_rank), ("layers", "embed", "latent"), dtype)
+        self.q_a_norm = param((n, m.q_lora_rank), ("layers", "norm"), dtype, init="ones")
+        self.wq_b = param((n, m.q_lora_rank, h, qk), ("layers", "latent", "q_heads", "head_dim"), dtype)
         self.wkv_a = param((n, e, m.kv_lora_rank + m.qk_rope_head_dim), ("layers", "embed", "latent"), dtype)
         self.kv_a_norm = param((n, m.kv_lora_rank), ("layers", "norm"), dtype, init="ones")
         self.w_uk = param((n, m.kv_lora_rank, h, m.qk_nope_head_dim), ("layers", "latent", "q_heads", "head_dim"), dtype)
@@ -87,11 +84,8 @@ def mla_project(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], 
                 ) -> tuple[Array, Array, Array, Array]:
     """(q_nope [T, H, Dn], roped q_pe [T, H, Dr], latent c [T, R], roped k_pe [T, Dr]) as HF's DeepseekV3Attention."""
     m = cfg.mla
-    if m.q_lora_rank:
-        qa = rms_norm(jnp.einsum("te,er->tr", x, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("tr,rhd->thd", qa, lp["wq_b"])
-    else:
-        q = jnp.einsum("te,ehd->thd", x, lp["wq"])
+    qa = rms_norm(jnp.einsum("te,er->tr", x, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("tr,rhd->thd", qa, lp["wq_b"])
     kv = jnp.einsum("te,ec->tc", x, lp["wkv_a"])
     latent = rms_norm(kv[:, :m.kv_lora_rank], lp["kv_a_norm"], cfg.rms_norm_eps)
     k_pe = apply_rope(kv[:, None, m.kv_lora_rank:], cos, sin)[:, 0]

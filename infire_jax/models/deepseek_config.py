@@ -66,7 +66,10 @@ def config_from_deepseek_hf(hf: Mapping[str, Any]) -> ModelConfig:
                    "(the experts of the topk_group chosen groups)")
     rope_params = c.get("rope_parameters") or {}
     heads = int(c["num_attention_heads"])
-    mla = MLAConfig(q_lora_rank=int(c.get("q_lora_rank") or 0), kv_lora_rank=int(c["kv_lora_rank"]),
+    if not c.get("q_lora_rank"):
+        raise _bad("q_lora_rank", c.get("q_lora_rank"), "a low-rank q path is required (every DeepSeek-V3-family "
+                   "checkpoint has one)")
+    mla = MLAConfig(q_lora_rank=int(c["q_lora_rank"]), kv_lora_rank=int(c["kv_lora_rank"]),
                     qk_nope_head_dim=int(c["qk_nope_head_dim"]), qk_rope_head_dim=int(c["qk_rope_head_dim"]),
                     v_head_dim=int(c["v_head_dim"]))
     if mla.qk_rope_head_dim % 2:
@@ -103,7 +106,7 @@ def deepseek_param_count(cfg: ModelConfig) -> int:
     """Weights of the DeepSeek-V3 model, counted from the config as HF's module tree holds them."""
     m, d, e, h = cfg.mla, cfg.deepseek_moe, cfg.hidden_size, cfg.num_heads
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    q = e * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk if m.q_lora_rank else e * h * qk
+    q = e * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk
     attn = q + e * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
         + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * e
     dense_mlp = 3 * e * cfg.intermediate_size
