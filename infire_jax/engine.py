@@ -241,7 +241,8 @@ class Engine:
     def _attention(self, cfg: ModelConfig) -> str:
         try:
             if cfg.mla is not None:
-                return choose_mla_impl(self.config.attn_impl)
+                return choose_mla_impl(self.config.attn_impl, kv_lora_rank=cfg.mla.kv_lora_rank,
+                                       rope_dim=cfg.mla.qk_rope_head_dim, dtype=self.dtype)
             return choose_impl(self.config.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
                                num_kv_heads=cfg.num_kv_heads, dtype=self.dtype)
         except ValueError as e:

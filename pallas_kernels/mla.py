@@ -1,5 +1,8 @@
 """Multi-head Latent Attention over the latent pool: the implementation and the form of a step.
 
+Implementations: the jnp reference (mla_reference.py), or on GPU the Pallas decode kernel
+(mla_decode.py) for single-token rows with the reference for prompt chunks.
+
 Absorbed (every step by default): W_uk [R, H, Dn] is folded into the query before attention and
 W_uv [R, H, Dv] applied after it, so attention runs over the cached latents and rotary keys only.
 Expanded (`INFIRE_JAX_MLA_PREFILL=expanded`, steps of at least EXPANDED_MIN_TOKENS tokens): the
@@ -19,10 +22,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import mla_reference
-from pallas_kernels.attention import IMPLS
+from pallas_kernels.attention import resolve_impl
+from pallas_kernels.decode_attention import decode_rows
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.mla_decode import check_mla_supported, mla_decode_attention
 
-MLA_IMPLS = ("reference",)
 FORMS = ("absorbed", "expanded")
 EXPANDED_MIN_TOKENS = 256
 
@@ -35,15 +39,25 @@ def step_form(num_tokens: int) -> str:
     return "expanded" if wanted == "expanded" and num_tokens >= EXPANDED_MIN_TOKENS else "absorbed"
 
 
-def choose_mla_impl(impl: str) -> str:
-    """"auto" -> the best MLA implementation there is; a name without an MLA implementation raises."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown attention implementation {impl!r}; choose one of {IMPLS}")
-    if impl == "auto":
-        return "reference"
-    if impl not in MLA_IMPLS:
-        raise ValueError(f"attn_impl={impl!r} has no MLA implementation; MLA models run {MLA_IMPLS}")
-    return impl
+def choose_mla_impl(impl: str, *, kv_lora_rank: int, rope_dim: int, dtype) -> str:
+    """Resolves "auto" (the Pallas decode kernel on GPU, where it can tile the latent; else the
+    reference) and checks that an explicit Pallas choice can."""
+    chosen = resolve_impl(impl)
+    if chosen in ("pallas", "pallas_interpret"):
+        try:
+            check_mla_supported(kv_lora_rank, rope_dim, dtype)
+        except ValueError:
+            if impl != "auto":
+                raise
+            return "reference"
+    return chosen
+
+
+def _without_decode_context(meta: AttentionMetadata) -> AttentionMetadata:
+    """Single-token rows' cached context dropped, so the reference's part A loop runs only as far as
+    the prompt chunks' contexts reach (the kernel attends the decode rows)."""
+    q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
+    return meta._replace(kv_lens=jnp.where(decode_rows(meta), q_lens, meta.kv_lens).astype(meta.kv_lens.dtype))
 
 
 def mla_attention(
@@ -62,15 +76,27 @@ def mla_attention(
     impl: str,
     form: str = "absorbed",
 ) -> tuple[Float[Array, "T H Dv"], Array, Array]:
-    """Writes the step's latents and rotary keys into the pages; returns every head's output [T, H, Dv]."""
-    if impl != "reference":
-        raise ValueError(f"MLA attention has no {impl!r} implementation; use 'reference'")
-    if form == "expanded":
-        return mla_reference.mla_paged_attention_expanded(q_nope, q_pe, latent, k_pe, w_uk, w_uv, latent_pages,
-                                                          rope_pages, layer, meta, scale=scale)
-    if form != "absorbed":
+    """Writes the step's latents and rotary keys into the pages; returns every head's output [T, H, Dv].
+
+    "pallas" / "pallas_interpret": single-token rows through the Pallas decode kernel, prompt chunks
+    through the jnp reference (there is no MLA prefill kernel yet), whose cached-context loop then
+    skips the decode rows.
+    """
+    if impl not in ("reference", "pallas", "pallas_interpret"):
+        raise ValueError(f"unresolved attention implementation {impl!r}; call choose_mla_impl first")
+    if form not in FORMS:
         raise ValueError(f"unknown MLA form {form!r}; choose one of {FORMS}")
     q_lat = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
-    o_lat, latent_pages, rope_pages = mla_reference.mla_paged_attention(
-        q_lat, q_pe, latent, k_pe, latent_pages, rope_pages, layer, meta, scale=scale)
-    return jnp.einsum("thr,rhv->thv", o_lat, w_uv), latent_pages, rope_pages
+    ref_meta = meta if impl == "reference" else _without_decode_context(meta)
+    if form == "expanded":
+        out, latent_pages, rope_pages = mla_reference.mla_paged_attention_expanded(
+            q_nope, q_pe, latent, k_pe, w_uk, w_uv, latent_pages, rope_pages, layer, ref_meta, scale=scale)
+    else:
+        o_lat, latent_pages, rope_pages = mla_reference.mla_paged_attention(
+            q_lat, q_pe, latent, k_pe, latent_pages, rope_pages, layer, ref_meta, scale=scale)
+        out = jnp.einsum("thr,rhv->thv", o_lat, w_uv)
+    if impl != "reference":
+        decoded, covered = mla_decode_attention(q_lat, q_pe, latent_pages, rope_pages, layer, meta, scale=scale,
+                                                interpret=impl == "pallas_interpret")
+        out = jnp.where(covered[:, None, None], jnp.einsum("thr,rhv->thv", decoded, w_uv), out)
+    return out, latent_pages, rope_pages

@@ -28,18 +28,21 @@ def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 
 # deepseek-v3 runs in a pool too small for all three sequences at once: requests are preempted
-# (by recompute) and resume from their latent pages.
-@pytest.mark.parametrize("name,pages", [("deepseek-v3", 12), ("kimi-k2.5", 40)])
-def test_generate_matches_hf(name, pages, tmp_path):
+# (by recompute) and resume from their latent pages. kimi-k2.5 decodes through the Pallas kernel
+# (interpret mode).
+@pytest.mark.parametrize("name,pages,impl", [("deepseek-v3", 12, "reference"), ("kimi-k2.5", 40, "pallas_interpret")])
+def test_generate_matches_hf(name, pages, impl, tmp_path):
     from infire_jax import LLM, SamplingParams
 
     hf = hf_model(name)
     llm = LLM(model=save(name, hf, tmp_path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets=(4, 32), max_model_len=128, num_kv_pages=pages)
+              token_buckets=(4, 32), max_model_len=128, num_kv_pages=pages, attn_impl=impl)
     cfg = llm.engine.model_config
     assert cfg.architecture == "deepseek_v3" and cfg.mla.kv_lora_rank == 32
+    assert llm.engine.runner.rc.attn_impl == impl
     pool = llm.engine.runner.cache
-    assert pool.k_pages.shape[3:] == (1, 32) and pool.v_pages.shape[3:] == (1, 8)  # latent, rope key
+    rope = cfg.mla.qk_rope_head_dim
+    assert pool.k_pages.shape[3:] == (1, 32) and pool.v_pages.shape[3:] == (1, rope)  # latent, rope key
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
     for prompt, out in zip(PROMPTS, outs):
         want, want_lp = _hf_greedy(hf, prompt)

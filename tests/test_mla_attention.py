@@ -86,17 +86,19 @@ def expanded_float64(case: MLACase) -> np.ndarray:
     return out
 
 
-def run(case: MLACase, form: str = "absorbed"):
-    fn = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, impl="reference", form=form))
+def run(case: MLACase, form: str = "absorbed", impl: str = "reference"):
+    fn = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, impl=impl, form=form))
     return fn(*(jnp.asarray(x) for x in case[:8]), jnp.int32(LAYER), device_meta(case.meta))
 
 
-@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+@pytest.mark.parametrize("form,impl", [("absorbed", "reference"), ("expanded", "reference"),
+                                       ("absorbed", "pallas_interpret")])
 @pytest.mark.parametrize("page_size", [16, 5])
-def test_reference_matches_expanded_float64(page_size, form):
-    """Both forms of the jnp path: absorbed throughout, or the step's tokens expanded (prefill)."""
+def test_step_matches_expanded_float64(page_size, form, impl):
+    """Both forms of the jnp path (absorbed throughout, or the step's tokens expanded), and the
+    Pallas path (decode rows through the kernel, prompt chunks through the reference)."""
     case = make_case(page_size, seed=page_size)
-    out, latent_pages, rope_pages = run(case, form)
+    out, latent_pages, rope_pages = run(case, form, impl)
     real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
     want = expanded_float64(case)
     err = np.max(np.abs(np.asarray(out, np.float64)[real] - want[real])) / np.max(np.abs(want[real]))
