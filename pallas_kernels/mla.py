@@ -40,16 +40,11 @@ def step_form(num_tokens: int) -> str:
 
 
 def choose_mla_impl(impl: str, *, kv_lora_rank: int, rope_dim: int, dtype) -> str:
-    """Resolves "auto" (the Pallas decode kernel on GPU, where it can tile the latent; else the
-    reference) and checks that an explicit Pallas choice can."""
-    chosen = resolve_impl(impl)
+    """"auto" is the reference on every backend: the decode kernel has not run on a GPU yet, so it is
+    chosen explicitly ("pallas"), and then checked against the latent's shapes."""
+    chosen = "reference" if impl == "auto" else resolve_impl(impl)
     if chosen in ("pallas", "pallas_interpret"):
-        try:
-            check_mla_supported(kv_lora_rank, rope_dim, dtype)
-        except ValueError:
-            if impl != "auto":
-                raise
-            return "reference"
+        check_mla_supported(kv_lora_rank, rope_dim, dtype)
     return chosen
 
 
