@@ -240,13 +240,12 @@ class ModelRunner:
         """The pool is split like the kv heads and layers; the per-slot history is replicated."""
         c, rc, plan = self.cfg, self.rc, self.plan
         entry = kv_entry(c)
-        k_shape, v_shape = (entry.k_page_shape(c.num_layers, rc.page_size), entry.v_page_shape(c.num_layers, rc.page_size))
         pool = plan.sharding(entry.pool_axes) if plan else None
         replicated = plan.replicated if plan else None
 
         shapes = DeviceCache(
-            k_pages=((k_shape[0], rc.num_pages, *k_shape[1:]), self.dtype),
-            v_pages=((v_shape[0], rc.num_pages, *v_shape[1:]), self.dtype),
+            k_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), self.dtype),
+            v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), self.dtype),
             counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=((rc.num_slots,), jnp.int32))
         shardings = DeviceCache(pool, pool, replicated, replicated, replicated)

@@ -41,7 +41,8 @@ TEXT_CONFIGS = {
                                          "mscale": 1.0, "mscale_all_dim": 0.8}),
     # Kimi K2's: one group (no group limit), scaling 2.827, YaRN with beta_fast = beta_slow = 1.
     # A 16-wide rope key, so the Pallas decode kernel can tile it (the parity test runs it).
-    "kimi-k2.5": dict(_COMMON, qk_rope_head_dim=16, n_routed_experts=12, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+    "kimi-k2.5": dict(_COMMON, qk_rope_head_dim=16, n_routed_experts=12, n_group=1, topk_group=1,
+                      routed_scaling_factor=2.827,
                       rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0,
                                        "original_max_position_embeddings": 64, "beta_fast": 1.0, "beta_slow": 1.0,
                                        "mscale": 1.0, "mscale_all_dim": 1.0}),

@@ -103,7 +103,8 @@ def test_dummy_configs_construct_abstractly(name, experts, heads):
     cfg = load_dummy(name).config
     assert (cfg.num_experts, cfg.num_heads, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) == (experts, heads, 512, 64)
     assert cfg.rope_scaling.kind == "yarn"
-    params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.bfloat16), nnx.Param))}
+    model = abstract_model(cfg, jnp.bfloat16)
+    params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for v in params.values())  # nothing allocated
     dense = cfg.deepseek_moe.first_k_dense_replace
     assert params["moe_layers.w_gate_up"].shape == (61 - dense, experts, 7168, 2, 2048)

@@ -54,8 +54,9 @@ class MLALayers(nnx.Module):
         self.wq_b = param((n, m.q_lora_rank, h, qk), ("layers", "latent", "q_heads", "head_dim"), dtype)
         self.wkv_a = param((n, e, m.kv_lora_rank + m.qk_rope_head_dim), ("layers", "embed", "latent"), dtype)
         self.kv_a_norm = param((n, m.kv_lora_rank), ("layers", "norm"), dtype, init="ones")
-        self.w_uk = param((n, m.kv_lora_rank, h, m.qk_nope_head_dim), ("layers", "latent", "q_heads", "head_dim"), dtype)
-        self.w_uv = param((n, m.kv_lora_rank, h, m.v_head_dim), ("layers", "latent", "q_heads", "head_dim"), dtype)
+        head_axes = ("layers", "latent", "q_heads", "head_dim")
+        self.w_uk = param((n, m.kv_lora_rank, h, m.qk_nope_head_dim), head_axes, dtype)
+        self.w_uv = param((n, m.kv_lora_rank, h, m.v_head_dim), head_axes, dtype)
         self.wo = param((n, h, m.v_head_dim, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
         self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
         if not moe:

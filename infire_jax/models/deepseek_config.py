@@ -35,7 +35,8 @@ def _yarn(hf: Mapping[str, Any]) -> RopeScaling | None:
     if kind != "yarn":
         raise _bad("rope_scaling.type", kind, "only yarn (or none) is supported for this family")
     if raw.get("attention_factor") is not None:
-        raise _bad("rope_scaling.attention_factor", raw["attention_factor"], "not supported; give mscale/mscale_all_dim")
+        raise _bad("rope_scaling.attention_factor", raw["attention_factor"],
+                   "not supported; give mscale/mscale_all_dim")
     if raw.get("truncate", True) is not True:
         raise _bad("rope_scaling.truncate", raw["truncate"], "only the default (true) is supported")
     return RopeScaling("yarn", factor=float(raw["factor"]),
