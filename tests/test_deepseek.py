@@ -166,3 +166,31 @@ def test_bad_configs_name_the_field(field, value):
     config_from_hf(raw)  # the unmodified config is accepted
     with pytest.raises(UnsupportedModelError, match=field):
         config_from_hf({**raw, field: value})
+
+
+# ---- routing: the same experts and weights as HF's router ---------------------------------------------
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2.5"])
+def test_grouped_routing_matches_hf_router(name):
+    """Many tokens through HF's DeepseekV3TopkRouter and ours: the same expert sets, the same weights."""
+    import jax.numpy as jnp
+    import torch
+
+    from deepseek_models import TEXT_CONFIGS
+    from infire_jax.models.config import config_from_hf
+    from infire_jax.models.deepseek_moe import route_grouped, router_logits
+
+    hf = hf_model(name)
+    gate = hf.model.layers[1].mlp.gate
+    cfg = config_from_hf(dict(TEXT_CONFIGS[name], model_type="deepseek_v3"))
+    x = torch.randn(512, cfg.hidden_size, generator=torch.Generator().manual_seed(1)) * 2
+    with torch.no_grad():
+        _, want_w, want_idx = gate(x)
+    lp = {"router": jnp.asarray(gate.weight.detach().numpy().T)}
+    r = route_grouped(router_logits(lp, jnp.asarray(x.numpy())), jnp.asarray(gate.e_score_correction_bias.numpy()), cfg)
+    order = np.argsort(want_idx.numpy(), axis=1)  # HF's top-k is unsorted
+    got_order = np.argsort(np.asarray(r.experts), axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(r.experts), got_order, 1),
+                                  np.take_along_axis(want_idx.numpy(), order, 1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(r.weights), got_order, 1),
+                               np.take_along_axis(want_w.numpy(), order, 1), rtol=1e-6, atol=1e-6)
