@@ -194,3 +194,26 @@ def test_grouped_routing_matches_hf_router(name):
                                   np.take_along_axis(want_idx.numpy(), order, 1))
     np.testing.assert_allclose(np.take_along_axis(np.asarray(r.weights), got_order, 1),
                                np.take_along_axis(want_w.numpy(), order, 1), rtol=1e-6, atol=1e-6)
+
+
+# ---- checkpoints of the placed weights keep the float32 router bias of a bfloat16 model ------------------
+
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax"])
+def test_bfloat16_checkpoint_restores_with_its_float32_bias(fmt, tmp_path, monkeypatch):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from infire_jax.loaders import checkpoint
+
+    monkeypatch.setenv("INFIRE_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("INFIRE_JAX_NO_CHECKPOINT", raising=False)
+    monkeypatch.setenv("INFIRE_JAX_CHECKPOINT_FORMAT", fmt)
+    model = save("deepseek-v3", hf_model("deepseek-v3"), tmp_path / "model")
+    built = checkpoint.load_placed(model, jnp.bfloat16, None)
+    restored = checkpoint.load_placed(model, jnp.bfloat16, None)
+    assert built.built_because is not None and restored.built_because is None
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(restored.state)}
+    assert flat["moe_layers.router_bias"].dtype == jnp.float32 and flat["moe_layers.wq_b"].dtype == jnp.bfloat16
+    want = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(built.state)}
+    for name, value in flat.items():
+        np.testing.assert_array_equal(np.asarray(value.astype(jnp.float32)), np.asarray(want[name].astype(jnp.float32)))
