@@ -1,7 +1,8 @@
 """Multi-head Latent Attention over the latent pool: the implementation and the form of a step.
 
-Implementations: the jnp reference (mla_reference.py), or on GPU the Pallas decode kernel
-(mla_decode.py) for single-token rows with the reference for prompt chunks.
+Implementations: the jnp reference (mla_reference.py), or (`attn_impl="pallas"`, chosen
+explicitly) the Pallas decode kernel (mla_decode.py) for single-token rows with the reference for
+prompt chunks.
 
 Absorbed (every step by default): W_uk [R, H, Dn] is folded into the query before attention and
 W_uv [R, H, Dv] applied after it, so attention runs over the cached latents and rotary keys only.
