@@ -33,6 +33,7 @@ from infire_jax.loaders.checkpoint import load_placed
 from infire_jax.loaders.compressed import load_resident_placed
 from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.registry import abstract_state
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
@@ -45,6 +46,7 @@ from infire_jax.speculative.setup import build_speculation, extra_page_bytes, pa
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 from infire_jax.xla_flags import allocator_fraction
 from pallas_kernels.attention import choose_impl, resolve_impl
+from pallas_kernels.mla import choose_mla_impl
 from sharding.mesh import load_mesh_config
 from sharding.plan import ShardPlan
 
@@ -203,6 +205,9 @@ class Engine:
 
     def _attention(self, cfg: ModelConfig) -> str:
         try:
+            if cfg.mla is not None:
+                return choose_mla_impl(self.config.attn_impl, kv_lora_rank=cfg.mla.kv_lora_rank,
+                                       rope_dim=cfg.mla.qk_rope_head_dim, dtype=self.dtype)
             return choose_impl(self.config.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
                                num_kv_heads=cfg.num_kv_heads, dtype=self.dtype)
         except ValueError as e:
@@ -223,7 +228,8 @@ class Engine:
         cfg = plan.effective_config(self.model_config) if plan else self.model_config
         per_page = kv_bytes_per_page(cfg, self.config.page_size, self.dtype)
         if plan:
-            per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if plan.axis("kv_heads") else 1)
+            split = plan.axis("kv_heads") and kv_entry(cfg).split_heads  # an MLA latent is replicated over tp
+            per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if split else 1)
         return per_page + extra_page_bytes(self.spec_config, self.eagle_head, self.config.page_size, self.dtype)
 
     def _min_pages(self) -> int:
@@ -474,8 +480,10 @@ class Engine:
     @property
     def kv_layout(self) -> KVLayout:
         c, rc = self.runner.cfg, self.runner.rc
+        entry = kv_entry(c)
         return KVLayout.of(self.model_config.to_dict(), jnp.dtype(self.dtype).name, rc.page_size,
-                           (c.num_layers, rc.page_size, c.num_kv_heads, c.head_dim))
+                           entry.k_page_shape(c.num_layers, rc.page_size),
+                           entry.v_page_shape(c.num_layers, rc.page_size))
 
     def _check_single_process(self) -> None:
         if multihost.is_multiprocess():

@@ -29,18 +29,19 @@ from infire_jax.batch import (TOKEN_OUTPUT, TOKEN_PROMPT, DraftInputs, StepBatch
                               grammar_bitmask)
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.kv_entry import kv_entry
 from infire_jax.sampler import BRANCHING, SamplerOutput, SamplingInputs, choose_variant, sample
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
 from pallas_kernels.metadata import NULL_PAGE
-from sharding.plan import KV_POOL_AXES, ShardPlan
+from sharding.plan import ShardPlan
 
 
 class DeviceCache(NamedTuple):
     """State that lives on the device across steps; donated to every step."""
 
-    k_pages: Float[Array, "L N ps Hkv D"]
-    v_pages: Float[Array, "L N ps Hkv D"]
+    k_pages: Float[Array, "L N ps Hkv Dk"]  # shapes: models/kv_entry.py (MLA: the latent)
+    v_pages: Float[Array, "L N ps Hkv Dv"]  # (MLA: the rotary key)
     counts: Int[Array, "R V"]  # output-token counts per request slot (penalties)
     prompt_mask: Bool[Array, "R V"]  # prompt tokens per request slot (repetition penalty)
     last_tokens: Int[Array, "R"]  # last sampled token per slot (asynchronous scheduling)
@@ -73,7 +74,7 @@ class RunnerConfig:
 
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return kv_entry(cfg).bytes_per_page(cfg.num_layers, page_size, jnp.dtype(dtype))
 
 
 def matmul_precision(dtype) -> str:
@@ -257,12 +258,13 @@ class ModelRunner:
     def _allocate_cache(self) -> DeviceCache:
         """The pool is split like the kv heads and layers; the per-slot history is replicated."""
         c, rc, plan = self.cfg, self.rc, self.plan
-        pages_shape = (c.num_layers, rc.num_pages, rc.page_size, c.num_kv_heads, c.head_dim)
-        pool = plan.sharding(KV_POOL_AXES) if plan else None
+        entry = kv_entry(c)
+        pool = plan.sharding(entry.pool_axes) if plan else None
         replicated = plan.replicated if plan else None
 
         shapes = DeviceCache(
-            k_pages=(pages_shape, self.dtype), v_pages=(pages_shape, self.dtype),
+            k_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), self.dtype),
+            v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), self.dtype),
             counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=((rc.num_slots,), jnp.int32))
         shardings = DeviceCache(pool, pool, replicated, replicated, replicated)
@@ -395,19 +397,21 @@ class ModelRunner:
         return fwd, out
 
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The KV of `pages`, [L, len(pages), page_size, Hkv, D] each, on the host (in chunks of
-        TRANSFER_PAGES: one compiled shape)."""
+        """The KV of `pages`, [L, len(pages), page_size, heads, dim] each (models/kv_entry.py), on the
+        host (in chunks of TRANSFER_PAGES: one compiled shape)."""
         chunks = [pages[i:i + TRANSFER_PAGES] for i in range(0, len(pages), TRANSFER_PAGES)]
         host = jax.device_get([self._read_pages(self.cache.k_pages, self.cache.v_pages, _padded_pages(c))
                                for c in chunks])
-        empty = np.zeros((self.cfg.num_layers, 0, self.rc.page_size, self.cfg.num_kv_heads, self.cfg.head_dim),
-                         jnp.dtype(self.dtype))  # so that no pages still concatenates
-        k = np.concatenate([empty] + [k[:, :len(c)] for (k, _), c in zip(host, chunks)], axis=1)
-        v = np.concatenate([empty] + [v[:, :len(c)] for (_, v), c in zip(host, chunks)], axis=1)
+
+        def empty(pool):  # so that no pages still concatenates
+            return np.zeros((pool.shape[0], 0, *pool.shape[2:]), jnp.dtype(self.dtype))
+
+        k = np.concatenate([empty(self.cache.k_pages)] + [k[:, :len(c)] for (k, _), c in zip(host, chunks)], axis=1)
+        v = np.concatenate([empty(self.cache.v_pages)] + [v[:, :len(c)] for (_, v), c in zip(host, chunks)], axis=1)
         return k, v
 
     def write_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
-        """Writes host KV [L, len(pages), page_size, Hkv, D] into `pages` (padding lands on the null page)."""
+        """Writes host KV [L, len(pages), page_size, heads, dim] into `pages` (padding lands on the null page)."""
         for i in range(0, len(pages), TRANSFER_PAGES):
             chunk = pages[i:i + TRANSFER_PAGES]
             pad = [(0, 0), (0, TRANSFER_PAGES - len(chunk))] + [(0, 0)] * 3

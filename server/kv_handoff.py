@@ -131,7 +131,8 @@ class KVHandoff:
             "num_bytes": region.nbytes, "num_tokens": len(blocks.token_ids),
             "tokens_digest": tokens_digest(blocks.token_ids), "expires_in_s": self.hold_seconds,
             "layout": {"model": layout.model, "dtype": layout.dtype, "page_size": layout.page_size,
-                       "page_shape": list(layout.page_shape)},
+                       "page_shape": list(layout.page_shape),
+                       "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None},
             "first_token_id": first_token, "first_token_logprob": first_logprob,
         }
 
@@ -180,7 +181,8 @@ class KVHandoff:
             raise _bad(f"'{_PARAM}.layout' is missing; pass the kv_transfer_params a prefill worker returned")
         mine = self.layout
         theirs = {"model": layout.get("model"), "dtype": layout.get("dtype"), "page_size": layout.get("page_size"),
-                  "page_shape": tuple(layout.get("page_shape") or ())}
+                  "page_shape": tuple(layout.get("page_shape") or ()),
+                  "v_page_shape": tuple(layout["v_page_shape"]) if layout.get("v_page_shape") else None}
         for name, value in theirs.items():
             if getattr(mine, name) != value:
                 raise _bad(f"the transferred KV does not fit this worker: {name} is {value!r} on the prefill "
@@ -194,8 +196,9 @@ class KVHandoff:
         source = Reservation(field("remote_engine_id", str), field("remote_address", int), 0,
                              field("num_bytes", int))
         layers, _, heads, dim = mine.page_shape
+        _, _, v_heads, v_dim = mine.v_page_shape or mine.page_shape
         itemsize = 2 if mine.dtype == "bfloat16" else np.dtype(mine.dtype).itemsize
-        if source.nbytes != 2 * layers * heads * dim * itemsize * num_tokens:
+        if source.nbytes != layers * (heads * dim + v_heads * v_dim) * itemsize * num_tokens:
             raise _bad(f"'{_PARAM}.num_bytes' ({source.nbytes}) does not match {num_tokens} tokens of this layout")
         return source, field("remote_url", str), field("transfer_id", str), num_tokens
 

@@ -100,6 +100,11 @@ class ShardPlan:
             bad(f"ep={ep} needs a mixture-of-experts model")
         if mc.rule("experts") and cfg.num_experts % ep:
             bad(f"{cfg.num_experts} experts are not divisible by ep={ep}")
+        if getattr(cfg, "deepseek_moe", None) is not None:  # DeepSeek-V3 family: also dense layers' MLPs
+            if pp > 1:
+                bad("pipeline parallelism is not supported for the DeepSeek-V3 family")
+            if mc.rule("mlp") and cfg.intermediate_size % tp:
+                bad(f"dense MLP width {cfg.intermediate_size} is not divisible by tp={tp}")
         if cfg.num_layers < pp:
             bad(f"{cfg.num_layers} layers cannot fill {pp} pipeline stages")
         stages = plan_stages(cfg.num_layers, pp)

@@ -18,12 +18,16 @@ class KVLayout:
     model: str  # a digest of the model config
     dtype: str
     page_size: int
-    page_shape: tuple[int, ...]  # [layers, page_size, kv_heads, head_dim] of one page, k or v
+    page_shape: tuple[int, ...]  # [layers, page_size, kv_heads, head_dim] of one page of k (and of v)
+    # One page of v where it differs from k's (an MLA pool: latent in k, rotary key in v); None: as k.
+    v_page_shape: tuple[int, ...] | None = None
 
     @classmethod
-    def of(cls, config_dict: dict, dtype: str, page_size: int, page_shape: tuple[int, ...]) -> "KVLayout":
+    def of(cls, config_dict: dict, dtype: str, page_size: int, page_shape: tuple[int, ...],
+           v_page_shape: tuple[int, ...] | None = None) -> "KVLayout":
         digest = hashlib.sha256(json.dumps(config_dict, sort_keys=True).encode()).hexdigest()[:16]
-        return cls(digest, dtype, page_size, tuple(page_shape))
+        v = None if v_page_shape is None or tuple(v_page_shape) == tuple(page_shape) else tuple(v_page_shape)
+        return cls(digest, dtype, page_size, tuple(page_shape), v)
 
     def check_compatible(self, other: "KVLayout") -> None:
         for field in dataclasses.fields(self):
@@ -58,10 +62,13 @@ class KVBlocks:
 
     def check(self) -> None:
         """The payload is self-consistent: shapes match the layout and the token count."""
-        want = (self.layout.page_shape[0], self.num_blocks, *self.layout.page_shape[1:])
-        if self.k.shape != want or self.v.shape != want:
-            raise InvalidRequestError(f"KV blocks of shape {self.k.shape} / {self.v.shape}, expected {want}",
-                                      param="kv_transfer")
+        k_page = self.layout.page_shape
+        v_page = self.layout.v_page_shape or k_page
+        want = (k_page[0], self.num_blocks, *k_page[1:])
+        want_v = (v_page[0], self.num_blocks, *v_page[1:])
+        if self.k.shape != want or self.v.shape != want_v:
+            raise InvalidRequestError(f"KV blocks of shape {self.k.shape} / {self.v.shape}, expected {want} / "
+                                      f"{want_v}", param="kv_transfer")
         if len(self.token_ids) != self.num_blocks * self.layout.page_size:
             raise InvalidRequestError(f"{len(self.token_ids)} tokens for {self.num_blocks} blocks of "
                                       f"{self.layout.page_size}", param="kv_transfer")

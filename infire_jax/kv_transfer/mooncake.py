@@ -123,13 +123,16 @@ class MooncakeTransport:
         """The blocks fetched into `r`, as views of the staging buffer (import them, then release)."""
         num_blocks = len(token_ids) // layout.page_size
         dtype = np.dtype(layout.dtype) if layout.dtype != "bfloat16" else _bfloat16()
-        shape = (layout.page_shape[0], num_blocks, *layout.page_shape[1:])
+        k_page, v_page = layout.page_shape, layout.v_page_shape or layout.page_shape
+        shape = (k_page[0], num_blocks, *k_page[1:])
+        v_shape = (v_page[0], num_blocks, *v_page[1:])
         half = int(np.prod(shape)) * dtype.itemsize
-        if 2 * half != r.nbytes:
-            raise InvalidRequestError(f"{r.nbytes} bytes reserved for {2 * half} bytes of blocks", param="kv_transfer")
+        total = half + int(np.prod(v_shape)) * dtype.itemsize
+        if total != r.nbytes:
+            raise InvalidRequestError(f"{r.nbytes} bytes reserved for {total} bytes of blocks", param="kv_transfer")
         region = self.buffer[r.offset:r.offset + r.nbytes]
         k = region[:half].view(dtype).reshape(shape)
-        v = region[half:].view(dtype).reshape(shape)
+        v = region[half:].view(dtype).reshape(v_shape)
         return KVBlocks(layout, token_ids, tenant, k, v)
 
 

@@ -262,22 +262,23 @@ def _leaf(tree: dict, path: tuple) -> Any:
     return tree
 
 
-def _read_orbax(t: _Target, dtype) -> list:
-    """Each array straight onto its NamedSharding; with no plan, into host memory (placed below)."""
+def _read_orbax(t: _Target) -> list:
+    """Each array straight onto its NamedSharding; with no plan, into host memory (placed below).
+    Each in the dtype the model declares for it (the serving dtype, or float32 where a model keeps it)."""
     import orbax.checkpoint as ocp
 
-    target = _tree({p: jax.ShapeDtypeStruct(var.shape, dtype, sharding=t.shardings[p]) for p, var in t.flat})
+    target = _tree({p: jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=t.shardings[p]) for p, var in t.flat})
     restored = _checkpointer().restore(os.path.join(t.path, _WEIGHTS), args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
     return [_leaf(restored, p) for p, _ in t.flat]
 
 
-def _read_safetensors(t: _Target, dtype) -> list:
+def _read_safetensors(t: _Target) -> list:
     from safetensors.numpy import load_file
 
     host = load_file(os.path.join(t.path, _WEIGHTS, _SAFETENSORS))
     arrays = [host.pop(_dotted(p)) for p, _ in t.flat]
-    if host or any(a.dtype != dtype or a.shape != tuple(var.shape) for a, (_, var) in zip(arrays, t.flat)):
+    if host or any(a.dtype != var.dtype or a.shape != tuple(var.shape) for a, (_, var) in zip(arrays, t.flat)):
         raise UnsupportedModelError(f"{_SAFETENSORS} holds other weights than the manifest describes")
     return arrays
 
@@ -309,7 +310,7 @@ def _restore(t: _Target, manifest: dict) -> tuple[str | None, Placed | None]:
     memory and put on the default device as `build_state` does, uncommitted, so the engine's
     compiled steps see the same arrays whichever way the weights came."""
     try:
-        arrays = _READERS[manifest["format"]](t, jnp.dtype(manifest["dtype"]))
+        arrays = _READERS[manifest["format"]](t)
         tokenizer = Tokenizer.from_dir(t.path)
         problem = None
     except Exception as e:  # whatever a damaged file raises, the answer is a rebuild

@@ -42,6 +42,32 @@ CONFIGS: dict[str, dict] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
         max_position_embeddings=32768, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
         bos_token_id=1, eos_token_id=2),
+    # The DeepSeek-V3 family (models/deepseek.py): MLA, 1 shared + 256 / 384 routed experts, grouped routing.
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
+        num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True,
+        scoring_func="sigmoid", hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_theta=10000, rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                        "type": "yarn"},
+        attention_bias=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1),
+    # Kimi K2.5: its text model is Kimi K2 (DeepSeek-V3 with 384 experts, 64 heads, no group limit).
+    "kimi-k2.5": dict(
+        model_type="kimi_k25", tie_word_embeddings=False, bos_token_id=163584, eos_token_id=163585,
+        text_config=dict(
+            model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+            moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+            n_shared_experts=1, n_routed_experts=384, routed_scaling_factor=2.827, kv_lora_rank=512,
+            q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc",
+            n_group=1, topk_group=1, num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=1,
+            norm_topk_prob=True, scoring_func="sigmoid", hidden_act="silu", max_position_embeddings=262144,
+            rms_norm_eps=1e-6, rope_theta=50000.0,
+            rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 4096, "type": "yarn"},
+            attention_bias=False, tie_word_embeddings=False, bos_token_id=163584, eos_token_id=163585)),
 }
 
 _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

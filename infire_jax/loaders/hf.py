@@ -13,6 +13,7 @@ import numpy as np
 from safetensors import safe_open
 
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
+from infire_jax.loaders.deepseek_hf import deepseek_weights, rope_interleaved
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig, config_from_hf
 from infire_jax.tokenizer import Tokenizer
@@ -74,6 +75,11 @@ def load_hf_dir(path: str) -> LoadedModel:
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ModelNotFoundError(f"{path} has no tokenizer.json")
 
+    if cfg.mla is not None:  # the DeepSeek-V3 family
+        tensors = (item for file in files for item in _read_safetensors(file))
+        weights = deepseek_weights(tensors, cfg, rope_interleaved(path))
+        return LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path),
+                           name=os.path.basename(os.path.normpath(path)), weights=weights)
     n, x = cfg.num_layers, cfg.num_experts
     per_layer: dict[str, list] = {}
     experts: dict[str, list[list]] = {}

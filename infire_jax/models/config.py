@@ -19,18 +19,48 @@ _ARCHITECTURES = {
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
     "qwen3moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3",
 }
+# HF model types of the DeepSeek-V3 family (Kimi K2 is DeepSeek-V3; Kimi K2.5 wraps it in `text_config`).
+_DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `kind` is "linear" or "llama3"."""
+    """RoPE frequency scaling. `kind` is "linear", "llama3" or "yarn" (DeepSeek-V3 family only)."""
 
     kind: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (models/yarn.py)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention sizes (DeepSeek-V3 family)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekMoEConfig:
+    """DeepSeek-V3 MoE: grouped sigmoid router with score-correction bias, shared experts, dense first layers."""
+
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    num_shared_experts: int
+    first_k_dense_replace: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +89,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # DeepSeek-V3 family (architecture "deepseek_v3"; models/deepseek_config.py parses and checks them).
+    mla: MLAConfig | None = None
+    deepseek_moe: DeepseekMoEConfig | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -85,10 +118,18 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         if d.get("rope_freq_factors") is not None:
             d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
+        if d.get("mla") is not None:
+            d["mla"] = MLAConfig(**d["mla"])
+        if d.get("deepseek_moe") is not None:
+            d["deepseek_moe"] = DeepseekMoEConfig(**d["deepseek_moe"])
         return cls(**d)
 
     def param_count(self) -> int:
         """Number of weights, counted from the shapes (embedding and head counted once if tied)."""
+        if self.mla is not None:
+            from infire_jax.models.deepseek_config import deepseek_param_count
+
+            return deepseek_param_count(self)
         e, hd = self.hidden_size, self.head_dim
         attn = e * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
@@ -132,6 +173,10 @@ def _eos_ids(raw: Any) -> tuple[int, ...]:
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Builds a ModelConfig from a HF `config.json` dict (transformers 4.x and 5.x layouts)."""
     model_type = hf.get("model_type")
+    if model_type in _DEEPSEEK_TYPES:
+        from infire_jax.models.deepseek_config import config_from_deepseek_hf
+
+        return config_from_deepseek_hf(hf)
     arch = _ARCHITECTURES.get(model_type or "")
     if arch is None:
         raise UnsupportedModelError(

@@ -197,7 +197,12 @@ def moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig, i
     elsewhere go to a trailing group that is never computed, and the result is this device's
     partial sum, which the caller reduces over the axis.
     """
-    routing = route_for(cfg, router_logits(lp, x))
+    return routed_mlp(lp, x, route_for(cfg, router_logits(lp, x)), impl=impl, expert_axis=expert_axis)
+
+
+def routed_mlp(lp: dict[str, Array], x: Float[Array, "T E"], routing: Routing, *, impl: str | None = None,
+               expert_axis: str | None = None) -> Float[Array, "T E"]:
+    """Each token through its routed experts, combined with the routing weights (see `moe_mlp`)."""
     num_local = lp["w_gate_up"].shape[0]
     experts = routing.experts
     if expert_axis is not None:

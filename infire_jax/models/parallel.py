@@ -60,6 +60,7 @@ def run_sharded(
     meta: AttentionMetadata,
     cos: Array,
     sin: Array,
+    kv_axes: tuple[str | None, ...] = KV_POOL_AXES,  # the pool's logical axes (models/kv_entry.py)
 ) -> tuple[Float[Array, "T E"], tuple[Array, Array]]:
     red = Reductions.for_plan(plan)
     stages = plan.num_stages
@@ -79,7 +80,7 @@ def run_sharded(
         h, (k_pages, v_pages) = pipeline_apply(stage, h, (k_pages, v_pages), num_stages=stages)
         return h, k_pages, v_pages
 
-    kv_spec = plan.spec(KV_POOL_AXES)
+    kv_spec = plan.spec(kv_axes)
     w_specs = jax.tree.map(plan.spec, dict(weight_axes), is_leaf=lambda x: isinstance(x, tuple))
     fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), w_specs, kv_spec, kv_spec, P(), P(), P()),
                        out_specs=(P(), kv_spec, kv_spec), check_vma=False)

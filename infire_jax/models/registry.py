@@ -12,11 +12,13 @@ from flax import nnx
 from infire_jax.compression.resident import ResidentLayout, compress_resident
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.deepseek import DeepseekV3
 from infire_jax.models.llama import Llama
 from sharding.plan import ShardPlan
 
-# Every supported family is a Llama-architecture decoder with flags (bias, qk-norm, MoE).
-MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llama, "qwen3_moe": Llama}
+# The Llama-architecture families differ by flags (bias, qk-norm, MoE); the DeepSeek-V3 family has its own module.
+MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llama, "qwen3_moe": Llama,
+                 "deepseek_v3": DeepseekV3}  # MLA + DeepSeek MoE (models/deepseek.py)
 
 
 def abstract_model(cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None) -> nnx.Module:
@@ -71,7 +73,7 @@ def abstract_state(cfg: ModelConfig, dtype, plan: ShardPlan | None) -> tuple[nnx
     steps while the weights are still being read."""
     graphdef, flat, shardings = abstract_placement(cfg, dtype, plan)
     return graphdef, nnx.from_flat_state([
-        (p, var.replace(jax.ShapeDtypeStruct(var.shape, dtype, sharding=shardings[p]))) for p, var in flat])
+        (p, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[p]))) for p, var in flat])
 
 
 def drawn_weights(cfg: ModelConfig, dtype, *, plan: ShardPlan | None = None, seed: int = 0) -> dict[str, np.ndarray]:

@@ -33,6 +33,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.loaders.checkpoint import load_placed
 from infire_jax.loaders.load import load_config
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.kv_entry import kv_entry
 from infire_jax.request import Request
 from infire_jax.runner import RunnerConfig, StepForward, kv_bytes_per_page, matmul_precision
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
@@ -87,8 +88,9 @@ class DraftModel:
         placed = load_placed(spec, dtype, None)
         self.cfg, self.rc, self.k, self.max_rows = cfg, rc, k, max_rows
         self.state = placed.state
-        shape = (cfg.num_layers, rc.num_pages, rc.page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        entry = kv_entry(cfg)  # the draft's own layout (an MLA draft stores latents)
+        pages = (cfg.num_layers, rc.num_pages, rc.page_size, entry.heads)
+        self.kv = (jnp.zeros((*pages, entry.k_dim), dtype), jnp.zeros((*pages, entry.v_dim), dtype))
         precision = matmul_precision(dtype)
         self._observe = jax.jit(functools.partial(_observe, placed.graphdef, rc.attn_impl, precision),
                                 donate_argnums=(1,))

@@ -1,0 +1,178 @@
+"""DeepSeek-V3-architecture decoder (DeepSeek-V3, Kimi K2, Kimi K2.5's text model): MLA + DeepSeek MoE.
+
+Attention is Multi-head Latent Attention. Per token, the model computes q through its low-rank
+path (x W_qa, RMSNorm, W_qb) and one compressed latent c = RMSNorm(x W_kva[:R]) plus one rotary
+key k_pe = rope(x W_kva[R:]) shared by all heads. The paged pool stores only c and k_pe
+(models/kv_entry.py). Attention runs in the absorbed form: W_uk is folded into the query
+(q_lat = q_nope W_uk^T), scores are q_lat . c + q_pe . k_pe, and W_uv is applied to the
+attention-weighted latent, so no per-head key or value is ever built from the cache.
+
+The first `first_k_dense_replace` layers have a dense MLP, the rest the DeepSeek MoE MLP, so the
+layers are two stacks (`dense_layers`, `moe_layers`), each scanned like llama.py's; the pool's
+layer index runs across both. On a mesh (models/parallel.py) heads and MLP widths split over tp
+(the latent path is replicated, each device writes the same latent into its copy of the pool),
+experts over ep. Pipeline parallelism is refused for this family (sharding/plan.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from infire_jax.errors import ConfigError
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.deepseek_moe import deepseek_moe_mlp
+from infire_jax.models.kv_entry import kv_entry
+from infire_jax.models.layers import apply_rope, param, rms_norm, rope_tables
+from infire_jax.models.llama import dense_mlp
+from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.mla import mla_attention, step_form
+from sharding.plan import ShardPlan
+
+KVPages = tuple[Array, Array]  # (latent pages [L, N, ps, 1, R], rotary-key pages [L, N, ps, 1, Dr])
+
+
+class MLALayers(nnx.Module):
+    """`n` stacked decoder layers of one kind: MLA attention and a dense or a DeepSeek MoE MLP.
+
+    The kv_b projection is held as its two halves, W_uk [R, H, Dn] and W_uv [R, H, Dv], the
+    operands of the absorbed form. The router's bias is kept in float32, as HF keeps it.
+    """
+
+    def __init__(self, cfg: ModelConfig, n: int, moe: bool, dtype):
+        m, e, h = cfg.mla, cfg.hidden_size, cfg.num_heads
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        self.wq_a = param((n, e, m.q_lora_rank), ("layers", "embed", "latent"), dtype)
+        self.q_a_norm = param((n, m.q_lora_rank), ("layers", "norm"), dtype, init="ones")
+        self.wq_b = param((n, m.q_lora_rank, h, qk), ("layers", "latent", "q_heads", "head_dim"), dtype)
+        self.wkv_a = param((n, e, m.kv_lora_rank + m.qk_rope_head_dim), ("layers", "embed", "latent"), dtype)
+        self.kv_a_norm = param((n, m.kv_lora_rank), ("layers", "norm"), dtype, init="ones")
+        head_axes = ("layers", "latent", "q_heads", "head_dim")
+        self.w_uk = param((n, m.kv_lora_rank, h, m.qk_nope_head_dim), head_axes, dtype)
+        self.w_uv = param((n, m.kv_lora_rank, h, m.v_head_dim), head_axes, dtype)
+        self.wo = param((n, h, m.v_head_dim, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        if not moe:
+            f = cfg.intermediate_size
+            self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
+            self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
+            return
+        x, f = cfg.num_experts, cfg.moe_intermediate_size
+        self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
+        self.router_bias = param((n, x), ("layers", "router"), jnp.float32, init="zeros")
+        self.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
+        self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
+        fs = f * cfg.deepseek_moe.num_shared_experts
+        if fs:
+            self.w_shared_gate_up = param((n, e, 2, fs), ("layers", "embed", "gate_up", "mlp"), dtype)
+            self.w_shared_down = param((n, fs, e), ("layers", "mlp", "embed"), dtype)
+
+    def arrays(self) -> dict[str, Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+    def axes(self) -> dict[str, tuple[str, ...]]:
+        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def mla_project(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], cos: Array, sin: Array
+                ) -> tuple[Array, Array, Array, Array]:
+    """(q_nope [T, H, Dn], roped q_pe [T, H, Dr], latent c [T, R], roped k_pe [T, Dr]) as HF's DeepseekV3Attention."""
+    m = cfg.mla
+    qa = rms_norm(jnp.einsum("te,er->tr", x, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("tr,rhd->thd", qa, lp["wq_b"])
+    kv = jnp.einsum("te,ec->tc", x, lp["wkv_a"])
+    latent = rms_norm(kv[:, :m.kv_lora_rank], lp["kv_a_norm"], cfg.rms_norm_eps)
+    k_pe = apply_rope(kv[:, None, m.kv_lora_rank:], cos, sin)[:, 0]
+    return q[..., :m.qk_nope_head_dim], apply_rope(q[..., m.qk_nope_head_dim:], cos, sin), latent, k_pe
+
+
+def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
+                  red: Reductions):
+    """The scan body of one stack: (h, latent pages, rope pages), (layer weights, pool layer index) -> carry."""
+    scale = softmax_scale(cfg, cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim)
+    tp = tuple(a for a in red.mlp if a != red.expert_axis)  # dense and shared MLPs are replicated over ep
+
+    def layer(carry, xs):
+        h, latent_pages, rope_pages = carry
+        lp, idx = xs
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q_nope, q_pe, latent, k_pe = mla_project(cfg, lp, x, cos, sin)
+        o, latent_pages, rope_pages = mla_attention(q_nope, q_pe, latent, k_pe, lp["w_uk"], lp["w_uv"], latent_pages,
+                                                    rope_pages, idx, meta, scale=scale, impl=attn_impl,
+                                                    form=step_form(h.shape[0]))
+        h = h + psum(jnp.einsum("thv,hve->te", o, lp["wo"]), red.attn)
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        if moe:
+            routed, shared = deepseek_moe_mlp(lp, x, cfg=cfg, expert_axis=red.expert_axis)
+            h = h + psum(routed, red.mlp) + (0 if shared is None else psum(shared, tp))
+        else:
+            h = h + psum(dense_mlp(lp, x), tp)
+        return (h, latent_pages, rope_pages), None
+
+    return layer
+
+
+def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
+                  h: Float[Array, "T E"], latent_pages: Array, rope_pages: Array, meta: AttentionMetadata, cos: Array,
+                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+    """Scans the dense stack, then the MoE stack; the pool is a loop carry, indexed across both."""
+    carry, start = (h, latent_pages, rope_pages), 0
+    for kind in ("dense", "moe"):
+        if kind not in weights:
+            continue
+        n = jax.tree.leaves(weights[kind])[0].shape[0]
+        layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red)
+        carry, _ = jax.lax.scan(layer, carry, (weights[kind], start + jnp.arange(n, dtype=jnp.int32)))
+        start += n
+    return carry
+
+
+class DeepseekV3(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident=None):
+        if resident:
+            raise ConfigError("weights_compression is not supported for the DeepSeek-V3 family")
+        self.cfg = cfg
+        dense = cfg.deepseek_moe.first_k_dense_replace
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        if dense:
+            self.dense_layers = MLALayers(cfg, dense, False, dtype)
+        if cfg.num_layers > dense:
+            self.moe_layers = MLALayers(cfg, cfg.num_layers - dense, True, dtype)
+        self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+
+    def _stacks(self) -> dict[str, MLALayers]:
+        return {kind: getattr(self, f"{kind}_layers") for kind in ("dense", "moe") if hasattr(self, f"{kind}_layers")}
+
+    def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
+                   plan: ShardPlan | None = None) -> tuple[Float[Array, "T E"], KVPages]:
+        cfg = self.cfg
+        cos, sin = rope_tables(inv_freq(cfg, cfg.mla.qk_rope_head_dim), meta.positions)
+        factor = cos_sin_factor(cfg.rope_scaling)
+        cos, sin = cos * factor, sin * factor
+        weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
+        stack = functools.partial(decoder_stack, cfg, attn_impl)
+        if plan is None:
+            h, latent_pages, rope_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
+            return h, (latent_pages, rope_pages)
+        axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
+        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, kv_axes=kv_entry(cfg).pool_axes)
+
+    def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S V"]:
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jax.lax.dot_general(h, head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
+                 *, attn_impl: str, plan: ShardPlan | None = None) -> tuple[Float[Array, "S V"], KVPages]:
+        """Logits of each row's `logits_indices` token and the updated pool."""
+        h, kv = self.run_layers(self.embed[...][tokens], kv, meta, attn_impl=attn_impl, plan=plan)
+        return self.logits(h[logits_indices]), kv

@@ -1,0 +1,160 @@
+"""Pure-`jnp` Multi-head Latent Attention over latent pages, in the absorbed form.
+
+The pool holds, per token and layer, the compressed latent c [R] (`latent_pages`) and the rotary
+key k_pe [Dr] (`rope_pages`), shared by every head. With W_uk folded into the query
+(q_lat = q_nope W_uk^T, [H, R]) a head's score is q_lat . c + q_pe . k_pe, and its output is the
+softmax-weighted sum of the latents, [H, R]; the caller applies W_uv afterwards. So this is
+multi-query attention with one shared "head" whose key is (c, k_pe) and whose value is c, and
+it runs as `reference.ragged_paged_attention` does: part B attends the step's own tokens
+densely, part A reads the cached positions block by block (the loop runs to the longest cached
+prefix), and the two merge through an online softmax.
+
+`mla_paged_attention_expanded` attends the step's own tokens in the expanded form instead: per
+token pair it costs H (Dn + Dr + Dv) multiply-adds against H (2R + Dr) absorbed (320 against 1088
+for DeepSeek-V3), for an expansion of R H (Dn + Dv) per new token, so it pays off for long prompt
+chunks (pallas_kernels/mla.py chooses by the step's token count).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.reference import _dot_precision, _pages_per_block, query_block_size, query_blocks, write_kv
+
+
+def _part_b_mask(meta: AttentionMetadata, t: int) -> tuple[Array, Array]:
+    """(valid tokens [T], the step's causal same-sequence mask [T, T]); a padding row sees only itself."""
+    valid = jnp.arange(t) < meta.cu_q_lens[meta.num_seqs]
+    sid = jnp.clip(meta.seq_ids, 0, meta.kv_lens.shape[0] - 1)
+    pos = meta.positions
+    same = (sid[:, None] == sid[None, :]) & (pos[None, :] <= pos[:, None]) & valid[None, :]
+    return valid, jnp.where(valid[:, None], same, jnp.eye(t, dtype=bool))
+
+
+def _softmax_part(s: Float[Array, "T H U"], mask: Array) -> tuple[Array, Array, Array]:
+    s = jnp.where(mask[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    return m, jnp.sum(p, axis=-1), p
+
+
+def _attend_cached(ql: Float[Array, "T H R"], qr: Float[Array, "T H Dr"], state: tuple[Array, Array, Array],
+                   latent_pages: Array, rope_pages: Array, layer: Int[Array, ""], meta: AttentionMetadata,
+                   valid: Array, precision) -> tuple[Array, Array, Array]:
+    """Part A: folds the cached positions [0, ctx) into the running (max, sum, latent acc) of every
+    token, one block of pages per iteration, gathered once per query block. Padding tokens keep the
+    state they came in with."""
+    t, h, r = ql.shape
+    ps, dr = latent_pages.shape[2], rope_pages.shape[-1]
+    qb = query_blocks(meta, t, query_block_size(t, meta.kv_lens.shape[0]))
+    w, cq = qb.token.shape
+
+    def to_items(x):  # [T, H, ...] -> [W, C * H, ...]
+        if cq == 1:  # decode steps: W = T and item i is token i, so no gather
+            return x
+        return x[qb.token].reshape(w, cq * h, *x.shape[2:])
+
+    ql_i, qr_i = to_items(ql), to_items(qr)
+    ppb = _pages_per_block(meta.page_table.shape[1], ps, w * (r + dr) * 4)
+    block = ppb * ps
+    item_pages = meta.page_table[qb.row]
+    n_blocks = (jnp.max(qb.ctx) + block - 1) // block
+
+    def body(j, carry):
+        m, l_sum, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(item_pages, j * ppb, ppb, axis=1)
+        cb = latent_pages[layer, pages].reshape(w, block, r).astype(jnp.float32)
+        kb = rope_pages[layer, pages].reshape(w, block, dr).astype(jnp.float32)
+        s = (jnp.einsum("wmr,wbr->wmb", ql_i, cb, precision=precision)
+             + jnp.einsum("wmd,wbd->wmb", qr_i, kb, precision=precision))
+        in_ctx = (j * block + jnp.arange(block))[None, :] < qb.ctx[:, None]
+        s = jnp.where(in_ctx[:, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("wmb,wbr->wmr", p, cb, precision=precision)
+        return m_new, l_sum, acc
+
+    out = jax.lax.fori_loop(0, n_blocks, body, tuple(to_items(x) for x in state))
+    if cq == 1:
+        return out
+
+    def to_tokens(x, before):  # padding tokens keep their part-B state: finite, as the null page must stay
+        x = x.reshape(w, cq, h, *x.shape[2:])[qb.token_item, qb.token_slot]
+        return jnp.where(valid.reshape(t, *[1] * (x.ndim - 1)), x, before)
+
+    return tuple(to_tokens(x, before) for x, before in zip(out, state))
+
+
+def mla_paged_attention(
+    q_lat: Float[Array, "T H R"],
+    q_pe: Float[Array, "T H Dr"],
+    latent: Float[Array, "T R"],
+    k_pe: Float[Array, "T Dr"],
+    latent_pages: Float[Array, "L N ps 1 R"],
+    rope_pages: Float[Array, "L N ps 1 Dr"],
+    layer: Int[Array, ""],
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+) -> tuple[Float[Array, "T H R"], Array, Array]:
+    """Absorbed form: writes the step's latents and rotary keys into the pages; returns each head's
+    attention-weighted latent (before W_uv) and the updated pages."""
+    precision = _dot_precision(q_lat, latent, latent_pages)
+    latent_pages, rope_pages = write_kv(latent_pages, rope_pages, layer, latent[:, None], k_pe[:, None],
+                                        meta.slot_mapping)
+    valid, mask = _part_b_mask(meta, q_lat.shape[0])
+    ql = q_lat.astype(jnp.float32) * scale
+    qr = q_pe.astype(jnp.float32) * scale
+    c = latent.astype(jnp.float32)
+    s_b = (jnp.einsum("thr,ur->thu", ql, c, precision=precision)
+           + jnp.einsum("thd,ud->thu", qr, k_pe.astype(jnp.float32), precision=precision))
+    m, l_sum, p = _softmax_part(s_b, mask)
+    state = (m, l_sum, jnp.einsum("thu,ur->thr", p, c, precision=precision))
+    m, l_sum, acc = _attend_cached(ql, qr, state, latent_pages, rope_pages, layer, meta, valid, precision)
+    return (acc / l_sum[..., None]).astype(q_lat.dtype), latent_pages, rope_pages
+
+
+def mla_paged_attention_expanded(
+    q_nope: Float[Array, "T H Dn"],
+    q_pe: Float[Array, "T H Dr"],
+    latent: Float[Array, "T R"],
+    k_pe: Float[Array, "T Dr"],
+    w_uk: Float[Array, "R H Dn"],
+    w_uv: Float[Array, "R H Dv"],
+    latent_pages: Float[Array, "L N ps 1 R"],
+    rope_pages: Float[Array, "L N ps 1 Dr"],
+    layer: Int[Array, ""],
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+) -> tuple[Float[Array, "T H Dv"], Array, Array]:
+    """The step's own tokens in the expanded form (per-head keys c W_uk and values c W_uv, built once
+    for the T new tokens), the cached positions in the absorbed form; returns [T, H, Dv].
+
+    Both parts score q . k the same way, so their softmax statistics merge as usual: part A's
+    latent accumulator starts at zero under part B's (max, sum), and W_uv, being linear, maps it
+    to the value space after the loop."""
+    precision = _dot_precision(q_nope, latent, latent_pages)
+    latent_pages, rope_pages = write_kv(latent_pages, rope_pages, layer, latent[:, None], k_pe[:, None],
+                                        meta.slot_mapping)
+    valid, mask = _part_b_mask(meta, q_nope.shape[0])
+    qn = q_nope.astype(jnp.float32) * scale
+    qr = q_pe.astype(jnp.float32) * scale
+    c = latent.astype(jnp.float32)
+    w_uk, w_uv = w_uk.astype(jnp.float32), w_uv.astype(jnp.float32)
+    k_nope = jnp.einsum("ur,rhd->uhd", c, w_uk, precision=precision)
+    s_b = (jnp.einsum("thd,uhd->thu", qn, k_nope, precision=precision)
+           + jnp.einsum("thd,ud->thu", qr, k_pe.astype(jnp.float32), precision=precision))
+    m_b, l_b, p = _softmax_part(s_b, mask)
+    acc_b = jnp.einsum("thu,uhv->thv", p, jnp.einsum("ur,rhv->uhv", c, w_uv, precision=precision),
+                       precision=precision)
+    ql = jnp.einsum("thd,rhd->thr", qn, w_uk, precision=precision)
+    m, l_sum, acc_lat = _attend_cached(ql, qr, (m_b, l_b, jnp.zeros(ql.shape, jnp.float32)), latent_pages,
+                                       rope_pages, layer, meta, valid, precision)
+    acc = acc_b * jnp.exp(m_b - m)[..., None] + jnp.einsum("thr,rhv->thv", acc_lat, w_uv, precision=precision)
+    return (acc / l_sum[..., None]).astype(q_nope.dtype), latent_pages, rope_pages
