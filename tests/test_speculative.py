@@ -208,10 +208,10 @@ def _second_tokens(llm: LLM, n: int) -> np.ndarray:
 
 def test_sampled_output_keeps_the_distribution_on_the_real_model(smol_llm, spec_llm):
     """The second generated token (verified against n-gram proposals with speculation on) has the
-    same distribution with and without speculation: a chi-square test over 400 seeds each."""
+    same distribution with and without speculation: a chi-square test over 300 seeds each."""
     before = spec_llm.engine.spec.stats.num_drafts
-    want, got = _second_tokens(smol_llm, 400), _second_tokens(spec_llm, 400)
-    assert spec_llm.engine.spec.stats.num_drafts - before >= 100
+    want, got = _second_tokens(smol_llm, 300), _second_tokens(spec_llm, 300)
+    assert spec_llm.engine.spec.stats.num_drafts - before >= 75
     ids = np.union1d(want, got)
     table = np.array([[np.sum(want == t) for t in ids], [np.sum(got == t) for t in ids]])
     common = table.sum(axis=0) >= 10
@@ -236,12 +236,12 @@ def test_mixed_load_compiles_nothing_and_frees_everything(spec_llm):
     assert sorted(e.scheduler._free_slots) == list(range(e.config.max_num_seqs))
 
 
-def test_preempted_and_aborted_speculating_requests_free_everything():
-    llm = LLM(**{**SMALL_ENGINE, "num_kv_pages": 20, "max_model_len": 256}, speculative_config=SPEC)
+def test_preempted_and_aborted_speculating_requests_free_everything(smol_llm):
+    llm = LLM(**{**SMALL_ENGINE, "num_kv_pages": 16, "max_model_len": 160}, speculative_config=SPEC)
     e = llm.engine
-    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     prompts = [GROUNDED, "Please. " + GROUNDED, "Now. " + GROUNDED]  # no shared prefix pages
-    want = [LLM(engine=e).generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    want = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
     e.scheduler.growth_ratio = GROWTH_RATIO_MIN  # admit all three at once: they outgrow the pool later
     ids = [e.add_request(p, params)[0] for p in prompts]
     outputs = {i: [] for i in ids}
@@ -252,9 +252,9 @@ def test_preempted_and_aborted_speculating_requests_free_everything():
         steps += 1
         if steps == 12:
             e.abort(ids[0])
-    assert e.scheduler.num_preemptions > 0  # two sequences of 12 pages do not fit 19
+    assert e.scheduler.num_preemptions > 0  # two sequences of 9 pages do not fit 15
     assert e.spec.stats.num_accepted_tokens > 0
-    assert 0 < len(outputs[ids[0]]) < 120
+    assert 0 < len(outputs[ids[0]]) < 80
     for i, tokens in zip(ids[1:], want[1:]):  # recomputed after preemption, still the same tokens
         assert outputs[i] == tokens
     assert e.kv.num_free_pages == e.kv.num_usable_pages
