@@ -105,6 +105,21 @@ def test_roofline_dense_llama_8b():
     assert r.decode_step_bytes(cfg, 2, [1000, 500]) == (8_030_261_248 - 128254 * 4096) * 2 + 131_072 * 1500
 
 
+def test_roofline_deepseek_v3_mla_and_moe():
+    from infire_jax.bench import roofline as r
+
+    cfg = config_from_hf(CONFIGS["deepseek-v3"])
+    # Attention per layer: q 7168*1536 + 1536*128*192, latent kv 7168*576, up 512*128*256, o 128*128*7168.
+    attn = 11_010_048 + 37_748_736 + 4_128_768 + 16_777_216 + 117_440_512
+    # 58 MoE layers: 8 routed + 1 shared expert of 3*7168*2048, the router 7168*256; 3 dense layers of 3*7168*18432.
+    moe, dense = 9 * 44_040_192 + 1_835_008, 396_361_728
+    assert r.layer_matmul_params(cfg) == 61 * attn + 58 * moe + 3 * dense == 35_697_917_952  # "37B activated" less embeddings
+    # The pool holds the 512-wide latent and the 64-wide rope key: 576 values per token and layer.
+    assert r.kv_bytes(cfg, 2, 1000) == 61 * 576 * 2 * 1000
+    # Absorbed attention per key and head: q.latent (512) + q.rope (64), then p.latent (512).
+    assert r.forward_flops(cfg, 1, 999) - r.forward_flops(cfg, 1, 0) == 2 * 61 * 128 * (2 * 512 + 64) * 999
+
+
 def test_roofline_tied_and_moe():
     from infire_jax.bench import roofline as r
 

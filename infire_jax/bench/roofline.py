@@ -14,6 +14,7 @@ import time
 from typing import Callable, Sequence
 
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.kv_entry import kv_entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +104,33 @@ def measure_peaks(dtype) -> DevicePeaks:
 
 # ---- what the model needs per step ----------------------------------------------------------------
 
+def _attention_params(cfg: ModelConfig) -> int:
+    """One layer's attention projections: q/k/v/o, or MLA's low-rank q, latent kv and up-projections."""
+    e, h = cfg.hidden_size, cfg.num_heads
+    if cfg.mla is None:
+        return e * cfg.head_dim * (2 * h + 2 * cfg.num_kv_heads)
+    m = cfg.mla
+    return (e * m.q_lora_rank + m.q_lora_rank * h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+            + e * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+            + h * m.v_head_dim * e)
+
+
+def _moe_layers(cfg: ModelConfig) -> int:
+    """Layers with experts (DeepSeek-V3 keeps its first `first_k_dense_replace` dense)."""
+    if not cfg.is_moe:
+        return 0
+    return cfg.num_layers - (cfg.deepseek_moe.first_k_dense_replace if cfg.deepseek_moe else 0)
+
+
 def layer_matmul_params(cfg: ModelConfig) -> int:
     """Weights one token multiplies through in all decoder layers (the routed experts only, for MoE)."""
     e = cfg.hidden_size
-    attn = e * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    if cfg.is_moe:
-        mlp = cfg.num_experts_per_tok * 3 * e * cfg.moe_intermediate_size + e * cfg.num_experts
-    else:
-        mlp = 3 * e * cfg.intermediate_size
-    return cfg.num_layers * (attn + mlp)
+    moe = _moe_layers(cfg)
+    routed = 0
+    if moe:
+        shared = cfg.deepseek_moe.num_shared_experts if cfg.deepseek_moe else 0
+        routed = (cfg.num_experts_per_tok + shared) * 3 * e * cfg.moe_intermediate_size + e * cfg.num_experts
+    return cfg.num_layers * _attention_params(cfg) + moe * routed + (cfg.num_layers - moe) * 3 * e * cfg.intermediate_size
 
 
 def forward_flops(cfg: ModelConfig, new_tokens: int, cached_tokens: int, sampled_rows: int = 1) -> int:
@@ -123,7 +142,11 @@ def forward_flops(cfg: ModelConfig, new_tokens: int, cached_tokens: int, sampled
     """
     n, c = new_tokens, cached_tokens
     keys = n * c + n * (n + 1) // 2
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
+    if cfg.mla is None:
+        per_key = 2 * cfg.head_dim  # q.k and p.v over head_dim each
+    else:  # the absorbed form: q.latent + q.rope key, then p.latent
+        per_key = 2 * cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    attention = 2 * cfg.num_layers * cfg.num_heads * per_key * keys
     head = 2 * cfg.hidden_size * cfg.vocab_size * sampled_rows
     return 2 * layer_matmul_params(cfg) * n + head + attention
 
@@ -145,13 +168,14 @@ def decode_weight_bytes(cfg: ModelConfig, itemsize: int, batch: int) -> float:
         params -= (cfg.vocab_size - batch) * e
     if cfg.is_moe:
         idle = cfg.num_experts - expected_experts_touched(cfg.num_experts, cfg.num_experts_per_tok, batch)
-        params -= cfg.num_layers * idle * 3 * e * cfg.moe_intermediate_size
+        params -= _moe_layers(cfg) * idle * 3 * e * cfg.moe_intermediate_size
     return params * itemsize
 
 
 def kv_bytes(cfg: ModelConfig, itemsize: int, tokens: int) -> int:
-    """Bytes of the K and V of `tokens` cached positions, over all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * tokens
+    """Bytes of the KV pool entries of `tokens` cached positions, over all layers (MLA: latent + rope key)."""
+    entry = kv_entry(cfg)
+    return cfg.num_layers * entry.heads * (entry.k_dim + entry.v_dim) * itemsize * tokens
 
 
 def decode_step_bytes(cfg: ModelConfig, itemsize: int, contexts: Sequence[int]) -> float:
