@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--weights-compression", default=None, metavar="palette[:KINDS]",
                    help="keep weights losslessly palette-compressed on the device, decoded per layer (needs "
                         "--dtype bfloat16); KINDS: mlp (default), attn, e.g. palette:mlp,attn")
+    p.add_argument("--weights-quantization", default=None, choices=["gguf"],
+                   help="gguf: keep a GGUF model's Q4_1/Q8_0 layer weights quantized on the device, "
+                        "dequantized per layer inside the layer scan (embedding and head stay dense)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -51,7 +54,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed,
-                        weights_compression=args.weights_compression, speculative_config=args.speculative_config,
+                        weights_compression=args.weights_compression,
+                        weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
                         grammar_compile_timeout=args.grammar_compile_timeout)
 
 

@@ -46,18 +46,26 @@ def split_blocks(raw: UInt8[np.ndarray, "R B"], kind: str, row_len: int) -> dict
 def dequantize_blocks(parts: dict[str, Shaped[Array, "..."]], axis: int, dtype=jnp.float32) -> Float[Array, "..."]:
     """The weight the parts define; `axis` is the block axis (the weight's input axis) in the result.
 
-    Device code, branch-free: the nibble split, one multiply and one add per weight, all elementwise
-    so XLA fuses them into one pass.
+    Device code, branch-free and transpose-free: the block axis is split in place into
+    (blocks, bytes), the two nibble halves are concatenated along the bytes, then one multiply and
+    one add per weight with the block's scales broadcast, so XLA fuses it into one pass.
     """
-    d = jnp.moveaxis(parts["d"], axis, -1).astype(jnp.float32)[..., None]
+    d = parts["d"]
+    axis = axis % d.ndim
+    nb = d.shape[axis]
+
+    def split(a):  # [..., n * nb, ...] -> [..., nb, n, ...]
+        return a.reshape(*a.shape[:axis], nb, a.shape[axis] // nb, *a.shape[axis + 1:])
+
+    def scale(s):
+        return jnp.expand_dims(s.astype(jnp.float32), axis + 1)
+
     if "q4_1" in parts:
-        qs = jnp.moveaxis(parts["q4_1"], axis, -1)
-        qs = qs.reshape(*qs.shape[:-1], -1, QK // 2)
-        q = jnp.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(jnp.float32)
-        w = d * q + jnp.moveaxis(parts["m"], axis, -1).astype(jnp.float32)[..., None]
+        qs = split(parts["q4_1"])
+        q = jnp.concatenate([qs & 0xF, qs >> 4], axis=axis + 1).astype(jnp.float32)
+        w = scale(d) * q + scale(parts["m"])
     elif "q8_0" in parts:
-        qs = jnp.moveaxis(parts["q8_0"], axis, -1)
-        w = d * qs.reshape(*qs.shape[:-1], -1, QK).astype(jnp.float32)
+        w = scale(d) * split(parts["q8_0"]).astype(jnp.float32)
     else:
         raise ValueError(f"GGUF block parts {sorted(parts)} hold neither q4_1 nor q8_0 quants")
-    return jnp.moveaxis(w.reshape(*w.shape[:-2], -1), -1, axis).astype(dtype)
+    return w.reshape(*w.shape[:axis], nb * QK, *w.shape[axis + 2:]).astype(dtype)
