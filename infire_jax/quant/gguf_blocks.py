@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Shaped, UInt8
 
 QK = 32  # weights per GGUF block (Q4_0/Q4_1/Q8_0)
+_SHIFTS = np.array([0, 4], np.uint8)  # low nibbles hold a block's first 16 weights
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 QUANT_PART = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # the part holding the quants names the format
 
@@ -47,8 +48,9 @@ def dequantize_blocks(parts: dict[str, Shaped[Array, "..."]], axis: int, dtype=j
     """The weight the parts define; `axis` is the block axis (the weight's input axis) in the result.
 
     Device code, branch-free and transpose-free: the block axis is split in place into
-    (blocks, bytes), the two nibble halves are concatenated along the bytes, then one multiply and
-    one add per weight with the block's scales broadcast, so XLA fuses it into one pass.
+    (blocks, 1, bytes) and shifted by (0, 4) along the new axis (low nibbles first), then one
+    multiply and one add per weight with the block's scales broadcast, so XLA fuses it into one pass.
+    A concatenation of the two nibble halves instead ran 7x slower inside the layer scan on XLA:CPU.
     """
     d = parts["d"]
     axis = axis % d.ndim
@@ -61,8 +63,10 @@ def dequantize_blocks(parts: dict[str, Shaped[Array, "..."]], axis: int, dtype=j
         return jnp.expand_dims(s.astype(jnp.float32), axis + 1)
 
     if "q4_1" in parts:
-        qs = split(parts["q4_1"])
-        q = jnp.concatenate([qs & 0xF, qs >> 4], axis=axis + 1).astype(jnp.float32)
+        qs = jnp.expand_dims(split(parts["q4_1"]), axis + 1)  # [..., nb, 1, 16, ...]
+        shifts = jnp.asarray(_SHIFTS).reshape(2, *[1] * (qs.ndim - axis - 2))
+        q = ((qs >> shifts) & 0xF).astype(jnp.float32)  # [..., nb, 2, 16, ...]
+        q = q.reshape(*q.shape[:axis + 1], QK, *q.shape[axis + 3:])
         w = scale(d) * q + scale(parts["m"])
     elif "q8_0" in parts:
         w = scale(d) * split(parts["q8_0"]).astype(jnp.float32)
