@@ -1,4 +1,4 @@
-"""`infire-jax` command line: generate, chat, serve, compress (also `python -m infire_jax ...`)."""
+"""`infire-jax` command line: generate, chat, serve, compress, plan (also `python -m infire_jax ...`)."""
 
 from __future__ import annotations
 
@@ -231,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="entropy: rANS-coded exponents, smallest on disk; palette: the fixed-rate device format")
     z.add_argument("--tensors", default="mlp", help="comma-separated kinds to compress: mlp, attn, embed (default mlp)")
     z.set_defaults(func=cmd_compress)
+
+    m = sub.add_parser("plan", help="per-device memory plan: weights by kind, activations, KV room and tokens")
+    from infire_jax.memplan.cli import add_plan_args, run_plan
+
+    add_plan_args(m)
+    m.set_defaults(func=run_plan)
 
     r = sub.add_parser("router", help="route OpenAI requests over prefill/decode workers or replicas")
     from router.app import add_router_args
