@@ -151,3 +151,17 @@ def test_engine_keeps_gguf_quantized_and_agrees_with_float32(smol_llm):
         np.testing.assert_allclose([lp[t] for lp, t in zip(q.logprobs, q.token_ids)],
                                    [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-4)
 
+
+
+def test_int4_pallas_kernel_matches_the_dequantized_reference():
+    """The GPU kernel in interpret mode: x @ W.T with W dequantized on chip vs float64 over the
+    dequantized W (float32 accumulation over 256 inputs: within 2e-6 of |x| @ |W|.T)."""
+    from pallas_kernels.int4_matmul import int4_matmul
+
+    w = quantize_int4_group(_weights(128, 256), scale_dtype=ml_dtypes.bfloat16)
+    x = RNG.standard_normal((3, 256)).astype(np.float32)
+    got = np.asarray(int4_matmul(jnp.asarray(x), w.weight_packed, w.weight_scale, interpret=True), np.float64)
+    full = np.asarray(dequantize(w), np.float64)
+    assert np.all(np.abs(got - x.astype(np.float64) @ full.T) <= 2e-6 * (np.abs(x) @ np.abs(full).T))
+    with pytest.raises(ValueError, match="weight_packed"):
+        int4_matmul(jnp.asarray(x), w.weight_packed[:, :16], w.weight_scale, interpret=True)
