@@ -20,9 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--weights-compression", default=None, metavar="palette[:KINDS]",
                    help="keep weights losslessly palette-compressed on the device, decoded per layer (needs "
                         "--dtype bfloat16); KINDS: mlp (default), attn, e.g. palette:mlp,attn")
-    p.add_argument("--weights-quantization", default=None, choices=["gguf"],
-                   help="gguf: keep a GGUF model's Q4_1/Q8_0 layer weights quantized on the device, "
-                        "dequantized per layer inside the layer scan (embedding and head stay dense)")
+    p.add_argument("--weights-quantization", default=None, choices=["gguf", "int8"],
+                   help="keep the layer weights quantized on the device, dequantized per layer inside the layer "
+                        "scan (embedding and head stay dense): gguf keeps a GGUF model's Q4_1/Q8_0 blocks; int8 "
+                        "quantizes any model at load, one scale per output channel")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')

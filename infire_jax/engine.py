@@ -79,7 +79,7 @@ class EngineConfig:
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
-    weights_quantization: str | None = None  # "gguf": a GGUF's Q4_1/Q8_0 layer weights kept quantized (quant/)
+    weights_quantization: str | None = None  # "gguf" (a GGUF's Q4_1/Q8_0 blocks) or "int8": kept quantized (quant/)
     # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
     speculative_config: SpeculativeConfig | dict | str | None = None
     grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
@@ -207,7 +207,7 @@ class Engine:
         ec = self.config
         if ec.weights_quantization:
             if ec.weights_compression or loaded is not None:
-                raise ConfigError("weights_quantization reads the GGUF file itself: it combines with neither "
+                raise ConfigError("weights_quantization reads the model itself: it combines with neither "
                                   "weights_compression nor a preloaded model")
             return load_quantized_placed(ec.model, self.dtype, self.plan, ec.weights_quantization)
         if ec.weights_compression:

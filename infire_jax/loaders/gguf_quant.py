@@ -111,21 +111,30 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
 
 
 def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
-    """The model placed with its layer weights kept quantized (`mode`: one of QUANTIZATION_MODES)."""
+    """The model placed with its layer weights kept quantized (`mode`: "gguf" keeps a GGUF file's
+    blocks; "int8" quantizes any model's float layer weights at load, per output channel)."""
     from infire_jax.loaders.checkpoint import Placed
-    from infire_jax.loaders.load import DEFAULT_MODEL_NAME, default_model_path
+    from infire_jax.loaders.load import DEFAULT_MODEL_NAME, default_model_path, load_model
     from infire_jax.models.registry import build_state
+    from infire_jax.quant.resident import quantize_int8
     from sharding.plan import repeat_kv_heads
 
     if mode not in QUANTIZATION_MODES:
         raise ConfigError(f"unknown weights_quantization {mode!r}; choose from {list(QUANTIZATION_MODES)}")
-    path = spec or default_model_path()
-    if not (os.path.isfile(path) and path.endswith(".gguf")):
-        raise ConfigError(f"weights_quantization='gguf' keeps a GGUF file's quants: model {path!r} is not a .gguf file")
-    loaded, layouts = load_gguf_quantized(path)
-    if spec is None:
-        loaded.name = DEFAULT_MODEL_NAME
-    weights = dict(loaded.weights)
+    if mode == "int8":
+        loaded = load_model(spec)
+        if loaded.weights is None:
+            raise ConfigError("weights_quantization='int8' quantizes loaded weights; dummy: models have none on the host")
+        weights, layouts = quantize_int8(loaded.weights)
+    else:
+        path = spec or default_model_path()
+        if not (os.path.isfile(path) and path.endswith(".gguf")):
+            raise ConfigError(f"weights_quantization='gguf' keeps a GGUF file's quants: model {path!r} is not a "
+                              ".gguf file")
+        loaded, layouts = load_gguf_quantized(path)
+        if spec is None:
+            loaded.name = DEFAULT_MODEL_NAME
+        weights = dict(loaded.weights)
     if plan is not None and plan.kv_repeat > 1:
         for k in [k for k in weights if k.startswith("layers.wqkv.")]:
             weights[k] = repeat_kv_heads(weights[k], plan.kv_repeat)
