@@ -6,6 +6,8 @@ are dequantized per layer inside the scan (quant/resident.py). The embedding, LM
 are dequantized at load as usual. A fused group (q/k/v, gate/up) stays quantized only if all its
 tensors in every layer share one supported type; anything else is dequantized, so any GGUF loads.
 Checkpoints of the placed weights are bypassed: the GGUF file is the compact form.
+`load_quantized_placed` also serves `weights_quantization="int8"` (any model, quantized at load by
+quant/resident.py `quantize_int8`), which shares everything after the quantization.
 """
 
 from __future__ import annotations
