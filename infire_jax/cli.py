@@ -1,4 +1,4 @@
-"""`infire-jax` command line: generate, chat, serve, compress (also `python -m infire_jax ...`)."""
+"""`infire-jax` command line: generate, chat, serve, compress, plan (also `python -m infire_jax ...`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--weights-compression", default=None, metavar="palette[:KINDS]",
                    help="keep weights losslessly palette-compressed on the device, decoded per layer (needs "
                         "--dtype bfloat16); KINDS: mlp (default), attn, e.g. palette:mlp,attn")
+    p.add_argument("--weights-quantization", default=None, choices=["gguf", "int8"],
+                   help="keep the layer weights quantized on the device, dequantized per layer inside the layer "
+                        "scan (embedding and head stay dense): gguf keeps a GGUF model's Q4_1/Q8_0 blocks; int8 "
+                        "quantizes any model at load, one scale per output channel")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -51,7 +55,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed,
-                        weights_compression=args.weights_compression, speculative_config=args.speculative_config,
+                        weights_compression=args.weights_compression,
+                        weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
                         grammar_compile_timeout=args.grammar_compile_timeout)
 
 
@@ -227,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="entropy: rANS-coded exponents, smallest on disk; palette: the fixed-rate device format")
     z.add_argument("--tensors", default="mlp", help="comma-separated kinds to compress: mlp, attn, embed (default mlp)")
     z.set_defaults(func=cmd_compress)
+
+    m = sub.add_parser("plan", help="per-device memory plan: weights by kind, activations, KV room and tokens")
+    from infire_jax.memplan.cli import add_plan_args, run_plan
+
+    add_plan_args(m)
+    m.set_defaults(func=run_plan)
 
     r = sub.add_parser("router", help="route OpenAI requests over prefill/decode workers or replicas")
     from router.app import add_router_args

@@ -31,6 +31,7 @@ from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.loaders import LoadedModel
 from infire_jax.loaders.checkpoint import load_placed
 from infire_jax.loaders.compressed import load_resident_placed
+from infire_jax.loaders.gguf_quant import load_quantized_placed
 from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
@@ -76,6 +77,7 @@ class EngineConfig:
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
+    weights_quantization: str | None = None  # "gguf" (a GGUF's Q4_1/Q8_0 blocks) or "int8": kept quantized (quant/)
     # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
     speculative_config: SpeculativeConfig | dict | str | None = None
     grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
@@ -115,7 +117,7 @@ class Engine:
         branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else _on_gpu()
         self.spec_config, self.eagle_head = parse_speculation(
             ec.speculative_config, cfg, dtype=self.dtype, multiprocess=multihost.is_multiprocess(),
-            one_plain_device=self.plan is None and not ec.weights_compression)
+            one_plain_device=self.plan is None and not ec.weights_compression and not ec.weights_quantization)
         sizing = self._fixed_pool()
         rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else self._min_pages(),
                           max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
@@ -130,7 +132,8 @@ class Engine:
         # Compiling needs only the weights' shapes: with a pool fixed in advance, one process and
         # uncompressed weights, the steps compile on another thread while the weights are read.
         warmup = None
-        if sizing is not None and not ec.weights_compression and not multihost.is_multiprocess():
+        if sizing is not None and not (ec.weights_compression or ec.weights_quantization) \
+                and not multihost.is_multiprocess():
             self.runner = ModelRunner(placed_cfg, *abstract_state(cfg, self.dtype, self.plan), rc, dtype=self.dtype,
                                       plan=self.plan)
             report("compile", 0, len(shapes))
@@ -140,8 +143,7 @@ class Engine:
 
         report("load", 0, 1)
         t_load = time.monotonic()
-        placed = (load_resident_placed(ec.model, self.dtype, self.plan, ec.weights_compression, loaded=loaded)
-                  if ec.weights_compression else load_placed(ec.model, self.dtype, self.plan, loaded=loaded))
+        placed = self._load_placed(loaded)
         self.loaded, graphdef, state = placed.loaded, placed.graphdef, placed.state
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -202,6 +204,18 @@ class Engine:
             return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
         except ValueError as e:  # unknown attention name, MeshConfigError
             raise ConfigError(str(e)) from e
+
+    def _load_placed(self, loaded: LoadedModel | None):
+        """The weights on the devices: plain, palette-compressed or kept quantized."""
+        ec = self.config
+        if ec.weights_quantization:
+            if ec.weights_compression or loaded is not None:
+                raise ConfigError("weights_quantization reads the model itself: it combines with neither "
+                                  "weights_compression nor a preloaded model")
+            return load_quantized_placed(ec.model, self.dtype, self.plan, ec.weights_quantization)
+        if ec.weights_compression:
+            return load_resident_placed(ec.model, self.dtype, self.plan, ec.weights_compression, loaded=loaded)
+        return load_placed(ec.model, self.dtype, self.plan, loaded=loaded)
 
     def _attention(self, cfg: ModelConfig) -> str:
         try:

@@ -24,7 +24,7 @@ ALLOWED_RULES: dict[str, tuple[str, ...]] = {
     "q_heads": ("tp",),
     "kv_heads": ("tp",),
     "mlp": ("tp",),
-    "experts": ("ep",),
+    "experts": ("ep", "tp"),  # tp: expert parallel over the devices that split attention
     "layers": ("pp",),
     "embed": (),
     "head_dim": (),

@@ -98,8 +98,9 @@ class ShardPlan:
             bad(f"vocabulary {cfg.vocab_size} is not divisible by {vocab_shards} (pp x tp)")
         if ep > 1 and not cfg.is_moe:
             bad(f"ep={ep} needs a mixture-of-experts model")
-        if mc.rule("experts") and cfg.num_experts % ep:
-            bad(f"{cfg.num_experts} experts are not divisible by ep={ep}")
+        expert_axis = mc.rule("experts")
+        if expert_axis and cfg.num_experts % sizes[expert_axis]:
+            bad(f"{cfg.num_experts} experts are not divisible by {expert_axis}={sizes[expert_axis]}")
         if getattr(cfg, "deepseek_moe", None) is not None:  # DeepSeek-V3 family: also dense layers' MLPs
             if pp > 1:
                 bad("pipeline parallelism is not supported for the DeepSeek-V3 family")
@@ -134,14 +135,19 @@ class ShardPlan:
                                    num_layers=self.num_stages * self.padded_layers)
 
     def spec(self, logical_axes: Sequence[str | None]) -> P:
-        parts = []
+        """A mesh axis splits the first dimension that asks for it; later ones stay whole (experts split
+        over tp keep each expert's MLP width whole)."""
+        parts, used = [], set()
         for name in logical_axes:
             if name == "vocab":  # spread over the pipeline too, so every stage carries a share of the head
                 axes = tuple(a for a in ("pp", "tp") if (a == "pp" and self.num_stages > 1)
                              or (a == "tp" and self.axis("vocab")))
                 parts.append(axes if len(axes) > 1 else (axes[0] if axes else None))
             else:
-                parts.append(self.axis(name) if name else None)
+                axis = self.axis(name) if name else None
+                parts.append(axis if axis not in used else None)
+                axes = (axis,) if axis else ()
+            used.update(axes)
         return P(*parts)
 
     def sharding(self, logical_axes: Sequence[str | None]) -> NamedSharding:

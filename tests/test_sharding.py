@@ -176,8 +176,8 @@ def _hf_dir(path, family: str, tokenizer) -> str:
     if family == "llama":  # 8 heads over 2 kv heads: tp=4 and tp=8 replicate kv heads; 3 layers split 2+1
         cfg = LlamaConfig(**common, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8)
     else:
-        cfg = MixtralConfig(**common, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_local_experts=8, num_experts_per_tok=2)
+        cfg = MixtralConfig(**common, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                            num_local_experts=8, num_experts_per_tok=2)  # 8 heads: fits tp 8 (8-tp8-ep.yaml)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
     tokenizer.save(str(path))
     return str(path)
@@ -244,6 +244,7 @@ def test_every_shipped_mesh_matches_single_device(tiny_models, tmp_path):
     assert "default" in fits["8-pp8.yaml"] and "default" in fits["2-pp2.yaml"]
     assert "llama" in fits["8.yaml"] and "llama" in fits["8-tp4-pp2.yaml"]
     assert fits["8-ep8.yaml"] == ["mixtral"] and fits["8-tp2-ep4.yaml"] == ["mixtral"]
+    assert "mixtral" in fits["8-tp8-ep.yaml"]  # experts split over the tp devices
 
 
 def _free_port() -> int:

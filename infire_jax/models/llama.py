@@ -23,6 +23,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
@@ -39,10 +40,11 @@ class DecoderLayers(nnx.Module):
     weights split by heads did. gate/up is `[E, 2, F]`, so splitting F keeps each device's gate and
     up columns paired.
 
-    `resident` names weights kept palette-compressed (`PaletteParams`, decoded in the layer body).
+    `resident` names weights kept palette-compressed (`PaletteParams`) or quantized (`QuantParams`),
+    decoded in the layer body.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout | QuantLayout] | None = None):
         n, e, hkv, d = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
         g = cfg.num_heads // hkv
         self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
@@ -65,17 +67,18 @@ class DecoderLayers(nnx.Module):
             self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
         for short, layout in (resident or {}).items():
             plain = getattr(self, short)
-            setattr(self, short, PaletteParams(tuple(plain.shape), plain.axes, layout))
+            setattr(self, short, QuantParams(short, tuple(plain.shape), plain.axes, layout)
+                    if isinstance(layout, QuantLayout) else PaletteParams(tuple(plain.shape), plain.axes, layout))
 
     def arrays(self) -> dict[str, Array | dict[str, Array]]:
         """The raw stacked arrays (a dict of parts for a compressed weight), by attribute name, for `lax.scan`."""
         return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams))}
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams))}
 
     def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
         """Each stacked array's logical axis names, in the same structure as `arrays`."""
         return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams))}
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams))}
 
 
 def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
@@ -104,7 +107,7 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
     def layer(carry, xs):
         h, k_pages, v_pages = carry
         lp, idx = xs
-        lp = decode_layer(lp)  # palette-coded weights -> this layer's bfloat16 weights
+        lp = decode_layer(dequantize_layer(lp, h.dtype))  # this layer's compressed / quantized weights, decoded
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(lp, x, cfg.attention_bias)
         if cfg.qk_norm:
@@ -167,7 +170,8 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: dict[str, ResidentLayout] | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32,
+                 resident: dict[str, ResidentLayout | QuantLayout] | None = None):
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         self.layers = DecoderLayers(cfg, dtype, resident)

@@ -38,7 +38,7 @@ class Reductions:
     @classmethod
     def for_plan(cls, plan: ShardPlan) -> "Reductions":
         attn = plan.axis("q_heads")
-        mlp = tuple(a for a in (plan.axis("mlp"), plan.axis("experts")) if a)
+        mlp = tuple(dict.fromkeys(a for a in (plan.axis("mlp"), plan.axis("experts")) if a))  # experts may share tp
         return cls(attn=(attn,) if attn else (), mlp=mlp, expert_axis=plan.axis("experts"))
 
 

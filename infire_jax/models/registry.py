@@ -14,6 +14,7 @@ from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek import DeepseekV3
 from infire_jax.models.llama import Llama
+from infire_jax.quant.resident import QuantLayout
 from sharding.plan import ShardPlan
 
 # The Llama-architecture families differ by flags (bias, qk-norm, MoE); the DeepSeek-V3 family has its own module.
@@ -85,18 +86,20 @@ def drawn_weights(cfg: ModelConfig, dtype, *, plan: ShardPlan | None = None, see
 
 def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtype, *,
                 plan: ShardPlan | None = None, seed: int = 0,
-                compress: tuple[str, ...] = ()) -> tuple[nnx.GraphDef, nnx.State]:
+                compress: tuple[str, ...] = (), quantized: Mapping[str, QuantLayout] | None = None
+                ) -> tuple[nnx.GraphDef, nnx.State]:
     """Places the weights on the device(s), each in `dtype` and its sharding.
 
     With a plan, the model is the plan's effective config (kv heads repeated, layers padded to
     whole pipeline stages) and each device receives only its shard. With `weights=None` the
     model's random init runs on the device itself (for `dummy:` models), so no host copy of a
     multi-GB model is ever made. `compress` names the kinds of weights (`mlp`, `attn`) kept
-    palette-compressed on the devices (compression/resident.py).
+    palette-compressed on the devices (compression/resident.py); `quantized` maps weights given as
+    quantized parts ("layers.wqkv.q4_1", ...) to their layout (quant/resident.py).
     """
     if plan is not None and weights is not None:
         weights = plan.prepare_weights(weights)
-    resident = None
+    resident = dict(quantized) if quantized else None
     if compress:
         if weights is None:  # drawn weights are compressed on the host, one copy of the model there
             weights = drawn_weights(cfg, dtype, plan=plan, seed=seed)

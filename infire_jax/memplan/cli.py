@@ -1,0 +1,57 @@
+"""`infire-jax plan`: the flags and the command."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    from infire_jax.memplan.source import shipped_configs
+
+    p.add_argument("--model", default=None,
+                   help=f"a shipped config ({', '.join(shipped_configs())}; also as dummy:NAME), an HF config.json "
+                        "or its directory, or any model spec (only its config is read)")
+    p.add_argument("--devices", type=int, required=True, help="number of devices")
+    p.add_argument("--device-memory", required=True, help="memory of one device, e.g. 80GiB")
+    p.add_argument("--mesh", default=None,
+                   help="mesh-config YAML (default: the shipped mesh for --devices that leaves the most KV tokens)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of unquantized weights and activations (default bfloat16)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="KV cache dtype (default: --dtype)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="fraction of each device for weights, activations and KV, as the engine's (default 0.90)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens of the largest step, for the activation estimate (the GPU default, 8192)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="rows sampled per step (logits estimate)")
+    p.add_argument("--dequant", default="per-layer", choices=["per-layer", "fused"],
+                   help="per-layer: the layer scan dequantizes one layer at a time (today's XLA path, one layer of "
+                        "workspace); fused: a kernel dequantizes in its prologue (no workspace)")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from infire_jax.errors import ConfigError
+    from infire_jax.memplan.plan import best_plan, memory_plan, parse_bytes
+    from infire_jax.memplan.source import plan_source
+    from sharding.mesh import MeshConfig, MeshConfigError
+
+    try:
+        if args.devices < 1:
+            raise ValueError(f"--devices must be positive, got {args.devices}")
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        memory = parse_bytes(args.device_memory)
+        model_for = plan_source(args.model, args.dtype)
+        kw = dict(dtype=args.dtype, kv_dtype=args.kv_cache_dtype, utilization=args.gpu_memory_utilization,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                  dequant=args.dequant)
+        if args.mesh:
+            mc = MeshConfig.from_yaml(args.mesh)
+            mc.check_devices(args.devices)
+            plan = memory_plan(model_for(mc), mc, memory, **kw)
+        else:
+            plan = best_plan(model_for, args.devices, memory, **kw)
+    except (ValueError, MeshConfigError) as e:
+        raise ConfigError(str(e)) from e
+    print(plan.describe())
+    return 0

@@ -1,0 +1,191 @@
+"""What a memory plan needs to know about a model: its tensors, their logical axes and storage.
+
+A `PlanModel` comes from one of our `ModelConfig`s (the engine's exact tensor layout: fused q/k/v
+and gate/up, kv heads repeated for tp) or from a plain HF `config.json` dict, which also covers
+DeepSeek-V3-style models (MLA attention, shared experts, `first_k_dense_replace` dense layers)
+that the plan must size before the engine runs them. Weights are never allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+from infire_jax.models.config import ModelConfig
+
+KINDS = ("attention", "experts", "shared", "embeddings")
+# Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
+# (compressed-tensors pack-quantized), fp8 with a float32 scale per 128 x 128 block (DeepSeek-V3),
+# GGUF blocks (Q4_1: 20 bytes, Q8_0: 34 bytes per 32 weights).
+FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int4-g32": 0.5 + 2 / 32,
+                "fp8-block128": 1 + 4 / 128 ** 2, "int8-channel": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One stored tensor (stacked over `layers` layers when `axes[0] == "layers"`)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    matrix: bool = True  # a projection (takes the kind's format); norms, biases and routers keep the dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanModel:
+    name: str
+    tensors: tuple[Tensor, ...]
+    formats: Mapping[str, str]  # kind -> FORMAT_BYTES key for its matrices
+    num_layers: int
+    kv_per_token_layer: tuple[tuple[int, str | None], ...]  # (elements, logical axis that splits them) per layer
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    qk_head_dim: int
+    mlp_width: int  # widest per-token MLP activation (dense F, or top_k x expert width)
+    num_experts: int = 0
+    mla: bool = False
+
+
+def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
+    """The engine's own tensors (models/llama.py `DecoderLayers`, `Llama`) for an effective config."""
+    n, e, hkv, d, hq = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    g = hq // hkv
+    t = [Tensor("attn_norm", "attention", (n, e), ("layers", "norm"), False),
+         Tensor("wqkv", "attention", (n, e, hkv, g + 2, d), ("layers", "embed", "kv_heads", "qkv", "head_dim")),
+         Tensor("wo", "attention", (n, hq, d, e), ("layers", "q_heads", "head_dim", "embed")),
+         Tensor("mlp_norm", "shared", (n, e), ("layers", "norm"), False)]
+    if cfg.attention_bias:
+        t.append(Tensor("bqkv", "attention", (n, hkv, g + 2, d), ("layers", "kv_heads", "qkv", "head_dim"), False))
+    if cfg.qk_norm:
+        t += [Tensor(k, "attention", (n, d), ("layers", "norm"), False) for k in ("q_norm", "k_norm")]
+    if cfg.is_moe:
+        x, f = cfg.num_experts, cfg.moe_intermediate_size
+        t += [Tensor("router", "shared", (n, e, x), ("layers", "embed", "router"), False),
+              Tensor("w_gate_up", "experts", (n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp")),
+              Tensor("w_down", "experts", (n, x, f, e), ("layers", "experts", "mlp", "embed"))]
+    else:
+        f = cfg.intermediate_size
+        t += [Tensor("w_gate_up", "shared", (n, e, 2, f), ("layers", "embed", "gate_up", "mlp")),
+              Tensor("w_down", "shared", (n, f, e), ("layers", "mlp", "embed"))]
+    t += [Tensor("embed", "embeddings", (cfg.vocab_size, e), ("vocab", "embed")),
+          Tensor("final_norm", "embeddings", (e,), ("norm",), False)]
+    if not cfg.tie_word_embeddings:
+        t.append(Tensor("lm_head", "embeddings", (cfg.vocab_size, e), ("vocab", "embed")))
+    return t
+
+
+def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model",
+                      formats: Mapping[str, str] | None = None) -> PlanModel:
+    """The plan of one of our models as the engine places it (`cfg`: the plan's effective config)."""
+    width = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
+    return PlanModel(name=name, tensors=tuple(_gqa_tensors(cfg)), formats={k: dtype for k in KINDS} | dict(formats or {}),
+                     num_layers=cfg.num_layers, kv_per_token_layer=((2 * cfg.num_kv_heads * cfg.head_dim, "kv_heads"),),
+                     hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=cfg.num_heads,
+                     qk_head_dim=cfg.head_dim, mlp_width=width, num_experts=cfg.num_experts)
+
+
+def _field(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = hf.get(key, default)
+    if value is None:
+        raise ValueError(f"config field {key!r} is missing")
+    return value
+
+
+def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
+    """Each kind's storage from `quantization_config`: compressed-tensors int4 group 32 (Kimi) or fp8
+    128 x 128 blocks (DeepSeek-V3); kinds an `ignore` pattern covers keep `dtype`."""
+    formats = {k: dtype for k in KINDS}
+    q = hf.get("quantization_config")
+    if not q:
+        return formats
+    method = q.get("quant_method")
+    if method == "fp8":
+        if list(q.get("weight_block_size") or []) != [128, 128]:
+            raise ValueError(f"quantization_config.weight_block_size {q.get('weight_block_size')} is not [128, 128]")
+        fmt, ignore = "fp8-block128", list(q.get("modules_to_not_convert") or [])
+    elif method == "compressed-tensors":
+        groups = list((q.get("config_groups") or {}).values())
+        w = groups[0].get("weights", {}) if len(groups) == 1 else {}
+        if (w.get("num_bits"), w.get("group_size"), w.get("type"), w.get("symmetric")) != (4, 32, "int", True):
+            raise ValueError("quantization_config.config_groups: only one group of symmetric int4 weights with "
+                             f"group_size 32 is planned, got {groups}")
+        fmt, ignore = "int4-g32", list(q.get("ignore") or [])
+    else:
+        raise ValueError(f"quantization_config.quant_method {method!r} is not planned (fp8, compressed-tensors)")
+    # A module of each kind, named as DeepSeek-V3 names it; `ignore` entries are names or "re:" patterns.
+    probes = {"attention": "model.layers.1.self_attn.kv_b_proj", "experts": "model.layers.1.mlp.experts.0.down_proj",
+              "shared": "model.layers.1.mlp.shared_experts.down_proj", "dense": "model.layers.0.mlp.down_proj"}
+    ignored = {kind for kind, module in probes.items()
+               if any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in ignore)}
+    for kind in ("attention", "experts", "shared"):
+        if kind not in ignored and not (kind == "shared" and "dense" in ignored):
+            formats[kind] = fmt
+    return formats  # embeddings and the LM head are never quantized here
+
+
+def from_hf_config(hf: Mapping[str, Any], dtype: str = "bfloat16", name: str = "model") -> PlanModel:
+    """The plan of a DeepSeek-V3-style model (MLA attention: `kv_lora_rank` set) from its HF config
+    dict; ValueError naming a missing field."""
+    hf = dict(hf.get("text_config") or hf)
+    e, n, v = int(_field(hf, "hidden_size")), int(_field(hf, "num_hidden_layers")), int(_field(hf, "vocab_size"))
+    h = int(_field(hf, "num_attention_heads"))
+    q_lora, kv_lora = int(hf.get("q_lora_rank") or 0), int(_field(hf, "kv_lora_rank"))
+    nope, rope, vd = int(_field(hf, "qk_nope_head_dim")), int(_field(hf, "qk_rope_head_dim")), int(_field(hf, "v_head_dim"))
+    x, fm = int(hf.get("n_routed_experts") or 0), int(hf.get("moe_intermediate_size") or 0)
+    dense = n if x == 0 else int(hf.get("first_k_dense_replace", 0))
+    shared_w = int(hf.get("n_shared_experts") or 0) * fm
+    f = int(_field(hf, "intermediate_size"))
+    t = [Tensor("attn_norm", "attention", (n, e), ("layers", "norm"), False),
+         Tensor("kv_a_proj", "attention", (n, e, kv_lora + rope), ("layers", "embed", None)),
+         Tensor("kv_a_norm", "attention", (n, kv_lora), ("layers", "norm"), False),
+         Tensor("kv_b_proj", "attention", (n, kv_lora, h, nope + vd), ("layers", None, "q_heads", "head_dim")),
+         Tensor("o_proj", "attention", (n, h, vd, e), ("layers", "q_heads", "head_dim", "embed")),
+         Tensor("mlp_norm", "shared", (n, e), ("layers", "norm"), False)]
+    if q_lora:
+        t += [Tensor("q_a_proj", "attention", (n, e, q_lora), ("layers", "embed", None)),
+              Tensor("q_a_norm", "attention", (n, q_lora), ("layers", "norm"), False),
+              Tensor("q_b_proj", "attention", (n, q_lora, h, nope + rope), ("layers", None, "q_heads", "head_dim"))]
+    else:
+        t.append(Tensor("q_proj", "attention", (n, e, h, nope + rope), ("layers", "embed", "q_heads", "head_dim")))
+    if dense:
+        t += [Tensor("dense_gate_up", "shared", (dense, e, 2, f), ("layers", "embed", "gate_up", "mlp")),
+              Tensor("dense_down", "shared", (dense, f, e), ("layers", "mlp", "embed"))]
+    if x and n > dense:
+        m = n - dense
+        t += [Tensor("router", "shared", (m, e, x), ("layers", "embed", "router"), False),
+              Tensor("router_bias", "shared", (m, x), ("layers", "router"), False),
+              Tensor("w_gate_up", "experts", (m, x, e, 2, fm), ("layers", "experts", "embed", "gate_up", "mlp")),
+              Tensor("w_down", "experts", (m, x, fm, e), ("layers", "experts", "mlp", "embed"))]
+        if shared_w:
+            t += [Tensor("shared_gate_up", "shared", (m, e, 2, shared_w), ("layers", "embed", "gate_up", "mlp")),
+                  Tensor("shared_down", "shared", (m, shared_w, e), ("layers", "mlp", "embed"))]
+    t += [Tensor("embed", "embeddings", (v, e), ("vocab", "embed")),
+          Tensor("final_norm", "embeddings", (e,), ("norm",), False)]
+    if not hf.get("tie_word_embeddings", False):
+        t.append(Tensor("lm_head", "embeddings", (v, e), ("vocab", "embed")))
+    width = max(f if dense else 0, int(hf.get("num_experts_per_tok") or 0) * fm + shared_w)
+    return PlanModel(name=name, tensors=tuple(t), formats=formats_from_hf(hf, dtype), num_layers=n,
+                     kv_per_token_layer=((kv_lora + rope, None),),  # the latent and the rope key, shared by all heads
+                     hidden_size=e, vocab_size=v, num_heads=h, qk_head_dim=nope + rope, mlp_width=width,
+                     num_experts=x, mla=True)
+
+
+def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
+    """The config the engine places on mesh `mc` (ShardPlan.effective_config without devices): kv heads
+    repeated up to tp, layers padded to whole pipeline stages; ValueError if the mesh cannot split it."""
+    from sharding.plan import plan_stages
+
+    sizes, repeat = mc.sizes, 1
+    tp = sizes["tp"] if mc.rule("q_heads") else 1
+    if cfg.num_kv_heads % tp:
+        if tp % cfg.num_kv_heads:
+            raise ValueError(f"{cfg.num_kv_heads} kv heads neither divide nor are divisible by tp={tp}")
+        repeat = tp // cfg.num_kv_heads
+    width = cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
+    if mc.rule("mlp") and width % sizes["tp"]:
+        raise ValueError(f"MLP width {width} is not divisible by tp={sizes['tp']}")
+    layers = cfg.num_layers if sizes["pp"] == 1 else sizes["pp"] * max(plan_stages(cfg.num_layers, sizes["pp"]))
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeat, num_layers=layers)

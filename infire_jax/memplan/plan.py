@@ -1,0 +1,195 @@
+"""The memory plan: per-device weight bytes by kind, the activation and workspace estimate, and the
+KV room and tokens left on each device, for a model and a mesh, without allocating anything.
+
+Weights are split exactly as `ShardPlan.spec` splits them (a mesh axis splits the first dimension
+that asks for it; the vocabulary over pp x tp), so for our own models the figures are the bytes the
+engine places per device (tests/test_memplan.py checks them on 8 virtual devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+from typing import Callable
+
+from infire_jax.memplan.model import FORMAT_BYTES, KINDS, PlanModel, Tensor
+from sharding.mesh import CONFIG_DIR, MeshConfig
+from sharding.plan import plan_stages
+
+GiB = 1 << 30
+DEQUANT = ("per-layer", "fused")
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+          "g": 1e9, "gb": 1e9, "gib": GiB, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str, field: str = "--device-memory") -> int:
+    """"80GiB", "80GB", "85899345920" -> bytes; ValueError naming `field`."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{field}: {text!r} is not a size such as 80GiB, 80GB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _splits(t: Tensor, mc: MeshConfig) -> list[int]:
+    """How many ways each dimension of `t` is split (ShardPlan.spec's rules)."""
+    sizes, used, out = mc.sizes, set(), []
+    for name in t.axes:
+        if name == "vocab":
+            axes = [a for a in ("pp", "tp") if (a == "pp" and sizes["pp"] > 1) or (a == "tp" and mc.rule("vocab"))]
+        else:
+            axis = mc.rule(name) if name else None
+            axes = [axis] if axis and axis not in used else []
+        used.update(axes)
+        out.append(math.prod(sizes[a] for a in axes))
+    return out
+
+
+def layers_per_device(num_layers: int, mc: MeshConfig) -> int:
+    """Stacked layer slots a device holds: a pipeline stage pads to its longest stage."""
+    pp = mc.sizes["pp"]
+    return max(plan_stages(num_layers, pp)) if pp > 1 and mc.rule("layers") else num_layers
+
+
+def layer_slots(count: int, model: PlanModel, mc: MeshConfig) -> int:
+    """Stacked slots of a weight stacked over `count` layers on a pipeline: the model's own stack pads
+    every stage to the longest; a part of it (DeepSeek's first dense layers) is spread evenly."""
+    pp = mc.sizes["pp"]
+    if pp == 1 or not mc.rule("layers"):
+        return count
+    return pp * (layers_per_device(count, mc) if count == model.num_layers else math.ceil(count / pp))
+
+
+def tensor_bytes(t: Tensor, model: PlanModel, mc: MeshConfig, dtype: str) -> float:
+    """Bytes of `t` on one device (its shard; quantized formats count their scales)."""
+    shape = list(t.shape)
+    if t.axes[0] == "layers":
+        shape[0] = layer_slots(shape[0], model, mc)
+    per = math.prod(math.ceil(n / k) for n, k in zip(shape, _splits(dataclasses.replace(t, shape=tuple(shape)), mc)))
+    return per * FORMAT_BYTES[model.formats[t.kind] if t.matrix else dtype]
+
+
+def check_fits(model: PlanModel, mc: MeshConfig) -> str | None:
+    """Why the mesh cannot hold the model (ShardPlan.create's checks), or None."""
+    sizes = mc.sizes
+    tp = sizes["tp"] if mc.rule("q_heads") else 1
+    if model.num_heads % tp:
+        return f"{model.num_heads} attention heads are not divisible by tp={tp}"
+    expert_axis = mc.rule("experts")
+    if sizes["ep"] > 1 and not model.num_experts:
+        return f"ep={sizes['ep']} needs a mixture-of-experts model"
+    if expert_axis and model.num_experts and model.num_experts % sizes[expert_axis]:
+        return f"{model.num_experts} experts are not divisible by {expert_axis}={sizes[expert_axis]}"
+    vocab_split = math.prod(_splits(Tensor("v", "embeddings", (model.vocab_size,), ("vocab",)), mc))
+    if model.vocab_size % vocab_split:
+        return f"vocabulary {model.vocab_size} is not divisible by {vocab_split}"
+    if model.num_layers < sizes["pp"]:
+        return f"{model.num_layers} layers cannot fill {sizes['pp']} pipeline stages"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    model: str
+    mesh: str
+    num_devices: int
+    device_memory: int
+    utilization: float
+    weights: dict[str, float]  # kind -> bytes per device
+    activations: float
+    workspace: float
+    logits: float
+    kv_bytes_per_token: float
+    kv_note: str
+
+    @property
+    def weight_bytes(self) -> float:
+        return sum(self.weights.values())
+
+    @property
+    def kv_room(self) -> float:
+        return self.device_memory * self.utilization - self.weight_bytes - self.activations - self.workspace - self.logits
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_room // self.kv_bytes_per_token))
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
+        lines = [f"model {self.model} on {self.num_devices} devices x {self.device_memory / GiB:.1f} GiB, mesh "
+                 f"{os.path.basename(self.mesh)}; {self.utilization:.0%} of each device usable "
+                 f"({self.device_memory * self.utilization / GiB:.2f} GiB)", "weights per device:"]
+        lines += [f"  {k:<12}{g(self.weights[k])}" for k in KINDS]
+        lines += [f"  {'total':<12}{g(self.weight_bytes)}",
+                  f"activations (largest step) {g(self.activations)}",
+                  f"dequantization workspace {g(self.workspace)}",
+                  f"logits and sampling {g(self.logits)}",
+                  f"KV room per device: {self.kv_room / GiB:.2f} GiB",
+                  f"KV bytes per token per device: {self.kv_bytes_per_token:.0f} ({self.kv_note})",
+                  f"KV tokens that fit: {self.kv_tokens}"]
+        return "\n".join(lines)
+
+
+def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: str = "bfloat16",
+                kv_dtype: str | None = None, utilization: float = 0.90, max_num_batched_tokens: int = 8192,
+                max_num_seqs: int = 64, dequant: str = "per-layer") -> MemoryPlan:
+    """The plan of `model` on the mesh; ValueError naming the problem if the mesh cannot hold it.
+
+    `dequant`: "per-layer" (today's XLA path: the scan dequantizes one layer's quantized weights to
+    `dtype` before its matmuls, a workspace of one layer) or "fused" (a kernel that dequantizes in
+    its prologue, the Pallas path on GPU: no workspace).
+    """
+    if dequant not in DEQUANT:
+        raise ValueError(f"dequant must be one of {list(DEQUANT)}, got {dequant!r}")
+    problem = check_fits(model, mc)
+    if problem:
+        raise ValueError(f"{mc.name} does not fit {model.name}: {problem}")
+    itemsize = FORMAT_BYTES[dtype]
+    weights = {k: 0.0 for k in KINDS}
+    workspace_per_layer = 0.0
+    for t in model.tensors:
+        b = tensor_bytes(t, model, mc, dtype)
+        weights[t.kind] += b
+        fmt = model.formats[t.kind]
+        if t.matrix and fmt != dtype and t.axes[0] == "layers":  # dequantized one layer at a time in the scan
+            workspace_per_layer += b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"] * itemsize / FORMAT_BYTES[fmt]
+    layers = layers_per_device(model.num_layers, mc)
+    kv_items = sum(n / (mc.sizes[mc.rule(axis)] if axis and mc.rule(axis) else 1) for n, axis in model.kv_per_token_layer)
+    kv_itemsize = FORMAT_BYTES[kv_dtype or dtype]
+    tokens = max_num_batched_tokens
+    heads = model.num_heads / (mc.sizes["tp"] if mc.rule("q_heads") else 1)
+    mlp_axis = mc.rule("mlp")
+    width = model.mlp_width / (mc.sizes[mlp_axis] if mlp_axis and mlp_axis != mc.rule("experts") else 1)
+    # An estimate: the residual stream and its temporaries (8 x hidden), q/k/v of this device's
+    # heads (3 x heads x head dim) and the MLP's gate, up and product (3 x width) for every token.
+    activations = tokens * itemsize * (8 * model.hidden_size + 3 * heads * model.qk_head_dim + 3 * width)
+    note = (f"MLA latent + rope key, {int(kv_items)} values x {layers} layers, {kv_dtype or dtype}" if model.mla
+            else f"k and v, {int(kv_items)} values x {layers} layers, {kv_dtype or dtype}")
+    return MemoryPlan(model=model.name, mesh=mc.name, num_devices=mc.num_devices, device_memory=device_memory,
+                      utilization=utilization, weights=weights, activations=activations,
+                      workspace=workspace_per_layer if dequant == "per-layer" else 0.0, logits=2 * max_num_seqs * model.vocab_size * 4,
+                      kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note)
+
+
+def shipped_meshes(num_devices: int) -> list[MeshConfig]:
+    """Every shipped mesh file for exactly `num_devices` devices (`N.yaml`, `N-*.yaml`)."""
+    paths = sorted(glob.glob(os.path.join(CONFIG_DIR, f"{num_devices}.yaml"))
+                   + glob.glob(os.path.join(CONFIG_DIR, f"{num_devices}-*.yaml")))
+    return [mc for mc in map(MeshConfig.from_yaml, paths) if mc.num_devices == num_devices]
+
+
+def best_plan(model_for: Callable[[MeshConfig], PlanModel], num_devices: int, device_memory: int,
+              **kw) -> MemoryPlan:
+    """The shipped mesh that leaves the most KV tokens (`model_for`: the model as placed on a mesh);
+    ValueError listing why each mesh failed if none holds the model."""
+    plans, problems = [], []
+    for mc in shipped_meshes(num_devices):
+        try:
+            plans.append(memory_plan(model_for(mc), mc, device_memory, **kw))
+        except ValueError as e:
+            problems.append(f"{os.path.basename(mc.name)}: {e}")
+    if not plans:
+        raise ValueError(f"no shipped mesh for {num_devices} devices holds the model: {problems}")
+    return max(plans, key=lambda p: (p.kv_tokens, p.kv_room))

@@ -1,0 +1,109 @@
+"""Quantized stacked weights kept in device memory and dequantized one layer at a time in the scan.
+
+Two sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), or any
+float model quantized at load to int8 with one scale per output channel (`quantize_int8`).
+
+Like palette compression (compression/resident.py), a quantized stacked weight is a module of
+parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, with the input
+(block) axis shortened, so the parts shard exactly as the weight does. The scanned layer body
+dequantizes the current layer's weights just before their matmuls (`dequantize_layer`), so only
+one layer is ever held in full precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array
+
+from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
+
+QUANTIZATION_MODES = ("gguf", "int8")
+# The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
+# wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
+# w_down [(X,) F, E].
+INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLayout:
+    """A quantized weight's format (a GGUF block type, or int8 per output channel); the parts'
+    shapes follow from the weight's."""
+
+    kind: str  # "Q4_1", "Q8_0" or "int8"
+
+    def part_shapes(self, short: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Each part's (shape, dtype) for a weight of `shape`; ValueError naming the weight if its
+        input axis is not whole blocks."""
+        axis = len(shape) + INPUT_AXIS[short]
+        if self.kind == "int8":  # one float32 scale per output channel: the input axis reduced to 1
+            return {"int8": (shape, jnp.int8), "scale": (tuple(1 if i == axis else n for i, n in enumerate(shape)),
+                                                         jnp.float32)}
+        if shape[axis] % QK:
+            raise ValueError(f"{short}: input axis of {shape[axis]} weights is not a whole number of "
+                             f"{QK}-weight blocks")
+
+        def along(n):
+            return tuple(n if i == axis else s for i, s in enumerate(shape))
+
+        scales = {"d": (along(shape[axis] // QK), jnp.float16)}
+        if self.kind == "Q4_1":
+            return {"q4_1": (along(shape[axis] // 2), jnp.uint8), **scales, "m": scales["d"]}
+        if self.kind == "Q8_0":
+            return {"q8_0": (shape, jnp.int8), **scales}
+        raise ValueError(f"{short}: GGUF type {self.kind} is not kept quantized; supported: {sorted(QUANT_PART)}")
+
+
+class QuantParams(nnx.Module):
+    """The parts of one quantized stacked weight, each a parameter with the weight's logical axes."""
+
+    def __init__(self, short: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: QuantLayout):
+        axis = len(shape) + INPUT_AXIS[short]
+        for part, (part_shape, dtype) in layout.part_shapes(short, shape).items():
+            # a per-channel scale has one entry on the input axis, so it is not split there
+            part_axes = tuple(None if part == "scale" and i == axis else a for i, a in enumerate(axes))
+            setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=part_axes, init="zeros"))
+
+    def arrays(self) -> dict[str, Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+    def axes(self) -> dict[str, tuple[str | None, ...]]:
+        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def is_quantized(value: Any) -> bool:
+    return isinstance(value, Mapping) and any(p in value for p in (*QUANT_PART.values(), "int8"))
+
+
+def _dequantize(parts: Mapping[str, Array], short: str, dtype) -> Array:
+    if "int8" in parts:
+        return (parts["int8"].astype(jnp.float32) * parts["scale"]).astype(dtype)
+    return dequantize_blocks(parts, INPUT_AXIS[short], dtype)
+
+
+def dequantize_layer(lp: Mapping[str, Any], dtype) -> dict[str, Any]:
+    """One layer's weights with every quantized one dequantized to `dtype` (inside the scan body);
+    other entries (plain arrays, palette parts) pass through."""
+    return {k: _dequantize(v, k, dtype) if is_quantized(v) else v for k, v in lp.items()}
+
+
+def quantize_int8(weights: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, QuantLayout]]:
+    """Host weights with every quantizable stacked layer weight replaced by int8 parts
+    ("layers.wqkv.int8", "layers.wqkv.scale"): symmetric, one scale per output channel (absmax / 127
+    over the input axis), round to nearest."""
+    out, layouts = dict(weights), {}
+    for short, rel in INPUT_AXIS.items():
+        name = f"layers.{short}"
+        if name not in out:
+            continue
+        w = np.asarray(out.pop(name), np.float32)
+        scale = np.abs(w).max(axis=w.ndim + rel, keepdims=True) / 127
+        scale = np.where(scale == 0, 1, scale).astype(np.float32)
+        out[f"{name}.int8"] = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        out[f"{name}.scale"] = scale
+        layouts[short] = QuantLayout("int8")
+    return out, layouts

@@ -1,0 +1,46 @@
+"""Places small models on 8 virtual CPU devices and prints, per (model, mesh), the weight bytes each
+device holds by parameter name and the KV pool bytes per token per device (for test_memplan.py).
+
+Usage: python memplan_worker.py JOB.json   (JOB: {"runs": [{"config": HF dict, "mesh": path}, ...]})
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from infire_jax.models.config import config_from_hf
+    from infire_jax.models.registry import build_state
+    from sharding.mesh import MeshConfig
+    from sharding.plan import KV_POOL_AXES, ShardPlan
+
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    pages, page_size = 8, 4
+    for run in job["runs"]:
+        cfg, mc = config_from_hf(run["config"]), MeshConfig.from_yaml(run["mesh"])
+        plan = ShardPlan.create(cfg, mc)
+        _, state = build_state(cfg, None, jnp.float32, plan=plan)
+        per_name: dict[str, list[int]] = {}
+        for path, var in nnx.to_flat_state(state):
+            arr = var.get_value()
+            by_device = {d: 0 for d in plan.mesh.devices.flat}
+            for shard in arr.addressable_shards:
+                by_device[shard.device] += shard.data.nbytes
+            per_name[str(path[-1])] = [by_device[d] for d in plan.mesh.devices.flat]
+        placed = plan.effective_config(cfg)
+        shape = (placed.num_layers, pages, page_size, placed.num_kv_heads, placed.head_dim)
+        pool = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=plan.sharding(KV_POOL_AXES))()
+        kv = max(s.data.nbytes for s in pool.addressable_shards) * 2 / (pages * page_size)  # k and v pools
+        print(json.dumps({"mesh": run["mesh"], "name": run["name"], "bytes": per_name, "kv_per_token": kv}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""`infire-jax plan`: per-device bytes against what the engine places on 8 virtual CPU devices, the
+flagship configs' figures against hand arithmetic, and errors that name the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infire_jax.memplan.model import formats_from_hf, from_hf_config, from_model_config, placed_config
+from infire_jax.memplan.plan import GiB, memory_plan, parse_bytes, tensor_bytes
+from infire_jax.memplan.source import plan_source
+from infire_jax.models.config import config_from_hf
+from sharding.mesh import CONFIG_DIR, MeshConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+              max_position_embeddings=512, tie_word_embeddings=False)
+MODELS = {  # 8 heads over 2 kv heads: tp 8 repeats kv heads; 3 layers pad to 4 slots on pp 2
+    "dense": dict(COMMON, model_type="llama", intermediate_size=128, num_hidden_layers=3),
+    "moe": dict(COMMON, model_type="mixtral", intermediate_size=64, num_hidden_layers=2, num_local_experts=8,
+                num_experts_per_tok=2),
+}
+TINY_MLA = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+RUNS = [("dense", "8.yaml"), ("dense", "8-tp4-pp2.yaml"), ("moe", "8-ep8.yaml"), ("moe", "8-tp2-ep4.yaml"),
+        ("moe", "8-tp8-ep.yaml")]
+
+
+def test_plan_matches_the_bytes_placed_per_device(tmp_path):
+    """One subprocess with 8 CPU devices places each (model, mesh); every device's bytes per weight
+    and the KV pool's bytes per token equal the plan's, which allocated nothing."""
+    job = {"runs": [{"name": m, "config": MODELS[m], "mesh": os.path.join(CONFIG_DIR, mesh)} for m, mesh in RUNS]}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "memplan_worker.py"), str(path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(RUNS)
+    for r in results:
+        mc = MeshConfig.from_yaml(r["mesh"])
+        model = from_model_config(placed_config(config_from_hf(MODELS[r["name"]]), mc), "float32")
+        tensors = {t.name: t for t in model.tensors}
+        assert set(tensors) == set(r["bytes"]), r["mesh"]
+        for name, per_device in r["bytes"].items():
+            assert per_device == [tensor_bytes(tensors[name], model, mc, "float32")] * 8, (r["mesh"], name)
+        plan = memory_plan(model, mc, 80 * GiB, dtype="float32")
+        assert sum(plan.weights.values()) == sum(b[0] for b in r["bytes"].values())
+        assert plan.kv_bytes_per_token == r["kv_per_token"], r["mesh"]
+
+
+def _plan(name: str, mesh: str, memory: str, **kw):
+    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, mesh))
+    return memory_plan(plan_source(name, "bfloat16")(mc), mc, parse_bytes(memory), **kw)
+
+
+def test_kimi_k25_figures_follow_from_its_config():
+    """Hand arithmetic: 60 MoE layers x 384 experts x 3 x 7168 x 2048 int4 weights with a bf16
+    scale per 32, split 8 ways; MLA KV of 512 + 64 bf16 values per layer, replicated over tp. On
+    8 x 80 GiB the experts alone take 66.45 GiB a device, so even the whole card leaves < 30 GiB."""
+    p = _plan("dummy:kimi-k2.5", "8-tp8-ep.yaml", "80GiB", dequant="fused", utilization=1.0)
+    assert p.weights["experts"] == 60 * 384 * 3 * 7168 * 2048 * (0.5 + 2 / 32) / 8
+    assert p.kv_bytes_per_token == 61 * (512 + 64) * 2
+    assert 70 * GiB < p.weight_bytes < 72 * GiB
+    assert 0 < p.kv_room < 30 * GiB and p.kv_tokens == int(p.kv_room // p.kv_bytes_per_token)
+    assert "KV room per device: " in p.describe() and f"KV tokens that fit: {p.kv_tokens}" in p.describe()
+    on_h200 = _plan("kimi-k2.5", "8-tp8-ep.yaml", "141GB", dequant="fused")
+    assert on_h200.kv_room > 30 * GiB and on_h200.weights == p.weights
+
+
+def test_quantization_configs_choose_each_kinds_format():
+    with open(os.path.join(ROOT, "infire_jax", "memplan", "configs", "kimi-k2.5.json")) as f:
+        kimi = json.load(f)
+    assert formats_from_hf(kimi, "bfloat16") == {"attention": "bfloat16", "experts": "int4-g32",
+                                                "shared": "bfloat16", "embeddings": "bfloat16"}
+    with open(os.path.join(ROOT, "infire_jax", "memplan", "configs", "deepseek-v3.json")) as f:
+        ds = json.load(f)
+    assert formats_from_hf(ds, "bfloat16") == {"attention": "fp8-block128", "experts": "fp8-block128",
+                                              "shared": "fp8-block128", "embeddings": "bfloat16"}
+    p = _plan("deepseek-v3", "8-tp4-pp2.yaml", "141GB")
+    assert p.kv_bytes_per_token == 31 * 576 * 2  # 61 layers in 2 stages of 31 slots
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda: parse_bytes("80 parsecs"), "--device-memory"),
+    (lambda: from_hf_config({"kv_lora_rank": 512, "hidden_size": 64}), "num_hidden_layers"),
+    (lambda: formats_from_hf({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+                             "bfloat16"), "weight_block_size"),
+    (lambda: memory_plan(from_hf_config(dict(TINY_MLA, num_attention_heads=6)),
+                         MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "8.yaml")), GiB), "6 attention heads"),
+])
+def test_bad_input_names_the_field(call, field):
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+def test_plan_command_picks_a_shipped_mesh(capsys):
+    from infire_jax.cli import main
+
+    assert main(["plan", "--model", "dummy:kimi-k2.5", "--devices", "8", "--device-memory", "141GB"]) == 0
+    out = capsys.readouterr().out
+    assert "KV room per device: " in out and "mesh 8" in out and "experts" in out
+    assert main(["plan", "--model", "kimi-k2.5", "--devices", "3", "--device-memory", "80GiB"]) == 2
+    assert "no shipped mesh for 3 devices" in capsys.readouterr().err
