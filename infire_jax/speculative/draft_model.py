@@ -86,9 +86,9 @@ class DraftModel:
             raise ConfigError(f"speculative_config.model: the draft's vocabulary ({cfg.vocab_size} tokens) differs "
                               f"from the target's ({target.vocab_size}); a draft needs the target's tokenizer")
         placed = load_placed(spec, dtype, None)
-        self.cfg, self.rc, self.k, self.max_rows = cfg, rc, k, max_rows
+        self.rc, self.max_rows = rc, max_rows
         self.state = placed.state
-        entry = kv_entry(cfg)  # the draft's own layout (an MLA draft stores latents)
+        entry = kv_entry(cfg)  # the draft model's own pool layout
         pages = (cfg.num_layers, rc.num_pages, rc.page_size, entry.heads)
         self.kv = (jnp.zeros((*pages, entry.k_dim), dtype), jnp.zeros((*pages, entry.v_dim), dtype))
         precision = matmul_precision(dtype)
