@@ -329,6 +329,9 @@ class AsyncEngine:
                     self._deferred.clear()
                 if self.engine.has_unfinished() and self._on_device():
                     deltas = self.engine.step()
+                    # Published before the deltas: a client that has its last token then reads
+                    # (/health, /metrics) the engine as that step left it.
+                    self.snapshot = self._take_snapshot()
                     if deltas:
                         self._loop.call_soon_threadsafe(self._deliver, deltas, time.monotonic())
                 if self.residency is not None and not self.engine.has_unfinished():
