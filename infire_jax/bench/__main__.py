@@ -1,4 +1,5 @@
-"""`python -m infire_jax.bench`: latency, throughput, serve, fleet, suite, profile, boot, swap and spec subcommands.
+"""`python -m infire_jax.bench`: latency, throughput, serve, fleet, suite, profile, boot, swap, spec and compare
+subcommands.
 
 Flags follow `vllm bench` where they overlap. Every subcommand prints a table and takes
 --json FILE and --plot FILE.
@@ -10,12 +11,12 @@ import argparse
 import logging
 import sys
 
-from infire_jax.bench import boot, fleet, latency, profile, serve, spec, suite, swap, throughput
+from infire_jax.bench import boot, compare, fleet, latency, profile, serve, spec, suite, swap, throughput
 from infire_jax.bench.common import add_output_args
 from infire_jax.errors import InfireError
 
 SUBCOMMANDS = {"latency": latency, "throughput": throughput, "serve": serve, "fleet": fleet, "suite": suite,
-               "profile": profile, "boot": boot, "swap": swap, "spec": spec}
+               "profile": profile, "boot": boot, "swap": swap, "spec": spec, "compare": compare}
 
 
 def build_parser() -> argparse.ArgumentParser:
