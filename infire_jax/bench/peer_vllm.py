@@ -9,6 +9,7 @@ VLLM_CACHE_ROOT under the infire_jax cache (its torch.compile cache), VLLM_LOGGI
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -62,7 +63,6 @@ def main():
     request = json.load(sys.stdin)
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    import torch
     import vllm
 
     work = request["work"]
@@ -72,7 +72,8 @@ def main():
     res = {"peer": "vllm", "load_s": time.perf_counter() - start, "work": work, "model": request["model"],
            "eager": request["eager"], "env": {k: os.environ[k] for k in ENV_DEFAULTS},
            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
-           "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()}}
+           "versions": {"vllm": vllm.__version__, "torch": importlib.metadata.version("torch"),
+                        "python": platform.python_version()}}
     res.update(measure(llm, work))
     print(json.dumps(res), flush=True)
 
