@@ -86,6 +86,11 @@ def test_peer_json_of_other_work_is_refused(tmp_path, tokenizer):
     path.write_text(json.dumps({"peer": "vllm", "work": dict(work, new_tokens=128)}))
     with pytest.raises(BenchError, match="new_tokens differ"):
         compare.load_peer_json(str(path), work)
+    path.write_text(json.dumps({"benchmark": "compare", "peer": {"peer": "vllm", "work": work}}))
+    assert compare.load_peer_json(str(path), work)["work"] == work
+    path.write_text(json.dumps({"benchmark": "compare", "peer": None}))  # a --skip-peer run
+    with pytest.raises(BenchError, match="no peer result"):
+        compare.load_peer_json(str(path), work)
 
 
 def test_first_difference():

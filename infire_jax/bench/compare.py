@@ -185,10 +185,11 @@ def run_peer(python: str, model: str, eager: bool, work: dict) -> dict:
 
 
 def load_peer_json(path: str, work: dict) -> dict:
+    """A saved peer result, from an earlier compare's JSON or the driver's line; refused if it ran other work."""
     with open(path) as f:
         data = json.load(f)
     peer = data["peer"] if data.get("benchmark") == "compare" else data
-    if not isinstance(peer, dict):
+    if not isinstance(peer, dict) or "work" not in peer:
         raise BenchError(f"{path} holds no peer result")
     differ = sorted(k for k in work if peer["work"].get(k) != work[k])
     if differ:
