@@ -34,6 +34,7 @@ from infire_jax.sampler import BRANCHING, SamplerOutput, SamplingInputs, choose_
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
 from pallas_kernels.metadata import NULL_PAGE
+from pallas_kernels.reference import from_storage, pool_storage_dtype, to_storage
 from sharding.plan import ShardPlan
 
 
@@ -159,11 +160,12 @@ def _verify(branch: bool, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"
 
 
 def _read_pages(k_pages: Array, v_pages: Array, pages: Int[Array, "P"]) -> tuple[Array, Array]:
-    return k_pages[:, pages], v_pages[:, pages]
+    return from_storage(k_pages[:, pages]), from_storage(v_pages[:, pages])
 
 
 def _write_pages(cache: DeviceCache, pages: Int[Array, "P"], k: Array, v: Array) -> DeviceCache:
-    return cache._replace(k_pages=cache.k_pages.at[:, pages].set(k), v_pages=cache.v_pages.at[:, pages].set(v))
+    return cache._replace(k_pages=cache.k_pages.at[:, pages].set(to_storage(k, cache.k_pages.dtype)),
+                          v_pages=cache.v_pages.at[:, pages].set(to_storage(v, cache.v_pages.dtype)))
 
 
 def _load_history(cache: DeviceCache, slot: Int[Array, ""], prompt_ids: Int[Array, "M"],
@@ -262,9 +264,10 @@ class ModelRunner:
         pool = plan.sharding(entry.pool_axes) if plan else None
         replicated = plan.replicated if plan else None
 
+        stored = pool_storage_dtype(self.dtype, jax.default_backend())
         shapes = DeviceCache(
-            k_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), self.dtype),
-            v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), self.dtype),
+            k_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), stored),
+            v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), stored),
             counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=((rc.num_slots,), jnp.int32))
         shardings = DeviceCache(pool, pool, replicated, replicated, replicated)

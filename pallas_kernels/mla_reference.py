@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import _dot_precision, _pages_per_block, query_block_size, query_blocks, write_kv
+from pallas_kernels.reference import (_dot_precision, _pages_per_block, from_storage, query_block_size, query_blocks,
+                                      write_kv)
 
 
 def _part_b_mask(meta: AttentionMetadata, t: int) -> tuple[Array, Array]:
@@ -66,8 +67,8 @@ def _attend_cached(ql: Float[Array, "T H R"], qr: Float[Array, "T H Dr"], state:
     def body(j, carry):
         m, l_sum, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(item_pages, j * ppb, ppb, axis=1)
-        cb = latent_pages[layer, pages].reshape(w, block, r).astype(jnp.float32)
-        kb = rope_pages[layer, pages].reshape(w, block, dr).astype(jnp.float32)
+        cb = from_storage(latent_pages[layer, pages]).reshape(w, block, r).astype(jnp.float32)
+        kb = from_storage(rope_pages[layer, pages]).reshape(w, block, dr).astype(jnp.float32)
         s = (jnp.einsum("wmr,wbr->wmb", ql_i, cb, precision=precision)
              + jnp.einsum("wmd,wbd->wmb", qr_i, kb, precision=precision))
         in_ctx = (j * block + jnp.arange(block))[None, :] < qb.ctx[:, None]

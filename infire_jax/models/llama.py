@@ -8,6 +8,7 @@ mesh, `models.parallel` runs the same layer body on each device's shard of the w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -24,6 +25,7 @@ from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq,
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
+from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
@@ -81,14 +83,70 @@ class DecoderLayers(nnx.Module):
                 for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams))}
 
 
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """A layer's weight as the whole stack viewed as [L, K, N] plus the layer index, so the CPU
+    skinny matmul reads the layer's slice in place (scanning over the stack copies each slice)."""
+
+    stacked: Float[Array, "L K N"]
+    layer: Int[Array, ""]
+    shape: tuple[int, ...]  # one layer's weight, as the einsums see it
+
+
+_INPUT_AXES = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # a layer weight's leading axes that x spans
+_DENSE_RANK = {"wqkv": 4, "wo": 3, "w_gate_up": 3, "w_down": 2}  # one dense (not MoE) layer's weight
+
+
+def _kernel_view(name: str, stacked: Array, tokens: int) -> Array | None:
+    """A stack of `name` weights [L, ...] viewed as [L, K, N] if the skinny matmul takes it, else None."""
+    if not isinstance(stacked, jax.Array) or stacked.ndim != _DENSE_RANK[name] + 1:
+        return None
+    view = stacked.reshape(stacked.shape[0], int(np.prod(stacked.shape[1:1 + _INPUT_AXES[name]])), -1)
+    return view if cpu_matmul.applies(tokens, view) else None
+
+
+def in_place_weights(weights: dict[str, Array], tokens: int, red: Reductions) -> dict[str, tuple[Array, tuple]] | None:
+    """The stacked dense weights that a step of `tokens` tokens multiplies with the CPU skinny
+    matmul, as ([L, K, N] view, one layer's shape); None where the kernel is not used at all
+    (a mesh, or a step too large), so that weights decoded in the layer body follow the same rule."""
+    if red != Reductions() or tokens > cpu_matmul.MAX_ROWS:
+        return None
+    views = {name: (_kernel_view(name, weights.get(name), tokens), weights.get(name)) for name in _INPUT_AXES}
+    return {name: (view, tuple(w.shape[1:])) for name, (view, w) in views.items() if view is not None}
+
+
+def kernel_weights(lp: dict, in_place: dict[str, tuple[Array, tuple]] | None, layer: Array, tokens: int) -> dict:
+    """One layer's weights with the kernel's ones as `InPlace`: the stacked ones read in place, and
+    ones decoded in the layer body (compressed or quantized) as a stack of one, so a step computes
+    the same sums whether its weights were stored plain or compressed."""
+    if in_place is None:
+        return lp
+    out = {**lp, **{name: InPlace(view, layer, shape) for name, (view, shape) in in_place.items()}}
+    for name in _INPUT_AXES:
+        if name not in in_place and name in lp:
+            view = _kernel_view(name, lp[name][None], tokens)
+            if view is not None:
+                out[name] = InPlace(view, jnp.int32(0), tuple(lp[name].shape))
+    return out
+
+
+def linear(x: Array, w: Array | InPlace, spec: str) -> Array:
+    """x (tokens first) times a layer's weight: the einsum `spec`, or the skinny matmul for an
+    `InPlace` weight, whose [T, N] result takes the einsum's output shape."""
+    if not isinstance(w, InPlace):
+        return jnp.einsum(spec, x, w)
+    y = cpu_matmul.skinny_matmul(x.reshape(x.shape[0], -1), w.stacked, w.layer)
+    return y.reshape(x.shape[0], *w.shape[x.ndim - 1:]).astype(x.dtype)
+
+
 def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
-    gate_up = jnp.einsum("te,ecf->tcf", x, lp["w_gate_up"])
-    return jnp.einsum("tf,fe->te", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"])
+    gate_up = linear(x, lp["w_gate_up"], "te,ecf->tcf")
+    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], "tf,fe->te")
 
 
 def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool) -> tuple[Array, Array, Array]:
     """One GEMM for q, k and v: q [T, Hq, D] (head j*G + i is kv head j's i-th), k and v [T, Hkv, D]."""
-    qkv = jnp.einsum("te,ekgd->tkgd", x, lp["wqkv"])
+    qkv = linear(x, lp["wqkv"], "te,ekgd->tkgd")
     if bias:
         qkv = qkv + lp["bqkv"]
     t, hkv, g2, d = qkv.shape
@@ -96,10 +154,11 @@ def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool) -> tup
 
 
 def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
-                  red: Reductions) -> Callable:
+                  red: Reductions, in_place: dict[str, tuple[Array, tuple]] | None = None) -> Callable:
     """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index) -> carry.
 
     Head and MLP counts come from the weights' shapes, so the same body runs on a shard of them.
+    `in_place` weights (`in_place_weights`) are not scanned: the body reads its layer of them.
     """
     scale = cfg.head_dim ** -0.5
     mlp = functools.partial(moe_mlp, cfg=cfg, expert_axis=red.expert_axis) if cfg.is_moe else dense_mlp
@@ -108,6 +167,7 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
         h, k_pages, v_pages = carry
         lp, idx = xs
         lp = decode_layer(dequantize_layer(lp, h.dtype))  # this layer's compressed / quantized weights, decoded
+        lp = kernel_weights(lp, in_place, idx, h.shape[0])
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(lp, x, cfg.attention_bias)
         if cfg.qk_norm:
@@ -115,7 +175,7 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=scale, impl=attn_impl)
-        h = h + psum(jnp.einsum("thd,hde->te", o, lp["wo"]), red.attn)
+        h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
         h = h + psum(mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)), red.mlp)
         return (h, k_pages, v_pages), None
 
@@ -126,9 +186,11 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
                   sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
     """Scans the stacked layers; the KV pool is a loop carry so its updates stay in place."""
-    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red)
+    in_place = in_place_weights(weights, h.shape[0], red)
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place)
     idx = jnp.arange(jax.tree.leaves(weights)[0].shape[0], dtype=jnp.int32)
-    (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), (weights, idx))
+    scanned = {name: w for name, w in weights.items() if name not in (in_place or {})}
+    (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), (scanned, idx))
     return h, k_pages, v_pages
 
 
@@ -149,7 +211,8 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
     scratch slot, so no layer's states but the requested ones are ever kept. Returns them
     concatenated along the features, [T, len(aux_layers) * E], in `aux_layers` order.
     """
-    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions())
+    in_place = in_place_weights(weights, h.shape[0], Reductions())
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place)
     n, count = cfg.num_layers, len(aux_layers)
     slot_of_output = np.full(n, count, np.int32)  # layer i's output is hidden-state index i + 1
     for j, a in enumerate(aux_layers):
@@ -164,7 +227,8 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
         (h, k_pages, v_pages), _ = layer(carry[:3], (lp, idx))
         return (h, k_pages, v_pages, jax.lax.dynamic_update_index_in_dim(carry[3], h, slot, 0)), None
 
-    xs = (weights, jnp.arange(n, dtype=jnp.int32), jnp.asarray(slot_of_output))
+    scanned = {name: w for name, w in weights.items() if name not in (in_place or {})}
+    xs = (scanned, jnp.arange(n, dtype=jnp.int32), jnp.asarray(slot_of_output))
     (h, k_pages, v_pages, aux), _ = jax.lax.scan(body, (h, k_pages, v_pages, aux), xs)
     return h, k_pages, v_pages, jnp.moveaxis(aux[:count], 0, 1).reshape(h.shape[0], count * h.shape[1])
 

@@ -37,6 +37,7 @@ from infire_jax.models.kv_entry import kv_entry
 from infire_jax.request import Request
 from infire_jax.runner import RunnerConfig, StepForward, kv_bytes_per_page, matmul_precision
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
+from pallas_kernels.reference import pool_storage_dtype
 
 
 def _observe(graphdef, attn_impl: str, precision: str, state, kv, tokens: Int[Array, "T"],
@@ -90,7 +91,8 @@ class DraftModel:
         self.state = placed.state
         entry = kv_entry(cfg)  # the draft model's own pool layout
         pages = (cfg.num_layers, rc.num_pages, rc.page_size, entry.heads)
-        self.kv = (jnp.zeros((*pages, entry.k_dim), dtype), jnp.zeros((*pages, entry.v_dim), dtype))
+        stored = pool_storage_dtype(dtype, jax.default_backend())
+        self.kv = (jnp.zeros((*pages, entry.k_dim), stored), jnp.zeros((*pages, entry.v_dim), stored))
         precision = matmul_precision(dtype)
         self._observe = jax.jit(functools.partial(_observe, placed.graphdef, rc.attn_impl, precision),
                                 donate_argnums=(1,))

@@ -1,0 +1,85 @@
+"""CPU micro-benchmark of the skinny matmul (`cpu_matmul`) against XLA's dot, in the model's layer scan.
+
+    python -m pallas_kernels.cpu_matmul_bench [--dtype float32 bfloat16] [--rows 1 4 8 16]
+
+A stack of random dense layers shaped like the default model's (SmolLM2-135M: 30 layers, hidden
+576, MLP 1536, 9 q heads and 3 kv heads of 64) multiplies T tokens through its four weights per
+layer (q/k/v, o, gate/up, down), once with the model's einsums scanned over the stack (XLA's dot)
+and once through the FFI call (`llama.linear` with `InPlace` weights). Reports ms per pass over the
+stack and the weight bytes streamed per second; best of 3 loops of --iters passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infire_jax.models import llama
+from infire_jax.models.parallel import Reductions
+from pallas_kernels import cpu_matmul
+
+LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 1536, 9, 3, 64
+
+
+def _stack(dtype) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    n, e, f, hkv, d = LAYERS, EMBED, MLP, KV_HEADS, HEAD_DIM
+    shapes = {"wqkv": (n, e, hkv, HEADS // hkv + 2, d), "wo": (n, HEADS, d, e), "w_gate_up": (n, e, 2, f),
+              "w_down": (n, f, e)}
+    return {k: jnp.asarray(0.02 * rng.standard_normal(s, np.float32)).astype(dtype) for k, s in shapes.items()}
+
+
+def _pass(use_kernel: bool, x: jax.Array, weights: dict[str, jax.Array]) -> jax.Array:
+    in_place = llama.in_place_weights(weights, x.shape[0], Reductions()) if use_kernel else None
+    scanned = {k: w for k, w in weights.items() if k not in (in_place or {})}
+
+    def layer(h, xs):
+        lp, idx = xs
+        lp = llama.kernel_weights(lp, in_place, idx, h.shape[0])
+        q, _, _ = llama.project_qkv(lp, h, False)
+        h = h + llama.linear(q, lp["wo"], "thd,hde->te")
+        return h + 0.01 * llama.dense_mlp(lp, h), None
+
+    return jax.lax.scan(layer, x, (scanned, jnp.arange(LAYERS, dtype=jnp.int32)))[0]
+
+
+def _seconds(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pallas_kernels.cpu_matmul_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16], help="tokens per step (at most 16)")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args(argv)
+    if jax.default_backend() != "cpu" or not cpu_matmul.available():
+        p.error("needs the CPU backend and a C++ compiler (see pallas_kernels/cpu_matmul.py)")
+    print(f"{'dtype':>8} {'T':>3} {'XLA ms':>8} {'GB/s':>6} {'kernel ms':>10} {'GB/s':>6} {'speed-up':>8}")
+    for dtype in args.dtype:
+        weights = _stack(jnp.dtype(dtype))
+        nbytes = sum(w.nbytes for w in weights.values())
+        for rows in args.rows:
+            x = jnp.full((rows, EMBED), 0.01, jnp.dtype(dtype))
+            xla = _seconds(jax.jit(functools.partial(_pass, False)), x, weights, iters=args.iters)
+            ffi = _seconds(jax.jit(functools.partial(_pass, True)), x, weights, iters=args.iters)
+            print(f"{dtype:>8} {rows:>3} {xla * 1e3:8.2f} {nbytes / xla / 1e9:6.1f} {ffi * 1e3:10.2f} "
+                  f"{nbytes / ffi / 1e9:6.1f} {xla / ffi:7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""The CPU skinny matmul (an XLA FFI call, pallas_kernels/cpu_matmul.py) against float64 numpy, and
+in the model: a decode step takes it and agrees with XLA's dot; prefill-sized steps do not take it.
+The engine-level check is tests/test_parity.py, whose CPU decode steps run through this kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infire_jax.models import llama
+from infire_jax.models.parallel import Reductions
+from pallas_kernels import cpu_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler to build the CPU kernel")
+
+
+def _stack(rng, layers, k, n):
+    return rng.standard_normal((layers, k, n)).astype(np.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(4, 16), (576, 960), (576, 3072), (1536, 576), (64, 1600)])
+def test_matches_float64(rows, k, n):
+    """Every row count up to MAX_ROWS, weights narrower and wider than one column chunk, a chunk
+    count that does not divide the columns, and the first and last layer of the stack."""
+    rng = np.random.default_rng(rows * 7919 + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = _stack(rng, 3, k, n)
+    call = jax.jit(cpu_matmul.skinny_matmul)
+    for layer in (0, 2):
+        got = np.asarray(call(jnp.asarray(x), jnp.asarray(w), jnp.int32(layer)))
+        want = x.astype(np.float64) @ w[layer].astype(np.float64)
+        scale = np.abs(x).astype(np.float64) @ np.abs(w[layer]).astype(np.float64)
+        assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30), (layer, float(np.max(np.abs(got - want) / scale)))
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_bfloat16_weights_are_widened_exactly(rows):
+    """bfloat16 weights give the float32 product of their exact float32 values."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32))
+    w = jnp.asarray(_stack(rng, 2, 576, 960)).astype(jnp.bfloat16)
+    call = jax.jit(cpu_matmul.skinny_matmul)
+    np.testing.assert_array_equal(np.asarray(call(x, w, jnp.int32(1))),
+                                  np.asarray(call(x, w.astype(jnp.float32), jnp.int32(1))))
+    want = np.asarray(x, np.float64) @ np.asarray(w[1].astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(np.asarray(call(x, w, jnp.int32(1))), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_does_not_depend_on_the_batch():
+    """Each output is summed in one order whatever M is: a row alone equals that row in a batch."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 576)).astype(np.float32))
+    w = jnp.asarray(_stack(rng, 2, 576, 960))
+    call = jax.jit(cpu_matmul.skinny_matmul)
+    batch = np.asarray(call(x, w, jnp.int32(1)))
+    for m in (0, 5, 15):
+        np.testing.assert_array_equal(np.asarray(call(x[m:m + 1], w, jnp.int32(1)))[0], batch[m])
+    np.testing.assert_array_equal(np.asarray(call(x[:8], w, jnp.int32(1))), batch[:8])
+
+
+def test_applies_only_to_what_it_computes():
+    w = jnp.zeros((2, 576, 960), jnp.float32)
+    assert cpu_matmul.applies(1, w) and cpu_matmul.applies(cpu_matmul.MAX_ROWS, w)
+    assert not cpu_matmul.applies(cpu_matmul.MAX_ROWS + 1, w)  # prefill: XLA's dot
+    assert cpu_matmul.applies(1, w.astype(jnp.bfloat16)) and not cpu_matmul.applies(1, w.astype(jnp.float16))
+    assert not cpu_matmul.applies(1, jnp.zeros((2, 576, 40), jnp.float32))  # columns not a multiple of 16
+    assert not cpu_matmul.applies(1, jnp.zeros((2, 6, 960), jnp.float32))  # K not a multiple of 4
+    with pytest.raises(ValueError, match="features"):
+        cpu_matmul.skinny_matmul(jnp.zeros((1, 64)), w, jnp.int32(0))
+
+
+LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM = 3, 64, 128, 4, 2, 16
+
+
+def _weights(rng):
+    """A small dense Llama stack in the model's layout (DecoderLayers)."""
+    n, e, f, hkv, d = LAYERS, EMBED, MLP, KV_HEADS, HEAD_DIM
+    shapes = {"wqkv": (n, e, hkv, HEADS // hkv + 2, d), "wo": (n, HEADS, d, e), "w_gate_up": (n, e, 2, f),
+              "w_down": (n, f, e)}
+    return {k: jnp.asarray(0.1 * rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+def test_layer_body_takes_the_kernel_for_decode_steps(tokens):
+    """The dense weights of a decode-sized step are read in place by the FFI call and give XLA's
+    result; a prefill-sized step keeps XLA's dot; a mesh (any reduction axis) never takes it. A
+    weight decoded in the layer body (compressed or quantized storage) takes the same kernel as a
+    stack of one, with bitwise the same result as the stored weight read in place."""
+    rng = np.random.default_rng(tokens)
+    weights = _weights(rng)
+    x = jnp.asarray(rng.standard_normal((tokens, EMBED)).astype(np.float32))
+    in_place = llama.in_place_weights(weights, tokens, Reductions())
+    assert (set(in_place) == {"wqkv", "wo", "w_gate_up", "w_down"}) if tokens <= cpu_matmul.MAX_ROWS else in_place is None
+    assert llama.in_place_weights(weights, 1, Reductions(attn=("tp",), mlp=("tp",))) is None
+
+    def body(mode: str, x, weights, layer):
+        lp = {k: w[layer] for k, w in weights.items()}
+        if mode == "stacked":
+            lp = llama.kernel_weights(lp, llama.in_place_weights(weights, x.shape[0], Reductions()), layer, x.shape[0])
+        elif mode == "decoded":  # as if every weight had been decoded in the layer body
+            lp = llama.kernel_weights(lp, {} if x.shape[0] <= cpu_matmul.MAX_ROWS else None, layer, x.shape[0])
+        q, k, v = llama.project_qkv(lp, x, False)
+        o = llama.linear(q, lp["wo"], "thd,hde->te")
+        return q, k, v, o, llama.dense_mlp(lp, x)
+
+    for layer in (0, 2):
+        got, decoded, want = (jax.jit(functools.partial(body, mode))(x, weights, jnp.int32(layer))
+                              for mode in ("stacked", "decoded", "xla"))
+        for g, d, w in zip(got, decoded, want):
+            assert g.shape == w.shape
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(d))
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    for mode in ("stacked", "decoded"):
+        hlo = jax.jit(functools.partial(body, mode)).lower(x, weights, jnp.int32(0)).as_text()
+        assert (cpu_matmul.TARGET in hlo) == (tokens <= cpu_matmul.MAX_ROWS)
+
+
+def test_micro_benchmark_runs(capsys):
+    """`python -m pallas_kernels.cpu_matmul_bench` (the figures in docs/PERFORMANCE.md) end to end."""
+    from pallas_kernels import cpu_matmul_bench
+
+    assert cpu_matmul_bench.main(["--rows", "1", "16", "--dtype", "bfloat16", "--iters", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:2] == ["dtype", "T"] and [ln.split()[:2] for ln in lines[1:]] == [
+        ["bfloat16", "1"], ["bfloat16", "16"]]
+    assert all(float(ln.split()[-1].rstrip("x")) > 0 for ln in lines[1:])
