@@ -264,7 +264,7 @@ class ModelRunner:
         pool = plan.sharding(entry.pool_axes) if plan else None
         replicated = plan.replicated if plan else None
 
-        stored = pool_storage_dtype(self.dtype, jax.default_backend())
+        stored = pool_storage_dtype(self.dtype, rc.attn_impl)
         shapes = DeviceCache(
             k_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), stored),
             v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), stored),

@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int
 log = logging.getLogger(__name__)
 
 TARGET = "infire_skinny_matmul"
+HEAD_TARGET = "infire_skinny_matmul_nt"
 MAX_ROWS = 16  # beyond this XLA's dot is as fast (docs/PERFORMANCE.md)
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "skinny_matmul.cc")
 
@@ -79,6 +80,7 @@ def available() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(_build())
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.InfireSkinnyMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(HEAD_TARGET, jax.ffi.pycapsule(lib.InfireSkinnyMatmulNT), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU skinny-matmul kernel unavailable, using XLA's dot: %s", e)
         return False
@@ -99,3 +101,19 @@ def skinny_matmul(x: Float[Array, "M K"], stacked: Float[Array, "L K N"],
         raise ValueError(f"x has {k} features but the weight's layers are {stacked.shape[1:]}")
     out = jax.ShapeDtypeStruct((m, stacked.shape[2]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), stacked, layer.astype(jnp.int32))
+
+
+def head_applies(rows: int, head: Array) -> bool:
+    """Whether the LM head product takes the FFI call: bfloat16 heads only. XLA CPU converts the
+    whole bfloat16 head to float32 every step (25 ms of a 70 ms step here); a float32 head gets
+    XLA's best rate already (docs/PERFORMANCE.md)."""
+    return (rows <= MAX_ROWS and head.dtype == jnp.bfloat16 and head.ndim == 2 and head.shape[1] % 16 == 0
+            and jax.default_backend() == "cpu" and available())
+
+
+def head_matmul(x: Float[Array, "M E"], head: Float[Array, "V E"]) -> Float[Array, "M V"]:
+    """x @ head.T in float32, `head` in the embedding's [V, E] layout, read in place; M <= MAX_ROWS."""
+    if head.shape[1] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but the head is {head.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], head.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(HEAD_TARGET, out)(x.astype(jnp.float32), head)

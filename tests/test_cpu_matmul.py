@@ -51,6 +51,24 @@ def test_bfloat16_weights_are_widened_exactly(rows):
     np.testing.assert_allclose(np.asarray(call(x, w, jnp.int32(1))), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16])
+@pytest.mark.parametrize("vocab", [1000, 49152])
+def test_bfloat16_head_matches_float64(rows, vocab):
+    """The LM head kernel (x @ head.T, head [V, E] bfloat16): every row count up to MAX_ROWS, a vocab
+    that is not a multiple of its row chunk; against float64 of the head's exact values, and a
+    row's logits do not depend on the batch."""
+    rng = np.random.default_rng(rows + vocab)
+    x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32))
+    head = jnp.asarray(rng.standard_normal((vocab, 576)).astype(np.float32)).astype(jnp.bfloat16)
+    assert cpu_matmul.head_applies(rows, head) and not cpu_matmul.head_applies(rows, head.astype(jnp.float32))
+    got = np.asarray(jax.jit(cpu_matmul.head_matmul)(x, head))
+    hf = np.asarray(head.astype(jnp.float32), np.float64)
+    want = np.asarray(x, np.float64) @ hf.T
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(hf).T
+    assert np.all(np.abs(got - want) <= 1e-6 * scale)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.head_matmul)(x[-1:], head))[0], got[-1])
+
+
 def test_a_row_does_not_depend_on_the_batch():
     """Each output is summed in one order whatever M is: a row alone equals that row in a batch."""
     rng = np.random.default_rng(0)

@@ -276,11 +276,14 @@ class Llama(nnx.Module):
             return h, (k_pages, v_pages)
         return run_sharded(stack, plan, weights, self.layers.axes(), h, kv, meta, cos, sin)
 
-    def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S V"]:
+    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
         """Final norm and LM head: the head is read once in the weights' dtype, with float32
-        accumulation and float32 logits (no converted or transposed copy of the head)."""
+        accumulation and float32 logits (no converted or transposed copy of the head; on CPU a
+        bfloat16 head goes through the FFI call, where XLA would convert it whole every step)."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        if plan is None and cpu_matmul.head_applies(h.shape[0], head):
+            return cpu_matmul.head_matmul(h, head)
         return jax.lax.dot_general(h, head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     def __call__(
@@ -299,6 +302,6 @@ class Llama(nnx.Module):
         h = self.embed_tokens(tokens)
         if aux_layers is None:
             h, kv = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan)
-            return self.logits(h[logits_indices]), kv
+            return self.logits(h[logits_indices], plan), kv
         h, kv, aux = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, aux_layers=aux_layers)
-        return self.logits(h[logits_indices]), kv, aux
+        return self.logits(h[logits_indices], plan), kv, aux

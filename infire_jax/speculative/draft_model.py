@@ -91,7 +91,7 @@ class DraftModel:
         self.state = placed.state
         entry = kv_entry(cfg)  # the draft model's own pool layout
         pages = (cfg.num_layers, rc.num_pages, rc.page_size, entry.heads)
-        stored = pool_storage_dtype(dtype, jax.default_backend())
+        stored = pool_storage_dtype(dtype, rc.attn_impl)
         self.kv = (jnp.zeros((*pages, entry.k_dim), stored), jnp.zeros((*pages, entry.v_dim), stored))
         precision = matmul_precision(dtype)
         self._observe = jax.jit(functools.partial(_observe, placed.graphdef, rc.attn_impl, precision),
