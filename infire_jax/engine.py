@@ -130,15 +130,19 @@ class Engine:
         done = itertools.count(1)
         t0, events, cached = time.monotonic(), compile_count(), cache_hit_count()
         # Compiling needs only the weights' shapes: with a pool fixed in advance, one process and
-        # uncompressed weights, the steps compile on another thread while the weights are read.
+        # uncompressed weights, another thread allocates the KV pool and compiles (or loads) the
+        # steps while the weights are read.
         warmup = None
         if sizing is not None and not (ec.weights_compression or ec.weights_quantization) \
                 and not multihost.is_multiprocess():
-            self.runner = ModelRunner(placed_cfg, *abstract_state(cfg, self.dtype, self.plan), rc, dtype=self.dtype,
-                                      plan=self.plan)
+            def build_and_warm_up() -> tuple[ModelRunner, float]:
+                runner = ModelRunner(placed_cfg, *abstract_state(cfg, self.dtype, self.plan), rc, dtype=self.dtype,
+                                     plan=self.plan)
+                return runner, timed(runner.warmup, lambda shape: report("compile", next(done), len(shapes)))
+
             report("compile", 0, len(shapes))
             pool = concurrent.futures.ThreadPoolExecutor(1, "infire-warmup")
-            warmup = pool.submit(timed, self.runner.warmup, lambda shape: report("compile", next(done), len(shapes)))
+            warmup = pool.submit(build_and_warm_up)
             pool.shutdown(wait=False)  # its thread ends with the warmup
 
         report("load", 0, 1)
@@ -148,14 +152,12 @@ class Engine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        self.grammars = GrammarBackend(self.tokenizer.tk.to_str(), self.model_config.vocab_size,
-                                       self.model_config.eos_token_ids, timeout=ec.grammar_compile_timeout)
         jax.block_until_ready(state)
         self.load_seconds = time.monotonic() - t_load
         report("load", 1, 1)
 
         if warmup is not None:
-            self.warmup_seconds = warmup.result()  # re-raises what the warmup raised
+            self.runner, self.warmup_seconds = warmup.result()  # re-raises what the warmup raised
             self.runner.attach_weights(state)
         else:
             t_warmup = time.monotonic()
@@ -166,6 +168,10 @@ class Engine:
             report("compile", 0, len(shapes))
             self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
             self.warmup_seconds = time.monotonic() - t_warmup
+        # After the warmup: its token trie is built on a thread of its own, which would hold the GIL
+        # against the warmup's (the first structured-output request waits for it instead).
+        self.grammars = GrammarBackend(self.tokenizer.tk.to_str(), self.model_config.vocab_size,
+                                       self.model_config.eos_token_ids, timeout=ec.grammar_compile_timeout)
         self.pool_sizing: PoolSizing = sizing
         log.info("%s", sizing.describe())
         rc = self.runner.rc
@@ -179,7 +185,8 @@ class Engine:
         self.boot = BootTimeline(
             weight_bytes=sum(a.nbytes for a in jax.tree.leaves(state)), load_seconds=self.load_seconds,
             restored=placed.built_because is None, compile_seconds=self.warmup_seconds, num_steps=len(shapes),
-            compiled=compile_count() - events - (cache_hit_count() - cached), cache_loaded=cache_hit_count() - cached,
+            compiled=compile_count() - events - (cache_hit_count() - cached),
+            executables_loaded=self.runner.executables_loaded, cache_loaded=cache_hit_count() - cached,
             overlapped=warmup is not None, ready_seconds=time.monotonic() - t0)
         # Compilations inside step() after warmup: must stay 0 (buckets are fixed).
         self.compiles_since_warmup = 0

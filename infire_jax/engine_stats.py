@@ -16,7 +16,8 @@ def timed(fn: Callable, *args) -> float:
 @dataclasses.dataclass(frozen=True)
 class BootTimeline:
     """Where an engine's start-up went: the weights (restored from the checkpoint or built from the
-    source) and the warmup of every step (XLA compilations, or executables from the persistent cache)."""
+    source) and the warmup of every step (XLA compilations, executables deserialized from the executable
+    cache, or executables from XLA's persistent cache)."""
 
     weight_bytes: int  # placed on the devices, all shards
     load_seconds: float
@@ -24,6 +25,7 @@ class BootTimeline:
     compile_seconds: float
     num_steps: int  # token buckets warmed up
     compiled: int  # XLA compilations during warmup (the cache loads below not counted)
+    executables_loaded: int  # step programs deserialized from the executable cache (nothing traced)
     cache_loaded: int  # executables loaded from XLA's persistent cache during warmup
     overlapped: bool  # the warmup ran while the weights were read
     ready_seconds: float  # the engine's construction, from its first compile or read to ready
@@ -32,8 +34,8 @@ class BootTimeline:
         source = "restored from its checkpoint" if self.restored else "loaded from the source"
         return (f"boot: weights {self.weight_bytes / 1e9:.3f} GB {source} in {self.load_seconds:.2f} s "
                 f"({self.weight_bytes / 1e9 / max(self.load_seconds, 1e-9):.2f} GB/s); warmup of {self.num_steps} "
-                f"steps in {self.compile_seconds:.2f} s ({self.compiled} programs compiled, {self.cache_loaded} "
-                f"from XLA's cache"
+                f"steps in {self.compile_seconds:.2f} s ({self.compiled} programs compiled, "
+                f"{self.executables_loaded} loaded from the executable cache, {self.cache_loaded} from XLA's cache"
                 f"{', while the weights were read' if self.overlapped else ''}); "
                 f"engine ready in {self.ready_seconds:.2f} s")
 

@@ -14,8 +14,10 @@ verifier (speculative/verify.py) in place of the sampler.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -24,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax import multihost
+from infire_jax import executable_cache, multihost
 from infire_jax.batch import (TOKEN_OUTPUT, TOKEN_PROMPT, DraftInputs, StepBatch, build_batch, draft_inputs,
                               grammar_bitmask)
 from infire_jax.buckets import Buckets, StepShape
@@ -248,10 +250,13 @@ class ModelRunner:
         self._compiled_samplers: dict[tuple[int, str], jax.stages.Compiled] = {}
         self._compiled_verify_forward: dict[StepShape, jax.stages.Compiled] = {}  # speculative decoding
         self._compiled_verifiers: dict[int, jax.stages.Compiled] = {}
+        self._compiled_small: dict[str, jax.stages.Compiled] = {}  # history, read_pages, write_pages
         # Structured outputs: a step with no constrained row passes its row bucket's all-allowed
         # grammar mask, kept on the device, instead of copying one (structured/, sampler.py).
         self.mask_words = -(-cfg.vocab_size // 32)
         self._all_allowed: dict[int, jax.Array] = {}
+        # Warm starts load the step programs without tracing them (executable_cache.py).
+        self._executables = executable_cache.for_runner(repr((cfg, rc, str(jnp.dtype(dtype)), plan, graphdef)))
         self._history = jax.jit(_load_history, donate_argnums=(0,))
         self._read_pages = jax.jit(_read_pages)
         self._write_pages = jax.jit(_write_pages, donate_argnums=(0,),
@@ -318,24 +323,36 @@ class ModelRunner:
         forward and samplers (the larger of the two: they run one after the other)."""
         shape = self.rc.buckets.shapes[-1]
         batch = self._empty_batch(shape)
-        peaks = [self._lower_forward(batch).compile().memory_analysis().temp_size_in_bytes]
+        peaks = [self._compile_forward(batch).memory_analysis().temp_size_in_bytes]
         for variant in self.rc.sampler_variants:
-            m = self._lower_sampler(variant, batch).compile().memory_analysis()
+            m = self._compile_sampler(variant, batch).memory_analysis()
             peaks.append(m.temp_size_in_bytes + shape.num_rows * self.cfg.vocab_size * 4)
         if self.rc.num_spec:
             batch = self._empty_batch(shape, verify=True)
-            peaks.append(self._lower_forward(batch).compile().memory_analysis().temp_size_in_bytes)
-            m = self._lower_verifier(batch, self._empty_drafts(shape)).compile().memory_analysis()
+            peaks.append(self._compile_forward(batch).memory_analysis().temp_size_in_bytes)
+            m = self._compile_verifier(batch, self._empty_drafts(shape)).memory_analysis()
             peaks.append(m.temp_size_in_bytes + batch.logits_indices.shape[0] * self.cfg.vocab_size * 4)
         return max(peaks)
 
-    def _lower_forward(self, batch: StepBatch) -> jax.stages.Lowered:
-        return self._forward.lower(self.state, self.cache, batch)
+    def _executable(self, name: str, jitted, args: tuple) -> jax.stages.Compiled:
+        """`jitted` compiled for `args`: from the executable cache when it has it (nothing traced)."""
+        if self._executables is None:
+            return jitted.lower(*args).compile()
+        return self._executables.get(name, args, lambda: jitted.lower(*args))
 
-    def _lower_sampler(self, variant: str, batch: StepBatch) -> jax.stages.Lowered:
+    @property
+    def executables_loaded(self) -> int:
+        """Step programs deserialized from the executable cache (not traced) so far."""
+        return self._executables.loaded if self._executables else 0
+
+    def _compile_forward(self, batch: StepBatch) -> jax.stages.Compiled:
+        return self._executable("forward", self._forward, (self.state, self.cache, batch))
+
+    def _compile_sampler(self, variant: str, batch: StepBatch) -> jax.stages.Compiled:
         c = self.cache
-        return self._samplers[variant].lower(c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch),
-                                             batch.sampling, batch.row_slots, batch.sample_rows, self._mask_struct(batch))
+        return self._executable(f"sampler-{variant}", self._samplers[variant],
+                                (c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch), batch.sampling,
+                                 batch.row_slots, batch.sample_rows, self._mask_struct(batch)))
 
     def _logits_struct(self, batch: StepBatch) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((batch.logits_indices.shape[0], self.cfg.vocab_size), jnp.float32,
@@ -346,26 +363,26 @@ class ModelRunner:
         return jax.ShapeDtypeStruct((batch.logits_indices.shape[0], self.mask_words), jnp.int32,
                                     sharding=self.plan.replicated if self.plan else None)
 
-    def _lower_verifier(self, batch: StepBatch, drafts: DraftInputs) -> jax.stages.Lowered:
+    def _compile_verifier(self, batch: StepBatch, drafts: DraftInputs) -> jax.stages.Compiled:
         c = self.cache
-        return self._verifier.lower(c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch),
-                                    batch.sampling, batch.row_slots, batch.sample_rows, drafts,
-                                    self._mask_struct(batch))
+        return self._executable("verifier", self._verifier,
+                                (c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch), batch.sampling,
+                                 batch.row_slots, batch.sample_rows, drafts, self._mask_struct(batch)))
 
-    def _compile(self, shape: StepShape, batch: StepBatch) -> None:
-        """Compiles (or loads from XLA's persistent cache) the step programs of one bucket."""
-        self._compiled_forward[shape] = self._lower_forward(batch).compile()
+    def _programs(self, shape: StepShape, batch: StepBatch) -> dict[tuple[str, object], Callable[[], jax.stages.Compiled]]:
+        """The step programs of one bucket, by (table, key): each call compiles or loads one."""
         for rows in (shape.num_rows, shape.num_rows * (self.rc.num_spec + 1)):  # plain, verifying steps
             self._all_allowed.setdefault(rows, jax.device_put(np.full((rows, self.mask_words), -1, np.int32),
                                                               self.plan.replicated if self.plan else None))
+        jobs = {("forward", shape): functools.partial(self._compile_forward, batch)}
         for variant in self.rc.sampler_variants:
-            if (shape.num_rows, variant) not in self._compiled_samplers:
-                self._compiled_samplers[shape.num_rows, variant] = self._lower_sampler(variant, batch).compile()
+            jobs["sampler", (shape.num_rows, variant)] = functools.partial(self._compile_sampler, variant, batch)
         if self.rc.num_spec:
             batch = self._empty_batch(shape, verify=True)
-            self._compiled_verify_forward[shape] = self._lower_forward(batch).compile()
-            if shape.num_rows not in self._compiled_verifiers:
-                self._compiled_verifiers[shape.num_rows] = self._lower_verifier(batch, self._empty_drafts(shape)).compile()
+            jobs["verify_forward", shape] = functools.partial(self._compile_forward, batch)
+            jobs["verifier", shape.num_rows] = functools.partial(self._compile_verifier, batch,
+                                                                 self._empty_drafts(shape))
+        return jobs
 
     def model(self) -> nnx.Module:
         """The model bound to the placed weights, for direct forwards outside the step (tests, tools)."""
@@ -403,8 +420,8 @@ class ModelRunner:
         """The KV of `pages`, [L, len(pages), page_size, heads, dim] each (models/kv_entry.py), on the
         host (in chunks of TRANSFER_PAGES: one compiled shape)."""
         chunks = [pages[i:i + TRANSFER_PAGES] for i in range(0, len(pages), TRANSFER_PAGES)]
-        host = jax.device_get([self._read_pages(self.cache.k_pages, self.cache.v_pages, _padded_pages(c))
-                               for c in chunks])
+        read = self._compiled_small["read_pages"]
+        host = jax.device_get([read(self.cache.k_pages, self.cache.v_pages, _padded_pages(c)) for c in chunks])
 
         def empty(pool):  # so that no pages still concatenates
             return np.zeros((pool.shape[0], 0, *pool.shape[2:]), jnp.dtype(self.dtype))
@@ -419,7 +436,7 @@ class ModelRunner:
             chunk = pages[i:i + TRANSFER_PAGES]
             pad = [(0, 0), (0, TRANSFER_PAGES - len(chunk))] + [(0, 0)] * 3
             kc, vc = (np.pad(np.asarray(x[:, i:i + len(chunk)], jnp.dtype(self.dtype)), pad) for x in (k, v))
-            self.cache = self._write_pages(self.cache, _padded_pages(chunk), kc, vc)
+            self.cache = self._compiled_small["write_pages"](self.cache, _padded_pages(chunk), kc, vc)
 
     def _command(self, shape: StepShape, variant: str) -> int:
         """A step's (bucket, sampler variant) as one integer, for the multi-process header."""
@@ -427,29 +444,53 @@ class ModelRunner:
             self.rc.sampler_variants.index(variant)
 
     def _load(self, slot: int, prompt: np.ndarray, output: np.ndarray) -> None:
-        self.cache = self._history(self.cache, np.int32(slot), prompt, output)
+        self.cache = self._compiled_small.get("history", self._history)(self.cache, np.int32(slot), prompt, output)
+
+    def _small_programs(self) -> dict[tuple[str, object], Callable[[], jax.stages.Compiled]]:
+        """The history program, and the page programs of KV transfer (one process only)."""
+        ids = jax.ShapeDtypeStruct((self._history_len,), jnp.int32)
+        pages = jax.ShapeDtypeStruct((TRANSFER_PAGES,), jnp.int32)
+        c = self.cache
+        chunk = [jax.ShapeDtypeStruct((p.shape[0], TRANSFER_PAGES, *p.shape[2:]), jnp.dtype(self.dtype))
+                 for p in (c.k_pages, c.v_pages)]
+        args = {"history": (self._history, (c, jax.ShapeDtypeStruct((), jnp.int32), ids, ids)),
+                "read_pages": (self._read_pages, (c.k_pages, c.v_pages, pages)),
+                "write_pages": (self._write_pages, (c, pages, *chunk))}
+        return {("small", name): functools.partial(self._executable, name, jitted, a)
+                for name, (jitted, a) in args.items()}
 
     def warmup(self, on_shape: Callable[[StepShape], None] | None = None) -> None:
-        """Compiles every bucket's programs ahead of time (from XLA's persistent cache after the first
-        start), without running them: that needs only the weights' shapes, so it may run while they
-        load. The small page and history programs run once, on the null page and the padding slot.
+        """Compiles every bucket's programs ahead of time (deserialized from the executable cache
+        after the first start), without running them: that needs only the weights' shapes, so it
+        may run while they load.
 
-        With several processes, each process also runs every broadcast shape once.
+        With several processes, each process also runs every broadcast shape once, and the history
+        program once on the padding slot (the page programs of KV transfer serve one process only).
         """
-        pad = np.full(self._history_len, self.cfg.vocab_size, np.int32)
+        jobs: dict[tuple[str, object], Callable[[], jax.stages.Compiled]] = {}
         if multihost.is_multiprocess():
+            pad = np.full(self._history_len, self.cfg.vocab_size, np.int32)
             multihost.receive_header()
             multihost.receive((pad, pad))
-        self._load(self.rc.dummy_slot, pad, pad)
+            self._load(self.rc.dummy_slot, pad, pad)
+        else:
+            jobs.update(self._small_programs())
         for shape in self.rc.buckets.shapes:
             batch = self._empty_batch(shape)
             if multihost.is_multiprocess():
                 batch = multihost.receive(batch)
-            self._compile(shape, batch)
-            if on_shape:
-                on_shape(shape)
-        if not multihost.is_multiprocess():  # KV transfer: both page programs, on the null page only
-            self.write_pages([NULL_PAGE], *self.read_pages([NULL_PAGE]))
+            for key, job in self._programs(shape, batch).items():
+                jobs.setdefault(key, job)  # a sampler serves every bucket of its row count
+        tables = {"forward": self._compiled_forward, "sampler": self._compiled_samplers,
+                  "verify_forward": self._compiled_verify_forward, "verifier": self._compiled_verifiers,
+                  "small": self._compiled_small}
+        # XLA compiles and deserializes with the GIL released: a few threads overlap them.
+        workers = 1 if multihost.is_multiprocess() else min(4, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(workers, "infire-compile") as pool:
+            for (table, key), done in [(k, pool.submit(job)) for k, job in jobs.items()]:
+                tables[table][key] = done.result()
+                if table == "forward" and on_shape:
+                    on_shape(key)
 
     def attach_weights(self, state: nnx.State) -> None:
         """The weights, once read, for a runner built (and warmed up) on their shapes alone."""

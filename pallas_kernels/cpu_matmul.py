@@ -39,7 +39,7 @@ def _cache_dir() -> str:
     return os.path.join(base, "cpu_kernels")
 
 
-def _host_cpu() -> str:
+def host_cpu() -> str:
     """The CPU model and flags: `-march=native` code is only valid on the CPU that built it."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -57,7 +57,7 @@ def _build() -> str:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}"]
-    key = hashlib.sha256(source + jax.__version__.encode() + _host_cpu().encode() + " ".join(flags).encode())
+    key = hashlib.sha256(source + jax.__version__.encode() + host_cpu().encode() + " ".join(flags).encode())
     path = os.path.join(_cache_dir(), f"skinny_matmul-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(_cache_dir(), exist_ok=True)

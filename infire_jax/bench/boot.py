@@ -4,9 +4,10 @@ Every boot is a new process that builds the engine from the flags and generates 
 its caches in a fresh directory. The first boot finds them empty: it converts the model, writes
 its checkpoint (`built`) and compiles every step. Then each of --runs rounds boots once with the
 checkpoint's files evicted from the page cache (`cold`: weights read from the drive, steps from
-XLA's persistent cache) and once right after (`warm`: from memory). Times count from the
-process's start, imports included; `load` is the weights alone (checks, restore, placement) and
-`compile` the warmup of every step bucket (`compiled` by XLA, or `cached`: loaded from its
+the executable cache) and once right after (`warm`: from memory). Times count from the process's
+start, imports included; `load` is the weights alone (checks, restore, placement) and `compile`
+the warmup of every step bucket and the pool's allocation (programs `compiled` by XLA, `loaded`
+from infire_jax's executable cache without tracing, or `cached`: traced and then found in XLA's
 persistent cache). The floor is the checkpoint's bytes over the drive's read speed: the faster of
 O_DIRECT reads and np.fromfile of the same files, both past the page cache. A `dummy:` model has
 no checkpoint (its weights are drawn on the devices): it gets a first boot and --runs warm ones,
@@ -104,7 +105,8 @@ def boot(args: argparse.Namespace) -> None:
     manifest = os.path.join(path, "manifest.json") if path else ""
     print(_RESULT + json.dumps(dict(
         import_s=imported - started, load_s=engine.load_seconds, compile_s=engine.warmup_seconds,
-        compiled=engine.boot.compiled, cache_loaded=engine.boot.cache_loaded, restored=engine.boot.restored,
+        compiled=engine.boot.compiled, executables_loaded=engine.boot.executables_loaded,
+        cache_loaded=engine.boot.cache_loaded, restored=engine.boot.restored,
         ready_s=ready - started, first_token_s=first - started, checkpoint=path, weight_bytes=engine.boot.weight_bytes,
         built=bool(path) and os.path.exists(manifest) and os.stat(manifest).st_mtime >= started)), flush=True)
 
@@ -123,7 +125,8 @@ def _spawn(flags: dict, cache: str) -> dict:
 COLUMNS = [
     ("mode", "boot", "{}"), ("runs", "runs", "{}"), ("built", "built", "{}"), ("import_s", "import s", "{:.2f}"),
     ("load_s", "load s", "{:.2f}"), ("load_gb_per_s", "load GB/s", "{:.2f}"), ("floor_s", "floor s", "{:.2f}"),
-    ("compile_s", "compile s", "{:.2f}"), ("compiled", "compiled", "{:.0f}"), ("cache_loaded", "cached", "{:.0f}"),
+    ("compile_s", "compile s", "{:.2f}"), ("compiled", "compiled", "{:.0f}"),
+    ("executables_loaded", "loaded", "{:.0f}"), ("cache_loaded", "cached", "{:.0f}"),
     ("ready_s", "ready s", "{:.2f}"), ("first_token_s", "first token s", "{:.2f}"),
     ("ready_over_floor_s", "ready - floor s", "{:.2f}"),
 ]
@@ -132,7 +135,7 @@ COLUMNS = [
 def _summary(mode: str, boots: list[dict], nbytes: int, drive_s: float | None) -> dict:
     import numpy as np
 
-    row = {k: float(np.median([b[k] for b in boots])) for k in ("import_s", "load_s", "compile_s", "compiled",
+    row = {k: float(np.median([b[k] for b in boots])) for k in ("import_s", "load_s", "compile_s", "compiled", "executables_loaded",
                                                                  "cache_loaded", "ready_s", "first_token_s")}
     return dict(mode=mode, runs=len(boots), built=sum(b["built"] for b in boots),
                 load_gb_per_s=nbytes / row["load_s"] / 1e9, floor_s=drive_s,

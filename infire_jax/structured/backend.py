@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import json
 import threading
 
@@ -74,9 +75,12 @@ class GrammarBackend:
         self.timeout = timeout
         self.clock = GrammarClock()
         self._pool = concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS, "infire-grammar")
-        # The tokenizer's token trie takes ~0.2 s to build: once, on the pool, before the first compile.
-        self._tokenizer = self._pool.submit(llguidance.LLTokenizer, tokenizer_json, n_vocab=vocab_size,
-                                            eos_token=list(eos_ids))
+        # The tokenizer's token trie takes ~0.2 s to build, holding the GIL: once, on the pool, when
+        # the first constraint arrives (at start it would hold up the engine's warmup).
+        self._make_tokenizer = functools.partial(llguidance.LLTokenizer, tokenizer_json, n_vocab=vocab_size,
+                                                 eos_token=list(eos_ids))
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -102,7 +106,10 @@ class GrammarBackend:
                                       "simplify it", spec.field_param) from None
 
     def _build(self, spec: StructuredOutputs) -> CompiledGrammar:
-        tokenizer = self._tokenizer.result()
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._make_tokenizer()
+            tokenizer = self._tokenizer
         try:
             grammar = to_grammar(spec)
         except (ValueError, TypeError) as e:

@@ -1,0 +1,206 @@
+"""The step programs kept on disk as serialized executables, so a warm start traces nothing (issue 9).
+
+XLA's persistent cache (engine.enable_compilation_cache) skips compilation, but finding a program in
+it takes the program's HLO: a warm start still traced and lowered every step program, 0.1-0.25 s
+each, three quarters of a warm CPU boot. This cache keys a program by what it is made of instead:
+the package's source, jax and the devices, the runner's static settings and the arguments' shapes,
+dtypes and shardings. A hit deserializes the executable without tracing anything.
+
+An executable that XLA's persistent cache loaded cannot be serialized again (on CPU the copy fails
+at its first run: "Function ... not found"), so a program this cache misses is compiled with XLA's
+cache switched off for that moment. A file that is corrupt, or that this jax cannot load, is
+deleted and its program compiled again; it is never run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from typing import Any, Callable
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
+
+import pallas_kernels
+import sharding.plan
+from infire_jax.loaders.load import cache_dir
+from pallas_kernels import cpu_matmul
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"infire-executable-1\n"
+_SOURCE_SUFFIXES = (".py", ".cc", ".h")
+_ENV_PREFIXES = ("INFIRE_JAX_", "XLA_", "JAX_", "TF_", "CUDA_", "NVIDIA_")
+_ENV_IGNORED = ("INFIRE_JAX_CACHE", "INFIRE_JAX_EXECUTABLE_CACHE_GB", "JAX_COMPILATION_CACHE_DIR")
+
+
+def for_runner(context: str) -> ExecutableCache | None:
+    """The cache of a runner whose static settings `context` describes, under the infire_jax cache
+    dir; None with several processes (each would need the others' executables), with on-disk
+    compilation caches turned off (INFIRE_JAX_NO_COMPILE_CACHE), or with INFIRE_JAX_NO_EXECUTABLE_CACHE=1."""
+    if os.environ.get("INFIRE_JAX_NO_EXECUTABLE_CACHE") or os.environ.get("INFIRE_JAX_NO_COMPILE_CACHE") \
+            or jax.process_count() > 1:
+        return None
+    return ExecutableCache(os.path.join(cache_dir(), "executables"), context)
+
+
+@functools.cache
+def _source_fingerprint() -> str:
+    """Every source file of the packages that build the programs (a code change is a new program)."""
+    h = hashlib.sha256()
+    for pkg in (os.path.dirname(__file__), os.path.dirname(pallas_kernels.__file__),
+                os.path.dirname(sharding.plan.__file__)):
+        for root, dirs, files in os.walk(pkg):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(f for f in files if f.endswith(_SOURCE_SUFFIXES)):
+                path = os.path.join(root, name)
+                h.update(os.path.relpath(path, os.path.dirname(pkg)).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+@functools.cache
+def _runtime_fingerprint() -> str:
+    """What else decides the executable: jax, the devices, the host CPU (XLA CPU code is built for
+    it), the environment's compiler flags, and whether the CPU matmul kernel is there."""
+    backend = jax.default_backend()
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED)
+    parts = [jax.__version__, jaxlib.__version__, backend, [d.device_kind for d in jax.devices()],
+             jax.process_count(), env, cpu_matmul.host_cpu(), jax.config.jax_enable_x64,
+             jax.config.jax_default_matmul_precision, backend == "cpu" and cpu_matmul.available()]
+    return repr(parts)
+
+
+def _signature(args: Any) -> str:
+    """The arguments' tree, shapes, dtypes and shardings (arrays and ShapeDtypeStructs alike)."""
+    leaves, tree = jax.tree.flatten(args)
+    return repr((str(tree), [(tuple(a.shape), str(a.dtype), repr(getattr(a, "sharding", None)),
+                              bool(getattr(a, "weak_type", False))) for a in leaves]))
+
+
+_switch = threading.Lock()  # XLA's cache is switched process-wide: off while any fresh compile runs
+_fresh_compiles = 0
+_switched_off = False
+
+
+@contextlib.contextmanager
+def _without_xla_cache():
+    global _fresh_compiles, _switched_off
+    with _switch:
+        if _fresh_compiles == 0 and jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
+            jax.config.update("jax_enable_compilation_cache", False)
+            compilation_cache.reset_cache()
+            _switched_off = True
+        _fresh_compiles += 1
+    try:
+        yield
+    finally:
+        with _switch:
+            _fresh_compiles -= 1
+            if _fresh_compiles == 0 and _switched_off:
+                jax.config.update("jax_enable_compilation_cache", True)
+                compilation_cache.reset_cache()
+                _switched_off = False
+
+
+def _compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """Compiles without XLA's persistent cache (whose executables cannot be serialized again)."""
+    with _without_xla_cache():
+        return lowered.compile()
+
+
+class ExecutableCache:
+    """A directory of serialized executables for one runner (`context`: its static settings)."""
+
+    def __init__(self, directory: str, context: str, max_bytes: int | None = None):
+        self.directory = directory
+        self.max_bytes = max_bytes if max_bytes is not None else \
+            int(float(os.environ.get("INFIRE_JAX_EXECUTABLE_CACHE_GB", "4")) * 2**30)
+        self._prefix = _source_fingerprint() + _runtime_fingerprint() + context
+        self.loaded = 0  # programs deserialized from the cache
+        self.compiled = 0  # programs compiled (and written) because the cache missed
+
+    def path(self, name: str, args: Any) -> str:
+        key = hashlib.sha256((self._prefix + name + _signature(args)).encode()).hexdigest()
+        return os.path.join(self.directory, key[:40] + ".exe")
+
+    def get(self, name: str, args: Any, lower: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
+        """The executable of program `name` called on `args`: from the cache, else `lower()` compiled
+        and written to it."""
+        path = self.path(name, args)
+        compiled = self._load(path, args)
+        if compiled is not None:
+            self.loaded += 1
+            return compiled
+        compiled = _compile_fresh(lower())
+        self.compiled += 1
+        self._store(path, compiled)
+        return compiled
+
+    def _load(self, path: str, args: Any) -> jax.stages.Compiled | None:
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            head = len(_MAGIC) + 32
+            if blob[:len(_MAGIC)] != _MAGIC or hashlib.sha256(blob[head:]).digest() != blob[len(_MAGIC):head]:
+                raise ValueError("bad header or checksum")
+            serialized, in_tree, out_tree = pickle.loads(blob[head:])
+            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            want = [(a.shape, a.dtype) for a in jax.tree.leaves(args)]
+            got = [(i.shape, i.dtype) for i in jax.tree.leaves(compiled.args_info[0])]
+            if [(tuple(s), str(d)) for s, d in want] != [(tuple(s), str(d)) for s, d in got]:
+                raise ValueError("its arguments differ from the ones asked for")
+        except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt, never run
+            log.warning("executable cache: rebuilding %s (%s: %s)", os.path.basename(path), type(e).__name__, e)
+            _remove(path)
+            return None
+        return compiled
+
+    def _store(self, path: str, compiled: jax.stages.Compiled) -> None:
+        try:
+            payload = pickle.dumps(serialize_executable.serialize(compiled))
+        except (ValueError, TypeError, pickle.PicklingError) as e:  # e.g. host callbacks: not serializable
+            log.info("executable cache: %s not stored (%s)", os.path.basename(path), e)
+            return
+        os.makedirs(self.directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=self.directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, path)  # atomic: a concurrent start reads the old file or the new one
+        self._bound()
+
+    def _bound(self) -> None:
+        """Deletes the oldest executables while the directory holds over max_bytes (a code change
+        or an upgrade leaves the earlier ones behind)."""
+        entries = []
+        for name in os.listdir(self.directory):
+            try:
+                st = os.stat(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, name))
+        total = sum(size for _, size, _ in entries)
+        for _, size, name in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            _remove(os.path.join(self.directory, name))
+            total -= size
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

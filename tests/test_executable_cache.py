@@ -1,0 +1,139 @@
+"""The executable cache (infire_jax/executable_cache.py): a warm start deserializes every step
+program without tracing it, runs them to the same tokens, and never serves a damaged entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infire_jax import executable_cache
+from infire_jax.sampling_params import SamplingParams
+from tests.conftest import SMALL_ENGINE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _program():
+    """A small program with a reduction, an iota and a scan, and its float64 reference."""
+    def f(x, w):
+        return jnp.cumsum(jnp.tanh(x @ w) * jnp.arange(w.shape[1], dtype=x.dtype), axis=1)
+
+    def reference(x, w):
+        x, w = x.astype(np.float64), w.astype(np.float64)
+        return np.cumsum(np.tanh(x @ w) * np.arange(w.shape[1]), axis=1)
+
+    args = (jax.ShapeDtypeStruct((4, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
+    return jax.jit(f), reference, args
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((4, 64), np.float32), rng.standard_normal((64, 32), np.float32) / 8
+
+
+def test_second_cache_loads_what_the_first_compiled(tmp_path):
+    jitted, reference, args = _program()
+    first = executable_cache.ExecutableCache(str(tmp_path), "ctx")
+    compiled = first.get("f", args, lambda: jitted.lower(*args))
+    assert (first.compiled, first.loaded) == (1, 0)
+    second = executable_cache.ExecutableCache(str(tmp_path), "ctx")
+    loaded = second.get("f", args, lambda: pytest.fail("a cached program was traced again"))
+    assert (second.compiled, second.loaded) == (0, 1)
+    x, w = _inputs()
+    np.testing.assert_array_equal(np.asarray(loaded(x, w)), np.asarray(compiled(x, w)))
+    np.testing.assert_allclose(np.asarray(loaded(x, w)), reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_key_covers_context_shapes_and_dtypes(tmp_path):
+    _, _, args = _program()
+    cache = executable_cache.ExecutableCache(str(tmp_path), "ctx")
+    other = executable_cache.ExecutableCache(str(tmp_path), "another runner")
+    wider = (jax.ShapeDtypeStruct((8, 64), jnp.float32), args[1])
+    halves = tuple(jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in args)
+    paths = {cache.path("f", args), cache.path("g", args), other.path("f", args), cache.path("f", wider),
+             cache.path("f", halves)}
+    assert len(paths) == 5
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_damaged_entry_is_rebuilt_not_run(tmp_path, damage, caplog):
+    jitted, reference, args = _program()
+    executable_cache.ExecutableCache(str(tmp_path), "ctx").get("f", args, lambda: jitted.lower(*args))
+    path = executable_cache.ExecutableCache(str(tmp_path), "ctx").path("f", args)
+    blob = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        blob[len(blob) // 2] ^= 0xFF
+    elif damage == "truncate":
+        blob = blob[:len(blob) // 3]
+    else:
+        blob = bytearray()
+    open(path, "wb").write(blob)
+    cache = executable_cache.ExecutableCache(str(tmp_path), "ctx")
+    compiled = cache.get("f", args, lambda: jitted.lower(*args))
+    assert (cache.compiled, cache.loaded) == (1, 0) and "rebuilding" in caplog.text
+    x, w = _inputs()
+    np.testing.assert_allclose(np.asarray(compiled(x, w)), reference(x, w), rtol=1e-5, atol=1e-4)
+    again = executable_cache.ExecutableCache(str(tmp_path), "ctx")  # the rebuilt entry is sound
+    again.get("f", args, lambda: pytest.fail("the rebuilt entry was not stored"))
+    assert again.loaded == 1
+
+
+def test_size_bound_drops_the_oldest(tmp_path):
+    jitted, _, args = _program()
+    cache = executable_cache.ExecutableCache(str(tmp_path), "ctx")
+    cache.get("old", args, lambda: jitted.lower(*args))
+    size = os.path.getsize(cache.path("old", args))
+    os.utime(cache.path("old", args), (1, 1))  # written long ago
+    bounded = executable_cache.ExecutableCache(str(tmp_path), "ctx", max_bytes=int(size * 1.5))
+    bounded.get("new", args, lambda: jitted.lower(*args))
+    assert os.listdir(tmp_path) == [os.path.basename(bounded.path("new", args))]
+
+
+def test_engine_warm_start_loads_every_step_program(smol_llm):
+    """A second engine of the same settings deserializes all its programs (the session engine, or
+    an earlier run, wrote them) and generates exactly what the first one does."""
+    from infire_jax import LLM
+
+    llm = LLM(**SMALL_ENGINE)
+    runner = llm.engine.runner
+    programs = (len(runner._compiled_forward) + len(runner._compiled_samplers) + len(runner._compiled_small))
+    assert runner._executables.compiled == 0 and runner.executables_loaded == programs
+    assert llm.engine.boot.compiled == 0
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+    for ours, theirs in zip(llm.generate(prompts, params), smol_llm.generate(prompts, params)):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-6 for t in a)
+    llm.engine.close()
+
+
+def _boot(cache: str, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "boot_worker.py")], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT,
+                          env=dict(os.environ, INFIRE_JAX_CACHE=cache, PYTHONPATH=ROOT, **env))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_fresh_processes_after_xla_cache_filled(tmp_path):
+    """XLA's persistent cache holds the steps first (a start without this cache); the next start
+    must compile them afresh to store them (an executable XLA's cache loaded cannot be serialized
+    again), and the one after runs them deserialized: the same tokens and logprobs each time."""
+    cache = str(tmp_path)
+    plain = _boot(cache, INFIRE_JAX_NO_EXECUTABLE_CACHE="1")
+    assert plain["executables_loaded"] == 0 and plain["compiled"] > 0
+    storing = _boot(cache)
+    assert storing["executables_loaded"] == 0 and storing["executables_stored"] > 0
+    warm = _boot(cache)
+    assert warm["compiled"] == 0 and warm["executables_loaded"] == storing["executables_stored"]
+    for run in (storing, warm):
+        assert run["tokens"] == plain["tokens"] and run["compiles_since_warmup"] == 0
+        np.testing.assert_allclose(run["logprobs"], plain["logprobs"], atol=1e-6)
