@@ -68,16 +68,20 @@ def _source_fingerprint() -> str:
     return h.hexdigest()
 
 
-@functools.cache
 def _runtime_fingerprint() -> str:
     """What else decides the executable: jax, the devices, the host CPU (XLA CPU code is built for
-    it), the environment's compiler flags, and whether the CPU matmul kernel is there."""
+    it), the environment's compiler flags, and whether the CPU matmul kernel is there (read anew
+    for each runner: tests switch the last two within a process)."""
     backend = jax.default_backend()
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED)
-    parts = [jax.__version__, jaxlib.__version__, backend, [d.device_kind for d in jax.devices()],
-             jax.process_count(), env, cpu_matmul.host_cpu(), jax.config.jax_enable_x64,
-             jax.config.jax_default_matmul_precision, backend == "cpu" and cpu_matmul.available()]
-    return repr(parts)
+    return repr([_platform(), env, jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision,
+                 backend == "cpu" and cpu_matmul.available()])
+
+
+@functools.cache
+def _platform() -> str:
+    return repr([jax.__version__, jaxlib.__version__, jax.default_backend(), [d.device_kind for d in jax.devices()],
+                 jax.process_count(), cpu_matmul.host_cpu()])
 
 
 def _signature(args: Any) -> str:

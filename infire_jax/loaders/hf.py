@@ -1,4 +1,5 @@
-"""HF model directories: `config.json`, `*.safetensors`, `tokenizer.json`."""
+"""HF model directories: `config.json`, `*.safetensors` (float, or a quantized scheme that
+loaders/hf_quantized.py reads), `tokenizer.json`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import os
 import re
 
 import jax
+import ml_dtypes
 import numpy as np
+import safetensors
 from safetensors import safe_open
 
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.deepseek_hf import deepseek_weights, rope_interleaved
+from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig, config_from_hf
 from infire_jax.tokenizer import Tokenizer
@@ -45,10 +49,20 @@ _EXPERT_NAMES = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj":
 
 
 def _read_safetensors(path: str):
-    """Yields (name, array) from a safetensors file; bf16 comes back as ml_dtypes bfloat16."""
+    """Yields (name, array) from a safetensors file; bf16 comes back as ml_dtypes bfloat16. The
+    numpy and flax readers have no fp8 dtype, so fp8 tensors (DeepSeek-V3's weights) come from
+    safetensors' raw views, after the others."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]), safe_open(path, framework="flax") as f:
+        fp8 = {n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"}
         for name in f.keys():
-            yield name, np.asarray(f.get_tensor(name))
+            if name not in fp8:
+                yield name, np.asarray(f.get_tensor(name))
+    if fp8:
+        with open(path, "rb") as raw:
+            views = safetensors.deserialize(raw.read())
+        for name, view in views:
+            if name in fp8:
+                yield name, np.frombuffer(view["data"], ml_dtypes.float8_e4m3fn).reshape(view["shape"])
 
 
 def read_hf_config(path: str) -> ModelConfig:
@@ -75,8 +89,10 @@ def load_hf_dir(path: str) -> LoadedModel:
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ModelNotFoundError(f"{path} has no tokenizer.json")
 
+    with open(os.path.join(path, "config.json")) as f:
+        scheme = quant_scheme(json.load(f))
+    tensors = dequantized((item for file in files for item in _read_safetensors(file)), scheme)
     if cfg.mla is not None:  # the DeepSeek-V3 family
-        tensors = (item for file in files for item in _read_safetensors(file))
         weights = deepseek_weights(tensors, cfg, rope_interleaved(path))
         return LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path),
                            name=os.path.basename(os.path.normpath(path)), weights=weights)
@@ -84,31 +100,30 @@ def load_hf_dir(path: str) -> LoadedModel:
     per_layer: dict[str, list] = {}
     experts: dict[str, list[list]] = {}
     weights: dict[str, np.ndarray] = {}
-    for file in files:
-        for name, w in _read_safetensors(file):
-            m = _LAYER.fullmatch(name)
-            if m:
-                layer, rest = int(m.group(1)), m.group(2)
-                em = _EXPERT.fullmatch(rest)
-                if em and cfg.is_moe:
-                    short = _EXPERT_NAMES[em.group(2)]
-                    experts.setdefault(short, [[None] * x for _ in range(n)])[layer][int(em.group(1))] = w.T
+    for name, w in tensors:
+        m = _LAYER.fullmatch(name)
+        if m:
+            layer, rest = int(m.group(1)), m.group(2)
+            em = _EXPERT.fullmatch(rest)
+            if em and cfg.is_moe:
+                short = _EXPERT_NAMES[em.group(2)]
+                experts.setdefault(short, [[None] * x for _ in range(n)])[layer][int(em.group(1))] = w.T
+                continue
+            short = _DENSE.get(rest)
+            if short is None:
+                if rest.endswith("rotary_emb.inv_freq"):
                     continue
-                short = _DENSE.get(rest)
-                if short is None:
-                    if rest.endswith("rotary_emb.inv_freq"):
-                        continue
-                    raise UnsupportedModelError(f"unexpected weight {name!r} for {cfg.architecture}")
-                per_layer.setdefault(short, [None] * n)[layer] = from_hf_layout(short, w, cfg)
-            elif name == "model.embed_tokens.weight":
-                weights["embed"] = w
-            elif name == "model.norm.weight":
-                weights["final_norm"] = w
-            elif name == "lm_head.weight":
-                if not cfg.tie_word_embeddings:
-                    weights["lm_head"] = w  # [V, E], as the embedding
-            else:
-                raise UnsupportedModelError(f"unexpected weight {name!r}")
+                raise UnsupportedModelError(f"unexpected weight {name!r} for {cfg.architecture}")
+            per_layer.setdefault(short, [None] * n)[layer] = from_hf_layout(short, w, cfg)
+        elif name == "model.embed_tokens.weight":
+            weights["embed"] = w
+        elif name == "model.norm.weight":
+            weights["final_norm"] = w
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                weights["lm_head"] = w  # [V, E], as the embedding
+        else:
+            raise UnsupportedModelError(f"unexpected weight {name!r}")
     for short, by_layer in experts.items():
         for i, layer in enumerate(by_layer):
             if any(w is None for w in layer):

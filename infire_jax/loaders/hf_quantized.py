@@ -1,0 +1,126 @@
+"""Published quantized HF checkpoints, read by the HF loader (issue 14).
+
+Two of `config.json`'s `quantization_config` schemes, the ones this family ships:
+
+- `compressed-tensors` with `format: pack-quantized`, 4-bit symmetric integer weights, one scale
+  per `group_size` inputs (Kimi K2 / K2.5's routed experts): a module's `weight_packed`,
+  `weight_scale` and `weight_shape` become its `weight`.
+- `fp8` with `weight_block_size` [B, B] and `fmt: e4m3` (DeepSeek-V3): a float8_e4m3fn `weight`
+  and its `weight_scale_inv` become the `weight`.
+
+The weights are dequantized here, exactly as the formats define (quant/formats.py, checked bit
+for bit against float64 definitions in tests), and the rest of the loader sees a float
+checkpoint. The model then runs them in the serving dtype: keeping them packed on the device is
+quant/resident.py's job, not yet wired for these two formats. Tensors the scheme leaves alone
+(norms, the router, layers on the scheme's ignore list) pass through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator, Mapping
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from infire_jax.errors import UnsupportedModelError
+from infire_jax.quant.formats import Fp8Block, Int4Group, dequantize
+
+_INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+_FP8_PARTS = ("weight", "weight_scale_inv")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    kind: str  # "int4" (compressed-tensors pack-quantized) or "fp8" (block scales)
+    group: int = 0  # int4: inputs per scale
+    block: int = 0  # fp8: rows and columns per scale
+
+
+def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"quantization_config.{field} = {value!r}: {why}")
+
+
+def quant_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
+    """The scheme of a config.json (Kimi K2.5 may nest it in `text_config`); None for a float
+    checkpoint, UnsupportedModelError naming the field for one this loader cannot read."""
+    qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and block[0] == block[1] and block[0] > 0):
+            raise _bad("weight_block_size", block, "square [B, B] block scales are supported")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise _bad("fmt", qc.get("fmt"), "only e4m3 fp8 weights are supported")
+        return QuantScheme("fp8", block=int(block[0]))
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        if len(groups) != 1:
+            raise _bad("config_groups", list(groups), "exactly one quantization group is supported")
+        name, group = next(iter(groups.items()))
+        fmt = group.get("format") or qc.get("format")
+        if fmt != "pack-quantized":
+            raise _bad(f"config_groups.{name}.format", fmt, "only pack-quantized is supported")
+        w = group.get("weights") or {}
+        want = dict(num_bits=4, type="int", symmetric=True, strategy="group")
+        for key, value in want.items():
+            if w.get(key) != value:
+                raise _bad(f"config_groups.{name}.weights.{key}", w.get(key), f"supported: {value!r}")
+        if group.get("input_activations"):
+            raise _bad(f"config_groups.{name}.input_activations", group["input_activations"],
+                       "only weight-only quantization is supported")
+        size = w.get("group_size")
+        if not isinstance(size, int) or size <= 0 or size % 8:
+            raise _bad(f"config_groups.{name}.weights.group_size", size, "a positive multiple of 8 is supported")
+        return QuantScheme("int4", group=size)
+    raise _bad("quant_method", method, "supported: compressed-tensors (pack-quantized int4), fp8 (block scales)")
+
+
+def _split(name: str, parts: tuple[str, ...]) -> tuple[str, str] | None:
+    module, _, part = name.rpartition(".")
+    return (module, part) if part in parts else None
+
+
+def _to_host(w) -> np.ndarray:
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return np.asarray(dequantize(w))
+
+
+def _dequantize(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) -> np.ndarray:
+    try:
+        if scheme.kind == "int4":
+            shape = tuple(int(n) for n in np.asarray(parts["weight_shape"]).reshape(-1))
+            return _to_host(Int4Group(parts["weight_packed"], parts["weight_scale"], shape, scheme.group))
+        return _to_host(Fp8Block(parts["weight"], parts["weight_scale_inv"].astype(np.float32), scheme.block))
+    except (ValueError, TypeError) as e:
+        raise UnsupportedModelError(f"{module}: {e}") from e
+
+
+def dequantized(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme | None
+                ) -> Iterator[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors with every quantized module's parts replaced by its float32
+    `weight` (parts may arrive in any order, across files)."""
+    if scheme is None:
+        yield from tensors
+        return
+    names = _INT4_PARTS if scheme.kind == "int4" else _FP8_PARTS
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    for name, w in tensors:
+        split = _split(name, names)
+        # fp8: only float8 weights are quantized (norms, the router and the embedding stay as they are)
+        if split is None or (scheme.kind == "fp8" and split[1] == "weight" and w.dtype != ml_dtypes.float8_e4m3fn):
+            yield name, w
+            continue
+        module, part = split
+        parts = pending.setdefault(module, {})
+        parts[part] = w
+        if len(parts) == len(names):
+            yield f"{module}.weight", _dequantize(module, pending.pop(module), scheme)
+    if pending:
+        module, parts = next(iter(pending.items()))
+        missing = sorted(set(names) - set(parts))
+        raise UnsupportedModelError(f"{module} has {sorted(parts)} but no {missing} "
+                                    f"({len(pending)} quantized weights incomplete)")
