@@ -1,4 +1,5 @@
-"""The device side: holds the weights and the KV pool, runs the jitted step. The only module with device arrays.
+"""The device side: holds the weights and the KV pool, compiles and runs the step's programs
+(step_programs.py). The only module with device arrays.
 
 A step is two jitted calls, launched back to back without waiting: the forward (embed, all decoder
 layers over the paged pool, the LM head at each row's last token), compiled once per token bucket,
@@ -24,30 +25,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array
 
 from infire_jax import executable_cache, multihost
-from infire_jax.batch import (TOKEN_OUTPUT, TOKEN_PROMPT, DraftInputs, StepBatch, build_batch, draft_inputs,
-                              grammar_bitmask)
+from infire_jax import step_programs as programs
+from infire_jax.batch import DraftInputs, StepBatch, build_batch, draft_inputs, grammar_bitmask
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
-from infire_jax.sampler import BRANCHING, SamplerOutput, SamplingInputs, choose_variant, sample
+from infire_jax.sampler import BRANCHING, SamplerOutput, choose_variant
 from infire_jax.scheduler import SchedulerOutput
-from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
+from infire_jax.speculative.verify import VerifyOutput
+from infire_jax.step_programs import DeviceCache, StepForward, matmul_precision
 from pallas_kernels.metadata import NULL_PAGE
-from pallas_kernels.reference import from_storage, pool_storage_dtype, to_storage
+from pallas_kernels.reference import pool_storage_dtype
 from sharding.plan import ShardPlan
-
-
-class DeviceCache(NamedTuple):
-    """State that lives on the device across steps; donated to every step."""
-
-    k_pages: Float[Array, "L N ps Hkv Dk"]  # shapes: models/kv_entry.py (MLA: the latent)
-    v_pages: Float[Array, "L N ps Hkv Dv"]  # (MLA: the rotary key)
-    counts: Int[Array, "R V"]  # output-token counts per request slot (penalties)
-    prompt_mask: Bool[Array, "R V"]  # prompt tokens per request slot (repetition penalty)
-    last_tokens: Int[Array, "R"]  # last sampled token per slot (asynchronous scheduling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,104 +70,6 @@ class RunnerConfig:
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
     return kv_entry(cfg).bytes_per_page(cfg.num_layers, page_size, jnp.dtype(dtype))
-
-
-def matmul_precision(dtype) -> str:
-    """float32 means float32: full-precision dots, where XLA on a GPU would otherwise use TF32."""
-    return "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
-
-
-class StepForward(NamedTuple):
-    """What the forward of a step leaves on the device for the sampler and the step's observer."""
-
-    cache: DeviceCache
-    logits: Float[Array, "S V"]  # float32, at each row's logits_indices
-    tokens: Int[Array, "T"]  # the step's token ids, the device's last samples filled in
-    aux: Float[Array, "T N"] | None  # residual-stream states at RunnerConfig.aux_layers (EAGLE-3), else None
-
-
-def _forward(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, precision: str,
-             aux_layers: tuple[int, ...] | None, state: nnx.State, cache: DeviceCache, b: StepBatch) -> StepForward:
-    """The model over this step's tokens: updated pool and history, and each row's float32 logits."""
-    with jax.default_matmul_precision(precision):
-        return _forward_body(graphdef, attn_impl, plan, aux_layers, state, cache, b)
-
-
-def _token_slots(b: StepBatch, num_slots: int) -> Int[Array, "T"]:
-    """The request slot of each token of the step (padding: the dummy slot)."""
-    rows = b.row_slots.shape[0]
-    valid = b.meta.seq_ids < rows
-    return jnp.where(valid, b.row_slots[jnp.clip(b.meta.seq_ids, 0, rows - 1)], num_slots - 1)
-
-
-def _step_tokens(b: StepBatch, last_tokens: Int[Array, "R"]) -> Int[Array, "T"]:
-    """The step's token ids, with the device's last samples where the host did not know them yet."""
-    return jnp.where(b.from_device, last_tokens[_token_slots(b, last_tokens.shape[0])], b.token_ids)
-
-
-def _forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCache, b: StepBatch) -> StepForward:
-    model = nnx.merge(graphdef, state)
-    dummy = cache.last_tokens.shape[0] - 1
-    tok_slot = _token_slots(b, cache.last_tokens.shape[0])
-    tokens = _step_tokens(b, cache.last_tokens)
-
-    # Each slot's token history, for the penalties: reset on admission, then add this step's tokens.
-    reset = jnp.where(b.reset_rows, b.row_slots, dummy)
-    counts = cache.counts.at[reset].set(0)
-    prompt_mask = cache.prompt_mask.at[reset].set(False)
-    counts = counts.at[jnp.where(b.token_kind == TOKEN_OUTPUT, tok_slot, dummy), tokens].add(1)
-    prompt_mask = prompt_mask.at[jnp.where(b.token_kind == TOKEN_PROMPT, tok_slot, dummy), tokens].set(True)
-
-    aux = None
-    if aux_layers is None:
-        logits, (k_pages, v_pages) = model(
-            tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices, attn_impl=attn_impl, plan=plan)
-    else:
-        logits, (k_pages, v_pages), aux = model(tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices,
-                                                attn_impl=attn_impl, plan=plan, aux_layers=aux_layers)
-    if plan is not None:  # gather the vocab-split logits once, so the sampler holds no collectives
-        logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
-    return StepForward(DeviceCache(k_pages, v_pages, counts, prompt_mask, cache.last_tokens), logits, tokens, aux)
-
-
-def _sample(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
-            logits: Float[Array, "S V"], sampling: SamplingInputs, row_slots: Int[Array, "S"],
-            sample_rows: Bool[Array, "S"], grammar_mask: Int[Array, "S W"]) -> tuple[Int[Array, "R"], SamplerOutput]:
-    """Samples every row and records the sampled tokens per slot (read by the next forward)."""
-    out = sample(logits, sampling, counts, prompt_mask, row_slots, variant, grammar_mask)
-    dummy = last_tokens.shape[0] - 1
-    return last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(out.tokens), out
-
-
-def _verify(branch: bool, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
-            logits: Float[Array, "SP V"], sampling: SamplingInputs, row_slots: Int[Array, "S"],
-            sample_rows: Bool[Array, "S"], drafts: DraftInputs,
-            grammar_mask: Int[Array, "S W"]) -> tuple[Int[Array, "R"], Int[Array, "R V"], VerifyOutput]:
-    """The sampler of a verifying step: accepts proposals, samples the token after them, and
-    records the accepted proposals in the slots' histories. The grammar mask has a row per position."""
-    out = verify(logits, sampling, counts, prompt_mask, row_slots, drafts.tokens, drafts.num, None, branch,
-                 grammar_mask)
-    dummy = last_tokens.shape[0] - 1
-    last = jnp.take_along_axis(out.tokens, (out.num_tokens - 1)[:, None], axis=1)[:, 0]
-    last_tokens = last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(last)
-    return last_tokens, count_accepted(counts, jnp.where(sample_rows, row_slots, dummy), drafts.tokens, out), out
-
-
-def _read_pages(k_pages: Array, v_pages: Array, pages: Int[Array, "P"]) -> tuple[Array, Array]:
-    return from_storage(k_pages[:, pages]), from_storage(v_pages[:, pages])
-
-
-def _write_pages(cache: DeviceCache, pages: Int[Array, "P"], k: Array, v: Array) -> DeviceCache:
-    return cache._replace(k_pages=cache.k_pages.at[:, pages].set(to_storage(k, cache.k_pages.dtype)),
-                          v_pages=cache.v_pages.at[:, pages].set(to_storage(v, cache.v_pages.dtype)))
-
-
-def _load_history(cache: DeviceCache, slot: Int[Array, ""], prompt_ids: Int[Array, "M"],
-                  output_ids: Int[Array, "M"]) -> DeviceCache:
-    """Rebuilds one slot's token history (ids >= vocab are padding and dropped)."""
-    counts = cache.counts.at[slot].set(0).at[slot, output_ids].add(1, mode="drop")
-    prompt_mask = cache.prompt_mask.at[slot].set(False).at[slot, prompt_ids].set(True, mode="drop")
-    return cache._replace(counts=counts, prompt_mask=prompt_mask)
 
 
 def _host_copy(a: np.ndarray) -> np.ndarray:
@@ -235,14 +129,14 @@ class ModelRunner:
         self.cache = self._allocate_cache()
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
         cache_shardings = jax.tree.map(lambda a: a.sharding, self.cache) if plan else None
-        self._forward = jax.jit(functools.partial(_forward, graphdef, rc.attn_impl, plan, matmul_precision(dtype),
+        self._forward = jax.jit(functools.partial(programs.forward, graphdef, rc.attn_impl, plan, matmul_precision(dtype),
                                                   rc.aux_layers), donate_argnums=(1,),
                                 out_shardings=StepForward(cache_shardings, plan.replicated, plan.replicated,
                                                           None) if plan else None)
-        self._samplers = {v: jax.jit(functools.partial(_sample, v), donate_argnums=(0,),
+        self._samplers = {v: jax.jit(functools.partial(programs.sample_step, v), donate_argnums=(0,),
                                      out_shardings=plan.replicated if plan else None)
                           for v in rc.sampler_variants}
-        self._verifier = jax.jit(functools.partial(_verify, rc.sampler_variants == (BRANCHING,)),
+        self._verifier = jax.jit(functools.partial(programs.verify_step, rc.sampler_variants == (BRANCHING,)),
                                  donate_argnums=(0, 1), out_shardings=plan.replicated if plan else None)
         # The step programs, compiled ahead of time per bucket (and per row count and variant): the
         # steps call these, so nothing can compile after warmup, and warmup needs no weights.
@@ -257,9 +151,9 @@ class ModelRunner:
         self._all_allowed: dict[int, jax.Array] = {}
         # Warm starts load the step programs without tracing them (executable_cache.py).
         self._executables = executable_cache.for_runner(repr((cfg, rc, str(jnp.dtype(dtype)), plan, graphdef)))
-        self._history = jax.jit(_load_history, donate_argnums=(0,))
-        self._read_pages = jax.jit(_read_pages)
-        self._write_pages = jax.jit(_write_pages, donate_argnums=(0,),
+        self._history = jax.jit(programs.load_history, donate_argnums=(0,))
+        self._read_pages = jax.jit(programs.read_pages)
+        self._write_pages = jax.jit(programs.write_pages, donate_argnums=(0,),
                                     out_shardings=cache_shardings if plan else None)
 
     def _allocate_cache(self) -> DeviceCache:

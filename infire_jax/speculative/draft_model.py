@@ -35,7 +35,8 @@ from infire_jax.loaders.load import load_config
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.request import Request
-from infire_jax.runner import RunnerConfig, StepForward, kv_bytes_per_page, matmul_precision
+from infire_jax.runner import RunnerConfig, kv_bytes_per_page
+from infire_jax.step_programs import StepForward, matmul_precision
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 from pallas_kernels.reference import pool_storage_dtype
 

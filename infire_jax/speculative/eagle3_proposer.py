@@ -34,7 +34,8 @@ from jaxtyping import Array, Bool, Float, Int
 from infire_jax.batch import StepBatch
 from infire_jax.models.config import ModelConfig
 from infire_jax.request import Request
-from infire_jax.runner import RunnerConfig, StepForward, kv_bytes_per_page, matmul_precision
+from infire_jax.runner import RunnerConfig, kv_bytes_per_page
+from infire_jax.step_programs import StepForward, matmul_precision
 from infire_jax.sampler import SamplerOutput
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.eagle3 import Eagle3Head, eagle3_propose
