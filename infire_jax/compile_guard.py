@@ -22,15 +22,11 @@ def _on_event(event: str, duration_secs: float, **kwargs) -> None:
             _count += 1
 
 
-_thread = threading.local()  # per thread: listeners run in the thread that compiles
-
-
 def _on_hit(event: str, **kwargs) -> None:
     global _cache_hits
     if event == _CACHE_HIT:
         with _lock:
             _cache_hits += 1
-        _thread.hits = getattr(_thread, "hits", 0) + 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
@@ -46,11 +42,6 @@ def compile_count() -> int:
 def cache_hit_count() -> int:
     """Executables loaded from the persistent compilation cache in this process so far."""
     return _cache_hits
-
-
-def thread_cache_hit_count() -> int:
-    """The same, by the calling thread only."""
-    return getattr(_thread, "hits", 0)
 
 
 class RecompileError(RuntimeError):

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import random
+import threading
 import time
 from typing import Callable
 
@@ -132,13 +133,15 @@ class Engine:
         # Compiling needs only the weights' shapes: with a pool fixed in advance, one process and
         # uncompressed weights, another thread allocates the KV pool and compiles (or loads) the
         # steps while the weights are read.
-        warmup = None
+        # What the executable cache lacks compiles once the weights are read (executable_cache.py).
+        warmup, weights_read = None, threading.Event()
         if sizing is not None and not (ec.weights_compression or ec.weights_quantization) \
                 and not multihost.is_multiprocess():
             def build_and_warm_up() -> tuple[ModelRunner, float]:
                 runner = ModelRunner(placed_cfg, *abstract_state(cfg, self.dtype, self.plan), rc, dtype=self.dtype,
                                      plan=self.plan)
-                return runner, timed(runner.warmup, lambda shape: report("compile", next(done), len(shapes)))
+                return runner, timed(runner.warmup, lambda shape: report("compile", next(done), len(shapes)),
+                                     weights_read.wait)
 
             report("compile", 0, len(shapes))
             pool = concurrent.futures.ThreadPoolExecutor(1, "infire-warmup")
@@ -147,7 +150,10 @@ class Engine:
 
         report("load", 0, 1)
         t_load = time.monotonic()
-        placed = self._load_placed(loaded)
+        try:
+            placed = self._load_placed(loaded)
+        finally:
+            weights_read.set()
         self.loaded, graphdef, state = placed.loaded, placed.graphdef, placed.state
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

@@ -7,28 +7,31 @@ the package's source, jax and the devices, the runner's static settings and the 
 dtypes and shardings. A hit deserializes the executable without tracing anything.
 
 An executable that XLA's persistent cache loaded cannot be serialized again (on CPU the copy fails
-at its first run: "Function ... not found"), so a program this cache misses is compiled under a
-key of XLA's cache of its own, and stored only if XLA really compiled it. A file that is corrupt, or that this jax cannot load, is
+at its first run: "Function ... not found"; one XLA's cache has just written failed the same way),
+so a program this cache misses is compiled with XLA's cache switched off for that moment. The
+runner compiles its misses after the weights are read, so no other compile runs meanwhile. A file that is corrupt, or that this jax cannot load, is
 deleted and its program compiled again; it is never run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
+import threading
 from typing import Any, Callable
 
 import jax
 import jaxlib
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
 
 import pallas_kernels
 import sharding.plan
-from infire_jax import compile_guard
 from infire_jax.loaders.load import cache_dir
 from pallas_kernels import cpu_matmul
 
@@ -89,18 +92,29 @@ def _signature(args: Any) -> str:
                               bool(getattr(a, "weak_type", False))) for a in leaves]))
 
 
-# A compiler option at its default value: it changes nothing in the program, only XLA's persistent
-# cache key, so a step program this cache misses is compiled afresh rather than loaded from XLA's
-# cache (whose executables cannot be serialized again).
-_FRESH_KEY = {"xla_embed_ir_in_executable": False}
+_switch = threading.Lock()  # XLA's cache is switched process-wide: off while any fresh compile runs
+_fresh_compiles = 0
+_switched_off = False
 
 
-def _compile_fresh(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
-    """The executable, and whether XLA compiled it here (False: XLA's cache held it after all, from
-    an earlier fresh compile whose entry here was lost; it runs, but is not stored)."""
-    hits = compile_guard.thread_cache_hit_count()
-    compiled = lowered.compile(compiler_options=_FRESH_KEY)
-    return compiled, compile_guard.thread_cache_hit_count() == hits
+@contextlib.contextmanager
+def _without_xla_cache():
+    global _fresh_compiles, _switched_off
+    with _switch:
+        if _fresh_compiles == 0 and jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
+            jax.config.update("jax_enable_compilation_cache", False)
+            compilation_cache.reset_cache()
+            _switched_off = True
+        _fresh_compiles += 1
+    try:
+        yield
+    finally:
+        with _switch:
+            _fresh_compiles -= 1
+            if _fresh_compiles == 0 and _switched_off:
+                jax.config.update("jax_enable_compilation_cache", True)
+                compilation_cache.reset_cache()
+                _switched_off = False
 
 
 class ExecutableCache:
@@ -119,17 +133,23 @@ class ExecutableCache:
         return os.path.join(self.directory, key[:40] + ".exe")
 
     def get(self, name: str, args: Any, lower: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
-        """The executable of program `name` called on `args`: from the cache, else `lower()` compiled
-        and written to it."""
-        path = self.path(name, args)
-        compiled = self._load(path, args)
-        if compiled is not None:
-            self.loaded += 1
-            return compiled
-        compiled, fresh = _compile_fresh(lower())
+        """The executable of program `name` called on `args`: from the cache, else compiled."""
+        return self.load(name, args) or self.compile(name, args, lower)
+
+    def load(self, name: str, args: Any) -> jax.stages.Compiled | None:
+        """The cached executable, or None (nothing traced or compiled)."""
+        compiled = self._load(self.path(name, args), args)
+        self.loaded += compiled is not None
+        return compiled
+
+    def compile(self, name: str, args: Any, lower: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
+        """`lower()` compiled and written to the cache. XLA's persistent cache is switched off
+        meanwhile, process-wide: other compiles of the process should not run at the same time
+        (they would miss it too, and not be written to it)."""
+        with _without_xla_cache():
+            compiled = lower().compile()
         self.compiled += 1
-        if fresh:
-            self._store(path, compiled)
+        self._store(self.path(name, args), compiled)
         return compiled
 
     def _load(self, path: str, args: Any) -> jax.stages.Compiled | None:

@@ -41,6 +41,9 @@ from pallas_kernels.metadata import NULL_PAGE
 from pallas_kernels.reference import pool_storage_dtype
 from sharding.plan import ShardPlan
 
+# A program to compile: its name in the executable cache, the jitted function, its arguments.
+ProgramSpec = tuple[str, Callable, tuple]
+
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
@@ -217,19 +220,20 @@ class ModelRunner:
         forward and samplers (the larger of the two: they run one after the other)."""
         shape = self.rc.buckets.shapes[-1]
         batch = self._empty_batch(shape)
-        peaks = [self._compile_forward(batch).memory_analysis().temp_size_in_bytes]
+        peaks = [self._executable(self._forward_spec(batch)).memory_analysis().temp_size_in_bytes]
         for variant in self.rc.sampler_variants:
-            m = self._compile_sampler(variant, batch).memory_analysis()
+            m = self._executable(self._sampler_spec(variant, batch)).memory_analysis()
             peaks.append(m.temp_size_in_bytes + shape.num_rows * self.cfg.vocab_size * 4)
         if self.rc.num_spec:
             batch = self._empty_batch(shape, verify=True)
-            peaks.append(self._compile_forward(batch).memory_analysis().temp_size_in_bytes)
-            m = self._compile_verifier(batch, self._empty_drafts(shape)).memory_analysis()
+            peaks.append(self._executable(self._forward_spec(batch)).memory_analysis().temp_size_in_bytes)
+            m = self._executable(self._verifier_spec(batch, self._empty_drafts(shape))).memory_analysis()
             peaks.append(m.temp_size_in_bytes + batch.logits_indices.shape[0] * self.cfg.vocab_size * 4)
         return max(peaks)
 
-    def _executable(self, name: str, jitted, args: tuple) -> jax.stages.Compiled:
-        """`jitted` compiled for `args`: from the executable cache when it has it (nothing traced)."""
+    def _executable(self, spec: ProgramSpec) -> jax.stages.Compiled:
+        """A program compiled for its arguments: from the executable cache when it has it (nothing traced)."""
+        name, jitted, args = spec
         if self._executables is None:
             return jitted.lower(*args).compile()
         return self._executables.get(name, args, lambda: jitted.lower(*args))
@@ -239,14 +243,14 @@ class ModelRunner:
         """Step programs deserialized from the executable cache (not traced) so far."""
         return self._executables.loaded if self._executables else 0
 
-    def _compile_forward(self, batch: StepBatch) -> jax.stages.Compiled:
-        return self._executable("forward", self._forward, (self.state, self.cache, batch))
+    def _forward_spec(self, batch: StepBatch) -> ProgramSpec:
+        return "forward", self._forward, (self.state, self.cache, batch)
 
-    def _compile_sampler(self, variant: str, batch: StepBatch) -> jax.stages.Compiled:
+    def _sampler_spec(self, variant: str, batch: StepBatch) -> ProgramSpec:
         c = self.cache
-        return self._executable(f"sampler-{variant}", self._samplers[variant],
-                                (c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch), batch.sampling,
-                                 batch.row_slots, batch.sample_rows, self._mask_struct(batch)))
+        return f"sampler-{variant}", self._samplers[variant], (
+            c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch), batch.sampling, batch.row_slots,
+            batch.sample_rows, self._mask_struct(batch))
 
     def _logits_struct(self, batch: StepBatch) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((batch.logits_indices.shape[0], self.cfg.vocab_size), jnp.float32,
@@ -257,26 +261,25 @@ class ModelRunner:
         return jax.ShapeDtypeStruct((batch.logits_indices.shape[0], self.mask_words), jnp.int32,
                                     sharding=self.plan.replicated if self.plan else None)
 
-    def _compile_verifier(self, batch: StepBatch, drafts: DraftInputs) -> jax.stages.Compiled:
+    def _verifier_spec(self, batch: StepBatch, drafts: DraftInputs) -> ProgramSpec:
         c = self.cache
-        return self._executable("verifier", self._verifier,
-                                (c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch), batch.sampling,
-                                 batch.row_slots, batch.sample_rows, drafts, self._mask_struct(batch)))
+        return "verifier", self._verifier, (c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch),
+                                            batch.sampling, batch.row_slots, batch.sample_rows, drafts,
+                                            self._mask_struct(batch))
 
-    def _programs(self, shape: StepShape, batch: StepBatch) -> dict[tuple[str, object], Callable[[], jax.stages.Compiled]]:
-        """The step programs of one bucket, by (table, key): each call compiles or loads one."""
+    def _programs(self, shape: StepShape, batch: StepBatch) -> dict[tuple[str, object], ProgramSpec]:
+        """The step programs of one bucket, by (table, key)."""
         for rows in (shape.num_rows, shape.num_rows * (self.rc.num_spec + 1)):  # plain, verifying steps
             self._all_allowed.setdefault(rows, jax.device_put(np.full((rows, self.mask_words), -1, np.int32),
                                                               self.plan.replicated if self.plan else None))
-        jobs = {("forward", shape): functools.partial(self._compile_forward, batch)}
+        specs = {("forward", shape): self._forward_spec(batch)}
         for variant in self.rc.sampler_variants:
-            jobs["sampler", (shape.num_rows, variant)] = functools.partial(self._compile_sampler, variant, batch)
+            specs["sampler", (shape.num_rows, variant)] = self._sampler_spec(variant, batch)
         if self.rc.num_spec:
             batch = self._empty_batch(shape, verify=True)
-            jobs["verify_forward", shape] = functools.partial(self._compile_forward, batch)
-            jobs["verifier", shape.num_rows] = functools.partial(self._compile_verifier, batch,
-                                                                 self._empty_drafts(shape))
-        return jobs
+            specs["verify_forward", shape] = self._forward_spec(batch)
+            specs["verifier", shape.num_rows] = self._verifier_spec(batch, self._empty_drafts(shape))
+        return specs
 
     def model(self) -> nnx.Module:
         """The model bound to the placed weights, for direct forwards outside the step (tests, tools)."""
@@ -340,7 +343,7 @@ class ModelRunner:
     def _load(self, slot: int, prompt: np.ndarray, output: np.ndarray) -> None:
         self.cache = self._compiled_small.get("history", self._history)(self.cache, np.int32(slot), prompt, output)
 
-    def _small_programs(self) -> dict[tuple[str, object], Callable[[], jax.stages.Compiled]]:
+    def _small_programs(self) -> dict[tuple[str, object], ProgramSpec]:
         """The history program, and the page programs of KV transfer (one process only)."""
         ids = jax.ShapeDtypeStruct((self._history_len,), jnp.int32)
         pages = jax.ShapeDtypeStruct((TRANSFER_PAGES,), jnp.int32)
@@ -350,39 +353,48 @@ class ModelRunner:
         args = {"history": (self._history, (c, jax.ShapeDtypeStruct((), jnp.int32), ids, ids)),
                 "read_pages": (self._read_pages, (c.k_pages, c.v_pages, pages)),
                 "write_pages": (self._write_pages, (c, pages, *chunk))}
-        return {("small", name): functools.partial(self._executable, name, jitted, a)
-                for name, (jitted, a) in args.items()}
+        return {("small", name): (name, jitted, a) for name, (jitted, a) in args.items()}
 
-    def warmup(self, on_shape: Callable[[StepShape], None] | None = None) -> None:
+    def warmup(self, on_shape: Callable[[StepShape], None] | None = None,
+               before_compiling: Callable[[], None] | None = None) -> None:
         """Compiles every bucket's programs ahead of time (deserialized from the executable cache
         after the first start), without running them: that needs only the weights' shapes, so it
-        may run while they load.
+        may run while they load. What the executable cache lacks is compiled after
+        `before_compiling` returns (the engine's: once the weights are read, since those compiles
+        switch XLA's persistent cache off).
 
         With several processes, each process also runs every broadcast shape once, and the history
         program once on the padding slot (the page programs of KV transfer serve one process only).
         """
-        jobs: dict[tuple[str, object], Callable[[], jax.stages.Compiled]] = {}
+        specs: dict[tuple[str, object], ProgramSpec] = {}
         if multihost.is_multiprocess():
             pad = np.full(self._history_len, self.cfg.vocab_size, np.int32)
             multihost.receive_header()
             multihost.receive((pad, pad))
             self._load(self.rc.dummy_slot, pad, pad)
         else:
-            jobs.update(self._small_programs())
+            specs.update(self._small_programs())
         for shape in self.rc.buckets.shapes:
             batch = self._empty_batch(shape)
             if multihost.is_multiprocess():
                 batch = multihost.receive(batch)
-            for key, job in self._programs(shape, batch).items():
-                jobs.setdefault(key, job)  # a sampler serves every bucket of its row count
+            for key, spec in self._programs(shape, batch).items():
+                specs.setdefault(key, spec)  # a sampler serves every bucket of its row count
         tables = {"forward": self._compiled_forward, "sampler": self._compiled_samplers,
                   "verify_forward": self._compiled_verify_forward, "verifier": self._compiled_verifiers,
                   "small": self._compiled_small}
+        cache, done = self._executables, {}
         # XLA compiles and deserializes with the GIL released: a few threads overlap them.
         workers = 1 if multihost.is_multiprocess() else min(4, os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(workers, "infire-compile") as pool:
-            for (table, key), done in [(k, pool.submit(job)) for k, job in jobs.items()]:
-                tables[table][key] = done.result()
+            if cache is not None:
+                loads = pool.map(lambda spec: cache.load(spec[0], spec[2]), specs.values())
+                done = {key: got for key, got in zip(specs, loads) if got is not None}
+                if len(done) < len(specs) and before_compiling:
+                    before_compiling()
+            compiling = {key: pool.submit(self._executable, spec) for key, spec in specs.items() if key not in done}
+            for (table, key) in specs:
+                tables[table][key] = done[table, key] if (table, key) in done else compiling[table, key].result()
                 if table == "forward" and on_shape:
                     on_shape(key)
 
