@@ -7,7 +7,7 @@ the package's source, jax and the devices, the runner's static settings and the 
 dtypes and shardings. A hit deserializes the executable without tracing anything.
 
 An executable that XLA's persistent cache loaded cannot be serialized again (on CPU the copy fails
-at its first run: "Function ... not found"; one XLA's cache has just written failed the same way),
+at its first run: "Function ... not found"; so did one stored while XLA's cache was on),
 so a program this cache misses is compiled with XLA's cache switched off for that moment. The
 runner compiles its misses after the weights are read, so no other compile runs meanwhile. A file that is corrupt, or that this jax cannot load, is
 deleted and its program compiled again; it is never run.
