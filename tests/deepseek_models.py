@@ -79,3 +79,15 @@ def save(name: str, model, path) -> str:
             json.dump({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
                        "text_config": text, "tie_word_embeddings": False}, f)
     return str(path)
+
+
+def hf_greedy(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens after `prompt` (no eos) and each one's float64 log-probability."""
+    import torch
+
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    want = ref.sequences[0, len(prompt):].tolist()
+    return want, [torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(ref.logits, want)]

@@ -9,22 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepseek_models import hf_model, save
+from deepseek_models import hf_greedy, hf_model, save
 
 NUM_TOKENS = 64
 # The 40-token prompt is prefilled in two chunks (32-token budget).
 PROMPTS = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31], list(range(60, 100))]
-
-
-def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    import torch
-
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    want = ref.sequences[0, len(prompt):].tolist()
-    return want, [torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(ref.logits, want)]
 
 
 # deepseek-v3 runs in a pool too small for all three sequences at once: requests are preempted
@@ -45,7 +34,7 @@ def test_generate_matches_hf(name, pages, impl, tmp_path):
     assert pool.k_pages.shape[3:] == (1, 32) and pool.v_pages.shape[3:] == (1, rope)  # latent, rope key
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
     for prompt, out in zip(PROMPTS, outs):
-        want, want_lp = _hf_greedy(hf, prompt)
+        want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
         assert out.token_ids == want
         np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
     assert (llm.engine.scheduler.num_preemptions > 0) == (pages == 12)

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepseek_models import hf_model, save
+from deepseek_models import hf_greedy, hf_model, save
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.hf_quantized import QuantScheme, dequantized, quant_scheme
 from infire_jax.quant.formats import quantize_fp8_block, quantize_int4_group
@@ -81,17 +81,6 @@ def _quantize_checkpoint(path: str, scheme: str) -> dict[str, np.ndarray]:
     return defined
 
 
-def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    import torch
-
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    want = ref.sequences[0, len(prompt):].tolist()
-    return want, [torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(ref.logits, want)]
-
-
 @pytest.mark.parametrize("name,scheme", [("deepseek-v3", "fp8"), ("kimi-k2.5", "int4")])
 def test_quantized_checkpoint_matches_hf_on_the_weights_it_defines(name, scheme, tmp_path):
     import torch
@@ -116,7 +105,7 @@ def test_quantized_checkpoint_matches_hf_on_the_weights_it_defines(name, scheme,
               max_model_len=128, num_kv_pages=40)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
     for prompt, out in zip(PROMPTS, outs):
-        want, want_lp = _hf_greedy(hf, prompt)
+        want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
         assert out.token_ids == want
         np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
     llm.engine.close()
