@@ -37,7 +37,7 @@ from pallas_kernels import cpu_matmul
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"infire-executable-1\n"
+_MAGIC = b"infire-executable-2\n"
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
 _ENV_PREFIXES = ("INFIRE_JAX_", "XLA_", "JAX_", "TF_", "CUDA_", "NVIDIA_")
 _ENV_IGNORED = ("INFIRE_JAX_CACHE", "INFIRE_JAX_EXECUTABLE_CACHE_GB", "JAX_COMPILATION_CACHE_DIR")
@@ -162,8 +162,13 @@ class ExecutableCache:
             head = len(_MAGIC) + 32
             if blob[:len(_MAGIC)] != _MAGIC or hashlib.sha256(blob[head:]).digest() != blob[len(_MAGIC):head]:
                 raise ValueError("bad header or checksum")
-            serialized, in_tree, out_tree = pickle.loads(blob[head:])
-            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            serialized, in_tree, out_tree, device_ids = pickle.loads(blob[head:])
+            devices = {d.id: d for d in jax.devices()}
+            if not set(device_ids) <= devices.keys():
+                raise ValueError(f"it runs on devices {device_ids}, this process has {sorted(devices)}")
+            # Its own devices, in its order: by default all of the process's would be assumed.
+            compiled = serialize_executable.deserialize_and_load(
+                serialized, in_tree, out_tree, execution_devices=[devices[i] for i in device_ids])
             want = [(a.shape, a.dtype) for a in jax.tree.leaves(args)]
             got = [(i.shape, i.dtype) for i in jax.tree.leaves(compiled.args_info[0])]
             if [(tuple(s), str(d)) for s, d in want] != [(tuple(s), str(d)) for s, d in got]:
@@ -176,8 +181,8 @@ class ExecutableCache:
 
     def _store(self, path: str, compiled: jax.stages.Compiled) -> None:
         try:
-            payload = pickle.dumps(serialize_executable.serialize(compiled))
-        except (ValueError, TypeError, pickle.PicklingError) as e:  # e.g. host callbacks: not serializable
+            payload = pickle.dumps((*serialize_executable.serialize(compiled), _device_ids(compiled)))
+        except (ValueError, TypeError, AttributeError, pickle.PicklingError) as e:  # e.g. host callbacks
             log.info("executable cache: %s not stored (%s)", os.path.basename(path), e)
             return
         os.makedirs(self.directory, exist_ok=True)
@@ -203,6 +208,12 @@ class ExecutableCache:
                 break
             _remove(os.path.join(self.directory, name))
             total -= size
+
+
+def _device_ids(compiled: jax.stages.Compiled) -> list[int]:
+    """The devices the executable was compiled for, in its device assignment's order (the private
+    field serialize_executable itself reads the executable from; missing, nothing is stored)."""
+    return [d.id for d in compiled._executable._unloaded_executable.device_list]
 
 
 def _remove(path: str) -> None:

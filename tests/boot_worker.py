@@ -1,12 +1,13 @@
 """One engine start in a fresh process (tests/test_executable_cache.py): a small engine on random
 weights of SmolLM2's shape, greedy tokens for two prompts, and where its step programs came from.
 
-Usage: python tests/boot_worker.py  (its caches: INFIRE_JAX_CACHE)
+Usage: python tests/boot_worker.py [MESH]  (its caches: INFIRE_JAX_CACHE; MESH: a mesh-config YAML)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 from infire_jax.engine import Engine, EngineConfig
 from infire_jax.sampling_params import SamplingParams
@@ -16,7 +17,8 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140))]
 
 def main() -> None:
     engine = Engine(EngineConfig(model="dummy:smollm2-135m", dtype="float32", max_num_seqs=4,
-                                 max_num_batched_tokens=32, max_model_len=128, num_kv_pages=32))
+                                 max_num_batched_tokens=32, max_model_len=128, num_kv_pages=32,
+                                 mesh=sys.argv[1] if len(sys.argv) > 1 else None))
     ids = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2))[0]
            for p in PROMPTS]
     tokens: dict[str, list[int]] = {i: [] for i in ids}

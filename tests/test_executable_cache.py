@@ -116,9 +116,12 @@ def test_engine_warm_start_loads_every_step_program(smol_llm):
 
 
 def _boot(cache: str, **env: str) -> dict:
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "boot_worker.py")], capture_output=True,
+    """An engine start in a fresh process that sees two CPU devices and uses one (1.yaml)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "boot_worker.py"),
+                           os.path.join(ROOT, "sharding", "configs", "1.yaml")], capture_output=True,
                           text=True, timeout=900, cwd=ROOT,
-                          env=dict(os.environ, INFIRE_JAX_CACHE=cache, PYTHONPATH=ROOT, **env))
+                          env=dict(os.environ, INFIRE_JAX_CACHE=cache, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+                                   XLA_FLAGS="--xla_force_host_platform_device_count=2", **env))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
 
@@ -126,7 +129,8 @@ def _boot(cache: str, **env: str) -> dict:
 def test_fresh_processes_after_xla_cache_filled(tmp_path):
     """XLA's persistent cache holds the steps first (a start without this cache); the next start
     must compile them afresh to store them (an executable XLA's cache loaded cannot be serialized
-    again), and the one after runs them deserialized: the same tokens and logprobs each time."""
+    again), and the one after runs them deserialized: the same tokens and logprobs each time. The
+    engine uses one of the two devices it sees, so a loaded program must not assume both."""
     cache = str(tmp_path)
     plain = _boot(cache, INFIRE_JAX_NO_EXECUTABLE_CACHE="1")
     assert plain["executables_loaded"] == 0 and plain["compiled"] > 0
@@ -137,3 +141,38 @@ def test_fresh_processes_after_xla_cache_filled(tmp_path):
     for run in (storing, warm):
         assert run["tokens"] == plain["tokens"] and run["compiles_since_warmup"] == 0
         np.testing.assert_allclose(run["logprobs"], plain["logprobs"], atol=1e-6)
+
+
+def _placed_programs(directory: str) -> None:
+    """Run in a process with two CPU devices: programs on one of them (uncommitted, and committed
+    to the second) and on both in reverse order are stored, then loaded by a fresh cache object and
+    run on their arguments; each must give its compiled twin's result on the same devices."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    d0, d1 = jax.devices()
+    jitted, reference, _ = _program()
+    x, w = _inputs()
+    mesh = Mesh(np.array([d1, d0]), ("tp",))
+    placements = {"uncommitted": (x, w), "second device": tuple(jax.device_put(a, d1) for a in (x, w)),
+                  "two devices, reversed": (jax.device_put(x, NamedSharding(mesh, PartitionSpec("tp"))),
+                                            jax.device_put(w, NamedSharding(mesh, PartitionSpec())))}
+    for name, args in placements.items():
+        compiled = executable_cache.ExecutableCache(directory, "ctx").get(name, args, lambda: jitted.lower(*args))
+        fresh = executable_cache.ExecutableCache(directory, "ctx")
+        loaded = fresh.get(name, args, lambda: pytest.fail(f"{name}: a cached program was traced again"))
+        assert fresh.loaded == 1, name
+        got, want = loaded(*args), compiled(*args)
+        assert got.sharding == want.sharding, name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(got), reference(x, w), rtol=1e-5, atol=1e-4)
+    print("PLACEMENTS OK")
+
+
+def test_programs_load_onto_the_devices_they_were_compiled_for(tmp_path):
+    """A process sees more devices than a program uses (a one-device engine on a multi-GPU host):
+    the executable must load onto its own devices, in their order, not onto all of them."""
+    proc = subprocess.run([sys.executable, "-c", f"from tests.test_executable_cache import _placed_programs; "
+                           f"_placed_programs({str(tmp_path)!r})"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+                                             XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    assert proc.returncode == 0 and "PLACEMENTS OK" in proc.stdout, proc.stderr[-4000:]
