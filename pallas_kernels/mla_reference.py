@@ -6,8 +6,8 @@ key k_pe [Dr] (`rope_pages`), shared by every head. With W_uk folded into the qu
 softmax-weighted sum of the latents, [H, R]; the caller applies W_uv afterwards. So this is
 multi-query attention with one shared "head" whose key is (c, k_pe) and whose value is c, and
 it runs as `reference.ragged_paged_attention` does: part B attends the step's own tokens
-densely, part A reads the cached positions block by block (the loop runs to the longest cached
-prefix), and the two merge through an online softmax.
+densely, part A reads the cached positions in ragged blocks (`reference.fold_cached_blocks`),
+and the two merge through an online softmax.
 
 `mla_paged_attention_expanded` attends the step's own tokens in the expanded form instead: per
 token pair it costs H (Dn + Dr + Dv) multiply-adds against H (2R + Dr) absorbed (320 against 1088
@@ -17,13 +17,12 @@ chunks (pallas_kernels/mla.py chooses by the step's token count).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import (_dot_precision, _pages_per_block, from_storage, query_block_size, query_blocks,
-                                      write_kv)
+from pallas_kernels.reference import (_dot_precision, _pages_per_block, fold_cached_blocks, from_storage,
+                                      query_block_size, query_blocks, write_kv)
 
 
 def _part_b_mask(meta: AttentionMetadata, t: int) -> tuple[Array, Array]:
@@ -46,8 +45,8 @@ def _attend_cached(ql: Float[Array, "T H R"], qr: Float[Array, "T H Dr"], state:
                    latent_pages: Array, rope_pages: Array, layer: Int[Array, ""], meta: AttentionMetadata,
                    valid: Array, precision) -> tuple[Array, Array, Array]:
     """Part A: folds the cached positions [0, ctx) into the running (max, sum, latent acc) of every
-    token, one block of pages per iteration, gathered once per query block. Padding tokens keep the
-    state they came in with."""
+    token, in ragged blocks of pages gathered once per query block. Padding tokens keep the state
+    they came in with."""
     t, h, r = ql.shape
     ps, dr = latent_pages.shape[2], rope_pages.shape[-1]
     qb = query_blocks(meta, t, query_block_size(t, meta.kv_lens.shape[0]))
@@ -61,26 +60,17 @@ def _attend_cached(ql: Float[Array, "T H R"], qr: Float[Array, "T H Dr"], state:
     ql_i, qr_i = to_items(ql), to_items(qr)
     ppb = _pages_per_block(meta.page_table.shape[1], ps, w * (r + dr) * 4)
     block = ppb * ps
-    item_pages = meta.page_table[qb.row]
-    n_blocks = (jnp.max(qb.ctx) + block - 1) // block
 
-    def body(j, carry):
-        m, l_sum, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(item_pages, j * ppb, ppb, axis=1)
+    def score(item, pages):
         cb = from_storage(latent_pages[layer, pages]).reshape(w, block, r).astype(jnp.float32)
         kb = from_storage(rope_pages[layer, pages]).reshape(w, block, dr).astype(jnp.float32)
-        s = (jnp.einsum("wmr,wbr->wmb", ql_i, cb, precision=precision)
-             + jnp.einsum("wmd,wbd->wmb", qr_i, kb, precision=precision))
-        in_ctx = (j * block + jnp.arange(block))[None, :] < qb.ctx[:, None]
-        s = jnp.where(in_ctx[:, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("wmb,wbr->wmr", p, cb, precision=precision)
-        return m_new, l_sum, acc
+        return (jnp.einsum("wmr,wbr->wmb", ql_i[item], cb, precision=precision)
+                + jnp.einsum("wmd,wbd->wmb", qr_i[item], kb, precision=precision)), cb
 
-    out = jax.lax.fori_loop(0, n_blocks, body, tuple(to_items(x) for x in state))
+    def weigh(p, cb):
+        return jnp.einsum("wmb,wbr->wmr", p, cb, precision=precision)
+
+    out = fold_cached_blocks(qb, meta.page_table, ps, ppb, tuple(to_items(x) for x in state), score, weigh)
     if cq == 1:
         return out
 

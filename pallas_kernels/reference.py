@@ -3,11 +3,11 @@
 Attention of a token is split in two parts that are merged with an online softmax:
   * part B, the tokens of this step (dense T x T with a same-sequence causal mask), read from the
     freshly projected k/v, and
-  * part A, the positions cached before this step, read from the pages block by block. The loop
-    runs ceil(longest cached prefix / block) times, so a step costs what its contexts need, not
-    what `max_model_len` would. Each row's tokens are cut into query blocks that gather the row's
-    pages once for all their tokens: gathered per token, a 512-token prompt chunk copied the same
-    pages 512 times.
+  * part A, the positions cached before this step, read from the pages block by block. The blocks
+    are ragged: each iteration takes the next blocks of all rows together, so a step costs what its
+    contexts add up to, not rows x the longest one (nor `max_model_len`). Each row's tokens are cut
+    into query blocks that gather the row's pages once for all their tokens: gathered per token, a
+    512-token prompt chunk copied the same pages 512 times.
 
 Scores and weighted sums are float32 dots. When any input is float32, they run at
 `Precision.HIGHEST`: XLA's default float32 dot on a GPU is TF32 (10-bit mantissa), which left this
@@ -18,7 +18,7 @@ kernels' `dot_precision` does.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +124,50 @@ def query_blocks(meta: AttentionMetadata, num_tokens: int, block: int) -> QueryB
     return QueryBlocks(row, ctx, jnp.clip(token, 0, num_tokens - 1), token_item, in_row % block)
 
 
+def fold_cached_blocks(qb: QueryBlocks, page_table: Int[Array, "S P"], page_size: int, pages_per_block: int,
+                       state: tuple[Array, Array, Array], score: Callable, weigh: Callable) -> tuple[Array, Array, Array]:
+    """Part A's loop: folds every query block's cached positions [0, ctx) into its running online
+    softmax (max [W, ...], sum [W, ...], acc [W, ..., D]), one key block per item and iteration.
+
+    The blocks are ragged: item i needs ceil(ctx_i / block) of them, and iteration j takes blocks
+    jW .. jW + W - 1 of all items' blocks in order, so a step costs the sum of its contexts, not
+    W x the longest (a decode row beside a 2k-token context used to pay for all 2k).
+    `score(item [W], pages [W, pages_per_block]) -> (scores [W, ..., block], values)` scores each
+    unit's block against its item's queries; `weigh(p, values) -> [W, ..., D]` sums the values.
+    """
+    w = qb.ctx.shape[0]
+    block = pages_per_block * page_size
+    item_pages = page_table[qb.row]
+    item_blocks = (qb.ctx + block - 1) // block
+    ends = jnp.cumsum(item_blocks)
+
+    def body(j, carry):
+        m, l_sum, acc = carry
+        unit = j * w + jnp.arange(w, dtype=jnp.int32)
+        real = unit < ends[-1]
+        item = jnp.minimum(jnp.searchsorted(ends, unit, side="right"), w - 1).astype(jnp.int32)
+        first = (unit - (ends[item] - item_blocks[item])) * block  # the unit's first position
+        columns = first[:, None] // page_size + jnp.arange(pages_per_block)
+        s, values = score(item, jnp.take_along_axis(item_pages[item], columns, axis=1, mode="clip"))
+        heads = (1,) * (s.ndim - 2)
+        in_ctx = real[:, None] & ((first[:, None] + jnp.arange(block)) < qb.ctx[item][:, None])
+        s = jnp.where(in_ctx.reshape(w, *heads, block), s, -jnp.inf)
+        # Each unit's own statistics, merged into its item's: one iteration can hold several blocks
+        # of one item. A real unit has a position in context, so its max is finite.
+        m_unit = jnp.max(s, axis=-1)
+        real = real.reshape(w, *heads)
+        p = jnp.exp(s - jnp.where(real, m_unit, 0.0)[..., None])
+        m_new = jnp.maximum(m, jax.ops.segment_max(m_unit, item, w, indices_are_sorted=True))
+        alpha = jnp.exp(m - m_new)
+        beta = jnp.where(real, jnp.exp(m_unit - m_new[item]), 0.0)
+        l_sum = l_sum * alpha + jax.ops.segment_sum(beta * jnp.sum(p, axis=-1), item, w, indices_are_sorted=True)
+        acc = acc * alpha[..., None] + jax.ops.segment_sum(weigh(p, values) * beta[..., None], item, w,
+                                                           indices_are_sorted=True)
+        return m_new, l_sum, acc
+
+    return jax.lax.fori_loop(0, (ends[-1] + w - 1) // w, body, state)
+
+
 def ragged_paged_attention(
     q: Float[Array, "T Hq D"],
     k: Float[Array, "T Hkv D"],
@@ -158,8 +202,8 @@ def ragged_paged_attention(
     l_sum = jnp.sum(p, axis=-1)
     acc = jnp.einsum("tkgu,ukd->tkgd", p, v.astype(jnp.float32), precision=precision)
 
-    # Part A: cached positions [0, ctx), one block of pages per iteration. A row's tokens share its
-    # context, so each query block of one row gathers the row's pages once for all its tokens.
+    # Part A: cached positions [0, ctx) in ragged blocks of pages. A row's tokens share its context,
+    # so each query block of one row gathers the row's pages once for all its tokens.
     qb = query_blocks(meta, t, query_block_size(t, meta.kv_lens.shape[0]))
     w, c = qb.token.shape
 
@@ -173,25 +217,17 @@ def ragged_paged_attention(
     num_pages = meta.page_table.shape[1]
     ppb = _pages_per_block(num_pages, ps, w * hkv * d * 4)
     block = ppb * ps
-    item_pages = meta.page_table[qb.row]
-    n_blocks = (jnp.max(qb.ctx) + block - 1) // block
 
-    def body(j, carry):
-        m, l_sum, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(item_pages, j * ppb, ppb, axis=1)
+    def score(item, pages):
         kb = from_storage(k_pages[layer, pages]).reshape(w, block, hkv, d).astype(jnp.float32)
         vb = from_storage(v_pages[layer, pages]).reshape(w, block, hkv, d).astype(jnp.float32)
-        s = jnp.einsum("wkmd,wbkd->wkmb", qi, kb, precision=precision)
-        in_ctx = (j * block + jnp.arange(block))[None, :] < qb.ctx[:, None]
-        s = jnp.where(in_ctx[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("wkmb,wbkd->wkmd", p, vb, precision=precision)
-        return m_new, l_sum, acc
+        return jnp.einsum("wkmd,wbkd->wkmb", qi[item], kb, precision=precision), vb
 
-    _, l_items, acc_items = jax.lax.fori_loop(0, n_blocks, body, (to_items(m), to_items(l_sum), to_items(acc)))
+    def weigh(p, vb):
+        return jnp.einsum("wkmb,wbkd->wkmd", p, vb, precision=precision)
+
+    _, l_items, acc_items = fold_cached_blocks(qb, meta.page_table, ps, ppb,
+                                               (to_items(m), to_items(l_sum), to_items(acc)), score, weigh)
     out = acc_items / l_items[..., None]
     if c > 1:  # padding tokens keep their part-B output: finite, as the null page they write must stay
         out = out.reshape(w, hkv, c, g, d)[qb.token_item, :, qb.token_slot]

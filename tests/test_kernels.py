@@ -337,6 +337,17 @@ def test_reference_query_blocks_of_any_size(monkeypatch, block):
     assert_close(module_reference(case, shapes)[real], numpy_attention(case, shapes.num_q_heads)[real], shapes.tol)
 
 
+@pytest.mark.parametrize("block_tokens", [4, 24])
+@pytest.mark.parametrize("shapes", [SHAPES[2], SHAPES[3]], ids=str)
+def test_reference_ragged_key_blocks(monkeypatch, shapes, block_tokens):
+    """Part A's ragged blocks with small blocks: rows need from 0 to 38 blocks, one iteration holds
+    several blocks of one row and a row's blocks span iterations; the oracle's result either way."""
+    monkeypatch.setattr(reference, "_BLOCK_TOKENS", block_tokens)
+    case = make_case(shapes, seed=12, poison=True)
+    real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
+    assert_close(module_reference(case, shapes)[real], numpy_attention(case, shapes.num_q_heads)[real], shapes.tol)
+
+
 def test_reference_attention_float32_is_full_precision():
     """The reference multiplies float32 in float32, not TF32, on whatever backend runs the tests.
 
