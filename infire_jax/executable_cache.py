@@ -33,7 +33,7 @@ from jax.experimental.compilation_cache import compilation_cache
 import pallas_kernels
 import sharding.plan
 from infire_jax.loaders.load import cache_dir
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +76,13 @@ def _runtime_fingerprint() -> str:
     backend = jax.default_backend()
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED)
     return repr([_platform(), env, jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision,
-                 backend == "cpu" and cpu_matmul.available()])
+                 backend == "cpu" and cpu_kernels.available()])
 
 
 @functools.cache
 def _platform() -> str:
     return repr([jax.__version__, jaxlib.__version__, jax.default_backend(), [d.device_kind for d in jax.devices()],
-                 jax.process_count(), cpu_matmul.host_cpu()])
+                 jax.process_count(), cpu_kernels.host_cpu()])
 
 
 def _signature(args: Any) -> str:

@@ -1,4 +1,5 @@
-"""Chooses the attention implementation: the Pallas kernels on GPU, the `jnp` reference elsewhere.
+"""Chooses the attention implementation: the Pallas kernels on GPU, the `jnp` reference elsewhere
+(with its decode steps through the C++ kernel of `cpu_attention` on CPU, off a mesh).
 
 "pallas_interpret" runs the same Pallas kernels in interpret mode (any backend, slow): it is how the
 CPU test suite checks the GPU path, down to a whole model forward.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import jax
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import ragged_attention, reference
+from pallas_kernels import cpu_attention, ragged_attention, reference
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.triton_backend import check_supported
 
@@ -52,9 +53,13 @@ def paged_attention(
     *,
     scale: float,
     impl: str,
+    cpu_kernel: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
-    """Writes this step's k/v into the pages and returns (attention output, k_pages, v_pages)."""
+    """Writes this step's k/v into the pages and returns (attention output, k_pages, v_pages).
+    `cpu_kernel`: the reference may hand decode steps to `cpu_attention` (the caller is off a mesh)."""
     if impl == "reference":
+        if cpu_kernel and cpu_attention.applies(q.shape[0], q, k_pages):
+            return cpu_attention.paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale)
         return reference.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale)
     if impl in ("pallas", "pallas_interpret"):
         return ragged_attention.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,

@@ -1,6 +1,8 @@
-"""The CPU skinny matmul (an XLA FFI call, pallas_kernels/cpu_matmul.py) against float64 numpy, and
-in the model: a decode step takes it and agrees with XLA's dot; prefill-sized steps do not take it.
-The engine-level check is tests/test_parity.py, whose CPU decode steps run through this kernel."""
+"""The CPU matmul kernels (XLA FFI calls, pallas_kernels/cpu_matmul.py) against float64 numpy, and
+in the model: a decode step takes them and agrees with XLA's dot; float32 prefill-sized steps do
+not take them, bfloat16 ones do where the CPU has AVX512-BF16. The engine-level checks are
+tests/test_parity.py (float32) and tests/test_engine.py's bfloat16 cases, whose CPU steps run
+through these kernels."""
 
 from __future__ import annotations
 
@@ -15,16 +17,16 @@ import pytest
 
 from infire_jax.models import llama
 from infire_jax.models.parallel import Reductions
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_kernels, cpu_matmul
 
-# Without a C++ compiler the engine keeps XLA's dot (cpu_matmul.available() is False), so there is
+# Without a C++ compiler the engine keeps XLA's dot (cpu_kernels.available() is False), so there is
 # nothing of ours to test; with one, a kernel that fails to build fails here instead of skipping.
 pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")),
                                 reason="no C++ compiler on this machine: the engine uses XLA's dot instead")
 
 
 def test_kernel_builds_where_a_compiler_exists():
-    assert cpu_matmul.available(), "the C++ kernel failed to build or register (see the warning logged)"
+    assert cpu_kernels.available(), "the C++ kernel failed to build or register (see the warning logged)"
 
 
 def _stack(rng, layers, k, n):
@@ -49,7 +51,7 @@ def test_matches_float64(rows, k, n):
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_bfloat16_weights_are_widened_exactly(rows):
-    """bfloat16 weights give the float32 product of their exact float32 values."""
+    """bfloat16 weights with float32 activations give the float32 product of their exact values."""
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32))
     w = jnp.asarray(_stack(rng, 2, 576, 960)).astype(jnp.bfloat16)
@@ -60,20 +62,57 @@ def test_bfloat16_weights_are_widened_exactly(rows):
     np.testing.assert_allclose(np.asarray(call(x, w, jnp.int32(1))), want, rtol=1e-4, atol=1e-4)
 
 
+needs_bf16_dot = pytest.mark.skipif(not cpu_kernels.bf16_dot(), reason="this CPU has no AVX512-BF16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40, 100])
+@pytest.mark.parametrize("k,n", [(576, 960), (576, 576), (1536, 576), (2, 32), (64, 224), (128, 544)])
+def test_bfloat16_dot_matches_float64(rows, k, n):
+    """bfloat16 x and w (`vdpbf16ps`): every row-tile size and remainder, prefill-sized steps, column
+    counts that leave every narrower tile; against float64 of the exact bfloat16 values (the
+    products are exact, the sums float32), and a row's result does not depend on the batch."""
+    rng = np.random.default_rng(rows * 31 + n)
+    x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32)).astype(jnp.bfloat16)
+    w = jnp.asarray(_stack(rng, 3, k, n)).astype(jnp.bfloat16)
+    assert cpu_matmul.applies(rows, w)
+    call = jax.jit(cpu_matmul.skinny_matmul)
+    for layer in (0, 2):
+        got = np.asarray(call(x, w, jnp.int32(layer)))
+        xf, wf = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(w[layer].astype(jnp.float32), np.float64)
+        want, scale = xf @ wf, np.abs(xf) @ np.abs(wf)
+        assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30), (layer, float(np.max(np.abs(got - want) / scale)))
+    alone = np.asarray(call(x[-1:], w, jnp.int32(2)))[0]
+    np.testing.assert_array_equal(alone, got[-1])
+
+
+@needs_bf16_dot
+def test_bfloat16_dot_only_where_it_is_exact():
+    """The dot kernel needs bfloat16 activations (rounding float32 ones would change the result) and
+    its shapes; float32 activations with bfloat16 weights keep the widening kernel."""
+    w = jnp.zeros((2, 576, 960), jnp.bfloat16)
+    assert cpu_matmul.applies(512, w) and not cpu_matmul.applies(512, w.astype(jnp.float32))
+    assert not cpu_matmul.applies(17, jnp.zeros((2, 576, 48), jnp.bfloat16))  # columns not a multiple of 32
+    x32 = jnp.asarray(np.random.default_rng(0).standard_normal((3, 576)).astype(np.float32))
+    hlo = jax.jit(cpu_matmul.skinny_matmul).lower(x32, w, jnp.int32(0)).as_text()
+    assert "(tensor<3x576xf32>, tensor<2x576x960xbf16>, tensor<i32>)" in hlo
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16])
 @pytest.mark.parametrize("vocab", [1000, 49152])
-def test_bfloat16_head_matches_float64(rows, vocab):
-    """The LM head kernel (x @ head.T, head [V, E] bfloat16): every row count up to MAX_ROWS, a vocab
-    that is not a multiple of its row chunk; against float64 of the head's exact values, and a
-    row's logits do not depend on the batch."""
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_bfloat16_head_matches_float64(rows, vocab, x_dtype):
+    """The LM head kernel (x @ head.T, head [V, E] bfloat16; bfloat16 x through `vdpbf16ps` where
+    the CPU has it): every row count up to MAX_ROWS, a vocab that is not a multiple of its row
+    chunk; against float64 of the exact values, and a row's logits do not depend on the batch."""
     rng = np.random.default_rng(rows + vocab)
-    x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32)).astype(x_dtype)
     head = jnp.asarray(rng.standard_normal((vocab, 576)).astype(np.float32)).astype(jnp.bfloat16)
     assert cpu_matmul.head_applies(rows, head) and not cpu_matmul.head_applies(rows, head.astype(jnp.float32))
     got = np.asarray(jax.jit(cpu_matmul.head_matmul)(x, head))
-    hf = np.asarray(head.astype(jnp.float32), np.float64)
-    want = np.asarray(x, np.float64) @ hf.T
-    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(hf).T
+    hf, xf = np.asarray(head.astype(jnp.float32), np.float64), np.asarray(x.astype(jnp.float32), np.float64)
+    want = xf @ hf.T
+    scale = np.abs(xf) @ np.abs(hf).T
     assert np.all(np.abs(got - want) <= 1e-6 * scale)
     np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.head_matmul)(x[-1:], head))[0], got[-1])
 
@@ -93,8 +132,9 @@ def test_a_row_does_not_depend_on_the_batch():
 def test_applies_only_to_what_it_computes():
     w = jnp.zeros((2, 576, 960), jnp.float32)
     assert cpu_matmul.applies(1, w) and cpu_matmul.applies(cpu_matmul.MAX_ROWS, w)
-    assert not cpu_matmul.applies(cpu_matmul.MAX_ROWS + 1, w)  # prefill: XLA's dot
+    assert not cpu_matmul.applies(cpu_matmul.MAX_ROWS + 1, w)  # float32 prefill: XLA's dot
     assert cpu_matmul.applies(1, w.astype(jnp.bfloat16)) and not cpu_matmul.applies(1, w.astype(jnp.float16))
+    assert cpu_matmul.applies(cpu_matmul.MAX_ROWS + 1, w.astype(jnp.bfloat16)) == cpu_kernels.bf16_dot()
     assert not cpu_matmul.applies(1, jnp.zeros((2, 576, 40), jnp.float32))  # columns not a multiple of 16
     assert not cpu_matmul.applies(1, jnp.zeros((2, 6, 960), jnp.float32))  # K not a multiple of 4
     with pytest.raises(ValueError, match="features"):
@@ -112,17 +152,20 @@ def _weights(rng):
     return {k: jnp.asarray(0.1 * rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens", [1, 8, 32])
-def test_layer_body_takes_the_kernel_for_decode_steps(tokens):
-    """The dense weights of a decode-sized step are read in place by the FFI call and give XLA's
-    result; a prefill-sized step keeps XLA's dot; a mesh (any reduction axis) never takes it. A
-    weight decoded in the layer body (compressed or quantized storage) takes the same kernel as a
-    stack of one, with bitwise the same result as the stored weight read in place."""
+def test_layer_body_takes_the_kernel(tokens, dtype):
+    """The dense weights of a step the kernels take (any float32 decode step; any bfloat16 step on
+    an AVX512-BF16 CPU) are read in place by the FFI call and give XLA's result; other steps keep
+    XLA's dot; a mesh (any reduction axis) never takes it. A weight decoded in the layer body
+    (compressed or quantized storage) takes the same kernel as a stack of one, with bitwise the
+    same result as the stored weight read in place."""
     rng = np.random.default_rng(tokens)
-    weights = _weights(rng)
-    x = jnp.asarray(rng.standard_normal((tokens, EMBED)).astype(np.float32))
+    weights = {k: w.astype(dtype) for k, w in _weights(rng).items()}
+    x = jnp.asarray(rng.standard_normal((tokens, EMBED)).astype(np.float32)).astype(dtype)
+    kernel = tokens <= cpu_matmul.MAX_ROWS or (dtype == "bfloat16" and cpu_kernels.bf16_dot())
     in_place = llama.in_place_weights(weights, tokens, Reductions())
-    assert (set(in_place) == {"wqkv", "wo", "w_gate_up", "w_down"}) if tokens <= cpu_matmul.MAX_ROWS else in_place is None
+    assert set(in_place) == ({"wqkv", "wo", "w_gate_up", "w_down"} if kernel else set())
     assert llama.in_place_weights(weights, 1, Reductions(attn=("tp",), mlp=("tp",))) is None
 
     def body(mode: str, x, weights, layer):
@@ -130,29 +173,30 @@ def test_layer_body_takes_the_kernel_for_decode_steps(tokens):
         if mode == "stacked":
             lp = llama.kernel_weights(lp, llama.in_place_weights(weights, x.shape[0], Reductions()), layer, x.shape[0])
         elif mode == "decoded":  # as if every weight had been decoded in the layer body
-            lp = llama.kernel_weights(lp, {} if x.shape[0] <= cpu_matmul.MAX_ROWS else None, layer, x.shape[0])
+            lp = llama.kernel_weights(lp, {}, layer, x.shape[0])
         q, k, v = llama.project_qkv(lp, x, False)
         o = llama.linear(q, lp["wo"], "thd,hde->te")
         return q, k, v, o, llama.dense_mlp(lp, x)
 
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bfloat16: XLA rounds in other places
     for layer in (0, 2):
         got, decoded, want = (jax.jit(functools.partial(body, mode))(x, weights, jnp.int32(layer))
                               for mode in ("stacked", "decoded", "xla"))
         for g, d, w in zip(got, decoded, want):
-            assert g.shape == w.shape
+            assert g.shape == w.shape and g.dtype == w.dtype
             np.testing.assert_array_equal(np.asarray(g), np.asarray(d))
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
     for mode in ("stacked", "decoded"):
         hlo = jax.jit(functools.partial(body, mode)).lower(x, weights, jnp.int32(0)).as_text()
-        assert (cpu_matmul.TARGET in hlo) == (tokens <= cpu_matmul.MAX_ROWS)
+        assert (cpu_matmul.TARGET in hlo) == kernel
 
 
 def test_micro_benchmark_runs(capsys):
     """`python -m pallas_kernels.cpu_matmul_bench` (the figures in docs/PERFORMANCE.md) end to end."""
     from pallas_kernels import cpu_matmul_bench
 
-    assert cpu_matmul_bench.main(["--rows", "1", "16", "--dtype", "bfloat16", "--iters", "1"]) == 0
+    assert cpu_matmul_bench.main(["--rows", "1", "64", "--dtype", "bfloat16", "--iters", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:2] == ["dtype", "T"] and [ln.split()[:2] for ln in lines[1:]] == [
-        ["bfloat16", "1"], ["bfloat16", "16"]]
+        ["bfloat16", "1"], ["bfloat16", "64"]]
     assert all(float(ln.split()[-1].rstrip("x")) > 0 for ln in lines[1:])

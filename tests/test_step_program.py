@@ -4,8 +4,8 @@ On XLA GPU a data-dependent `conditional` copies its predicate to the host, and 
 condition of a `while` whose trip count is not known at compile time: the launch of the step then
 blocks until the device reaches it, and host work stops overlapping device work. These tests
 inspect the programs the engine runs on a GPU (Pallas attention, branch-free sampler variants)
-and pin float32 dots to full precision. They run without the CPU-only FFI matmul
-(pallas_kernels/cpu_matmul.py), as a GPU does.
+and pin float32 dots to full precision. They run without the CPU-only FFI kernels
+(pallas_kernels/cpu_kernels.py), as a GPU does.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from infire_jax.models.registry import build_state
 from infire_jax.runner import ModelRunner, RunnerConfig
 from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.scheduler import SchedulerOutput
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_kernels
 
 DENSE = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=8, num_kv_heads=2, head_dim=32)
@@ -35,7 +35,7 @@ MOE = ModelConfig(architecture="qwen3_moe", vocab_size=96, hidden_size=64, inter
 
 @pytest.fixture(autouse=True)
 def _no_cpu_kernel(monkeypatch):
-    monkeypatch.setattr(cpu_matmul, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "on_cpu", lambda: False)
 
 
 def make_runner(cfg: ModelConfig, attn_impl: str, variants=BRANCH_FREE_VARIANTS, dtype=jnp.float32,

@@ -106,10 +106,10 @@ def _kernel_view(name: str, stacked: Array, tokens: int) -> Array | None:
 
 
 def in_place_weights(weights: dict[str, Array], tokens: int, red: Reductions) -> dict[str, tuple[Array, tuple]] | None:
-    """The stacked dense weights that a step of `tokens` tokens multiplies with the CPU skinny
-    matmul, as ([L, K, N] view, one layer's shape); None where the kernel is not used at all
-    (a mesh, or a step too large), so that weights decoded in the layer body follow the same rule."""
-    if red != Reductions() or tokens > cpu_matmul.MAX_ROWS:
+    """The stacked dense weights that a step of `tokens` tokens multiplies with the CPU matmul
+    kernel (`cpu_matmul.applies`), as ([L, K, N] view, one layer's shape); None on a mesh, where it
+    is never used, so that weights decoded in the layer body follow the same rule."""
+    if red != Reductions():
         return None
     views = {name: (_kernel_view(name, weights.get(name), tokens), weights.get(name)) for name in _INPUT_AXES}
     return {name: (view, tuple(w.shape[1:])) for name, (view, w) in views.items() if view is not None}
@@ -174,7 +174,8 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
             q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=scale, impl=attn_impl)
+        o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=scale, impl=attn_impl,
+                                              cpu_kernel=red == Reductions())
         h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
         h = h + psum(mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)), red.mlp)
         return (h, k_pages, v_pages), None

@@ -1,23 +1,27 @@
-// The skinny matmul of CPU decode steps, as an XLA FFI custom call (pallas_kernels/cpu_matmul.py).
+// The CPU matmuls of the layer weights and the LM head, as XLA FFI custom calls
+// (pallas_kernels/cpu_matmul.py).
 //
-// y[M, N] = x[M, K] . w[layer, K, N] for M <= 16 (the tokens of a decode step): layer `layer` of a
-// stacked row-major weight, float32 or bfloat16 (widened exactly in registers), read in place (no
-// copy of the slice). Every row of w is streamed once per call on XLA's own intra-op thread pool,
-// each thread over its own column chunks, with the chunk's partial sums in L1. Float32 sums.
+// y[M, N] = x[M, K] . w[layer, K, N]: layer `layer` of a stacked row-major weight, read in place (no
+// copy of the slice), on XLA's own intra-op thread pool, each thread over its own column chunks.
+// Float32 sums. Two kernels:
+//  - float32 x (decode steps, M <= 16): weights float32 or bfloat16 (widened exactly in registers),
+//    every row of w streamed once per call, the chunk's partial sums in L1, four rows of w per step;
+//  - bfloat16 x and w where the CPU has AVX512-BF16 (any M: decode and prefill): `vdpbf16ps` sums
+//    pairs of exact bfloat16 products into float32 accumulators held in registers over all of K.
 //
-// Every output element is summed in the same order whatever M is (four rows of w per step, k
-// ascending), so a row's result does not depend on the other rows of the batch.
+// Every output element is summed in the same order whatever M is (k ascending, in fours or in
+// pairs), so a row's result does not depend on the other rows of the batch.
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <mutex>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+#include "thread_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using infire::run_chunks;
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t h16 __attribute__((vector_size(32)));
 typedef uint32_t u16x __attribute__((vector_size(64)));
@@ -66,33 +70,6 @@ static void run_strip(const float* x, int64_t M, int64_t K, const W* w, int64_t 
   }
 }
 
-struct Shared {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t chunks = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-// Runs fn(0), ..., fn(chunks - 1) on the calling thread and XLA's pool; returns when all are done.
-template <typename F>
-static void run_chunks(ffi::ThreadPool& pool, int64_t chunks, F fn) {
-  auto sh = std::make_shared<Shared>();
-  sh->chunks = chunks;
-  auto work = [sh, fn]() {
-    int64_t c;
-    while ((c = sh->next.fetch_add(1)) < sh->chunks) {
-      fn(c);
-      if (sh->done.fetch_add(1) + 1 == sh->chunks) { std::lock_guard<std::mutex> g(sh->mu); sh->cv.notify_all(); }
-    }
-  };
-  // A helper that starts after the chunks are gone finds none and returns; the state is shared.
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(std::function<void()>(work));
-  work();
-  std::unique_lock<std::mutex> g(sh->mu);
-  sh->cv.wait(g, [&] { return sh->done.load() == sh->chunks; });
-}
-
 template <typename W>
 static void run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, float* yp) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -104,17 +81,130 @@ static void run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, co
   });
 }
 
-static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+#if defined(__AVX512BF16__)
+// MR rows of x times G groups of 32 columns of w (bfloat16 both), over all of K, summed in
+// registers. Rows k and k + 1 of w are interleaved in registers (unpacklo/hi), so each 32-bit lane
+// holds the pair (w[k, n], w[k + 1, n]) that `vdpbf16ps` multiplies with (x[m, k], x[m, k + 1]).
+template <int MR, int G>
+static inline void dp_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, int64_t c, float* y) {
+  __m512 acc[MR][2 * G];
+  for (int m = 0; m < MR; ++m) for (int g = 0; g < 2 * G; ++g) acc[m][g] = _mm512_setzero_ps();
+  const uint16_t* wp = w + c;
+  for (int64_t k = 0; k < K; k += 2, wp += 2 * N) {
+    __m512i lo[G], hi[G];
+    for (int g = 0; g < G; ++g) {
+      const __m512i r0 = _mm512_loadu_si512(wp + 32 * g), r1 = _mm512_loadu_si512(wp + N + 32 * g);
+      lo[g] = _mm512_unpacklo_epi16(r0, r1);
+      hi[g] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + k, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int g = 0; g < G; ++g) {
+        acc[m][2 * g] = _mm512_dpbf16_ps(acc[m][2 * g], xv, (__m512bh)lo[g]);
+        acc[m][2 * g + 1] = _mm512_dpbf16_ps(acc[m][2 * g + 1], xv, (__m512bh)hi[g]);
+      }
+    }
+  }
+  // In each 128-bit lane, lo holds that lane's columns 0-3 and hi its columns 4-7: put them in order.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int m = 0; m < MR; ++m) {
+    for (int g = 0; g < G; ++g) {
+      float* out = y + m * N + c + 32 * g;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[m][2 * g], first, acc[m][2 * g + 1]));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(acc[m][2 * g], second, acc[m][2 * g + 1]));
+    }
+  }
+}
+
+// All M rows for the G column groups at column c: MR-row tiles, then one tile of the rows left.
+template <int MR, int G>
+static void dp_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t c, float* y) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) dp_tile<MR, G>(x + m * K, K, w, N, c, y + m * N);
+  if (m == M) return;
+  const uint16_t* xm = x + m * K; float* ym = y + m * N;
+  switch (M - m) {
+    case 1: dp_tile<1, G>(xm, K, w, N, c, ym); break;
+    case 2: dp_tile<2, G>(xm, K, w, N, c, ym); break;
+    case 3: dp_tile<3, G>(xm, K, w, N, c, ym); break;
+    case 4: dp_tile<4, G>(xm, K, w, N, c, ym); break;
+    case 5: dp_tile<5, G>(xm, K, w, N, c, ym); break;
+    case 6: dp_tile<6, G>(xm, K, w, N, c, ym); break;
+    case 7: dp_tile<7, G>(xm, K, w, N, c, ym); break;
+    case 8: dp_tile<8, G>(xm, K, w, N, c, ym); break;
+    case 9: dp_tile<9, G>(xm, K, w, N, c, ym); break;
+    case 10: dp_tile<10, G>(xm, K, w, N, c, ym); break;
+    default: dp_tile<11, G>(xm, K, w, N, c, ym); break;
+  }
+}
+
+// Column groups [g0, g1) of 32 for all rows, in tiles as wide as the register budget allows: 2 * MR * G
+// accumulators (one row: 8 groups; up to 4 rows: 3; more rows, MR = 12: 1), narrower at the end.
+template <int MR>
+static void dp_span(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t g0, int64_t g1,
+                    float* y) {
+  constexpr int widest = MR == 1 ? 8 : MR <= 4 ? 3 : 1;
+  for (int64_t g = g0; g < g1;) {
+    const int64_t left = g1 - g;
+    if (widest >= 8 && left >= 8) { dp_rows<MR, (widest >= 8 ? 8 : 1)>(x, M, K, w, N, 32 * g, y); g += 8; }
+    else if (widest >= 4 && left >= 4) { dp_rows<MR, (widest >= 4 ? 4 : 1)>(x, M, K, w, N, 32 * g, y); g += 4; }
+    else if (widest >= 3 && left >= 3) { dp_rows<MR, (widest >= 3 ? 3 : 1)>(x, M, K, w, N, 32 * g, y); g += 3; }
+    else if (widest >= 2 && left >= 2) { dp_rows<MR, (widest >= 2 ? 2 : 1)>(x, M, K, w, N, 32 * g, y); g += 2; }
+    else { dp_rows<MR, 1>(x, M, K, w, N, 32 * g, y); g += 1; }
+  }
+}
+
+// y = x . w with bfloat16 x [M, K] and w [K, N] (N a multiple of 32): column chunks, about four per
+// thread, each over all rows of x (the chunk's columns of w stay in L1/L2 while the rows pass).
+static void dp_matmul(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                      float* y) {
+  const int64_t groups = N / 32, threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t cg = (groups + 4 * threads - 1) / (4 * threads);
+  run_chunks(pool, (groups + cg - 1) / cg, [=](int64_t i) {
+    const int64_t g0 = i * cg, g1 = std::min(groups, g0 + cg);
+    if (M == 1) dp_span<1>(x, M, K, w, N, g0, g1, y);
+    else if (M <= 16) dp_span<4>(x, M, K, w, N, g0, g1, y);
+    else dp_span<12>(x, M, K, w, N, g0, g1, y);
+  });
+}
+#endif
+
+extern "C" int InfireHasBf16Dot() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+static ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
                        ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(); auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || wd[2] % 16 != 0 || wd[1] % 4 != 0)
-    return ffi::Error::InvalidArgument("skinny_matmul: x [M, K], w [L, K, N] with K % 4 == 0 and N % 16 == 0");
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("skinny_matmul: x [M, K], w [L, K, N]");
   const int64_t M = xd[0], K = xd[1], N = wd[2], l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("skinny_matmul: layer index out of range");
+  if (x.element_type() == ffi::DataType::BF16) {
+#if defined(__AVX512BF16__)
+    if (w.element_type() != ffi::DataType::BF16 || K % 2 != 0 || N % 32 != 0)
+      return ffi::Error::InvalidArgument("skinny_matmul: bfloat16 x takes bfloat16 w with K % 2 == 0 and N % 32 == 0");
+    dp_matmul(pool, static_cast<const uint16_t*>(x.untyped_data()), M, K,
+              static_cast<const uint16_t*>(w.untyped_data()) + l * K * N, N, y->typed_data());
+    return ffi::Error::Success();
+#else
+    return ffi::Error::InvalidArgument("skinny_matmul: bfloat16 x needs a CPU with AVX512-BF16");
+#endif
+  }
+  if (x.element_type() != ffi::DataType::F32 || N % 16 != 0 || K % 4 != 0)
+    return ffi::Error::InvalidArgument("skinny_matmul: float32 x [M, K], w [L, K, N] with K % 4 == 0 and N % 16 == 0");
+  const float* xp = static_cast<const float*>(x.untyped_data());
   if (w.element_type() == ffi::DataType::F32) {
-    run(pool, x.typed_data(), M, K, static_cast<const float*>(w.untyped_data()) + l * K * N, N, y->typed_data());
+    run(pool, xp, M, K, static_cast<const float*>(w.untyped_data()) + l * K * N, N, y->typed_data());
   } else if (w.element_type() == ffi::DataType::BF16) {
-    run(pool, x.typed_data(), M, K, static_cast<const uint16_t*>(w.untyped_data()) + l * K * N, N, y->typed_data());
+    run(pool, xp, M, K, static_cast<const uint16_t*>(w.untyped_data()) + l * K * N, N, y->typed_data());
   } else {
     return ffi::Error::InvalidArgument("skinny_matmul: weights must be float32 or bfloat16");
   }
@@ -122,7 +212,7 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InfireSkinnyMatmul, Impl,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 // The LM head: y[M, V] = x[M, E] . w[V, E]^T, w (the embedding layout) row-major, float32 or
@@ -150,20 +240,38 @@ static inline void row_tile(const float* x, int64_t K, const W* w, int64_t V, in
   for (int m = 0; m < MB; ++m) for (int r = 0; r < R; ++r) y[m * V + n + r] = hsum(acc[r][m]);
 }
 
-template <int MB, typename W>
-static void rows_nt(const float* x, int64_t K, const W* w, int64_t V, int64_t n0, int64_t n1, float* y) {
+#if defined(__AVX512BF16__)
+// The same with bfloat16 x and w: `vdpbf16ps` over 32 elements of both rows at a time.
+template <int MB, int R>
+static inline void row_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t V, int64_t n, float* y) {
+  __m512 acc[R][MB];
+  for (int r = 0; r < R; ++r) for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) for (int r = 0; r < R; ++r) y[m * V + n + r] = hsum((v16)acc[r][m]);
+}
+#endif
+
+template <int MB, typename X, typename W>
+static void rows_nt(const X* x, int64_t K, const W* w, int64_t V, int64_t n0, int64_t n1, float* y) {
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) row_tile<MB, 4>(x, K, w, V, n, y);
   for (; n < n1; ++n) row_tile<MB, 1>(x, K, w, V, n, y);
 }
 
-template <typename W>
-static void run_nt(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const W* w, int64_t V, float* y) {
+template <typename X, typename W>
+static void run_nt(ffi::ThreadPool& pool, const X* x, int64_t M, int64_t K, const W* w, int64_t V, float* y) {
   const int64_t chunk = 256;  // rows of w per chunk
   run_chunks(pool, (V + chunk - 1) / chunk, [=](int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(V, n0 + chunk);
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const float* xm = x + m0 * K; float* ym = y + m0 * V;
+      const X* xm = x + m0 * K; float* ym = y + m0 * V;
       switch (std::min<int64_t>(4, M - m0)) {
         case 1: rows_nt<1>(xm, K, w, V, n0, n1, ym); break;
         case 2: rows_nt<2>(xm, K, w, V, n0, n1, ym); break;
@@ -174,14 +282,28 @@ static void run_nt(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, 
   });
 }
 
-static ffi::Error ImplNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+static ffi::Error ImplNT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(); auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || wd[1] % 16 != 0)
-    return ffi::Error::InvalidArgument("skinny_matmul_nt: x [M, K], w [N, K] with K % 16 == 0");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("skinny_matmul_nt: x [M, K], w [N, K]");
+  if (x.element_type() == ffi::DataType::BF16) {
+#if defined(__AVX512BF16__)
+    if (w.element_type() != ffi::DataType::BF16 || xd[1] % 32 != 0)
+      return ffi::Error::InvalidArgument("skinny_matmul_nt: bfloat16 x takes bfloat16 w with K % 32 == 0");
+    run_nt(pool, static_cast<const uint16_t*>(x.untyped_data()), xd[0], xd[1],
+           static_cast<const uint16_t*>(w.untyped_data()), wd[0], y->typed_data());
+    return ffi::Error::Success();
+#else
+    return ffi::Error::InvalidArgument("skinny_matmul_nt: bfloat16 x needs a CPU with AVX512-BF16");
+#endif
+  }
+  if (x.element_type() != ffi::DataType::F32 || xd[1] % 16 != 0)
+    return ffi::Error::InvalidArgument("skinny_matmul_nt: float32 x [M, K] with K % 16 == 0");
+  const float* xp = static_cast<const float*>(x.untyped_data());
   if (w.element_type() == ffi::DataType::F32) {
-    run_nt(pool, x.typed_data(), xd[0], xd[1], static_cast<const float*>(w.untyped_data()), wd[0], y->typed_data());
+    run_nt(pool, xp, xd[0], xd[1], static_cast<const float*>(w.untyped_data()), wd[0], y->typed_data());
   } else if (w.element_type() == ffi::DataType::BF16) {
-    run_nt(pool, x.typed_data(), xd[0], xd[1], static_cast<const uint16_t*>(w.untyped_data()), wd[0], y->typed_data());
+    run_nt(pool, xp, xd[0], xd[1], static_cast<const uint16_t*>(w.untyped_data()), wd[0], y->typed_data());
   } else {
     return ffi::Error::InvalidArgument("skinny_matmul_nt: weights must be float32 or bfloat16");
   }
@@ -189,5 +311,5 @@ static ffi::Error ImplNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InfireSkinnyMatmulNT, ImplNT,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>());

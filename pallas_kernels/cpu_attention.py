@@ -1,0 +1,53 @@
+"""Paged attention of CPU decode steps: a C++ XLA FFI call that reads the KV pool in place.
+
+The reference attention (`reference.py`) gathers each row's pages into fresh arrays every layer
+and runs as a string of small XLA ops, one after another on one thread: at batch 8 that was about a
+quarter of a bfloat16 decode step here (docs/PERFORMANCE.md). `csrc/paged_attention.cc` attends
+each (token, kv head) to its sequence's positions straight from the pool, on XLA's thread pool.
+This step's keys and values are first written by the reference's scatter, so the call's semantics
+are the reference's: every token sees its sequence's positions up to its own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import cpu_kernels, reference
+from pallas_kernels.metadata import AttentionMetadata
+
+TARGET = "infire_paged_attention"
+MAX_TOKENS = 16  # decode-sized steps; a prompt chunk's tokens share their pages better in the reference
+
+
+def applies(num_tokens: int, q: Array, k_pages: Array) -> bool:
+    """Whether a step of `num_tokens` tokens takes the FFI call (decided at trace time): on CPU,
+    float32 or uint16 (bfloat16 bits) pools, head_dim a multiple of 16 up to 256, at most 16 query
+    heads per kv head."""
+    hq, d = q.shape[1:]
+    hkv = k_pages.shape[3]
+    return (num_tokens <= MAX_TOKENS and k_pages.dtype in (jnp.float32, jnp.uint16) and d % 16 == 0 and d <= 256
+            and hq % hkv == 0 and hq // hkv <= 16 and cpu_kernels.on_cpu())
+
+
+def paged_attention(
+    q: Float[Array, "T Hq D"],
+    k: Float[Array, "T Hkv D"],
+    v: Float[Array, "T Hkv D"],
+    k_pages: Float[Array, "L N ps Hkv D"],
+    v_pages: Float[Array, "L N ps Hkv D"],
+    layer: Int[Array, ""],
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+) -> tuple[Float[Array, "T Hq D"], Array, Array]:
+    """Writes k/v into the pages (in place), then attends each token to its sequence's positions
+    <= its own, reading them from the pool; padding tokens get zeros."""
+    k_pages, v_pages = reference.write_kv(k_pages, v_pages, layer, k, v, meta.slot_mapping)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    ints = [jnp.asarray(x).astype(jnp.int32) for x in (layer, meta.positions, meta.seq_ids, meta.page_table,
+                                                         meta.num_seqs)]
+    o = jax.ffi.ffi_call(TARGET, out)(q.astype(jnp.float32) * np.float32(scale), k_pages, v_pages, *ints)
+    return o.astype(q.dtype), k_pages, v_pages

@@ -1,0 +1,104 @@
+"""The C++ XLA FFI kernels of the CPU path (`csrc/*.cc`): built once per machine, registered with jax.
+
+`cpu_matmul` (the layer weights' and LM head's matmuls) and `cpu_attention` (decode-step paged
+attention) are calls into one library. Its sources are compiled with the system's C++ compiler
+(`CXX`, else `c++`) and `-march=native` into the infire_jax cache, keyed by the sources, the jax
+version and the host CPU. Without a compiler, or with `INFIRE_JAX_NO_CPU_KERNELS=1`,
+`available()` is False and the models keep XLA's ops (the pure-`jnp` path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+
+log = logging.getLogger(__name__)
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+# FFI target name -> the library's handler symbol.
+TARGETS = {"infire_skinny_matmul": "InfireSkinnyMatmul", "infire_skinny_matmul_nt": "InfireSkinnyMatmulNT",
+           "infire_paged_attention": "InfirePagedAttention"}
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("INFIRE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "infire_jax"))
+    return os.path.join(base, "cpu_kernels")
+
+
+def host_cpu() -> str:
+    """The CPU model and flags: `-march=native` code is only valid on the CPU that built it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def _build() -> str:
+    """Compiles the sources (once per sources, jax version and CPU) and returns the library's path."""
+    sources = sorted(glob.glob(os.path.join(_CSRC, "*.cc")))
+    key = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(_CSRC, "*"))):
+        with open(path, "rb") as f:
+            key.update(os.path.basename(path).encode() + b"\0" + f.read())
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-I{_CSRC}"]
+    key.update(jax.__version__.encode() + host_cpu().encode() + " ".join(flags).encode())
+    path = os.path.join(_cache_dir(), f"infire_cpu_kernels-{key.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        os.makedirs(_cache_dir(), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+        os.close(fd)
+        try:
+            subprocess.run([cxx, *flags, *sources, "-o", tmp], check=True, capture_output=True, text=True)
+            os.replace(tmp, path)  # atomic: concurrent builders each write their own file
+        except subprocess.CalledProcessError as e:
+            os.unlink(tmp)
+            raise RuntimeError(f"{cxx} failed on {_CSRC}: {e.stderr.strip()[-2000:]}") from e
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library with every target registered (on CPU, unless turned off), or None."""
+    if os.environ.get("INFIRE_JAX_NO_CPU_KERNELS"):
+        return None
+    try:
+        lib = ctypes.cdll.LoadLibrary(_build())
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU kernels unavailable, using XLA's ops: %s", e)
+        return None
+    return lib
+
+
+def available() -> bool:
+    """Whether the FFI calls are built and registered (on CPU, unless turned off)."""
+    return library() is not None
+
+
+def on_cpu() -> bool:
+    """Whether a call traced now runs on the CPU with the kernels there."""
+    return jax.default_backend() == "cpu" and available()
+
+
+@functools.cache
+def bf16_dot() -> bool:
+    """Whether the library was built for a CPU with AVX512-BF16, so bfloat16 x bfloat16 products
+    take `vdpbf16ps`."""
+    lib = library()
+    return lib is not None and bool(lib.InfireHasBf16Dot())

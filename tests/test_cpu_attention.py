@@ -1,0 +1,117 @@
+"""The CPU paged attention (an XLA FFI call, pallas_kernels/cpu_attention.py) against the float64
+numpy oracle and the `jnp` reference of tests/test_kernels.py, on pools whose unread slots are NaN;
+and the dispatch: decode steps off a mesh take it, other steps keep the reference. The engine-level
+checks are tests/test_parity.py (float32, against HF) and the bfloat16 engine tests, whose CPU
+decode steps run through it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_attention, cpu_kernels, reference
+from pallas_kernels.attention import paged_attention
+from test_kernels import (LAYER, NUM_TOKENS, ROWS, SHAPES, Shapes, assert_close, build_metadata, device,
+                          device_meta, make_case, module_reference, numpy_attention, pool_after_write)
+
+pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")),
+                                reason="no C++ compiler on this machine: the engine uses the reference instead")
+
+
+def _pool(pages: np.ndarray, shapes: Shapes) -> jax.Array:
+    """A pool as the CPU reference stores it (bfloat16 as its uint16 bits)."""
+    return reference.to_storage(device(pages, shapes), reference.pool_storage_dtype(shapes.dtype, "reference"))
+
+
+@pytest.mark.parametrize("shapes", SHAPES, ids=str)
+def test_matches_numpy_with_poisoned_pool(shapes):
+    """Every row of the case (prefill chunks, decodes over short and long contexts, padding), page
+    sizes that are not 16, grouped and plain heads; slots no token may read are NaN."""
+    assert cpu_kernels.available()
+    case = make_case(shapes, seed=21, poison=True)
+    out, k_pages, v_pages = jax.jit(cpu_attention.paged_attention, static_argnames="scale")(
+        device(case.q, shapes), device(case.k, shapes), device(case.v, shapes), _pool(case.k_pages, shapes),
+        _pool(case.v_pages, shapes), jnp.int32(LAYER), device_meta(case.meta), scale=shapes.head_dim ** -0.5)
+    assert out.dtype == jnp.dtype(shapes.dtype)
+    real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
+    assert_close(np.asarray(out)[real], numpy_attention(case, shapes.num_q_heads)[real], shapes.tol)
+    assert_close(np.asarray(out)[real], module_reference(case, shapes)[real], shapes.tol)
+    assert not np.asarray(out.astype(jnp.float32))[~real].any()
+    for pages, expected in zip((k_pages, v_pages), pool_after_write(case)):
+        got = np.asarray(reference.from_storage(pages).astype(jnp.float32))
+        np.testing.assert_array_equal(got[:, 1:], expected[:, 1:])
+
+
+def test_float32_is_float32_exact_to_rounding():
+    """float32 sums and exp: within a few float32 roundings of float64, not bfloat16-close."""
+    shapes = SHAPES[3]
+    case = make_case(shapes, seed=22, poison=True)
+    out, _, _ = cpu_attention.paged_attention(
+        device(case.q, shapes), device(case.k, shapes), device(case.v, shapes), _pool(case.k_pages, shapes),
+        _pool(case.v_pages, shapes), jnp.int32(LAYER), device_meta(case.meta), scale=shapes.head_dim ** -0.5)
+    real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
+    assert_close(np.asarray(out)[real], numpy_attention(case, shapes.num_q_heads)[real], 2e-6)
+
+
+def test_a_token_does_not_depend_on_the_batch():
+    """A decode row alone gives bitwise what it gives beside other rows."""
+    shapes = SHAPES[3]
+    case = make_case(shapes, seed=23, poison=False)
+    k_pages, v_pages = _pool(case.k_pages, shapes), _pool(case.v_pages, shapes)
+    call = jax.jit(cpu_attention.paged_attention, static_argnames="scale")
+    args = (device(case.q, shapes), device(case.k, shapes), device(case.v, shapes), k_pages, v_pages,
+            jnp.int32(LAYER), device_meta(case.meta))
+    full = np.asarray(call(*args, scale=0.125)[0])
+    row = 7  # (150 cached, 1 new): a long decode
+    t = int(case.meta.cu_q_lens[row])
+    pages = np.asarray(case.meta.page_table[row])
+    width = case.meta.page_table.shape[1]
+    meta = build_metadata([ROWS[row]], [pages], num_tokens=1, num_rows=1, page_size=shapes.page_size, width=width)
+    alone = call(device(case.q[t:t + 1], shapes), device(case.k[t:t + 1], shapes), device(case.v[t:t + 1], shapes),
+                 k_pages, v_pages, jnp.int32(LAYER), device_meta(meta), scale=0.125)[0]
+    np.testing.assert_array_equal(np.asarray(alone)[0], full[t])
+
+
+def _decode_case(shapes: Shapes):
+    """The case's decode rows only, as a decode step of its own (one token each, then padding)."""
+    case = make_case(shapes, seed=24, poison=False)
+    rows = [i for i, (_, n) in enumerate(ROWS) if n == 1]
+    tokens = [int(case.meta.cu_q_lens[i]) for i in rows]
+    width = case.meta.page_table.shape[1]
+    meta = build_metadata([ROWS[i] for i in rows], [np.asarray(case.meta.page_table[i]) for i in rows],
+                          num_tokens=8, num_rows=8, page_size=shapes.page_size, width=width)
+    pad = 8 - len(tokens)
+
+    def step(x):
+        return device(np.concatenate([x[tokens], np.zeros((pad, *x.shape[1:]), x.dtype)]), shapes)
+
+    pools = _pool(case.k_pages, shapes), _pool(case.v_pages, shapes)
+    return (step(case.q), step(case.k), step(case.v), *pools, jnp.int32(LAYER), device_meta(meta)), len(tokens)
+
+
+@pytest.mark.parametrize("shapes", [SHAPES[3], SHAPES[4]], ids=str)
+def test_dispatch_takes_it_for_decode_steps_off_a_mesh(shapes):
+    """The reference hands a decode step to the kernel when the caller is off a mesh, with the
+    reference's result; a mesh caller, and steps above MAX_TOKENS, keep the reference."""
+    args, real = _decode_case(shapes)
+    scale = shapes.head_dim ** -0.5
+
+    def run(cpu_kernel):
+        return jax.jit(lambda *a: paged_attention(*a, scale=scale, impl="reference", cpu_kernel=cpu_kernel))
+
+    for cpu_kernel in (True, False):
+        hlo = run(cpu_kernel).lower(*args).as_text()
+        assert (cpu_attention.TARGET in hlo) == cpu_kernel
+    got, ref = run(True)(*args), run(False)(*args)
+    assert_close(np.asarray(got[0])[:real], np.asarray(ref[0].astype(jnp.float32), np.float64)[:real], shapes.tol)
+    for pages, ref_pages in zip(got[1:], ref[1:]):
+        np.testing.assert_array_equal(np.asarray(pages)[:, 1:], np.asarray(ref_pages)[:, 1:])
+    q, k, v, k_pages = args[0], args[1], args[2], args[3]
+    assert cpu_attention.applies(cpu_attention.MAX_TOKENS, q, k_pages)
+    assert not cpu_attention.applies(cpu_attention.MAX_TOKENS + 1, q, k_pages)
+    assert not cpu_attention.applies(1, q, k_pages.astype(jnp.float16))
