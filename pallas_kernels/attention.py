@@ -1,5 +1,5 @@
 """Chooses the attention implementation: the Pallas kernels on GPU, the `jnp` reference elsewhere
-(with its decode steps through the C++ kernel of `cpu_attention` on CPU, off a mesh).
+(through the C++ kernel of `cpu_attention` on CPU, off a mesh).
 
 "pallas_interpret" runs the same Pallas kernels in interpret mode (any backend, slow): it is how the
 CPU test suite checks the GPU path, down to a whole model forward.
@@ -56,9 +56,9 @@ def paged_attention(
     cpu_kernel: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes this step's k/v into the pages and returns (attention output, k_pages, v_pages).
-    `cpu_kernel`: the reference may hand decode steps to `cpu_attention` (the caller is off a mesh)."""
+    `cpu_kernel`: the reference may hand the step to `cpu_attention` (the caller is off a mesh)."""
     if impl == "reference":
-        if cpu_kernel and cpu_attention.applies(q.shape[0], q, k_pages):
+        if cpu_kernel and cpu_attention.applies(q, k_pages):
             return cpu_attention.paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale)
         return reference.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale)
     if impl in ("pallas", "pallas_interpret"):

@@ -1,11 +1,12 @@
-"""Paged attention of CPU decode steps: a C++ XLA FFI call that reads the KV pool in place.
+"""Paged attention on CPU: a C++ XLA FFI call that reads the KV pool in place, for every step.
 
 The reference attention (`reference.py`) gathers each row's pages into fresh arrays every layer
-and runs as a string of small XLA ops, one after another on one thread: at batch 8 that was about a
-quarter of a bfloat16 decode step here (docs/PERFORMANCE.md). `csrc/paged_attention.cc` attends
-each (token, kv head) to its sequence's positions straight from the pool, on XLA's thread pool.
-This step's keys and values are first written by the reference's scatter, so the call's semantics
-are the reference's: every token sees its sequence's positions up to its own.
+and runs as a string of small XLA ops, mostly one after another on one thread; its part B is a
+dense T x T over the whole step, whatever its rows. `csrc/paged_attention.cc` attends runs of a
+row's tokens to the row's positions straight from the pool, on XLA's thread pool, each block of
+keys read once for the run (docs/PERFORMANCE.md has both measured). This step's keys and values
+are first written by the reference's scatter, so the call's semantics are the reference's: every
+token sees its sequence's positions up to its own.
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ from pallas_kernels import cpu_kernels, reference
 from pallas_kernels.metadata import AttentionMetadata
 
 TARGET = "infire_paged_attention"
-MAX_TOKENS = 16  # decode-sized steps; a prompt chunk's tokens share their pages better in the reference
 
 
-def applies(num_tokens: int, q: Array, k_pages: Array) -> bool:
-    """Whether a step of `num_tokens` tokens takes the FFI call (decided at trace time): on CPU,
-    float32 or uint16 (bfloat16 bits) pools, head_dim a multiple of 16 up to 256, at most 16 query
-    heads per kv head."""
+def applies(q: Array, k_pages: Array) -> bool:
+    """Whether a step takes the FFI call (decided at trace time): on CPU, float32 or uint16
+    (bfloat16 bits) pools, head_dim a multiple of 16 up to 256, at most 16 query heads per kv head."""
     hq, d = q.shape[1:]
     hkv = k_pages.shape[3]
-    return (num_tokens <= MAX_TOKENS and k_pages.dtype in (jnp.float32, jnp.uint16) and d % 16 == 0 and d <= 256
-            and hq % hkv == 0 and hq // hkv <= 16 and cpu_kernels.on_cpu())
+    return (k_pages.dtype in (jnp.float32, jnp.uint16) and d % 16 == 0 and d <= 256 and hq % hkv == 0
+            and hq // hkv <= 16 and cpu_kernels.on_cpu())
 
 
 def paged_attention(

@@ -58,23 +58,23 @@ def test_float32_is_float32_exact_to_rounding():
     assert_close(np.asarray(out)[real], numpy_attention(case, shapes.num_q_heads)[real], 2e-6)
 
 
-def test_a_token_does_not_depend_on_the_batch():
-    """A decode row alone gives bitwise what it gives beside other rows."""
+@pytest.mark.parametrize("row,index", [(7, 0), (8, 13), (3, 0)])
+def test_a_token_does_not_depend_on_the_step(row, index):
+    """A token alone in a one-token step gives bitwise what it gives in the full step: a long
+    decode, and tokens of prompt chunks (which the kernel runs together, sharing key blocks)."""
     shapes = SHAPES[3]
     case = make_case(shapes, seed=23, poison=False)
-    k_pages, v_pages = _pool(case.k_pages, shapes), _pool(case.v_pages, shapes)
     call = jax.jit(cpu_attention.paged_attention, static_argnames="scale")
-    args = (device(case.q, shapes), device(case.k, shapes), device(case.v, shapes), k_pages, v_pages,
-            jnp.int32(LAYER), device_meta(case.meta))
-    full = np.asarray(call(*args, scale=0.125)[0])
-    row = 7  # (150 cached, 1 new): a long decode
-    t = int(case.meta.cu_q_lens[row])
-    pages = np.asarray(case.meta.page_table[row])
-    width = case.meta.page_table.shape[1]
-    meta = build_metadata([ROWS[row]], [pages], num_tokens=1, num_rows=1, page_size=shapes.page_size, width=width)
+    full, k_pages, v_pages = call(device(case.q, shapes), device(case.k, shapes), device(case.v, shapes),
+                                  _pool(case.k_pages, shapes), _pool(case.v_pages, shapes), jnp.int32(LAYER),
+                                  device_meta(case.meta), scale=0.125)
+    t = int(case.meta.cu_q_lens[row]) + index
+    ctx = int(case.meta.positions[t])
+    meta = build_metadata([(ctx, 1)], [np.asarray(case.meta.page_table[row])], num_tokens=1, num_rows=1,
+                          page_size=shapes.page_size, width=case.meta.page_table.shape[1])
     alone = call(device(case.q[t:t + 1], shapes), device(case.k[t:t + 1], shapes), device(case.v[t:t + 1], shapes),
                  k_pages, v_pages, jnp.int32(LAYER), device_meta(meta), scale=0.125)[0]
-    np.testing.assert_array_equal(np.asarray(alone)[0], full[t])
+    np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(full)[t])
 
 
 def _decode_case(shapes: Shapes):
@@ -95,23 +95,25 @@ def _decode_case(shapes: Shapes):
 
 
 @pytest.mark.parametrize("shapes", [SHAPES[3], SHAPES[4]], ids=str)
-def test_dispatch_takes_it_for_decode_steps_off_a_mesh(shapes):
-    """The reference hands a decode step to the kernel when the caller is off a mesh, with the
-    reference's result; a mesh caller, and steps above MAX_TOKENS, keep the reference."""
-    args, real = _decode_case(shapes)
+def test_dispatch_takes_it_off_a_mesh(shapes):
+    """The reference hands a step (decode, or the full mixed case) to the kernel when the caller is
+    off a mesh, with the reference's result; a mesh caller keeps the reference."""
     scale = shapes.head_dim ** -0.5
 
     def run(cpu_kernel):
         return jax.jit(lambda *a: paged_attention(*a, scale=scale, impl="reference", cpu_kernel=cpu_kernel))
 
-    for cpu_kernel in (True, False):
-        hlo = run(cpu_kernel).lower(*args).as_text()
-        assert (cpu_attention.TARGET in hlo) == cpu_kernel
-    got, ref = run(True)(*args), run(False)(*args)
-    assert_close(np.asarray(got[0])[:real], np.asarray(ref[0].astype(jnp.float32), np.float64)[:real], shapes.tol)
-    for pages, ref_pages in zip(got[1:], ref[1:]):
-        np.testing.assert_array_equal(np.asarray(pages)[:, 1:], np.asarray(ref_pages)[:, 1:])
-    q, k, v, k_pages = args[0], args[1], args[2], args[3]
-    assert cpu_attention.applies(cpu_attention.MAX_TOKENS, q, k_pages)
-    assert not cpu_attention.applies(cpu_attention.MAX_TOKENS + 1, q, k_pages)
-    assert not cpu_attention.applies(1, q, k_pages.astype(jnp.float16))
+    mixed = make_case(shapes, seed=25, poison=False)
+    mixed_args = (device(mixed.q, shapes), device(mixed.k, shapes), device(mixed.v, shapes),
+                  _pool(mixed.k_pages, shapes), _pool(mixed.v_pages, shapes), jnp.int32(LAYER), device_meta(mixed.meta))
+    mixed_real = int(mixed.meta.cu_q_lens[mixed.meta.num_seqs])
+    for args, real in (_decode_case(shapes), (mixed_args, mixed_real)):
+        for cpu_kernel in (True, False):
+            hlo = run(cpu_kernel).lower(*args).as_text()
+            assert (cpu_attention.TARGET in hlo) == cpu_kernel
+        got, ref = run(True)(*args), run(False)(*args)
+        assert_close(np.asarray(got[0])[:real], np.asarray(ref[0].astype(jnp.float32), np.float64)[:real], shapes.tol)
+        for pages, ref_pages in zip(got[1:], ref[1:]):
+            np.testing.assert_array_equal(np.asarray(pages)[:, 1:], np.asarray(ref_pages)[:, 1:])
+    q, k_pages = mixed_args[0], mixed_args[3]
+    assert cpu_attention.applies(q, k_pages) and not cpu_attention.applies(q, k_pages.astype(jnp.float16))

@@ -1,18 +1,22 @@
-// Paged attention of CPU decode steps, as an XLA FFI custom call (pallas_kernels/cpu_attention.py).
+// Paged attention on CPU, as an XLA FFI custom call (pallas_kernels/cpu_attention.py).
 //
 // After this step's keys and values are written into the pool (XLA's scatter, in place), token t of
 // sequence row s attends to positions 0 .. positions[t] of s, read in place from layer `layer` of
-// the pool [L, N, page_size, Hkv, D] through page_table[s]: one work item per (token, kv head), its
-// G query heads sharing each key and value row. Blocks of 16 positions are folded into an online
-// softmax (float32 scores, sums and exp). Padding tokens (seq_ids[t] >= num_seqs) get zeros. The
-// pool is float32, or uint16 holding bfloat16 bits (widened exactly), as pool_storage_dtype keeps it.
+// the pool [L, N, page_size, Hkv, D] through page_table[s]. One work item is a run of up to
+// kMaxQueries / G consecutive tokens of one row and one kv head: each block of 16 positions is read
+// (widened to float32) and its keys transposed once for all the item's G-headed queries, so a
+// query's 16 scores are one vector (no horizontal sums), folded into an online softmax (float32
+// scores, sums and exp). A token's result does not depend on the rest of the step. Padding tokens
+// (seq_ids[t] >= num_seqs) get zeros. The pool is float32, or uint16 holding bfloat16 bits
+// (widened exactly), as pool_storage_dtype keeps it.
 //
 // The reference attention (pallas_kernels/reference.py) gathers each row's pages into new arrays
-// every layer and runs its small ops one after another; here nothing is copied.
+// every layer and runs as a string of small ops, one after another; here nothing is copied.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include "thread_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -26,7 +30,7 @@ typedef int32_t i16x __attribute__((vector_size(64)));
 typedef uint16_t h16 __attribute__((vector_size(32)));
 typedef uint32_t u16x __attribute__((vector_size(64)));
 constexpr int kBlock = 16;      // positions per online-softmax block
-constexpr int kMaxGroup = 16;   // query heads per kv head
+constexpr int kMaxGroup = 16;   // query heads per kv head (at most kMaxQueries)
 constexpr int kMaxDim = 256;    // head_dim
 
 inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof(v)); return v; }
@@ -69,83 +73,120 @@ inline v16 exp16(v16 x) {
   return under ? v16{} : out;
 }
 
+// The 16 x 16 transpose of r[0..15], in four rounds that swap off-diagonal blocks of 8, 4, 2, 1.
+inline void transpose16(v16* r) {
+#define INFIRE_ROUND(S, I0, I1)                                                  \
+  for (int i = 0; i < 16; ++i) {                                                 \
+    if (i & S) continue;                                                         \
+    const v16 a = r[i], b = r[i + S];                                            \
+    r[i] = __builtin_shufflevector(a, b, I0);                                    \
+    r[i + S] = __builtin_shufflevector(a, b, I1);                                \
+  }
+#define INFIRE_L(...) __VA_ARGS__
+  INFIRE_ROUND(8, INFIRE_L(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+               INFIRE_L(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+  INFIRE_ROUND(4, INFIRE_L(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+               INFIRE_L(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+  INFIRE_ROUND(2, INFIRE_L(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+               INFIRE_L(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+  INFIRE_ROUND(1, INFIRE_L(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+               INFIRE_L(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#undef INFIRE_L
+#undef INFIRE_ROUND
+}
+
+inline float hmax(v16 v) {
+  float s[16]; std::memcpy(s, &v, sizeof(s));
+  float m = s[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, s[i]);
+  return m;
+}
+
+constexpr int kMaxQueries = 32;  // query heads per work item (tokens x G)
+
 struct Args {
   const float* q;       // [T, Hq, D], already scaled
   const void* k;        // layer `layer` of the pool: [N, ps, Hkv, D]
   const void* v;
   const int32_t* positions;
-  const int32_t* seq_ids;
   const int32_t* page_table;  // [S, P]
-  int64_t num_seqs, pages_per_seq, num_pages, page_size, hkv, group, dim;
+  int64_t pages_per_seq, num_pages, page_size, hkv, group, dim;
   float* out;           // [T, Hq, D]
 };
 
-// Token t, kv head h: its G query heads against positions 0 .. positions[t] of its row.
+struct Item { int64_t t0, nt, row; };  // tokens t0 .. t0 + nt - 1 of sequence row `row`
+
+// One item and kv head h: its nt x G queries against positions 0 .. (its last token's position).
 template <typename P>
-void attend(const Args& a, int64_t t, int64_t h) {
-  const int64_t G = a.group, D = a.dim, nv = D / 16, hq = a.hkv * G;
-  float* out = a.out + (t * hq + h * G) * D;
-  const int64_t row = a.seq_ids[t];
-  if (row < 0 || row >= a.num_seqs) { std::memset(out, 0, G * D * sizeof(float)); return; }
-  const int64_t n = int64_t(a.positions[t]) + 1;
-  const int32_t* table = a.page_table + row * a.pages_per_seq;
+void attend(const Args& a, const Item& it, int64_t h) {
+  const int64_t G = a.group, D = a.dim, nv = D / 16, hq = a.hkv * G, nq = it.nt * G;
+  const int64_t last = a.positions[it.t0 + it.nt - 1];
+  const int32_t* table = a.page_table + it.row * a.pages_per_seq;
   const P* kp = static_cast<const P*>(a.k);
   const P* vp = static_cast<const P*>(a.v);
-  const int64_t row_stride = a.hkv * D;  // between positions of one page
-
-  v16 q[kMaxGroup][kMaxDim / 16], acc[kMaxGroup][kMaxDim / 16];
-  float m[kMaxGroup], l[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t j = 0; j < nv; ++j) { q[g][j] = load(a.q + (t * hq + h * G + g) * D + 16 * j); acc[g][j] = v16{}; }
-    m[g] = -INFINITY; l[g] = 0.0f;
-  }
-  for (int64_t p0 = 0; p0 < n; p0 += kBlock) {
-    const int64_t nb = std::min<int64_t>(kBlock, n - p0);
-    const P* vrows[kBlock];
-    alignas(64) float s[kMaxGroup][kBlock];
-    for (int64_t g = 0; g < G; ++g) std::fill(&s[g][nb], &s[g][kBlock], -INFINITY);  // a short last block
-    for (int64_t b = 0; b < nb; ++b) {
+  alignas(64) thread_local float kt[kMaxDim * kBlock];      // the block's keys, [D, 16]
+  alignas(64) thread_local float vb[kBlock * kMaxDim];      // its values, [16, D]
+  alignas(64) thread_local float acc[kMaxQueries * kMaxDim];
+  float m[kMaxQueries], l[kMaxQueries];
+  std::fill(acc, acc + nq * D, 0.0f);
+  std::fill(m, m + nq, -INFINITY);
+  std::fill(l, l + nq, 0.0f);
+  const i16x lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t p0 = 0; p0 <= last; p0 += kBlock) {
+    const int64_t nb = std::min<int64_t>(kBlock, last + 1 - p0);
+    v16 rows[kMaxDim / 16][kBlock];
+    for (int64_t b = 0; b < kBlock; ++b) {
+      if (b >= nb) { for (int64_t j = 0; j < nv; ++j) rows[j][b] = v16{}; continue; }
       const int64_t pos = p0 + b;
       const int64_t page = std::clamp<int64_t>(table[std::min(pos / a.page_size, a.pages_per_seq - 1)], 0,
                                                a.num_pages - 1);
       const int64_t offset = ((page * a.page_size + pos % a.page_size) * a.hkv + h) * D;
-      const P* krow = kp + offset;
-      vrows[b] = vp + offset;
-      v16 kv[kMaxDim / 16];
-      for (int64_t j = 0; j < nv; ++j) kv[j] = load(krow + 16 * j);
-      for (int64_t g = 0; g < G; ++g) {
-        v16 d = q[g][0] * kv[0];
-        for (int64_t j = 1; j < nv; ++j) d += q[g][j] * kv[j];
-        s[g][b] = hsum(d);
+      for (int64_t j = 0; j < nv; ++j) {
+        rows[j][b] = load(kp + offset + 16 * j);
+        store(vb + b * D + 16 * j, load(vp + offset + 16 * j));
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float mb = s[g][0];
-      for (int64_t b = 1; b < nb; ++b) mb = std::max(mb, s[g][b]);
-      const float m_new = std::max(m[g], mb);
-      const float alpha = std::exp(m[g] - m_new);  // 0 on the first block (m = -inf)
-      v16 sv = load(&s[g][0]) - m_new;
-      alignas(64) float p[kBlock];
-      store(p, exp16(sv));
-      float sum = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) sum += p[b];
-      l[g] = l[g] * alpha + sum;
-      m[g] = m_new;
-      for (int64_t j = 0; j < nv; ++j) acc[g][j] *= alpha;
-      std::memcpy(&s[g][0], p, sizeof(p));  // s now holds the block's weights
+    for (int64_t j = 0; j < nv; ++j) {
+      transpose16(rows[j]);
+      for (int c = 0; c < 16; ++c) store(kt + (16 * j + c) * kBlock, rows[j][c]);
     }
-    for (int64_t b = 0; b < nb; ++b) {
-      v16 vv[kMaxDim / 16];
-      for (int64_t j = 0; j < nv; ++j) vv[j] = load(vrows[b] + 16 * j);
+    for (int64_t i = 0; i < it.nt; ++i) {
+      const int64_t pt = a.positions[it.t0 + i];
+      if (pt < p0) continue;  // the block lies after this token
+      const int64_t seen = std::min<int64_t>(kBlock, pt - p0 + 1);  // lanes at or before the token
       for (int64_t g = 0; g < G; ++g) {
-        const float w = s[g][b];
-        for (int64_t j = 0; j < nv; ++j) acc[g][j] += w * vv[j];
+        const int64_t qi = i * G + g;
+        const float* qv = a.q + ((it.t0 + i) * hq + h * G + g) * D;
+        v16 s0 = v16{}, s1 = v16{}, s2 = v16{}, s3 = v16{};
+        for (int64_t d = 0; d < D; d += 4) {
+          s0 += qv[d] * load(kt + d * kBlock);
+          s1 += qv[d + 1] * load(kt + (d + 1) * kBlock);
+          s2 += qv[d + 2] * load(kt + (d + 2) * kBlock);
+          s3 += qv[d + 3] * load(kt + (d + 3) * kBlock);
+        }
+        const v16 s = lane < int32_t(seen) ? (s0 + s1) + (s2 + s3) : splat(-INFINITY);
+        const float m_new = std::max(m[qi], hmax(s));
+        const float alpha = std::exp(m[qi] - m_new);  // 0 on the first block (m = -inf)
+        alignas(64) float p[kBlock];
+        store(p, exp16(s - m_new));
+        l[qi] = l[qi] * alpha + hsum(load(p));
+        m[qi] = m_new;
+        float* ar = acc + qi * D;
+        v16 o[kMaxDim / 16];
+        for (int64_t j = 0; j < nv; ++j) o[j] = load(ar + 16 * j) * alpha;
+        for (int64_t b = 0; b < seen; ++b)
+          for (int64_t j = 0; j < nv; ++j) o[j] += p[b] * load(vb + b * D + 16 * j);
+        for (int64_t j = 0; j < nv; ++j) store(ar + 16 * j, o[j]);
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.0f / l[g];
-    for (int64_t j = 0; j < nv; ++j) store(out + g * D + 16 * j, acc[g][j] * inv);
+  for (int64_t i = 0; i < it.nt; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = i * G + g;
+      const float inv = 1.0f / l[qi];
+      float* out = a.out + ((it.t0 + i) * hq + h * G + g) * D;
+      for (int64_t j = 0; j < nv; ++j) store(out + 16 * j, load(acc + qi * D + 16 * j) * inv);
+    }
   }
 }
 
@@ -168,18 +209,30 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("paged_attention: layer index out of range");
   const int64_t per_layer = kd[1] * kd[2] * kd[3] * kd[4];
-  Args a{q.typed_data(), nullptr, nullptr, positions.typed_data(), seq_ids.typed_data(), page_table.typed_data(),
-         std::min<int64_t>(num_seqs.typed_data()[0], td[0]), td[1], kd[1], kd[2], hkv, hq / hkv, D,
-         out->typed_data()};
+  const int64_t G = hq / hkv;
+  Args a{q.typed_data(), nullptr, nullptr, positions.typed_data(), page_table.typed_data(), td[1], kd[1], kd[2], hkv,
+         G, D, out->typed_data()};
   const bool f32 = k_pages.element_type() == ffi::DataType::F32;
   if (!f32 && k_pages.element_type() != ffi::DataType::U16)
     return ffi::Error::InvalidArgument("paged_attention: the pool must be float32 or uint16 (bfloat16 bits)");
   const size_t bytes = f32 ? 4 : 2;
   a.k = static_cast<const char*>(k_pages.untyped_data()) + l * per_layer * bytes;
   a.v = static_cast<const char*>(v_pages.untyped_data()) + l * per_layer * bytes;
-  run_chunks(pool, T * hkv, [&a, f32](int64_t i) {
-    const int64_t t = i / a.hkv, h = i % a.hkv;
-    if (f32) attend<float>(a, t, h); else attend<uint16_t>(a, t, h);
+  // Items: runs of consecutive tokens of one row (a sequence's tokens are contiguous), at most
+  // kMaxQueries / G tokens each; padding tokens' outputs are zeros.
+  const int64_t rows = std::min<int64_t>(num_seqs.typed_data()[0], td[0]), per_item = std::max<int64_t>(1, kMaxQueries / G);
+  const int32_t* sid = seq_ids.typed_data();
+  std::vector<Item> items;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t row = sid[t];
+    if (row < 0 || row >= rows) { std::memset(a.out + t * hq * D, 0, hq * D * sizeof(float)); continue; }
+    Item* back = items.empty() ? nullptr : &items.back();
+    if (back && back->row == row && back->t0 + back->nt == t && back->nt < per_item) ++back->nt;
+    else items.push_back({t, 1, row});
+  }
+  run_chunks(pool, int64_t(items.size()) * hkv, [&a, &items, f32](int64_t i) {
+    const Item& it = items[i / a.hkv];
+    if (f32) attend<float>(a, it, i % a.hkv); else attend<uint16_t>(a, it, i % a.hkv);
   });
   return ffi::Error::Success();
 }
