@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infire_jax import SamplingParams
+from infire_jax import SamplingParams, sampler
 from infire_jax.detokenizer import IncrementalDetokenizer
 from infire_jax.sampler import (BRANCH_FREE_VARIANTS, BRANCHING, FULL, GREEDY, SAMPLE, SamplingInputs, choose_variant,
                                 sample)
@@ -273,3 +273,18 @@ def test_penalties_see_the_whole_prompt_after_a_prefix_cache_hit(smol_llm):
     second = smol_llm.generate([prompt], p)[0]
     assert second.num_cached_tokens >= 32 and first.num_cached_tokens < second.num_cached_tokens
     assert second.token_ids == first.token_ids
+
+
+def test_argmax_is_jnp_argmax():
+    """The sampler's two-reduction argmax picks what jnp.argmax picks: ties to the first, all -inf
+    rows (a grammar that allows nothing) to 0, NaN rows to their first NaN."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 49152)).astype(np.float32)
+    x[1, [7, 300, 9000]] = 50.0  # a tie
+    x[2] = -np.inf
+    x[3, [40, 20000]] = np.nan
+    x[4, :] = 1.0
+    x[5, -1] = 80.0
+    got = np.asarray(jax.jit(sampler.argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got.dtype == np.int32 and list(got[1:]) == [7, 0, 40, 0, 49151]

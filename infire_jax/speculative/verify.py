@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.sampler import (SamplingInputs, apply_penalties, draw_key, grammar_masked, logprobs_of, no_logprobs,
-                                sampling_logits, suppress)
+from infire_jax.sampler import (SamplingInputs, apply_penalties, argmax, draw_key, grammar_masked, logprobs_of,
+                                no_logprobs, sampling_logits, suppress)
 
 
 class VerifyOutput(NamedTuple):
@@ -67,7 +67,7 @@ def _decide(x, ps: SamplingInputs, s: SamplingInputs, drafts, num_drafts, draft_
     rows, k = drafts.shape
     p, v = k + 1, x.shape[-1]
     r = jnp.arange(rows)
-    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32).reshape(rows, p)
+    greedy = argmax(x).reshape(rows, p)
     accept = greedy[:, :k] == drafts
     if random:
         probs = jax.nn.softmax(sampling_logits(x, ps, truncation), axis=-1).reshape(rows, p, v)
