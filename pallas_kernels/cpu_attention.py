@@ -44,6 +44,7 @@ def paged_attention(
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes k/v into the pages (in place), then attends each token to its sequence's positions
     <= its own, reading them from the pool; padding tokens get zeros."""
+    cpu_kernels.require()
     k_pages, v_pages = reference.write_kv(k_pages, v_pages, layer, k, v, meta.slot_mapping)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     ints = [jnp.asarray(x).astype(jnp.int32) for x in (layer, meta.positions, meta.seq_ids, meta.page_table,

@@ -91,6 +91,13 @@ def available() -> bool:
     return library() is not None
 
 
+def require() -> None:
+    """Raises unless the FFI targets are registered (the calls' wrappers check before tracing one)."""
+    if not available():
+        raise RuntimeError("the CPU kernels are not available (no C++ compiler, a failed build, or "
+                           "INFIRE_JAX_NO_CPU_KERNELS is set): check `cpu_kernels.available()` first")
+
+
 def on_cpu() -> bool:
     """Whether a call traced now runs on the CPU with the kernels there."""
     return jax.default_backend() == "cpu" and available()

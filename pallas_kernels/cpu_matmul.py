@@ -50,17 +50,18 @@ def skinny_matmul(x: Float[Array, "M K"], stacked: Float[Array, "L K N"],
     m, k = x.shape
     if stacked.shape[1] != k:
         raise ValueError(f"x has {k} features but the weight's layers are {stacked.shape[1:]}")
+    cpu_kernels.require()
     out = jax.ShapeDtypeStruct((m, stacked.shape[2]), jnp.float32)
     x = x if _bf16_dot_applies(x.dtype, stacked) else x.astype(jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(x, stacked, layer.astype(jnp.int32))
 
 
 def head_applies(rows: int, head: Array) -> bool:
-    """Whether the LM head product takes the FFI call: bfloat16 heads only. XLA CPU converts the
-    whole bfloat16 head to float32 every step (25 ms of a 70 ms step here); a float32 head gets
-    XLA's best rate already (docs/PERFORMANCE.md)."""
-    return (rows <= MAX_ROWS and head.dtype == jnp.bfloat16 and head.ndim == 2 and head.shape[1] % 16 == 0
-            and cpu_kernels.on_cpu())
+    """Whether the LM head product takes the FFI call: steps of at most MAX_ROWS rows. XLA CPU
+    converts the whole bfloat16 head to float32 every step (25 ms of a 70 ms step here); on a
+    float32 head it matches the call at one row and falls behind at 8 (docs/PERFORMANCE.md)."""
+    return (rows <= MAX_ROWS and head.dtype in (jnp.float32, jnp.bfloat16) and head.ndim == 2
+            and head.shape[1] % 16 == 0 and cpu_kernels.on_cpu())
 
 
 def head_matmul(x: Float[Array, "M E"], head: Float[Array, "V E"]) -> Float[Array, "M V"]:
@@ -68,6 +69,7 @@ def head_matmul(x: Float[Array, "M E"], head: Float[Array, "V E"]) -> Float[Arra
     bfloat16 x takes `vdpbf16ps` where the CPU has it."""
     if head.shape[1] != x.shape[1]:
         raise ValueError(f"x has {x.shape[1]} features but the head is {head.shape}")
+    cpu_kernels.require()
     out = jax.ShapeDtypeStruct((x.shape[0], head.shape[0]), jnp.float32)
     x = x if x.dtype == jnp.bfloat16 and head.shape[1] % 32 == 0 and cpu_kernels.bf16_dot() else x.astype(jnp.float32)
     return jax.ffi.ffi_call(HEAD_TARGET, out)(x, head)

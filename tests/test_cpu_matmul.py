@@ -100,15 +100,17 @@ def test_bfloat16_dot_only_where_it_is_exact():
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16])
 @pytest.mark.parametrize("vocab", [1000, 49152])
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-def test_bfloat16_head_matches_float64(rows, vocab, x_dtype):
-    """The LM head kernel (x @ head.T, head [V, E] bfloat16; bfloat16 x through `vdpbf16ps` where
+@pytest.mark.parametrize("x_dtype,head_dtype", [("float32", "bfloat16"), ("bfloat16", "bfloat16"),
+                                                ("float32", "float32")])
+def test_head_matches_float64(rows, vocab, x_dtype, head_dtype):
+    """The LM head kernel (x @ head.T, head [V, E]; bfloat16 x and head through `vdpbf16ps` where
     the CPU has it): every row count up to MAX_ROWS, a vocab that is not a multiple of its row
     chunk; against float64 of the exact values, and a row's logits do not depend on the batch."""
     rng = np.random.default_rng(rows + vocab)
     x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32)).astype(x_dtype)
-    head = jnp.asarray(rng.standard_normal((vocab, 576)).astype(np.float32)).astype(jnp.bfloat16)
-    assert cpu_matmul.head_applies(rows, head) and not cpu_matmul.head_applies(rows, head.astype(jnp.float32))
+    head = jnp.asarray(rng.standard_normal((vocab, 576)).astype(np.float32)).astype(head_dtype)
+    assert cpu_matmul.head_applies(rows, head) and not cpu_matmul.head_applies(rows, head.astype(jnp.float16))
+    assert not cpu_matmul.head_applies(cpu_matmul.MAX_ROWS + 1, head)
     got = np.asarray(jax.jit(cpu_matmul.head_matmul)(x, head))
     hf, xf = np.asarray(head.astype(jnp.float32), np.float64), np.asarray(x.astype(jnp.float32), np.float64)
     want = xf @ hf.T

@@ -34,6 +34,8 @@ static inline v16 load16(const uint16_t* p) {
 }
 static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+constexpr int64_t kPrefetchRows = 32;  // rows of w ahead (measured: batch 8 17.4 -> 14.5 ms a pass; one row is faster without)
+
 // Columns [c0, c1) of y (a multiple of 16 wide) for MB rows of x, four rows of w per step.
 template <int MB, typename W>
 static void strip(const float* x, int64_t K, const W* w, int64_t N, int64_t c0, int64_t c1, float* y) {
@@ -42,9 +44,14 @@ static void strip(const float* x, int64_t K, const W* w, int64_t N, int64_t c0, 
   for (int m = 0; m < MB; ++m) for (int64_t j = 0; j < nv; ++j) acc[m][j] = v16{};
   for (int64_t k = 0; k < K; k += 4) {
     const W* w0 = w + k * N + c0;
+    const bool ahead = MB > 1 && k + kPrefetchRows + 4 <= K;
     float xs[MB][4];
     for (int m = 0; m < MB; ++m) for (int i = 0; i < 4; ++i) xs[m][i] = x[m * K + k + i];
     for (int64_t j = 0; j < nv; ++j) {
+      if (ahead) {
+        const W* p = w0 + kPrefetchRows * N + 16 * j;
+        for (int i = 0; i < 4; ++i) __builtin_prefetch(p + i * N);
+      }
       const v16 a = load16(w0 + 16 * j), b = load16(w0 + N + 16 * j), c = load16(w0 + 2 * N + 16 * j),
                 d = load16(w0 + 3 * N + 16 * j);
       for (int m = 0; m < MB; ++m) acc[m][j] += xs[m][0] * a + xs[m][1] * b + xs[m][2] * c + xs[m][3] * d;
@@ -82,6 +89,8 @@ static void run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, co
 }
 
 #if defined(__AVX512BF16__)
+constexpr int64_t kDotPrefetchRows = 16;  // rows of w ahead (measured: 5-15% faster at 1-64 rows)
+
 // MR rows of x times G groups of 32 columns of w (bfloat16 both), over all of K, summed in
 // registers. Rows k and k + 1 of w are interleaved in registers (unpacklo/hi), so each 32-bit lane
 // holds the pair (w[k, n], w[k + 1, n]) that `vdpbf16ps` multiplies with (x[m, k], x[m, k + 1]).
@@ -91,6 +100,12 @@ static inline void dp_tile(const uint16_t* x, int64_t K, const uint16_t* w, int6
   for (int m = 0; m < MR; ++m) for (int g = 0; g < 2 * G; ++g) acc[m][g] = _mm512_setzero_ps();
   const uint16_t* wp = w + c;
   for (int64_t k = 0; k < K; k += 2, wp += 2 * N) {
+    if (k + kDotPrefetchRows + 2 <= K) {
+      for (int g = 0; g < G; ++g) {
+        __builtin_prefetch(wp + kDotPrefetchRows * N + 32 * g);
+        __builtin_prefetch(wp + (kDotPrefetchRows + 1) * N + 32 * g);
+      }
+    }
     __m512i lo[G], hi[G];
     for (int g = 0; g < G; ++g) {
       const __m512i r0 = _mm512_loadu_si512(wp + 32 * g), r1 = _mm512_loadu_si512(wp + N + 32 * g);
