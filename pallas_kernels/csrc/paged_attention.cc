@@ -132,15 +132,27 @@ void attend(const Args& a, const Item& it, int64_t h) {
   std::fill(m, m + nq, -INFINITY);
   std::fill(l, l + nq, 0.0f);
   const i16x lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  auto row_offset = [&](int64_t pos) {  // position `pos`'s key (and value) row for head h
+    const int64_t page = std::clamp<int64_t>(table[std::min(pos / a.page_size, a.pages_per_seq - 1)], 0,
+                                             a.num_pages - 1);
+    return ((page * a.page_size + pos % a.page_size) * a.hkv + h) * D;
+  };
+  const int64_t row_bytes = D * int64_t(sizeof(P));
   for (int64_t p0 = 0; p0 <= last; p0 += kBlock) {
     const int64_t nb = std::min<int64_t>(kBlock, last + 1 - p0);
+    // The next block's rows are fetched while this one is computed: the rows are short and strided
+    // (the other heads' rows lie between them), which the hardware prefetcher follows poorly.
+    for (int64_t pos = p0 + kBlock; pos <= std::min(last, p0 + 2 * kBlock - 1); ++pos) {
+      const int64_t offset = row_offset(pos);
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kp + offset) + byte);
+        __builtin_prefetch(reinterpret_cast<const char*>(vp + offset) + byte);
+      }
+    }
     v16 rows[kMaxDim / 16][kBlock];
     for (int64_t b = 0; b < kBlock; ++b) {
       if (b >= nb) { for (int64_t j = 0; j < nv; ++j) rows[j][b] = v16{}; continue; }
-      const int64_t pos = p0 + b;
-      const int64_t page = std::clamp<int64_t>(table[std::min(pos / a.page_size, a.pages_per_seq - 1)], 0,
-                                               a.num_pages - 1);
-      const int64_t offset = ((page * a.page_size + pos % a.page_size) * a.hkv + h) * D;
+      const int64_t offset = row_offset(p0 + b);
       for (int64_t j = 0; j < nv; ++j) {
         rows[j][b] = load(kp + offset + 16 * j);
         store(vb + b * D + 16 * j, load(vp + offset + 16 * j));
