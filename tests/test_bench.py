@@ -145,6 +145,21 @@ def test_measured_peaks_are_plausible():
 
     assert 1e8 < measure_bandwidth(1 << 24, iters=3, repeats=2) < 1e13
     assert 1e8 < measure_matmul_rate(256, jnp.float32, iters=2, repeats=2) < 1e16
+    assert 1e8 < measure_matmul_rate(256, jnp.bfloat16, iters=2, repeats=2) < 1e16  # our CPU kernel too
+
+
+def test_matmul_ceiling_is_the_faster_matmul(monkeypatch):
+    """On CPU the ceiling takes the engine's bfloat16 kernel when it is faster than XLA's dot, so a
+    prefill through the kernel is not reported above 100% of the measured matmul rate."""
+    import jax.numpy as jnp
+
+    from infire_jax.bench import roofline
+    from pallas_kernels import cpu_matmul
+
+    timed = []
+    monkeypatch.setattr(roofline, "_best_seconds", lambda fn, args, iters, repeats: timed.append(fn) or 1.0)
+    roofline.measure_matmul_rate(256, jnp.bfloat16)
+    assert len(timed) == (2 if cpu_matmul.applies(256, jnp.zeros((1, 256, 256), jnp.bfloat16)) else 1)
 
 
 # ---- prompts and statistics -----------------------------------------------------------------------------
