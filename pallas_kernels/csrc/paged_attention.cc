@@ -232,7 +232,8 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   a.v = static_cast<const char*>(v_pages.untyped_data()) + l * per_layer * bytes;
   // Items: runs of consecutive tokens of one row (a sequence's tokens are contiguous), at most
   // kMaxQueries / G tokens each; padding tokens' outputs are zeros.
-  const int64_t rows = std::min<int64_t>(num_seqs.typed_data()[0], td[0]), per_item = std::max<int64_t>(1, kMaxQueries / G);
+  const int64_t rows = std::min<int64_t>(num_seqs.typed_data()[0], td[0]);
+  const int64_t per_item = std::max<int64_t>(1, kMaxQueries / G);
   const int32_t* sid = seq_ids.typed_data();
   std::vector<Item> items;
   for (int64_t t = 0; t < T; ++t) {
