@@ -1,8 +1,8 @@
 """The CPU paged attention (an XLA FFI call, pallas_kernels/cpu_attention.py) against the float64
 numpy oracle and the `jnp` reference of tests/test_kernels.py, on pools whose unread slots are NaN;
-and the dispatch: decode steps off a mesh take it, other steps keep the reference. The engine-level
-checks are tests/test_parity.py (float32, against HF) and the bfloat16 engine tests, whose CPU
-decode steps run through it."""
+and the dispatch: every step off a mesh takes it, a mesh keeps the reference. The engine-level
+checks are tests/test_parity.py (float32, against HF) and tests/test_compression.py (bfloat16
+engines), whose CPU steps run through it."""
 
 from __future__ import annotations
 

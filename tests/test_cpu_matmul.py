@@ -1,7 +1,7 @@
 """The CPU matmul kernels (XLA FFI calls, pallas_kernels/cpu_matmul.py) against float64 numpy, and
 in the model: a decode step takes them and agrees with XLA's dot; float32 prefill-sized steps do
 not take them, bfloat16 ones do where the CPU has AVX512-BF16. The engine-level checks are
-tests/test_parity.py (float32) and tests/test_engine.py's bfloat16 cases, whose CPU steps run
+tests/test_parity.py (float32) and tests/test_compression.py (bfloat16 engines), whose CPU steps run
 through these kernels."""
 
 from __future__ import annotations
