@@ -62,7 +62,14 @@ def test_bfloat16_weights_are_widened_exactly(rows):
     np.testing.assert_allclose(np.asarray(call(x, w, jnp.int32(1))), want, rtol=1e-4, atol=1e-4)
 
 
-needs_bf16_dot = pytest.mark.skipif(not cpu_kernels.bf16_dot(), reason="this CPU has no AVX512-BF16")
+# The `vdpbf16ps` path is compiled only for a CPU that has the instruction; where the CPU has it, a
+# library built without it fails test_bf16_dot_is_built_where_the_cpu_has_it instead of skipping.
+HAS_BF16 = "avx512_bf16" in cpu_kernels.host_cpu()
+needs_bf16_dot = pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX512-BF16 instruction")
+
+
+def test_bf16_dot_is_built_where_the_cpu_has_it():
+    assert cpu_kernels.bf16_dot() == HAS_BF16
 
 
 @needs_bf16_dot
