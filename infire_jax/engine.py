@@ -189,7 +189,7 @@ class Engine:
                                                       self.runner, self.kv, max_num_seqs=ec.max_num_seqs,
                                                       dtype=self.dtype, on_gpu=_on_gpu())
         self.boot = BootTimeline(
-            weight_bytes=sum(a.nbytes for a in jax.tree.leaves(state)), load_seconds=self.load_seconds,
+            weight_bytes=self.runner.weight_bytes, load_seconds=self.load_seconds,
             restored=placed.built_because is None, compile_seconds=self.warmup_seconds, num_steps=len(shapes),
             compiled=compile_count() - events - (cache_hit_count() - cached),
             executables_loaded=self.runner.executables_loaded, cache_loaded=cache_hit_count() - cached,

@@ -33,6 +33,7 @@ from infire_jax.batch import DraftInputs, StepBatch, build_batch, draft_inputs, 
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
+from infire_jax.models.panels import kernel_layout
 from infire_jax.sampler import BRANCHING, SamplerOutput, choose_variant
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput
@@ -115,11 +116,13 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, rc: RunnerConfig,
                  *, dtype, plan: ShardPlan | None = None):
         """`cfg` is the placed model's config (a plan's effective config on a mesh); `state` may be
-        the weights' shapes alone (attach_weights gives the weights)."""
+        the weights' shapes alone (attach_weights gives the weights). The runner owns the weights
+        it is given: on CPU it may repack some for its matmul kernel (models/panels.py)."""
         self.cfg = cfg
         self.rc = rc
-        self.graphdef = graphdef
-        self.state = state
+        self.plain_graphdef = graphdef  # the layout `attach_weights` receives
+        self.graphdef, self.state = kernel_layout(graphdef, state, plan=plan)
+        graphdef = self.graphdef
         self.dtype = dtype
         self.plan = plan
         self._host_weights: tuple[nnx.State, nnx.State] | None = None  # a host copy and the shardings, once offloaded
@@ -400,6 +403,7 @@ class ModelRunner:
 
     def attach_weights(self, state: nnx.State) -> None:
         """The weights, once read, for a runner built (and warmed up) on their shapes alone."""
+        _, state = kernel_layout(self.plain_graphdef, state, plan=self.plan)
         want = jax.tree.map(lambda a: (a.shape, a.dtype), self.state)
         got = jax.tree.map(lambda a: (a.shape, a.dtype), state)
         if jax.tree.structure(want) != jax.tree.structure(got) or want != got:

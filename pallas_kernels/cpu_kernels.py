@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # FFI target name -> the library's handler symbol.
 TARGETS = {"infire_skinny_matmul": "InfireSkinnyMatmul", "infire_skinny_matmul_nt": "InfireSkinnyMatmulNT",
-           "infire_paged_attention": "InfirePagedAttention"}
+           "infire_skinny_matmul_panels": "InfireSkinnyMatmulPanels", "infire_paged_attention": "InfirePagedAttention"}
 
 
 def _cache_dir() -> str:

@@ -23,6 +23,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
+from infire_jax.models.panels import DENSE_RANK, INPUT_AXES, PanelParams, PanelWeight
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from pallas_kernels import cpu_matmul
@@ -43,7 +44,8 @@ class DecoderLayers(nnx.Module):
     up columns paired.
 
     `resident` names weights kept palette-compressed (`PaletteParams`) or quantized (`QuantParams`),
-    decoded in the layer body.
+    decoded in the layer body. On CPU the model runner may repack plain ones into the matmul
+    kernel's panels (`PanelParams`, models/panels.py).
     """
 
     def __init__(self, cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout | QuantLayout] | None = None):
@@ -75,54 +77,62 @@ class DecoderLayers(nnx.Module):
     def arrays(self) -> dict[str, Array | dict[str, Array]]:
         """The raw stacked arrays (a dict of parts for a compressed weight), by attribute name, for `lax.scan`."""
         return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams))}
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams, PanelParams))}
 
     def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
         """Each stacked array's logical axis names, in the same structure as `arrays`."""
         return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams))}
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams, PanelParams))}
 
 
 @dataclasses.dataclass(frozen=True)
 class InPlace:
-    """A layer's weight as the whole stack viewed as [L, K, N] plus the layer index, so the CPU
-    skinny matmul reads the layer's slice in place (scanning over the stack copies each slice)."""
+    """A layer's weight as the whole stack plus the layer index, so the CPU skinny matmul reads the
+    layer's slice in place (scanning over the stack copies each slice): the stack viewed as
+    [L, K, N], or its panels [L, N / 32, K / 2, 64] (models/panels.py)."""
 
-    stacked: Float[Array, "L K N"]
+    stacked: Float[Array, "L K N"] | Float[Array, "L P K2 64"]
     layer: Int[Array, ""]
     shape: tuple[int, ...]  # one layer's weight, as the einsums see it
+    panels: bool = False
 
 
-_INPUT_AXES = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # a layer weight's leading axes that x spans
-_DENSE_RANK = {"wqkv": 4, "wo": 3, "w_gate_up": 3, "w_down": 2}  # one dense (not MoE) layer's weight
-
-
-def _kernel_view(name: str, stacked: Array, tokens: int) -> Array | None:
-    """A stack of `name` weights [L, ...] viewed as [L, K, N] if the skinny matmul takes it, else None."""
-    if not isinstance(stacked, jax.Array) or stacked.ndim != _DENSE_RANK[name] + 1:
+def _kernel_view(name: str, stacked: Array | PanelWeight, tokens: int) -> Array | None:
+    """A stack of `name` weights [L, ...] viewed as [L, K, N] (or its panels) if the skinny matmul
+    takes it, else None."""
+    if isinstance(stacked, PanelWeight):
+        return stacked.panels if stacked.panels.ndim == 4 and cpu_matmul.panel_kernel() else None
+    if not isinstance(stacked, jax.Array) or stacked.ndim != DENSE_RANK[name] + 1:
         return None
-    view = stacked.reshape(stacked.shape[0], int(np.prod(stacked.shape[1:1 + _INPUT_AXES[name]])), -1)
+    view = stacked.reshape(stacked.shape[0], int(np.prod(stacked.shape[1:1 + INPUT_AXES[name]])), -1)
     return view if cpu_matmul.applies(tokens, view) else None
 
 
 def in_place_weights(weights: dict[str, Array], tokens: int, red: Reductions) -> dict[str, tuple[Array, tuple]] | None:
     """The stacked dense weights that a step of `tokens` tokens multiplies with the CPU matmul
-    kernel (`cpu_matmul.applies`), as ([L, K, N] view, one layer's shape); None on a mesh, where it
-    is never used, so that weights decoded in the layer body follow the same rule."""
+    kernel (`cpu_matmul.applies`), as ([L, K, N] view or panels, one layer's shape); None on a
+    mesh, where it is never used, so that weights decoded in the layer body follow the same rule."""
     if red != Reductions():
         return None
-    views = {name: (_kernel_view(name, weights.get(name), tokens), weights.get(name)) for name in _INPUT_AXES}
-    return {name: (view, tuple(w.shape[1:])) for name, (view, w) in views.items() if view is not None}
+    out = {}
+    for name in INPUT_AXES:
+        w = weights.get(name)
+        view = _kernel_view(name, w, tokens)
+        if view is not None:
+            out[name] = (view, w.shape if isinstance(w, PanelWeight) else tuple(w.shape[1:]))
+    return out
 
 
 def kernel_weights(lp: dict, in_place: dict[str, tuple[Array, tuple]] | None, layer: Array, tokens: int) -> dict:
     """One layer's weights with the kernel's ones as `InPlace`: the stacked ones read in place, and
     ones decoded in the layer body (compressed or quantized) as a stack of one, so a step computes
-    the same sums whether its weights were stored plain or compressed."""
+    the same sums whether its weights were stored plain or compressed. Panels the kernel does not
+    take this step are unpacked to the plain weight."""
+    lp = {k: v.plain() if isinstance(v, PanelWeight) else v for k, v in lp.items()}
     if in_place is None:
         return lp
-    out = {**lp, **{name: InPlace(view, layer, shape) for name, (view, shape) in in_place.items()}}
-    for name in _INPUT_AXES:
+    out = {**lp, **{name: InPlace(view, layer, shape, view.ndim == 4) for name, (view, shape) in in_place.items()}}
+    for name in INPUT_AXES:
         if name not in in_place and name in lp:
             view = _kernel_view(name, lp[name][None], tokens)
             if view is not None:
@@ -135,7 +145,8 @@ def linear(x: Array, w: Array | InPlace, spec: str) -> Array:
     `InPlace` weight, whose [T, N] result takes the einsum's output shape."""
     if not isinstance(w, InPlace):
         return jnp.einsum(spec, x, w)
-    y = cpu_matmul.skinny_matmul(x.reshape(x.shape[0], -1), w.stacked, w.layer)
+    matmul = cpu_matmul.panel_matmul if w.panels else cpu_matmul.skinny_matmul
+    y = matmul(x.reshape(x.shape[0], -1), w.stacked, w.layer)
     return y.reshape(x.shape[0], *w.shape[x.ndim - 1:]).astype(x.dtype)
 
 
