@@ -78,9 +78,10 @@ def measure_bandwidth(nbytes: int, iters: int = 10, repeats: int = 3) -> float:
 
 
 def measure_matmul_rate(n: int, dtype, iters: int = 5, repeats: int = 3) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs each): the faster of XLA's dot and, on
-    CPU, the engine's own matmul kernel where it takes the shape (bfloat16 through `vdpbf16ps` runs
-    about 1.5x XLA's bfloat16 dot here), so no step can exceed the ceiling by using it."""
+    """FLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs each): the fastest of XLA's dot and, on
+    CPU, the engine's own matmul kernels where they take the shape (bfloat16 through `vdpbf16ps` runs
+    about 1.5x XLA's bfloat16 dot here, on panels faster still), so no step can exceed the ceiling
+    by using them."""
     import jax
     import jax.numpy as jnp
 
@@ -92,6 +93,9 @@ def measure_matmul_rate(n: int, dtype, iters: int = 5, repeats: int = 3) -> floa
     matmuls = [jax.jit(lambda p, q: p @ q)]
     if cpu_matmul.applies(n, b[None]):
         matmuls.append(jax.jit(lambda p, q: cpu_matmul.skinny_matmul(p, q[None], jnp.int32(0))))
+    if cpu_matmul.panels_apply(b[None]):
+        panels = jax.jit(cpu_matmul.pack_panels)(b[None])
+        matmuls.append(jax.jit(lambda p, q: cpu_matmul.panel_matmul(p, panels, jnp.int32(0))))
     seconds = min(_best_seconds(fn, (a, b), iters, repeats) for fn in matmuls)
     return 2 * n ** 3 / seconds
 
