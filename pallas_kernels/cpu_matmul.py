@@ -9,9 +9,10 @@ copy of the slice) on XLA's own thread pool:
 - float32 activations: decode steps (at most MAX_ROWS tokens), float32 or bfloat16 weights;
 - bfloat16 activations and weights on a CPU with AVX512-BF16 (`cpu_kernels.bf16_dot()`): steps of any size,
   prefill included, with `vdpbf16ps` (exact bfloat16 products summed in pairs into float32);
-- the same on weights repacked once into panels (`pack_panels`, done by `models/panels.py` when a
-  bfloat16 model is placed on such a CPU): each 32-column panel is one contiguous run, which streams
-  near the machine's bandwidth where the row-major slice's strided reads do not.
+- weights repacked once into panels (`pack_panels`, done by the model runner, `models/panels.py`),
+  float32 or (with AVX512-BF16) bfloat16, at any step size: each 32-column panel is one contiguous
+  run, which streams near the machine's bandwidth where the row-major slice's strided reads do not,
+  and register tiles of up to 12 rows beat XLA's float32 dot on prompts too.
 
 `cpu_kernels` builds the library; without it the models keep XLA's dot.
 """
@@ -61,42 +62,50 @@ def skinny_matmul(x: Float[Array, "M K"], stacked: Float[Array, "L K N"],
     return jax.ffi.ffi_call(TARGET, out)(x, stacked, layer.astype(jnp.int32))
 
 
-def panel_kernel() -> bool:
-    """Whether `panel_matmul` runs here: the CPU backend, with the library's bfloat16 dot."""
-    return cpu_kernels.on_cpu() and cpu_kernels.bf16_dot()
+def panel_kernel(dtype) -> bool:
+    """Whether `panel_matmul` runs here on `dtype` panels: the CPU backend with the library, and
+    for bfloat16 its `vdpbf16ps` dot."""
+    return cpu_kernels.on_cpu() and (dtype == jnp.float32 or (dtype == jnp.bfloat16 and cpu_kernels.bf16_dot()))
 
 
 def panels_apply(weight: Array | jax.ShapeDtypeStruct) -> bool:
-    """Whether a stacked [L, K, N] weight can be kept as panels: bfloat16 with K even and N a
-    multiple of PANEL, where `panel_kernel()`."""
-    return (weight.ndim == 3 and weight.dtype == jnp.bfloat16 and weight.shape[1] % 2 == 0
-            and weight.shape[2] % PANEL == 0 and panel_kernel())
+    """Whether a stacked [L, K, N] weight can be kept as panels: float32, or bfloat16 with K even,
+    N a multiple of PANEL, where `panel_kernel`."""
+    return (weight.ndim == 3 and weight.dtype in (jnp.float32, jnp.bfloat16) and weight.shape[1] % 2 == 0
+            and weight.shape[2] % PANEL == 0 and panel_kernel(weight.dtype))
 
 
-def pack_panels(w: Float[Array, "L K N"]) -> Float[Array, "L P K2 64"]:
-    """[L, K, N] -> [L, N / 32, K / 2, 64]: panel p holds columns [32p, 32p + 32), as K / 2 runs of
-    (columns 0-15, columns 16-31), each entry the pair (w[k, n], w[k + 1, n])."""
+def pack_panels(w: Float[Array, "L K N"]) -> Float[Array, "L P K2 64"] | Float[Array, "L P K 32"]:
+    """[L, K, N] -> panels, panel p holding columns [32p, 32p + 32) as one contiguous run:
+    - bfloat16: [L, N / 32, K / 2, 64], K / 2 runs of (columns 0-15, columns 16-31), each entry the
+      pair (w[k, n], w[k + 1, n]) that `vdpbf16ps` takes;
+    - float32: [L, N / 32, K, 32], row k of the panel's columns."""
     n_layers, k, n = w.shape
+    if w.dtype == jnp.float32:
+        return w.reshape(n_layers, k, n // PANEL, PANEL).transpose(0, 2, 1, 3)
     six = w.reshape(n_layers, k // 2, 2, n // PANEL, 2, 16)  # (l, j, i, p, v, lane): k = 2j + i, n = 32p + 16v + lane
     return six.transpose(0, 3, 1, 4, 5, 2).reshape(n_layers, n // PANEL, k // 2, 2 * PANEL)
 
 
-def unpack_panels(panels: Float[Array, "... P K2 64"]) -> Float[Array, "... K N"]:
+def unpack_panels(panels: Array) -> Float[Array, "... K N"]:
     """The inverse of `pack_panels`, for one layer or a stack."""
-    *lead, p, k2, _ = panels.shape
-    six = panels.reshape(*lead, p, k2, 2, 16, 2)  # (..., p, j, v, lane, i)
+    *lead, p, rows, width = panels.shape
     r = len(lead)
+    if panels.dtype == jnp.float32:
+        return jnp.swapaxes(panels, r, r + 1).reshape(*lead, rows, PANEL * p)
+    six = panels.reshape(*lead, p, rows, 2, 16, 2)  # (..., p, j, v, lane, i)
     perm = (*range(r), r + 1, r + 4, r, r + 2, r + 3)  # -> (..., j, i, p, v, lane)
-    return six.transpose(perm).reshape(*lead, 2 * k2, PANEL * p)
+    return six.transpose(perm).reshape(*lead, 2 * rows, PANEL * p)
 
 
-def panel_matmul(x: Float[Array, "M K"], panels: Float[Array, "L P K2 64"],
-                 layer: Int[Array, ""]) -> Float[Array, "M N"]:
-    """x @ w[layer] in float32 for bfloat16 x and a stack of bfloat16 panels (`pack_panels`), read in place."""
-    if x.dtype != jnp.bfloat16 or panels.dtype != jnp.bfloat16:
-        raise ValueError(f"panel_matmul takes bfloat16 x and panels, got {x.dtype} and {panels.dtype}")
-    if 2 * panels.shape[2] != x.shape[1]:
-        raise ValueError(f"x has {x.shape[1]} features but the panels hold {2 * panels.shape[2]}")
+def panel_matmul(x: Float[Array, "M K"], panels: Array, layer: Int[Array, ""]) -> Float[Array, "M N"]:
+    """x @ w[layer] in float32 for x and a stack of panels (`pack_panels`) of the same dtype, read in place."""
+    if x.dtype != panels.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"panel_matmul takes x and panels both bfloat16 or both float32, got {x.dtype} and "
+                         f"{panels.dtype}")
+    k = panels.shape[2] * (2 if panels.dtype == jnp.bfloat16 else 1)
+    if k != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but the panels hold {k}")
     cpu_kernels.require()
     out = jax.ShapeDtypeStruct((x.shape[0], PANEL * panels.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(PANEL_TARGET, out)(x, panels, layer.astype(jnp.int32))

@@ -7,8 +7,8 @@ A stack of random dense layers shaped like the default model's (SmolLM2-135M: 30
 layer (q/k/v, o, gate/up, down), once with the model's einsums scanned over the stack (XLA's dot)
 and once through the FFI call (`llama.linear` with `InPlace` weights) where it applies (float32
 steps of at most 16 tokens; bfloat16 steps of any size on an AVX512-BF16 CPU; elsewhere both
-columns are XLA's), and for bfloat16 on such a CPU once more with the weights repacked into panels
-(`cpu_matmul.pack_panels`, as the model runner keeps them). Reports ms per pass over the stack and
+columns are XLA's), and once more with the weights repacked into panels (`cpu_matmul.pack_panels`,
+as the model runner keeps them), which the panel matmul takes at any step size. Reports ms per pass over the stack and
 the weight bytes streamed per second; best of 3 loops of --iters passes; the speed-up is the
 fastest column's over XLA's.
 """
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'GB/s':>6} {'speed-up':>8}")
     for dtype in args.dtype:
         weights = _stack(jnp.dtype(dtype))
-        panels = _panels(weights) if dtype == "bfloat16" and cpu_matmul.panel_kernel() else None
+        panels = _panels(weights) if cpu_matmul.panel_kernel(jnp.dtype(dtype)) else None
         nbytes = sum(w.nbytes for w in weights.values())
         for rows in args.rows:
             x = jnp.full((rows, EMBED), 0.01, jnp.dtype(dtype))

@@ -48,6 +48,8 @@ class DecoderLayers(nnx.Module):
     kernel's panels (`PanelParams`, models/panels.py).
     """
 
+    takes_panels = True  # the layer body reads repacked weights (models/panels.py)
+
     def __init__(self, cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout | QuantLayout] | None = None):
         n, e, hkv, d = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
         g = cfg.num_heads // hkv
@@ -75,7 +77,8 @@ class DecoderLayers(nnx.Module):
                     if isinstance(layout, QuantLayout) else PaletteParams(tuple(plain.shape), plain.axes, layout))
 
     def arrays(self) -> dict[str, Array | dict[str, Array]]:
-        """The raw stacked arrays (a dict of parts for a compressed weight), by attribute name, for `lax.scan`."""
+        """The raw stacked arrays (a dict of parts for a compressed weight, a `PanelWeight` for a repacked
+        one), by attribute name, for `lax.scan`."""
         return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
                 for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams, PanelParams))}
 
@@ -89,9 +92,9 @@ class DecoderLayers(nnx.Module):
 class InPlace:
     """A layer's weight as the whole stack plus the layer index, so the CPU skinny matmul reads the
     layer's slice in place (scanning over the stack copies each slice): the stack viewed as
-    [L, K, N], or its panels [L, N / 32, K / 2, 64] (models/panels.py)."""
+    [L, K, N], or its panels (`cpu_matmul.pack_panels`, models/panels.py)."""
 
-    stacked: Float[Array, "L K N"] | Float[Array, "L P K2 64"]
+    stacked: Float[Array, "L K N"] | Float[Array, "L P R C"]
     layer: Int[Array, ""]
     shape: tuple[int, ...]  # one layer's weight, as the einsums see it
     panels: bool = False
@@ -101,7 +104,7 @@ def _kernel_view(name: str, stacked: Array | PanelWeight, tokens: int) -> Array 
     """A stack of `name` weights [L, ...] viewed as [L, K, N] (or its panels) if the skinny matmul
     takes it, else None."""
     if isinstance(stacked, PanelWeight):
-        return stacked.panels if stacked.panels.ndim == 4 and cpu_matmul.panel_kernel() else None
+        return stacked.panels if stacked.panels.ndim == 4 and cpu_matmul.panel_kernel(stacked.panels.dtype) else None
     if not isinstance(stacked, jax.Array) or stacked.ndim != DENSE_RANK[name] + 1:
         return None
     view = stacked.reshape(stacked.shape[0], int(np.prod(stacked.shape[1:1 + INPUT_AXES[name]])), -1)

@@ -1,11 +1,11 @@
 """Dense layer weights repacked once into the CPU kernel's panel layout (`cpu_matmul.pack_panels`).
 
-The CPU bfloat16 matmul reads a row-major [K, N] layer slice 64 bytes at a time with a stride of
-N, which streams at about half the machine's bandwidth; the same weights as 32-column panels
-stream as a few sequential runs (docs/PERFORMANCE.md). This is the engine's counterpart of vLLM's
+The CPU matmul reads a row-major [K, N] layer slice in runs of 64-512 bytes at a stride of N,
+which streams at about half the machine's bandwidth; the same weights as 32-column panels stream
+as a few sequential runs (docs/PERFORMANCE.md). This is the engine's counterpart of vLLM's
 "process weights after loading": checkpoints and the loaders keep the portable row-major layout,
 and the model runner, which owns the placed weights, repacks them for the kernel it will run:
-- only off a mesh, on a CPU whose kernel library has the bfloat16 dot, for a bfloat16 model;
+- only off a mesh, where the CPU kernel library is built (for bfloat16, with its AVX512-BF16 dot);
 - only the plain (not compressed or quantized) stacked `wqkv`, `wo`, `w_gate_up`, `w_down`.
 
 A repacked weight is a `PanelParams` module in place of its `nnx.Param`, as compressed and
@@ -33,8 +33,8 @@ DENSE_RANK = {"wqkv": 4, "wo": 3, "w_gate_up": 3, "w_down": 2}  # one dense (not
 
 @dataclasses.dataclass(frozen=True)
 class PanelWeight:
-    """Panels of a stack [L, N / 32, K / 2, 64] (or of one layer, inside the scan), and one
-    layer's weight shape as the einsums see it (static)."""
+    """Panels of a stack (`cpu_matmul.pack_panels`; one layer's inside the scan), and one layer's
+    weight shape as the einsums see it (static)."""
 
     panels: Array
     shape: tuple[int, ...]
@@ -42,7 +42,7 @@ class PanelWeight:
     def plain(self) -> Array:
         """One layer's weight in its einsum shape (for a step the kernel does not take)."""
         if self.panels.ndim != 3:
-            raise ValueError(f"plain() unpacks one layer's panels [P, K/2, 64], got {self.panels.shape}")
+            raise ValueError(f"plain() unpacks one layer's panels, got an array of shape {self.panels.shape}")
         return cpu_matmul.unpack_panels(self.panels).reshape(self.shape)
 
 
@@ -84,7 +84,7 @@ def kernel_layout(graphdef: nnx.GraphDef, state: nnx.State, *, plan) -> tuple[nn
         return graphdef, state
     model = nnx.merge(graphdef, state)
     layers = getattr(model, "layers", None)
-    if layers is None:
+    if not getattr(layers, "takes_panels", False):  # a layer stack whose body reads `PanelWeight`s
         return graphdef, state
     changed = False
     for name in INPUT_AXES:

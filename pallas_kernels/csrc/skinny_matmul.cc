@@ -36,6 +36,11 @@ static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Rows of w fetched ahead when MB > 1 (measured: 8 rows 17.4 -> 14.5 ms a pass; one row is faster without).
 constexpr int64_t kPrefetchRows = 32;
+// Steps of a panel (128 bytes each: a bfloat16 k-pair or a float32 row) fetched ahead by the panel
+// matmuls: 4 KB at several rows, 1 KB at one row, whose tile reads 8 panels at once (measured on
+// bfloat16: 16 and 8 steps are slower at 8-16 rows, 32 slower at one row).
+template <int MR> constexpr int64_t kPanelPrefetch = MR == 1 ? 8 : 32;
+
 
 // Columns [c0, c1) of y (a multiple of 16 wide) for MB rows of x, four rows of w per step.
 template <int MB, typename W>
@@ -191,9 +196,6 @@ static void dp_matmul(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64
 // holding columns [32p, 32p + 32) as K / 2 runs of two vectors, each lane the pair (w[k, n], w[k + 1, n])
 // that `vdpbf16ps` takes. A tile streams whole panels front to back, so the hardware sees a few
 // sequential streams instead of a 64-byte read every N elements (cpu_matmul_bench, 8 rows: 24 -> 36 GB/s).
-// k-pairs fetched ahead in each panel: 4 KB at several rows, 1 KB at one row, whose tile reads 8 panels at once
-// (measured: 16 and 8 pairs are slower at 8-16 rows, 32 slower at one row).
-template <int MR> constexpr int64_t kPanelPrefetch = MR == 1 ? 8 : 32;
 
 template <int MR, int G>
 static inline void panel_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, int64_t p, float* y) {
@@ -273,25 +275,105 @@ static void panel_matmul(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, in
 }
 #endif
 
-static ffi::Error ImplPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+// float32 panels [N / 32, K, 32]: panel p holds columns [32p, 32p + 32), row k of it 32 contiguous
+// floats. MR rows by G panels summed over all of K in registers, one FMA per weight and row, k ascending
+// (the same order whatever M is), the next rows of each panel prefetched as in the bfloat16 tile.
+template <int MR, int G>
+static inline void panel_tile_f32(const float* x, int64_t K, const float* w, int64_t N, int64_t p, float* y) {
+  v16 acc[MR][2 * G];
+  for (int m = 0; m < MR; ++m) for (int g = 0; g < 2 * G; ++g) acc[m][g] = v16{};
+  const int64_t panel = K * 32;
+  const float* wp = w + p * panel;
+  for (int64_t k = 0; k < K; ++k, wp += 32) {
+    if (k + kPanelPrefetch<MR> < K) {
+      for (int g = 0; g < G; ++g) {
+        __builtin_prefetch(wp + g * panel + 32 * kPanelPrefetch<MR>);
+        __builtin_prefetch(wp + g * panel + 32 * kPanelPrefetch<MR> + 16);
+      }
+    }
+    v16 a[G], b[G];
+    for (int g = 0; g < G; ++g) { a[g] = load16(wp + g * panel); b[g] = load16(wp + g * panel + 16); }
+    for (int m = 0; m < MR; ++m) {
+      const float xs = x[m * K + k];
+      for (int g = 0; g < G; ++g) { acc[m][2 * g] += xs * a[g]; acc[m][2 * g + 1] += xs * b[g]; }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < 2 * G; ++g) store16(y + m * N + 32 * p + 16 * g, acc[m][g]);
+}
+
+template <int MR, int G>
+static void panel_rows_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t p, float* y) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) panel_tile_f32<MR, G>(x + m * K, K, w, N, p, y + m * N);
+  if (m == M) return;
+  const float* xm = x + m * K; float* ym = y + m * N;
+  switch (M - m) {
+    case 1: panel_tile_f32<1, G>(xm, K, w, N, p, ym); break;
+    case 2: panel_tile_f32<2, G>(xm, K, w, N, p, ym); break;
+    case 3: panel_tile_f32<3, G>(xm, K, w, N, p, ym); break;
+    case 4: panel_tile_f32<4, G>(xm, K, w, N, p, ym); break;
+    case 5: panel_tile_f32<5, G>(xm, K, w, N, p, ym); break;
+    case 6: panel_tile_f32<6, G>(xm, K, w, N, p, ym); break;
+    case 7: panel_tile_f32<7, G>(xm, K, w, N, p, ym); break;
+    case 8: panel_tile_f32<8, G>(xm, K, w, N, p, ym); break;
+    case 9: panel_tile_f32<9, G>(xm, K, w, N, p, ym); break;
+    case 10: panel_tile_f32<10, G>(xm, K, w, N, p, ym); break;
+    default: panel_tile_f32<11, G>(xm, K, w, N, p, ym); break;
+  }
+}
+
+template <int MR, int G>
+static void panel_span_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t p0, int64_t p1,
+                           float* y) {
+  int64_t p = p0;
+  for (; p + G <= p1; p += G) panel_rows_f32<MR, G>(x, M, K, w, N, p, y);
+  for (; p < p1; ++p) panel_rows_f32<MR, 1>(x, M, K, w, N, p, y);
+}
+
+static void panel_matmul_f32(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const float* w, int64_t N,
+                             float* y) {
+  const int64_t panels = N / 32, threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = (panels + 4 * threads - 1) / (4 * threads);
+  run_chunks(pool, (panels + per - 1) / per, [=](int64_t i) {
+    const int64_t p0 = i * per, p1 = std::min(panels, p0 + per);
+    if (M == 1) panel_span_f32<1, 8>(x, M, K, w, N, p0, p1, y);
+    else if (M <= 4) panel_span_f32<4, 3>(x, M, K, w, N, p0, p1, y);
+    else if (M <= 16) panel_span_f32<8, 1>(x, M, K, w, N, p0, p1, y);
+    else panel_span_f32<12, 1>(x, M, K, w, N, p0, p1, y);
+  });
+}
+
+// y = x . w[layer] for panels of either dtype: bfloat16 x and panels [L, N / 32, K / 2, 64] (`vdpbf16ps`),
+// or float32 x and panels [L, N / 32, K, 32].
+static ffi::Error ImplPanels(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                             ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(); auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[3] != 64 || xd[1] != 2 * wd[2])
-    return ffi::Error::InvalidArgument("skinny_matmul_panels: x [M, K], w [L, N / 32, K / 2, 64]");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (x.element_type() != w.element_type() || (!bf16 && w.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("skinny_matmul_panels: x and panels both bfloat16 or both float32");
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != (bf16 ? 64 : 32) || xd[1] != (bf16 ? 2 : 1) * wd[2])
+    return ffi::Error::InvalidArgument("skinny_matmul_panels: x [M, K], w [L, N / 32, K / 2, 64] (bfloat16) "
+                                       "or [L, N / 32, K, 32] (float32)");
   const int64_t M = xd[0], K = xd[1], N = 32 * wd[1], l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("skinny_matmul_panels: layer index out of range");
+  if (!bf16) {
+    panel_matmul_f32(pool, static_cast<const float*>(x.untyped_data()), M, K,
+                     static_cast<const float*>(w.untyped_data()) + l * K * N, N, y->typed_data());
+    return ffi::Error::Success();
+  }
 #if defined(__AVX512BF16__)
-  panel_matmul(pool, reinterpret_cast<const uint16_t*>(x.typed_data()), M, K,
-               reinterpret_cast<const uint16_t*>(w.typed_data()) + l * K * N, N, y->typed_data());
+  panel_matmul(pool, static_cast<const uint16_t*>(x.untyped_data()), M, K,
+               static_cast<const uint16_t*>(w.untyped_data()) + l * K * N, N, y->typed_data());
   return ffi::Error::Success();
 #else
-  return ffi::Error::InvalidArgument("skinny_matmul_panels: needs a CPU with AVX512-BF16");
+  return ffi::Error::InvalidArgument("skinny_matmul_panels: bfloat16 panels need a CPU with AVX512-BF16");
 #endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InfireSkinnyMatmulPanels, ImplPanels,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>());
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" int InfireHasBf16Dot() {
 #if defined(__AVX512BF16__)
