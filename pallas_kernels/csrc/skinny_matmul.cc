@@ -196,7 +196,6 @@ static void dp_matmul(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64
 // holding columns [32p, 32p + 32) as K / 2 runs of two vectors, each lane the pair (w[k, n], w[k + 1, n])
 // that `vdpbf16ps` takes. A tile streams whole panels front to back, so the hardware sees a few
 // sequential streams instead of a 64-byte read every N elements (cpu_matmul_bench, 8 rows: 24 -> 36 GB/s).
-
 template <int MR, int G>
 static inline void panel_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, int64_t p, float* y) {
   __m512 acc[MR][2 * G];
@@ -229,57 +228,13 @@ static inline void panel_tile(const uint16_t* x, int64_t K, const uint16_t* w, i
     for (int g = 0; g < 2 * G; ++g) _mm512_storeu_ps(y + m * N + 32 * p + 16 * g, acc[m][g]);
 }
 
-// All M rows for panels [p, p + G): tiles of MR rows, then one tile of the rows left.
-template <int MR, int G>
-static void panel_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t p, float* y) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) panel_tile<MR, G>(x + m * K, K, w, N, p, y + m * N);
-  if (m == M) return;
-  const uint16_t* xm = x + m * K; float* ym = y + m * N;
-  switch (M - m) {
-    case 1: panel_tile<1, G>(xm, K, w, N, p, ym); break;
-    case 2: panel_tile<2, G>(xm, K, w, N, p, ym); break;
-    case 3: panel_tile<3, G>(xm, K, w, N, p, ym); break;
-    case 4: panel_tile<4, G>(xm, K, w, N, p, ym); break;
-    case 5: panel_tile<5, G>(xm, K, w, N, p, ym); break;
-    case 6: panel_tile<6, G>(xm, K, w, N, p, ym); break;
-    case 7: panel_tile<7, G>(xm, K, w, N, p, ym); break;
-    case 8: panel_tile<8, G>(xm, K, w, N, p, ym); break;
-    case 9: panel_tile<9, G>(xm, K, w, N, p, ym); break;
-    case 10: panel_tile<10, G>(xm, K, w, N, p, ym); break;
-    default: panel_tile<11, G>(xm, K, w, N, p, ym); break;
-  }
-}
-
-// Panels [p0, p1) for all rows: one row takes 8 panels a tile, up to 4 rows 3, more rows one panel
-// in tiles of 8 rows (decode) or 12 (prompts), narrower at the end of the span.
-template <int MR, int G>
-static void panel_span(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t p0, int64_t p1,
-                       float* y) {
-  int64_t p = p0;
-  for (; p + G <= p1; p += G) panel_rows<MR, G>(x, M, K, w, N, p, y);
-  for (; p < p1; ++p) panel_rows<MR, 1>(x, M, K, w, N, p, y);
-}
-
-static void panel_matmul(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
-                         float* y) {
-  const int64_t panels = N / 32, threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per = (panels + 4 * threads - 1) / (4 * threads);
-  run_chunks(pool, (panels + per - 1) / per, [=](int64_t i) {
-    const int64_t p0 = i * per, p1 = std::min(panels, p0 + per);
-    if (M == 1) panel_span<1, 8>(x, M, K, w, N, p0, p1, y);
-    else if (M <= 4) panel_span<4, 3>(x, M, K, w, N, p0, p1, y);
-    else if (M <= 16) panel_span<8, 1>(x, M, K, w, N, p0, p1, y);
-    else panel_span<12, 1>(x, M, K, w, N, p0, p1, y);
-  });
-}
 #endif
 
 // float32 panels [N / 32, K, 32]: panel p holds columns [32p, 32p + 32), row k of it 32 contiguous
 // floats. MR rows by G panels summed over all of K in registers, one FMA per weight and row, k ascending
 // (the same order whatever M is), the next rows of each panel prefetched as in the bfloat16 tile.
 template <int MR, int G>
-static inline void panel_tile_f32(const float* x, int64_t K, const float* w, int64_t N, int64_t p, float* y) {
+static inline void panel_tile(const float* x, int64_t K, const float* w, int64_t N, int64_t p, float* y) {
   v16 acc[MR][2 * G];
   for (int m = 0; m < MR; ++m) for (int g = 0; g < 2 * G; ++g) acc[m][g] = v16{};
   const int64_t panel = K * 32;
@@ -302,45 +257,50 @@ static inline void panel_tile_f32(const float* x, int64_t K, const float* w, int
     for (int g = 0; g < 2 * G; ++g) store16(y + m * N + 32 * p + 16 * g, acc[m][g]);
 }
 
-template <int MR, int G>
-static void panel_rows_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t p, float* y) {
+// Both dtypes from here on (`panel_tile` is overloaded on them). All M rows for panels [p, p + G):
+// tiles of MR rows, then one tile of the rows left.
+template <int MR, int G, typename T>
+static void panel_rows(const T* x, int64_t M, int64_t K, const T* w, int64_t N, int64_t p, float* y) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) panel_tile_f32<MR, G>(x + m * K, K, w, N, p, y + m * N);
+  for (; m + MR <= M; m += MR) panel_tile<MR, G>(x + m * K, K, w, N, p, y + m * N);
   if (m == M) return;
-  const float* xm = x + m * K; float* ym = y + m * N;
+  const T* xm = x + m * K; float* ym = y + m * N;
   switch (M - m) {
-    case 1: panel_tile_f32<1, G>(xm, K, w, N, p, ym); break;
-    case 2: panel_tile_f32<2, G>(xm, K, w, N, p, ym); break;
-    case 3: panel_tile_f32<3, G>(xm, K, w, N, p, ym); break;
-    case 4: panel_tile_f32<4, G>(xm, K, w, N, p, ym); break;
-    case 5: panel_tile_f32<5, G>(xm, K, w, N, p, ym); break;
-    case 6: panel_tile_f32<6, G>(xm, K, w, N, p, ym); break;
-    case 7: panel_tile_f32<7, G>(xm, K, w, N, p, ym); break;
-    case 8: panel_tile_f32<8, G>(xm, K, w, N, p, ym); break;
-    case 9: panel_tile_f32<9, G>(xm, K, w, N, p, ym); break;
-    case 10: panel_tile_f32<10, G>(xm, K, w, N, p, ym); break;
-    default: panel_tile_f32<11, G>(xm, K, w, N, p, ym); break;
+    case 1: panel_tile<1, G>(xm, K, w, N, p, ym); break;
+    case 2: panel_tile<2, G>(xm, K, w, N, p, ym); break;
+    case 3: panel_tile<3, G>(xm, K, w, N, p, ym); break;
+    case 4: panel_tile<4, G>(xm, K, w, N, p, ym); break;
+    case 5: panel_tile<5, G>(xm, K, w, N, p, ym); break;
+    case 6: panel_tile<6, G>(xm, K, w, N, p, ym); break;
+    case 7: panel_tile<7, G>(xm, K, w, N, p, ym); break;
+    case 8: panel_tile<8, G>(xm, K, w, N, p, ym); break;
+    case 9: panel_tile<9, G>(xm, K, w, N, p, ym); break;
+    case 10: panel_tile<10, G>(xm, K, w, N, p, ym); break;
+    default: panel_tile<11, G>(xm, K, w, N, p, ym); break;
   }
 }
 
-template <int MR, int G>
-static void panel_span_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t p0, int64_t p1,
-                           float* y) {
+// Panels [p0, p1) for all rows: one row takes 8 panels a tile, up to 4 rows 3, more rows one panel
+// in tiles of 8 rows (decode) or 12 (prompts), narrower at the end of the span.
+template <int MR, int G, typename T>
+static void panel_span(const T* x, int64_t M, int64_t K, const T* w, int64_t N, int64_t p0, int64_t p1,
+                       float* y) {
   int64_t p = p0;
-  for (; p + G <= p1; p += G) panel_rows_f32<MR, G>(x, M, K, w, N, p, y);
-  for (; p < p1; ++p) panel_rows_f32<MR, 1>(x, M, K, w, N, p, y);
+  for (; p + G <= p1; p += G) panel_rows<MR, G>(x, M, K, w, N, p, y);
+  for (; p < p1; ++p) panel_rows<MR, 1>(x, M, K, w, N, p, y);
 }
 
-static void panel_matmul_f32(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const float* w, int64_t N,
-                             float* y) {
+template <typename T>
+static void panel_matmul(ffi::ThreadPool& pool, const T* x, int64_t M, int64_t K, const T* w, int64_t N,
+                         float* y) {
   const int64_t panels = N / 32, threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per = (panels + 4 * threads - 1) / (4 * threads);
   run_chunks(pool, (panels + per - 1) / per, [=](int64_t i) {
     const int64_t p0 = i * per, p1 = std::min(panels, p0 + per);
-    if (M == 1) panel_span_f32<1, 8>(x, M, K, w, N, p0, p1, y);
-    else if (M <= 4) panel_span_f32<4, 3>(x, M, K, w, N, p0, p1, y);
-    else if (M <= 16) panel_span_f32<8, 1>(x, M, K, w, N, p0, p1, y);
-    else panel_span_f32<12, 1>(x, M, K, w, N, p0, p1, y);
+    if (M == 1) panel_span<1, 8>(x, M, K, w, N, p0, p1, y);
+    else if (M <= 4) panel_span<4, 3>(x, M, K, w, N, p0, p1, y);
+    else if (M <= 16) panel_span<8, 1>(x, M, K, w, N, p0, p1, y);
+    else panel_span<12, 1>(x, M, K, w, N, p0, p1, y);
   });
 }
 
@@ -358,8 +318,8 @@ static ffi::Error ImplPanels(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   const int64_t M = xd[0], K = xd[1], N = 32 * wd[1], l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("skinny_matmul_panels: layer index out of range");
   if (!bf16) {
-    panel_matmul_f32(pool, static_cast<const float*>(x.untyped_data()), M, K,
-                     static_cast<const float*>(w.untyped_data()) + l * K * N, N, y->typed_data());
+    panel_matmul(pool, static_cast<const float*>(x.untyped_data()), M, K,
+                 static_cast<const float*>(w.untyped_data()) + l * K * N, N, y->typed_data());
     return ffi::Error::Success();
   }
 #if defined(__AVX512BF16__)
