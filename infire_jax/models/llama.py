@@ -23,7 +23,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
-from infire_jax.models.panels import DENSE_RANK, INPUT_AXES, PanelParams, PanelWeight
+from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from pallas_kernels import cpu_matmul
@@ -97,7 +97,6 @@ class InPlace:
     stacked: Float[Array, "L K N"] | Float[Array, "L P R C"]
     layer: Int[Array, ""]
     shape: tuple[int, ...]  # one layer's weight, as the einsums see it
-    panels: bool = False
 
 
 def _kernel_view(name: str, stacked: Array | PanelWeight, tokens: int) -> Array | None:
@@ -105,9 +104,10 @@ def _kernel_view(name: str, stacked: Array | PanelWeight, tokens: int) -> Array 
     takes it, else None."""
     if isinstance(stacked, PanelWeight):
         return stacked.panels if stacked.panels.ndim == 4 and cpu_matmul.panel_kernel(stacked.panels.dtype) else None
-    if not isinstance(stacked, jax.Array) or stacked.ndim != DENSE_RANK[name] + 1:
+    view_shape = stack_view_shape(name, stacked.shape) if isinstance(stacked, jax.Array) else None
+    if view_shape is None:
         return None
-    view = stacked.reshape(stacked.shape[0], int(np.prod(stacked.shape[1:1 + INPUT_AXES[name]])), -1)
+    view = stacked.reshape(view_shape)
     return view if cpu_matmul.applies(tokens, view) else None
 
 
@@ -134,7 +134,7 @@ def kernel_weights(lp: dict, in_place: dict[str, tuple[Array, tuple]] | None, la
     lp = {k: v.plain() if isinstance(v, PanelWeight) else v for k, v in lp.items()}
     if in_place is None:
         return lp
-    out = {**lp, **{name: InPlace(view, layer, shape, view.ndim == 4) for name, (view, shape) in in_place.items()}}
+    out = {**lp, **{name: InPlace(view, layer, shape) for name, (view, shape) in in_place.items()}}
     for name in INPUT_AXES:
         if name not in in_place and name in lp:
             view = _kernel_view(name, lp[name][None], tokens)
@@ -148,7 +148,7 @@ def linear(x: Array, w: Array | InPlace, spec: str) -> Array:
     `InPlace` weight, whose [T, N] result takes the einsum's output shape."""
     if not isinstance(w, InPlace):
         return jnp.einsum(spec, x, w)
-    matmul = cpu_matmul.panel_matmul if w.panels else cpu_matmul.skinny_matmul
+    matmul = cpu_matmul.panel_matmul if w.stacked.ndim == 4 else cpu_matmul.skinny_matmul  # panels, or [L, K, N]
     y = matmul(x.reshape(x.shape[0], -1), w.stacked, w.layer)
     return y.reshape(x.shape[0], *w.shape[x.ndim - 1:]).astype(x.dtype)
 
