@@ -37,6 +37,25 @@ class DraftInputs(NamedTuple):
     num: np.ndarray  # [S] int32
 
 
+class BurstInputs(NamedTuple):
+    """Per row of a decode burst (step_programs.decode_burst)."""
+
+    num_steps: np.ndarray  # [S] int32: decode steps the row may take (0: padding)
+    stop_ids: np.ndarray  # [S, MAX_STOP_TOKEN_IDS] int32: samples that end the row early; -1 = none
+
+
+def burst_inputs(work: SchedulerOutput, num_rows: int) -> BurstInputs:
+    """The device stops a row early on its EOS and stop token ids (the first MAX_STOP_TOKEN_IDS of
+    them; the host's checks decide, so a row with more, or with stop strings, only stops later)."""
+    num_steps = np.zeros(num_rows, np.int32)
+    stop_ids = np.full((num_rows, MAX_STOP_TOKEN_IDS), -1, np.int32)
+    for i, sq in enumerate(work.seqs):
+        num_steps[i] = sq.num_steps
+        ids = (tuple(sq.req.eos_token_ids) + tuple(sq.req.params.stop_token_ids or ()))[:MAX_STOP_TOKEN_IDS]
+        stop_ids[i, :len(ids)] = ids
+    return BurstInputs(num_steps, stop_ids)
+
+
 def draft_inputs(work: SchedulerOutput, shape: StepShape, num_spec: int) -> DraftInputs:
     tokens = np.full((shape.num_rows, num_spec), -1, np.int32)
     num = np.zeros(shape.num_rows, np.int32)

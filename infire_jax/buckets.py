@@ -35,6 +35,11 @@ class Buckets:
     def shapes(self) -> list[StepShape]:
         return [self.shape_for(t, 1) for t in self.token_buckets]
 
+    @property
+    def decode_shapes(self) -> list[StepShape]:
+        """The shapes a step of decodes alone (a token per row) takes: those a decode burst runs in."""
+        return sorted({self.shape_for(n, n) for n in range(1, self.max_num_seqs + 1)}, key=lambda s: s.num_tokens)
+
     def shape_for(self, num_tokens: int, num_seqs: int) -> StepShape:
         """Smallest bucket holding the step. Rows follow tokens: a step never has more rows than tokens."""
         i = bisect.bisect_left(self.token_buckets, num_tokens)

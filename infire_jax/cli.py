@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--num-decode-steps", type=int, default=4,
+                   help="decode steps a step of decodes alone may run in one device launch, read back once "
+                        "(1: one step a launch; tokens then stream one at a time). Default 4")
     p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of each GPU's memory for weights, activations and the KV pool (default 0.90)")
@@ -57,7 +60,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None):
                         attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed,
                         weights_compression=args.weights_compression,
                         weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
-                        grammar_compile_timeout=args.grammar_compile_timeout)
+                        grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

@@ -82,6 +82,9 @@ class EngineConfig:
     # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
     speculative_config: SpeculativeConfig | dict | str | None = None
     grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
+    # Decode bursts: up to this many decode steps in one device launch when a step is decodes alone
+    # and nobody waiting could join (scheduler.py); 1 turns them off. Not with speculative decoding.
+    num_decode_steps: int = 4
 
 
 def enable_compilation_cache() -> None:
@@ -125,7 +128,8 @@ class Engine:
                           buckets=self._buckets(budget), attn_impl=self._attention(cfg),
                           sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,),
                           num_spec=self.spec_config.num_speculative_tokens if self.spec_config else 0,
-                          aux_layers=self.eagle_head.cfg.aux_layers(cfg.num_layers) if self.eagle_head else None)
+                          aux_layers=self.eagle_head.cfg.aux_layers(cfg.num_layers) if self.eagle_head else None,
+                          decode_steps=1 if self.spec_config else ec.num_decode_steps)
         placed_cfg = self.plan.effective_config(cfg) if self.plan else cfg
         shapes = rc.buckets.shapes
         done = itertools.count(1)
@@ -182,7 +186,8 @@ class Engine:
         log.info("%s", sizing.describe())
         rc = self.runner.rc
         self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=budget,
+                                   num_decode_steps=rc.decode_steps)
         self.spec, self.draft = None, None
         if self.spec_config:
             self.spec, self.draft = build_speculation(self.spec_config, self.eagle_head, self.model_config,
@@ -207,8 +212,8 @@ class Engine:
     def _check_settings(self, cfg: ModelConfig) -> ShardPlan | None:
         """Everything that can be checked from the config alone, before any weight is read."""
         ec = self.config
-        if ec.max_num_seqs < 1 or ec.page_size < 1:
-            raise ConfigError("max_num_seqs and page_size must be positive")
+        if ec.max_num_seqs < 1 or ec.page_size < 1 or ec.num_decode_steps < 1:
+            raise ConfigError("max_num_seqs, page_size and num_decode_steps must be positive")
         if not 0.0 < ec.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
         try:
@@ -437,7 +442,7 @@ class Engine:
             if not sq.samples:
                 continue
             req = sq.req
-            req.num_pending_tokens -= 1
+            req.num_pending_tokens -= sq.num_steps
             if req.is_finished:
                 continue  # stopped or aborted while this step was in flight
             num = int(res.num_tokens[row])
@@ -467,7 +472,7 @@ class Engine:
                 finish = status.value
                 self._forget(req)
             elif req.status is Status.RUNNING:  # not preempted while the step was in flight
-                if num > 1:  # the accepted proposals' KV is valid: they join the computed tokens
+                if sq.drafts and num > 1:  # the accepted proposals' KV is valid: they join the computed tokens
                     req.num_computed_tokens += num - 1
                     self.kv.register_full_blocks(req)
                 if self.spec is not None:

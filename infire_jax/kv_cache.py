@@ -180,9 +180,13 @@ class KVCacheManager:
         self.ref_cnt[page] = 1
         return page
 
+    def new_pages(self, req: Request, num_new_tokens: int) -> int:
+        """Pages the request lacks for `num_new_tokens` more tokens."""
+        return max(0, self.pages_needed(req.num_computed_tokens + num_new_tokens) - len(req.pages))
+
     def can_allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = (), reserve: int = 0) -> bool:
         """Whether the pages fit while leaving `reserve` pages free."""
-        needed = self.pages_needed(req.num_computed_tokens + num_new_tokens) - len(req.pages)
+        needed = self.new_pages(req, num_new_tokens)
         reclaimed = sum(1 for p in cached_pages if self.ref_cnt[p] == 0)
         return needed <= self.num_free_pages - reclaimed - reserve
 
@@ -202,8 +206,7 @@ class KVCacheManager:
             self._take(page)
         req.pages.extend(cached_pages)
         req.num_registered_blocks = max(req.num_registered_blocks, len(cached_pages))
-        needed = self.pages_needed(req.num_computed_tokens + num_new_tokens) - len(req.pages)
-        req.pages.extend(self._pop_free() for _ in range(needed))
+        req.pages.extend(self._pop_free() for _ in range(self.new_pages(req, num_new_tokens)))
         return True
 
     def free(self, req: Request) -> None:

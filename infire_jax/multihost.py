@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-STEP, HISTORY, STOP = 1, 2, 3
+STEP, HISTORY, STOP, BURST = 1, 2, 3, 4
 
 
 def is_multiprocess() -> bool:

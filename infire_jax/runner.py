@@ -8,6 +8,10 @@ sampler apart means its variants do not multiply the forward's compilations. The
 per-slot sampling history and the last sampled tokens are donated, so each step updates them in
 place; the logits stay on the device between the two calls.
 
+A decode burst (scheduler.py) is one program instead, compiled per decode-sized bucket and
+sampler variant: up to `decode_steps` forwards and samplers in a device loop
+(step_programs.decode_burst), read back once.
+
 With speculative decoding, a step in which some row carries proposed tokens is a verifying step:
 a forward with logits at every proposed position (one more program per bucket), then the
 verifier (speculative/verify.py) in place of the sampler.
@@ -29,7 +33,8 @@ from jaxtyping import Array
 
 from infire_jax import executable_cache, multihost
 from infire_jax import step_programs as programs
-from infire_jax.batch import DraftInputs, StepBatch, build_batch, draft_inputs, grammar_bitmask
+from infire_jax.batch import (BurstInputs, DraftInputs, StepBatch, build_batch, burst_inputs, draft_inputs,
+                              grammar_bitmask)
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
@@ -37,7 +42,7 @@ from infire_jax.models.panels import kernel_layout
 from infire_jax.sampler import BRANCHING, SamplerOutput, choose_variant
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput
-from infire_jax.step_programs import DeviceCache, StepForward, matmul_precision
+from infire_jax.step_programs import BurstOutput, DeviceCache, StepForward, matmul_precision
 from pallas_kernels.metadata import NULL_PAGE
 from pallas_kernels.reference import pool_storage_dtype
 from sharding.plan import ShardPlan
@@ -58,6 +63,7 @@ class RunnerConfig:
     sampler_variants: tuple[str, ...] = (BRANCHING,)
     num_spec: int = 0  # speculative decoding: proposed tokens a row may carry (0: off)
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states the forward also returns
+    decode_steps: int = 1  # most steps of a decode burst (1: no bursts)
 
     @property
     def pages_per_seq(self) -> int:
@@ -96,13 +102,14 @@ def _padded_pages(pages: list[int]) -> np.ndarray:
 
 class PendingStep(NamedTuple):
     work: SchedulerOutput
-    out: SamplerOutput | VerifyOutput  # device arrays, not yet read back
+    out: SamplerOutput | VerifyOutput | BurstOutput  # device arrays, not yet read back
     want_logprobs: bool
     drafts: Array | None = None  # [S, k] proposals the step's observer made (EAGLE-3), read back with the tokens
 
 
 class StepResult(NamedTuple):
-    """Each row's new tokens: [rows, P] (P = 1, or K + 1 when verifying), the first num_tokens valid."""
+    """Each row's new tokens: [rows, P] (P = 1, K + 1 when verifying, or a burst's steps), the first
+    num_tokens valid."""
 
     tokens: np.ndarray  # [rows, P] int32
     num_tokens: np.ndarray  # [rows] int32
@@ -144,12 +151,18 @@ class ModelRunner:
                           for v in rc.sampler_variants}
         self._verifier = jax.jit(functools.partial(programs.verify_step, rc.sampler_variants == (BRANCHING,)),
                                  donate_argnums=(0, 1), out_shardings=plan.replicated if plan else None)
+        self._bursts = {v: jax.jit(functools.partial(programs.decode_burst, graphdef, rc.attn_impl, plan,
+                                                     matmul_precision(dtype), v, rc.decode_steps,
+                                                     rc.sampler_variants == (BRANCHING,)), donate_argnums=(1,),
+                                   out_shardings=(cache_shardings, plan.replicated) if plan else None)
+                        for v in rc.sampler_variants}
         # The step programs, compiled ahead of time per bucket (and per row count and variant): the
         # steps call these, so nothing can compile after warmup, and warmup needs no weights.
         self._compiled_forward: dict[StepShape, jax.stages.Compiled] = {}
         self._compiled_samplers: dict[tuple[int, str], jax.stages.Compiled] = {}
         self._compiled_verify_forward: dict[StepShape, jax.stages.Compiled] = {}  # speculative decoding
         self._compiled_verifiers: dict[int, jax.stages.Compiled] = {}
+        self._compiled_bursts: dict[tuple[StepShape, str], jax.stages.Compiled] = {}
         self._compiled_small: dict[str, jax.stages.Compiled] = {}  # history, read_pages, write_pages
         # Structured outputs: a step with no constrained row passes its row bucket's all-allowed
         # grammar mask, kept on the device, instead of copying one (structured/, sampler.py).
@@ -227,7 +240,13 @@ class ModelRunner:
         for variant in self.rc.sampler_variants:
             m = self._executable(self._sampler_spec(variant, batch)).memory_analysis()
             peaks.append(m.temp_size_in_bytes + shape.num_rows * self.cfg.vocab_size * 4)
+        if self.rc.decode_steps > 1:  # the widest burst: its temporaries are one step's, looped
+            shape = self.rc.buckets.decode_shapes[-1]
+            batch = self._empty_batch(shape)
+            peaks += [self._executable(self._burst_spec(v, shape, batch)).memory_analysis().temp_size_in_bytes
+                      for v in self.rc.sampler_variants]
         if self.rc.num_spec:
+            shape = self.rc.buckets.shapes[-1]
             batch = self._empty_batch(shape, verify=True)
             peaks.append(self._executable(self._forward_spec(batch)).memory_analysis().temp_size_in_bytes)
             m = self._executable(self._verifier_spec(batch, self._empty_drafts(shape))).memory_analysis()
@@ -255,6 +274,10 @@ class ModelRunner:
             c.last_tokens, c.counts, c.prompt_mask, self._logits_struct(batch), batch.sampling, batch.row_slots,
             batch.sample_rows, self._mask_struct(batch))
 
+    def _burst_spec(self, variant: str, shape: StepShape, batch: StepBatch) -> ProgramSpec:
+        return f"burst-{variant}", self._bursts[variant], (self.state, self.cache, batch,
+                                                           burst_inputs(SchedulerOutput([], []), shape.num_rows))
+
     def _logits_struct(self, batch: StepBatch) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((batch.logits_indices.shape[0], self.cfg.vocab_size), jnp.float32,
                                     sharding=self.plan.replicated if self.plan else None)
@@ -278,6 +301,9 @@ class ModelRunner:
         specs = {("forward", shape): self._forward_spec(batch)}
         for variant in self.rc.sampler_variants:
             specs["sampler", (shape.num_rows, variant)] = self._sampler_spec(variant, batch)
+        if self.rc.decode_steps > 1 and shape in self.rc.buckets.decode_shapes:
+            for variant in self.rc.sampler_variants:
+                specs["burst", (shape, variant)] = self._burst_spec(variant, shape, batch)
         if self.rc.num_spec:
             batch = self._empty_batch(shape, verify=True)
             specs["verify_forward", shape] = self._forward_spec(batch)
@@ -315,6 +341,11 @@ class ModelRunner:
             batch.sample_rows, drafts, mask)
         self.cache = cache._replace(last_tokens=last, counts=counts)
         return fwd, out
+
+    def _run_burst(self, shape: StepShape, batch: StepBatch, burst: BurstInputs, variant: str) -> BurstOutput:
+        """Launches a decode burst; it does not wait for the device."""
+        self.cache, out = self._compiled_bursts[shape, variant](self.state, self.cache, batch, burst)
+        return out
 
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The KV of `pages`, [L, len(pages), page_size, heads, dim] each (models/kv_entry.py), on the
@@ -381,11 +412,13 @@ class ModelRunner:
             batch = self._empty_batch(shape)
             if multihost.is_multiprocess():
                 batch = multihost.receive(batch)
+                if self.rc.decode_steps > 1 and shape in self.rc.buckets.decode_shapes:
+                    multihost.receive(self._empty_burst(shape))
             for key, spec in self._programs(shape, batch).items():
                 specs.setdefault(key, spec)  # a sampler serves every bucket of its row count
         tables = {"forward": self._compiled_forward, "sampler": self._compiled_samplers,
                   "verify_forward": self._compiled_verify_forward, "verifier": self._compiled_verifiers,
-                  "small": self._compiled_small}
+                  "burst": self._compiled_bursts, "small": self._compiled_small}
         cache, done = self._executables, {}
         # XLA compiles and deserializes with the GIL released: a few threads overlap them.
         workers = 1 if multihost.is_multiprocess() else min(4, os.cpu_count() or 1)
@@ -417,6 +450,9 @@ class ModelRunner:
         """A padding-only batch of every token bucket (to compile programs that take step batches)."""
         return [self._empty_batch(shape) for shape in self.rc.buckets.shapes]
 
+    def _empty_burst(self, shape: StepShape) -> tuple[StepBatch, BurstInputs]:
+        return self._empty_batch(shape), burst_inputs(SchedulerOutput([], []), shape.num_rows)
+
     def _empty_drafts(self, shape: StepShape) -> DraftInputs:
         return draft_inputs(SchedulerOutput([], []), shape, self.rc.num_spec)
 
@@ -432,8 +468,11 @@ class ModelRunner:
                 self._load(arg, *multihost.receive((pad, pad)))
             else:
                 shape, variant = divmod(arg, len(self.rc.sampler_variants))
-                self._run(shapes[shape], multihost.receive(self._empty_batch(shapes[shape])),
-                          self.rc.sampler_variants[variant])
+                shape, variant = shapes[shape], self.rc.sampler_variants[variant]
+                if command == multihost.BURST:
+                    self._run_burst(shape, *multihost.receive(self._empty_burst(shape)), variant)
+                else:
+                    self._run(shape, multihost.receive(self._empty_batch(shape)), variant)
 
     def stop_followers(self) -> None:
         if multihost.is_multiprocess() and multihost.is_leader():
@@ -465,6 +504,13 @@ class ModelRunner:
                 self._restore_history(sq.req, sq.start)
         shape = self.rc.buckets.shape_for(work.num_tokens, len(work.seqs))
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
+        if work.is_burst:  # no grammar, no proposals, no observer (the scheduler and the engine check)
+            batch = self._build(work, shape)
+            burst = burst_inputs(work, shape.num_rows)
+            variant = choose_variant(batch.sampling, self.rc.sampler_variants)
+            if multihost.is_multiprocess():
+                multihost.send(multihost.BURST, self._command(shape, variant), (batch, burst))
+            return PendingStep(work, self._run_burst(shape, batch, burst, variant), want_lp)
         if any(s.drafts for s in work.seqs):  # one process only (the engine checks)
             mask = grammar_bitmask(work, shape.num_rows, self.mask_words, self.rc.num_spec + 1)
             batch = self._build(work, shape, verify=True)
@@ -485,8 +531,8 @@ class ModelRunner:
 
         The outputs are replicated, so this process's first copy is the whole value.
         """
-        verifying = isinstance(p.out, VerifyOutput)
-        wanted = [p.out.tokens] + ([p.out.num_tokens] if verifying else [])
+        several = isinstance(p.out, (VerifyOutput, BurstOutput))  # tokens a row: [rows, P]
+        wanted = [p.out.tokens] + ([p.out.num_tokens] if several else [])
         if p.want_logprobs:
             wanted += [p.out.logprob, p.out.top_ids, p.out.top_logprobs]
         if p.drafts is not None:
@@ -494,7 +540,7 @@ class ModelRunner:
         host = jax.device_get([x.addressable_data(0) for x in wanted])
         drafts = host.pop() if p.drafts is not None else None
         tokens = host.pop(0)
-        if verifying:
+        if several:
             num = host.pop(0)
         else:  # one token per row
             tokens, num = tokens[:, None], np.ones(len(tokens), np.int32)

@@ -10,6 +10,11 @@ Scheduling runs one step ahead of the results (asynchronous scheduling): a reque
 token was sampled on the device but not yet read back is scheduled with that token taken from
 the device (`from_device`). `Request.num_pending_tokens` counts such tokens.
 
+When every row of a step is a plain decode and nobody waiting could be admitted, the step may
+become a decode burst: each row takes up to `num_decode_steps` decode steps in one device launch
+(`ScheduledSeq.num_steps`), its pages allocated for all of them, so the host plans, launches and
+reads back once for several tokens.
+
 A request that speculates waits instead (`spec_wait`): its proposals need its last token. Its
 proposed tokens (`spec_drafts`) ride in its row after its last known token; they are not part of
 the request until the step accepts them, so only the known token counts as computed on commit.
@@ -45,6 +50,7 @@ class ScheduledSeq:
     reset_slot: bool  # first step since (re)admission: clear the slot's device-side history
     gen_index: int  # tokens generated before this step's sample (the seed's draw index)
     drafts: list[int] = dataclasses.field(default_factory=list)  # proposed tokens to verify, after the known ones
+    num_steps: int = 1  # decode steps the row takes in this step (> 1: a decode burst)
 
 
 @dataclasses.dataclass
@@ -56,10 +62,16 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
 
+    @property
+    def is_burst(self) -> bool:
+        return any(s.num_steps > 1 for s in self.seqs)
+
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_decode_steps: int = 1):
         self.kv = kv
+        self.num_decode_steps = num_decode_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -198,12 +210,37 @@ class Scheduler:
             self.running.append(req)
             seqs.append(self._plan(req, n, reset=True))
             budget -= n
+        if self.num_decode_steps > 1 and not preempted:
+            self._plan_burst(seqs)
         return SchedulerOutput(seqs, preempted)
+
+    def _plan_burst(self, seqs: list[ScheduledSeq]) -> None:
+        """Turns a step of plain decodes into a burst when nobody waiting could join instead: each
+        row takes as many steps as max_tokens allows (and min_tokens, whose stop-id suppression is
+        fixed for the burst), with pages for all of them, or the step stays a single one."""
+        if not seqs or (self.waiting and len(self.running) < self.max_num_seqs):
+            return
+        steps = []
+        for sq in seqs:
+            req = sq.req
+            if sq.num_tokens != 1 or not sq.samples or sq.drafts or req.grammar is not None:
+                return
+            left = req.max_tokens - sq.gen_index
+            if sq.gen_index < req.params.min_tokens:
+                left = min(left, req.params.min_tokens - sq.gen_index)
+            steps.append(min(self.num_decode_steps, left))
+        pages = sum(self.kv.new_pages(sq.req, n) for sq, n in zip(seqs, steps))
+        if max(steps) == 1 or pages > self.kv.num_free_pages:
+            return
+        for sq, n in zip(seqs, steps):
+            self.kv.allocate(sq.req, n)
+            sq.num_steps = n
 
     def commit(self, out: SchedulerOutput) -> None:
         """Records that the planned step was dispatched: its tokens are (about to be) cached."""
         for s in out.seqs:
-            s.req.num_computed_tokens += s.num_tokens - len(s.drafts)  # the engine adds the accepted ones
+            # The engine adds accepted proposals; a burst computes each of its samples but the last.
+            s.req.num_computed_tokens += s.num_tokens - len(s.drafts) + s.num_steps - 1
             if s.samples:
-                s.req.num_pending_tokens += 1
+                s.req.num_pending_tokens += s.num_steps
             self.kv.register_full_blocks(s.req)

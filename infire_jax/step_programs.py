@@ -4,6 +4,8 @@ batch; the runner (runner.py) jits, compiles and launches them.
 - `forward`: the model over the step's tokens (embed, the decoder layers over the paged pool,
   the LM head at each row's last token), and each slot's token history for the penalties;
 - `sample_step` / `verify_step`: the sampler, or the verifier of a step carrying proposals;
+- `decode_burst`: several decode steps of the same rows in one launch (forward and sampler in a
+  loop on the device, each step feeding its samples to the next), stopping rows on their stop ids;
 - `read_pages` / `write_pages`: a prompt's KV pages out of and into the pool (KV transfer);
 - `load_history`: one slot's token history rebuilt (a preempted request coming back).
 """
@@ -17,8 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PROMPT, DraftInputs, StepBatch
-from infire_jax.sampler import SamplerOutput, SamplingInputs, sample
+from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs, StepBatch
+from infire_jax.sampler import SamplerOutput, SamplingInputs, no_logprobs, sample
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
 from pallas_kernels.reference import from_storage, to_storage
 from sharding.plan import ShardPlan
@@ -113,6 +115,87 @@ def verify_step(branch: bool, last_tokens: Int[Array, "R"], counts: Int[Array, "
     last = jnp.take_along_axis(out.tokens, (out.num_tokens - 1)[:, None], axis=1)[:, 0]
     last_tokens = last_tokens.at[jnp.where(sample_rows, row_slots, dummy)].set(last)
     return last_tokens, count_accepted(counts, jnp.where(sample_rows, row_slots, dummy), drafts.tokens, out), out
+
+
+class BurstOutput(NamedTuple):
+    """Each row's samples of a decode burst, [S, K]: the first num_tokens of a row are valid."""
+
+    tokens: Int[Array, "S K"]
+    num_tokens: Int[Array, "S"]
+    logprob: Float[Array, "S K"]
+    top_ids: Int[Array, "S K L"]
+    top_logprobs: Float[Array, "S K L"]
+
+
+def burst_step_batch(b: StepBatch, k: Int[Array, ""], active: Bool[Array, "S"], limit: Int[Array, "S"],
+                     page_size: int) -> StepBatch:
+    """Step k of a burst over the decode batch `b` (step 0 is `b`): each row's token is the one the
+    device sampled last, one position further on. A row no longer active (stopped, or at its
+    `limit` of steps) writes to the null page and its samples are dropped; its position stops at
+    its last allowed one, so it never reads past the pages the scheduler gave it."""
+    rows, pages_per_seq = b.meta.page_table.shape
+    real = b.meta.seq_ids < rows
+    row = jnp.clip(b.meta.seq_ids, 0, rows - 1)
+    advance = jnp.clip(jnp.minimum(k, limit - 1), 0)  # per row
+    live = real & active[row]
+    pos = b.meta.positions + advance[row]
+    page = b.meta.page_table[row, jnp.minimum(pos // page_size, pages_per_seq - 1)]
+    null_slot = jnp.arange(pos.shape[0], dtype=pos.dtype) % page_size  # in page 0, like padding tokens
+    first = k == 0
+    meta = b.meta._replace(positions=jnp.where(real, pos, b.meta.positions),
+                           slot_mapping=jnp.where(live, page * page_size + pos % page_size, null_slot),
+                           kv_lens=jnp.where(b.meta.kv_lens > 0, b.meta.kv_lens + advance, 0))
+    return b._replace(
+        from_device=jnp.where(first, b.from_device, real),
+        token_kind=jnp.where(first, b.token_kind, jnp.where(live, TOKEN_OUTPUT, TOKEN_PAD)),
+        meta=meta, reset_rows=b.reset_rows & first, sample_rows=b.sample_rows & active,
+        sampling=b.sampling._replace(step=b.sampling.step + k))
+
+
+def decode_burst(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, precision: str, variant: str,
+                 num_steps: int, early_exit: bool, state: nnx.State, cache: DeviceCache, b: StepBatch,
+                 burst: BurstInputs) -> tuple[DeviceCache, BurstOutput]:
+    """Up to `num_steps` decode steps of the rows of `b` (one token each) in one program: row i
+    takes at most burst.num_steps[i] and stops after sampling one of its stop ids. With
+    `early_exit` (CPU) the loop ends once no row is active; without it (GPU) the loop has a known
+    trip count, which XLA GPU runs without copying a predicate to the host every trip."""
+    rows = b.row_slots.shape[0]
+    page_size = cache.k_pages.shape[2]
+
+    def body(k, carry):
+        cache, active, num, out = carry
+        bk = burst_step_batch(b, k, active, burst.num_steps, page_size)
+        fwd = forward_body(graphdef, attn_impl, plan, None, state, cache, bk)
+        c = fwd.cache
+        last, got = sample_step(variant, c.last_tokens, c.counts, c.prompt_mask, fwd.logits, bk.sampling,
+                                bk.row_slots, bk.sample_rows, None)
+
+        def put(acc, x):  # column k of a row's outputs, while the row is active
+            keep = active.reshape(rows, *[1] * (x.ndim - 1))
+            return acc.at[:, k].set(jnp.where(keep, x, acc[:, k]))
+
+        out = BurstOutput(put(out.tokens, got.tokens), None, put(out.logprob, got.logprob),
+                          put(out.top_ids, got.top_ids), put(out.top_logprobs, got.top_logprobs))
+        stopped = jnp.any(got.tokens[:, None] == burst.stop_ids, axis=1)
+        return c._replace(last_tokens=last), active & ~stopped & (k + 1 < burst.num_steps), num + active, out
+
+    lp, top_ids, top_lp = no_logprobs(rows)
+
+    def columns(x):
+        return jnp.zeros((rows, num_steps, *x.shape[1:]), x.dtype)
+
+    out = BurstOutput(columns(jnp.zeros(rows, jnp.int32)), None, columns(lp), columns(top_ids), columns(top_lp))
+    carry = (cache, burst.num_steps > 0, jnp.zeros(rows, jnp.int32), out)
+    with jax.default_matmul_precision(precision):
+        if early_exit:
+            def going(c):
+                return (c[0] < num_steps) & jnp.any(c[1][1])
+
+            _, carry = jax.lax.while_loop(going, lambda c: (c[0] + 1, body(c[0], c[1])), (0, carry))
+        else:
+            carry = jax.lax.fori_loop(0, num_steps, body, carry)
+    cache, _, num, out = carry
+    return cache, out._replace(num_tokens=num)
 
 
 def read_pages(k_pages: Array, v_pages: Array, pages: Int[Array, "P"]) -> tuple[Array, Array]:

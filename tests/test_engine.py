@@ -154,7 +154,7 @@ def test_next_step_is_dispatched_before_the_previous_is_read_back(smol_llm, monk
     dispatch, fetch = runner.dispatch, runner.fetch
 
     def logged_dispatch(work):
-        calls.append("dispatch")
+        calls.append(f"dispatch x{max(sq.num_steps for sq in work.seqs)}")
         return dispatch(work)
 
     def logged_fetch(pending):
@@ -165,5 +165,6 @@ def test_next_step_is_dispatched_before_the_previous_is_read_back(smol_llm, monk
     monkeypatch.setattr(runner, "fetch", logged_fetch)
     out = smol_llm.generate(["Count to ten:"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
-    # One step per token; every read-back but the last follows the launch of the next step.
-    assert calls == ["dispatch"] + ["dispatch", "fetch"] * 5 + ["fetch"]
+    # The prompt, a decode burst of 4 steps, the last token's step; every read-back but the last
+    # follows the launch of the next step.
+    assert calls == ["dispatch x1", "dispatch x4", "fetch", "dispatch x1", "fetch", "fetch"]

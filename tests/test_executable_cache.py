@@ -103,7 +103,9 @@ def test_engine_warm_start_loads_every_step_program(smol_llm):
 
     llm = LLM(**SMALL_ENGINE)
     runner = llm.engine.runner
-    programs = (len(runner._compiled_forward) + len(runner._compiled_samplers) + len(runner._compiled_small))
+    programs = (len(runner._compiled_forward) + len(runner._compiled_samplers) + len(runner._compiled_bursts)
+                + len(runner._compiled_small))
+    assert len(runner._compiled_bursts) == len(runner.rc.buckets.decode_shapes) == 4
     assert runner._executables.compiled == 0 and runner.executables_loaded == programs
     assert llm.engine.boot.compiled == 0
     prompts = ["The capital of France is", "Write a haiku about the sea."]

@@ -39,10 +39,10 @@ def _no_cpu_kernel(monkeypatch):
 
 
 def make_runner(cfg: ModelConfig, attn_impl: str, variants=BRANCH_FREE_VARIANTS, dtype=jnp.float32,
-                compress: tuple[str, ...] = ()) -> ModelRunner:
+                compress: tuple[str, ...] = (), decode_steps: int = 1) -> ModelRunner:
     graphdef, state = build_state(cfg, None, dtype, seed=0, compress=compress)
     rc = RunnerConfig(page_size=8, num_pages=24, max_model_len=64, max_num_seqs=4, buckets=Buckets((4, 32), 4),
-                      attn_impl=attn_impl, sampler_variants=variants)
+                      attn_impl=attn_impl, sampler_variants=variants, decode_steps=decode_steps)
     return ModelRunner(cfg, graphdef, state, rc, dtype=dtype)
 
 
@@ -73,6 +73,28 @@ def test_gpu_forward_has_no_conditional_or_data_dependent_loop(cfg):
         prims = primitives(forward_jaxpr(runner, tokens))
         assert "pallas_call" in prims
         assert not prims & {"cond", "while"}, prims & {"cond", "while"}
+
+
+def burst_jaxpr(runner: ModelRunner, variant: str):
+    shape = runner.rc.buckets.decode_shapes[0]
+    spec = runner._burst_spec(variant, shape, runner._empty_batch(shape))
+    return jax.make_jaxpr(spec[1])(*spec[2]).jaxpr
+
+
+@pytest.mark.parametrize("variant", BRANCH_FREE_VARIANTS)
+def test_gpu_decode_burst_loops_a_known_number_of_times(variant):
+    """A GPU burst runs all its steps (a scan): no while whose predicate the host would wait for,
+    and no conditional, whichever sampler variant it holds."""
+    runner = make_runner(DENSE, "pallas", decode_steps=4)
+    prims = primitives(burst_jaxpr(runner, variant))
+    assert {"pallas_call", "scan"} <= prims
+    assert not prims & {"cond", "while"}, prims & {"cond", "while"}
+
+
+def test_cpu_decode_burst_ends_when_every_row_has_stopped():
+    """On CPU the host runs the loop anyway, so the burst is a while that ends once no row is active."""
+    runner = make_runner(DENSE, "reference", variants=(BRANCHING,), decode_steps=4)
+    assert "while" in primitives(burst_jaxpr(runner, BRANCHING))
 
 
 def test_resident_compression_keeps_the_gpu_forward_branch_free():
@@ -169,13 +191,15 @@ def test_float32_logits_match_float64_on_cpu():
 
 def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles(smol_llm):
     """The GPU configuration on the real model: every variant is compiled at warmup, and a mix of
-    greedy, seeded top-p, penalty and logprob requests gives the CPU engine's exact tokens."""
+    greedy, seeded top-p, penalty and logprob requests gives the CPU engine's exact tokens. Both run
+    decode bursts: here the GPU's, a fixed number of steps with branch-free samplers."""
     from conftest import SMALL_ENGINE
 
     from infire_jax import LLM, SamplingParams
 
     gpu_like = LLM(**SMALL_ENGINE, branch_free_sampler=True)
     assert gpu_like.engine.runner.rc.sampler_variants == BRANCH_FREE_VARIANTS
+    assert gpu_like.engine.runner.rc.decode_steps == smol_llm.engine.runner.rc.decode_steps == 4
     prompts = ["The capital of France is", "List three fruits:", "Once upon a time"]
     params = [SamplingParams(max_tokens=12, temperature=0),
               SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=5, logprobs=2),
@@ -186,3 +210,4 @@ def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles(smo
         for a, b in zip(got, want):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert gpu_like.engine.compiles_since_warmup == 0
+    assert gpu_like.engine.stats.steps < 2 * 12  # two batches of 12 tokens, in fewer launches

@@ -3,7 +3,8 @@ records when every token came back and what every sampling step read.
 
 With asynchronous scheduling `Engine.step()` dispatches step k and then returns the tokens of step
 k-1, so the gap between two returns is the device time of one step: a return whose tokens all
-continue requests already decoding closes a pure decode step.
+continue requests already decoding closes a pure decode step. A decode burst (scheduler.py)
+returns several tokens a row: that return covers as many device steps as its longest row.
 """
 
 from __future__ import annotations
@@ -38,8 +39,16 @@ class StepTrace:
     """One step's sampled rows: when their tokens came back, and the keys each row attended to."""
 
     time: float
-    contexts: list[int]
+    contexts: list[int]  # at each row's first token of the return
     num_first: int  # rows that sampled a request's first token (their step held prefill)
+    row_tokens: list[int]  # tokens each row got
+    burst: bool  # a row's tokens came from as many decode steps (else one verifying step)
+
+    def step_contexts(self) -> list[list[int]]:
+        """The contexts of each device step the return covers."""
+        if not self.burst:
+            return [self.contexts]
+        return [[c + j for c, n in zip(self.contexts, self.row_tokens) if n > j] for j in range(max(self.row_tokens))]
 
 
 @dataclasses.dataclass
@@ -85,13 +94,14 @@ def run(engine: Engine, prompts: Sequence[list[int]], max_tokens: Sequence[int],
             traces[i] = RequestTrace(len(ids), max_tokens[i], time.perf_counter())
             active[rid] = i
 
+    bursts = engine.runner.rc.decode_steps > 1  # else several tokens a row come from one verifying step
     start = time.perf_counter()
     admit()
     while engine.has_unfinished():
         deltas = engine.step()
         now = time.perf_counter()
         max_running = max(max_running, engine.num_running)
-        contexts, first = [], 0
+        contexts, first, counts = [], 0, []
         for d in deltas:
             tr = traces[active[d.request_id]]
             # Output token j is sampled at position prompt_len + j - 1, attending to prompt_len + j keys.
@@ -99,12 +109,13 @@ def run(engine: Engine, prompts: Sequence[list[int]], max_tokens: Sequence[int],
             first += not tr.token_times
             tr.num_cached_tokens = d.num_cached_tokens
             tr.token_times.extend([now] * len(d.token_ids))
+            counts.append(len(d.token_ids))
             if d.finished:
                 del active[d.request_id]
                 if on_done:
                     on_done()
         if deltas:
-            steps.append(StepTrace(now, contexts, first))
+            steps.append(StepTrace(now, contexts, first, counts, bursts))
         admit()
     end = time.perf_counter()
     return RunTrace(start, end, traces, steps, engine.scheduler.num_preemptions - preempted_before, max_running)

@@ -5,7 +5,8 @@ once and decoded to exactly --output-len tokens. TTFT is the time to each reques
 decode ms/token is the mean gap between steps that decode every request of the batch and nothing
 else. Roofline: decode bytes (weights + KV at the actual contexts) per step ÷ step time, over the
 measured copy bandwidth; prefill FLOPs ÷ the time to the batch's last first token, over the
-measured matmul rate.
+measured matmul rate. Host share: the part of the engine's step time not spent waiting for the
+device (scheduling, building and launching steps, detokenizing), over the timed iterations.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
     cfg, itemsize = engine.model_config, engine_itemsize(engine)
     ttfts, e2es, decode_s, decode_bytes, prefill_s, prefill_flops = [], [], 0.0, 0.0, 0.0, 0
     decode_steps = output_tokens = 0
+    step_s0 = wait_s0 = 0.0
     for it in range(warmup + iters):
+        if it == warmup:
+            step_s0, wait_s0 = engine.stats.step_seconds, engine.stats.device_wait_seconds
         prompts = [p.prompt for p in random_prompts(batch, input_len, output_len, cfg.vocab_size,
                                                     seed=(seed, batch, it))]
         trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch,
@@ -59,12 +63,15 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
                              for r in trace.requests)
         for seconds, step in trace.decode_intervals(batch):
             decode_s += seconds
-            decode_bytes += roofline.decode_step_bytes(cfg, itemsize, step.contexts)
-            decode_steps += 1
+            for contexts in step.step_contexts():
+                decode_bytes += roofline.decode_step_bytes(cfg, itemsize, contexts)
+                decode_steps += 1
     if decode_steps == 0:
         raise BenchError(f"no step decoded all {batch} requests together: the KV pool (--num-kv-pages) "
                          f"or --max-num-seqs cannot hold the whole batch")
     step_s = decode_s / decode_steps
+    engine_s = engine.stats.step_seconds - step_s0
+    host_share = (engine_s - (engine.stats.device_wait_seconds - wait_s0)) / engine_s
     e2e_ms = np.asarray(e2es) * 1000
     return dict(
         label=f"bs={batch}", batch_size=batch, input_len=input_len, output_len=output_len,
@@ -72,7 +79,7 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
         mean_ttft_ms=float(np.mean(ttfts) * 1000), p50_ttft_ms=float(np.median(ttfts) * 1000),
         prefill_ms=prefill_s / iters * 1000,
         decode_ms_per_token=step_s * 1000, decode_steps_timed=decode_steps,
-        decode_tokens_per_s=batch / step_s,
+        decode_tokens_per_s=batch / step_s, host_share=host_share,
         mean_e2e_ms=float(e2e_ms.mean()),
         **{f"p{p}_e2e_ms": float(np.percentile(e2e_ms, p)) for p in (50, 90, 99)},
         output_throughput=output_tokens / sum(e2es),
@@ -89,7 +96,8 @@ COLUMNS = [
     ("batch_size", "batch", "{}"), ("input_len", "in", "{}"), ("output_len", "out", "{}"),
     ("mean_ttft_ms", "TTFT ms", "{:.1f}"), ("decode_ms_per_token", "decode ms/tok", "{:.2f}"),
     ("decode_tokens_per_s", "decode tok/s", "{:.1f}"), ("mean_e2e_ms", "E2E ms", "{:.0f}"),
-    ("decode_bw_util", "decode BW roofline", "{:.1%}"), ("prefill_flops_util", "prefill FLOP roofline", "{:.1%}"),
+    ("host_share", "host share", "{:.1%}"), ("decode_bw_util", "decode BW roofline", "{:.1%}"),
+    ("prefill_flops_util", "prefill FLOP roofline", "{:.1%}"),
 ]
 
 

@@ -45,7 +45,7 @@ def measure(engine, peaks, prompts, output_lens, *, concurrency: int, tenant: st
                        on_done=bar.update if bar is not None else None)
     out = dict(label=label, max_concurrency=concurrency, num_prompts=len(prompts))
     out |= summarize([r.timing() for r in trace.requests], trace.duration, PERCENTILES)
-    step_bytes = sum(roofline.decode_step_bytes(cfg, itemsize, s.contexts) for s in trace.steps)
+    step_bytes = sum(roofline.decode_step_bytes(cfg, itemsize, c) for s in trace.steps for c in s.step_contexts())
     flops = sum(roofline.forward_flops(cfg, r.prompt_len - r.num_cached_tokens, r.num_cached_tokens)
                 + sum(roofline.forward_flops(cfg, 1, r.prompt_len + j - 1) for j in range(1, len(r.token_times)))
                 for r in trace.requests)
