@@ -165,7 +165,11 @@ def decode_burst(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None,
     def body(k, carry):
         cache, active, num, out = carry
         bk = burst_step_batch(b, k, active, burst.num_steps, page_size)
-        fwd = forward_body(graphdef, attn_impl, plan, None, state, cache, bk)
+        # The weights tied to the step index: otherwise XLA hoists work on them out of the loop,
+        # whole (on CPU it converted the bfloat16 embedding table to float32 once a burst, 113 MB,
+        # where one step converts the rows it gathers), and the loop would stop being the step.
+        weights, _ = jax.lax.optimization_barrier((state, k))
+        fwd = forward_body(graphdef, attn_impl, plan, None, weights, cache, bk)
         c = fwd.cache
         last, got = sample_step(variant, c.last_tokens, c.counts, c.prompt_mask, fwd.logits, bk.sampling,
                                 bk.row_slots, bk.sample_rows, None)

@@ -97,6 +97,19 @@ def test_cpu_decode_burst_ends_when_every_row_has_stopped():
     assert "while" in primitives(burst_jaxpr(runner, BRANCHING))
 
 
+def test_decode_burst_converts_no_whole_weight_once_a_burst():
+    """Work on the weights stays inside the loop, as in one step: XLA CPU gathers a bfloat16
+    embedding by converting it to float32, which one step fuses into the gather (the rows alone)
+    but a loop would hoist whole, writing the table's float32 copy every burst."""
+    runner = make_runner(DENSE, "reference", variants=(BRANCHING,), dtype=jnp.bfloat16, decode_steps=4)
+    shape = runner.rc.buckets.decode_shapes[0]
+    name, jitted, args = runner._burst_spec(BRANCHING, shape, runner._empty_batch(shape))
+    table = f"f32[{DENSE.vocab_size},{DENSE.hidden_size}]"
+    made = [line for line in compiled_hlo(jitted, *args).splitlines()
+            if re.search(rf"= {re.escape(table)}\S* fusion\(", line)]
+    assert not made, made
+
+
 def test_resident_compression_keeps_the_gpu_forward_branch_free():
     """Palette-coded weights are decoded in the layer body by a gather and a scatter of fixed shapes."""
     runner = make_runner(DENSE, "pallas", dtype=jnp.bfloat16, compress=("mlp", "attn"))
