@@ -1,6 +1,6 @@
 """The C++ XLA FFI kernels of the CPU path (`csrc/*.cc`): built once per machine, registered with jax.
 
-`cpu_matmul` (the layer weights' and LM head's matmuls) and `cpu_attention` (decode-step paged
+`cpu_matmul` (the layer weights' and LM head's matmuls, palette-compressed weights included) and `cpu_attention` (decode-step paged
 attention) are calls into one library. Its sources are compiled with the system's C++ compiler
 (`CXX`, else `c++`) and `-march=native` into the infire_jax cache, keyed by the sources, the jax
 version and the host CPU. Without a compiler, or with `INFIRE_JAX_NO_CPU_KERNELS=1`,
@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # FFI target name -> the library's handler symbol.
 TARGETS = {"infire_skinny_matmul": "InfireSkinnyMatmul", "infire_skinny_matmul_nt": "InfireSkinnyMatmulNT",
-           "infire_skinny_matmul_panels": "InfireSkinnyMatmulPanels", "infire_paged_attention": "InfirePagedAttention"}
+           "infire_skinny_matmul_panels": "InfireSkinnyMatmulPanels", "infire_paged_attention": "InfirePagedAttention",
+           "infire_palette_matmul": "InfirePaletteMatmul"}
 
 
 def _cache_dir() -> str:

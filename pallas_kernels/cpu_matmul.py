@@ -12,7 +12,9 @@ copy of the slice) on XLA's own thread pool:
 - weights repacked once into panels (`pack_panels`, done by the model runner, `models/panels.py`),
   float32 or (with AVX512-BF16) bfloat16, at any step size: each 32-column panel is one contiguous
   run, which streams near the machine's bandwidth where the row-major slice's strided reads do not,
-  and register tiles of up to 12 rows beat XLA's float32 dot on prompts too.
+  and register tiles of up to 12 rows beat XLA's float32 dot on prompts too;
+- bfloat16 panels kept palette-compressed (lossless, 12 bits a weight; `palette_matmul`,
+  `csrc/palette_matmul.cc`), decoded in registers on the way into `vdpbf16ps`.
 
 `cpu_kernels` builds the library; without it the models keep XLA's dot.
 """
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+import numpy as np
+from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels import cpu_kernels
 
@@ -128,3 +131,32 @@ def head_matmul(x: Float[Array, "M E"], head: Float[Array, "V E"]) -> Float[Arra
     out = jax.ShapeDtypeStruct((x.shape[0], head.shape[0]), jnp.float32)
     x = x if x.dtype == jnp.bfloat16 and head.shape[1] % 32 == 0 and cpu_kernels.bf16_dot() else x.astype(jnp.float32)
     return jax.ffi.ffi_call(HEAD_TARGET, out)(x, head)
+
+
+PALETTE_TARGET = "infire_palette_matmul"
+# The order `palette_matmul` stores each 64-entry panel run in: stored byte q holds entry
+# PALETTE_ORDER[q], so that interleaving bytes per 128-bit lane (vpunpcklbw / vpunpckhbw) gives the
+# run's two vectors of bfloat16 in the panel's order.
+PALETTE_ORDER = np.array([8 * (q // 16) + q % 16 if q % 16 < 8 else 32 + 8 * (q // 16) + q % 16 - 8
+                          for q in range(64)], np.int32)
+
+
+def palette_kernel() -> bool:
+    """Whether `palette_matmul` runs here: the CPU backend with the library's AVX512-BF16 dot."""
+    return panel_kernel(jnp.bfloat16)
+
+
+def palette_matmul(x: Float[Array, "M K"], codes: UInt8[Array, "L P R 32"], sign_mantissa: UInt8[Array, "L P R 64"],
+                   palette: UInt8[Array, "L 16"], esc_rows: Int[Array, "L P ..."], esc_exp: UInt8[Array, "L P ..."],
+                   layer: Int[Array, ""]) -> Float[Array, "M N"]:
+    """x @ w[layer] in float32 for bfloat16 x and w kept palette-compressed in the bfloat16 panel
+    layout (`pack_panels`, each run's entries in `PALETTE_ORDER`; the format is described in
+    csrc/palette_matmul.cc), decoded in registers: bitwise what `panel_matmul` gives on the panels."""
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"palette_matmul takes bfloat16 x, got {x.dtype}")
+    if codes.ndim != 4 or x.shape[1] != 2 * codes.shape[2]:
+        raise ValueError(f"x has {x.shape[1]} features but the codes {codes.shape} hold {2 * codes.shape[2]}")
+    cpu_kernels.require()
+    out = jax.ShapeDtypeStruct((x.shape[0], PANEL * codes.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(PALETTE_TARGET, out)(x, codes, sign_mantissa, palette, esc_rows.astype(jnp.int32),
+                                                 esc_exp, layer.astype(jnp.int32))
