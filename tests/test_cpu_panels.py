@@ -1,7 +1,7 @@
 """Dense layer weights repacked into the CPU kernel's panels (`cpu_matmul.pack_panels`,
 infire_jax/models/panels.py): the layouts against their index formulas, the panel matmul against
 float64 (bfloat16: also bitwise against the row-major kernel), and a repacked random Llama against
-the same model unpacked; palette-compressed panels against the panel matmul of their weights. The engine-level checks are tests/test_parity.py (float32, against HF) and
+the same model unpacked. The engine-level checks are tests/test_parity.py (float32, against HF) and
 tests/test_compression.py's bfloat16 engines, whose model runners repack their plain weights."""
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from infire_jax.compression.resident import PaletteParams, compress_resident
 from infire_jax.models import llama
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.panels import (PalettePanelParams, PalettePanelWeight, PanelParams, PanelWeight, kernel_layout,
-                                      palette_panels)
+from infire_jax.models.panels import PanelParams, PanelWeight, kernel_layout
 from infire_jax.models.registry import abstract_state, build_state
 from pallas_kernels import cpu_matmul
 from test_cpu_matmul import HAS_BF16, needs_bf16_dot
@@ -147,76 +145,3 @@ def test_only_a_model_off_a_mesh_with_the_kernel_is_repacked():
         graphdef, state = build_state(CFG, None, dtype, seed=0)
         assert kernel_layout(graphdef, state, plan=object())[0] == graphdef
 
-
-# ---- palette-compressed panels (issue 10): decoded in registers by `palette_matmul` ------------------
-
-def _palette_panel_weight(w: np.ndarray, kinds=("mlp",)) -> tuple[PalettePanelWeight, dict]:
-    """`w` [L, K, N] as the engine codes a resident w_down: `compress_resident` with the kernel's panels."""
-    parts, layouts = compress_resident({"layers.w_down": w}, {"layers.w_down": ("layers", "mlp", "embed")}, kinds,
-                                       None, panels=palette_panels)
-    assert layouts["w_down"].panels
-    return PalettePanelWeight(**{p.rsplit(".", 1)[1]: jnp.asarray(a) for p, a in parts.items()},
-                              shape=tuple(w.shape[1:])), layouts
-
-
-def _with_specials(w: np.ndarray) -> np.ndarray:
-    """±0, subnormals, infinities, a NaN, every exponent (escapes), and a panel of rare exponents whose
-    escape list is the longest, so it fills the capacity and has no sentinel, planted in a bfloat16 stack."""
-    bits = w.view(np.uint16).copy()
-    bits[0, 0, :4] = [0x0000, 0x8000, 0x0001, 0x807F]
-    bits[0, 1, :3] = [0x7F80, 0xFF80, 0x7FC1]
-    bits[1, 2:4, :256] = (np.arange(256, dtype=np.uint16) << 7 | 0x0035).reshape(1, 256).repeat(2, 0)
-    bits[2, :, 32:64] = (np.arange(bits.shape[1], dtype=np.uint16)[:, None] % 60 + 150) << 7
-    return bits.view(w.dtype)
-
-
-@needs_bf16_dot
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 16, 17, 40])
-@pytest.mark.parametrize("k,n", [(576, 960), (512, 288)])
-def test_palette_matmul_is_the_panel_matmul_of_the_decoded_weights(rows, k, n):
-    """Each row-tile path (1 x 4 panels, 4 x 2, 8 x 1 decoded in registers; prompts through a decoded
-    panel): the products are bitwise `panel_matmul`'s on the uncompressed panels, for finite weights
-    within float64's bound, and with ±0, subnormals, inf, NaN and escape runs (including a panel that
-    is all escapes) too; one layer decodes (`plain`) to its weights bit for bit."""
-    rng = np.random.default_rng(rows * 7 + k)
-    x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32)).astype(jnp.bfloat16)
-    finite = (rng.standard_normal((3, k, n)) * 0.02).astype(np.float32).astype(jnp.bfloat16)
-    call, plain_call = jax.jit(cpu_matmul.palette_matmul), jax.jit(cpu_matmul.panel_matmul)
-    for w in (finite, _with_specials(finite)):
-        coded, _ = _palette_panel_weight(w)
-        panels = cpu_matmul.pack_panels(jnp.asarray(w))
-        for layer in range(3):
-            got = np.asarray(call(x, *coded.parts(), jnp.int32(layer)))
-            np.testing.assert_array_equal(got.view(np.uint32),
-                                          np.asarray(plain_call(x, panels, jnp.int32(layer))).view(np.uint32))
-            one = jax.tree.map(lambda a, layer=layer: a[layer], coded)
-            np.testing.assert_array_equal(np.asarray(one.plain()).view(np.uint16), w[layer].view(np.uint16))
-            if w is finite:
-                xf, wf = np.asarray(x, np.float64), np.asarray(w[layer], np.float64)
-                want, scale = xf @ wf, np.abs(xf) @ np.abs(wf)
-                assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-30)
-
-
-def test_palette_matmul_refuses_what_it_cannot_take():
-    codes = jnp.zeros((1, 1, 8, 32), jnp.uint8)
-    args = (codes, jnp.zeros((1, 1, 8, 64), jnp.uint8), jnp.zeros((1, 16), jnp.uint8),
-            jnp.full((1, 1, 1), 8, jnp.int32), jnp.zeros((1, 1, 1, 64), jnp.uint8), jnp.int32(0))
-    with pytest.raises(ValueError, match="takes bfloat16 x"):
-        cpu_matmul.palette_matmul(jnp.zeros((2, 16), jnp.float32), *args)
-    with pytest.raises(ValueError, match="x has 32 features but the codes"):
-        cpu_matmul.palette_matmul(jnp.zeros((2, 32), jnp.bfloat16), *args)
-
-
-def test_a_resident_compressed_model_takes_palette_panels_where_the_kernel_runs():
-    """`build_state` with resident compression codes the four dense stacks as palette panels where
-    `palette_matmul` runs (else in their own layout, decoded in the layer body); either way the steps'
-    logits are bitwise the bfloat16 model's, and the abstract model is the placed one's layout."""
-    plain = nnx.merge(*build_state(CFG, None, jnp.bfloat16, seed=0))
-    weights = {".".join(map(str, p)): np.asarray(v.get_value())
-               for p, v in nnx.to_flat_state(nnx.state(plain))}
-    graphdef, state = build_state(CFG, weights, jnp.bfloat16, compress=("mlp", "attn"))
-    model = nnx.merge(graphdef, state)
-    kind = PalettePanelParams if cpu_matmul.palette_kernel() else PaletteParams
-    assert all(type(getattr(model.layers, name)) is kind for name in DENSE)
-    for got, want in zip(_two_steps(model, jnp.bfloat16), _two_steps(plain, jnp.bfloat16)):
-        np.testing.assert_array_equal(got, want)

@@ -177,7 +177,12 @@ def decode_palette_block(codes: UInt8[Array, "..."], sign_mantissa: UInt8[Array,
     code = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(shape)
     exponent = jnp.take(palette, code.astype(jnp.int32), mode="clip")
     rows = exponent.reshape(-1, ROW).at[esc_rows.reshape(-1)].set(esc_exp.reshape(-1, ROW), mode="drop")
+    return merge_device(rows.reshape(shape), sign_mantissa)
+
+
+def merge_device(exponent: UInt8[Array, "..."], sign_mantissa: UInt8[Array, "..."]) -> Shaped[Array, "..."]:
+    """The bfloat16 array of these exponent and sign+mantissa bytes, on the device."""
     sm = sign_mantissa.astype(jnp.uint16)
-    bits = ((sm & 0x80) << 8) | (rows.reshape(shape).astype(jnp.uint16) << 7) | (sm & 0x7F)
+    bits = ((sm & 0x80) << 8) | (exponent.astype(jnp.uint16) << 7) | (sm & 0x7F)
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 

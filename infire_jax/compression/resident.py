@@ -5,8 +5,8 @@ keep the weight's logical axes (codes halve the last axis; escape lists have one
 along each sharded axis and one per layer), so they shard exactly like the weight and each device
 decodes its own shard. The scanned layer body decodes the current layer's weights just before
 use (`decode_layer`), so at most one layer is ever held as bfloat16, never the whole model.
-On one CPU device the dense stacks are coded in the CPU kernel's panel arrangement instead
-(`compress_resident`'s `panels`, models/panels.py), and the matmul kernel decodes them itself.
+On one device the dense stacks are coded for a matmul kernel that decodes them itself instead, where
+one applies (`compress_resident`'s `kernel_coding`, models/palette_kernels.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flax import nnx
 from jaxtyping import Array
 
 from infire_jax.compression import as_bf16, parse_kinds, selected
-from infire_jax.compression.palette import PALETTE_SIZE, ROW, decode_palette_block, encode_palette
+from infire_jax.compression.palette import PALETTE_SIZE, ROW, PaletteTensor, decode_palette_block, encode_palette
 
 RESIDENT_FORMATS = ("palette",)
 RESIDENT_KINDS = ("mlp", "attn")  # stacked layer weights; the embedding is read whole every step
@@ -29,11 +29,11 @@ RESIDENT_KINDS = ("mlp", "attn")  # stacked layer weights; the embedding is read
 @dataclasses.dataclass(frozen=True)
 class ResidentLayout:
     """What a compressed weight's abstract shapes need beyond the weight: its grid and escape
-    capacity, and whether it is coded in the CPU matmul kernel's panel layout (models/panels.py)."""
+    capacity, and the matmul kernel whose arrangement it is coded in, if any (models/palette_kernels.py)."""
 
     grid: tuple[int, ...]
     capacity: int
-    panels: bool = False
+    kernel: str | None = None
 
 
 def parse_resident(spec: str) -> tuple[str, tuple[str, ...]]:
@@ -79,27 +79,24 @@ def grid_for(shape: tuple[int, ...], axes: tuple[str | None, ...], plan) -> tupl
 
 def compress_resident(weights: Mapping[str, np.ndarray], axes: Mapping[str, tuple[str | None, ...]],
                       kinds: tuple[str, ...], plan,
-                      panels: Callable[[str, np.ndarray], np.ndarray | None] | None = None
+                      kernel_coding: Callable[[str, np.ndarray], tuple[PaletteTensor, str] | None] | None = None
                       ) -> tuple[dict[str, np.ndarray], dict[str, ResidentLayout]]:
     """Host weights with the selected ones replaced by their palette parts ("layers.w_down.codes",
     ...), and each compressed weight's layout by short name, for the abstract model.
 
-    `panels(short name, weight)` gives the weight rearranged for the CPU matmul kernel that decodes
-    palette panels (models/panels.py), or None; such a weight is coded in that arrangement, with one
-    escape list per (layer, panel) so the kernel reads each panel's own."""
+    `kernel_coding(short name, weight)` codes a weight for a matmul kernel that decodes it itself
+    and names that kernel, or gives None (models/palette_kernels.py); other weights are coded in
+    their own layout, to be decoded in the layer body."""
     out = dict(weights)
     layouts = {}
     for name in selected(list(weights), kinds):
         short = name.split(".", 1)[1]
         w = as_bf16(out.pop(name))
-        arranged = panels(short, w) if panels is not None else None
-        if arranged is not None:
-            t = encode_palette(arranged, stacked=True, grid=(*arranged.shape[:2], *[1] * (arranged.ndim - 2)),
-                               name=name)
-        else:
-            t = encode_palette(w, stacked=True, grid=grid_for(w.shape, axes[name], plan), name=name)
+        coded = kernel_coding(short, w) if kernel_coding is not None else None
+        t, kernel = coded if coded is not None else (
+            encode_palette(w, stacked=True, grid=grid_for(w.shape, axes[name], plan), name=name), None)
         out.update({f"{name}.{part}": a for part, a in t.arrays().items()})
-        layouts[short] = ResidentLayout(t.grid, t.esc_rows.shape[-1], panels=arranged is not None)
+        layouts[short] = ResidentLayout(t.grid, t.esc_rows.shape[-1], kernel)
     return out, layouts
 
 

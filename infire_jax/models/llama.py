@@ -23,8 +23,8 @@ from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
-from infire_jax.models.panels import (INPUT_AXES, PalettePanelParams, PalettePanelWeight, PanelParams, PanelWeight,
-                                      stack_view_shape)
+from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
+from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from pallas_kernels import cpu_matmul
@@ -45,8 +45,8 @@ class DecoderLayers(nnx.Module):
     up columns paired.
 
     `resident` names weights kept palette-compressed (`PaletteParams`) or quantized (`QuantParams`),
-    decoded in the layer body, or palette-compressed panels that the CPU kernel decodes itself
-    (`PalettePanelParams`). On CPU the model runner may repack plain ones into the matmul kernel's
+    decoded in the layer body, or palette-compressed for a matmul kernel that decodes them itself
+    (`KernelPaletteParams`, models/palette_kernels.py). On CPU the model runner may repack plain ones into the matmul kernel's
     panels (`PanelParams`, models/panels.py).
     """
 
@@ -77,8 +77,8 @@ class DecoderLayers(nnx.Module):
             plain = getattr(self, short)
             if isinstance(layout, QuantLayout):
                 setattr(self, short, QuantParams(short, tuple(plain.shape), plain.axes, layout))
-            elif layout.panels:
-                setattr(self, short, PalettePanelParams(short, tuple(plain.shape), layout))
+            elif layout.kernel:
+                setattr(self, short, KernelPaletteParams(short, tuple(plain.shape), layout))
             else:
                 setattr(self, short, PaletteParams(tuple(plain.shape), plain.axes, layout))
 
@@ -100,16 +100,16 @@ class InPlace:
     layer's slice in place (scanning over the stack copies each slice): the stack viewed as
     [L, K, N], or its panels (`cpu_matmul.pack_panels`, models/panels.py)."""
 
-    stacked: Float[Array, "L K N"] | Float[Array, "L P R C"] | PalettePanelWeight
+    stacked: Float[Array, "L K N"] | Float[Array, "L P R C"] | KernelPaletteWeight
     layer: Int[Array, ""]
     shape: tuple[int, ...]  # one layer's weight, as the einsums see it
 
 
 def _kernel_view(name: str, stacked: Array | PanelWeight, tokens: int) -> Array | None:
-    """A stack of `name` weights [L, ...] viewed as [L, K, N] (or its panels, plain or palette-coded)
-    if the skinny matmul takes it, else None."""
-    if isinstance(stacked, PalettePanelWeight):
-        return stacked if cpu_matmul.palette_kernel() else None
+    """A stack of `name` weights [L, ...] viewed as [L, K, N] (or its panels, or palette-coded for a
+    kernel) if the kernel takes it, else None."""
+    if isinstance(stacked, KernelPaletteWeight):
+        return stacked if stacked.applies(tokens) else None
     if isinstance(stacked, PanelWeight):
         return stacked.panels if stacked.panels.ndim == 4 and cpu_matmul.panel_kernel(stacked.panels.dtype) else None
     view_shape = stack_view_shape(name, stacked.shape) if isinstance(stacked, jax.Array) else None
@@ -130,7 +130,7 @@ def in_place_weights(weights: dict[str, Array], tokens: int, red: Reductions) ->
         w = weights.get(name)
         view = _kernel_view(name, w, tokens)
         if view is not None:
-            out[name] = (view, w.shape if isinstance(w, (PanelWeight, PalettePanelWeight)) else tuple(w.shape[1:]))
+            out[name] = (view, w.shape if isinstance(w, (PanelWeight, KernelPaletteWeight)) else tuple(w.shape[1:]))
     return out
 
 
@@ -139,7 +139,7 @@ def kernel_weights(lp: dict, in_place: dict[str, tuple[Array, tuple]] | None, la
     ones decoded in the layer body (compressed or quantized) as a stack of one, so a step computes
     the same sums whether its weights were stored plain or compressed. Panels the kernel does not
     take this step are unpacked to the plain weight."""
-    lp = {k: v.plain() if isinstance(v, (PanelWeight, PalettePanelWeight)) else v for k, v in lp.items()}
+    lp = {k: v.plain() if isinstance(v, (PanelWeight, KernelPaletteWeight)) else v for k, v in lp.items()}
     if in_place is None:
         return lp
     out = {**lp, **{name: InPlace(view, layer, shape) for name, (view, shape) in in_place.items()}}
@@ -157,8 +157,8 @@ def linear(x: Array, w: Array | InPlace, spec: str) -> Array:
     if not isinstance(w, InPlace):
         return jnp.einsum(spec, x, w)
     x2 = x.reshape(x.shape[0], -1)
-    if isinstance(w.stacked, PalettePanelWeight):
-        y = cpu_matmul.palette_matmul(x2, *w.stacked.parts(), w.layer)
+    if isinstance(w.stacked, KernelPaletteWeight):
+        y = w.stacked.matmul(x2, w.layer)
     else:  # panels, or [L, K, N]
         y = (cpu_matmul.panel_matmul if w.stacked.ndim == 4 else cpu_matmul.skinny_matmul)(x2, w.stacked, w.layer)
     return y.reshape(x.shape[0], *w.shape[x.ndim - 1:]).astype(x.dtype)

@@ -12,9 +12,7 @@ A repacked weight is a `PanelParams` module in place of its `nnx.Param`, as comp
 quantized weights are; the layer body hands its panels to the kernel in place, or unpacks one
 layer where the kernel does not apply, so a repacked model computes what the plain one does.
 
-Weights kept palette-compressed (compression/resident.py) take the same panels: they are coded
-after `palette_panels` arranges them, at load (the escape capacity depends on the data, so the
-layout must be known before the abstract model is), and `palette_matmul` decodes them in registers.
+Weights kept palette-compressed take the same panels, coded at load (models/palette_kernels.py).
 """
 
 from __future__ import annotations
@@ -23,13 +21,10 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxtyping import Array
 
-from infire_jax.compression.palette import decode_palette_block
-from infire_jax.compression.resident import PaletteParams, ResidentLayout
 from pallas_kernels import cpu_matmul
 
 # The stacked dense weights that can be repacked, with the leading axes of one layer's weight that
@@ -79,7 +74,8 @@ def stack_view_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] 
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _pack(w: Array, view: tuple[int, int, int]) -> Array:
+def pack(w: Array, view: tuple[int, int, int]) -> Array:
+    """A stack viewed as [L, K, N] (`view`), as panels."""
     return cpu_matmul.pack_panels(w.reshape(view))
 
 
@@ -104,66 +100,10 @@ def kernel_layout(graphdef: nnx.GraphDef, state: nnx.State, *, plan) -> tuple[nn
             continue
         layer_shape = tuple(value.shape[1:])
         if isinstance(value, jax.ShapeDtypeStruct):
-            panels = jax.eval_shape(_pack, value, view)
+            panels = jax.eval_shape(pack, value, view)
         else:
-            panels = _pack(value, view)
+            panels = pack(value, view)
             value.delete()
         setattr(layers, name, PanelParams(panels, layer_shape))
         changed = True
     return nnx.split(model) if changed else (graphdef, state)
-
-
-_STORED_TO_PANEL = np.argsort(cpu_matmul.PALETTE_ORDER)  # a stored run back in the panel's order
-
-
-def palette_panels(name: str, w: np.ndarray) -> np.ndarray | None:
-    """A bfloat16 stacked weight as `palette_matmul` reads it before coding: its panels, each run's
-    entries in `cpu_matmul.PALETTE_ORDER`; None where that kernel does not take the weight."""
-    view = stack_view_shape(name, tuple(w.shape))
-    if view is None or not cpu_matmul.palette_kernel() \
-            or not cpu_matmul.panels_apply(jax.ShapeDtypeStruct(view, jnp.bfloat16)):
-        return None
-    return np.asarray(_pack(jnp.asarray(w, jnp.bfloat16), view))[..., cpu_matmul.PALETTE_ORDER]
-
-
-@dataclasses.dataclass(frozen=True)
-class PalettePanelWeight:
-    """The palette parts of a stack coded after `palette_panels` (one layer's inside the scan), and
-    one layer's weight shape as the einsums see it (static)."""
-
-    codes: Array
-    sign_mantissa: Array
-    palette: Array
-    esc_rows: Array
-    esc_exp: Array
-    shape: tuple[int, ...]
-
-    def parts(self) -> tuple[Array, ...]:
-        return self.codes, self.sign_mantissa, self.palette, self.esc_rows, self.esc_exp
-
-    def plain(self) -> Array:
-        """One layer's weight in its einsum shape, decoded (for a step the kernel does not take)."""
-        if self.codes.ndim != 3:
-            raise ValueError(f"plain() decodes one layer's panels, got codes of shape {self.codes.shape}")
-        stored = jax.vmap(decode_palette_block, in_axes=(0, 0, None, 0, 0))(*self.parts())  # per panel
-        return cpu_matmul.unpack_panels(stored[..., _STORED_TO_PANEL]).reshape(self.shape)
-
-
-jax.tree_util.register_dataclass(PalettePanelWeight, data_fields=["codes", "sign_mantissa", "palette", "esc_rows",
-                                                                  "esc_exp"], meta_fields=["shape"])
-
-
-class PalettePanelParams(PaletteParams):
-    """One palette-coded stacked weight in `palette_panels`' arrangement, and one layer's plain shape."""
-
-    def __init__(self, name: str, shape: tuple[int, ...], layout: ResidentLayout):
-        n_layers, k, n = stack_view_shape(name, shape)
-        super().__init__((n_layers, n // cpu_matmul.PANEL, k // 2, 2 * cpu_matmul.PANEL),
-                         ("layers", None, None, None), layout)
-        self.shape = tuple(shape[1:])
-
-    def arrays(self) -> PalettePanelWeight:
-        return PalettePanelWeight(**super().arrays(), shape=self.shape)
-
-    def axes(self) -> PalettePanelWeight:
-        return PalettePanelWeight(**super().axes(), shape=self.shape)

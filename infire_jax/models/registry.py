@@ -14,7 +14,7 @@ from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek import DeepseekV3
 from infire_jax.models.llama import Llama
-from infire_jax.models.panels import palette_panels
+from infire_jax.models.palette_kernels import kernel_coding
 from infire_jax.quant.resident import QuantLayout
 from sharding.plan import ShardPlan
 
@@ -107,7 +107,7 @@ def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtyp
         _, plain, _ = abstract_placement(cfg, dtype, plan)
         axes = {".".join(map(str, p)): var.axes for p, var in plain}
         weights, resident = compress_resident(weights, axes, compress, plan,
-                                              panels=None if plan is not None else palette_panels)
+                                              kernel_coding=None if plan is not None else kernel_coding)
     graphdef, flat, shardings = abstract_placement(cfg, dtype, plan, resident)
 
     if weights is None:
