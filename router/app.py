@@ -118,6 +118,7 @@ async def _start(app: web.Application) -> None:
 
 async def _stop(app: web.Application) -> None:
     await app[MONITOR].stop()
+    await asyncio.gather(*app[STATE].releases, return_exceptions=True)  # holds released for cancelled requests
     await app[STATE].session.close()
 
 

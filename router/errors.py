@@ -1,39 +1,15 @@
-"""OpenAI error objects, as the workers send them: `{"error": {message, type, param, code}}`.
-
-The router's own copy: server.errors imports the engine (and JAX), which the router never loads.
-"""
+"""The router's own OpenAI errors, and its middleware. `APIError` comes from server/api_error.py, not
+server/errors.py: that one maps the engine's exceptions and imports the engine (and jax)."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 from aiohttp import web
 
+from server.api_error import APIError, http_error
+
 log = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An error with its HTTP status and OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def event(self) -> bytes:
-        """The error as the last server-sent event of a stream whose headers are already sent."""
-        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
 
 
 def worker_unavailable(url: str, why: str, status: int = 503) -> APIError:
@@ -53,8 +29,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except APIError as e:
         return e.response()
     except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
-        return APIError(e.status, e.reason, type="invalid_request_error" if e.status < 500 else "server_error"
-                        ).response()
+        return http_error(e).response()
     except Exception as e:  # noqa: BLE001 - the client always gets an error object
         log.error("unhandled error in a router handler", exc_info=e)
         return APIError(500, f"internal router error: {e!r}", type="server_error").response()

@@ -50,6 +50,8 @@ class RouterMetrics:
         self._kv_bytes = counter("kv_transfer_bytes", "KV bytes decode workers imported (x-infire-kv-bytes).")
         self._kv_seconds = counter("kv_transfer_seconds", "Seconds decode workers spent importing KV "
                                                           "(x-infire-kv-seconds).")
+        self._holds_released = counter("kv_holds_released", "KV holds the router released on a prefill worker "
+                                                            "because the decode worker did not import them.")
         for w in workers:  # every series exists from the start, at 0
             self._requests.labels(w.url, w.role)
         self.registry.register(_WorkerCollector(workers))
@@ -71,6 +73,9 @@ class RouterMetrics:
     def kv_transfer(self, num_bytes: float, seconds: float) -> None:
         self._kv_bytes.inc(num_bytes)
         self._kv_seconds.inc(seconds)
+
+    def hold_released(self) -> None:
+        self._holds_released.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

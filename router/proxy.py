@@ -5,7 +5,9 @@ Disaggregation (vLLM's `kv_transfer_params`): the prefill worker runs the prompt
 and answers the parameters its KV can be pulled with; the decode worker gets the client's own body
 plus those parameters, pulls the KV and generates. A failed prefill fails no request: the decode
 worker prefills locally, as it does for short prompts and for completions of several prompts (a
-transfer carries one). A `both` replica serves the requests routed to it whole.
+transfer carries one). A `both` replica serves the requests routed to it whole. The prefill worker
+holds the KV until a decode worker that imports it releases it; on every other outcome the router
+releases it (`_Hold`), so its pages are free at once rather than at the hold's expiry.
 
 The router never checks keys: Authorization and every x-* header go to the workers as they came.
 """
@@ -34,6 +36,10 @@ PREFILL_HEADER = "x-infire-prefill-worker"
 DECODE_HEADER = "x-infire-decode-worker"
 KV_BYTES_HEADER = "x-infire-kv-bytes"
 KV_SECONDS_HEADER = "x-infire-kv-seconds"
+KV_TRANSFER_HEADER = "x-infire-kv-transfer"  # the decode worker's outcome: imported (and released) or failed
+RELEASE_PATH = "/v1/kv_transfer/release"  # a prefill worker's (server/kv_handoff.py)
+_RELEASE_HEADERS = ("authorization", TENANT_HEADER)  # a hold is released only for the tenant that made it
+_RELEASE_TIMEOUT_S = 5.0  # past this, the hold is left to expire
 DECODE_ROLES = ("decode", "both")
 _PREFILL_DROPS = ("max_completion_tokens", "min_tokens", "stream_options")
 _DONE = b"data: [DONE]\n\n"
@@ -49,6 +55,7 @@ class RouterState:
     disagg_min_tokens: int
     request_timeout: float
     session: aiohttp.ClientSession = dataclasses.field(init=False)
+    releases: set[asyncio.Task] = dataclasses.field(default_factory=set)  # awaited at shut-down
 
     def healthy(self, roles: Sequence[str]) -> list[Worker]:
         return [w for w in self.workers if w.healthy and w.role in roles]
@@ -103,6 +110,7 @@ async def _generate(request: web.Request, kind: str, path: str) -> web.StreamRes
     headers = _forward_headers(request)
     route = {DECODE_HEADER: target.url}
     uncached = key.tokens - choice.cached_tokens  # what the target computes unless the KV comes to it
+    hold = None
     if target.role == "both":
         route[PREFILL_HEADER] = target.url
     elif key.prompts == 1 and uncached >= st.disagg_min_tokens and (prefills := st.healthy(("prefill",))):
@@ -114,7 +122,12 @@ async def _generate(request: web.Request, kind: str, path: str) -> web.StreamRes
             raw = json.dumps({**body, "kv_transfer_params": kv}).encode()
             st.metrics.disaggregated()
             uncached = 0
-    return await _forward(request, st, target, path, raw, headers, uncached, route)
+            hold = _Hold.of(st, prefill, kv, headers)
+    try:
+        return await _forward(request, st, target, path, raw, headers, uncached, route, hold)
+    finally:  # also when the client left (this task is cancelled) or the decode worker went down
+        if hold is not None:
+            await hold.settle()
 
 
 def _parse(raw: bytes) -> dict:
@@ -157,6 +170,61 @@ async def _prefill(st: RouterState, worker: Worker, path: str, body: dict, heade
     return kv if isinstance(kv, dict) else None
 
 
+class _Hold:
+    """A prefill worker's hold on a prompt's KV: pages of its staging buffer, the router's to release
+    unless the decode worker's answer says it imported them (and so released the hold itself)."""
+
+    def __init__(self, st: RouterState, worker: Worker, transfer_id: str, headers: dict[str, str]):
+        self._st = st
+        self._worker = worker
+        self._transfer_id = transfer_id
+        self._headers = {k: v for k, v in headers.items() if k.lower() in _RELEASE_HEADERS}
+        self._imported = False
+        self._release: asyncio.Task | None = None
+
+    @classmethod
+    def of(cls, st: RouterState, worker: Worker, kv: dict, headers: dict[str, str]) -> _Hold | None:
+        transfer_id = kv.get("transfer_id")
+        return cls(st, worker, transfer_id, headers) if isinstance(transfer_id, str) else None
+
+    def answered(self, up: aiohttp.ClientResponse) -> None:
+        """The decode worker's headers (it pulls before it answers). Not imported: released now, not
+        after the stream that may follow."""
+        self._imported = up.headers.get(KV_TRANSFER_HEADER) == "imported"
+        if not self._imported:
+            self._start()
+
+    async def settle(self) -> None:
+        """The request is over, however it ended: unless the KV was imported, the release is done
+        before the client gets its error (and goes on in its own task if this one is cancelled)."""
+        if not self._imported:
+            await asyncio.shield(self._start())
+
+    def _start(self) -> asyncio.Task:
+        if self._release is None:
+            self._release = asyncio.create_task(self._post())
+            self._st.releases.add(self._release)
+            self._release.add_done_callback(self._st.releases.discard)
+        return self._release
+
+    async def _post(self) -> None:
+        """404 is no failure: the decode worker released the hold before it failed, or it expired."""
+        url = self._worker.url + RELEASE_PATH
+        try:
+            async with asyncio.timeout(_RELEASE_TIMEOUT_S):
+                async with self._st.session.post(url, json={"transfer_id": self._transfer_id},
+                                                 headers=self._headers) as up:
+                    await up.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            log.warning("could not release KV hold %s on %s (it expires instead): %r", self._transfer_id, url, e)
+            return
+        if up.status == 200:
+            self._st.metrics.hold_released()
+        elif up.status != 404:
+            log.warning("releasing KV hold %s on %s answered %d (it expires instead)", self._transfer_id, url,
+                        up.status)
+
+
 def _prefill_failed(st: RouterState, worker: Worker, code: str, detail: str) -> None:
     log.warning("prefill on %s failed (%s); the decode worker prefills locally", worker.url, detail)
     st.metrics.error(worker.url, code)
@@ -164,7 +232,8 @@ def _prefill_failed(st: RouterState, worker: Worker, code: str, detail: str) -> 
 
 
 async def _forward(request: web.Request, st: RouterState, worker: Worker, path: str, data: bytes,
-                   headers: dict[str, str], tokens: int, route: dict[str, str]) -> web.StreamResponse:
+                   headers: dict[str, str], tokens: int, route: dict[str, str],
+                   hold: _Hold | None) -> web.StreamResponse:
     """Sends the request to its (decode) worker and passes the answer through."""
     st.metrics.request(worker, worker.role)
     response: web.StreamResponse | None = None
@@ -174,6 +243,8 @@ async def _forward(request: web.Request, st: RouterState, worker: Worker, path: 
                 up = await st.session.post(worker.url + path, data=data, headers=headers)
             async with up:  # leaving early closes the connection: the worker aborts the request
                 _count_kv(st, up)
+                if hold is not None:
+                    hold.answered(up)
                 if up.content_type != "text/event-stream":
                     flight.answering()
                     return web.Response(status=up.status, body=await up.read(), headers=_response_headers(up, route))

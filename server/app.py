@@ -65,7 +65,7 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     if role != "both":
         handoff = KVHandoff(models[names[0]].engine, role, buffer_bytes=kv_buffer_bytes, host=kv_host,
                             hold_seconds=kv_hold_seconds, metrics=metrics)
-        metrics.track_holds(lambda: handoff.num_holds)
+        metrics.track_holds(lambda: handoff.num_holds, lambda: handoff.free_bytes)
 
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=_MAX_BODY)
     app[STATE] = ServerState(models=models, role=role, handoff=handoff)

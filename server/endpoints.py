@@ -225,7 +225,7 @@ async def _collect(req: GenerationRequest, stream: RequestStream, usage: Usage, 
 
 
 async def release_kv(request: web.Request) -> web.Response:
-    """`POST /v1/kv_transfer/release`: a decode worker fetched a hold (or gives up on it)."""
+    """`POST /v1/kv_transfer/release`: a decode worker fetched a hold, or the router gives it up (the decode failed)."""
     st = request.app[STATE]
     if st.handoff is None or st.role != "prefill":
         raise APIError(404, f"this worker's role is {st.role}; only prefill workers hold KV", code="not_found")

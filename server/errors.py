@@ -1,4 +1,4 @@
-"""OpenAI error objects: every failure a client sees is `{"error": {message, type, param, code}}`."""
+"""The engine's exceptions as OpenAI errors (server/api_error.py), and the middleware that answers with them."""
 
 from __future__ import annotations
 
@@ -8,27 +8,9 @@ from aiohttp import web
 
 from infire_jax.async_engine import EngineDeadError, QueueFullError
 from infire_jax.errors import InvalidRequestError
+from server.api_error import APIError, http_error
 
 log = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An error with its HTTP status and OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -42,7 +24,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, web.HTTPException):  # aiohttp's own: unknown route, wrong method, body too large
-        return APIError(exc.status, exc.reason, type="invalid_request_error" if exc.status < 500 else "server_error")
+        return http_error(exc)
     log.error("unhandled error in a request handler", exc_info=exc)
     return APIError(500, f"internal server error: {exc!r}", type="server_error")
 

@@ -94,6 +94,11 @@ class KVHandoff:
     def num_holds(self) -> int:
         return len(self._holds)
 
+    @property
+    def free_bytes(self) -> int:
+        """The staging buffer's room (none before start)."""
+        return self.transport.free_bytes if self.transport is not None else 0
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.transport = await loop.run_in_executor(

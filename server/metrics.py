@@ -197,10 +197,13 @@ class ServerMetrics:
     def track_residency(self, residency: Residency, host_to_device_bytes_per_second: float) -> None:
         self.registry.register(_ResidencyCollector(residency, host_to_device_bytes_per_second))
 
-    def track_holds(self, holds: Callable[[], int]) -> None:
-        """A prefill worker's live KV holds, read at scrape time."""
+    def track_holds(self, holds: Callable[[], int], free_bytes: Callable[[], int]) -> None:
+        """A prefill or decode worker's live KV holds and its staging buffer's room, read at scrape time."""
         Gauge(PREFIX + "kv_transfer_holds", "KV regions held for decode workers to fetch.", ["model_name"],
               registry=self.registry).labels(self.model_name).set_function(holds)
+        Gauge(PREFIX + "kv_transfer_buffer_free_bytes", "Free bytes of the KV staging buffer (not held for a "
+              "decode worker, nor being fetched into).", ["model_name"],
+              registry=self.registry).labels(self.model_name).set_function(free_bytes)
 
     def kv_transferred(self, nbytes: int, seconds: float) -> None:
         self._kv_bytes.inc(nbytes)

@@ -176,6 +176,31 @@ def test_workers_speak_vllm_kv_transfer_params(fleet):
     wait_until(lambda: idle(p) and idle(d), 30, "both workers to drain")
 
 
+def expired_holds(worker: ServerProcess) -> float:
+    return sum(s.value for s in worker.metric_samples()
+               if s.name == "infire:kv_transfer_failures_total" and s.labels.get("reason") == "expired")
+
+
+def test_a_decode_failure_after_the_prefill_releases_the_hold_at_once(fleet):
+    """The decode worker refuses what its prefill worker ran (min_tokens goes to the decode side only):
+    the router releases the hold before the client gets the error, not --kv-hold-seconds later, and
+    the prefill worker's staging buffer is whole again. tests/test_router_holds.py has the other
+    failures (5xx, broken or timed-out connection, dead worker, client gone)."""
+    router, p = fleet["disagg"], fleet["P"]
+    before = p.metrics()
+    assert before["infire:kv_transfer_holds"] == 0
+    assert before["infire:kv_transfer_buffer_free_bytes"] == 64 << 20  # --kv-buffer-mb 64: nothing held
+    expired, released = expired_holds(p), router.metrics()["infire_router:kv_holds_released_total"]
+    status, err, hdrs = post(router.url, greedy(SENTENCE * 6, max_tokens=4, min_tokens=8), {"x-tenant-id": "doomed"})
+    assert status == 400 and err["error"]["param"] == "min_tokens"
+    assert hdrs["x-infire-prefill-worker"] == p.url  # the prefill ran, and held the prompt's pages
+    after = p.metrics()
+    assert after["infire:kv_transfer_holds"] == 0
+    assert after["infire:kv_transfer_buffer_free_bytes"] == before["infire:kv_transfer_buffer_free_bytes"]
+    assert router.metrics()["infire_router:kv_holds_released_total"] == released + 1  # live when released
+    assert expired_holds(p) == expired  # released, not expired
+
+
 # ---- sessions and tenants --------------------------------------------------------------------------
 
 def test_sessions_stick_to_one_replica_and_hit_its_cache(fleet):

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 from aiohttp import web
@@ -345,6 +348,12 @@ def test_error_middleware(exc, status):
     response = asyncio.run(error_middleware(make_mocked_request("POST", "/v1/completions"), handler))
     assert response.status == status
     assert _is_openai_error(json.loads(response.body))
+
+
+def test_the_router_imports_no_jax():
+    """The router is a light process: its errors come from server/api_error.py, not the engine's."""
+    code = "import sys, router.app, router.fleet; assert 'jax' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1])
 
 
 def _config(*argv: str) -> RouterConfig:
