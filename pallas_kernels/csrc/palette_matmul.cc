@@ -23,6 +23,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#include "bf16_pairs.h"
 #include "row_tiles.h"
 #include "thread_chunks.h"
 #include "xla/ffi/api/ffi.h"
@@ -119,15 +120,7 @@ static inline void tile(const uint16_t* x, int64_t K, Source src, int64_t N, int
   for (int64_t j = 0; j < K / 2; ++j) {
     __m512i a[G], b[G];
     src.run(j, a, b);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * K + 2 * j, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int g = 0; g < G; ++g) {
-        acc[m][2 * g] = _mm512_dpbf16_ps(acc[m][2 * g], xv, (__m512bh)a[g]);
-        acc[m][2 * g + 1] = _mm512_dpbf16_ps(acc[m][2 * g + 1], xv, (__m512bh)b[g]);
-      }
-    }
+    infire::dot_pairs<MR, G>(acc, x, K, 2 * j, a, b);
   }
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < 2 * G; ++g) _mm512_storeu_ps(y + m * N + 32 * p + 16 * g, acc[m][g]);

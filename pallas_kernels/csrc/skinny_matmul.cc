@@ -18,6 +18,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#include "bf16_pairs.h"
 #include "row_tiles.h"
 #include "thread_chunks.h"
 #include "xla/ffi/api/ffi.h"
@@ -109,15 +110,7 @@ static inline void dp_tile(const uint16_t* x, int64_t K, const uint16_t* w, int6
       lo[g] = _mm512_unpacklo_epi16(r0, r1);
       hi[g] = _mm512_unpackhi_epi16(r0, r1);
     }
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * K + k, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int g = 0; g < G; ++g) {
-        acc[m][2 * g] = _mm512_dpbf16_ps(acc[m][2 * g], xv, (__m512bh)lo[g]);
-        acc[m][2 * g + 1] = _mm512_dpbf16_ps(acc[m][2 * g + 1], xv, (__m512bh)hi[g]);
-      }
-    }
+    infire::dot_pairs<MR, G>(acc, x, K, k, lo, hi);
   }
   // In each 128-bit lane, lo holds that lane's columns 0-3 and hi its columns 4-7: put them in order.
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -189,15 +182,7 @@ static inline void panel_tile(const uint16_t* x, int64_t K, const uint16_t* w, i
       a[g] = _mm512_loadu_si512(wp + g * panel);
       b[g] = _mm512_loadu_si512(wp + g * panel + 32);
     }
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * K + k, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int g = 0; g < G; ++g) {
-        acc[m][2 * g] = _mm512_dpbf16_ps(acc[m][2 * g], xv, (__m512bh)a[g]);
-        acc[m][2 * g + 1] = _mm512_dpbf16_ps(acc[m][2 * g + 1], xv, (__m512bh)b[g]);
-      }
-    }
+    infire::dot_pairs<MR, G>(acc, x, K, k, a, b);
   }
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < 2 * G; ++g) _mm512_storeu_ps(y + m * N + 32 * p + 16 * g, acc[m][g]);
