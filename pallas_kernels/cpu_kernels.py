@@ -1,10 +1,11 @@
 """The C++ XLA FFI kernels of the CPU path (`csrc/*.cc`): built once per machine, registered with jax.
 
-`cpu_matmul` (the layer weights' and LM head's matmuls, palette-compressed weights included) and `cpu_attention` (decode-step paged
-attention) are calls into one library. Its sources are compiled with the system's C++ compiler
-(`CXX`, else `c++`) and `-march=native` into the infire_jax cache, keyed by the sources, the jax
-version and the host CPU. Without a compiler, or with `INFIRE_JAX_NO_CPU_KERNELS=1`,
-`available()` is False and the models keep XLA's ops (the pure-`jnp` path).
+`cpu_matmul` (the layer weights' and LM head's matmuls, palette-compressed ones included) and
+`cpu_attention` (decode-step paged attention) are calls into one library. Its sources are
+compiled with the system's C++ compiler (`CXX`, else `c++`) and `-march=native` into the
+infire_jax cache, keyed by the sources, the jax version and the host CPU. Without a compiler, or
+with `INFIRE_JAX_NO_CPU_KERNELS=1`, `available()` is False and the models keep XLA's ops (the
+pure-`jnp` path).
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ class DecoderLayers(nnx.Module):
 
     `resident` names weights kept palette-compressed (`PaletteParams`) or quantized (`QuantParams`),
     decoded in the layer body, or palette-compressed for a matmul kernel that decodes them itself
-    (`KernelPaletteParams`, models/palette_kernels.py). On CPU the model runner may repack plain ones into the matmul kernel's
-    panels (`PanelParams`, models/panels.py).
+    (`KernelPaletteParams`, models/palette_kernels.py). On CPU the model runner may repack plain
+    ones into the matmul kernel's panels (`PanelParams`, models/panels.py).
     """
 
     takes_panels = True  # the layer body reads repacked weights (models/panels.py)

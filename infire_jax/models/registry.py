@@ -106,8 +106,8 @@ def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtyp
             weights = drawn_weights(cfg, dtype, plan=plan, seed=seed)
         _, plain, _ = abstract_placement(cfg, dtype, plan)
         axes = {".".join(map(str, p)): var.axes for p, var in plain}
-        weights, resident = compress_resident(weights, axes, compress, plan,
-                                              kernel_coding=None if plan is not None else kernel_coding)
+        coding = None if plan is not None else kernel_coding  # kernels that decode for themselves: one device
+        weights, resident = compress_resident(weights, axes, compress, plan, kernel_coding=coding)
     graphdef, flat, shardings = abstract_placement(cfg, dtype, plan, resident)
 
     if weights is None:
