@@ -34,7 +34,7 @@ from sharding.plan import ShardPlan
 
 
 def _scheme(path: str) -> QuantScheme:
-    """The checkpoint's scheme; ConfigError unless it is a quantized DeepSeek-V3-family HF directory."""
+    """The checkpoint's scheme; ConfigError unless `path` is a quantized HF checkpoint directory."""
     if not (path and os.path.isfile(os.path.join(path, "config.json"))):
         raise ConfigError(f"weights_quantization='checkpoint' keeps a quantized HF checkpoint's weights: model "
                           f"{path!r} is not an HF model directory")
@@ -42,7 +42,7 @@ def _scheme(path: str) -> QuantScheme:
         scheme = quant_scheme(json.load(f))
     if scheme is None:
         raise ConfigError(f"weights_quantization='checkpoint': {path} has no quantization_config (a float "
-                          "checkpoint); load it without weights_quantization, or with 'int8'")
+                          "checkpoint); load it without weights_quantization")
     return scheme
 
 
