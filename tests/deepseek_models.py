@@ -2,7 +2,9 @@
 
 Both have MLA with a low-rank q, YaRN rope, a dense first layer, grouped routed experts with a
 random score-correction bias, and a shared expert. `kimi-k2.5` is Kimi K2.5's layout: a
-`kimi_k25` config wrapping the text model's, weights under `language_model.`.
+`kimi_k25` config wrapping the text model's, weights under `language_model.`. `quantize_checkpoint`
+rewrites one in a published quantized layout: DeepSeek-V3's fp8 (every linear weight but the
+router's and the embedding's, block scales) or Kimi K2's compressed-tensors int4 (routed experts).
 """
 
 from __future__ import annotations
@@ -49,13 +51,14 @@ TEXT_CONFIGS = {
 }
 
 
-def hf_model(name: str):
-    """The HF model in float32 with a random score-correction bias (HF initialises it to zero)."""
+def hf_model(name: str, **overrides):
+    """The HF model in float32 with a random score-correction bias (HF initialises it to zero);
+    `overrides` change fields of the text config."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**TEXT_CONFIGS[name])).to(torch.float32).eval()
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**TEXT_CONFIGS[name], **overrides})).to(torch.float32).eval()
     with torch.no_grad():
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.2)
@@ -91,3 +94,63 @@ def hf_greedy(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[f
                           output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     want = ref.sequences[0, len(prompt):].tolist()
     return want, [torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(ref.logits, want)]
+
+
+def quantization_config(scheme: str, size: int) -> dict:
+    """config.json's `quantization_config`: fp8 with size x size blocks, or int4 groups of `size`."""
+    if scheme == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [size, size]}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                          "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                      "strategy": "group", "group_size": size}}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+
+
+def _quantized(scheme: str, name: str, w) -> bool:
+    """DeepSeek-V3's fp8 tensors: every linear weight but the router's and the embedding's; Kimi
+    K2's int4 tensors: the routed experts."""
+    if scheme == "fp8":
+        return w.ndim == 2 and name.endswith(("proj.weight", "kv_a_proj_with_mqa.weight"))
+    return ".mlp.experts." in name and name.endswith(".weight")
+
+
+def quantize_checkpoint(path: str, scheme: str, size: int) -> dict:
+    """Rewrites the float checkpoint at `path` in the published quantized layout (fp8 blocks or int4
+    groups of `size`); returns the float64 weights the quantized tensors define, by name."""
+    import ml_dtypes
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from infire_jax.quant.formats import quantize_fp8_block, quantize_int4_group
+    from quant_reference import fp8_block, int4_pack_quantized
+
+    file = os.path.join(path, "model.safetensors")
+    tensors, defined, out = load_file(file), {}, {}
+    for name, t in tensors.items():
+        w = t.numpy()
+        module = name.removesuffix(".weight")
+        if not _quantized(scheme, name, w):
+            out[name] = t
+        elif scheme == "fp8":
+            q = quantize_fp8_block(w, size)
+            raw = np.asarray(q.weight)
+            out[name] = torch.from_numpy(raw.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+            out[f"{module}.weight_scale_inv"] = torch.from_numpy(np.array(q.weight_scale_inv))
+            defined[name] = fp8_block(raw.view(np.uint8), np.asarray(q.weight_scale_inv), size)
+        else:
+            q = quantize_int4_group(w, size, ml_dtypes.bfloat16)
+            packed, scale = np.asarray(q.weight_packed), np.asarray(q.weight_scale)
+            out[f"{module}.weight_packed"] = torch.from_numpy(packed.copy())
+            out[f"{module}.weight_scale"] = torch.from_numpy(scale.view(np.uint16).copy()).view(torch.bfloat16)
+            out[f"{module}.weight_shape"] = torch.tensor(w.shape, dtype=torch.int64)
+            defined[name] = int4_pack_quantized(packed, scale.astype(np.float32), w.shape, size)
+    save_file(out, file)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    (config["text_config"] if "text_config" in config else config)["quantization_config"] = \
+        quantization_config(scheme, size)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return defined

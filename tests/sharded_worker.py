@@ -29,7 +29,8 @@ def main() -> None:
         result = {"model": run["model"], "mesh": run["mesh"], "weights_compression": run.get("weights_compression")}
         try:
             llm = LLM(model=run["model"], mesh=run["mesh"], dtype=run.get("dtype", "float32"),
-                      weights_compression=run.get("weights_compression"), **job["engine"])
+                      weights_compression=run.get("weights_compression"),
+                      weights_quantization=run.get("weights_quantization"), **job["engine"])
         except ConfigError as e:
             result.update(fits=False, error=str(e))
             print(json.dumps(result), flush=True)

@@ -10,14 +10,12 @@ agree within 1e-3 (float32).
 
 from __future__ import annotations
 
-import json
 import os
 
-import ml_dtypes
 import numpy as np
 import pytest
 
-from deepseek_models import hf_greedy, hf_model, save
+from deepseek_models import hf_greedy, hf_model, quantization_config, quantize_checkpoint, save
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.hf_quantized import QuantScheme, dequantized, quant_scheme
 from infire_jax.quant.formats import quantize_fp8_block, quantize_int4_group
@@ -26,59 +24,8 @@ from quant_reference import fp8_block, int4_pack_quantized
 NUM_TOKENS = 64
 PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100))]
 BLOCK = 16  # DeepSeek-V3 ships 128; 16 gives these small weights several blocks each
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
-INT4_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-               "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                             "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                         "strategy": "group", "group_size": 32}}},
-               "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
-
-
-def _fp8(name: str, w: np.ndarray) -> bool:
-    """DeepSeek-V3's fp8 tensors: every linear weight but the router's and the embedding's."""
-    return w.ndim == 2 and name.endswith(("proj.weight", "kv_a_proj_with_mqa.weight"))
-
-
-def _int4(name: str, w: np.ndarray) -> bool:
-    """Kimi K2's int4 tensors: the routed experts."""
-    return ".mlp.experts." in name and name.endswith(".weight")
-
-
-def _quantize_checkpoint(path: str, scheme: str) -> dict[str, np.ndarray]:
-    """Rewrites the float checkpoint at `path` in the published quantized layout; returns the float64
-    weights the quantized tensors define, by name."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    file = os.path.join(path, "model.safetensors")
-    tensors, defined = load_file(file), {}
-    out = {}
-    for name, t in tensors.items():
-        w = t.numpy()
-        module = name.removesuffix(".weight")
-        if scheme == "fp8" and _fp8(name, w):
-            q = quantize_fp8_block(w, BLOCK)
-            raw = np.asarray(q.weight)
-            out[name] = torch.from_numpy(raw.view(np.uint8).copy()).view(torch.float8_e4m3fn)
-            out[f"{module}.weight_scale_inv"] = torch.from_numpy(np.array(q.weight_scale_inv))
-            defined[name] = fp8_block(raw.view(np.uint8), np.asarray(q.weight_scale_inv), BLOCK)
-        elif scheme == "int4" and _int4(name, w):
-            q = quantize_int4_group(w, 32, ml_dtypes.bfloat16)
-            packed, scale = np.asarray(q.weight_packed), np.asarray(q.weight_scale)
-            out[f"{module}.weight_packed"] = torch.from_numpy(packed.copy())
-            out[f"{module}.weight_scale"] = torch.from_numpy(scale.view(np.uint16).copy()).view(torch.bfloat16)
-            out[f"{module}.weight_shape"] = torch.tensor(w.shape, dtype=torch.int64)
-            defined[name] = int4_pack_quantized(packed, scale.astype(np.float32), w.shape, 32)
-        else:
-            out[name] = t
-    save_file(out, file)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    qc = FP8_CONFIG if scheme == "fp8" else INT4_CONFIG
-    (config["text_config"] if "text_config" in config else config)["quantization_config"] = qc
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return defined
+FP8_CONFIG = quantization_config("fp8", BLOCK)
+INT4_CONFIG = quantization_config("int4", 32)
 
 
 @pytest.mark.parametrize("name,scheme", [("deepseek-v3", "fp8"), ("kimi-k2.5", "int4")])
@@ -93,7 +40,7 @@ def test_quantized_checkpoint_matches_hf_on_the_weights_it_defines(name, scheme,
     hf = hf_model(name)
     path = save(name, hf, tmp_path / "quantized")
     floats = load_file(os.path.join(path, "model.safetensors"))
-    defined = _quantize_checkpoint(path, scheme)
+    defined = quantize_checkpoint(path, scheme, BLOCK if scheme == "fp8" else 32)
     assert len(defined) >= (20 if scheme == "fp8" else 2 * 3 * 12)  # every linear / 2 MoE layers x 3 x 12 experts
     # HF's reference: the same model holding the weights the quantized tensors define
     reference = tmp_path / "reference"

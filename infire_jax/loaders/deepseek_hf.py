@@ -8,6 +8,10 @@ With `rope_interleave` (HF's default for this family) the rotary part of q and k
 the projections in interleaved pairs (x0, x1), (x2, x3), ...; HF's rotation returns it as
 (evens, odds). Permuting the output columns of q_b and kv_a the same way at load makes our
 "rotate half" rope produce exactly HF's result, with no runtime shuffle.
+
+The conversion moves only output axes and never assumes an input width, so a quantized weight's
+parts (`[out, in / k]`: int4 words, group scales) go through it as the weight does
+(loaders/deepseek_quant.py).
 """
 
 from __future__ import annotations
@@ -57,11 +61,11 @@ def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, laye
     elif rest == "self_attn.kv_a_proj_with_mqa.weight":
         layer["wkv_a"] = np.concatenate([w[:m.kv_lora_rank], w[m.kv_lora_rank:][rope]]).T
     elif rest == "self_attn.kv_b_proj.weight":
-        kv = w.reshape(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        kv = w.reshape(h, m.qk_nope_head_dim + m.v_head_dim, -1)
         layer["w_uk"] = kv[:, :m.qk_nope_head_dim].transpose(2, 0, 1)
         layer["w_uv"] = kv[:, m.qk_nope_head_dim:].transpose(2, 0, 1)
     elif rest == "self_attn.o_proj.weight":
-        layer["wo"] = w.reshape(w.shape[0], h, m.v_head_dim).transpose(1, 2, 0)
+        layer["wo"] = w.reshape(w.shape[0], h, -1).transpose(1, 2, 0)
     elif rest == "mlp.gate.weight":
         layer["router"] = w.T
     elif rest.startswith(("mlp.shared_experts.", "mlp.")) and rest.endswith(".weight") \
@@ -70,6 +74,26 @@ def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, laye
         layer[f"{prefix}{_MLP[rest.split('.')[-2]]}"] = w.T
     else:
         raise UnsupportedModelError(f"unexpected weight {rest!r} in a DeepSeek-V3 layer")
+
+
+_LINEAR = {"self_attn.q_a_proj": ("wq_a",), "self_attn.q_b_proj": ("wq_b",),
+           "self_attn.kv_a_proj_with_mqa": ("wkv_a",), "self_attn.kv_b_proj": ("w_uk", "w_uv"),
+           "self_attn.o_proj": ("wo",), "mlp.gate_proj": ("w_gate_up",), "mlp.up_proj": ("w_gate_up",),
+           "mlp.down_proj": ("w_down",), "mlp.shared_experts.gate_proj": ("w_shared_gate_up",),
+           "mlp.shared_experts.up_proj": ("w_shared_gate_up",), "mlp.shared_experts.down_proj": ("w_shared_down",)}
+
+
+def linear_targets(module: str, cfg: ModelConfig) -> tuple[str, ...]:
+    """The stacked weights ("moe_layers.w_gate_up", ...) that HF linear module `module` (no `.weight`)
+    is part of; () for anything else (top-level tensors, skipped layers and towers)."""
+    m = _LAYER.fullmatch(f"{module}.weight")
+    if m is None or int(m.group(1)) >= cfg.num_layers:
+        return ()
+    stack = "dense_layers" if int(m.group(1)) < cfg.deepseek_moe.first_k_dense_replace else "moe_layers"
+    em = _EXPERT.fullmatch(m.group(2))
+    shorts = (("w_down" if em.group(2) == "down_proj" else "w_gate_up",) if em
+              else _LINEAR.get(m.group(2).removesuffix(".weight"), ()))
+    return tuple(f"{stack}.{s}" for s in shorts)
 
 
 def _finish(i: int, layer: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:

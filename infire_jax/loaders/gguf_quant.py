@@ -7,7 +7,9 @@ are dequantized at load as usual. A fused group (q/k/v, gate/up) stays quantized
 tensors in every layer share one supported type; anything else is dequantized, so any GGUF loads.
 Checkpoints of the placed weights are bypassed: the GGUF file is the compact form.
 `load_quantized_placed` also serves `weights_quantization="int8"` (any model, quantized at load by
-quant/resident.py `quantize_int8`), which shares everything after the quantization.
+quant/resident.py `quantize_int8`), which shares everything after the quantization, and hands
+`weights_quantization="checkpoint"` (a published quantized DeepSeek-V3-family checkpoint's own
+int4 / fp8 weights) to loaders/deepseek_quant.py.
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
 
 def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
     """The model placed with its layer weights kept quantized (`mode`: "gguf" keeps a GGUF file's
-    blocks; "int8" quantizes any model's float layer weights at load, per output channel)."""
+    blocks; "int8" quantizes any model's float layer weights at load, per output channel;
+    "checkpoint" keeps a quantized HF checkpoint's own formats)."""
     from infire_jax.loaders.checkpoint import Placed
     from infire_jax.loaders.load import DEFAULT_MODEL_NAME, default_model_path, load_model
     from infire_jax.models.registry import build_state
@@ -123,10 +126,17 @@ def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
 
     if mode not in QUANTIZATION_MODES:
         raise ConfigError(f"unknown weights_quantization {mode!r}; choose from {list(QUANTIZATION_MODES)}")
+    if mode == "checkpoint":
+        from infire_jax.loaders.deepseek_quant import load_kept_placed
+
+        return load_kept_placed(spec, dtype, plan)
     if mode == "int8":
         loaded = load_model(spec)
         if loaded.weights is None:
             raise ConfigError("weights_quantization='int8' quantizes loaded weights; dummy: models have none on the host")
+        if loaded.config.mla is not None:
+            raise ConfigError("weights_quantization='int8' covers Llama-architecture models; the DeepSeek-V3 family "
+                              "keeps a published quantized checkpoint's weights with 'checkpoint'")
         weights, layouts = quantize_int8(loaded.weights)
     else:
         path = spec or default_model_path()

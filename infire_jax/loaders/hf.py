@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+from typing import Iterator
 
 import jax
 import ml_dtypes
@@ -65,6 +66,15 @@ def _read_safetensors(path: str):
                 yield name, np.frombuffer(view["data"], ml_dtypes.float8_e4m3fn).reshape(view["shape"])
 
 
+def checkpoint_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of the directory's `*.safetensors` files, file by file."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
+    for file in files:
+        yield from _read_safetensors(file)
+
+
 def read_hf_config(path: str) -> ModelConfig:
     """config.json, with generation_config.json's eos ids added (Llama 3 lists several there)."""
     cfg_path = os.path.join(path, "config.json")
@@ -83,15 +93,14 @@ def read_hf_config(path: str) -> ModelConfig:
 
 def load_hf_dir(path: str) -> LoadedModel:
     cfg = read_hf_config(path)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
+    if not glob.glob(os.path.join(path, "*.safetensors")):
         raise ModelNotFoundError(f"{path} has no *.safetensors weights")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ModelNotFoundError(f"{path} has no tokenizer.json")
 
     with open(os.path.join(path, "config.json")) as f:
         scheme = quant_scheme(json.load(f))
-    tensors = dequantized((item for file in files for item in _read_safetensors(file)), scheme)
+    tensors = dequantized(checkpoint_tensors(path), scheme)
     if cfg.mla is not None:  # the DeepSeek-V3 family
         weights = deepseek_weights(tensors, cfg, rope_interleaved(path))
         return LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path),

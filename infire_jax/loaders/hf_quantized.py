@@ -8,11 +8,12 @@ Two of `config.json`'s `quantization_config` schemes, the ones this family ships
 - `fp8` with `weight_block_size` [B, B] and `fmt: e4m3` (DeepSeek-V3): a float8_e4m3fn `weight`
   and its `weight_scale_inv` become the `weight`.
 
-The weights are dequantized here, exactly as the formats define (quant/formats.py, checked bit
-for bit against float64 definitions in tests), and the rest of the loader sees a float
-checkpoint. The model then runs them in the serving dtype: keeping them packed on the device is
-quant/resident.py's job, not yet wired for these two formats. Tensors the scheme leaves alone
-(norms, the router, layers on the scheme's ignore list) pass through.
+By default the weights are dequantized here (`dequantized`), exactly as the formats define
+(quant/formats.py, checked bit for bit against float64 definitions in tests), and the rest of the
+loader sees a float checkpoint. With `weights_quantization="checkpoint"` a DeepSeek-V3-family
+checkpoint's quantized layer weights stay quantized on the device instead: `kept_parts` gives a
+module's checked parts and loaders/deepseek_quant.py places them (quant/grouped.py). Tensors the
+scheme leaves alone (norms, the router, layers on the scheme's ignore list) pass through.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _to_host(w) -> np.ndarray:
         return np.asarray(dequantize(w))
 
 
-def _dequantize(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) -> np.ndarray:
+def dequantize_module(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) -> np.ndarray:
     try:
         if scheme.kind == "int4":
             shape = tuple(int(n) for n in np.asarray(parts["weight_shape"]).reshape(-1))
@@ -99,13 +100,27 @@ def _dequantize(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) 
         raise UnsupportedModelError(f"{module}: {e}") from e
 
 
-def dequantized(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme | None
-                ) -> Iterator[tuple[str, np.ndarray]]:
-    """The checkpoint's tensors with every quantized module's parts replaced by its float32
-    `weight` (parts may arrive in any order, across files)."""
-    if scheme is None:
-        yield from tensors
-        return
+def kept_parts(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
+    """One module's (values, scale), checked as the format checks them, in HF's `[out, in / k]`
+    layout: int4 words `[O, I / 8]` and scales `[O, I / group]`; fp8 values `[O, I]` and each block's
+    scale repeated on its output rows, `[O, ceil(I / block)]` (quant/grouped.py)."""
+    try:
+        if scheme.kind == "int4":
+            shape = tuple(int(n) for n in np.asarray(parts["weight_shape"]).reshape(-1))
+            Int4Group(parts["weight_packed"], parts["weight_scale"], shape, scheme.group)
+            return parts["weight_packed"], parts["weight_scale"]
+        scale = parts["weight_scale_inv"].astype(np.float32)
+        Fp8Block(parts["weight"], scale, scheme.block)
+        return parts["weight"], np.repeat(scale, scheme.block, axis=0)[:parts["weight"].shape[0]]
+    except (ValueError, TypeError) as e:
+        raise UnsupportedModelError(f"{module}: {e}") from e
+
+
+def grouped(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme
+            ) -> Iterator[tuple[str, np.ndarray | dict[str, np.ndarray]]]:
+    """The checkpoint's tensors with each quantized module's parts gathered: (name, array) for a
+    tensor the scheme leaves alone, (module, {part: array}) once all of a module's parts are read
+    (they may arrive in any order, across files)."""
     names = _INT4_PARTS if scheme.kind == "int4" else _FP8_PARTS
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, w in tensors:
@@ -118,9 +133,19 @@ def dequantized(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme |
         parts = pending.setdefault(module, {})
         parts[part] = w
         if len(parts) == len(names):
-            yield f"{module}.weight", _dequantize(module, pending.pop(module), scheme)
+            yield module, pending.pop(module)
     if pending:
         module, parts = next(iter(pending.items()))
         missing = sorted(set(names) - set(parts))
         raise UnsupportedModelError(f"{module} has {sorted(parts)} but no {missing} "
                                     f"({len(pending)} quantized weights incomplete)")
+
+
+def dequantized(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme | None
+                ) -> Iterator[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors with every quantized module's parts replaced by its float32 `weight`."""
+    if scheme is None:
+        yield from tensors
+        return
+    for name, w in grouped(tensors, scheme):
+        yield (f"{name}.weight", dequantize_module(name, w, scheme)) if isinstance(w, dict) else (name, w)

@@ -12,11 +12,15 @@ layers are two stacks (`dense_layers`, `moe_layers`), each scanned like llama.py
 layer index runs across both. On a mesh (models/parallel.py) heads and MLP widths split over tp
 (the latent path is replicated, each device writes the same latent into its copy of the pool),
 experts over ep. Pipeline parallelism is refused for this family (sharding/plan.py).
+
+A published quantized checkpoint's linear weights may stay quantized on the device
+(`resident`: quant/grouped.py); the scan body dequantizes the current layer's just before use.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +35,7 @@ from infire_jax.models.layers import apply_rope, param, rms_norm, rope_tables
 from infire_jax.models.llama import dense_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
+from infire_jax.quant.grouped import GroupedLayout, GroupedParams, dequantize_kept
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mla import mla_attention, step_form
 from sharding.plan import ShardPlan
@@ -42,10 +47,11 @@ class MLALayers(nnx.Module):
     """`n` stacked decoder layers of one kind: MLA attention and a dense or a DeepSeek MoE MLP.
 
     The kv_b projection is held as its two halves, W_uk [R, H, Dn] and W_uv [R, H, Dv], the
-    operands of the absorbed form. The router's bias is kept in float32, as HF keeps it.
+    operands of the absorbed form. The router's bias is kept in float32, as HF keeps it. `kept`
+    names the weights held quantized (`GroupedParams`), by the stack's weight name.
     """
 
-    def __init__(self, cfg: ModelConfig, n: int, moe: bool, dtype):
+    def __init__(self, cfg: ModelConfig, n: int, moe: bool, dtype, kept: Mapping[str, GroupedLayout]):
         m, e, h = cfg.mla, cfg.hidden_size, cfg.num_heads
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
@@ -59,12 +65,18 @@ class MLALayers(nnx.Module):
         self.w_uv = param((n, m.kv_lora_rank, h, m.v_head_dim), head_axes, dtype)
         self.wo = param((n, h, m.v_head_dim, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
         self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
-        if not moe:
+        if moe:
+            self._moe_mlp(cfg, n, dtype)
+        else:
             f = cfg.intermediate_size
             self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
             self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
-            return
-        x, f = cfg.num_experts, cfg.moe_intermediate_size
+        for name, layout in kept.items():
+            plain = getattr(self, name.rpartition(".")[2])
+            setattr(self, name.rpartition(".")[2], GroupedParams(name, tuple(plain.shape), plain.axes, layout))
+
+    def _moe_mlp(self, cfg: ModelConfig, n: int, dtype) -> None:
+        e, x, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
         self.router_bias = param((n, x), ("layers", "router"), jnp.float32, init="zeros")
         self.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
@@ -74,11 +86,14 @@ class MLALayers(nnx.Module):
             self.w_shared_gate_up = param((n, e, 2, fs), ("layers", "embed", "gate_up", "mlp"), dtype)
             self.w_shared_down = param((n, fs, e), ("layers", "mlp", "embed"), dtype)
 
-    def arrays(self) -> dict[str, Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+    def arrays(self) -> dict[str, Array | dict[str, Array]]:
+        """The stacked arrays by name (a dict of parts for a kept quantized weight), for `lax.scan`."""
+        return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, GroupedParams))}
 
-    def axes(self) -> dict[str, tuple[str, ...]]:
-        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+    def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
+        return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, GroupedParams))}
 
 
 def mla_project(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], cos: Array, sin: Array
@@ -102,6 +117,7 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
     def layer(carry, xs):
         h, latent_pages, rope_pages = carry
         lp, idx = xs
+        lp = dequantize_kept(lp, h.dtype)  # this layer's kept quantized weights, and only this layer's
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q_nope, q_pe, latent, k_pe = mla_project(cfg, lp, x, cos, sin)
         o, latent_pages, rope_pages = mla_attention(q_nope, q_pe, latent, k_pe, lp["w_uk"], lp["w_uv"], latent_pages,
@@ -135,16 +151,22 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 
 
 class DeepseekV3(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident=None):
-        if resident:
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping[str, GroupedLayout] | None = None):
+        """`resident`: the checkpoint's quantized weights kept as such ("moe_layers.w_gate_up": layout)."""
+        resident = dict(resident or {})
+        if not all(isinstance(layout, GroupedLayout) for layout in resident.values()):
             raise ConfigError("weights_compression is not supported for the DeepSeek-V3 family")
         self.cfg = cfg
         dense = cfg.deepseek_moe.first_k_dense_replace
+
+        def kept(stack: str) -> dict[str, GroupedLayout]:
+            return {name: layout for name, layout in resident.items() if name.startswith(f"{stack}.")}
+
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         if dense:
-            self.dense_layers = MLALayers(cfg, dense, False, dtype)
+            self.dense_layers = MLALayers(cfg, dense, False, dtype, kept("dense_layers"))
         if cfg.num_layers > dense:
-            self.moe_layers = MLALayers(cfg, cfg.num_layers - dense, True, dtype)
+            self.moe_layers = MLALayers(cfg, cfg.num_layers - dense, True, dtype, kept("moe_layers"))
         self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)

@@ -22,7 +22,7 @@ from jaxtyping import Array
 
 from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 
-QUANTIZATION_MODES = ("gguf", "int8")
+QUANTIZATION_MODES = ("gguf", "int8", "checkpoint")  # "checkpoint": quant/grouped.py
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
 # w_down [(X,) F, E].

@@ -1,0 +1,101 @@
+"""A published checkpoint's int4 groups or fp8 blocks kept in device memory, dequantized per layer in the scan.
+
+`weights_quantization="checkpoint"` (loaders/deepseek_quant.py) keeps each quantized linear weight
+of a DeepSeek-V3-family checkpoint as published, moved into the model's layout exactly as the float
+weight is moved. Both formats are held the same way: quantized values along the weight's input
+axis, and one scale per output channel and `group` consecutive inputs.
+
+- int4 (compressed-tensors pack-quantized, Kimi K2/K2.5's routed experts): `packed` int32 words of
+  8 consecutive inputs each (low nibble first, stored as q + 8), `scale` in the checkpoint's dtype
+  (Kimi: bfloat16); the group is the checkpoint's `group_size`.
+- fp8 (DeepSeek-V3): `fp8` float8_e4m3fn values, `scale` float32: the 128 x 128 block's
+  `weight_scale_inv` repeated on each of the block's output rows (4 bytes per 128 weights, 3% on
+  top of the fp8 bytes), so a weight's output axis can be permuted, reshaped, fused and split
+  over tp as the float weight's is.
+
+The parts keep the weight's logical axes with the input axis shortened, so they shard as the
+weight does (a shard must hold whole groups: the loader checks). The arithmetic is formats.py's
+(a float32 product, then the serving dtype), so a kept weight dequantizes bit for bit to the
+weight the load-time dequantizer gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Shaped
+
+# The input axis of each DeepSeek layer weight that a checkpoint may quantize, counted from the end:
+# wq_a [E, Rq], wq_b [Rq, H, Dq], wkv_a [E, R + Dr], w_uk/w_uv [R, H, D] (kv_b's input is the latent),
+# wo [H, Dv, E] (groups within a head), w_gate_up [(X,) E, 2, F], w_down [(X,) F, E], and the shared ones.
+INPUT_AXIS = {"wq_a": -2, "wq_b": -3, "wkv_a": -2, "w_uk": -3, "w_uv": -3, "wo": -2, "w_gate_up": -3,
+              "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2}
+VALUE_PART = {"int4": "packed", "fp8": "fp8"}
+_VALUES_PER_ITEM = {"int4": 8, "fp8": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedLayout:
+    """A kept weight's format: "int4" or "fp8", inputs per scale, and the scale's dtype."""
+
+    kind: str
+    group: int
+    scale_dtype: Any
+
+    def part_shapes(self, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Each part's (shape, dtype) for the weight `name` ("moe_layers.w_gate_up") of `shape`;
+        ValueError naming the weight unless its input axis is whole groups."""
+        axis = len(shape) + INPUT_AXIS[name.rpartition(".")[2]]
+        n = shape[axis]
+        if n % self.group:
+            raise ValueError(f"{name}: {self.kind} groups of {self.group} inputs do not tile its input axis of {n}")
+
+        def along(m: int) -> tuple[int, ...]:
+            return tuple(m if i == axis else s for i, s in enumerate(shape))
+
+        values = jnp.int32 if self.kind == "int4" else jnp.float8_e4m3fn
+        return {VALUE_PART[self.kind]: (along(n // _VALUES_PER_ITEM[self.kind]), values),
+                "scale": (along(n // self.group), self.scale_dtype)}
+
+
+class GroupedParams(nnx.Module):
+    """The parts of one kept stacked weight, each a parameter with the weight's logical axes."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: GroupedLayout):
+        for part, (part_shape, dtype) in layout.part_shapes(name, shape).items():
+            setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=axes, init="zeros"))
+
+    def arrays(self) -> dict[str, Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+    def axes(self) -> dict[str, tuple[str | None, ...]]:
+        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def is_kept(value: Any) -> bool:
+    return isinstance(value, Mapping) and "scale" in value and any(p in value for p in VALUE_PART.values())
+
+
+def dequantize(parts: Mapping[str, Array], short: str, dtype) -> Shaped[Array, "..."]:
+    """One kept weight (any leading axes: a layer, or the whole stack) in `dtype`."""
+    scale = parts["scale"]
+    a = scale.ndim + INPUT_AXIS[short]
+    if "packed" in parts:  # nibbles by a broadcast shift on a new axis after the word axis
+        words = jnp.expand_dims(parts["packed"], a + 1)
+        shifts = (jnp.arange(8, dtype=jnp.int32) * 4).reshape((8,) + (1,) * (scale.ndim - a - 1))
+        nibbles = (words >> shifts) & 0xF
+        q = (nibbles.reshape(*scale.shape[:a], -1, *scale.shape[a + 1:]) - 8).astype(jnp.float32)
+    else:
+        q = parts["fp8"].astype(jnp.float32)
+    n, groups = q.shape[a], scale.shape[a]
+    grouped = q.reshape(*q.shape[:a], groups, n // groups, *q.shape[a + 1:])
+    full = grouped * jnp.expand_dims(scale.astype(jnp.float32), a + 1)
+    return full.reshape(q.shape).astype(dtype)
+
+
+def dequantize_kept(lp: Mapping[str, Any], dtype) -> dict[str, Any]:
+    """One layer's weights with every kept one dequantized to `dtype` (inside the scan body)."""
+    return {k: dequantize(v, k, dtype) if is_kept(v) else v for k, v in lp.items()}
