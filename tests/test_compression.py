@@ -232,6 +232,32 @@ def test_damaged_checkpoints_are_refused(tmp_path, smol):
         write_compressed(tiny, src, "palette", ("mlp",))
 
 
+def test_compression_ratio_of_a_foreign_safetensors_file(tmp_path, capsys):
+    """`bench.compression_ratio --safetensors`: any checkpoint's float tensors rounded to bfloat16,
+    the MLP group picked by name (BERT's intermediate/output dense, not attention's output), each
+    method's bytes those of its own encoder on the same tensors."""
+    from safetensors.numpy import save_file
+
+    from infire_jax.bench import compression_ratio
+
+    rng = np.random.default_rng(3)
+    tensors = {"encoder.layer.0.intermediate.dense.weight": rng.normal(0, 0.05, (128, 64)),
+               "encoder.layer.0.output.dense.weight": rng.normal(0, 0.05, (64, 128)),
+               "encoder.layer.0.attention.output.dense.weight": rng.normal(0, 0.05, (64, 64)),
+               "encoder.layer.0.output.LayerNorm.weight": np.ones(64), "position_ids": np.arange(8)}
+    path = str(tmp_path / "model.safetensors")
+    save_file({n: t.astype(np.int64 if n == "position_ids" else np.float32) for n, t in tensors.items()}, path)
+    out = str(tmp_path / "ratio.json")
+    assert compression_ratio.main(["--safetensors", path, "--methods", "palette,entropy", "--json", out]) == 0
+    rows = {(r["group"], r["method"]): r for r in json.load(open(out))}
+    mlp = [as_bf16(tensors[n].astype(np.float32)) for n in list(tensors)[:2]]
+    assert rows["mlp", "palette"]["bf16_bytes"] == sum(x.nbytes for x in mlp)
+    assert rows["mlp", "palette"]["bytes"] == sum(encode_palette(x, stacked=False).nbytes for x in mlp)
+    assert rows["mlp", "entropy"]["bytes"] == sum(encode_entropy(x).nbytes for x in mlp)
+    assert rows["model", "palette"]["bf16_bytes"] == sum(x.nbytes for x in mlp) + 2 * (64 * 64 + 64)
+    assert "mlp" in capsys.readouterr().out
+
+
 # ---- engines on compressed weights ------------------------------------------------------------------
 
 def generate(monkeypatch, **kwargs) -> list[tuple[list[int], list[float]]]:

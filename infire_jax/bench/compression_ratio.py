@@ -2,7 +2,9 @@
 ours (palette, entropy) against DFloat11 and lmzip on the same bfloat16 tensors.
 
 Two groups: `mlp` (gate/up and down of every layer) and `model` (every tensor; all matrices
-compressed, norms stored raw). DFloat11 is run as its `compress_model` runs it (one Huffman
+compressed, norms stored raw). `--safetensors FILE` reads any checkpoint's tensors instead (trained
+float32 or float16 weights rounded to bfloat16, e.g. a packaged encoder's), its MLP matrices named
+by `--mlp-pattern`. DFloat11 is run as its `compress_model` runs it (one Huffman
 code per decoder layer, the embedding and head each their own; its encoder is pure Python and
 needs no GPU) and counted by the buffers it stores; lmzip compresses a bfloat16 safetensors file
 of the group and is counted by its archive. Both are optional installs (`pip install dfloat11
@@ -15,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import tempfile
 import time
 from typing import Callable, Mapping
@@ -88,12 +91,23 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m infire_jax.bench.compression_ratio", description=__doc__)
     p.add_argument("--model", default=None, help="model spec (default: the embedded model)")
+    p.add_argument("--safetensors", default=None, metavar="FILE", help="measure this file's tensors instead")
+    p.add_argument("--mlp-pattern", default=r"(intermediate|output)\.dense\.weight$|mlp\.", metavar="REGEX",
+                   help="with --safetensors: the names of the MLP matrices (default: BERT's and HF Llama's)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {list(METHODS)}")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
-    weights = {n: as_bf16(w) for n, w in host_weights(load_model(args.model)).items()}
+    if args.safetensors:
+        from safetensors.numpy import load_file
+
+        weights = {n: as_bf16(w) for n, w in load_file(args.safetensors).items() if w.dtype.kind == "f"}
+        mlp = re.compile(args.mlp_pattern)
+        groups = {"mlp": [n for n in weights if mlp.search(n) and "attention" not in n], "model": None}
+    else:
+        weights = {n: as_bf16(w) for n, w in host_weights(load_model(args.model)).items()}
+        groups = GROUPS
     rows = []
-    for group, names in GROUPS.items():
+    for group, names in groups.items():
         tensors = {n: w for n, w in weights.items() if names is None or n in names}
         before = sum(x.nbytes for x in tensors.values())
         for method in args.methods.split(","):
