@@ -13,7 +13,6 @@ here: it loads GPTQ / AWQ only through optimum with gptqmodel / autoawq, not ins
 
 from __future__ import annotations
 
-import json
 import re
 
 import jax
@@ -21,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gptq_awq_models import (CONFIG, LINEARS, pack_awq, pack_gptq, quantize, reference_awq, reference_gptq,
-                             write_checkpoint, write_float_twin)
+from gptq_awq_models import (CONFIG, LINEARS, pack_awq, pack_gptq, quantization_config, quantize, reference_awq,
+                             reference_gptq, write_checkpoint, write_float_twin)
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 
@@ -49,8 +48,6 @@ def _module(method: str, group: int, sym: bool, act_order: bool, v1: bool, shape
 
 
 def _scheme(method: str, group: int, sym: bool = False, act_order: bool = False, v1: bool = True):
-    from gptq_awq_models import quantization_config
-
     return quant_scheme({"quantization_config": quantization_config(method, group, sym=sym, act_order=act_order,
                                                                     v1=v1)})
 
@@ -162,8 +159,6 @@ def test_engine_on_the_quantized_checkpoint_equals_its_float_twin(name, checkpoi
     (dict(quant_method="exl2"), "quantization_config.quant_method = 'exl2'"),
 ])
 def test_unsupported_gptq_configs_name_the_field(change, field):
-    from gptq_awq_models import quantization_config
-
     with pytest.raises(UnsupportedModelError, match=re.escape(field)):
         quant_scheme({"quantization_config": {**quantization_config("gptq", 128), **change}})
 
@@ -172,8 +167,6 @@ def test_unsupported_gptq_configs_name_the_field(change, field):
                                           (dict(zero_point=False), "zero_point = False"),
                                           (dict(backend="llm-awq"), "backend = 'llm-awq'")])
 def test_unsupported_awq_configs_name_the_field(change, field):
-    from gptq_awq_models import quantization_config
-
     with pytest.raises(UnsupportedModelError, match=field):
         quant_scheme({"quantization_config": {**quantization_config("awq", 128), **change}})
 
@@ -205,6 +198,7 @@ def test_group_size_must_tile_the_inputs():
 def test_kept_refuses_act_order_and_partly_quantized_weights(checkpoints, tmp_path):
     from safetensors.numpy import load_file, save_file
 
+    from infire_jax.loaders.hf import load_hf_dir
     from infire_jax.loaders.llama_quant import load_gptq_awq_kept
 
     with pytest.raises(ConfigError, match=r"model\.layers\.\d\.[a-z_.]+\.g_idx: act-order"):
@@ -222,7 +216,4 @@ def test_kept_refuses_act_order_and_partly_quantized_weights(checkpoints, tmp_pa
         (partly / f).write_text(open(f"{src}/{f}").read())
     with pytest.raises(UnsupportedModelError, match=rf"{name}\.weight is not quantized but other parts of layers"):
         load_gptq_awq_kept(str(partly))
-    from infire_jax.loaders.hf import load_hf_dir
-
     assert load_hf_dir(str(partly)).weights["layers.wqkv"].dtype == np.float32  # dequantized at load it serves
-    assert json.loads((partly / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
