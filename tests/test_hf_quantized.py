@@ -99,7 +99,7 @@ def test_mismatched_parts_name_the_module():
 
 
 @pytest.mark.parametrize("config,field", [
-    ({"quant_method": "awq"}, "quant_method"),
+    ({"quant_method": "bitsandbytes"}, "quant_method"),
     ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "fmt"),
     (dict(INT4_CONFIG, format="int-quantized", config_groups={"g": {"weights": {}}}), "format"),

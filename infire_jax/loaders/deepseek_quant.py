@@ -58,8 +58,9 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, GroupedLayout]]:
     scheme = _scheme(path)
     cfg = read_hf_config(path)
     if cfg.mla is None:
-        raise ConfigError(f"weights_quantization='checkpoint' covers the DeepSeek-V3 family; {cfg.architecture} "
-                          "checkpoints are dequantized at load (leave weights_quantization unset)")
+        raise ConfigError(f"weights_quantization='checkpoint' covers the DeepSeek-V3 family and GPTQ / AWQ "
+                          f"checkpoints; {cfg.architecture} {scheme.kind} checkpoints are dequantized at load (leave "
+                          "weights_quantization unset)")
     group = scheme.group if scheme.kind == "int4" else scheme.block
     plain, values, scales, kept = [], [], [], {}
     for name, w in grouped(checkpoint_tensors(path), scheme):

@@ -8,8 +8,9 @@ tensors in every layer share one supported type; anything else is dequantized, s
 Checkpoints of the placed weights are bypassed: the GGUF file is the compact form.
 `load_quantized_placed` also serves `weights_quantization="int8"` (any model, quantized at load by
 quant/resident.py `quantize_int8`), which shares everything after the quantization, and hands
-`weights_quantization="checkpoint"` (a published quantized DeepSeek-V3-family checkpoint's own
-int4 / fp8 weights) to loaders/deepseek_quant.py.
+`weights_quantization="checkpoint"` (a published quantized checkpoint's own format) to
+loaders/llama_quant.py for a GPTQ / AWQ one, which shares the tail too, and to
+loaders/deepseek_quant.py for a DeepSeek-V3-family one's int4 / fp8 weights.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
 def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
     """The model placed with its layer weights kept quantized (`mode`: "gguf" keeps a GGUF file's
     blocks; "int8" quantizes any model's float layer weights at load, per output channel;
-    "checkpoint" keeps a quantized HF checkpoint's own formats)."""
+    "checkpoint" keeps a quantized HF checkpoint's own format: GPTQ / AWQ int4, DeepSeek-V3's fp8, Kimi's
+    int4)."""
     from infire_jax.loaders.checkpoint import Placed
     from infire_jax.loaders.load import DEFAULT_MODEL_NAME, default_model_path, load_model
     from infire_jax.models.registry import build_state
@@ -127,10 +129,17 @@ def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
     if mode not in QUANTIZATION_MODES:
         raise ConfigError(f"unknown weights_quantization {mode!r}; choose from {list(QUANTIZATION_MODES)}")
     if mode == "checkpoint":
-        from infire_jax.loaders.deepseek_quant import load_kept_placed
+        from infire_jax.loaders import llama_quant
 
-        return load_kept_placed(spec, dtype, plan)
-    if mode == "int8":
+        if not llama_quant.is_gptq_awq(spec):
+            from infire_jax.loaders.deepseek_quant import load_kept_placed
+
+            return load_kept_placed(spec, dtype, plan)
+        loaded, layouts = llama_quant.load_gptq_awq_kept(spec)
+        if plan is not None:
+            llama_quant.check_mesh(layouts, loaded.config, plan)
+        weights = dict(loaded.weights)
+    elif mode == "int8":
         loaded = load_model(spec)
         if loaded.weights is None:
             raise ConfigError("weights_quantization='int8' quantizes loaded weights; dummy: models have none on the host")

@@ -8,7 +8,7 @@ import glob
 import json
 import os
 import re
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import jax
 import ml_dtypes
@@ -103,8 +103,24 @@ def load_hf_dir(path: str) -> LoadedModel:
     tensors = dequantized(checkpoint_tensors(path), scheme)
     if cfg.mla is not None:  # the DeepSeek-V3 family
         weights = deepseek_weights(tensors, cfg, rope_interleaved(path))
-        return LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path),
-                           name=os.path.basename(os.path.normpath(path)), weights=weights)
+    else:
+        weights = llama_weights(tensors, cfg)
+    return LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path), name=os.path.basename(os.path.normpath(path)),
+                       weights=weights)
+
+
+def layer_weight(name: str, cfg: ModelConfig) -> tuple[int, str] | None:
+    """(layer, model weight name) of a dense layer's HF tensor ("model.layers.3.mlp.up_proj.weight"
+    -> (3, "w_up")); None for any other tensor."""
+    m = _LAYER.fullmatch(name)
+    if m is None or (cfg.is_moe and _EXPERT.fullmatch(m.group(2))):
+        return None
+    short = _DENSE.get(m.group(2))
+    return (int(m.group(1)), short) if short else None
+
+
+def llama_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """A Llama-architecture checkpoint's float tensors as the model's weights (stacked, fused)."""
     n, x = cfg.num_layers, cfg.num_experts
     per_layer: dict[str, list] = {}
     experts: dict[str, list[list]] = {}
@@ -139,5 +155,4 @@ def load_hf_dir(path: str) -> LoadedModel:
                 raise UnsupportedModelError(f"expert weights {short!r} are incomplete in layer {i}")
         per_layer[short] = [np.stack(layer) for layer in by_layer]
     weights.update(stack_layers(per_layer, cfg))
-    tok = Tokenizer.from_dir(path)
-    return LoadedModel(config=cfg, tokenizer=tok, name=os.path.basename(os.path.normpath(path)), weights=weights)
+    return weights

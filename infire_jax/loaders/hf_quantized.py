@@ -1,6 +1,6 @@
 """Published quantized HF checkpoints, read by the HF loader (issue 14).
 
-Two of `config.json`'s `quantization_config` schemes, the ones this family ships:
+`config.json`'s `quantization_config` schemes: two the DeepSeek-V3 family ships,
 
 - `compressed-tensors` with `format: pack-quantized`, 4-bit symmetric integer weights, one scale
   per `group_size` inputs (Kimi K2 / K2.5's routed experts): a module's `weight_packed`,
@@ -8,12 +8,20 @@ Two of `config.json`'s `quantization_config` schemes, the ones this family ships
 - `fp8` with `weight_block_size` [B, B] and `fmt: e4m3` (DeepSeek-V3): a float8_e4m3fn `weight`
   and its `weight_scale_inv` become the `weight`.
 
+and the two int4 schemes Llama / Qwen / Mistral checkpoints are most often served in
+(quant/gptq_awq.py has the formats):
+
+- `gptq`, 4-bit: a module's `qweight`, `qzeros`, `scales` and `g_idx` (act-order too), any group
+  size tiling the inputs or -1, symmetric or not, `checkpoint_format` gptq (v1) or gptq_v2.
+- `awq` with `version: gemm` and zero points (AutoAWQ): `qweight`, `qzeros` and `scales`.
+
 By default the weights are dequantized here (`dequantized`), exactly as the formats define
 (quant/formats.py, checked bit for bit against float64 definitions in tests), and the rest of the
-loader sees a float checkpoint. With `weights_quantization="checkpoint"` a DeepSeek-V3-family
-checkpoint's quantized layer weights stay quantized on the device instead: `kept_parts` gives a
-module's checked parts and loaders/deepseek_quant.py places them (quant/grouped.py). Tensors the
-scheme leaves alone (norms, the router, layers on the scheme's ignore list) pass through.
+loader sees a float checkpoint. With `weights_quantization="checkpoint"` the quantized layer
+weights stay quantized on the device instead: `kept_parts` gives a DeepSeek-V3-family module's
+checked parts and loaders/deepseek_quant.py places them (quant/grouped.py); `unpack_module` a GPTQ
+/ AWQ one's, placed by loaders/llama_quant.py. Tensors the scheme leaves alone (norms, the router,
+layers on the scheme's ignore list or `modules_to_not_convert`) pass through.
 """
 
 from __future__ import annotations
@@ -26,17 +34,20 @@ import ml_dtypes
 import numpy as np
 
 from infire_jax.errors import UnsupportedModelError
+from infire_jax.quant import gptq_awq
 from infire_jax.quant.formats import Fp8Block, Int4Group, dequantize
 
-_INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
-_FP8_PARTS = ("weight", "weight_scale_inv")
+# Each scheme's tensors of one quantized module
+PARTS = {"int4": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale_inv"),
+         "gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantScheme:
-    kind: str  # "int4" (compressed-tensors pack-quantized) or "fp8" (block scales)
-    group: int = 0  # int4: inputs per scale
+    kind: str  # "int4" (compressed-tensors pack-quantized), "fp8" (block scales), "gptq" or "awq"
+    group: int = 0  # int4, gptq, awq: inputs per scale (gptq, awq: -1 for one group per row)
     block: int = 0  # fp8: rows and columns per scale
+    zero_offset: int = 0  # gptq v1 stores each zero minus this
 
 
 def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
@@ -77,7 +88,35 @@ def quant_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
         if not isinstance(size, int) or size <= 0 or size % 8:
             raise _bad(f"config_groups.{name}.weights.group_size", size, "a positive multiple of 8 is supported")
         return QuantScheme("int4", group=size)
-    raise _bad("quant_method", method, "supported: compressed-tensors (pack-quantized int4), fp8 (block scales)")
+    if method in ("gptq", "awq"):
+        return _int4_zero_scheme(method, qc)
+    raise _bad("quant_method", method, "supported: compressed-tensors (pack-quantized int4), fp8 (block scales), "
+               "gptq (4-bit), awq (4-bit gemm)")
+
+
+def _int4_zero_scheme(method: str, qc: Mapping[str, Any]) -> QuantScheme:
+    """GPTQ or AWQ (see the module doc); what would decode differently is refused by its field."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise _bad("bits", bits, f"only 4-bit {method} is supported")
+    size = qc.get("group_size", qc.get("q_group_size"))
+    if not isinstance(size, int) or not (size == -1 or size > 0):
+        raise _bad("group_size", size, "a positive group size or -1 is supported")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise _bad("version", qc.get("version"), "only AWQ's gemm packing is supported")
+        if qc.get("zero_point", True) is not True:
+            raise _bad("zero_point", qc.get("zero_point"), "only AWQ with zero points is supported")
+        if qc.get("backend", "autoawq") != "autoawq":
+            raise _bad("backend", qc.get("backend"), "only AutoAWQ's packing is supported")
+        return QuantScheme("awq", group=size)
+    if qc.get("is_marlin_format"):
+        raise _bad("is_marlin_format", True, "marlin-packed GPTQ is not supported")
+    fmt = qc.get("checkpoint_format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _bad("checkpoint_format", fmt, "supported: gptq, gptq_v2")
+    return QuantScheme("gptq", group=size, zero_offset=1 if fmt == "gptq" else 0)
 
 
 def _split(name: str, parts: tuple[str, ...]) -> tuple[str, str] | None:
@@ -90,7 +129,20 @@ def _to_host(w) -> np.ndarray:
         return np.asarray(dequantize(w))
 
 
+def unpack_module(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) -> gptq_awq.Int4Zero:
+    """A GPTQ / AWQ module's tensors, checked and unpacked; UnsupportedModelError naming the tensor."""
+    try:
+        if scheme.kind == "gptq":
+            return gptq_awq.unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts["g_idx"],
+                                        scheme.group, scheme.zero_offset)
+        return gptq_awq.unpack_awq(parts["qweight"], parts["qzeros"], parts["scales"], scheme.group)
+    except (ValueError, TypeError) as e:
+        raise UnsupportedModelError(f"{module}: {e}") from e
+
+
 def dequantize_module(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) -> np.ndarray:
+    if scheme.kind in ("gptq", "awq"):
+        return gptq_awq.dequantize(unpack_module(module, parts, scheme))
     try:
         if scheme.kind == "int4":
             shape = tuple(int(n) for n in np.asarray(parts["weight_shape"]).reshape(-1))
@@ -121,7 +173,7 @@ def grouped(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme
     """The checkpoint's tensors with each quantized module's parts gathered: (name, array) for a
     tensor the scheme leaves alone, (module, {part: array}) once all of a module's parts are read
     (they may arrive in any order, across files)."""
-    names = _INT4_PARTS if scheme.kind == "int4" else _FP8_PARTS
+    names = PARTS[scheme.kind]
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, w in tensors:
         split = _split(name, names)

@@ -1,7 +1,8 @@
 """Quantized stacked weights kept in device memory and dequantized one layer at a time in the scan.
 
-Two sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), or any
-float model quantized at load to int8 with one scale per output channel (`quantize_int8`).
+Three sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), any
+float model quantized at load to int8 with one scale per output channel (`quantize_int8`), or a
+GPTQ / AWQ checkpoint's int4 groups with zero points (loaders/llama_quant.py, quant/gptq_awq.py).
 
 Like palette compression (compression/resident.py), a quantized stacked weight is a module of
 parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, with the input
@@ -21,6 +22,7 @@ from flax import nnx
 from jaxtyping import Array
 
 from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
+from infire_jax.quant.gptq_awq import dequantize_parts
 
 QUANTIZATION_MODES = ("gguf", "int8", "checkpoint")  # "checkpoint": quant/grouped.py
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
@@ -31,10 +33,12 @@ INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2}
 
 @dataclasses.dataclass(frozen=True)
 class QuantLayout:
-    """A quantized weight's format (a GGUF block type, or int8 per output channel); the parts'
-    shapes follow from the weight's."""
+    """A quantized weight's format (a GGUF block type, int8 per output channel, or int4 with zero
+    points in groups of `group` inputs); the parts' shapes follow from the weight's."""
 
-    kind: str  # "Q4_1", "Q8_0" or "int8"
+    kind: str  # "Q4_1", "Q8_0", "int8" or "int4"
+    group: int = 0  # int4: inputs per scale and zero (the whole input axis for one group per row)
+    scale_dtype: Any = jnp.float16  # int4: the checkpoint's
 
     def part_shapes(self, short: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], Any]]:
         """Each part's (shape, dtype) for a weight of `shape`; ValueError naming the weight if its
@@ -43,6 +47,13 @@ class QuantLayout:
         if self.kind == "int8":  # one float32 scale per output channel: the input axis reduced to 1
             return {"int8": (shape, jnp.int8), "scale": (tuple(1 if i == axis else n for i, n in enumerate(shape)),
                                                          jnp.float32)}
+        if self.kind == "int4":
+            if shape[axis] % 8 or shape[axis] % self.group:
+                raise ValueError(f"{short}: int4 groups of {self.group} inputs do not tile its input axis of "
+                                 f"{shape[axis]} (in words of 8)")
+            groups = tuple(shape[axis] // self.group if i == axis else n for i, n in enumerate(shape))
+            return {"q4": (tuple(shape[axis] // 8 if i == axis else n for i, n in enumerate(shape)), jnp.int32),
+                    "zero": (groups, jnp.uint8), "scale": (groups, self.scale_dtype)}
         if shape[axis] % QK:
             raise ValueError(f"{short}: input axis of {shape[axis]} weights is not a whole number of "
                              f"{QK}-weight blocks")
@@ -64,8 +75,8 @@ class QuantParams(nnx.Module):
     def __init__(self, short: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: QuantLayout):
         axis = len(shape) + INPUT_AXIS[short]
         for part, (part_shape, dtype) in layout.part_shapes(short, shape).items():
-            # a per-channel scale has one entry on the input axis, so it is not split there
-            part_axes = tuple(None if part == "scale" and i == axis else a for i, a in enumerate(axes))
+            # a per-channel scale (or zero) has one entry on the input axis, so it is not split there
+            part_axes = tuple(None if i == axis and part_shape[i] == 1 else a for i, a in enumerate(axes))
             setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=part_axes, init="zeros"))
 
     def arrays(self) -> dict[str, Array]:
@@ -76,10 +87,12 @@ class QuantParams(nnx.Module):
 
 
 def is_quantized(value: Any) -> bool:
-    return isinstance(value, Mapping) and any(p in value for p in (*QUANT_PART.values(), "int8"))
+    return isinstance(value, Mapping) and any(p in value for p in (*QUANT_PART.values(), "int8", "q4"))
 
 
 def _dequantize(parts: Mapping[str, Array], short: str, dtype) -> Array:
+    if "q4" in parts:
+        return dequantize_parts(parts, INPUT_AXIS[short], dtype)
     if "int8" in parts:
         return (parts["int8"].astype(jnp.float32) * parts["scale"]).astype(dtype)
     return dequantize_blocks(parts, INPUT_AXIS[short], dtype)

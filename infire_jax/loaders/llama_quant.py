@@ -1,0 +1,119 @@
+"""A GPTQ / AWQ checkpoint of a dense Llama-architecture model placed with its int4 layer weights kept.
+
+`weights_quantization="checkpoint"` on a Llama / Qwen / Mistral checkpoint whose
+`quantization_config` is gptq or awq: q/k/v, o, gate/up and down stay 4-bit on the device
+(quant/gptq_awq.py `kept_parts`: values packed along the input axis, GPTQ's words as they are and
+AWQ's output-packed ones unpacked and packed again, with each group's scale and zero point) and
+are dequantized one layer at a time inside the layer scan (quant/resident.py). The parts take the
+weight's own path into the model's fused layout, along output axes only, as a GGUF file's blocks
+do (gguf_quant.py). wo's groups are cut at head boundaries (a group's scale and zero repeated on
+each piece), so the model's `[Hq, D, E]` layout splits none. Everything else (embedding, LM head,
+norms, biases) is what the float loader gives, dequantized at load if quantized. Refused, naming
+the tensor or weight: act-order groups (a permuted `g_idx`), a fused weight only partly quantized,
+MoE and MLA models, and a mesh whose shards would split a group; all of these load dequantized
+without `weights_quantization`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax.numpy as jnp
+from flax import nnx
+
+from infire_jax.errors import ConfigError, UnsupportedModelError
+from infire_jax.loaders.gguf_quant import FUSED, part_to_layout
+from infire_jax.loaders.hf import checkpoint_tensors, layer_weight, llama_weights, read_hf_config
+from infire_jax.loaders.hf_quantized import dequantize_module, grouped, quant_scheme, unpack_module
+from infire_jax.loaders.weights import LoadedModel, stack_layers
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.registry import abstract_model
+from infire_jax.quant.gptq_awq import kept_group, kept_parts
+from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
+from infire_jax.tokenizer import Tokenizer
+from sharding.plan import ShardPlan
+
+_FUSED_OF = {short: fused for fused, members in FUSED.items() for short in members}
+_DEQUANTIZE = "load without weights_quantization to dequantize it"
+
+
+def is_gptq_awq(path: str | None) -> bool:
+    """Whether `path` is an HF directory whose quantization_config is gptq or awq."""
+    cfg_path = os.path.join(path or "", "config.json")
+    if not os.path.isfile(cfg_path):
+        return False
+    with open(cfg_path) as f:
+        scheme = quant_scheme(json.load(f))
+    return scheme is not None and scheme.kind in ("gptq", "awq")
+
+
+def load_gptq_awq_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
+    """The model with each kept fused weight as parts ("layers.wqkv.q4", ".zero", ".scale") in the
+    model's layout, and their layouts; every other weight as the float loader gives it."""
+    with open(os.path.join(path, "config.json")) as f:
+        scheme = quant_scheme(json.load(f))
+    cfg = read_hf_config(path)
+    if cfg.mla is not None or cfg.is_moe:
+        raise ConfigError(f"weights_quantization='checkpoint' keeps {scheme.kind} weights of dense Llama-architecture "
+                          f"models, not {cfg.architecture}; {_DEQUANTIZE}")
+    plain, parts, kept, formats = [], {}, {}, {}
+    for name, w in grouped(checkpoint_tensors(path), scheme):
+        where = layer_weight(f"{name}.weight", cfg) if isinstance(w, dict) else None
+        if where is None or where[1] not in _FUSED_OF:  # a plain tensor, or a quantized one outside the layers
+            plain.append((f"{name}.weight", dequantize_module(name, w, scheme)) if isinstance(w, dict) else (name, w))
+            continue
+        layer, short = where
+        unpacked = unpack_module(name, w, scheme)
+        if unpacked.act_order:
+            raise ConfigError(f"{name}.g_idx: act-order (desc_act) groups are not kept quantized; {_DEQUANTIZE}")
+        if short == "wo" and cfg.head_dim % 8:
+            raise ConfigError(f"{name}: head_dim {cfg.head_dim} splits its 8-input words between heads; {_DEQUANTIZE}")
+        size = unpacked.q.shape[1] // unpacked.scale.shape[1]
+        per_group = kept_group(size, cfg.head_dim if short == "wo" else None)
+        for part, a in kept_parts(unpacked, per_group).items():
+            parts.setdefault(part, {}).setdefault(short, [None] * cfg.num_layers)[layer] = part_to_layout(short, a, cfg)
+        kept[(layer, short)] = name
+        formats.setdefault(_FUSED_OF[short], set()).add((per_group, unpacked.scale.dtype))
+    _check_whole(kept, plain, cfg)
+    weights = llama_weights(plain, cfg)
+    for part, per_layer in parts.items():
+        weights.update({f"{k}.{part}": v for k, v in stack_layers(per_layer, cfg).items()})
+    layouts = {}
+    for fused, found in formats.items():
+        if len(found) != 1:
+            raise UnsupportedModelError(f"layers.{fused}: its tensors have different groups or scale dtypes "
+                                        f"{sorted((g, str(d)) for g, d in found)}; {_DEQUANTIZE}")
+        per_group, scale_dtype = next(iter(found))
+        layouts[fused] = QuantLayout("int4", per_group, jnp.dtype(scale_dtype))
+    loaded = LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path), name=os.path.basename(os.path.normpath(path)),
+                         weights=weights)
+    return loaded, layouts
+
+
+def _check_whole(kept: dict[tuple[int, str], str], plain: list, cfg: ModelConfig) -> None:
+    """UnsupportedModelError naming the tensor if a fused weight is quantized in part only."""
+    quantized = {_FUSED_OF[short] for _, short in kept}
+    for name, _ in plain:
+        where = layer_weight(name, cfg)
+        if where and _FUSED_OF.get(where[1]) in quantized:
+            raise UnsupportedModelError(f"{name} is not quantized but other parts of layers.{_FUSED_OF[where[1]]} "
+                                        f"are; a weight is kept quantized whole ({_DEQUANTIZE})")
+
+
+def check_mesh(layouts: dict[str, QuantLayout], cfg: ModelConfig, plan: ShardPlan) -> None:
+    """ConfigError naming the weight if the mesh would split one of its groups across devices."""
+    flat = nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.float32), nnx.Param))
+    shapes = {".".join(map(str, p)): (tuple(v.shape), v.axes) for p, v in flat}
+    for fused, layout in layouts.items():
+        shape, axes = shapes[f"layers.{fused}"]
+        axis = len(shape) + INPUT_AXIS[fused]
+        groups = shape[axis] // layout.group
+        entry = plan.spec(axes)[axis]
+        mesh_axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        shards = math.prod(plan.sizes[a] for a in mesh_axes)
+        if (groups > 1 and groups % shards) or (shape[axis] // 8) % shards:
+            raise ConfigError(f"layers.{fused}: its {groups} int4 groups of {layout.group} inputs cannot be split "
+                              f"{shards} ways over {'x'.join(mesh_axes)}; use a mesh that splits it less, or "
+                              f"{_DEQUANTIZE}")
