@@ -8,6 +8,7 @@ response is sent, so admission errors still get their 4xx status even when strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import uuid
@@ -206,12 +207,23 @@ async def _run(request: web.Request, st: ServerState, m: ServedModel, req: Gener
         raise bad(str(e), prompt_param if e.param == "prompt" else e.param) from e
     body = make_formatter().response(choices, usage)
     if req.kv_transfer is not None and req.kv_transfer.get("do_remote_decode"):
-        first = choices[0]
-        token = first.token_ids[0] if first.token_ids else None
-        logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
-        body["kv_transfer_params"] = await st.handoff.export(prompts[0], tenant, f"{request.scheme}://{request.host}",
-                                                             token, logprob)
+        return await _export(request, st, body, choices[0], prompts[0], tenant)
     return web.json_response(body)
+
+
+async def _export(request: web.Request, st: ServerState, body: dict, first: Choice, prompt: list[int],
+                  tenant: str | None) -> web.StreamResponse:
+    """A prefill worker's answer, sent here rather than after the handler returns: if the client
+    leaves before it is written (a cancel, or a reset write), `export` releases the hold."""
+    token = first.token_ids[0] if first.token_ids else None
+    logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
+    response = web.Response(content_type="application/json")
+    with contextlib.suppress(ConnectionResetError):  # the client went away: nobody reads this answer
+        async with st.handoff.export(prompt, tenant, f"{request.scheme}://{request.host}", token, logprob) as params:
+            response.text = json.dumps({**body, "kv_transfer_params": params})
+            await response.prepare(request)
+            await response.write_eof()
+    return response
 
 
 async def _collect(req: GenerationRequest, stream: RequestStream, usage: Usage, num_prompts: int) -> list[Choice]:

@@ -14,17 +14,19 @@ computes from its own tokens and the request's own tenant, and the request runs 
 Any transport failure (the prefill worker died, the hold expired, no room in the buffer) makes the
 decode worker compute the prompt itself: a slower answer, never a wrong one. Holds expire after
 `hold_seconds`; a region is returned only after the thread or engine call that uses it finished.
+A prefill worker whose answer never reached its client releases the hold itself (`export`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 import numpy as np
@@ -115,58 +117,75 @@ class KVHandoff:
             await self._http.close()
 
     # ---- prefill side ------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
     async def export(self, prompt: list[int], tenant: str | None, public_url: str, first_token: int | None,
-                     first_logprob: float | None) -> dict | None:
-        """Holds the prompt's cached full pages; the `kv_transfer_params` a decode worker needs, or
-        None when no full page is cached (a prompt shorter than a page)."""
+                     first_logprob: float | None) -> AsyncIterator[dict | None]:
+        """Holds the prompt's cached full pages and yields the `kv_transfer_params` a decode worker needs
+        (None when no full page is cached: a prompt shorter than a page). Send them inside the block:
+        if it raises or is cancelled (the client left), nobody can know the transfer id, so the hold
+        is released at once."""
         blocks: KVBlocks = await self.engine.call(lambda e: e.export_prompt_kv(prompt, tenant=tenant))
-        if blocks.num_blocks == 0:
-            return None
-        # Registered by a task of its own: a client that leaves mid-copy leaves a hold that expires.
-        held = await asyncio.shield(asyncio.ensure_future(self._hold(blocks, tenant)))
-        if held is None:
-            return None
-        transfer_id, region = held
+        region = await self._hold(blocks) if blocks.num_blocks else None
+        if region is None:
+            yield None
+            return
+        transfer_id = secrets.token_hex(16)
+        self._holds[transfer_id] = _Held(region, tenant, time.monotonic() + self.hold_seconds)
         layout = blocks.layout
         host, _, port = public_url.rpartition("//")[2].rpartition(":")
-        return {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": region.target, "remote_host": host, "remote_port": int(port) if port else None,
-            "remote_url": public_url, "transfer_id": transfer_id, "remote_address": region.address,
-            "num_bytes": region.nbytes, "num_tokens": len(blocks.token_ids),
-            "tokens_digest": tokens_digest(blocks.token_ids), "expires_in_s": self.hold_seconds,
-            "layout": {"model": layout.model, "dtype": layout.dtype, "page_size": layout.page_size,
-                       "page_shape": list(layout.page_shape),
-                       "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None},
-            "first_token_id": first_token, "first_token_logprob": first_logprob,
-        }
-
-    async def _hold(self, blocks: KVBlocks, tenant: str | None) -> tuple[str, Reservation] | None:
         try:
-            region = await asyncio.get_running_loop().run_in_executor(None, self.transport.hold, blocks)
+            yield {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": region.target, "remote_host": host, "remote_port": int(port) if port else None,
+                "remote_url": public_url, "transfer_id": transfer_id, "remote_address": region.address,
+                "num_bytes": region.nbytes, "num_tokens": len(blocks.token_ids),
+                "tokens_digest": tokens_digest(blocks.token_ids), "expires_in_s": self.hold_seconds,
+                "layout": {"model": layout.model, "dtype": layout.dtype, "page_size": layout.page_size,
+                           "page_shape": list(layout.page_shape),
+                           "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None},
+                "first_token_id": first_token, "first_token_logprob": first_logprob,
+            }
+        except BaseException:
+            self._drop(transfer_id)
+            raise
+
+    async def _hold(self, blocks: KVBlocks) -> Reservation | None:
+        """The blocks copied into a region of the staging buffer (None: no room). A cancel cannot stop
+        the copy's thread: the region it takes after its caller left is returned when the copy ends."""
+        copy = asyncio.get_running_loop().run_in_executor(None, self.transport.hold, blocks)
+        try:
+            return await asyncio.shield(copy)
         except InvalidRequestError as e:  # no room: the decode worker computes the prompt itself
             log.warning("KV export skipped: %s", e)
             self._count_failure("no_room")
             return None
-        transfer_id = secrets.token_hex(16)
-        self._holds[transfer_id] = _Held(region, tenant, time.monotonic() + self.hold_seconds)
-        return transfer_id, region
+        except asyncio.CancelledError:
+            copy.add_done_callback(self._return_region)
+            raise
+
+    def _return_region(self, copy: asyncio.Future) -> None:
+        if not copy.cancelled() and copy.exception() is None:
+            self.transport.release(copy.result())
 
     def release(self, transfer_id: Any, tenant: str | None) -> bool:
         """Frees a hold; False when there is none of that id for this tenant (expired, or never made)."""
         held = self._holds.get(transfer_id) if isinstance(transfer_id, str) else None
         if held is None or held.tenant != tenant:
             return False
-        del self._holds[transfer_id]
-        self.transport.release(held.region)
+        self._drop(transfer_id)
         return True
+
+    def _drop(self, transfer_id: str) -> None:
+        held = self._holds.pop(transfer_id, None)
+        if held is not None:
+            self.transport.release(held.region)
 
     async def _expire_holds(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.hold_seconds / 4))
             now = time.monotonic()
             for tid in [t for t, h in self._holds.items() if h.deadline <= now]:
-                self.transport.release(self._holds.pop(tid).region)
+                self._drop(tid)
                 log.warning("a KV hold expired before any decode worker fetched it (%s)", tid)
                 self._count_failure("expired")
 
