@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import uuid
-from typing import Callable
+from typing import Callable, Iterator
 
 from aiohttp import web
 
@@ -26,7 +26,7 @@ from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.tokenizer import Tokenizer
 from server.auth import TENANT
 from server.errors import APIError, to_api_error
-from server.kv_handoff import KVHandoff, Pulled
+from server.kv_handoff import Claim, KVHandoff, Pulled
 from server.protocol import ChatRequest, GenerationRequest, bad, parse_chat, parse_completion
 from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, TokenText, Usage
 from server.streaming import SSEWriter
@@ -58,11 +58,39 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 KV_PULLED: web.RequestKey[Pulled | None] = web.RequestKey("kv_pulled")  # set when a transfer was asked
+KV_CLAIM: web.RequestKey[Claim | None] = web.RequestKey("kv_claim")  # the hold a decode request names
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    req = parse_completion(await _json(request))
+    body = await _json(request)
+    with _claim(request, st, body):
+        return await _completions(request, st, body)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    body = await _json(request)
+    with _claim(request, st, body):
+        return await _chat_completions(request, st, body)
+
+
+@contextlib.contextmanager
+def _claim(request: web.Request, st: ServerState, body) -> Iterator[None]:
+    """On a decode worker, the hold a request's kv_transfer_params name is released when the request
+    ends without importing it, also when it is refused before its pull (a field the prefill worker
+    never saw, such as min_tokens): no router has to be there to do it."""
+    claim = st.handoff.claim(body, request.headers) if st.role == "decode" else None
+    request[KV_CLAIM] = claim
+    try:
+        yield
+    finally:
+        if claim is not None:
+            st.handoff.settle(claim)
+
+
+async def _completions(request: web.Request, st: ServerState, body) -> web.StreamResponse:
+    req = parse_completion(body)
     m = _model(st, req)
     prompts = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     if any(not ids for ids in prompts):
@@ -78,9 +106,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _run(request, st, m, req, prompts, formatter, "prompt")
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    req = parse_chat(await _json(request))
+async def _chat_completions(request: web.Request, st: ServerState, body) -> web.StreamResponse:
+    req = parse_chat(body)
     m = _model(st, req)
     tool_format = detect_format(m.tokenizer.chat_template)
     try:
@@ -192,7 +219,7 @@ async def _run(request: web.Request, st: ServerState, m: ServedModel, req: Gener
     if req.kv_transfer is not None:
         _check_transfer(st, req, prompts)
         if req.kv_transfer.get("do_remote_prefill"):  # import the prompt's pages, then run as a prefix hit
-            request[KV_PULLED] = await st.handoff.pull(req.kv_transfer, prompts[0], tenant, dict(request.headers))
+            request[KV_PULLED] = await st.handoff.pull(request[KV_CLAIM], req.kv_transfer, prompts[0], tenant)
     spec = req.params.structured_outputs
     grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,

@@ -278,3 +278,36 @@ def test_a_client_that_leaves_before_the_answer_leaves_no_hold(workers):
         assert workers.watch.task.done()
 
     workers.run(main())
+
+
+def _another_engine(params: dict) -> dict:
+    return {**params, "remote_engine_id": "127.0.0.1:1"}  # nothing listens there: the Mooncake read fails
+
+
+@pytest.mark.parametrize("case,prompt,change,extra,status,outcome", [
+    ("no room in the decode buffer", LONG, None, {}, 200, "failed"),
+    ("the read fails", PROMPT, _another_engine, {}, 200, "failed"),
+    ("params of another prompt", PROMPT, None, {"prompt": [1] + PROMPT[2:]}, 400, None),
+    ("refused before the pull", PROMPT, None, {"min_tokens": 8}, 400, None),
+    ("imported", PROMPT, None, {}, 200, "imported"),
+])
+def test_a_decode_worker_releases_the_hold_it_does_not_import(workers, case, prompt, change, extra, status, outcome):
+    """No router in between, as behind vLLM's proxies: the decode worker answers (computing the
+    prompt itself, or refusing the request) and the prefill worker's hold is gone within seconds."""
+    handoff = _handoff(workers, 0)
+
+    async def main() -> None:
+        free = handoff.free_bytes
+        got, pre, _ = await _post(workers.urls[0], _prefill_body(workers, prompt))
+        assert got == 200, pre
+        params = pre["kv_transfer_params"]
+        assert handoff.num_holds == 1 and handoff.free_bytes == free - params["num_bytes"]
+        body = {"model": workers.model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "kv_transfer_params": change(params) if change else params, **extra}
+        got, answer, headers = await _post(workers.urls[1], body)
+        assert got == status, answer
+        assert headers.get("x-infire-kv-transfer") == outcome
+        await _until(lambda: handoff.num_holds == 0 and handoff.free_bytes == free, 5, f"the release ({case})")
+        assert _handoff(workers, 1).free_bytes == 4 << 20  # the decode worker's region came back too
+
+    workers.run(main())
