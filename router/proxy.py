@@ -6,8 +6,9 @@ and answers the parameters its KV can be pulled with; the decode worker gets the
 plus those parameters, pulls the KV and generates. A failed prefill fails no request: the decode
 worker prefills locally, as it does for short prompts and for completions of several prompts (a
 transfer carries one). A `both` replica serves the requests routed to it whole. The prefill worker
-holds the KV until a decode worker that imports it releases it; on every other outcome the router
-releases it (`_Hold`), so its pages are free at once rather than at the hold's expiry.
+holds the KV until the decode worker releases it (imported or not); on every outcome but an import
+the router releases it too (`_Hold`), so its pages are free at once rather than at the hold's expiry
+even when the decode worker could not (a 404 then: released already).
 
 The router never checks keys: Authorization and every x-* header go to the workers as they came.
 """

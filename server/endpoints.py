@@ -8,10 +8,11 @@ response is sent, so admission errors still get their 4xx status even when strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import uuid
-from typing import Callable
+from typing import Callable, Iterator
 
 from aiohttp import web
 
@@ -25,7 +26,7 @@ from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.tokenizer import Tokenizer
 from server.auth import TENANT
 from server.errors import APIError, to_api_error
-from server.kv_handoff import KVHandoff, Pulled
+from server.kv_handoff import Claim, KVHandoff, Pulled
 from server.protocol import ChatRequest, GenerationRequest, bad, parse_chat, parse_completion
 from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, TokenText, Usage
 from server.streaming import SSEWriter
@@ -57,11 +58,39 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 KV_PULLED: web.RequestKey[Pulled | None] = web.RequestKey("kv_pulled")  # set when a transfer was asked
+KV_CLAIM: web.RequestKey[Claim | None] = web.RequestKey("kv_claim")  # the hold a decode request names
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    req = parse_completion(await _json(request))
+    body = await _json(request)
+    with _claim(request, st, body):
+        return await _completions(request, st, body)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    body = await _json(request)
+    with _claim(request, st, body):
+        return await _chat_completions(request, st, body)
+
+
+@contextlib.contextmanager
+def _claim(request: web.Request, st: ServerState, body) -> Iterator[None]:
+    """On a decode worker, the hold a request's kv_transfer_params name is released when the request
+    ends without importing it, also when it is refused before its pull (a field the prefill worker
+    never saw, such as min_tokens): no router has to be there to do it."""
+    claim = st.handoff.claim(body, request.headers) if st.role == "decode" else None
+    request[KV_CLAIM] = claim
+    try:
+        yield
+    finally:
+        if claim is not None:
+            st.handoff.settle(claim)
+
+
+async def _completions(request: web.Request, st: ServerState, body) -> web.StreamResponse:
+    req = parse_completion(body)
     m = _model(st, req)
     prompts = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     if any(not ids for ids in prompts):
@@ -77,9 +106,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _run(request, st, m, req, prompts, formatter, "prompt")
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    req = parse_chat(await _json(request))
+async def _chat_completions(request: web.Request, st: ServerState, body) -> web.StreamResponse:
+    req = parse_chat(body)
     m = _model(st, req)
     tool_format = detect_format(m.tokenizer.chat_template)
     try:
@@ -191,7 +219,7 @@ async def _run(request: web.Request, st: ServerState, m: ServedModel, req: Gener
     if req.kv_transfer is not None:
         _check_transfer(st, req, prompts)
         if req.kv_transfer.get("do_remote_prefill"):  # import the prompt's pages, then run as a prefix hit
-            request[KV_PULLED] = await st.handoff.pull(req.kv_transfer, prompts[0], tenant, dict(request.headers))
+            request[KV_PULLED] = await st.handoff.pull(request[KV_CLAIM], req.kv_transfer, prompts[0], tenant)
     spec = req.params.structured_outputs
     grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
@@ -206,12 +234,23 @@ async def _run(request: web.Request, st: ServerState, m: ServedModel, req: Gener
         raise bad(str(e), prompt_param if e.param == "prompt" else e.param) from e
     body = make_formatter().response(choices, usage)
     if req.kv_transfer is not None and req.kv_transfer.get("do_remote_decode"):
-        first = choices[0]
-        token = first.token_ids[0] if first.token_ids else None
-        logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
-        body["kv_transfer_params"] = await st.handoff.export(prompts[0], tenant, f"{request.scheme}://{request.host}",
-                                                             token, logprob)
+        return await _export(request, st, body, choices[0], prompts[0], tenant)
     return web.json_response(body)
+
+
+async def _export(request: web.Request, st: ServerState, body: dict, first: Choice, prompt: list[int],
+                  tenant: str | None) -> web.StreamResponse:
+    """A prefill worker's answer, sent here rather than after the handler returns: if the client
+    leaves before it is written (a cancel, or a reset write), `export` releases the hold."""
+    token = first.token_ids[0] if first.token_ids else None
+    logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
+    response = web.Response(content_type="application/json")
+    with contextlib.suppress(ConnectionResetError):  # the client went away: nobody reads this answer
+        async with st.handoff.export(prompt, tenant, f"{request.scheme}://{request.host}", token, logprob) as params:
+            response.text = json.dumps({**body, "kv_transfer_params": params})
+            await response.prepare(request)
+            await response.write_eof()
+    return response
 
 
 async def _collect(req: GenerationRequest, stream: RequestStream, usage: Usage, num_prompts: int) -> list[Choice]:

@@ -14,17 +14,23 @@ computes from its own tokens and the request's own tenant, and the request runs 
 Any transport failure (the prefill worker died, the hold expired, no room in the buffer) makes the
 decode worker compute the prompt itself: a slower answer, never a wrong one. Holds expire after
 `hold_seconds`; a region is returned only after the thread or engine call that uses it finished.
+
+Nothing waits for the expiry when someone knows the hold is no longer wanted: a prefill worker
+whose answer never reached its client releases the hold itself (`export`), and a decode worker
+releases the hold its request names whenever it does not import it (`Claim`), so vLLM's proxies,
+which never release, leak nothing either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, AsyncIterator, Mapping
 
 import aiohttp
 import numpy as np
@@ -39,8 +45,9 @@ log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
 RELEASE_PATH = "/v1/kv_transfer/release"
-_FORWARDED = ("Authorization", "x-tenant-id")  # the release runs as the same client, hence the same tenant
+_FORWARDED = ("authorization", "x-tenant-id")  # the release runs as the same client, hence the same tenant
 _PARAM = "kv_transfer_params"
+_RELEASE_TIMEOUT_S = 5.0  # a release a decode worker gives up on: past this, the hold expires instead
 
 
 def tokens_digest(token_ids: list[int]) -> str:
@@ -56,6 +63,19 @@ class _Held:
     region: Reservation
     tenant: str | None
     deadline: float
+
+
+@dataclasses.dataclass
+class Claim:
+    """The hold a decode request's `kv_transfer_params` name, released once: by the pull's confirmation,
+    or else in the background as soon as the request stops wanting it (a pull that failed, or a
+    request refused before its pull), without waiting for a router to do it."""
+
+    url: str
+    transfer_id: str
+    headers: dict[str, str]  # the client's Authorization and x-tenant-id: a hold is released per tenant
+    pulling: bool = False  # a pull owns it: it settles the claim however it ends
+    released: bool = False  # a release was sent
 
 
 @dataclasses.dataclass
@@ -115,65 +135,82 @@ class KVHandoff:
             await self._http.close()
 
     # ---- prefill side ------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
     async def export(self, prompt: list[int], tenant: str | None, public_url: str, first_token: int | None,
-                     first_logprob: float | None) -> dict | None:
-        """Holds the prompt's cached full pages; the `kv_transfer_params` a decode worker needs, or
-        None when no full page is cached (a prompt shorter than a page)."""
+                     first_logprob: float | None) -> AsyncIterator[dict | None]:
+        """Holds the prompt's cached full pages and yields the `kv_transfer_params` a decode worker needs
+        (None when no full page is cached: a prompt shorter than a page). Send them inside the block:
+        if it raises or is cancelled (the client left), nobody can know the transfer id, so the hold
+        is released at once."""
         blocks: KVBlocks = await self.engine.call(lambda e: e.export_prompt_kv(prompt, tenant=tenant))
-        if blocks.num_blocks == 0:
-            return None
-        # Registered by a task of its own: a client that leaves mid-copy leaves a hold that expires.
-        held = await asyncio.shield(asyncio.ensure_future(self._hold(blocks, tenant)))
-        if held is None:
-            return None
-        transfer_id, region = held
+        region = await self._hold(blocks) if blocks.num_blocks else None
+        if region is None:
+            yield None
+            return
+        transfer_id = secrets.token_hex(16)
+        self._holds[transfer_id] = _Held(region, tenant, time.monotonic() + self.hold_seconds)
         layout = blocks.layout
         host, _, port = public_url.rpartition("//")[2].rpartition(":")
-        return {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": region.target, "remote_host": host, "remote_port": int(port) if port else None,
-            "remote_url": public_url, "transfer_id": transfer_id, "remote_address": region.address,
-            "num_bytes": region.nbytes, "num_tokens": len(blocks.token_ids),
-            "tokens_digest": tokens_digest(blocks.token_ids), "expires_in_s": self.hold_seconds,
-            "layout": {"model": layout.model, "dtype": layout.dtype, "page_size": layout.page_size,
-                       "page_shape": list(layout.page_shape),
-                       "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None},
-            "first_token_id": first_token, "first_token_logprob": first_logprob,
-        }
-
-    async def _hold(self, blocks: KVBlocks, tenant: str | None) -> tuple[str, Reservation] | None:
         try:
-            region = await asyncio.get_running_loop().run_in_executor(None, self.transport.hold, blocks)
+            yield {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": region.target, "remote_host": host, "remote_port": int(port) if port else None,
+                "remote_url": public_url, "transfer_id": transfer_id, "remote_address": region.address,
+                "num_bytes": region.nbytes, "num_tokens": len(blocks.token_ids),
+                "tokens_digest": tokens_digest(blocks.token_ids), "expires_in_s": self.hold_seconds,
+                "layout": {"model": layout.model, "dtype": layout.dtype, "page_size": layout.page_size,
+                           "page_shape": list(layout.page_shape),
+                           "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None},
+                "first_token_id": first_token, "first_token_logprob": first_logprob,
+            }
+        except BaseException:
+            self._drop(transfer_id)
+            raise
+
+    async def _hold(self, blocks: KVBlocks) -> Reservation | None:
+        """The blocks copied into a region of the staging buffer (None: no room). A cancel cannot stop
+        the copy's thread: the region it takes after its caller left is returned when the copy ends."""
+        copy = asyncio.get_running_loop().run_in_executor(None, self.transport.hold, blocks)
+        try:
+            return await asyncio.shield(copy)
         except InvalidRequestError as e:  # no room: the decode worker computes the prompt itself
             log.warning("KV export skipped: %s", e)
             self._count_failure("no_room")
             return None
-        transfer_id = secrets.token_hex(16)
-        self._holds[transfer_id] = _Held(region, tenant, time.monotonic() + self.hold_seconds)
-        return transfer_id, region
+        except asyncio.CancelledError:
+            copy.add_done_callback(self._return_region)
+            raise
+
+    def _return_region(self, copy: asyncio.Future) -> None:
+        if not copy.cancelled() and copy.exception() is None:
+            self.transport.release(copy.result())
 
     def release(self, transfer_id: Any, tenant: str | None) -> bool:
         """Frees a hold; False when there is none of that id for this tenant (expired, or never made)."""
         held = self._holds.get(transfer_id) if isinstance(transfer_id, str) else None
         if held is None or held.tenant != tenant:
             return False
-        del self._holds[transfer_id]
-        self.transport.release(held.region)
+        self._drop(transfer_id)
         return True
+
+    def _drop(self, transfer_id: str) -> None:
+        held = self._holds.pop(transfer_id, None)
+        if held is not None:
+            self.transport.release(held.region)
 
     async def _expire_holds(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.hold_seconds / 4))
             now = time.monotonic()
             for tid in [t for t, h in self._holds.items() if h.deadline <= now]:
-                self.transport.release(self._holds.pop(tid).region)
+                self._drop(tid)
                 log.warning("a KV hold expired before any decode worker fetched it (%s)", tid)
                 self._count_failure("expired")
 
     # ---- decode side -------------------------------------------------------------------------------
-    def _check(self, params: dict, prompt: list[int]) -> tuple[Reservation, str, str, int]:
-        """The held region, the release URL and id, and the token count the params name; a 400 when
-        they are malformed, made for another model or layout, or for another prompt."""
+    def _check(self, params: dict, prompt: list[int]) -> tuple[Reservation, int]:
+        """The held region and the token count the params name; a 400 when they are malformed, made
+        for another model or layout, or for another prompt."""
         def field(name: str, kind: type) -> Any:
             v = params.get(name)
             if not isinstance(v, kind) or isinstance(v, bool):
@@ -205,31 +242,71 @@ class KVHandoff:
         itemsize = 2 if mine.dtype == "bfloat16" else np.dtype(mine.dtype).itemsize
         if source.nbytes != layers * (heads * dim + v_heads * v_dim) * itemsize * num_tokens:
             raise _bad(f"'{_PARAM}.num_bytes' ({source.nbytes}) does not match {num_tokens} tokens of this layout")
-        return source, field("remote_url", str), field("transfer_id", str), num_tokens
+        return source, num_tokens
 
-    async def pull(self, params: dict, prompt: list[int], tenant: str | None, headers: dict[str, str]) -> Pulled | None:
-        """Fetches and imports the prompt's pages a prefill worker holds; None when the transfer failed
-        (the request then computes its prompt here). Malformed params raise a 400."""
-        source, url, transfer_id, num_tokens = self._check(params, prompt)
+    def claim(self, body: Any, headers: Mapping[str, str]) -> Claim | None:
+        """The hold a request body's `kv_transfer_params` ask this decode worker to pull, if they name
+        one (its HTTP address and id), whether or not the rest of the params or the body are valid."""
+        params = body.get(_PARAM) if isinstance(body, dict) else None
+        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+            return None
+        url, transfer_id = params.get("remote_url"), params.get("transfer_id")
+        if not (isinstance(url, str) and url.startswith(("http://", "https://")) and isinstance(transfer_id, str)):
+            return None
+        return Claim(url.rstrip("/"), transfer_id, {k: v for k, v in headers.items() if k.lower() in _FORWARDED})
+
+    def settle(self, claim: Claim) -> None:
+        """The request is over: its hold is released unless a pull owns it or released it already."""
+        if not claim.pulling:
+            self._let_go(claim)
+
+    def _let_go(self, claim: Claim) -> None:
+        """Releases the hold in a task of its own, once: the request computes its prompt meanwhile."""
+        if claim.released:
+            return
+        claim.released = True
+        task = asyncio.create_task(self._release_remote(claim))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _release_remote(self, claim: Claim) -> None:
+        """Best effort: a 404 means the hold is gone already (a router released it, or it expired)."""
+        try:
+            status = await self._post_release(claim, aiohttp.ClientTimeout(total=_RELEASE_TIMEOUT_S))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("could not release KV hold %s on %s (it expires instead): %r", claim.transfer_id, claim.url, e)
+            return
+        if status not in (200, 404):
+            log.warning("releasing KV hold %s on %s answered %d (it expires instead)", claim.transfer_id, claim.url,
+                        status)
+
+    async def pull(self, claim: Claim | None, params: dict, prompt: list[int], tenant: str | None) -> Pulled | None:
+        """Fetches and imports the prompt's pages a prefill worker holds (`claim`: the hold `params`
+        name); None when the transfer failed (the request then computes its prompt here, and the hold
+        is released now). Malformed params raise a 400 (the caller's `settle` releases the hold)."""
+        if claim is None:
+            raise _bad(f"'{_PARAM}.remote_url' (http or https) and '{_PARAM}.transfer_id' must name the hold; "
+                       "pass the kv_transfer_params a prefill worker returned")
+        source, num_tokens = self._check(params, prompt)
         try:
             region = self.transport.reserve(source.nbytes)
         except InvalidRequestError as e:  # no room: compute locally
             log.warning("KV pull skipped: %s", e)
             self._count_failure("no_room")
+            self._let_go(claim)
             return None
-        forwarded = {k: v for k, v in headers.items() if k in _FORWARDED}
-        task = asyncio.create_task(self._fetch_and_import(source, region, url, transfer_id, prompt[:num_tokens],
-                                                          tenant, forwarded))
+        claim.pulling = True
+        task = asyncio.create_task(self._fetch_and_import(source, region, claim, prompt[:num_tokens], tenant))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
-        # The task owns the region until it ends; a client that leaves does not cut it short.
+        # The task owns the region and the claim until it ends; a client that leaves does not cut it short.
         return await asyncio.shield(task)
 
-    async def _fetch_and_import(self, source: Reservation, region: Reservation, url: str, transfer_id: str,
-                                token_ids: list[int], tenant: str | None, headers: dict[str, str]) -> Pulled | None:
+    async def _fetch_and_import(self, source: Reservation, region: Reservation, claim: Claim,
+                                token_ids: list[int], tenant: str | None) -> Pulled | None:
         try:
             seconds = await asyncio.get_running_loop().run_in_executor(None, self.transport.fetch, source, region)
-            if not await self._confirm(url, transfer_id, headers):
+            if not await self._confirm(claim):
                 self._count_failure("hold_gone")
                 return None
             blocks = self.transport.received(region, self.layout, token_ids, tenant)
@@ -238,17 +315,22 @@ class KVHandoff:
                 self._metrics.kv_transferred(region.nbytes, seconds)
             return Pulled(region.nbytes, seconds, written)
         except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            log.warning("KV pull from %s failed, computing the prompt here: %s", url, e)
+            log.warning("KV pull from %s failed, computing the prompt here: %s", claim.url, e)
             self._count_failure("transport")
             return None
         finally:
             self.transport.release(region)
+            self._let_go(claim)  # unless confirmed: the read failed, or something else did
 
-    async def _confirm(self, url: str, transfer_id: str, headers: dict[str, str]) -> bool:
+    async def _confirm(self, claim: Claim) -> bool:
         """Releases the hold; True only if it was still live (so the bytes read were intact)."""
-        async with self._http.post(url.rstrip("/") + RELEASE_PATH, json={"transfer_id": transfer_id},
-                                   headers=headers) as r:
-            return r.status == 200
+        claim.released = True
+        return await self._post_release(claim) == 200
+
+    async def _post_release(self, claim: Claim, timeout: aiohttp.ClientTimeout | None = None) -> int:
+        async with self._http.post(claim.url + RELEASE_PATH, json={"transfer_id": claim.transfer_id},
+                                   headers=claim.headers, timeout=timeout or self._http.timeout) as r:
+            return r.status
 
     def _count_failure(self, reason: str) -> None:
         if self._metrics is not None:

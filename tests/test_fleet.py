@@ -183,9 +183,10 @@ def expired_holds(worker: ServerProcess) -> float:
 
 def test_a_decode_failure_after_the_prefill_releases_the_hold_at_once(fleet):
     """The decode worker refuses what its prefill worker ran (min_tokens goes to the decode side only):
-    the router releases the hold before the client gets the error, not --kv-hold-seconds later, and
-    the prefill worker's staging buffer is whole again. tests/test_router_holds.py has the other
-    failures (5xx, broken or timed-out connection, dead worker, client gone)."""
+    the hold is released before the client gets the error, not --kv-hold-seconds later (by the decode
+    worker, or by the router if its release lands first), and the prefill worker's staging buffer is
+    whole again. tests/test_router_holds.py has the other failures (5xx, broken or timed-out
+    connection, dead worker, client gone); tests/test_kv_transfer.py the decode worker's own releases."""
     router, p = fleet["disagg"], fleet["P"]
     before = p.metrics()
     assert before["infire:kv_transfer_holds"] == 0
@@ -197,7 +198,8 @@ def test_a_decode_failure_after_the_prefill_releases_the_hold_at_once(fleet):
     after = p.metrics()
     assert after["infire:kv_transfer_holds"] == 0
     assert after["infire:kv_transfer_buffer_free_bytes"] == before["infire:kv_transfer_buffer_free_bytes"]
-    assert router.metrics()["infire_router:kv_holds_released_total"] == released + 1  # live when released
+    # 0: the decode worker's release came first, and the router's answered 404
+    assert router.metrics()["infire_router:kv_holds_released_total"] - released in (0, 1)
     assert expired_holds(p) == expired  # released, not expired
 
 

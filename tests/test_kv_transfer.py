@@ -1,12 +1,19 @@
 """A prompt's KV moved between two engines of the real model: the receiver's prefix cache serves it,
-and generation from imported pages equals generation from a local prefill."""
+and generation from imported pages equals generation from a local prefill. Last, the same engines
+as a prefill and a decode worker in this process: no hold outlives a transfer that cannot happen."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
+import time
+from typing import Callable
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from infire_jax import Engine, EngineConfig, SamplingParams
 from infire_jax.errors import InvalidRequestError
@@ -117,3 +124,190 @@ def test_blocks_cross_mooncake_and_serve_the_prompt(pair):
     assert cached == 6 * PS and got == want
     with pytest.raises(InvalidRequestError, match="no room in the KV staging buffer"):
         dst.reserve(17 << 20)
+
+
+# ---- in-process workers: a hold nobody can use is released, not left to expire --------------------
+
+HOLD_S = 60  # far beyond every deadline below: a hold that is gone was released, not expired
+LONG = [1] + [400 + (13 * i) % 2500 for i in range(100)]  # 6 full pages: more than the decode buffer holds
+
+
+class _Watch:
+    """Hooks on the prefill worker: the task of its latest generation request, and, when `stall` is
+    set, its next answer held back before the first byte (the hold is made, the client has no id)."""
+
+    def __init__(self):
+        self.task: asyncio.Task | None = None
+        self.stall = False
+        self.stalled = False
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        if request.path == "/v1/completions":
+            self.task = asyncio.current_task()
+        return await handler(request)
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        if self.stall and request.path == "/v1/completions":
+            self.stall, self.stalled = False, True
+            await asyncio.Event().wait()  # until the client leaves and the handler is cancelled
+
+
+class _Workers:
+    """Two apps served on an event loop of its own; `run` runs a coroutine there."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.runners: list[web.AppRunner] = []
+        self.urls: list[str] = []
+
+    def run(self, coro, timeout: float = 300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def serve(self, app: web.Application) -> None:
+        from server.listen import bind, make_runner
+
+        runner = make_runner(app)  # the workers' own: a client that leaves cancels its handler
+        await runner.setup()
+        sock = bind("127.0.0.1", 0)
+        await web.SockSite(runner, sock).start()
+        self.runners.append(runner)
+        self.urls.append(f"http://127.0.0.1:{sock.getsockname()[1]}")
+
+    def close(self) -> None:
+        for runner in self.runners:
+            self.run(runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def workers(pair):
+    """The pair as a prefill worker (16 MiB staging buffer) and a decode worker (4 MiB: room for
+    PROMPT's 4 pages, not LONG's 6). Their engine threads take the engines over: these tests come last."""
+    from server.app import build_app
+
+    sender, receiver = pair
+    prefill = build_app(sender, role="prefill", kv_buffer_bytes=16 << 20, kv_hold_seconds=HOLD_S)
+    watch = _Watch()
+    prefill.middlewares.append(watch.middleware)
+    prefill.on_response_prepare.append(watch.on_prepare)
+    w = _Workers()
+    try:
+        w.run(w.serve(prefill))
+        w.run(w.serve(build_app(receiver, role="decode", kv_buffer_bytes=4 << 20)))
+        w.watch, w.model = watch, sender.model_name
+        yield w
+    finally:
+        w.close()
+
+
+def _handoff(w: _Workers, i: int):
+    from server.endpoints import STATE
+
+    return w.runners[i].app[STATE].handoff
+
+
+async def _post(url: str, body: dict) -> tuple[int, dict, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            return r.status, await r.json(), dict(r.headers)
+
+
+async def _until(predicate: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"waited {seconds}s for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _prefill_body(w: _Workers, prompt: list[int]) -> dict:
+    return {"model": w.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+
+
+def test_a_client_that_leaves_while_the_hold_is_made_leaves_none(workers):
+    """The client goes away while the prompt's pages are copied into the staging buffer (the copy
+    ends only after the handler's cancel here): the region is returned as soon as it does."""
+    from infire_jax.kv_transfer.mooncake import MooncakeTransport
+
+    handoff = _handoff(workers, 0)
+    copying, gate = threading.Event(), threading.Event()
+
+    def slow_hold(blocks):
+        region = MooncakeTransport.hold(handoff.transport, blocks)
+        copying.set()
+        gate.wait(60)
+        return region
+
+    async def main() -> None:
+        free = handoff.free_bytes
+        client = asyncio.create_task(_post(workers.urls[0], _prefill_body(workers, PROMPT)))
+        await _until(copying.is_set, 120, "the prefill and its copy into the staging buffer")
+        assert handoff.free_bytes < free
+        client.cancel()  # closes the connection
+        await _until(workers.watch.task.done, 5, "the worker to cancel the handler")
+        gate.set()
+        await _until(lambda: handoff.free_bytes == free, 5, "the region to come back")
+        assert handoff.num_holds == 0  # never registered: no half-made hold
+
+    handoff.transport.hold = slow_hold
+    try:
+        workers.run(main())
+    finally:
+        gate.set()
+        del handoff.transport.hold
+
+
+def test_a_client_that_leaves_before_the_answer_leaves_no_hold(workers):
+    """The hold is made, the answer that names it is not written yet: a client that leaves then has
+    the hold released at once (the expiry is a minute away)."""
+    handoff = _handoff(workers, 0)
+
+    async def main() -> None:
+        free = handoff.free_bytes
+        workers.watch.stall = True
+        client = asyncio.create_task(_post(workers.urls[0], _prefill_body(workers, PROMPT)))
+        await _until(lambda: workers.watch.stalled, 120, "the prefill's answer")
+        assert handoff.num_holds == 1 and handoff.free_bytes < free
+        client.cancel()
+        await _until(lambda: handoff.num_holds == 0 and handoff.free_bytes == free, 5, "the hold's release")
+        assert workers.watch.task.done()
+
+    workers.run(main())
+
+
+def _another_engine(params: dict) -> dict:
+    return {**params, "remote_engine_id": "127.0.0.1:1"}  # nothing listens there: the Mooncake read fails
+
+
+@pytest.mark.parametrize("case,prompt,change,extra,status,outcome", [
+    ("no room in the decode buffer", LONG, None, {}, 200, "failed"),
+    ("the read fails", PROMPT, _another_engine, {}, 200, "failed"),
+    ("params of another prompt", PROMPT, None, {"prompt": [1] + PROMPT[2:]}, 400, None),
+    ("refused before the pull", PROMPT, None, {"min_tokens": 8}, 400, None),
+    ("imported", PROMPT, None, {}, 200, "imported"),
+])
+def test_a_decode_worker_releases_the_hold_it_does_not_import(workers, case, prompt, change, extra, status, outcome):
+    """No router in between, as behind vLLM's proxies: the decode worker answers (computing the
+    prompt itself, or refusing the request) and the prefill worker's hold is gone within seconds."""
+    handoff = _handoff(workers, 0)
+
+    async def main() -> None:
+        free = handoff.free_bytes
+        got, pre, _ = await _post(workers.urls[0], _prefill_body(workers, prompt))
+        assert got == 200, pre
+        params = pre["kv_transfer_params"]
+        assert handoff.num_holds == 1 and handoff.free_bytes == free - params["num_bytes"]
+        body = {"model": workers.model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "kv_transfer_params": change(params) if change else params, **extra}
+        got, answer, headers = await _post(workers.urls[1], body)
+        assert got == status, answer
+        assert headers.get("x-infire-kv-transfer") == outcome
+        await _until(lambda: handoff.num_holds == 0 and handoff.free_bytes == free, 5, f"the release ({case})")
+        assert _handoff(workers, 1).free_bytes == 4 << 20  # the decode worker's region came back too
+
+    workers.run(main())
