@@ -17,7 +17,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.panels import PanelParams, PanelWeight, kernel_layout
 from infire_jax.models.registry import abstract_state, build_state
 from pallas_kernels import cpu_matmul
-from test_cpu_matmul import HAS_BF16, needs_bf16_dot
+from test_cpu_matmul import HAS_BF16
 from test_kernels import build_metadata, device_meta
 
 
