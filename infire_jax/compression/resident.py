@@ -21,6 +21,7 @@ from jaxtyping import Array
 
 from infire_jax.compression import as_bf16, parse_kinds, selected
 from infire_jax.compression.palette import PALETTE_SIZE, ROW, PaletteTensor, decode_palette_block, encode_palette
+from infire_jax.weight_parts import WeightParts
 
 RESIDENT_FORMATS = ("palette",)
 RESIDENT_KINDS = ("mlp", "attn")  # stacked layer weights; the embedding is read whole every step
@@ -48,7 +49,7 @@ def parse_resident(spec: str) -> tuple[str, tuple[str, ...]]:
     return fmt, parsed
 
 
-class PaletteParams(nnx.Module):
+class PaletteParams(WeightParts):
     """The parts of one palette-coded stacked weight, each a parameter with logical axes."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: ResidentLayout):
@@ -60,12 +61,6 @@ class PaletteParams(nnx.Module):
         self.sign_mantissa = part(shape, axes, jnp.uint8)
         self.esc_rows = part((*layout.grid, layout.capacity), (*axes, None), jnp.int32)
         self.esc_exp = part((*layout.grid, layout.capacity, ROW), (*axes, None, None), jnp.uint8)
-
-    def arrays(self) -> dict[str, Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
-
-    def axes(self) -> dict[str, tuple[str | None, ...]]:
-        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
 def grid_for(shape: tuple[int, ...], axes: tuple[str | None, ...], plan) -> tuple[int, ...]:

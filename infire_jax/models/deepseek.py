@@ -36,6 +36,7 @@ from infire_jax.models.llama import dense_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
 from infire_jax.quant.grouped import GroupedLayout, GroupedParams, dequantize_kept
+from infire_jax.weight_parts import WeightParts
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mla import mla_attention, step_form
 from sharding.plan import ShardPlan
@@ -89,11 +90,11 @@ class MLALayers(nnx.Module):
     def arrays(self) -> dict[str, Array | dict[str, Array]]:
         """The stacked arrays by name (a dict of parts for a kept quantized weight), for `lax.scan`."""
         return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, GroupedParams))}
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
 
     def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
         return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, GroupedParams))}
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
 
 
 def mla_project(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], cos: Array, sin: Array

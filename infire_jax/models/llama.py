@@ -27,6 +27,7 @@ from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPalette
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
+from infire_jax.weight_parts import WeightParts
 from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import AttentionMetadata
@@ -86,12 +87,12 @@ class DecoderLayers(nnx.Module):
         """The raw stacked arrays (a dict of parts for a compressed weight, a `PanelWeight` for a repacked
         one), by attribute name, for `lax.scan`."""
         return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams, PanelParams))}
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts, PanelParams))}
 
     def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
         """Each stacked array's logical axis names, in the same structure as `arrays`."""
         return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, PaletteParams, QuantParams, PanelParams))}
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts, PanelParams))}
 
 
 @dataclasses.dataclass(frozen=True)

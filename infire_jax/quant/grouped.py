@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Shaped
 
+from infire_jax.weight_parts import WeightParts
+
 # The input axis of each DeepSeek layer weight that a checkpoint may quantize, counted from the end:
 # wq_a [E, Rq], wq_b [Rq, H, Dq], wkv_a [E, R + Dr], w_uk/w_uv [R, H, D] (kv_b's input is the latent),
 # wo [H, Dv, E] (groups within a head), w_gate_up [(X,) E, 2, F], w_down [(X,) F, E], and the shared ones.
@@ -61,18 +63,12 @@ class GroupedLayout:
                 "scale": (along(n // self.group), self.scale_dtype)}
 
 
-class GroupedParams(nnx.Module):
+class GroupedParams(WeightParts):
     """The parts of one kept stacked weight, each a parameter with the weight's logical axes."""
 
     def __init__(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: GroupedLayout):
         for part, (part_shape, dtype) in layout.part_shapes(name, shape).items():
             setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=axes, init="zeros"))
-
-    def arrays(self) -> dict[str, Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
-
-    def axes(self) -> dict[str, tuple[str | None, ...]]:
-        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
 def is_kept(value: Any) -> bool:

@@ -23,6 +23,7 @@ from jaxtyping import Array
 
 from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 from infire_jax.quant.gptq_awq import dequantize_parts
+from infire_jax.weight_parts import WeightParts
 
 QUANTIZATION_MODES = ("gguf", "int8", "checkpoint")  # "checkpoint": quant/grouped.py
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
@@ -69,7 +70,7 @@ class QuantLayout:
         raise ValueError(f"{short}: GGUF type {self.kind} is not kept quantized; supported: {sorted(QUANT_PART)}")
 
 
-class QuantParams(nnx.Module):
+class QuantParams(WeightParts):
     """The parts of one quantized stacked weight, each a parameter with the weight's logical axes."""
 
     def __init__(self, short: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: QuantLayout):
@@ -78,12 +79,6 @@ class QuantParams(nnx.Module):
             # a per-channel scale (or zero) has one entry on the input axis, so it is not split there
             part_axes = tuple(None if i == axis and part_shape[i] == 1 else a for i, a in enumerate(axes))
             setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=part_axes, init="zeros"))
-
-    def arrays(self) -> dict[str, Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
-
-    def axes(self) -> dict[str, tuple[str | None, ...]]:
-        return {k: v.axes for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
 def is_quantized(value: Any) -> bool:
