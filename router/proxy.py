@@ -8,7 +8,8 @@ worker prefills locally, as it does for short prompts and for completions of sev
 transfer carries one). A `both` replica serves the requests routed to it whole. The prefill worker
 holds the KV until the decode worker releases it (imported or not); on every outcome but an import
 the router releases it too (`_Hold`), so its pages are free at once rather than at the hold's expiry
-even when the decode worker could not (a 404 then: released already).
+even when the decode worker could not (a 404 then: released already), and also when the client
+leaves while the prefill's answer is on its way (`_PrefillCall`).
 
 The router never checks keys: Authorization and every x-* header go to the workers as they came.
 """
@@ -41,6 +42,7 @@ KV_TRANSFER_HEADER = "x-infire-kv-transfer"  # the decode worker's outcome: impo
 RELEASE_PATH = "/v1/kv_transfer/release"  # a prefill worker's (server/kv_handoff.py)
 _RELEASE_HEADERS = ("authorization", TENANT_HEADER)  # a hold is released only for the tenant that made it
 _RELEASE_TIMEOUT_S = 5.0  # past this, the hold is left to expire
+_ABANDON_GRACE_S = 0.25  # how long a prefill whose client left may take to answer (its answer may be on its way)
 DECODE_ROLES = ("decode", "both")
 _PREFILL_DROPS = ("max_completion_tokens", "min_tokens", "stream_options")
 _DONE = b"data: [DONE]\n\n"
@@ -150,11 +152,7 @@ async def _prefill(st: RouterState, worker: Worker, path: str, body: dict, heade
     req.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
     st.metrics.request(worker, "prefill")
     try:
-        with InFlight(worker, tokens) as flight:
-            async with asyncio.timeout(st.request_timeout):
-                async with st.session.post(worker.url + path, data=json.dumps(req).encode(), headers=headers) as up:
-                    flight.answering()
-                    data = await up.read()
+        up, data = await _PrefillCall(st, worker, path, req, headers, tokens).answer()
     except (WorkerDown, TimeoutError, aiohttp.ClientError) as e:
         _prefill_failed(st, worker, *_failure(st, e))
         return None
@@ -164,11 +162,70 @@ async def _prefill(st: RouterState, worker: Worker, path: str, body: dict, heade
     if up.status >= 400:  # the client's own fault (a bad field, a wrong key): it gets the worker's answer
         return web.Response(status=up.status, body=data, headers=_response_headers(up, {PREFILL_HEADER: worker.url}))
     route[PREFILL_HEADER] = worker.url
+    return _transfer_params(data)
+
+
+def _transfer_params(data: bytes) -> dict | None:
+    """The kv_transfer_params of a prefill worker's 200 answer, if it has any."""
     try:
         kv = json.loads(data).get("kv_transfer_params")
     except (ValueError, AttributeError):
         kv = None
     return kv if isinstance(kv, dict) else None
+
+
+class _PrefillCall:
+    """The prefill request, in a task of its own so that a client who leaves cannot lose a hold.
+
+    The prefill worker releases its hold itself when its client (the router) leaves before the
+    answer is written. Once written, the hold is the reader's to release: if the router's client
+    leaves while the answer is on its way, the answer is still read and its hold released
+    (`_abandoned`). A prefill still computing after `_ABANDON_GRACE_S` is cancelled instead, which
+    closes the connection, so the prefill worker stops the prompt and releases its own hold.
+    """
+
+    def __init__(self, st: RouterState, worker: Worker, path: str, req: dict, headers: dict[str, str], tokens: int):
+        self._st = st
+        self._worker = worker
+        self._headers = headers
+        self._answered = asyncio.Event()
+        self._task = asyncio.create_task(self._post(path, json.dumps(req).encode(), tokens))
+
+    async def _post(self, path: str, data: bytes, tokens: int) -> tuple[aiohttp.ClientResponse, bytes]:
+        st = self._st
+        with InFlight(self._worker, tokens) as flight:
+            async with asyncio.timeout(st.request_timeout):
+                async with st.session.post(self._worker.url + path, data=data, headers=self._headers) as up:
+                    flight.answering()
+                    self._answered.set()
+                    return up, await up.read()
+
+    async def answer(self) -> tuple[aiohttp.ClientResponse, bytes]:
+        """The worker's response (its headers) and body."""
+        try:
+            return await asyncio.shield(self._task)
+        except asyncio.CancelledError:  # our client left (or our worker went down: then the task failed too)
+            if not self._task.done():
+                release = asyncio.create_task(self._abandoned())
+                self._st.releases.add(release)
+                release.add_done_callback(self._st.releases.discard)
+            raise
+
+    async def _abandoned(self) -> None:
+        try:
+            async with asyncio.timeout(_ABANDON_GRACE_S):
+                await self._answered.wait()
+        except TimeoutError:
+            self._task.cancel()
+        try:
+            up, data = await self._task
+        except (asyncio.CancelledError, WorkerDown, TimeoutError, aiohttp.ClientError):
+            return
+        kv = _transfer_params(data) if up.status == 200 else None
+        hold = _Hold.of(self._st, self._worker, kv, self._headers) if kv is not None else None
+        if hold is not None:
+            log.info("releasing KV hold %s: its client left while the prefill answered", hold.transfer_id)
+            await hold.settle()
 
 
 class _Hold:
@@ -178,7 +235,7 @@ class _Hold:
     def __init__(self, st: RouterState, worker: Worker, transfer_id: str, headers: dict[str, str]):
         self._st = st
         self._worker = worker
-        self._transfer_id = transfer_id
+        self.transfer_id = transfer_id
         self._headers = {k: v for k, v in headers.items() if k.lower() in _RELEASE_HEADERS}
         self._imported = False
         self._release: asyncio.Task | None = None
@@ -213,16 +270,16 @@ class _Hold:
         url = self._worker.url + RELEASE_PATH
         try:
             async with asyncio.timeout(_RELEASE_TIMEOUT_S):
-                async with self._st.session.post(url, json={"transfer_id": self._transfer_id},
+                async with self._st.session.post(url, json={"transfer_id": self.transfer_id},
                                                  headers=self._headers) as up:
                     await up.read()
         except (TimeoutError, aiohttp.ClientError) as e:
-            log.warning("could not release KV hold %s on %s (it expires instead): %r", self._transfer_id, url, e)
+            log.warning("could not release KV hold %s on %s (it expires instead): %r", self.transfer_id, url, e)
             return
         if up.status == 200:
             self._st.metrics.hold_released()
         elif up.status != 404:
-            log.warning("releasing KV hold %s on %s answered %d (it expires instead)", self._transfer_id, url,
+            log.warning("releasing KV hold %s on %s answered %d (it expires instead)", self.transfer_id, url,
                         up.status)
 
 

@@ -37,12 +37,15 @@ class FakePrefill:
         self.release_calls = 0
         self.released = asyncio.Event()
         self.on_prefill = None  # awaited before answering a prefill
+        self.answer = None  # when set, answers the prefill in its place
         self.app = web.Application()
         self.app.router.add_get("/health", _health("prefill"))
         self.app.router.add_post("/v1/completions", self._prefill)
         self.app.router.add_post("/v1/kv_transfer/release", self._release)
 
-    async def _prefill(self, request: web.Request) -> web.Response:
+    async def _prefill(self, request: web.Request) -> web.StreamResponse:
+        if self.answer is not None:
+            return await self.answer(request)
         body = await request.json()
         assert body["max_tokens"] == 1 and body["kv_transfer_params"] == {"do_remote_decode": True}
         self.prefills += 1
@@ -206,5 +209,57 @@ def test_a_client_that_leaves_after_the_prefill():
             client.cancel()  # closes the connection: the router's handler is cancelled
             await asyncio.wait_for(prefill.released.wait(), 5)  # hold timeouts are 30 s by default
             assert prefill.holds == {}
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_while_the_prefill_answers():
+    """The prefill worker has sent its answer's headers (its hold is made and, to it, handed over)
+    when the router's client leaves: the router still reads the transfer id and releases the hold."""
+    async def main() -> None:
+        async with _fleet() as (router, prefill, decode):
+            client = asyncio.create_task(_post(router))
+
+            async def answer_in_flight(request: web.Request) -> web.StreamResponse:
+                await request.read()
+                prefill.holds["hold-1"] = request.headers.get("x-tenant-id")
+                response = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await response.prepare(request)  # the headers are on their way, the body follows
+                client.cancel()
+                await asyncio.sleep(0.1)  # the router's handler is cancelled meanwhile
+                await response.write(json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {
+                    "do_remote_prefill": True, "transfer_id": "hold-1",
+                    "remote_url": str(request.url.origin())}}).encode())
+                await response.write_eof()
+                return response
+
+            prefill.answer = answer_in_flight
+            await asyncio.wait_for(prefill.released.wait(), 5)  # hold timeouts are 30 s by default
+            assert prefill.holds == {} and not decode.received.is_set()
+            assert await _released_by_router(router) == 1
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_during_a_long_prefill_stops_it():
+    """A prefill still computing when the client leaves is not waited for past the router's short
+    grace: its connection closes, so the prefill worker stops the prompt (and releases its own hold)."""
+    async def main() -> None:
+        async with _fleet() as (router, prefill, _):
+            stopped = asyncio.Event()
+
+            async def computing(request: web.Request) -> web.Response:
+                try:
+                    await asyncio.sleep(3600)
+                finally:
+                    stopped.set()
+                raise AssertionError("unreachable")
+
+            prefill.answer = computing
+            client = asyncio.create_task(_post(router))
+            await asyncio.sleep(0.3)
+            client.cancel()
+            await asyncio.wait_for(stopped.wait(), 2)
+            assert prefill.release_calls == 0
 
     asyncio.run(main())
