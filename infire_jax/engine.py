@@ -27,7 +27,7 @@ from infire_jax.detokenizer import IncrementalDetokenizer
 from infire_jax.engine_stats import BootTimeline, EngineStats, timed
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
-from infire_jax.kv_pool import PoolSizing, size_from_budget, size_from_device_memory
+from infire_jax.kv_pool import PoolPlanner, PoolSizing
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.loaders import LoadedModel
 from infire_jax.loaders.checkpoint import load_placed
@@ -39,14 +39,13 @@ from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.registry import abstract_state
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
-from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig, kv_bytes_per_page
+from infire_jax.runner import ModelRunner, PendingStep, RunnerConfig
 from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.scheduler import Scheduler
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.setup import build_speculation, extra_page_bytes, parse_speculation
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
-from infire_jax.xla_flags import allocator_fraction
 from pallas_kernels.attention import choose_impl, resolve_impl
 from pallas_kernels.mla import choose_mla_impl
 from sharding.mesh import load_mesh_config
@@ -55,7 +54,6 @@ from sharding.plan import ShardPlan
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
-_GIB = 1 << 30
 
 
 @dataclasses.dataclass
@@ -124,8 +122,12 @@ class Engine:
         self.spec_config, self.eagle_head = parse_speculation(
             ec.speculative_config, cfg, dtype=self.dtype, multiprocess=multihost.is_multiprocess(),
             one_plain_device=self.plan is None and not ec.weights_compression and not ec.weights_quantization)
-        sizing = self._fixed_pool()
-        rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else self._min_pages(),
+        self.pool = PoolPlanner(
+            PoolPlanner.page_bytes_of(cfg, self.plan, ec.page_size, self.dtype,
+                                      extra_page_bytes(self.spec_config, self.eagle_head, ec.page_size, self.dtype)),
+            ec.page_size, self.max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization)
+        sizing = self.pool.fixed()
+        rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else self.pool.min_pages,
                           max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
                           buckets=self._buckets(budget), attn_impl=self._attention(cfg),
                           sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,),
@@ -175,7 +177,9 @@ class Engine:
             t_warmup = time.monotonic()
             self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=self.plan)
             if sizing is None:  # fill the card: measure the largest step's activations with a minimal pool
-                sizing = self._pool_from_device_memory()
+                sizing = self.pool.from_device_memory(self.runner.state, (self.runner.cache.k_pages,
+                                                                          self.runner.cache.v_pages),
+                                                      self.runner.peak_activation_bytes())
                 self.runner.resize_pool(sizing.num_pages)
             report("compile", 0, len(shapes))
             self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
@@ -255,60 +259,6 @@ class Engine:
         if buckets.token_buckets[-1] != budget:
             raise ConfigError(f"the largest token bucket must equal max_num_batched_tokens ({budget})")
         return buckets
-
-    def _page_bytes(self) -> int:
-        """Bytes one page costs each device: the pool is split over pp (layers) and tp (kv heads)."""
-        plan = self.plan
-        cfg = plan.effective_config(self.model_config) if plan else self.model_config
-        per_page = kv_bytes_per_page(cfg, self.config.page_size, self.dtype)
-        if plan:
-            split = plan.axis("kv_heads") and kv_entry(cfg).split_heads  # an MLA latent is replicated over tp
-            per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if split else 1)
-        return per_page + extra_page_bytes(self.spec_config, self.eagle_head, self.config.page_size, self.dtype)
-
-    def _min_pages(self) -> int:
-        """One sequence of max_model_len, plus the null page."""
-        return -(-self.max_model_len // self.config.page_size) + 1
-
-    def _fixed_pool(self) -> PoolSizing | None:
-        """The pool when it is given (pages or bytes) or no device memory figure exists; else None."""
-        ec = self.config
-        if ec.num_kv_pages:
-            sizing = PoolSizing(ec.num_kv_pages, self._page_bytes(), "num_kv_pages")
-        elif ec.kv_cache_memory is not None or self._device_memory() is None:
-            source = "kv_cache_memory" if ec.kv_cache_memory is not None else "default budget, no device memory figure"
-            sizing = size_from_budget(ec.kv_cache_memory or _GIB, self._page_bytes(), source)
-        else:
-            return None
-        if sizing.num_pages < self._min_pages():
-            raise ConfigError(f"the KV pool ({sizing.num_pages - 1} pages of {ec.page_size}) cannot hold one "
-                              f"sequence of max_model_len={self.max_model_len}")
-        return sizing
-
-    @staticmethod
-    def _device_memory() -> tuple[int, int, int] | None:
-        """(the card's memory, XLA's allocator limit, bytes in use) of the first local device, on GPU."""
-        stats = jax.local_devices()[0].memory_stats() if _on_gpu() else None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        limit = stats["bytes_limit"]
-        return int(limit / allocator_fraction()), limit, stats.get("bytes_in_use", 0)
-
-    def _pool_from_device_memory(self) -> PoolSizing:
-        """Called with the minimal pool allocated (not counted: resize_pool frees it)."""
-        total, limit, in_use = self._device_memory()
-        device = jax.local_devices()[0]
-
-        def on_device(tree) -> int:
-            return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
-                       if s.device == device)
-
-        weights = on_device(self.runner.state)
-        pool = on_device((self.runner.cache.k_pages, self.runner.cache.v_pages))
-        return size_from_device_memory(
-            device_bytes=total, allocator_limit=limit, utilization=self.config.gpu_memory_utilization,
-            weight_bytes=weights, activation_bytes=self.runner.peak_activation_bytes(),
-            other_bytes=max(0, in_use - weights - pool), page_bytes=self._page_bytes(), min_pages=self._min_pages())
 
     # ---- requests ---------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -10,8 +10,15 @@ xla_flags.py). Elsewhere (CPU) there is no device memory figure, so the pool get
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import jax
 
 from infire_jax.errors import ConfigError
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.kv_entry import kv_entry
+from infire_jax.runner import kv_bytes_per_page
+from infire_jax.xla_flags import allocator_fraction
 
 _GIB = float(1 << 30)
 # The pool's page count is rounded down to a multiple of this, so that small run-to-run differences
@@ -70,3 +77,72 @@ def size_from_device_memory(*, device_bytes: int, allocator_limit: int, utilizat
 
 def size_from_budget(budget_bytes: int, page_bytes: int, source: str) -> PoolSizing:
     return PoolSizing(max(2, budget_bytes // page_bytes), page_bytes, source)
+
+
+def device_memory() -> tuple[int, int, int] | None:
+    """(the card's memory, XLA's allocator limit, bytes in use) of the first local device, on GPU."""
+    stats = jax.local_devices()[0].memory_stats() if jax.default_backend() == "gpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    limit = stats["bytes_limit"]
+    return int(limit / allocator_fraction()), limit, stats.get("bytes_in_use", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlanner:
+    """The engine's pool settings, and the page one device pays for (its share of layers and kv heads,
+    plus any speculative head's cache)."""
+
+    page_bytes: int
+    page_size: int
+    max_model_len: int
+    num_kv_pages: int | None
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+
+    @staticmethod
+    def page_bytes_of(cfg: ModelConfig, plan: Any, page_size: int, dtype, extra_bytes: int) -> int:
+        """Bytes one page costs each device of `plan` (a ShardPlan or None): the pool is split over pp
+        (layers) and tp (kv heads; an MLA latent is replicated over tp)."""
+        cfg = plan.effective_config(cfg) if plan else cfg
+        per_page = kv_bytes_per_page(cfg, page_size, dtype)
+        if plan:
+            split = plan.axis("kv_heads") and kv_entry(cfg).split_heads
+            per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if split else 1)
+        return per_page + extra_bytes
+
+    @property
+    def min_pages(self) -> int:
+        """One sequence of max_model_len, plus the null page."""
+        return -(-self.max_model_len // self.page_size) + 1
+
+    def fixed(self) -> PoolSizing | None:
+        """The pool when it is given (pages or bytes) or no device memory figure exists; else None
+        (it then fills the device: `from_device_memory`)."""
+        if self.num_kv_pages:
+            sizing = PoolSizing(self.num_kv_pages, self.page_bytes, "num_kv_pages")
+        elif self.kv_cache_memory is not None or device_memory() is None:
+            source = "kv_cache_memory" if self.kv_cache_memory is not None else "default budget, no device memory figure"
+            sizing = size_from_budget(self.kv_cache_memory or int(_GIB), self.page_bytes, source)
+        else:
+            return None
+        if sizing.num_pages < self.min_pages:
+            raise ConfigError(f"the KV pool ({sizing.num_pages - 1} pages of {self.page_size}) cannot hold one "
+                              f"sequence of max_model_len={self.max_model_len}")
+        return sizing
+
+    def from_device_memory(self, weights: Any, minimal_pool: Any, activation_bytes: int) -> PoolSizing:
+        """Measured with the weights and a minimal pool on the devices (the pool is not counted as in
+        use: resizing frees it)."""
+        total, limit, in_use = device_memory()
+        device = jax.local_devices()[0]
+
+        def on_device(tree) -> int:
+            return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+                       if s.device == device)
+
+        weight_bytes, pool = on_device(weights), on_device(minimal_pool)
+        return size_from_device_memory(
+            device_bytes=total, allocator_limit=limit, utilization=self.gpu_memory_utilization,
+            weight_bytes=weight_bytes, activation_bytes=activation_bytes,
+            other_bytes=max(0, in_use - weight_bytes - pool), page_bytes=self.page_bytes, min_pages=self.min_pages)

@@ -13,7 +13,7 @@ import pytest
 
 from infire_jax.errors import ConfigError
 from infire_jax.kv_pool import PAGE_MULTIPLE, size_from_device_memory
-from infire_jax.xla_flags import DEFAULT_GPU_FLAGS, merged_flags
+from infire_jax.xla_flags import merged_flags
 
 GIB = 1 << 30
 
@@ -101,11 +101,11 @@ def test_pool_that_cannot_fit_is_refused_with_the_numbers(kwargs, match):
 def test_engine_sizes_its_pool_from_a_stated_device_memory(monkeypatch):
     """The engine with a fake 4 GiB device: it measures the largest step's activations with XLA's
     memory analysis, subtracts the weights, and allocates the pool that is left."""
-    from infire_jax import Engine, EngineConfig
+    from infire_jax import Engine, EngineConfig, kv_pool
 
     page = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2, float32
     weights = 134_515_008 * 4  # its parameters, float32
-    monkeypatch.setattr(Engine, "_device_memory", staticmethod(lambda: (4 * GIB, 3 * GIB, weights + 12345)))
+    monkeypatch.setattr(kv_pool, "device_memory", lambda: (4 * GIB, 3 * GIB, weights + 12345))
     engine = Engine(EngineConfig(dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128))
     s = engine.pool_sizing
     assert s.source == "device memory" and s.weight_bytes == weights
