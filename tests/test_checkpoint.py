@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -265,3 +266,38 @@ def test_sharded_restore_reads_only_each_process_shards(tiny, tmp_path):
         # Half the weights, plus metadata; a process that read every shard would read all of them.
         assert r["restore"]["rchar"] < 0.75 * r["bytes"], r
     assert one["restore"]["rchar"] >= r["bytes"]
+
+
+def test_palette_compressed_weights_are_checkpointed_coded(tiny, cache, monkeypatch):
+    """Resident compression's coded parts are checkpointed as placed, beside the plain checkpoint:
+    the restore reads no source and gives the built parts bit for bit, which decode to the source's
+    bfloat16 weights."""
+    from infire_jax.compression.palette import decode_palette_block
+    from infire_jax.compression.resident import ResidentLayout
+    from infire_jax.models.palette_kernels import KernelPaletteWeight, palette_kernel_here
+
+    source = load_model(tiny)
+    kinds = ("mlp", "attn")
+    plain = checkpoint.load_placed(tiny, jnp.bfloat16, None)
+    built = checkpoint.load_placed(tiny, jnp.bfloat16, None, compress=kinds)
+    assert built.built_because == "no checkpoint" and len(os.listdir(cache)) == 2
+    manifest = checkpoint._read_manifest(checkpoint.checkpoint_path(tiny, jnp.bfloat16, None, kinds))
+    layouts = {k: ResidentLayout(tuple(v["grid"]), v["capacity"], v["kernel"]) for k, v in manifest["resident"].items()}
+    assert sorted(layouts) == ["w_down", "w_gate_up", "wo", "wqkv"]
+    assert {layout.kernel for layout in layouts.values()} == {palette_kernel_here()}
+    _no_source_reads(monkeypatch)
+    restored = checkpoint.load_placed(tiny, jnp.bfloat16, None, compress=kinds)
+    assert restored.built_because is None and restored.graphdef == built.graphdef
+    got, want = _weights(restored), _weights(built)
+    assert sorted(got) == sorted(want) and all(got[n].tobytes() == want[n].tobytes() for n in want)
+    assert "layers.w_down.codes" in got and "layers.w_down" not in got
+    # The parts decode to the plain checkpoint's bfloat16 weights (the model's own decoder, layer by layer).
+    model = nnx.merge(restored.graphdef, restored.state)
+    plain_w = _weights(plain)
+    for short in layouts:
+        parts = getattr(model.layers, short).arrays()
+        for layer in range(HF_CONFIG["num_hidden_layers"]):
+            one = jax.tree.map(lambda a: a[layer], parts)
+            decoded = one.plain() if isinstance(one, KernelPaletteWeight) else decode_palette_block(**one)
+            assert np.asarray(decoded).tobytes() == plain_w[f"layers.{short}"][layer].tobytes(), short
+    assert source.config == restored.loaded.config

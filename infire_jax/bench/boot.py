@@ -88,6 +88,7 @@ def boot(args: argparse.Namespace) -> None:
     """One boot, in this fresh process: ready, then one token; prints the timings as a JSON line."""
     started = float(os.environ["INFIRE_BOOT_STARTED"])
     from infire_jax.cli import engine_config
+    from infire_jax.compression.resident import parse_resident
     from infire_jax.engine import Engine
     from infire_jax.loaders.checkpoint import checkpoint_path
     from infire_jax.sampling_params import SamplingParams
@@ -101,7 +102,8 @@ def boot(args: argparse.Namespace) -> None:
     first = time.time()
     engine.close()
     drawn = (args.model or "").startswith("dummy:")
-    path = None if drawn else checkpoint_path(args.model, engine.dtype, engine.plan)
+    kinds = parse_resident(args.weights_compression)[1] if args.weights_compression else ()
+    path = None if drawn else checkpoint_path(args.model, engine.dtype, engine.plan, kinds)
     manifest = os.path.join(path, "manifest.json") if path else ""
     print(_RESULT + json.dumps(dict(
         import_s=imported - started, load_s=engine.load_seconds, compile_s=engine.warmup_seconds,

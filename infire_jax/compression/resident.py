@@ -95,6 +95,17 @@ def compress_resident(weights: Mapping[str, np.ndarray], axes: Mapping[str, tupl
     return out, layouts
 
 
+def resident_layouts(graphdef: nnx.GraphDef, state: nnx.State) -> dict[str, ResidentLayout]:
+    """Each palette-coded layer weight's layout, by short name, read back from a placed model (what a
+    checkpoint of it must record to be restored: the escape capacity depends on the weights)."""
+    layouts = {}
+    for path, node in nnx.iter_graph(nnx.merge(graphdef, state)):
+        if isinstance(node, PaletteParams):
+            esc = node.esc_rows.get_value()
+            layouts[str(path[-1])] = ResidentLayout(tuple(esc.shape[:-1]), esc.shape[-1], getattr(node, "kernel", None))
+    return layouts
+
+
 def decode_layer(lp: Mapping[str, Any]) -> dict[str, Array]:
     """One layer's weights with every palette-coded one decoded to bfloat16 (inside the scan body)."""
     return {k: decode_palette_block(**v) if isinstance(v, Mapping) else v for k, v in lp.items()}

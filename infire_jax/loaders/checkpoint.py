@@ -26,6 +26,7 @@ only costs the next start its speed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -40,10 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from infire_jax.compression.resident import ResidentLayout, resident_layouts
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders.load import cache_dir, default_model_path, load_config, load_model
 from infire_jax.loaders.weights import NATIVE_FORMAT_VERSION, LoadedModel
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.palette_kernels import palette_kernel_here
 from infire_jax.models.registry import abstract_placement, build_state
 from infire_jax.tokenizer import Tokenizer
 from sharding.plan import ShardPlan
@@ -71,18 +74,20 @@ def checkpoints_root() -> str:
     return os.path.join(cache_dir(), "checkpoints")
 
 
-def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: LoadedModel | None = None) -> Placed:
+def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: LoadedModel | None = None,
+                compress: tuple[str, ...] = ()) -> Placed:
     """The model placed on the devices: restored from its checkpoint when a valid one exists, else
-    loaded from its source, placed, and checkpointed for the next start.
+    loaded from its source, placed, and checkpointed for the next start. `compress`: the kinds of
+    weights kept palette-compressed (compression/resident.py), checkpointed coded, as placed.
 
     A given `loaded` model, `dummy:` specs (drawn on the devices) and INFIRE_JAX_NO_CHECKPOINT=1
     bypass checkpoints.
     """
     if loaded is not None or (spec or "").startswith("dummy:") or os.environ.get("INFIRE_JAX_NO_CHECKPOINT"):
         loaded = loaded or load_model(spec)
-        return Placed(loaded, *build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed),
-                      "checkpoints bypassed")
-    t = _target(spec, dtype, plan)
+        return Placed(loaded, *build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
+                                           compress=compress), "checkpoints bypassed")
+    t = _target(spec, dtype, plan, compress)
     t0 = time.monotonic()
     manifest = _read_manifest(t.path)
     problem = _agreed(_stale_or_damaged(t.path, manifest, t.expected))
@@ -93,14 +98,16 @@ def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: Load
             return restored
     log.info("building checkpoint %s: %s", t.path, problem)
     loaded = load_model(spec)
-    graphdef, state = build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed)
-    _save(t.path, t.expected, loaded, state)
+    graphdef, state = build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
+                                  compress=compress)
+    resident = {short: dataclasses.asdict(layout) for short, layout in resident_layouts(graphdef, state).items()}
+    _save(t.path, dict(t.expected, resident=resident), loaded, state)
     return Placed(loaded, graphdef, state, problem)
 
 
-def checkpoint_path(spec: str | None, dtype, plan: ShardPlan | None) -> str:
+def checkpoint_path(spec: str | None, dtype, plan: ShardPlan | None, compress: tuple[str, ...] = ()) -> str:
     """Where the checkpoint of this source, dtype and placement lives (whether or not it exists)."""
-    return _target(spec, dtype, plan).path
+    return _target(spec, dtype, plan, compress).path
 
 
 # ---- what a checkpoint is built from, and where it lives ---------------------------------------------
@@ -109,19 +116,25 @@ class _Target(NamedTuple):
     path: str
     expected: dict[str, Any]  # the manifest fields a servable checkpoint has
     graphdef: nnx.GraphDef
-    flat: nnx.FlatState  # abstract weights
+    flat: nnx.FlatState  # abstract weights (uncompressed: a compressed model's come from its manifest)
     shardings: dict[tuple, Any]
+    config: ModelConfig
+    dtype: Any
+    plan: ShardPlan | None
 
 
-def _target(spec: str | None, dtype, plan: ShardPlan | None) -> _Target:
+def _target(spec: str | None, dtype, plan: ShardPlan | None, compress: tuple[str, ...]) -> _Target:
     source = os.path.abspath(spec or default_model_path())
-    graphdef, flat, shardings = abstract_placement(load_config(spec), dtype, plan)
+    cfg = load_config(spec)
+    graphdef, flat, shardings = abstract_placement(cfg, dtype, plan)
     placement = _placement(flat, shardings, plan)
+    if compress:  # the coded parts' shapes depend on the weights: the manifest records them (`resident`)
+        placement.update(compress=list(compress), kernel=palette_kernel_here() if plan is None else None)
     expected = {"format_version": CHECKPOINT_FORMAT_VERSION, "native_format_version": NATIVE_FORMAT_VERSION,
                 "format": _format(plan), "source": _fingerprint(source), "dtype": jnp.dtype(dtype).name,
                 "placement": placement}
     path = os.path.join(checkpoints_root(), _key(source, expected["dtype"], placement))
-    return _Target(path, expected, graphdef, flat, shardings)
+    return _Target(path, expected, graphdef, flat, shardings, cfg, dtype, plan)
 
 
 def _fingerprint(source: str) -> dict[str, Any]:
@@ -310,6 +323,11 @@ def _restore(t: _Target, manifest: dict) -> tuple[str | None, Placed | None]:
     memory and put on the default device as `build_state` does, uncommitted, so the engine's
     compiled steps see the same arrays whichever way the weights came."""
     try:
+        if manifest.get("resident"):  # palette-coded weights: their parts' shapes as built
+            layouts = {short: ResidentLayout(tuple(v["grid"]), v["capacity"], v["kernel"])
+                       for short, v in manifest["resident"].items()}
+            t = t._replace(**dict(zip(("graphdef", "flat", "shardings"),
+                                      abstract_placement(t.config, t.dtype, t.plan, layouts))))
         arrays = _READERS[manifest["format"]](t)
         tokenizer = Tokenizer.from_dir(t.path)
         problem = None

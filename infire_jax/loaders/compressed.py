@@ -190,12 +190,10 @@ def load_compressed(path: str) -> LoadedModel:
 
 def load_resident_placed(spec: str | None, dtype, plan, weights_compression: str, *,
                          loaded: LoadedModel | None = None):
-    """The model placed with the selected weights palette-compressed on the devices (checkpoints of
-    the placed weights are bypassed: the compressed layout depends on the plan's grid)."""
+    """The model placed with the selected weights palette-compressed on the devices, restored coded
+    from its placed checkpoint when one exists (loaders/checkpoint.py)."""
     from infire_jax.compression.resident import parse_resident
-    from infire_jax.loaders.checkpoint import Placed
-    from infire_jax.loaders.load import load_model
-    from infire_jax.models.registry import build_state
+    from infire_jax.loaders.checkpoint import load_placed
 
     try:
         _, kinds = parse_resident(weights_compression)
@@ -204,7 +202,4 @@ def load_resident_placed(spec: str | None, dtype, plan, weights_compression: str
     if jnp.dtype(dtype) != jnp.bfloat16:
         raise ConfigError(f"weights_compression={weights_compression!r} keeps bfloat16 weights: "
                           f"use dtype bfloat16, not {jnp.dtype(dtype).name}")
-    loaded = loaded or load_model(spec)
-    graphdef, state = build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
-                                  compress=kinds)
-    return Placed(loaded, graphdef, state, "resident compression: checkpoints bypassed")
+    return load_placed(spec, dtype, plan, loaded=loaded, compress=kinds)

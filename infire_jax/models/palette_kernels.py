@@ -53,16 +53,19 @@ def tile_coding(name: str, w: np.ndarray) -> PaletteTensor | None:
     return encode_tile_stack(np.asarray(w).reshape(view), name=name)
 
 
+def palette_kernel_here() -> str | None:
+    """The kernel that decodes palette weights on this backend (one device), if any."""
+    if cpu_matmul.palette_kernel():
+        return PANELS
+    return TILES if jax.default_backend() == "gpu" else None
+
+
 def kernel_coding(name: str, w: np.ndarray) -> tuple[PaletteTensor, str] | None:
     """`name`'s stack coded for the kernel that decodes palette weights on this backend, and which
     (`ResidentLayout.kernel`); None where none applies (then it is decoded in the layer body)."""
-    if cpu_matmul.palette_kernel():
-        coded = panel_coding(name, w)
-        return (coded, PANELS) if coded is not None else None
-    if jax.default_backend() == "gpu":
-        coded = tile_coding(name, w)
-        return (coded, TILES) if coded is not None else None
-    return None
+    kernel = palette_kernel_here()
+    coded = {PANELS: panel_coding, TILES: tile_coding}[kernel](name, w) if kernel else None
+    return (coded, kernel) if coded is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
