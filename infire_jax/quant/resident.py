@@ -6,7 +6,8 @@ GPTQ / AWQ checkpoint's int4 groups with zero points (loaders/llama_quant.py, qu
 
 Like palette compression (compression/resident.py), a quantized stacked weight is a module of
 parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, with the input
-(block) axis shortened, so the parts shard exactly as the weight does. The scanned layer body
+(block) axis shortened, so the parts shard exactly as the weight does (act-order int4's zero /
+scale tables excepted: whole on every device). The scanned layer body
 dequantizes the current layer's weights just before their matmuls (`dequantize_layer`), so only
 one layer is ever held in full precision.
 """
