@@ -119,7 +119,7 @@ def dequantize(w: Int4Zero) -> Float[np.ndarray, "O I"]:
     return diff.astype(np.float32) * w.scale[:, w.g_idx].astype(np.float32)
 
 
-def _words(q: np.ndarray) -> Int32[np.ndarray, "O I8"]:
+def _words(q: np.ndarray) -> np.ndarray:
     """Values `[O, I]` packed eight to an int32 along the input axis (input `8j + k` in bits 4k of word j)."""
     out, inp = q.shape
     return (q.astype(np.int64).reshape(out, inp // 8, 8) << _SHIFTS).sum(-1).astype(np.uint32).view(np.int32)
