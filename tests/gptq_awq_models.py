@@ -1,4 +1,5 @@
-"""Tiny random Llama checkpoints in the exact GPTQ and AWQ (GEMM) layouts, and the float64 reference.
+"""Tiny random Llama (or Qwen2: q/k/v biases) checkpoints in the exact GPTQ and AWQ (GEMM) layouts,
+and the float64 reference.
 
 Everything here is written from the formats' definitions (quant/gptq_awq.py's docstring lists
 them), word by word and nibble by nibble, independent of infire_jax's vectorized unpacking:
@@ -25,6 +26,9 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size
               intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2, torch_dtype="float16")
+FAMILIES = {"llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+            "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                          sliding_window=4096)}
 LINEARS = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (64, 128), "self_attn.v_proj": (64, 128),
            "self_attn.o_proj": (128, 128), "mlp.gate_proj": (256, 128), "mlp.up_proj": (256, 128),
            "mlp.down_proj": (128, 256)}  # (out, in)
@@ -119,9 +123,10 @@ def quantization_config(method: str, group: int, *, sym: bool = False, act_order
 
 
 def write_checkpoint(path: pathlib.Path, method: str, group: int, *, sym: bool = False, act_order: bool = False,
-                     v1: bool = True, seed: int = 0) -> dict[str, np.ndarray]:
+                     v1: bool = True, family: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
     """A quantized checkpoint at `path` (config.json, model.safetensors, tokenizer.json) and, for a float
-    twin, the float32 weights its quantized tensors define (reference dequantization), by HF name."""
+    twin, the float32 weights its quantized tensors define (reference dequantization), by HF name.
+    Qwen2's q/k/v biases stay float16, as its GPTQ / AWQ checkpoints store them."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
@@ -140,9 +145,12 @@ def write_checkpoint(path: pathlib.Path, method: str, group: int, *, sym: bool =
             tensors.update({f"{pre}.{name}.{p}": a for p, a in parts.items()})
             ref = reference_awq(parts, group) if method == "awq" else reference_gptq(parts, v1)
             defined[f"{pre}.{name}.weight"] = ref.astype(np.float32)
+            if family == "qwen2" and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                tensors[f"{pre}.{name}.bias"] = (0.1 * rng.standard_normal(shape[0])).astype(np.float16)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-    config = dict(CONFIG, quantization_config=quantization_config(method, group, sym=sym, act_order=act_order, v1=v1))
+    config = dict(CONFIG, **FAMILIES[family],
+                  quantization_config=quantization_config(method, group, sym=sym, act_order=act_order, v1=v1))
     (path / "config.json").write_text(json.dumps(config))
     _save_tokenizer(path)
     return defined

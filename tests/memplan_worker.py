@@ -1,7 +1,9 @@
 """Places small models on 8 virtual CPU devices and prints, per (model, mesh), the weight bytes each
-device holds by parameter name and the KV pool bytes per token per device (for test_memplan.py).
+device holds by parameter name (a kept weight's parts as "wqkv.q4") and the KV pool bytes per token
+per device (for test_memplan.py).
 
-Usage: python memplan_worker.py JOB.json   (JOB: {"runs": [{"config": HF dict, "mesh": path}, ...]})
+Usage: python memplan_worker.py JOB.json   (JOB: {"runs": [{"config": HF dict, "mesh": path}, ...]}; a run
+with "checkpoint": a GPTQ / AWQ directory places it as `weights_quantization="checkpoint"` does)
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
+    from infire_jax.loaders.gguf_quant import load_quantized_placed
+    from infire_jax.loaders.hf import read_hf_config
     from infire_jax.models.config import config_from_hf
     from infire_jax.models.registry import build_state
     from sharding.mesh import MeshConfig
@@ -24,16 +28,20 @@ def main() -> None:
         job = json.load(f)
     pages, page_size = 8, 4
     for run in job["runs"]:
-        cfg, mc = config_from_hf(run["config"]), MeshConfig.from_yaml(run["mesh"])
+        mc = MeshConfig.from_yaml(run["mesh"])
+        cfg = read_hf_config(run["checkpoint"]) if "checkpoint" in run else config_from_hf(run["config"])
         plan = ShardPlan.create(cfg, mc)
-        _, state = build_state(cfg, None, jnp.float32, plan=plan)
+        if "checkpoint" in run:
+            state = load_quantized_placed(run["checkpoint"], jnp.float32, plan, "checkpoint").state
+        else:
+            _, state = build_state(cfg, None, jnp.float32, plan=plan)
         per_name: dict[str, list[int]] = {}
         for path, var in nnx.to_flat_state(state):
             arr = var.get_value()
             by_device = {d: 0 for d in plan.mesh.devices.flat}
             for shard in arr.addressable_shards:
                 by_device[shard.device] += shard.data.nbytes
-            per_name[str(path[-1])] = [by_device[d] for d in plan.mesh.devices.flat]
+            per_name[".".join(map(str, path)).removeprefix("layers.")] = [by_device[d] for d in plan.mesh.devices.flat]
         placed = plan.effective_config(cfg)
         shape = (placed.num_layers, pages, page_size, placed.num_kv_heads, placed.head_dim)
         pool = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=plan.sharding(KV_POOL_AXES))()

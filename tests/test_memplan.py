@@ -1,5 +1,6 @@
-"""`infire-jax plan`: per-device bytes against what the engine places on 8 virtual CPU devices, the
-flagship configs' figures against hand arithmetic, and errors that name the field."""
+"""`infire-jax plan`: per-device bytes against what the engine places on 8 virtual CPU devices (GPTQ /
+AWQ checkpoints as `weights_quantization="checkpoint"` keeps them), the flagship configs' figures
+against hand arithmetic, and errors that name the field."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import sys
 
 import pytest
 
-from infire_jax.memplan.model import formats_from_hf, from_hf_config, from_model_config, placed_config
-from infire_jax.memplan.plan import GiB, memory_plan, parse_bytes, tensor_bytes
+from gptq_awq_models import quantization_config, write_checkpoint
+from infire_jax.memplan.model import formats_from_hf, from_hf_config, from_model_config, int4_layouts, placed_config
+from infire_jax.memplan.plan import GiB, layers_per_device, memory_plan, parse_bytes, tensor_bytes
 from infire_jax.memplan.source import plan_source
 from infire_jax.models.config import config_from_hf
 from sharding.mesh import CONFIG_DIR, MeshConfig
@@ -28,30 +30,45 @@ TINY_MLA = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attenti
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 RUNS = [("dense", "8.yaml"), ("dense", "8-tp4-pp2.yaml"), ("moe", "8-ep8.yaml"), ("moe", "8-tp2-ep4.yaml"),
         ("moe", "8-tp8-ep.yaml")]
+# tests/gptq_awq_models.py's tiny Llama (4 heads over 2 kv heads, 2 layers): (method, group, act-order), mesh
+INT4 = {"gptq-act-order-g32": (("gptq", 32, True), "8-tp4-pp2.yaml"), "awq-g32": (("awq", 32, False), "4.yaml"),
+        "gptq-per-channel": (("gptq", -1, False), "8-tp4-pp2.yaml")}
 
 
 def test_plan_matches_the_bytes_placed_per_device(tmp_path):
     """One subprocess with 8 CPU devices places each (model, mesh); every device's bytes per weight
-    and the KV pool's bytes per token equal the plan's, which allocated nothing."""
-    job = {"runs": [{"name": m, "config": MODELS[m], "mesh": os.path.join(CONFIG_DIR, mesh)} for m, mesh in RUNS]}
+    (per part of a kept int4 weight) and the KV pool's bytes per token equal the plan's, which
+    allocated nothing. A kept int4 weight's workspace is one layer of it in float32: 8 x its words."""
+    runs = [{"name": m, "config": MODELS[m], "mesh": os.path.join(CONFIG_DIR, mesh)} for m, mesh in RUNS]
+    for name, ((method, group, act_order), mesh) in INT4.items():
+        write_checkpoint(tmp_path / name, method, group, act_order=act_order)
+        runs.append({"name": name, "checkpoint": str(tmp_path / name), "mesh": os.path.join(CONFIG_DIR, mesh)})
     path = tmp_path / "job.json"
-    path.write_text(json.dumps(job))
+    path.write_text(json.dumps({"runs": runs}))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "memplan_worker.py"), str(path)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == len(RUNS)
+    assert len(results) == len(runs)
     for r in results:
         mc = MeshConfig.from_yaml(r["mesh"])
-        model = from_model_config(placed_config(config_from_hf(MODELS[r["name"]]), mc), "float32")
+        if r["name"] in INT4:
+            model = plan_source(str(tmp_path / r["name"]), "float32")(mc)
+        else:
+            model = from_model_config(placed_config(config_from_hf(MODELS[r["name"]]), mc), "float32")
         tensors = {t.name: t for t in model.tensors}
         assert set(tensors) == set(r["bytes"]), r["mesh"]
         for name, per_device in r["bytes"].items():
-            assert per_device == [tensor_bytes(tensors[name], model, mc, "float32")] * 8, (r["mesh"], name)
+            assert per_device == [tensor_bytes(tensors[name], model, mc, "float32")] * mc.num_devices, \
+                (r["name"], r["mesh"], name)
         plan = memory_plan(model, mc, 80 * GiB, dtype="float32")
         assert sum(plan.weights.values()) == sum(b[0] for b in r["bytes"].values())
         assert plan.kv_bytes_per_token == r["kv_per_token"], r["mesh"]
+        if r["name"] in INT4:
+            words = sum(b[0] for k, b in r["bytes"].items() if k.endswith(".q4"))
+            assert plan.workspace == words * 8 / layers_per_device(model.num_layers, mc), r["name"]
+            assert ("wo.g_idx" in r["bytes"]) == INT4[r["name"]][0][2]
 
 
 def _plan(name: str, mesh: str, memory: str, **kw):
@@ -86,11 +103,24 @@ def test_quantization_configs_choose_each_kinds_format():
     assert p.kv_bytes_per_token == 31 * 576 * 2  # 61 layers in 2 stages of 31 slots
 
 
+def _int4_plan(qc: dict, mesh: str):
+    """The plan of the dense model quantized as `qc` describes, on `mesh`."""
+    mc, cfg = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, mesh)), config_from_hf(MODELS["dense"])
+    layouts = int4_layouts(dict(MODELS["dense"], quantization_config=qc), cfg)
+    return memory_plan(from_model_config(placed_config(cfg, mc), "bfloat16", int4=layouts), mc, GiB)
+
+
 @pytest.mark.parametrize("call, field", [
     (lambda: parse_bytes("80 parsecs"), "--device-memory"),
     (lambda: from_hf_config({"kv_lora_rank": 512, "hidden_size": 64}), "num_hidden_layers"),
     (lambda: formats_from_hf({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
                              "bfloat16"), "weight_block_size"),
+    (lambda: int4_layouts(dict(MODELS["moe"], quantization_config=quantization_config("awq", 32)),
+                          config_from_hf(MODELS["moe"])), "int4 weights are kept .and planned. for dense"),
+    (lambda: int4_layouts(dict(MODELS["dense"], quantization_config=dict(quantization_config("gptq", 32), bits=3)),
+                          config_from_hf(MODELS["dense"])), "quantization_config.bits = 3"),
+    (lambda: from_hf_config(dict(TINY_MLA, quantization_config=quantization_config("gptq", 32))), "not MLA ones"),
+    (lambda: _int4_plan(quantization_config("gptq", 32), "8.yaml"), "w_down.zero: 4 entries cannot be split 8"),
     (lambda: memory_plan(from_hf_config(dict(TINY_MLA, num_attention_heads=6)),
                          MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "8.yaml")), GiB), "6 attention heads"),
 ])

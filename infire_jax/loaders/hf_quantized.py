@@ -48,6 +48,7 @@ class QuantScheme:
     group: int = 0  # int4, gptq, awq: inputs per scale (gptq, awq: -1 for one group per row)
     block: int = 0  # fp8: rows and columns per scale
     zero_offset: int = 0  # gptq v1 stores each zero minus this
+    act_order: bool = False  # gptq desc_act with groups: any input may be in any group (kept with its g_idx)
 
 
 def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
@@ -116,7 +117,8 @@ def _int4_zero_scheme(method: str, qc: Mapping[str, Any]) -> QuantScheme:
     fmt = qc.get("checkpoint_format") or "gptq"
     if fmt not in ("gptq", "gptq_v2"):
         raise _bad("checkpoint_format", fmt, "supported: gptq, gptq_v2")
-    return QuantScheme("gptq", group=size, zero_offset=1 if fmt == "gptq" else 0)
+    return QuantScheme("gptq", group=size, zero_offset=1 if fmt == "gptq" else 0,
+                       act_order=bool(qc.get("desc_act")) and size != -1)  # one group per row: order is moot
 
 
 def _split(name: str, parts: tuple[str, ...]) -> tuple[str, str] | None:

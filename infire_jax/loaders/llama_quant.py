@@ -7,10 +7,15 @@ AWQ's output-packed ones unpacked and packed again, with each group's scale and 
 are dequantized one layer at a time inside the layer scan (quant/resident.py). The parts take the
 weight's own path into the model's fused layout, along output axes only, as a GGUF file's blocks
 do (gguf_quant.py). wo's groups are cut at head boundaries (a group's scale and zero repeated on
-each piece), so the model's `[Hq, D, E]` layout splits none. Everything else (embedding, LM head,
-norms, biases) is what the float loader gives, dequantized at load if quantized. Refused, naming
-the tensor or weight: act-order groups (a permuted `g_idx`), a fused weight only partly quantized,
-MoE and MLA models, and a mesh whose shards would split a group; all of these load dequantized
+each piece), so the model's `[Hq, D, E]` layout splits none. With act-order (`desc_act`: a
+group is any set of inputs, `g_idx`) each weight keeps its whole zero / scale tables, unsplit
+over the devices, and an int16 index of each input's group, split along the inputs as the weight
+is (`kept_parts_act_order`); the scan gathers each input's zero and scale with it. Permuting the
+inputs instead is no option: q/k/v and gate/up share their input, the hidden state, with
+different `g_idx`. Everything else (embedding, LM head, norms, biases) is what the float loader
+gives, dequantized at load if quantized. Refused, naming the tensor or weight: a permuted `g_idx`
+in a checkpoint whose `desc_act` is not set, a fused weight only partly quantized, MoE and MLA
+models, and a mesh whose shards would split a group or a word; all of these load dequantized
 without `weights_quantization`.
 """
 
@@ -21,6 +26,7 @@ import math
 import os
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
@@ -30,7 +36,7 @@ from infire_jax.loaders.hf_quantized import dequantize_module, grouped, quant_sc
 from infire_jax.loaders.weights import LoadedModel, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model
-from infire_jax.quant.gptq_awq import kept_group, kept_parts
+from infire_jax.quant.gptq_awq import kept_group, kept_parts, kept_parts_act_order
 from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
 from infire_jax.tokenizer import Tokenizer
 from sharding.plan import ShardPlan
@@ -66,14 +72,20 @@ def load_gptq_awq_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
             continue
         layer, short = where
         unpacked = unpack_module(name, w, scheme)
-        if unpacked.act_order:
-            raise ConfigError(f"{name}.g_idx: act-order (desc_act) groups are not kept quantized; {_DEQUANTIZE}")
+        if unpacked.act_order and not scheme.act_order:
+            raise ConfigError(f"{name}.g_idx: its groups are not runs of consecutive inputs but "
+                              f"quantization_config.desc_act is not set; {_DEQUANTIZE}")
         if short == "wo" and cfg.head_dim % 8:
             raise ConfigError(f"{name}: head_dim {cfg.head_dim} splits its 8-input words between heads; {_DEQUANTIZE}")
         size = unpacked.q.shape[1] // unpacked.scale.shape[1]
-        per_group = kept_group(size, cfg.head_dim if short == "wo" else None)
-        for part, a in kept_parts(unpacked, per_group).items():
-            parts.setdefault(part, {}).setdefault(short, [None] * cfg.num_layers)[layer] = part_to_layout(short, a, cfg)
+        if scheme.act_order:
+            per_group, kept_form = size, kept_parts_act_order(unpacked)
+        else:
+            per_group = kept_group(size, cfg.head_dim if short == "wo" else None)
+            kept_form = kept_parts(unpacked, per_group)
+        for part, a in kept_form.items():
+            laid = _layout(short, part, a, unpacked.q.shape[0], scheme.act_order, cfg)
+            parts.setdefault(part, {}).setdefault(short, [None] * cfg.num_layers)[layer] = laid
         kept[(layer, short)] = name
         formats.setdefault(_FUSED_OF[short], set()).add((per_group, unpacked.scale.dtype))
     _check_whole(kept, plain, cfg)
@@ -86,10 +98,21 @@ def load_gptq_awq_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
             raise UnsupportedModelError(f"layers.{fused}: its tensors have different groups or scale dtypes "
                                         f"{sorted((g, str(d)) for g, d in found)}; {_DEQUANTIZE}")
         per_group, scale_dtype = next(iter(found))
-        layouts[fused] = QuantLayout("int4", per_group, jnp.dtype(scale_dtype))
+        layouts[fused] = QuantLayout("int4", per_group, jnp.dtype(scale_dtype), scheme.act_order)
     loaded = LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path), name=os.path.basename(os.path.normpath(path)),
                          weights=weights)
     return loaded, layouts
+
+
+def _layout(short: str, part: str, a: np.ndarray, out: int, act_order: bool, cfg: ModelConfig) -> np.ndarray:
+    """A kept part in the model's layout, moved as `part_to_layout` moves `[O, n]` parts. An act-order
+    g_idx `[I]` (the same for every output) becomes the weight's layout with its last axis 1, and wo's
+    whole zero / scale tables `[E, G]` become `[1, G, E]` (any head's input may be in any group)."""
+    if part == "g_idx":
+        return np.ascontiguousarray(part_to_layout(short, np.broadcast_to(a, (out, a.size)), cfg)[..., :1])
+    if act_order and short == "wo" and part != "q4":
+        return a.T[None]
+    return part_to_layout(short, a, cfg)
 
 
 def _check_whole(kept: dict[tuple[int, str], str], plain: list, cfg: ModelConfig) -> None:
@@ -113,7 +136,8 @@ def check_mesh(layouts: dict[str, QuantLayout], cfg: ModelConfig, plan: ShardPla
         entry = plan.spec(axes)[axis]
         mesh_axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
         shards = math.prod(plan.sizes[a] for a in mesh_axes)
-        if (groups > 1 and groups % shards) or (shape[axis] // 8) % shards:
+        split_groups = groups > 1 and groups % shards and not layout.act_order  # act-order: whole tables
+        if split_groups or (shape[axis] // 8) % shards:
             raise ConfigError(f"layers.{fused}: its {groups} int4 groups of {layout.group} inputs cannot be split "
                               f"{shards} ways over {'x'.join(mesh_axes)}; use a mesh that splits it less, or "
                               f"{_DEQUANTIZE}")

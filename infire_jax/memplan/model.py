@@ -1,7 +1,8 @@
 """What a memory plan needs to know about a model: its tensors, their logical axes and storage.
 
 A `PlanModel` comes from one of our `ModelConfig`s (the engine's exact tensor layout: fused q/k/v
-and gate/up, kv heads repeated for tp) or from a plain HF `config.json` dict, which also covers
+and gate/up, kv heads repeated for tp; a GPTQ / AWQ config's layer weights as the int4 parts
+`weights_quantization="checkpoint"` keeps) or from a plain HF `config.json` dict, which also covers
 DeepSeek-V3-style models (MLA attention, shared experts, `first_k_dense_replace` dense layers)
 that the plan must size before the engine runs them. Weights are never allocated.
 """
@@ -12,14 +13,21 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
+import jax.numpy as jnp
+
+from infire_jax.loaders.hf_quantized import quant_scheme
 from infire_jax.models.config import ModelConfig
+from infire_jax.quant.gptq_awq import kept_group
+from infire_jax.quant.resident import QuantLayout
 
 KINDS = ("attention", "experts", "shared", "embeddings")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
 # (compressed-tensors pack-quantized), fp8 with a float32 scale per 128 x 128 block (DeepSeek-V3),
 # GGUF blocks (Q4_1: 20 bytes, Q8_0: 34 bytes per 32 weights).
 FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int4-g32": 0.5 + 2 / 32,
-                "fp8-block128": 1 + 4 / 128 ** 2, "int8-channel": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32}
+                "fp8-block128": 1 + 4 / 128 ** 2, "int8-channel": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32,
+                "int32": 4.0, "int16": 2.0, "uint8": 1.0}  # the last three: kept GPTQ / AWQ parts
+INT4_METHODS = ("gptq", "awq")  # planned as kept int4 parts (`int4_layouts`), not as a kind's format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +39,7 @@ class Tensor:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     matrix: bool = True  # a projection (takes the kind's format); norms, biases and routers keep the dtype
+    store: str | None = None  # a kept int4 part's own storage (a FORMAT_BYTES key), whatever the kind's format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +56,7 @@ class PlanModel:
     mlp_width: int  # widest per-token MLP activation (dense F, or top_k x expert width)
     num_experts: int = 0
     mla: bool = False
+    kept: tuple[Tensor, ...] = ()  # weights held as the int4 parts in `tensors`, dequantized a layer at a time
 
 
 def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
@@ -77,14 +87,45 @@ def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
     return t
 
 
-def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model",
-                      formats: Mapping[str, str] | None = None) -> PlanModel:
-    """The plan of one of our models as the engine places it (`cfg`: the plan's effective config)."""
+def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats: Mapping[str, str] | None = None,
+                      int4: Mapping[str, QuantLayout] | None = None) -> PlanModel:
+    """The plan of one of our models as the engine places it (`cfg`: the plan's effective config);
+    `int4` names the layer weights kept as int4 parts (`int4_layouts`), planned part by part."""
     width = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
-    return PlanModel(name=name, tensors=tuple(_gqa_tensors(cfg)), formats={k: dtype for k in KINDS} | dict(formats or {}),
+    tensors, kept = [], []
+    for t in _gqa_tensors(cfg):
+        layout = (int4 or {}).get(t.name)
+        if layout is None:
+            tensors.append(t)
+            continue
+        kept.append(t)
+        tensors += [Tensor(f"{t.name}.{part}", t.kind, shape, axes, False, jnp.dtype(store).name)
+                    for part, (shape, store, axes) in layout.part_specs(t.name, t.shape, t.axes).items()]
+    return PlanModel(name=name, tensors=tuple(tensors), formats={k: dtype for k in KINDS} | dict(formats or {}),
                      num_layers=cfg.num_layers, kv_per_token_layer=((2 * cfg.num_kv_heads * cfg.head_dim, "kv_heads"),),
                      hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=cfg.num_heads,
-                     qk_head_dim=cfg.head_dim, mlp_width=width, num_experts=cfg.num_experts)
+                     qk_head_dim=cfg.head_dim, mlp_width=width, num_experts=cfg.num_experts, kept=tuple(kept))
+
+
+def int4_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:
+    """A GPTQ / AWQ config's layer weights as `weights_quantization="checkpoint"` keeps them
+    (loaders/llama_quant.py): int4 words, uint8 zeros and fp16 scales (the formats' scale dtype) per
+    group, wo's groups cut at head boundaries, or with act-order (`desc_act`) whole tables and an int16
+    index of each input's group; {} for any other config, ValueError naming a field it cannot plan."""
+    if (hf.get("quantization_config") or {}).get("quant_method") not in INT4_METHODS:
+        return {}
+    scheme = quant_scheme(hf)
+    if cfg.is_moe:
+        raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: int4 weights are kept (and planned) "
+                         f"for dense Llama-architecture models, not {cfg.architecture}")
+    inputs = {"wqkv": cfg.hidden_size, "wo": cfg.num_heads * cfg.head_dim, "w_gate_up": cfg.hidden_size,
+              "w_down": cfg.intermediate_size}
+    layouts = {}
+    for short, n in inputs.items():
+        size = n if scheme.group == -1 else scheme.group
+        group = size if scheme.act_order else kept_group(size, cfg.head_dim if short == "wo" else None)
+        layouts[short] = QuantLayout("int4", group, jnp.float16, scheme.act_order)
+    return layouts
 
 
 def _field(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -96,12 +137,13 @@ def _field(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:
 
 def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
     """Each kind's storage from `quantization_config`: compressed-tensors int4 group 32 (Kimi) or fp8
-    128 x 128 blocks (DeepSeek-V3); kinds an `ignore` pattern covers keep `dtype`."""
+    128 x 128 blocks (DeepSeek-V3); kinds an `ignore` pattern covers keep `dtype`. GPTQ / AWQ leave
+    every kind at `dtype`: their layer weights are planned as int4 parts (`int4_layouts`)."""
     formats = {k: dtype for k in KINDS}
     q = hf.get("quantization_config")
-    if not q:
+    method = (q or {}).get("quant_method")
+    if not q or method in INT4_METHODS:
         return formats
-    method = q.get("quant_method")
     if method == "fp8":
         if list(q.get("weight_block_size") or []) != [128, 128]:
             raise ValueError(f"quantization_config.weight_block_size {q.get('weight_block_size')} is not [128, 128]")
@@ -114,7 +156,8 @@ def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
                              f"group_size 32 is planned, got {groups}")
         fmt, ignore = "int4-g32", list(q.get("ignore") or [])
     else:
-        raise ValueError(f"quantization_config.quant_method {method!r} is not planned (fp8, compressed-tensors)")
+        raise ValueError(f"quantization_config.quant_method {method!r} is not planned (fp8, compressed-tensors, "
+                         f"gptq, awq)")
     # A module of each kind, named as DeepSeek-V3 names it; `ignore` entries are names or "re:" patterns.
     probes = {"attention": "model.layers.1.self_attn.kv_b_proj", "experts": "model.layers.1.mlp.experts.0.down_proj",
               "shared": "model.layers.1.mlp.shared_experts.down_proj", "dense": "model.layers.0.mlp.down_proj"}
@@ -130,6 +173,10 @@ def from_hf_config(hf: Mapping[str, Any], dtype: str = "bfloat16", name: str = "
     """The plan of a DeepSeek-V3-style model (MLA attention: `kv_lora_rank` set) from its HF config
     dict; ValueError naming a missing field."""
     hf = dict(hf.get("text_config") or hf)
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method in INT4_METHODS:
+        raise ValueError(f"quantization_config.quant_method {method!r}: int4 weights are kept (and planned) for "
+                         "dense Llama-architecture models, not MLA ones")
     e, n, v = int(_field(hf, "hidden_size")), int(_field(hf, "num_hidden_layers")), int(_field(hf, "vocab_size"))
     h = int(_field(hf, "num_attention_heads"))
     q_lora, kv_lora = int(hf.get("q_lora_rank") or 0), int(_field(hf, "kv_lora_rank"))

@@ -68,7 +68,7 @@ def tensor_bytes(t: Tensor, model: PlanModel, mc: MeshConfig, dtype: str) -> flo
     if t.axes[0] == "layers":
         shape[0] = layer_slots(shape[0], model, mc)
     per = math.prod(math.ceil(n / k) for n, k in zip(shape, _splits(dataclasses.replace(t, shape=tuple(shape)), mc)))
-    return per * FORMAT_BYTES[model.formats[t.kind] if t.matrix else dtype]
+    return per * FORMAT_BYTES[t.store or (model.formats[t.kind] if t.matrix else dtype)]
 
 
 def check_fits(model: PlanModel, mc: MeshConfig) -> str | None:
@@ -87,6 +87,10 @@ def check_fits(model: PlanModel, mc: MeshConfig) -> str | None:
         return f"vocabulary {model.vocab_size} is not divisible by {vocab_split}"
     if model.num_layers < sizes["pp"]:
         return f"{model.num_layers} layers cannot fill {sizes['pp']} pipeline stages"
+    for t in model.tensors:  # a kept int4 part splits only into whole words and groups (llama_quant.check_mesh)
+        uneven = [(n, k) for n, k in zip(t.shape, _splits(t, mc)) if t.store and n % k]
+        if uneven:
+            return f"kept int4 part {t.name}: {uneven[0][0]} entries cannot be split {uneven[0][1]} ways"
     return None
 
 
@@ -155,6 +159,9 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
         fmt = model.formats[t.kind]
         if t.matrix and fmt != dtype and t.axes[0] == "layers":  # dequantized one layer at a time in the scan
             workspace_per_layer += b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"] * itemsize / FORMAT_BYTES[fmt]
+    for t in model.kept:  # int4 parts: one layer's weight dequantized to `dtype`
+        b = tensor_bytes(dataclasses.replace(t, store=dtype), model, mc, dtype)
+        workspace_per_layer += b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"]
     layers = layers_per_device(model.num_layers, mc)
     kv_items = sum(n / (mc.sizes[mc.rule(axis)] if axis and mc.rule(axis) else 1) for n, axis in model.kv_per_token_layer)
     kv_itemsize = FORMAT_BYTES[kv_dtype or dtype]

@@ -7,7 +7,7 @@ import os
 from typing import Callable
 
 from infire_jax.memplan.model import (
-    PlanModel, formats_from_hf, from_hf_config, from_model_config, placed_config)
+    PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_layouts, placed_config)
 from infire_jax.models.config import config_from_hf
 from sharding.mesh import MeshConfig
 
@@ -37,7 +37,8 @@ def plan_source(spec: str | None, dtype: str) -> Callable[[MeshConfig], PlanMode
             model = from_hf_config(hf, dtype, name=spec or path)
             return lambda mc: model
         cfg, formats = config_from_hf(hf), formats_from_hf(hf, dtype)
-        return lambda mc: from_model_config(placed_config(cfg, mc), dtype, spec or path, formats)
+        int4 = int4_layouts(hf, cfg)
+        return lambda mc: from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, int4)
     from infire_jax.loaders.load import load_config
 
     cfg = load_config(spec)

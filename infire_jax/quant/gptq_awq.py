@@ -20,7 +20,8 @@ define them; no code taken from them). Per linear module with I inputs, O output
 
 `q - z` is a small integer and the scale a 16-bit float, so the float32 product is exact: the
 dequantized weight is the definition's value, on the host at load (`dequantize`) or on the device
-in the layer scan (`dequantize_parts`, the form kept by `kept_parts`), bit for bit alike.
+in the layer scan (`dequantize_parts`, the form kept by `kept_parts`, or `kept_parts_act_order`
+with the per-input group index), bit for bit alike.
 """
 
 from __future__ import annotations
@@ -118,19 +119,31 @@ def dequantize(w: Int4Zero) -> Float[np.ndarray, "O I"]:
     return diff.astype(np.float32) * w.scale[:, w.g_idx].astype(np.float32)
 
 
+def _words(q: np.ndarray) -> np.ndarray:
+    """Values `[O, I]` packed eight to an int32 along the input axis (input `8j + k` in bits 4k of word j)."""
+    out, inp = q.shape
+    return (q.astype(np.int64).reshape(out, inp // 8, 8) << _SHIFTS).sum(-1).astype(np.uint32).view(np.int32)
+
+
 def kept_parts(w: Int4Zero, per_group: int) -> dict[str, np.ndarray]:
     """The device form of a weight whose groups are consecutive inputs, HF orientation: "q4" int32
-    `[O, I / 8]` (input `8j + k` in bits 4k of word j), and "zero" / "scale" `[O, I / per_group]`,
-    each group's entry repeated if `per_group` divides the checkpoint's group (so groups never
-    cross a head of wo)."""
-    out, inp = w.q.shape
-    size = inp // w.scale.shape[1]
+    `[O, I / 8]`, and "zero" / "scale" `[O, I / per_group]`, each group's entry repeated if
+    `per_group` divides the checkpoint's group (so groups never cross a head of wo)."""
+    size = w.q.shape[1] // w.scale.shape[1]
     if w.act_order or size % per_group:
         raise ValueError(f"groups of {size} inputs (act-order: {w.act_order}) are not kept in groups of {per_group}")
-    words = (w.q.astype(np.int64).reshape(out, inp // 8, 8) << _SHIFTS).sum(-1)
     repeat = size // per_group
-    return {"q4": words.astype(np.uint32).view(np.int32), "zero": np.repeat(w.zero, repeat, axis=1),
-            "scale": np.repeat(w.scale, repeat, axis=1)}
+    return {"q4": _words(w.q), "zero": np.repeat(w.zero, repeat, axis=1), "scale": np.repeat(w.scale, repeat, axis=1)}
+
+
+def kept_parts_act_order(w: Int4Zero) -> dict[str, np.ndarray]:
+    """The device form of a weight whose groups are any sets of inputs (GPTQ desc_act): "q4" as
+    `kept_parts`, the whole "zero" / "scale" tables `[O, G]`, and "g_idx" int16 `[I]`, each
+    input's group, by which the device gathers them."""
+    groups = w.scale.shape[1]
+    if groups > np.iinfo(np.int16).max + 1:
+        raise ValueError(f"{groups} groups do not fit the int16 group index")
+    return {"q4": _words(w.q), "zero": w.zero, "scale": w.scale, "g_idx": w.g_idx.astype(np.int16)}
 
 
 def kept_group(size: int, head_dim: int | None) -> int:
@@ -140,12 +153,18 @@ def kept_group(size: int, head_dim: int | None) -> int:
 
 def dequantize_parts(parts: dict[str, Array], axis: int, dtype) -> Shaped[Array, "..."]:
     """A kept weight (any layout; `axis`, counted from the end, is its input axis) in `dtype`:
-    `(q - zero) * scale` in float32, so bit for bit the load-time weight."""
+    `(q - zero) * scale` in float32, so bit for bit the load-time weight. With a "g_idx" part
+    (act-order: the weight's shape with its last axis 1) each input's zero and scale are gathered
+    from the whole tables, which hold G entries on the input axis."""
     words, zero, scale = parts["q4"], parts["zero"], parts["scale"]
     a = words.ndim + axis
     shifts = (jnp.arange(8, dtype=jnp.int32) * 4).reshape((8,) + (1,) * (words.ndim - a - 1))
     q = (jnp.expand_dims(words, a + 1) >> shifts) & 0xF  # [..., I / 8, 8, ...]
     q = q.reshape(*words.shape[:a], -1, *words.shape[a + 1:])
+    if "g_idx" in parts:
+        idx = parts["g_idx"].astype(jnp.int32)
+        diff = (q - jnp.take_along_axis(zero, idx, axis=a).astype(jnp.int32)).astype(jnp.float32)
+        return (diff * jnp.take_along_axis(scale, idx, axis=a).astype(jnp.float32)).astype(dtype)
     n, groups = q.shape[a], scale.shape[a]
     grouped = q.reshape(*q.shape[:a], groups, n // groups, *q.shape[a + 1:])
     diff = (grouped - jnp.expand_dims(zero.astype(jnp.int32), a + 1)).astype(jnp.float32)

@@ -6,7 +6,8 @@ GPTQ / AWQ checkpoint's int4 groups with zero points (loaders/llama_quant.py, qu
 
 Like palette compression (compression/resident.py), a quantized stacked weight is a module of
 parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, with the input
-(block) axis shortened, so the parts shard exactly as the weight does. The scanned layer body
+(block) axis shortened, so the parts shard exactly as the weight does (act-order int4's zero /
+scale tables excepted: whole on every device). The scanned layer body
 dequantizes the current layer's weights just before their matmuls (`dequantize_layer`), so only
 one layer is ever held in full precision.
 """
@@ -14,7 +15,8 @@ one layer is ever held in full precision.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import math
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,49 +37,67 @@ INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2}
 @dataclasses.dataclass(frozen=True)
 class QuantLayout:
     """A quantized weight's format (a GGUF block type, int8 per output channel, or int4 with zero
-    points in groups of `group` inputs); the parts' shapes follow from the weight's."""
+    points in groups of `group` inputs, consecutive or, with `act_order`, any); the parts' shapes
+    and logical axes follow from the weight's."""
 
     kind: str  # "Q4_1", "Q8_0", "int8" or "int4"
     group: int = 0  # int4: inputs per scale and zero (the whole input axis for one group per row)
     scale_dtype: Any = jnp.float16  # int4: the checkpoint's
+    act_order: bool = False  # int4: groups are sets of inputs named by a per-input index (GPTQ desc_act)
 
-    def part_shapes(self, short: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """Each part's (shape, dtype) for a weight of `shape`; ValueError naming the weight if its
-        input axis is not whole blocks."""
+    def part_specs(self, short: str, shape: tuple[int, ...], axes: tuple[str | None, ...]
+                   ) -> dict[str, tuple[tuple[int, ...], Any, tuple[str | None, ...]]]:
+        """Each part's (shape, dtype, logical axes) for a weight of `shape` and `axes`: the weight's
+        axes with the input axis shortened, so each part splits as the weight does, except where a
+        part holds one entry for all of an axis or, act-order, a whole table every input may index.
+        ValueError naming the weight if its input axis is not whole blocks."""
         axis = len(shape) + INPUT_AXIS[short]
+
+        def along(n: int, dtype) -> tuple[tuple[int, ...], Any, tuple]:
+            """The input axis shortened to n; one entry there (a per-channel scale) is not split."""
+            part = tuple(n if i == axis else s for i, s in enumerate(shape))
+            return part, dtype, tuple(None if i == axis and n == 1 else a for i, a in enumerate(axes))
+
         if self.kind == "int8":  # one float32 scale per output channel: the input axis reduced to 1
-            return {"int8": (shape, jnp.int8), "scale": (tuple(1 if i == axis else n for i, n in enumerate(shape)),
-                                                         jnp.float32)}
+            return {"int8": (shape, jnp.int8, axes), "scale": along(1, jnp.float32)}
         if self.kind == "int4":
-            if shape[axis] % 8 or shape[axis] % self.group:
-                raise ValueError(f"{short}: int4 groups of {self.group} inputs do not tile its input axis of "
-                                 f"{shape[axis]} (in words of 8)")
-            groups = tuple(shape[axis] // self.group if i == axis else n for i, n in enumerate(shape))
-            return {"q4": (tuple(shape[axis] // 8 if i == axis else n for i, n in enumerate(shape)), jnp.int32),
-                    "zero": (groups, jnp.uint8), "scale": (groups, self.scale_dtype)}
+            return self._int4_specs(short, shape, axes, axis, along)
         if shape[axis] % QK:
             raise ValueError(f"{short}: input axis of {shape[axis]} weights is not a whole number of "
                              f"{QK}-weight blocks")
-
-        def along(n):
-            return tuple(n if i == axis else s for i, s in enumerate(shape))
-
-        scales = {"d": (along(shape[axis] // QK), jnp.float16)}
+        scales = {"d": along(shape[axis] // QK, jnp.float16)}
         if self.kind == "Q4_1":
-            return {"q4_1": (along(shape[axis] // 2), jnp.uint8), **scales, "m": scales["d"]}
+            return {"q4_1": along(shape[axis] // 2, jnp.uint8), **scales, "m": scales["d"]}
         if self.kind == "Q8_0":
-            return {"q8_0": (shape, jnp.int8), **scales}
+            return {"q8_0": (shape, jnp.int8, axes), **scales}
         raise ValueError(f"{short}: GGUF type {self.kind} is not kept quantized; supported: {sorted(QUANT_PART)}")
+
+    def _int4_specs(self, short: str, shape: tuple[int, ...], axes: tuple[str | None, ...], axis: int,
+                    along: Callable) -> dict[str, tuple[tuple[int, ...], Any, tuple[str | None, ...]]]:
+        """q4 int32 words along the input axis; zero / scale per group of consecutive inputs or, act-order,
+        the whole tables (G entries on the input axis, 1 on wo's head axis, unsplit) and the int16 "g_idx"
+        (the weight's shape with its last axis 1)."""
+        first = axis - 1 if short == "wo" else axis  # wo's inputs are heads x head_dim
+        inputs = math.prod(shape[first:axis + 1]) if self.act_order else shape[axis]
+        if shape[axis] % 8 or inputs % self.group:
+            raise ValueError(f"{short}: int4 groups of {self.group} inputs do not tile its {inputs} inputs "
+                             f"(in words of 8 along an axis of {shape[axis]})")
+        specs = {"q4": along(shape[axis] // 8, jnp.int32)}
+        if not self.act_order:
+            return {**specs, "zero": along(inputs // self.group, jnp.uint8),
+                    "scale": along(inputs // self.group, self.scale_dtype)}
+        whole = tuple(range(first, axis + 1))
+        table = tuple(inputs // self.group if i == axis else 1 if i in whole else n for i, n in enumerate(shape))
+        table_axes = tuple(None if i in whole else a for i, a in enumerate(axes))
+        return {**specs, "zero": (table, jnp.uint8, table_axes), "scale": (table, self.scale_dtype, table_axes),
+                "g_idx": ((*shape[:-1], 1), jnp.int16, (*axes[:-1], None))}
 
 
 class QuantParams(WeightParts):
-    """The parts of one quantized stacked weight, each a parameter with the weight's logical axes."""
+    """The parts of one quantized stacked weight, each a parameter with its logical axes."""
 
     def __init__(self, short: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: QuantLayout):
-        axis = len(shape) + INPUT_AXIS[short]
-        for part, (part_shape, dtype) in layout.part_shapes(short, shape).items():
-            # a per-channel scale (or zero) has one entry on the input axis, so it is not split there
-            part_axes = tuple(None if i == axis and part_shape[i] == 1 else a for i, a in enumerate(axes))
+        for part, (part_shape, dtype, part_axes) in layout.part_specs(short, shape, axes).items():
             setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=part_axes, init="zeros"))
 
 
