@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                    help="keep the layer weights quantized on the device, dequantized per layer inside the layer "
                         "scan (embedding and head stay dense): gguf keeps a GGUF model's Q4_1/Q8_0 blocks; int8 "
                         "quantizes any model at load, one scale per output channel; checkpoint keeps a published "
-                        "DeepSeek-V3/Kimi checkpoint's own int4 or fp8 weights")
+                        "DeepSeek-V3/Kimi checkpoint's own int4 or fp8 weights (its routed experts dequantized "
+                        "one expert at a time in the grouped matmul)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')

@@ -86,6 +86,12 @@ def test_kimi_k25_figures_follow_from_its_config():
     assert 70 * GiB < p.weight_bytes < 72 * GiB
     assert 0 < p.kv_room < 30 * GiB and p.kv_tokens == int(p.kv_room // p.kv_bytes_per_token)
     assert "KV room per device: " in p.describe() and f"KV tokens that fit: {p.kv_tokens}" in p.describe()
+    # Per layer (the XLA path): attention and shared weights are bf16, and routed experts are dequantized
+    # one at a time, so the workspace is one bf16 expert: whole on 8-tp8-ep (each device holds 48 whole
+    # experts), a quarter of one on 8-tp4-pp2 (384 experts a device, each split 4 ways by width).
+    per_layer = _plan("dummy:kimi-k2.5", "8-tp8-ep.yaml", "80GiB", utilization=1.0)
+    assert per_layer.workspace == 3 * 7168 * 2048 * 2 and p.kv_room - per_layer.kv_room == per_layer.workspace
+    assert _plan("dummy:kimi-k2.5", "8-tp4-pp2.yaml", "80GiB").workspace == 3 * 7168 * 2048 * 2 / 4
     on_h200 = _plan("kimi-k2.5", "8-tp8-ep.yaml", "141GB", dequant="fused")
     assert on_h200.kv_room > 30 * GiB and on_h200.weights == p.weights
 

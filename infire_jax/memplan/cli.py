@@ -25,8 +25,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tokens of the largest step, for the activation estimate (the GPU default, 8192)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="rows sampled per step (logits estimate)")
     p.add_argument("--dequant", default="per-layer", choices=["per-layer", "fused"],
-                   help="per-layer: the layer scan dequantizes one layer at a time (today's XLA path, one layer of "
-                        "workspace); fused: a kernel dequantizes in its prologue (no workspace)")
+                   help="per-layer: the layer scan dequantizes one layer's dense weights, the grouped matmul one "
+                        "routed expert at a time (today's XLA path: a workspace of one layer's dense weights and "
+                        "one expert); fused: a kernel dequantizes in its prologue (no workspace)")
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -71,6 +71,15 @@ def tensor_bytes(t: Tensor, model: PlanModel, mc: MeshConfig, dtype: str) -> flo
     return per * FORMAT_BYTES[t.store or (model.formats[t.kind] if t.matrix else dtype)]
 
 
+def _local_experts(t: Tensor, mc: MeshConfig) -> int:
+    """Experts of `t` on one device (1 for a weight without an expert axis): routed experts are
+    dequantized one at a time (models/moe.py), so only one of them is in the workspace."""
+    if "experts" not in t.axes:
+        return 1
+    i = t.axes.index("experts")
+    return math.ceil(t.shape[i] / _splits(t, mc)[i])
+
+
 def check_fits(model: PlanModel, mc: MeshConfig) -> str | None:
     """Why the mesh cannot hold the model (ShardPlan.create's checks), or None."""
     sizes = mc.sizes
@@ -141,9 +150,11 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
                 max_num_seqs: int = 64, dequant: str = "per-layer") -> MemoryPlan:
     """The plan of `model` on the mesh; ValueError naming the problem if the mesh cannot hold it.
 
-    `dequant`: "per-layer" (today's XLA path: the scan dequantizes one layer's quantized weights to
-    `dtype` before its matmuls, a workspace of one layer) or "fused" (a kernel that dequantizes in
-    its prologue, the Pallas path on GPU: no workspace).
+    `dequant`: "per-layer" (today's XLA path: the scan dequantizes one layer's quantized dense weights
+    to `dtype` before its matmuls, and the grouped matmul one routed expert at a time, a workspace of
+    one layer's dense weights plus one local expert; the dense and MoE stacks' weights are summed,
+    an upper bound) or "fused" (a kernel that dequantizes in its prologue, the Pallas path on GPU:
+    no workspace).
     """
     if dequant not in DEQUANT:
         raise ValueError(f"dequant must be one of {list(DEQUANT)}, got {dequant!r}")
@@ -158,8 +169,9 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
         weights[t.kind] += b
         fmt = model.formats[t.kind]
         if t.matrix and fmt != dtype and t.axes[0] == "layers":  # dequantized one layer at a time in the scan
-            workspace_per_layer += b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"] * itemsize / FORMAT_BYTES[fmt]
-    for t in model.kept:  # int4 parts: one layer's weight dequantized to `dtype`
+            layer = b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"] * itemsize / FORMAT_BYTES[fmt]
+            workspace_per_layer += layer / _local_experts(t, mc)
+    for t in model.kept:  # int4 parts (dense Llama-family weights): one layer's weight dequantized to `dtype`
         b = tensor_bytes(dataclasses.replace(t, store=dtype), model, mc, dtype)
         workspace_per_layer += b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"]
     layers = layers_per_device(model.num_layers, mc)

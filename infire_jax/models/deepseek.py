@@ -14,7 +14,8 @@ layer index runs across both. On a mesh (models/parallel.py) heads and MLP width
 experts over ep. Pipeline parallelism is refused for this family (sharding/plan.py).
 
 A published quantized checkpoint's linear weights may stay quantized on the device
-(`resident`: quant/grouped.py); the scan body dequantizes the current layer's just before use.
+(`resident`: quant/grouped.py); the scan body dequantizes the current layer's dense ones just before
+use, and the grouped matmul (models/moe.py) the routed experts one expert at a time.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from infire_jax.models.layers import apply_rope, param, rms_norm, rope_tables
 from infire_jax.models.llama import dense_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
-from infire_jax.quant.grouped import GroupedLayout, GroupedParams, dequantize_kept
+from infire_jax.quant.grouped import ROUTED_EXPERTS, GroupedLayout, GroupedParams, dequantize_kept
 from infire_jax.weight_parts import WeightParts
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mla import mla_attention, step_form
@@ -118,7 +119,8 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
     def layer(carry, xs):
         h, latent_pages, rope_pages = carry
         lp, idx = xs
-        lp = dequantize_kept(lp, h.dtype)  # this layer's kept quantized weights, and only this layer's
+        # this layer's kept dense weights, and only this layer's; routed experts stay parts, per tile
+        lp = dequantize_kept(lp, h.dtype, per_expert=ROUTED_EXPERTS if moe else ())
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q_nope, q_pe, latent, k_pe = mla_project(cfg, lp, x, cos, sin)
         o, latent_pages, rope_pages = mla_attention(q_nope, q_pe, latent, k_pe, lp["w_uk"], lp["w_uv"], latent_pages,

@@ -33,12 +33,18 @@ tile by its own expert's weights. Temporaries are O(M*E); the FLOPs are the grou
 most one partial tile per active expert. On a GPU it is a sequential loop of small matmuls, so a
 grouped-GEMM kernel is the upgrade path; `INFIRE_JAX_MOE_GROUPED=ragged_dot` selects ragged_dot for
 measuring it there.
+
+Expert weights kept quantized (quant/grouped.py, DeepSeek-V3 / Kimi checkpoints) arrive as dicts of
+parts. The tiled loop dequantizes only the expert its tile needs (`expert_weight`), so the largest
+full-precision temporary is one expert's weights, never the layer's. ragged_dot takes whole-layer
+weights, so for kept experts it dequantizes the layer's whole stack first, as the scan once did: a
+measuring option, not a serving path for kept weights.
 """
 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +52,12 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
+from infire_jax.quant.grouped import dequantize_kept, expert_weight
 
 GROUPED_IMPLS = ("tiled", "ragged_dot")
 _MAX_TILE_ROWS = 128
+# A stacked expert weight: a float array, or a kept quantized weight's parts (each with the expert axis first).
+ExpertStack = Float[Array, "X ..."] | Mapping[str, Array]
 
 
 class Routing(NamedTuple):
@@ -130,14 +139,16 @@ def _swiglu(x: Array, w_gate_up: Float[Array, "E 2 F"], w_down: Float[Array, "F 
     return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ w_down
 
 
-def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_up: Float[Array, "X E 2 F"],
-                  w_down: Float[Array, "X F E"]) -> Float[Array, "M E"]:
+def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_up: ExpertStack,
+                  w_down: ExpertStack) -> Float[Array, "M E"]:
     """Grouped SwiGLU as a loop over row tiles, each inside one expert's group.
 
     Tile i of expert g covers sorted rows [start, start + B); rows past the group's end belong to the
     next expert (or to padding) and are left untouched when the tile's result is written back. The
     loop runs a static number of trips (`max_tiles`): a trip count read from the routing would make
-    XLA on a GPU copy it to the host every layer. Trips past the tiles in use write nothing.
+    XLA on a GPU copy it to the host every layer. Trips past the tiles in use write nothing. Each
+    trip takes its expert's weights [X E 2 F] / [X F E] by `expert_weight` (kept parts: just that
+    expert dequantized, in the activations' dtype).
     """
     m, e = xs.shape
     nx = group_sizes.shape[0]
@@ -155,7 +166,8 @@ def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_
     def tile(j, ys):
         g, r0 = group[j], start[j]
         xt = jax.lax.dynamic_slice_in_dim(xs_pad, r0, b)
-        yt = _swiglu(xt, w_gate_up[g], w_down[g])
+        yt = _swiglu(xt, expert_weight(w_gate_up, g, "w_gate_up", xs.dtype),
+                     expert_weight(w_down, g, "w_down", xs.dtype))
         keep = (r0 + jnp.arange(b)) < end[j]
         old = jax.lax.dynamic_slice_in_dim(ys, r0, b)
         return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where(keep[:, None], yt, old), r0, axis=0)
@@ -166,7 +178,8 @@ def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_
 
 def expert_mlp(d: Dispatch, lp: dict[str, Array], impl: str) -> Float[Array, "M E"]:
     """Each sorted row through its own expert's SwiGLU (silu(x Wg) * (x Wu)) Wd."""
-    if impl == "ragged_dot":
+    if impl == "ragged_dot":  # whole-layer weights: kept experts are dequantized here, all of them
+        lp = dequantize_kept({k: lp[k] for k in ("w_gate_up", "w_down")}, d.x.dtype)
         x, e, _, f = lp["w_gate_up"].shape
         gate_up = jax.lax.ragged_dot(d.x, lp["w_gate_up"].reshape(x, e, 2 * f), d.group_sizes)
         return jax.lax.ragged_dot(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], lp["w_down"], d.group_sizes)
@@ -203,7 +216,7 @@ def moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig, i
 def routed_mlp(lp: dict[str, Array], x: Float[Array, "T E"], routing: Routing, *, impl: str | None = None,
                expert_axis: str | None = None) -> Float[Array, "T E"]:
     """Each token through its routed experts, combined with the routing weights (see `moe_mlp`)."""
-    num_local = lp["w_gate_up"].shape[0]
+    num_local = jax.tree.leaves(lp["w_gate_up"])[0].shape[0]
     experts = routing.experts
     if expert_axis is not None:
         local = experts - jax.lax.axis_index(expert_axis) * num_local

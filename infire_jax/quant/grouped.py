@@ -1,4 +1,4 @@
-"""A published checkpoint's int4 groups or fp8 blocks kept in device memory, dequantized per layer in the scan.
+"""A published checkpoint's int4 groups or fp8 blocks kept in device memory, dequantized where they are used.
 
 `weights_quantization="checkpoint"` (loaders/deepseek_quant.py) keeps each quantized linear weight
 of a DeepSeek-V3-family checkpoint as published, moved into the model's layout exactly as the float
@@ -17,6 +17,11 @@ The parts keep the weight's logical axes with the input axis shortened, so they 
 weight does (a shard must hold whole groups: the loader checks). The arithmetic is formats.py's
 (a float32 product, then the serving dtype), so a kept weight dequantizes bit for bit to the
 weight the load-time dequantizer gives.
+
+The scan body dequantizes one layer's dense weights (attention, dense and shared MLPs: small), but
+not its routed experts (Kimi K2.5: 384 x 7168 x 2048 x 3, 34 GB in bf16 a layer): the grouped
+matmul (models/moe.py) takes each expert's parts as its row tile reaches it (`expert_weight`), so
+at most one expert is ever in full precision.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Shaped
+from jaxtyping import Array, Int, Shaped
 
 from infire_jax.weight_parts import WeightParts
 
@@ -36,6 +42,7 @@ from infire_jax.weight_parts import WeightParts
 INPUT_AXIS = {"wq_a": -2, "wq_b": -3, "wkv_a": -2, "w_uk": -3, "w_uv": -3, "wo": -2, "w_gate_up": -3,
               "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2}
 VALUE_PART = {"int4": "packed", "fp8": "fp8"}
+ROUTED_EXPERTS = ("w_gate_up", "w_down")  # in a MoE layer, dequantized one expert at a time
 _VALUES_PER_ITEM = {"int4": 8, "fp8": 1}
 
 
@@ -92,6 +99,19 @@ def dequantize(parts: Mapping[str, Array], short: str, dtype) -> Shaped[Array, "
     return full.reshape(q.shape).astype(dtype)
 
 
-def dequantize_kept(lp: Mapping[str, Any], dtype) -> dict[str, Any]:
-    """One layer's weights with every kept one dequantized to `dtype` (inside the scan body)."""
-    return {k: dequantize(v, k, dtype) if is_kept(v) else v for k, v in lp.items()}
+def dequantize_kept(lp: Mapping[str, Any], dtype, per_expert: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One layer's weights with every kept one dequantized to `dtype` (inside the scan body), except
+    those named in `per_expert` (a MoE layer's `ROUTED_EXPERTS`), which stay parts for `expert_weight`."""
+    return {k: dequantize(v, k, dtype) if is_kept(v) and k not in per_expert else v for k, v in lp.items()}
+
+
+def expert_weight(stack: Array | Mapping[str, Array], g: Int[Array, ""], short: str, dtype
+                  ) -> Shaped[Array, "..."]:
+    """Expert `g` of a stacked expert weight [X, ...]: the float stack's slice as it is, or the kept
+    parts' slices dequantized to `dtype`, so only this expert is built in full precision."""
+    if is_kept(stack):
+        # tied to g, the parts are no longer loop invariant: XLA:CPU widens a bf16 or fp8 slice's whole
+        # operand to float32, and would hoist that out of the loop (a float32 copy of every expert)
+        stack, g = jax.lax.optimization_barrier((stack, g))
+        return dequantize({p: v[g] for p, v in stack.items()}, short, dtype)
+    return stack[g]
