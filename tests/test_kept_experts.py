@@ -88,3 +88,21 @@ def test_kept_experts_temporaries_are_one_expert_not_the_layer():
         assert temps[experts] < layer_bytes / 8, (experts, temps[experts], layer_bytes)
     one_expert_f32 = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     assert temps[128] < temps[64] + one_expert_f32, temps
+
+
+def test_plain_bf16_experts_are_not_widened_whole_on_cpu():
+    """Plain bfloat16 expert stacks: XLA:CPU widens a bf16 dot operand to float32; unless each trip's
+    slice is tied to its expert index it widens the whole stack, hoisted out of the loop (a float32
+    copy of every expert). The temporaries stay one expert's, whatever the expert count."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("XLA:CPU's widening; other backends run bf16 dots natively")
+    temps = {}
+    for experts in (64, 128):
+        cfg = _cfg(experts=experts, hidden=1024, width=512, k=8)
+        lp = {name: jax.ShapeDtypeStruct(shape, jnp.bfloat16) for name, shape in _shapes(cfg).items()}
+        lp["router"] = jax.ShapeDtypeStruct((cfg.hidden_size, experts), jnp.bfloat16)
+        x = jax.ShapeDtypeStruct((8, cfg.hidden_size), jnp.bfloat16)
+        temps[experts] = jax.jit(lambda lp, x: moe_mlp(lp, x, cfg=cfg)).lower(lp, x).compile(
+        ).memory_analysis().temp_size_in_bytes
+    one_expert_f32 = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    assert temps[64] < 2 * one_expert_f32 and temps[128] < temps[64] + one_expert_f32, temps

@@ -109,9 +109,10 @@ def expert_weight(stack: Array | Mapping[str, Array], g: Int[Array, ""], short: 
                   ) -> Shaped[Array, "..."]:
     """Expert `g` of a stacked expert weight [X, ...]: the float stack's slice as it is, or the kept
     parts' slices dequantized to `dtype`, so only this expert is built in full precision."""
-    if is_kept(stack):
-        # tied to g, the parts are no longer loop invariant: XLA:CPU widens a bf16 or fp8 slice's whole
-        # operand to float32, and would hoist that out of the loop (a float32 copy of every expert)
+    kept = is_kept(stack)
+    if kept or jax.default_backend() == "cpu":
+        # Tied to g, the stack is no longer loop invariant: XLA:CPU widens a bf16 or fp8 slice's whole
+        # operand to float32 and would hoist that out of the loop, a float32 copy of every expert each
+        # step (plain bf16 experts: 409 MB of temporaries and 14x slower at 8 tokens, docs/PERFORMANCE.md).
         stack, g = jax.lax.optimization_barrier((stack, g))
-        return dequantize({p: v[g] for p, v in stack.items()}, short, dtype)
-    return stack[g]
+    return dequantize({p: v[g] for p, v in stack.items()}, short, dtype) if kept else stack[g]
