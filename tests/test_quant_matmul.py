@@ -1,0 +1,171 @@
+"""The GPU quantized matmul (pallas_kernels/quant_matmul.py) in Pallas interpret mode, against the
+formats' definitions written out here in float64: its dequantized weights bit for bit (x = I), its
+products within float32's accumulation bound, the grouped (MoE) form per row, and its lowering to
+Triton for CUDA."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import quant_reference as ref
+
+from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul
+
+RNG = np.random.default_rng(7)
+S, K, N = 3, 256, 128  # three matrices of [K, N]
+FORMATS = ("gptq32", "gptq128", "gptq_channel", "ct_int4", "q4_1", "q8_0", "int8", "fp8", "plain_bf16")
+
+
+def _words(q: np.ndarray) -> np.ndarray:
+    """[S, K, N] values 0..15 -> int32 words [S, K / 8, N], input 8j + i in bits 4i of word j."""
+    s, k, n = q.shape
+    q = q.astype(np.uint64).reshape(s, k // 8, 8, n)
+    return sum(q[:, :, i] << np.uint64(4 * i) for i in range(8)).astype(np.uint32).view(np.int32)
+
+
+def _per_input(part: np.ndarray, group: int) -> np.ndarray:
+    return np.repeat(part.astype(np.float64), group, axis=1)
+
+
+def make_stack(fmt: str) -> tuple[QuantStack, np.ndarray]:
+    """A random stack in format `fmt` and its weights [S, K, N] by the format's definition, in float64."""
+    if fmt.startswith("gptq") or fmt == "ct_int4":
+        group = {"gptq32": 32, "gptq128": 128, "gptq_channel": K, "ct_int4": 32}[fmt]
+        q = RNG.integers(0, 16, (S, K, N))
+        scale = (RNG.standard_normal((S, K // group, N)) * 0.05).astype(
+            ml_dtypes.bfloat16 if fmt == "ct_int4" else np.float16)
+        if fmt == "ct_int4":  # compressed-tensors: stored q + 8, symmetric
+            return (QuantStack(jnp.asarray(_words(q)), jnp.asarray(scale), packing="int4", zero_point=8),
+                    (q - 8) * _per_input(scale, group))
+        zero = RNG.integers(0, 16, (S, K // group, N)).astype(np.uint8)
+        w = (q - _per_input(zero, group)) * _per_input(scale, group)
+        return QuantStack(jnp.asarray(_words(q)), jnp.asarray(scale), jnp.asarray(zero), packing="int4"), w
+    if fmt == "q4_1":  # GGUF: in a block of 32, byte e holds input e (low nibble) and e + 16 (high)
+        q = RNG.integers(0, 16, (S, K, N))
+        blocks = q.reshape(S, K // 32, 2, 16, N)
+        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(S, K // 2, N).astype(np.uint8)
+        d = (RNG.standard_normal((S, K // 32, N)) * 0.02).astype(np.float16)
+        m = (RNG.standard_normal((S, K // 32, N)) * 0.1).astype(np.float16)
+        return (QuantStack(jnp.asarray(packed), jnp.asarray(d), minimum=jnp.asarray(m), packing="q4_1"),
+                _per_input(d, 32) * q + _per_input(m, 32))
+    if fmt in ("q8_0", "int8"):
+        q = RNG.integers(-127, 128, (S, K, N)).astype(np.int8)
+        group = 32 if fmt == "q8_0" else K
+        scale = (RNG.uniform(0.001, 0.01, (S, K // group, N))).astype(np.float16 if fmt == "q8_0" else np.float32)
+        return QuantStack(jnp.asarray(q), jnp.asarray(scale)), ref.int8_channel(q, _per_input(scale, group))
+    if fmt == "fp8":
+        raw = RNG.integers(0, 256, (S, K, N), dtype=np.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0x3F  # no NaN: it would poison the whole product
+        scale = RNG.uniform(0.5, 2, (S, K // 128, N)).astype(np.float32)
+        table = np.array([ref.e4m3fn_value(b) for b in range(256)])
+        return (QuantStack(jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale)),
+                table[raw] * _per_input(scale, 128))
+    if fmt == "plain_bf16":
+        w = RNG.standard_normal((S, K, N)).astype(ml_dtypes.bfloat16)
+        return QuantStack(jnp.asarray(w)), w.astype(np.float64)
+    raise ValueError(fmt)
+
+
+def _within_f32_bound(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    """float32 accumulation of K products: within K * 2^-23 of |x| @ |W| (a loose, rigorous bound)."""
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    err = np.abs(got.astype(np.float64) - x @ w)
+    assert np.all(err <= K * 2.0 ** -23 * (np.abs(x) @ np.abs(w)) + 1e-30), err.max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantizes_each_format_exactly(fmt):
+    """x = I: every output is one weight, which must be the definition's value rounded once to float32."""
+    stack, w = make_stack(fmt)
+    got = quant_matmul(jnp.eye(K, dtype=jnp.float32), stack, jnp.int32(1), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), w[1].astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["gptq32", "q4_1", "fp8", "int8"])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_products_within_float32_bound(fmt, rows):
+    """Decode-sized steps (70 rows: two row tiles) of float32 x against float64 over the definition's W."""
+    stack, w = make_stack(fmt)
+    x = RNG.standard_normal((rows, K)).astype(np.float32)
+    got = np.asarray(quant_matmul(jnp.asarray(x), stack, 2, interpret=True))
+    _within_f32_bound(got, x, w[2].astype(np.float32))
+
+
+def test_bfloat16_activations_take_bfloat16_weights():
+    """A bfloat16 step feeds the dot bfloat16 weights (the dequantized float32 value rounded once),
+    with float32 accumulation."""
+    stack, w = make_stack("gptq128")
+    x = RNG.standard_normal((8, K)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(quant_matmul(jnp.asarray(x), stack, 0, interpret=True))
+    _within_f32_bound(got, x, w[0].astype(np.float32).astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["ct_int4", "fp8", "plain_bf16"])
+def test_grouped_rows_take_their_groups_matrix(fmt):
+    """Rows sorted by group (sizes with empty groups, one tile-straddling group, and rows past the
+    groups' sum, as on an expert-parallel shard) against each row's own matrix; past rows are 0."""
+    stack, w = make_stack(fmt)
+    sizes = np.array([0, 19, 3], np.int32)  # groups 0..2 -> matrices first + g of a stack of 3: first = 0
+    m = int(sizes.sum()) + 4
+    x = RNG.standard_normal((m, K)).astype(np.float32)
+    got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, jnp.int32(0), interpret=True))
+    group = np.repeat(np.arange(3), sizes)
+    for r, g in enumerate(group):
+        _within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
+    np.testing.assert_array_equal(got[len(group):], 0)
+    # the same groups as experts 1..2 of the stack (a later layer's): `first` offsets the index
+    got = np.asarray(grouped_matmul(jnp.asarray(x[:22]), jnp.asarray(sizes[1:]), stack, 1, interpret=True))
+    for r, g in enumerate(group):
+        _within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
+
+
+def test_parts_that_do_not_fit_are_named():
+    stack, _ = make_stack("gptq32")
+    with pytest.raises(ValueError, match="part zero"):
+        QuantStack(stack.values, stack.scale, stack.zero[:, :4], packing="int4").check()
+    with pytest.raises(ValueError, match="x has 128 inputs"):
+        quant_matmul(jnp.zeros((1, 128)), stack, 0, interpret=True)
+    with pytest.raises(ValueError, match="cannot tile"):
+        QuantStack(jnp.zeros((1, 24, 100), jnp.int8), jnp.zeros((1, 1, 100))).check()
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
+
+
+@pytest.mark.parametrize("fmt", ["gptq32", "ct_int4", "q4_1", "q8_0", "fp8", "plain_bf16"])
+def test_lowers_to_triton_for_cuda(fmt):
+    """Both entry points lower through Pallas' Triton rules (jaxlib <= 0.10.2 emits the Triton IR
+    without compiling it, so this runs on CPU; later jaxlibs compile while lowering, which needs a GPU)."""
+    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
+        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU")
+    stack, _ = make_stack(fmt)
+    sd = jax.ShapeDtypeStruct
+    abstract = jax.tree.map(lambda a: sd(a.shape, a.dtype), stack)
+    x = sd((8, K), jnp.bfloat16)
+    for fn, args in ((quant_matmul, (x, abstract, sd((), jnp.int32))),
+                     (grouped_matmul, (sd((64, K), jnp.bfloat16), sd((S,), jnp.int32), abstract, sd((), jnp.int32)))):
+        hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert 'name = "quant_matmul"' in hlo, fn.__name__
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the compiled Triton kernels, needs a GPU")
+def test_compiled_kernels_on_gpu_match_the_definition():
+    """The kernels compiled for the GPU, every format: bfloat16 steps of 1 and 70 rows and a grouped
+    step, against float64 over the definition's weights rounded to bfloat16 (what the dot is fed)."""
+    for fmt in FORMATS:
+        stack, w = make_stack(fmt)
+        w16 = w.astype(np.float32).astype(ml_dtypes.bfloat16)
+        for rows in (1, 70):
+            x = RNG.standard_normal((rows, K)).astype(ml_dtypes.bfloat16)
+            _within_f32_bound(np.asarray(quant_matmul(jnp.asarray(x), stack, 1)), x, w16[1])
+        sizes = np.array([5, 0, 40], np.int32)
+        x = RNG.standard_normal((45, K)).astype(ml_dtypes.bfloat16)
+        got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, 0))
+        for r, g in enumerate(np.repeat(np.arange(3), sizes)):
+            _within_f32_bound(got[r:r + 1], x[r:r + 1], w16[g])
