@@ -24,11 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from infire_jax.models import llama
+from infire_jax.models.config import ModelConfig
 from infire_jax.models.panels import PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions
 from pallas_kernels import cpu_kernels, cpu_matmul
 
 LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 1536, 9, 3, 64
+CFG = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=EMBED, intermediate_size=MLP, num_layers=LAYERS,
+                  num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
 def _stack(dtype) -> dict[str, jax.Array]:
@@ -45,12 +48,12 @@ def _panels(weights: dict[str, jax.Array]) -> dict[str, PanelWeight]:
 
 
 def _pass(use_kernel: bool, x: jax.Array, weights: dict[str, jax.Array]) -> jax.Array:
-    in_place = llama.in_place_weights(weights, x.shape[0], Reductions()) if use_kernel else None
-    scanned = {k: w for k, w in weights.items() if k not in (in_place or {})}
+    in_place = llama.in_place_weights(CFG, weights, x.shape[0], Reductions()) if use_kernel else {}
+    scanned = {k: w for k, w in weights.items() if k not in in_place}
 
     def layer(h, xs):
         lp, idx = xs
-        lp = llama.kernel_weights(lp, in_place, idx, h.shape[0])
+        lp = llama.kernel_weights(lp, in_place, idx, h.shape[0], cpu=use_kernel)
         q, _, _ = llama.project_qkv(lp, h, False)
         h = h + llama.linear(q, lp["wo"], "thd,hde->te")
         return h + 0.01 * llama.dense_mlp(lp, h), None

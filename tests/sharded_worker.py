@@ -6,9 +6,25 @@ joined with jax.distributed). Usage: python sharded_worker.py JOB.json
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import sys
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def main() -> None:
@@ -26,11 +42,18 @@ def main() -> None:
 
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True, logprobs=1)
     for run in job["runs"]:
-        result = {"model": run["model"], "mesh": run["mesh"], "weights_compression": run.get("weights_compression")}
+        result = {"model": run["model"], "mesh": run["mesh"], "weights_compression": run.get("weights_compression"),
+                  "tag": run.get("tag")}
         try:
-            llm = LLM(model=run["model"], mesh=run["mesh"], dtype=run.get("dtype", "float32"),
-                      weights_compression=run.get("weights_compression"),
-                      weights_quantization=run.get("weights_quantization"), **job["engine"])
+            with environment(run.get("env", {})):  # read while the engine compiles its programs
+                llm = LLM(model=run["model"], mesh=run["mesh"], dtype=run.get("dtype", "float32"),
+                          weights_compression=run.get("weights_compression"),
+                          weights_quantization=run.get("weights_quantization"), **job["engine"])
+                if run.get("env"):  # the Pallas kernels of the smallest bucket's forward, traced under it
+                    from test_step_program import forward_jaxpr, kernel_names
+
+                    tokens = llm.engine.runner.rc.buckets.shapes[0].num_tokens
+                    result["kernels"] = kernel_names(forward_jaxpr(llm.engine.runner, tokens))
         except ConfigError as e:
             result.update(fits=False, error=str(e))
             print(json.dumps(result), flush=True)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from infire_jax.models import llama
+from infire_jax.models.config import ModelConfig
 from infire_jax.models.parallel import Reductions
 from pallas_kernels import cpu_kernels, cpu_matmul
 
@@ -151,6 +152,8 @@ def test_applies_only_to_what_it_computes():
 
 
 LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM = 3, 64, 128, 4, 2, 16
+DENSE_CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=EMBED, intermediate_size=MLP,
+                        num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
 def _weights(rng):
@@ -173,16 +176,17 @@ def test_layer_body_takes_the_kernel(tokens, dtype):
     weights = {k: w.astype(dtype) for k, w in _weights(rng).items()}
     x = jnp.asarray(rng.standard_normal((tokens, EMBED)).astype(np.float32)).astype(dtype)
     kernel = tokens <= cpu_matmul.MAX_ROWS or (dtype == "bfloat16" and cpu_kernels.bf16_dot())
-    in_place = llama.in_place_weights(weights, tokens, Reductions())
+    in_place = llama.in_place_weights(DENSE_CFG, weights, tokens, Reductions())
     assert set(in_place) == ({"wqkv", "wo", "w_gate_up", "w_down"} if kernel else set())
-    assert llama.in_place_weights(weights, 1, Reductions(attn=("tp",), mlp=("tp",))) is None
+    assert llama.in_place_weights(DENSE_CFG, weights, 1, Reductions(attn=("tp",), mlp=("tp",))) == {}
 
     def body(mode: str, x, weights, layer):
         lp = {k: w[layer] for k, w in weights.items()}
         if mode == "stacked":
-            lp = llama.kernel_weights(lp, llama.in_place_weights(weights, x.shape[0], Reductions()), layer, x.shape[0])
+            in_place = llama.in_place_weights(DENSE_CFG, weights, x.shape[0], Reductions())
+            lp = llama.kernel_weights(lp, in_place, layer, x.shape[0], cpu=True)
         elif mode == "decoded":  # as if every weight had been decoded in the layer body
-            lp = llama.kernel_weights(lp, {}, layer, x.shape[0])
+            lp = llama.kernel_weights(lp, {}, layer, x.shape[0], cpu=True)
         q, k, v = llama.project_qkv(lp, x, False)
         o = llama.linear(q, lp["wo"], "thd,hde->te")
         return q, k, v, o, llama.dense_mlp(lp, x)

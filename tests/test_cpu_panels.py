@@ -133,7 +133,7 @@ def test_a_repacked_model_computes_what_the_plain_one_does(dtype):
 
     weights = packed.layers.arrays()
     lp = llama.kernel_weights({name: PanelWeight(weights[name].panels[1], weights[name].shape) for name in DENSE},
-                              None, jnp.int32(1), 8)
+                              {}, jnp.int32(1), 8, cpu=False)
     for name in DENSE:
         np.testing.assert_array_equal(np.asarray(lp[name]), np.asarray(getattr(plain.layers, name)[...][1]))
 

@@ -133,15 +133,26 @@ def test_ep_and_tp_meshes_match_one_device(tmp_path):
     narrow = save("deepseek-v3", hf_model("deepseek-v3"), tmp_path / "narrow")
     quantize_checkpoint(narrow, "fp8", 16)  # the dense w_down's 96 inputs: 12 a device, not whole blocks of 16
     meshes = {m: os.path.join(ROOT, "sharding", "configs", f"{m}.yaml") for m in ("1", "8", "8-ep8")}
-    runs = [{"model": models[s], "mesh": meshes[m], "weights_quantization": "checkpoint", "scheme": s}
+    runs = [{"model": models[s], "mesh": meshes[m], "weights_quantization": "checkpoint", "tag": s}
             for s in models for m in meshes]
-    runs.append({"model": narrow, "mesh": meshes["8"], "weights_quantization": "checkpoint", "scheme": "narrow"})
+    # the GPU's quantized matmul kernels (interpret mode), each device's on its shard: fp8 dense weights on tp8,
+    # int4 experts on ep8
+    kernels = {"INFIRE_JAX_QUANT_MATMUL": "pallas", "INFIRE_JAX_MOE_GROUPED": "pallas"}
+    runs += [{"model": models[s], "mesh": meshes[m], "weights_quantization": "checkpoint", "tag": f"{s}-kernels",
+              "env": kernels} for s, m in (("fp8", "8"), ("int4", "8-ep8"))]
+    runs.append({"model": narrow, "mesh": meshes["8"], "weights_quantization": "checkpoint", "tag": "narrow"})
     job = {"runs": runs, "prompts": ["Hello, MLA", "x" * 40, "abc"], "max_tokens": 12,
            "engine": {k: v for k, v in ENGINE.items() if k != "dtype"}}
-    results = {}
-    for r in _results(_run_worker(job, 8, tmp_path, "dsq8")):
-        results[next(run["scheme"] for run in runs if run["model"] == r["model"]), os.path.basename(r["mesh"])] = r
+    results = {(r["tag"], os.path.basename(r["mesh"])): r for r in _results(_run_worker(job, 8, tmp_path, "dsq8"))}
     assert "dense_layers.w_down" in results.pop(("narrow", "8.yaml"))["error"]
+    # tp8 shards the kernel tiles (widths with a power-of-two factor of 16): both stacks' wq_a and wo, the dense
+    # MLP's two and the shared gate/up (16 wide); not wq_b (24), wkv_a (40), nor the 8 inputs of a shared or
+    # routed expert's down projection, so the routed experts stay with the loop. ep8: one whole expert a device.
+    for scheme, mesh, count in (("fp8", "8.yaml", 7), ("int4", "8-ep8.yaml", 2)):
+        r = results.pop((f"{scheme}-kernels", mesh))
+        assert r["kernels"].count("quant_matmul") == count, (scheme, r["kernels"])
+        assert r["tokens"] == results[scheme, "1.yaml"]["tokens"], scheme
+        np.testing.assert_allclose(r["logprobs"], results[scheme, "1.yaml"]["logprobs"], atol=1e-4)
     for scheme in models:
         single = results[scheme, "1.yaml"]
         for mesh in ("8.yaml", "8-ep8.yaml"):

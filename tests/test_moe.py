@@ -23,10 +23,10 @@ VOCAB = 300
 NUM_TOKENS = 32
 
 
-def _cfg(arch: str, *, experts: int, k: int, norm_topk_prob: bool = True) -> ModelConfig:
+def _cfg(arch: str, *, experts: int, k: int, norm_topk_prob: bool = True, width: int = 24) -> ModelConfig:
     return ModelConfig(architecture=arch, vocab_size=VOCAB, hidden_size=32, intermediate_size=0, num_layers=1,
                        num_heads=2, num_kv_heads=1, head_dim=16, num_experts=experts, num_experts_per_tok=k,
-                       moe_intermediate_size=24, norm_topk_prob=norm_topk_prob)
+                       moe_intermediate_size=width, norm_topk_prob=norm_topk_prob)
 
 
 # ---- routing -------------------------------------------------------------------------------------
@@ -82,11 +82,22 @@ def _np_moe(lp, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+def _in_kernel(lp: dict) -> dict:
+    """The layer's experts handed to the grouped kernel (Pallas interpret mode here) as a stack of one layer."""
+    from infire_jax.models.moe import EXPERT_INPUTS
+    from infire_jax.models.quant_kernels import LayerExperts, kernel_stacks
+
+    stacks = kernel_stacks({k: jnp.asarray(lp[k])[None] for k in EXPERT_INPUTS}, 1, {}, EXPERT_INPUTS)
+    assert set(stacks) == set(EXPERT_INPUTS)
+    return {**lp, **{k: LayerExperts(kw, jnp.int32(0)) for k, kw in stacks.items()}}
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "pallas"])
 @pytest.mark.parametrize("tokens,experts,k,skew", [(37, 8, 2, False), (100, 16, 4, False), (100, 16, 4, True),
                                                    (3, 16, 4, False)])
 def test_moe_mlp_matches_float64(impl, tokens, experts, k, skew):
-    cfg = _cfg("qwen3_moe", experts=experts, k=k)
+    # the grouped kernel tiles the inputs of w_down in blocks of at least 16: an expert width of 32
+    cfg = _cfg("qwen3_moe", experts=experts, k=k, width=32 if impl == "pallas" else 24)
     rng = np.random.default_rng(tokens * experts)
     bias = np.where(np.arange(experts) < k + 1, 20.0, -20.0) if skew else None
     lp, direction = _layer_weights(rng, cfg, bias)
@@ -99,7 +110,7 @@ def test_moe_mlp_matches_float64(impl, tokens, experts, k, skew):
     assert sizes.sum() == tokens * k
     if skew:  # most experts idle, a few with many rows: empty groups and multi-tile groups
         assert (sizes == 0).sum() >= experts // 2 and sizes.max() >= tokens // 2
-    got = jax.jit(lambda lp, x: moe_mlp(lp, x, cfg=cfg, impl=impl))(lp, jx)
+    got = jax.jit(lambda lp, x: moe_mlp(_in_kernel(lp) if impl == "pallas" else lp, x, cfg=cfg, impl=impl))(lp, jx)
     np.testing.assert_allclose(np.asarray(got), _np_moe(lp, x, cfg), rtol=1e-4, atol=1e-5)
 
 
@@ -213,12 +224,14 @@ def _hf_model(arch: str):
 PROMPTS = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31], [101] * 3 + [17, 230]]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_generate_matches_hf(arch, tmp_path):
+@pytest.mark.parametrize("arch,grouped", [("mixtral", "tiled"), ("qwen3_moe", "tiled"), ("mixtral", "pallas")])
+def test_generate_matches_hf(arch, grouped, tmp_path, monkeypatch):
+    """`pallas`: the experts through the grouped kernel (the GPU's default), in Pallas interpret mode."""
     import torch
 
     from infire_jax import LLM, SamplingParams
 
+    monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", grouped)
     hf = _hf_model(arch)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _save_tokenizer(tmp_path)
@@ -227,6 +240,10 @@ def test_generate_matches_hf(arch, tmp_path):
               token_buckets=(4, 32), max_model_len=64, num_kv_pages=32)
     cfg = llm.engine.model_config
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == (arch, 8, 2)
+    if grouped == "pallas":
+        from test_step_program import forward_jaxpr, kernel_names
+
+        assert kernel_names(forward_jaxpr(llm.engine.runner, 4)).count("quant_matmul") == 2  # gate/up, down
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
 
     hf.generation_config.eos_token_id = None  # decode all NUM_TOKENS, as ignore_eos does for ours

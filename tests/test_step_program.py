@@ -20,7 +20,8 @@ from flax import nnx
 
 from infire_jax.buckets import Buckets
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.registry import build_state
+from infire_jax.models.registry import build_state, drawn_weights
+from infire_jax.quant.resident import quantize_int8
 from infire_jax.runner import ModelRunner, RunnerConfig
 from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.scheduler import SchedulerOutput
@@ -39,8 +40,9 @@ def _no_cpu_kernel(monkeypatch):
 
 
 def make_runner(cfg: ModelConfig, attn_impl: str, variants=BRANCH_FREE_VARIANTS, dtype=jnp.float32,
-                compress: tuple[str, ...] = (), decode_steps: int = 1) -> ModelRunner:
-    graphdef, state = build_state(cfg, None, dtype, seed=0, compress=compress)
+                compress: tuple[str, ...] = (), decode_steps: int = 1, int8: bool = False) -> ModelRunner:
+    weights, layouts = quantize_int8(drawn_weights(cfg, dtype)) if int8 else (None, None)
+    graphdef, state = build_state(cfg, weights, dtype, seed=0, compress=compress, quantized=layouts)
     rc = RunnerConfig(page_size=8, num_pages=24, max_model_len=64, max_num_seqs=4, buckets=Buckets((4, 32), 4),
                       attn_impl=attn_impl, sampler_variants=variants, decode_steps=decode_steps)
     return ModelRunner(cfg, graphdef, state, rc, dtype=dtype)
@@ -58,6 +60,17 @@ def primitives(jaxpr, skip=("pallas_call",)) -> set[str]:
     return found
 
 
+def kernel_names(jaxpr) -> list[str]:
+    """The names of the Pallas kernels a jaxpr calls, in its sub-jaxprs (the layer scan) too."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(eqn.params["name"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += kernel_names(sub)
+    return names
+
+
 def forward_jaxpr(runner: ModelRunner, rows_tokens: int):
     shape = next(s for s in runner.rc.buckets.shapes if s.num_tokens == rows_tokens)
     batch = runner._build(SchedulerOutput([], []), shape)
@@ -73,6 +86,19 @@ def test_gpu_forward_has_no_conditional_or_data_dependent_loop(cfg):
         prims = primitives(forward_jaxpr(runner, tokens))
         assert "pallas_call" in prims
         assert not prims & {"cond", "while"}, prims & {"cond", "while"}
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_gpu_forward_with_the_quantized_kernels_has_no_conditional_or_data_dependent_loop(cfg, monkeypatch):
+    """int8 layer weights read by the quantized matmul, experts by the grouped one (their tile
+    bounds and row order computed on the device, by scans of static length)."""
+    monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
+    monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
+    runner = make_runner(cfg, "pallas", int8=True)
+    for tokens in (4, 32):
+        jaxpr = forward_jaxpr(runner, tokens)
+        assert kernel_names(jaxpr).count("quant_matmul") == 4, kernel_names(jaxpr)
+        assert not primitives(jaxpr) & {"cond", "while"}, primitives(jaxpr) & {"cond", "while"}
 
 
 def burst_jaxpr(runner: ModelRunner, variant: str):

@@ -21,7 +21,7 @@ use, and the grouped matmul (models/moe.py) the routed experts one expert at a t
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,10 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_tables
-from infire_jax.models.llama import dense_mlp
+from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear
+from infire_jax.models.moe import EXPERT_INPUTS, default_grouped_impl
 from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.quant_kernels import kernel_stacks
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
 from infire_jax.quant.grouped import ROUTED_EXPERTS, GroupedLayout, GroupedParams, dequantize_kept
 from infire_jax.weight_parts import WeightParts
@@ -43,6 +45,10 @@ from pallas_kernels.mla import mla_attention, step_form
 from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]  # (latent pages [L, N, ps, 1, R], rotary-key pages [L, N, ps, 1, Dr])
+# The layer weights that are plain matmuls, with how many leading axes of one layer's weight are inputs
+# (W_uk and W_uv are not: the absorbed attention contracts them per head).
+DENSE_INPUTS = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1,
+                "w_shared_down": 1}
 
 
 class MLALayers(nnx.Module):
@@ -102,17 +108,26 @@ def mla_project(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], 
                 ) -> tuple[Array, Array, Array, Array]:
     """(q_nope [T, H, Dn], roped q_pe [T, H, Dr], latent c [T, R], roped k_pe [T, Dr]) as HF's DeepseekV3Attention."""
     m = cfg.mla
-    qa = rms_norm(jnp.einsum("te,er->tr", x, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("tr,rhd->thd", qa, lp["wq_b"])
-    kv = jnp.einsum("te,ec->tc", x, lp["wkv_a"])
+    qa = rms_norm(linear(x, lp["wq_a"], "te,er->tr"), lp["q_a_norm"], cfg.rms_norm_eps)
+    q = linear(qa, lp["wq_b"], "tr,rhd->thd")
+    kv = linear(x, lp["wkv_a"], "te,ec->tc")
     latent = rms_norm(kv[:, :m.kv_lora_rank], lp["kv_a_norm"], cfg.rms_norm_eps)
     k_pe = apply_rope(kv[:, None, m.kv_lora_rank:], cos, sin)[:, 0]
     return q[..., :m.qk_nope_head_dim], apply_rope(q[..., m.qk_nope_head_dim:], cos, sin), latent, k_pe
 
 
+def in_place_weights(weights: dict[str, Any], tokens: int, moe: bool) -> dict[str, tuple[KernelView, tuple]]:
+    """A stack's weights that the GPU's quantized matmul kernels read in place for a step of `tokens`
+    tokens (models/quant_kernels.py): kept quantized dense ones, and a MoE stack's routed experts."""
+    dense = {k: v for k, v in DENSE_INPUTS.items() if not (moe and k in EXPERT_INPUTS)}
+    experts = EXPERT_INPUTS if moe and default_grouped_impl() == "pallas" else None
+    return {name: (kw, kw.shape) for name, kw in kernel_stacks(weights, tokens, dense, experts).items()}
+
+
 def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
-                  red: Reductions):
-    """The scan body of one stack: (h, latent pages, rope pages), (layer weights, pool layer index) -> carry."""
+                  red: Reductions, in_place: dict[str, tuple[KernelView, tuple]], first: int):
+    """The scan body of one stack: (h, latent pages, rope pages), (layer weights, pool layer index) -> carry.
+    `in_place` weights are not scanned: the body reads its layer (pool index - `first`) of them."""
     scale = softmax_scale(cfg, cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim)
     tp = tuple(a for a in red.mlp if a != red.expert_axis)  # dense and shared MLPs are replicated over ep
 
@@ -121,12 +136,13 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
         lp, idx = xs
         # this layer's kept dense weights, and only this layer's; routed experts stay parts, per tile
         lp = dequantize_kept(lp, h.dtype, per_expert=ROUTED_EXPERTS if moe else ())
+        lp = kernel_weights(lp, in_place, idx - first, h.shape[0], cpu=False)
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q_nope, q_pe, latent, k_pe = mla_project(cfg, lp, x, cos, sin)
         o, latent_pages, rope_pages = mla_attention(q_nope, q_pe, latent, k_pe, lp["w_uk"], lp["w_uv"], latent_pages,
                                                     rope_pages, idx, meta, scale=scale, impl=attn_impl,
                                                     form=step_form(h.shape[0]))
-        h = h + psum(jnp.einsum("thv,hve->te", o, lp["wo"]), red.attn)
+        h = h + psum(linear(o, lp["wo"], "thv,hve->te"), red.attn)
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         if moe:
             routed, shared = deepseek_moe_mlp(lp, x, cfg=cfg, expert_axis=red.expert_axis)
@@ -147,8 +163,10 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
         if kind not in weights:
             continue
         n = jax.tree.leaves(weights[kind])[0].shape[0]
-        layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red)
-        carry, _ = jax.lax.scan(layer, carry, (weights[kind], start + jnp.arange(n, dtype=jnp.int32)))
+        in_place = in_place_weights(weights[kind], h.shape[0], kind == "moe")
+        layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red, in_place, start)
+        scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
+        carry, _ = jax.lax.scan(layer, carry, (scanned, start + jnp.arange(n, dtype=jnp.int32)))
         start += n
     return carry
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.llama import linear
 from infire_jax.models.moe import Routing, routed_mlp
 
 
@@ -43,8 +44,8 @@ def router_logits(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, 
 
 
 def shared_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
-    gate_up = jnp.einsum("te,ecf->tcf", x, lp["w_shared_gate_up"])
-    return jnp.einsum("tf,fe->te", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_shared_down"])
+    gate_up = linear(x, lp["w_shared_gate_up"], "te,ecf->tcf")
+    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_shared_down"], "tf,fe->te")
 
 
 def deepseek_moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig,

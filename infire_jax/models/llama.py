@@ -22,10 +22,11 @@ from infire_jax.compression.resident import PaletteParams, ResidentLayout, decod
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
-from infire_jax.models.moe import moe_mlp
+from infire_jax.models.moe import EXPERT_INPUTS, default_grouped_impl, moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, kernel_stacks
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from infire_jax.weight_parts import WeightParts
 from pallas_kernels import cpu_matmul
@@ -97,18 +98,19 @@ class DecoderLayers(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class InPlace:
-    """A layer's weight as the whole stack plus the layer index, so the CPU skinny matmul reads the
+    """A layer's weight as the whole stack plus the layer index, so a matmul kernel reads the
     layer's slice in place (scanning over the stack copies each slice): the stack viewed as
-    [L, K, N], or its panels (`cpu_matmul.pack_panels`, models/panels.py)."""
+    [L, K, N] or its panels (`cpu_matmul.pack_panels`, models/panels.py) for the CPU kernel, or
+    coded for a kernel that decodes it (palette, or quantized on a GPU)."""
 
-    stacked: Float[Array, "L K N"] | Float[Array, "L P R C"] | KernelPaletteWeight
+    stacked: Float[Array, "L K N"] | Float[Array, "L P R C"] | KernelPaletteWeight | KernelQuantWeight
     layer: Int[Array, ""]
     shape: tuple[int, ...]  # one layer's weight, as the einsums see it
 
 
 def _kernel_view(name: str, stacked: Array | PanelWeight, tokens: int) -> Array | None:
     """A stack of `name` weights [L, ...] viewed as [L, K, N] (or its panels, or palette-coded for a
-    kernel) if the kernel takes it, else None."""
+    kernel) if a matmul kernel of this backend takes it, else None."""
     if isinstance(stacked, KernelPaletteWeight):
         return stacked if stacked.applies(tokens) else None
     if isinstance(stacked, PanelWeight):
@@ -120,31 +122,41 @@ def _kernel_view(name: str, stacked: Array | PanelWeight, tokens: int) -> Array 
     return view if cpu_matmul.applies(tokens, view) else None
 
 
-def in_place_weights(weights: dict[str, Array], tokens: int, red: Reductions) -> dict[str, tuple[Array, tuple]] | None:
-    """The stacked dense weights that a step of `tokens` tokens multiplies with the CPU matmul
-    kernel (`cpu_matmul.applies`), as ([L, K, N] view or panels, one layer's shape); None on a
-    mesh, where it is never used, so that weights decoded in the layer body follow the same rule."""
+KernelView = Array | KernelPaletteWeight | KernelQuantWeight  # what `InPlace.stacked` holds
+
+
+def in_place_weights(cfg: ModelConfig, weights: dict[str, Array], tokens: int, red: Reductions
+                     ) -> dict[str, tuple[KernelView, tuple]]:
+    """The stacked layer weights that a step of `tokens` tokens multiplies with a kernel reading its
+    layer of the stack, as (the stack as the kernel reads it, one layer's shape): quantized ones and
+    MoE experts with the GPU's quantized matmul (models/quant_kernels.py, on a mesh too, per
+    shard), and off a mesh the dense ones the CPU matmul kernel takes (`cpu_matmul.applies`)."""
+    dense = {k: v for k, v in INPUT_AXES.items() if not (cfg.is_moe and k in EXPERT_INPUTS)}
+    experts = EXPERT_INPUTS if cfg.is_moe and default_grouped_impl() == "pallas" else None
+    out = {name: (kw, kw.shape) for name, kw in kernel_stacks(weights, tokens, dense, experts).items()}
     if red != Reductions():
-        return None
-    out = {}
+        return out
     for name in INPUT_AXES:
         w = weights.get(name)
-        view = _kernel_view(name, w, tokens)
+        view = None if name in out or w is None or isinstance(w, dict) else _kernel_view(name, w, tokens)
         if view is not None:
             out[name] = (view, w.shape if isinstance(w, (PanelWeight, KernelPaletteWeight)) else tuple(w.shape[1:]))
     return out
 
 
-def kernel_weights(lp: dict, in_place: dict[str, tuple[Array, tuple]] | None, layer: Array, tokens: int) -> dict:
-    """One layer's weights with the kernel's ones as `InPlace`: the stacked ones read in place, and
-    ones decoded in the layer body (compressed or quantized) as a stack of one, so a step computes
-    the same sums whether its weights were stored plain or compressed. Panels the kernel does not
-    take this step are unpacked to the plain weight."""
+def kernel_weights(lp: dict, in_place: dict[str, tuple[KernelView, tuple]], layer: Array, tokens: int,
+                   cpu: bool) -> dict:
+    """One layer's weights with the kernels' ones as `InPlace` (a MoE layer's experts as
+    `LayerExperts`): the stacked ones read in place, and, for the CPU kernel (`cpu`), ones decoded
+    in the layer body (compressed or quantized) as a stack of one, so a step computes the same sums
+    whether its weights were stored plain or compressed. Panels the kernel does not take this step
+    are unpacked to the plain weight."""
     lp = {k: v.plain() if isinstance(v, (PanelWeight, KernelPaletteWeight)) else v for k, v in lp.items()}
-    if in_place is None:
-        return lp
-    out = {**lp, **{name: InPlace(view, layer, shape) for name, (view, shape) in in_place.items()}}
-    for name in INPUT_AXES:
+    out = dict(lp)
+    for name, (view, shape) in in_place.items():
+        expert = isinstance(view, KernelQuantWeight) and view.experts
+        out[name] = LayerExperts(view, layer) if expert else InPlace(view, layer, shape)
+    for name in INPUT_AXES if cpu else ():
         if name not in in_place and name in lp:
             view = _kernel_view(name, lp[name][None], tokens)
             if view is not None:
@@ -153,12 +165,12 @@ def kernel_weights(lp: dict, in_place: dict[str, tuple[Array, tuple]] | None, la
 
 
 def linear(x: Array, w: Array | InPlace, spec: str) -> Array:
-    """x (tokens first) times a layer's weight: the einsum `spec`, or the skinny matmul for an
-    `InPlace` weight, whose [T, N] result takes the einsum's output shape."""
+    """x (tokens first) times a layer's weight: the einsum `spec`, or a kernel for an `InPlace`
+    weight, whose [T, N] result takes the einsum's output shape."""
     if not isinstance(w, InPlace):
         return jnp.einsum(spec, x, w)
     x2 = x.reshape(x.shape[0], -1)
-    if isinstance(w.stacked, KernelPaletteWeight):
+    if isinstance(w.stacked, (KernelPaletteWeight, KernelQuantWeight)):
         y = w.stacked.matmul(x2, w.layer)
     else:  # panels, or [L, K, N]
         y = (cpu_matmul.panel_matmul if w.stacked.ndim == 4 else cpu_matmul.skinny_matmul)(x2, w.stacked, w.layer)
@@ -180,7 +192,7 @@ def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool) -> tup
 
 
 def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
-                  red: Reductions, in_place: dict[str, tuple[Array, tuple]] | None = None) -> Callable:
+                  red: Reductions, in_place: dict[str, tuple[KernelView, tuple]] | None = None) -> Callable:
     """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index) -> carry.
 
     Head and MLP counts come from the weights' shapes, so the same body runs on a shard of them.
@@ -193,7 +205,7 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
         h, k_pages, v_pages = carry
         lp, idx = xs
         lp = decode_layer(dequantize_layer(lp, h.dtype))  # this layer's compressed / quantized weights, decoded
-        lp = kernel_weights(lp, in_place, idx, h.shape[0])
+        lp = kernel_weights(lp, in_place or {}, idx, h.shape[0], cpu=red == Reductions())
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(lp, x, cfg.attention_bias)
         if cfg.qk_norm:
@@ -213,10 +225,10 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
                   sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
     """Scans the stacked layers; the KV pool is a loop carry so its updates stay in place."""
-    in_place = in_place_weights(weights, h.shape[0], red)
+    in_place = in_place_weights(cfg, weights, h.shape[0], red)
     layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place)
     idx = jnp.arange(jax.tree.leaves(weights)[0].shape[0], dtype=jnp.int32)
-    scanned = {name: w for name, w in weights.items() if name not in (in_place or {})}
+    scanned = {name: w for name, w in weights.items() if name not in in_place}
     (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), (scanned, idx))
     return h, k_pages, v_pages
 
@@ -238,7 +250,7 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
     scratch slot, so no layer's states but the requested ones are ever kept. Returns them
     concatenated along the features, [T, len(aux_layers) * E], in `aux_layers` order.
     """
-    in_place = in_place_weights(weights, h.shape[0], Reductions())
+    in_place = in_place_weights(cfg, weights, h.shape[0], Reductions())
     layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place)
     n, count = cfg.num_layers, len(aux_layers)
     slot_of_output = np.full(n, count, np.int32)  # layer i's output is hidden-state index i + 1
@@ -254,7 +266,7 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
         (h, k_pages, v_pages), _ = layer(carry[:3], (lp, idx))
         return (h, k_pages, v_pages, jax.lax.dynamic_update_index_in_dim(carry[3], h, slot, 0)), None
 
-    scanned = {name: w for name, w in weights.items() if name not in (in_place or {})}
+    scanned = {name: w for name, w in weights.items() if name not in in_place}
     xs = (scanned, jnp.arange(n, dtype=jnp.int32), jnp.asarray(slot_of_output))
     (h, k_pages, v_pages, aux), _ = jax.lax.scan(body, (h, k_pages, v_pages, aux), xs)
     return h, k_pages, v_pages, jnp.moveaxis(aux[:count], 0, 1).reshape(h.shape[0], count * h.shape[1])

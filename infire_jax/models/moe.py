@@ -27,12 +27,14 @@ cost X/K times the FLOPs and memory. Findings on `jax.lax.ragged_dot` (jax/jaxli
   serving sizes) before it is chosen there: at an 8192-token prefill of Qwen3-30B-A3B the dense
   expansion would need tens of GB per matmul.
 
-The default implementation, `tiled`, is exact and grouped on every backend: the sorted rows are cut
+Off a GPU the implementation is `tiled`, exact and grouped on every backend: the sorted rows are cut
 into tiles of B rows that never straddle two experts, and a loop over the tiles in use multiplies each
 tile by its own expert's weights. Temporaries are O(M*E); the FLOPs are the grouped product's plus at
-most one partial tile per active expert. On a GPU it is a sequential loop of small matmuls, so a
-grouped-GEMM kernel is the upgrade path; `INFIRE_JAX_MOE_GROUPED=ragged_dot` selects ragged_dot for
-measuring it there.
+most one partial tile per active expert. On a GPU that would be a sequential loop of small matmuls,
+so there the layer body hands the layer's experts to the grouped Pallas kernel instead (`pallas`:
+`LayerExperts`, models/quant_kernels.py, pallas_kernels/quant_matmul.py), which runs every tile of
+rows at once, each reading its expert's weights in place, plain or kept quantized.
+`INFIRE_JAX_MOE_GROUPED=tiled|ragged_dot|pallas` overrides the choice (ragged_dot: for measuring).
 
 Expert weights kept quantized (quant/grouped.py, DeepSeek-V3 / Kimi checkpoints) arrive as dicts of
 parts. The tiled loop dequantizes only the expert its tile needs (`expert_weight`), so the largest
@@ -52,9 +54,12 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.quant_kernels import LayerExperts
 from infire_jax.quant.grouped import dequantize_kept, expert_weight
 
-GROUPED_IMPLS = ("tiled", "ragged_dot")
+GROUPED_IMPLS = ("pallas", "tiled", "ragged_dot")
+# How many leading axes of one expert's weight are its inputs: w_gate_up [E, 2, F], w_down [F, E].
+EXPERT_INPUTS = {"w_gate_up": 1, "w_down": 1}
 _MAX_TILE_ROWS = 128
 # A stacked expert weight: a float array, or a kept quantized weight's parts (each with the expert axis first).
 ExpertStack = Float[Array, "X ..."] | Mapping[str, Array]
@@ -76,7 +81,9 @@ class Dispatch(NamedTuple):
 
 
 def default_grouped_impl() -> str:
-    impl = os.environ.get("INFIRE_JAX_MOE_GROUPED", "tiled")
+    """`pallas` (the grouped kernel reading the layer's experts in place, models/quant_kernels.py)
+    on a GPU, `tiled` elsewhere, unless INFIRE_JAX_MOE_GROUPED says otherwise."""
+    impl = os.environ.get("INFIRE_JAX_MOE_GROUPED", "pallas" if jax.default_backend() == "gpu" else "tiled")
     if impl not in GROUPED_IMPLS:
         raise ConfigError(f"INFIRE_JAX_MOE_GROUPED={impl!r}; choose one of {GROUPED_IMPLS}")
     return impl
@@ -176,14 +183,24 @@ def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_
     return ys[:m]
 
 
+def _kernel_swiglu(d: Dispatch, w_gate_up: LayerExperts, w_down: LayerExperts) -> Float[Array, "M E"]:
+    """The grouped SwiGLU as two grouped-kernel calls over the layer's experts, read in place."""
+    gate_up = w_gate_up.grouped(d.x, d.group_sizes).astype(d.x.dtype)
+    f = gate_up.shape[1] // 2
+    return w_down.grouped(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], d.group_sizes).astype(d.x.dtype)
+
+
 def expert_mlp(d: Dispatch, lp: dict[str, Array], impl: str) -> Float[Array, "M E"]:
-    """Each sorted row through its own expert's SwiGLU (silu(x Wg) * (x Wu)) Wd."""
+    """Each sorted row through its own expert's SwiGLU (silu(x Wg) * (x Wu)) Wd: the grouped kernel
+    when the layer body hands over its experts in place (`LayerExperts`), else `impl`'s way."""
+    if isinstance(lp["w_gate_up"], LayerExperts):
+        return _kernel_swiglu(d, lp["w_gate_up"], lp["w_down"])
     if impl == "ragged_dot":  # whole-layer weights: kept experts are dequantized here, all of them
         lp = dequantize_kept({k: lp[k] for k in ("w_gate_up", "w_down")}, d.x.dtype)
         x, e, _, f = lp["w_gate_up"].shape
         gate_up = jax.lax.ragged_dot(d.x, lp["w_gate_up"].reshape(x, e, 2 * f), d.group_sizes)
         return jax.lax.ragged_dot(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], lp["w_down"], d.group_sizes)
-    if impl != "tiled":
+    if impl not in GROUPED_IMPLS:
         raise ConfigError(f"unknown grouped matmul {impl!r}; choose one of {GROUPED_IMPLS}")
     return _tiled_swiglu(d.x, d.group_sizes, lp["w_gate_up"], lp["w_down"])
 
@@ -216,7 +233,8 @@ def moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig, i
 def routed_mlp(lp: dict[str, Array], x: Float[Array, "T E"], routing: Routing, *, impl: str | None = None,
                expert_axis: str | None = None) -> Float[Array, "T E"]:
     """Each token through its routed experts, combined with the routing weights (see `moe_mlp`)."""
-    num_local = jax.tree.leaves(lp["w_gate_up"])[0].shape[0]
+    w = lp["w_gate_up"]
+    num_local = w.num_experts if isinstance(w, LayerExperts) else jax.tree.leaves(w)[0].shape[0]
     experts = routing.experts
     if expert_axis is not None:
         local = experts - jax.lax.axis_index(expert_axis) * num_local

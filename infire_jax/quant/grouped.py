@@ -21,7 +21,8 @@ weight the load-time dequantizer gives.
 The scan body dequantizes one layer's dense weights (attention, dense and shared MLPs: small), but
 not its routed experts (Kimi K2.5: 384 x 7168 x 2048 x 3, 34 GB in bf16 a layer): the grouped
 matmul (models/moe.py) takes each expert's parts as its row tile reaches it (`expert_weight`), so
-at most one expert is ever in full precision.
+at most one expert is ever in full precision. On a GPU the Pallas kernels read the parts in place
+instead (models/quant_kernels.py): the experts at every step, the dense weights in decode-sized steps.
 """
 
 from __future__ import annotations

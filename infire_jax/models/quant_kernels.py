@@ -1,0 +1,147 @@
+"""Stacked weights that the GPU's quantized matmul kernels read in place (pallas_kernels/quant_matmul.py).
+
+Weights kept quantized (quant/resident.py: GGUF Q4_1 / Q8_0, int8 per channel, GPTQ / AWQ int4;
+quant/grouped.py: compressed-tensors int4, fp8 blocks) are otherwise dequantized one layer at a
+time in the layer body, which writes the layer out in full precision and reads it back: on a GPU
+that moves 4-9x the bytes of the quantized weight. Here the layer body hands the kernel the whole
+stack and the layer index instead, and the kernel dequantizes each tile on chip:
+- dense weights, for steps of up to `MAX_DENSE_ROWS` tokens (decode-sized; a longer prompt chunk
+  dequantizes the layer and takes XLA's GEMM, which amortizes that copy over its rows, as vLLM's
+  AWQ path does above 256 tokens);
+- a MoE layer's experts, plain or quantized, at every step size (`grouped_matmul`, each tile of a
+  group's rows reading its expert once), in place of moe.py's loop over row tiles.
+
+`INFIRE_JAX_QUANT_MATMUL=pallas|xla` and `INFIRE_JAX_MOE_GROUPED=pallas|tiled|ragged_dot` choose;
+pallas is the default on a GPU (on one device or inside a mesh's shard_map, on each device's
+shard), the others elsewhere. Chosen off a GPU, the kernels run in Pallas interpret mode (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+from jaxtyping import Array, Float, Int
+
+from infire_jax.errors import ConfigError
+from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, supported
+
+MAX_DENSE_ROWS = 256
+DENSE_IMPLS = ("pallas", "xla")
+
+
+def dense_impl() -> str:
+    impl = os.environ.get("INFIRE_JAX_QUANT_MATMUL", "pallas" if jax.default_backend() == "gpu" else "xla")
+    if impl not in DENSE_IMPLS:
+        raise ConfigError(f"INFIRE_JAX_QUANT_MATMUL={impl!r}; choose one of {DENSE_IMPLS}")
+    return impl
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelQuantWeight:
+    """A stack viewed as the kernel reads it ([L * X, K / p, N] parts, X = `experts` or 1), and one
+    layer's (dense) or one expert's weight shape as the einsums see it (static)."""
+
+    stack: QuantStack
+    shape: tuple[int, ...]
+    experts: int = 0  # experts a layer (0: a dense stack)
+
+    def matmul(self, x: Float[Array, "M K"], layer: Int[Array, ""]) -> Float[Array, "M N"]:
+        """x @ W[layer] in float32."""
+        return quant_matmul(x, self.stack, layer, interpret=_interpret())
+
+    def grouped(self, x: Float[Array, "M K"], group_sizes: Int[Array, "X"], layer: Int[Array, ""]
+                ) -> Float[Array, "M N"]:
+        """Rows sorted by expert, each times its expert of layer `layer`, in float32."""
+        return grouped_matmul(x, group_sizes, self.stack, layer * self.experts, interpret=_interpret())
+
+
+jax.tree_util.register_dataclass(KernelQuantWeight, data_fields=["stack"], meta_fields=["shape", "experts"])
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerExperts:
+    """A MoE layer's experts for the grouped kernel: the whole stack and this layer's index."""
+
+    weight: KernelQuantWeight
+    layer: Int[Array, ""]
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.experts
+
+    def grouped(self, x: Float[Array, "M K"], group_sizes: Int[Array, "X"]) -> Float[Array, "M N"]:
+        return self.weight.grouped(x, group_sizes, self.layer)
+
+
+jax.tree_util.register_dataclass(LayerExperts, data_fields=["weight", "layer"], meta_fields=[])
+
+
+def _stack(value: Array | Mapping[str, Array], lead: int, inputs: int, plain: bool) -> QuantStack | None:
+    """`value` ([lead axes, input axes, output axes], the last input axis shortened in the parts) viewed
+    as the kernel's [S, K / p, N] parts, or None for a form it does not read (act-order int4, palette
+    codes; plain arrays unless `plain`)."""
+
+    def flat(a: Array) -> Array:
+        s = a.shape
+        return a.reshape(math.prod(s[:lead]), math.prod(s[lead:lead + inputs]), math.prod(s[lead + inputs:]))
+
+    if not isinstance(value, Mapping):
+        return QuantStack(flat(value)) if plain else None
+    parts = {k: flat(v) for k, v in value.items()}
+    if "q4_1" in parts:
+        return QuantStack(parts["q4_1"], parts["d"], minimum=parts["m"], packing="q4_1")
+    if "q8_0" in parts:
+        return QuantStack(parts["q8_0"], parts["d"])
+    if "int8" in parts:
+        return QuantStack(parts["int8"], parts["scale"])
+    if "q4" in parts and "g_idx" not in parts:
+        return QuantStack(parts["q4"], parts["scale"], parts["zero"], packing="int4")
+    if "packed" in parts:  # compressed-tensors: stored q + 8
+        return QuantStack(parts["packed"], parts["scale"], packing="int4", zero_point=8)
+    if "fp8" in parts:
+        return QuantStack(parts["fp8"], parts["scale"])
+    return None
+
+
+def _plain_shape(value: Array | Mapping[str, Array], lead: int, inputs: int, stack: QuantStack) -> tuple[int, ...]:
+    """One layer's (or expert's) weight shape: the parts' with the last input axis whole again."""
+    any_part = value if not isinstance(value, Mapping) else next(iter(value.values()))
+    shape = list(any_part.shape[lead:])
+    shape[inputs - 1] = stack.num_inputs // math.prod(shape[:inputs - 1])
+    return tuple(shape)
+
+
+def kernel_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping[str, int],
+                  expert_inputs: Mapping[str, int] | None = None) -> dict[str, KernelQuantWeight]:
+    """The stacks of `weights` ([L, ...] each) that the kernels take for a step of `tokens` tokens.
+
+    `dense_inputs[name]`: how many leading axes of one layer's dense weight are inputs (K), for the
+    quantized dense stacks (when INFIRE_JAX_QUANT_MATMUL selects pallas, at most MAX_DENSE_ROWS
+    tokens). `expert_inputs` likewise for a MoE layer's expert stacks [L, X, ...], plain or
+    quantized, given when the grouped matmul is the kernel (moe.py); they are taken together or not
+    at all (palette-coded experts stay with the loop over row tiles).
+    """
+    out = {}
+    if dense_impl() == "pallas" and tokens <= MAX_DENSE_ROWS:
+        for name, inputs in dense_inputs.items():
+            value = weights.get(name)
+            stack = None if value is None or name in (expert_inputs or {}) else _stack(value, 1, inputs, plain=False)
+            if stack is not None and supported(stack):
+                out[name] = KernelQuantWeight(stack, _plain_shape(value, 1, inputs, stack))
+    experts = {}
+    for name, inputs in (expert_inputs or {}).items():
+        value = weights[name]
+        stack = _stack(value, 2, inputs, plain=True)
+        if stack is None or not supported(stack):
+            return out
+        experts[name] = KernelQuantWeight(stack, _plain_shape(value, 2, inputs, stack),
+                                          jax.tree.leaves(value)[0].shape[1])
+    return {**out, **experts}

@@ -1,0 +1,211 @@
+"""Models whose quantized weights (and MoE experts) the GPU's quantized matmul kernels read in place
+(models/quant_kernels.py), run here in Pallas interpret mode by choosing the kernels explicitly.
+
+- Each real loader's kept form, viewed as the kernel reads it, gives the weights the layer-body
+  dequantizer gives, bit for bit: the default GGUF's Q4_1, int8 at load, GPTQ / AWQ, and DeepSeek /
+  Kimi int4 and fp8 dense weights and routed experts (act-order GPTQ stays in the layer body).
+- Engines with the kernels chosen produce the tokens of engines without them, with logprobs within
+  float32 rounding, and their forward runs the kernels (tests/test_step_program.py checks that the
+  GPU forward with them holds nothing the host waits for).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from deepseek_models import hf_model, quantize_checkpoint, save
+from gptq_awq_models import write_checkpoint
+from test_step_program import forward_jaxpr, kernel_names
+
+from infire_jax.models import deepseek
+from infire_jax.models.llama import in_place_weights
+from infire_jax.models.panels import INPUT_AXES
+from infire_jax.models.parallel import Reductions
+from infire_jax.models.quant_kernels import KernelQuantWeight
+from infire_jax.quant.resident import dequantize_layer
+from pallas_kernels.quant_matmul import quant_matmul
+
+RNG = np.random.default_rng(3)
+KERNELS = {"INFIRE_JAX_QUANT_MATMUL": "pallas", "INFIRE_JAX_MOE_GROUPED": "pallas"}
+WITHOUT = {"INFIRE_JAX_QUANT_MATMUL": "xla", "INFIRE_JAX_MOE_GROUPED": "tiled"}
+
+
+def _use(monkeypatch, env: dict[str, str]) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+def _assert_reads_as(kw: KernelQuantWeight, index: int, want: np.ndarray, name: str) -> None:
+    """Rows of W[index] picked by one-hot x, through the kernel, equal `want` [K, N] (the layer-body
+    dequantization) bit for bit; 48 random inputs cover every packing position."""
+    k = want.shape[0]
+    rows = np.sort(RNG.choice(k, min(k, 48), replace=False))
+    got = quant_matmul(jnp.eye(k, dtype=jnp.float32)[rows], kw.stack, index, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want[rows], err_msg=name)
+
+
+def _dense_layers(weights: dict, prefix: str, names, layers: int = 2) -> dict:
+    out = {}
+    for name in names:
+        parts = {k[len(f"{prefix}{name}."):]: jnp.asarray(v[:layers]) for k, v in weights.items()
+                 if k.startswith(f"{prefix}{name}.")}
+        out[name] = parts or jnp.asarray(weights[f"{prefix}{name}"][:layers])
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_kept(default_gguf):
+    from infire_jax.loaders.gguf_quant import load_gguf_quantized
+
+    return load_gguf_quantized(default_gguf)[0].weights
+
+
+@pytest.fixture(scope="module")
+def int8_kept(default_gguf):
+    from infire_jax.loaders.gguf import load_gguf
+    from infire_jax.quant.resident import quantize_int8
+
+    weights = load_gguf(default_gguf).weights
+    return quantize_int8({k: v[:2] for k, v in weights.items() if k.startswith("layers.")})[0]
+
+
+@pytest.fixture(scope="module")
+def gptq_dirs(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("kernel_gptq")
+    cases = {"awq-g32": ("awq", 32, False, False), "gptq-sym-per-channel": ("gptq", -1, True, False),
+             "gptq-act-order": ("gptq", 32, False, True)}
+    for name, (method, group, sym, act_order) in cases.items():
+        write_checkpoint(base / name, method, group, sym=sym, act_order=act_order)
+    return {name: str(base / name) for name in cases}
+
+
+@pytest.fixture(scope="module")
+def deepseek_dirs(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("kernel_deepseek")
+    paths = {}
+    for name, scheme, size in (("deepseek-v3", "fp8", 16), ("kimi-k2.5", "int4", 32)):
+        paths[name] = save(name, hf_model(name), base / name)
+        quantize_checkpoint(paths[name], scheme, size)
+    return paths
+
+
+@pytest.mark.parametrize("source", ["gguf", "int8", "awq-g32", "gptq-sym-per-channel"])
+def test_llama_kept_weights_read_in_place_equal_the_layer_body_dequantization(source, request, monkeypatch):
+    _use(monkeypatch, KERNELS)
+    if source in ("gguf", "int8"):
+        weights = request.getfixturevalue(f"{source}_kept")
+    else:
+        from infire_jax.loaders.llama_quant import load_gptq_awq_kept
+
+        weights = load_gptq_awq_kept(request.getfixturevalue("gptq_dirs")[source])[0].weights
+    stacks = _dense_layers(weights, "layers.", INPUT_AXES)
+    from infire_jax.models.config import ModelConfig
+
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
+                      num_heads=1, num_kv_heads=1, head_dim=8)  # only is_moe is read
+    in_place = in_place_weights(cfg, stacks, tokens=4, red=Reductions())
+    assert set(in_place) == set(INPUT_AXES)
+    for name, (kw, shape) in in_place.items():
+        plain = np.asarray(dequantize_layer({name: jax.tree.map(lambda a: a[1], stacks[name])}, jnp.float32)[name])
+        assert plain.shape == shape, name
+        k = int(np.prod(shape[:INPUT_AXES[name]]))
+        _assert_reads_as(kw, 1, plain.reshape(k, -1), name)
+    # steps of more than MAX_DENSE_ROWS tokens dequantize in the layer body; so does every step with xla
+    assert not in_place_weights(cfg, stacks, tokens=512, red=Reductions())
+    monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "xla")
+    assert not in_place_weights(cfg, stacks, tokens=4, red=Reductions())
+
+
+def test_act_order_gptq_stays_in_the_layer_body(gptq_dirs, monkeypatch):
+    """Act-order's per-input group index is a gather the kernel does not do."""
+    from infire_jax.loaders.llama_quant import load_gptq_awq_kept
+    from infire_jax.models.quant_kernels import kernel_stacks
+
+    _use(monkeypatch, KERNELS)
+    weights = load_gptq_awq_kept(gptq_dirs["gptq-act-order"])[0].weights
+    assert kernel_stacks(_dense_layers(weights, "layers.", INPUT_AXES), 4, INPUT_AXES) == {}
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2.5"])
+def test_deepseek_kept_weights_and_experts_read_in_place_equal_the_dequantization(name, deepseek_dirs, monkeypatch):
+    from infire_jax.loaders.deepseek_quant import load_kept
+    from infire_jax.quant.grouped import dequantize
+
+    _use(monkeypatch, KERNELS)
+    loaded, layouts = load_kept(deepseek_dirs[name])
+    for stack, moe in (("dense_layers", False), ("moe_layers", True)):
+        names = {n.split(".")[1] for n in loaded.weights if n.startswith(f"{stack}.")}
+        weights = _dense_layers(loaded.weights, f"{stack}.", names, layers=1)
+        in_place = deepseek.in_place_weights(weights, 4, moe)
+        kept = {n.split(".")[1] for n in layouts if n.startswith(f"{stack}.")}
+        # kept dense weights the kernel can tile (DeepSeek's 40-wide wkv_a cannot: N needs a factor of 16), and
+        # a MoE stack's experts, kept quantized or plain
+        experts = {"w_gate_up", "w_down"} if moe else set()
+        assert set(in_place) == {n for n in kept - experts if n in deepseek.DENSE_INPUTS and n != "wkv_a"} | experts
+        for short, (kw, shape) in in_place.items():
+            value = weights[short]
+            full = dequantize(value, short, jnp.float32)[0] if isinstance(value, dict) else value[0]
+            full = np.asarray(full)
+            if kw.experts:
+                for e in (0, kw.experts - 1):
+                    _assert_reads_as(kw, e, full[e].reshape(full.shape[1], -1), f"{stack}.{short}[{e}]")
+            else:
+                k = int(np.prod(shape[:deepseek.DENSE_INPUTS[short]]))
+                _assert_reads_as(kw, 0, full.reshape(k, -1), f"{stack}.{short}")
+
+
+def _generate(llm, prompts, tokens: int = 12):
+    from infire_jax import SamplingParams
+
+    return llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1))
+
+
+def _assert_same(ours, want, atol: float = 1e-5) -> None:
+    for q, f in zip(ours, want):
+        assert q.token_ids == f.token_ids
+        np.testing.assert_allclose([lp[t] for lp, t in zip(q.logprobs, q.token_ids)],
+                                   [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
+
+
+def _engines(monkeypatch, **kwargs):
+    """(an engine without the kernels, one with them) on the same model."""
+    from infire_jax import LLM
+
+    engines = []
+    for env in (WITHOUT, KERNELS):
+        _use(monkeypatch, env)
+        engines.append(LLM(**kwargs))
+    return engines
+
+
+ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
+              num_kv_pages=40)
+PROMPTS = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31], list(range(60, 100))]
+
+
+def test_engine_with_kept_awq_in_the_kernel_equals_the_layer_body_engine(gptq_dirs, monkeypatch):
+    plain, kernel = _engines(monkeypatch, model=gptq_dirs["awq-g32"], weights_quantization="checkpoint", **ENGINE)
+    for tokens in (4, 32):
+        names = kernel_names(forward_jaxpr(kernel.engine.runner, tokens))
+        assert names.count("quant_matmul") == 4, names  # q/k/v, o, gate/up, down; each read in place
+    _use(monkeypatch, WITHOUT)  # a program is traced under the environment's choice
+    assert "quant_matmul" not in kernel_names(forward_jaxpr(plain.engine.runner, 4))
+    _assert_same(_generate(kernel, PROMPTS), _generate(plain, PROMPTS))
+    for llm in (plain, kernel):
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2.5"])
+def test_engine_with_kept_deepseek_in_the_kernels_equals_the_engine_without(name, deepseek_dirs, monkeypatch):
+    """DeepSeek-V3's fp8 dense weights and experts, Kimi's int4 routed experts (and every stack's plain
+    experts) through the kernels."""
+    plain, kernel = _engines(monkeypatch, model=deepseek_dirs[name], weights_quantization="checkpoint", **ENGINE)
+    jaxpr = forward_jaxpr(kernel.engine.runner, 4)
+    # DeepSeek-V3: wq_a, wq_b, wo of both stacks, the dense MLP's two and the shared MLP's two; both: the experts' two
+    dense = 10 if name == "deepseek-v3" else 0
+    assert kernel_names(jaxpr).count("quant_matmul") == dense + 2, kernel_names(jaxpr)
+    _assert_same(_generate(kernel, PROMPTS), _generate(plain, PROMPTS))
+    for llm in (plain, kernel):
+        llm.engine.close()
