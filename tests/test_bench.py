@@ -103,6 +103,9 @@ def test_roofline_dense_llama_8b():
     # KV: K and V * 32 layers * 8 kv heads * 128 * 2 bytes = 131,072 bytes per token.
     assert r.kv_bytes(cfg, 2, 1000) == 131_072_000
     assert r.decode_step_bytes(cfg, 2, [1000, 500]) == (8_030_261_248 - 128254 * 4096) * 2 + 131_072 * 1500
+    # Weights held in fewer bytes (int8 with its scales, as the engine measures them) count those; KV stays bf16.
+    assert r.decode_step_bytes(cfg, 2, [1000, 500], 1.01) == pytest.approx(
+        (8_030_261_248 - 128254 * 4096) * 1.01 + 131_072 * 1500)
 
 
 def test_roofline_deepseek_v3_mla_and_moe():

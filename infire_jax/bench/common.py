@@ -80,8 +80,9 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Engine, D
     resident = engine_weight_bytes(engine)
     counted = engine.model_config.param_count() * engine_itemsize(engine)
     if abs(resident - counted) > 0.01 * counted:
-        log.warning("the model holds %d weight bytes but its config counts %d: roofline byte and FLOP "
-                    "counts follow the config", resident, counted)
+        log.info("the model holds %d weight bytes where %s weights would take %d (quantized or compressed): "
+                 "roofline bytes count %.3f bytes a parameter", resident, jnp.dtype(engine.dtype).name, counted,
+                 weight_bytes_per_param(engine))
     return engine, dataclasses.replace(peaks, num_devices=jax.device_count() if engine.plan else 1)
 
 
@@ -95,6 +96,12 @@ def engine_weight_bytes(engine: Engine) -> int:
     import jax
 
     return sum(x.nbytes for x in jax.tree.leaves(engine.runner.state))
+
+
+def weight_bytes_per_param(engine: Engine) -> float:
+    """The bytes a parameter takes on the device as held (below the dtype's itemsize when quantized
+    or compressed): what a roofline's weight traffic counts."""
+    return engine_weight_bytes(engine) / engine.model_config.param_count()
 
 
 def engine_info(engine: Engine) -> dict:

@@ -36,10 +36,10 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
     import numpy as np
 
     from infire_jax.bench import driver, roofline
-    from infire_jax.bench.common import BenchError, engine_itemsize
+    from infire_jax.bench.common import BenchError, engine_itemsize, weight_bytes_per_param
     from infire_jax.bench.datasets import random_prompts
 
-    cfg, itemsize = engine.model_config, engine_itemsize(engine)
+    cfg, itemsize, weight_itemsize = engine.model_config, engine_itemsize(engine), weight_bytes_per_param(engine)
     ttfts, e2es, decode_s, decode_bytes, prefill_s, prefill_flops = [], [], 0.0, 0.0, 0.0, 0
     decode_steps = output_tokens = 0
     step_s0 = wait_s0 = 0.0
@@ -64,7 +64,7 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
         for seconds, step in trace.decode_intervals(batch):
             decode_s += seconds
             for contexts in step.step_contexts():
-                decode_bytes += roofline.decode_step_bytes(cfg, itemsize, contexts)
+                decode_bytes += roofline.decode_step_bytes(cfg, itemsize, contexts, weight_itemsize)
                 decode_steps += 1
     if decode_steps == 0:
         raise BenchError(f"no step decoded all {batch} requests together: the KV pool (--num-kv-pages) "

@@ -168,7 +168,7 @@ def expected_experts_touched(num_experts: int, per_token: int, batch: int) -> fl
     return num_experts * (1 - (1 - per_token / num_experts) ** batch)
 
 
-def decode_weight_bytes(cfg: ModelConfig, itemsize: int, batch: int) -> float:
+def decode_weight_bytes(cfg: ModelConfig, itemsize: float, batch: int) -> float:
     """Weight bytes one decode step of `batch` sequences reads.
 
     Every weight counts once, except: an untied input embedding is only gathered (`batch` rows),
@@ -190,6 +190,8 @@ def kv_bytes(cfg: ModelConfig, itemsize: int, tokens: int) -> int:
     return cfg.num_layers * entry.heads * (entry.k_dim + entry.v_dim) * itemsize * tokens
 
 
-def decode_step_bytes(cfg: ModelConfig, itemsize: int, contexts: Sequence[int]) -> float:
-    """Bytes one decode step reads: the weights, plus each sequence's K and V over its context."""
-    return decode_weight_bytes(cfg, itemsize, len(contexts)) + kv_bytes(cfg, itemsize, sum(contexts))
+def decode_step_bytes(cfg: ModelConfig, itemsize: int, contexts: Sequence[int],
+                      weight_itemsize: float | None = None) -> float:
+    """Bytes one decode step reads: the weights (`weight_itemsize` bytes a parameter, default
+    `itemsize`: quantized or compressed weights hold fewer), plus each sequence's K and V over its context."""
+    return decode_weight_bytes(cfg, weight_itemsize or itemsize, len(contexts)) + kv_bytes(cfg, itemsize, sum(contexts))

@@ -37,7 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def measure(engine, peaks, prompts, output_lens, *, concurrency: int, tenant: str, label: str, bar=None) -> dict:
     """Runs the prompts at `concurrency`; returns throughput, latency statistics and roofline fractions."""
     from infire_jax.bench import driver, roofline
-    from infire_jax.bench.common import engine_itemsize
+    from infire_jax.bench.common import engine_itemsize, weight_bytes_per_param
     from infire_jax.bench.metrics import summarize
 
     cfg, itemsize = engine.model_config, engine_itemsize(engine)
@@ -45,7 +45,9 @@ def measure(engine, peaks, prompts, output_lens, *, concurrency: int, tenant: st
                        on_done=bar.update if bar is not None else None)
     out = dict(label=label, max_concurrency=concurrency, num_prompts=len(prompts))
     out |= summarize([r.timing() for r in trace.requests], trace.duration, PERCENTILES)
-    step_bytes = sum(roofline.decode_step_bytes(cfg, itemsize, c) for s in trace.steps for c in s.step_contexts())
+    weight_itemsize = weight_bytes_per_param(engine)
+    step_bytes = sum(roofline.decode_step_bytes(cfg, itemsize, c, weight_itemsize)
+                     for s in trace.steps for c in s.step_contexts())
     flops = sum(roofline.forward_flops(cfg, r.prompt_len - r.num_cached_tokens, r.num_cached_tokens)
                 + sum(roofline.forward_flops(cfg, 1, r.prompt_len + j - 1) for j in range(1, len(r.token_times)))
                 for r in trace.requests)

@@ -26,7 +26,7 @@ from infire_jax.loaders.gguf import _BLOCK, _LAYER_MAP, _PERMUTED_QK, _config, r
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
-from infire_jax.quant.resident import QUANTIZATION_MODES, QuantLayout
+from infire_jax.quant.resident import INPUT_AXIS, QUANTIZATION_MODES, QuantLayout
 from infire_jax.tokenizer import tokenizer_from_gguf
 
 # Fused weight -> the GGUF layer weights it is made of.
@@ -141,11 +141,13 @@ def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
         weights = dict(loaded.weights)
     elif mode == "int8":
         loaded = load_model(spec)
-        if loaded.weights is None:
-            raise ConfigError("weights_quantization='int8' quantizes loaded weights; dummy: models have none on the host")
         if loaded.config.mla is not None:
             raise ConfigError("weights_quantization='int8' covers Llama-architecture models; the DeepSeek-V3 family "
                               "keeps a published quantized checkpoint's weights with 'checkpoint'")
+        if loaded.weights is None:  # dummy: random int8 parts drawn on the device(s), as its float weights are
+            layouts = {short: QuantLayout("int8") for short in INPUT_AXIS}
+            graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
+            return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
         weights, layouts = quantize_int8(loaded.weights)
     else:
         path = spec or default_model_path()

@@ -45,15 +45,21 @@ def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: n
     shape, dtype, init = tuple(var.shape), var.dtype, var.get_metadata()["init"]
 
     def draw():
+        key = jax.random.fold_in(jax.random.key(seed), index)
         if init == "ones":
             w = jnp.ones(shape, jnp.float32)
         elif init == "zeros":
             w = jnp.zeros(shape, jnp.float32)
+        elif init == "int8":  # quantized values (quant/resident.py DUMMY_INIT), drawn a byte each
+            w = jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8), -127)
+        elif init == "int8-scale":  # uniform values times this have the normal draw's spread, 0.02
+            w = jnp.full(shape, 0.02 * 3 ** 0.5 / 127, jnp.float32)
         else:
-            w = 0.02 * jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), shape, jnp.float32)
+            w = 0.02 * jax.random.normal(key, shape, jnp.float32)
+        w = w.astype(dtype)
         if slot_mask is not None:
-            w = w * slot_mask.reshape(-1, *[1] * (len(shape) - 1))
-        return w.astype(dtype)
+            w = jnp.where(slot_mask.reshape(-1, *[1] * (len(shape) - 1)), w, jnp.zeros((), dtype))
+        return w
 
     return jax.jit(draw, out_shardings=sharding)()
 

@@ -9,7 +9,9 @@ parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, wi
 (block) axis shortened, so the parts shard exactly as the weight does (act-order int4's zero /
 scale tables excepted: whole on every device). The scanned layer body
 dequantizes the current layer's weights just before their matmuls (`dequantize_layer`), so only
-one layer is ever held in full precision.
+one layer is ever held in full precision. On a GPU, decode-sized steps (and MoE experts) skip even
+that: a Pallas kernel reads the parts in place and dequantizes each tile on chip
+(models/quant_kernels.py).
 """
 
 from __future__ import annotations
@@ -93,12 +95,18 @@ class QuantLayout:
                 "g_idx": ((*shape[:-1], 1), jnp.int16, (*axes[:-1], None))}
 
 
+# How a `dummy:` model draws int8 parts (models/registry.py): values uniform over int8's symmetric range,
+# and a scale that gives them the spread of a float dummy's weights.
+DUMMY_INIT = {"int8": "int8", "scale": "int8-scale"}
+
+
 class QuantParams(WeightParts):
     """The parts of one quantized stacked weight, each a parameter with its logical axes."""
 
     def __init__(self, short: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: QuantLayout):
         for part, (part_shape, dtype, part_axes) in layout.part_specs(short, shape, axes).items():
-            setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=part_axes, init="zeros"))
+            init = DUMMY_INIT[part] if layout.kind == "int8" else "zeros"
+            setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=part_axes, init=init))
 
 
 def is_quantized(value: Any) -> bool:
