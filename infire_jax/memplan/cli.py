@@ -26,8 +26,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="rows sampled per step (logits estimate)")
     p.add_argument("--dequant", default="per-layer", choices=["per-layer", "fused"],
                    help="per-layer: the layer scan dequantizes one layer's dense weights, the grouped matmul one "
-                        "routed expert at a time (today's XLA path: a workspace of one layer's dense weights and "
-                        "one expert); fused: a kernel dequantizes in its prologue (no workspace)")
+                        "routed expert at a time (the XLA path: a workspace of one layer's dense weights and one "
+                        "expert); fused: the GPU's Pallas kernels dequantize on chip (routed experts always, dense "
+                        "weights in decode-sized steps: a workspace of one layer's dense weights)")
 
 
 def run_plan(args: argparse.Namespace) -> int:

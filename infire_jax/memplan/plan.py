@@ -150,11 +150,12 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
                 max_num_seqs: int = 64, dequant: str = "per-layer") -> MemoryPlan:
     """The plan of `model` on the mesh; ValueError naming the problem if the mesh cannot hold it.
 
-    `dequant`: "per-layer" (today's XLA path: the scan dequantizes one layer's quantized dense weights
+    `dequant`: "per-layer" (the XLA path: the scan dequantizes one layer's quantized dense weights
     to `dtype` before its matmuls, and the grouped matmul one routed expert at a time, a workspace of
     one layer's dense weights plus one local expert; the dense and MoE stacks' weights are summed,
-    an upper bound) or "fused" (a kernel that dequantizes in its prologue, the Pallas path on GPU:
-    no workspace).
+    an upper bound) or "fused" (the GPU's Pallas kernels, pallas_kernels/quant_matmul.py: routed
+    experts are read in place, no workspace for them; dense ones are too in decode-sized steps,
+    but a longer prompt chunk still dequantizes one layer of them, which stays in the workspace).
     """
     if dequant not in DEQUANT:
         raise ValueError(f"dequant must be one of {list(DEQUANT)}, got {dequant!r}")
@@ -163,17 +164,20 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
         raise ValueError(f"{mc.name} does not fit {model.name}: {problem}")
     itemsize = FORMAT_BYTES[dtype]
     weights = {k: 0.0 for k in KINDS}
-    workspace_per_layer = 0.0
+    dense_workspace = expert_workspace = 0.0  # a layer's quantized dense weights, and one local routed expert
     for t in model.tensors:
         b = tensor_bytes(t, model, mc, dtype)
         weights[t.kind] += b
         fmt = model.formats[t.kind]
         if t.matrix and fmt != dtype and t.axes[0] == "layers":  # dequantized one layer at a time in the scan
             layer = b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"] * itemsize / FORMAT_BYTES[fmt]
-            workspace_per_layer += layer / _local_experts(t, mc)
+            if "experts" in t.axes:
+                expert_workspace += layer / _local_experts(t, mc)
+            else:
+                dense_workspace += layer
     for t in model.kept:  # int4 parts (dense Llama-family weights): one layer's weight dequantized to `dtype`
         b = tensor_bytes(dataclasses.replace(t, store=dtype), model, mc, dtype)
-        workspace_per_layer += b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"]
+        dense_workspace += b / layer_slots(t.shape[0], model, mc) * mc.sizes["pp"]
     layers = layers_per_device(model.num_layers, mc)
     kv_items = sum(n / (mc.sizes[mc.rule(axis)] if axis and mc.rule(axis) else 1) for n, axis in model.kv_per_token_layer)
     kv_itemsize = FORMAT_BYTES[kv_dtype or dtype]
@@ -188,7 +192,7 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
             else f"k and v, {int(kv_items)} values x {layers} layers, {kv_dtype or dtype}")
     return MemoryPlan(model=model.name, mesh=mc.name, num_devices=mc.num_devices, device_memory=device_memory,
                       utilization=utilization, weights=weights, activations=activations,
-                      workspace=workspace_per_layer if dequant == "per-layer" else 0.0, logits=2 * max_num_seqs * model.vocab_size * 4,
+                      workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
                       kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note)
 
 
