@@ -247,6 +247,17 @@ def test_latency_default_model(tmp_path):
     _check_latency(data, [1, 2], 16, 8, 2)
 
 
+def test_latency_counts_quantized_weights_as_held(tmp_path):
+    """The default model's Q4_1 weights kept quantized: a decode step's roofline bytes are the weights
+    as held (180 MB, a third of float32's), plus a few KV entries."""
+    data = _run(tmp_path, "latency_q", "latency", "--input-len", "8", "--output-len", "4", "--batch-size", "1",
+                "--num-iters", "1", "--max-num-seqs", "2", "--weights-quantization", "gguf", *SMALL)
+    _check_latency(data, [1], 8, 4, 1)
+    held = data["engine"]["weight_bytes"]
+    assert held < 0.4 * data["engine"]["param_count"] * 4
+    assert held < data["results"][0]["decode_bytes_per_step"] < 1.01 * held
+
+
 def test_throughput_default_model(tmp_path):
     data = _run(tmp_path, "throughput", "throughput", "--input-len", "16", "--output-len", "8",
                 "--num-prompts", "6", "--max-concurrency", "2", "4", "--max-num-seqs", "4", *SMALL)

@@ -66,6 +66,7 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Engine, D
     import dataclasses
 
     import jax
+    import jax.numpy as jnp
 
     from infire_jax.bench.roofline import measure_peaks
     from infire_jax.engine import Engine, resolve_dtype
