@@ -1,6 +1,6 @@
 """The C++ XLA FFI kernels of the CPU path (`csrc/*.cc`): built once per machine, registered with jax.
 
-`cpu_matmul` (the layer weights' and LM head's matmuls, palette-compressed ones included) and
+`cpu_matmul` (the layer weights' and LM head's matmuls, palette-compressed and GGUF Q4_1 ones included) and
 `cpu_attention` (decode-step paged attention) are calls into one library. Its sources are
 compiled with the system's C++ compiler (`CXX`, else `c++`) and `-march=native` into the
 infire_jax cache, keyed by the sources, the jax version and the host CPU. Without a compiler, or
@@ -29,7 +29,7 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # FFI target name -> the library's handler symbol.
 TARGETS = {"infire_skinny_matmul": "InfireSkinnyMatmul", "infire_skinny_matmul_nt": "InfireSkinnyMatmulNT",
            "infire_skinny_matmul_panels": "InfireSkinnyMatmulPanels", "infire_paged_attention": "InfirePagedAttention",
-           "infire_palette_matmul": "InfirePaletteMatmul"}
+           "infire_palette_matmul": "InfirePaletteMatmul", "infire_q4_1_matmul": "InfireQ41Matmul"}
 
 
 def _cache_dir() -> str:
@@ -111,3 +111,10 @@ def bf16_dot() -> bool:
     take `vdpbf16ps`."""
     lib = library()
     return lib is not None and bool(lib.InfireHasBf16Dot())
+
+
+@functools.cache
+def avx512() -> bool:
+    """Whether the library was built for a CPU with AVX-512 (the GGUF Q4_1 matmul needs it)."""
+    lib = library()
+    return lib is not None and bool(lib.InfireHasAvx512())

@@ -14,7 +14,9 @@ copy of the slice) on XLA's own thread pool:
   run, which streams near the machine's bandwidth where the row-major slice's strided reads do not,
   and register tiles of up to 12 rows beat XLA's float32 dot on prompts too;
 - bfloat16 panels kept palette-compressed (lossless, 12 bits a weight; `palette_matmul`,
-  `csrc/palette_matmul.cc`), decoded in registers on the way into `vdpbf16ps`.
+  `csrc/palette_matmul.cc`), decoded in registers on the way into `vdpbf16ps`;
+- GGUF Q4_1 weights kept quantized (5 bits a weight; `q4_1_matmul`, `csrc/q4_1_matmul.cc`), decode
+  steps, dequantized in registers on the way into float32 FMAs.
 
 `cpu_kernels` builds the library; without it the models keep XLA's dot.
 """
@@ -160,3 +162,28 @@ def palette_matmul(x: Float[Array, "M K"], codes: UInt8[Array, "L P R 32"], sign
     out = jax.ShapeDtypeStruct((x.shape[0], PANEL * codes.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(PALETTE_TARGET, out)(x, codes, sign_mantissa, palette, esc_rows.astype(jnp.int32),
                                                  esc_exp, layer.astype(jnp.int32))
+
+
+Q4_1_TARGET = "infire_q4_1_matmul"
+
+
+def q4_1_kernel() -> bool:
+    """Whether `q4_1_matmul` runs here: the CPU backend with the library built for AVX-512."""
+    return cpu_kernels.on_cpu() and cpu_kernels.avx512()
+
+
+def q4_1_matmul(x: Float[Array, "M K"], q: UInt8[Array, "L K2 N"], d: Float[Array, "L Kb N"],
+                m: Float[Array, "L Kb N"], layer: Int[Array, ""]) -> Float[Array, "M N"]:
+    """x @ w[layer] in float32 for w kept as GGUF Q4_1 blocks along its input axis (q: in block b,
+    byte 16 b + e holds input 32 b + e in its low nibble and 32 b + 16 + e in its high one; d and m
+    float16, one per block and column), read in place and dequantized in registers: w = d * q + m,
+    bitwise the layer-body dequantizer's weights (quant/gguf_blocks.py). For decode steps (M <=
+    MAX_ROWS), where it streams 5 bits a weight; x is taken as float32."""
+    k = x.shape[1]
+    if q.ndim != 3 or k != 2 * q.shape[1] or k % 32 or q.shape[2] % 16 or d.shape != (q.shape[0], k // 32, q.shape[2]) \
+            or m.shape != d.shape or d.dtype != jnp.float16 or m.dtype != jnp.float16:
+        raise ValueError(f"q4_1_matmul: x {x.shape} needs q [L, K / 2, N] (K a multiple of 32, N of 16) and float16 "
+                         f"d, m [L, K / 32, N]; got q {q.shape}, d {d.shape} {d.dtype}, m {m.shape} {m.dtype}")
+    cpu_kernels.require()
+    out = jax.ShapeDtypeStruct((x.shape[0], q.shape[2]), jnp.float32)
+    return jax.ffi.ffi_call(Q4_1_TARGET, out)(x.astype(jnp.float32), q, d, m, layer.astype(jnp.int32))

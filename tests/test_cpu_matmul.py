@@ -204,6 +204,30 @@ def test_layer_body_takes_the_kernel(tokens, dtype):
         assert (cpu_matmul.TARGET in hlo) == kernel
 
 
+@pytest.mark.skipif(not cpu_matmul.q4_1_kernel(), reason="the GGUF Q4_1 kernel needs a CPU with AVX-512")
+@pytest.mark.parametrize("k,n", [(64, 80), (576, 960), (1536, 576)])
+def test_q4_1_matmul_dequantizes_exactly_and_sums_within_float32(k, n):
+    """The default model's kept Q4_1 layers read in place: one-hot rows give each weight, the format's
+    d * q + m rounded once to float32, bit for bit; products of any step size lie within float32's
+    accumulation bound of float64; a row's result does not depend on the rows beside it (64- and
+    32-column tiles of 4 and 8 rows, and a 16-column tail at n = 80)."""
+    from test_quant_matmul import make_stack, within_f32_bound
+
+    stack, w = make_stack("q4_1", k, n)
+    call = jax.jit(cpu_matmul.q4_1_matmul)
+    parts = (stack.values, stack.scale, stack.minimum)
+    rows = np.sort(np.random.default_rng(k).choice(k, 40, replace=False))
+    got = np.asarray(call(jnp.eye(k, dtype=jnp.float32)[rows], *parts, jnp.int32(2)))
+    np.testing.assert_array_equal(got, w[2].astype(np.float32)[rows])
+    x = np.random.default_rng(n).standard_normal((16, k)).astype(np.float32)
+    whole = np.asarray(call(jnp.asarray(x), *parts, jnp.int32(1)))
+    within_f32_bound(whole, x, w[1].astype(np.float32))
+    for m in (1, 3, 5, 9):
+        np.testing.assert_array_equal(np.asarray(call(jnp.asarray(x[:m]), *parts, jnp.int32(1))), whole[:m])
+    with pytest.raises(ValueError, match="q4_1_matmul"):
+        cpu_matmul.q4_1_matmul(jnp.asarray(x[:, :32]), *parts, jnp.int32(0))
+
+
 def test_micro_benchmark_runs(capsys):
     """`python -m pallas_kernels.cpu_matmul_bench` (the figures in docs/PERFORMANCE.md) end to end."""
     from pallas_kernels import cpu_matmul_bench

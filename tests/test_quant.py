@@ -15,6 +15,7 @@ from infire_jax.quant.formats import (
     Fp8Block, Int4Group, Int8Channel, dequantize, linear, quantize_fp8_block, quantize_int4_group,
     quantize_int8_channel)
 from infire_jax.quant.gguf_blocks import dequantize_blocks, split_blocks
+from pallas_kernels import cpu_matmul
 
 RNG = np.random.default_rng(0)
 
@@ -132,7 +133,8 @@ def test_kept_quantized_layers_dequantize_to_the_float_load(default_gguf):
 def test_engine_keeps_gguf_quantized_and_agrees_with_float32(smol_llm):
     """The default model with its Q4_1 layer weights kept quantized: the same greedy tokens as the
     float32 engine (which dequantizes the same Q4_1 weights at load) on the parity prompts, and a
-    smaller footprint on the device."""
+    smaller footprint on the device. On an AVX-512 CPU its decode steps take the Q4_1 kernel, its
+    prompt steps the layer-body dequantization."""
     from conftest import SMALL_ENGINE
     from test_parity import PROMPTS
 
@@ -143,6 +145,10 @@ def test_engine_keeps_gguf_quantized_and_agrees_with_float32(smol_llm):
     quant = LLM(weights_quantization="gguf", **SMALL_ENGINE)
     kept = {path[1] for path, _ in nnx.to_flat_state(quant.engine.runner.state) if path[-1] == "q4_1"}
     assert kept == {"w_down", "w_gate_up", "wo", "wqkv"}
+    if cpu_matmul.q4_1_kernel():  # decode steps read the blocks in place, dequantized in registers
+        from test_step_program import forward_jaxpr, kernel_names
+
+        assert kernel_names(forward_jaxpr(quant.engine.runner, 8)).count("infire_q4_1_matmul") == 4
     assert quant.engine.boot.weight_bytes < 0.4 * smol_llm.engine.boot.weight_bytes
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
     ours, floats = quant.generate(PROMPTS, params), smol_llm.generate(PROMPTS, params)

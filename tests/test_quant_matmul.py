@@ -32,50 +32,50 @@ def _per_input(part: np.ndarray, group: int) -> np.ndarray:
     return np.repeat(part.astype(np.float64), group, axis=1)
 
 
-def make_stack(fmt: str) -> tuple[QuantStack, np.ndarray]:
-    """A random stack in format `fmt` and its weights [S, K, N] by the format's definition, in float64."""
+def make_stack(fmt: str, k: int = K, n: int = N) -> tuple[QuantStack, np.ndarray]:
+    """A random stack in format `fmt` and its weights [S, k, n] by the format's definition, in float64."""
     if fmt.startswith("gptq") or fmt == "ct_int4":
-        group = {"gptq32": 32, "gptq128": 128, "gptq_channel": K, "ct_int4": 32}[fmt]
-        q = RNG.integers(0, 16, (S, K, N))
-        scale = (RNG.standard_normal((S, K // group, N)) * 0.05).astype(
+        group = {"gptq32": 32, "gptq128": 128, "gptq_channel": k, "ct_int4": 32}[fmt]
+        q = RNG.integers(0, 16, (S, k, n))
+        scale = (RNG.standard_normal((S, k // group, n)) * 0.05).astype(
             ml_dtypes.bfloat16 if fmt == "ct_int4" else np.float16)
         if fmt == "ct_int4":  # compressed-tensors: stored q + 8, symmetric
             return (QuantStack(jnp.asarray(_words(q)), jnp.asarray(scale), packing="int4", zero_point=8),
                     (q - 8) * _per_input(scale, group))
-        zero = RNG.integers(0, 16, (S, K // group, N)).astype(np.uint8)
+        zero = RNG.integers(0, 16, (S, k // group, n)).astype(np.uint8)
         w = (q - _per_input(zero, group)) * _per_input(scale, group)
         return QuantStack(jnp.asarray(_words(q)), jnp.asarray(scale), jnp.asarray(zero), packing="int4"), w
     if fmt == "q4_1":  # GGUF: in a block of 32, byte e holds input e (low nibble) and e + 16 (high)
-        q = RNG.integers(0, 16, (S, K, N))
-        blocks = q.reshape(S, K // 32, 2, 16, N)
-        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(S, K // 2, N).astype(np.uint8)
-        d = (RNG.standard_normal((S, K // 32, N)) * 0.02).astype(np.float16)
-        m = (RNG.standard_normal((S, K // 32, N)) * 0.1).astype(np.float16)
+        q = RNG.integers(0, 16, (S, k, n))
+        blocks = q.reshape(S, k // 32, 2, 16, n)
+        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(S, k // 2, n).astype(np.uint8)
+        d = (RNG.standard_normal((S, k // 32, n)) * 0.02).astype(np.float16)
+        m = (RNG.standard_normal((S, k // 32, n)) * 0.1).astype(np.float16)
         return (QuantStack(jnp.asarray(packed), jnp.asarray(d), minimum=jnp.asarray(m), packing="q4_1"),
                 _per_input(d, 32) * q + _per_input(m, 32))
     if fmt in ("q8_0", "int8"):
-        q = RNG.integers(-127, 128, (S, K, N)).astype(np.int8)
-        group = 32 if fmt == "q8_0" else K
-        scale = (RNG.uniform(0.001, 0.01, (S, K // group, N))).astype(np.float16 if fmt == "q8_0" else np.float32)
+        q = RNG.integers(-127, 128, (S, k, n)).astype(np.int8)
+        group = 32 if fmt == "q8_0" else k
+        scale = (RNG.uniform(0.001, 0.01, (S, k // group, n))).astype(np.float16 if fmt == "q8_0" else np.float32)
         return QuantStack(jnp.asarray(q), jnp.asarray(scale)), ref.int8_channel(q, _per_input(scale, group))
     if fmt == "fp8":
-        raw = RNG.integers(0, 256, (S, K, N), dtype=np.uint8)
+        raw = RNG.integers(0, 256, (S, k, n), dtype=np.uint8)
         raw[(raw & 0x7F) == 0x7F] = 0x3F  # no NaN: it would poison the whole product
-        scale = RNG.uniform(0.5, 2, (S, K // 128, N)).astype(np.float32)
+        scale = RNG.uniform(0.5, 2, (S, k // 128, n)).astype(np.float32)
         table = np.array([ref.e4m3fn_value(b) for b in range(256)])
         return (QuantStack(jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale)),
                 table[raw] * _per_input(scale, 128))
     if fmt == "plain_bf16":
-        w = RNG.standard_normal((S, K, N)).astype(ml_dtypes.bfloat16)
+        w = RNG.standard_normal((S, k, n)).astype(ml_dtypes.bfloat16)
         return QuantStack(jnp.asarray(w)), w.astype(np.float64)
     raise ValueError(fmt)
 
 
-def _within_f32_bound(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+def within_f32_bound(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
     """float32 accumulation of K products: within K * 2^-23 of |x| @ |W| (a loose, rigorous bound)."""
     x, w = x.astype(np.float64), w.astype(np.float64)
     err = np.abs(got.astype(np.float64) - x @ w)
-    assert np.all(err <= K * 2.0 ** -23 * (np.abs(x) @ np.abs(w)) + 1e-30), err.max()
+    assert np.all(err <= x.shape[1] * 2.0 ** -23 * (np.abs(x) @ np.abs(w)) + 1e-30), err.max()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -93,7 +93,7 @@ def test_products_within_float32_bound(fmt, rows):
     stack, w = make_stack(fmt)
     x = RNG.standard_normal((rows, K)).astype(np.float32)
     got = np.asarray(quant_matmul(jnp.asarray(x), stack, 2, interpret=True))
-    _within_f32_bound(got, x, w[2].astype(np.float32))
+    within_f32_bound(got, x, w[2].astype(np.float32))
 
 
 def test_bfloat16_activations_take_bfloat16_weights():
@@ -102,7 +102,7 @@ def test_bfloat16_activations_take_bfloat16_weights():
     stack, w = make_stack("gptq128")
     x = RNG.standard_normal((8, K)).astype(ml_dtypes.bfloat16)
     got = np.asarray(quant_matmul(jnp.asarray(x), stack, 0, interpret=True))
-    _within_f32_bound(got, x, w[0].astype(np.float32).astype(ml_dtypes.bfloat16))
+    within_f32_bound(got, x, w[0].astype(np.float32).astype(ml_dtypes.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", ["ct_int4", "fp8", "plain_bf16"])
@@ -116,12 +116,12 @@ def test_grouped_rows_take_their_groups_matrix(fmt):
     got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, jnp.int32(0), interpret=True))
     group = np.repeat(np.arange(3), sizes)
     for r, g in enumerate(group):
-        _within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
+        within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
     np.testing.assert_array_equal(got[len(group):], 0)
     # the same groups as experts 1..2 of the stack (a later layer's): `first` offsets the index
     got = np.asarray(grouped_matmul(jnp.asarray(x[:22]), jnp.asarray(sizes[1:]), stack, 1, interpret=True))
     for r, g in enumerate(group):
-        _within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
+        within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
 
 
 def test_parts_that_do_not_fit_are_named():
@@ -163,9 +163,9 @@ def test_compiled_kernels_on_gpu_match_the_definition():
         w16 = w.astype(np.float32).astype(ml_dtypes.bfloat16)
         for rows in (1, 70):
             x = RNG.standard_normal((rows, K)).astype(ml_dtypes.bfloat16)
-            _within_f32_bound(np.asarray(quant_matmul(jnp.asarray(x), stack, 1)), x, w16[1])
+            within_f32_bound(np.asarray(quant_matmul(jnp.asarray(x), stack, 1)), x, w16[1])
         sizes = np.array([5, 0, 40], np.int32)
         x = RNG.standard_normal((45, K)).astype(ml_dtypes.bfloat16)
         got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, 0))
         for r, g in enumerate(np.repeat(np.arange(3), sizes)):
-            _within_f32_bound(got[r:r + 1], x[r:r + 1], w16[g])
+            within_f32_bound(got[r:r + 1], x[r:r + 1], w16[g])

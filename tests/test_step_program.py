@@ -61,11 +61,13 @@ def primitives(jaxpr, skip=("pallas_call",)) -> set[str]:
 
 
 def kernel_names(jaxpr) -> list[str]:
-    """The names of the Pallas kernels a jaxpr calls, in its sub-jaxprs (the layer scan) too."""
+    """The names of the Pallas kernels and FFI calls a jaxpr makes, in its sub-jaxprs (the layer scan) too."""
     names = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             names.append(eqn.params["name"])
+        elif eqn.primitive.name == "ffi_call":
+            names.append(eqn.params["target_name"])
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             names += kernel_names(sub)
     return names

@@ -116,12 +116,14 @@ def mla_project(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], 
     return q[..., :m.qk_nope_head_dim], apply_rope(q[..., m.qk_nope_head_dim:], cos, sin), latent, k_pe
 
 
-def in_place_weights(weights: dict[str, Any], tokens: int, moe: bool) -> dict[str, tuple[KernelView, tuple]]:
-    """A stack's weights that the GPU's quantized matmul kernels read in place for a step of `tokens`
+def in_place_weights(weights: dict[str, Any], tokens: int, moe: bool, one_device: bool = True
+                     ) -> dict[str, tuple[KernelView, tuple]]:
+    """A stack's weights that the quantized matmul kernels read in place for a step of `tokens`
     tokens (models/quant_kernels.py): kept quantized dense ones, and a MoE stack's routed experts."""
     dense = {k: v for k, v in DENSE_INPUTS.items() if not (moe and k in EXPERT_INPUTS)}
     experts = EXPERT_INPUTS if moe and default_grouped_impl() == "pallas" else None
-    return {name: (kw, kw.shape) for name, kw in kernel_stacks(weights, tokens, dense, experts).items()}
+    stacks = kernel_stacks(weights, tokens, dense, experts, one_device=one_device)
+    return {name: (kw, kw.shape) for name, kw in stacks.items()}
 
 
 def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
@@ -163,7 +165,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
         if kind not in weights:
             continue
         n = jax.tree.leaves(weights[kind])[0].shape[0]
-        in_place = in_place_weights(weights[kind], h.shape[0], kind == "moe")
+        in_place = in_place_weights(weights[kind], h.shape[0], kind == "moe", one_device=red == Reductions())
         layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red, in_place, start)
         scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
         carry, _ = jax.lax.scan(layer, carry, (scanned, start + jnp.arange(n, dtype=jnp.int32)))

@@ -129,11 +129,12 @@ def in_place_weights(cfg: ModelConfig, weights: dict[str, Array], tokens: int, r
                      ) -> dict[str, tuple[KernelView, tuple]]:
     """The stacked layer weights that a step of `tokens` tokens multiplies with a kernel reading its
     layer of the stack, as (the stack as the kernel reads it, one layer's shape): quantized ones and
-    MoE experts with the GPU's quantized matmul (models/quant_kernels.py, on a mesh too, per
-    shard), and off a mesh the dense ones the CPU matmul kernel takes (`cpu_matmul.applies`)."""
+    MoE experts with the quantized matmul kernels (models/quant_kernels.py; the GPU's on a mesh too,
+    per shard), and off a mesh the dense ones the CPU matmul kernel takes (`cpu_matmul.applies`)."""
     dense = {k: v for k, v in INPUT_AXES.items() if not (cfg.is_moe and k in EXPERT_INPUTS)}
     experts = EXPERT_INPUTS if cfg.is_moe and default_grouped_impl() == "pallas" else None
-    out = {name: (kw, kw.shape) for name, kw in kernel_stacks(weights, tokens, dense, experts).items()}
+    stacks = kernel_stacks(weights, tokens, dense, experts, one_device=red == Reductions())
+    out = {name: (kw, kw.shape) for name, kw in stacks.items()}
     if red != Reductions():
         return out
     for name in INPUT_AXES:

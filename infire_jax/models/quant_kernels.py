@@ -1,19 +1,22 @@
-"""Stacked weights that the GPU's quantized matmul kernels read in place (pallas_kernels/quant_matmul.py).
+"""Stacked weights that quantized matmul kernels read in place: the GPU's Pallas kernels
+(pallas_kernels/quant_matmul.py), and the CPU's for GGUF Q4_1 (pallas_kernels/csrc/q4_1_matmul.cc).
 
 Weights kept quantized (quant/resident.py: GGUF Q4_1 / Q8_0, int8 per channel, GPTQ / AWQ int4;
 quant/grouped.py: compressed-tensors int4, fp8 blocks) are otherwise dequantized one layer at a
-time in the layer body, which writes the layer out in full precision and reads it back: on a GPU
-that moves 4-9x the bytes of the quantized weight. Here the layer body hands the kernel the whole
-stack and the layer index instead, and the kernel dequantizes each tile on chip:
-- dense weights, for steps of up to `MAX_DENSE_ROWS` tokens (decode-sized; a longer prompt chunk
-  dequantizes the layer and takes XLA's GEMM, which amortizes that copy over its rows, as vLLM's
-  AWQ path does above 256 tokens);
-- a MoE layer's experts, plain or quantized, at every step size (`grouped_matmul`, each tile of a
-  group's rows reading its expert once), in place of moe.py's loop over row tiles.
+time in the layer body, which writes the layer out in full precision and reads it back: 4-9x the
+bytes of the quantized weight. Here the layer body hands a kernel the whole stack and the layer
+index instead, and the kernel dequantizes each tile on chip (in registers, on a CPU):
+- on a GPU, dense weights in steps of up to `MAX_DENSE_ROWS` tokens (decode-sized; a longer prompt
+  chunk dequantizes the layer and takes XLA's GEMM, which amortizes that copy over its rows, as
+  vLLM's AWQ path does above 256 tokens), and a MoE layer's experts, plain or quantized, at every
+  step size (`grouped_matmul`, each tile of a group's rows reading its expert once), in place of
+  moe.py's loop over row tiles;
+- on a CPU with the kernel library, Q4_1 dense weights in decode steps (`cpu_matmul.MAX_ROWS`
+  tokens), on one device.
 
-`INFIRE_JAX_QUANT_MATMUL=pallas|xla` and `INFIRE_JAX_MOE_GROUPED=pallas|tiled|ragged_dot` choose;
-pallas is the default on a GPU (on one device or inside a mesh's shard_map, on each device's
-shard), the others elsewhere. Chosen off a GPU, the kernels run in Pallas interpret mode (tests).
+`INFIRE_JAX_QUANT_MATMUL=pallas|cpu|xla` and `INFIRE_JAX_MOE_GROUPED=pallas|tiled|ragged_dot`
+choose; pallas is the default on a GPU (on one device or inside a mesh's shard_map, on each
+device's shard), cpu and tiled on a CPU. Pallas chosen off a GPU runs in interpret mode (tests).
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
+from pallas_kernels import cpu_kernels, cpu_matmul
 from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, supported
 
 MAX_DENSE_ROWS = 256
-DENSE_IMPLS = ("pallas", "xla")
+DENSE_IMPLS = ("pallas", "cpu", "xla")
 
 
 def dense_impl() -> str:
-    impl = os.environ.get("INFIRE_JAX_QUANT_MATMUL", "pallas" if jax.default_backend() == "gpu" else "xla")
+    default = "pallas" if jax.default_backend() == "gpu" else "cpu" if cpu_kernels.on_cpu() else "xla"
+    impl = os.environ.get("INFIRE_JAX_QUANT_MATMUL", default)
     if impl not in DENSE_IMPLS:
         raise ConfigError(f"INFIRE_JAX_QUANT_MATMUL={impl!r}; choose one of {DENSE_IMPLS}")
     return impl
@@ -52,9 +57,12 @@ class KernelQuantWeight:
     stack: QuantStack
     shape: tuple[int, ...]
     experts: int = 0  # experts a layer (0: a dense stack)
+    kernel: str = "pallas"  # or "cpu" (Q4_1 dense stacks)
 
     def matmul(self, x: Float[Array, "M K"], layer: Int[Array, ""]) -> Float[Array, "M N"]:
         """x @ W[layer] in float32."""
+        if self.kernel == "cpu":
+            return cpu_matmul.q4_1_matmul(x, self.stack.values, self.stack.scale, self.stack.minimum, layer)
         return quant_matmul(x, self.stack, layer, interpret=_interpret())
 
     def grouped(self, x: Float[Array, "M K"], group_sizes: Int[Array, "X"], layer: Int[Array, ""]
@@ -63,7 +71,7 @@ class KernelQuantWeight:
         return grouped_matmul(x, group_sizes, self.stack, layer * self.experts, interpret=_interpret())
 
 
-jax.tree_util.register_dataclass(KernelQuantWeight, data_fields=["stack"], meta_fields=["shape", "experts"])
+jax.tree_util.register_dataclass(KernelQuantWeight, data_fields=["stack"], meta_fields=["shape", "experts", "kernel"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,23 +127,35 @@ def _plain_shape(value: Array | Mapping[str, Array], lead: int, inputs: int, sta
     return tuple(shape)
 
 
+def _cpu_reads(stack: QuantStack) -> bool:
+    """Whether the CPU kernel reads `stack` here: Q4_1 blocks, K a multiple of 32 and N of 16, on a
+    CPU with AVX-512."""
+    return (stack.packing == "q4_1" and stack.num_inputs % 32 == 0 and stack.num_outputs % 16 == 0
+            and cpu_matmul.q4_1_kernel())
+
+
 def kernel_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping[str, int],
-                  expert_inputs: Mapping[str, int] | None = None) -> dict[str, KernelQuantWeight]:
+                  expert_inputs: Mapping[str, int] | None = None, one_device: bool = True
+                  ) -> dict[str, KernelQuantWeight]:
     """The stacks of `weights` ([L, ...] each) that the kernels take for a step of `tokens` tokens.
 
     `dense_inputs[name]`: how many leading axes of one layer's dense weight are inputs (K), for the
-    quantized dense stacks (when INFIRE_JAX_QUANT_MATMUL selects pallas, at most MAX_DENSE_ROWS
-    tokens). `expert_inputs` likewise for a MoE layer's expert stacks [L, X, ...], plain or
-    quantized, given when the grouped matmul is the kernel (moe.py); they are taken together or not
-    at all (palette-coded experts stay with the loop over row tiles).
+    quantized dense stacks (INFIRE_JAX_QUANT_MATMUL's choice: pallas for at most MAX_DENSE_ROWS
+    tokens, cpu for Q4_1 stacks in decode steps on `one_device`). `expert_inputs` likewise for a MoE
+    layer's expert stacks [L, X, ...], plain or quantized, given when the grouped matmul is the
+    kernel (moe.py); they are taken together or not at all (palette-coded experts stay with the loop
+    over row tiles).
     """
-    out = {}
-    if dense_impl() == "pallas" and tokens <= MAX_DENSE_ROWS:
-        for name, inputs in dense_inputs.items():
-            value = weights.get(name)
-            stack = None if value is None or name in (expert_inputs or {}) else _stack(value, 1, inputs, plain=False)
-            if stack is not None and supported(stack):
-                out[name] = KernelQuantWeight(stack, _plain_shape(value, 1, inputs, stack))
+    impl, out = dense_impl(), {}
+    for name, inputs in dense_inputs.items():
+        value = weights.get(name)
+        stack = None if value is None else _stack(value, 1, inputs, plain=False)
+        if stack is None:
+            continue
+        if impl == "pallas" and tokens <= MAX_DENSE_ROWS and supported(stack):
+            out[name] = KernelQuantWeight(stack, _plain_shape(value, 1, inputs, stack))
+        elif impl == "cpu" and one_device and tokens <= cpu_matmul.MAX_ROWS and _cpu_reads(stack):
+            out[name] = KernelQuantWeight(stack, _plain_shape(value, 1, inputs, stack), kernel="cpu")
     experts = {}
     for name, inputs in (expert_inputs or {}).items():
         value = weights[name]
