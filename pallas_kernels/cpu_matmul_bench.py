@@ -10,7 +10,9 @@ steps of at most 16 tokens; bfloat16 steps of any size on an AVX512-BF16 CPU; el
 columns are XLA's), and once more with the weights repacked into panels (`cpu_matmul.pack_panels`,
 as the model runner keeps them), which the panel matmul takes at any step size. Reports ms per pass over the stack and
 the weight bytes streamed per second; best of 3 loops of --iters passes; the speed-up is the
-fastest column's over XLA's.
+fastest column's over XLA's. For float32 on an AVX-512 CPU a last column keeps the layers as random
+GGUF Q4_1 blocks (`--weights-quantization gguf`): read in place by `cpu_matmul.q4_1_matmul` in steps
+of at most 16 tokens, dequantized in the layer body (XLA) in larger ones; its GB/s count the blocks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from infire_jax.models import llama
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.panels import PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions
+from infire_jax.quant.resident import QuantLayout, dequantize_layer
 from pallas_kernels import cpu_kernels, cpu_matmul
 
 LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 1536, 9, 3, 64
@@ -47,13 +50,25 @@ def _panels(weights: dict[str, jax.Array]) -> dict[str, PanelWeight]:
             for k, w in weights.items()}
 
 
+def _q4_1_stack() -> dict[str, dict[str, jax.Array]]:
+    """The stack's weights as random Q4_1 parts in the model's layout (quant/resident.py)."""
+    rng = np.random.default_rng(1)
+    out = {}
+    for name, w in _stack(jnp.float32).items():
+        specs = QuantLayout("Q4_1").part_specs(name, tuple(w.shape), (None,) * w.ndim)
+        out[name] = {part: jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8)) if dtype == jnp.uint8
+                     else jnp.asarray((0.002 * rng.standard_normal(shape)).astype(np.float16))
+                     for part, (shape, dtype, _) in specs.items()}
+    return out
+
+
 def _pass(use_kernel: bool, x: jax.Array, weights: dict[str, jax.Array]) -> jax.Array:
     in_place = llama.in_place_weights(CFG, weights, x.shape[0], Reductions()) if use_kernel else {}
     scanned = {k: w for k, w in weights.items() if k not in in_place}
 
     def layer(h, xs):
         lp, idx = xs
-        lp = llama.kernel_weights(lp, in_place, idx, h.shape[0], cpu=use_kernel)
+        lp = llama.kernel_weights(dequantize_layer(lp, h.dtype), in_place, idx, h.shape[0], cpu=use_kernel)
         q, _, _ = llama.project_qkv(lp, h, False)
         h = h + llama.linear(q, lp["wo"], "thd,hde->te")
         return h + 0.01 * llama.dense_mlp(lp, h), None
@@ -82,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     if jax.default_backend() != "cpu" or not cpu_kernels.available():
         p.error("needs the CPU backend and a C++ compiler (see pallas_kernels/cpu_matmul.py)")
     print(f"{'dtype':>8} {'T':>4} {'XLA ms':>8} {'GB/s':>6} {'kernel ms':>10} {'GB/s':>6} {'panels ms':>10} "
-          f"{'GB/s':>6} {'speed-up':>8}")
+          f"{'GB/s':>6} {'speed-up':>8} {'Q4_1 ms':>8} {'GB/s':>6}")
     for dtype in args.dtype:
         weights = _stack(jnp.dtype(dtype))
         panels = _panels(weights) if cpu_matmul.panel_kernel(jnp.dtype(dtype)) else None
+        quant = _q4_1_stack() if dtype == "float32" and cpu_matmul.q4_1_kernel() else None
         nbytes = sum(w.nbytes for w in weights.values())
         for rows in args.rows:
             x = jnp.full((rows, EMBED), 0.01, jnp.dtype(dtype))
@@ -94,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             pan = (_seconds(jax.jit(functools.partial(_pass, True)), x, panels, iters=args.iters)
                    if panels is not None else None)
             cells = f"{pan * 1e3:10.2f} {nbytes / pan / 1e9:6.1f}" if pan else f"{'-':>10} {'-':>6}"
+            q = _seconds(jax.jit(functools.partial(_pass, True)), x, quant, iters=args.iters) if quant else None
+            qbytes = sum(a.nbytes for a in jax.tree.leaves(quant)) if quant else 0
+            qcells = f"{q * 1e3:8.2f} {qbytes / q / 1e9:6.1f}" if q else f"{'-':>8} {'-':>6}"
             print(f"{dtype:>8} {rows:>4} {xla * 1e3:8.2f} {nbytes / xla / 1e9:6.1f} {ffi * 1e3:10.2f} "
-                  f"{nbytes / ffi / 1e9:6.1f} {cells} {xla / min(ffi, pan or ffi):7.2f}x")
+                  f"{nbytes / ffi / 1e9:6.1f} {cells} {xla / min(ffi, pan or ffi):7.2f}x {qcells}")
     return 0
 
 
