@@ -232,8 +232,11 @@ def test_micro_benchmark_runs(capsys):
     """`python -m pallas_kernels.cpu_matmul_bench` (the figures in docs/PERFORMANCE.md) end to end."""
     from pallas_kernels import cpu_matmul_bench
 
-    assert cpu_matmul_bench.main(["--rows", "1", "64", "--dtype", "bfloat16", "--iters", "1"]) == 0
+    assert cpu_matmul_bench.main(["--rows", "1", "64", "--dtype", "bfloat16", "float32", "--iters", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:2] == ["dtype", "T"] and [ln.split()[:2] for ln in lines[1:]] == [
-        ["bfloat16", "1"], ["bfloat16", "64"]]
-    assert all(float(ln.split()[-1].rstrip("x")) > 0 for ln in lines[1:])
+        ["bfloat16", "1"], ["bfloat16", "64"], ["float32", "1"], ["float32", "64"]]
+    assert all(float(ln.split()[8].rstrip("x")) > 0 for ln in lines[1:])  # the speed-up
+    q4_1 = [ln.split()[9] for ln in lines[1:]]  # the Q4_1 column: float32 on an AVX-512 CPU
+    assert q4_1[:2] == ["-", "-"]
+    assert all(float(q) > 0 for q in q4_1[2:]) if cpu_matmul.q4_1_kernel() else q4_1[2:] == ["-", "-"]
