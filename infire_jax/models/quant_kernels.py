@@ -103,19 +103,22 @@ def _stack(value: Array | Mapping[str, Array], lead: int, inputs: int, plain: bo
 
     if not isinstance(value, Mapping):
         return QuantStack(flat(value)) if plain else None
-    parts = {k: flat(v) for k, v in value.items()}
-    if "q4_1" in parts:
-        return QuantStack(parts["q4_1"], parts["d"], minimum=parts["m"], packing="q4_1")
-    if "q8_0" in parts:
-        return QuantStack(parts["q8_0"], parts["d"])
-    if "int8" in parts:
-        return QuantStack(parts["int8"], parts["scale"])
-    if "q4" in parts and "g_idx" not in parts:
-        return QuantStack(parts["q4"], parts["scale"], parts["zero"], packing="int4")
-    if "packed" in parts:  # compressed-tensors: stored q + 8
-        return QuantStack(parts["packed"], parts["scale"], packing="int4", zero_point=8)
-    if "fp8" in parts:
-        return QuantStack(parts["fp8"], parts["scale"])
+
+    def part(name: str) -> Array:
+        return flat(value[name])
+
+    if "q4_1" in value:
+        return QuantStack(part("q4_1"), part("d"), minimum=part("m"), packing="q4_1")
+    if "q8_0" in value:
+        return QuantStack(part("q8_0"), part("d"))
+    if "int8" in value:
+        return QuantStack(part("int8"), part("scale"))
+    if "q4" in value and "g_idx" not in value:
+        return QuantStack(part("q4"), part("scale"), part("zero"), packing="int4")
+    if "packed" in value:  # compressed-tensors: stored q + 8
+        return QuantStack(part("packed"), part("scale"), packing="int4", zero_point=8)
+    if "fp8" in value:
+        return QuantStack(part("fp8"), part("scale"))
     return None
 
 
