@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from infire_jax.bench import latency, serve, suite, throughput
+from infire_jax.bench import device_checks, latency, serve, suite, throughput
 from infire_jax.bench.common import BenchError, add_output_args
 from infire_jax.bench.datasets import random_prompts, read_jsonl
 from infire_jax.bench.metrics import RequestTiming, summarize
@@ -34,8 +34,9 @@ REQUIRED_FLAGS = {
     "serve": ["--model", "--input-len", "--output-len", "--num-prompts", "--max-concurrency", "--request-rate",
               "--base-url", "--dataset", "--goodput", "--json", "--plot"],
     "suite": ["--model", "--input-len", "--output-len", "--max-concurrency", "--json", "--plot"],
+    "device-checks": ["--out", "--budget", "--only", "--list", "--json"],
 }
-MODULES = {"latency": latency, "throughput": throughput, "serve": serve, "suite": suite}
+MODULES = {"latency": latency, "throughput": throughput, "serve": serve, "suite": suite, "device-checks": device_checks}
 
 
 def _bench(*args: str, timeout: int = 600) -> str:
@@ -256,6 +257,25 @@ def test_latency_counts_quantized_weights_as_held(tmp_path):
     held = data["engine"]["weight_bytes"]
     assert held < 0.4 * data["engine"]["param_count"] * 4
     assert held < data["results"][0]["decode_bytes_per_step"] < 1.01 * held
+
+
+def test_device_checks_run_in_order_within_the_budget(tmp_path):
+    """Each check in its own process under its own limit, most valuable first: a bench command's
+    figures are kept, a failure and a time-out are recorded and the run goes on, a check that does
+    not fit what is left of the budget is not started; the log and JSON hold all of it."""
+    from infire_jax.bench.device_checks import Check, run_checks
+
+    listing = ("infire_jax.bench", "device-checks", "--list", "--only", "decode-b1")
+    checks = [Check("figures", 20, listing), Check("fails", 20, ("json.tool", str(tmp_path / "none")), figures=False),
+              Check("hangs", 1, ("timeit", "-n", "1", "import time; time.sleep(10)"), figures=False),
+              Check("too-long", 10_000, ("platform",), figures=False)]
+    records = run_checks(checks, str(tmp_path / "out"), budget=120)
+    assert [r["status"] for r in records] == ["passed", "failed", "timed out", "skipped"]
+    assert records[0]["figures"]["checks"][0]["name"] == "decode-b1"
+    assert records[2]["seconds"] < 5 and "expects 10000" in records[3]["reason"]
+    assert json.loads((tmp_path / "out" / "checks.json").read_text()) == records
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checks.json", "checks.log"]
+    assert "==== fails" in (tmp_path / "out" / "checks.log").read_text()
 
 
 def test_throughput_default_model(tmp_path):
