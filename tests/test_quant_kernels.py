@@ -197,15 +197,14 @@ def test_engine_with_kept_awq_in_the_kernel_equals_the_layer_body_engine(gptq_di
         llm.engine.close()
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2.5"])
-def test_engine_with_kept_deepseek_in_the_kernels_equals_the_engine_without(name, deepseek_dirs, monkeypatch):
-    """DeepSeek-V3's fp8 dense weights and experts, Kimi's int4 routed experts (and every stack's plain
-    experts) through the kernels."""
-    plain, kernel = _engines(monkeypatch, model=deepseek_dirs[name], weights_quantization="checkpoint", **ENGINE)
+def test_engine_with_kept_deepseek_in_the_kernels_equals_the_engine_without(deepseek_dirs, monkeypatch):
+    """DeepSeek-V3's fp8 dense weights and routed experts through the kernels (Kimi's int4 experts run
+    through them on ep8 in test_deepseek_quant.py)."""
+    plain, kernel = _engines(monkeypatch, model=deepseek_dirs["deepseek-v3"], weights_quantization="checkpoint",
+                             **ENGINE)
     jaxpr = forward_jaxpr(kernel.engine.runner, 4)
-    # DeepSeek-V3: wq_a, wq_b, wo of both stacks, the dense MLP's two and the shared MLP's two; both: the experts' two
-    dense = 10 if name == "deepseek-v3" else 0
-    assert kernel_names(jaxpr).count("quant_matmul") == dense + 2, kernel_names(jaxpr)
+    # wq_a, wq_b, wo of both stacks, the dense MLP's two, the shared MLP's two, and the experts' two
+    assert kernel_names(jaxpr).count("quant_matmul") == 12, kernel_names(jaxpr)
     _assert_same(_generate(kernel, PROMPTS), _generate(plain, PROMPTS))
     for llm in (plain, kernel):
         llm.engine.close()
