@@ -158,7 +158,6 @@ def test_engine_keeps_gguf_quantized_and_agrees_with_float32(smol_llm):
                                    [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-4)
 
 
-
 def test_int8_per_channel_parts_round_to_nearest():
     """Each weight is within half a step of its channel's scale, and the scale is the channel's absmax / 127."""
     from infire_jax.quant.resident import INPUT_AXIS, dequantize_layer, quantize_int8
