@@ -84,8 +84,7 @@ def _np_moe(lp, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 def _in_kernel(lp: dict) -> dict:
     """The layer's experts handed to the grouped kernel (Pallas interpret mode here) as a stack of one layer."""
-    from infire_jax.models.moe import EXPERT_INPUTS
-    from infire_jax.models.quant_kernels import LayerExperts, kernel_stacks
+    from infire_jax.models.quant_kernels import EXPERT_INPUTS, LayerExperts, kernel_stacks
 
     stacks = kernel_stacks({k: jnp.asarray(lp[k])[None] for k in EXPERT_INPUTS}, 1, {}, EXPERT_INPUTS)
     assert set(stacks) == set(EXPERT_INPUTS)

@@ -23,7 +23,7 @@ from infire_jax.models import deepseek
 from infire_jax.models.llama import in_place_weights
 from infire_jax.models.panels import INPUT_AXES
 from infire_jax.models.parallel import Reductions
-from infire_jax.models.quant_kernels import KernelQuantWeight
+from infire_jax.models.quant_kernels import KernelQuantWeight, layer_stacks
 from infire_jax.quant.resident import dequantize_layer
 from pallas_kernels.quant_matmul import quant_matmul
 
@@ -138,7 +138,7 @@ def test_deepseek_kept_weights_and_experts_read_in_place_equal_the_dequantizatio
     for stack, moe in (("dense_layers", False), ("moe_layers", True)):
         names = {n.split(".")[1] for n in loaded.weights if n.startswith(f"{stack}.")}
         weights = _dense_layers(loaded.weights, f"{stack}.", names, layers=1)
-        in_place = deepseek.in_place_weights(weights, 4, moe)
+        in_place = layer_stacks(weights, 4, deepseek.DENSE_INPUTS, moe, one_device=True)
         kept = {n.split(".")[1] for n in layouts if n.startswith(f"{stack}.")}
         # kept dense weights the kernel can tile (DeepSeek's 40-wide wkv_a cannot: N needs a factor of 16), and
         # a MoE stack's experts, kept quantized or plain

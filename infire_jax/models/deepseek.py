@@ -21,7 +21,7 @@ use, and the grouped matmul (models/moe.py) the routed experts one expert at a t
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +34,8 @@ from infire_jax.models.deepseek_moe import deepseek_moe_mlp
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_tables
 from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear
-from infire_jax.models.moe import EXPERT_INPUTS, default_grouped_impl
 from infire_jax.models.parallel import Reductions, psum, run_sharded
-from infire_jax.models.quant_kernels import kernel_stacks
+from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
 from infire_jax.quant.grouped import ROUTED_EXPERTS, GroupedLayout, GroupedParams, dequantize_kept
 from infire_jax.weight_parts import WeightParts
@@ -116,16 +115,6 @@ def mla_project(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], 
     return q[..., :m.qk_nope_head_dim], apply_rope(q[..., m.qk_nope_head_dim:], cos, sin), latent, k_pe
 
 
-def in_place_weights(weights: dict[str, Any], tokens: int, moe: bool, one_device: bool = True
-                     ) -> dict[str, tuple[KernelView, tuple]]:
-    """A stack's weights that the quantized matmul kernels read in place for a step of `tokens`
-    tokens (models/quant_kernels.py): kept quantized dense ones, and a MoE stack's routed experts."""
-    dense = {k: v for k, v in DENSE_INPUTS.items() if not (moe and k in EXPERT_INPUTS)}
-    experts = EXPERT_INPUTS if moe and default_grouped_impl() == "pallas" else None
-    stacks = kernel_stacks(weights, tokens, dense, experts, one_device=one_device)
-    return {name: (kw, kw.shape) for name, kw in stacks.items()}
-
-
 def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
                   red: Reductions, in_place: dict[str, tuple[KernelView, tuple]], first: int):
     """The scan body of one stack: (h, latent pages, rope pages), (layer weights, pool layer index) -> carry.
@@ -165,7 +154,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
         if kind not in weights:
             continue
         n = jax.tree.leaves(weights[kind])[0].shape[0]
-        in_place = in_place_weights(weights[kind], h.shape[0], kind == "moe", one_device=red == Reductions())
+        in_place = layer_stacks(weights[kind], h.shape[0], DENSE_INPUTS, kind == "moe", one_device=red == Reductions())
         layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red, in_place, start)
         scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
         carry, _ = jax.lax.scan(layer, carry, (scanned, start + jnp.arange(n, dtype=jnp.int32)))

@@ -22,11 +22,11 @@ from infire_jax.compression.resident import PaletteParams, ResidentLayout, decod
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
-from infire_jax.models.moe import EXPERT_INPUTS, default_grouped_impl, moe_mlp
+from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions, psum, run_sharded
-from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, kernel_stacks
+from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, layer_stacks
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from infire_jax.weight_parts import WeightParts
 from pallas_kernels import cpu_matmul
@@ -131,10 +131,7 @@ def in_place_weights(cfg: ModelConfig, weights: dict[str, Array], tokens: int, r
     layer of the stack, as (the stack as the kernel reads it, one layer's shape): quantized ones and
     MoE experts with the quantized matmul kernels (models/quant_kernels.py; the GPU's on a mesh too,
     per shard), and off a mesh the dense ones the CPU matmul kernel takes (`cpu_matmul.applies`)."""
-    dense = {k: v for k, v in INPUT_AXES.items() if not (cfg.is_moe and k in EXPERT_INPUTS)}
-    experts = EXPERT_INPUTS if cfg.is_moe and default_grouped_impl() == "pallas" else None
-    stacks = kernel_stacks(weights, tokens, dense, experts, one_device=red == Reductions())
-    out = {name: (kw, kw.shape) for name, kw in stacks.items()}
+    out = layer_stacks(weights, tokens, INPUT_AXES, cfg.is_moe, one_device=red == Reductions())
     if red != Reductions():
         return out
     for name in INPUT_AXES:

@@ -45,7 +45,6 @@ measuring option, not a serving path for kept weights.
 
 from __future__ import annotations
 
-import os
 from typing import Mapping, NamedTuple
 
 import jax
@@ -54,12 +53,9 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.quant_kernels import LayerExperts
+from infire_jax.models.quant_kernels import GROUPED_IMPLS, LayerExperts, default_grouped_impl
 from infire_jax.quant.grouped import dequantize_kept, expert_weight
 
-GROUPED_IMPLS = ("pallas", "tiled", "ragged_dot")
-# How many leading axes of one expert's weight are its inputs: w_gate_up [E, 2, F], w_down [F, E].
-EXPERT_INPUTS = {"w_gate_up": 1, "w_down": 1}
 _MAX_TILE_ROWS = 128
 # A stacked expert weight: a float array, or a kept quantized weight's parts (each with the expert axis first).
 ExpertStack = Float[Array, "X ..."] | Mapping[str, Array]
@@ -78,15 +74,6 @@ class Dispatch(NamedTuple):
     x: Float[Array, "M E"]
     group_sizes: Int[Array, "X"]  # rows per expert; rows past their sum (other devices' experts) stay 0
     order: Int[Array, "M"]  # sorted row -> flat assignment index (token * K + slot)
-
-
-def default_grouped_impl() -> str:
-    """`pallas` (the grouped kernel reading the layer's experts in place, models/quant_kernels.py)
-    on a GPU, `tiled` elsewhere, unless INFIRE_JAX_MOE_GROUPED says otherwise."""
-    impl = os.environ.get("INFIRE_JAX_MOE_GROUPED", "pallas" if jax.default_backend() == "gpu" else "tiled")
-    if impl not in GROUPED_IMPLS:
-        raise ConfigError(f"INFIRE_JAX_MOE_GROUPED={impl!r}; choose one of {GROUPED_IMPLS}")
-    return impl
 
 
 def router_logits(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T X"]:

@@ -35,6 +35,9 @@ from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul
 
 MAX_DENSE_ROWS = 256
 DENSE_IMPLS = ("pallas", "cpu", "xla")
+GROUPED_IMPLS = ("pallas", "tiled", "ragged_dot")  # a MoE layer's grouped matmul (models/moe.py)
+# How many leading axes of one expert's weight are its inputs: w_gate_up [E, 2, F], w_down [F, E].
+EXPERT_INPUTS = {"w_gate_up": 1, "w_down": 1}
 
 
 def dense_impl() -> str:
@@ -42,6 +45,15 @@ def dense_impl() -> str:
     impl = os.environ.get("INFIRE_JAX_QUANT_MATMUL", default)
     if impl not in DENSE_IMPLS:
         raise ConfigError(f"INFIRE_JAX_QUANT_MATMUL={impl!r}; choose one of {DENSE_IMPLS}")
+    return impl
+
+
+def default_grouped_impl() -> str:
+    """`pallas` (the grouped kernel reading the layer's experts in place) on a GPU, `tiled` (moe.py's
+    loop over row tiles) elsewhere, unless INFIRE_JAX_MOE_GROUPED says otherwise."""
+    impl = os.environ.get("INFIRE_JAX_MOE_GROUPED", "pallas" if jax.default_backend() == "gpu" else "tiled")
+    if impl not in GROUPED_IMPLS:
+        raise ConfigError(f"INFIRE_JAX_MOE_GROUPED={impl!r}; choose one of {GROUPED_IMPLS}")
     return impl
 
 
@@ -168,3 +180,15 @@ def kernel_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping
         experts[name] = KernelQuantWeight(stack, _plain_shape(value, 2, inputs, stack),
                                           jax.tree.leaves(value)[0].shape[1])
     return {**out, **experts}
+
+
+def layer_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping[str, int], moe: bool,
+                 one_device: bool) -> dict[str, tuple[KernelQuantWeight, tuple[int, ...]]]:
+    """A decoder stack's weights that the kernels read in place for a step of `tokens` tokens, as
+    (the stack as read, one layer's weight shape): its quantized dense weights (`dense_inputs`, the
+    expert weights left out in a MoE stack) and, where the grouped matmul is the kernel, a MoE
+    stack's experts."""
+    dense = {k: v for k, v in dense_inputs.items() if not (moe and k in EXPERT_INPUTS)}
+    experts = EXPERT_INPUTS if moe and default_grouped_impl() == "pallas" else None
+    stacks = kernel_stacks(weights, tokens, dense, experts, one_device=one_device)
+    return {name: (kw, kw.shape) for name, kw in stacks.items()}
