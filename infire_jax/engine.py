@@ -85,6 +85,9 @@ class EngineConfig:
     # Decode bursts: up to this many decode steps in one device launch when a step is decodes alone
     # and nobody waiting could join (scheduler.py); 1 turns them off. Not with speculative decoding.
     num_decode_steps: int = 4
+    # Hot standby (residency.py): the weight bytes a pool sized from device memory leaves room for,
+    # when more than the model's own (the heaviest models that may be resident with it).
+    pool_weight_bytes: int = 0
 
 
 def enable_compilation_cache() -> None:
@@ -176,13 +179,19 @@ class Engine:
         else:
             t_warmup = time.monotonic()
             self.runner = ModelRunner(placed_cfg, graphdef, state, rc, dtype=self.dtype, plan=self.plan)
-            if sizing is None:  # fill the card: measure the largest step's activations with a minimal pool
+            # Fill the card: measure the largest step's activations with a minimal pool, then compile
+            # before the pool takes its memory (XLA's autotuning needs room; one process only: the
+            # followers' warmup runs a step on the pool).
+            deferred = sizing is None and not multihost.is_multiprocess()
+            if sizing is None:
                 sizing = self.pool.from_device_memory(self.runner.state, (self.runner.cache.k_pages,
                                                                           self.runner.cache.v_pages),
-                                                      self.runner.peak_activation_bytes())
-                self.runner.resize_pool(sizing.num_pages)
+                                                      self.runner.peak_activation_bytes(), ec.pool_weight_bytes)
+                self.runner.resize_pool(sizing.num_pages, allocate=not deferred)
             report("compile", 0, len(shapes))
             self.runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
+            if deferred:
+                self.runner.allocate_pool()
             self.warmup_seconds = time.monotonic() - t_warmup
         # After the warmup: its token trie is built on a thread of its own, which would hold the GIL
         # against the warmup's (the first structured-output request waits for it instead).

@@ -27,3 +27,7 @@ class ConfigError(InfireError, ValueError):
 
 class CorruptCheckpointError(InfireError, ValueError):
     """A checkpoint file is missing, truncated or fails its checksum: it is refused, never half-used."""
+
+
+class DeviceMemoryError(InfireError, MemoryError):
+    """The device ran out of memory (XLA's RESOURCE_EXHAUSTED) while a model was being placed."""

@@ -5,6 +5,11 @@ device memory x utilization - the weights - the activation peak of the largest s
 peak is the compiled step's own temporary buffers (XLA's memory analysis), not a guess. The usable
 part is also capped by XLA's allocator limit (`XLA_PYTHON_CLIENT_MEM_FRACTION` of the card; see
 xla_flags.py). Elsewhere (CPU) there is no device memory figure, so the pool gets a fixed budget.
+
+A pool sized so is allocated only after the warmup compiled the steps against its shapes: XLA's
+autotuning on a GPU takes scratch memory while it compiles (1.97 GiB at once for the 8B model),
+and a pool filling the allocator's share left it none (two workers sharing one card, each at 0.45
+of it within an allocator share of 0.47, failed so).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class PoolSizing:
     device_bytes: int = 0  # one device's memory, for "device memory"
     utilization: float = 0.0
     usable_bytes: int = 0  # min(utilization x device memory, XLA's allocator limit)
-    weight_bytes: int = 0  # one device's share of the weights
+    weight_bytes: int = 0  # one device's share of the weights (hot standby: at least the room kept for them)
     activation_bytes: int = 0  # the largest step's temporaries on one device
     other_bytes: int = 0  # other buffers already in use (sampling history, the minimal pool measured with)
 
@@ -131,9 +136,11 @@ class PoolPlanner:
                               f"sequence of max_model_len={self.max_model_len}")
         return sizing
 
-    def from_device_memory(self, weights: Any, minimal_pool: Any, activation_bytes: int) -> PoolSizing:
+    def from_device_memory(self, weights: Any, minimal_pool: Any, activation_bytes: int,
+                           reserved_weight_bytes: int = 0) -> PoolSizing:
         """Measured with the weights and a minimal pool on the devices (the pool is not counted as in
-        use: resizing frees it)."""
+        use: resizing frees it). The weights count at least `reserved_weight_bytes` (hot standby:
+        room for a heavier model that may be on the device instead, residency.py)."""
         total, limit, in_use = device_memory()
         device = jax.local_devices()[0]
 
@@ -144,5 +151,5 @@ class PoolPlanner:
         weight_bytes, pool = on_device(weights), on_device(minimal_pool)
         return size_from_device_memory(
             device_bytes=total, allocator_limit=limit, utilization=self.gpu_memory_utilization,
-            weight_bytes=weight_bytes, activation_bytes=activation_bytes,
+            weight_bytes=max(weight_bytes, reserved_weight_bytes), activation_bytes=activation_bytes,
             other_bytes=max(0, in_use - weight_bytes - pool), page_bytes=self.page_bytes, min_pages=self.min_pages)

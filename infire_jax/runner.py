@@ -167,7 +167,7 @@ class ModelRunner:
         # Structured outputs: a step with no constrained row passes its row bucket's all-allowed
         # grammar mask, kept on the device, instead of copying one (structured/, sampler.py).
         self.mask_words = -(-cfg.vocab_size // 32)
-        self._all_allowed: dict[int, jax.Array] = {}
+        self._all_allowed: dict[int, jax.Array | None] = {}  # None while offloaded
         # Warm starts load the step programs without tracing them (executable_cache.py).
         self._executables = executable_cache.for_runner(repr((cfg, rc, str(jnp.dtype(dtype)), plan, graphdef)))
         self._history = jax.jit(programs.load_history, donate_argnums=(0,))
@@ -177,6 +177,12 @@ class ModelRunner:
 
     def _allocate_cache(self) -> DeviceCache:
         """The pool is split like the kv heads and layers; the per-slot history is replicated."""
+        self._cache_program()
+        return self._new_cache()
+
+    def _cache_program(self) -> None:
+        """The program that allocates an empty cache of the current sizes (kept, so a model coming back
+        to the device allocates its pool without compiling), and the cache as shapes."""
         c, rc, plan = self.cfg, self.rc, self.plan
         entry = kv_entry(c)
         pool = plan.sharding(entry.pool_axes) if plan else None
@@ -189,22 +195,38 @@ class ModelRunner:
             counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=((rc.num_slots,), jnp.int32))
         shardings = DeviceCache(pool, pool, replicated, replicated, replicated)
-        # Kept, so a model coming back to the device (restore) allocates its pool without compiling.
         self._new_cache = jax.jit(lambda: DeviceCache(*(jnp.zeros(shape, dtype) for shape, dtype in shapes)),
                                   out_shardings=shardings if plan else None)
-        return self._new_cache()
+        # Without a plan the allocated arrays are uncommitted: shapes without a sharding lower alike.
+        self._cache_shapes = DeviceCache(*(jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+                                           for (shape, dtype), s in zip(shapes, shardings)))
 
-    def resize_pool(self, num_pages: int) -> None:
-        """Frees the KV pool and allocates one of `num_pages` (before warmup: the steps do not depend on it)."""
+    def resize_pool(self, num_pages: int, allocate: bool = True) -> None:
+        """Frees the KV pool and sizes it to `num_pages` (before warmup: the steps do not depend on it).
+
+        With `allocate=False` the pool stays shapes alone until `allocate_pool`, so that the warmup
+        compiles with the pool's memory still free: on a GPU, XLA's autotuning takes scratch memory
+        (1.97 GiB at once for the 8B model), which a pool filling the allocator's share left no
+        room for (kv_pool.py)."""
         self.rc = dataclasses.replace(self.rc, num_pages=num_pages)
-        for a in (self.cache.k_pages, self.cache.v_pages):
+        for a in self.cache:
             a.delete()
-        self.cache = self._allocate_cache()
+        if allocate:
+            self.cache = self._allocate_cache()
+        else:
+            self._cache_program()
+            self.cache = self._cache_shapes
+
+    def allocate_pool(self) -> None:
+        """Allocates the cache that `resize_pool(..., allocate=False)` left as shapes."""
+        self.cache = jax.block_until_ready(self._new_cache())
 
     def offload(self) -> int:
-        """Frees the weights, the KV pool and the per-slot state on the device (hot standby: another
-        model takes the device); returns the weight bytes. The weights never change, so the host copy
-        made the first time serves every later offload: only that one copies device to host."""
+        """Frees the weights, the KV pool, the per-slot state and the all-allowed grammar masks on the
+        device (hot standby: another model takes the device); returns the weight bytes. The weights
+        never change, so the host copy made the first time serves every later offload: only that
+        one copies device to host. Nothing of the model stays on the device: a buffer left behind
+        the freed pool would split the free space that the next model's pool needs in one piece."""
         if multihost.is_multiprocess():
             raise RuntimeError("models cannot leave the device across several processes")
         if self._host_weights is None:
@@ -212,20 +234,43 @@ class ModelRunner:
             # compiled steps were specialized to that, and a committed one would make them recompile.
             shardings = jax.tree.map(lambda a: a.sharding if a.committed else None, self.state)
             self._host_weights = (jax.tree.map(_host_copy, jax.device_get(self.state)), shardings)
-        for a in jax.tree.leaves(self.state) + list(self.cache):
+        for a in jax.tree.leaves(self.state) + list(self.cache) + list(self._all_allowed.values()):
             a.delete()
         self.state, self.cache, self.resident = None, None, False
+        self._all_allowed = dict.fromkeys(self._all_allowed)
         return self.weight_bytes
 
     def restore(self) -> int:
         """Places the weights back on their shardings and allocates an empty pool: the compiled steps
-        see the same shapes and shardings, so nothing recompiles. Returns the weight bytes placed."""
+        see the same shapes and shardings, so nothing recompiles. Returns the weight bytes placed.
+
+        If the device runs out of memory meanwhile, what was placed is freed again and the error
+        (jax's RESOURCE_EXHAUSTED) is raised: the model stays off the device."""
         host, shardings = self._host_weights
-        self.state = jax.block_until_ready(jax.tree.map(jax.device_put, host, shardings,
-                                                        is_leaf=lambda x: x is None))
-        self.cache = jax.block_until_ready(self._new_cache())
-        self.resident = True
+        placed: list[jax.Array] = []
+
+        def put(x: np.ndarray, sharding) -> jax.Array:
+            placed.append(jax.device_put(x, sharding))
+            return placed[-1]
+
+        try:
+            state = jax.block_until_ready(jax.tree.map(put, host, shardings, is_leaf=lambda x: x is None))
+            cache = jax.block_until_ready(self._new_cache())
+            placed += list(cache)
+            for rows in self._all_allowed:
+                self._put_all_allowed(rows)
+                placed.append(self._all_allowed[rows])
+        except BaseException:
+            for a in placed:
+                a.delete()
+            self._all_allowed = dict.fromkeys(self._all_allowed)
+            raise
+        self.state, self.cache, self.resident = state, cache, True
         return self.weight_bytes
+
+    def _put_all_allowed(self, rows: int) -> None:
+        self._all_allowed[rows] = jax.device_put(np.full((rows, self.mask_words), -1, np.int32),
+                                                 self.plan.replicated if self.plan else None)
 
     @property
     def weight_bytes(self) -> int:
@@ -296,8 +341,8 @@ class ModelRunner:
     def _programs(self, shape: StepShape, batch: StepBatch) -> dict[tuple[str, object], ProgramSpec]:
         """The step programs of one bucket, by (table, key)."""
         for rows in (shape.num_rows, shape.num_rows * (self.rc.num_spec + 1)):  # plain, verifying steps
-            self._all_allowed.setdefault(rows, jax.device_put(np.full((rows, self.mask_words), -1, np.int32),
-                                                              self.plan.replicated if self.plan else None))
+            if rows not in self._all_allowed:
+                self._put_all_allowed(rows)
         specs = {("forward", shape): self._forward_spec(batch)}
         for variant in self.rc.sampler_variants:
             specs["sampler", (shape.num_rows, variant)] = self._sampler_spec(variant, batch)
