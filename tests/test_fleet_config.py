@@ -169,3 +169,43 @@ def test_run_fleet_config_error_exits_2(tmp_path, capsys):
     assert "missing.yaml" in capsys.readouterr().err
     assert run_fleet(p.parse_args([os.path.join(CONFIGS, "local-replicas.yaml"), "--port", "70000"])) == 2
     assert "--port: expected a port number" in capsys.readouterr().err
+
+
+H100_BYTES = 81559 << 20  # an H100 80GB HBM3, as CUDA reports it
+AUTOTUNE_SCRATCH = int(1.97 * 2**30)  # what XLA's autotuner asked for at once, compiling the 8B model's steps
+COMPILE_THREADS = 4  # runner.warmup compiles this many programs at once, each may autotune
+
+
+@pytest.mark.parametrize("name", ["gpu1-disaggregated.yaml", "gpu1-replicas.yaml"])
+def test_one_gpu_workers_fit_their_allocator_and_leave_the_autotuner_room(name):
+    """Each worker of the shipped file, through the serve flags it gets: its pool (from
+    --gpu-memory-utilization of an H100, no activations: the largest it can be) and weights fit its
+    allocator's share (XLA_PYTHON_CLIENT_MEM_FRACTION), and the two shares fit the card. A pool
+    allocated before compiling would leave the autotuner no room, so the engine compiles first
+    (engine.py): then all but the weights is free for it."""
+    from infire_jax.cli import build_parser, engine_config
+    from infire_jax.engine import resolve_dtype
+    from infire_jax.kv_pool import PoolPlanner, size_from_device_memory
+    from infire_jax.loaders.load import load_config
+    from infire_jax.residency import weight_bytes_bound
+
+    cfg = load_fleet_config(os.path.join(CONFIGS, name))
+    fractions = []
+    for w in cfg.workers:
+        args = build_parser().parse_args(cfg.worker_command(w)[3:])
+        config = engine_config(args, args.model[0])
+        fractions.append(float(dict(w.env)["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+        limit = int(fractions[-1] * H100_BYTES)
+        weights = weight_bytes_bound(config)
+        assert weights == 16_060_522_496  # Llama-3.1-8B in bfloat16
+        planner = PoolPlanner(PoolPlanner.page_bytes_of(load_config(config.model), None, config.page_size,
+                                                        resolve_dtype(config.dtype), 0),
+                              config.page_size, 8192, None, None, config.gpu_memory_utilization)
+        sizing = size_from_device_memory(device_bytes=H100_BYTES, allocator_limit=limit,
+                                         utilization=config.gpu_memory_utilization, weight_bytes=weights,
+                                         activation_bytes=0, other_bytes=0, page_bytes=planner.page_bytes,
+                                         min_pages=planner.min_pages)
+        assert weights + sizing.pool_bytes <= limit
+        assert weights + sizing.pool_bytes + AUTOTUNE_SCRATCH > limit  # why the pool waits for the compiles
+        assert limit - weights >= COMPILE_THREADS * AUTOTUNE_SCRATCH
+    assert sum(fractions) <= 0.95  # CUDA contexts and the other process's share
