@@ -268,6 +268,25 @@ def test_sharded_restore_reads_only_each_process_shards(tiny, tmp_path):
     assert one["restore"]["rchar"] >= r["bytes"]
 
 
+def test_a_dummy_model_is_checkpointed_only_when_kept_compressed(tiny, cache, monkeypatch):
+    """Drawing a `dummy:` model is faster than reading it, coding it is not: compressed, it is coded
+    once and then restored (what the GPU's compression check measures), and another model's build
+    does not prune its checkpoint (it has no source file)."""
+    from infire_jax.loaders import dummy
+
+    monkeypatch.setitem(dummy.CONFIGS, "test-checkpoint", HF_CONFIG)
+    spec, kinds = "dummy:test-checkpoint", ("mlp",)
+    assert checkpoint.load_placed(spec, jnp.bfloat16, None).built_because == "checkpoints bypassed"
+    built = checkpoint.load_placed(spec, jnp.bfloat16, None, compress=kinds)
+    assert built.built_because == "no checkpoint" and len(os.listdir(cache)) == 1
+    checkpoint.load_placed(tiny, jnp.bfloat16, None)  # writes its own, pruning what has no source
+    _no_source_reads(monkeypatch)
+    restored = checkpoint.load_placed(spec, jnp.bfloat16, None, compress=kinds)
+    assert restored.built_because is None and restored.loaded.name == spec
+    got, want = _weights(restored), _weights(built)
+    assert sorted(got) == sorted(want) and all(got[n].tobytes() == want[n].tobytes() for n in want)
+
+
 def test_palette_compressed_weights_are_checkpointed_coded(tiny, cache, monkeypatch):
     """Resident compression's coded parts are checkpointed as placed, beside the plain checkpoint:
     the restore reads no source and gives the built parts bit for bit, which decode to the source's

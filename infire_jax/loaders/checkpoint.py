@@ -80,10 +80,13 @@ def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: Load
     loaded from its source, placed, and checkpointed for the next start. `compress`: the kinds of
     weights kept palette-compressed (compression/resident.py), checkpointed coded, as placed.
 
-    A given `loaded` model, `dummy:` specs (drawn on the devices) and INFIRE_JAX_NO_CHECKPOINT=1
-    bypass checkpoints.
+    A given `loaded` model, `dummy:` specs (drawn on the devices, faster than read) and
+    INFIRE_JAX_NO_CHECKPOINT=1 bypass checkpoints. A `dummy:` model kept compressed is
+    checkpointed all the same: its drawing is fast, but coding it is not (minutes for an 8B model
+    on a GPU machine's host), and its weights are the same at every start (a fixed seed).
     """
-    if loaded is not None or (spec or "").startswith("dummy:") or os.environ.get("INFIRE_JAX_NO_CHECKPOINT"):
+    dummy = _is_dummy(spec)
+    if loaded is not None or (dummy and not compress) or os.environ.get("INFIRE_JAX_NO_CHECKPOINT"):
         loaded = loaded or load_model(spec)
         return Placed(loaded, *build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
                                            compress=compress), "checkpoints bypassed")
@@ -124,7 +127,7 @@ class _Target(NamedTuple):
 
 
 def _target(spec: str | None, dtype, plan: ShardPlan | None, compress: tuple[str, ...]) -> _Target:
-    source = os.path.abspath(spec or default_model_path())
+    source = spec if _is_dummy(spec) else os.path.abspath(spec or default_model_path())
     cfg = load_config(spec)
     graphdef, flat, shardings = abstract_placement(cfg, dtype, plan)
     placement = _placement(flat, shardings, plan)
@@ -137,8 +140,15 @@ def _target(spec: str | None, dtype, plan: ShardPlan | None, compress: tuple[str
     return _Target(path, expected, graphdef, flat, shardings, cfg, dtype, plan)
 
 
+def _is_dummy(spec: str | None) -> bool:
+    return (spec or "").startswith("dummy:")
+
+
 def _fingerprint(source: str) -> dict[str, Any]:
-    """Size and mtime of the source file, or of each file at the top of a source directory."""
+    """Size and mtime of the source file, or of each file at the top of a source directory (a
+    `dummy:` model: its name, which fixes its config and weights)."""
+    if _is_dummy(source):
+        return {"path": source}
     if os.path.isdir(source):
         files = [e for e in os.scandir(source) if e.is_file()]
         return {"path": source, "files": {e.name: [e.stat().st_size, e.stat().st_mtime_ns] for e in files}}
@@ -397,7 +407,8 @@ def _prune(root: str, keep: str) -> None:
             continue
         manifest = _read_manifest(entry.path)
         abandoned = (manifest is None or ".tmp" in entry.name) and now - entry.stat().st_mtime > _ABANDONED_SECONDS
-        if abandoned or (manifest is not None and not os.path.exists(manifest["source"]["path"])):
+        source = manifest["source"]["path"] if manifest is not None else ""
+        if abandoned or (manifest is not None and not _is_dummy(source) and not os.path.exists(source)):
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
