@@ -115,7 +115,8 @@ def engine_info(engine: Engine) -> dict:
                 max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, page_size=rc.page_size,
                 num_kv_pages=rc.num_pages, kv_cache_bytes=engine.runner.kv_cache_bytes,
                 kv_pool=engine.pool_sizing.describe(),
-                load_seconds=engine.load_seconds, warmup_seconds=engine.warmup_seconds)
+                load_seconds=engine.load_seconds, weights_restored=engine.boot.restored,
+                warmup_seconds=engine.warmup_seconds)
 
 
 def device_info() -> dict:

@@ -5,7 +5,9 @@ process with its own time limit, until `--budget` seconds are spent; a check tha
 what is left is not started. Each check's output goes to one log and its figures to one JSON, both
 rewritten after every check, so whatever finished is there even if the run is cut off. Later runs
 pick up where one stopped with `--only`. The XLA compilation cache is shared by the checks, so a
-check that compiles programs an earlier one compiled starts warm.
+check that compiles programs an earlier one compiled starts warm. Each check runs in a process
+group of its own, killed whole when the check ends or runs out of time (a fleet's workers too).
+`{out}` in a check's command is the --out folder (the fleet checks keep their workers' logs there).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +26,18 @@ LLAMA = ["--model", "dummy:llama-3.1-8b", "--dtype", "bfloat16"]
 MOE = ["--model", "dummy:qwen3-30b-a3b", "--dtype", "bfloat16", "--input-len", "512", "--output-len", "128",
        "--batch-size", "1", "64"]
 LONG = ["--input-len", "2048", "--output-len", "128"]
+# Hot standby: the 8B and the 1B model, one on the device, each request swapping (GPU.md: this ran
+# out of memory and hung).
+SWAP = ("infire_jax.bench", "swap", "--model", "dummy:llama-3.1-8b", "--model", "dummy:llama-3.2-1b",
+        "--dtype", "bfloat16", "--max-resident", "1", "--swaps", "4")
+PALETTE = ("--weights-compression", "palette:mlp,attn")
+
+
+def fleet(config: str) -> tuple[str, ...]:
+    """A one-GPU fleet file with a short interference workload (GPU.md's, 40 s instead of 70-80)."""
+    return ("infire_jax.bench", "fleet", "--fleet", f"router/configs/{config}.yaml", "--fleet-log-dir",
+            f"{{out}}/{config}", "--workload", "interference", "--streams", "16", "--decode-len", "256",
+            "--long-len", "2048", "--long-rate", "2", "--duration", "40")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +53,14 @@ CHECKS = (
     Check("kernel-tests", 150, ("pytest", "tests/test_kernels.py", "tests/test_quant_matmul.py",
                                 "tests/test_palette_kernels.py", "tests/test_step_program.py", "-q"), figures=False),
     Check("decode-b1", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1")),
+    # Memory on a shared or multi-model GPU (issue 29, section 4), then resident compression: its
+    # first start codes the model and checkpoints it coded (minutes), and later ones restore it.
+    Check("swap-8b-1b", 180, SWAP),
+    Check("fleet-gpu1-replicas", 240, fleet("gpu1-replicas")),
+    Check("fleet-gpu1-disaggregated", 240, fleet("gpu1-disaggregated")),
+    Check("palette-b1-b64", 480, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64", *PALETTE)),
+    Check("palette-restored", 120, ("infire_jax.bench", "latency", *LLAMA, "--input-len", "128", "--output-len",
+                                    "32", "--batch-size", "1", *PALETTE)),
     Check("int8-kernel", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
                                "--weights-quantization", "int8")),
     Check("int8-layer-body", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
@@ -61,9 +84,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true", help="print the checks and exit")
 
 
-def _command(check: Check, json_path: str) -> list[str]:
-    argv = [sys.executable, "-m", *check.argv]
+def command(check: Check, json_path: str, out: str) -> list[str]:
+    """The check's command line: `{out}` replaced by the --out folder, --json added to a bench command."""
+    argv = [sys.executable, "-m", *(a.replace("{out}", out) for a in check.argv)]
     return argv + ["--json", json_path] if check.figures else argv
+
+
+def _run_group(argv: list[str], env: dict[str, str], log, timeout: float) -> int | None:
+    """Runs `argv` in a process group of its own; its exit status, or None if it ran out of time.
+    Whatever of the group is left then (a fleet's workers, a hung child) is killed."""
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def run_checks(checks: list[Check], out: str, budget: float, clock=time.monotonic) -> list[dict]:
@@ -81,12 +121,12 @@ def run_checks(checks: list[Check], out: str, budget: float, clock=time.monotoni
             log.write(f"==== {check.name}: {record['command']} {record['env'] or ''}\n")
             log.flush()
             began = clock()
-            try:
-                proc = subprocess.run(_command(check, scratch), env=dict(os.environ, **dict(check.env)), stdout=log,
-                                      stderr=subprocess.STDOUT, timeout=min(2 * check.seconds, left))
-                record.update(status="passed" if proc.returncode == 0 else "failed", returncode=proc.returncode)
-            except subprocess.TimeoutExpired:
+            code = _run_group(command(check, scratch, out), dict(os.environ, **dict(check.env)), log,
+                              min(2 * check.seconds, left))
+            if code is None:
                 record.update(status="timed out")
+            else:
+                record.update(status="passed" if code == 0 else "failed", returncode=code)
             record["seconds"] = round(clock() - began, 1)
             if check.figures and os.path.exists(scratch):
                 with open(scratch) as f:
