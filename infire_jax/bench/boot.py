@@ -11,7 +11,8 @@ from infire_jax's executable cache without tracing, or `cached`: traced and then
 persistent cache). The floor is the checkpoint's bytes over the drive's read speed: the faster of
 O_DIRECT reads and np.fromfile of the same files, both past the page cache. A `dummy:` model has
 no checkpoint (its weights are drawn on the devices): it gets a first boot and --runs warm ones,
-and no floor. Single process only.
+and no floor; kept compressed (--weights-compression), it is checkpointed coded, like any model.
+Single process only.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def boot(args: argparse.Namespace) -> None:
         engine.step()
     first = time.time()
     engine.close()
-    drawn = (args.model or "").startswith("dummy:")
+    drawn = _drawn(args)
     kinds = parse_resident(args.weights_compression)[1] if args.weights_compression else ()
     path = None if drawn else checkpoint_path(args.model, engine.dtype, engine.plan, kinds)
     manifest = os.path.join(path, "manifest.json") if path else ""
@@ -111,6 +112,11 @@ def boot(args: argparse.Namespace) -> None:
         cache_loaded=engine.boot.cache_loaded, restored=engine.boot.restored,
         ready_s=ready - started, first_token_s=first - started, checkpoint=path, weight_bytes=engine.boot.weight_bytes,
         built=bool(path) and os.path.exists(manifest) and os.stat(manifest).st_mtime >= started)), flush=True)
+
+
+def _drawn(args: argparse.Namespace) -> bool:
+    """A `dummy:` model whose weights every start draws (no checkpoint: it is not kept compressed)."""
+    return (args.model or "").startswith("dummy:") and not args.weights_compression
 
 
 def _spawn(flags: dict, cache: str) -> dict:
@@ -151,7 +157,7 @@ def run(args: argparse.Namespace):
     if args.num_processes:
         raise BenchError("bench boot runs a single process")
     flags = settings(args)
-    if (args.model or "").startswith("dummy:"):  # weights drawn on the devices: no checkpoint, no floor
+    if _drawn(args):  # weights drawn on the devices: no checkpoint, no floor
         with tempfile.TemporaryDirectory(prefix="infire-boot-") as cache:
             boots = [_spawn(flags, cache) for _ in range(args.runs + 1)]
         nbytes = boots[0]["weight_bytes"]
