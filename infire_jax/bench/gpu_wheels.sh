@@ -15,7 +15,7 @@
 # inherit both) and names any library engine.so still cannot find (libcurl.so.4 is expected on
 # the image).
 
-root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dir="$root/.whl"
 wheels=(gguf==0.19.0 llguidance==1.9.1 constriction==0.5.0 mooncake-transfer-engine-non-cuda==0.3.13.post1)
 debs=(libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1)
@@ -49,5 +49,5 @@ use() {
 case "${1:-}" in
     fetch) fetch ;;
     use) use ;;
-    *) echo "usage: bash $0 fetch | source $0 use" >&2; return 2 2>/dev/null || exit 2 ;;
+    *) echo "usage: bash ${BASH_SOURCE[0]} fetch | source ${BASH_SOURCE[0]} use" >&2; return 2 2>/dev/null || exit 2 ;;
 esac
