@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from infire_jax.engine import Engine
-from infire_jax.errors import InvalidRequestError
+from infire_jax.errors import DeviceMemoryError, InvalidRequestError
 from infire_jax.outputs import Delta
 from infire_jax.sampling_params import SamplingParams
 from infire_jax.speculative.controller import SpecStats
@@ -286,11 +286,14 @@ class AsyncEngine:
             if stream.finished:
                 self._unregister(stream)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_streams(self, error: BaseException) -> None:
         streams = {id(s): s for s, _ in self._streams.values()}
         for stream in streams.values():
             self._unregister(stream)
             stream._fail(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail_streams(error)
         for future in self._calls:
             if not future.done():
                 future.set_exception(error)
@@ -346,8 +349,20 @@ class AsyncEngine:
                 pass
 
     def _on_device(self) -> bool:
-        """The model is on the device for the next step; waits a moment for it otherwise (residency.py)."""
-        return self.residency is None or self.residency.acquire(self.name, timeout=_RESIDENCY_WAIT)
+        """The model is on the device for the next step; waits a moment for it otherwise (residency.py).
+
+        If it does not fit (the device out of memory), its requests fail with that error and the
+        thread goes on: the model stays off the device until a later request promotes it."""
+        if self.residency is None:
+            return True
+        try:
+            return self.residency.acquire(self.name, timeout=_RESIDENCY_WAIT)
+        except DeviceMemoryError as e:
+            log.error("%s", e)
+            for engine_id in list(self._streams):  # none runs: a model off the device holds no pages
+                self.engine.abort(engine_id)
+            self._loop.call_soon_threadsafe(self._fail_streams, e)
+            return False
 
     def _take_commands(self, wait: float | None) -> list:
         """The queued commands; first waits up to `wait` seconds for one (None: until one comes)."""

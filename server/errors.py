@@ -7,7 +7,7 @@ import logging
 from aiohttp import web
 
 from infire_jax.async_engine import EngineDeadError, QueueFullError
-from infire_jax.errors import InvalidRequestError
+from infire_jax.errors import DeviceMemoryError, InvalidRequestError
 from server.api_error import APIError, http_error
 
 log = logging.getLogger(__name__)
@@ -21,6 +21,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+    if isinstance(exc, DeviceMemoryError):  # a model that did not fit on the device (it may fit later)
+        return APIError(503, str(exc), type="server_error", code="device_memory")
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, web.HTTPException):  # aiohttp's own: unknown route, wrong method, body too large

@@ -6,7 +6,7 @@ allocated). Two small dummy models (SmolLM2 shapes with 2 and 6 layers) share th
 one resident: each pool must leave room for the heavier model's weights, and the live arrays must
 stay within the budget through every swap. A promotion that runs out of device memory (jax's
 RESOURCE_EXHAUSTED, injected where XLA raises it) must end in an error within seconds, leave
-nothing of the model on the device, and let the server answer and keep serving the other model.
+nothing of the model on the device, and let the server answer it and keep serving.
 """
 
 from __future__ import annotations
@@ -132,6 +132,8 @@ async def _post(session: aiohttp.ClientSession, model: str) -> tuple[int, dict]:
 
 
 def test_the_server_answers_an_out_of_memory_swap_and_keeps_serving(standby, monkeypatch):
+    """The request for the model that does not fit gets a 503 naming it, the other model still
+    answers, and once memory is there the first model serves again (its engine thread lives on)."""
     from server.app import build_app
     from server.listen import make_runner
 
@@ -147,15 +149,20 @@ def test_the_server_answers_an_out_of_memory_swap_and_keeps_serving(standby, mon
         await web.SockSite(runner, sock).start()
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{sock.getsockname()[1]}") as session:
-                failed = await asyncio.wait_for(_post(session, SMALL), 20)
-                served = await asyncio.wait_for(_post(session, LARGE), 20)
+                answers = [await asyncio.wait_for(_post(session, SMALL), 20),
+                           await asyncio.wait_for(_post(session, LARGE), 20)]
+                monkeypatch.undo()
+                answers.append(await asyncio.wait_for(_post(session, SMALL), 20))
+                async with session.get("/health") as r:
+                    answers.append((r.status, await r.json()))
         finally:
             await runner.cleanup()
-        return failed, served
+        return answers
 
-    (status, body), (ok, _) = asyncio.run(scenario())
-    assert status >= 500 and "does not fit on the device" in body["error"]["message"]
-    assert ok == 200
+    (status, body), (ok, _), (ok_again, _), (health, _) = asyncio.run(scenario())
+    assert status == 503 and body["error"]["code"] == "device_memory"
+    assert f"model {SMALL} does not fit on the device" in body["error"]["message"]
+    assert ok == ok_again == health == 200
 
 
 def test_bench_swap_out_of_memory_exits_with_the_error(fake_card, monkeypatch, capsys):
