@@ -28,8 +28,8 @@ from infire_jax.residency import start_engines, weight_bytes_bound
 from infire_jax.runner import ModelRunner
 
 SMALL, LARGE = "dummy:test-standby-small", "dummy:test-standby-large"
-FLAGS = dict(max_num_seqs=1, max_num_batched_tokens=4, max_model_len=32, num_decode_steps=1)  # as CLI_FLAGS
-CLI_FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "4", "--max-model-len", "32",
+FLAGS = dict(max_num_seqs=1, max_num_batched_tokens=1, max_model_len=32, num_decode_steps=1)  # as CLI_FLAGS
+CLI_FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "1", "--max-model-len", "32",
              "--num-decode-steps", "1"]
 CARD = 256 << 20  # the fake device's memory
 UTILIZATION = 0.9
