@@ -85,8 +85,7 @@ def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: Load
     checkpointed all the same: its drawing is fast, but coding it is not (minutes for an 8B model
     on a GPU machine's host), and its weights are the same at every start (a fixed seed).
     """
-    dummy = _is_dummy(spec)
-    if loaded is not None or (dummy and not compress) or os.environ.get("INFIRE_JAX_NO_CHECKPOINT"):
+    if loaded is not None or (_is_dummy(spec) and not compress) or os.environ.get("INFIRE_JAX_NO_CHECKPOINT"):
         loaded = loaded or load_model(spec)
         return Placed(loaded, *build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
                                            compress=compress), "checkpoints bypassed")
