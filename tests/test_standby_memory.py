@@ -165,11 +165,12 @@ def test_the_server_answers_an_out_of_memory_swap_and_keeps_serving(standby, mon
     assert ok == ok_again == health == 200
 
 
-def test_bench_swap_out_of_memory_exits_with_the_error(fake_card, monkeypatch, capsys):
-    def restore(self):
+@pytest.mark.parametrize("where", ["allocate_pool", "restore"])  # building a model, promoting one
+def test_bench_swap_out_of_memory_exits_with_the_error(fake_card, monkeypatch, capsys, where):
+    def out_of_memory(self):
         raise jax.errors.JaxRuntimeError(OOM)
 
-    monkeypatch.setattr(ModelRunner, "restore", restore)
+    monkeypatch.setattr(ModelRunner, where, out_of_memory)
     monkeypatch.setitem(_BASELINE, "bytes", _BASELINE["bytes"] + live_bytes())  # the fixture's engines are not on this card
     start = time.monotonic()
     code = bench_main(["swap", "--model", SMALL, "--model", LARGE, "--swaps", "2", *CLI_FLAGS])
