@@ -171,7 +171,8 @@ def test_bench_swap_out_of_memory_exits_with_the_error(fake_card, monkeypatch, c
         raise jax.errors.JaxRuntimeError(OOM)
 
     monkeypatch.setattr(ModelRunner, where, out_of_memory)
-    monkeypatch.setitem(_BASELINE, "bytes", _BASELINE["bytes"] + live_bytes())  # the fixture's engines are not on this card
+    # The standby fixture's engines are not on this card.
+    monkeypatch.setitem(_BASELINE, "bytes", _BASELINE["bytes"] + live_bytes())
     start = time.monotonic()
     code = bench_main(["swap", "--model", SMALL, "--model", LARGE, "--swaps", "2", *CLI_FLAGS])
     assert code == 2 and time.monotonic() - start < 60
