@@ -208,3 +208,26 @@ def test_engine_with_kept_deepseek_in_the_kernels_equals_the_engine_without(deep
     _assert_same(_generate(kernel, PROMPTS), _generate(plain, PROMPTS))
     for llm in (plain, kernel):
         llm.engine.close()
+
+
+def test_int4_dummy_reads_in_place_as_the_layer_body_dequantizes(monkeypatch):
+    """`--weights-quantization int4` on a dummy: model (the int4 kernel measured without a checkpoint):
+    AWQ / GPTQ-form parts drawn on the device with the float dummy's spread, which the kernel reads
+    as the layer body dequantizes them, bit for bit."""
+    from flax import nnx
+
+    from infire_jax.loaders.gguf_quant import load_quantized_placed
+
+    _use(monkeypatch, KERNELS)
+    placed = load_quantized_placed("dummy:smollm2-135m", jnp.float32, None, "int4")
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(placed.state)}
+    stacks = {short: {part: flat[f"layers.{short}.{part}"][:2] for part in ("q4", "scale", "zero")}
+              for short in INPUT_AXES}
+    nibbles = np.asarray(stacks["w_down"]["q4"]).view(np.uint32)[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)
+    assert set(np.unique(nibbles & 15)) == set(range(16))
+    in_place = in_place_weights(placed.loaded.config, stacks, tokens=1, red=Reductions())
+    assert set(in_place) == set(INPUT_AXES)
+    for name, (kw, shape) in in_place.items():
+        plain = np.asarray(dequantize_layer({name: jax.tree.map(lambda a: a[1], stacks[name])}, jnp.float32)[name])
+        assert np.std(plain) == pytest.approx(0.02, rel=0.05), name
+        _assert_reads_as(kw, 1, plain.reshape(int(np.prod(shape[:INPUT_AXES[name]])), -1), name)
