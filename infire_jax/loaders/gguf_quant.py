@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 
+import jax.numpy as jnp
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
@@ -27,6 +28,7 @@ from infire_jax.loaders.gguf import _BLOCK, _LAYER_MAP, _PERMUTED_QK, _config, r
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
+from infire_jax.quant.grouped import GroupedLayout
 from infire_jax.quant.resident import INPUT_AXIS, QUANTIZATION_MODES, QuantLayout
 from infire_jax.tokenizer import tokenizer_from_gguf
 
@@ -119,7 +121,7 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
 def dummy_layout(mode: str, cfg) -> QuantLayout:
     """A dummy model's quantized layout: int8 per output channel, or int4 in the AWQ / GPTQ form (uint8
     zeros, float16 scales) in groups of 128 inputs, fewer where a weight's input axis (wo's: head_dim)
-    is not a multiple of 128."""
+    is not a multiple of 128. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi K2's.)"""
     if mode == "int8":
         return QuantLayout("int8")
     return QuantLayout("int4", group=math.gcd(128, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim))
@@ -151,6 +153,11 @@ def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
         weights = dict(loaded.weights)
     elif mode in ("int8", "int4"):
         loaded = load_model(spec)
+        if loaded.config.mla is not None and mode == "int4" and loaded.weights is None:
+            # a DeepSeek-V3-family dummy: routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales)
+            layouts = {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
+            graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
+            return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
         if loaded.config.mla is not None:
             raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
                               "family keeps a published quantized checkpoint's weights with 'checkpoint'")
