@@ -18,6 +18,7 @@ case and prints the best, for quant_blocks.choose's table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 import time
@@ -135,7 +136,8 @@ def time_loop(step: Callable, operands, trips: int, *, iters: int, repeats: int)
 
 def case_runs(case: QuantCase, *, interpret: bool, blocks: quant_blocks.Blocks | None = None,
               with_references: bool = True, tokamax=None) -> dict[str, tuple[Callable, object, int, int]]:
-    """name -> (step, operands, trips, bytes a call moves) for the case's kernel and references."""
+    """name -> (step, operands or a function making them, trips, bytes a call moves) for the case's
+    kernel and references."""
     key = jax.random.key(0)
     dtype = jnp.float32 if interpret else jnp.bfloat16
     if case.kind == "dense":
@@ -167,9 +169,29 @@ def case_runs(case: QuantCase, *, interpret: bool, blocks: quant_blocks.Blocks |
                                                                  preferred_element_type=jnp.float32),
                                    (x, sizes, w), trips, bf16_bytes)
         if tokamax is not None:
-            runs["tokamax_bf16"] = (lambda ops, i: tokamax.ragged_dot(ops[0], ops[2], ops[1][i],
-                                                                      implementation="mosaic"),
-                                    (x, sizes, w), trips, bf16_bytes)
+            runs.update(tokamax_runs(tokamax, x, sizes, w, trips, touched, io))
+    return runs
+
+
+TOKAMAX_SCALE_TILE = 256  # inputs a scale: the K tile its Hopper quantized kernel takes (1, 256, 1)
+
+
+def tokamax_runs(tokamax, x, sizes, w, trips: int, touched: int, io: int) -> dict:
+    """tokamax's `ragged_dot` (its Hopper Mosaic GPU kernels) on the bfloat16 experts and on them
+    quantized by qwix to int8 and int4 (per output channel and 256 inputs); operands made when run."""
+    import qwix
+
+    def step(ops, i):
+        return tokamax.ragged_dot(ops[0], ops[2], ops[1][i], implementation="mosaic")
+
+    k, n = w.shape[1:]
+    scales = k // TOKAMAX_SCALE_TILE * n * w.dtype.itemsize
+    runs = {"tokamax_bf16": (step, (x, sizes, w), trips, touched * k * n * 2 + io)}
+    for bits, qtype in ((8, jnp.int8), (4, jnp.int4)):
+        quantize = functools.partial(qwix.quantize, w, qtype, channelwise_axes=(0, 2),
+                                     tiled_axes={1: TOKAMAX_SCALE_TILE})
+        runs[f"tokamax_int{bits}"] = (step, lambda q=quantize: (x, sizes, q()), trips,
+                                      touched * (k * n * bits // 8 + scales) + io)
     return runs
 
 
@@ -182,7 +204,7 @@ def run_quant_case(case: QuantCase, *, iters: int, repeats: int, hbm_bytes_per_s
         if kernel == "kernel":
             entry["blocks"] = quant_blocks.choose(tile_rows(case), case.k, case.n, packing(case)).label()
         try:
-            seconds = time_loop(step, ops, trips, iters=iters, repeats=repeats)
+            seconds = time_loop(step, ops() if callable(ops) else ops, trips, iters=iters, repeats=repeats)
         except Exception as e:  # reported, never skipped
             entry["error"] = "".join(traceback.format_exception_only(e)).strip()
             results.append(entry)
