@@ -81,7 +81,7 @@ def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | No
     if override is not None:
         return override
     gemv = rows <= 2
-    # About 16-32 KB of weight items a K step: int8 [128, 128], int4 words [32, 128], bf16 [64, 128].
+    # About 16 KB of weight items a K step (int8 [128, 128], int4 words [32, 128]; 32 KB for bf16 [128, 128]).
     item_bytes = {"int4": 4 / 8, "q4_1": 1 / 2}.get(packing, 1)
     tile_n = _largest(128 if gemv or rows <= 16 else 64, n, MIN_DOT)
     want_k = int(16384 // (item_bytes * tile_n))
