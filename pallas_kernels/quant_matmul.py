@@ -38,6 +38,10 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from pallas_kernels.quant_blocks import (GEMV_MAX_ROWS, INPUTS_PER_ITEM, MAX_TILE_ROWS, MIN_DOT, Blocks,
                                          choose, min_block_k, splits_for)
+
+# The register form keeps a row's products [items, tile_n] unsummed across K steps (one sum at the
+# end) when they fit in this many floats, 32 registers a thread at 4 warps; else it sums each piece.
+GEMV_ACC_ELEMENTS = 4096
 from pallas_kernels.triton_backend import compiler_params, dot_precision, is_power_of_2, next_power_of_2
 
 
@@ -204,9 +208,9 @@ def _kernel(index_ref, start_ref, blocks_ref, x_ref, *refs, stack: QuantStack, b
             w = _piece_weights(stack, parts, cache, index, k0, n * tile_n, piece, blocks=blocks, dtype=x_ref.dtype)
             cols = pl.ds(k0 + piece.col0, w.shape[0], piece.stride) if piece.stride != 1 else \
                 pl.ds(k0 + piece.col0, w.shape[0])
-            if gemv:  # each row in registers: products of the piece summed over its inputs
+            if gemv:  # each row's products in registers, summed over the piece's inputs now or at the end
                 wf = w.astype(jnp.float32)
-                acc = tuple(a + jnp.sum(wf * x_ref[start + r, cols].astype(jnp.float32)[:, None], axis=0)
+                acc = tuple(a + _fold(wf * x_ref[start + r, cols].astype(jnp.float32)[:, None], a.ndim)
                             for r, a in enumerate(acc))
             else:
                 acc = acc + lax.dot_general(x_ref[pl.ds(start, rows), cols], w, (((1,), (0,)), ((), ())),
@@ -214,11 +218,18 @@ def _kernel(index_ref, start_ref, blocks_ref, x_ref, *refs, stack: QuantStack, b
         return acc
 
     if gemv:
-        acc = lax.fori_loop(first, last, body, tuple(jnp.zeros((tile_n,), jnp.float32) for _ in range(rows)))
+        items = pieces[0].items  # every piece of a step has as many
+        shape = (items, tile_n) if items * tile_n <= GEMV_ACC_ELEMENTS else (tile_n,)
+        acc = lax.fori_loop(first, last, body, tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows)))
         for r, a in enumerate(acc):
-            out_ref[r, :] = a
+            out_ref[r, :] = jnp.sum(a, axis=0) if a.ndim == 2 else a
     else:
         out_ref[...] = lax.fori_loop(first, last, body, jnp.zeros((rows, tile_n), jnp.float32))
+
+
+def _fold(products: Array, ndim: int) -> Array:
+    """`products` [items, tile_n] summed over items when the accumulator is a row (`ndim` 1)."""
+    return jnp.sum(products, axis=0) if ndim == 1 else products
 
 
 def _tiles_call(x: Array, stack: QuantStack, index: Array, start: Array, k_blocks: Array, rows: int,
