@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write the results here instead of stdout")
     parser.add_argument("--iters", type=int, default=20, help="calls per timed loop (best of 5 loops)")
     parser.add_argument("--quant", action="store_true", help="the quantized / MoE matmul rows instead of attention")
-    parser.add_argument("--sweep", action="store_true", help="with --quant: time every candidate tiling, print the best")
+    parser.add_argument("--sweep", action="store_true",
+                        help="with --quant: time every candidate tiling, print the best")
     parser.add_argument("--cases", metavar="REGEX", help="with --quant: only the cases whose name matches")
     parser.add_argument("--tokamax", action="store_true", help="with --quant: add tokamax's ragged_dot rows")
     args = parser.parse_args(argv)

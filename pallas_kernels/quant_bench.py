@@ -134,8 +134,15 @@ def time_loop(step: Callable, operands, trips: int, *, iters: int, repeats: int)
     return best
 
 
-def case_runs(case: QuantCase, *, interpret: bool, blocks: quant_blocks.Blocks | None = None,
-              with_references: bool = True, tokamax=None) -> dict[str, tuple[Callable, object, int, int]]:
+def kernel_step(case: QuantCase, blocks: quant_blocks.Blocks | None, interpret: bool) -> Callable:
+    """The kernel call of a timed loop: `step(operands, i)` with call i's layer (dense) or routing."""
+    if case.kind == "dense":
+        return lambda ops, i: quant_matmul(ops[0], ops[1], i, blocks=blocks, interpret=interpret)
+    return lambda ops, i: grouped_matmul(ops[0], ops[1][i], ops[2], 0, blocks=blocks, interpret=interpret)
+
+
+def case_runs(case: QuantCase, *, interpret: bool, with_references: bool = True,
+              tokamax=None) -> dict[str, tuple[Callable, object, int, int]]:
     """name -> (step, operands or a function making them, trips, bytes a call moves) for the case's
     kernel and references."""
     key = jax.random.key(0)
@@ -146,8 +153,7 @@ def case_runs(case: QuantCase, *, interpret: bool, blocks: quant_blocks.Blocks |
         stack = random_stack(case.fmt, s, case.k, case.n, key)
         x = jax.random.normal(key, (case.rows, case.k), dtype)
         io = x.size * x.dtype.itemsize + case.rows * case.n * 4
-        runs = {"kernel": (lambda ops, i: quant_matmul(ops[0], ops[1], i, blocks=blocks, interpret=interpret),
-                           (x, stack), s, stack_bytes(probe) + io)}
+        runs = {"kernel": (kernel_step(case, None, interpret), (x, stack), s, stack_bytes(probe) + io)}
         if with_references:
             w = random_stack("bf16", s, case.k, case.n, key).values
             runs["bf16_dot"] = (lambda ops, i: jnp.dot(ops[0], ops[1][i], preferred_element_type=jnp.float32),
@@ -159,8 +165,7 @@ def case_runs(case: QuantCase, *, interpret: bool, blocks: quant_blocks.Blocks |
     stack = random_stack(case.fmt, case.experts, case.k, case.n, key)
     x = jax.random.normal(key, (case.rows * case.top_k, case.k), dtype)
     io = x.size * x.dtype.itemsize + x.shape[0] * case.n * 4
-    runs = {"kernel": (lambda ops, i: grouped_matmul(ops[0], ops[1][i], ops[2], 0, blocks=blocks,
-                                                     interpret=interpret), (x, sizes, stack), trips,
+    runs = {"kernel": (kernel_step(case, None, interpret), (x, sizes, stack), trips,
                        touched * stack_bytes(stack) + io)}
     if with_references:
         w = random_stack("bf16", case.experts, case.k, case.n, key).values
@@ -218,10 +223,11 @@ def sweep_case(case: QuantCase, *, iters: int, repeats: int, interpret: bool = F
                limit: int | None = None) -> dict:
     """Every candidate tiling of the case timed; {"case", "best", "seconds", "tried": [(label, s | error)]}."""
     tried = []
+    _, ops, trips, _ = case_runs(case, interpret=interpret, with_references=False)["kernel"]
     for blocks in quant_blocks.candidates(tile_rows(case), case.k, case.n, packing(case))[:limit]:
-        step, ops, trips, _ = case_runs(case, interpret=interpret, blocks=blocks, with_references=False)["kernel"]
         try:
-            tried.append((blocks.label(), time_loop(step, ops, trips, iters=iters, repeats=repeats)))
+            tried.append((blocks.label(), time_loop(kernel_step(case, blocks, interpret), ops, trips, iters=iters,
+                                                    repeats=repeats)))
         except Exception as e:
             tried.append((blocks.label(), "".join(traceback.format_exception_only(e)).strip()))
     timed = [(label, s) for label, s in tried if isinstance(s, float)]

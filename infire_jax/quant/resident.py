@@ -29,7 +29,7 @@ from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 from infire_jax.quant.gptq_awq import dequantize_parts
 from infire_jax.weight_parts import WeightParts
 
-QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: dummy models only  # "checkpoint": quant/grouped.py
+QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: dummy: models; "checkpoint": quant/grouped.py
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
 # w_down [(X,) F, E].
