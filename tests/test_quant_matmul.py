@@ -241,19 +241,20 @@ def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the compiled Triton kernels, needs a GPU")
 def test_compiled_kernels_on_gpu_match_the_definition():
-    """The kernels compiled for the GPU, every format: bfloat16 steps of 1 and 70 rows and a grouped
-    step, against float64 over the definition's weights rounded to bfloat16 (what the dot is fed)."""
+    """The kernels compiled for the GPU, every format: bfloat16 steps of 1 (in registers) and 70 rows
+    and grouped steps of both forms, against float64 over the definition's weights rounded to
+    bfloat16 (what the dot is fed)."""
     for fmt in FORMATS:
         stack, w = make_stack(fmt)
         w16 = w.astype(np.float32).astype(ml_dtypes.bfloat16)
         for rows in (1, 70):
             x = RNG.standard_normal((rows, K)).astype(ml_dtypes.bfloat16)
             within_f32_bound(np.asarray(quant_matmul(jnp.asarray(x), stack, 1)), x, w16[1])
-        sizes = np.array([5, 0, 40], np.int32)
-        x = RNG.standard_normal((45, K)).astype(ml_dtypes.bfloat16)
-        got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, 0))
-        for r, g in enumerate(np.repeat(np.arange(3), sizes)):
-            within_f32_bound(got[r:r + 1], x[r:r + 1], w16[g])
+        for sizes in (np.array([5, 0, 40], np.int32), np.array([1, 0, 1], np.int32)):  # dot and register tiles
+            x = RNG.standard_normal((int(sizes.sum()), K)).astype(ml_dtypes.bfloat16)
+            got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, 0))
+            for r, g in enumerate(np.repeat(np.arange(3), sizes)):
+                within_f32_bound(got[r:r + 1], x[r:r + 1], w16[g])
 
 
 def test_benchmark_rows_and_sweep_run_in_interpret_mode():
