@@ -103,6 +103,11 @@ def packing(case: QuantCase) -> str | None:
     return {"int4": "int4", "ct_int4": "int4", "q4_1": "q4_1"}.get(case.fmt)
 
 
+def group(case: QuantCase) -> int:
+    """Inputs per scale of the case's format (random_stack's), 0 for plain bf16."""
+    return {"int8": case.k, "int4": 128, "ct_int4": 32, "q4_1": 32, "fp8": 128}.get(case.fmt, 0)
+
+
 def tile_rows(case: QuantCase) -> int:
     """The rows quant_blocks.choose is keyed on: the step's (dense) or the mean group's (grouped)."""
     rows = case.rows if case.kind == "dense" else max(1, case.rows * case.top_k // case.experts)
@@ -207,7 +212,8 @@ def run_quant_case(case: QuantCase, *, iters: int, repeats: int, hbm_bytes_per_s
     for kernel, (step, ops, trips, nbytes) in case_runs(case, interpret=interpret, tokamax=tokamax).items():
         entry = {"case": case.name, "kind": case.kind, "kernel": kernel, "bytes": nbytes}
         if kernel == "kernel":
-            entry["blocks"] = quant_blocks.choose(tile_rows(case), case.k, case.n, packing(case)).label()
+            entry["blocks"] = quant_blocks.choose(tile_rows(case), case.k, case.n, packing(case),
+                                                  group=group(case)).label()
         try:
             seconds = time_loop(step, ops() if callable(ops) else ops, trips, iters=iters, repeats=repeats)
         except Exception as e:  # reported, never skipped

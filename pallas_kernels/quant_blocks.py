@@ -75,9 +75,10 @@ def _largest(limit: int, divides: int, floor: int) -> int:
     return b
 
 
-def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | None = None) -> Blocks:
-    """The tiling for tiles of `rows` rows of a [k, n] weight: `override` whole if given, else the
-    heuristic below with the fields INFIRE_JAX_QUANT_BLOCKS names replaced; it may not fit: `fits` says."""
+def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | None = None, group: int = 0) -> Blocks:
+    """The tiling for tiles of `rows` rows of a [k, n] weight with scales per `group` inputs (0: none):
+    `override` whole if given, else the heuristic below with the fields INFIRE_JAX_QUANT_BLOCKS names
+    replaced; it may not fit: `fits` says."""
     if override is not None:
         return override
     gemv = rows <= 2
@@ -85,6 +86,8 @@ def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | No
     item_bytes = {"int4": 4 / 8, "q4_1": 1 / 2}.get(packing, 1)
     tile_n = _largest(128 if gemv or rows <= 16 else 64, n, MIN_DOT)
     want_k = int(16384 // (item_bytes * tile_n))
+    if packing != "q4_1" and 128 <= group < want_k:  # a step within one group loads one scale row, not one a row
+        want_k = group
     block_k = _largest(min(want_k, 512), k, min_block_k(packing))
     blocks = Blocks(block_k=block_k, tile_n=tile_n, num_warps=4, num_stages=3, gemv=gemv)
     env = os.environ.get(ENV)

@@ -267,7 +267,7 @@ def quant_matmul(x: Float[Array, "M K"], stack: QuantStack, index: Int[Array, ""
     replaces the chosen tiling (quant_blocks.py)."""
     stack.check()
     m, k = x.shape
-    blocks = _fitted(choose(min(m, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks), stack)
+    blocks = _fitted(choose(min(m, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group), stack)
     rows = _tile_rows(m, blocks)
     tiles = -(-m // rows)
     xp = x if tiles * rows == m else jnp.pad(x, ((0, tiles * rows - m), (0, 0)))
@@ -292,7 +292,8 @@ def grouped_matmul(x: Float[Array, "M K"], group_sizes: Int[Array, "G"], stack: 
     m, k = x.shape
     num_groups = group_sizes.shape[0]
     mean = max(1, m // num_groups)
-    blocks = _fitted(choose(min(mean, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks), stack)
+    blocks = _fitted(choose(min(mean, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group),
+                     stack)
     rows = group_tile_rows(m, num_groups, blocks)
     if not is_power_of_2(rows):
         raise ValueError(f"tile rows {rows} is not a power of two")

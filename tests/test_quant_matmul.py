@@ -230,7 +230,8 @@ def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
 
     cases, kernels = quant_bench.quant_cases(), {}
     for case in cases:  # one case per distinct kernel: form, format and tiling
-        tiling = quant_blocks.choose(quant_bench.tile_rows(case), case.k, case.n, quant_bench.packing(case))
+        tiling = quant_blocks.choose(quant_bench.tile_rows(case), case.k, case.n, quant_bench.packing(case),
+                                     group=quant_bench.group(case))
         kernels.setdefault((case.kind, case.fmt, tiling, case.rows <= 2), case)
     for case in kernels.values():
         lower(case)
