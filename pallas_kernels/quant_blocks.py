@@ -2,12 +2,12 @@
 
 A weight-only quantized matmul at decode sizes is a stream of the weight bytes: what matters is
 that enough programs run (about two per SM of an H100's 132, split along K when N alone gives too
-few), that each moves a few tens of kilobytes per step of its K loop, and that rows are not padded
+few), that each moves about 16 KB of weights per step of its K loop, and that rows are not padded
 to Triton's 16-row dot tile when there are one or two of them (then the `gemv` form multiplies in
-registers and reduces once at the end). `choose` is a small table keyed on the rows per tile, K, N
-and the packing; `INFIRE_JAX_QUANT_BLOCKS` (or a `Blocks` passed in) replaces any of its fields, so
-a GPU session can sweep `candidates` with `python -m pallas_kernels.quant_bench --sweep` and write
-the winners back here.
+registers). `choose` is a small table keyed on the rows per tile, K, N, the packing and the scale
+group; `INFIRE_JAX_QUANT_BLOCKS` replaces any of its fields (a `Blocks` passed in, all of them),
+so a GPU session can sweep `candidates` with `python -m pallas_kernels.benchmark --quant --sweep`
+and write the winners back here.
 """
 
 from __future__ import annotations
