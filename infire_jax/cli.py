@@ -20,12 +20,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--weights-compression", default=None, metavar="palette[:KINDS]",
                    help="keep weights losslessly palette-compressed on the device, decoded per layer (needs "
                         "--dtype bfloat16); KINDS: mlp (default), attn, e.g. palette:mlp,attn")
-    p.add_argument("--weights-quantization", default=None, choices=["gguf", "int8", "checkpoint"],
+    p.add_argument("--weights-quantization", default=None, choices=["gguf", "int8", "int4", "checkpoint"],
                    help="keep the layer weights quantized on the device, dequantized per layer inside the layer "
                         "scan (embedding and head stay dense): gguf keeps a GGUF model's Q4_1/Q8_0 blocks; int8 "
-                        "quantizes any model at load, one scale per output channel; checkpoint keeps a published "
-                        "DeepSeek-V3/Kimi checkpoint's own int4 or fp8 weights (its routed experts dequantized "
-                        "one expert at a time in the grouped matmul)")
+                        "quantizes any model at load, one scale per output channel; int4 draws a dummy: model's "
+                        "weights as AWQ/GPTQ-form int4 (groups of 128; a DeepSeek/Kimi dummy's routed experts as "
+                        "Kimi's int4); checkpoint keeps a published DeepSeek-V3/Kimi checkpoint's own int4 or fp8 "
+                        "weights (its routed experts dequantized one expert at a time in the grouped matmul)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')

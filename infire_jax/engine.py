@@ -76,7 +76,8 @@ class EngineConfig:
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
-    # Kept quantized on the device (quant/): "gguf" (a GGUF's Q4_1/Q8_0 blocks), "int8" (any model, at load) or
+    # Kept quantized on the device (quant/): "gguf" (a GGUF's Q4_1/Q8_0 blocks), "int8" (any model, at load),
+    # "int4" (a dummy: model drawn as AWQ / GPTQ-form int4) or
     # "checkpoint" (a published DeepSeek-V3/Kimi checkpoint's own int4 / fp8 weights)
     weights_quantization: str | None = None
     # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.

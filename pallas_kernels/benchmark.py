@@ -1,6 +1,8 @@
-"""GPU micro-benchmark of the Pallas attention kernels against the XLA reference attention.
+"""GPU micro-benchmark of the Pallas attention kernels against the XLA reference attention, and
+(`--quant`) of the quantized and MoE matmul kernels (pallas_kernels/quant_bench.py has those rows).
 
     python -m pallas_kernels.benchmark [--json FILE] [--iters N]
+    python -m pallas_kernels.benchmark --quant [--sweep] [--cases REGEX] [--tokamax] [--json FILE]
 
 Shapes of Llama-3.1-8B attention (32 q heads, 8 kv heads, head_dim 128, bfloat16, page size 16),
 one layer's pool with pages handed out in random order: decode at batch 1/64/256 over contexts of
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import quant_bench
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.kv_write import write_kv_pages
@@ -205,10 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pallas_kernels.benchmark", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write the results here instead of stdout")
     parser.add_argument("--iters", type=int, default=20, help="calls per timed loop (best of 5 loops)")
+    parser.add_argument("--quant", action="store_true", help="the quantized / MoE matmul rows instead of attention")
+    parser.add_argument("--sweep", action="store_true",
+                        help="with --quant: time every candidate tiling, print the best")
+    parser.add_argument("--cases", metavar="REGEX", help="with --quant: only the cases whose name matches")
+    parser.add_argument("--tokamax", action="store_true", help="with --quant: add tokamax's ragged_dot rows")
     args = parser.parse_args(argv)
     require_gpu(jax.default_backend())
 
     hbm = measure_hbm_bandwidth()
+    if args.quant:
+        report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "hbm_bytes_per_s": hbm,
+                  **quant_report(args.cases, args.sweep, args.tokamax, args.iters, hbm)}
+        return write_report(report, args.json)
     shapes = LLAMA_3_1_8B
     results = []
     for case in bench_cases():
@@ -219,9 +231,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{entry['case']:>20} {entry['kernel']:>18} {summary}", file=sys.stderr)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "model": dataclasses.asdict(shapes), "hbm_bytes_per_s": hbm, "results": results}
+    return write_report(report, args.json)
+
+
+def quant_report(pattern: str | None, sweep: bool, with_tokamax: bool, iters: int, hbm: float,
+                 interpret: bool = False) -> dict:
+    """{"results": rows} of the selected quantized / MoE cases, plus {"sweep": best per case} with `sweep`."""
+    tokamax = quant_bench.import_tokamax() if with_tokamax else None
+    cases = quant_bench.select(quant_bench.quant_cases(), pattern)
+    results, sweeps = [], []
+    for case in cases:
+        for entry in quant_bench.run_quant_case(case, iters=iters, repeats=3, hbm_bytes_per_s=hbm,
+                                                interpret=interpret, tokamax=tokamax):
+            quant_bench.print_row(entry)
+            results.append(entry)
+        if sweep:
+            sweeps.append(quant_bench.sweep_case(case, iters=iters, repeats=2, interpret=interpret))
+            print(f"{case.name:>34} best {sweeps[-1]['best']} {sweeps[-1]['seconds']}", file=sys.stderr)
+    return {"results": results, **({"sweep": sweeps} if sweep else {})}
+
+
+def write_report(report: dict, path: str | None) -> int:
+    """The JSON report to `path` (else stdout); exit status 1 if any row failed."""
+    results = report["results"]
     text = json.dumps(report, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text + "\n")
     else:
         print(text)

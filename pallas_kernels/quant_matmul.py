@@ -11,12 +11,15 @@ weight's layers x experts) as parts along the input axis K:
     minimum  [S, K / g, N]  optional, added after scaling (GGUF Q4_1's m)
 A weight is `(q - zero) * scale + minimum` in float32, the formats' definitions (bit for bit the
 dequantizers in infire_jax/quant), cast to x's dtype and fed to the dot with float32 accumulation.
-A tile loads each packed item once per input it holds (a word for its eight inputs, from cache),
-so the weights reach the dot in input order and x is used as it is.
+A K step loads each packed item once and splits into pieces of whole items (an int4 word's
+nibble i for every word, against inputs i, i + 8, ... of x; a Q4_1 block's low or high half), and
+a scale row shared by a piece is loaded once and broadcast, not gathered per input. Tiles of one
+or two rows multiply in registers (`gemv`) rather than in a dot padded to 16 rows. Block sizes
+come per shape from quant_blocks.py (docs/KERNELS.md has the analysis behind them).
 
 `quant_matmul(x, stack, index)` is x @ W[index] for a decode-sized step: rows in tiles of up to
 64, and K split over programs so that a few rows still fill the GPU (the partial sums are added
-outside). `grouped_matmul(x, group_sizes, stack, first)` multiplies rows sorted by group by
+outside, one small XLA reduction). `grouped_matmul(x, group_sizes, stack, first)` multiplies rows sorted by group by
 W[first + group] (a MoE layer's experts): tiles of rows never straddle two groups, so each tile
 reads its expert's weights once. Either way the stack index is data the kernel reads, so a layer
 scan hands over the whole stack, and no weight is ever copied out or dequantized in HBM.
@@ -33,15 +36,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Shaped
 
-from pallas_kernels.triton_backend import compiler_params, dot_precision, is_power_of_2, next_power_of_2
+from pallas_kernels.quant_blocks import (GEMV_MAX_ROWS, INPUTS_PER_ITEM, MAX_TILE_ROWS, MIN_DOT, Blocks,
+                                         choose, min_block_k, splits_for)
 
-INPUTS_PER_ITEM = {"int4": 8, "q4_1": 2, None: 1}
-TILE_N = 64  # output columns per program
-MIN_ROWS = 16  # Triton's smallest dot tile
-MAX_TILE_ROWS = 64  # rows a program holds accumulators for
-MAX_BLOCK_K = 128  # inputs per inner step
-TARGET_PROGRAMS = 264  # about two per SM of an H100 / H200 (132 SMs)
-MAX_SPLITS = 16
+# The register form keeps a row's products [items, tile_n] unsummed across K steps (one sum at the
+# end) when they fit in this many floats, 32 registers a thread at 4 warps; else it sums each piece.
+GEMV_ACC_ELEMENTS = 4096
+from pallas_kernels.triton_backend import compiler_params, dot_precision, is_power_of_2, next_power_of_2
 
 
 @jax.tree_util.register_dataclass
@@ -86,24 +87,11 @@ class QuantStack:
                                  f"{None if self.scale is None else tuple(self.scale.shape)}")
         if self.packing == "q4_1" and (self.group != 32):
             raise ValueError(f"Q4_1 blocks hold 32 inputs a scale, got groups of {self.group}")
-        if block_k_for(k) is None or tile_n_for(n) is None:
-            raise ValueError(f"the quantized matmul cannot tile [{k}, {n}] matrices (K and N need a power-of-two "
-                             f"factor of at least {MIN_ROWS})")
-
-
-def block_k_for(k: int) -> int | None:
-    """Inputs per inner step: the largest power of two up to MAX_BLOCK_K dividing K (at least 16)."""
-    b = MAX_BLOCK_K
-    while b >= MIN_ROWS and k % b:
-        b //= 2
-    return b if b >= MIN_ROWS else None
-
-
-def tile_n_for(n: int) -> int | None:
-    b = TILE_N
-    while b >= MIN_ROWS and n % b:
-        b //= 2
-    return b if b >= MIN_ROWS else None
+        if self.packing == "int4" and self.group % 8:
+            raise ValueError(f"an int4 word's 8 inputs share a scale; got groups of {self.group}")
+        if not Blocks(min_block_k(self.packing), MIN_DOT).fits(k, n, self.packing):
+            raise ValueError(f"the quantized matmul cannot tile [{k}, {n}] matrices (K needs a power-of-two factor "
+                             f"of at least {min_block_k(self.packing)} and N of {MIN_DOT})")
 
 
 def supported(stack: QuantStack) -> bool:
@@ -114,114 +102,199 @@ def supported(stack: QuantStack) -> bool:
     return True
 
 
-def _weight_tile(stack: QuantStack, refs: dict, index, k0, n0, *, block_k: int, tile_n: int, dtype):
-    """W[index][k0 : k0 + block_k, n0 : n0 + tile_n] dequantized, in `dtype`."""
-    k = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+def _fitted(blocks: Blocks, stack: QuantStack) -> Blocks:
+    """`blocks` shrunk (K step, column tile) until it divides the stack's matrices: a chosen tiling
+    always runs; the smallest one fits every stack `check` accepts."""
+    k, n, packing = stack.num_inputs, stack.num_outputs, stack.packing
+    while not blocks.fits(k, n, packing) and blocks.block_k > min_block_k(packing):
+        blocks = dataclasses.replace(blocks, block_k=blocks.block_k // 2)
+    while not blocks.fits(k, n, packing) and blocks.tile_n > MIN_DOT:
+        blocks = dataclasses.replace(blocks, tile_n=blocks.tile_n // 2)
+    if not blocks.fits(k, n, packing):
+        raise ValueError(f"no tiling of [{k}, {n}] from {blocks.label()}")
+    return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """One dot's share of a K step: `items` packed rows from row `item0` of the step's items, their
+    nibble at `shift` (None: whole items; -1: one row per input, each reading its input's word and
+    nibble, for int4 steps too short to give each nibble a dot of 16 inputs), against inputs `col0`,
+    `col0 + stride`, ... of the step."""
+
+    item0: int
+    items: int
+    shift: int | None
+    col0: int
+    stride: int
+
+
+def _pieces(packing: str | None, block_k: int) -> list[_Piece]:
+    """How a K step of `block_k` inputs splits into dots whose weights are whole loads of packed items
+    (each item loaded once, not once per input it holds)."""
+    if packing == "int4" and block_k < 8 * MIN_DOT:
+        return [_Piece(0, block_k, -1, 0, 1)]
+    if packing == "int4":  # input 8j + i in bits 4i of word j: nibble i of every word, inputs i, i + 8, ...
+        return [_Piece(0, block_k // 8, 4 * i, i, 8) for i in range(8)]
+    if packing == "q4_1":  # block b: byte e holds input 32b + e (low nibble) and 32b + 16 + e (high)
+        return [_Piece(16 * b, 16, 4 * h, 32 * b + 16 * h, 1) for b in range(block_k // 32) for h in range(2)]
+    return [_Piece(0, block_k, None, 0, 1)]
+
+
+def _piece_weights(stack: QuantStack, refs: dict, cache: dict, index, k0, n0, piece: _Piece, *, blocks: Blocks,
+                   dtype):
+    """The piece's weights [items, tile_n] dequantized, in `dtype`; `cache` keeps this K step's loads
+    (an int4 word, and its scale row, serve all eight of its inputs)."""
+    p, tile_n = INPUTS_PER_ITEM[stack.packing], blocks.tile_n
     cols = pl.ds(n0, tile_n)
-    if stack.packing == "int4":
-        rows, shift = lax.shift_right_logical(k, 3), (k & 7) * 4
-    elif stack.packing == "q4_1":
-        rows, shift = lax.shift_right_logical(k, 5) * 16 + (k & 15), ((k & 31) >> 4) * 4
+    item0 = k0 // p + piece.item0
+    key = (piece.item0, piece.items)
+    if piece.shift == -1:  # input k0 + j: nibble j % 8 of word (k0 + j) / 8
+        inputs = k0 + lax.broadcasted_iota(jnp.int32, (piece.items,), 0)
+        v = refs["values"][index, lax.shift_right_logical(inputs, 3), cols]
+        v = lax.shift_right_logical(v, ((inputs & 7) * 4)[:, None]) & 0xF
+        item0, p = k0, 1  # rows are inputs
     else:
-        rows, shift = pl.ds(k0, block_k), None
-    v = refs["values"][index, rows, cols]
-    if shift is not None:
-        v = lax.shift_right_logical(v.astype(jnp.int32), shift[:, None]) & 0xF
+        if ("values",) + key not in cache:
+            cache[("values",) + key] = refs["values"][index, pl.ds(item0, piece.items), cols]
+        v = cache[("values",) + key]
+    if piece.shift not in (None, -1):
+        v = lax.shift_right_logical(v.astype(jnp.int32), jnp.int32(piece.shift)) & 0xF
     if refs.get("scale") is None:  # plain weights
         return v.astype(dtype)
-    g = lax.div(k, jnp.int32(stack.group))
+    group = stack.group
+
+    def part(name):
+        if (name,) + key not in cache:
+            if group % (32 if stack.packing == "q4_1" else blocks.block_k) == 0:  # one group: a row, broadcast
+                row = lax.div(item0 * p, jnp.int32(group))
+                cache[(name,) + key] = refs[name][index, row, cols][None, :]
+            else:  # a row per item (int4 words in groups shorter than the K step)
+                rows = lax.div((item0 + lax.broadcasted_iota(jnp.int32, (piece.items,), 0)) * p, jnp.int32(group))
+                cache[(name,) + key] = refs[name][index, rows, cols]
+        return cache[(name,) + key]
+
     if refs.get("zero") is not None:
-        v = v.astype(jnp.int32) - refs["zero"][index, g, cols].astype(jnp.int32)
+        v = v.astype(jnp.int32) - part("zero").astype(jnp.int32)
     elif stack.zero_point:
         v = v.astype(jnp.int32) - stack.zero_point
-    w = v.astype(jnp.float32) * refs["scale"][index, g, cols].astype(jnp.float32)
+    w = v.astype(jnp.float32) * part("scale").astype(jnp.float32)
     if refs.get("minimum") is not None:
-        w = w + refs["minimum"][index, g, cols].astype(jnp.float32)
+        w = w + part("minimum").astype(jnp.float32)
     return w.astype(dtype)
 
 
 _PARTS = ("values", "scale", "zero", "minimum")
 
 
-def _kernel(index_ref, start_ref, blocks_ref, x_ref, *refs, stack: QuantStack, block_k: int, tile_n: int,
-            splits: int, precision):
+def _kernel(index_ref, start_ref, blocks_ref, x_ref, *refs, stack: QuantStack, blocks: Blocks, splits: int,
+            precision):
     out_ref = refs[-1]
     present = [p for p in _PARTS if getattr(stack, p) is not None]
     parts = dict(zip(present, refs[:-1]))
     t, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    index, start, blocks = index_ref[t], start_ref[t], blocks_ref[t]
-    per_split = pl.cdiv(blocks, splits)
+    index, start, k_blocks = index_ref[t], start_ref[t], blocks_ref[t]
+    per_split = pl.cdiv(k_blocks, splits)
     first = s * per_split
-    last = jnp.minimum(first + per_split, blocks)
-    rows = out_ref.shape[0]
+    last = jnp.minimum(first + per_split, k_blocks)
+    rows, tile_n, block_k = out_ref.shape[0], blocks.tile_n, blocks.block_k
+    gemv = blocks.gemv and rows <= GEMV_MAX_ROWS
+    pieces = _pieces(stack.packing, block_k)
 
     def body(kb, acc):
         k0 = kb * block_k
-        w = _weight_tile(stack, parts, index, k0, n * tile_n, block_k=block_k, tile_n=tile_n, dtype=x_ref.dtype)
-        x = x_ref[pl.ds(start, rows), pl.ds(k0, block_k)]
-        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32)
+        cache = {}
+        for piece in pieces:
+            w = _piece_weights(stack, parts, cache, index, k0, n * tile_n, piece, blocks=blocks, dtype=x_ref.dtype)
+            cols = pl.ds(k0 + piece.col0, w.shape[0], piece.stride) if piece.stride != 1 else \
+                pl.ds(k0 + piece.col0, w.shape[0])
+            if gemv:  # each row's products in registers, summed over the piece's inputs now or at the end
+                wf = w.astype(jnp.float32)
+                acc = tuple(a + _fold(wf * x_ref[start + r, cols].astype(jnp.float32)[:, None], a.ndim)
+                            for r, a in enumerate(acc))
+            else:
+                acc = acc + lax.dot_general(x_ref[pl.ds(start, rows), cols], w, (((1,), (0,)), ((), ())),
+                                            precision=precision, preferred_element_type=jnp.float32)
+        return acc
 
-    out_ref[...] = lax.fori_loop(first, last, body, jnp.zeros((rows, tile_n), jnp.float32))
+    if gemv:
+        items = pieces[0].items  # every piece of a step has as many
+        shape = (items, tile_n) if items * tile_n <= GEMV_ACC_ELEMENTS else (tile_n,)
+        acc = lax.fori_loop(first, last, body, tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows)))
+        for r, a in enumerate(acc):
+            out_ref[r, :] = jnp.sum(a, axis=0) if a.ndim == 2 else a
+    else:
+        out_ref[...] = lax.fori_loop(first, last, body, jnp.zeros((rows, tile_n), jnp.float32))
 
 
-def _tiles_call(x: Array, stack: QuantStack, index: Array, start: Array, blocks: Array, rows: int, splits: int,
-                interpret: bool) -> Float[Array, "P T R N"]:
-    """Each tile t's `rows` rows of x from `start[t]` times W[index[t]], over its first `blocks[t]`
-    blocks of K (0: none); [splits, tiles, rows, N] partial sums in float32."""
-    stack.check()
+def _fold(products: Array, ndim: int) -> Array:
+    """`products` [items, tile_n] summed over items when the accumulator is a row (`ndim` 1)."""
+    return jnp.sum(products, axis=0) if ndim == 1 else products
+
+
+def _tiles_call(x: Array, stack: QuantStack, index: Array, start: Array, k_blocks: Array, rows: int,
+                blocks: Blocks, interpret: bool) -> Float[Array, "P T R N"]:
+    """Each tile t's `rows` rows of x from `start[t]` times W[index[t]], over its first `k_blocks[t]`
+    K steps of `blocks.block_k` (0: none); [splits, tiles, rows, N] partial sums in float32."""
     k, n = stack.num_inputs, stack.num_outputs
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} inputs, the quantized stack {k}")
-    block_k, tile_n = block_k_for(k), tile_n_for(n)
     present = [getattr(stack, p) for p in _PARTS if getattr(stack, p) is not None]
-    tiles = index.shape[0]
+    tiles, tile_n = index.shape[0], blocks.tile_n
+    splits = splits_for(blocks, tiles * (n // tile_n), k // blocks.block_k)
     whole = pl.BlockSpec()
     return pl.pallas_call(
-        functools.partial(_kernel, stack=stack, block_k=block_k, tile_n=tile_n, splits=splits,
-                          precision=dot_precision(x.dtype)),
+        functools.partial(_kernel, stack=stack, blocks=blocks, splits=splits, precision=dot_precision(x.dtype)),
         grid=(tiles, n // tile_n, splits),
         in_specs=[whole] * (4 + len(present)),
         out_specs=pl.BlockSpec((None, None, rows, tile_n), lambda t, j, s: (s, t, 0, j)),
         out_shape=jax.ShapeDtypeStruct((splits, tiles, rows, n), jnp.float32),
-        compiler_params=compiler_params(num_warps=4, num_stages=2),
+        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="quant_matmul",
-    )(index.astype(jnp.int32), start.astype(jnp.int32), blocks.astype(jnp.int32), x, *present)
+    )(index.astype(jnp.int32), start.astype(jnp.int32), k_blocks.astype(jnp.int32), x, *present)
 
 
-def choose_splits(programs: int, blocks: int) -> int:
-    """Fewest K splits that give TARGET_PROGRAMS programs, at most one per block of K."""
-    return max(1, min(-(-TARGET_PROGRAMS // programs), MAX_SPLITS, blocks))
+def _tile_rows(rows: int, blocks: Blocks) -> int:
+    """Rows a tile holds: `rows` as a power of two, at least Triton's dot tile unless the register form takes it."""
+    rows = min(MAX_TILE_ROWS, next_power_of_2(max(rows, 1)))
+    return rows if blocks.gemv and rows <= GEMV_MAX_ROWS else max(MIN_DOT, rows)
 
 
 def quant_matmul(x: Float[Array, "M K"], stack: QuantStack, index: Int[Array, ""] | int = 0, *,
-                 interpret: bool = False) -> Float[Array, "M N"]:
-    """x @ W[index] in float32 (x's dtype into the dot), W dequantized tile by tile on chip."""
+                 blocks: Blocks | None = None, interpret: bool = False) -> Float[Array, "M N"]:
+    """x @ W[index] in float32 (x's dtype into the dot), W dequantized tile by tile on chip; `blocks`
+    replaces the chosen tiling (quant_blocks.py)."""
+    stack.check()
     m, k = x.shape
-    rows = min(MAX_TILE_ROWS, max(MIN_ROWS, next_power_of_2(m)))
+    blocks = _fitted(choose(min(m, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group), stack)
+    rows = _tile_rows(m, blocks)
     tiles = -(-m // rows)
-    xp = jnp.pad(x, ((0, tiles * rows - m), (0, 0)))
-    blocks = k // (block_k_for(k) or 1)
-    splits = choose_splits(tiles * stack.num_outputs // (tile_n_for(stack.num_outputs) or 1), blocks)
+    xp = x if tiles * rows == m else jnp.pad(x, ((0, tiles * rows - m), (0, 0)))
     out = _tiles_call(xp, stack, jnp.full((tiles,), index, jnp.int32), jnp.arange(tiles, dtype=jnp.int32) * rows,
-                      jnp.full((tiles,), blocks, jnp.int32), rows, splits, interpret)
-    return out.sum(axis=0).reshape(tiles * rows, -1)[:m]
+                      jnp.full((tiles,), k // blocks.block_k, jnp.int32), rows, blocks, interpret)
+    out = out[0] if out.shape[0] == 1 else out.sum(axis=0)
+    return out.reshape(tiles * rows, -1)[:m]
 
 
-def group_tile_rows(num_rows: int, num_groups: int) -> int:
-    """Rows per tile of the grouped matmul: about the mean group size, a power of two in [16, 64]."""
-    mean = max(1, num_rows // num_groups)
-    return min(MAX_TILE_ROWS, max(MIN_ROWS, next_power_of_2(mean)))
+def group_tile_rows(num_rows: int, num_groups: int, blocks: Blocks) -> int:
+    """Rows per tile of the grouped matmul: about the mean group size, a power of two up to 64."""
+    return _tile_rows(max(1, num_rows // num_groups), blocks)
 
 
 def grouped_matmul(x: Float[Array, "M K"], group_sizes: Int[Array, "G"], stack: QuantStack,
-                   first: Int[Array, ""] | int = 0, *, interpret: bool = False) -> Float[Array, "M N"]:
+                   first: Int[Array, ""] | int = 0, *, blocks: Blocks | None = None,
+                   interpret: bool = False) -> Float[Array, "M N"]:
     """Row r of x (rows sorted by group; group i has `group_sizes[i]` rows) times W[first + its
-    group], in float32. Rows past the groups' sum come back 0."""
+    group], in float32. Rows past the groups' sum come back 0. K is split as for `quant_matmul`,
+    so that a batch-1 step's few expert tiles still fill the GPU."""
+    stack.check()
     m, k = x.shape
     num_groups = group_sizes.shape[0]
-    rows = group_tile_rows(m, num_groups)
+    mean = max(1, m // num_groups)
+    blocks = _fitted(choose(min(mean, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group),
+                     stack)
+    rows = group_tile_rows(m, num_groups, blocks)
     if not is_power_of_2(rows):
         raise ValueError(f"tile rows {rows} is not a power of two")
     # A static bound on tiles in use: each of at most min(G, M) non-empty groups wastes under one tile.
@@ -235,9 +308,10 @@ def grouped_matmul(x: Float[Array, "M K"], group_sizes: Int[Array, "G"], stack: 
     group = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), num_groups - 1).astype(jnp.int32)
     used = i < tile_end[-1]
     start = jnp.where(used, group_first[group] + (i - tile_first[group]) * rows, 0)
-    blocks = jnp.where(used, k // (block_k_for(k) or 1), 0)
+    k_blocks = jnp.where(used, k // blocks.block_k, 0)
     xp = jnp.pad(x, ((0, rows), (0, 0)))  # a tile near the end reads past the last row
-    out = _tiles_call(xp, stack, first + group, start, blocks, rows, 1, interpret)[0]
+    out = _tiles_call(xp, stack, first + group, start, k_blocks, rows, blocks, interpret)
+    out = out[0] if out.shape[0] == 1 else out.sum(axis=0)
     r = jnp.arange(m, dtype=jnp.int32)
     row_group = jnp.searchsorted(group_end, r, side="right").astype(jnp.int32)
     valid = row_group < num_groups

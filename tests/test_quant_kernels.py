@@ -208,3 +208,58 @@ def test_engine_with_kept_deepseek_in_the_kernels_equals_the_engine_without(deep
     _assert_same(_generate(kernel, PROMPTS), _generate(plain, PROMPTS))
     for llm in (plain, kernel):
         llm.engine.close()
+
+
+def test_int4_dummy_reads_in_place_as_the_layer_body_dequantizes(monkeypatch):
+    """`--weights-quantization int4` on a dummy: model (the int4 kernel measured without a checkpoint):
+    AWQ / GPTQ-form parts drawn on the device with the float dummy's spread, which the kernel reads
+    as the layer body dequantizes them, bit for bit."""
+    from flax import nnx
+
+    from infire_jax.loaders.gguf_quant import load_quantized_placed
+
+    _use(monkeypatch, KERNELS)
+    placed = load_quantized_placed("dummy:smollm2-135m", jnp.float32, None, "int4")
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(placed.state)}
+    stacks = {short: {part: flat[f"layers.{short}.{part}"][:2] for part in ("q4", "scale", "zero")}
+              for short in INPUT_AXES}
+    nibbles = np.asarray(stacks["w_down"]["q4"]).view(np.uint32)[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)
+    assert set(np.unique(nibbles & 15)) == set(range(16))
+    in_place = in_place_weights(placed.loaded.config, stacks, tokens=1, red=Reductions())
+    assert set(in_place) == set(INPUT_AXES)
+    for name, (kw, shape) in in_place.items():
+        plain = np.asarray(dequantize_layer({name: jax.tree.map(lambda a: a[1], stacks[name])}, jnp.float32)[name])
+        assert np.std(plain) == pytest.approx(0.02, rel=0.05), name
+        _assert_reads_as(kw, 1, plain.reshape(int(np.prod(shape[:INPUT_AXES[name]])), -1), name)
+
+
+def test_a_few_layers_of_a_kimi_dummy_draw_int4_experts_the_grouped_kernel_reads(monkeypatch):
+    """`dummy:kimi-k2.5,layers=2 --weights-quantization int4` (one dense and one MoE layer of Kimi
+    K2.5 on one GPU), here at narrow widths: its routed experts are drawn in Kimi's int4 (groups of 32,
+    bfloat16 scales) and the grouped kernel reads each expert as the layer body dequantizes it."""
+    from flax import nnx
+
+    from infire_jax.loaders import dummy
+    from infire_jax.loaders.gguf_quant import load_quantized_placed
+    from infire_jax.quant.grouped import dequantize
+
+    kimi = dummy.CONFIGS["kimi-k2.5"]
+    narrow = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+                  num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                  v_head_dim=16, qk_nope_head_dim=16, vocab_size=512, num_experts_per_tok=2)
+    monkeypatch.setitem(dummy.CONFIGS, "kimi-narrow", {**kimi, "text_config": {**kimi["text_config"], **narrow}})
+    _use(monkeypatch, KERNELS)
+    placed = load_quantized_placed("dummy:kimi-narrow,layers=2", jnp.float32, None, "int4")
+    assert placed.loaded.config.num_layers == 2 and placed.loaded.name == "dummy:kimi-narrow,layers=2"
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(placed.state)}
+    weights = {short: {part: flat[f"moe_layers.{short}.{part}"] for part in ("packed", "scale")}
+               for short in ("w_gate_up", "w_down")}
+    assert weights["w_down"]["scale"].dtype == jnp.bfloat16
+    in_place = layer_stacks(weights, 4, {}, moe=True, one_device=True)
+    assert set(in_place) == {"w_gate_up", "w_down"}
+    for short, (kw, _) in in_place.items():
+        full = np.asarray(dequantize(weights[short], short, jnp.float32)[0])
+        assert kw.experts == 4 and np.std(full) == pytest.approx(0.02, rel=0.1), short
+        _assert_reads_as(kw, 3, full[3].reshape(full.shape[1], -1), f"{short}[3]")  # the layer's last expert
+    with pytest.raises(Exception, match="layers=N"):
+        dummy.load_dummy("kimi-k2.5,layer=1")

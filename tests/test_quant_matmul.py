@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import quant_reference as ref
 
+from pallas_kernels import quant_blocks
+from pallas_kernels.quant_blocks import Blocks
 from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul
 
 RNG = np.random.default_rng(7)
@@ -124,6 +126,59 @@ def test_grouped_rows_take_their_groups_matrix(fmt):
         within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
 
 
+@pytest.mark.parametrize("fmt", ["gptq32", "gptq128", "ct_int4", "q4_1", "q8_0", "int8", "fp8"])
+def test_register_form_dequantizes_exactly_and_sums_within_bound(fmt):
+    """Tiles of up to 4 rows multiplied in registers (`gemv`): one-hot rows give each weight bit for
+    bit, and random rows stay within float32's bound, with K split over programs."""
+    stack, w = make_stack(fmt)
+    gemv = Blocks(block_k=128, tile_n=64, splits=2, gemv=True)
+    for k0 in (0, 128):
+        got = quant_matmul(jnp.eye(K, dtype=jnp.float32)[k0:k0 + 3], stack, 1, blocks=gemv, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), w[1, k0:k0 + 3].astype(np.float32))
+    x = RNG.standard_normal((1, K)).astype(np.float32)
+    within_f32_bound(np.asarray(quant_matmul(jnp.asarray(x), stack, 2, blocks=gemv, interpret=True)), x,
+                     w[2].astype(np.float32))
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+def test_int4_steps_shorter_than_a_dot_per_nibble_read_a_word_per_input(gemv):
+    """K = 64 (a tiny model's expert): under 128 inputs a step cannot give each nibble a 16-input
+    dot, so each input reads its word; still bit for bit."""
+    stack, w = make_stack("gptq32", k=64)
+    x = jnp.eye(64, dtype=jnp.float32)[:3 if gemv else 64]
+    got = quant_matmul(x, stack, 1, blocks=Blocks(64, 64, 1, gemv=gemv), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), w[1, :x.shape[0]].astype(np.float32))
+
+
+def test_every_tiling_computes_the_same_product(monkeypatch):
+    """Other K steps, column tiles and splits (as a sweep or INFIRE_JAX_QUANT_BLOCKS sets them) change
+    only the order of float32 sums; a tiling that does not divide the matrices is shrunk until it does."""
+    stack, w = make_stack("gptq32")
+    x = RNG.standard_normal((20, K)).astype(np.float32)
+    for blocks in (Blocks(256, 128, 1), Blocks(128, 32, 2), Blocks(512, 256, 0, gemv=True)):
+        within_f32_bound(np.asarray(quant_matmul(jnp.asarray(x), stack, 0, blocks=blocks, interpret=True)), x,
+                         w[0].astype(np.float32))
+    monkeypatch.setenv(quant_blocks.ENV, "block_k=256,tile_n=32,gemv=1")
+    assert quant_blocks.choose(1, K, N, "int4") == Blocks(256, 32, 0, 4, 3, True)
+    within_f32_bound(np.asarray(quant_matmul(jnp.asarray(x[:2]), stack, 0, interpret=True)), x[:2],
+                     w[0].astype(np.float32))
+    monkeypatch.setenv(quant_blocks.ENV, "block=256")
+    with pytest.raises(ValueError, match="unknown field 'block'"):
+        quant_blocks.choose(1, K, N, "int4")
+
+
+def test_batch_one_expert_tiles_take_the_register_form():
+    """A batch-1 MoE step (a row or two per expert) runs one-row tiles in registers, K split."""
+    stack, w = make_stack("gptq32")
+    sizes = np.array([1, 0, 2], np.int32)
+    x = RNG.standard_normal((3, K)).astype(np.float32)
+    assert quant_blocks.choose(1, K, N, "int4").gemv
+    got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, 0,
+                                    blocks=Blocks(128, 64, 2, gemv=True), interpret=True))
+    for r, g in enumerate((0, 2, 2)):
+        within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
+
+
 def test_parts_that_do_not_fit_are_named():
     stack, _ = make_stack("gptq32")
     with pytest.raises(ValueError, match="part zero"):
@@ -154,18 +209,71 @@ def test_lowers_to_triton_for_cuda(fmt):
         assert 'name = "quant_matmul"' in hlo, fn.__name__
 
 
+def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
+    """Every benchmark case's chosen tiling, and every candidate a sweep tries for an int4 batch-1
+    step, lowers through Pallas' Triton rules (so a GPU sweep meets no lowering error)."""
+    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
+        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU")
+    from pallas_kernels import quant_bench
+
+    sd = jax.ShapeDtypeStruct
+
+    def lower(case, blocks=None):
+        stack = jax.eval_shape(lambda: quant_bench.random_stack(case.fmt, 2, case.k, case.n, jax.random.key(0)))
+        if case.kind == "dense":
+            fn, args = quant_matmul, (sd((case.rows, case.k), jnp.bfloat16), stack, sd((), jnp.int32))
+        else:
+            fn, args = grouped_matmul, (sd((case.rows * case.top_k, case.k), jnp.bfloat16),
+                                        sd((case.experts,), jnp.int32), stack, sd((), jnp.int32))
+        hlo = jax.jit(lambda *a: fn(*a, blocks=blocks)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert 'name = "quant_matmul"' in hlo, (case.name, blocks)
+
+    cases, kernels = quant_bench.quant_cases(), {}
+    for case in cases:  # one case per distinct kernel: form, format and tiling
+        tiling = quant_blocks.choose(quant_bench.tile_rows(case), case.k, case.n, quant_bench.packing(case),
+                                     group=quant_bench.group(case))
+        kernels.setdefault((case.kind, case.fmt, tiling, case.rows <= 2), case)
+    for case in kernels.values():
+        lower(case)
+    case = next(c for c in cases if c.name == "int4_o_m1")
+    for blocks in quant_blocks.candidates(1, case.k, case.n, "int4") + [Blocks(64, 64, gemv=g) for g in (0, 1)]:
+        lower(case, blocks)  # the last two read a word per input
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the compiled Triton kernels, needs a GPU")
 def test_compiled_kernels_on_gpu_match_the_definition():
-    """The kernels compiled for the GPU, every format: bfloat16 steps of 1 and 70 rows and a grouped
-    step, against float64 over the definition's weights rounded to bfloat16 (what the dot is fed)."""
+    """The kernels compiled for the GPU, every format: bfloat16 steps of 1 (in registers) and 70 rows
+    and grouped steps of both forms, against float64 over the definition's weights rounded to
+    bfloat16 (what the dot is fed)."""
     for fmt in FORMATS:
         stack, w = make_stack(fmt)
         w16 = w.astype(np.float32).astype(ml_dtypes.bfloat16)
         for rows in (1, 70):
             x = RNG.standard_normal((rows, K)).astype(ml_dtypes.bfloat16)
             within_f32_bound(np.asarray(quant_matmul(jnp.asarray(x), stack, 1)), x, w16[1])
-        sizes = np.array([5, 0, 40], np.int32)
-        x = RNG.standard_normal((45, K)).astype(ml_dtypes.bfloat16)
-        got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, 0))
-        for r, g in enumerate(np.repeat(np.arange(3), sizes)):
-            within_f32_bound(got[r:r + 1], x[r:r + 1], w16[g])
+        for sizes in (np.array([5, 0, 40], np.int32), np.array([1, 0, 1], np.int32)):  # dot and register tiles
+            x = RNG.standard_normal((int(sizes.sum()), K)).astype(ml_dtypes.bfloat16)
+            got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(sizes), stack, 0))
+            for r, g in enumerate(np.repeat(np.arange(3), sizes)):
+                within_f32_bound(got[r:r + 1], x[r:r + 1], w16[g])
+
+
+def test_benchmark_rows_and_sweep_run_in_interpret_mode():
+    """`python -m pallas_kernels.benchmark --quant [--sweep]`'s plumbing on tiny shapes: the grid it
+    covers, a dense and a grouped row with their bfloat16 references, and a sweep's best tiling."""
+    from pallas_kernels import benchmark, quant_bench
+
+    names = {c.name for c in quant_bench.quant_cases()}
+    assert {"int4_gate_up_m1", "int8_down_m64", "q4_1_qkv_m16", "fp8_o_m1", "kimi_k2_5_ct_int4_gate_up_b1",
+            "qwen3_30b_a3b_bf16_down_b64"} <= names and len(names) == 4 * 4 * 3 + 2 * 3 * 2
+    dense = quant_bench.QuantCase("int8_tiny_m1", "dense", "int8", 128, 64, 1)
+    grouped = quant_bench.QuantCase("moe_tiny_b1", "grouped", "bf16", 64, 32, 1, experts=4, top_k=2)
+    for case, references in ((dense, ["bf16_dot"]), (grouped, ["bf16_ragged_dot"])):
+        rows = quant_bench.run_quant_case(case, iters=1, repeats=1, hbm_bytes_per_s=1e9, interpret=True)
+        assert [e["kernel"] for e in rows] == ["kernel"] + references
+        for entry in rows:
+            assert "error" not in entry, entry["error"]
+            assert entry["hbm_fraction"] == pytest.approx(entry["bytes"] / entry["seconds"] / 1e9)
+    sweep = quant_bench.sweep_case(dense, iters=1, repeats=1, interpret=True, limit=2)
+    assert len(sweep["tried"]) == 2 and sweep["best"] in [label for label, _ in sweep["tried"]]
+    assert benchmark.quant_report("^$", False, False, 1, 1e9, interpret=True) == {"results": []}

@@ -89,9 +89,23 @@ def dummy_tokenizer(cfg: ModelConfig):
     return Tokenizer(tk, bos_token=None, eos_token=f"<|dummy_{eos}|>" if eos else None, chat_template=_CHATML)
 
 
-def load_dummy(name: str, seed: int = 0) -> LoadedModel:
+def with_layers(hf: dict, spec: str) -> dict:
+    """`hf` with `num_hidden_layers` (a multimodal config's text model's) set from `spec`'s `,layers=N`
+    suffix: a few layers of a large model, e.g. one dense and one MoE layer of Kimi K2.5 on one GPU."""
+    _, _, override = spec.partition(",")
+    key, _, value = override.partition("=")
+    if key != "layers" or not value.isdigit() or int(value) < 1:
+        raise ModelNotFoundError(f"dummy model suffix {override!r}: expected ',layers=N' with N >= 1")
+    if "text_config" in hf:
+        return {**hf, "text_config": with_layers(hf["text_config"], spec)}
+    return {**hf, "num_hidden_layers": int(value)}
+
+
+def load_dummy(spec: str, seed: int = 0) -> LoadedModel:
+    """`spec`: a name of CONFIGS, optionally with `,layers=N` (`dummy:kimi-k2.5,layers=2`)."""
+    name = spec.partition(",")[0]
     if name not in CONFIGS:
         raise ModelNotFoundError(f"unknown dummy model {name!r}; known: {sorted(CONFIGS)}")
-    cfg = config_from_hf(CONFIGS[name])
-    return LoadedModel(config=cfg, tokenizer=dummy_tokenizer(cfg), name=f"dummy:{name}", weights=None,
+    cfg = config_from_hf(with_layers(CONFIGS[name], spec) if "," in spec else CONFIGS[name])
+    return LoadedModel(config=cfg, tokenizer=dummy_tokenizer(cfg), name=f"dummy:{spec}", weights=None,
                        random_seed=seed)

@@ -15,8 +15,10 @@ loaders/deepseek_quant.py for a DeepSeek-V3-family one's int4 / fp8 weights.
 
 from __future__ import annotations
 
+import math
 import os
 
+import jax.numpy as jnp
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
@@ -26,6 +28,7 @@ from infire_jax.loaders.gguf import _BLOCK, _LAYER_MAP, _PERMUTED_QK, _config, r
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
+from infire_jax.quant.grouped import GroupedLayout
 from infire_jax.quant.resident import INPUT_AXIS, QUANTIZATION_MODES, QuantLayout
 from infire_jax.tokenizer import tokenizer_from_gguf
 
@@ -115,6 +118,15 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
     return model, layouts
 
 
+def dummy_layout(mode: str, cfg) -> QuantLayout:
+    """A dummy model's quantized layout: int8 per output channel, or int4 in the AWQ / GPTQ form (uint8
+    zeros, float16 scales) in groups of 128 inputs, fewer where a weight's input axis (wo's: head_dim)
+    is not a multiple of 128. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi K2's.)"""
+    if mode == "int8":
+        return QuantLayout("int8")
+    return QuantLayout("int4", group=math.gcd(128, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim))
+
+
 def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
     """The model placed with its layer weights kept quantized (`mode`: "gguf" keeps a GGUF file's
     blocks; "int8" quantizes any model's float layer weights at load, per output channel;
@@ -139,15 +151,23 @@ def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
         if plan is not None:
             llama_quant.check_mesh(layouts, loaded.config, plan)
         weights = dict(loaded.weights)
-    elif mode == "int8":
+    elif mode in ("int8", "int4"):
         loaded = load_model(spec)
-        if loaded.config.mla is not None:
-            raise ConfigError("weights_quantization='int8' covers Llama-architecture models; the DeepSeek-V3 family "
-                              "keeps a published quantized checkpoint's weights with 'checkpoint'")
-        if loaded.weights is None:  # dummy: random int8 parts drawn on the device(s), as its float weights are
-            layouts = {short: QuantLayout("int8") for short in INPUT_AXIS}
+        if loaded.config.mla is not None and mode == "int4" and loaded.weights is None:
+            # a DeepSeek-V3-family dummy: routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales)
+            layouts = {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
             graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
             return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
+        if loaded.config.mla is not None:
+            raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
+                              "family keeps a published quantized checkpoint's weights with 'checkpoint'")
+        if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
+            layouts = {short: dummy_layout(mode, loaded.config) for short in INPUT_AXIS}
+            graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
+            return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
+        if mode == "int4":
+            raise ConfigError("weights_quantization='int4' draws random AWQ / GPTQ-form parts for dummy: models; "
+                              "a GPTQ / AWQ checkpoint keeps its own int4 weights with 'checkpoint'")
         weights, layouts = quantize_int8(loaded.weights)
     else:
         path = spec or default_model_path()

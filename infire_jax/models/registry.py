@@ -54,6 +54,12 @@ def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: n
             w = jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8), -127)
         elif init == "int8-scale":  # uniform values times this have the normal draw's spread, 0.02
             w = jnp.full(shape, 0.02 * 3 ** 0.5 / 127, jnp.float32)
+        elif init == "int4-words":  # eight random nibbles a word
+            w = jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
+        elif init == "int4-zero":
+            w = jnp.full(shape, 8, jnp.float32)
+        elif init == "int4-scale":  # nibbles 0..15 less 8 have a spread of sqrt(255 / 12)
+            w = jnp.full(shape, 0.02 / (255 / 12) ** 0.5, jnp.float32)
         else:
             w = 0.02 * jax.random.normal(key, shape, jnp.float32)
         w = w.astype(dtype)

@@ -71,12 +71,18 @@ class GroupedLayout:
                 "scale": (along(n // self.group), self.scale_dtype)}
 
 
+# How a `dummy:` model draws kept int4 parts (models/registry.py): random nibbles (stored q + 8) and the
+# scale that gives them a float dummy's spread.
+DUMMY_INIT = {"int4": {"packed": "int4-words", "scale": "int4-scale"}}
+
+
 class GroupedParams(WeightParts):
     """The parts of one kept stacked weight, each a parameter with the weight's logical axes."""
 
     def __init__(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: GroupedLayout):
         for part, (part_shape, dtype) in layout.part_shapes(name, shape).items():
-            setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=axes, init="zeros"))
+            init = DUMMY_INIT.get(layout.kind, {}).get(part, "zeros")
+            setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=axes, init=init))
 
 
 def is_kept(value: Any) -> bool:

@@ -29,7 +29,7 @@ from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 from infire_jax.quant.gptq_awq import dequantize_parts
 from infire_jax.weight_parts import WeightParts
 
-QUANTIZATION_MODES = ("gguf", "int8", "checkpoint")  # "checkpoint": quant/grouped.py
+QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: dummy: models; "checkpoint": quant/grouped.py
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
 # w_down [(X,) F, E].
@@ -95,9 +95,11 @@ class QuantLayout:
                 "g_idx": ((*shape[:-1], 1), jnp.int16, (*axes[:-1], None))}
 
 
-# How a `dummy:` model draws int8 parts (models/registry.py): values uniform over int8's symmetric range,
-# and a scale that gives them the spread of a float dummy's weights.
-DUMMY_INIT = {"int8": "int8", "scale": "int8-scale"}
+# How a `dummy:` model draws quantized parts (models/registry.py), per layout kind: values uniform over
+# the format's range (int8's symmetric one; int4 words of random nibbles, zero point 8), and a scale that
+# gives them the spread of a float dummy's weights.
+DUMMY_INIT = {"int8": {"int8": "int8", "scale": "int8-scale"},
+              "int4": {"q4": "int4-words", "zero": "int4-zero", "scale": "int4-scale"}}
 
 
 class QuantParams(WeightParts):
@@ -105,7 +107,7 @@ class QuantParams(WeightParts):
 
     def __init__(self, short: str, shape: tuple[int, ...], axes: tuple[str | None, ...], layout: QuantLayout):
         for part, (part_shape, dtype, part_axes) in layout.part_specs(short, shape, axes).items():
-            init = DUMMY_INIT[part] if layout.kind == "int8" else "zeros"
+            init = DUMMY_INIT.get(layout.kind, {}).get(part, "zeros")
             setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=part_axes, init=init))
 
 
