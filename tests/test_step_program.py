@@ -201,33 +201,61 @@ def test_forward_compiles_without_conditionals_on_cpu():
     assert sum('"known_trip_count":{"n":"2"}' in line for line in loops) == 1  # the scan over 2 layers
 
 
-@pytest.mark.parametrize("dtype,want", [(jnp.float32, "HIGHEST"), (jnp.bfloat16, None)])
-def test_float32_engine_dots_run_at_full_precision(dtype, want):
-    """A float32 engine asks for full-precision dots (XLA on a GPU would use TF32 by default);
-    a bfloat16 one leaves the default."""
+def cuda_forward_text(dtype) -> str:
+    """The forward of the smallest bucket, lowered for CUDA (no GPU needed): the StableHLO a GPU compiles."""
     runner = make_runner(DENSE, "reference", dtype=dtype)
-    shape = runner.rc.buckets.shapes[0]
-    text = runner._forward.lower(runner.state, runner.cache, runner._build(SchedulerOutput([], []), shape)).as_text()
-    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    batch = runner._build(SchedulerOutput([], []), runner.rc.buckets.shapes[0])
+    return runner._forward.trace(runner.state, runner.cache, batch).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_float32_engine_dots_run_at_full_precision_on_a_gpu():
+    """A float32 engine's dots, the LM head's included, are float32 at HIGHEST precision in the
+    program a GPU compiles (XLA on a GPU would use TF32 by default)."""
+    dots = re.findall(r"stablehlo\.dot_general.*", cuda_forward_text(jnp.float32))
     assert len(dots) >= 5  # q/k/v, attention (2), o, gate/up, down, LM head
+    head = f"tensor<{DENSE.vocab_size}x{DENSE.hidden_size}xf32>"
+    assert sum(head in dot for dot in dots) == 1
     for dot in dots:
-        if want:
-            assert f"precision = [{want}, {want}]" in dot, dot[:200]
-        else:
-            assert "HIGHEST" not in dot
+        assert "precision = [HIGHEST, HIGHEST]" in dot, dot[:200]
+        assert "bf16" not in dot.split(" : ")[-1], dot[:200]
 
 
-def test_float32_logits_match_float64_on_cpu():
-    """The LM head reads the [V, E] weight once with float32 accumulation: logits agree with float64."""
-    runner = make_runner(DENSE, "reference")
+def test_bfloat16_head_is_read_in_bfloat16_on_a_gpu():
+    """The LM head's dot takes the bfloat16 head as it is stored and gives bfloat16, cast to float32
+    after: no dot with a float32 result from 16-bit operands (XLA's OperandUpcaster turns those into
+    float32 operands, which converted the whole head every step on the H100), no converted head."""
+    text = cuda_forward_text(jnp.bfloat16)
+    head = f"tensor<{DENSE.vocab_size}x{DENSE.hidden_size}x"
+    dots = [d for d in re.findall(r"stablehlo\.dot_general.*", text) if head in d]
+    assert len(dots) == 1
+    assert dots[0].endswith(f"-> tensor<4x{DENSE.vocab_size}xbf16>"), dots[0]
+    assert f"{head}bf16>" in dots[0] and "HIGHEST" not in dots[0]
+    assert not re.search(rf"stablehlo\.convert .*: \({re.escape(head)}bf16>\) -> {re.escape(head)}f32>", text)
+    for dot in re.findall(r"stablehlo\.dot_general.*", text):  # no layer's dot widens its 16-bit operands either
+        operands, result = dot.split(" : ")[-1].split(" -> ")
+        assert not ("bf16" in operands and result.endswith("xf32>")), dot[:200]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_logits_match_float64(dtype):
+    """The LM head reads the [V, E] weight once: float32 logits agree with float64 (the float32 dot
+    is full precision whatever the caller's matmul precision, so on a GPU too); bfloat16 logits are
+    the float64 product rounded once to bfloat16."""
+    runner = make_runner(DENSE, "reference", dtype=dtype)
     model = runner.model()
-    h = jax.random.normal(jax.random.key(0), (3, DENSE.hidden_size), jnp.float32)
+    h = jax.random.normal(jax.random.key(0), (3, DENSE.hidden_size), jnp.float32).astype(dtype)
     got = np.asarray(model.logits(h))
-    x = np.asarray(h, np.float64)
-    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + DENSE.rms_norm_eps) * np.asarray(model.final_norm[...])
-    want = x @ np.asarray(model.lm_head[...], np.float64).T
+    x = np.asarray(h.astype(jnp.float32), np.float64)
+    norm = np.asarray(model.final_norm[...].astype(jnp.float32), np.float64)
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + DENSE.rms_norm_eps) * norm
+    want = x @ np.asarray(model.lm_head[...].astype(jnp.float32), np.float64).T
     assert got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        cuda = jax.jit(model.logits).trace(h).lower(lowering_platforms=("cuda",)).as_text()
+        assert "precision = [HIGHEST, HIGHEST]" in cuda  # called outside the engine's precision context
+    else:  # the normed h rounds to bfloat16 too: a few bfloat16 ulps of the largest logit
+        np.testing.assert_allclose(got, want, rtol=0, atol=3 * 2.0 ** -8 * np.abs(want).max())
 
 
 def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles(smol_llm):

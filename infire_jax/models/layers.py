@@ -30,6 +30,21 @@ def rms_norm(x: Float[Array, "... E"], weight: Float[Array, "E"], eps: float) ->
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
+def head_logits(h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Array, "S V"]:
+    """h times the [V, E] head (read in place, never transposed), as float32 logits.
+
+    A 16-bit head: a dot in the head's dtype (XLA GPU's cuBLAS call accumulates in float32), its
+    output cast to float32 afterwards, as vLLM does. A dot whose output is wider than its operands
+    (`preferred_element_type=float32`) is what XLA's OperandUpcaster rewrites into float32 operands:
+    on the GPU that converted the whole head to float32 every step (1.1 ms), then read it again.
+    A float32 head: full precision named on the dot itself, so no caller's context can make it TF32.
+    """
+    dims = (((1,), (1,)), ((), ()))
+    if head.dtype == jnp.float32:
+        return jax.lax.dot_general(h.astype(jnp.float32), head, dims, precision=jax.lax.Precision.HIGHEST)
+    return jax.lax.dot_general(h.astype(head.dtype), head, dims).astype(jnp.float32)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse RoPE frequencies [head_dim/2], with linear or Llama-3 scaling applied."""
     d = cfg.head_dim

@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 from infire_jax.compression.resident import PaletteParams, ResidentLayout, decode_layer
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
@@ -314,14 +314,13 @@ class Llama(nnx.Module):
         return run_sharded(stack, plan, weights, self.layers.axes(), h, kv, meta, cos, sin)
 
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        """Final norm and LM head: the head is read once in the weights' dtype, with float32
-        accumulation and float32 logits (no converted or transposed copy of the head; on CPU a
-        bfloat16 head goes through the FFI call, where XLA would convert it whole every step)."""
+        """Final norm and LM head (`head_logits`): float32 logits, the head read once in place (on
+        CPU a bfloat16 head goes through the FFI call, where XLA would convert it whole every step)."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
         if plan is None and cpu_matmul.head_applies(h.shape[0], head):
             return cpu_matmul.head_matmul(h, head)
-        return jax.lax.dot_general(h, head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return head_logits(h, head)
 
     def __call__(
         self,

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig, RopeScaling
-from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.llama import KVPages, dense_mlp, project_qkv
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
@@ -110,9 +110,8 @@ class Eagle3Head(nnx.Module):
         return h + dense_mlp(mlp, rms_norm(h, self.mlp_norm[...], eps)), (k_pages, v_pages)
 
     def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S Vd"]:
-        """Draft-vocabulary logits in float32 (the head read once in its dtype)."""
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
-        return jax.lax.dot_general(h, self.lm_head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        """Draft-vocabulary logits in float32 (`head_logits`: the head read once in its dtype)."""
+        return head_logits(rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps), self.lm_head[...])
 
 
 class Eagle3Proposal(NamedTuple):
