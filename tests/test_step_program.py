@@ -25,7 +25,7 @@ from infire_jax.quant.resident import quantize_int8
 from infire_jax.runner import ModelRunner, RunnerConfig
 from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.scheduler import SchedulerOutput
-from pallas_kernels import cpu_kernels
+from pallas_kernels import cpu_kernels, placement
 
 DENSE = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=8, num_kv_heads=2, head_dim=32)
@@ -212,17 +212,19 @@ def test_forward_compiles_without_conditionals_on_cpu():
     assert sum('"known_trip_count":{"n":"2"}' in line for line in loops) == 1  # the scan over 2 layers
 
 
-def cuda_forward_text(dtype) -> str:
-    """The forward of the smallest bucket, lowered for CUDA (no GPU needed): the StableHLO a GPU compiles."""
+def cuda_forward_text(dtype, monkeypatch) -> str:
+    """The forward of the smallest bucket as a GPU traces it, lowered for CUDA (no GPU needed): the
+    StableHLO a GPU compiles."""
+    monkeypatch.setattr(placement, "platform", lambda: "gpu")
     runner = make_runner(DENSE, "reference", dtype=dtype)
     batch = runner._build(SchedulerOutput([], []), runner.rc.buckets.shapes[0])
     return runner._forward.trace(runner.state, runner.cache, batch).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_float32_engine_dots_run_at_full_precision_on_a_gpu():
+def test_float32_engine_dots_run_at_full_precision_on_a_gpu(monkeypatch):
     """A float32 engine's dots, the LM head's included, are float32 at HIGHEST precision in the
     program a GPU compiles (XLA on a GPU would use TF32 by default)."""
-    dots = re.findall(r"stablehlo\.dot_general.*", cuda_forward_text(jnp.float32))
+    dots = re.findall(r"stablehlo\.dot_general.*", cuda_forward_text(jnp.float32, monkeypatch))
     assert len(dots) >= 5  # q/k/v, attention (2), o, gate/up, down, LM head
     head = f"tensor<{DENSE.vocab_size}x{DENSE.hidden_size}xf32>"
     assert sum(head in dot for dot in dots) == 1
@@ -231,11 +233,11 @@ def test_float32_engine_dots_run_at_full_precision_on_a_gpu():
         assert "bf16" not in dot.split(" : ")[-1], dot[:200]
 
 
-def test_bfloat16_head_is_read_in_bfloat16_on_a_gpu():
+def test_bfloat16_head_is_read_in_bfloat16_on_a_gpu(monkeypatch):
     """The LM head's dot takes the bfloat16 head as it is stored and gives bfloat16, cast to float32
     after: no dot with a float32 result from 16-bit operands (XLA's OperandUpcaster turns those into
     float32 operands, which converted the whole head every step on the H100), no converted head."""
-    text = cuda_forward_text(jnp.bfloat16)
+    text = cuda_forward_text(jnp.bfloat16, monkeypatch)
     head = f"tensor<{DENSE.vocab_size}x{DENSE.hidden_size}x"
     dots = [d for d in re.findall(r"stablehlo\.dot_general.*", text) if head in d]
     assert len(dots) == 1
@@ -247,11 +249,13 @@ def test_bfloat16_head_is_read_in_bfloat16_on_a_gpu():
         assert not ("bf16" in operands and result.endswith("xf32>")), dot[:200]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_logits_match_float64(dtype):
+@pytest.mark.parametrize("dtype,platform", [(jnp.float32, "cpu"), (jnp.bfloat16, "cpu"), (jnp.bfloat16, "gpu")])
+def test_logits_match_float64(dtype, platform, monkeypatch):
     """The LM head reads the [V, E] weight once: float32 logits agree with float64 (the float32 dot
-    is full precision whatever the caller's matmul precision, so on a GPU too); bfloat16 logits are
-    the float64 product rounded once to bfloat16."""
+    is full precision whatever the caller's matmul precision, so on a GPU too); bfloat16 logits, in
+    either form (float32 output on CPU, bfloat16 output cast after elsewhere), within a few
+    bfloat16 roundings of float64."""
+    monkeypatch.setattr(placement, "platform", lambda: platform)
     runner = make_runner(DENSE, "reference", dtype=dtype)
     model = runner.model()
     h = jax.random.normal(jax.random.key(0), (3, DENSE.hidden_size), jnp.float32).astype(dtype)
@@ -274,11 +278,10 @@ def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles():
     runs on a GPU machine too): every variant is compiled at warmup, and a mix of greedy, seeded
     top-p, penalty and logprob requests gives the branching engine's exact tokens. Both run decode
     bursts: here the GPU's, a fixed number of steps with branch-free samplers."""
-    from conftest import SMALL_ENGINE
-
     from infire_jax import LLM, SamplingParams
 
-    engine = dict(SMALL_ENGINE, model="dummy:smollm2-135m")
+    engine = dict(model="dummy:smollm2-135m", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                  max_model_len=128)
     cpu_like, gpu_like = LLM(**engine, branch_free_sampler=False), LLM(**engine, branch_free_sampler=True)
     assert gpu_like.engine.runner.rc.sampler_variants == BRANCH_FREE_VARIANTS
     assert gpu_like.engine.runner.rc.decode_steps == cpu_like.engine.runner.rc.decode_steps == 4

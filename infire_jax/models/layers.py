@@ -11,6 +11,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig
+from pallas_kernels import placement
 
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, init: str = "normal") -> nnx.Param:
@@ -33,16 +34,20 @@ def rms_norm(x: Float[Array, "... E"], weight: Float[Array, "E"], eps: float) ->
 def head_logits(h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Array, "S V"]:
     """h times the [V, E] head (read in place, never transposed), as float32 logits.
 
-    A 16-bit head: a dot in the head's dtype (XLA GPU's cuBLAS call accumulates in float32), its
-    output cast to float32 afterwards, as vLLM does. A dot whose output is wider than its operands
-    (`preferred_element_type=float32`) is what XLA's OperandUpcaster rewrites into float32 operands:
-    on the GPU that converted the whole head to float32 every step (1.1 ms), then read it again.
-    A float32 head: full precision named on the dot itself, so no caller's context can make it TF32.
+    A float32 head: full precision named on the dot itself, so no caller's context makes it TF32.
+    A 16-bit head off the CPU: a dot in the head's dtype (cuBLAS accumulates in float32), its output
+    cast to float32 after, as vLLM does. XLA's OperandUpcaster rewrites a dot whose output is wider
+    than its operands into float32 operands: on an H100 that converted the whole head to float32
+    every step (1.1 ms), then read it again. On the CPU it is the other way round (XLA converts the
+    head of a bfloat16-output dot whole, hoisted out of a decode burst): there the dot gives float32.
     """
     dims = (((1,), (1,)), ((), ()))
     if head.dtype == jnp.float32:
         return jax.lax.dot_general(h.astype(jnp.float32), head, dims, precision=jax.lax.Precision.HIGHEST)
-    return jax.lax.dot_general(h.astype(head.dtype), head, dims).astype(jnp.float32)
+    h = h.astype(head.dtype)
+    if placement.platform() == "cpu":
+        return jax.lax.dot_general(h, head, dims, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(h, head, dims).astype(jnp.float32)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
