@@ -78,10 +78,11 @@ def rope_tables(inv_freq: np.ndarray, positions: Int[Array, "T"]) -> tuple[Float
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: Float[Array, "T H D"], cos: Float[Array, "T half"], sin: Float[Array, "T half"]) -> Float[Array, "T H D"]:
+def apply_rope(x: Float[Array, "T *H D"], cos: Float[Array, "T half"], sin: Float[Array, "T half"]) -> Float[Array, "T *H D"]:
     """Rotary embedding in the HF "rotate half" layout (GGUF's interleaved q/k are unpermuted at load)."""
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
+    heads = (1,) * (x.ndim - 2)  # [T, H, D], or [T, Hkv, G, D]
+    c, s = cos.reshape(cos.shape[0], *heads, half), sin.reshape(sin.shape[0], *heads, half)
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig, RopeScaling
-from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import head_logits, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.llama import KVPages, dense_mlp, project_qkv
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
@@ -100,9 +100,8 @@ class Eagle3Head(nnx.Module):
         normed = rms_norm(hidden, self.hidden_norm[...], eps)
         residual = normed if cfg.norm_before_residual else hidden
         x = jnp.concatenate([rms_norm(emb, self.input_norm[...], eps), normed], axis=-1)
-        q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False)
-        cos, sin = rope_tables(rope_inv_freq(cfg.layer_config), meta.positions)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rope = rope_tables(rope_inv_freq(cfg.layer_config), meta.positions)
+        q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False, rope)
         o, k_pages, v_pages = paged_attention(q, k, v, *kv, jnp.int32(0), meta, scale=cfg.head_dim ** -0.5,
                                               impl=attn_impl)
         h = residual + jnp.einsum("thd,hde->te", o, self.wo[...])
