@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 from infire_jax.models.config import ModelConfig, RopeScaling
 from infire_jax.models.layers import head_logits, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.llama import KVPages, dense_mlp, project_qkv
-from pallas_kernels.attention import paged_attention
+from pallas_kernels.attention import decode_only_steps, paged_attention
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 
 
@@ -221,7 +221,8 @@ def eagle3_propose(
         return (kv, h, token), (token, probs, logits)
 
     xs = (jnp.arange(1, num_draft), None if keys is None else keys[1:])
-    (kv, _, _), (tokens_n, probs_n, logits_n) = jax.lax.scan(step, (kv, h, token), xs, length=num_draft - 1)
+    with decode_only_steps():  # chained steps: a token a row, no prefill kernel
+        (kv, _, _), (tokens_n, probs_n, logits_n) = jax.lax.scan(step, (kv, h, token), xs, length=num_draft - 1)
 
     def stack(first, rest):
         return jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
