@@ -247,6 +247,7 @@ def test_bfloat16_head_is_read_in_bfloat16_on_a_gpu(monkeypatch):
     for dot in re.findall(r"stablehlo\.dot_general.*", text):  # no layer's dot widens its 16-bit operands either
         operands, result = dot.split(" : ")[-1].split(" -> ")
         assert not ("bf16" in operands and result.endswith("xf32>")), dot[:200]
+        assert "HIGHEST" not in dot, dot[:200]  # a bfloat16 engine leaves XLA's default precision
 
 
 @pytest.mark.parametrize("dtype,platform", [(jnp.float32, "cpu"), (jnp.bfloat16, "cpu"), (jnp.bfloat16, "gpu")])
