@@ -8,7 +8,8 @@ import jax
 
 
 def platform() -> str:
+    """"cpu", "gpu" or "tpu", as `jax.default_backend()` names them."""
     device = jax.config.jax_default_device
     if device is None:
         return jax.default_backend()
-    return device if isinstance(device, str) else device.platform
+    return jax.devices(device)[0].platform if isinstance(device, str) else device.platform
