@@ -78,7 +78,8 @@ def rope_tables(inv_freq: np.ndarray, positions: Int[Array, "T"]) -> tuple[Float
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: Float[Array, "T *H D"], cos: Float[Array, "T half"], sin: Float[Array, "T half"]) -> Float[Array, "T *H D"]:
+def apply_rope(x: Float[Array, "T *H D"], cos: Float[Array, "T half"],
+               sin: Float[Array, "T half"]) -> Float[Array, "T *H D"]:
     """Rotary embedding in the HF "rotate half" layout (GGUF's interleaved q/k are unpermuted at load)."""
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32)
