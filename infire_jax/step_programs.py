@@ -22,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int
 from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs, StepBatch
 from infire_jax.sampler import SamplerOutput, SamplingInputs, no_logprobs, sample
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
+from pallas_kernels.attention import decode_only_steps
 from pallas_kernels.reference import from_storage, to_storage
 from sharding.plan import ShardPlan
 
@@ -155,7 +156,8 @@ def burst_step_batch(b: StepBatch, k: Int[Array, ""], active: Bool[Array, "S"], 
 def decode_burst(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, precision: str, variant: str,
                  num_steps: int, early_exit: bool, state: nnx.State, cache: DeviceCache, b: StepBatch,
                  burst: BurstInputs) -> tuple[DeviceCache, BurstOutput]:
-    """Up to `num_steps` decode steps of the rows of `b` (one token each) in one program: row i
+    """Up to `num_steps` decode steps of the rows of `b` (one token each, so attention runs its
+    decode kernel alone: `decode_only_steps`) in one program: row i
     takes at most burst.num_steps[i] and stops after sampling one of its stop ids. With
     `early_exit` (CPU) the loop ends once no row is active; without it (GPU) the loop has a known
     trip count, which XLA GPU runs without copying a predicate to the host every trip."""
@@ -190,7 +192,7 @@ def decode_burst(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None,
 
     out = BurstOutput(columns(jnp.zeros(rows, jnp.int32)), None, columns(lp), columns(top_ids), columns(top_lp))
     carry = (cache, burst.num_steps > 0, jnp.zeros(rows, jnp.int32), out)
-    with jax.default_matmul_precision(precision):
+    with jax.default_matmul_precision(precision), decode_only_steps():
         if early_exit:
             def going(c):
                 return (c[0] < num_steps) & jnp.any(c[1][1])

@@ -7,22 +7,34 @@ CPU test suite checks the GPU path, down to a whole model forward.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import cpu_attention, ragged_attention, reference
+from pallas_kernels import cpu_attention, placement, ragged_attention, reference
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.triton_backend import check_supported
 
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+# Part of jit's cache keys (unlike a Python context variable): a function traced under it and
+# outside it again is traced twice, never given the other's program.
+_DECODE_ONLY = jax.make_user_context(default_value=False)
+
+
+def decode_only_steps() -> contextlib.AbstractContextManager:
+    """What is traced inside is a step whose every row is one token (a decode burst's): the Pallas
+    path then launches no prefill kernel. A fact of the program, known while tracing it, so the
+    choice costs no `lax.cond` (which on XLA GPU copies its predicate to the host)."""
+    return _DECODE_ONLY(True)
 
 
 def resolve_impl(impl: str) -> str:
-    """Maps "auto" to the best implementation for the default backend; other names pass through."""
+    """Maps "auto" to the best implementation for the platform a call runs on; other names pass through."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose one of {IMPLS}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if placement.platform() == "gpu" else "reference"
     return impl
 
 
@@ -63,5 +75,6 @@ def paged_attention(
         return reference.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale)
     if impl in ("pallas", "pallas_interpret"):
         return ragged_attention.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
-                                                       interpret=impl == "pallas_interpret")
+                                                       interpret=impl == "pallas_interpret",
+                                                       decode_only=_DECODE_ONLY.value)
     raise ValueError(f"unresolved attention implementation {impl!r}; call resolve_impl first")

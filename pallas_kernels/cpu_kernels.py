@@ -23,6 +23,8 @@ import tempfile
 
 import jax
 
+from pallas_kernels import placement
+
 log = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
@@ -102,7 +104,7 @@ def require() -> None:
 
 def on_cpu() -> bool:
     """Whether a call traced now runs on the CPU with the kernels there."""
-    return jax.default_backend() == "cpu" and available()
+    return placement.platform() == "cpu" and available()
 
 
 @functools.cache

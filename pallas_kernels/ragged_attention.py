@@ -4,7 +4,8 @@ A step mixes single-token rows and prefill chunks. Three launches serve it: the 
 then decode attention (split-K, GQA group as the tile rows) for single-token rows and ragged
 prefill attention for multi-token rows, both reading every key, this step's included, from the
 pages. Each launch skips the rows that are not its own, so the step's cost follows its mix and no
-shape depends on it. Padding tokens get a zero output.
+shape depends on it. Padding tokens get a zero output. A step known to hold single-token rows
+alone (`decode_only`, static) launches the KV write and the decode kernel only.
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ def ragged_paged_attention(
     *,
     scale: float,
     interpret: bool = False,
+    decode_only: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
-    """Same contract as `reference.ragged_paged_attention`, on Pallas kernels."""
+    """Same contract as `reference.ragged_paged_attention`, on Pallas kernels. With `decode_only`
+    every row must be one token: the decode kernel's output is then the step's (0 for padding)."""
     check_supported(q.shape[2], q.shape[1], k.shape[1], k_pages.dtype)
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, layer, k, v, meta.slot_mapping, interpret=interpret)
     decoded, is_decode = decode_attention(q, k_pages, v_pages, layer, meta, scale=scale, interpret=interpret)
+    if decode_only:
+        return decoded, k_pages, v_pages
     prefilled, _ = prefill_attention(q, k_pages, v_pages, layer, meta, scale=scale, interpret=interpret)
     return jnp.where(is_decode[:, None, None], decoded, prefilled), k_pages, v_pages

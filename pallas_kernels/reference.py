@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import placement
 from pallas_kernels.metadata import AttentionMetadata
 
 # Positions per part-A block: large enough that the loop overhead is small on CPU, but the
@@ -47,7 +48,7 @@ def pool_storage_dtype(dtype, attn_impl: str):
     layers, against 0.1 ms for the same bits scattered as uint16; docs/PERFORMANCE.md). When this reference runs
     on CPU, a bfloat16 pool is held as its bit pattern, uint16, and read back with a bitcast; the
     Pallas kernels always get the pool in its own dtype."""
-    on_cpu = attn_impl == "reference" and jax.default_backend() == "cpu"
+    on_cpu = attn_impl == "reference" and placement.platform() == "cpu"
     return jnp.uint16 if on_cpu and jnp.dtype(dtype) == jnp.bfloat16 else dtype
 
 

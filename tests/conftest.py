@@ -34,3 +34,13 @@ def hf_smol(default_gguf):
         os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf), dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture
+def cpu_device():
+    """Runs a test on the CPU device, kernel choices included (`pallas_kernels.placement`): CPU-kernel
+    tests then check the CPU path on a GPU machine too; where the CPU is the default, nothing changes."""
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

@@ -22,6 +22,7 @@ from infire_jax.models.registry import build_state
 from infire_jax.speculative.eagle3 import eagle3_propose
 from infire_jax.speculative.eagle3_loader import load_eagle3
 from pallas_kernels.metadata import AttentionMetadata
+from test_kernels import pallas_kernel_names
 
 PS = 8  # page size
 SMOL = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64)  # SmolLM2-135M's shape
@@ -228,6 +229,10 @@ def test_pallas_kernels_draft_as_the_reference_does(checkpoint):
             for impl in ("reference", "pallas_interpret")]
     np.testing.assert_array_equal(outs[0].token_ids[:2], outs[1].token_ids[:2])
     np.testing.assert_allclose(outs[0].draft_logits[:2], outs[1].draft_logits[:2], rtol=1e-4, atol=1e-4)
+    jaxpr = jax.make_jaxpr(lambda state, *a: eagle3_propose(nnx.merge(graphdef, state), *a, num_draft=3,
+                                                           attn_impl="pallas_interpret"))(state, *args).jaxpr
+    kernels = ["write_kv_pages", "paged_decode_attention", "paged_prefill_attention"]
+    assert pallas_kernel_names(jaxpr) == kernels + kernels[:2]  # the chained steps: a token a row, no prefill
 
 
 def test_loader_reads_variants_and_names_what_is_wrong(checkpoint, tmp_path):

@@ -23,7 +23,7 @@ from flax import nnx
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
 from pallas_kernels import benchmark, reference
-from pallas_kernels.attention import IMPLS, paged_attention, resolve_impl
+from pallas_kernels.attention import IMPLS, decode_only_steps, paged_attention, resolve_impl
 from pallas_kernels.decode_attention import choose_num_splits, decode_attention
 from pallas_kernels.kv_write import write_kv_pages
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
@@ -315,6 +315,45 @@ def test_pallas_path_matches_module_reference(shapes):
                                       np.asarray(ref_pages.astype(jnp.float32))[:, 1:])
 
 
+def pallas_kernel_names(jaxpr) -> list[str]:
+    names = [e.params["name"] for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    for e in jaxpr.eqns:
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            names += pallas_kernel_names(sub)
+    return names
+
+
+def test_decode_only_steps_launch_the_decode_kernel_alone():
+    """Single-token rows and padding, traced under `decode_only_steps` (a decode burst): the KV write
+    and the decode kernel only, and bit for bit the outputs and pools of the mixed path."""
+    shapes = SHAPES[1]
+    rng = np.random.default_rng(4)
+    ps, d, hkv = shapes.page_size, shapes.head_dim, shapes.num_kv_heads
+    rows = ((13, 1), (37, 1), (0, 1), (150, 1))
+    sizes = [-(-(ctx + n) // ps) for ctx, n in rows]
+    pages = np.split(NULL_PAGE + 1 + rng.permutation(sum(sizes)), np.cumsum(sizes)[:-1])
+    meta = device_meta(build_metadata(rows, pages, num_tokens=6, num_rows=5, page_size=ps, width=max(sizes)))
+
+    def rand(*shape):
+        return device(rng.standard_normal(shape), shapes)
+
+    pool = rand(NUM_LAYERS, 1 + sum(sizes), ps, hkv, d)
+    args = (rand(6, shapes.num_q_heads, d), rand(6, hkv, d), rand(6, hkv, d), pool, pool + 1, jnp.int32(LAYER), meta)
+
+    def step(*a):
+        return paged_attention(*a, scale=d ** -0.5, impl="pallas_interpret")
+
+    mixed = step(*args)
+    assert pallas_kernel_names(jax.make_jaxpr(step)(*args).jaxpr) == [
+        "write_kv_pages", "paged_decode_attention", "paged_prefill_attention"]
+    with decode_only_steps():
+        alone = step(*args)
+        assert pallas_kernel_names(jax.make_jaxpr(step)(*args).jaxpr) == ["write_kv_pages", "paged_decode_attention"]
+    assert np.asarray(mixed[0].astype(jnp.float32))[:4].any()
+    for got, want in zip(alone, mixed):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
 def round_to_tf32(x: np.ndarray) -> np.ndarray:
     """float32 values rounded to TF32's 10 mantissa bits (what a TF32 tensor core multiplies)."""
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
@@ -422,6 +461,23 @@ def test_resolve_impl():
         assert resolve_impl(name) == name
     with pytest.raises(ValueError, match="unknown attention implementation"):
         resolve_impl("flash")
+
+
+def test_a_cpu_pinned_call_takes_the_cpu_kernels_on_a_gpu_machine(monkeypatch):
+    """Kernel choices follow `jax.default_device`, not only the default backend: under a CPU pin on
+    a GPU machine (simulated here), a call takes the CPU path, so CPU-kernel tests run there too."""
+    from infire_jax.models import palette_kernels, quant_kernels
+    from pallas_kernels import cpu_kernels, placement
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("INFIRE_JAX_QUANT_MATMUL", raising=False)
+    assert placement.platform() == "gpu" and resolve_impl("auto") == "pallas" and not cpu_kernels.on_cpu()
+    assert palette_kernels.palette_kernel_here() == palette_kernels.TILES and quant_kernels.dense_impl() == "pallas"
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert placement.platform() == "cpu" and resolve_impl("auto") == "reference"
+        assert cpu_kernels.on_cpu() == cpu_kernels.available()
+        assert palette_kernels.palette_kernel_here() != palette_kernels.TILES
+        assert quant_kernels.dense_impl() == ("cpu" if cpu_kernels.available() else "xla")
 
 
 def test_head_dim_the_kernels_cannot_tile_is_refused():

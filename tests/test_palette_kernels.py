@@ -2,7 +2,9 @@
 (infire_jax/models/palette_kernels.py): the CPU kernel (`cpu_matmul.palette_matmul`, panels) bitwise
 against the panel matmul of the decoded weights, the GPU kernel (`pallas_kernels.palette_matmul`,
 tiles; Pallas interpret mode here) against float64, and models coded for either against the plain
-bfloat16 model. The engine-level check is tests/test_compression.py (bitwise the bfloat16 engine)."""
+bfloat16 model. The engine-level check is tests/test_compression.py (bitwise the bfloat16 engine).
+Every test runs on the CPU device (the `cpu_device` fixture), a GPU machine's too: the CPU kernel
+where it is, the GPU kernel in interpret mode."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from pallas_kernels import cpu_matmul
 from pallas_kernels import palette_matmul as gpu_palette
 from test_cpu_matmul import needs_bf16_dot
 from test_cpu_panels import CFG, DENSE, _two_steps
+
+pytestmark = pytest.mark.usefixtures("cpu_device")
 
 
 def _coded(w: np.ndarray, kernel: str) -> KernelPaletteWeight:

@@ -25,7 +25,7 @@ from infire_jax.quant.resident import quantize_int8
 from infire_jax.runner import ModelRunner, RunnerConfig
 from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.scheduler import SchedulerOutput
-from pallas_kernels import cpu_kernels
+from pallas_kernels import cpu_kernels, placement
 
 DENSE = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=8, num_kv_heads=2, head_dim=32)
@@ -119,6 +119,17 @@ def test_gpu_decode_burst_loops_a_known_number_of_times(variant):
     assert not prims & {"cond", "while"}, prims & {"cond", "while"}
 
 
+def test_gpu_decode_burst_launches_the_decode_kernel_alone():
+    """Every row of a burst is one token, a fact of its program: one attention kernel a layer, the
+    decode one (the prefill kernel took 0.26 ms of each H100 decode step for nothing); a forward of
+    the same bucket, which may hold a prompt chunk, keeps both."""
+    runner = make_runner(DENSE, "pallas", decode_steps=4)
+    both = ["write_kv_pages", "paged_decode_attention", "paged_prefill_attention"]
+    assert kernel_names(forward_jaxpr(runner, 4)) == both  # the layer scan's body, once
+    assert kernel_names(burst_jaxpr(runner, BRANCH_FREE_VARIANTS[0])) == both[:2]
+    assert kernel_names(forward_jaxpr(runner, 4)) == both  # traced again after the burst: its own program
+
+
 def test_cpu_decode_burst_ends_when_every_row_has_stopped():
     """On CPU the host runs the loop anyway, so the burst is a while that ends once no row is active."""
     runner = make_runner(DENSE, "reference", variants=(BRANCHING,), decode_steps=4)
@@ -201,52 +212,86 @@ def test_forward_compiles_without_conditionals_on_cpu():
     assert sum('"known_trip_count":{"n":"2"}' in line for line in loops) == 1  # the scan over 2 layers
 
 
-@pytest.mark.parametrize("dtype,want", [(jnp.float32, "HIGHEST"), (jnp.bfloat16, None)])
-def test_float32_engine_dots_run_at_full_precision(dtype, want):
-    """A float32 engine asks for full-precision dots (XLA on a GPU would use TF32 by default);
-    a bfloat16 one leaves the default."""
+def cuda_forward_text(dtype, monkeypatch) -> str:
+    """The forward of the smallest bucket as a GPU traces it, lowered for CUDA (no GPU needed): the
+    StableHLO a GPU compiles."""
+    monkeypatch.setattr(placement, "platform", lambda: "gpu")
     runner = make_runner(DENSE, "reference", dtype=dtype)
-    shape = runner.rc.buckets.shapes[0]
-    text = runner._forward.lower(runner.state, runner.cache, runner._build(SchedulerOutput([], []), shape)).as_text()
-    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    batch = runner._build(SchedulerOutput([], []), runner.rc.buckets.shapes[0])
+    return runner._forward.trace(runner.state, runner.cache, batch).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_float32_engine_dots_run_at_full_precision_on_a_gpu(monkeypatch):
+    """A float32 engine's dots, the LM head's included, are float32 at HIGHEST precision in the
+    program a GPU compiles (XLA on a GPU would use TF32 by default)."""
+    dots = re.findall(r"stablehlo\.dot_general.*", cuda_forward_text(jnp.float32, monkeypatch))
     assert len(dots) >= 5  # q/k/v, attention (2), o, gate/up, down, LM head
+    head = f"tensor<{DENSE.vocab_size}x{DENSE.hidden_size}xf32>"
+    assert sum(head in dot for dot in dots) == 1
     for dot in dots:
-        if want:
-            assert f"precision = [{want}, {want}]" in dot, dot[:200]
-        else:
-            assert "HIGHEST" not in dot
+        assert "precision = [HIGHEST, HIGHEST]" in dot, dot[:200]
+        assert "bf16" not in dot.split(" : ")[-1], dot[:200]
 
 
-def test_float32_logits_match_float64_on_cpu():
-    """The LM head reads the [V, E] weight once with float32 accumulation: logits agree with float64."""
-    runner = make_runner(DENSE, "reference")
+def test_bfloat16_head_is_read_in_bfloat16_on_a_gpu(monkeypatch):
+    """The LM head's dot takes the bfloat16 head as it is stored and gives bfloat16, cast to float32
+    after: no dot with a float32 result from 16-bit operands (XLA's OperandUpcaster turns those into
+    float32 operands, which converted the whole head every step on the H100), no converted head."""
+    text = cuda_forward_text(jnp.bfloat16, monkeypatch)
+    head = f"tensor<{DENSE.vocab_size}x{DENSE.hidden_size}x"
+    dots = [d for d in re.findall(r"stablehlo\.dot_general.*", text) if head in d]
+    assert len(dots) == 1
+    assert dots[0].endswith(f"-> tensor<4x{DENSE.vocab_size}xbf16>"), dots[0]
+    assert f"{head}bf16>" in dots[0] and "HIGHEST" not in dots[0]
+    assert not re.search(rf"stablehlo\.convert .*: \({re.escape(head)}bf16>\) -> {re.escape(head)}f32>", text)
+    for dot in re.findall(r"stablehlo\.dot_general.*", text):  # no layer's dot widens its 16-bit operands either
+        operands, result = dot.split(" : ")[-1].split(" -> ")
+        assert not ("bf16" in operands and result.endswith("xf32>")), dot[:200]
+        assert "HIGHEST" not in dot, dot[:200]  # a bfloat16 engine leaves XLA's default precision
+
+
+@pytest.mark.parametrize("dtype,platform", [(jnp.float32, "cpu"), (jnp.bfloat16, "cpu"), (jnp.bfloat16, "gpu")])
+def test_logits_match_float64(dtype, platform, monkeypatch):
+    """The LM head reads the [V, E] weight once: float32 logits agree with float64 (the float32 dot
+    is full precision whatever the caller's matmul precision, so on a GPU too); bfloat16 logits, in
+    either form (float32 output on CPU, bfloat16 output cast after elsewhere), within a few
+    bfloat16 roundings of float64."""
+    monkeypatch.setattr(placement, "platform", lambda: platform)
+    runner = make_runner(DENSE, "reference", dtype=dtype)
     model = runner.model()
-    h = jax.random.normal(jax.random.key(0), (3, DENSE.hidden_size), jnp.float32)
+    h = jax.random.normal(jax.random.key(0), (3, DENSE.hidden_size), jnp.float32).astype(dtype)
     got = np.asarray(model.logits(h))
-    x = np.asarray(h, np.float64)
-    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + DENSE.rms_norm_eps) * np.asarray(model.final_norm[...])
-    want = x @ np.asarray(model.lm_head[...], np.float64).T
+    x = np.asarray(h.astype(jnp.float32), np.float64)
+    norm = np.asarray(model.final_norm[...].astype(jnp.float32), np.float64)
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + DENSE.rms_norm_eps) * norm
+    want = x @ np.asarray(model.lm_head[...].astype(jnp.float32), np.float64).T
     assert got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        cuda = jax.jit(model.logits).trace(h).lower(lowering_platforms=("cuda",)).as_text()
+        assert "precision = [HIGHEST, HIGHEST]" in cuda  # called outside the engine's precision context
+    else:  # the normed h rounds to bfloat16 too: a few bfloat16 ulps of the largest logit
+        np.testing.assert_allclose(got, want, rtol=0, atol=3 * 2.0 ** -8 * np.abs(want).max())
 
 
-def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles(smol_llm):
-    """The GPU configuration on the real model: every variant is compiled at warmup, and a mix of
-    greedy, seeded top-p, penalty and logprob requests gives the CPU engine's exact tokens. Both run
-    decode bursts: here the GPU's, a fixed number of steps with branch-free samplers."""
-    from conftest import SMALL_ENGINE
-
+def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles():
+    """The GPU configuration on the default model's shapes (random weights: no model file, so this
+    runs on a GPU machine too): every variant is compiled at warmup, and a mix of greedy, seeded
+    top-p, penalty and logprob requests gives the branching engine's exact tokens. Both run decode
+    bursts: here the GPU's, a fixed number of steps with branch-free samplers."""
     from infire_jax import LLM, SamplingParams
 
-    gpu_like = LLM(**SMALL_ENGINE, branch_free_sampler=True)
+    engine = dict(model="dummy:smollm2-135m", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                  max_model_len=128)
+    cpu_like, gpu_like = LLM(**engine, branch_free_sampler=False), LLM(**engine, branch_free_sampler=True)
     assert gpu_like.engine.runner.rc.sampler_variants == BRANCH_FREE_VARIANTS
-    assert gpu_like.engine.runner.rc.decode_steps == smol_llm.engine.runner.rc.decode_steps == 4
+    assert gpu_like.engine.runner.rc.decode_steps == cpu_like.engine.runner.rc.decode_steps == 4
     prompts = ["The capital of France is", "List three fruits:", "Once upon a time"]
     params = [SamplingParams(max_tokens=12, temperature=0),
               SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=5, logprobs=2),
               SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.3, seed=9)]
     for batch in ([params[0]] * 3, params):  # the greedy variant alone, then a mixed batch
-        want = smol_llm.generate(prompts, batch)
+        want = cpu_like.generate(prompts, batch)
         got = gpu_like.generate(prompts, batch)
         for a, b in zip(got, want):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids

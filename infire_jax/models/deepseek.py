@@ -32,7 +32,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
 from infire_jax.models.kv_entry import kv_entry
-from infire_jax.models.layers import apply_rope, param, rms_norm, rope_tables
+from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_tables
 from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
@@ -203,7 +203,7 @@ class DeepseekV3(nnx.Module):
     def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S V"]:
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return jax.lax.dot_general(h, head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return head_logits(h, head)
 
     def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
                  *, attn_impl: str, plan: ShardPlan | None = None) -> tuple[Float[Array, "S V"], KVPages]:

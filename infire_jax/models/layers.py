@@ -11,6 +11,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig
+from pallas_kernels import placement
 
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, init: str = "normal") -> nnx.Param:
@@ -28,6 +29,25 @@ def rms_norm(x: Float[Array, "... E"], weight: Float[Array, "E"], eps: float) ->
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def head_logits(h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Array, "S V"]:
+    """h times the [V, E] head (read in place, never transposed), as float32 logits.
+
+    A float32 head: full precision named on the dot itself, so no caller's context makes it TF32.
+    A 16-bit head off the CPU: a dot in the head's dtype (cuBLAS accumulates in float32), its output
+    cast to float32 after, as vLLM does. XLA's OperandUpcaster rewrites a dot whose output is wider
+    than its operands into float32 operands: on an H100 that converted the whole head to float32
+    every step (1.1 ms), then read it again. On the CPU it is the other way round (XLA converts the
+    head of a bfloat16-output dot whole, hoisted out of a decode burst): there the dot gives float32.
+    """
+    dims = (((1,), (1,)), ((), ()))
+    if head.dtype == jnp.float32:
+        return jax.lax.dot_general(h.astype(jnp.float32), head, dims, precision=jax.lax.Precision.HIGHEST)
+    h = h.astype(head.dtype)
+    if placement.platform() == "cpu":
+        return jax.lax.dot_general(h, head, dims, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(h, head, dims).astype(jnp.float32)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -58,10 +78,12 @@ def rope_tables(inv_freq: np.ndarray, positions: Int[Array, "T"]) -> tuple[Float
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: Float[Array, "T H D"], cos: Float[Array, "T half"], sin: Float[Array, "T half"]) -> Float[Array, "T H D"]:
+def apply_rope(x: Float[Array, "T *H D"], cos: Float[Array, "T half"],
+               sin: Float[Array, "T half"]) -> Float[Array, "T *H D"]:
     """Rotary embedding in the HF "rotate half" layout (GGUF's interleaved q/k are unpermuted at load)."""
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
+    heads = (1,) * (x.ndim - 2)  # [T, H, D], or [T, Hkv, G, D]
+    c, s = cos.reshape(cos.shape[0], *heads, half), sin.reshape(sin.shape[0], *heads, half)
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

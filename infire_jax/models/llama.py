@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 from infire_jax.compression.resident import PaletteParams, ResidentLayout, decode_layer
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
@@ -180,13 +180,17 @@ def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E
     return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], "tf,fe->te")
 
 
-def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool) -> tuple[Array, Array, Array]:
-    """One GEMM for q, k and v: q [T, Hq, D] (head j*G + i is kv head j's i-th), k and v [T, Hkv, D]."""
+def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool,
+                rope: tuple[Array, Array] | None = None) -> tuple[Array, Array, Array]:
+    """One GEMM for q, k and v: q [T, Hq, D] (head j*G + i is kv head j's i-th), k and v [T, Hkv, D].
+    With `rope` (cos, sin), q and k come out rotated by one rotation of their common slice of the
+    GEMM's output: one rotation's ops a layer (its concatenate and converts), not two."""
     qkv = linear(x, lp["wqkv"], "te,ekgd->tkgd")
     if bias:
         qkv = qkv + lp["bqkv"]
     t, hkv, g2, d = qkv.shape
-    return qkv[:, :, :g2 - 2].reshape(t, hkv * (g2 - 2), d), qkv[:, :, g2 - 2], qkv[:, :, g2 - 1]
+    qk = qkv[:, :, :g2 - 1] if rope is None else apply_rope(qkv[:, :, :g2 - 1], *rope)
+    return qk[:, :, :g2 - 2].reshape(t, hkv * (g2 - 2), d), qk[:, :, g2 - 2], qkv[:, :, g2 - 1]
 
 
 def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
@@ -205,11 +209,12 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
         lp = decode_layer(dequantize_layer(lp, h.dtype))  # this layer's compressed / quantized weights, decoded
         lp = kernel_weights(lp, in_place or {}, idx, h.shape[0], cpu=red == Reductions())
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = project_qkv(lp, x, cfg.attention_bias)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cfg.qk_norm:  # q and k normed, each with its own weight, before their rotations
+            q, k, v = project_qkv(lp, x, cfg.attention_bias)
+            q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), cos, sin)
+            k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), cos, sin)
+        else:
+            q, k, v = project_qkv(lp, x, cfg.attention_bias, (cos, sin))
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=scale, impl=attn_impl,
                                               cpu_kernel=red == Reductions())
         h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
@@ -314,14 +319,13 @@ class Llama(nnx.Module):
         return run_sharded(stack, plan, weights, self.layers.axes(), h, kv, meta, cos, sin)
 
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        """Final norm and LM head: the head is read once in the weights' dtype, with float32
-        accumulation and float32 logits (no converted or transposed copy of the head; on CPU a
-        bfloat16 head goes through the FFI call, where XLA would convert it whole every step)."""
+        """Final norm and LM head (`head_logits`): float32 logits, the head read once in place (on
+        CPU a bfloat16 head goes through the FFI call, where XLA would convert it whole every step)."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
         if plan is None and cpu_matmul.head_applies(h.shape[0], head):
             return cpu_matmul.head_matmul(h, head)
-        return jax.lax.dot_general(h, head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return head_logits(h, head)
 
     def __call__(
         self,

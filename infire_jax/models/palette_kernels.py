@@ -29,7 +29,7 @@ from infire_jax.compression.palette import PaletteTensor, decode_palette_block, 
 from infire_jax.compression.resident import PaletteParams, ResidentLayout
 from infire_jax.compression.tiles import decode_tiles, encode_tile_stack
 from infire_jax.models.panels import pack, stack_view_shape
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_matmul, placement
 from pallas_kernels import palette_matmul as gpu_palette
 
 PANELS, TILES = "panels", "tiles"
@@ -57,7 +57,7 @@ def palette_kernel_here() -> str | None:
     """The kernel that decodes palette weights on this backend (one device), if any."""
     if cpu_matmul.palette_kernel():
         return PANELS
-    return TILES if jax.default_backend() == "gpu" else None
+    return TILES if placement.platform() == "gpu" else None
 
 
 def kernel_coding(name: str, w: np.ndarray) -> tuple[PaletteTensor, str] | None:
@@ -93,7 +93,7 @@ class KernelPaletteWeight:
         """x @ w[layer] in float32, decoded by the kernel."""
         if self.kernel == PANELS:
             return cpu_matmul.palette_matmul(x, *self.parts(), layer)
-        return gpu_palette.palette_matmul(x, *self.parts(), layer, interpret=jax.default_backend() != "gpu")
+        return gpu_palette.palette_matmul(x, *self.parts(), layer, interpret=placement.platform() != "gpu")
 
     def plain(self) -> Array:
         """One layer decoded to its weight in its einsum shape (for a step the kernel does not take)."""

@@ -30,7 +30,7 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
-from pallas_kernels import cpu_kernels, cpu_matmul
+from pallas_kernels import cpu_kernels, cpu_matmul, placement
 from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, supported
 
 MAX_DENSE_ROWS = 256
@@ -41,7 +41,7 @@ EXPERT_INPUTS = {"w_gate_up": 1, "w_down": 1}
 
 
 def dense_impl() -> str:
-    default = "pallas" if jax.default_backend() == "gpu" else "cpu" if cpu_kernels.on_cpu() else "xla"
+    default = "pallas" if placement.platform() == "gpu" else "cpu" if cpu_kernels.on_cpu() else "xla"
     impl = os.environ.get("INFIRE_JAX_QUANT_MATMUL", default)
     if impl not in DENSE_IMPLS:
         raise ConfigError(f"INFIRE_JAX_QUANT_MATMUL={impl!r}; choose one of {DENSE_IMPLS}")
@@ -51,14 +51,14 @@ def dense_impl() -> str:
 def default_grouped_impl() -> str:
     """`pallas` (the grouped kernel reading the layer's experts in place) on a GPU, `tiled` (moe.py's
     loop over row tiles) elsewhere, unless INFIRE_JAX_MOE_GROUPED says otherwise."""
-    impl = os.environ.get("INFIRE_JAX_MOE_GROUPED", "pallas" if jax.default_backend() == "gpu" else "tiled")
+    impl = os.environ.get("INFIRE_JAX_MOE_GROUPED", "pallas" if placement.platform() == "gpu" else "tiled")
     if impl not in GROUPED_IMPLS:
         raise ConfigError(f"INFIRE_JAX_MOE_GROUPED={impl!r}; choose one of {GROUPED_IMPLS}")
     return impl
 
 
 def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
+    return placement.platform() != "gpu"
 
 
 @dataclasses.dataclass(frozen=True)

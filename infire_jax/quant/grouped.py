@@ -36,6 +36,7 @@ from flax import nnx
 from jaxtyping import Array, Int, Shaped
 
 from infire_jax.weight_parts import WeightParts
+from pallas_kernels import placement
 
 # The input axis of each DeepSeek layer weight that a checkpoint may quantize, counted from the end:
 # wq_a [E, Rq], wq_b [Rq, H, Dq], wkv_a [E, R + Dr], w_uk/w_uv [R, H, D] (kv_b's input is the latent),
@@ -117,7 +118,7 @@ def expert_weight(stack: Array | Mapping[str, Array], g: Int[Array, ""], short: 
     """Expert `g` of a stacked expert weight [X, ...]: the float stack's slice as it is, or the kept
     parts' slices dequantized to `dtype`, so only this expert is built in full precision."""
     kept = is_kept(stack)
-    if kept or jax.default_backend() == "cpu":
+    if kept or placement.platform() == "cpu":
         # Tied to g, the stack is no longer loop invariant: XLA:CPU widens a bf16 or fp8 slice's whole
         # operand to float32 and would hoist that out of the loop, a float32 copy of every expert each
         # step (plain bf16 experts: 409 MB of temporaries and 14x slower at 8 tokens, docs/PERFORMANCE.md).

@@ -37,6 +37,7 @@ from infire_jax.models.kv_entry import kv_entry
 from infire_jax.request import Request
 from infire_jax.runner import RunnerConfig, kv_bytes_per_page
 from infire_jax.step_programs import StepForward, matmul_precision
+from pallas_kernels.attention import decode_only_steps
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 from pallas_kernels.reference import pool_storage_dtype
 
@@ -70,7 +71,7 @@ def _propose(graphdef, attn_impl: str, precision: str, k: int, page_size: int, s
         nxt = jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
         return (kv, nxt, pos + 1), nxt
 
-    with jax.default_matmul_precision(precision):
+    with jax.default_matmul_precision(precision), decode_only_steps():  # a token a row: no prefill kernel
         model = nnx.merge(graphdef, state)
         (kv, _, _), drafts = jax.lax.scan(one, (kv, tokens, positions), None, length=k)
     return kv, drafts.T

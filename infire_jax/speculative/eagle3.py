@@ -22,9 +22,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig, RopeScaling
-from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import head_logits, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.llama import KVPages, dense_mlp, project_qkv
-from pallas_kernels.attention import paged_attention
+from pallas_kernels.attention import decode_only_steps, paged_attention
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 
 
@@ -100,9 +100,8 @@ class Eagle3Head(nnx.Module):
         normed = rms_norm(hidden, self.hidden_norm[...], eps)
         residual = normed if cfg.norm_before_residual else hidden
         x = jnp.concatenate([rms_norm(emb, self.input_norm[...], eps), normed], axis=-1)
-        q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False)
-        cos, sin = rope_tables(rope_inv_freq(cfg.layer_config), meta.positions)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rope = rope_tables(rope_inv_freq(cfg.layer_config), meta.positions)
+        q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False, rope)
         o, k_pages, v_pages = paged_attention(q, k, v, *kv, jnp.int32(0), meta, scale=cfg.head_dim ** -0.5,
                                               impl=attn_impl)
         h = residual + jnp.einsum("thd,hde->te", o, self.wo[...])
@@ -110,9 +109,8 @@ class Eagle3Head(nnx.Module):
         return h + dense_mlp(mlp, rms_norm(h, self.mlp_norm[...], eps)), (k_pages, v_pages)
 
     def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S Vd"]:
-        """Draft-vocabulary logits in float32 (the head read once in its dtype)."""
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
-        return jax.lax.dot_general(h, self.lm_head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        """Draft-vocabulary logits in float32 (`head_logits`: the head read once in its dtype)."""
+        return head_logits(rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps), self.lm_head[...])
 
 
 class Eagle3Proposal(NamedTuple):
@@ -223,7 +221,8 @@ def eagle3_propose(
         return (kv, h, token), (token, probs, logits)
 
     xs = (jnp.arange(1, num_draft), None if keys is None else keys[1:])
-    (kv, _, _), (tokens_n, probs_n, logits_n) = jax.lax.scan(step, (kv, h, token), xs, length=num_draft - 1)
+    with decode_only_steps():  # chained steps: a token a row, no prefill kernel
+        (kv, _, _), (tokens_n, probs_n, logits_n) = jax.lax.scan(step, (kv, h, token), xs, length=num_draft - 1)
 
     def stack(first, rest):
         return jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
