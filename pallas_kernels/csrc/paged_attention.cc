@@ -7,8 +7,9 @@
 // (widened to float32) and its keys transposed once for all the item's G-headed queries, so a
 // query's 16 scores are one vector (no horizontal sums), folded into an online softmax (float32
 // scores, sums and exp). A token's result does not depend on the rest of the step. Padding tokens
-// (seq_ids[t] >= num_seqs) get zeros. The pool is float32, or uint16 holding bfloat16 bits
-// (widened exactly), as pool_storage_dtype keeps it.
+// (seq_ids[t] >= num_seqs) get zeros. The pool is float32, uint16 holding bfloat16 bits, or uint8
+// holding float8_e4m3fn bits (both widened exactly), as pool_storage_dtype keeps it; an fp8 pool's
+// scales are folded into q and the output by the caller (pallas_kernels/kv_quant.py).
 //
 // The reference attention (pallas_kernels/reference.py) gathers each row's pages into new arrays
 // every layer and runs as a string of small ops, one after another; here nothing is copied.
@@ -38,6 +39,23 @@ inline v16 load(const uint16_t* p) {  // bfloat16 bits: the top half of a float3
   h16 h; std::memcpy(&h, p, sizeof(h));
   const u16x bits = __builtin_convertvector(h, u16x) << 16;
   v16 v; std::memcpy(&v, &bits, sizeof(v)); return v;
+}
+// float8_e4m3fn bits: a normal code's exponent (bias 7) and mantissa shift into float32's and the
+// exponent is rebased by 120; a subnormal code (exponent 0) is mantissa * 2^-9. Bit 7 is the sign.
+// The pool never holds NaN (0x7f / 0xff): writes saturate to +-448.
+inline v16 load(const uint8_t* p) {
+  typedef uint8_t b16 __attribute__((vector_size(16)));
+  b16 b; std::memcpy(&b, p, sizeof(b));
+  const u16x u = __builtin_convertvector(b, u16x);
+  const u16x mag = u & 0x7fu;
+  const u16x normal = (mag << 20) + (120u << 23);
+  v16 nv; std::memcpy(&nv, &normal, sizeof(nv));
+  const v16 sub = __builtin_convertvector(mag, v16) * 0.001953125f;  // 2^-9
+  v16 val = mag < 8u ? sub : nv;
+  u16x bits; std::memcpy(&bits, &val, sizeof(bits));
+  bits |= (u & 0x80u) << 24;
+  std::memcpy(&val, &bits, sizeof(val));
+  return val;
 }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 inline v16 splat(float x) { return v16{} + x; }
@@ -224,10 +242,11 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   const int64_t G = hq / hkv;
   Args a{q.typed_data(), nullptr, nullptr, positions.typed_data(), page_table.typed_data(), td[1], kd[1], kd[2], hkv,
          G, D, out->typed_data()};
-  const bool f32 = k_pages.element_type() == ffi::DataType::F32;
-  if (!f32 && k_pages.element_type() != ffi::DataType::U16)
-    return ffi::Error::InvalidArgument("paged_attention: the pool must be float32 or uint16 (bfloat16 bits)");
-  const size_t bytes = f32 ? 4 : 2;
+  const ffi::DataType type = k_pages.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::U16 && type != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("paged_attention: the pool must be float32, uint16 (bfloat16 bits) or "
+                                       "uint8 (float8_e4m3fn bits)");
+  const size_t bytes = type == ffi::DataType::F32 ? 4 : type == ffi::DataType::U16 ? 2 : 1;
   a.k = static_cast<const char*>(k_pages.untyped_data()) + l * per_layer * bytes;
   a.v = static_cast<const char*>(v_pages.untyped_data()) + l * per_layer * bytes;
   // Items: runs of consecutive tokens of one row (a sequence's tokens are contiguous), at most
@@ -243,9 +262,11 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     if (back && back->row == row && back->t0 + back->nt == t && back->nt < per_item) ++back->nt;
     else items.push_back({t, 1, row});
   }
-  run_chunks(pool, int64_t(items.size()) * hkv, [&a, &items, f32](int64_t i) {
+  run_chunks(pool, int64_t(items.size()) * hkv, [&a, &items, type](int64_t i) {
     const Item& it = items[i / a.hkv];
-    if (f32) attend<float>(a, it, i % a.hkv); else attend<uint16_t>(a, it, i % a.hkv);
+    if (type == ffi::DataType::F32) attend<float>(a, it, i % a.hkv);
+    else if (type == ffi::DataType::U16) attend<uint16_t>(a, it, i % a.hkv);
+    else attend<uint8_t>(a, it, i % a.hkv);
   });
   return ffi::Error::Success();
 }
