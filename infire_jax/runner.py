@@ -44,6 +44,7 @@ from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput
 from infire_jax.step_programs import BurstOutput, DeviceCache, StepForward, matmul_precision
 from pallas_kernels.metadata import NULL_PAGE
+from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels.reference import pool_storage_dtype
 from sharding.plan import ShardPlan
 
@@ -64,6 +65,7 @@ class RunnerConfig:
     num_spec: int = 0  # speculative decoding: proposed tokens a row may carry (0: off)
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states the forward also returns
     decode_steps: int = 1  # most steps of a decode burst (1: no bursts)
+    kv_cache_dtype: str | None = None  # the KV pool's dtype (None: the model's); float8_e4m3fn takes scales
 
     @property
     def pages_per_seq(self) -> int:
@@ -139,6 +141,11 @@ class ModelRunner:
         self.observer: Callable[[SchedulerOutput, StepBatch, StepForward, SamplerOutput | VerifyOutput],
                                 Array | None] | None = None
         self.resident = True
+        self.kv_dtype = jnp.dtype(rc.kv_cache_dtype or dtype)
+        # An fp8 pool's [k_scale, v_scale] per (layer, kv head) (pallas_kernels/kv_quant.py): kept on the
+        # host too, so a pool allocated again (restore, resize_pool) gets them back.
+        self.kv_scales = (np.ones((cfg.num_layers, 2, kv_entry(cfg).heads), np.float32)
+                          if is_fp8(self.kv_dtype) else None)
         self.cache = self._allocate_cache()
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
         cache_shardings = jax.tree.map(lambda a: a.sharding, self.cache) if plan else None
@@ -182,17 +189,28 @@ class ModelRunner:
         pool = plan.sharding(entry.pool_axes) if plan else None
         replicated = plan.replicated if plan else None
 
-        stored = pool_storage_dtype(self.dtype, rc.attn_impl)
+        stored = pool_storage_dtype(self.kv_dtype, rc.attn_impl)
         shapes = DeviceCache(
             k_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), stored),
             v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), stored),
             counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=((rc.num_slots,), jnp.int32))
-        shardings = DeviceCache(pool, pool, replicated, replicated, replicated)
+        shardings = DeviceCache(pool, pool, replicated, replicated, replicated,
+                                None if self.kv_scales is None else replicated)
         # Kept, so a model coming back to the device (restore) allocates its pool without compiling.
-        self._new_cache = jax.jit(lambda: DeviceCache(*(jnp.zeros(shape, dtype) for shape, dtype in shapes)),
+        self._new_cache = jax.jit(lambda scales: DeviceCache(*(jnp.zeros(shape, dtype) for shape, dtype in shapes[:5]),
+                                                             kv_scales=scales),
                                   out_shardings=shardings if plan else None)
-        return self._new_cache()
+        return self._new_cache(self.kv_scales)
+
+    def set_kv_scales(self, scales: np.ndarray) -> None:
+        """An fp8 pool's scales, [layers, 2, kv heads] float32 (k, v); only before any page is written."""
+        if self.kv_scales is None or scales.shape != self.kv_scales.shape:
+            raise ValueError(f"kv scales of shape {scales.shape} for a {self.kv_dtype} pool "
+                             f"(expected {None if self.kv_scales is None else self.kv_scales.shape})")
+        self.kv_scales = np.asarray(scales, np.float32)
+        self.cache = self.cache._replace(kv_scales=jax.device_put(self.kv_scales, self.cache.kv_scales.sharding
+                                                                  if self.plan else None))
 
     def resize_pool(self, num_pages: int) -> None:
         """Frees the KV pool and allocates one of `num_pages` (before warmup: the steps do not depend on it)."""
@@ -212,7 +230,7 @@ class ModelRunner:
             # compiled steps were specialized to that, and a committed one would make them recompile.
             shardings = jax.tree.map(lambda a: a.sharding if a.committed else None, self.state)
             self._host_weights = (jax.tree.map(_host_copy, jax.device_get(self.state)), shardings)
-        for a in jax.tree.leaves(self.state) + list(self.cache):
+        for a in jax.tree.leaves(self.state) + jax.tree.leaves(self.cache):
             a.delete()
         self.state, self.cache, self.resident = None, None, False
         return self.weight_bytes
@@ -223,7 +241,7 @@ class ModelRunner:
         host, shardings = self._host_weights
         self.state = jax.block_until_ready(jax.tree.map(jax.device_put, host, shardings,
                                                         is_leaf=lambda x: x is None))
-        self.cache = jax.block_until_ready(self._new_cache())
+        self.cache = jax.block_until_ready(self._new_cache(self.kv_scales))
         self.resident = True
         return self.weight_bytes
 

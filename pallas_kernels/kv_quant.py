@@ -27,6 +27,12 @@ def quantize(x: Float[Array, "T H D"], scale: Float[Array, "H"]) -> Array:
     return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
+def compute_dtype(pool_dtype, q_dtype) -> jnp.dtype:
+    """The dtype the Pallas kernels multiply in: the pool's, or q's for an fp8 pool (its pages are
+    widened in registers, never copied)."""
+    return jnp.dtype(q_dtype) if is_fp8(pool_dtype) else jnp.dtype(pool_dtype)
+
+
 def fold_query(q: Float[Array, "T Hq D"], k_scale: Float[Array, "Hkv"]) -> Float[Array, "T Hq D"]:
     """q times its kv head's key scale (query head j*G + i reads kv head j), in float32."""
     t, hq, d = q.shape
