@@ -22,10 +22,9 @@ from infire_jax.models.kv_entry import kv_entry
 from pallas_kernels.kv_quant import FP8, FP8_MAX
 from pallas_kernels.metadata import AttentionMetadata
 
-# vLLM's spellings are accepted too. "auto": the model's dtype.
+# vLLM's spellings are accepted too; "auto" is the model's dtype (cli.KV_CACHE_DTYPE_CHOICES lists them all).
 KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
                    "float8_e4m3": FP8, "fp8": FP8, "fp8_e4m3": FP8}
-KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float8_e4m3", "fp8", "fp8_e4m3")
 
 MARGIN = 2.0
 _PAGE = 16
@@ -43,7 +42,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
     if name == "auto":
         return jnp.dtype(model_dtype)
     if name not in KV_CACHE_DTYPES:
-        raise ConfigError(f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
+        raise ConfigError(f"unknown kv_cache_dtype {name!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}")
     return jnp.dtype(KV_CACHE_DTYPES[name])
 
 
