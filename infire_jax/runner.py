@@ -373,7 +373,7 @@ class ModelRunner:
         host = jax.device_get([read(self.cache.k_pages, self.cache.v_pages, _padded_pages(c)) for c in chunks])
 
         def empty(pool):  # so that no pages still concatenates
-            return np.zeros((pool.shape[0], 0, *pool.shape[2:]), jnp.dtype(self.dtype))
+            return np.zeros((pool.shape[0], 0, *pool.shape[2:]), self.kv_dtype)
 
         k = np.concatenate([empty(self.cache.k_pages)] + [k[:, :len(c)] for (k, _), c in zip(host, chunks)], axis=1)
         v = np.concatenate([empty(self.cache.v_pages)] + [v[:, :len(c)] for (_, v), c in zip(host, chunks)], axis=1)
@@ -384,7 +384,7 @@ class ModelRunner:
         for i in range(0, len(pages), TRANSFER_PAGES):
             chunk = pages[i:i + TRANSFER_PAGES]
             pad = [(0, 0), (0, TRANSFER_PAGES - len(chunk))] + [(0, 0)] * 3
-            kc, vc = (np.pad(np.asarray(x[:, i:i + len(chunk)], jnp.dtype(self.dtype)), pad) for x in (k, v))
+            kc, vc = (np.pad(np.asarray(x[:, i:i + len(chunk)], self.kv_dtype), pad) for x in (k, v))
             self.cache = self._compiled_small["write_pages"](self.cache, _padded_pages(chunk), kc, vc)
 
     def _command(self, shape: StepShape, variant: str) -> int:
@@ -400,7 +400,7 @@ class ModelRunner:
         ids = jax.ShapeDtypeStruct((self._history_len,), jnp.int32)
         pages = jax.ShapeDtypeStruct((TRANSFER_PAGES,), jnp.int32)
         c = self.cache
-        chunk = [jax.ShapeDtypeStruct((p.shape[0], TRANSFER_PAGES, *p.shape[2:]), jnp.dtype(self.dtype))
+        chunk = [jax.ShapeDtypeStruct((p.shape[0], TRANSFER_PAGES, *p.shape[2:]), self.kv_dtype)
                  for p in (c.k_pages, c.v_pages)]
         args = {"history": (self._history, (c, jax.ShapeDtypeStruct((), jnp.int32), ids, ids)),
                 "read_pages": (self._read_pages, (c.k_pages, c.v_pages, pages)),
