@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_block import attend_block, initial_state, load_key_block
 from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages

@@ -1,19 +1,24 @@
-"""fp8 KV pages in the attention kernels: the jnp reference and the CPU C++ kernel against a float64
-numpy oracle of attention over the dequantized fp8 values, and the exact fp8 bits a write stores.
+"""fp8 KV pages in the attention kernels: the jnp reference, the CPU C++ kernel and the Pallas kernels
+(interpret mode; lowered for CUDA) against a float64 numpy oracle of attention over the dequantized
+fp8 values, and the exact fp8 bits a write stores.
 
 The oracle dequantizes with ml_dtypes' own float8_e4m3fn (numpy), not with the kernels' code.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_attention, cpu_kernels, reference
+from pallas_kernels import cpu_attention, cpu_kernels, ragged_attention, reference
+from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import AttentionMetadata
-from test_kernels import LAYER, NUM_TOKENS, Shapes, device_meta, make_case, numpy_attention
+from test_kernels import LAYER, NUM_TOKENS, Shapes, _jaxlib_version, device_meta, make_case, numpy_attention
 
 SHAPES = Shapes(page_size=4, head_dim=64, num_q_heads=9, num_kv_heads=3)  # SmolLM2's grouping
 FP8_TOL = 2e-5  # the same fp8 values: only float32 rounding differs
@@ -102,3 +107,39 @@ def test_fp8_code_widening_is_exact():
         jnp.int32(0), device_meta(meta), scale=1.0, kv_scale=jnp.ones((2, 1), jnp.float32))
     np.testing.assert_array_equal(np.asarray(v_pages)[0, 1:, 0], codes)
     np.testing.assert_array_equal(np.asarray(out), values)
+
+
+def test_pallas_kernels_read_fp8_pages(fp8_case):
+    """The Pallas path in interpret mode on an fp8 pool (float8_e4m3fn, as on a GPU): the same oracle,
+    and the same stored bits as the reference's write."""
+    case, kv_scale, k_bits, v_bits, want = fp8_case
+    fp8 = ml_dtypes.float8_e4m3fn
+    out, k_pages, v_pages = _run(functools.partial(ragged_attention.ragged_paged_attention, interpret=True), case,
+                                 kv_scale, k_bits.view(fp8), v_bits.view(fp8))
+    assert k_pages.dtype == jnp.float8_e4m3fn
+    real = _real(case)
+    np.testing.assert_allclose(np.asarray(out, np.float64)[real], want[real], atol=1e-4, rtol=1e-4)
+    _, ref_k, ref_v = _run(reference.ragged_paged_attention, case, kv_scale, k_bits, v_bits)
+    np.testing.assert_array_equal(np.asarray(k_pages).view(np.uint8)[:, 1:], np.asarray(ref_k)[:, 1:])
+    np.testing.assert_array_equal(np.asarray(v_pages).view(np.uint8)[:, 1:], np.asarray(ref_v)[:, 1:])
+
+
+def test_gpu_lowering_with_an_fp8_pool():
+    """The Pallas path lowers for CUDA (Triton) with float8_e4m3fn pools, as test_kernels' bfloat16 one."""
+    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
+        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU")
+    t, s, hq, hkv, d, ps = 64, 16, 32, 8, 128, 16
+    sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    meta = AttentionMetadata(sd((t,), i32), sd((t,), i32), sd((t,), i32), sd((s, 256), i32), sd((s,), i32),
+                             sd((s + 1,), i32), sd((), i32), sd((2, 2, hkv), jnp.float32))
+    pool = sd((2, 1024, ps, hkv, d), jnp.float8_e4m3fn)
+
+    def step(q, k, v, k_pages, v_pages, layer, meta):
+        return paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=d ** -0.5, impl="pallas")
+
+    hlo = jax.jit(step, donate_argnums=(3, 4)).trace(
+        sd((t, hq, d), bf16), sd((t, hkv, d), bf16), sd((t, hkv, d), bf16), pool, pool, sd((), i32), meta,
+    ).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("write_kv_pages", "paged_decode_attention", "paged_prefill_attention"):
+        assert f'name = "{name}"' in hlo
+    assert "f8E4M3FN" in hlo
