@@ -1,11 +1,11 @@
 """The KV cache dtype (`--kv-cache-dtype`) and an fp8 pool's per-(layer, kv head) scales.
 
-fp8 (e4m3) pages hold `k / k_scale` and `v / v_scale` (pallas_kernels/kv_quant.py). Without
-scales from the checkpoint, they are calibrated once at engine build: the model runs a short fixed
-text into a small float32 pool, and each (layer, head) gets `amax * MARGIN / 448`, so its largest
-calibration value lands a factor MARGIN below the top of e4m3's range (larger ones saturate).
-e4m3 has 3 mantissa bits wherever a value falls in its ~17 binades, so headroom costs little
-precision, while a value beyond the calibrated range is clipped.
+fp8 (e4m3) pages hold `k / k_scale` and `v / v_scale` (pallas_kernels/kv_quant.py). The scales
+are calibrated once at engine build (a checkpoint's own `k_scale` / `v_scale` are not read yet):
+the model runs a short fixed text into a small float32 pool, and each (layer, head) gets
+`amax * MARGIN / 448`, so its largest calibration value lands a factor MARGIN below the top of
+e4m3's range (larger ones saturate). e4m3 has 3 mantissa bits wherever a value falls in its ~17
+binades, so headroom costs little precision, while a value beyond the calibrated range is clipped.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jn
 
 MARGIN = 2.0
 _PAGE = 16
-# Prose, code, numbers and a list: the kinds of text whose keys and values reach the largest magnitudes.
+# A mix of prose, code, numbers and markup, so that the calibration sees more than one kind of text.
 CALIBRATION_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the Moon; Neil Armstrong "
     "said: \"That's one small step for man, one giant leap for mankind.\"\n\n"

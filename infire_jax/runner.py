@@ -43,8 +43,8 @@ from infire_jax.sampler import BRANCHING, SamplerOutput, choose_variant
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput
 from infire_jax.step_programs import BurstOutput, DeviceCache, StepForward, matmul_precision
-from pallas_kernels.metadata import NULL_PAGE
 from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.metadata import NULL_PAGE
 from pallas_kernels.reference import pool_storage_dtype
 from sharding.plan import ShardPlan
 

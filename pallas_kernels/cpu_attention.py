@@ -24,8 +24,9 @@ TARGET = "infire_paged_attention"
 
 
 def applies(q: Array, k_pages: Array) -> bool:
-    """Whether a step takes the FFI call (decided at trace time): on CPU, float32, uint16
-    (bfloat16 bits) or uint8 (fp8 bits) pools, head_dim a multiple of 16 up to 256, at most 16 query heads per kv head."""
+    """Whether a step takes the FFI call (decided at trace time): on CPU, float32, uint16 (bfloat16
+    bits) or uint8 (fp8 bits) pools, head_dim a multiple of 16 up to 256, at most 16 query heads per
+    kv head."""
     hq, d = q.shape[1:]
     hkv = k_pages.shape[3]
     return (k_pages.dtype in (jnp.float32, jnp.uint16, jnp.uint8) and d % 16 == 0 and d <= 256 and hq % hkv == 0
