@@ -9,6 +9,9 @@ import sys
 from infire_jax.errors import InfireError
 from sharding.distributed import DistributedConfigError
 
+# The names `kv_scales.resolve_kv_cache_dtype` takes (kept here: building the parser imports no jax).
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float8_e4m3", "fp8", "fp8_e4m3")
+
 
 def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) -> None:
     """Flags shared by every command that builds an engine (`several_models`: --model repeats)."""
@@ -36,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--num-decode-steps", type=int, default=4,
                    help="decode steps a step of decodes alone may run in one device launch, read back once "
                         "(1: one step a launch; tokens then stream one at a time). Default 4")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="dtype of the KV cache: auto (the model's), bfloat16, float32, or float8_e4m3 (aliases fp8, "
+                        "fp8_e4m3): e4m3 pages with per-(layer, kv head) scales, twice the tokens of bfloat16")
     p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of each GPU's memory for weights, activations and the KV pool (default 0.90)")
@@ -60,7 +66,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None):
     return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
-                        attn_impl=args.attn_impl, mesh=args.mesh, seed=args.seed,
+                        attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype, mesh=args.mesh, seed=args.seed,
                         weights_compression=args.weights_compression,
                         weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
                         grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps)

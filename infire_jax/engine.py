@@ -28,6 +28,7 @@ from infire_jax.engine_stats import BootTimeline, EngineStats, timed
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.kv_pool import PoolPlanner, PoolSizing
+from infire_jax.kv_scales import CALIBRATION_TEXT, calibrate, resolve_kv_cache_dtype
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.loaders import LoadedModel
 from infire_jax.loaders.checkpoint import load_placed
@@ -47,7 +48,9 @@ from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.setup import build_speculation, extra_page_bytes, parse_speculation
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 from pallas_kernels.attention import choose_impl, resolve_impl
+from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels.mla import choose_mla_impl
+from pallas_kernels.triton_backend import check_fp8_device
 from sharding.mesh import load_mesh_config
 from sharding.plan import ShardPlan
 
@@ -72,6 +75,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # of each GPU: weights + activations + KV pool (kv_pool.py)
     enable_prefix_caching: bool = True
     attn_impl: str = "auto"
+    # The KV pool's dtype: "auto" (the model's), bfloat16, float32 or float8_e4m3 (aliases fp8, fp8_e4m3):
+    # fp8 pages with per-(layer, kv head) scales hold twice the tokens of bfloat16 (kv_scales.py).
+    kv_cache_dtype: str = "auto"
     mesh: str | None = None  # mesh-config YAML; default: the shipped file for jax.device_count()
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
@@ -117,6 +123,7 @@ class Engine:
         ec = self.config = config or EngineConfig()
         report = progress or (lambda stage, done, total: None)
         self.dtype = resolve_dtype(ec.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(ec.kv_cache_dtype, self.dtype)
         cfg = self.model_config = loaded.config if loaded else load_config(ec.model)
         self.plan = self._check_settings(cfg)
         enable_compilation_cache()
@@ -127,7 +134,7 @@ class Engine:
             ec.speculative_config, cfg, dtype=self.dtype, multiprocess=multihost.is_multiprocess(),
             one_plain_device=self.plan is None and not ec.weights_compression and not ec.weights_quantization)
         self.pool = PoolPlanner(
-            PoolPlanner.page_bytes_of(cfg, self.plan, ec.page_size, self.dtype,
+            PoolPlanner.page_bytes_of(cfg, self.plan, ec.page_size, self.kv_dtype,
                                       extra_page_bytes(self.spec_config, self.eagle_head, ec.page_size, self.dtype)),
             ec.page_size, self.max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization)
         sizing = self.pool.fixed()
@@ -137,7 +144,8 @@ class Engine:
                           sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,),
                           num_spec=self.spec_config.num_speculative_tokens if self.spec_config else 0,
                           aux_layers=self.eagle_head.cfg.aux_layers(cfg.num_layers) if self.eagle_head else None,
-                          decode_steps=1 if self.spec_config else ec.num_decode_steps)
+                          decode_steps=1 if self.spec_config else ec.num_decode_steps,
+                          kv_cache_dtype=self.kv_dtype.name)
         placed_cfg = self.plan.effective_config(cfg) if self.plan else cfg
         shapes = rc.buckets.shapes
         done = itertools.count(1)
@@ -194,6 +202,9 @@ class Engine:
             if deferred:
                 self.runner.allocate_pool()
             self.warmup_seconds = time.monotonic() - t_warmup
+        if self.runner.kv_scales is not None:
+            self.runner.set_kv_scales(calibrate(self.runner.graphdef, self.runner.state, placed_cfg,
+                                                self.tokenizer.encode(CALIBRATION_TEXT)))
         # After the warmup: its token trie is built on a thread of its own, which would hold the GIL
         # against the warmup's (the first structured-output request waits for it instead).
         self.grammars = GrammarBackend(self.tokenizer.tk.to_str(), self.model_config.vocab_size,
@@ -232,9 +243,14 @@ class Engine:
             raise ConfigError("max_num_seqs, page_size and num_decode_steps must be positive")
         if not 0.0 < ec.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
+        if is_fp8(self.kv_dtype) and cfg.mla is not None:
+            raise ConfigError("kv_cache_dtype float8_e4m3 is not implemented for MLA models (DeepSeek-V3 family) "
+                              "yet: their latent cache stays in the model dtype")
         try:
             resolve_impl(ec.attn_impl)
             mesh_config = load_mesh_config(ec.mesh, jax.device_count())
+            if mesh_config.num_devices > 1 and is_fp8(self.kv_dtype):
+                raise ConfigError("kv_cache_dtype float8_e4m3 runs on one device only, not on a mesh, so far")
             return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
         except ValueError as e:  # unknown attention name, MeshConfigError
             raise ConfigError(str(e)) from e
@@ -256,8 +272,11 @@ class Engine:
             if cfg.mla is not None:
                 return choose_mla_impl(self.config.attn_impl, kv_lora_rank=cfg.mla.kv_lora_rank,
                                        rope_dim=cfg.mla.qk_rope_head_dim, dtype=self.dtype)
-            return choose_impl(self.config.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
+            impl = choose_impl(self.config.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
                                num_kv_heads=cfg.num_kv_heads, dtype=self.dtype)
+            if impl == "pallas" and is_fp8(self.kv_dtype):
+                check_fp8_device()
+            return impl
         except ValueError as e:
             raise ConfigError(str(e)) from e
 
@@ -475,9 +494,9 @@ class Engine:
     def kv_layout(self) -> KVLayout:
         c, rc = self.runner.cfg, self.runner.rc
         entry = kv_entry(c)
-        return KVLayout.of(self.model_config.to_dict(), jnp.dtype(self.dtype).name, rc.page_size,
+        return KVLayout.of(self.model_config.to_dict(), self.kv_dtype.name, rc.page_size,
                            entry.k_page_shape(c.num_layers, rc.page_size),
-                           entry.v_page_shape(c.num_layers, rc.page_size))
+                           entry.v_page_shape(c.num_layers, rc.page_size), self.runner.kv_scales)
 
     def _check_single_process(self) -> None:
         if multihost.is_multiprocess():

@@ -43,6 +43,7 @@ from infire_jax.sampler import BRANCHING, SamplerOutput, choose_variant
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput
 from infire_jax.step_programs import BurstOutput, DeviceCache, StepForward, matmul_precision
+from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels.metadata import NULL_PAGE
 from pallas_kernels.reference import pool_storage_dtype
 from sharding.plan import ShardPlan
@@ -64,6 +65,7 @@ class RunnerConfig:
     num_spec: int = 0  # speculative decoding: proposed tokens a row may carry (0: off)
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states the forward also returns
     decode_steps: int = 1  # most steps of a decode burst (1: no bursts)
+    kv_cache_dtype: str | None = None  # the KV pool's dtype (None: the model's); float8_e4m3fn takes scales
 
     @property
     def pages_per_seq(self) -> int:
@@ -139,6 +141,11 @@ class ModelRunner:
         self.observer: Callable[[SchedulerOutput, StepBatch, StepForward, SamplerOutput | VerifyOutput],
                                 Array | None] | None = None
         self.resident = True
+        self.kv_dtype = jnp.dtype(rc.kv_cache_dtype or dtype)
+        # An fp8 pool's [k_scale, v_scale] per (layer, kv head) (pallas_kernels/kv_quant.py): kept on the
+        # host too, so a pool allocated again (restore, resize_pool) gets them back.
+        self.kv_scales = (np.ones((cfg.num_layers, 2, kv_entry(cfg).heads), np.float32)
+                          if is_fp8(self.kv_dtype) else None)
         self.cache = self._allocate_cache()
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
         cache_shardings = jax.tree.map(lambda a: a.sharding, self.cache) if plan else None
@@ -178,7 +185,7 @@ class ModelRunner:
     def _allocate_cache(self) -> DeviceCache:
         """The pool is split like the kv heads and layers; the per-slot history is replicated."""
         self._cache_program()
-        return self._new_cache()
+        return self._new_cache(self.kv_scales)
 
     def _cache_program(self) -> None:
         """The program that allocates an empty cache of the current sizes (kept, so a model coming back
@@ -188,18 +195,33 @@ class ModelRunner:
         pool = plan.sharding(entry.pool_axes) if plan else None
         replicated = plan.replicated if plan else None
 
-        stored = pool_storage_dtype(self.dtype, rc.attn_impl)
+        stored = pool_storage_dtype(self.kv_dtype, rc.attn_impl)
         shapes = DeviceCache(
             k_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), stored),
             v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), stored),
             counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=((rc.num_slots,), jnp.int32))
-        shardings = DeviceCache(pool, pool, replicated, replicated, replicated)
-        self._new_cache = jax.jit(lambda: DeviceCache(*(jnp.zeros(shape, dtype) for shape, dtype in shapes)),
+        shardings = DeviceCache(pool, pool, replicated, replicated, replicated,
+                                None if self.kv_scales is None else replicated)
+        # Kept, so a model coming back to the device (restore) allocates its pool without compiling;
+        # an fp8 pool's scales come from their host copy (set_kv_scales).
+        self._new_cache = jax.jit(lambda scales: DeviceCache(*(jnp.zeros(shape, dtype) for shape, dtype in shapes[:5]),
+                                                             kv_scales=scales),
                                   out_shardings=shardings if plan else None)
         # Without a plan the allocated arrays are uncommitted: shapes without a sharding lower alike.
+        scales = None if self.kv_scales is None else jax.ShapeDtypeStruct(self.kv_scales.shape, jnp.float32,
+                                                                          sharding=replicated)
         self._cache_shapes = DeviceCache(*(jax.ShapeDtypeStruct(shape, dtype, sharding=s)
-                                           for (shape, dtype), s in zip(shapes, shardings)))
+                                           for (shape, dtype), s in zip(shapes[:5], shardings[:5])), kv_scales=scales)
+
+    def set_kv_scales(self, scales: np.ndarray) -> None:
+        """An fp8 pool's scales, [layers, 2, kv heads] float32 (k, v); only before any page is written."""
+        if self.kv_scales is None or scales.shape != self.kv_scales.shape:
+            raise ValueError(f"kv scales of shape {scales.shape} for a {self.kv_dtype} pool "
+                             f"(expected {None if self.kv_scales is None else self.kv_scales.shape})")
+        self.kv_scales = np.asarray(scales, np.float32)
+        self.cache = self.cache._replace(kv_scales=jax.device_put(self.kv_scales,
+                                                                  self.plan.replicated if self.plan else None))
 
     def resize_pool(self, num_pages: int, allocate: bool = True) -> None:
         """Frees the KV pool and sizes it to `num_pages` (before warmup: the steps do not depend on it).
@@ -209,7 +231,7 @@ class ModelRunner:
         (1.97 GiB at once for the 8B model), which a pool filling the allocator's share left no
         room for (kv_pool.py)."""
         self.rc = dataclasses.replace(self.rc, num_pages=num_pages)
-        for a in self.cache:
+        for a in jax.tree.leaves(self.cache):
             a.delete()
         if allocate:
             self.cache = self._allocate_cache()
@@ -219,7 +241,7 @@ class ModelRunner:
 
     def allocate_pool(self) -> None:
         """Allocates the cache that `resize_pool(..., allocate=False)` left as shapes."""
-        self.cache = jax.block_until_ready(self._new_cache())
+        self.cache = jax.block_until_ready(self._new_cache(self.kv_scales))
 
     def offload(self) -> int:
         """Frees the weights, the KV pool, the per-slot state and the all-allowed grammar masks on the
@@ -234,7 +256,7 @@ class ModelRunner:
             # compiled steps were specialized to that, and a committed one would make them recompile.
             shardings = jax.tree.map(lambda a: a.sharding if a.committed else None, self.state)
             self._host_weights = (jax.tree.map(_host_copy, jax.device_get(self.state)), shardings)
-        for a in jax.tree.leaves(self.state) + list(self.cache) + list(self._all_allowed.values()):
+        for a in jax.tree.leaves(self.state) + jax.tree.leaves(self.cache) + list(self._all_allowed.values()):
             a.delete()
         self.state, self.cache, self.resident = None, None, False
         self._all_allowed = dict.fromkeys(self._all_allowed)
@@ -255,8 +277,8 @@ class ModelRunner:
 
         try:
             state = jax.block_until_ready(jax.tree.map(put, host, shardings, is_leaf=lambda x: x is None))
-            cache = jax.block_until_ready(self._new_cache())
-            placed += list(cache)
+            cache = jax.block_until_ready(self._new_cache(self.kv_scales))
+            placed += jax.tree.leaves(cache)
             for rows in self._all_allowed:
                 self._put_all_allowed(rows)
                 placed.append(self._all_allowed[rows])
@@ -400,7 +422,7 @@ class ModelRunner:
         host = jax.device_get([read(self.cache.k_pages, self.cache.v_pages, _padded_pages(c)) for c in chunks])
 
         def empty(pool):  # so that no pages still concatenates
-            return np.zeros((pool.shape[0], 0, *pool.shape[2:]), jnp.dtype(self.dtype))
+            return np.zeros((pool.shape[0], 0, *pool.shape[2:]), self.kv_dtype)
 
         k = np.concatenate([empty(self.cache.k_pages)] + [k[:, :len(c)] for (k, _), c in zip(host, chunks)], axis=1)
         v = np.concatenate([empty(self.cache.v_pages)] + [v[:, :len(c)] for (_, v), c in zip(host, chunks)], axis=1)
@@ -411,7 +433,7 @@ class ModelRunner:
         for i in range(0, len(pages), TRANSFER_PAGES):
             chunk = pages[i:i + TRANSFER_PAGES]
             pad = [(0, 0), (0, TRANSFER_PAGES - len(chunk))] + [(0, 0)] * 3
-            kc, vc = (np.pad(np.asarray(x[:, i:i + len(chunk)], jnp.dtype(self.dtype)), pad) for x in (k, v))
+            kc, vc = (np.pad(np.asarray(x[:, i:i + len(chunk)], self.kv_dtype), pad) for x in (k, v))
             self.cache = self._compiled_small["write_pages"](self.cache, _padded_pages(chunk), kc, vc)
 
     def _command(self, shape: StepShape, variant: str) -> int:
@@ -427,7 +449,7 @@ class ModelRunner:
         ids = jax.ShapeDtypeStruct((self._history_len,), jnp.int32)
         pages = jax.ShapeDtypeStruct((TRANSFER_PAGES,), jnp.int32)
         c = self.cache
-        chunk = [jax.ShapeDtypeStruct((p.shape[0], TRANSFER_PAGES, *p.shape[2:]), jnp.dtype(self.dtype))
+        chunk = [jax.ShapeDtypeStruct((p.shape[0], TRANSFER_PAGES, *p.shape[2:]), self.kv_dtype)
                  for p in (c.k_pages, c.v_pages)]
         args = {"history": (self._history, (c, jax.ShapeDtypeStruct((), jnp.int32), ids, ids)),
                 "read_pages": (self._read_pages, (c.k_pages, c.v_pages, pages)),

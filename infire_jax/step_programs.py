@@ -35,6 +35,7 @@ class DeviceCache(NamedTuple):
     counts: Int[Array, "R V"]  # output-token counts per request slot (penalties)
     prompt_mask: Bool[Array, "R V"]  # prompt tokens per request slot (repetition penalty)
     last_tokens: Int[Array, "R"]  # last sampled token per slot (asynchronous scheduling)
+    kv_scales: Float[Array, "L 2 Hkv"] | None = None  # an fp8 pool's scales (pallas_kernels/kv_quant.py)
 
 
 def matmul_precision(dtype) -> str:
@@ -84,15 +85,17 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
     prompt_mask = prompt_mask.at[jnp.where(b.token_kind == TOKEN_PROMPT, tok_slot, dummy), tokens].set(True)
 
     aux = None
+    meta = b.meta._replace(kv_scales=cache.kv_scales)
     if aux_layers is None:
         logits, (k_pages, v_pages) = model(
-            tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices, attn_impl=attn_impl, plan=plan)
+            tokens, (cache.k_pages, cache.v_pages), meta, b.logits_indices, attn_impl=attn_impl, plan=plan)
     else:
-        logits, (k_pages, v_pages), aux = model(tokens, (cache.k_pages, cache.v_pages), b.meta, b.logits_indices,
+        logits, (k_pages, v_pages), aux = model(tokens, (cache.k_pages, cache.v_pages), meta, b.logits_indices,
                                                 attn_impl=attn_impl, plan=plan, aux_layers=aux_layers)
     if plan is not None:  # gather the vocab-split logits once, so the sampler holds no collectives
         logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
-    return StepForward(DeviceCache(k_pages, v_pages, counts, prompt_mask, cache.last_tokens), logits, tokens, aux)
+    return StepForward(DeviceCache(k_pages, v_pages, counts, prompt_mask, cache.last_tokens, cache.kv_scales), logits,
+                       tokens, aux)
 
 
 def sample_step(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],

@@ -68,13 +68,17 @@ def paged_attention(
     cpu_kernel: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes this step's k/v into the pages and returns (attention output, k_pages, v_pages).
-    `cpu_kernel`: the reference may hand the step to `cpu_attention` (the caller is off a mesh)."""
+    `cpu_kernel`: the reference may hand the step to `cpu_attention` (the caller is off a mesh).
+    With `meta.kv_scales` the pool is fp8 and this layer's scales apply (kv_quant.py)."""
+    kv_scale = None if meta.kv_scales is None else meta.kv_scales[layer]
     if impl == "reference":
         if cpu_kernel and cpu_attention.applies(q, k_pages):
-            return cpu_attention.paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale)
-        return reference.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale)
+            return cpu_attention.paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
+                                                 kv_scale=kv_scale)
+        return reference.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
+                                                kv_scale=kv_scale)
     if impl in ("pallas", "pallas_interpret"):
         return ragged_attention.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
-                                                       interpret=impl == "pallas_interpret",
+                                                       kv_scale=kv_scale, interpret=impl == "pallas_interpret",
                                                        decode_only=_DECODE_ONLY.value)
     raise ValueError(f"unresolved attention implementation {impl!r}; call resolve_impl first")

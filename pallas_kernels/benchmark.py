@@ -152,7 +152,7 @@ def run_case(case: BenchCase, shapes: ModelShapes, *, iters: int, repeats: int, 
     """Times the KV write, the case's attention kernel, the whole Pallas path and the reference."""
     rng = np.random.default_rng(seed)
     meta_np, num_pages = step_metadata(case, shapes.page_size, rng)
-    meta = AttentionMetadata(*(jnp.asarray(x) for x in meta_np))
+    meta = jax.tree.map(jnp.asarray, meta_np)
     t, hq, hkv, d = case.num_tokens, shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim
     keys = jax.random.split(jax.random.key(seed), 5)
     q, k, v = (jax.random.normal(key, (t, h, d), shapes.dtype) for key, h in zip(keys, (hq, hkv, hkv)))

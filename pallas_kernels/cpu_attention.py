@@ -6,7 +6,8 @@ dense T x T over the whole step, whatever its rows. `csrc/paged_attention.cc` at
 row's tokens to the row's positions straight from the pool, on XLA's thread pool, each block of
 keys read once for the run (docs/PERFORMANCE.md has both measured). This step's keys and values
 are first written by the reference's scatter, so the call's semantics are the reference's: every
-token sees its sequence's positions up to its own.
+token sees its sequence's positions up to its own. An fp8 pool (uint8 bits) is read the same way,
+its codes widened in registers; the scales fold into q and the output (kv_quant.py).
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import cpu_kernels, reference
+from pallas_kernels import cpu_kernels, kv_quant, reference
 from pallas_kernels.metadata import AttentionMetadata
 
 TARGET = "infire_paged_attention"
 
 
 def applies(q: Array, k_pages: Array) -> bool:
-    """Whether a step takes the FFI call (decided at trace time): on CPU, float32 or uint16
-    (bfloat16 bits) pools, head_dim a multiple of 16 up to 256, at most 16 query heads per kv head."""
+    """Whether a step takes the FFI call (decided at trace time): on CPU, float32, uint16 (bfloat16
+    bits) or uint8 (fp8 bits) pools, head_dim a multiple of 16 up to 256, at most 16 query heads per
+    kv head."""
     hq, d = q.shape[1:]
     hkv = k_pages.shape[3]
-    return (k_pages.dtype in (jnp.float32, jnp.uint16) and d % 16 == 0 and d <= 256 and hq % hkv == 0
+    return (k_pages.dtype in (jnp.float32, jnp.uint16, jnp.uint8) and d % 16 == 0 and d <= 256 and hq % hkv == 0
             and hq // hkv <= 16 and cpu_kernels.on_cpu())
 
 
@@ -41,13 +43,19 @@ def paged_attention(
     meta: AttentionMetadata,
     *,
     scale: float,
+    kv_scale: Float[Array, "2 Hkv"] | None = None,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes k/v into the pages (in place), then attends each token to its sequence's positions
-    <= its own, reading them from the pool; padding tokens get zeros."""
+    <= its own, reading them from the pool; padding tokens get zeros. With `kv_scale` the pool
+    holds fp8 bits (see `reference.ragged_paged_attention`)."""
     cpu_kernels.require()
+    k, v = reference.quantize_step(k, v, kv_scale)
     k_pages, v_pages = reference.write_kv(k_pages, v_pages, layer, k, v, meta.slot_mapping)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     ints = [jnp.asarray(x).astype(jnp.int32) for x in (layer, meta.positions, meta.seq_ids, meta.page_table,
                                                          meta.num_seqs)]
-    o = jax.ffi.ffi_call(TARGET, out)(q.astype(jnp.float32) * np.float32(scale), k_pages, v_pages, *ints)
+    qf = q.astype(jnp.float32) if kv_scale is None else kv_quant.fold_query(q, kv_scale[0])
+    o = jax.ffi.ffi_call(TARGET, out)(qf * np.float32(scale), k_pages, v_pages, *ints)
+    if kv_scale is not None:
+        o = kv_quant.unfold_output(o, kv_scale[1])
     return o.astype(q.dtype), k_pages, v_pages

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_block import attend_block, initial_state, load_key_block
 from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
@@ -57,7 +58,7 @@ def _decode_kernel(layer_ref, kv_lens_ref, page_table_ref, q_ref, k_pages_ref, v
 
     def body(j, state):
         pos, k, v = load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head, j * block_k,
-                                   kv_len, block_k=block_k, page_size=page_size)
+                                   kv_len, block_k=block_k, page_size=page_size, dtype=q.dtype)
         visible = jnp.broadcast_to((pos < kv_len)[None, :], (q.shape[0], block_k))
         return attend_block(state, q, k, v, visible, scale=scale, precision=precision)
 
@@ -104,14 +105,15 @@ def decode_attention(
     is_decode = decode_rows(meta)
     kv_lens = jnp.where(is_decode, meta.kv_lens, 0).astype(jnp.int32)
     first_token = jnp.clip(meta.cu_q_lens[:-1], 0, t - 1)
-    q_rows = q.reshape(t, hkv, g, d)[first_token].astype(k_pages.dtype)
+    dtype = compute_dtype(k_pages.dtype, q.dtype)
+    q_rows = q.reshape(t, hkv, g, d)[first_token].astype(dtype)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
 
     whole = pl.BlockSpec()
     partial_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, k: (k, i, h, 0))
     acc, row_max, total = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, page_size=page_size, block_k=block_k,
-                          num_splits=num_splits, precision=dot_precision(k_pages.dtype)),
+                          num_splits=num_splits, precision=dot_precision(dtype)),
         grid=(s, hkv, num_splits),
         in_specs=[whole, whole, whole, pl.BlockSpec((None, None, gp, d), lambda i, h, k: (i, h, 0, 0)), whole, whole],
         out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, k: (k, i, h, 0, 0)),
@@ -119,7 +121,7 @@ def decode_attention(
         out_shape=[jax.ShapeDtypeStruct((num_splits, s, hkv, gp, d), jnp.float32),
                    jax.ShapeDtypeStruct((num_splits, s, hkv, gp), jnp.float32),
                    jax.ShapeDtypeStruct((num_splits, s, hkv, gp), jnp.float32)],
-        compiler_params=compiler_params(num_warps=4, num_stages=pipeline_stages(k_pages.dtype)),
+        compiler_params=compiler_params(num_warps=4, num_stages=pipeline_stages(dtype)),
         interpret=interpret,
         name="paged_decode_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), kv_lens, meta.page_table.astype(jnp.int32), q_rows,

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 
 class AttentionMetadata(NamedTuple):
@@ -21,6 +21,8 @@ class AttentionMetadata(NamedTuple):
     kv_lens: Int[Array, "S"]  # cached tokens after this step; 0 for padding rows
     cu_q_lens: Int[Array, "S1"]  # S + 1 offsets of each sequence's tokens in the flat batch
     num_seqs: Int[Array, ""]  # number of valid rows
+    # An fp8 pool's per-(layer, kv head) [k_scale, v_scale] (kv_quant.py); None for a pool in a value dtype.
+    kv_scales: Float[Array, "L 2 Hkv"] | None = None
 
 
 # Page 0 of the pool is never handed out: padding tokens write there and unused
@@ -45,7 +47,7 @@ def slice_tokens(meta: AttentionMetadata, start, size: int) -> AttentionMetadata
         return jax.lax.dynamic_slice_in_dim(x, start, size)
 
     return AttentionMetadata(part(meta.positions), part(meta.slot_mapping), part(meta.seq_ids), meta.page_table,
-                             kv_lens.astype(meta.kv_lens.dtype), cu_local, meta.num_seqs)
+                             kv_lens.astype(meta.kv_lens.dtype), cu_local, meta.num_seqs, meta.kv_scales)
 
 
 def deactivate(meta: AttentionMetadata, active) -> AttentionMetadata:

@@ -33,8 +33,9 @@ def initial_state(rows: int, head_dim: int) -> SoftmaxState:
 
 
 def load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head, first_key, key_end, *,
-                   block_k: int, page_size: int) -> tuple[Int[Array, "K"], Array, Array]:
-    """Positions, keys and values of `[first_key, first_key + block_k)` of sequence `seq`.
+                   block_k: int, page_size: int, dtype) -> tuple[Int[Array, "K"], Array, Array]:
+    """Positions, keys and values of `[first_key, first_key + block_k)` of sequence `seq`, in `dtype`
+    (an fp8 pool's codes widen here, in registers).
 
     Positions at or past `key_end` read whatever their slot holds (a clamped page-table entry keeps
     the read in bounds); their values are zeroed so that stale or NaN slots cannot leak into
@@ -44,8 +45,8 @@ def load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head
     column = jnp.minimum(lax.div(pos, page_size), page_table_ref.shape[1] - 1)
     page = page_table_ref[seq, column]
     offset = lax.rem(pos, page_size)
-    k = k_pages_ref[layer, page, offset, kv_head, :]
-    v = v_pages_ref[layer, page, offset, kv_head, :]
+    k = k_pages_ref[layer, page, offset, kv_head, :].astype(dtype)
+    v = v_pages_ref[layer, page, offset, kv_head, :].astype(dtype)
     v = jnp.where((pos < key_end)[:, None], v, jnp.zeros_like(v))
     return pos, k, v
 

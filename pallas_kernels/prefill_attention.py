@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_block import attend_block, initial_state, load_key_block
 from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
@@ -97,7 +98,7 @@ def _prefill_kernel(layer_ref, items_ref, page_table_ref, q_ref, k_pages_ref, v_
 
         def body(j, state):
             pos, k, v = load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head, j * block_k,
-                                       key_end, block_k=block_k, page_size=page_size)
+                                       key_end, block_k=block_k, page_size=page_size, dtype=q.dtype)
             visible = (pos[None, :] <= row_pos[:, None]) & (pos < key_end)[None, :]
             return attend_block(state, q, k, v, visible, scale=scale, precision=precision)
 
@@ -130,19 +131,20 @@ def prefill_attention(
     items = work_items(meta, t, block_q)
 
     # [Hkv, (T + block_q) * Gp, D]: row (token, head in group); the tail keeps every tile in bounds.
-    q_grouped = jnp.pad(q.reshape(t, hkv, g, d).astype(k_pages.dtype), ((0, block_q), (0, 0), (0, gp - g), (0, 0)))
+    dtype = compute_dtype(k_pages.dtype, q.dtype)
+    q_grouped = jnp.pad(q.reshape(t, hkv, g, d).astype(dtype), ((0, block_q), (0, 0), (0, gp - g), (0, 0)))
     q_grouped = q_grouped.transpose(1, 0, 2, 3).reshape(hkv, (t + block_q) * gp, d)
 
     whole = pl.BlockSpec()
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, scale=scale, page_size=page_size, block_k=block_k, group_rows=gp,
-                          precision=dot_precision(k_pages.dtype)),
+                          precision=dot_precision(dtype)),
         grid=(items.table.shape[0], hkv),
         in_specs=[whole, whole, whole, pl.BlockSpec((None, (t + block_q) * gp, d), lambda w, h: (h, 0, 0)),
                   whole, whole],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda w, h: (w, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((items.table.shape[0], hkv, rows, d), q.dtype),
-        compiler_params=compiler_params(num_warps=4 if d <= 64 else 8, num_stages=pipeline_stages(k_pages.dtype)),
+        compiler_params=compiler_params(num_warps=4 if d <= 64 else 8, num_stages=pipeline_stages(dtype)),
         interpret=interpret,
         name="paged_prefill_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), items.table, meta.page_table.astype(jnp.int32), q_grouped,

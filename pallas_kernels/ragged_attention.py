@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import kv_quant, reference
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.kv_write import write_kv_pages
 from pallas_kernels.metadata import AttentionMetadata
@@ -30,15 +31,25 @@ def ragged_paged_attention(
     meta: AttentionMetadata,
     *,
     scale: float,
+    kv_scale: Float[Array, "2 Hkv"] | None = None,
     interpret: bool = False,
     decode_only: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Same contract as `reference.ragged_paged_attention`, on Pallas kernels. With `decode_only`
-    every row must be one token: the decode kernel's output is then the step's (0 for padding)."""
+    every row must be one token: the decode kernel's output is then the step's (0 for padding). An
+    fp8 pool's scales fold into q (rounded to q's dtype) and the output; the kernels read fp8 pages
+    as they are."""
     check_supported(q.shape[2], q.shape[1], k.shape[1], k_pages.dtype)
+    k, v = reference.quantize_step(k, v, kv_scale)
+    if kv_scale is not None:
+        q = kv_quant.fold_query(q, kv_scale[0]).astype(q.dtype)
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, layer, k, v, meta.slot_mapping, interpret=interpret)
     decoded, is_decode = decode_attention(q, k_pages, v_pages, layer, meta, scale=scale, interpret=interpret)
     if decode_only:
-        return decoded, k_pages, v_pages
-    prefilled, _ = prefill_attention(q, k_pages, v_pages, layer, meta, scale=scale, interpret=interpret)
-    return jnp.where(is_decode[:, None, None], decoded, prefilled), k_pages, v_pages
+        out = decoded
+    else:
+        prefilled, _ = prefill_attention(q, k_pages, v_pages, layer, meta, scale=scale, interpret=interpret)
+        out = jnp.where(is_decode[:, None, None], decoded, prefilled)
+    if kv_scale is not None:
+        out = kv_quant.unfold_output(out.astype(jnp.float32), kv_scale[1]).astype(q.dtype)
+    return out, k_pages, v_pages

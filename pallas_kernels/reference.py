@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import placement
+from pallas_kernels import kv_quant, placement
 from pallas_kernels.metadata import AttentionMetadata
 
 # Positions per part-A block: large enough that the loop overhead is small on CPU, but the
@@ -47,21 +47,36 @@ def pool_storage_dtype(dtype, attn_impl: str):
     into a bfloat16 pool rewrites the whole pool every layer (3.6 s a step for a 377 MB pool of 30
     layers, against 0.1 ms for the same bits scattered as uint16; docs/PERFORMANCE.md). When this reference runs
     on CPU, a bfloat16 pool is held as its bit pattern, uint16, and read back with a bitcast; the
-    Pallas kernels always get the pool in its own dtype."""
+    Pallas kernels always get the pool in its own dtype. An fp8 pool has the same problem (0.2 s for
+    one scatter into 1.4 GB, against 0.01 ms as uint8), so there it is held as uint8 bits."""
     on_cpu = attn_impl == "reference" and placement.platform() == "cpu"
-    return jnp.uint16 if on_cpu and jnp.dtype(dtype) == jnp.bfloat16 else dtype
+    if on_cpu and jnp.dtype(dtype) == jnp.bfloat16:
+        return jnp.uint16
+    return jnp.uint8 if on_cpu and kv_quant.is_fp8(dtype) else dtype
+
+
+_BITS = {jnp.dtype(jnp.uint16): jnp.bfloat16, jnp.dtype(jnp.uint8): kv_quant.FP8}  # bit storage -> value dtype
 
 
 def to_storage(x: Array, pool_dtype) -> Array:
-    """Values as the pool stores them (see `pool_storage_dtype`)."""
-    if jnp.dtype(pool_dtype) == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    """Values as the pool stores them (see `pool_storage_dtype`); fp8 values must come quantized."""
+    value = _BITS.get(jnp.dtype(pool_dtype))
+    if value is not None:
+        return jax.lax.bitcast_convert_type(x.astype(value), pool_dtype)
     return x.astype(pool_dtype)
 
 
 def from_storage(x: Array) -> Array:
-    """Pool contents as values: a uint16 pool holds bfloat16 bits."""
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+    """Pool contents as values: a uint16 pool holds bfloat16 bits, a uint8 pool fp8 bits."""
+    value = _BITS.get(jnp.dtype(x.dtype))
+    return x if value is None else jax.lax.bitcast_convert_type(x, value)
+
+
+def quantize_step(k: Array, v: Array, kv_scale: Float[Array, "2 Hkv"] | None) -> tuple[Array, Array]:
+    """This step's keys and values as an fp8 pool stores them (kv_quant.py); unchanged without scales."""
+    if kv_scale is None:
+        return k, v
+    return kv_quant.quantize(k, kv_scale[0]), kv_quant.quantize(v, kv_scale[1])
 
 
 def write_kv(
@@ -179,19 +194,24 @@ def ragged_paged_attention(
     meta: AttentionMetadata,
     *,
     scale: float,
+    kv_scale: Float[Array, "2 Hkv"] | None = None,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
-    """Writes k/v into the pages, then attends each token to its sequence's positions <= its own."""
+    """Writes k/v into the pages, then attends each token to its sequence's positions <= its own.
+    With `kv_scale` the pool is fp8: k/v are quantized first and the scales fold into q and the
+    output (kv_quant.py), so every dot reads fp8 codes."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     ps = k_pages.shape[2]
     precision = _dot_precision(q, k, v, k_pages, v_pages)
+    k, v = quantize_step(k, v, kv_scale)
     k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, meta.slot_mapping)
 
     valid = jnp.arange(t) < meta.cu_q_lens[meta.num_seqs]
     sid = jnp.clip(meta.seq_ids, 0, meta.kv_lens.shape[0] - 1)
     pos = meta.positions
-    qg = q.astype(jnp.float32).reshape(t, hkv, g, d) * scale
+    qf = q if kv_scale is None else kv_quant.fold_query(q, kv_scale[0])
+    qg = qf.astype(jnp.float32).reshape(t, hkv, g, d) * scale
 
     # Part B: this step's tokens. A padding row sees only itself, so no row is empty.
     same = (sid[:, None] == sid[None, :]) & (pos[None, :] <= pos[:, None]) & valid[None, :]
@@ -233,4 +253,6 @@ def ragged_paged_attention(
     if c > 1:  # padding tokens keep their part-B output: finite, as the null page they write must stay
         out = out.reshape(w, hkv, c, g, d)[qb.token_item, :, qb.token_slot]
         out = jnp.where(valid[:, None, None, None], out, acc / l_sum[..., None])
+    if kv_scale is not None:
+        out = out * kv_scale[1][:, None, None]
     return out.reshape(t, hq, d).astype(q.dtype), k_pages, v_pages

@@ -57,5 +57,18 @@ def check_supported(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype) -
                          "use the 'reference' attention implementation for this model")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"the Pallas attention kernels support float32, bfloat16 and float16 pools, got {dtype}")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                jnp.dtype(jnp.float8_e4m3fn)):
+        raise ValueError(f"the Pallas attention kernels support float32, bfloat16, float16 and float8_e4m3fn "
+                         f"pools, got {dtype}")
+
+
+def check_fp8_device() -> None:
+    """Triton widens float8_e4m3fn (its fp8e4nv) only on compute capability 8.9 and up (Ada, Hopper)."""
+    import jax
+
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform == "gpu" and capability is not None and float(capability) < 8.9:
+        raise ValueError(f"an fp8 KV cache needs a GPU of compute capability >= 8.9 for the Pallas kernels "
+                         f"(Triton's fp8e4nv); {device.device_kind} is {capability}: use kv_cache_dtype bfloat16")

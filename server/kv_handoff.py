@@ -160,7 +160,8 @@ class KVHandoff:
                 "tokens_digest": tokens_digest(blocks.token_ids), "expires_in_s": self.hold_seconds,
                 "layout": {"model": layout.model, "dtype": layout.dtype, "page_size": layout.page_size,
                            "page_shape": list(layout.page_shape),
-                           "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None},
+                           "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None,
+                           "kv_scales": layout.kv_scales},
                 "first_token_id": first_token, "first_token_logprob": first_logprob,
             }
         except BaseException:
@@ -224,11 +225,12 @@ class KVHandoff:
         mine = self.layout
         theirs = {"model": layout.get("model"), "dtype": layout.get("dtype"), "page_size": layout.get("page_size"),
                   "page_shape": tuple(layout.get("page_shape") or ()),
-                  "v_page_shape": tuple(layout["v_page_shape"]) if layout.get("v_page_shape") else None}
+                  "v_page_shape": tuple(layout["v_page_shape"]) if layout.get("v_page_shape") else None,
+                  "kv_scales": layout.get("kv_scales")}
         for name, value in theirs.items():
             if getattr(mine, name) != value:
                 raise _bad(f"the transferred KV does not fit this worker: {name} is {value!r} on the prefill "
-                           f"worker and {getattr(mine, name)!r} here (serve the same model, dtype and page size)")
+                           f"worker and {getattr(mine, name)!r} here (serve the same model, dtype, kv cache dtype and page size)")
         num_tokens = field("num_tokens", int)
         if num_tokens % mine.page_size or not 0 < num_tokens <= len(prompt):
             raise _bad(f"'{_PARAM}.num_tokens' ({num_tokens}) must be a positive multiple of the page size "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def full_recompute_next_token(llm: LLM, ids: list[int]) -> int:
     pos = np.arange(t, dtype=np.int32)
     meta = AttentionMetadata(pos, table[0][pos // ps] * ps + pos % ps, np.zeros(t, np.int32), table,
                              np.array([t], np.int32), np.array([0, t], np.int32), np.int32(1))
-    meta = AttentionMetadata(*map(jnp.asarray, meta))
+    meta = jax.tree.map(jnp.asarray, meta)
     logits, _ = model(jnp.asarray(ids), pages, meta, jnp.array([t - 1]), attn_impl="reference")
     return int(jnp.argmax(logits[0]))
 

@@ -173,7 +173,7 @@ def device(case_array: np.ndarray, shapes: Shapes) -> jax.Array:
 
 
 def device_meta(meta: AttentionMetadata) -> AttentionMetadata:
-    return AttentionMetadata(*(jnp.asarray(x) for x in meta))
+    return jax.tree.map(jnp.asarray, meta)
 
 
 def row_tokens(meta: AttentionMetadata, predicate) -> np.ndarray:

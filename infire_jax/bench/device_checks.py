@@ -82,6 +82,12 @@ CHECKS = (
     Check("throughput-c64", 240, ("infire_jax.bench", "throughput", *LLAMA, "--input-len", "1000", "--output-len",
                                   "1000", "--num-prompts", "128", "--max-concurrency", "64",
                                   "--num-warmup-prompts", "16")),
+    # Issue 30: the fp8 KV cache at 1000/1000 and concurrency 256, against bfloat16 (>= 1.1x tok/s, 0 preemptions).
+    *(Check(f"throughput-c256-kv-{kv}", 420, ("infire_jax.bench", "throughput", *LLAMA, "--input-len", "1000",
+                                              "--output-len", "1000", "--num-prompts", "512", "--max-concurrency",
+                                              "256", "--max-num-seqs", "256", "--num-warmup-prompts", "16",
+                                              "--kv-cache-dtype", kv))
+      for kv in ("bfloat16", "float8_e4m3")),
 )
 
 

@@ -16,18 +16,23 @@ class KVLayout:
     """What two engines must agree on for one's pages to be valid in the other's pool."""
 
     model: str  # a digest of the model config
-    dtype: str
+    dtype: str  # the pool's: pages travel in it (fp8 ones as float8_e4m3fn)
     page_size: int
     page_shape: tuple[int, ...]  # [layers, page_size, kv_heads, head_dim] of one page of k (and of v)
     # One page of v where it differs from k's (an MLA pool: latent in k, rotary key in v); None: as k.
     v_page_shape: tuple[int, ...] | None = None
+    # A digest of an fp8 pool's scales (pallas_kernels/kv_quant.py): fp8 codes mean nothing under other
+    # scales. None for a pool in a value dtype.
+    kv_scales: str | None = None
 
     @classmethod
     def of(cls, config_dict: dict, dtype: str, page_size: int, page_shape: tuple[int, ...],
-           v_page_shape: tuple[int, ...] | None = None) -> "KVLayout":
+           v_page_shape: tuple[int, ...] | None = None, kv_scales: np.ndarray | None = None) -> "KVLayout":
         digest = hashlib.sha256(json.dumps(config_dict, sort_keys=True).encode()).hexdigest()[:16]
         v = None if v_page_shape is None or tuple(v_page_shape) == tuple(page_shape) else tuple(v_page_shape)
-        return cls(digest, dtype, page_size, tuple(page_shape), v)
+        scales = None if kv_scales is None else hashlib.sha256(
+            np.ascontiguousarray(kv_scales, np.float32).tobytes()).hexdigest()[:16]
+        return cls(digest, dtype, page_size, tuple(page_shape), v, scales)
 
     def check_compatible(self, other: "KVLayout") -> None:
         for field in dataclasses.fields(self):

@@ -122,7 +122,7 @@ class MooncakeTransport:
     def received(self, r: Reservation, layout: KVLayout, token_ids: list[int], tenant: str | None) -> KVBlocks:
         """The blocks fetched into `r`, as views of the staging buffer (import them, then release)."""
         num_blocks = len(token_ids) // layout.page_size
-        dtype = np.dtype(layout.dtype) if layout.dtype != "bfloat16" else _bfloat16()
+        dtype = _numpy_dtype(layout.dtype)
         k_page, v_page = layout.page_shape, layout.v_page_shape or layout.page_shape
         shape = (k_page[0], num_blocks, *k_page[1:])
         v_shape = (v_page[0], num_blocks, *v_page[1:])
@@ -136,7 +136,8 @@ class MooncakeTransport:
         return KVBlocks(layout, token_ids, tenant, k, v)
 
 
-def _bfloat16() -> np.dtype:
+def _numpy_dtype(name: str) -> np.dtype:
+    """numpy's dtype of that name, ml_dtypes' for bfloat16 and float8_e4m3fn."""
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(getattr(ml_dtypes, name, name))

@@ -17,8 +17,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="mesh-config YAML (default: the shipped mesh for --devices that leaves the most KV tokens)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype of unquantized weights and activations (default bfloat16)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16", "float32"],
-                   help="KV cache dtype (default: --dtype)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16", "float32", "float8_e4m3", "fp8", "fp8_e4m3"],
+                   help="KV cache dtype (default: --dtype); fp8 and fp8_e4m3 mean float8_e4m3")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of each device for weights, activations and KV, as the engine's (default 0.90)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
@@ -44,7 +44,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         memory = parse_bytes(args.device_memory)
         model_for = plan_source(args.model, args.dtype)
-        kw = dict(dtype=args.dtype, kv_dtype=args.kv_cache_dtype, utilization=args.gpu_memory_utilization,
+        kv_dtype = "float8_e4m3" if args.kv_cache_dtype in ("fp8", "fp8_e4m3") else args.kv_cache_dtype
+        kw = dict(dtype=args.dtype, kv_dtype=kv_dtype, utilization=args.gpu_memory_utilization,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   dequant=args.dequant)
         if args.mesh:

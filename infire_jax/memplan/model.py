@@ -26,7 +26,8 @@ KINDS = ("attention", "experts", "shared", "embeddings")
 # GGUF blocks (Q4_1: 20 bytes, Q8_0: 34 bytes per 32 weights).
 FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int4-g32": 0.5 + 2 / 32,
                 "fp8-block128": 1 + 4 / 128 ** 2, "int8-channel": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32,
-                "int32": 4.0, "int16": 2.0, "uint8": 1.0}  # the last three: kept GPTQ / AWQ parts
+                "int32": 4.0, "int16": 2.0, "uint8": 1.0,  # kept GPTQ / AWQ parts
+                "float8_e4m3": 1.0}  # an fp8 KV cache (its per-head scales are a few bytes)
 INT4_METHODS = ("gptq", "awq")  # planned as kept int4 parts (`int4_layouts`), not as a kind's format
 
 

@@ -7,8 +7,9 @@
 // (widened to float32) and its keys transposed once for all the item's G-headed queries, so a
 // query's 16 scores are one vector (no horizontal sums), folded into an online softmax (float32
 // scores, sums and exp). A token's result does not depend on the rest of the step. Padding tokens
-// (seq_ids[t] >= num_seqs) get zeros. The pool is float32, or uint16 holding bfloat16 bits
-// (widened exactly), as pool_storage_dtype keeps it.
+// (seq_ids[t] >= num_seqs) get zeros. The pool is float32, uint16 holding bfloat16 bits, or uint8
+// holding float8_e4m3fn bits (both widened exactly), as pool_storage_dtype keeps it; an fp8 pool's
+// scales are folded into q and the output by the caller (pallas_kernels/kv_quant.py).
 //
 // The reference attention (pallas_kernels/reference.py) gathers each row's pages into new arrays
 // every layer and runs as a string of small ops, one after another; here nothing is copied.
@@ -17,6 +18,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include "thread_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,6 +42,32 @@ inline v16 load(const uint16_t* p) {  // bfloat16 bits: the top half of a float3
   h16 h; std::memcpy(&h, p, sizeof(h));
   const u16x bits = __builtin_convertvector(h, u16x) << 16;
   v16 v; std::memcpy(&v, &bits, sizeof(v)); return v;
+}
+// float8_e4m3fn bits, widened through float16: e4m3's exponent (bias 7) and mantissa moved into
+// float16's (bias 15) give the same value times 2^-8, subnormal codes included (they land on
+// float16 subnormals, which the half -> float conversion widens exactly), so one conversion
+// (vcvtph2ps: GCC 12 converts a _Float16 vector one lane at a time) and one multiply. Bit 7 is the
+// sign. The pool never holds NaN (0x7f / 0xff): writes saturate to +-448.
+inline v16 load(const uint8_t* p) {
+  typedef uint8_t b16 __attribute__((vector_size(16)));
+  b16 b; std::memcpy(&b, p, sizeof(b));
+  const h16 u = __builtin_convertvector(b, h16);
+  const h16 half_bits = ((u & 0x7f) << 7) | ((u & 0x80) << 8);
+  v16 v;
+#if defined(__AVX512F__)
+  __m256i h; std::memcpy(&h, &half_bits, sizeof(h));
+  const __m512 f = _mm512_cvtph_ps(h);
+  std::memcpy(&v, &f, sizeof(v));
+#elif defined(__F16C__)
+  __m128i h[2]; std::memcpy(h, &half_bits, sizeof(h));
+  const __m256 f[2] = {_mm256_cvtph_ps(h[0]), _mm256_cvtph_ps(h[1])};
+  std::memcpy(&v, f, sizeof(v));
+#else
+  typedef _Float16 f16x __attribute__((vector_size(32)));
+  f16x half; std::memcpy(&half, &half_bits, sizeof(half));
+  v = __builtin_convertvector(half, v16);
+#endif
+  return v * 256.0f;
 }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 inline v16 splat(float x) { return v16{} + x; }
@@ -224,10 +254,11 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   const int64_t G = hq / hkv;
   Args a{q.typed_data(), nullptr, nullptr, positions.typed_data(), page_table.typed_data(), td[1], kd[1], kd[2], hkv,
          G, D, out->typed_data()};
-  const bool f32 = k_pages.element_type() == ffi::DataType::F32;
-  if (!f32 && k_pages.element_type() != ffi::DataType::U16)
-    return ffi::Error::InvalidArgument("paged_attention: the pool must be float32 or uint16 (bfloat16 bits)");
-  const size_t bytes = f32 ? 4 : 2;
+  const ffi::DataType type = k_pages.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::U16 && type != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("paged_attention: the pool must be float32, uint16 (bfloat16 bits) or "
+                                       "uint8 (float8_e4m3fn bits)");
+  const size_t bytes = type == ffi::DataType::F32 ? 4 : type == ffi::DataType::U16 ? 2 : 1;
   a.k = static_cast<const char*>(k_pages.untyped_data()) + l * per_layer * bytes;
   a.v = static_cast<const char*>(v_pages.untyped_data()) + l * per_layer * bytes;
   // Items: runs of consecutive tokens of one row (a sequence's tokens are contiguous), at most
@@ -243,9 +274,11 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     if (back && back->row == row && back->t0 + back->nt == t && back->nt < per_item) ++back->nt;
     else items.push_back({t, 1, row});
   }
-  run_chunks(pool, int64_t(items.size()) * hkv, [&a, &items, f32](int64_t i) {
+  run_chunks(pool, int64_t(items.size()) * hkv, [&a, &items, type](int64_t i) {
     const Item& it = items[i / a.hkv];
-    if (f32) attend<float>(a, it, i % a.hkv); else attend<uint16_t>(a, it, i % a.hkv);
+    if (type == ffi::DataType::F32) attend<float>(a, it, i % a.hkv);
+    else if (type == ffi::DataType::U16) attend<uint16_t>(a, it, i % a.hkv);
+    else attend<uint8_t>(a, it, i % a.hkv);
   });
   return ffi::Error::Success();
 }
