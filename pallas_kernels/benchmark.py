@@ -204,7 +204,7 @@ def run_case(case: BenchCase, shapes: ModelShapes, *, iters: int, repeats: int, 
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pallas_kernels.benchmark", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write the results here instead of stdout")
     parser.add_argument("--iters", type=int, default=20, help="calls per timed loop (best of 5 loops)")
@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --quant: time every candidate tiling, print the best")
     parser.add_argument("--cases", metavar="REGEX", help="with --quant: only the cases whose name matches")
     parser.add_argument("--tokamax", action="store_true", help="with --quant: add tokamax's ragged_dot rows")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     require_gpu(jax.default_backend())
 
     hbm = measure_hbm_bandwidth()

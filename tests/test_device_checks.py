@@ -31,7 +31,13 @@ def test_every_check_command_parses(check, tmp_path):
     if module == "pytest":
         assert all(os.path.isfile(os.path.join(ROOT, a)) for a in args if a.endswith(".py"))
         return
-    assert module == "infire_jax.bench" and check.figures
+    assert check.figures
+    if module == "pallas_kernels.benchmark":
+        from pallas_kernels.benchmark import build_parser
+
+        assert build_parser().parse_args(args).json == str(tmp_path / "figures.json")
+        return
+    assert module == "infire_jax.bench"
     parsed = _parse_bench(args)
     assert parsed.json == str(tmp_path / "figures.json")
     if parsed.command == "fleet":  # the fleet file loads, and each worker's serve flags parse
@@ -49,12 +55,15 @@ def test_every_check_command_parses(check, tmp_path):
             engine_config(parsed, model)
 
 
-def test_the_memory_checks_follow_the_headline_decode():
+def test_checks_come_most_valuable_first():
+    """Issue 29's order: the GPU tests and dense bf16, the quantized / MoE kernels, memory, the fp8
+    KV cache, the kernels alone and old baselines; resident compression (minutes of coding) last."""
     names = [c.name for c in CHECKS]
-    at = names.index("decode-b1")
-    assert names[at + 1:at + 6] == ["swap-8b-1b", "fleet-gpu1-replicas", "fleet-gpu1-disaggregated",
-                                    "palette-b1-b64", "palette-restored"]
     assert len(set(names)) == len(names)
+    assert names[:3] == ["kernel-tests", "decode-b1", "profile-b1"]
+    assert names.index("int4-kernel") < names.index("swap-8b-1b") < names.index("throughput-c256-kv-float8_e4m3")
+    assert names.index("throughput-c256-kv-float8_e4m3") < names.index("quant-kernel-rows")
+    assert names[-2:] == ["palette-b1-b64", "palette-restored"]
     palette = [c for c in CHECKS if c.name.startswith("palette")]
     assert all(("--weights-compression", "palette:mlp,attn") == c.argv[-2:] for c in palette)
 

@@ -109,13 +109,16 @@ def test_fp8_code_widening_is_exact():
     np.testing.assert_array_equal(np.asarray(out), values)
 
 
-def test_pallas_kernels_read_fp8_pages(fp8_case):
-    """The Pallas path in interpret mode on an fp8 pool (float8_e4m3fn, as on a GPU): the same oracle,
-    and the same stored bits as the reference's write."""
+@pytest.mark.parametrize("interpret", [True, False], ids=["interpret", "gpu"])
+def test_pallas_kernels_read_fp8_pages(fp8_case, interpret):
+    """The Pallas path on an fp8 pool (float8_e4m3fn): in interpret mode anywhere, compiled by Triton
+    on a GPU; the same oracle, and the same stored bits as the reference's write."""
+    if not interpret and jax.default_backend() != "gpu":
+        pytest.skip("the compiled Triton kernels need a GPU")
     case, kv_scale, k_bits, v_bits, want = fp8_case
     fp8 = ml_dtypes.float8_e4m3fn
-    out, k_pages, v_pages = _run(functools.partial(ragged_attention.ragged_paged_attention, interpret=True), case,
-                                 kv_scale, k_bits.view(fp8), v_bits.view(fp8))
+    out, k_pages, v_pages = _run(functools.partial(ragged_attention.ragged_paged_attention, interpret=interpret),
+                                 case, kv_scale, k_bits.view(fp8), v_bits.view(fp8))
     assert k_pages.dtype == jnp.float8_e4m3fn
     real = _real(case)
     np.testing.assert_allclose(np.asarray(out, np.float64)[real], want[real], atol=1e-4, rtol=1e-4)

@@ -101,7 +101,7 @@ def test_each_pool_leaves_room_for_the_heaviest_model(standby):
 
 def _fail_restore(monkeypatch, runner: ModelRunner) -> None:
     """The runner's next pool allocation raises what XLA raises when the device is full."""
-    def allocate():
+    def allocate(kv_scales):
         raise jax.errors.JaxRuntimeError(OOM)
 
     monkeypatch.setattr(runner, "_new_cache", allocate)

@@ -50,44 +50,51 @@ class Check:
 
 
 CHECKS = (
+    # Issue 29, most valuable first: the GPU tests, then dense bf16 (section 1: the headline decode, and
+    # its profile, which shows whether the head is read in bf16 and decode steps launch no prefill kernel).
     Check("kernel-tests", 150, ("pytest", "tests/test_kernels.py", "tests/test_quant_matmul.py",
-                                "tests/test_palette_kernels.py", "tests/test_step_program.py", "-q"), figures=False),
+                                "tests/test_palette_kernels.py", "tests/test_step_program.py", "tests/test_layers.py",
+                                "tests/test_kv_fp8_kernels.py", "-q"), figures=False),
     Check("decode-b1", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1")),
-    # Memory on a shared or multi-model GPU (issue 29, section 4), then resident compression: its
-    # first start codes the model and checkpoints it coded (minutes), and later ones restore it.
-    Check("swap-8b-1b", 180, SWAP),
-    Check("fleet-gpu1-replicas", 240, fleet("gpu1-replicas")),
-    Check("fleet-gpu1-disaggregated", 240, fleet("gpu1-disaggregated")),
-    Check("palette-b1-b64", 480, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64", *PALETTE)),
-    Check("palette-restored", 120, ("infire_jax.bench", "latency", *LLAMA, "--input-len", "128", "--output-len",
-                                    "32", "--batch-size", "1", *PALETTE)),
+    Check("profile-b1", 150, ("infire_jax.bench", "profile", *LLAMA, "--batch-size", "1", "--input-len", "2048",
+                              "--steps", "32")),
+    # Section 2: the quantized and MoE kernels as the engine runs them.
     Check("int8-kernel", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
                                "--weights-quantization", "int8")),
-    Check("int8-layer-body", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
-                                   "--weights-quantization", "int8"), env=(("INFIRE_JAX_QUANT_MATMUL", "xla"),)),
     Check("int4-kernel", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
                                "--weights-quantization", "int4")),
-    Check("quant-kernel-rows", 240, ("pallas_kernels.benchmark", "--quant")),
-    Check("quant-sweep-b1", 300, ("pallas_kernels.benchmark", "--quant", "--sweep", "--cases",
-                                  "^(int8|int4)_(gate_up|down)_m1$|kimi_k2_5_ct_int4_gate_up_b1")),
+    Check("moe-grouped-kernel", 240, ("infire_jax.bench", "latency", *MOE)),
     Check("kimi-layer-int4", 240, ("infire_jax.bench", "latency", "--model", "dummy:kimi-k2.5,layers=2", "--dtype",
                                    "bfloat16", "--weights-quantization", "int4", "--input-len", "512",
                                    "--output-len", "128", "--batch-size", "1", "64")),
-    Check("moe-grouped-kernel", 240, ("infire_jax.bench", "latency", *MOE)),
-    Check("moe-tiled", 240, ("infire_jax.bench", "latency", *MOE), env=(("INFIRE_JAX_MOE_GROUPED", "tiled"),)),
-    Check("decode-b1-one-step", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1",
-                                      "--num-decode-steps", "1")),
-    Check("profile-b1", 150, ("infire_jax.bench", "profile", *LLAMA, "--batch-size", "1", "--input-len", "2048",
-                              "--steps", "32")),
     Check("throughput-c64", 240, ("infire_jax.bench", "throughput", *LLAMA, "--input-len", "1000", "--output-len",
                                   "1000", "--num-prompts", "128", "--max-concurrency", "64",
                                   "--num-warmup-prompts", "16")),
+    # Section 4: memory on a shared or multi-model GPU (GPU.md: the swap ran out of memory and hung;
+    # the fleet files did not start).
+    Check("swap-8b-1b", 180, SWAP),
+    Check("fleet-gpu1-replicas", 240, fleet("gpu1-replicas")),
+    Check("fleet-gpu1-disaggregated", 240, fleet("gpu1-disaggregated")),
     # Issue 30: the fp8 KV cache at 1000/1000 and concurrency 256, against bfloat16 (>= 1.1x tok/s, 0 preemptions).
     *(Check(f"throughput-c256-kv-{kv}", 420, ("infire_jax.bench", "throughput", *LLAMA, "--input-len", "1000",
                                               "--output-len", "1000", "--num-prompts", "512", "--max-concurrency",
                                               "256", "--max-num-seqs", "256", "--num-warmup-prompts", "16",
                                               "--kv-cache-dtype", kv))
       for kv in ("bfloat16", "float8_e4m3")),
+    # The kernels alone, the block-size sweep, and the baselines measured before (GPU.md).
+    Check("quant-kernel-rows", 240, ("pallas_kernels.benchmark", "--quant")),
+    Check("quant-sweep-b1", 300, ("pallas_kernels.benchmark", "--quant", "--sweep", "--cases",
+                                  "^(int8|int4)_(gate_up|down)_m1$|kimi_k2_5_ct_int4_gate_up_b1")),
+    Check("int8-layer-body", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
+                                   "--weights-quantization", "int8"), env=(("INFIRE_JAX_QUANT_MATMUL", "xla"),)),
+    Check("moe-tiled", 240, ("infire_jax.bench", "latency", *MOE), env=(("INFIRE_JAX_MOE_GROUPED", "tiled"),)),
+    Check("decode-b1-one-step", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1",
+                                      "--num-decode-steps", "1")),
+    # Section 3, resident compression: its first start codes the model and checkpoints it coded
+    # (minutes; a call of its own), later ones restore it.
+    Check("palette-b1-b64", 480, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64", *PALETTE)),
+    Check("palette-restored", 120, ("infire_jax.bench", "latency", *LLAMA, "--input-len", "128", "--output-len",
+                                    "32", "--batch-size", "1", *PALETTE)),
 )
 
 
