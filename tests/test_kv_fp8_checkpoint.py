@@ -140,3 +140,11 @@ def test_vllm_spellings(k, v, tmp_path):
 
 def _loaded_keys(tmp_path: pathlib.Path) -> set[str]:
     return set(load_hf_dir(write_checkpoint(tmp_path / "plain", {})).weights)
+
+
+def test_the_flag_forces_calibration():
+    from infire_jax.cli import build_parser, engine_config
+
+    for flags, want in (([], False), (["--calibrate-kv-scales"], True)):
+        args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8", *flags])
+        assert engine_config(args).calibrate_kv_scales is want

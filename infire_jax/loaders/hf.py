@@ -127,9 +127,9 @@ def llama_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -
     experts: dict[str, list[list]] = {}
     weights: dict[str, np.ndarray] = {}
     for name, w in tensors:
-        m = _LAYER.fullmatch(name)
         if is_kv_scale(name):  # fp8 KV-cache scales: read by the engine, not model weights
             continue
+        m = _LAYER.fullmatch(name)
         if m:
             layer, rest = int(m.group(1)), m.group(2)
             em = _EXPERT.fullmatch(rest)
