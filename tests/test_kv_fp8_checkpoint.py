@@ -1,7 +1,8 @@
 """fp8 KV-cache scales from an HF checkpoint's own `k_scale` / `v_scale` tensors (issue 30), on a tiny
 random Llama: the checkpoint loads, an fp8 engine takes its scales (broadcast over kv heads) instead
 of calibrating, also when restored from its placed checkpoint, and generates as an engine whose
-scales were set by hand; a bfloat16 cache ignores them; malformed scales name the tensor.
+scales were set by hand; a bfloat16 cache ignores them; malformed scales name the tensor; vLLM's other
+spellings and a compressed-tensors config with a KV-cache scheme alone read the same.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import pytest
 from gptq_awq_models import CONFIG, LINEARS
 from deepseek_models import VOCAB, _save_tokenizer
 from infire_jax import LLM, Engine, EngineConfig, SamplingParams
-from infire_jax.errors import ConfigError
+from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders.hf import load_hf_dir, read_hf_config
+from infire_jax.loaders.hf_quantized import quant_scheme
 from infire_jax.loaders.kv_scales_hf import read_kv_scales
 
 LAYERS, KV_HEADS = CONFIG["num_hidden_layers"], CONFIG["num_key_value_heads"]
@@ -53,6 +55,10 @@ def write_checkpoint(path: pathlib.Path, scales: dict[str, np.ndarray]) -> str:
     (path / "config.json").write_text(json.dumps(CONFIG))
     _save_tokenizer(path)
     return str(path)
+
+
+def _loaded_keys(tmp_path: pathlib.Path) -> set[str]:
+    return set(load_hf_dir(write_checkpoint(tmp_path / "plain", {})).weights)
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +144,25 @@ def test_vllm_spellings(k, v, tmp_path):
     np.testing.assert_array_equal(read_kv_scales(path, read_hf_config(path)), want)
 
 
-def _loaded_keys(tmp_path: pathlib.Path) -> set[str]:
-    return set(load_hf_dir(write_checkpoint(tmp_path / "plain", {})).weights)
-
-
 def test_the_flag_forces_calibration():
     from infire_jax.cli import build_parser, engine_config
 
     for flags, want in (([], False), (["--calibrate-kv-scales"], True)):
         args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8", *flags])
         assert engine_config(args).calibrate_kv_scales is want
+
+
+def test_compressed_tensors_kv_cache_scheme_alone_is_a_float_checkpoint(tmp_path):
+    """llm-compressor's KV-cache-only recipe: no weight groups, `k_proj.output_scale` / `v_proj.output_scale`."""
+    kv = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    qc = dict(quant_method="compressed-tensors", config_groups={}, kv_cache_scheme=kv)
+    assert quant_scheme({"quantization_config": qc}) is None
+    with pytest.raises(UnsupportedModelError, match="kv_cache_scheme"):
+        quant_scheme({"quantization_config": dict(qc, kv_cache_scheme=dict(kv, type="int"))})
+    scales = {f"model.layers.{layer}.self_attn.{name}": np.array(0.25, np.float32)
+              for layer in range(LAYERS) for name in ("k_proj.output_scale", "v_proj.output_scale")}
+    path = write_checkpoint(tmp_path / "ct", scales)
+    config = json.loads(pathlib.Path(path, "config.json").read_text())
+    pathlib.Path(path, "config.json").write_text(json.dumps(dict(config, quantization_config=qc)))
+    assert load_hf_dir(path).weights.keys() == _loaded_keys(tmp_path)
+    np.testing.assert_array_equal(read_kv_scales(path, read_hf_config(path)), np.full((LAYERS, 2, KV_HEADS), 0.25))
