@@ -129,6 +129,9 @@ class Engine:
         self.kv_dtype = resolve_kv_cache_dtype(ec.kv_cache_dtype, self.dtype)
         cfg = self.model_config = loaded.config if loaded else load_config(ec.model)
         self.plan = self._check_settings(cfg)
+        # Read before the weights, so that malformed scales fail fast (loaders/kv_scales_hf.py).
+        self._checkpoint_kv_scales = (read_kv_scales(ec.model, cfg) if is_fp8(self.kv_dtype)
+                                      and not ec.calibrate_kv_scales else None)
         enable_compilation_cache()
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
@@ -261,10 +264,9 @@ class Engine:
         """An fp8 pool's scales: the checkpoint's own `k_scale` / `v_scale` where it carries them
         (loaders/kv_scales_hf.py), else calibrated on the loaded model (kv_scales.py)."""
         ec = self.config
-        scales = None if ec.calibrate_kv_scales else read_kv_scales(ec.model, cfg)
-        if scales is not None:
+        if self._checkpoint_kv_scales is not None:
             log.info("fp8 KV cache: scales from the checkpoint's k_scale / v_scale tensors (%s)", ec.model)
-            return scales
+            return self._checkpoint_kv_scales
         log.info("fp8 KV cache: scales calibrated on a fixed text (%s)",
                  "calibrate_kv_scales set" if ec.calibrate_kv_scales else "the checkpoint carries none")
         return calibrate(self.runner.graphdef, self.runner.state, cfg, self.tokenizer.encode(CALIBRATION_TEXT))

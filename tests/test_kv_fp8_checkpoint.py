@@ -131,6 +131,8 @@ def test_malformed_scales_name_the_tensor(scales, message, tmp_path):
     path = write_checkpoint(tmp_path / "bad", scales)
     with pytest.raises(ConfigError, match=message):
         read_kv_scales(path, read_hf_config(path))
+    with pytest.raises(ConfigError, match=message):  # before any weight is read
+        Engine(EngineConfig(model=path, kv_cache_dtype="fp8", **ENGINE))
 
 
 @pytest.mark.parametrize("k, v", [("k_proj.output_scale", "v_proj.output_scale"),
