@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -66,8 +67,15 @@ def checkpoint(tmp_path_factory) -> str:
     return write_checkpoint(tmp_path_factory.mktemp("kv_scales") / "llama", SCALES)
 
 
+class Engines(NamedTuple):
+    bf16: Engine
+    fp8: Engine  # the checkpoint's scales
+    by_hand: Engine  # calibrated, then given the checkpoint's scales by hand
+    calibrated: np.ndarray  # by_hand's scales before
+
+
 @pytest.fixture(scope="module")
-def engines(checkpoint, tmp_path_factory) -> dict[str, Engine]:
+def engines(checkpoint, tmp_path_factory) -> Engines:
     """bfloat16 first (it builds the placed checkpoint), then fp8 from the checkpoint's scales (restored),
     then fp8 calibrated and given the same scales by hand."""
     mp = pytest.MonkeyPatch()
@@ -78,7 +86,9 @@ def engines(checkpoint, tmp_path_factory) -> dict[str, Engine]:
         by_hand = Engine(EngineConfig(model=checkpoint, kv_cache_dtype="fp8", calibrate_kv_scales=True, **ENGINE))
     finally:
         mp.undo()
-    return dict(bf16=bf16, fp8=fp8, by_hand=by_hand)
+    calibrated = by_hand.runner.kv_scales
+    by_hand.runner.set_kv_scales(EXPECTED)
+    return Engines(bf16, fp8, by_hand, calibrated)
 
 
 def test_the_checkpoint_loads_with_its_scales_beside_the_weights(checkpoint, tmp_path):
@@ -92,24 +102,22 @@ def test_the_checkpoint_loads_with_its_scales_beside_the_weights(checkpoint, tmp
 
 
 def test_fp8_engine_takes_the_checkpoint_scales(engines):
-    assert engines["fp8"].boot.restored  # the placed checkpoint skips the HF loader; the scales still come
-    np.testing.assert_array_equal(engines["fp8"].runner.kv_scales, EXPECTED)
-    np.testing.assert_array_equal(np.asarray(engines["fp8"].runner.cache.kv_scales), EXPECTED)
-    calibrated = engines["by_hand"].runner.kv_scales
-    assert calibrated.shape == EXPECTED.shape and not np.allclose(calibrated, EXPECTED)
+    assert engines.fp8.boot.restored  # the placed checkpoint skips the HF loader; the scales still come
+    np.testing.assert_array_equal(engines.fp8.runner.kv_scales, EXPECTED)
+    np.testing.assert_array_equal(np.asarray(engines.fp8.runner.cache.kv_scales), EXPECTED)
+    assert engines.calibrated.shape == EXPECTED.shape and not np.allclose(engines.calibrated, EXPECTED)
 
 
 def test_fp8_engine_generates_as_one_given_the_scales_by_hand(engines):
-    engines["by_hand"].runner.set_kv_scales(EXPECTED)
-    got, want = (LLM(engine=engines[name]).generate(PROMPTS, GREEDY) for name in ("fp8", "by_hand"))
+    got, want = (LLM(engine=e).generate(PROMPTS, GREEDY) for e in (engines.fp8, engines.by_hand))
     for g, w in zip(got, want):
         assert len(g.outputs[0].token_ids) == GREEDY.max_tokens
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
 
 
 def test_bfloat16_cache_ignores_the_scales(engines):
-    assert engines["bf16"].runner.kv_scales is None
-    out = LLM(engine=engines["bf16"]).generate(PROMPTS, GREEDY)
+    assert engines.bf16.runner.kv_scales is None
+    out = LLM(engine=engines.bf16).generate(PROMPTS, GREEDY)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
 
 
