@@ -41,7 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                         "(1: one step a launch; tokens then stream one at a time). Default 4")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="dtype of the KV cache: auto (the model's), bfloat16, float32, or float8_e4m3 (aliases fp8, "
-                        "fp8_e4m3): e4m3 pages with per-(layer, kv head) scales, twice the tokens of bfloat16")
+                        "fp8_e4m3): e4m3 pages with per-(layer, kv head) scales, twice the tokens of bfloat16; the "
+                        "scales are an HF checkpoint's k_scale / v_scale where it has them, else calibrated")
+    p.add_argument("--calibrate-kv-scales", action="store_true",
+                   help="fp8 KV cache: calibrate the scales even when the checkpoint carries k_scale / v_scale")
     p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of each GPU's memory for weights, activations and the KV pool (default 0.90)")
@@ -66,7 +69,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None):
     return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
-                        attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype, mesh=args.mesh, seed=args.seed,
+                        attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype,
+                        calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,
                         weights_compression=args.weights_compression,
                         weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
                         grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps)

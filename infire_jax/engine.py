@@ -34,6 +34,7 @@ from infire_jax.loaders import LoadedModel
 from infire_jax.loaders.checkpoint import load_placed
 from infire_jax.loaders.compressed import load_resident_placed
 from infire_jax.loaders.gguf_quant import load_quantized_placed
+from infire_jax.loaders.kv_scales_hf import read_kv_scales
 from infire_jax.loaders.load import cache_dir, load_config
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
@@ -78,6 +79,8 @@ class EngineConfig:
     # The KV pool's dtype: "auto" (the model's), bfloat16, float32 or float8_e4m3 (aliases fp8, fp8_e4m3):
     # fp8 pages with per-(layer, kv head) scales hold twice the tokens of bfloat16 (kv_scales.py).
     kv_cache_dtype: str = "auto"
+    # An fp8 pool's scales are the checkpoint's `k_scale` / `v_scale` where it has them; True calibrates anyway.
+    calibrate_kv_scales: bool = False
     mesh: str | None = None  # mesh-config YAML; default: the shipped file for jax.device_count()
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
@@ -126,6 +129,9 @@ class Engine:
         self.kv_dtype = resolve_kv_cache_dtype(ec.kv_cache_dtype, self.dtype)
         cfg = self.model_config = loaded.config if loaded else load_config(ec.model)
         self.plan = self._check_settings(cfg)
+        # Read before the weights, so that malformed scales fail fast (loaders/kv_scales_hf.py).
+        self._checkpoint_kv_scales = (read_kv_scales(ec.model, cfg) if is_fp8(self.kv_dtype)
+                                      and not ec.calibrate_kv_scales else None)
         enable_compilation_cache()
         self.max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
         budget = ec.max_num_batched_tokens or (8192 if _on_gpu() else 512)
@@ -203,8 +209,7 @@ class Engine:
                 self.runner.allocate_pool()
             self.warmup_seconds = time.monotonic() - t_warmup
         if self.runner.kv_scales is not None:
-            self.runner.set_kv_scales(calibrate(self.runner.graphdef, self.runner.state, placed_cfg,
-                                                self.tokenizer.encode(CALIBRATION_TEXT)))
+            self.runner.set_kv_scales(self._kv_scales(placed_cfg))
         # After the warmup: its token trie is built on a thread of its own, which would hold the GIL
         # against the warmup's (the first structured-output request waits for it instead).
         self.grammars = GrammarBackend(self.tokenizer.tk.to_str(), self.model_config.vocab_size,
@@ -254,6 +259,17 @@ class Engine:
             return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
         except ValueError as e:  # unknown attention name, MeshConfigError
             raise ConfigError(str(e)) from e
+
+    def _kv_scales(self, cfg: ModelConfig):
+        """An fp8 pool's scales: the checkpoint's own `k_scale` / `v_scale` where it carries them
+        (loaders/kv_scales_hf.py), else calibrated on the loaded model (kv_scales.py)."""
+        ec = self.config
+        if self._checkpoint_kv_scales is not None:
+            log.info("fp8 KV cache: scales from the checkpoint's k_scale / v_scale tensors (%s)", ec.model)
+            return self._checkpoint_kv_scales
+        log.info("fp8 KV cache: scales calibrated on a fixed text (%s)",
+                 "calibrate_kv_scales set" if ec.calibrate_kv_scales else "the checkpoint carries none")
+        return calibrate(self.runner.graphdef, self.runner.state, cfg, self.tokenizer.encode(CALIBRATION_TEXT))
 
     def _load_placed(self, loaded: LoadedModel | None):
         """The weights on the devices: plain, palette-compressed or kept quantized."""

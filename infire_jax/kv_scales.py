@@ -1,7 +1,7 @@
 """The KV cache dtype (`--kv-cache-dtype`) and an fp8 pool's per-(layer, kv head) scales.
 
 fp8 (e4m3) pages hold `k / k_scale` and `v / v_scale` (pallas_kernels/kv_quant.py). The scales
-are calibrated once at engine build (a checkpoint's own `k_scale` / `v_scale` are not read yet):
+are calibrated once at engine build unless the HF checkpoint has its own (loaders/kv_scales_hf.py):
 the model runs a short fixed text into a small float32 pool, and each (layer, head) gets
 `amax * MARGIN / 448`, so its largest calibration value lands a factor MARGIN below the top of
 e4m3's range (larger ones saturate). e4m3 has 3 mantissa bits wherever a value falls in its ~17

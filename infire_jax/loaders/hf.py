@@ -19,6 +19,7 @@ from safetensors import safe_open
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.deepseek_hf import deepseek_weights, rope_interleaved
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
+from infire_jax.loaders.kv_scales_hf import is_kv_scale
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig, config_from_hf
 from infire_jax.tokenizer import Tokenizer
@@ -126,6 +127,8 @@ def llama_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -
     experts: dict[str, list[list]] = {}
     weights: dict[str, np.ndarray] = {}
     for name, w in tensors:
+        if is_kv_scale(name):  # fp8 KV-cache scales: read by the engine, not model weights
+            continue
         m = _LAYER.fullmatch(name)
         if m:
             layer, rest = int(m.group(1)), m.group(2)

@@ -15,6 +15,9 @@ and the two int4 schemes Llama / Qwen / Mistral checkpoints are most often serve
   size tiling the inputs or -1, symmetric or not, `checkpoint_format` gptq (v1) or gptq_v2.
 - `awq` with `version: gemm` and zero points (AutoAWQ): `qweight`, `qzeros` and `scales`.
 
+A compressed-tensors config with a `kv_cache_scheme` (fp8) and no weight groups is a float
+checkpoint with KV-cache scales (loaders/kv_scales_hf.py reads them).
+
 By default the weights are dequantized here (`dequantized`), exactly as the formats define
 (quant/formats.py, checked bit for bit against float64 definitions in tests), and the rest of the
 loader sees a float checkpoint. With `weights_quantization="checkpoint"` the quantized layer
@@ -71,6 +74,11 @@ def quant_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
         return QuantScheme("fp8", block=int(block[0]))
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
+        kv = qc.get("kv_cache_scheme")
+        if kv and (kv.get("type"), kv.get("num_bits")) != ("float", 8):
+            raise _bad("kv_cache_scheme", kv, "only fp8 (type float, 8 bits) KV-cache scales are read")
+        if kv and not groups:  # float weights beside fp8 KV-cache scales (loaders/kv_scales_hf.py)
+            return None
         if len(groups) != 1:
             raise _bad("config_groups", list(groups), "exactly one quantization group is supported")
         name, group = next(iter(groups.items()))
