@@ -204,7 +204,7 @@ class Engine:
             self.warmup_seconds = time.monotonic() - t_warmup
         if self.runner.kv_scales is not None:
             self.runner.set_kv_scales(calibrate(self.runner.graphdef, self.runner.state, placed_cfg,
-                                                self.tokenizer.encode(CALIBRATION_TEXT)))
+                                                self.tokenizer.encode(CALIBRATION_TEXT), self.plan))
         # After the warmup: its token trie is built on a thread of its own, which would hold the GIL
         # against the warmup's (the first structured-output request waits for it instead).
         self.grammars = GrammarBackend(self.tokenizer.tk.to_str(), self.model_config.vocab_size,
@@ -249,8 +249,6 @@ class Engine:
         try:
             resolve_impl(ec.attn_impl)
             mesh_config = load_mesh_config(ec.mesh, jax.device_count())
-            if mesh_config.num_devices > 1 and is_fp8(self.kv_dtype):
-                raise ConfigError("kv_cache_dtype float8_e4m3 runs on one device only, not on a mesh, so far")
             return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
         except ValueError as e:  # unknown attention name, MeshConfigError
             raise ConfigError(str(e)) from e

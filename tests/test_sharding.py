@@ -266,3 +266,18 @@ def test_two_processes_match_one(tiny_models, tmp_path):
     _results(procs[1])
     assert leader[0]["mesh_sizes"] == {"dp": 1, "pp": 2, "tp": 4, "ep": 1}
     _assert_same(leader[0], one)
+
+
+def test_fp8_kv_cache_on_a_mesh_matches_single_device(tiny_models, tmp_path):
+    """An fp8 pool on tp4 x pp2 (kv heads repeated, 3 layers in 2 + 2 slots, one of them padding): the
+    sharded calibration gives the single device's scales in the pool's layout, and the same tokens."""
+    runs = [{"model": tiny_models["llama"], "mesh": os.path.join(CONFIG_DIR, name)} for name in ("1.yaml",
+                                                                                                 "8-tp4-pp2.yaml")]
+    single, sharded = _results(_run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": 8,
+                                            "engine": dict(ENGINE, kv_cache_dtype="fp8")}, 8, tmp_path, "fp8"))
+    assert sharded["fits"] and sharded["mesh_sizes"] == {"dp": 1, "pp": 2, "tp": 4, "ep": 1}
+    assert plan_stages(3, 2) == (1, 2)  # slots: layer 0, padding, layers 1 and 2
+    real = np.asarray([0, 2, 3])
+    expected = np.repeat(np.asarray(single["kv_scales"]), 2, axis=2)  # each kv head stored twice
+    np.testing.assert_allclose(np.asarray(sharded["kv_scales"])[real], expected, rtol=1e-4)
+    _assert_same(sharded, single)
