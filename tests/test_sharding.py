@@ -271,8 +271,8 @@ def test_two_processes_match_one(tiny_models, tmp_path):
 def test_fp8_kv_cache_on_a_mesh_matches_single_device(tiny_models, tmp_path):
     """An fp8 pool on tp4 x pp2 (kv heads repeated, 3 layers in 2 + 2 slots, one of them padding): the
     sharded calibration gives the single device's scales in the pool's layout, and the same tokens."""
-    runs = [{"model": tiny_models["llama"], "mesh": os.path.join(CONFIG_DIR, name)} for name in ("1.yaml",
-                                                                                                 "8-tp4-pp2.yaml")]
+    meshes = ("1.yaml", "8-tp4-pp2.yaml")
+    runs = [{"model": tiny_models["llama"], "mesh": os.path.join(CONFIG_DIR, name)} for name in meshes]
     single, sharded = _results(_run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": 8,
                                             "engine": dict(ENGINE, kv_cache_dtype="fp8")}, 8, tmp_path, "fp8"))
     assert sharded["fits"] and sharded["mesh_sizes"] == {"dp": 1, "pp": 2, "tp": 4, "ep": 1}
