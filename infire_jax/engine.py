@@ -248,14 +248,9 @@ class Engine:
             raise ConfigError("max_num_seqs, page_size and num_decode_steps must be positive")
         if not 0.0 < ec.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
-        if is_fp8(self.kv_dtype) and cfg.mla is not None:
-            raise ConfigError("kv_cache_dtype float8_e4m3 is not implemented for MLA models (DeepSeek-V3 family) "
-                              "yet: their latent cache stays in the model dtype")
         try:
             resolve_impl(ec.attn_impl)
             mesh_config = load_mesh_config(ec.mesh, jax.device_count())
-            if mesh_config.num_devices > 1 and is_fp8(self.kv_dtype):
-                raise ConfigError("kv_cache_dtype float8_e4m3 runs on one device only, not on a mesh, so far")
             return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
         except ValueError as e:  # unknown attention name, MeshConfigError
             raise ConfigError(str(e)) from e
@@ -266,10 +261,12 @@ class Engine:
         ec = self.config
         if self._checkpoint_kv_scales is not None:
             log.info("fp8 KV cache: scales from the checkpoint's k_scale / v_scale tensors (%s)", ec.model)
-            return self._checkpoint_kv_scales
+            scales = self._checkpoint_kv_scales
+            return scales if self.plan is None else self.plan.prepare_kv_scales(scales)
         log.info("fp8 KV cache: scales calibrated on a fixed text (%s)",
                  "calibrate_kv_scales set" if ec.calibrate_kv_scales else "the checkpoint carries none")
-        return calibrate(self.runner.graphdef, self.runner.state, cfg, self.tokenizer.encode(CALIBRATION_TEXT))
+        return calibrate(self.runner.graphdef, self.runner.state, cfg, self.tokenizer.encode(CALIBRATION_TEXT),
+                         self.plan)
 
     def _load_placed(self, loaded: LoadedModel | None):
         """The weights on the devices: plain, palette-compressed or kept quantized."""
@@ -286,10 +283,11 @@ class Engine:
     def _attention(self, cfg: ModelConfig) -> str:
         try:
             if cfg.mla is not None:
-                return choose_mla_impl(self.config.attn_impl, kv_lora_rank=cfg.mla.kv_lora_rank,
+                impl = choose_mla_impl(self.config.attn_impl, kv_lora_rank=cfg.mla.kv_lora_rank,
                                        rope_dim=cfg.mla.qk_rope_head_dim, dtype=self.dtype)
-            impl = choose_impl(self.config.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
-                               num_kv_heads=cfg.num_kv_heads, dtype=self.dtype)
+            else:
+                impl = choose_impl(self.config.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
+                                   num_kv_heads=cfg.num_kv_heads, dtype=self.dtype)
             if impl == "pallas" and is_fp8(self.kv_dtype):
                 check_fp8_device()
             return impl

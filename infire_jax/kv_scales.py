@@ -21,6 +21,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
 from pallas_kernels.kv_quant import FP8, FP8_MAX
 from pallas_kernels.metadata import AttentionMetadata
+from sharding.plan import ShardPlan
 
 # vLLM's spellings are accepted too; "auto" is the model's dtype (cli.KV_CACHE_DTYPE_CHOICES lists them all).
 KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
@@ -54,10 +55,11 @@ def _calibration_meta(n: int) -> AttentionMetadata:
                              np.array([n], np.int32), np.array([0, n], np.int32), np.int32(1))
 
 
-def calibrate(graphdef: nnx.GraphDef, state: nnx.State, cfg: ModelConfig,
-              token_ids: list[int]) -> Float[np.ndarray, "L 2 Hkv"]:
+def calibrate(graphdef: nnx.GraphDef, state: nnx.State, cfg: ModelConfig, token_ids: list[int],
+              plan: ShardPlan | None = None) -> Float[np.ndarray, "L 2 Hkv"]:
     """Per (layer, kv head) scales from one forward of `token_ids` into a float32 pool (one compile,
-    off the step programs)."""
+    off the step programs). On a mesh `cfg` is the placed one (kv heads repeated, layers padded) and
+    the forward runs sharded like a step, so the scales come out in the pool's layout."""
     if not token_ids:
         raise ValueError("calibration needs at least one token")
     n = len(token_ids)
@@ -69,7 +71,8 @@ def calibrate(graphdef: nnx.GraphDef, state: nnx.State, cfg: ModelConfig,
     @jax.jit
     def run(state, k_pages, v_pages, tokens, meta):
         model = nnx.merge(graphdef, state)
-        _, (k_pages, v_pages) = model(tokens, (k_pages, v_pages), meta, jnp.array([n - 1]), attn_impl="reference")
+        _, (k_pages, v_pages) = model(tokens, (k_pages, v_pages), meta, jnp.array([n - 1]), attn_impl="reference",
+                                      plan=plan)
         return (jnp.max(jnp.abs(k_pages), axis=(1, 2, 4)), jnp.max(jnp.abs(v_pages), axis=(1, 2, 4)))
 
     k_amax, v_amax = jax.device_get(run(state, k_pages, v_pages, jnp.asarray(token_ids, jnp.int32),

@@ -76,23 +76,25 @@ def mla_attention(
 
     "pallas" / "pallas_interpret": single-token rows through the Pallas decode kernel, prompt chunks
     through the jnp reference (there is no MLA prefill kernel yet), whose cached-context loop then
-    skips the decode rows.
+    skips the decode rows. With `meta.kv_scales` the pool is fp8 and this layer's [2, 1] scales apply.
     """
     if impl not in ("reference", "pallas", "pallas_interpret"):
         raise ValueError(f"unresolved attention implementation {impl!r}; call choose_mla_impl first")
     if form not in FORMS:
         raise ValueError(f"unknown MLA form {form!r}; choose one of {FORMS}")
     q_lat = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+    kv_scale = None if meta.kv_scales is None else meta.kv_scales[layer]
     ref_meta = meta if impl == "reference" else _without_decode_context(meta)
     if form == "expanded":
         out, latent_pages, rope_pages = mla_reference.mla_paged_attention_expanded(
-            q_nope, q_pe, latent, k_pe, w_uk, w_uv, latent_pages, rope_pages, layer, ref_meta, scale=scale)
+            q_nope, q_pe, latent, k_pe, w_uk, w_uv, latent_pages, rope_pages, layer, ref_meta, scale=scale,
+            kv_scale=kv_scale)
     else:
         o_lat, latent_pages, rope_pages = mla_reference.mla_paged_attention(
-            q_lat, q_pe, latent, k_pe, latent_pages, rope_pages, layer, ref_meta, scale=scale)
+            q_lat, q_pe, latent, k_pe, latent_pages, rope_pages, layer, ref_meta, scale=scale, kv_scale=kv_scale)
         out = jnp.einsum("thr,rhv->thv", o_lat, w_uv)
     if impl != "reference":
         decoded, covered = mla_decode_attention(q_lat, q_pe, latent_pages, rope_pages, layer, meta, scale=scale,
-                                                interpret=impl == "pallas_interpret")
+                                                interpret=impl == "pallas_interpret", kv_scale=kv_scale)
         out = jnp.where(covered[:, None, None], jnp.einsum("thr,rhv->thv", decoded, w_uv), out)
     return out, latent_pages, rope_pages

@@ -8,7 +8,8 @@ q_lat . c + q_pe . k_pe and the value is the latent c itself; the program keeps 
 over its split of the row's blocks and writes the unnormalised partial (acc [BLOCK_H, R], max,
 sum), which `decode_attention.combine_splits` merges (flash-decoding). W_uv is applied by the
 caller. Key positions are gathered per position through the page table, as paged_block.py does,
-so any page size works.
+so any page size works. An fp8 pool's codes widen to q's dtype in registers; its latent scale
+folds into q_lat and the output, its rotary key scale into q_pe (mla_reference.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.decode_attention import choose_num_splits, combine_splits, decode_rows
+from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_block import initial_state
 from pallas_kernels.triton_backend import (MASK_VALUE, compiler_params, dot_precision, is_power_of_2, next_power_of_2,
@@ -59,8 +61,8 @@ def _mla_decode_kernel(layer_ref, kv_lens_ref, page_table_ref, q_lat_ref, q_pe_r
         page, offset = page_table_ref[seq, column], lax.rem(pos, page_size)
         visible = pos < kv_len
         # Positions past kv_len read a clamped slot; their latents are zeroed so nothing stale reaches p @ c.
-        c = jnp.where(visible[:, None], latent_pages_ref[layer, page, offset, 0, :], 0)
-        k_pe = rope_pages_ref[layer, page, offset, 0, :]
+        c = jnp.where(visible[:, None], latent_pages_ref[layer, page, offset, 0, :].astype(q_lat.dtype), 0)
+        k_pe = rope_pages_ref[layer, page, offset, 0, :].astype(q_pe.dtype)
         dims = (((1,), (1,)), ((), ()))
         logits = (lax.dot_general(q_lat, c, dims, precision=precision, preferred_element_type=jnp.float32)
                   + lax.dot_general(q_pe, k_pe, dims, precision=precision, preferred_element_type=jnp.float32))
@@ -91,11 +93,17 @@ def mla_decode_attention(
     block_k: int = BLOCK_K,
     num_splits: int | None = None,
     interpret: bool = False,
+    kv_scale: Float[Array, "2 1"] | None = None,
 ) -> tuple[Float[Array, "T H R"], Bool[Array, "T"]]:
-    """Attention-weighted latents of every single-token row's token over its pages (written already).
+    """Attention-weighted latents of every single-token row's token over its pages (written already);
+    `kv_scale` ([latent scale, rotary key scale]) for an fp8 pool.
 
     Returns the outputs and which tokens they cover; other tokens' outputs are 0.
     """
+    out_dtype = q_lat.dtype
+    if kv_scale is not None:
+        q_lat, q_pe = q_lat.astype(jnp.float32) * kv_scale[0, 0], q_pe.astype(jnp.float32) * kv_scale[1, 0]
+    dtype = compute_dtype(latent_pages.dtype, out_dtype)
     t, h, r = q_lat.shape
     dr = q_pe.shape[-1]
     page_size = latent_pages.shape[2]
@@ -109,14 +117,14 @@ def mla_decode_attention(
     kv_lens = jnp.where(is_decode, meta.kv_lens, 0).astype(jnp.int32)
     first_token = jnp.clip(meta.cu_q_lens[:-1], 0, t - 1)
 
-    def rows(x):  # [T, H, D] -> each row's token, heads padded to hp, in the pool's dtype
-        return jnp.pad(x[first_token].astype(latent_pages.dtype), ((0, 0), (0, hp - h), (0, 0)))
+    def rows(x):  # [T, H, D] -> each row's token, heads padded to hp, in the dtype the kernel multiplies in
+        return jnp.pad(x[first_token].astype(dtype), ((0, 0), (0, hp - h), (0, 0)))
 
     whole = pl.BlockSpec()
     partial_spec = pl.BlockSpec((None, None, BLOCK_H), lambda i, b, k: (k, i, b))
     acc, row_max, total = pl.pallas_call(
         functools.partial(_mla_decode_kernel, scale=scale, page_size=page_size, block_k=block_k,
-                          num_splits=num_splits, precision=dot_precision(latent_pages.dtype)),
+                          num_splits=num_splits, precision=dot_precision(dtype)),
         grid=(s, num_head_blocks, num_splits),
         in_specs=[whole, whole, whole, pl.BlockSpec((None, BLOCK_H, r), lambda i, b, k: (i, b, 0)),
                   pl.BlockSpec((None, BLOCK_H, dr), lambda i, b, k: (i, b, 0)), whole, whole],
@@ -124,7 +132,7 @@ def mla_decode_attention(
         out_shape=[jax.ShapeDtypeStruct((num_splits, s, hp, r), jnp.float32),
                    jax.ShapeDtypeStruct((num_splits, s, hp), jnp.float32),
                    jax.ShapeDtypeStruct((num_splits, s, hp), jnp.float32)],
-        compiler_params=compiler_params(num_warps=4, num_stages=pipeline_stages(latent_pages.dtype)),
+        compiler_params=compiler_params(num_warps=4, num_stages=pipeline_stages(dtype)),
         interpret=interpret,
         name="paged_mla_decode",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), kv_lens, meta.page_table.astype(jnp.int32), rows(q_lat),
@@ -132,7 +140,9 @@ def mla_decode_attention(
 
     # combine_splits takes [K, S, Hkv, G, ...]: here one group of hp heads.
     rows_out = combine_splits(acc[:, :, None], row_max[:, :, None], total[:, :, None])[:, 0, :h]
+    if kv_scale is not None:
+        rows_out = rows_out * kv_scale[0, 0]
     valid = jnp.arange(t) < meta.cu_q_lens[meta.num_seqs]
     seq = jnp.clip(meta.seq_ids, 0, s - 1)
     covered = valid & is_decode[seq]
-    return jnp.where(covered[:, None, None], rows_out[seq], 0).astype(q_lat.dtype), covered
+    return jnp.where(covered[:, None, None], rows_out[seq], 0).astype(out_dtype), covered

@@ -9,6 +9,11 @@ it runs as `reference.ragged_paged_attention` does: part B attends the step's ow
 densely, part A reads the cached positions in ragged blocks (`reference.fold_cached_blocks`),
 and the two merge through an online softmax.
 
+An fp8 pool (`kv_scale` [2, 1]: the latent's scale and the rotary key's, pallas_kernels/kv_quant.py)
+holds `c / c_scale` and `k_pe / rope_scale`: c_scale folds into q_lat and the output (the value is
+c), rope_scale into q_pe, so the dots read the codes. The step's own latents are quantized first,
+so a token reads the same latent fresh or cached.
+
 `mla_paged_attention_expanded` attends the step's own tokens in the expanded form instead: per
 token pair it costs H (Dn + Dr + Dv) multiply-adds against H (2R + Dr) absorbed (320 against 1088
 for DeepSeek-V3), for an expansion of R H (Dn + Dv) per new token, so it pays off for long prompt
@@ -22,7 +27,21 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import (_dot_precision, _pages_per_block, fold_cached_blocks, from_storage,
-                                      query_block_size, query_blocks, write_kv)
+                                      query_block_size, query_blocks, quantize_step, write_kv)
+
+
+def _write_step(latent: Float[Array, "T R"], k_pe: Float[Array, "T Dr"], latent_pages: Array, rope_pages: Array,
+                layer: Int[Array, ""], meta: AttentionMetadata, kv_scale: Float[Array, "2 1"] | None
+                ) -> tuple[Array, Array, Float[Array, "T R"], Float[Array, "T Dr"], Array, Array]:
+    """Writes the step's latents and rotary keys (quantized for an fp8 pool); returns the pages, the
+    step's values as the pool holds them (codes, in float32), and (c_scale, rope_scale): 1 without
+    scales."""
+    latent_q, k_pe_q = quantize_step(latent[:, None], k_pe[:, None], kv_scale)
+    latent_pages, rope_pages = write_kv(latent_pages, rope_pages, layer, latent_q, k_pe_q, meta.slot_mapping)
+    one = jnp.ones((), jnp.float32)
+    c_scale, rope_scale = (one, one) if kv_scale is None else (kv_scale[0, 0], kv_scale[1, 0])
+    return (latent_pages, rope_pages, latent_q[:, 0].astype(jnp.float32), k_pe_q[:, 0].astype(jnp.float32),
+            c_scale, rope_scale)
 
 
 def _part_b_mask(meta: AttentionMetadata, t: int) -> tuple[Array, Array]:
@@ -92,22 +111,22 @@ def mla_paged_attention(
     meta: AttentionMetadata,
     *,
     scale: float,
+    kv_scale: Float[Array, "2 1"] | None = None,
 ) -> tuple[Float[Array, "T H R"], Array, Array]:
     """Absorbed form: writes the step's latents and rotary keys into the pages; returns each head's
     attention-weighted latent (before W_uv) and the updated pages."""
     precision = _dot_precision(q_lat, latent, latent_pages)
-    latent_pages, rope_pages = write_kv(latent_pages, rope_pages, layer, latent[:, None], k_pe[:, None],
-                                        meta.slot_mapping)
+    latent_pages, rope_pages, c, kp, c_scale, rope_scale = _write_step(latent, k_pe, latent_pages, rope_pages,
+                                                                      layer, meta, kv_scale)
     valid, mask = _part_b_mask(meta, q_lat.shape[0])
-    ql = q_lat.astype(jnp.float32) * scale
-    qr = q_pe.astype(jnp.float32) * scale
-    c = latent.astype(jnp.float32)
+    ql = q_lat.astype(jnp.float32) * (scale * c_scale)
+    qr = q_pe.astype(jnp.float32) * (scale * rope_scale)
     s_b = (jnp.einsum("thr,ur->thu", ql, c, precision=precision)
-           + jnp.einsum("thd,ud->thu", qr, k_pe.astype(jnp.float32), precision=precision))
+           + jnp.einsum("thd,ud->thu", qr, kp, precision=precision))
     m, l_sum, p = _softmax_part(s_b, mask)
     state = (m, l_sum, jnp.einsum("thu,ur->thr", p, c, precision=precision))
     m, l_sum, acc = _attend_cached(ql, qr, state, latent_pages, rope_pages, layer, meta, valid, precision)
-    return (acc / l_sum[..., None]).astype(q_lat.dtype), latent_pages, rope_pages
+    return (acc / l_sum[..., None] * c_scale).astype(q_lat.dtype), latent_pages, rope_pages
 
 
 def mla_paged_attention_expanded(
@@ -123,29 +142,32 @@ def mla_paged_attention_expanded(
     meta: AttentionMetadata,
     *,
     scale: float,
+    kv_scale: Float[Array, "2 1"] | None = None,
 ) -> tuple[Float[Array, "T H Dv"], Array, Array]:
     """The step's own tokens in the expanded form (per-head keys c W_uk and values c W_uv, built once
     for the T new tokens), the cached positions in the absorbed form; returns [T, H, Dv].
 
     Both parts score q . k the same way, so their softmax statistics merge as usual: part A's
     latent accumulator starts at zero under part B's (max, sum), and W_uv, being linear, maps it
-    to the value space after the loop."""
+    to the value space after the loop. With fp8 scales the step's own part reads its dequantized
+    latents and the cached part the codes, scales folded."""
     precision = _dot_precision(q_nope, latent, latent_pages)
-    latent_pages, rope_pages = write_kv(latent_pages, rope_pages, layer, latent[:, None], k_pe[:, None],
-                                        meta.slot_mapping)
+    latent_pages, rope_pages, c, kp, c_scale, rope_scale = _write_step(latent, k_pe, latent_pages, rope_pages,
+                                                                      layer, meta, kv_scale)
     valid, mask = _part_b_mask(meta, q_nope.shape[0])
     qn = q_nope.astype(jnp.float32) * scale
     qr = q_pe.astype(jnp.float32) * scale
-    c = latent.astype(jnp.float32)
+    c = c * c_scale
     w_uk, w_uv = w_uk.astype(jnp.float32), w_uv.astype(jnp.float32)
     k_nope = jnp.einsum("ur,rhd->uhd", c, w_uk, precision=precision)
     s_b = (jnp.einsum("thd,uhd->thu", qn, k_nope, precision=precision)
-           + jnp.einsum("thd,ud->thu", qr, k_pe.astype(jnp.float32), precision=precision))
+           + jnp.einsum("thd,ud->thu", qr, kp * rope_scale, precision=precision))
     m_b, l_b, p = _softmax_part(s_b, mask)
     acc_b = jnp.einsum("thu,uhv->thv", p, jnp.einsum("ur,rhv->uhv", c, w_uv, precision=precision),
                        precision=precision)
-    ql = jnp.einsum("thd,rhd->thr", qn, w_uk, precision=precision)
-    m, l_sum, acc_lat = _attend_cached(ql, qr, (m_b, l_b, jnp.zeros(ql.shape, jnp.float32)), latent_pages,
-                                       rope_pages, layer, meta, valid, precision)
-    acc = acc_b * jnp.exp(m_b - m)[..., None] + jnp.einsum("thr,rhv->thv", acc_lat, w_uv, precision=precision)
+    ql = jnp.einsum("thd,rhd->thr", qn, w_uk, precision=precision) * c_scale
+    m, l_sum, acc_lat = _attend_cached(ql, qr * rope_scale, (m_b, l_b, jnp.zeros(ql.shape, jnp.float32)),
+                                       latent_pages, rope_pages, layer, meta, valid, precision)
+    acc = acc_b * jnp.exp(m_b - m)[..., None] + jnp.einsum("thr,rhv->thv", acc_lat * c_scale, w_uv,
+                                                           precision=precision)
     return (acc / l_sum[..., None]).astype(q_nope.dtype), latent_pages, rope_pages

@@ -165,6 +165,19 @@ class ShardPlan:
         return mask
 
     # ---- host weights -------------------------------------------------------------------------
+    def prepare_kv_scales(self, scales: np.ndarray) -> np.ndarray:
+        """An fp8 pool's scales [layers, 2, kv heads] in the pool's layout: each kv head's scale for
+        each of its copies (as `repeat_kv_heads`), the layers spread over the stage slots (padding
+        slots hold 1: they are never read)."""
+        scales = np.repeat(scales, self.kv_repeat, axis=2)
+        if self.num_stages == 1:
+            return scales
+        out = np.ones((self.num_stages * self.padded_layers, *scales.shape[1:]), scales.dtype)
+        starts = np.cumsum((0,) + self.stage_layers[:-1])
+        for s, (start, n) in enumerate(zip(starts, self.stage_layers)):
+            out[s * self.padded_layers:s * self.padded_layers + n] = scales[start:start + n]
+        return out
+
     def prepare_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Repeats kv heads and spreads the stacked layers over padded stage slots."""
         out = dict(weights)

@@ -67,6 +67,8 @@ def main() -> None:
         llm.engine.close()
         result.update(fits=True, tokens=[o.token_ids for o in outs],
                       logprobs=[[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+        if llm.engine.runner.kv_scales is not None:  # an fp8 pool's calibrated scales, in the pool's layout
+            result["kv_scales"] = llm.engine.runner.kv_scales.tolist()
         plan = llm.engine.plan
         if plan is not None:
             from flax import nnx

@@ -135,8 +135,3 @@ def test_prefix_cache_transfer_and_standby_keep_fp8_pages(engines):
     with pytest.raises(InvalidRequestError, match="kv_scales"):
         fp8.import_prompt_kv(other)
 
-
-def test_fp8_is_refused_for_an_mla_cache():
-    """Refused from the config alone, before any weight is read."""
-    with pytest.raises(ConfigError, match="float8_e4m3 is not implemented for MLA"):
-        Engine(EngineConfig(model="dummy:deepseek-v3", kv_cache_dtype="fp8"))

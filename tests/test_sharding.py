@@ -37,6 +37,26 @@ def write_yaml(tmp_path, data, name="mesh.yaml") -> str:
 
 
 # ---- mesh files and plans (no devices needed) -------------------------------------------------
+def test_checkpoint_kv_scales_take_the_pools_layout():
+    """A checkpoint's fp8 scales [L, 2, Hkv] land where `prepare_weights` puts each layer's kv head:
+    each head's scale on every copy of it, the layers on their stage slots (read from a fused q/k/v
+    weight whose k entries hold their layer and head)."""
+    import types
+
+    layers, hkv, g, d = 5, 2, 4, 3
+    plan = types.SimpleNamespace(kv_repeat=2, num_stages=2, padded_layers=3, stage_layers=(3, 2))
+    wqkv = np.zeros((layers, 1, hkv, g + 2, d), np.float32)
+    wqkv[..., g, :] = (np.arange(layers)[:, None, None] * 10 + np.arange(hkv)[None, :, None] + 1)[:, None]
+    placed = ShardPlan.prepare_weights(plan, {"layers.wqkv": wqkv})["layers.wqkv"][:, 0, :, -2, 0]  # [slots, heads]
+    scales = np.stack([np.arange(layers)[:, None] * 10 + np.arange(hkv) + 1] * 2, axis=1).astype(np.float32)
+    got = ShardPlan.prepare_kv_scales(plan, scales)
+    real = placed > 0
+    assert got.shape == (6, 2, 4) and real.sum() == layers * hkv * 2
+    np.testing.assert_array_equal(got[:, 0][real], placed[real])
+    np.testing.assert_array_equal(got[:, 1][real], placed[real])
+    assert (got[~real.any(axis=1)] == 1).all()  # padding slots
+
+
 
 @pytest.mark.parametrize("data, message", [
     ("mesh: [1, 2", "not valid YAML"),
@@ -266,3 +286,18 @@ def test_two_processes_match_one(tiny_models, tmp_path):
     _results(procs[1])
     assert leader[0]["mesh_sizes"] == {"dp": 1, "pp": 2, "tp": 4, "ep": 1}
     _assert_same(leader[0], one)
+
+
+def test_fp8_kv_cache_on_a_mesh_matches_single_device(tiny_models, tmp_path):
+    """An fp8 pool on tp4 x pp2 (kv heads repeated, 3 layers in 2 + 2 slots, one of them padding): the
+    sharded calibration gives the single device's scales in the pool's layout, and the same tokens."""
+    meshes = ("1.yaml", "8-tp4-pp2.yaml")
+    runs = [{"model": tiny_models["llama"], "mesh": os.path.join(CONFIG_DIR, name)} for name in meshes]
+    single, sharded = _results(_run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": 8,
+                                            "engine": dict(ENGINE, kv_cache_dtype="fp8")}, 8, tmp_path, "fp8"))
+    assert sharded["fits"] and sharded["mesh_sizes"] == {"dp": 1, "pp": 2, "tp": 4, "ep": 1}
+    assert plan_stages(3, 2) == (1, 2)  # slots: layer 0, padding, layers 1 and 2
+    real = np.asarray([0, 2, 3])
+    expected = np.repeat(np.asarray(single["kv_scales"]), 2, axis=2)  # each kv head stored twice
+    np.testing.assert_allclose(np.asarray(sharded["kv_scales"])[real], expected, rtol=1e-4)
+    _assert_same(sharded, single)

@@ -81,8 +81,12 @@ def run_sharded(
         return h, k_pages, v_pages
 
     kv_spec = plan.spec(kv_axes)
+    # An fp8 pool's scales [layers, 2, heads] are split like the pool, so a device's layer index and
+    # kv heads read their own scales; the rest of the metadata is replicated.
+    meta_spec = AttentionMetadata(*[P()] * 7, kv_scales=None if meta.kv_scales is None
+                                  else plan.spec((kv_axes[0], None, kv_axes[3])))
     w_specs = jax.tree.map(plan.spec, dict(weight_axes), is_leaf=lambda x: isinstance(x, tuple))
-    fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), w_specs, kv_spec, kv_spec, P(), P(), P()),
+    fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), w_specs, kv_spec, kv_spec, meta_spec, P(), P()),
                        out_specs=(P(), kv_spec, kv_spec), check_vma=False)
     h, k_pages, v_pages = fn(h, dict(weights), *kv, meta, cos, sin)
     return h, (k_pages, v_pages)
