@@ -501,8 +501,10 @@ def _jaxlib_version() -> tuple[int, ...]:
     return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
 
 
-def test_gpu_lowering_emits_three_triton_kernels():
-    """Lowers the whole Pallas path for CUDA through Pallas' Triton rules.
+def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16) -> str:
+    """The whole Pallas path (KV write and both attention kernels) lowered for CUDA, as StableHLO
+    text; an fp8 pool takes its per-(layer, kv head) scales in the metadata. Skips where the
+    jaxlib cannot lower Triton kernels without a GPU.
 
     jaxlib <= 0.10.2 emits the Triton IR into the HLO without compiling it, so this runs on CPU too;
     later jaxlibs compile to PTX while lowering, which needs a GPU.
@@ -511,9 +513,10 @@ def test_gpu_lowering_emits_three_triton_kernels():
         pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU")
     t, s, hq, hkv, d, ps = 64, 16, 32, 8, 128, 16
     sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    scales = sd((2, 2, hkv), jnp.float32) if jnp.dtype(pool_dtype) == jnp.float8_e4m3fn else None
     meta = AttentionMetadata(sd((t,), i32), sd((t,), i32), sd((t,), i32), sd((s, 256), i32), sd((s,), i32),
-                             sd((s + 1,), i32), sd((), i32))
-    pool = sd((2, 1024, ps, hkv, d), bf16)
+                             sd((s + 1,), i32), sd((), i32), scales)
+    pool = sd((2, 1024, ps, hkv, d), pool_dtype)
 
     def step(q, k, v, k_pages, v_pages, layer, meta):
         return paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=d ** -0.5, impl="pallas")
@@ -523,6 +526,12 @@ def test_gpu_lowering_emits_three_triton_kernels():
     ).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("write_kv_pages", "paged_decode_attention", "paged_prefill_attention"):
         assert f'name = "{name}"' in hlo
+    return hlo
+
+
+def test_gpu_lowering_emits_three_triton_kernels():
+    """Lowers the whole Pallas path for CUDA through Pallas' Triton rules."""
+    hlo = lower_pallas_step_for_cuda()
     # The KV write updates both pools in place: its outputs alias its pool operands (4 and 5).
     aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)", hlo)
     assert sorted(aliases) == [("0", "4"), ("1", "5")]

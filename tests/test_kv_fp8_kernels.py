@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu_attention, cpu_kernels, ragged_attention, reference
-from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import AttentionMetadata
-from test_kernels import LAYER, NUM_TOKENS, Shapes, _jaxlib_version, device_meta, make_case, numpy_attention
+from test_kernels import (LAYER, NUM_TOKENS, Shapes, device_meta, lower_pallas_step_for_cuda, make_case,
+                          numpy_attention)
 
 SHAPES = Shapes(page_size=4, head_dim=64, num_q_heads=9, num_kv_heads=3)  # SmolLM2's grouping
 FP8_TOL = 2e-5  # the same fp8 values: only float32 rounding differs
@@ -129,20 +129,4 @@ def test_pallas_kernels_read_fp8_pages(fp8_case, interpret):
 
 def test_gpu_lowering_with_an_fp8_pool():
     """The Pallas path lowers for CUDA (Triton) with float8_e4m3fn pools, as test_kernels' bfloat16 one."""
-    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU")
-    t, s, hq, hkv, d, ps = 64, 16, 32, 8, 128, 16
-    sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
-    meta = AttentionMetadata(sd((t,), i32), sd((t,), i32), sd((t,), i32), sd((s, 256), i32), sd((s,), i32),
-                             sd((s + 1,), i32), sd((), i32), sd((2, 2, hkv), jnp.float32))
-    pool = sd((2, 1024, ps, hkv, d), jnp.float8_e4m3fn)
-
-    def step(q, k, v, k_pages, v_pages, layer, meta):
-        return paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=d ** -0.5, impl="pallas")
-
-    hlo = jax.jit(step, donate_argnums=(3, 4)).trace(
-        sd((t, hq, d), bf16), sd((t, hkv, d), bf16), sd((t, hkv, d), bf16), pool, pool, sd((), i32), meta,
-    ).lower(lowering_platforms=("cuda",)).as_text()
-    for name in ("write_kv_pages", "paged_decode_attention", "paged_prefill_attention"):
-        assert f'name = "{name}"' in hlo
-    assert "f8E4M3FN" in hlo
+    assert "f8E4M3FN" in lower_pallas_step_for_cuda(jnp.float8_e4m3fn)
