@@ -75,17 +75,13 @@ class Engines(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoint, tmp_path_factory) -> Engines:
-    """bfloat16 first (it builds the placed checkpoint), then fp8 from the checkpoint's scales (restored),
-    then fp8 calibrated and given the same scales by hand."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("INFIRE_JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
-    try:
-        bf16 = Engine(EngineConfig(model=checkpoint, kv_cache_dtype="bfloat16", **ENGINE))
-        fp8 = Engine(EngineConfig(model=checkpoint, kv_cache_dtype="fp8", **ENGINE))
-        by_hand = Engine(EngineConfig(model=checkpoint, kv_cache_dtype="fp8", calibrate_kv_scales=True, **ENGINE))
-    finally:
-        mp.undo()
+def engines(checkpoint) -> Engines:
+    """bfloat16 first (it builds the placed checkpoint: the checkpoint's folder is new, so nothing is
+    cached for it yet), then fp8 from the checkpoint's scales (restored), then fp8 calibrated and
+    given the same scales by hand."""
+    bf16 = Engine(EngineConfig(model=checkpoint, kv_cache_dtype="bfloat16", **ENGINE))
+    fp8 = Engine(EngineConfig(model=checkpoint, kv_cache_dtype="fp8", **ENGINE))
+    by_hand = Engine(EngineConfig(model=checkpoint, kv_cache_dtype="fp8", calibrate_kv_scales=True, **ENGINE))
     calibrated = by_hand.runner.kv_scales
     by_hand.runner.set_kv_scales(EXPECTED)
     return Engines(bf16, fp8, by_hand, calibrated)

@@ -274,16 +274,26 @@ def test_logits_match_float64(dtype, platform, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=0, atol=3 * 2.0 ** -8 * np.abs(want).max())
 
 
-def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles():
-    """The GPU configuration on the default model's shapes (random weights: no model file, so this
-    runs on a GPU machine too): every variant is compiled at warmup, and a mix of greedy, seeded
-    top-p, penalty and logprob requests gives the branching engine's exact tokens. Both run decode
-    bursts: here the GPU's, a fixed number of steps with branch-free samplers."""
-    from infire_jax import LLM, SamplingParams
+def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles(request):
+    """The GPU configuration: every variant is compiled at warmup, and a mix of greedy, seeded top-p,
+    penalty and logprob requests gives the branching engine's exact tokens. Both run decode bursts:
+    here the GPU's, a fixed number of steps with branch-free samplers. On the default model where it
+    is installed (the session's engine is the branching one), else on random weights of its shapes
+    (a GPU machine has no model file)."""
+    import importlib.util
 
-    engine = dict(model="dummy:smollm2-135m", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
-                  max_model_len=128)
-    cpu_like, gpu_like = LLM(**engine, branch_free_sampler=False), LLM(**engine, branch_free_sampler=True)
+    from conftest import SMALL_ENGINE
+
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.loaders.load import DEFAULT_MODEL_PACKAGE
+
+    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is not None:
+        engine, cpu_like = SMALL_ENGINE, request.getfixturevalue("smol_llm")
+    else:
+        engine = dict(model="dummy:smollm2-135m", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                      max_model_len=128)
+        cpu_like = LLM(**engine, branch_free_sampler=False)
+    gpu_like = LLM(**engine, branch_free_sampler=True)
     assert gpu_like.engine.runner.rc.sampler_variants == BRANCH_FREE_VARIANTS
     assert gpu_like.engine.runner.rc.decode_steps == cpu_like.engine.runner.rc.decode_steps == 4
     prompts = ["The capital of France is", "List three fruits:", "Once upon a time"]
