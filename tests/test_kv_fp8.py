@@ -19,6 +19,7 @@ from infire_jax.runner import kv_bytes_per_page
 from pallas_kernels.kv_quant import FP8
 
 from tests.conftest import SMALL_ENGINE
+from test_kv_transfer import run
 
 BF16_PAGE_BYTES = 30 * 16 * 3 * (64 + 64) * 2  # SmolLM2-135M: 30 layers, 3 kv heads of 64, page of 16
 POOL_BYTES = 40 * BF16_PAGE_BYTES
@@ -93,13 +94,9 @@ def test_fewer_preemptions_in_the_same_bytes(engines):
     assert counts[0] > 0 and counts[1] < counts[0], counts
 
 
-def _run(engine: Engine, prompt: list[int], max_tokens: int = 16) -> tuple[list[int], int]:
-    rid, _ = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    tokens, cached = [], None
-    while engine.has_unfinished():
-        for d in engine.step():
-            tokens += d.token_ids
-            cached = d.num_cached_tokens
+def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens and the prefix-cache hit of one request (test_kv_transfer's `run`)."""
+    tokens, _, cached = run(engine, prompt, max_tokens=16)
     return tokens, cached
 
 
