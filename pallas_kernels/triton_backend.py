@@ -13,6 +13,7 @@ rule Triton imposes (every tensor a kernel forms has power-of-two dimensions).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -65,8 +66,6 @@ def check_supported(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype) -
 
 def check_fp8_device() -> None:
     """Triton widens float8_e4m3fn (its fp8e4nv) only on compute capability 8.9 and up (Ada, Hopper)."""
-    import jax
-
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
     if device.platform == "gpu" and capability is not None and float(capability) < 8.9:
