@@ -19,11 +19,11 @@ from infire_jax.async_engine import AsyncEngine
 from infire_jax.engine import Engine
 from infire_jax.residency import Residency, host_to_device_bandwidth, start_engines
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
-from server.endpoints import (KV_PULLED, SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions,
-                              completions, release_kv)
+from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions, completions,
+                              release_kv)
 from server.errors import error_middleware
 from server.listen import bind, serve_until_signal
-from server.kv_handoff import RELEASE_PATH, ROLES, KVHandoff
+from server.kv_handoff import KV_PULLED, RELEASE_PATH, ROLES, KVHandoff
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.responses import TokenText
 

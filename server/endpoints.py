@@ -1,5 +1,8 @@
 """`POST /v1/completions` and `POST /v1/chat/completions`: validate, tokenize, run, respond.
 
+A prefill or decode worker's KV handoff is one step before the run and one after it, both in
+server/kv_handoff.py (`request_handoff`), which also settles the hold a request claims.
+
 Tokenizing happens here, on the event loop (the tokenizer is immutable and cheap next to a step),
 so the engine thread only schedules and steps. The request is admitted before any byte of the
 response is sent, so admission errors still get their 4xx status even when streaming.
@@ -8,11 +11,10 @@ response is sent, so admission errors still get their 4xx status even when strea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import uuid
-from typing import Callable, Iterator
+from typing import Callable
 
 from aiohttp import web
 
@@ -26,7 +28,7 @@ from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.tokenizer import Tokenizer
 from server.auth import TENANT
 from server.errors import APIError, to_api_error
-from server.kv_handoff import Claim, KVHandoff, Pulled
+from server.kv_handoff import KVHandoff, RequestHandoff, request_handoff
 from server.protocol import ChatRequest, GenerationRequest, bad, parse_chat, parse_completion
 from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, TokenText, Usage
 from server.streaming import SSEWriter
@@ -57,39 +59,23 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
-KV_PULLED: web.RequestKey[Pulled | None] = web.RequestKey("kv_pulled")  # set when a transfer was asked
-KV_CLAIM: web.RequestKey[Claim | None] = web.RequestKey("kv_claim")  # the hold a decode request names
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     body = await _json(request)
-    with _claim(request, st, body):
-        return await _completions(request, st, body)
+    with request_handoff(st.handoff, request, body) as kv:
+        return await _completions(request, st, body, kv)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     body = await _json(request)
-    with _claim(request, st, body):
-        return await _chat_completions(request, st, body)
+    with request_handoff(st.handoff, request, body) as kv:
+        return await _chat_completions(request, st, body, kv)
 
 
-@contextlib.contextmanager
-def _claim(request: web.Request, st: ServerState, body) -> Iterator[None]:
-    """On a decode worker, the hold a request's kv_transfer_params name is released when the request
-    ends without importing it, also when it is refused before its pull (a field the prefill worker
-    never saw, such as min_tokens): no router has to be there to do it."""
-    claim = st.handoff.claim(body, request.headers) if st.role == "decode" else None
-    request[KV_CLAIM] = claim
-    try:
-        yield
-    finally:
-        if claim is not None:
-            st.handoff.settle(claim)
-
-
-async def _completions(request: web.Request, st: ServerState, body) -> web.StreamResponse:
+async def _completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_completion(body)
     m = _model(st, req)
     prompts = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
@@ -103,10 +89,10 @@ async def _completions(request: web.Request, st: ServerState, body) -> web.Strea
                                    n=req.params.n, want_logprobs=req.params.logprobs is not None,
                                    include_usage=req.include_usage)
 
-    return await _run(request, st, m, req, prompts, formatter, "prompt")
+    return await _run(request, kv, m, req, prompts, formatter, "prompt")
 
 
-async def _chat_completions(request: web.Request, st: ServerState, body) -> web.StreamResponse:
+async def _chat_completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_chat(body)
     m = _model(st, req)
     tool_format = detect_format(m.tokenizer.chat_template)
@@ -126,7 +112,7 @@ async def _chat_completions(request: web.Request, st: ServerState, body) -> web.
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
                              include_usage=req.include_usage, tool_format=tool_format if req.tools else None)
 
-    return await _run(request, st, m, req, prompts, formatter, "messages")
+    return await _run(request, kv, m, req, prompts, formatter, "messages")
 
 
 async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) -> None:
@@ -198,28 +184,12 @@ def _headers(request: web.Request, prompts: list[list[int]]) -> tuple[int, str |
     return hint, session
 
 
-def _check_transfer(st: ServerState, req: GenerationRequest, prompts: list[list[int]]) -> None:
-    """kv_transfer_params ask for what this worker's role serves, on one prompt."""
-    want = "prefill" if req.kv_transfer.get("do_remote_decode") else "decode"
-    if st.role != want:
-        flag = "do_remote_decode" if want == "prefill" else "do_remote_prefill"
-        raise bad(f"kv_transfer_params with {flag} need a worker started with --role {want}; this one's role is "
-                  f"{st.role}", "kv_transfer_params")
-    if len(prompts) != 1:
-        raise bad("kv_transfer_params need a request with one prompt", "kv_transfer_params")
-    if want == "prefill" and req.stream:
-        raise bad("kv_transfer_params with do_remote_decode need a non-streaming request", "stream")
-
-
-async def _run(request: web.Request, st: ServerState, m: ServedModel, req: GenerationRequest, prompts: list[list[int]],
-               make_formatter: Callable[[], Formatter], prompt_param: str) -> web.StreamResponse:
-    """Admits the request, then answers it whole or as a stream."""
+async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, req: GenerationRequest,
+               prompts: list[list[int]], make_formatter: Callable[[], Formatter], prompt_param: str) -> web.StreamResponse:
+    """Admits the request, then answers it whole or as a stream (`kv`: its KV handoff, before and after)."""
     hint, session = _headers(request, prompts)
     tenant = request.get(TENANT)
-    if req.kv_transfer is not None:
-        _check_transfer(st, req, prompts)
-        if req.kv_transfer.get("do_remote_prefill"):  # import the prompt's pages, then run as a prefix hit
-            request[KV_PULLED] = await st.handoff.pull(request[KV_CLAIM], req.kv_transfer, prompts[0], tenant)
+    await kv.before(req.kv_transfer, prompts, tenant, stream=req.stream)
     spec = req.params.structured_outputs
     grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
@@ -232,25 +202,7 @@ async def _run(request: web.Request, st: ServerState, m: ServedModel, req: Gener
             choices = await _collect(req, stream, usage, len(prompts))
     except InvalidRequestError as e:  # the engine's admission checks; name the field the client sent
         raise bad(str(e), prompt_param if e.param == "prompt" else e.param) from e
-    body = make_formatter().response(choices, usage)
-    if req.kv_transfer is not None and req.kv_transfer.get("do_remote_decode"):
-        return await _export(request, st, body, choices[0], prompts[0], tenant)
-    return web.json_response(body)
-
-
-async def _export(request: web.Request, st: ServerState, body: dict, first: Choice, prompt: list[int],
-                  tenant: str | None) -> web.StreamResponse:
-    """A prefill worker's answer, sent here rather than after the handler returns: if the client
-    leaves before it is written (a cancel, or a reset write), `export` releases the hold."""
-    token = first.token_ids[0] if first.token_ids else None
-    logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
-    response = web.Response(content_type="application/json")
-    with contextlib.suppress(ConnectionResetError):  # the client went away: nobody reads this answer
-        async with st.handoff.export(prompt, tenant, f"{request.scheme}://{request.host}", token, logprob) as params:
-            response.text = json.dumps({**body, "kv_transfer_params": params})
-            await response.prepare(request)
-            await response.write_eof()
-    return response
+    return await kv.answer(make_formatter().response(choices, usage), choices[0])
 
 
 async def _collect(req: GenerationRequest, stream: RequestStream, usage: Usage, num_prompts: int) -> list[Choice]:

@@ -19,6 +19,11 @@ Nothing waits for the expiry when someone knows the hold is no longer wanted: a 
 whose answer never reached its client releases the hold itself (`export`), and a decode worker
 releases the hold its request names whenever it does not import it (`Claim`), so vLLM's proxies,
 which never release, leak nothing either.
+
+A generation request meets all of this in one place, `request_handoff`: opened once its body is
+read, it names the hold the body claims (released when the request ends without importing it), and
+its `before` (the params' checks, a decode worker's pull) and `answer` (a prefill worker's export,
+the answer written while the hold is made) are the one step before generation and the one after.
 """
 
 from __future__ import annotations
@@ -27,19 +32,22 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import secrets
 import time
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Iterator, Mapping
 
 import aiohttp
 import numpy as np
+from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine
 from infire_jax.errors import InvalidRequestError
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.mooncake import MooncakeTransport, Reservation
 from server.errors import APIError
+from server.responses import Choice
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +93,9 @@ class Pulled:
     num_bytes: int
     seconds: float
     blocks: int
+
+
+KV_PULLED: web.RequestKey[Pulled | None] = web.RequestKey("kv_pulled")  # set when a pull was asked (response headers)
 
 
 class KVHandoff:
@@ -337,3 +348,75 @@ class KVHandoff:
     def _count_failure(self, reason: str) -> None:
         if self._metrics is not None:
             self._metrics.kv_transfer_failed(reason)
+
+
+# ---- one generation request ------------------------------------------------------------------------
+class RequestHandoff:
+    """One generation request's part in a KV handoff, whatever this worker's role (a plain server,
+    `handoff` None, refuses kv_transfer_params). The endpoint calls `before` just before generating
+    and `answer` with the formatted body; the claim is settled by `request_handoff`."""
+
+    def __init__(self, handoff: KVHandoff | None, request: web.Request, claim: Claim | None):
+        self._handoff = handoff
+        self._request = request
+        self._claim = claim
+        self._export: tuple[list[int], str | None] | None = None  # a prefill worker's prompt and tenant
+
+    @property
+    def role(self) -> str:
+        return self._handoff.role if self._handoff is not None else "both"
+
+    async def before(self, params: dict | None, prompts: list[list[int]], tenant: str | None, *,
+                     stream: bool) -> None:
+        """Checks that the request's kv_transfer_params (None: none asked) ask for what this worker's
+        role serves, on one prompt. A decode worker then imports the prompt's pages, so the request
+        runs as a prefix hit (the response's headers say how the pull went)."""
+        if params is None:
+            return
+        want = "prefill" if params.get("do_remote_decode") else "decode"
+        if self.role != want:
+            flag = "do_remote_decode" if want == "prefill" else "do_remote_prefill"
+            raise _bad(f"kv_transfer_params with {flag} need a worker started with --role {want}; this one's role "
+                       f"is {self.role}")
+        if len(prompts) != 1:
+            raise _bad("kv_transfer_params need a request with one prompt")
+        if want == "prefill":
+            if stream:
+                raise APIError(400, "kv_transfer_params with do_remote_decode need a non-streaming request",
+                               param="stream")
+            self._export = (prompts[0], tenant)
+        else:
+            self._request[KV_PULLED] = await self._handoff.pull(self._claim, params, prompts[0], tenant)
+
+    async def answer(self, body: dict, first: Choice) -> web.StreamResponse:
+        """The whole (non-streaming) response. A prefill worker's names the KV it holds for the
+        decode worker, and is written here rather than after the handler returns: if the client
+        leaves before it is written (a cancel, or a reset write), `export` releases the hold."""
+        if self._export is None:
+            return web.json_response(body)
+        prompt, tenant = self._export
+        token = first.token_ids[0] if first.token_ids else None
+        logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
+        request = self._request
+        response = web.Response(content_type="application/json")
+        with contextlib.suppress(ConnectionResetError):  # the client went away: nobody reads this answer
+            async with self._handoff.export(prompt, tenant, f"{request.scheme}://{request.host}", token,
+                                            logprob) as params:
+                response.text = json.dumps({**body, _PARAM: params})
+                await response.prepare(request)
+                await response.write_eof()
+        return response
+
+
+@contextlib.contextmanager
+def request_handoff(handoff: KVHandoff | None, request: web.Request, body: Any) -> Iterator[RequestHandoff]:
+    """A generation request's handoff, from its body on. On a decode worker, the hold the body's
+    kv_transfer_params name is released when the request ends without importing it, also when it is
+    refused before its pull (a field the prefill worker never saw, such as min_tokens): no router has
+    to be there to do it."""
+    claim = handoff.claim(body, request.headers) if handoff is not None and handoff.role == "decode" else None
+    try:
+        yield RequestHandoff(handoff, request, claim)
+    finally:
+        if claim is not None:
+            handoff.settle(claim)
