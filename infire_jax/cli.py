@@ -6,98 +6,10 @@ import argparse
 import logging
 import sys
 
+from infire_jax.engine_args import (add_engine_args, add_sampling_args, engine_config, init_distributed, progress_bar,
+                                    sampling_params)
 from infire_jax.errors import InfireError
 from sharding.distributed import DistributedConfigError
-
-# The names `kv_scales.resolve_kv_cache_dtype` takes (kept here: building the parser imports no jax).
-KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float8_e4m3", "fp8", "fp8_e4m3")
-
-
-def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) -> None:
-    """Flags shared by every command that builds an engine (`several_models`: --model repeats)."""
-    p.add_argument("--model", default=None, action="append" if several_models else "store",
-                   help="a .gguf file, an HF model directory, or dummy:<name> (default: embedded SmolLM2-135M-Instruct)"
-                        + ("; repeat it to serve several models from one process" if several_models else ""))
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weight and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--weights-compression", default=None, metavar="palette[:KINDS]",
-                   help="keep weights losslessly palette-compressed on the device, decoded per layer (needs "
-                        "--dtype bfloat16); KINDS: mlp (default), attn, e.g. palette:mlp,attn")
-    p.add_argument("--weights-quantization", default=None, choices=["gguf", "int8", "int4", "checkpoint"],
-                   help="keep the layer weights quantized on the device, dequantized per layer inside the layer "
-                        "scan (embedding and head stay dense): gguf keeps a GGUF model's Q4_1/Q8_0 blocks; int8 "
-                        "quantizes any model at load, one scale per output channel; int4 draws a dummy: model's "
-                        "weights as AWQ/GPTQ-form int4 (groups of 128; a DeepSeek/Kimi dummy's routed experts as "
-                        "Kimi's int4); checkpoint keeps a published DeepSeek-V3/Kimi checkpoint's own int4 or fp8 "
-                        "weights (its routed experts dequantized one expert at a time in the grouped matmul)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM\'s speculative_config, e.g. '
-                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    p.add_argument("--num-decode-steps", type=int, default=4,
-                   help="decode steps a step of decodes alone may run in one device launch, read back once "
-                        "(1: one step a launch; tokens then stream one at a time). Default 4")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
-                   help="dtype of the KV cache: auto (the model's), bfloat16, float32, or float8_e4m3 (aliases fp8, "
-                        "fp8_e4m3): e4m3 pages with per-(layer, kv head) scales, twice the tokens of bfloat16; the "
-                        "scales are an HF checkpoint's k_scale / v_scale where it has them, else calibrated")
-    p.add_argument("--calibrate-kv-scales", action="store_true",
-                   help="fp8 KV cache: calibrate the scales even when the checkpoint carries k_scale / v_scale")
-    p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
-                   help="fraction of each GPU's memory for weights, activations and the KV pool (default 0.90)")
-    p.add_argument("--attention", default="auto", dest="attn_impl",
-                   help="attention implementation: auto (pallas on GPU, else reference), reference, pallas, "
-                        "or pallas_interpret (the Pallas kernels in interpret mode, for checking on CPU)")
-    p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
-    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="longest a structured-output grammar may take to compile; longer is a 400 (default 10)")
-    p.add_argument("--mesh", default=None,
-                   help="mesh-config YAML (default: the shipped file for the number of devices)")
-    p.add_argument("--coordinator-address", default=None,
-                   help="multi-host: host:port of process 0's coordinator (env INFIRE_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
-    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
-
-
-def engine_config(args: argparse.Namespace, model: str | None = None):
-    """The engine settings of the flags, for `model` when given (else --model)."""
-    from infire_jax.engine import EngineConfig
-
-    return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
-                        attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype,
-                        calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,
-                        weights_compression=args.weights_compression,
-                        weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
-                        grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps)
-
-
-def init_distributed(args: argparse.Namespace) -> bool:
-    """Joins a multi-host group when asked to; returns whether this process must only follow."""
-    import jax
-
-    from sharding.distributed import initialize
-
-    return initialize(args.coordinator_address, args.num_processes, args.process_id) and jax.process_index() != 0
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--sampling-seed", type=int, default=None)
-
-
-def sampling_params(args: argparse.Namespace):
-    from infire_jax.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.sampling_seed)
 
 
 def _make_llm(args):
@@ -111,25 +23,6 @@ def _make_llm(args):
         engine.follow()
         sys.exit(0)
     return LLM(engine=engine)
-
-
-def progress_bar():
-    """A tqdm bar per stage (load, compile) for engine start-up."""
-    from tqdm import tqdm
-
-    bars: dict[str, tqdm] = {}
-
-    def report(stage: str, done: int, total: int) -> None:
-        bar = bars.get(stage)
-        if bar is None:
-            bar = bars[stage] = tqdm(total=total, desc=stage, unit="step" if stage == "compile" else "model",
-                                     leave=False, file=sys.stderr)
-        bar.n = done
-        bar.refresh()
-        if done >= total:
-            bar.close()
-
-    return report
 
 
 def cmd_generate(args) -> int:

@@ -23,7 +23,7 @@ from pallas_kernels.kv_quant import FP8, FP8_MAX
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
 
-# vLLM's spellings are accepted too; "auto" is the model's dtype (cli.KV_CACHE_DTYPE_CHOICES lists them all).
+# vLLM's spellings are accepted too; "auto" is the model's dtype (engine_args.KV_CACHE_DTYPE_CHOICES lists them all).
 KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
                    "float8_e4m3": FP8, "fp8": FP8, "fp8_e4m3": FP8}
 

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine
 from infire_jax.engine import Engine
+from infire_jax.engine_args import engine_config, init_distributed, progress_bar
 from infire_jax.residency import Residency, host_to_device_bandwidth, start_engines
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
 from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions, completions,
@@ -169,8 +170,6 @@ def _check_flags(args: argparse.Namespace) -> tuple[dict[str, str], list[tuple[s
 
 def serve(args: argparse.Namespace) -> int:
     """`infire-jax serve`: bind, load and warm up (with a progress bar), listen, print the ready line, serve."""
-    from infire_jax.cli import engine_config, init_distributed, progress_bar
-
     try:
         keys, models = _check_flags(args)
     except ValueError as e:

@@ -16,12 +16,13 @@ import pytest
 from aiohttp import web
 
 from infire_jax.bench import fleet as bf
+from infire_jax.bench import fleet_workloads as fw
 from infire_jax.bench.__main__ import SUBCOMMANDS, build_parser
 from infire_jax.bench.common import BenchError, add_output_args
 
 
 def _timing(start, ttft, e2el, n, prompt=10, cached=0, itl=None):
-    return bf.StreamTiming(ttft=ttft, e2el=e2el, itl=itl or [], prompt_tokens=prompt, output_tokens=n, start=start,
+    return fw.StreamTiming(ttft=ttft, e2el=e2el, itl=itl or [], prompt_tokens=prompt, output_tokens=n, start=start,
                            cached_tokens=cached)
 
 
@@ -45,7 +46,7 @@ def test_registered_and_every_flag_documented():
 
 
 def test_completion_stream_accounting():
-    r = bf.StreamReader(start=10.0, chat=False)
+    r = fw.StreamReader(start=10.0, chat=False)
     chunks = [({"choices": [{"text": "a", "finish_reason": None}]}, 10.5),
               ({"choices": [{"text": "", "finish_reason": None}]}, 10.6),  # a token with no text yet counts
               ({"choices": [{"text": "b", "finish_reason": None}]}, 10.8),
@@ -63,7 +64,7 @@ def test_completion_stream_accounting():
 
 
 def test_chat_stream_accounting_and_errors():
-    r = bf.StreamReader(start=0.0, chat=True)
+    r = fw.StreamReader(start=0.0, chat=True)
     r.feed({"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}, 0.1)
     r.feed({"choices": [{"delta": {"content": "Hi"}, "finish_reason": None}]}, 0.3)
     r.feed({"choices": [{"delta": {"content": " there"}, "finish_reason": None}]}, 0.4)
@@ -71,8 +72,8 @@ def test_chat_stream_accounting_and_errors():
     t = r.result(0.6, prompt_len=5)  # no usage: counts from the stream
     assert t.ttft == pytest.approx(0.3) and t.output_tokens == 2 and t.prompt_tokens == 5 and t.cached_tokens == 0
     assert t.text == "Hi there"
-    assert bf.StreamReader(0.0, chat=True).result(1.0) == "the stream held no tokens"
-    assert "error event" in bf.StreamReader(0.0, chat=False).feed({"error": {"message": "boom"}}, 1.0)
+    assert fw.StreamReader(0.0, chat=True).result(1.0) == "the stream held no tokens"
+    assert "error event" in fw.StreamReader(0.0, chat=False).feed({"error": {"message": "boom"}}, 1.0)
 
 
 def test_tpot_of_one_token_is_none():
@@ -81,8 +82,8 @@ def test_tpot_of_one_token_is_none():
 
 
 def test_poisson_arrivals():
-    assert bf.poisson_arrivals(0.0, 100.0, np.random.default_rng(0)) == []
-    times = bf.poisson_arrivals(2.0, 1000.0, np.random.default_rng(0))
+    assert fw.poisson_arrivals(0.0, 100.0, np.random.default_rng(0)) == []
+    times = fw.poisson_arrivals(2.0, 1000.0, np.random.default_rng(0))
     assert all(0 < a < b < 1000 for a, b in zip(times, times[1:]))
     assert abs(len(times) - 2000) < 150  # about rate * duration
     gaps = np.diff(times)
@@ -90,52 +91,52 @@ def test_poisson_arrivals():
 
 
 def test_overlap_split():
-    assert bf.overlaps((1, 2), [(1.5, 3)]) and bf.overlaps((1, 4), [(2, 3)]) and bf.overlaps((2, 3), [(1, 4)])
-    assert not bf.overlaps((1, 2), [(2, 3)]) and not bf.overlaps((1, 2), [])
-    assert not bf.overlaps((3, 4), [(0, 1), (5, 6)])
+    assert fw.overlaps((1, 2), [(1.5, 3)]) and fw.overlaps((1, 4), [(2, 3)]) and fw.overlaps((2, 3), [(1, 4)])
+    assert not fw.overlaps((1, 2), [(2, 3)]) and not fw.overlaps((1, 2), [])
+    assert not fw.overlaps((3, 4), [(0, 1), (5, 6)])
     longs = [_timing(start=5.0, ttft=2.0, e2el=3.0, n=16)]  # prefill 5..7
     d_hit = _timing(start=4.0, ttft=0.5, e2el=4.0, n=10)  # decodes 4.5..8
     d_before = _timing(start=0.0, ttft=0.5, e2el=4.9, n=10)  # decodes 0.5..4.9
     d_ttft_only = _timing(start=6.0, ttft=1.5, e2el=3.0, n=10)  # prefill 6..7.5 overlaps, decode 7.5..9 does not
-    hit, clean = bf.split_by_overlap([d_hit, d_before, d_ttft_only], longs)
+    hit, clean = fw.split_by_overlap([d_hit, d_before, d_ttft_only], longs)
     assert hit == [d_hit] and clean == [d_before, d_ttft_only]
 
 
 def test_class_summary_percentiles():
     timings = [_timing(0, ttft=0.1 * (i + 1), e2el=0.1 * (i + 1) + 1.0, n=11, itl=[0.1] * 10) for i in range(10)]
-    row = bf.class_summary("decode", timings, failed=2, duration=10.0, percentiles=[50, 90, 99])
+    row = fw.class_summary("decode", timings, failed=2, duration=10.0, percentiles=[50, 90, 99])
     assert (row["label"], row["completed"], row["failed"], row["output_tokens"]) == ("decode", 10, 2, 110)
     assert row["output_throughput"] == pytest.approx(11.0)
     assert row["p50_ttft_ms"] == pytest.approx(550.0) and row["p90_ttft_ms"] == pytest.approx(910.0)
     assert row["p99_ttft_ms"] == pytest.approx(991.0)
     assert row["p50_tpot_ms"] == pytest.approx(100.0) and row["p99_tpot_ms"] == pytest.approx(100.0)
     assert row["p90_itl_ms"] == pytest.approx(100.0)
-    empty = bf.class_summary("long prompt", [], failed=0, duration=10.0, percentiles=[50, 90])
+    empty = fw.class_summary("long prompt", [], failed=0, duration=10.0, percentiles=[50, 90])
     assert empty["completed"] == 0 and empty["p50_ttft_ms"] is None and empty["output_throughput"] is None
 
 
 def test_hit_ratio_accounting():
-    turns = [bf.Turn(0, 0, _timing(0, 0.1, 0.5, 4, prompt=100, cached=0)),
-             bf.Turn(0, 1, _timing(0, 0.1, 0.5, 4, prompt=200, cached=96)),
-             bf.Turn(1, 0, _timing(0, 0.1, 0.5, 4, prompt=100, cached=32)),
-             bf.Turn(1, 1, _timing(0, 0.1, 0.5, 4, prompt=300, cached=192))]
-    assert bf.hit_ratio(turns) == pytest.approx(320 / 700)
-    assert bf.hit_ratio([]) is None
-    first, later, every = bf.multiturn_rows(turns, failed_first=1, failed_later=2, duration=1.0, percentiles=[50])
+    turns = [fw.Turn(0, 0, _timing(0, 0.1, 0.5, 4, prompt=100, cached=0)),
+             fw.Turn(0, 1, _timing(0, 0.1, 0.5, 4, prompt=200, cached=96)),
+             fw.Turn(1, 0, _timing(0, 0.1, 0.5, 4, prompt=100, cached=32)),
+             fw.Turn(1, 1, _timing(0, 0.1, 0.5, 4, prompt=300, cached=192))]
+    assert fw.hit_ratio(turns) == pytest.approx(320 / 700)
+    assert fw.hit_ratio([]) is None
+    first, later, every = fw.multiturn_rows(turns, failed_first=1, failed_later=2, duration=1.0, percentiles=[50])
     assert (first["label"], first["completed"], first["failed"], first["cache_hit_ratio"]) == \
         ("first turns", 2, 1, pytest.approx(32 / 200))
     assert (later["completed"], later["failed"], later["cached_tokens"], later["cache_hit_ratio"]) == \
         (2, 2, 288, pytest.approx(288 / 500))
     assert (every["completed"], every["failed"], every["prompt_tokens"]) == (4, 3, 700)
     # Reusable: the previous turn's prompt and its 4 output tokens.
-    assert bf.reusable_tokens(turns) == {(0, 1): 104, (1, 1): 104}
+    assert fw.reusable_tokens(turns) == {(0, 1): 104, (1, 1): 104}
     assert (later["reusable_tokens"], later["reusable_hit_ratio"]) == (208, pytest.approx(288 / 208))
     assert first["reusable_tokens"] == 0 and first["reusable_hit_ratio"] is None
 
 
 def test_user_message_length_and_variety():
     rng = np.random.default_rng(0)
-    a, b = bf.user_message(rng, 100), bf.user_message(rng, 100)
+    a, b = fw.user_message(rng, 100), fw.user_message(rng, 100)
     assert a != b and a.endswith(".") and a[0].isupper()
     assert 80 <= len(a.split()) <= 100
 
@@ -197,7 +198,7 @@ class FakeRouter:
     async def _complete(self, request):
         body = await request.json()
         chat = request.path.endswith("/chat/completions")
-        session = request.headers.get(bf.SESSION_HEADER)
+        session = request.headers.get(fw.SESSION_HEADER)
         self.requests.append((request.path, body, session))
         if chat:
             prompt = sum(len(m["content"].split()) for m in body["messages"])

@@ -8,7 +8,7 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
-from infire_jax.cli import add_engine_args, engine_config, init_distributed, progress_bar
+from infire_jax.engine_args import add_engine_args, engine_config, init_distributed, progress_bar
 from infire_jax.errors import InfireError
 
 if TYPE_CHECKING:

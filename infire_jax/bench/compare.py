@@ -24,6 +24,7 @@ import sys
 import time
 
 from infire_jax.bench.common import BenchError, positive_int
+from infire_jax.engine_args import progress_bar
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -248,7 +249,6 @@ def summary(ours: dict, peer: dict | None, batch_sizes: list[int]) -> tuple[str,
 def run(args: argparse.Namespace):
     from infire_jax.bench import report
     from infire_jax.bench.common import device_info, engine_info, settings
-    from infire_jax.cli import progress_bar
     from infire_jax.engine import Engine, EngineConfig
     from infire_jax.llm import LLM
 

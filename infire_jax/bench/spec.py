@@ -19,7 +19,7 @@ import json
 import time
 
 from infire_jax.bench.common import BenchError, positive_int
-from infire_jax.cli import add_engine_args
+from infire_jax.engine_args import add_engine_args, engine_config
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -65,7 +65,6 @@ def _run(llm, prompt: str, params) -> tuple[list[int], float]:
 def run(args: argparse.Namespace):
     from infire_jax.bench import report
     from infire_jax.bench.common import settings
-    from infire_jax.cli import engine_config
     from infire_jax.engine import Engine
     from infire_jax.llm import LLM
     from infire_jax.sampling_params import SamplingParams

@@ -15,7 +15,7 @@ import argparse
 import time
 
 from infire_jax.bench.common import BenchError, positive_int
-from infire_jax.cli import add_engine_args
+from infire_jax.engine_args import add_engine_args, engine_config
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -37,7 +37,6 @@ def run(args: argparse.Namespace):
 
     from infire_jax.bench import report
     from infire_jax.bench.common import settings
-    from infire_jax.cli import engine_config
     from infire_jax.residency import host_to_device_bandwidth, start_engines
     from infire_jax.sampling_params import SamplingParams
 
