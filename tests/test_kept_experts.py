@@ -2,7 +2,8 @@
 grouped matmul (models/moe.py), never as the layer's whole stack.
 
 Correctness: the per-tile result equals, bit for bit, the same MoE MLP run on `dequantize()` of the
-whole stack. Memory: XLA's own figures (`memory_analysis().temp_size_in_bytes` of the compiled MLP)
+whole stack, and both grouped matmuls (tiled, ragged_dot) on kept experts agree with a float64 numpy
+MoE over the experts dequantized independently (numpy's own nibble and scale arithmetic). Memory: XLA's own figures (`memory_analysis().temp_size_in_bytes` of the compiled MLP)
 stay far below the layer's experts in full precision, and do not grow when the expert count doubles.
 """
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.moe import moe_mlp
+from infire_jax.models.moe import Routing, moe_mlp, routed_mlp
 from infire_jax.quant.grouped import GroupedLayout, dequantize_kept
 
 LAYOUTS = {"int4": GroupedLayout("int4", 32, jnp.bfloat16), "fp8": GroupedLayout("fp8", 32, jnp.float32)}
@@ -44,22 +45,68 @@ def _random_parts(rng, layout: GroupedLayout, name: str, shape: tuple[int, ...])
     return parts
 
 
-@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_per_tile_experts_equal_the_whole_stack_dequantized(kind, dtype, impl):
+def test_per_tile_experts_equal_the_whole_stack_dequantized(kind, dtype):
     """Bitwise: each element is dequantize()'s float32 product cast to `dtype` either way, and each tile's
     matmuls get the same operands in the same shapes as when they slice the dequantized stack, so XLA
-    runs the same dots (ragged_dot dequantizes the whole stack itself: equal by construction)."""
+    runs the same dots. (Whether those dots are right is the next test's.)"""
     cfg = _cfg(experts=16, hidden=256, width=128, k=4)
     rng = np.random.default_rng(7)
     lp = {name: _random_parts(rng, LAYOUTS[kind], name, shape) for name, shape in _shapes(cfg).items()}
     lp["router"] = jnp.asarray(rng.normal(0, 1, (cfg.hidden_size, cfg.num_experts)), dtype)
     x = jnp.asarray(rng.normal(0, 1, (64, cfg.hidden_size)), dtype)
-    kept = jax.jit(lambda lp, x: moe_mlp(lp, x, cfg=cfg, impl=impl))(lp, x)
-    whole = jax.jit(lambda lp, x: moe_mlp(dequantize_kept(lp, x.dtype), x, cfg=cfg, impl=impl))(lp, x)
+    kept = jax.jit(lambda lp, x: moe_mlp(lp, x, cfg=cfg, impl="tiled"))(lp, x)
+    whole = jax.jit(lambda lp, x: moe_mlp(dequantize_kept(lp, x.dtype), x, cfg=cfg, impl="tiled"))(lp, x)
     assert kept.dtype == dtype and float(jnp.max(jnp.abs(whole.astype(jnp.float32)))) > 0.01
     np.testing.assert_array_equal(np.asarray(kept.astype(jnp.float32)), np.asarray(whole.astype(jnp.float32)))
+
+
+def _dequantized_f64(parts: dict[str, jax.Array], input_axis: int) -> np.ndarray:
+    """A kept weight in float64, by numpy alone: int4 words hold 8 consecutive inputs (low nibble first,
+    stored q + 8), fp8 values are exact in float64; each input times its group's scale."""
+    scale = np.moveaxis(np.asarray(parts["scale"].astype(jnp.float32), np.float64), input_axis, -1)
+    if "packed" in parts:
+        words = np.moveaxis(np.asarray(parts["packed"]), input_axis, -1).astype(np.int64) & 0xFFFFFFFF
+        q = ((words[..., None] >> (4 * np.arange(8))) & 0xF).reshape(*words.shape[:-1], -1) - 8.0
+    else:
+        q = np.moveaxis(np.asarray(parts["fp8"].astype(jnp.float32), np.float64), input_axis, -1)
+    return np.moveaxis(q * np.repeat(scale, q.shape[-1] // scale.shape[-1], axis=-1), -1, input_axis)
+
+
+def _moe_f64(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, experts: np.ndarray,
+             weights: np.ndarray) -> np.ndarray:
+    """Each token through each of its experts' SwiGLU, one at a time, summed with its routing weights."""
+    y = np.zeros_like(x)
+    for t, j in np.ndindex(experts.shape):
+        gate, up = np.einsum("e,ecf->cf", x[t], w_gate_up[experts[t, j]])
+        y[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w_down[experts[t, j]])
+    return y
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_grouped_experts_on_kept_weights_match_a_float64_moe(kind, dtype, impl):
+    """Kept experts through the grouped matmul (per tile, or ragged_dot on the stack it dequantizes)
+    against a float64 numpy MoE, for a fixed routing with groups of every size: experts unused,
+    some over several tiles. Tolerance: float32 rounding, or bfloat16's (weights, activations and
+    each product rounded to 8 bits)."""
+    cfg = _cfg(experts=16, hidden=256, width=128, k=4)
+    rng = np.random.default_rng(8)
+    lp = {name: _random_parts(rng, LAYOUTS[kind], name, shape) for name, shape in _shapes(cfg).items()}
+    x = jnp.asarray(rng.normal(0, 1, (64, cfg.hidden_size)), dtype)
+    popularity = np.arange(cfg.num_experts, 0, -1.0) ** 2
+    popularity[5] = 0  # expert 5 gets no row
+    experts = np.stack([rng.choice(cfg.num_experts, cfg.num_experts_per_tok, replace=False,
+                                   p=popularity / popularity.sum()) for _ in range(x.shape[0])]).astype(np.int32)
+    weights = rng.dirichlet(np.ones(cfg.num_experts_per_tok), x.shape[0]).astype(np.float32)
+    got = jax.jit(lambda lp, x, r: routed_mlp(lp, x, r, impl=impl))(
+        lp, x, Routing(jnp.asarray(weights), jnp.asarray(experts)))
+    want = _moe_f64(np.asarray(x.astype(jnp.float32), np.float64), _dequantized_f64(lp["w_gate_up"], -3),
+                    _dequantized_f64(lp["w_down"], -2), experts, weights.astype(np.float64))
+    err = np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want))
+    assert got.dtype == dtype and err < (1e-5 if dtype == jnp.float32 else 2e-2), err
 
 
 def _temp_bytes(fn, cfg: ModelConfig, tokens: int, dtype) -> int:

@@ -510,7 +510,8 @@ def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16) -> str:
     later jaxlibs compile to PTX while lowering, which needs a GPU.
     """
     if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU")
+        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
+                    "pins jaxlib 0.10.2, which does not)")
     t, s, hq, hkv, d, ps = 64, 16, 32, 8, 128, 16
     sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
     scales = sd((2, 2, hkv), jnp.float32) if jnp.dtype(pool_dtype) == jnp.float8_e4m3fn else None

@@ -111,10 +111,17 @@ def test_fp8_engine_generates_as_one_given_the_scales_by_hand(engines):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
 
 
-def test_bfloat16_cache_ignores_the_scales(engines):
+def test_bfloat16_cache_ignores_the_scales(engines, tmp_path):
+    """The same weights without the scales, in an engine of the same settings, generate the same
+    tokens with the same logprobs, bit for bit."""
     assert engines.bf16.runner.kv_scales is None
-    out = LLM(engine=engines.bf16).generate(PROMPTS, GREEDY)
-    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
+    plain = Engine(EngineConfig(model=write_checkpoint(tmp_path / "plain", {}), kv_cache_dtype="bfloat16", **ENGINE))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    got, want = (LLM(engine=e).generate(PROMPTS, params) for e in (engines.bf16, plain))
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.outputs[0].logprobs) == params.max_tokens
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
 
 
 @pytest.mark.parametrize("scales, message", [

@@ -198,7 +198,8 @@ def test_lowers_to_triton_for_cuda(fmt):
     """Both entry points lower through Pallas' Triton rules (jaxlib <= 0.10.2 emits the Triton IR
     without compiling it, so this runs on CPU; later jaxlibs compile while lowering, which needs a GPU)."""
     if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU")
+        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
+                    "pins jaxlib 0.10.2, which does not)")
     stack, _ = make_stack(fmt)
     sd = jax.ShapeDtypeStruct
     abstract = jax.tree.map(lambda a: sd(a.shape, a.dtype), stack)
@@ -213,7 +214,8 @@ def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
     """Every benchmark case's chosen tiling, and every candidate a sweep tries for an int4 batch-1
     step, lowers through Pallas' Triton rules (so a GPU sweep meets no lowering error)."""
     if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU")
+        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
+                    "pins jaxlib 0.10.2, which does not)")
     from pallas_kernels import quant_bench
 
     sd = jax.ShapeDtypeStruct

@@ -110,24 +110,65 @@ def test_same_seed_and_step_give_same_draw_different_seeds_differ(mode):
     assert len(set(many)) > 3
 
 
+def vllm_penalized(logits: np.ndarray, output_counts: np.ndarray, in_prompt: np.ndarray, rep: float, pres: float,
+                   freq: float) -> np.ndarray:
+    """vLLM's penalties in float64, token by token: repetition (over prompt and output tokens) divides a
+    positive logit and multiplies a negative one; then frequency subtracts freq * count and presence
+    subtracts pres once, both over output tokens only."""
+    out = logits.astype(np.float64).copy()
+    for t in range(out.shape[0]):
+        if output_counts[t] > 0 or in_prompt[t]:
+            out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+        if output_counts[t] > 0:
+            out[t] -= freq * output_counts[t] + pres
+    return out
+
+
+# (penalties, {token: (raw logit, output count, in prompt)}): each row's raw argmax is penalized and
+# loses to another token, which it would not if the penalty were missing or computed another way.
+PENALTY_ROWS = [
+    # repetition, positive logit of a prompt-only token: 6/2 < 4
+    (dict(rep=2.0), {10: (6.0, 0, True), 11: (4.0, 0, False)}),
+    # repetition, negative logits: an output token's is multiplied (-1 * 2 < -1.5), not divided
+    (dict(rep=2.0), {12: (-1.0, 1, False), 13: (-1.5, 0, False)}),
+    # presence, output tokens only: 5 - 1 < 4.6, and the prompt-only 4.6 is left alone (else 4.3 wins)
+    (dict(pres=1.0), {20: (5.0, 2, False), 21: (4.6, 0, True), 22: (4.3, 0, False)}),
+    # frequency, times the count: 10 - 1.5 < 9.8 - 0.5 (as a presence-like flat 0.5, 10 would stay first)
+    (dict(freq=0.5), {30: (10.0, 3, False), 31: (9.8, 1, False), 32: (9.0, 0, True)}),
+    # all three, repetition first: 8 / 2 - 2 * 0.5 - 0.5 = 2.5 < 3 ((8 - 1.5) / 2 = 3.25 would win)
+    (dict(rep=2.0, pres=0.5, freq=0.5), {40: (8.0, 2, True), 41: (3.0, 0, False)}),
+    # neutral parameters beside penalized rows: a seen argmax stays
+    (dict(), {50: (5.0, 2, True), 51: (4.0, 0, False)}),
+]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_penalties_match_vllm_formula(mode):
+    """Each penalty kind alone and together, on rows whose raw argmax is a penalized token: the
+    sampler's greedy token is the argmax of an independent float64 computation of vLLM's formula,
+    and that differs from the raw argmax wherever a penalty is set; `apply_penalties` gives the
+    reference's logits on every token, seen or not, positive or negative."""
     rng = np.random.default_rng(2)
-    logits = rng.normal(0, 3.0, (2, V)).astype(np.float32)
-    counts = np.zeros((3, V), np.int32)
-    counts[0, [3, 5, 5, 9]] = [1, 2, 2, 4]
-    counts[0, 5] = 2
-    prompt = np.zeros((3, V), bool)
-    prompt[0, [1, 3, 20]] = True
-    rows = [dict(temperature=0.0, rep=1.5, pres=0.7, freq=0.3), dict(temperature=0.0)]
-    out = sample_as(mode, jnp.asarray(logits), make_inputs(rows), jnp.asarray(counts), jnp.asarray(prompt),
-                    jnp.arange(2))
-    x = logits[0].astype(np.float64)
-    seen = (counts[0] > 0) | prompt[0]
-    x = np.where(seen, np.where(x > 0, x / 1.5, x * 1.5), x)
-    x = x - 0.3 * counts[0] - 0.7 * (counts[0] > 0)
-    assert int(out.tokens[0]) == int(np.argmax(x))
-    assert int(out.tokens[1]) == int(np.argmax(logits[1]))
+    s = len(PENALTY_ROWS)
+    logits = rng.normal(-6.0, 1.0, (s, V)).astype(np.float32)  # every unnamed token well below the named ones
+    counts = np.zeros((s + 1, V), np.int32)
+    prompt = np.zeros((s + 1, V), bool)
+    for i, (_, tokens) in enumerate(PENALTY_ROWS):
+        for t, (value, count, in_prompt) in tokens.items():
+            logits[i, t], counts[i, t], prompt[i, t] = value, count, in_prompt
+        unnamed = np.setdiff1d(np.arange(V), list(tokens))  # unnamed seen tokens too, of both signs
+        counts[i, unnamed[::7]] = rng.integers(1, 4, len(unnamed[::7]))
+        prompt[i, unnamed[3::5]] = True
+    inputs = make_inputs([dict(temperature=0.0, **params) for params, _ in PENALTY_ROWS])
+    want = np.stack([vllm_penalized(logits[i], counts[i], prompt[i], params.get("rep", 1.0), params.get("pres", 0.0),
+                                    params.get("freq", 0.0)) for i, (params, _) in enumerate(PENALTY_ROWS)])
+    moved = [bool(params) for params, _ in PENALTY_ROWS]
+    np.testing.assert_array_equal(np.argmax(want, -1) != np.argmax(logits, -1), moved)  # the rows are what they claim
+
+    out = sample_as(mode, jnp.asarray(logits), inputs, jnp.asarray(counts), jnp.asarray(prompt), jnp.arange(s))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.argmax(want, -1))
+    got = sampler.apply_penalties(jnp.asarray(logits), inputs, jnp.asarray(counts[:s]), jnp.asarray(prompt[:s]))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", MODES)
