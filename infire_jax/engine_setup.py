@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from infire_jax import multihost
 from infire_jax.buckets import Buckets, default_token_buckets
@@ -118,7 +119,7 @@ def resolve_dtype(name: str):
 class Settings(NamedTuple):
     """What an EngineConfig comes to for its model, all known before any weight is read."""
 
-    dtype: jnp.dtype  # of the weights and activations
+    dtype: DTypeLike  # of the weights and activations: jnp.float32 or jnp.bfloat16
     kv_dtype: jnp.dtype  # of the KV pool
     model_config: ModelConfig  # the checkpoint's (the loaded model brings its own)
     plan: ShardPlan | None  # None: one device

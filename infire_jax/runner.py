@@ -80,8 +80,8 @@ class ModelRunner(DeviceMemory):
 
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, rc: RunnerConfig,
                  *, dtype, plan: ShardPlan | None = None):
-        """Places the weights and allocates the pool (DeviceMemory), and jits the step's programs;
-        `warmup` compiles them."""
+        """Takes the weights and allocates the pool (DeviceMemory says what `cfg` and `state` may be),
+        and jits the step's programs; `warmup` compiles them."""
         super().__init__(cfg, graphdef, state, rc, dtype=dtype, plan=plan)
         # Called with every step (its plan, batch, forward and sampled tokens) once it is launched: a
         # draft model or an EAGLE-3 head keeps its KV in step with the target's (speculative/). What
