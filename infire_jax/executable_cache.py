@@ -1,7 +1,7 @@
 """The step programs kept on disk as serialized executables, so a warm start traces nothing (issue 9).
 
-XLA's persistent cache (engine.enable_compilation_cache) skips compilation, but finding a program in
-it takes the program's HLO: a warm start still traced and lowered every step program, 0.1-0.25 s
+XLA's persistent cache (engine_setup.enable_compilation_cache) skips compilation, but finding a
+program in it takes the program's HLO: a warm start still traced and lowered every step program, 0.1-0.25 s
 each, three quarters of a warm CPU boot. This cache keys a program by what it is made of instead:
 the package's source, jax and the devices, the runner's static settings and the arguments' shapes,
 dtypes and shardings. A hit deserializes the executable without tracing anything.

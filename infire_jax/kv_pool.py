@@ -19,10 +19,10 @@ from typing import Any
 
 import jax
 
+from infire_jax.device_memory import kv_bytes_per_page
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
-from infire_jax.runner import kv_bytes_per_page
 from infire_jax.xla_flags import allocator_fraction
 
 _GIB = float(1 << 30)

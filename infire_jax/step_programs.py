@@ -1,5 +1,5 @@
 """The device programs of a step, as pure functions of the weights, the pool and the step's
-batch; the runner (runner.py) jits, compiles and launches them.
+batch; compiled_steps.py jits and compiles them, the runner (runner.py) launches them.
 
 - `forward`: the model over the step's tokens (embed, the decoder layers over the paged pool,
   the LM head at each row's last token), and each slot's token history for the penalties;

@@ -30,7 +30,7 @@ def main() -> None:
     print("RESULT " + json.dumps(dict(
         tokens=[tokens[i] for i in ids], logprobs=[logprobs[i] for i in ids], compiled=engine.boot.compiled,
         executables_loaded=engine.boot.executables_loaded,
-        executables_stored=engine.runner._executables.compiled if engine.runner._executables else 0,
+        executables_stored=engine.runner.steps.executables.compiled if engine.runner.steps.executables else 0,
         cache_loaded=engine.boot.cache_loaded,
         compiles_since_warmup=engine.compiles_since_warmup)), flush=True)
 

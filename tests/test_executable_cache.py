@@ -103,10 +103,11 @@ def test_engine_warm_start_loads_every_step_program(smol_llm):
 
     llm = LLM(**SMALL_ENGINE)
     runner = llm.engine.runner
-    programs = (len(runner._compiled_forward) + len(runner._compiled_samplers) + len(runner._compiled_bursts)
-                + len(runner._compiled_small))
-    assert len(runner._compiled_bursts) == len(runner.rc.buckets.decode_shapes) == 4
-    assert runner._executables.compiled == 0 and runner.executables_loaded == programs
+    steps = runner.steps
+    programs = (len(steps.compiled_forward) + len(steps.compiled_samplers) + len(steps.compiled_bursts)
+                + len(steps.compiled_small))
+    assert len(steps.compiled_bursts) == len(runner.rc.buckets.decode_shapes) == 4
+    assert steps.executables.compiled == 0 and runner.executables_loaded == programs
     assert llm.engine.boot.compiled == 0
     prompts = ["The capital of France is", "Write a haiku about the sea."]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)

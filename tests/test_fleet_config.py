@@ -182,10 +182,10 @@ def test_one_gpu_workers_fit_their_allocator_and_leave_the_autotuner_room(name):
     --gpu-memory-utilization of an H100, no activations: the largest it can be) and weights fit its
     allocator's share (XLA_PYTHON_CLIENT_MEM_FRACTION), and the two shares fit the card. A pool
     allocated before compiling would leave the autotuner no room, so the engine compiles first
-    (engine.py): then all but the weights is free for it."""
+    (engine_setup.py): then all but the weights is free for it."""
     from infire_jax.cli import build_parser
-    from infire_jax.engine import resolve_dtype
     from infire_jax.engine_args import engine_config
+    from infire_jax.engine_setup import resolve_dtype
     from infire_jax.kv_pool import PoolPlanner, size_from_device_memory
     from infire_jax.loaders.load import load_config
     from infire_jax.residency import weight_bytes_bound

@@ -22,9 +22,9 @@ from infire_jax.buckets import Buckets
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state, drawn_weights
 from infire_jax.quant.resident import quantize_int8
-from infire_jax.runner import ModelRunner, RunnerConfig
+from infire_jax.runner import ModelRunner
+from infire_jax.runner_config import RunnerConfig
 from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
-from infire_jax.scheduler import SchedulerOutput
 from pallas_kernels import cpu_kernels, placement
 
 DENSE = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -75,8 +75,8 @@ def kernel_names(jaxpr) -> list[str]:
 
 def forward_jaxpr(runner: ModelRunner, rows_tokens: int):
     shape = next(s for s in runner.rc.buckets.shapes if s.num_tokens == rows_tokens)
-    batch = runner._build(SchedulerOutput([], []), shape)
-    return jax.make_jaxpr(runner._forward)(runner.state, runner.cache, batch).jaxpr
+    batch = runner.rc.empty_batch(shape)
+    return jax.make_jaxpr(runner.steps.forward)(runner.state, runner.cache, batch).jaxpr
 
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
@@ -105,7 +105,7 @@ def test_gpu_forward_with_the_quantized_kernels_has_no_conditional_or_data_depen
 
 def burst_jaxpr(runner: ModelRunner, variant: str):
     shape = runner.rc.buckets.decode_shapes[0]
-    spec = runner._burst_spec(variant, shape, runner._empty_batch(shape))
+    spec = runner.steps.burst_spec(variant, shape, runner.rc.empty_batch(shape))
     return jax.make_jaxpr(spec[1])(*spec[2]).jaxpr
 
 
@@ -142,7 +142,7 @@ def test_decode_burst_converts_no_whole_weight_once_a_burst():
     but a loop would hoist whole, writing the table's float32 copy every burst."""
     runner = make_runner(DENSE, "reference", variants=(BRANCHING,), dtype=jnp.bfloat16, decode_steps=4)
     shape = runner.rc.buckets.decode_shapes[0]
-    name, jitted, args = runner._burst_spec(BRANCHING, shape, runner._empty_batch(shape))
+    name, jitted, args = runner.steps.burst_spec(BRANCHING, shape, runner.rc.empty_batch(shape))
     table = f"f32[{DENSE.vocab_size},{DENSE.hidden_size}]"
     made = [line for line in compiled_hlo(jitted, *args).splitlines()
             if re.search(rf"= {re.escape(table)}\S* fusion\(", line)]
@@ -177,10 +177,10 @@ def test_branch_free_samplers_compile_without_host_syncs(variant):
     """Each GPU sampler variant, compiled: no conditional, and every loop's trip count is known."""
     runner = make_runner(DENSE, "reference")
     shape = runner.rc.buckets.shapes[-1]
-    batch, c = runner._build(SchedulerOutput([], []), shape), runner.cache
+    batch, c = runner.rc.empty_batch(shape), runner.cache
     logits = jax.ShapeDtypeStruct((shape.num_rows, DENSE.vocab_size), jnp.float32)
     mask = jax.ShapeDtypeStruct((shape.num_rows, runner.mask_words), jnp.int32)  # structured outputs' bitmask
-    hlo = compiled_hlo(runner._samplers[variant], c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling,
+    hlo = compiled_hlo(runner.steps.samplers[variant], c.last_tokens, c.counts, c.prompt_mask, logits, batch.sampling,
                        batch.row_slots, batch.sample_rows, mask)
     assert_no_host_sync(hlo)
 
@@ -190,11 +190,11 @@ def test_cpu_sampler_is_the_branching_one():
     this is the check above seeing one."""
     runner = make_runner(DENSE, "reference", variants=(BRANCHING,))
     shape = runner.rc.buckets.shapes[-1]
-    batch, c = runner._build(SchedulerOutput([], []), shape), runner.cache
+    batch, c = runner.rc.empty_batch(shape), runner.cache
     logits = jax.ShapeDtypeStruct((shape.num_rows, DENSE.vocab_size), jnp.float32)
     mask = jax.ShapeDtypeStruct((shape.num_rows, runner.mask_words), jnp.int32)
     with pytest.raises(AssertionError, match="conditional"):
-        assert_no_host_sync(compiled_hlo(runner._samplers[BRANCHING], c.last_tokens, c.counts, c.prompt_mask,
+        assert_no_host_sync(compiled_hlo(runner.steps.samplers[BRANCHING], c.last_tokens, c.counts, c.prompt_mask,
                                          logits, batch.sampling, batch.row_slots, batch.sample_rows, mask))
 
 
@@ -204,7 +204,7 @@ def test_forward_compiles_without_conditionals_on_cpu():
     (on the CPU backend the host runs loops anyway). The layer scan's trip count is known."""
     runner = make_runner(DENSE, "reference")
     shape = runner.rc.buckets.shapes[0]
-    hlo = compiled_hlo(runner._forward, runner.state, runner.cache, runner._build(SchedulerOutput([], []), shape))
+    hlo = compiled_hlo(runner.steps.forward, runner.state, runner.cache, runner.rc.empty_batch(shape))
     assert not re.search(r"\bconditional\(", hlo)
     with pytest.raises(AssertionError, match="unknown trip count"):
         assert_no_host_sync(hlo)
@@ -217,8 +217,8 @@ def cuda_forward_text(dtype, monkeypatch) -> str:
     StableHLO a GPU compiles."""
     monkeypatch.setattr(placement, "platform", lambda: "gpu")
     runner = make_runner(DENSE, "reference", dtype=dtype)
-    batch = runner._build(SchedulerOutput([], []), runner.rc.buckets.shapes[0])
-    return runner._forward.trace(runner.state, runner.cache, batch).lower(lowering_platforms=("cuda",)).as_text()
+    batch = runner.rc.empty_batch(runner.rc.buckets.shapes[0])
+    return runner.steps.forward.trace(runner.state, runner.cache, batch).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_float32_engine_dots_run_at_full_precision_on_a_gpu(monkeypatch):

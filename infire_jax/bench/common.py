@@ -69,7 +69,8 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Engine, D
     import jax.numpy as jnp
 
     from infire_jax.bench.roofline import measure_peaks
-    from infire_jax.engine import Engine, resolve_dtype
+    from infire_jax.engine import Engine
+    from infire_jax.engine_setup import resolve_dtype
 
     config = engine_config(args)
     config.max_num_seqs = args.max_num_seqs or max_num_seqs

@@ -32,9 +32,10 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.batch import StepBatch
+from infire_jax.device_memory import kv_bytes_per_page
 from infire_jax.models.config import ModelConfig
 from infire_jax.request import Request
-from infire_jax.runner import RunnerConfig, kv_bytes_per_page
+from infire_jax.runner_config import RunnerConfig
 from infire_jax.step_programs import StepForward, matmul_precision
 from infire_jax.sampler import SamplerOutput
 from infire_jax.scheduler import SchedulerOutput

@@ -1,0 +1,300 @@
+"""An engine's construction, up to a runner ready to step: the settings (`EngineConfig`) checked
+against the model's config before any weight is read, the runner's settings, the weights loaded and
+placed, the step programs compiled (on another thread while the weights are read, when the KV
+pool's size is known in advance), the pool sized, and an fp8 pool's scales. `Engine.__init__`
+(engine.py) builds the host side around what this returns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from infire_jax import multihost
+from infire_jax.buckets import Buckets, default_token_buckets
+from infire_jax.engine_stats import timed
+from infire_jax.errors import ConfigError
+from infire_jax.kv_pool import PoolPlanner, PoolSizing
+from infire_jax.kv_scales import CALIBRATION_TEXT, calibrate, resolve_kv_cache_dtype
+from infire_jax.loaders import LoadedModel
+from infire_jax.loaders.checkpoint import Placed, load_placed
+from infire_jax.loaders.compressed import load_resident_placed
+from infire_jax.loaders.gguf_quant import load_quantized_placed
+from infire_jax.loaders.kv_scales_hf import read_kv_scales
+from infire_jax.loaders.load import cache_dir, load_config
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.registry import abstract_state
+from infire_jax.runner import ModelRunner
+from infire_jax.runner_config import RunnerConfig
+from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
+from infire_jax.speculative.config import SpeculativeConfig
+from infire_jax.speculative.eagle3 import Eagle3Head
+from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
+from infire_jax.tokenizer import Tokenizer
+from pallas_kernels.attention import choose_impl, resolve_impl
+from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.mla import choose_mla_impl
+from pallas_kernels.triton_backend import check_fp8_device
+from sharding.mesh import load_mesh_config
+from sharding.plan import ShardPlan
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+# (stage, done, total): "load" and "compile" progress, for a progress bar.
+Progress = Callable[[str, int, int], None]
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine settings. None means: derive a default from the model and the device."""
+
+    model: str | None = None
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+    max_model_len: int | None = None  # default: min(model's context, 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # token budget of one step; default 512 on CPU, 8192 on GPU
+    token_buckets: tuple[int, ...] | None = None
+    page_size: int = 16
+    num_kv_pages: int | None = None  # overrides the two below
+    kv_cache_memory: int | None = None  # bytes per device; default: sized by gpu_memory_utilization, 1 GiB on CPU
+    gpu_memory_utilization: float = 0.90  # of each GPU: weights + activations + KV pool (kv_pool.py)
+    enable_prefix_caching: bool = True
+    attn_impl: str = "auto"
+    # The KV pool's dtype: "auto" (the model's), bfloat16, float32 or float8_e4m3 (aliases fp8, fp8_e4m3):
+    # fp8 pages with per-(layer, kv head) scales hold twice the tokens of bfloat16 (kv_scales.py).
+    kv_cache_dtype: str = "auto"
+    # An fp8 pool's scales are the checkpoint's `k_scale` / `v_scale` where it has them; True calibrates anyway.
+    calibrate_kv_scales: bool = False
+    mesh: str | None = None  # mesh-config YAML; default: the shipped file for jax.device_count()
+    seed: int = 0
+    branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
+    weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
+    # Kept quantized on the device (quant/): "gguf" (a GGUF's Q4_1/Q8_0 blocks), "int8" (any model, at load),
+    # "int4" (a dummy: model drawn as AWQ / GPTQ-form int4) or
+    # "checkpoint" (a published DeepSeek-V3/Kimi checkpoint's own int4 / fp8 weights)
+    weights_quantization: str | None = None
+    # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
+    # Decode bursts: up to this many decode steps in one device launch when a step is decodes alone
+    # and nobody waiting could join (scheduler.py); 1 turns them off. Not with speculative decoding.
+    num_decode_steps: int = 4
+    # Hot standby (residency.py): the weight bytes a pool sized from device memory leaves room for,
+    # when more than the model's own (the heaviest models that may be resident with it).
+    pool_weight_bytes: int = 0
+
+
+def enable_compilation_cache() -> None:
+    """Keeps compiled steps on disk (under the cache dir), so a second start skips XLA compilation."""
+    if jax.config.jax_compilation_cache_dir is None and not os.environ.get("INFIRE_JAX_NO_COMPILE_CACHE"):
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every step: a warm start compiles nothing
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def resolve_dtype(name: str):
+    if name == "auto":
+        return jnp.bfloat16 if on_gpu() else jnp.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose auto, float32 or bfloat16")
+    return _DTYPES[name]
+
+
+class Settings(NamedTuple):
+    """What an EngineConfig comes to for its model, all known before any weight is read."""
+
+    dtype: DTypeLike  # of the weights and activations: jnp.float32 or jnp.bfloat16
+    kv_dtype: jnp.dtype  # of the KV pool
+    model_config: ModelConfig  # the checkpoint's (the loaded model brings its own)
+    plan: ShardPlan | None  # None: one device
+    placed_config: ModelConfig  # what the runner runs: on a mesh, the plan's effective config
+    max_model_len: int
+    max_num_batched_tokens: int  # the token budget of one step
+    spec_config: SpeculativeConfig | None
+    eagle_head: Eagle3Head | None
+    pool: PoolPlanner
+    sizing: PoolSizing | None  # the pool's size where it is known before the weights are on the device
+    runner_config: RunnerConfig  # the pool at its final size if `sizing`, else at its least
+    checkpoint_kv_scales: np.ndarray | None  # an fp8 pool's scales as the checkpoint carries them
+
+
+def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
+    """Checks `ec` against the model's config and fixes everything the weights do not decide; switches
+    the compilation cache on before anything (an EAGLE-3 head's loading included) compiles."""
+    dtype = resolve_dtype(ec.dtype)
+    kv_dtype = resolve_kv_cache_dtype(ec.kv_cache_dtype, dtype)
+    cfg = loaded.config if loaded else load_config(ec.model)
+    plan = _check_settings(ec, cfg)
+    # Read before the weights, so that malformed scales fail fast (loaders/kv_scales_hf.py).
+    checkpoint_kv_scales = (read_kv_scales(ec.model, cfg) if is_fp8(kv_dtype) and not ec.calibrate_kv_scales
+                            else None)
+    enable_compilation_cache()
+    max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
+    budget = ec.max_num_batched_tokens or (8192 if on_gpu() else 512)
+    branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else on_gpu()
+    spec_config, eagle_head = parse_speculation(
+        ec.speculative_config, cfg, dtype=dtype, multiprocess=multihost.is_multiprocess(),
+        one_plain_device=plan is None and not ec.weights_compression and not ec.weights_quantization)
+    pool = PoolPlanner(
+        PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
+                                  extra_page_bytes(spec_config, eagle_head, ec.page_size, dtype)),
+        ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization)
+    sizing = pool.fixed()
+    rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else pool.min_pages,
+                      max_model_len=max_model_len, max_num_seqs=ec.max_num_seqs,
+                      buckets=_buckets(ec, budget), attn_impl=_attention(ec, cfg, dtype, kv_dtype),
+                      sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,),
+                      num_spec=spec_config.num_speculative_tokens if spec_config else 0,
+                      aux_layers=eagle_head.cfg.aux_layers(cfg.num_layers) if eagle_head else None,
+                      decode_steps=1 if spec_config else ec.num_decode_steps,
+                      kv_cache_dtype=kv_dtype.name)
+    return Settings(dtype, kv_dtype, cfg, plan, plan.effective_config(cfg) if plan else cfg, max_model_len, budget,
+                    spec_config, eagle_head, pool, sizing, rc, checkpoint_kv_scales)
+
+
+def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
+    """Everything that can be checked from the config alone, before any weight is read."""
+    if ec.max_num_seqs < 1 or ec.page_size < 1 or ec.num_decode_steps < 1:
+        raise ConfigError("max_num_seqs, page_size and num_decode_steps must be positive")
+    if not 0.0 < ec.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
+    try:
+        resolve_impl(ec.attn_impl)
+        mesh_config = load_mesh_config(ec.mesh, jax.device_count())
+        return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
+    except ValueError as e:  # unknown attention name, MeshConfigError
+        raise ConfigError(str(e)) from e
+
+
+def _attention(ec: EngineConfig, cfg: ModelConfig, dtype, kv_dtype) -> str:
+    try:
+        if cfg.mla is not None:
+            impl = choose_mla_impl(ec.attn_impl, kv_lora_rank=cfg.mla.kv_lora_rank,
+                                   rope_dim=cfg.mla.qk_rope_head_dim, dtype=dtype)
+        else:
+            impl = choose_impl(ec.attn_impl, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
+                               num_kv_heads=cfg.num_kv_heads, dtype=dtype)
+        if impl == "pallas" and is_fp8(kv_dtype):
+            check_fp8_device()
+        return impl
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _buckets(ec: EngineConfig, budget: int) -> Buckets:
+    if budget < ec.max_num_seqs:
+        raise ConfigError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({ec.max_num_seqs})")
+    buckets = Buckets(ec.token_buckets or default_token_buckets(budget), ec.max_num_seqs)
+    if buckets.token_buckets[-1] != budget:
+        raise ConfigError(f"the largest token bucket must equal max_num_batched_tokens ({budget})")
+    return buckets
+
+
+class Built(NamedTuple):
+    """The model on the device, its steps compiled and its pool allocated."""
+
+    runner: ModelRunner
+    placed: Placed  # the loaded model (config, tokenizer, name) with its placed weights
+    sizing: PoolSizing
+    load_seconds: float
+    warmup_seconds: float
+    overlapped: bool  # the steps compiled while the weights were read
+
+
+def load_and_compile(ec: EngineConfig, s: Settings, loaded: LoadedModel | None, report: Progress) -> Built:
+    """Loads and places the weights, builds the runner and compiles every step bucket, sizes the pool
+    (from the device's free memory once the weights are on it, unless known before) and sets an fp8
+    pool's scales."""
+    rc, sizing = s.runner_config, s.sizing
+    shapes = rc.buckets.shapes
+    done = itertools.count(1)
+    # Compiling needs only the weights' shapes: with a pool fixed in advance, one process and
+    # uncompressed weights, another thread allocates the KV pool and compiles (or loads) the
+    # steps while the weights are read.
+    # What the executable cache lacks compiles once the weights are read (executable_cache.py).
+    warmup, weights_read = None, threading.Event()
+    if sizing is not None and not (ec.weights_compression or ec.weights_quantization) \
+            and not multihost.is_multiprocess():
+        def build_and_warm_up() -> tuple[ModelRunner, float]:
+            runner = ModelRunner(s.placed_config, *abstract_state(s.model_config, s.dtype, s.plan), rc,
+                                 dtype=s.dtype, plan=s.plan)
+            return runner, timed(runner.warmup, lambda shape: report("compile", next(done), len(shapes)),
+                                 weights_read.wait)
+
+        report("compile", 0, len(shapes))
+        pool = concurrent.futures.ThreadPoolExecutor(1, "infire-warmup")
+        warmup = pool.submit(build_and_warm_up)
+        pool.shutdown(wait=False)  # its thread ends with the warmup
+
+    report("load", 0, 1)
+    t_load = time.monotonic()
+    try:
+        placed = _load_placed(ec, s.dtype, s.plan, loaded)
+    finally:
+        weights_read.set()
+    jax.block_until_ready(placed.state)
+    load_seconds = time.monotonic() - t_load
+    report("load", 1, 1)
+
+    if warmup is not None:
+        runner, warmup_seconds = warmup.result()  # re-raises what the warmup raised
+        runner.attach_weights(placed.state)
+    else:
+        t_warmup = time.monotonic()
+        runner = ModelRunner(s.placed_config, placed.graphdef, placed.state, rc, dtype=s.dtype, plan=s.plan)
+        # Fill the card: measure the largest step's activations with a minimal pool, then compile
+        # before the pool takes its memory (XLA's autotuning needs room; one process only: the
+        # followers' warmup runs a step on the pool).
+        deferred = sizing is None and not multihost.is_multiprocess()
+        if sizing is None:
+            sizing = s.pool.from_device_memory(runner.state, (runner.cache.k_pages, runner.cache.v_pages),
+                                               runner.peak_activation_bytes(), ec.pool_weight_bytes)
+            runner.resize_pool(sizing.num_pages, allocate=not deferred)
+        report("compile", 0, len(shapes))
+        runner.warmup(lambda shape: report("compile", next(done), len(shapes)))
+        if deferred:
+            runner.allocate_pool()
+        warmup_seconds = time.monotonic() - t_warmup
+    if runner.kv_scales is not None:
+        runner.set_kv_scales(_kv_scales(ec, s, runner, placed.loaded.tokenizer))
+    return Built(runner, placed, sizing, load_seconds, warmup_seconds, warmup is not None)
+
+
+def _load_placed(ec: EngineConfig, dtype, plan: ShardPlan | None, loaded: LoadedModel | None) -> Placed:
+    """The weights on the devices: plain, palette-compressed or kept quantized."""
+    if ec.weights_quantization:
+        if ec.weights_compression or loaded is not None:
+            raise ConfigError("weights_quantization reads the model itself: it combines with neither "
+                              "weights_compression nor a preloaded model")
+        return load_quantized_placed(ec.model, dtype, plan, ec.weights_quantization)
+    if ec.weights_compression:
+        return load_resident_placed(ec.model, dtype, plan, ec.weights_compression, loaded=loaded)
+    return load_placed(ec.model, dtype, plan, loaded=loaded)
+
+
+def _kv_scales(ec: EngineConfig, s: Settings, runner: ModelRunner, tokenizer: Tokenizer) -> np.ndarray:
+    """An fp8 pool's scales: the checkpoint's own `k_scale` / `v_scale` where it carries them
+    (loaders/kv_scales_hf.py), else calibrated on the loaded model (kv_scales.py)."""
+    if s.checkpoint_kv_scales is not None:
+        log.info("fp8 KV cache: scales from the checkpoint's k_scale / v_scale tensors (%s)", ec.model)
+        scales = s.checkpoint_kv_scales
+        return scales if s.plan is None else s.plan.prepare_kv_scales(scales)
+    log.info("fp8 KV cache: scales calibrated on a fixed text (%s)",
+             "calibrate_kv_scales set" if ec.calibrate_kv_scales else "the checkpoint carries none")
+    return calibrate(runner.graphdef, runner.state, s.placed_config, tokenizer.encode(CALIBRATION_TEXT), s.plan)

@@ -1,0 +1,55 @@
+"""The runner's settings: the pool's pages, the token buckets, the sampler variants, speculation and
+decode bursts. The step programs are compiled for them (compiled_steps.py), and a step's plan becomes
+the host arrays those programs take through them (batch.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from infire_jax.batch import StepBatch, build_batch
+from infire_jax.buckets import Buckets, StepShape
+from infire_jax.sampler import BRANCHING
+from infire_jax.scheduler import SchedulerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    page_size: int
+    num_pages: int
+    max_model_len: int
+    max_num_seqs: int
+    buckets: Buckets
+    attn_impl: str = "reference"
+    # Compiled sampler variants: (BRANCHING,) where conditionals are free (CPU), else the branch-free ones.
+    sampler_variants: tuple[str, ...] = (BRANCHING,)
+    num_spec: int = 0  # speculative decoding: proposed tokens a row may carry (0: off)
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states the forward also returns
+    decode_steps: int = 1  # most steps of a decode burst (1: no bursts)
+    kv_cache_dtype: str | None = None  # the KV pool's dtype (None: the model's); float8_e4m3fn takes scales
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_num_seqs + 1  # the last slot absorbs padding rows
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.max_num_seqs
+
+    @property
+    def history_len(self) -> int:
+        """Tokens of a slot's sampling history (penalties): every position its pages can hold."""
+        return self.pages_per_seq * self.page_size
+
+    def batch(self, work: SchedulerOutput, shape: StepShape, verify: bool = False) -> StepBatch:
+        """A step's plan as the fixed-shape host arrays of its bucket (a verifying step's with room
+        for the proposals)."""
+        return build_batch(work, shape, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
+                           dummy_slot=self.dummy_slot, num_spec=self.num_spec if verify else 0)
+
+    def empty_batch(self, shape: StepShape, verify: bool = False) -> StepBatch:
+        """Padding only: what compiling a bucket's programs, or a follower's receive, takes."""
+        return self.batch(SchedulerOutput([], []), shape, verify)
