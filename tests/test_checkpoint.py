@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from infire_jax.loaders import checkpoint, load_model
 from infire_jax.loaders.dummy import dummy_tokenizer
-from infire_jax.models.config import config_from_hf
+from infire_jax.models.hf_config import config_from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 8 heads over 2 kv heads and 3 layers: tp=4 repeats each kv head twice, pp=2 pads stage 1 to 2 layers.

@@ -149,7 +149,7 @@ def test_bad_configs_name_the_field(field, value):
     from deepseek_models import TEXT_CONFIGS
 
     from infire_jax.errors import UnsupportedModelError
-    from infire_jax.models.config import config_from_hf
+    from infire_jax.models.hf_config import config_from_hf
 
     raw = dict(TEXT_CONFIGS["deepseek-v3"], model_type="deepseek_v3")
     config_from_hf(raw)  # the unmodified config is accepted
@@ -166,7 +166,7 @@ def test_grouped_routing_matches_hf_router(name):
     import torch
 
     from deepseek_models import TEXT_CONFIGS
-    from infire_jax.models.config import config_from_hf
+    from infire_jax.models.hf_config import config_from_hf
     from infire_jax.models.deepseek_moe import route_grouped, router_logits
 
     hf = hf_model(name)
