@@ -28,11 +28,10 @@ from infire_jax.errors import ConfigError
 from infire_jax.kv_pool import PoolPlanner, PoolSizing
 from infire_jax.kv_scales import CALIBRATION_TEXT, calibrate, resolve_kv_cache_dtype
 from infire_jax.loaders import LoadedModel
-from infire_jax.loaders.checkpoint import Placed, load_placed
-from infire_jax.loaders.compressed import load_resident_placed
-from infire_jax.loaders.gguf_quant import load_quantized_placed
 from infire_jax.loaders.kv_scales_hf import read_kv_scales
-from infire_jax.loaders.load import cache_dir, load_config
+from infire_jax.loaders.load import load_config, load_placed, load_quantized_placed, load_resident_placed
+from infire_jax.loaders.paths import cache_dir
+from infire_jax.loaders.weights import Placed
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_state
 from infire_jax.runner import ModelRunner

@@ -32,7 +32,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import pallas_kernels
 import sharding.plan
-from infire_jax.loaders.load import cache_dir
+from infire_jax.loaders.paths import cache_dir
 from pallas_kernels import cpu_kernels
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ SMALL_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, 
 
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
-    from infire_jax.loaders.load import default_model_path
+    from infire_jax.loaders.paths import default_model_path
 
     return default_model_path()
 

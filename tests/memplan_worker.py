@@ -17,9 +17,9 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from infire_jax.loaders.gguf_quant import load_quantized_placed
+    from infire_jax.loaders.load import load_quantized_placed
     from infire_jax.loaders.hf import read_hf_config
-    from infire_jax.models.config import config_from_hf
+    from infire_jax.models.hf_config import config_from_hf
     from infire_jax.models.registry import build_state
     from sharding.mesh import MeshConfig
     from sharding.plan import KV_POOL_AXES, ShardPlan

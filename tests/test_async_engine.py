@@ -282,7 +282,7 @@ def test_call_runs_between_steps_on_the_engine_thread_and_reports_errors():
 
 def test_http_engine_crash_gives_500_then_503_and_unhealthy():
     from infire_jax.loaders.dummy import CONFIGS, dummy_tokenizer
-    from infire_jax.models.config import config_from_hf
+    from infire_jax.models.hf_config import config_from_hf
     from server.app import build_app
     from server.listen import make_runner
 

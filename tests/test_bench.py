@@ -20,7 +20,7 @@ from infire_jax.bench.common import BenchError, add_output_args
 from infire_jax.bench.datasets import random_prompts, read_jsonl
 from infire_jax.bench.metrics import RequestTiming, summarize
 from infire_jax.loaders.dummy import CONFIGS
-from infire_jax.models.config import config_from_hf
+from infire_jax.models.hf_config import config_from_hf
 
 # Small shapes shared by the runs of one model, so they reuse one set of compiled steps.
 SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32"]

@@ -16,9 +16,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from infire_jax.loaders import checkpoint, load_model
+from infire_jax.loaders import checkpoint, load, load_model
 from infire_jax.loaders.dummy import dummy_tokenizer
-from infire_jax.models.config import config_from_hf
+from infire_jax.loaders.weights import Placed
+from infire_jax.models.hf_config import config_from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 8 heads over 2 kv heads and 3 layers: tp=4 repeats each kv head twice, pp=2 pads stage 1 to 2 layers.
@@ -63,7 +64,7 @@ def cache(request, tmp_path, monkeypatch) -> str:
     return checkpoint.checkpoints_root()
 
 
-def _weights(placed: checkpoint.Placed) -> dict[str, np.ndarray]:
+def _weights(placed: Placed) -> dict[str, np.ndarray]:
     return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(placed.state)}
 
 
@@ -79,7 +80,7 @@ def _no_source_reads(monkeypatch) -> None:
     def fail(spec):
         raise AssertionError(f"the source {spec} was read: the checkpoint was not used")
 
-    monkeypatch.setattr(checkpoint, "load_model", fail)
+    monkeypatch.setattr(load, "load_model", fail)
 
 
 def _only_checkpoint(root: str) -> str:
@@ -94,11 +95,11 @@ def _format(root: str) -> str:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_restore_is_bit_identical_to_the_source_on_one_device(tiny, cache, monkeypatch, dtype):
     source = load_model(tiny)
-    built = checkpoint.load_placed(tiny, dtype, None)
+    built = load.load_placed(tiny, dtype, None)
     assert built.built_because == "no checkpoint"
     assert _format(cache) == os.environ["INFIRE_JAX_CHECKPOINT_FORMAT"]
     _no_source_reads(monkeypatch)
-    restored = checkpoint.load_placed(tiny, dtype, None)
+    restored = load.load_placed(tiny, dtype, None)
     assert restored.built_because is None
     _assert_bit_identical(_weights(restored), source.weights, jnp.dtype(dtype))
     # Independent of our loaders: HF's embedding, read straight from the safetensors file.
@@ -172,12 +173,12 @@ def _edit_tokenizer(path: str, source) -> None:
 ])
 def test_damaged_checkpoint_is_rebuilt(tiny, cache, damage, reason):
     source = load_model(tiny)
-    checkpoint.load_placed(tiny, jnp.float32, None)
+    load.load_placed(tiny, jnp.float32, None)
     damage(_only_checkpoint(cache), source)
-    rebuilt = checkpoint.load_placed(tiny, jnp.float32, None)
+    rebuilt = load.load_placed(tiny, jnp.float32, None)
     assert rebuilt.built_because is not None and reason in rebuilt.built_because
     _assert_bit_identical(_weights(rebuilt), source.weights, np.float32)
-    again = checkpoint.load_placed(tiny, jnp.float32, None)
+    again = load.load_placed(tiny, jnp.float32, None)
     assert again.built_because is None  # repaired in place
     _assert_bit_identical(_weights(again), source.weights, np.float32)
     assert len(os.listdir(cache)) == 1
@@ -185,19 +186,19 @@ def test_damaged_checkpoint_is_rebuilt(tiny, cache, damage, reason):
 
 def test_stale_checkpoint_is_rebuilt_in_place(tiny, cache, monkeypatch):
     source = load_model(tiny)
-    checkpoint.load_placed(tiny, jnp.float32, None)
+    load.load_placed(tiny, jnp.float32, None)
     monkeypatch.setattr(checkpoint, "CHECKPOINT_FORMAT_VERSION", checkpoint.CHECKPOINT_FORMAT_VERSION + 1)
-    rebuilt = checkpoint.load_placed(tiny, jnp.float32, None)
+    rebuilt = load.load_placed(tiny, jnp.float32, None)
     assert rebuilt.built_because == "stale: format_version differs"
     _assert_bit_identical(_weights(rebuilt), source.weights, np.float32)
     other = {"orbax": "safetensors", "safetensors": "orbax"}[_format(cache)]
     monkeypatch.setenv("INFIRE_JAX_CHECKPOINT_FORMAT", other)
-    assert checkpoint.load_placed(tiny, jnp.float32, None).built_because == "stale: format differs"
+    assert load.load_placed(tiny, jnp.float32, None).built_because == "stale: format differs"
     assert _format(cache) == other
     st = os.stat(os.path.join(tiny, "config.json"))
     os.utime(os.path.join(tiny, "config.json"), ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert checkpoint.load_placed(tiny, jnp.float32, None).built_because == "stale: source differs"
-    assert checkpoint.load_placed(tiny, jnp.float32, None).built_because is None
+    assert load.load_placed(tiny, jnp.float32, None).built_because == "stale: source differs"
+    assert load.load_placed(tiny, jnp.float32, None).built_because is None
     assert len(os.listdir(cache)) == 1
 
 
@@ -209,7 +210,7 @@ if job.get("process_id") is not None:
     initialize(job["address"], 2, job["process_id"])
 import jax, jax.numpy as jnp, numpy as np, orbax.checkpoint  # imported before any reads are counted
 from flax import nnx
-from infire_jax.loaders import checkpoint, load_model
+from infire_jax.loaders import load, load_model
 from sharding.mesh import load_mesh_config
 from sharding.plan import ShardPlan
 
@@ -219,7 +220,7 @@ reference = plan.prepare_weights(source.weights)
 out = {"process": jax.process_index()}
 for attempt in job["attempts"]:
     before = int(open("/proc/self/io").read().split("rchar: ")[1].split()[0])
-    placed = checkpoint.load_placed(job["spec"], jnp.float32, plan)
+    placed = load.load_placed(job["spec"], jnp.float32, plan)
     out[attempt] = {"built_because": placed.built_because,
                     "rchar": int(open("/proc/self/io").read().split("rchar: ")[1].split()[0]) - before}
     for path, var in nnx.to_flat_state(placed.state):
@@ -276,12 +277,12 @@ def test_a_dummy_model_is_checkpointed_only_when_kept_compressed(tiny, cache, mo
 
     monkeypatch.setitem(dummy.CONFIGS, "test-checkpoint", HF_CONFIG)
     spec, kinds = "dummy:test-checkpoint", ("mlp",)
-    assert checkpoint.load_placed(spec, jnp.bfloat16, None).built_because == "checkpoints bypassed"
-    built = checkpoint.load_placed(spec, jnp.bfloat16, None, compress=kinds)
+    assert load.load_placed(spec, jnp.bfloat16, None).built_because == "checkpoints bypassed"
+    built = load.load_placed(spec, jnp.bfloat16, None, compress=kinds)
     assert built.built_because == "no checkpoint" and len(os.listdir(cache)) == 1
-    checkpoint.load_placed(tiny, jnp.bfloat16, None)  # writes its own, pruning what has no source
+    load.load_placed(tiny, jnp.bfloat16, None)  # writes its own, pruning what has no source
     _no_source_reads(monkeypatch)
-    restored = checkpoint.load_placed(spec, jnp.bfloat16, None, compress=kinds)
+    restored = load.load_placed(spec, jnp.bfloat16, None, compress=kinds)
     assert restored.built_because is None and restored.loaded.name == spec
     got, want = _weights(restored), _weights(built)
     assert sorted(got) == sorted(want) and all(got[n].tobytes() == want[n].tobytes() for n in want)
@@ -297,15 +298,15 @@ def test_palette_compressed_weights_are_checkpointed_coded(tiny, cache, monkeypa
 
     source = load_model(tiny)
     kinds = ("mlp", "attn")
-    plain = checkpoint.load_placed(tiny, jnp.bfloat16, None)
-    built = checkpoint.load_placed(tiny, jnp.bfloat16, None, compress=kinds)
+    plain = load.load_placed(tiny, jnp.bfloat16, None)
+    built = load.load_placed(tiny, jnp.bfloat16, None, compress=kinds)
     assert built.built_because == "no checkpoint" and len(os.listdir(cache)) == 2
-    manifest = checkpoint._read_manifest(checkpoint.checkpoint_path(tiny, jnp.bfloat16, None, kinds))
+    manifest = checkpoint._read_manifest(load.checkpoint_path(tiny, jnp.bfloat16, None, kinds))
     layouts = {k: ResidentLayout(tuple(v["grid"]), v["capacity"], v["kernel"]) for k, v in manifest["resident"].items()}
     assert sorted(layouts) == ["w_down", "w_gate_up", "wo", "wqkv"]
     assert {layout.kernel for layout in layouts.values()} == {palette_kernel_here()}
     _no_source_reads(monkeypatch)
-    restored = checkpoint.load_placed(tiny, jnp.bfloat16, None, compress=kinds)
+    restored = load.load_placed(tiny, jnp.bfloat16, None, compress=kinds)
     assert restored.built_because is None and restored.graphdef == built.graphdef
     got, want = _weights(restored), _weights(built)
     assert sorted(got) == sorted(want) and all(got[n].tobytes() == want[n].tobytes() for n in want)

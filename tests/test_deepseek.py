@@ -149,7 +149,7 @@ def test_bad_configs_name_the_field(field, value):
     from deepseek_models import TEXT_CONFIGS
 
     from infire_jax.errors import UnsupportedModelError
-    from infire_jax.models.config import config_from_hf
+    from infire_jax.models.hf_config import config_from_hf
 
     raw = dict(TEXT_CONFIGS["deepseek-v3"], model_type="deepseek_v3")
     config_from_hf(raw)  # the unmodified config is accepted
@@ -166,7 +166,7 @@ def test_grouped_routing_matches_hf_router(name):
     import torch
 
     from deepseek_models import TEXT_CONFIGS
-    from infire_jax.models.config import config_from_hf
+    from infire_jax.models.hf_config import config_from_hf
     from infire_jax.models.deepseek_moe import route_grouped, router_logits
 
     hf = hf_model(name)
@@ -192,14 +192,14 @@ def test_bfloat16_checkpoint_restores_with_its_float32_bias(fmt, tmp_path, monke
     import jax.numpy as jnp
     from flax import nnx
 
-    from infire_jax.loaders import checkpoint
+    from infire_jax.loaders.load import load_placed
 
     monkeypatch.setenv("INFIRE_JAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("INFIRE_JAX_NO_CHECKPOINT", raising=False)
     monkeypatch.setenv("INFIRE_JAX_CHECKPOINT_FORMAT", fmt)
     model = save("deepseek-v3", hf_model("deepseek-v3"), tmp_path / "model")
-    built = checkpoint.load_placed(model, jnp.bfloat16, None)
-    restored = checkpoint.load_placed(model, jnp.bfloat16, None)
+    built = load_placed(model, jnp.bfloat16, None)
+    restored = load_placed(model, jnp.bfloat16, None)
     assert built.built_because is not None and restored.built_because is None
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(restored.state)}
     assert flat["moe_layers.router_bias"].dtype == jnp.float32 and flat["moe_layers.wq_b"].dtype == jnp.bfloat16

@@ -12,7 +12,7 @@ import pytest
 from infire_jax.loaders import load_model
 from infire_jax.loaders.dummy import CONFIGS, load_dummy
 from infire_jax.loaders.weights import load_native, save_native
-from infire_jax.models.config import config_from_hf
+from infire_jax.models.hf_config import config_from_hf
 
 TEXTS = ["Hello world 12345", "  leading spaces\n\nnewlines\ttabs", "naïve café 😀 日本語のテキスト",
          "<|im_start|>user\nhi<|im_end|>", "x=3.14159; y = [1,2,3] # comment", "I'm sure they'll've done it",

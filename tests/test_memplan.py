@@ -15,7 +15,7 @@ from gptq_awq_models import quantization_config, write_checkpoint
 from infire_jax.memplan.model import formats_from_hf, from_hf_config, from_model_config, int4_layouts, placed_config
 from infire_jax.memplan.plan import GiB, layers_per_device, memory_plan, parse_bytes, tensor_bytes
 from infire_jax.memplan.source import plan_source
-from infire_jax.models.config import config_from_hf
+from infire_jax.models.hf_config import config_from_hf
 from sharding.mesh import CONFIG_DIR, MeshConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -216,7 +216,7 @@ def test_int4_dummy_reads_in_place_as_the_layer_body_dequantizes(monkeypatch):
     as the layer body dequantizes them, bit for bit."""
     from flax import nnx
 
-    from infire_jax.loaders.gguf_quant import load_quantized_placed
+    from infire_jax.loaders.load import load_quantized_placed
 
     _use(monkeypatch, KERNELS)
     placed = load_quantized_placed("dummy:smollm2-135m", jnp.float32, None, "int4")
@@ -240,7 +240,7 @@ def test_a_few_layers_of_a_kimi_dummy_draw_int4_experts_the_grouped_kernel_reads
     from flax import nnx
 
     from infire_jax.loaders import dummy
-    from infire_jax.loaders.gguf_quant import load_quantized_placed
+    from infire_jax.loaders.load import load_quantized_placed
     from infire_jax.quant.grouped import dequantize
 
     kimi = dummy.CONFIGS["kimi-k2.5"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from infire_jax.models.config import config_from_hf
+from infire_jax.models.hf_config import config_from_hf
 from pallas_kernels.metadata import AttentionMetadata, slice_tokens
 from pallas_kernels.reference import ragged_paged_attention
 from sharding.mesh import CONFIG_DIR, MeshConfig, MeshConfigError, load_mesh_config

@@ -285,7 +285,7 @@ def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles(req
     from conftest import SMALL_ENGINE
 
     from infire_jax import LLM, SamplingParams
-    from infire_jax.loaders.load import DEFAULT_MODEL_PACKAGE
+    from infire_jax.loaders.paths import DEFAULT_MODEL_PACKAGE
 
     if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is not None:
         engine, cpu_like = SMALL_ENGINE, request.getfixturevalue("smol_llm")

@@ -90,7 +90,7 @@ def boot(args: argparse.Namespace) -> None:
     started = float(os.environ["INFIRE_BOOT_STARTED"])
     from infire_jax.compression.resident import parse_resident
     from infire_jax.engine import Engine
-    from infire_jax.loaders.checkpoint import checkpoint_path
+    from infire_jax.loaders.load import checkpoint_path
     from infire_jax.sampling_params import SamplingParams
 
     imported = time.time()

@@ -134,7 +134,7 @@ def peer_model(args: argparse.Namespace) -> str:
     """The HF directory the peer loads: --peer-model, --model if it is one, or a cached conversion of the GGUF."""
     import importlib.util
 
-    from infire_jax.loaders.load import cache_dir, default_model_path
+    from infire_jax.loaders.paths import cache_dir, default_model_path
 
     if args.peer_model:
         return args.peer_model

@@ -34,7 +34,7 @@ import os
 import shutil
 import time
 import zlib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +43,8 @@ from flax import nnx
 
 from infire_jax.compression.resident import ResidentLayout, resident_layouts
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders.load import cache_dir, default_model_path, load_config, load_model
-from infire_jax.loaders.weights import NATIVE_FORMAT_VERSION, LoadedModel
+from infire_jax.loaders.paths import cache_dir, default_model_path
+from infire_jax.loaders.weights import NATIVE_FORMAT_VERSION, LoadedModel, Placed
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.palette_kernels import palette_kernel_here
 from infire_jax.models.registry import abstract_placement, build_state
@@ -63,33 +63,18 @@ _ABANDONED_SECONDS = 3600.0
 _CHUNK_BYTES = 64 << 20
 
 
-class Placed(NamedTuple):
-    loaded: LoadedModel  # weights empty when restored: they exist only on the devices
-    graphdef: nnx.GraphDef
-    state: nnx.State
-    built_because: str | None  # None when restored from a checkpoint, else why it was (re)built
-
-
 def checkpoints_root() -> str:
     return os.path.join(cache_dir(), "checkpoints")
 
 
-def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: LoadedModel | None = None,
-                compress: tuple[str, ...] = ()) -> Placed:
+def restore_or_build(spec: str | None, cfg: ModelConfig, dtype, plan: ShardPlan | None,
+                     load_source: Callable[[], LoadedModel], compress: tuple[str, ...] = ()) -> Placed:
     """The model placed on the devices: restored from its checkpoint when a valid one exists, else
-    loaded from its source, placed, and checkpointed for the next start. `compress`: the kinds of
-    weights kept palette-compressed (compression/resident.py), checkpointed coded, as placed.
-
-    A given `loaded` model, `dummy:` specs (drawn on the devices, faster than read) and
-    INFIRE_JAX_NO_CHECKPOINT=1 bypass checkpoints. A `dummy:` model kept compressed is
-    checkpointed all the same: its drawing is fast, but coding it is not (minutes for an 8B model
-    on a GPU machine's host), and its weights are the same at every start (a fixed seed).
-    """
-    if loaded is not None or (_is_dummy(spec) and not compress) or os.environ.get("INFIRE_JAX_NO_CHECKPOINT"):
-        loaded = loaded or load_model(spec)
-        return Placed(loaded, *build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
-                                           compress=compress), "checkpoints bypassed")
-    t = _target(spec, dtype, plan, compress)
+    `load_source()`d, placed, and checkpointed for the next start. `cfg`: the model's config, as
+    its source declares it. `compress`: the kinds of weights kept palette-compressed
+    (compression/resident.py), checkpointed coded, as placed. (loaders/load.py `load_placed`
+    decides when checkpoints are bypassed.)"""
+    t = _target(spec, cfg, dtype, plan, compress)
     t0 = time.monotonic()
     manifest = _read_manifest(t.path)
     problem = _agreed(_stale_or_damaged(t.path, manifest, t.expected))
@@ -99,7 +84,7 @@ def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: Load
             log.info("restored %s in %.2f s", t.path, time.monotonic() - t0)
             return restored
     log.info("building checkpoint %s: %s", t.path, problem)
-    loaded = load_model(spec)
+    loaded = load_source()
     graphdef, state = build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
                                   compress=compress)
     resident = {short: dataclasses.asdict(layout) for short, layout in resident_layouts(graphdef, state).items()}
@@ -107,9 +92,10 @@ def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: Load
     return Placed(loaded, graphdef, state, problem)
 
 
-def checkpoint_path(spec: str | None, dtype, plan: ShardPlan | None, compress: tuple[str, ...] = ()) -> str:
+def checkpoint_path(spec: str | None, cfg: ModelConfig, dtype, plan: ShardPlan | None,
+                    compress: tuple[str, ...] = ()) -> str:
     """Where the checkpoint of this source, dtype and placement lives (whether or not it exists)."""
-    return _target(spec, dtype, plan, compress).path
+    return _target(spec, cfg, dtype, plan, compress).path
 
 
 # ---- what a checkpoint is built from, and where it lives ---------------------------------------------
@@ -125,9 +111,8 @@ class _Target(NamedTuple):
     plan: ShardPlan | None
 
 
-def _target(spec: str | None, dtype, plan: ShardPlan | None, compress: tuple[str, ...]) -> _Target:
+def _target(spec: str | None, cfg: ModelConfig, dtype, plan: ShardPlan | None, compress: tuple[str, ...]) -> _Target:
     source = spec if _is_dummy(spec) else os.path.abspath(spec or default_model_path())
-    cfg = load_config(spec)
     graphdef, flat, shardings = abstract_placement(cfg, dtype, plan)
     placement = _placement(flat, shardings, plan)
     if compress:  # the coded parts' shapes depend on the weights: the manifest records them (`resident`)

@@ -1,4 +1,4 @@
-"""Compressed native checkpoints (`infire-jax compress`), and placement with resident compression.
+"""Compressed native checkpoints (`infire-jax compress`).
 
 A compressed checkpoint is a directory:
 
@@ -185,21 +185,3 @@ def load_compressed(path: str) -> LoadedModel:
     return LoadedModel(config=ModelConfig.from_dict(body["config"]), tokenizer=Tokenizer.from_dir(path),
                        name=body["name"], weights=weights)
 
-
-# ---- resident compression -----------------------------------------------------------------------
-
-def load_resident_placed(spec: str | None, dtype, plan, weights_compression: str, *,
-                         loaded: LoadedModel | None = None):
-    """The model placed with the selected weights palette-compressed on the devices, restored coded
-    from its placed checkpoint when one exists (loaders/checkpoint.py)."""
-    from infire_jax.compression.resident import parse_resident
-    from infire_jax.loaders.checkpoint import load_placed
-
-    try:
-        _, kinds = parse_resident(weights_compression)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        raise ConfigError(f"weights_compression={weights_compression!r} keeps bfloat16 weights: "
-                          f"use dtype bfloat16, not {jnp.dtype(dtype).name}")
-    return load_placed(spec, dtype, plan, loaded=loaded, compress=kinds)

@@ -21,11 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders.checkpoint import Placed
 from infire_jax.loaders.deepseek_hf import deepseek_weights, linear_targets, rope_interleaved
 from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
 from infire_jax.loaders.hf_quantized import QuantScheme, dequantize_module, grouped, kept_parts, quant_scheme
-from infire_jax.loaders.weights import LoadedModel
+from infire_jax.loaders.weights import LoadedModel, Placed
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model, build_state
 from infire_jax.quant.grouped import INPUT_AXIS, VALUE_PART, GroupedLayout

@@ -7,7 +7,8 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from infire_jax.errors import ModelNotFoundError
 from infire_jax.loaders.weights import LoadedModel
-from infire_jax.models.config import ModelConfig, config_from_hf
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.hf_config import config_from_hf
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}

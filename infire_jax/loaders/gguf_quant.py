@@ -6,11 +6,10 @@ are dequantized per layer inside the scan (quant/resident.py). The embedding, LM
 are dequantized at load as usual. A fused group (q/k/v, gate/up) stays quantized only if all its
 tensors in every layer share one supported type; anything else is dequantized, so any GGUF loads.
 Checkpoints of the placed weights are bypassed: the GGUF file is the compact form.
-`load_quantized_placed` also serves `weights_quantization="int8"` (any model, quantized at load by
-quant/resident.py `quantize_int8`), which shares everything after the quantization, and hands
-`weights_quantization="checkpoint"` (a published quantized checkpoint's own format) to
-loaders/llama_quant.py for a GPTQ / AWQ one, which shares the tail too, and to
-loaders/deepseek_quant.py for a DeepSeek-V3-family one's int4 / fp8 weights.
+`place_quantized_at_load` serves `weights_quantization="int8"` (any model, quantized at load by
+quant/resident.py `quantize_int8`) and a `dummy:` model's drawn "int8" / "int4" parts; the
+GGUF's kept blocks, int8 rows and a GPTQ / AWQ checkpoint's groups (loaders/llama_quant.py) are
+placed alike (loaders/fused_parts.py). loaders/load.py picks the loader for each mode.
 """
 
 from __future__ import annotations
@@ -24,29 +23,17 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
+from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
 from infire_jax.loaders.gguf import _BLOCK, _LAYER_MAP, _PERMUTED_QK, _config, read_metadata, unpermute_qk
-from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
+from infire_jax.loaders.paths import DEFAULT_MODEL_NAME, default_model_path
+from infire_jax.loaders.weights import LoadedModel, Placed, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.registry import build_state
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
-from infire_jax.quant.resident import INPUT_AXIS, QUANTIZATION_MODES, QuantLayout
+from infire_jax.quant.resident import INPUT_AXIS, QuantLayout, quantize_int8
 from infire_jax.tokenizer import tokenizer_from_gguf
-
-# Fused weight -> the GGUF layer weights it is made of.
-FUSED = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"), "w_down": ("w_down",)}
-
-
-def part_to_layout(short: str, p: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """One part `[out, n]` (n: the input axis in quants or blocks) to the model's layout, as
-    `from_hf_layout` moves the weight itself."""
-    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if short == "wq":
-        return p.reshape(hq, d, -1).transpose(2, 0, 1)
-    if short in ("wk", "wv"):
-        return p.reshape(hkv, d, -1).transpose(2, 0, 1)
-    if short == "wo":  # [E, Hq * n'] -> [Hq, n', E]: blocks never cross a head (checked)
-        return p.reshape(e, hq, -1).transpose(1, 2, 0)
-    return p.T  # w_gate, w_up, w_down
+from sharding.plan import ShardPlan
 
 
 def _kept_types(raw: dict, cfg: ModelConfig) -> dict[str, str]:
@@ -127,59 +114,36 @@ def dummy_layout(mode: str, cfg) -> QuantLayout:
     return QuantLayout("int4", group=math.gcd(128, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim))
 
 
-def load_quantized_placed(spec: str | None, dtype, plan, mode: str):
-    """The model placed with its layer weights kept quantized (`mode`: "gguf" keeps a GGUF file's
-    blocks; "int8" quantizes any model's float layer weights at load, per output channel;
-    "checkpoint" keeps a quantized HF checkpoint's own format: GPTQ / AWQ int4, DeepSeek-V3's fp8, Kimi's
-    int4)."""
-    from infire_jax.loaders.checkpoint import Placed
-    from infire_jax.loaders.load import DEFAULT_MODEL_NAME, default_model_path, load_model
-    from infire_jax.models.registry import build_state
-    from infire_jax.quant.resident import quantize_int8
-    from sharding.plan import repeat_kv_heads
+def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:
+    """A GGUF file (the default model's when `spec` is None) placed with its kept blocks."""
+    path = spec or default_model_path()
+    if not (os.path.isfile(path) and path.endswith(".gguf")):
+        raise ConfigError(f"weights_quantization='gguf' keeps a GGUF file's quants: model {path!r} is not a "
+                          ".gguf file")
+    loaded, layouts = load_gguf_quantized(path)
+    if spec is None:
+        loaded.name = DEFAULT_MODEL_NAME
+    return place_parts(loaded, dict(loaded.weights), layouts, dtype, plan)
 
-    if mode not in QUANTIZATION_MODES:
-        raise ConfigError(f"unknown weights_quantization {mode!r}; choose from {list(QUANTIZATION_MODES)}")
-    if mode == "checkpoint":
-        from infire_jax.loaders import llama_quant
 
-        if not llama_quant.is_gptq_awq(spec):
-            from infire_jax.loaders.deepseek_quant import load_kept_placed
-
-            return load_kept_placed(spec, dtype, plan)
-        loaded, layouts = llama_quant.load_gptq_awq_kept(spec)
-        if plan is not None:
-            llama_quant.check_mesh(layouts, loaded.config, plan)
-        weights = dict(loaded.weights)
-    elif mode in ("int8", "int4"):
-        loaded = load_model(spec)
-        if loaded.config.mla is not None and mode == "int4" and loaded.weights is None:
-            # a DeepSeek-V3-family dummy: routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales)
-            layouts = {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
-            graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
-            return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
-        if loaded.config.mla is not None:
-            raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
-                              "family keeps a published quantized checkpoint's weights with 'checkpoint'")
-        if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
-            layouts = {short: dummy_layout(mode, loaded.config) for short in INPUT_AXIS}
-            graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
-            return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
-        if mode == "int4":
-            raise ConfigError("weights_quantization='int4' draws random AWQ / GPTQ-form parts for dummy: models; "
-                              "a GPTQ / AWQ checkpoint keeps its own int4 weights with 'checkpoint'")
-        weights, layouts = quantize_int8(loaded.weights)
-    else:
-        path = spec or default_model_path()
-        if not (os.path.isfile(path) and path.endswith(".gguf")):
-            raise ConfigError(f"weights_quantization='gguf' keeps a GGUF file's quants: model {path!r} is not a "
-                              ".gguf file")
-        loaded, layouts = load_gguf_quantized(path)
-        if spec is None:
-            loaded.name = DEFAULT_MODEL_NAME
-        weights = dict(loaded.weights)
-    if plan is not None and plan.kv_repeat > 1:
-        for k in [k for k in weights if k.startswith("layers.wqkv.")]:
-            weights[k] = repeat_kv_heads(weights[k], plan.kv_repeat)
-    graphdef, state = build_state(loaded.config, weights, dtype, plan=plan, quantized=layouts)
-    return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
+def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPlan | None) -> Placed:
+    """`loaded` placed with its layer weights quantized at load: "int8" quantizes a model's float
+    layer weights per output channel; a `dummy:` model's parts are drawn on the device(s) ("int4":
+    AWQ / GPTQ form, Kimi K2's for a DeepSeek-V3-family one's routed experts)."""
+    if loaded.config.mla is not None and mode == "int4" and loaded.weights is None:
+        # a DeepSeek-V3-family dummy: routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales)
+        layouts = {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
+        graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
+        return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
+    if loaded.config.mla is not None:
+        raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
+                          "family keeps a published quantized checkpoint's weights with 'checkpoint'")
+    if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
+        layouts = {short: dummy_layout(mode, loaded.config) for short in INPUT_AXIS}
+        graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
+        return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
+    if mode == "int4":
+        raise ConfigError("weights_quantization='int4' draws random AWQ / GPTQ-form parts for dummy: models; "
+                          "a GPTQ / AWQ checkpoint keeps its own int4 weights with 'checkpoint'")
+    weights, layouts = quantize_int8(loaded.weights)
+    return place_parts(loaded, weights, layouts, dtype, plan)

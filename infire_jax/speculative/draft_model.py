@@ -31,8 +31,7 @@ from jaxtyping import Array, Int
 from infire_jax.batch import StepBatch
 from infire_jax.device_memory import kv_bytes_per_page
 from infire_jax.errors import ConfigError
-from infire_jax.loaders.checkpoint import load_placed
-from infire_jax.loaders.load import load_config
+from infire_jax.loaders.load import load_config, load_placed
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.request import Request

@@ -22,7 +22,8 @@ from flax import nnx
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.hf import _read_safetensors
 from infire_jax.loaders.weights import fuse_projections
-from infire_jax.models.config import ModelConfig, _rope_scaling_from_hf
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.llama_config import rope_scaling_from_hf
 from infire_jax.speculative.eagle3 import Eagle3Config, Eagle3Head
 
 # HF names inside the decoder layer -> ours (before the q/k/v and gate/up fusion).
@@ -70,7 +71,7 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target: ModelConfig, *, has_em
         head_dim=int(field("head_dim", hidden // heads)), intermediate_size=int(field("intermediate_size")),
         vocab_size=vocab, draft_vocab_size=int(field("draft_vocab_size", vocab)),
         target_hidden_size=int(field("target_hidden_size", hidden)), rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
-        rope_theta=float(field("rope_theta", 10000.0)), rope_scaling=_rope_scaling_from_hf(raw.get("rope_scaling")),
+        rope_theta=float(field("rope_theta", 10000.0)), rope_scaling=rope_scaling_from_hf(raw.get("rope_scaling")),
         aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
         norm_before_residual=bool(raw.get("norm_before_residual", False)), has_embed=has_embed)
     checks = [("vocab_size", cfg.vocab_size, target.vocab_size),

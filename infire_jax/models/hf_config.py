@@ -1,0 +1,26 @@
+"""An HF `config.json` -> ModelConfig: picks the family's parser by `model_type`.
+
+Each parser module names the model types it reads; a new family is one more line in `_PARSERS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from infire_jax.errors import UnsupportedModelError
+from infire_jax.models import deepseek_config, llama_config
+from infire_jax.models.config import ModelConfig
+
+_PARSERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
+    **dict.fromkeys(llama_config.MODEL_TYPES, llama_config.config_from_llama_hf),
+    **dict.fromkeys(deepseek_config.MODEL_TYPES, deepseek_config.config_from_deepseek_hf),
+}
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """Builds a ModelConfig from a HF `config.json` dict (transformers 4.x and 5.x layouts)."""
+    model_type = hf.get("model_type")
+    parser = _PARSERS.get(model_type or "")
+    if parser is None:
+        raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: {sorted(_PARSERS)}")
+    return parser(hf)

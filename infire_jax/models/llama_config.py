@@ -1,0 +1,136 @@
+"""The Llama-architecture families' configs (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE) -> ModelConfig:
+from an HF `config.json` (models/hf_config.py picks this parser by model_type) or GGUF metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from infire_jax.errors import UnsupportedModelError
+from infire_jax.models.config import ModelConfig, RopeScaling, eos_ids
+
+# HF `model_type` -> our architecture family.
+MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+}
+# GGUF `general.architecture` -> our architecture family (dense models only).
+_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor=float(raw["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        )
+    raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """Builds a ModelConfig from a HF `config.json` dict (transformers 4.x and 5.x layouts) of one of
+    MODEL_TYPES."""
+    model_type = hf.get("model_type")
+    arch = MODEL_TYPES.get(model_type or "")
+    if arch is None:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not one of {sorted(MODEL_TYPES)}")
+    # Qwen2/3 gate the window with use_sliding_window; Mistral and Mixtral apply any window given.
+    window_on = hf.get("use_sliding_window") if "use_sliding_window" in hf else model_type in ("mistral", "mixtral")
+    if window_on and hf.get("sliding_window"):
+        raise UnsupportedModelError("sliding-window attention is not supported")
+    if hf.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+    rope_params = hf.get("rope_parameters") or {}
+    rope_raw = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+    rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim") or hidden // num_heads
+    moe = arch in ("mixtral", "qwen3_moe")
+    if arch == "qwen3_moe" and hf.get("mlp_only_layers"):
+        raise UnsupportedModelError("qwen3_moe with mlp_only_layers is not supported")
+    if arch == "qwen3_moe" and int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise UnsupportedModelError("qwen3_moe with decoder_sparse_step != 1 is not supported")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf.get("intermediate_size", 0)),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling_from_hf(rope_raw),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids(hf.get("eos_token_id")),
+        num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 0))) if moe else 0,
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 0)) if moe else 0,
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", hf.get("intermediate_size", 0))) if moe else 0,
+        # HF Qwen3MoeConfig defaults to False; Mixtral always renormalises.
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if arch == "qwen3_moe" else True,
+    )
+
+
+def config_from_gguf(meta: Mapping[str, Any], *, has_output_weight: bool, has_qkv_bias: bool,
+                     has_qk_norm: bool, rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
+    """Builds a ModelConfig from GGUF metadata (keys are prefixed by the architecture name)."""
+    gguf_arch = meta.get("general.architecture")
+    arch = _GGUF_ARCHITECTURES.get(gguf_arch or "")
+    if arch is None:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {gguf_arch!r}")
+
+    def key(name, default=None):
+        return meta.get(f"{gguf_arch}.{name}", default)
+
+    num_heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // num_heads)))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
+    scaling = None
+    stype = key("rope.scaling.type")
+    if stype == "linear":
+        scaling = RopeScaling("linear", factor=float(key("rope.scaling.factor")))
+    elif stype not in (None, "none"):
+        raise UnsupportedModelError(f"unsupported GGUF rope scaling {stype!r}")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rope_freq_factors=rope_freq_factors,
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings=not has_output_weight,
+        attention_bias=has_qkv_bias,
+        qk_norm=has_qk_norm,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids(eos),
+    )
