@@ -83,10 +83,19 @@ class ModelConfig:
     # DeepSeek-V3 family (architecture "deepseek_v3"; models/deepseek_config.py parses and checks them).
     mla: MLAConfig | None = None
     deepseek_moe: DeepseekMoEConfig | None = None
+    # Chunked and sliding-window attention: each layer's (chunk C, window W), as LocalMask in
+    # pallas_kernels/metadata.py reads them (C > 0: the query at p sees keys [C*floor(p/C), p]; W > 0:
+    # keys [p-W+1, p]; (0, 0): a global layer). Empty: every layer is global.
+    local_attention: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def has_local_attention(self) -> bool:
+        """Whether any layer attends to a chunk or window only (the KV cache may then drop pages)."""
+        return any(c or w for c, w in self.local_attention)
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -97,6 +106,11 @@ class ModelConfig:
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+        if self.local_attention and (len(self.local_attention) != self.num_layers or any(
+                len(lw) != 2 or min(lw) < 0 for lw in self.local_attention)):
+            raise UnsupportedModelError(
+                f"local_attention must give (chunk, window) >= 0 for each of the {self.num_layers} layers, "
+                f"got {self.local_attention!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -109,6 +123,7 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         if d.get("rope_freq_factors") is not None:
             d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
+        d["local_attention"] = tuple(tuple(lw) for lw in d.get("local_attention", ()))
         if d.get("mla") is not None:
             d["mla"] = MLAConfig(**d["mla"])
         if d.get("deepseek_moe") is not None:
