@@ -28,6 +28,7 @@ class StepBatch(NamedTuple):
     reset_rows: np.ndarray  # [S] bool
     sample_rows: np.ndarray  # [S] bool: rows whose sample is a real next token
     sampling: SamplingInputs
+    lora_slots: np.ndarray | None = None  # [T] int32: each token's LoRA adapter slot (0: none); None: LoRA off
 
 
 class DraftInputs(NamedTuple):
@@ -73,13 +74,15 @@ def _column(values: list, size: int, fill, dtype) -> np.ndarray:
 
 
 def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, pages_per_seq: int,
-                dummy_slot: int, num_spec: int = 0) -> StepBatch:
+                dummy_slot: int, num_spec: int = 0, lora: bool = False) -> StepBatch:
     """Per-row values are gathered in Python lists and converted once per column: at batch 256 a
     numpy write per value cost more host time than the device step has to spare.
 
     With `num_spec` = K > 0 (a verifying step) each row has logits at K + 1 positions: its known
-    token and its proposals, repeating its last token past them."""
+    token and its proposals, repeating its last token past them. With `lora`, each token carries its
+    request's adapter slot (lora/adapters.py; padding: 0)."""
     t, s = shape.num_tokens, shape.num_rows
+    lora_slots = np.zeros(t, np.int32) if lora else None
     tokens = np.zeros(t, np.int32)
     from_device = np.zeros(t, bool)
     kind = np.zeros(t, np.int32)
@@ -115,6 +118,8 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
             kind[end - nd:end] = TOKEN_DRAFT
             slot_mapping[off:end] = np.asarray(pages, np.int32)[pos // page_size] * page_size + pos % page_size
         seq_ids[off:end] = i
+        if lora_slots is not None:
+            lora_slots[off:end] = req.lora_slot
         page_table[i, :len(pages)] = pages
         p = req.params
         rows["kv_lens"].append(st + n)
@@ -161,7 +166,8 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     else:
         logits_indices = _column([e - 1 for e in rows["ends"]], s, 0, np.int32)
     return StepBatch(tokens, from_device, kind, meta, logits_indices, _column(rows["slots"], s, dummy_slot, np.int32),
-                     _column(rows["reset"], s, False, bool), _column(rows["sample"], s, False, bool), sampling)
+                     _column(rows["reset"], s, False, bool), _column(rows["sample"], s, False, bool), sampling,
+                     lora_slots)
 
 
 def grammar_bitmask(work: SchedulerOutput, num_rows: int, words: int, positions: int = 1) -> np.ndarray | None:

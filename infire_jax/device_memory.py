@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from infire_jax import multihost
+from infire_jax.lora.layout import stack_layout
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.panels import kernel_layout
@@ -79,18 +80,28 @@ class DeviceMemory:
             v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), stored),
             counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=((rc.num_slots,), jnp.int32))
+        # LoRA adapters' device slots (lora/layout.py): empty until an adapter is paged in.
+        lora = None if rc.lora is None else stack_layout(c, rc.lora)
         shardings = DeviceCache(pool, pool, replicated, replicated, replicated,
-                                None if self.kv_scales is None else replicated)
+                                None if self.kv_scales is None else replicated,
+                                None if lora is None else {k: plan.sharding(axes) if plan else None
+                                                           for k, (_, axes) in lora.items()})
+        dtype = self.dtype
+
+        def new_cache(scales):
+            stacks = None if lora is None else {k: jnp.zeros(shape, dtype) for k, (shape, _) in lora.items()}
+            return DeviceCache(*(jnp.zeros(shape, dt) for shape, dt in shapes[:5]), kv_scales=scales, lora=stacks)
+
         # Kept, so a model coming back to the device (restore) allocates its pool without compiling;
         # an fp8 pool's scales come from their host copy (set_kv_scales).
-        self._new_cache = jax.jit(lambda scales: DeviceCache(*(jnp.zeros(shape, dtype) for shape, dtype in shapes[:5]),
-                                                             kv_scales=scales),
-                                  out_shardings=shardings if plan else None)
+        self._new_cache = jax.jit(new_cache, out_shardings=shardings if plan else None)
         # Without a plan the allocated arrays are uncommitted: shapes without a sharding lower alike.
         scales = None if self.kv_scales is None else jax.ShapeDtypeStruct(self.kv_scales.shape, jnp.float32,
                                                                           sharding=replicated)
-        self._cache_shapes = DeviceCache(*(jax.ShapeDtypeStruct(shape, dtype, sharding=s)
-                                           for (shape, dtype), s in zip(shapes[:5], shardings[:5])), kv_scales=scales)
+        self._cache_shapes = DeviceCache(
+            *(jax.ShapeDtypeStruct(shape, dt, sharding=s) for (shape, dt), s in zip(shapes[:5], shardings[:5])),
+            kv_scales=scales, lora=None if lora is None else {
+                k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings.lora[k]) for k, (shape, _) in lora.items()})
 
     def set_kv_scales(self, scales: np.ndarray) -> None:
         """An fp8 pool's scales, [layers, 2, kv heads] float32 (k, v); only before any page is written."""

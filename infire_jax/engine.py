@@ -22,6 +22,8 @@ from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.loaders import LoadedModel
+from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
+from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
 from infire_jax.request import Request, Status
@@ -55,8 +57,11 @@ class Engine:
         log.info("%s", self.pool_sizing.describe())
         rc = self.runner.rc
         self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
+        # LoRA adapters (lora/adapters.py): admission pins a request's adapter into a device slot.
+        self.lora = Adapters(ec.lora, self.model_config, self.runner, dtype=self.dtype) if ec.lora else None
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
-                                   max_num_batched_tokens=s.max_num_batched_tokens, num_decode_steps=rc.decode_steps)
+                                   max_num_batched_tokens=s.max_num_batched_tokens, num_decode_steps=rc.decode_steps,
+                                   gate=self.lora)
         self.spec, self.draft = None, None
         if self.spec_config:
             self.spec, self.draft = build_speculation(self.spec_config, self.eagle_head, self.model_config,
@@ -98,11 +103,13 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, tenant: str | None = None,
                     prefix_hint_tokens: int = 0, session_id: str | None = None,
-                    grammar: CompiledGrammar | None = None) -> tuple[str, list[int]]:
+                    grammar: CompiledGrammar | None = None,
+                    lora_request: LoRARequest | str | None = None) -> tuple[str, list[int]]:
         """Queues a prompt (text or token ids) for `params.n` samples; returns (request id, prompt ids).
 
         `grammar` is `params.structured_outputs` compiled already (the server compiles off this
-        thread); without it the constraint is compiled here."""
+        thread); without it the constraint is compiled here. `lora_request`: the LoRA adapter it
+        runs with, a loaded adapter's name or vLLM's LoRARequest (loaded on first use)."""
         params = params or SamplingParams()
         ids = self.tokenize_prompt(prompt)
         if params.structured_outputs is not None:
@@ -124,15 +131,20 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        adapter = resolve_lora(self.lora, lora_request)
+        for _ in range(params.n if adapter else 0):
+            self.lora.add_user(adapter)
         children = []
         for i in range(params.n):
             seed = (params.seed + i) & (2 ** 64 - 1) if params.seed is not None else self._rng.getrandbits(64)
             req = Request(f"{request_id}#{i}", ids, params, eos_token_ids=eos, max_tokens=max_tokens, seed=seed,
-                          priority=priority, cache_salt=tenant, prefix_hint_tokens=prefix_hint_tokens,
+                          priority=priority, cache_salt=cache_salt(tenant, adapter),
+                          prefix_hint_tokens=prefix_hint_tokens,
                           session_id=session_id, min_tokens_stop_ids=stop_ids, parent_id=request_id, index=i)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
             req.grammar = grammar.matcher() if params.structured_outputs is not None else None
             req.spec_wait = self.spec is not None  # so its first decode step can already carry proposals
+            req.lora = adapter
             children.append(req)
         self._requests[request_id] = children
         for req in children:
@@ -290,26 +302,28 @@ class Engine:
         if multihost.is_multiprocess():
             raise ConfigError("KV transfer is not supported across several processes yet")
 
-    def export_prompt_kv(self, prompt: str | list[int], *, tenant: str | None = None) -> KVBlocks:
-        """The KV of the prompt's full pages that this engine's prefix cache holds (after a prefill)."""
+    def export_prompt_kv(self, prompt: str | list[int], *, tenant: str | None = None,
+                         lora_name: str | None = None) -> KVBlocks:
+        """The KV of the prompt's full pages that this engine's prefix cache holds (after a prefill)
+        for this tenant and LoRA adapter."""
         self._check_single_process()
         ids = self.tokenize_prompt(prompt)
-        pages = self.kv.cached_block_pages(ids, tenant)
+        pages = self.kv.cached_block_pages(ids, cache_salt(tenant, resolve_lora(self.lora, lora_name)))
         k, v = self.runner.read_pages(pages)
         return KVBlocks(self.kv_layout, ids[:len(pages) * self.config.page_size], tenant, k, v)
 
-    def import_prompt_kv(self, blocks: KVBlocks) -> int:
+    def import_prompt_kv(self, blocks: KVBlocks, lora_name: str | None = None) -> int:
         """Puts another engine's prompt pages into this engine's prefix cache; returns the blocks written.
 
-        A request with that prompt and tenant then finds them cached, like any prefix-cache hit.
-        Call it between steps, on the thread that runs them.
+        A request with that prompt, tenant and LoRA adapter then finds them cached, like any
+        prefix-cache hit. Call it between steps, on the thread that runs them.
         """
         self._check_single_process()
         self.kv_layout.check_compatible(blocks.layout)
         blocks.check()
         if blocks.token_ids:
             self.tokenize_prompt(blocks.token_ids)  # ids inside the vocabulary
-        targets = self.kv.import_blocks(blocks.token_ids, blocks.tenant)
+        targets = self.kv.import_blocks(blocks.token_ids, cache_salt(blocks.tenant, resolve_lora(self.lora, lora_name)))
         if targets:
             index = [i for i, _ in targets]
             self.runner.write_pages([p for _, p in targets], blocks.k[:, index], blocks.v[:, index])
@@ -329,6 +343,8 @@ class Engine:
             raise ConfigError("a model with a draft model or EAGLE-3 head cannot leave the device (hot standby) yet")
         nbytes = self.runner.offload()
         self.kv.drop_cached()
+        if self.lora is not None:
+            self.lora.drop_device()
         return nbytes
 
     def promote(self) -> int:

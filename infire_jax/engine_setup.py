@@ -32,6 +32,7 @@ from infire_jax.loaders.kv_scales_hf import read_kv_scales
 from infire_jax.loaders.load import load_config, load_placed, load_quantized_placed, load_resident_placed
 from infire_jax.loaders.paths import cache_dir
 from infire_jax.loaders.weights import Placed
+from infire_jax.lora.config import LoRAConfig
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_state
 from infire_jax.runner import ModelRunner
@@ -94,6 +95,16 @@ class EngineConfig:
     # Hot standby (residency.py): the weight bytes a pool sized from device memory leaves room for,
     # when more than the model's own (the heaviest models that may be resident with it).
     pool_weight_bytes: int = 0
+    # LoRA adapters (infire_jax/lora/), vLLM's flags: adapters in device slots at once, their largest
+    # rank, and loaded adapters kept in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
 
 
 def enable_compilation_cache() -> None:
@@ -162,7 +173,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                       num_spec=spec_config.num_speculative_tokens if spec_config else 0,
                       aux_layers=eagle_head.cfg.aux_layers(cfg.num_layers) if eagle_head else None,
                       decode_steps=1 if spec_config else ec.num_decode_steps,
-                      kv_cache_dtype=kv_dtype.name)
+                      kv_cache_dtype=kv_dtype.name, lora=ec.lora)
     return Settings(dtype, kv_dtype, cfg, plan, plan.effective_config(cfg) if plan else cfg, max_model_len, budget,
                     spec_config, eagle_head, pool, sizing, rc, checkpoint_kv_scales)
 
@@ -173,6 +184,8 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
         raise ConfigError("max_num_seqs, page_size and num_decode_steps must be positive")
     if not 0.0 < ec.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
+    if ec.lora is not None:
+        ec.lora.check(cfg, multiprocess=multihost.is_multiprocess())
     try:
         resolve_impl(ec.attn_impl)
         mesh_config = load_mesh_config(ec.mesh, jax.device_count())

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from infire_jax.engine import Engine, EngineConfig
 from infire_jax.errors import InvalidRequestError
+from infire_jax.lora.request import LoRARequest
 from infire_jax.outputs import CompletionOutput, RequestOutput
 from infire_jax.sampling_params import SamplingParams
 
@@ -26,8 +27,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generates for every prompt (text or token ids); returns outputs in prompt order."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids); returns outputs in prompt order.
+
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model);
+        the engine needs `enable_lora=True`."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -39,14 +44,20 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise InvalidRequestError(f"{len(loras)} LoRA requests for {len(prompts)} prompts", param="lora_request")
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         for prompt in prompts:
             self.engine.tokenize_prompt(prompt)
         results: dict[str, RequestOutput] = {}
         order = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                rid, ids = self.engine.add_request(prompt, params)
+            for prompt, params, lora in zip(prompts, params_list, loras):
+                rid, ids = self.engine.add_request(prompt, params, lora_request=lora)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              [CompletionOutput(i) for i in range(params.n)])

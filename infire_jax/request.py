@@ -80,6 +80,8 @@ class Request:
         self.spec_state = None
         self.spec_head_drafts: list[int] = []  # EAGLE-3: what the head drafted in the request's last step
         self.grammar = None  # its structured.GrammarMatcher when the output is constrained
+        self.lora = None  # its LoRA adapter (lora/adapters.py); None: the base model
+        self.lora_slot = 0  # the adapter's device slot while the request runs (0: none)
 
     @property
     def num_prompt_tokens(self) -> int:

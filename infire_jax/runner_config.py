@@ -8,6 +8,7 @@ import dataclasses
 
 from infire_jax.batch import StepBatch, build_batch
 from infire_jax.buckets import Buckets, StepShape
+from infire_jax.lora.config import LoRAConfig
 from infire_jax.sampler import BRANCHING
 from infire_jax.scheduler import SchedulerOutput
 
@@ -26,6 +27,7 @@ class RunnerConfig:
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states the forward also returns
     decode_steps: int = 1  # most steps of a decode burst (1: no bursts)
     kv_cache_dtype: str | None = None  # the KV pool's dtype (None: the model's); float8_e4m3fn takes scales
+    lora: LoRAConfig | None = None  # LoRA adapters' device slots (infire_jax/lora/); None: off
 
     @property
     def pages_per_seq(self) -> int:
@@ -48,7 +50,8 @@ class RunnerConfig:
         """A step's plan as the fixed-shape host arrays of its bucket (a verifying step's with room
         for the proposals)."""
         return build_batch(work, shape, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
-                           dummy_slot=self.dummy_slot, num_spec=self.num_spec if verify else 0)
+                           dummy_slot=self.dummy_slot, num_spec=self.num_spec if verify else 0,
+                           lora=self.lora is not None)
 
     def empty_batch(self, shape: StepShape, verify: bool = False) -> StepBatch:
         """Padding only: what compiling a bucket's programs, or a follower's receive, takes."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from typing import Protocol
 
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.request import Request, Status
@@ -38,6 +39,16 @@ GROWTH_RATIO_MIN = 0.1
 GROWTH_RATIO_STEP = 0.2  # added per preempted request
 GROWTH_RATIO_DECAY = 0.002  # subtracted per step without a preemption
 GROWTH_CLIP_TOKENS = 4096  # max_tokens beyond this (an unset limit) counts as this much
+
+
+class AdmissionGate(Protocol):
+    """Something a request needs besides pages and a slot (LoRA: its adapter in a device slot,
+    lora/adapters.py): `acquire` at admission (False: the request waits, others may go first),
+    `release` when it is preempted or finished."""
+
+    def acquire(self, req: Request) -> bool: ...
+
+    def release(self, req: Request, finished: bool) -> None: ...
 
 
 @dataclasses.dataclass
@@ -69,8 +80,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_decode_steps: int = 1):
+                 num_decode_steps: int = 1, gate: AdmissionGate | None = None):
         self.kv = kv
+        self.gate = gate
         self.num_decode_steps = num_decode_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -90,10 +102,12 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        self._release(req, finished=True)
         req.status = status
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, finished: bool = False) -> None:
+        if self.gate is not None:
+            self.gate.release(req, finished)
         self.kv.free(req)
         req.spec_drafts = []
         if req.slot is not None:
@@ -198,7 +212,12 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - len(cached) * self.kv.page_size, budget)
             own = self._expected_pages(req, self.kv.pages_needed(len(cached) * self.kv.page_size + n))
+            if self.gate is not None and not self.gate.acquire(req):
+                j += 1  # its adapter has no device slot free: it waits, others may still fit
+                continue
             if not self.kv.allocate(req, n, cached, reserve=reserve + own):
+                if self.gate is not None:
+                    self.gate.release(req, finished=False)
                 break
             reserve += own
             if req.num_preemptions == 0:

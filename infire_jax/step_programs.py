@@ -20,6 +20,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs, StepBatch
+from infire_jax.lora.batched import LoRAStep
 from infire_jax.sampler import SamplerOutput, SamplingInputs, no_logprobs, sample
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
 from pallas_kernels.attention import decode_only_steps
@@ -36,6 +37,7 @@ class DeviceCache(NamedTuple):
     prompt_mask: Bool[Array, "R V"]  # prompt tokens per request slot (repetition penalty)
     last_tokens: Int[Array, "R"]  # last sampled token per slot (asynchronous scheduling)
     kv_scales: Float[Array, "L 2 Hkv"] | None = None  # an fp8 pool's scales (pallas_kernels/kv_quant.py)
+    lora: dict[str, Array] | None = None  # LoRA adapters' device slots (lora/layout.py), written between steps
 
 
 def matmul_precision(dtype) -> str:
@@ -86,16 +88,18 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
 
     aux = None
     meta = b.meta._replace(kv_scales=cache.kv_scales)
+    # Each token's LoRA adapter slot (lora/batched.py); without LoRA the program is the plain one.
+    lora = {} if cache.lora is None else {"lora": LoRAStep(cache.lora, b.lora_slots)}
     if aux_layers is None:
         logits, (k_pages, v_pages) = model(
-            tokens, (cache.k_pages, cache.v_pages), meta, b.logits_indices, attn_impl=attn_impl, plan=plan)
+            tokens, (cache.k_pages, cache.v_pages), meta, b.logits_indices, attn_impl=attn_impl, plan=plan, **lora)
     else:
         logits, (k_pages, v_pages), aux = model(tokens, (cache.k_pages, cache.v_pages), meta, b.logits_indices,
-                                                attn_impl=attn_impl, plan=plan, aux_layers=aux_layers)
+                                                attn_impl=attn_impl, plan=plan, aux_layers=aux_layers, **lora)
     if plan is not None:  # gather the vocab-split logits once, so the sampler holds no collectives
         logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
-    return StepForward(DeviceCache(k_pages, v_pages, counts, prompt_mask, cache.last_tokens, cache.kv_scales), logits,
-                       tokens, aux)
+    return StepForward(cache._replace(k_pages=k_pages, v_pages=v_pages, counts=counts, prompt_mask=prompt_mask),
+                       logits, tokens, aux)
 
 
 def sample_step(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],

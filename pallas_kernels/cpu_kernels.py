@@ -1,7 +1,8 @@
 """The C++ XLA FFI kernels of the CPU path (`csrc/*.cc`): built once per machine, registered with jax.
 
-`cpu_matmul` (the layer weights' and LM head's matmuls, palette-compressed and GGUF Q4_1 ones included) and
-`cpu_attention` (decode-step paged attention) are calls into one library. Its sources are
+`cpu_matmul` (the layer weights' and LM head's matmuls, palette-compressed and GGUF Q4_1 ones included),
+`cpu_attention` (decode-step paged attention) and `cpu_lora` (LoRA adapters' deltas, a slot per token)
+are calls into one library. Its sources are
 compiled with the system's C++ compiler (`CXX`, else `c++`) and `-march=native` into the
 infire_jax cache, keyed by the sources, the jax version and the host CPU. Without a compiler, or
 with `INFIRE_JAX_NO_CPU_KERNELS=1`, `available()` is False and the models keep XLA's ops (the
@@ -31,7 +32,8 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # FFI target name -> the library's handler symbol.
 TARGETS = {"infire_skinny_matmul": "InfireSkinnyMatmul", "infire_skinny_matmul_nt": "InfireSkinnyMatmulNT",
            "infire_skinny_matmul_panels": "InfireSkinnyMatmulPanels", "infire_paged_attention": "InfirePagedAttention",
-           "infire_palette_matmul": "InfirePaletteMatmul", "infire_q4_1_matmul": "InfireQ41Matmul"}
+           "infire_palette_matmul": "InfirePaletteMatmul", "infire_q4_1_matmul": "InfireQ41Matmul",
+           "infire_lora_sgmv": "InfireLoraSgmv"}
 
 
 def _cache_dir() -> str:

@@ -20,6 +20,8 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.compression.resident import PaletteParams, ResidentLayout, decode_layer
 from infire_jax.errors import ConfigError
+from infire_jax.lora.batched import LayerLoRA, LoRAStep, LoRAWeight, split_stacks
+from infire_jax.lora.layout import stack_axes
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import moe_mlp
@@ -162,9 +164,12 @@ def kernel_weights(lp: dict, in_place: dict[str, tuple[KernelView, tuple]], laye
     return out
 
 
-def linear(x: Array, w: Array | InPlace, spec: str) -> Array:
+def linear(x: Array, w: Array | InPlace | LoRAWeight, spec: str) -> Array:
     """x (tokens first) times a layer's weight: the einsum `spec`, or a kernel for an `InPlace`
-    weight, whose [T, N] result takes the einsum's output shape."""
+    weight, whose [T, N] result takes the einsum's output shape; plus each token's LoRA adapter's
+    delta for a `LoRAWeight` (infire_jax/lora/batched.py)."""
+    if isinstance(w, LoRAWeight):
+        return linear(x, w.base, spec) + w.delta(x)
     if not isinstance(w, InPlace):
         return jnp.einsum(spec, x, w)
     x2 = x.reshape(x.shape[0], -1)
@@ -194,11 +199,13 @@ def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool,
 
 
 def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
-                  red: Reductions, in_place: dict[str, tuple[KernelView, tuple]] | None = None) -> Callable:
+                  red: Reductions, in_place: dict[str, tuple[KernelView, tuple]] | None = None,
+                  lora: LayerLoRA | None = None) -> Callable:
     """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index) -> carry.
 
     Head and MLP counts come from the weights' shapes, so the same body runs on a shard of them.
-    `in_place` weights (`in_place_weights`) are not scanned: the body reads its layer of them.
+    `in_place` weights (`in_place_weights`) are not scanned: the body reads its layer of them, and
+    so of the LoRA adapters' stacks (`lora`), whose deltas `linear` adds to the projections.
     """
     scale = cfg.head_dim ** -0.5
     mlp = functools.partial(moe_mlp, cfg=cfg, expert_axis=red.expert_axis) if cfg.is_moe else dense_mlp
@@ -208,6 +215,8 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
         lp, idx = xs
         lp = decode_layer(dequantize_layer(lp, h.dtype))  # this layer's compressed / quantized weights, decoded
         lp = kernel_weights(lp, in_place or {}, idx, h.shape[0], cpu=red == Reductions())
+        if lora is not None:
+            lp = lora.attach(lp, idx)
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         if cfg.qk_norm:  # q and k normed, each with its own weight, before their rotations
             q, k, v = project_qkv(lp, x, cfg.attention_bias)
@@ -226,10 +235,12 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
 
 def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, Array],
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
-                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
-    """Scans the stacked layers; the KV pool is a loop carry so its updates stay in place."""
+                  sin: Array, lora_slots: Int[Array, "T"] | None = None) -> tuple[Float[Array, "T E"], Array, Array]:
+    """Scans the stacked layers; the KV pool is a loop carry so its updates stay in place. With
+    `lora_slots`, `weights` also hold the LoRA adapters' stacks (read per layer, not scanned)."""
+    weights, lora = split_stacks(weights, lora_slots, kernel=red == Reductions())
     in_place = in_place_weights(cfg, weights, h.shape[0], red)
-    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place)
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place, lora)
     idx = jnp.arange(jax.tree.leaves(weights)[0].shape[0], dtype=jnp.int32)
     scanned = {name: w for name, w in weights.items() if name not in in_place}
     (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), (scanned, idx))
@@ -245,7 +256,8 @@ def check_aux_layers(aux_layers: tuple[int, ...], num_layers: int) -> None:
 
 def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, ...], weights: dict[str, Array],
                       h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
-                      sin: Array) -> tuple[Float[Array, "T E"], Array, Array, Float[Array, "T N"]]:
+                      sin: Array, lora_slots: Int[Array, "T"] | None = None
+                      ) -> tuple[Float[Array, "T E"], Array, Array, Float[Array, "T N"]]:
     """`decoder_stack` that also keeps the residual stream at `aux_layers` (HF `hidden_states` indices).
 
     The scan carries one [T, E] slot per requested state plus a scratch slot: layer i writes its
@@ -253,8 +265,9 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
     scratch slot, so no layer's states but the requested ones are ever kept. Returns them
     concatenated along the features, [T, len(aux_layers) * E], in `aux_layers` order.
     """
+    weights, lora = split_stacks(weights, lora_slots, kernel=True)
     in_place = in_place_weights(cfg, weights, h.shape[0], Reductions())
-    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place)
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place, lora)
     n, count = cfg.num_layers, len(aux_layers)
     slot_of_output = np.full(n, count, np.int32)  # layer i's output is hidden-state index i + 1
     for j, a in enumerate(aux_layers):
@@ -297,26 +310,32 @@ class Llama(nnx.Module):
         attn_impl: str,
         plan: ShardPlan | None = None,
         aux_layers: tuple[int, ...] | None = None,
+        lora: LoRAStep | None = None,
     ) -> tuple[Float[Array, "T E"], KVPages] | tuple[Float[Array, "T E"], KVPages, Float[Array, "T N"]]:
         """Applies every decoder layer, on one device or (with a plan) across the mesh.
 
         With `aux_layers` (static; see `decoder_stack_aux`) the residual-stream states at those
         indices come back too, as [T, len(aux_layers) * E]: EAGLE-3's low/middle/high features.
+        With `lora`, each token's LoRA adapter adds its delta to the projections it adapts.
         """
         cos, sin = rope_tables(rope_inv_freq(self.cfg), meta.positions)
-        weights = self.layers.arrays()
+        weights, axes, slots = self.layers.arrays(), self.layers.axes(), None
+        if lora is not None:  # split like the weights they adapt (lora/layout.py)
+            weights, slots = {**weights, **lora.stacks}, lora.slots
+            axes = {**axes, **{k: stack_axes(k) for k in lora.stacks}}
         if aux_layers is not None:
             check_aux_layers(aux_layers, self.cfg.num_layers)
             if plan is not None:
                 raise ConfigError("aux hidden states (EAGLE-3) are implemented on one device only, not on a mesh")
             h, k_pages, v_pages, aux = decoder_stack_aux(self.cfg, attn_impl, aux_layers, weights, h, *kv, meta,
-                                                         cos, sin)
+                                                         cos, sin, slots)
             return h, (k_pages, v_pages), aux
         stack = functools.partial(decoder_stack, self.cfg, attn_impl)
         if plan is None:
-            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
+            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin, slots)
             return h, (k_pages, v_pages)
-        return run_sharded(stack, plan, weights, self.layers.axes(), h, kv, meta, cos, sin)
+        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin,
+                           token_args=() if slots is None else (slots,))
 
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
         """Final norm and LM head (`head_logits`): float32 logits, the head read once in place (on
@@ -337,12 +356,14 @@ class Llama(nnx.Module):
         attn_impl: str,
         plan: ShardPlan | None = None,
         aux_layers: tuple[int, ...] | None = None,
+        lora: LoRAStep | None = None,
     ) -> tuple[Float[Array, "S V"], KVPages] | tuple[Float[Array, "S V"], KVPages, Float[Array, "T N"]]:
         """Logits of each row's `logits_indices` token and the updated pool; with `aux_layers`, also
-        every token's residual-stream states at those indices (`run_layers`)."""
+        every token's residual-stream states at those indices (`run_layers`); with `lora`, each
+        token's LoRA adapter applied."""
         h = self.embed_tokens(tokens)
         if aux_layers is None:
-            h, kv = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan)
+            h, kv = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, lora=lora)
             return self.logits(h[logits_indices], plan), kv
-        h, kv, aux = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, aux_layers=aux_layers)
+        h, kv, aux = self.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, aux_layers=aux_layers, lora=lora)
         return self.logits(h[logits_indices], plan), kv, aux

@@ -46,7 +46,7 @@ def psum(x: Array, axes: tuple[str, ...]) -> Array:
     return jax.lax.psum(x, axes) if axes else x
 
 
-# stack_fn(reductions, weights, h, k_pages, v_pages, meta, cos, sin) -> (h, k_pages, v_pages)
+# stack_fn(reductions, weights, h, k_pages, v_pages, meta, cos, sin, *token_args) -> (h, k_pages, v_pages)
 StackFn = Callable[..., tuple[Array, Array, Array]]
 
 
@@ -61,20 +61,21 @@ def run_sharded(
     cos: Array,
     sin: Array,
     kv_axes: tuple[str | None, ...] = KV_POOL_AXES,  # the pool's logical axes (models/kv_entry.py)
+    token_args: tuple[Array, ...] = (),  # more per-token inputs (leading axis T), replicated: LoRA slots
 ) -> tuple[Float[Array, "T E"], tuple[Array, Array]]:
     red = Reductions.for_plan(plan)
     stages = plan.num_stages
 
-    def local(h, weights, k_pages, v_pages, meta, cos, sin):
+    def local(h, weights, k_pages, v_pages, meta, cos, sin, *token_args):
         if stages == 1:
-            return stack_fn(red, weights, h, k_pages, v_pages, meta, cos, sin)
+            return stack_fn(red, weights, h, k_pages, v_pages, meta, cos, sin, *token_args)
         size = h.shape[0] // num_microbatches(h.shape[0], stages)
 
         def stage(x, pools, mb, active):
             start = mb * size
-            rope = [jax.lax.dynamic_slice_in_dim(a, start, size) for a in (cos, sin)]
+            per_token = [jax.lax.dynamic_slice_in_dim(a, start, size) for a in (cos, sin, *token_args)]
             mb_meta = deactivate(slice_tokens(meta, start, size), active)
-            y, k, v = stack_fn(red, weights, x, *pools, mb_meta, *rope)
+            y, k, v = stack_fn(red, weights, x, *pools, mb_meta, *per_token)
             return y, (k, v)
 
         h, (k_pages, v_pages) = pipeline_apply(stage, h, (k_pages, v_pages), num_stages=stages)
@@ -86,7 +87,8 @@ def run_sharded(
     meta_spec = AttentionMetadata(*[P()] * 7, kv_scales=None if meta.kv_scales is None
                                   else plan.spec((kv_axes[0], None, kv_axes[3])))
     w_specs = jax.tree.map(plan.spec, dict(weight_axes), is_leaf=lambda x: isinstance(x, tuple))
-    fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), w_specs, kv_spec, kv_spec, meta_spec, P(), P()),
+    fn = jax.shard_map(local, mesh=plan.mesh,
+                       in_specs=(P(), w_specs, kv_spec, kv_spec, meta_spec, P(), P(), *[P()] * len(token_args)),
                        out_specs=(P(), kv_spec, kv_spec), check_vma=False)
-    h, k_pages, v_pages = fn(h, dict(weights), *kv, meta, cos, sin)
+    h, k_pages, v_pages = fn(h, dict(weights), *kv, meta, cos, sin, *token_args)
     return h, (k_pages, v_pages)
