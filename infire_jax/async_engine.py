@@ -72,7 +72,7 @@ class _Add:
     stream: RequestStream
     prompts: list[list[int]]
     params: SamplingParams
-    options: dict[str, Any]  # priority, tenant, prefix_hint_tokens, session_id, grammar
+    options: dict[str, Any]  # priority, tenant, prefix_hint_tokens, session_id, grammar, lora_request
 
 
 @dataclasses.dataclass
@@ -225,11 +225,13 @@ class AsyncEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, request_id: str, priority: int = 0,
                  tenant: str | None = None, prefix_hint_tokens: int = 0,
-                 session_id: str | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
+                 session_id: str | None = None, grammar: CompiledGrammar | None = None,
+                 lora_request: str | None = None) -> RequestStream:
         """A stream of the deltas of `prompts` (token ids); use it as `async with ... as stream`.
-        `grammar`: `params.structured_outputs`, compiled off the engine thread (GrammarBackend)."""
+        `grammar`: `params.structured_outputs`, compiled off the engine thread (GrammarBackend);
+        `lora_request`: the name of a loaded LoRA adapter."""
         options = dict(priority=priority, tenant=tenant, prefix_hint_tokens=prefix_hint_tokens,
-                       session_id=session_id, grammar=grammar)
+                       session_id=session_id, grammar=grammar, lora_request=lora_request)
         return RequestStream(self, request_id, prompts, params, options)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill/decode: the address this worker's Mooncake transfer engine listens on")
     s.add_argument("--kv-hold-seconds", type=float, default=30.0,
                    help="prefill: how long exported KV waits for a decode worker to fetch it")
+    s.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served under their names, as vLLM's flag: NAME=PATH or "
+                        'JSON {"name": ..., "path": ...}; needs --enable-lora')
     s.set_defaults(func=cmd_serve)
 
     z = sub.add_parser("compress", help="write a losslessly compressed bfloat16 checkpoint (serve it with --model DIR)")

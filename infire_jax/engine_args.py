@@ -63,6 +63,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                    help="longest a structured-output grammar may take to compile; longer is a 400 (default 10)")
     p.add_argument("--mesh", default=None,
                    help="mesh-config YAML (default: the shipped file for the number of devices)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT format) over the model, many in one batch (infire_jax/lora/)")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="LoRA adapters in device slots at once, so in one step (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="largest LoRA rank served; every slot is padded to it (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="loaded LoRA adapters kept in host memory, least recently used first out "
+                        "(default: --max-loras; at least that)")
     p.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0's coordinator (env INFIRE_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
@@ -80,7 +89,9 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,
                         weights_compression=args.weights_compression,
                         weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
-                        grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps)
+                        grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps,
+                        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=args.max_cpu_loras)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

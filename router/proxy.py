@@ -101,7 +101,9 @@ async def _generate(request: web.Request, kind: str, path: str) -> web.StreamRes
     st = request.app[STATE]
     raw = await request.read()
     body = _parse(raw)
-    tenant = f"{request.headers.get('Authorization', '')}\0{request.headers.get(TENANT_HEADER, '')}"
+    # The model (a LoRA adapter's name selects one) separates prompts too: adapters never share KV on a worker.
+    headers = request.headers
+    tenant = f"{headers.get('Authorization', '')}\0{headers.get(TENANT_HEADER, '')}\0{body.get('model')}"
     key = route_key(kind, body, tenant=tenant, session=request.headers.get(SESSION_HEADER))
     pool = st.healthy(DECODE_ROLES)
     if not pool:

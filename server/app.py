@@ -25,6 +25,7 @@ from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, c
 from server.errors import error_middleware
 from server.listen import bind, serve_until_signal
 from server.kv_handoff import KV_PULLED, RELEASE_PATH, ROLES, KVHandoff
+from server.lora import add_static, load_lora_adapter, model_cards, parse_lora_modules, unload_lora_adapter
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.responses import TokenText
 
@@ -35,8 +36,10 @@ _MAX_BODY = 64 << 20  # bytes; prompts of token ids are large
 def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] | None = None,
               api_keys: dict[str, str] | None = None, max_queue: int = 1024, role: str = "both",
               kv_buffer_bytes: int = 512 << 20, kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0,
-              residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0) -> web.Application:
+              residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0,
+              lora_modules: Sequence[tuple[str, str]] = ()) -> web.Application:
     """The app over warmed-up engines (one per served model); their threads start with the app.
+    `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
 
     Several engines share the device through `residency` (hot standby, infire_jax/residency.py).
     A prefill or decode worker (`role`) serves one model and also runs a Mooncake transfer engine
@@ -68,6 +71,12 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
                             hold_seconds=kv_hold_seconds, metrics=metrics)
         metrics.track_holds(lambda: handoff.num_holds, lambda: handoff.free_bytes)
 
+    if lora_modules:
+        lora_engines = [m for m in models.values() if m.engine.engine.lora is not None]
+        if len(lora_engines) != 1:
+            raise ValueError("LoRA modules need exactly one served model with LoRA enabled (--enable-lora)")
+        add_static(lora_engines[0], list(lora_modules))
+
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=_MAX_BODY)
     app[STATE] = ServerState(models=models, role=role, handoff=handoff)
     app[AUTH] = Auth(api_keys or {})
@@ -75,6 +84,8 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post(RELEASE_PATH, release_kv)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -114,10 +125,13 @@ async def _routing_headers(request: web.Request, response: web.StreamResponse) -
 
 
 async def _models(request: web.Request) -> web.Response:
+    """The served models, then each one's LoRA adapters (`parent`: the model)."""
     created = int(time.time())
+    models = request.app[STATE].models.values()
     return web.json_response({"object": "list", "data": [
-        {"id": m.name, "object": "model", "created": created, "owned_by": "infire-jax",
-         "max_model_len": m.max_model_len} for m in request.app[STATE].models.values()]})
+        {"id": m.name, "object": "model", "created": created, "owned_by": "infire-jax", "root": m.name,
+         "parent": None, "max_model_len": m.max_model_len} for m in models] + [
+        card for m in models for card in model_cards(m, created)]})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -165,6 +179,11 @@ def _check_flags(args: argparse.Namespace) -> tuple[dict[str, str], list[tuple[s
         raise ValueError("--max-resident must be >= 1")
     if len(models) > 1 and (args.role != "both" or args.num_processes):
         raise ValueError("several models are served by one process with --role both")
+    if (args.lora_modules or args.enable_lora) and len(models) > 1:
+        raise ValueError("--enable-lora serves adapters over one model; give one --model")
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    parse_lora_modules(args.lora_modules or [])
     return keys, models
 
 
@@ -202,7 +221,8 @@ def serve(args: argparse.Namespace) -> int:
         app = build_app(list(engines.values()), model_names=list(engines), api_keys=keys, max_queue=args.max_queue,
                         role=args.role, kv_buffer_bytes=args.kv_buffer_mb << 20, kv_host=args.kv_host,
                         kv_hold_seconds=args.kv_hold_seconds, residency=residency if len(engines) > 1 else None,
-                        host_to_device_bytes_per_second=bandwidth)
+                        host_to_device_bytes_per_second=bandwidth,
+                        lora_modules=parse_lora_modules(args.lora_modules or []))
         print(f"boot: ready to serve {time.monotonic() - _process_start():.2f} s after the process started",
               file=sys.stderr, flush=True)
         asyncio.run(serve_until_signal(app, sock, args.host))

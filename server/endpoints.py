@@ -20,6 +20,7 @@ from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine, RequestStream
 from infire_jax.errors import InvalidRequestError
+from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs
 from infire_jax.structured.backend import CompiledGrammar
 from infire_jax.structured.tool_grammar import tool_call_constraint
@@ -47,6 +48,8 @@ class ServedModel:
     token_text: TokenText
     name: str
     max_model_len: int
+    # LoRA adapters served over it, by name (server/lora.py); changed on the event loop only.
+    adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -63,21 +66,21 @@ STATE = web.AppKey("state", ServerState)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    body = await _json(request)
+    body = await read_json(request)
     with request_handoff(st.handoff, request, body) as kv:
         return await _completions(request, st, body, kv)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    body = await _json(request)
+    body = await read_json(request)
     with request_handoff(st.handoff, request, body) as kv:
         return await _chat_completions(request, st, body, kv)
 
 
 async def _completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_completion(body)
-    m = _model(st, req)
+    m, lora = _model(st, req)
     prompts = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     if any(not ids for ids in prompts):
         raise bad("the prompt is empty", "prompt")
@@ -85,16 +88,16 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
 
     def formatter() -> CompletionFormatter:  # after admission: token-id prompts are known to be valid
         echo = [p if isinstance(p, str) else m.tokenizer.decode(p) for p in req.prompts] if req.echo else None
-        return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", m.name, m.token_text, echo_texts=echo,
+        return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, m.token_text, echo_texts=echo,
                                    n=req.params.n, want_logprobs=req.params.logprobs is not None,
                                    include_usage=req.include_usage)
 
-    return await _run(request, kv, m, req, prompts, formatter, "prompt")
+    return await _run(request, kv, m, lora, req, prompts, formatter, "prompt")
 
 
 async def _chat_completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_chat(body)
-    m = _model(st, req)
+    m, lora = _model(st, req)
     tool_format = detect_format(m.tokenizer.chat_template)
     try:
         messages, extra = render_inputs(m.tokenizer.chat_template, req.messages,
@@ -108,11 +111,11 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
         await _force_tool_calls(m, req, tool_format)
 
     def formatter() -> ChatFormatter:
-        return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", m.name, m.token_text,
+        return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, m.token_text,
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
                              include_usage=req.include_usage, tool_format=tool_format if req.tools else None)
 
-    return await _run(request, kv, m, req, prompts, formatter, "messages")
+    return await _run(request, kv, m, lora, req, prompts, formatter, "messages")
 
 
 async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) -> None:
@@ -138,24 +141,28 @@ async def _compile(m: ServedModel, spec: StructuredOutputs) -> CompiledGrammar:
 
 
 # ---- shared steps ---------------------------------------------------------------------------------
-def _model(st: ServerState, req: GenerationRequest) -> ServedModel:
-    """The requested model, if it is served and its engine runs."""
-    m = st.models.get(req.model)
+def _model(st: ServerState, req: GenerationRequest) -> tuple[ServedModel, str | None]:
+    """The requested model, if it is served and its engine runs, and the LoRA adapter the name
+    selects (None: the model itself)."""
+    m, lora = st.models.get(req.model), None
     if m is None:
-        names = ", ".join(f"`{n}`" for n in st.models)
+        m = next((x for x in st.models.values() if req.model in x.adapters), None)
+        lora = req.model
+    if m is None:
+        names = ", ".join(f"`{n}`" for x in st.models.values() for n in (x.name, *x.adapters))
         raise APIError(404, f"The model `{req.model}` does not exist; this server serves {names}.",
                        param="model", code="model_not_found")
     if not m.engine.healthy:
         raise APIError(503, "the engine is not running; the server cannot generate", type="server_error",
                        code="engine_unavailable")
-    return m
+    return m, lora
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def _json(request: web.Request):
+async def read_json(request: web.Request):
     try:
         return json.loads(await request.read(), parse_constant=_no_constant)
     except ValueError as e:  # also UnicodeDecodeError and JSONDecodeError
@@ -184,16 +191,19 @@ def _headers(request: web.Request, prompts: list[list[int]]) -> tuple[int, str |
     return hint, session
 
 
-async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, req: GenerationRequest,
-               prompts: list[list[int]], make_formatter: Callable[[], Formatter], prompt_param: str) -> web.StreamResponse:
-    """Admits the request, then answers it whole or as a stream (`kv`: its KV handoff, before and after)."""
+async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: str | None,
+               req: GenerationRequest, prompts: list[list[int]], make_formatter: Callable[[], Formatter],
+               prompt_param: str) -> web.StreamResponse:
+    """Admits the request (with the LoRA adapter `lora`), then answers it whole or as a stream (`kv`:
+    its KV handoff, before and after)."""
     hint, session = _headers(request, prompts)
     tenant = request.get(TENANT)
-    await kv.before(req.kv_transfer, prompts, tenant, stream=req.stream)
+    await kv.before(req.kv_transfer, prompts, tenant, stream=req.stream, lora_name=lora)
     spec = req.params.structured_outputs
     grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
-                                tenant=tenant, prefix_hint_tokens=hint, session_id=session, grammar=grammar)
+                                tenant=tenant, prefix_hint_tokens=hint, session_id=session, grammar=grammar,
+                                lora_request=lora)
     try:
         async with stream:  # admits the request; leaving early (a disconnect) aborts it
             usage = Usage([len(p) for p in prompts])
@@ -220,7 +230,7 @@ async def release_kv(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if st.handoff is None or st.role != "prefill":
         raise APIError(404, f"this worker's role is {st.role}; only prefill workers hold KV", code="not_found")
-    body = await _json(request)
+    body = await read_json(request)
     transfer_id = body.get("transfer_id") if isinstance(body, dict) else None
     if not isinstance(transfer_id, str):
         raise bad("the body must be {\"transfer_id\": \"...\"}", "transfer_id")

@@ -46,6 +46,7 @@ from infire_jax.async_engine import AsyncEngine
 from infire_jax.errors import InvalidRequestError
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.mooncake import MooncakeTransport, Reservation
+from infire_jax.lora.adapters import lora_digest
 from server.errors import APIError
 from server.responses import Choice
 
@@ -148,12 +149,13 @@ class KVHandoff:
     # ---- prefill side ------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def export(self, prompt: list[int], tenant: str | None, public_url: str, first_token: int | None,
-                     first_logprob: float | None) -> AsyncIterator[dict | None]:
-        """Holds the prompt's cached full pages and yields the `kv_transfer_params` a decode worker needs
-        (None when no full page is cached: a prompt shorter than a page). Send them inside the block:
-        if it raises or is cancelled (the client left), nobody can know the transfer id, so the hold
-        is released at once."""
-        blocks: KVBlocks = await self.engine.call(lambda e: e.export_prompt_kv(prompt, tenant=tenant))
+                     first_logprob: float | None, lora_name: str | None = None) -> AsyncIterator[dict | None]:
+        """Holds the prompt's cached full pages (computed with the LoRA adapter `lora_name`) and yields
+        the `kv_transfer_params` a decode worker needs (None when no full page is cached: a prompt
+        shorter than a page). Send them inside the block: if it raises or is cancelled (the client
+        left), nobody can know the transfer id, so the hold is released at once."""
+        blocks, adapter = await self.engine.call(
+            lambda e: (e.export_prompt_kv(prompt, tenant=tenant, lora_name=lora_name), lora_digest(e.lora, lora_name)))
         region = await self._hold(blocks) if blocks.num_blocks else None
         if region is None:
             yield None
@@ -174,6 +176,7 @@ class KVHandoff:
                            "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None,
                            "kv_scales": layout.kv_scales},
                 "first_token_id": first_token, "first_token_logprob": first_logprob,
+                "lora_digest": adapter,  # the LoRA adapter the KV was computed with (None: the base model)
             }
         except BaseException:
             self._drop(transfer_id)
@@ -220,9 +223,9 @@ class KVHandoff:
                 self._count_failure("expired")
 
     # ---- decode side -------------------------------------------------------------------------------
-    def _check(self, params: dict, prompt: list[int]) -> tuple[Reservation, int]:
+    def _check(self, params: dict, prompt: list[int], lora_name: str | None) -> tuple[Reservation, int]:
         """The held region and the token count the params name; a 400 when they are malformed, made
-        for another model or layout, or for another prompt."""
+        for another model, layout or LoRA adapter, or for another prompt."""
         def field(name: str, kind: type) -> Any:
             v = params.get(name)
             if not isinstance(v, kind) or isinstance(v, bool):
@@ -248,6 +251,9 @@ class KVHandoff:
                        f"({mine.page_size}) within the prompt ({len(prompt)} tokens)")
         if field("tokens_digest", str) != tokens_digest(prompt[:num_tokens]):
             raise _bad(f"the '{_PARAM}' were made for another prompt")
+        if params.get("lora_digest") != lora_digest(self.engine.engine.lora, lora_name):
+            raise _bad(f"the transferred KV was computed with another LoRA adapter than `{lora_name or 'none'}` here "
+                       "(serve the same adapter files under the same name on both workers)")
         source = Reservation(field("remote_engine_id", str), field("remote_address", int), 0,
                              field("num_bytes", int))
         layers, _, heads, dim = mine.page_shape
@@ -293,14 +299,15 @@ class KVHandoff:
             log.warning("releasing KV hold %s on %s answered %d (it expires instead)", claim.transfer_id, claim.url,
                         status)
 
-    async def pull(self, claim: Claim | None, params: dict, prompt: list[int], tenant: str | None) -> Pulled | None:
+    async def pull(self, claim: Claim | None, params: dict, prompt: list[int], tenant: str | None,
+                   lora_name: str | None = None) -> Pulled | None:
         """Fetches and imports the prompt's pages a prefill worker holds (`claim`: the hold `params`
         name); None when the transfer failed (the request then computes its prompt here, and the hold
         is released now). Malformed params raise a 400 (the caller's `settle` releases the hold)."""
         if claim is None:
             raise _bad(f"'{_PARAM}.remote_url' (http or https) and '{_PARAM}.transfer_id' must name the hold; "
                        "pass the kv_transfer_params a prefill worker returned")
-        source, num_tokens = self._check(params, prompt)
+        source, num_tokens = self._check(params, prompt, lora_name)
         try:
             region = self.transport.reserve(source.nbytes)
         except InvalidRequestError as e:  # no room: compute locally
@@ -309,21 +316,22 @@ class KVHandoff:
             self._let_go(claim)
             return None
         claim.pulling = True
-        task = asyncio.create_task(self._fetch_and_import(source, region, claim, prompt[:num_tokens], tenant))
+        task = asyncio.create_task(self._fetch_and_import(source, region, claim, prompt[:num_tokens], tenant,
+                                                          lora_name))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         # The task owns the region and the claim until it ends; a client that leaves does not cut it short.
         return await asyncio.shield(task)
 
     async def _fetch_and_import(self, source: Reservation, region: Reservation, claim: Claim,
-                                token_ids: list[int], tenant: str | None) -> Pulled | None:
+                                token_ids: list[int], tenant: str | None, lora_name: str | None) -> Pulled | None:
         try:
             seconds = await asyncio.get_running_loop().run_in_executor(None, self.transport.fetch, source, region)
             if not await self._confirm(claim):
                 self._count_failure("hold_gone")
                 return None
             blocks = self.transport.received(region, self.layout, token_ids, tenant)
-            written = await self.engine.call(lambda e: e.import_prompt_kv(blocks))
+            written = await self.engine.call(lambda e: e.import_prompt_kv(blocks, lora_name=lora_name))
             if self._metrics is not None:
                 self._metrics.kv_transferred(region.nbytes, seconds)
             return Pulled(region.nbytes, seconds, written)
@@ -360,17 +368,18 @@ class RequestHandoff:
         self._handoff = handoff
         self._request = request
         self._claim = claim
-        self._export: tuple[list[int], str | None] | None = None  # a prefill worker's prompt and tenant
+        self._export: tuple[list[int], str | None, str | None] | None = None  # a prefill worker's prompt, tenant, LoRA
 
     @property
     def role(self) -> str:
         return self._handoff.role if self._handoff is not None else "both"
 
     async def before(self, params: dict | None, prompts: list[list[int]], tenant: str | None, *,
-                     stream: bool) -> None:
+                     stream: bool, lora_name: str | None = None) -> None:
         """Checks that the request's kv_transfer_params (None: none asked) ask for what this worker's
         role serves, on one prompt. A decode worker then imports the prompt's pages, so the request
-        runs as a prefix hit (the response's headers say how the pull went)."""
+        runs as a prefix hit (the response's headers say how the pull went). `lora_name`: the
+        request's LoRA adapter, whose KV only its own requests may use."""
         if params is None:
             return
         want = "prefill" if params.get("do_remote_decode") else "decode"
@@ -384,9 +393,9 @@ class RequestHandoff:
             if stream:
                 raise APIError(400, "kv_transfer_params with do_remote_decode need a non-streaming request",
                                param="stream")
-            self._export = (prompts[0], tenant)
+            self._export = (prompts[0], tenant, lora_name)
         else:
-            self._request[KV_PULLED] = await self._handoff.pull(self._claim, params, prompts[0], tenant)
+            self._request[KV_PULLED] = await self._handoff.pull(self._claim, params, prompts[0], tenant, lora_name)
 
     async def answer(self, body: dict, first: Choice) -> web.StreamResponse:
         """The whole (non-streaming) response. A prefill worker's names the KV it holds for the
@@ -394,14 +403,14 @@ class RequestHandoff:
         leaves before it is written (a cancel, or a reset write), `export` releases the hold."""
         if self._export is None:
             return web.json_response(body)
-        prompt, tenant = self._export
+        prompt, tenant, lora_name = self._export
         token = first.token_ids[0] if first.token_ids else None
         logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
         request = self._request
         response = web.Response(content_type="application/json")
         with contextlib.suppress(ConnectionResetError):  # the client went away: nobody reads this answer
             async with self._handoff.export(prompt, tenant, f"{request.scheme}://{request.host}", token,
-                                            logprob) as params:
+                                            logprob, lora_name) as params:
                 response.text = json.dumps({**body, _PARAM: params})
                 await response.prepare(request)
                 await response.write_eof()
