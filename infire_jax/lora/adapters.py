@@ -128,9 +128,10 @@ class Adapters:
             if adapter.digest != entry.digest:
                 raise InvalidRequestError(f"the files of LoRA adapter {entry.name!r} changed since it was loaded; "
                                           f"unload it and load it again", param="model")
-            self._keep(entry, adapter)
+            self._host[entry] = self._slot_arrays(adapter)
         self._host.move_to_end(entry)
         entry.users += 1
+        self._trim()
 
     def acquire(self, req) -> bool:
         """The scheduler's admission gate: pins a device slot for the request's adapter, copying it
@@ -166,8 +167,11 @@ class Adapters:
         self.slots.clear()
 
     # ---- host copies ---------------------------------------------------------------------------
+    def _slot_arrays(self, adapter: PeftAdapter) -> dict[str, np.ndarray]:
+        return slot_arrays(adapter, self.model_config, self.config, self._dtype, self._runner.plan)
+
     def _keep(self, entry: Adapter, adapter: PeftAdapter) -> None:
-        self._host[entry] = slot_arrays(adapter, self.model_config, self.config, self._dtype, self._runner.plan)
+        self._host[entry] = self._slot_arrays(adapter)
         self._trim()
 
     def _trim(self) -> None:
