@@ -74,8 +74,9 @@ class RunTrace:
 
 
 def run(engine: Engine, prompts: Sequence[list[int]], max_tokens: Sequence[int], *, concurrency: int,
-        tenant: str, on_done: Callable[[], None] | None = None) -> RunTrace:
-    """Runs every prompt to exactly its `max_tokens` (greedy, EOS ignored), `concurrency` at a time.
+        tenant: str, on_done: Callable[[], None] | None = None, loras: Sequence[str | None] | None = None) -> RunTrace:
+    """Runs every prompt to exactly its `max_tokens` (greedy, EOS ignored), `concurrency` at a time;
+    prompt i with the LoRA adapter named loras[i] if given.
 
     `tenant` salts the prefix cache, so earlier runs over the same prompts cannot serve this one.
     """
@@ -90,7 +91,7 @@ def run(engine: Engine, prompts: Sequence[list[int]], max_tokens: Sequence[int],
         while waiting and len(active) < concurrency:
             i = waiting.popleft()
             params = SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True)
-            rid, ids = engine.add_request(prompts[i], params, tenant=tenant)
+            rid, ids = engine.add_request(prompts[i], params, tenant=tenant, lora_request=loras[i] if loras else None)
             traces[i] = RequestTrace(len(ids), max_tokens[i], time.perf_counter())
             active[rid] = i
 

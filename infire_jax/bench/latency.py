@@ -6,13 +6,16 @@ decode ms/token is the mean gap between steps that decode every request of the b
 else. Roofline: decode bytes (weights + KV at the actual contexts) per step ÷ step time, over the
 measured copy bandwidth; prefill FLOPs ÷ the time to the batch's last first token, over the
 measured matmul rate. Host share: the part of the engine's step time not spent waiting for the
-device (scheduling, building and launching steps, detokenizing), over the timed iterations.
+device (scheduling, building and launching steps, detokenizing), over the timed iterations. With
+--lora N the same runs follow on N random LoRA adapters, one per row round-robin (bench/lora.py),
+each figure with its ratio to the base model's.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from infire_jax.bench import lora
 from infire_jax.bench.common import add_bench_engine_args, int_at_least, positive_int
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -27,12 +30,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters-warmup", type=int_at_least(0), default=1,
                    help="untimed iterations per batch size before the timed ones")
     p.add_argument("--num-iters", type=positive_int, default=3, help="timed iterations per batch size")
+    lora.add_args(p)
     add_bench_engine_args(p, "the largest --batch-size")
 
 
 def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters: int, warmup: int,
-            seed: int, bar=None) -> dict:
-    """Times `warmup + iters` runs of one batch; returns the figures of the timed runs."""
+            seed: int, bar=None, loras: list[str] | None = None) -> dict:
+    """Times `warmup + iters` runs of one batch (row i on LoRA adapter loras[i % N] if given); returns
+    the figures of the timed runs."""
     import numpy as np
 
     from infire_jax.bench import driver, roofline
@@ -49,7 +54,8 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
         prompts = [p.prompt for p in random_prompts(batch, input_len, output_len, cfg.vocab_size,
                                                     seed=(seed, batch, it))]
         trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch,
-                           tenant=f"bench-latency-{batch}-{it}")
+                           tenant=f"bench-latency-{batch}-{it}",
+                           loras=[loras[i % len(loras)] for i in range(batch)] if loras else None)
         if bar is not None:
             bar.update(1)
         if it < warmup:
@@ -99,31 +105,33 @@ COLUMNS = [
     ("host_share", "host share", "{:.1%}"), ("decode_bw_util", "decode BW roofline", "{:.1%}"),
     ("prefill_flops_util", "prefill FLOP roofline", "{:.1%}"),
 ]
+LORA_COLUMNS = [("variant", "model", "{}"), *COLUMNS[:5], ("decode_ms_per_token_vs_base", "decode vs base", "{:.3f}x"),
+                ("mean_ttft_ms_vs_base", "TTFT vs base", "{:.3f}x"), *COLUMNS[5:]]
 
 
 def plot_point(r: dict) -> dict:
     return dict(label=r["label"], throughput=r["decode_tokens_per_s"], ttft_ms=r["mean_ttft_ms"],
-                tpot_ms=r["decode_ms_per_token"])
+                tpot_ms=r["decode_ms_per_token"], series=r["variant"])
 
 
 def run(args: argparse.Namespace):
     from tqdm import tqdm
 
     from infire_jax.bench import report
-    from infire_jax.bench.common import device_info, engine_info, settings, start_engine
+    from infire_jax.bench.common import device_info, engine_info, settings
 
-    engine, peaks = start_engine(args, max(args.batch_size))
-    results = []
-    try:
-        with tqdm(total=len(args.batch_size) * (args.num_iters_warmup + args.num_iters), desc="latency",
-                  unit="iter", leave=False) as bar:
+    results, infos = [], {}
+    runs = len(args.batch_size) * (args.num_iters_warmup + args.num_iters) * (2 if args.lora else 1)
+    with tqdm(total=runs, desc="latency", unit="iter", leave=False) as bar:
+        for variant, engine, peaks, loras in lora.engines(args, max(args.batch_size)):
+            infos[variant] = engine_info(engine)
             for batch in args.batch_size:
-                results.append(measure(engine, peaks, batch=batch, input_len=args.input_len,
-                                       output_len=args.output_len, iters=args.num_iters,
-                                       warmup=args.num_iters_warmup, seed=args.seed, bar=bar))
-    finally:
-        engine.close()
+                r = measure(engine, peaks, batch=batch, input_len=args.input_len, output_len=args.output_len,
+                            iters=args.num_iters, warmup=args.num_iters_warmup, seed=args.seed, bar=bar, loras=loras)
+                results.append({**r, "variant": variant})
+            name = engine.model_name
+    results = lora.with_ratios(results, ("decode_ms_per_token", "mean_ttft_ms"))
     payload = dict(benchmark="latency", settings=settings(args), device=device_info(), peaks=peaks.to_dict(),
-                   engine=engine_info(engine), results=results)
-    return report.Result(payload, report.table(results, COLUMNS), [plot_point(r) for r in results],
-                         f"latency: {engine.model_name}")
+                   engine=next(iter(infos.values())) if len(infos) == 1 else infos, results=results)
+    return report.Result(payload, report.table(results, LORA_COLUMNS if args.lora else COLUMNS),
+                         [plot_point(r) for r in results], f"latency: {name}")
