@@ -1,6 +1,6 @@
 """Runs greedy generation for several (model, mesh) pairs in one process and prints JSON lines.
 
-Used by test_sharding.py in subprocesses that have 8 virtual CPU devices (or several processes
+Used by test_sharding.py (and test_lora.py) in subprocesses that have 8 virtual CPU devices (or several processes
 joined with jax.distributed). Usage: python sharded_worker.py JOB.json
 """
 
@@ -39,6 +39,7 @@ def main() -> None:
 
     from infire_jax import LLM, SamplingParams
     from infire_jax.errors import ConfigError
+    from infire_jax.lora import LoRARequest
 
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True, logprobs=1)
     for run in job["runs"]:
@@ -63,7 +64,8 @@ def main() -> None:
             del llm
             continue
         prompts = [llm.tokenizer.encode(p) for p in job["prompts"]]
-        outs = llm.generate(prompts, params)
+        lora = job.get("lora")  # [name, id, path]: every prompt with that LoRA adapter
+        outs = llm.generate(prompts, params, lora_request=LoRARequest(*lora) if lora else None)
         llm.engine.close()
         result.update(fits=True, tokens=[o.token_ids for o in outs],
                       logprobs=[[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
