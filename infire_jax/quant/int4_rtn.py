@@ -17,9 +17,9 @@ about half a scale of the weight (0.5 * scale plus float16's rounding of the sca
 
 The result is what quant/gptq_awq.py `kept_parts` makes of a checkpoint, so it takes that form's
 paths (quant/resident.py in the layer scan, the GPU's kernel in place, tp splits): values packed
-eight to an int32 along the input axis, a uint8 zero and a float16 scale per `kept_group` inputs,
-the group cut to divide the inputs and, for wo, a head (each group's zero and scale repeated on
-its pieces).
+eight to an int32 along the input axis, a uint8 zero and a float16 scale per piece of a group,
+the group cut to divide the inputs and, for wo, a head (`at_load_group`; each group's zero and
+scale repeated on its pieces).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _input_axes(short: str, ndim: int) -> tuple[int, ...]:
     return (axis - 1, axis) if short == "wo" else (axis,)
 
 
-def kept_group(short: str, shape: tuple[int, ...], group: int) -> int:
+def at_load_group(short: str, shape: tuple[int, ...], group: int) -> int:
     """Inputs per kept zero / scale of a layer weight of `shape` (one layer's, the model's layout):
     `group` cut to divide the inputs and, for wo, a head; ValueError naming the weight unless that is
     whole 8-input words."""
@@ -111,7 +111,7 @@ def quantize_int4(weights: Mapping[str, np.ndarray], group: int = DEFAULT_INT4_G
         if name not in out:
             continue
         w = out.pop(name)
-        kept = kept_group(short, w.shape[1:], group)
+        kept = at_load_group(short, w.shape[1:], group)
         per_layer = []
         for i in range(w.shape[0]):
             try:
