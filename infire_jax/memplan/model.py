@@ -2,8 +2,8 @@
 
 A `PlanModel` comes from one of our `ModelConfig`s (the engine's exact tensor layout: fused q/k/v
 and gate/up, kv heads repeated for tp; a GPTQ / AWQ config's layer weights as the int4 parts
-`weights_quantization="checkpoint"` keeps) or from a plain HF `config.json` dict, which also covers
-DeepSeek-V3-style models (MLA attention, shared experts, `first_k_dense_replace` dense layers)
+`weights_quantization="checkpoint"` keeps, or a float model's as `"int4"` quantizes them at load)
+or from a plain HF `config.json` dict, which also covers DeepSeek-V3-style models (MLA attention, shared experts, `first_k_dense_replace` dense layers)
 that the plan must size before the engine runs them. Weights are never allocated.
 """
 
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from infire_jax.loaders.hf_quantized import quant_scheme
 from infire_jax.models.config import ModelConfig
 from infire_jax.quant.gptq_awq import kept_group
-from infire_jax.quant.resident import QuantLayout
+from infire_jax.quant.int4_rtn import at_load_group
+from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
 
 KINDS = ("attention", "experts", "shared", "embeddings")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
@@ -127,6 +128,14 @@ def int4_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
         group = size if scheme.act_order else kept_group(size, cfg.head_dim if short == "wo" else None)
         layouts[short] = QuantLayout("int4", group, jnp.float16, scheme.act_order)
     return layouts
+
+
+def int4_at_load_layouts(cfg: ModelConfig, group: int) -> dict[str, QuantLayout]:
+    """A float model's layer weights as `weights_quantization="int4"` keeps them (quant/int4_rtn.py):
+    int4 words, uint8 zeros and fp16 scales per piece of each `group`-input group; ValueError naming a
+    weight that cannot be kept so."""
+    return {t.name: QuantLayout("int4", at_load_group(t.name, t.shape[1:], group), jnp.float16)
+            for t in _gqa_tensors(cfg) if t.name in INPUT_AXIS}
 
 
 def _field(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:

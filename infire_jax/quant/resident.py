@@ -1,8 +1,9 @@
 """Quantized stacked weights kept in device memory and dequantized one layer at a time in the scan.
 
-Three sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), any
-float model quantized at load to int8 with one scale per output channel (`quantize_int8`), or a
-GPTQ / AWQ checkpoint's int4 groups with zero points (loaders/llama_quant.py, quant/gptq_awq.py).
+Four sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), any
+float model quantized at load to int8 with one scale per output channel (`quantize_int8`) or to
+int4 groups with zero points (quant/int4_rtn.py), or a GPTQ / AWQ checkpoint's int4 groups with
+zero points (loaders/llama_quant.py, quant/gptq_awq.py).
 
 Like palette compression (compression/resident.py), a quantized stacked weight is a module of
 parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, with the input
@@ -29,7 +30,7 @@ from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 from infire_jax.quant.gptq_awq import dequantize_parts
 from infire_jax.weight_parts import WeightParts
 
-QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: dummy: models; "checkpoint": quant/grouped.py
+QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: quant/int4_rtn.py; "checkpoint": quant/grouped.py
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
 # w_down [(X,) F, E].
