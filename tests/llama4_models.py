@@ -13,6 +13,8 @@ The LM head is scaled up (`SHARPEN`) so that greedy decoding has no near-ties be
 
 from __future__ import annotations
 
+import numpy as np
+
 from deepseek_models import VOCAB, _save_tokenizer
 
 SHARPEN = 4.0
@@ -66,3 +68,55 @@ def save(model, path) -> str:
     model.save_pretrained(path, safe_serialization=True)
     _save_tokenizer(pathlib.Path(path))
     return str(path)
+
+
+def quantize_like_int8(model) -> None:
+    """The text weights in place as `weights_quantization="int8"` keeps them (quant/resident.py): symmetric
+    int8, one float32 scale (absmax / 127) per output channel and, for o_proj, per head (its input
+    axis is each head's), round to nearest; dequantized back to float32. The router, norms,
+    embedding and head stay as they are."""
+    import numpy as np
+    import torch
+
+    def channel(w: np.ndarray, axis: int) -> np.ndarray:
+        scale = np.abs(w).max(axis=axis, keepdims=True) / 127
+        scale = np.where(scale == 0, 1, scale).astype(np.float32)
+        return (np.clip(np.rint(w / scale), -127, 127).astype(np.int8).astype(np.float32) * scale).astype(np.float32)
+
+    text = text_model(model).model
+    heads = text.config.num_attention_heads
+    with torch.no_grad():
+        for name, p in text.named_parameters():
+            w = p.detach().numpy()
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                              "up_proj.weight", "down_proj.weight")):
+                q = channel(w, 1)  # [out, in]
+            elif name.endswith("o_proj.weight"):
+                q = channel(w.reshape(w.shape[0], heads, -1), 2).reshape(w.shape)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                q = channel(w, 1)  # [X, in, out]
+            else:
+                continue
+            p.copy_(torch.from_numpy(q))
+
+
+def fp8_kv(model, kv_scales, monkeypatch) -> None:
+    """Makes the text model attend to its keys and values as an fp8 pool holds them
+    (pallas_kernels/kv_quant.py): each (layer, kv head)'s `x / scale`, saturated to +-448 and rounded to
+    e4m3, times the scale. `kv_scales` [L, 2, Hkv]: the engine's calibrated [k_scale, v_scale]."""
+    import torch
+    from transformers.models.llama4 import modeling_llama4
+
+    scales = torch.from_numpy(np.asarray(kv_scales, np.float32))
+    eager = modeling_llama4.eager_attention_forward
+
+    def e4m3(x, scale):
+        s = scale[None, :, None, None]
+        return torch.clamp(x / s, -448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * s
+
+    def attention(module, query, key, value, *args, **kwargs):
+        k_scale, v_scale = scales[module.layer_idx]
+        return eager(module, query, e4m3(key, k_scale), e4m3(value, v_scale), *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama4, "eager_attention_forward", attention)
+    text_model(model).config._attn_implementation = "eager"

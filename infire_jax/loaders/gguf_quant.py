@@ -31,7 +31,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
-from infire_jax.quant.resident import INPUT_AXIS, QuantLayout, quantize_int8
+from infire_jax.quant.resident import INPUT_AXIS, SHARED_EXPERT, QuantLayout, quantize_int8
 from infire_jax.tokenizer import tokenizer_from_gguf
 from sharding.plan import ShardPlan
 
@@ -111,7 +111,8 @@ def dummy_layout(mode: str, cfg) -> QuantLayout:
     is not a multiple of 128. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi K2's.)"""
     if mode == "int8":
         return QuantLayout("int8")
-    return QuantLayout("int4", group=math.gcd(128, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim))
+    return QuantLayout("int4", group=math.gcd(128, cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size,
+                                             cfg.head_dim))
 
 
 def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:
@@ -139,7 +140,8 @@ def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPl
         raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
                           "family keeps a published quantized checkpoint's weights with 'checkpoint'")
     if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
-        layouts = {short: dummy_layout(mode, loaded.config) for short in INPUT_AXIS}
+        shorts = [s for s in INPUT_AXIS if loaded.config.llama4 is not None or s not in SHARED_EXPERT]
+        layouts = {short: dummy_layout(mode, loaded.config) for short in shorts}
         graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
         return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
     if mode == "int4":

@@ -74,9 +74,7 @@ def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, moe: bool) -> tuple[str
 
 def llama4_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our parameter paths from HF tensor names and arrays (either layout)."""
-    sizes = {"dense_layers": 0, "moe_layers": 0}
-    for i in range(cfg.num_layers):
-        sizes[stack_position(cfg, i)[0]] += 1
+    sizes = {f"{kind}_layers": n for kind, n in cfg.llama4.stack_sizes.items()}
     per_stack: dict[str, dict[str, list]] = {stack: {} for stack in sizes}
     weights: dict[str, np.ndarray] = {}
     skipped = 0

@@ -73,6 +73,12 @@ class Llama4Config:
     def is_moe_layer(self, i: int) -> bool:
         return (i + 1) % self.moe_step == 0
 
+    @property
+    def stack_sizes(self) -> dict[str, int]:
+        """Layers in each of models/llama4.py's stacks: "dense", "moe"."""
+        moe = len(self.rope_layers) // self.moe_step
+        return {"dense": len(self.rope_layers) - moe, "moe": moe}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -196,7 +202,7 @@ def _llama4_param_count(cfg: ModelConfig) -> int:
     """Weights of a Llama 4 text model: attention on every layer; a dense MLP, or the routed experts,
     router and shared expert; as HF's Llama4ForCausalLM holds them."""
     e, hd, f = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
-    moe = sum(cfg.llama4.is_moe_layer(i) for i in range(cfg.num_layers))
+    moe = cfg.llama4.stack_sizes["moe"]
     attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * e  # q/k/v/o and the two norms
     moe_mlp = cfg.num_experts * 3 * e * f + e * cfg.num_experts + 3 * e * f
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e

@@ -54,12 +54,6 @@ DENSE_INPUTS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_
 STACKS = ("dense", "moe")
 
 
-def stack_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Layers in each stack: every moe_step-th layer is a MoE layer."""
-    moe = cfg.num_layers // cfg.llama4.moe_step
-    return {"dense": cfg.num_layers - moe, "moe": moe}
-
-
 def layer_table(cfg: ModelConfig) -> np.ndarray:
     """int32 [L, 3]: each layer's chunk and window (`LocalMask`) and whether it rotates q and k."""
     local = cfg.local_attention or ((0, 0),) * cfg.num_layers
@@ -229,7 +223,7 @@ class Llama4(nnx.Module):
                               "int8 / int4 keeps its layer weights quantized")
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        sizes = stack_sizes(cfg)
+        sizes = cfg.llama4.stack_sizes
         if sizes["dense"]:
             self.dense_layers = Llama4Layers(cfg, sizes["dense"], False, dtype, resident)
         if sizes["moe"]:
