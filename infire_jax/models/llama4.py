@@ -162,12 +162,11 @@ def layer_step(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, temp: Array 
                                           impl=attn_impl, cpu_kernel=red == Reductions())
     h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    tp = tuple(a for a in red.mlp if a != red.expert_axis)  # dense and shared MLPs are replicated over ep
-    if moe:
+    if moe:  # the shared expert splits like a dense MLP, over the `mlp` axis only (even where experts share it)
         routed = llama4_moe(lp, x, k=cfg.num_experts_per_tok, expert_axis=red.expert_axis)
-        h = h + psum(routed, red.mlp) + psum(shared_mlp(lp, x), tp)
+        h = h + psum(routed, red.mlp) + psum(shared_mlp(lp, x), red.dense)
     else:
-        h = h + psum(dense_mlp(lp, x), tp)
+        h = h + psum(dense_mlp(lp, x), red.dense)
     return h, k_pages, v_pages
 
 
