@@ -65,10 +65,13 @@ def test_generate_matches_hf(name, impl, checkpoints, caplog):
 def test_int8_weights_with_ngram_speculation_match_hf_on_the_same_int8_weights(checkpoints):
     """`weights_quantization="int8"` keeps every stack's layer weights int8 (the experts and shared
     expert too); HF given the same per-channel int8 weights is the reference. Speculating with
-    n-grams (which these repetitive greedy texts accept) changes no greedy token."""
+    n-grams (which these repetitive greedy texts accept) changes no greedy token; a constrained
+    request keeps to its grammar."""
+    import re
+
     from flax import nnx
 
-    from infire_jax import LLM, SamplingParams
+    from infire_jax import LLM, SamplingParams, StructuredOutputs
 
     _, path = checkpoints["causal"]
     want = hf_model("causal")
@@ -81,6 +84,10 @@ def test_int8_weights_with_ngram_speculation_match_hf_on_the_same_int8_weights(c
         assert placed[f"{name}.int8"].dtype == np.int8 and name not in placed
     _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), want)
     assert llm.engine.spec.stats.num_accepted_tokens > 0
+    pattern = "(chunk|nope)-[0-9]{2}"  # structured output, speculating within the grammar
+    out = llm.generate(["Which layer kind, and how many?"], SamplingParams(
+        max_tokens=16, temperature=0, structured_outputs=StructuredOutputs(regex=pattern)))[0].outputs[0]
+    assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop"
     assert llm.engine.compiles_since_warmup == 0
     llm.engine.close()
 
