@@ -42,12 +42,15 @@ def _assert_matches(outs, hf) -> None:
         np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
 
 
-# The causal model runs the CPU attention kernel; the multimodal one the Pallas kernels (interpret mode).
+# The causal model runs the CPU attention kernel and moe.py's loop over row tiles; the multimodal one
+# the GPU's kernels in interpret mode: Pallas attention and the grouped matmul reading the experts in place.
 @pytest.mark.parametrize("name,impl", [("causal", "reference"), ("multimodal", "pallas_interpret")])
-def test_generate_matches_hf(name, impl, checkpoints, caplog):
+def test_generate_matches_hf(name, impl, checkpoints, caplog, monkeypatch):
     from infire_jax import LLM, SamplingParams
 
     hf, path = checkpoints[name]
+    if impl == "pallas_interpret":
+        monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
     with caplog.at_level("WARNING", logger="infire_jax.loaders.llama4_hf"):
         llm = LLM(model=path, attn_impl=impl, **ENGINE)
     vision = [r for r in caplog.records if "vision tower" in r.getMessage()]
@@ -228,8 +231,9 @@ def test_multimodal_wrapper_fields_are_checked():
 def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
     """`dummy:` carries the published text config; shapes only (no allocation of 100-400B weights).
     The count equals HF's own text model built on the meta device, and the memory plan's tensors
-    hold exactly those weights."""
+    hold exactly those weights (and refuse a pipeline, as the engine does)."""
     import math
+    import os
 
     import jax
     import jax.numpy as jnp
@@ -237,9 +241,12 @@ def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
     from flax import nnx
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
-    from infire_jax.loaders.dummy import CONFIGS, load_dummy
-    from infire_jax.memplan.model import from_model_config
+    from infire_jax.loaders.dummy import load_dummy
+    from infire_jax.loaders.gguf_quant import dummy_layout
+    from infire_jax.memplan.model import from_model_config, placed_config
     from infire_jax.models.registry import abstract_model
+    from infire_jax.quant.resident import INPUT_AXIS
+    from sharding.mesh import CONFIG_DIR, MeshConfig
 
     cfg = load_dummy(name).config
     assert (cfg.num_layers, cfg.num_experts, cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim) == (48, experts, 202048,
@@ -257,6 +264,14 @@ def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
     assert ours == cfg.param_count() == sum(p.numel() for p in hf.parameters())
     plan = from_model_config(cfg, "bfloat16")
     assert sum(math.prod(t.shape) for t in plan.tensors) == ours
+    # `weights_quantization="int4"` draws a dummy's layer weights as int4 parts, groups of 128 inputs
+    int4 = abstract_model(cfg, jnp.bfloat16, {s: dummy_layout("int4", cfg) for s in INPUT_AXIS})
+    parts = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(nnx.state(int4, nnx.Param))}
+    assert parts["moe_layers.w_gate_up.q4"] == (moe_layers, experts, 5120 // 8, 2, 8192)
+    assert parts["moe_layers.w_shared_down.scale"] == (moe_layers, 8192 // 128, 5120)
+    assert parts["moe_layers.router"] == (moe_layers, 5120, experts)  # the router stays as it is
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported for the Llama 4 family"):
+        placed_config(cfg, MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "2-pp2.yaml")))  # as the engine refuses
     small = load_dummy(f"{name},layers=3").config
     assert small.num_layers == 3 and small.llama4.stack_sizes["moe"] == 3 // cfg.llama4.moe_step
 

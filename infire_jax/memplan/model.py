@@ -268,6 +268,8 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     from sharding.plan import plan_stages
 
     sizes, repeat = mc.sizes, 1
+    if cfg.llama4 is not None and sizes["pp"] > 1:
+        raise ValueError("pipeline parallelism is not supported for the Llama 4 family")  # as ShardPlan.create
     tp = sizes["tp"] if mc.rule("q_heads") else 1
     if cfg.num_kv_heads % tp:
         if tp % cfg.num_kv_heads:
