@@ -128,9 +128,11 @@ def _attention_params(cfg: ModelConfig) -> int:
 
 
 def _moe_layers(cfg: ModelConfig) -> int:
-    """Layers with experts (DeepSeek-V3 keeps its first `first_k_dense_replace` dense)."""
+    """Layers with experts (DeepSeek-V3 keeps its first `first_k_dense_replace` dense; Llama 4 interleaves)."""
     if not cfg.is_moe:
         return 0
+    if cfg.llama4 is not None:
+        return cfg.llama4.stack_sizes["moe"]
     return cfg.num_layers - (cfg.deepseek_moe.first_k_dense_replace if cfg.deepseek_moe else 0)
 
 
@@ -140,7 +142,7 @@ def layer_matmul_params(cfg: ModelConfig) -> int:
     moe = _moe_layers(cfg)
     routed = 0
     if moe:
-        shared = cfg.deepseek_moe.num_shared_experts if cfg.deepseek_moe else 0
+        shared = cfg.deepseek_moe.num_shared_experts if cfg.deepseek_moe else int(cfg.llama4 is not None)
         routed = (cfg.num_experts_per_tok + shared) * 3 * e * cfg.moe_intermediate_size + e * cfg.num_experts
     return cfg.num_layers * _attention_params(cfg) + moe * routed + (cfg.num_layers - moe) * 3 * e * cfg.intermediate_size
 

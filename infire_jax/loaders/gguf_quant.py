@@ -35,7 +35,7 @@ from infire_jax.models.registry import build_state
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, quantize_int4
-from infire_jax.quant.resident import INPUT_AXIS, QuantLayout, quantize_int8
+from infire_jax.quant.resident import INPUT_AXIS, SHARED_EXPERT, QuantLayout, quantize_int8
 from infire_jax.tokenizer import tokenizer_from_gguf
 from sharding.plan import ShardPlan
 
@@ -115,7 +115,8 @@ def dummy_layout(mode: str, cfg, group: int = DEFAULT_INT4_GROUP) -> QuantLayout
     is not a multiple of it. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi K2's.)"""
     if mode == "int8":
         return QuantLayout("int8")
-    return QuantLayout("int4", group=math.gcd(group, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim))
+    return QuantLayout("int4", group=math.gcd(group, cfg.hidden_size, cfg.intermediate_size,
+                                             cfg.moe_intermediate_size, cfg.head_dim))
 
 
 def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:
@@ -145,12 +146,16 @@ def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPl
         raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
                           "family keeps a published quantized checkpoint's weights with 'checkpoint'")
     if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
-        layouts = {short: dummy_layout(mode, loaded.config, int4_group) for short in INPUT_AXIS}
+        shorts = [s for s in INPUT_AXIS if loaded.config.llama4 is not None or s not in SHARED_EXPERT]
+        layouts = {short: dummy_layout(mode, loaded.config, int4_group) for short in shorts}
         graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
         return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
     if mode == "int8":
         weights, layouts = quantize_int8(loaded.weights)
         return place_parts(loaded, weights, layouts, dtype, plan)
+    if loaded.config.llama4 is not None:  # its stacks are dense_layers / moe_layers, which int4_rtn does not walk
+        raise ConfigError("weights_quantization='int4' at load covers the single-stack Llama-family models; for "
+                          "Llama 4 use 'int8' (a dummy: model draws int4 parts)")
     try:
         weights, layouts = quantize_int4(loaded.weights, int4_group)
     except ValueError as e:
