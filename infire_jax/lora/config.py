@@ -37,5 +37,8 @@ class LoRAConfig:
         if cfg.mla is not None:
             raise ConfigError(f"LoRA adapters are supported on the Llama family (dense and MoE), not on "
                               f"{cfg.architecture} (latent attention)")
+        if cfg.llama4 is not None:
+            raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on Llama 4 "
+                              "(its layers are models/llama4.py's, which take no adapter yet)")
         if multiprocess:
             raise ConfigError("LoRA adapters are not supported across several processes yet")
