@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from infire_jax.kv_cache import NULL_PAGE, block_chain, extend_block_hashes
+from infire_jax.kv_cache import NULL_PAGE, KVCacheManager, block_chain, extend_block_hashes
 from infire_jax.kv_groups import KVGroupLayout
 from infire_jax.request import Request
 
@@ -300,3 +300,11 @@ class HybridKVCacheManager:
         req.group_pages, req.group_start, req.pages = [], [], []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
+
+
+def kv_cache_manager(num_pages: int, page_size: int, kv_groups: KVGroupLayout | None, *,
+                     enable_prefix_caching: bool = True) -> KVCacheManager | HybridKVCacheManager:
+    """The engine's page allocator: the hybrid one where some group of layers frees pages, else the plain one."""
+    if kv_groups is None or not kv_groups.bounded:
+        return KVCacheManager(num_pages, page_size, enable_prefix_caching=enable_prefix_caching)
+    return HybridKVCacheManager(num_pages, page_size, kv_groups, enable_prefix_caching=enable_prefix_caching)

@@ -5,14 +5,14 @@ layer (window W) the last W keys (`pallas_kernels.metadata.LocalMask`). A bounde
 older pages, so the layers are grouped by kind, each group with its own page table, and the groups
 draw their pages from one pool (vLLM's hybrid KV cache manager, adapted to a stacked pool):
 
-- Every group has the same number of layers, `slots` (s). The pool is [s, pages, page_size, heads,
-  dim]: page n of group g is the memory of g's s layers, and layer l lives at pool slot `slot[l]`,
-  addressed through group `group[l]`'s page table.
+- Every group has the same number of layers, `page_layers` (s). The pool is [s, pages, page_size,
+  heads, dim]: page n of group g is the memory of g's s layers, and layer l lives at index `index[l]`
+  of the pool's leading axis, addressed through group `group[l]`'s page table.
 - s is chosen per model: the layer counts of the kinds are cut into groups of s, the last group of a
-  kind padded with unused slots where s does not divide its count. s minimises the unused slots,
-  then the groups, within MAX_GROUPS (Llama 4 Scout: 12 global + 36 chunked layers, s = 12, 4 groups,
-  none unused; Qwen2 with 21 global and 7 window layers: s = 7, 4 groups). An unused slot costs its
-  share of every page of its group: `describe` says how many there are.
+  kind padded where s does not divide its count. s minimises the padding, then the groups, within
+  MAX_GROUPS (Llama 4 Scout: 12 global + 36 chunked layers, s = 12, 4 groups, no padding; Qwen2 with
+  21 global and 7 window layers: s = 7, 4 groups). A padding layer costs its share of every page of
+  its group: `describe` says how many there are.
 - A model whose layers are all global, or an engine that keeps every page (`hybrid=False`), has one
   global group of every layer: the pool and the programs are those of a plain model.
 
@@ -31,8 +31,8 @@ MAX_GROUPS = 8  # more groups than kinds only up to this: each is a page table p
 
 @dataclasses.dataclass(frozen=True)
 class KVGroup:
-    """Layers of one kind: chunk C > 0 and / or window W > 0 (both 0: global), and the true layer
-    held at each pool slot (fewer than `slots` where the group is padded)."""
+    """Layers of one kind: chunk C > 0 and / or window W > 0 (both 0: global), and the model layer at
+    each index of the group's pages (fewer than `page_layers` where the group is padded)."""
 
     chunk: int
     window: int
@@ -78,10 +78,10 @@ class KVGroup:
 
 @dataclasses.dataclass(frozen=True)
 class KVGroupLayout:
-    """Which pool slot and which group's page table each layer uses (see the module docstring)."""
+    """Which index of a page and which group's page table each layer uses (see the module docstring)."""
 
     groups: tuple[KVGroup, ...]
-    slots: int
+    page_layers: int
     num_layers: int
 
     @classmethod
@@ -101,12 +101,12 @@ class KVGroupLayout:
             kinds.setdefault((c, w), []).append(layer)
         order = sorted(kinds, key=lambda k: (k != (0, 0), k))  # the global kind first
         counts = [len(kinds[k]) for k in order]
-        slots = choose_slots(counts, max(max_groups, len(counts)))
+        size = choose_page_layers(counts, max(max_groups, len(counts)))
         groups = []
         for kind in order:
             layers = kinds[kind]
-            groups += [KVGroup(*kind, tuple(layers[i:i + slots])) for i in range(0, len(layers), slots)]
-        return cls(tuple(groups), slots, num_layers)
+            groups += [KVGroup(*kind, tuple(layers[i:i + size])) for i in range(0, len(layers), size)]
+        return cls(tuple(groups), size, num_layers)
 
     @property
     def num_groups(self) -> int:
@@ -118,20 +118,20 @@ class KVGroupLayout:
         return any(g.bounded for g in self.groups)
 
     @property
-    def unused_slots(self) -> int:
-        """Pool slots that hold no layer (padding of groups smaller than `slots`)."""
-        return self.num_groups * self.slots - self.num_layers
+    def padding_layers(self) -> int:
+        """Layer places in the pages that hold no layer (groups smaller than `page_layers`)."""
+        return self.num_groups * self.page_layers - self.num_layers
 
     def layer_table(self) -> np.ndarray:
-        """[L, 2] int32: each layer's (pool slot, group), `AttentionMetadata.layer_kv`."""
+        """[L, 2] int32: each layer's (index in the pool's leading axis, group): `AttentionMetadata.layer_kv`."""
         table = np.zeros((self.num_layers, 2), np.int32)
         for g, group in enumerate(self.groups):
-            for slot, layer in enumerate(group.layers):
-                table[layer] = (slot, g)
+            for index, layer in enumerate(group.layers):
+                table[layer] = (index, g)
         return table
 
     def seq_blocks(self, num_tokens: int, page_size: int, step_tokens: int = 1) -> int:
-        """Pages (each `slots` layers) one sequence of `num_tokens` holds at most, over every group."""
+        """Pages (each `page_layers` layers) one sequence of `num_tokens` holds at most, over every group."""
         return sum(g.max_blocks(num_tokens, page_size, step_tokens) for g in self.groups)
 
     def context_tokens(self, usable_pages: int, page_size: int, max_len: int, num_seqs: int = 1,
@@ -157,12 +157,12 @@ class KVGroupLayout:
         for g in self.groups:
             kinds.setdefault(g.kind, []).append(len(g.layers))
         parts = [f"{len(n)} x {g} ({sum(n)} layers)" for g, n in kinds.items()]
-        unused = f", {self.unused_slots} unused slots" if self.unused_slots else ""
-        return f"KV groups: {', '.join(parts)}; a page holds {self.slots} layers{unused}"
+        padding = f" ({self.padding_layers} of them padding)" if self.padding_layers else ""
+        return f"KV groups: {', '.join(parts)}; a page holds {self.page_layers} layers{padding}"
 
 
-def choose_slots(counts: Sequence[int], max_groups: int) -> int:
-    """The group size s for kinds of `counts` layers: the fewest unused slots, then the fewest groups,
+def choose_page_layers(counts: Sequence[int], max_groups: int) -> int:
+    """The group size s for kinds of `counts` layers: the least padding, then the fewest groups,
     among the sizes that make at most `max_groups` groups (s = the largest count always does when
     there are no more kinds than that)."""
     best = None

@@ -10,7 +10,7 @@ import pytest
 
 from infire_jax.hybrid_kv_cache import HybridKVCacheManager
 from infire_jax.kv_cache import NULL_PAGE
-from infire_jax.kv_groups import KVGroup, KVGroupLayout, choose_slots
+from infire_jax.kv_groups import KVGroup, KVGroupLayout, choose_page_layers
 from infire_jax.request import Request, Status
 from infire_jax.sampling_params import SamplingParams
 from infire_jax.scheduler import Scheduler
@@ -57,21 +57,21 @@ def live(pages: list[int]) -> list[int]:
 def test_layout_groups_equal_sizes_by_kind():
     scout = [GLOBAL if (i + 1) % 4 == 0 else (8192, 0) for i in range(48)]  # every 4th layer global
     lay = KVGroupLayout.of(scout, 48)
-    assert (lay.slots, lay.num_groups, lay.unused_slots) == (12, 4, 0)
+    assert (lay.page_layers, lay.num_groups, lay.padding_layers) == (12, 4, 0)
     assert [g.bounded for g in lay.groups] == [False, True, True, True]
     assert lay.groups[0].layers == tuple(range(3, 48, 4))
     table = lay.layer_table()
     for g, group in enumerate(lay.groups):
-        for slot, layer in enumerate(group.layers):
-            assert tuple(table[layer]) == (slot, g)
+        for index, layer in enumerate(group.layers):
+            assert tuple(table[layer]) == (index, g)
     qwen = KVGroupLayout.of([GLOBAL] * 21 + [(0, 4096)] * 7, 28)  # max_window_layers=21
-    assert (qwen.slots, qwen.num_groups, qwen.unused_slots) == (7, 4, 0)
-    # 7 global and 4 window layers: s = 1 would make 11 groups; 4 layers a page wastes one slot.
+    assert (qwen.page_layers, qwen.num_groups, qwen.padding_layers) == (7, 4, 0)
+    # 7 global and 4 window layers: s = 1 would make 11 groups; 4 layers a page pads one.
     odd = KVGroupLayout.of([GLOBAL] * 7 + [WINDOW] * 4, 11)
-    assert (odd.slots, odd.num_groups, odd.unused_slots) == (4, 3, 1) and choose_slots([7, 4], 8) == 4
+    assert (odd.page_layers, odd.num_groups, odd.padding_layers) == (4, 3, 1) and choose_page_layers([7, 4], 8) == 4
     assert sorted(int(x) for x in odd.layer_table()[:, 1]) == [0] * 4 + [1] * 3 + [2] * 4
     for plain in (KVGroupLayout.of([], 5), KVGroupLayout.of([CHUNK] * 5, 5, hybrid=False)):
-        assert plain == KVGroupLayout.single(5) and not plain.bounded and plain.slots == 5
+        assert plain == KVGroupLayout.single(5) and not plain.bounded and plain.page_layers == 5
     assert KVGroupLayout.of([WINDOW] * 3, 3).groups == (KVGroup(0, 6, (0, 1, 2)),)
 
 
