@@ -84,8 +84,8 @@ class _EngineCollector(Collector):
         name = "kv_pool_context_tokens"
         if name not in families:
             families[name] = GaugeMetricFamily(
-                PREFIX + name, "Tokens of context each of `sequences` sequences can hold at once in the KV pool "
-                "(+Inf: any length, every layer being chunked or windowed).", labels=["model_name", "sequences"])
+                PREFIX + name, "Tokens of context each of `sequences` sequences can hold at once in the KV "
+                "pool (+Inf: any length, every layer being chunked or windowed).", labels=["model_name", "sequences"])
         for n in cap.SEQUENCES:
             tokens = cap.context_tokens(n)
             families[name].add_metric([model, str(n)], float("inf") if tokens is None else tokens)

@@ -152,3 +152,31 @@ def test_no_page_leaks_after_500_mixed_requests_with_disconnects(llms):
     assert engine.num_running == engine.num_waiting == 0
     assert kv.num_free_pages == kv.num_usable_pages and not any(kv.ref_cnt) and kv.pages_in_use() == [0, 0, 0]
     assert engine.compiles_since_warmup == 0
+
+
+def test_metrics_report_each_groups_pages_and_the_context_that_fits(llms):
+    from infire_jax.async_engine import AsyncEngine
+    from server.metrics import _EngineCollector
+
+    engine = llms[0].engine
+    (ids,) = prompts(5, (30,))
+    rid, _ = engine.add_request(ids, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    collector = _EngineCollector()
+    snapshot = AsyncEngine(engine, max_queue=1)._take_snapshot()
+    collector.add("tiny", lambda: snapshot, engine.pool_sizing)
+    families = {f.name: f for f in collector.collect()}
+    samples = families["infire:kv_cache_group_pages_in_use"].samples
+    held = {(s.labels["group"], s.labels["kind"]): s.value for s in samples}
+    in_use = engine.kv.pages_in_use()
+    assert held == {("0", "global"): in_use[0], ("1", "chunk 12"): in_use[1], ("2", "chunk 12"): in_use[2]}
+    assert in_use[0] > in_use[1] > 0
+    tokens = {s.labels["sequences"]: s.value for s in families["infire:kv_pool_context_tokens"].samples}
+    # 119 usable pages: a 32-token step's 8 pages in each chunked group, 4 (12 tokens, a page more for
+    # a straddling span) per sequence in each, the rest global at 4 tokens a page.
+    assert tokens["1"] == (119 - 2 * 8 - 2 * 4) * PS
+    assert tokens["8"] == ((119 - 16) // 8 - 8) * PS
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
