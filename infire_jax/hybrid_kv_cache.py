@@ -93,7 +93,8 @@ class HybridKVCacheManager:
 
     @staticmethod
     def held_pages(req: Request) -> int:
-        return sum(p != NULL_PAGE for pages in req.group_pages for p in pages)
+        """A request's pages over its groups: each group holds every block from its `group_start` on."""
+        return sum(len(pages) - start for pages, start in zip(req.group_pages, req.group_start))
 
     # ---- pages ------------------------------------------------------------------------------
     def _take(self, page: int) -> None:

@@ -36,6 +36,9 @@ def check_accounting(kv: HybridKVCacheManager, reqs: list[Request]) -> None:
     assert sum(kv.pages_in_use()) + kv.num_free_pages == kv.num_usable_pages
     held = Counter(kv.page_group[p] for p in refs)
     assert kv.pages_in_use() == [held.get(g, 0) for g in range(kv.layout.num_groups)]
+    for r in reqs:  # a group holds every block from its start on, none before
+        assert kv.held_pages(r) == sum(p != NULL_PAGE for pages in r.group_pages for p in pages)
+        assert all(p == NULL_PAGE for pages, start in zip(r.group_pages, r.group_start) for p in pages[:start])
 
 
 def compute(kv: HybridKVCacheManager, req: Request, n: int, cached=()) -> None:
