@@ -81,7 +81,7 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     With `num_spec` = K > 0 (a verifying step) each row has logits at K + 1 positions: its known
     token and its proposals, repeating its last token past them. With `kv_groups` of several groups
     (a hybrid KV cache) every group gets its page table and slot mapping from the rows'
-    `group_pages`, and the metadata the layers' (slot, group) table."""
+    `group_pages`, and the metadata the layers' (pool index, group) table."""
     t, s = shape.num_tokens, shape.num_rows
     num_groups = kv_groups.num_groups if kv_groups is not None else 1
     tokens = np.zeros(t, np.int32)

@@ -75,7 +75,7 @@ class PoolSizing:
     weight_bytes: int = 0  # one device's share of the weights (hot standby: at least the room kept for them)
     activation_bytes: int = 0  # the largest step's temporaries on one device
     other_bytes: int = 0  # other buffers already in use (sampling history, the minimal pool measured with)
-    capacity: KVCapacity | None = None  # the tokens it holds (set by the engine, which knows the groups)
+    capacity: KVCapacity | None = None  # the tokens of context it holds (PoolPlanner sets it)
 
     @property
     def pool_bytes(self) -> int:

@@ -180,3 +180,18 @@ def test_metrics_report_each_groups_pages_and_the_context_that_fits(llms):
     engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
+
+
+def test_what_does_not_take_local_layers_yet_says_so(llms):
+    import jax.numpy as jnp
+
+    from infire_jax.errors import ConfigError
+    from infire_jax.speculative.setup import parse_speculation
+
+    with pytest.raises(ConfigError, match="hybrid KV cache"):
+        llms[0].engine.export_prompt_kv(prompts(6, (20,))[0])
+    with pytest.raises(ConfigError, match="sliding-window layers"):
+        parse_speculation({"method": "draft_model", "model": "dummy:smollm2-135m", "num_speculative_tokens": 2},
+                          CONFIG, dtype=jnp.float32, multiprocess=False, one_plain_device=True)
+    assert parse_speculation({"method": "ngram", "num_speculative_tokens": 2}, CONFIG, dtype=jnp.float32,
+                             multiprocess=False, one_plain_device=True)[0].method == "ngram"
