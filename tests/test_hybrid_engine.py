@@ -132,9 +132,10 @@ def test_no_page_leaks_after_500_mixed_requests_with_disconnects(llms):
     base = prompts(4, (40,))[0]
     live: list[str] = []
     done = 0
+    aborted = {"mid-prefill": 0, "mid-stream": 0}
     for i in range(500):
-        n = rng.choice([3, 8, 20, 45])
-        ids = (base[:rng.choice([0, 13, 26])] + prompts(100 + i, (n,))[0])[:60]
+        n = rng.choice([3, 8, 20, 45, 90])
+        ids = (base[:rng.choice([0, 13, 26])] + prompts(100 + i, (n,))[0])[:100]
         params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]), seed=i,
                                 n=2 if i % 50 == 0 else 1, stop_token_ids=[rng.randrange(512)] if i % 7 == 0 else None)
         rid, _ = engine.add_request(ids, params, tenant=rng.choice([None, "a", "b"]))
@@ -145,10 +146,16 @@ def test_no_page_leaks_after_500_mixed_requests_with_disconnects(llms):
                     live.remove(d.request_id)
                     done += 1
         if live and rng.random() < 0.2:
-            engine.abort(live.pop(rng.randrange(len(live))))
+            rid = live.pop(rng.randrange(len(live)))
+            req = engine._requests[rid][0]
+            if req.num_computed_tokens and req.num_computed_tokens < req.num_prompt_tokens:
+                aborted["mid-prefill"] += 1
+            elif req.output_token_ids:
+                aborted["mid-stream"] += 1
+            engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    assert done > 250
+    assert done > 250 and aborted["mid-prefill"] > 3 and aborted["mid-stream"] > 10
     assert engine.num_running == engine.num_waiting == 0
     assert kv.num_free_pages == kv.num_usable_pages and not any(kv.ref_cnt) and kv.pages_in_use() == [0, 0, 0]
     assert engine.compiles_since_warmup == 0
