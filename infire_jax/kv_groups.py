@@ -17,6 +17,9 @@ draw their pages from one pool (vLLM's hybrid KV cache manager, adapted to a sta
   global group of every layer: the pool and the programs are those of a plain model.
 
 Group 0 is a global group whenever the model has global layers.
+
+Pure arithmetic on the layers' kinds, in the base layer, so that the memory plan (`infire-jax plan`)
+counts the tokens that fit (`KVCapacity`) as the engine does.
 """
 
 from __future__ import annotations
@@ -159,6 +162,39 @@ class KVGroupLayout:
         parts = [f"{len(n)} x {g} ({sum(n)} layers)" for g, n in kinds.items()]
         padding = f" ({self.padding_layers} of them padding)" if self.padding_layers else ""
         return f"KV groups: {', '.join(parts)}; a page holds {self.page_layers} layers{padding}"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCapacity:
+    """What a pool of `num_pages` holds: the tokens of context that fit, one sequence's and each of
+    several sequences', with each sequence paying its bounded groups' pages (chunks, windows) and one
+    step of `step_tokens` their transient ones. The engine's pool (kv_pool.py) and the memory plan
+    (memplan/plan.py) report it."""
+
+    groups: KVGroupLayout
+    num_pages: int
+    page_size: int
+    step_tokens: int
+    SEQUENCES = (1, 8, 64)
+
+    def context_tokens(self, num_seqs: int = 1) -> int | None:
+        """Tokens of context each of `num_seqs` sequences can hold at once; None: any length (every
+        group is bounded and their pages fit)."""
+        usable = self.num_pages - 1
+        most = usable * self.page_size  # no sequence holds more tokens than the pool has slots
+        tokens = self.groups.context_tokens(usable, self.page_size, most + 1, num_seqs, self.step_tokens)
+        if tokens > most:
+            return None if any(g.bounded for g in self.groups.groups) else most
+        return tokens
+
+    def describe(self) -> str:
+        fits = []
+        for n in self.SEQUENCES:
+            tokens = self.context_tokens(n)
+            each = "any length" if tokens is None else f"{tokens:,}"
+            fits.append(f"{n} sequence{'s' if n > 1 else ''}: {each}{' each' if n > 1 else ''}")
+        groups = f"{self.groups.describe()}; " if self.groups.bounded else ""
+        return f"{groups}KV tokens that fit: {', '.join(fits)}"
 
 
 def choose_page_layers(counts: Sequence[int], max_groups: int) -> int:

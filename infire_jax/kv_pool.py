@@ -21,7 +21,7 @@ import jax
 
 from infire_jax.device_memory import kv_bytes_per_page
 from infire_jax.errors import ConfigError
-from infire_jax.kv_groups import KVGroupLayout
+from infire_jax.kv_groups import KVCapacity, KVGroupLayout
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.xla_flags import allocator_fraction
@@ -30,38 +30,6 @@ _GIB = float(1 << 30)
 # The pool's page count is rounded down to a multiple of this, so that small run-to-run differences
 # in memory use keep the pool's shape, and with it the persistent compilation cache's hits.
 PAGE_MULTIPLE = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCapacity:
-    """What a pool of `num_pages` holds: the tokens of context that fit, one sequence's and each of
-    several sequences', with each sequence paying its bounded groups' pages (chunks, windows) and one
-    step of `step_tokens` their transient ones (kv_groups.py)."""
-
-    groups: KVGroupLayout
-    num_pages: int
-    page_size: int
-    step_tokens: int
-    SEQUENCES = (1, 8, 64)
-
-    def context_tokens(self, num_seqs: int = 1) -> int | None:
-        """Tokens of context each of `num_seqs` sequences can hold at once; None: any length (every
-        group is bounded and their pages fit)."""
-        usable = self.num_pages - 1
-        most = usable * self.page_size  # no sequence holds more tokens than the pool has slots
-        tokens = self.groups.context_tokens(usable, self.page_size, most + 1, num_seqs, self.step_tokens)
-        if tokens > most:
-            return None if any(g.bounded for g in self.groups.groups) else most
-        return tokens
-
-    def describe(self) -> str:
-        fits = []
-        for n in self.SEQUENCES:
-            tokens = self.context_tokens(n)
-            each = "any length" if tokens is None else f"{tokens:,}"
-            fits.append(f"{n} sequence{'s' if n > 1 else ''}: {each}{' each' if n > 1 else ''}")
-        groups = f"{self.groups.describe()}; " if self.groups.bounded else ""
-        return f"{groups}KV tokens that fit: {', '.join(fits)}"
 
 
 @dataclasses.dataclass(frozen=True)
