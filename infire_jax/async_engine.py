@@ -55,6 +55,7 @@ class EngineSnapshot:
     device_wait_seconds: float = 0.0
     spec: SpecStats | None = None  # speculative decoding's counters, when the engine speculates
     grammar_seconds: float = 0.0  # of the host time: in the grammar engine (structured outputs)
+    kv_group_pages: tuple[int, ...] = ()  # KV pages held by requests, per group of layers (hybrid_kv_cache.py)
 
 
 class LatencyObserver(Protocol):
@@ -415,4 +416,4 @@ class AsyncEngine:
             prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens,
             compiles_since_warmup=e.compiles_since_warmup, step_seconds=e.stats.step_seconds,
             device_wait_seconds=e.stats.device_wait_seconds, grammar_seconds=e.grammars.clock.seconds,
-            spec=e.spec.stats.copy() if e.spec else None)
+            spec=e.spec.stats.copy() if e.spec else None, kv_group_pages=tuple(e.kv.pages_in_use()))

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 from infire_jax.buckets import StepShape
+from infire_jax.kv_groups import KVGroupLayout
 from infire_jax.sampler import SamplingInputs
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS
 from infire_jax.scheduler import SchedulerOutput
@@ -74,22 +75,26 @@ def _column(values: list, size: int, fill, dtype) -> np.ndarray:
 
 
 def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, pages_per_seq: int,
-                dummy_slot: int, num_spec: int = 0, lora: bool = False) -> StepBatch:
+                dummy_slot: int, num_spec: int = 0, kv_groups: KVGroupLayout | None = None,
+                lora: bool = False) -> StepBatch:
     """Per-row values are gathered in Python lists and converted once per column: at batch 256 a
     numpy write per value cost more host time than the device step has to spare.
 
     With `num_spec` = K > 0 (a verifying step) each row has logits at K + 1 positions: its known
-    token and its proposals, repeating its last token past them. With `lora`, each token carries its
-    request's adapter slot (lora/adapters.py; padding: 0)."""
+    token and its proposals, repeating its last token past them. With `kv_groups` of several groups
+    (a hybrid KV cache) every group gets its page table and slot mapping from the rows'
+    `group_pages`, and the metadata the layers' (pool index, group) table. With `lora`, each token
+    carries its request's adapter slot (lora/adapters.py; padding: 0)."""
     t, s = shape.num_tokens, shape.num_rows
+    num_groups = kv_groups.num_groups if kv_groups is not None else 1
     lora_slots = np.zeros(t, np.int32) if lora else None
     tokens = np.zeros(t, np.int32)
     from_device = np.zeros(t, bool)
     kind = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
-    slot_mapping = np.arange(t, dtype=np.int32) % page_size + NULL_PAGE * page_size
+    slot_mappings = np.tile(np.arange(t, dtype=np.int32) % page_size + NULL_PAGE * page_size, (num_groups, 1))
     seq_ids = np.full(t, s, np.int32)
-    page_table = np.full((s, pages_per_seq), NULL_PAGE, np.int32)
+    page_tables = np.full((num_groups, s, pages_per_seq), NULL_PAGE, np.int32)
     suppress = np.full((s, MAX_STOP_TOKEN_IDS), -1, np.int32)
     rows: dict[str, list] = {k: [] for k in (
         "kv_lens", "ends", "slots", "reset", "sample", "temperature", "top_k", "top_p", "min_p", "rep", "pres",
@@ -99,7 +104,7 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     for i, sq in enumerate(work.seqs):
         req, n, st = sq.req, sq.num_tokens, sq.start
         end = off + n
-        pages = req.pages
+        group_pages = req.group_pages if num_groups > 1 else (req.pages,)
         nd = len(sq.drafts)
         if sq.from_device:
             from_device[off] = True
@@ -110,17 +115,20 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         if n == 1:  # a decode: scalars, no per-token arrays
             positions[off] = st
             kind[off] = TOKEN_PROMPT if st < req.num_prompt_tokens else TOKEN_OUTPUT
-            slot_mapping[off] = pages[st // page_size] * page_size + st % page_size
+            for g, pages in enumerate(group_pages):
+                slot_mappings[g, off] = pages[st // page_size] * page_size + st % page_size
         else:
             pos = np.arange(st, st + n, dtype=np.int32)
             positions[off:end] = pos
             kind[off:end] = np.where(pos < req.num_prompt_tokens, TOKEN_PROMPT, TOKEN_OUTPUT)
             kind[end - nd:end] = TOKEN_DRAFT
-            slot_mapping[off:end] = np.asarray(pages, np.int32)[pos // page_size] * page_size + pos % page_size
+            for g, pages in enumerate(group_pages):
+                slot_mappings[g, off:end] = np.asarray(pages, np.int32)[pos // page_size] * page_size + pos % page_size
         seq_ids[off:end] = i
         if lora_slots is not None:
             lora_slots[off:end] = req.lora_slot
-        page_table[i, :len(pages)] = pages
+        for g, pages in enumerate(group_pages):
+            page_tables[g, i, :len(pages)] = pages
         p = req.params
         rows["kv_lens"].append(st + n)
         rows["ends"].append(end)
@@ -150,9 +158,12 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     seed = np.zeros((s, 2), np.uint32)
     if nrows:
         seed[:nrows] = rows["seed"]
+    groups = num_groups > 1
     meta = AttentionMetadata(
-        positions=positions, slot_mapping=slot_mapping, seq_ids=seq_ids, page_table=page_table,
-        kv_lens=_column(rows["kv_lens"], s, 0, np.int32), cu_q_lens=cu, num_seqs=np.int32(nrows))
+        positions=positions, slot_mapping=slot_mappings[0], seq_ids=seq_ids, page_table=page_tables[0],
+        kv_lens=_column(rows["kv_lens"], s, 0, np.int32), cu_q_lens=cu, num_seqs=np.int32(nrows),
+        group_page_tables=page_tables if groups else None, group_slot_mappings=slot_mappings if groups else None,
+        layer_kv=kv_groups.layer_table() if groups else None)
     sampling = SamplingInputs(
         _column(rows["temperature"], s, 0.0, np.float32), _column(rows["top_k"], s, 0, np.int32),
         _column(rows["top_p"], s, 1.0, np.float32), _column(rows["min_p"], s, 0.0, np.float32),

@@ -24,8 +24,9 @@ from pallas_kernels.reference import pool_storage_dtype
 from sharding.plan import ShardPlan
 
 
-def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
-    return kv_entry(cfg).bytes_per_page(cfg.num_layers, page_size, jnp.dtype(dtype))
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, layers: int | None = None) -> int:
+    """One page of the pool over `layers` layers (default: the model's; a hybrid cache's page holds fewer)."""
+    return kv_entry(cfg).bytes_per_page(cfg.num_layers if layers is None else layers, page_size, jnp.dtype(dtype))
 
 
 def _host_copy(a: np.ndarray) -> np.ndarray:
@@ -75,9 +76,10 @@ class DeviceMemory:
         replicated = plan.replicated if plan else None
 
         stored = pool_storage_dtype(self.kv_dtype, rc.attn_impl)
+        layers = rc.pool_layers(c.num_layers)  # a hybrid cache's page holds one group's layers
         shapes = DeviceCache(
-            k_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), stored),
-            v_pages=((c.num_layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), stored),
+            k_pages=((layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), stored),
+            v_pages=((layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), stored),
             counts=((rc.num_slots, c.vocab_size), jnp.int32), prompt_mask=((rc.num_slots, c.vocab_size), jnp.bool_),
             last_tokens=((rc.num_slots,), jnp.int32))
         # LoRA adapters' device slots (lora/layout.py): empty until an adapter is paged in.

@@ -19,7 +19,7 @@ from infire_jax.detokenizer import IncrementalDetokenizer
 from infire_jax.engine_setup import EngineConfig, Progress, load_and_compile, on_gpu, resolve_settings
 from infire_jax.engine_stats import BootTimeline, EngineStats
 from infire_jax.errors import ConfigError, InvalidRequestError
-from infire_jax.kv_cache import KVCacheManager
+from infire_jax.hybrid_kv_cache import kv_cache_manager
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.loaders import LoadedModel
 from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
@@ -56,7 +56,8 @@ class Engine:
                                        self.model_config.eos_token_ids, timeout=ec.grammar_compile_timeout)
         log.info("%s", self.pool_sizing.describe())
         rc = self.runner.rc
-        self.kv = KVCacheManager(rc.num_pages, ec.page_size, enable_prefix_caching=ec.enable_prefix_caching)
+        self.kv = kv_cache_manager(rc.num_pages, ec.page_size, rc.kv_groups,
+                                   enable_prefix_caching=ec.enable_prefix_caching)
         # LoRA adapters (lora/adapters.py): admission pins a request's adapter into a device slot.
         self.lora = Adapters(ec.lora, self.model_config, self.runner, dtype=self.dtype) if ec.lora else None
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
@@ -301,6 +302,9 @@ class Engine:
     def _check_single_process(self) -> None:
         if multihost.is_multiprocess():
             raise ConfigError("KV transfer is not supported across several processes yet")
+        if self.runner.rc.kv_groups is not None:
+            raise ConfigError("KV transfer is not supported yet with a hybrid KV cache (chunked or sliding-window "
+                              "layers); engines built with hybrid_kv_cache=False can transfer")
 
     def export_prompt_kv(self, prompt: str | list[int], *, tenant: str | None = None,
                          lora_name: str | None = None) -> KVBlocks:

@@ -25,6 +25,7 @@ from infire_jax import multihost
 from infire_jax.buckets import Buckets, default_token_buckets
 from infire_jax.engine_stats import timed
 from infire_jax.errors import ConfigError
+from infire_jax.kv_groups import KVGroupLayout
 from infire_jax.kv_pool import PoolPlanner, PoolSizing
 from infire_jax.kv_scales import CALIBRATION_TEXT, calibrate, resolve_kv_cache_dtype
 from infire_jax.loaders import LoadedModel
@@ -104,6 +105,11 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
 
+    # A model with chunked or sliding-window layers keeps only the pages those layers still see
+    # (kv_groups.py, hybrid_kv_cache.py); False keeps every page of every layer in one group (the
+    # kernels mask the same way): for comparisons and tests.
+    hybrid_kv_cache: bool = True
+
     @property
     def lora(self) -> LoRAConfig | None:
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
@@ -140,6 +146,7 @@ class Settings(NamedTuple):
     max_num_batched_tokens: int  # the token budget of one step
     spec_config: SpeculativeConfig | None
     eagle_head: Eagle3Head | None
+    kv_groups: KVGroupLayout | None  # a hybrid KV cache's layer groups; None: one group, every page kept
     pool: PoolPlanner
     sizing: PoolSizing | None  # the pool's size where it is known before the weights are on the device
     runner_config: RunnerConfig  # the pool at its final size if `sizing`, else at its least
@@ -163,10 +170,13 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     spec_config, eagle_head = parse_speculation(
         ec.speculative_config, cfg, dtype=dtype, multiprocess=multihost.is_multiprocess(),
         one_plain_device=plan is None and not ec.weights_compression and not ec.weights_quantization)
+    layout = KVGroupLayout.of(cfg.local_attention, cfg.num_layers, hybrid=ec.hybrid_kv_cache)
+    kv_groups = layout if layout.bounded else None
     pool = PoolPlanner(
         PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
-                                  extra_page_bytes(spec_config, eagle_head, ec.page_size, dtype)),
-        ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization)
+                                  extra_page_bytes(spec_config, eagle_head, ec.page_size, dtype), kv_groups),
+        ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization,
+        kv_groups, budget)
     sizing = pool.fixed()
     rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else pool.min_pages,
                       max_model_len=max_model_len, max_num_seqs=ec.max_num_seqs,
@@ -175,9 +185,9 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                       num_spec=spec_config.num_speculative_tokens if spec_config else 0,
                       aux_layers=eagle_head.cfg.aux_layers(cfg.num_layers) if eagle_head else None,
                       decode_steps=1 if spec_config else ec.num_decode_steps,
-                      kv_cache_dtype=kv_dtype.name, lora=ec.lora)
+                      kv_cache_dtype=kv_dtype.name, kv_groups=kv_groups, lora=ec.lora)
     return Settings(dtype, kv_dtype, cfg, plan, plan.effective_config(cfg) if plan else cfg, max_model_len, budget,
-                    spec_config, eagle_head, pool, sizing, rc, checkpoint_kv_scales)
+                    spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales)
 
 
 def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
@@ -194,9 +204,12 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
     try:
         resolve_impl(ec.attn_impl)
         mesh_config = load_mesh_config(ec.mesh, jax.device_count())
-        return ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
+        plan = ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
     except ValueError as e:  # unknown attention name, MeshConfigError
         raise ConfigError(str(e)) from e
+    if plan is not None and plan.num_stages > 1 and cfg.has_local_attention:
+        raise ConfigError("pipeline parallelism (pp > 1) with chunked or sliding-window layers is not supported yet")
+    return plan
 
 
 def _attention(ec: EngineConfig, cfg: ModelConfig, dtype, kv_dtype) -> str:

@@ -30,6 +30,22 @@ def block_hash(parent: bytes | None, tokens, salt: str | None) -> bytes:
     return h.digest()
 
 
+def extend_block_hashes(req: Request, num_tokens: int, page_size: int) -> None:
+    """Grows `req.block_hashes` to the full blocks of its first `num_tokens` tokens (slices only: no
+    whole-token list per step)."""
+    for i in range(len(req.block_hashes), num_tokens // page_size):
+        parent = req.block_hashes[-1] if i else None
+        req.block_hashes.append(block_hash(parent, req.token_slice(i * page_size, page_size), req.cache_salt))
+
+
+def block_chain(token_ids: list[int], salt: str | None, page_size: int):
+    """(index, hash) of each full block of `token_ids`, down the salted chain."""
+    parent = None
+    for i in range(len(token_ids) // page_size):
+        parent = block_hash(parent, token_ids[i * page_size:(i + 1) * page_size], salt)
+        yield i, parent
+
+
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
         if num_pages < 2:
@@ -72,13 +88,19 @@ class KVCacheManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    # ---- prefix cache -----------------------------------------------------------------------
-    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
-        ps = self.page_size
-        for i in range(len(req.block_hashes), num_tokens // ps):  # slices only: no whole-token list per step
-            parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(block_hash(parent, req.token_slice(i * ps, ps), req.cache_salt))
+    def seq_pages(self, num_tokens: int) -> int:
+        """Pages one sequence of `num_tokens` holds (hybrid_kv_cache.py's bounds some groups)."""
+        return self.pages_needed(num_tokens)
 
+    @staticmethod
+    def held_pages(req: Request) -> int:
+        return len(req.pages)
+
+    def pages_in_use(self) -> list[int]:
+        """Pages referenced by requests, per group (one group here)."""
+        return [self.num_usable_pages - self.num_free_pages]
+
+    # ---- prefix cache -----------------------------------------------------------------------
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Pages holding the longest cached prefix of the request's tokens.
 
@@ -87,7 +109,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         n = req.num_tokens
-        self._extend_hashes(req, n - 1)
+        extend_block_hashes(req, n - 1, self.page_size)
         pages = []
         for h in req.block_hashes[:(n - 1) // self.page_size]:
             page = self.cached.get(h)
@@ -107,7 +129,7 @@ class KVCacheManager:
         full = min(req.num_computed_tokens, req.num_tokens - req.num_pending_tokens) // self.page_size
         if full <= req.num_registered_blocks:
             return
-        self._extend_hashes(req, full * self.page_size)
+        extend_block_hashes(req, full * self.page_size, self.page_size)
         for i in range(req.num_registered_blocks, full):
             h, page = req.block_hashes[i], req.pages[i]
             if h not in self.cached:
@@ -116,17 +138,10 @@ class KVCacheManager:
         req.num_registered_blocks = full
 
     # ---- moving a prompt's pages between engines ------------------------------------------------
-    def _block_chain(self, token_ids: list[int], salt: str | None):
-        """(index, hash) of each full block of `token_ids`, down the salted chain."""
-        ps, parent = self.page_size, None
-        for i in range(len(token_ids) // ps):
-            parent = block_hash(parent, token_ids[i * ps:(i + 1) * ps], salt)
-            yield i, parent
-
     def cached_block_pages(self, token_ids: list[int], salt: str | None) -> list[int]:
         """Pages of the longest cached run of `token_ids`' full blocks (none held back: this is for export)."""
         pages = []
-        for _, h in self._block_chain(token_ids, salt) if self.enable_prefix_caching else ():
+        for _, h in block_chain(token_ids, salt, self.page_size) if self.enable_prefix_caching else ():
             if h not in self.cached:
                 break
             pages.append(self.cached[h])
@@ -143,7 +158,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         taken, held = [], []
-        for i, h in self._block_chain(token_ids, salt):
+        for i, h in block_chain(token_ids, salt, self.page_size):
             page = self.cached.get(h)
             if page is not None:
                 self._take(page)  # held too, so a later block of this import cannot evict it

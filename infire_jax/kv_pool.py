@@ -21,6 +21,7 @@ import jax
 
 from infire_jax.device_memory import kv_bytes_per_page
 from infire_jax.errors import ConfigError
+from infire_jax.kv_groups import KVCapacity, KVGroupLayout
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.xla_flags import allocator_fraction
@@ -42,12 +43,16 @@ class PoolSizing:
     weight_bytes: int = 0  # one device's share of the weights (hot standby: at least the room kept for them)
     activation_bytes: int = 0  # the largest step's temporaries on one device
     other_bytes: int = 0  # other buffers already in use (sampling history, the minimal pool measured with)
+    capacity: KVCapacity | None = None  # the tokens of context it holds (PoolPlanner sets it)
 
     @property
     def pool_bytes(self) -> int:
         return self.num_pages * self.page_bytes
 
     def describe(self) -> str:
+        return self._describe_bytes() + ("" if self.capacity is None else "\n" + self.capacity.describe())
+
+    def _describe_bytes(self) -> str:
         pool = f"{self.num_pages} pages x {self.page_bytes / 2**20:.2f} MiB = {self.pool_bytes / _GIB:.2f} GiB"
         if self.source != "device memory":
             return f"KV pool ({self.source}): {pool}"
@@ -104,13 +109,18 @@ class PoolPlanner:
     num_kv_pages: int | None
     kv_cache_memory: int | None
     gpu_memory_utilization: float
+    kv_groups: KVGroupLayout | None = None  # a hybrid cache's groups (None: one group, every page kept)
+    step_tokens: int = 0  # the most tokens of one step (a bounded group's pages grow with it)
 
     @staticmethod
-    def page_bytes_of(cfg: ModelConfig, plan: Any, page_size: int, dtype, extra_bytes: int) -> int:
+    def page_bytes_of(cfg: ModelConfig, plan: Any, page_size: int, dtype, extra_bytes: int,
+                      kv_groups: KVGroupLayout | None = None) -> int:
         """Bytes one page costs each device of `plan` (a ShardPlan or None): the pool is split over pp
-        (layers) and tp (kv heads; an MLA latent is replicated over tp)."""
+        (layers) and tp (kv heads; an MLA latent is replicated over tp). A hybrid cache's page holds one
+        group's layers."""
         cfg = plan.effective_config(cfg) if plan else cfg
-        per_page = kv_bytes_per_page(cfg, page_size, dtype)
+        layers = None if kv_groups is None else kv_groups.page_layers
+        per_page = kv_bytes_per_page(cfg, page_size, dtype, layers)
         if plan:
             split = plan.axis("kv_heads") and kv_entry(cfg).split_heads
             per_page //= plan.sizes["pp"] * (plan.sizes["tp"] if split else 1)
@@ -118,8 +128,17 @@ class PoolPlanner:
 
     @property
     def min_pages(self) -> int:
-        """One sequence of max_model_len, plus the null page."""
-        return -(-self.max_model_len // self.page_size) + 1
+        """One sequence of max_model_len (a hybrid cache: in every group, its bounded ones holding their
+        chunk or window and a step), plus the null page."""
+        if self.kv_groups is None:
+            return -(-self.max_model_len // self.page_size) + 1
+        return self.kv_groups.seq_blocks(self.max_model_len, self.page_size, self.step_tokens) + 1
+
+    def _with_capacity(self, sizing: PoolSizing) -> PoolSizing:
+        """The sizing with what it holds in tokens (KVCapacity)."""
+        groups = self.kv_groups or KVGroupLayout.single(1)
+        return dataclasses.replace(sizing, capacity=KVCapacity(groups, sizing.num_pages, self.page_size,
+                                                               self.step_tokens))
 
     def fixed(self) -> PoolSizing | None:
         """The pool when it is given (pages or bytes) or no device memory figure exists; else None
@@ -134,7 +153,7 @@ class PoolPlanner:
         if sizing.num_pages < self.min_pages:
             raise ConfigError(f"the KV pool ({sizing.num_pages - 1} pages of {self.page_size}) cannot hold one "
                               f"sequence of max_model_len={self.max_model_len}")
-        return sizing
+        return self._with_capacity(sizing)
 
     def from_device_memory(self, weights: Any, minimal_pool: Any, activation_bytes: int,
                            reserved_weight_bytes: int = 0) -> PoolSizing:
@@ -149,7 +168,7 @@ class PoolPlanner:
                        if s.device == device)
 
         weight_bytes, pool = on_device(weights), on_device(minimal_pool)
-        return size_from_device_memory(
+        return self._with_capacity(size_from_device_memory(
             device_bytes=total, allocator_limit=limit, utilization=self.gpu_memory_utilization,
             weight_bytes=max(weight_bytes, reserved_weight_bytes), activation_bytes=activation_bytes,
-            other_bytes=max(0, in_use - weight_bytes - pool), page_bytes=self.page_bytes, min_pages=self.min_pages)
+            other_bytes=max(0, in_use - weight_bytes - pool), page_bytes=self.page_bytes, min_pages=self.min_pages))

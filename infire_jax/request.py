@@ -65,6 +65,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission, reported in usage
         self.pages: list[int] = []
+        # The hybrid KV cache (hybrid_kv_cache.py): each group's page per block (the null page where a
+        # bounded group freed it), `pages` being group 0's, and per group the blocks freed before.
+        self.group_pages: list[list[int]] = []
+        self.group_start: list[int] = []
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, grown lazily
         self.num_registered_blocks = 0  # full blocks already published to the prefix cache
         self.slot: int | None = None  # row of the device-side per-request state

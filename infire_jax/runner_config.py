@@ -8,6 +8,7 @@ import dataclasses
 
 from infire_jax.batch import StepBatch, build_batch
 from infire_jax.buckets import Buckets, StepShape
+from infire_jax.kv_groups import KVGroupLayout
 from infire_jax.lora.config import LoRAConfig
 from infire_jax.sampler import BRANCHING
 from infire_jax.scheduler import SchedulerOutput
@@ -28,10 +29,22 @@ class RunnerConfig:
     decode_steps: int = 1  # most steps of a decode burst (1: no bursts)
     kv_cache_dtype: str | None = None  # the KV pool's dtype (None: the model's); float8_e4m3fn takes scales
     lora: LoRAConfig | None = None  # LoRA adapters' device slots (infire_jax/lora/); None: off
+    # A hybrid KV cache's layer groups (kv_groups.py): the pool holds `page_layers` layers a page, and with
+    # several groups each step carries their page tables. None: one group of every layer, every page kept.
+    kv_groups: KVGroupLayout | None = None
 
     @property
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+    def pool_layers(self, num_layers: int) -> int:
+        """The pool's leading axis: the layers (`num_layers`), or a hybrid cache's layers per page."""
+        return num_layers if self.kv_groups is None else self.kv_groups.page_layers
+
+    @property
+    def multi_group(self) -> bool:
+        """Whether steps carry several groups' page tables (AttentionMetadata.group_page_tables)."""
+        return self.kv_groups is not None and self.kv_groups.num_groups > 1
 
     @property
     def num_slots(self) -> int:
@@ -51,7 +64,7 @@ class RunnerConfig:
         for the proposals)."""
         return build_batch(work, shape, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
                            dummy_slot=self.dummy_slot, num_spec=self.num_spec if verify else 0,
-                           lora=self.lora is not None)
+                           kv_groups=self.kv_groups if self.multi_group else None, lora=self.lora is not None)
 
     def empty_batch(self, shape: StepShape, verify: bool = False) -> StepBatch:
         """Padding only: what compiling a bucket's programs, or a follower's receive, takes."""

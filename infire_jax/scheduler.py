@@ -27,6 +27,7 @@ import dataclasses
 import math
 from typing import Protocol
 
+from infire_jax.hybrid_kv_cache import HybridKVCacheManager
 from infire_jax.kv_cache import KVCacheManager
 from infire_jax.request import Request, Status
 
@@ -79,7 +80,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv: KVCacheManager | HybridKVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  num_decode_steps: int = 1, gate: AdmissionGate | None = None):
         self.kv = kv
         self.gate = gate
@@ -146,10 +147,11 @@ class Scheduler:
 
     def _expected_pages(self, req: Request, num_pages_held: int) -> int:
         """Pages the request is expected to need beyond `num_pages_held`: the rest of its prompt
-        and `growth_ratio` of the tokens it may still generate (at most GROWTH_CLIP_TOKENS)."""
+        and `growth_ratio` of the tokens it may still generate (at most GROWTH_CLIP_TOKENS), as many
+        as a sequence that long holds (a hybrid cache's bounded groups hold their chunk or window)."""
         left = min(req.max_tokens - len(req.output_token_ids) - req.num_pending_tokens, GROWTH_CLIP_TOKENS)
         total = req.num_tokens + math.ceil(self.growth_ratio * max(left, 0))
-        return max(0, self.kv.pages_needed(total) - num_pages_held)
+        return max(0, self.kv.seq_pages(total) - num_pages_held)
 
     def _adapt_growth_ratio(self, num_preempted: int) -> None:
         """Up after a preemption (admission was too optimistic), slowly down otherwise."""
@@ -208,10 +210,10 @@ class Scheduler:
                 j += 1
                 continue
             if reserve is None:
-                reserve = sum(self._expected_pages(r, len(r.pages)) for r in self.running)
+                reserve = sum(self._expected_pages(r, self.kv.held_pages(r)) for r in self.running)
             cached = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - len(cached) * self.kv.page_size, budget)
-            own = self._expected_pages(req, self.kv.pages_needed(len(cached) * self.kv.page_size + n))
+            own = self._expected_pages(req, self.kv.seq_pages(len(cached) * self.kv.page_size + n))
             if self.gate is not None and not self.gate.acquire(req):
                 j += 1  # its adapter has no device slot free: it waits, others may still fit
                 continue

@@ -31,7 +31,7 @@ from sharding.plan import ShardPlan
 class DeviceCache(NamedTuple):
     """State that lives on the device across steps; donated to every step."""
 
-    k_pages: Float[Array, "L N ps Hkv Dk"]  # shapes: models/kv_entry.py (MLA: the latent)
+    k_pages: Float[Array, "L N ps Hkv Dk"]  # shapes: models/kv_entry.py (MLA: the latent); a hybrid cache's [s, ...]
     v_pages: Float[Array, "L N ps Hkv Dv"]  # (MLA: the rotary key)
     counts: Int[Array, "R V"]  # output-token counts per request slot (penalties)
     prompt_mask: Bool[Array, "R V"]  # prompt tokens per request slot (repetition penalty)
@@ -147,12 +147,17 @@ def burst_step_batch(b: StepBatch, k: Int[Array, ""], active: Bool[Array, "S"], 
     advance = jnp.clip(jnp.minimum(k, limit - 1), 0)  # per row
     live = real & active[row]
     pos = b.meta.positions + advance[row]
-    page = b.meta.page_table[row, jnp.minimum(pos // page_size, pages_per_seq - 1)]
     null_slot = jnp.arange(pos.shape[0], dtype=pos.dtype) % page_size  # in page 0, like padding tokens
+
+    def slots(page_table):  # each token's slot in the pool through `page_table` [S, P]
+        page = page_table[row, jnp.minimum(pos // page_size, pages_per_seq - 1)]
+        return jnp.where(live, page * page_size + pos % page_size, null_slot)
+
     first = k == 0
-    meta = b.meta._replace(positions=jnp.where(real, pos, b.meta.positions),
-                           slot_mapping=jnp.where(live, page * page_size + pos % page_size, null_slot),
-                           kv_lens=jnp.where(b.meta.kv_lens > 0, b.meta.kv_lens + advance, 0))
+    groups = b.meta.group_page_tables  # a hybrid KV cache's: every group's pages were given for the burst
+    meta = b.meta._replace(positions=jnp.where(real, pos, b.meta.positions), slot_mapping=slots(b.meta.page_table),
+                           kv_lens=jnp.where(b.meta.kv_lens > 0, b.meta.kv_lens + advance, 0),
+                           group_slot_mappings=None if groups is None else jax.vmap(slots)(groups))
     return b._replace(
         from_device=jnp.where(first, b.from_device, real),
         token_kind=jnp.where(first, b.token_kind, jnp.where(live, TOKEN_OUTPUT, TOKEN_PAD)),

@@ -13,7 +13,7 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import cpu_attention, placement, ragged_attention, reference
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.metadata import AttentionMetadata, for_layer
 from pallas_kernels.triton_backend import check_supported
 
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
@@ -69,8 +69,11 @@ def paged_attention(
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes this step's k/v into the pages and returns (attention output, k_pages, v_pages).
     `cpu_kernel`: the reference may hand the step to `cpu_attention` (the caller is off a mesh).
-    With `meta.kv_scales` the pool is fp8 and this layer's scales apply (kv_quant.py)."""
+    With `meta.kv_scales` the pool is fp8 and this layer's scales apply (kv_quant.py). With group
+    tables (a hybrid KV cache) the layer reads and writes its index of the pool through its group's page
+    table (`metadata.for_layer`); the scales stay the true layer's."""
     kv_scale = None if meta.kv_scales is None else meta.kv_scales[layer]
+    meta, layer = for_layer(meta, layer)
     if impl == "reference":
         if cpu_kernel and cpu_attention.applies(q, k_pages):
             return cpu_attention.paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,

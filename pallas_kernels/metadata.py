@@ -51,6 +51,24 @@ class AttentionMetadata(NamedTuple):
     # The layer's chunked / sliding-window mask (set per layer by the layer scan); None: every layer is
     # global, static, and the kernels compile without any mask code.
     local: LocalMask | None = None
+    # A hybrid KV cache of G > 1 groups (infire_jax/kv_groups.py): each group's page table and slot
+    # mapping, and each layer's (index in the pool, group). `paged_attention` gives a layer its
+    # group's table and mapping and its index in the pool [s, N, ...], s layers a page (`for_layer`);
+    # `page_table` and `slot_mapping` above are then group 0's. None (static): one group, the pool [L, N, ...].
+    group_page_tables: Int[Array, "G S P"] | None = None
+    group_slot_mappings: Int[Array, "G T"] | None = None
+    layer_kv: Int[Array, "L 2"] | None = None
+
+
+def for_layer(meta: AttentionMetadata, layer: Int[Array, ""]) -> tuple[AttentionMetadata, Int[Array, ""]]:
+    """The metadata an attention implementation sees for `layer`, and the pool index it uses: with
+    group tables, the layer's group's page table and slot mapping and its index in the pool (the group
+    fields dropped); otherwise the metadata as it is and the layer itself."""
+    if meta.layer_kv is None:
+        return meta, layer
+    index, group = meta.layer_kv[layer, 0], meta.layer_kv[layer, 1]
+    return meta._replace(page_table=meta.group_page_tables[group], slot_mapping=meta.group_slot_mappings[group],
+                         group_page_tables=None, group_slot_mappings=None, layer_kv=None), index
 
 
 def require_global(meta: AttentionMetadata, what: str) -> None:
@@ -80,21 +98,24 @@ def slice_tokens(meta: AttentionMetadata, start, size: int) -> AttentionMetadata
     kv_lens = jnp.where(q_lens > 0, meta.kv_lens - (cu[1:] - hi), 0)
     cu_local = jnp.concatenate([jnp.zeros(1, cu.dtype), jnp.cumsum(q_lens).astype(cu.dtype)])
 
-    def part(x):
-        return jax.lax.dynamic_slice_in_dim(x, start, size)
+    def part(x, axis=0):
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
-    return AttentionMetadata(part(meta.positions), part(meta.slot_mapping), part(meta.seq_ids), meta.page_table,
-                             kv_lens.astype(meta.kv_lens.dtype), cu_local, meta.num_seqs, meta.kv_scales,
-                             meta.local)
+    groups = meta.group_slot_mappings
+    return meta._replace(positions=part(meta.positions), slot_mapping=part(meta.slot_mapping),
+                         seq_ids=part(meta.seq_ids), kv_lens=kv_lens.astype(meta.kv_lens.dtype), cu_q_lens=cu_local,
+                         group_slot_mappings=None if groups is None else part(groups, 1))
 
 
 def deactivate(meta: AttentionMetadata, active) -> AttentionMetadata:
     """When `active` is false, the same shapes with every token padding (writes go to the null page);
-    `kv_scales` and `local` carry through."""
+    `kv_scales`, `local` and the group tables carry through."""
     assert NULL_PAGE == 0
     rows = meta.kv_lens.shape[0]
+    groups = meta.group_slot_mappings
     return meta._replace(
         slot_mapping=jnp.where(active, meta.slot_mapping, 0),  # slot 0 lies in the null page
+        group_slot_mappings=None if groups is None else jnp.where(active, groups, 0),
         seq_ids=jnp.where(active, meta.seq_ids, rows),
         kv_lens=jnp.where(active, meta.kv_lens, 0),
         cu_q_lens=jnp.where(active, meta.cu_q_lens, 0))

@@ -65,7 +65,30 @@ class _EngineCollector(Collector):
                 families[name].add_metric([model], value)
             if snap.spec is not None:
                 self._spec_values(families, model, snap.spec)
+            if pool is not None and pool.capacity is not None:
+                self._group_values(families, model, snap, pool)
         yield from families.values()
+
+    @staticmethod
+    def _group_values(families: dict[str, Metric], model: str, snap: EngineSnapshot, pool: PoolSizing) -> None:
+        """Pages in use per group of layers (a hybrid KV cache's groups; one group for other models), and
+        the tokens of context the pool holds for 1, 8 and 64 sequences (+Inf: any length)."""
+        cap = pool.capacity
+        name = "kv_cache_group_pages_in_use"
+        if name not in families:
+            families[name] = GaugeMetricFamily(
+                PREFIX + name, "KV pages held by requests, per group of layers (hybrid KV cache).",
+                labels=["model_name", "group", "kind"])
+        for g, (group, pages) in enumerate(zip(cap.groups.groups, snap.kv_group_pages)):
+            families[name].add_metric([model, str(g), group.kind], pages)
+        name = "kv_pool_context_tokens"
+        if name not in families:
+            families[name] = GaugeMetricFamily(
+                PREFIX + name, "Tokens of context each of `sequences` sequences can hold at once in the KV "
+                "pool (+Inf: any length, every layer being chunked or windowed).", labels=["model_name", "sequences"])
+        for n in cap.SEQUENCES:
+            tokens = cap.context_tokens(n)
+            families[name].add_metric([model, str(n)], float("inf") if tokens is None else tokens)
 
     @staticmethod
     def _spec_values(families: dict[str, Metric], model: str, s: SpecStats) -> None:

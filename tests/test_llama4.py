@@ -58,11 +58,49 @@ def test_generate_matches_hf(name, impl, checkpoints, caplog, monkeypatch):
     cfg = llm.engine.model_config
     l4 = cfg.llama4
     assert cfg.architecture == "llama4" and llm.engine.runner.rc.attn_impl == impl
+    assert llm.engine.runner.rc.kv_groups.bounded  # on the hybrid KV cache
     assert l4.temperature_tuning and l4.floor_scale == 8 and not all(l4.rope_layers)
     assert {c for c, _ in cfg.local_attention} == {0, 16}  # chunked RoPE layers, global NoPE layers
     assert l4.stack_sizes == {"dense": cfg.num_layers - cfg.num_layers // 2, "moe": cfg.num_layers // 2}
     _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), hf)
     llm.engine.close()
+
+
+def test_hybrid_kv_cache_matches_every_page_kept(checkpoints):
+    """The causal model on the hybrid KV cache (its four chunked RoPE layers keep only their current
+    chunk's pages, its NoPE layer every page) decodes the same greedy tokens and logprobs as with
+    every page kept in one group (`hybrid_kv_cache=False`); the prompts and 48 tokens cross several
+    16-token chunks. A 40-token prompt decoded alone holds at most its chunk's pages in each chunked group."""
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+    from infire_jax.kv_cache import NULL_PAGE
+
+    path = checkpoints["causal"][1]
+    engine_args = dict(ENGINE, page_size=4, num_kv_pages=160)
+    hybrid, kept = LLM(model=path, **engine_args), LLM(model=path, hybrid_kv_cache=False, **engine_args)
+    groups = hybrid.engine.runner.rc.kv_groups
+    assert isinstance(hybrid.engine.kv, HybridKVCacheManager) and kept.engine.runner.rc.kv_groups is None
+    assert sorted(g.kind for g in groups.groups) == ["chunk 16"] * (groups.num_groups - 1) + ["global"]
+    assert [layer for g in groups.groups if g.kind == "global" for layer in g.layers] == [2]  # the NoPE layer
+    params = SamplingParams(**GREEDY)
+    for a, b in zip(hybrid.generate(PROMPTS, params), kept.generate(PROMPTS, params)):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids)],
+                                   [lp[t] for lp, t in zip(b.logprobs, b.token_ids)], atol=1e-5, rtol=0)
+    engine = hybrid.engine
+    rid, _ = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
+    req = engine._requests[rid][0]
+    most = [0] * groups.num_groups
+    while engine.has_unfinished():
+        engine.step()
+        if req.group_pages and req.num_computed_tokens > 40:  # decoding, in bursts
+            most = [max(m, sum(p != NULL_PAGE for p in pages)) for m, pages in zip(most, req.group_pages)]
+    bound = groups.groups[-1].max_blocks(10_000, 4, engine.runner.rc.decode_steps)
+    assert most[0] >= (40 + NUM_TOKENS - 1) // 4 and 0 < max(most[1:]) <= bound < 40 // 4
+    assert engine.kv.num_free_pages == engine.kv.num_usable_pages
+    hybrid.engine.close()
+    kept.engine.close()
 
 
 def test_int8_weights_with_ngram_speculation_match_hf_on_the_same_int8_weights(checkpoints):

@@ -107,6 +107,34 @@ def test_kimi_k25_figures_follow_from_its_config():
     assert on_h200.kv_room > 30 * GiB and on_h200.weights == p.weights
 
 
+def test_llama4_scout_on_two_h200s_counts_the_hybrid_cache(capsys):
+    """Issue 33's figures by hand. Scout on 2 x 140 GiB at 0.95, mesh 2.yaml (tp 2): 8 kv heads / 2 x 128
+    x (k, v) x 2 bytes = 2048 bytes a layer-token per device; pages of 12 layers (1 global group of
+    the NoPE layers, 3 chunked groups of 12) x 16 tokens = 393,216 bytes. A sequence of T tokens holds
+    ceil(T / 16) global blocks and at most 8192 / 16 + 1 = 513 blocks in each chunked group; a step of
+    8192 tokens takes 512 transient blocks in each chunked group; the null page is not usable."""
+    from infire_jax.cli import main
+
+    p = _plan("dummy:llama-4-scout", "2.yaml", "140GiB", utilization=0.95)
+    assert p.kv_bytes_per_token == 48 * 2048 and 2 * p.kv_room >= 56 * GiB
+    pages = int(p.kv_room // (12 * 16 * 2048))
+    assert p.kv_pages == pages
+    budget = pages - 1 - 3 * 512
+    assert p.context_tokens(1) == 16 * (budget - 3 * 513) >= 1_200_000
+    assert p.context_tokens(8) == 16 * (budget // 8 - 3 * 513)
+    assert p.context_tokens(64) == 16 * (budget // 64 // 4) < 8192  # shorter than a chunk: 4 groups of ceil(T / 16)
+    # Every page kept (no chunk bound): 31.4 GiB / (48 x 2 KiB) = about 343k tokens, under a third.
+    assert p.context_tokens(1) > 3.8 * p.kv_room // p.kv_bytes_per_token
+    assert main(["plan", "--model", "dummy:llama-4-scout", "--devices", "2", "--device-memory", "140GiB",
+                 "--gpu-memory-utilization", "0.95"]) == 0
+    out = capsys.readouterr().out
+    assert f"KV room in all: 2 x {p.kv_room / GiB:.2f} GiB = {2 * p.kv_room / GiB:.2f} GiB" in out
+    assert "1 x global (12 layers), 3 x chunk 8192 (36 layers); a page holds 12 layers" in out
+    assert f"KV tokens that fit: {p.context_tokens(1)} (one sequence)" in out
+    assert f"KV tokens that fit, 8 sequences: {p.context_tokens(8)} each" in out
+    assert f"KV tokens that fit, 64 sequences: {p.context_tokens(64)} each" in out
+
+
 def test_quantization_configs_choose_each_kinds_format():
     with open(os.path.join(ROOT, "infire_jax", "memplan", "configs", "kimi-k2.5.json")) as f:
         kimi = json.load(f)

@@ -24,6 +24,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens of the largest step, for the activation estimate (the GPU default, 8192)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="rows sampled per step (logits estimate)")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="tokens a KV page holds, as the engine's page_size (default 16): a hybrid KV cache's "
+                        "chunked / window layers hold whole pages")
     p.add_argument("--weights-quantization", default=None, choices=["int4"],
                    help="int4: the layer weights as the engine's --weights-quantization int4 quantizes them at load "
                         "(GPTQ / AWQ, DeepSeek-V3 and Kimi configs are planned as their checkpoints are kept)")
@@ -45,6 +48,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         if args.devices < 1:
             raise ValueError(f"--devices must be positive, got {args.devices}")
+        if args.page_size < 1:
+            raise ValueError(f"--page-size must be positive, got {args.page_size}")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         memory = parse_bytes(args.device_memory)
@@ -52,7 +57,7 @@ def run_plan(args: argparse.Namespace) -> int:
         kv_dtype = "float8_e4m3" if args.kv_cache_dtype in ("fp8", "fp8_e4m3") else args.kv_cache_dtype
         kw = dict(dtype=args.dtype, kv_dtype=kv_dtype, utilization=args.gpu_memory_utilization,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                  dequant=args.dequant)
+                  dequant=args.dequant, page_size=args.page_size)
         if args.mesh:
             mc = MeshConfig.from_yaml(args.mesh)
             mc.check_devices(args.devices)

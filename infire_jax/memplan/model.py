@@ -59,6 +59,7 @@ class PlanModel:
     num_experts: int = 0
     mla: bool = False
     kept: tuple[Tensor, ...] = ()  # weights held as the int4 parts in `tensors`, dequantized a layer at a time
+    local_attention: tuple[tuple[int, int], ...] = ()  # each layer's (chunk, window): ModelConfig.local_attention
 
 
 def _attention_tensors(cfg: ModelConfig, n: int, prefix: str = "") -> list[Tensor]:
@@ -147,7 +148,8 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
     return PlanModel(name=name, tensors=tuple(tensors), formats={k: dtype for k in KINDS} | dict(formats or {}),
                      num_layers=cfg.num_layers, kv_per_token_layer=((2 * cfg.num_kv_heads * cfg.head_dim, "kv_heads"),),
                      hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=cfg.num_heads,
-                     qk_head_dim=cfg.head_dim, mlp_width=width, num_experts=cfg.num_experts, kept=tuple(kept))
+                     qk_head_dim=cfg.head_dim, mlp_width=width, num_experts=cfg.num_experts, kept=tuple(kept),
+                     local_attention=tuple(cfg.local_attention))
 
 
 def int4_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:

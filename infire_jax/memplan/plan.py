@@ -1,6 +1,10 @@
 """The memory plan: per-device weight bytes by kind, the activation and workspace estimate, and the
 KV room and tokens left on each device, for a model and a mesh, without allocating anything.
 
+A model with chunked or sliding-window layers is planned on the hybrid KV cache (kv_groups.py): its
+tokens that fit count each sequence's bounded groups' pages (a chunk's or a window's) and one step's
+transient ones, as the engine's start-up log does (`KVCapacity`), for 1, 8 and 64 sequences.
+
 Weights are split exactly as `ShardPlan.spec` splits them (a mesh axis splits the first dimension
 that asks for it; the vocabulary over pp x tp), so for our own models the figures are the bytes the
 engine places per device (tests/test_memplan.py checks them on 8 virtual devices).
@@ -15,6 +19,7 @@ import os
 import re
 from typing import Callable
 
+from infire_jax.kv_groups import KVCapacity, KVGroupLayout
 from infire_jax.memplan.model import FORMAT_BYTES, KINDS, PlanModel, Tensor
 from sharding.mesh import CONFIG_DIR, MeshConfig
 from sharding.plan import plan_stages
@@ -116,6 +121,7 @@ class MemoryPlan:
     logits: float
     kv_bytes_per_token: float
     kv_note: str
+    kv_capacity: KVCapacity | None = None  # the hybrid KV cache's pages (chunked / window layers), else None
 
     @property
     def weight_bytes(self) -> float:
@@ -126,8 +132,23 @@ class MemoryPlan:
         return self.device_memory * self.utilization - self.weight_bytes - self.activations - self.workspace - self.logits
 
     @property
+    def kv_pages(self) -> int:
+        """Pages of the hybrid KV cache per device (each `page_layers` layers of `page_size` tokens)."""
+        c = self.kv_capacity
+        layer_token = self.kv_bytes_per_token / c.groups.num_layers
+        return max(0, int(self.kv_room // (c.groups.page_layers * c.page_size * layer_token)))
+
+    def context_tokens(self, num_seqs: int = 1) -> int:
+        """Tokens of context each of `num_seqs` sequences can hold at once."""
+        if self.kv_capacity is None:
+            return max(0, int(self.kv_room // self.kv_bytes_per_token)) // num_seqs
+        c = dataclasses.replace(self.kv_capacity, num_pages=self.kv_pages)
+        tokens = c.context_tokens(num_seqs) if c.num_pages > 1 else 0
+        return (c.num_pages - 1) * c.page_size if tokens is None else tokens
+
+    @property
     def kv_tokens(self) -> int:
-        return max(0, int(self.kv_room // self.kv_bytes_per_token))
+        return self.context_tokens(1)
 
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
@@ -140,14 +161,22 @@ class MemoryPlan:
                   f"dequantization workspace {g(self.workspace)}",
                   f"logits and sampling {g(self.logits)}",
                   f"KV room per device: {self.kv_room / GiB:.2f} GiB",
-                  f"KV bytes per token per device: {self.kv_bytes_per_token:.0f} ({self.kv_note})",
-                  f"KV tokens that fit: {self.kv_tokens}"]
+                  f"KV room in all: {self.num_devices} x {self.kv_room / GiB:.2f} GiB = "
+                  f"{self.num_devices * self.kv_room / GiB:.2f} GiB",
+                  f"KV bytes per token per device: {self.kv_bytes_per_token:.0f} ({self.kv_note})"]
+        c = self.kv_capacity
+        if c is not None:
+            lines.append(f"hybrid KV cache: {c.groups.describe()}; {self.kv_pages} pages of {c.page_size} tokens "
+                         f"per device; each sequence holds every page of its global layers and at most its chunk's "
+                         f"or window's pages in the others, a step of {c.step_tokens} tokens their transient ones")
+        lines.append(f"KV tokens that fit: {self.kv_tokens} (one sequence)")
+        lines += [f"KV tokens that fit, {n} sequences: {self.context_tokens(n)} each" for n in (8, 64)]
         return "\n".join(lines)
 
 
 def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: str = "bfloat16",
                 kv_dtype: str | None = None, utilization: float = 0.90, max_num_batched_tokens: int = 8192,
-                max_num_seqs: int = 64, dequant: str = "per-layer") -> MemoryPlan:
+                max_num_seqs: int = 64, dequant: str = "per-layer", page_size: int = 16) -> MemoryPlan:
     """The plan of `model` on the mesh; ValueError naming the problem if the mesh cannot hold it.
 
     `dequant`: "per-layer" (the XLA path: the scan dequantizes one layer's quantized dense weights
@@ -156,6 +185,8 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
     an upper bound) or "fused" (the GPU's Pallas kernels, pallas_kernels/quant_matmul.py: routed
     experts are read in place, no workspace for them; dense ones are too in decode-sized steps,
     but a longer prompt chunk still dequantizes one layer of them, which stays in the workspace).
+    `page_size`: the engine's KV page, for a hybrid KV cache's pages (chunked or window layers; the
+    engine refuses those under pp, so a pp mesh keeps every page).
     """
     if dequant not in DEQUANT:
         raise ValueError(f"dequant must be one of {list(DEQUANT)}, got {dequant!r}")
@@ -190,10 +221,13 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
     activations = tokens * itemsize * (8 * model.hidden_size + 3 * heads * model.qk_head_dim + 3 * width)
     note = (f"MLA latent + rope key, {int(kv_items)} values x {layers} layers, {kv_dtype or dtype}" if model.mla
             else f"k and v, {int(kv_items)} values x {layers} layers, {kv_dtype or dtype}")
+    groups = KVGroupLayout.of(model.local_attention, model.num_layers)
+    capacity = (KVCapacity(groups, 0, page_size, max_num_batched_tokens)
+                if groups.bounded and mc.sizes["pp"] == 1 else None)
     return MemoryPlan(model=model.name, mesh=mc.name, num_devices=mc.num_devices, device_memory=device_memory,
                       utilization=utilization, weights=weights, activations=activations,
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
-                      kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note)
+                      kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity)
 
 
 def shipped_meshes(num_devices: int) -> list[MeshConfig]:

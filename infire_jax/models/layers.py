@@ -10,8 +10,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from pallas_kernels import placement
+from pallas_kernels.metadata import AttentionMetadata, LocalMask
 
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, init: str = "normal") -> nnx.Param:
@@ -88,3 +90,21 @@ def apply_rope(x: Float[Array, "T *H D"], cos: Float[Array, "T half"],
     heads = (1,) * (x.ndim - 2)  # [T, H, D], or [T, Hkv, G, D]
     c, s = cos.reshape(cos.shape[0], *heads, half), sin.reshape(sin.shape[0], *heads, half)
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def local_attention_table(cfg: ModelConfig, num_layers: int) -> Int[Array, "L 2"] | None:
+    """Each layer's (chunk, window) as an int32 [L, 2] table, for a layer scan over `num_layers` stacked
+    layers to scan beside the weights, so that one layer body serves layers of every kind
+    (`with_local_mask`); None when every layer is global, so that such a model's programs carry no
+    mask code at all. (A pipeline stage's scan over its own layers would need its rows: not yet.)"""
+    if not cfg.has_local_attention:
+        return None
+    if len(cfg.local_attention) != num_layers:
+        raise ConfigError(f"chunked / sliding-window layers in a scan over {num_layers} of the model's "
+                          f"{len(cfg.local_attention)} layers (pipeline stages) are not supported yet")
+    return jnp.asarray(cfg.local_attention, jnp.int32)
+
+
+def with_local_mask(meta: AttentionMetadata, row: Int[Array, "2"] | None) -> AttentionMetadata:
+    """The step's metadata for a layer whose row of `local_attention_table` is `row` (None: unchanged)."""
+    return meta if row is None else meta._replace(local=LocalMask(row[0], row[1]))

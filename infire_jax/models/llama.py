@@ -23,7 +23,8 @@ from infire_jax.errors import ConfigError
 from infire_jax.lora.batched import LayerLoRA, LoRAStep, LoRAWeight, split_stacks
 from infire_jax.lora.layout import stack_axes
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import (apply_rope, head_logits, local_attention_table, param, rms_norm, rope_inv_freq,
+                                      rope_tables, with_local_mask)
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
@@ -201,7 +202,8 @@ def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool,
 def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
                   red: Reductions, in_place: dict[str, tuple[KernelView, tuple]] | None = None,
                   lora: LayerLoRA | None = None) -> Callable:
-    """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index) -> carry.
+    """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index, the layer's row
+    of `local_attention_table` or None) -> carry.
 
     Head and MLP counts come from the weights' shapes, so the same body runs on a shard of them.
     `in_place` weights (`in_place_weights`) are not scanned: the body reads its layer of them, and
@@ -212,7 +214,8 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
 
     def layer(carry, xs):
         h, k_pages, v_pages = carry
-        lp, idx = xs
+        lp, idx, local = xs
+        layer_meta = with_local_mask(meta, local)
         lp = decode_layer(dequantize_layer(lp, h.dtype))  # this layer's compressed / quantized weights, decoded
         lp = kernel_weights(lp, in_place or {}, idx, h.shape[0], cpu=red == Reductions())
         if lora is not None:
@@ -224,8 +227,8 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
             k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), cos, sin)
         else:
             q, k, v = project_qkv(lp, x, cfg.attention_bias, (cos, sin))
-        o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=scale, impl=attn_impl,
-                                              cpu_kernel=red == Reductions())
+        o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, layer_meta, scale=scale,
+                                              impl=attn_impl, cpu_kernel=red == Reductions())
         h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
         h = h + psum(mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)), red.mlp)
         return (h, k_pages, v_pages), None
@@ -241,9 +244,10 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     weights, lora = split_stacks(weights, lora_slots, kernel=red == Reductions())
     in_place = in_place_weights(cfg, weights, h.shape[0], red)
     layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place, lora)
-    idx = jnp.arange(jax.tree.leaves(weights)[0].shape[0], dtype=jnp.int32)
+    num = jax.tree.leaves(weights)[0].shape[0]
     scanned = {name: w for name, w in weights.items() if name not in in_place}
-    (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), (scanned, idx))
+    xs = (scanned, jnp.arange(num, dtype=jnp.int32), local_attention_table(cfg, num))
+    (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), xs)
     return h, k_pages, v_pages
 
 
@@ -278,12 +282,12 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
         aux = aux.at[0].set(h)
 
     def body(carry, xs):
-        lp, idx, slot = xs
-        (h, k_pages, v_pages), _ = layer(carry[:3], (lp, idx))
+        lp, idx, local, slot = xs
+        (h, k_pages, v_pages), _ = layer(carry[:3], (lp, idx, local))
         return (h, k_pages, v_pages, jax.lax.dynamic_update_index_in_dim(carry[3], h, slot, 0)), None
 
     scanned = {name: w for name, w in weights.items() if name not in in_place}
-    xs = (scanned, jnp.arange(n, dtype=jnp.int32), jnp.asarray(slot_of_output))
+    xs = (scanned, jnp.arange(n, dtype=jnp.int32), local_attention_table(cfg, n), jnp.asarray(slot_of_output))
     (h, k_pages, v_pages, aux), _ = jax.lax.scan(body, (h, k_pages, v_pages, aux), xs)
     return h, k_pages, v_pages, jnp.moveaxis(aux[:count], 0, 1).reshape(h.shape[0], count * h.shape[1])
 

@@ -16,7 +16,11 @@ The weights are two stacks, `dense_layers` and `moe_layers` (each a full layer: 
 and the forward scans over super-layers of P layers: P - 1 dense then one MoE, each a slice of its
 stack, then over the L % P dense layers left. The pool's layer index runs over all layers in order
 (layer s * P + j), and so does each layer's (chunk, window, RoPE) row of `layer_table`, scanned with
-the weights, so one compiled body serves RoPE and NoPE, chunked and global layers.
+the weights, so one compiled body serves RoPE and NoPE, chunked and global layers. The chunk and window
+come from models/layers.py's `local_attention_table` and set `meta.local` through `with_local_mask`, as
+in models/llama.py; with the hybrid KV cache (hybrid_kv_cache.py) `paged_attention` resolves the layer's
+group tables from the pool index (`for_layer`), so chunked layers read only their chunk's pages and
+global (NoPE) layers every page.
 
 On a mesh (models/parallel.py) heads and MLP widths split over tp, experts over ep; the shared
 expert and dense MLPs are replicated over ep. Pipeline parallelism is refused for this family
@@ -30,14 +34,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import shared_mlp
-from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import (apply_rope, head_logits, local_attention_table, param, rms_norm, rope_inv_freq,
+                                      rope_tables, with_local_mask)
 from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear, project_qkv
 from infire_jax.models.moe import Routing, routed_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
@@ -45,7 +49,7 @@ from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention
-from pallas_kernels.metadata import AttentionMetadata, LocalMask
+from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
@@ -54,10 +58,13 @@ DENSE_INPUTS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_
 STACKS = ("dense", "moe")
 
 
-def layer_table(cfg: ModelConfig) -> np.ndarray:
-    """int32 [L, 3]: each layer's chunk and window (`LocalMask`) and whether it rotates q and k."""
-    local = cfg.local_attention or ((0, 0),) * cfg.num_layers
-    return np.asarray([(c, w, r) for (c, w), r in zip(local, cfg.llama4.rope_layers)], np.int32)
+def layer_table(cfg: ModelConfig) -> Int[Array, "L 3"]:
+    """int32 [L, 3]: each layer's chunk and window (`local_attention_table`, zeros where every layer is
+    global) and whether it rotates q and k."""
+    local = local_attention_table(cfg, cfg.num_layers)
+    if local is None:
+        local = jnp.zeros((cfg.num_layers, 2), jnp.int32)
+    return jnp.concatenate([local, jnp.asarray(cfg.llama4.rope_layers, jnp.int32)[:, None]], axis=1)
 
 
 class Llama4Layers(nnx.Module):
@@ -156,8 +163,7 @@ def layer_step(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, temp: Array 
     lp = kernel_weights(lp, in_place, stack_index, tokens, cpu=red == Reductions())
     q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), False)
     q, k = position_qk(cfg, q, k, cos, sin, temp, row[2] > 0)
-    if cfg.has_local_attention:
-        meta = meta._replace(local=LocalMask(row[0], row[1]))
+    meta = with_local_mask(meta, row[:2] if cfg.has_local_attention else None)
     o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=cfg.head_dim ** -0.5,
                                           impl=attn_impl, cpu_kernel=red == Reductions())
     h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
@@ -199,7 +205,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 
         dense_xs = jax.tree.map(lambda a: a[:supers * (p - 1)].reshape(supers, p - 1, *a.shape[1:]), dense)
         xs = (dense_xs, scanned["moe"], jnp.arange(supers, dtype=jnp.int32),
-              jnp.asarray(table[:supers * p].reshape(supers, p, 3)))
+              table[:supers * p].reshape(supers, p, 3))
         carry, _ = jax.lax.scan(super_layer, carry, xs)
     if tail:
         def dense_layer(carry, xs):
@@ -208,7 +214,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                         layer=supers * p + i, row=row), None
 
         xs = (jax.tree.map(lambda a: a[supers * (p - 1):], dense), jnp.arange(tail, dtype=jnp.int32),
-              jnp.asarray(table[supers * p:]))
+              table[supers * p:])
         carry, _ = jax.lax.scan(dense_layer, carry, xs)
     return carry
 

@@ -41,6 +41,41 @@ def rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
     raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
+# transformers' defaults for a config.json without `sliding_window` (MistralConfig's and the Qwen configs' 4096,
+# MixtralConfig's none) and without `max_window_layers` (Qwen2Config's and Qwen3Config's 28).
+_DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "qwen3_moe": 4096}
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+def sliding_window_layers(hf: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """Each layer's (chunk, window) as ModelConfig.local_attention holds it, following transformers:
+
+    - mistral, mixtral: a `sliding_window` applies to every layer (null: none);
+    - qwen2, qwen3: only with `use_sliding_window`, on the layers its `layer_types` calls
+      "sliding_attention", by default those from `max_window_layers` on; qwen3_moe: every layer.
+
+    transformers' window W lets the query at p see the keys p - W < k <= p (masking_utils'
+    `sliding_window_overlay`; flash attention's window (W - 1, 0)): W keys, the query's own
+    included, which is LocalMask's [p - W + 1, p] with the same W, so W is taken as it is."""
+    if model_type == "llama" and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        raise UnsupportedModelError("use_sliding_window is set, but transformers' llama has no sliding-window attention")
+    on = hf.get("use_sliding_window", False) if model_type.startswith("qwen") else model_type != "llama"
+    window = hf.get("sliding_window", _DEFAULT_WINDOW.get(model_type)) if on else None
+    if not window:
+        return ()
+    if not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"sliding_window must be a positive integer, got {window!r}")
+    if model_type not in ("qwen2", "qwen3"):
+        return ((0, window),) * num_layers
+    first = int(hf.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types must name full_attention or sliding_attention for each of the "
+                                    f"{num_layers} layers, got {types!r}")
+    return tuple((0, window) if t == "sliding_attention" else (0, 0) for t in types)
+
+
 def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Builds a ModelConfig from a HF `config.json` dict (transformers 4.x and 5.x layouts) of one of
     MODEL_TYPES."""
@@ -48,10 +83,6 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
     arch = MODEL_TYPES.get(model_type or "")
     if arch is None:
         raise UnsupportedModelError(f"model_type {model_type!r} is not one of {sorted(MODEL_TYPES)}")
-    # Qwen2/3 gate the window with use_sliding_window; Mistral and Mixtral apply any window given.
-    window_on = hf.get("use_sliding_window") if "use_sliding_window" in hf else model_type in ("mistral", "mixtral")
-    if window_on and hf.get("sliding_window"):
-        raise UnsupportedModelError("sliding-window attention is not supported")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported")
     rope_params = hf.get("rope_parameters") or {}
@@ -65,12 +96,13 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise UnsupportedModelError("qwen3_moe with mlp_only_layers is not supported")
     if arch == "qwen3_moe" and int(hf.get("decoder_sparse_step", 1)) != 1:
         raise UnsupportedModelError("qwen3_moe with decoder_sparse_step != 1 is not supported")
+    num_layers = int(hf["num_hidden_layers"])
     return ModelConfig(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(hf.get("intermediate_size", 0)),
-        num_layers=int(hf["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
@@ -88,6 +120,7 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
         moe_intermediate_size=int(hf.get("moe_intermediate_size", hf.get("intermediate_size", 0))) if moe else 0,
         # HF Qwen3MoeConfig defaults to False; Mixtral always renormalises.
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if arch == "qwen3_moe" else True,
+        local_attention=sliding_window_layers(hf, model_type, num_layers),
     )
 
 

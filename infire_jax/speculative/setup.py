@@ -34,6 +34,9 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool,
                           "return; use ngram or draft_model")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
+    if sc.method != "ngram" and target.has_local_attention:
+        raise ConfigError(f"speculative_config.method {sc.method!r} is not supported yet for a model with chunked or "
+                          "sliding-window layers (its pages are the target's global ones); use ngram")
     return sc, load_eagle3(sc.model, target, dtype=dtype) if sc.method == "eagle3" else None
 
 

@@ -1,0 +1,204 @@
+"""The hybrid KV cache in the engine: a tiny random Llama with global and chunked layers, its chunked
+groups freeing pages as sequences cross chunk boundaries, against the same model with every page kept
+in one group (`hybrid_kv_cache=False`; the kernels mask the same way, so tokens and logprobs must be
+equal). Prompts crossing several chunks in one step, chunked prefill with a step boundary mid-chunk,
+decode and decode bursts across boundaries, preemption, prefix-cache hits; the pages a long sequence
+holds; no page leaks after 500 mixed requests with disconnects; no compiles after warmup."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from infire_jax import LLM, SamplingParams
+from infire_jax.engine import Engine, EngineConfig
+from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+from infire_jax.kv_cache import NULL_PAGE, KVCacheManager
+from infire_jax.loaders.dummy import dummy_tokenizer
+from infire_jax.loaders.weights import LoadedModel
+from infire_jax.models.config import ModelConfig
+
+CHUNK = 12  # a step boundary at 32 tokens (the budget) falls mid-chunk
+PS = 4
+G, C = (0, 0), (CHUNK, 0)
+CONFIG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+                     local_attention=(G, C, C, G, C, C))
+ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=256,
+              page_size=PS, num_kv_pages=120, num_decode_steps=4)
+
+
+def make_llm(hybrid: bool) -> LLM:
+    loaded = LoadedModel(config=CONFIG, tokenizer=dummy_tokenizer(CONFIG), name="tiny-chunked", weights=None,
+                         random_seed=3)
+    return LLM(engine=Engine(EngineConfig(**ENGINE, hybrid_kv_cache=hybrid), loaded=loaded))
+
+
+@pytest.fixture(scope="module")
+def llms() -> tuple[LLM, LLM]:
+    """(the hybrid cache, every page kept)."""
+    return make_llm(True), make_llm(False)
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
+
+
+def assert_same(outs_a, outs_b) -> None:
+    """Equal tokens; logprobs equal but for float32 rounding where the two engines batched a step's
+    tokens differently (admission reserves fewer pages for the hybrid cache; a preempted request is
+    recomputed in other steps)."""
+    for a, b in zip(outs_a, outs_b):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids)],
+                                   [lp[t] for lp, t in zip(b.logprobs, b.token_ids)], rtol=0, atol=1e-5)
+
+
+def test_engine_builds_the_groups(llms):
+    hybrid, kept = (llm.engine for llm in llms)
+    assert isinstance(hybrid.kv, HybridKVCacheManager) and isinstance(kept.kv, KVCacheManager)
+    groups = hybrid.runner.rc.kv_groups
+    assert (groups.page_layers, [g.kind for g in groups.groups]) == (2, ["global", "chunk 12", "chunk 12"])
+    assert hybrid.runner.cache.k_pages.shape[0] == 2 and kept.runner.cache.k_pages.shape[0] == 6
+    assert hybrid.pool_sizing.page_bytes * 3 == kept.pool_sizing.page_bytes
+    assert "chunk 12" in hybrid.pool_sizing.describe() and "KV tokens that fit" in hybrid.pool_sizing.describe()
+
+
+def test_prompts_across_chunks_bursts_and_decodes_match_every_page_kept(llms):
+    """30 tokens cross two chunk boundaries in one step; 70 and 45 are prefilled in 32-token steps
+    (boundaries mid-chunk, beside other rows); 48 tokens each are decoded across boundaries, in
+    bursts once every row decodes."""
+    hybrid, kept = llms
+    ps = prompts(0, (30, 70, 5, 45))
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=1)
+    steps = hybrid.engine.stats.steps
+    outs = hybrid.generate(ps, params)
+    assert hybrid.engine.stats.steps - steps < sum(len(o.outputs[0].token_ids) for o in outs)  # bursts ran
+    assert_same(outs, kept.generate(ps, params))
+    assert hybrid.engine.kv.num_free_pages == hybrid.engine.kv.num_usable_pages
+
+
+def test_preempted_requests_resume_with_the_same_tokens(llms):
+    hybrid, kept = llms
+    ps = prompts(1, (60, 50, 55, 40, 62))
+    params = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True, logprobs=1)
+    before = hybrid.engine.scheduler.num_preemptions
+    hybrid.engine.scheduler.growth_ratio = 0.1  # admit optimistically: the pool must run out
+    outs = hybrid.generate(ps, params)
+    assert hybrid.engine.scheduler.num_preemptions > before
+    assert_same(outs, kept.generate(ps, params))
+
+
+def test_prefix_hit_matches_a_full_prefill(llms):
+    """A second prompt sharing 41 tokens: the hit ends where every group holds what the rest reads
+    (the chunked groups' pages from the chunk start), so at least the chunk start is reused."""
+    hybrid, kept = llms
+    (shared,) = prompts(2, (41,))
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
+    hybrid.generate([shared + [7]], params)
+    second = [shared + [9, 10, 11]]
+    out = hybrid.generate(second, params)
+    assert out[0].num_cached_tokens >= (41 // CHUNK) * CHUNK
+    assert_same(out, kept.generate(second, params))
+
+
+def test_a_long_sequence_holds_its_chunk_pages_only(llms):
+    engine = llms[0].engine
+    kv, groups = engine.kv, engine.runner.rc.kv_groups
+    (ids,) = prompts(3, (20,))
+    rid, _ = engine.add_request(ids, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    req = engine._requests[rid][0]
+    most = [0] * groups.num_groups
+    while engine.has_unfinished():
+        engine.step()
+        if req.group_pages and req.num_computed_tokens > 20:  # decoding (in bursts of up to 4 tokens)
+            held = [sum(p != NULL_PAGE for p in pages) for pages in req.group_pages]
+            assert held[0] == len(req.group_pages[0]) >= kv.pages_needed(req.num_computed_tokens)  # all kept
+            most = [max(m, h) for m, h in zip(most, held)]
+    assert most[0] >= 200 // PS
+    assert 0 < most[1] == most[2] <= groups.groups[1].max_blocks(10_000, PS, engine.runner.rc.decode_steps) == 5
+
+
+def test_no_page_leaks_after_500_mixed_requests_with_disconnects(llms):
+    """Short and longer prompts (some prefilled over several steps), shared prefixes, tenants, n=2,
+    stop tokens; a fifth are aborted: before their first step, mid-prefill or mid-stream."""
+    engine = llms[0].engine
+    kv = engine.kv
+    rng = random.Random(0)
+    base = prompts(4, (40,))[0]
+    live: list[str] = []
+    done = 0
+    aborted = {"mid-prefill": 0, "mid-stream": 0}
+    for i in range(500):
+        n = rng.choice([3, 8, 20, 45, 90])
+        ids = (base[:rng.choice([0, 13, 26])] + prompts(100 + i, (n,))[0])[:100]
+        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]), seed=i,
+                                n=2 if i % 50 == 0 else 1, stop_token_ids=[rng.randrange(512)] if i % 7 == 0 else None)
+        rid, _ = engine.add_request(ids, params, tenant=rng.choice([None, "a", "b"]))
+        live.append(rid)
+        for _ in range(rng.randint(0, 3)):
+            for d in engine.step():
+                if d.finish_reason is not None and d.request_id in live and d.index == 0:
+                    live.remove(d.request_id)
+                    done += 1
+        if live and rng.random() < 0.2:
+            rid = live.pop(rng.randrange(len(live)))
+            req = engine._requests[rid][0]
+            if req.num_computed_tokens and req.num_computed_tokens < req.num_prompt_tokens:
+                aborted["mid-prefill"] += 1
+            elif req.output_token_ids:
+                aborted["mid-stream"] += 1
+            engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert done > 250 and aborted["mid-prefill"] > 3 and aborted["mid-stream"] > 10
+    assert engine.num_running == engine.num_waiting == 0
+    assert kv.num_free_pages == kv.num_usable_pages and not any(kv.ref_cnt) and kv.pages_in_use() == [0, 0, 0]
+    assert engine.compiles_since_warmup == 0
+
+
+def test_metrics_report_each_groups_pages_and_the_context_that_fits(llms):
+    from infire_jax.async_engine import AsyncEngine
+    from server.metrics import _EngineCollector
+
+    engine = llms[0].engine
+    (ids,) = prompts(5, (30,))
+    rid, _ = engine.add_request(ids, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    collector = _EngineCollector()
+    snapshot = AsyncEngine(engine, max_queue=1)._take_snapshot()
+    collector.add("tiny", lambda: snapshot, engine.pool_sizing)
+    families = {f.name: f for f in collector.collect()}
+    samples = families["infire:kv_cache_group_pages_in_use"].samples
+    held = {(s.labels["group"], s.labels["kind"]): s.value for s in samples}
+    in_use = engine.kv.pages_in_use()
+    assert held == {("0", "global"): in_use[0], ("1", "chunk 12"): in_use[1], ("2", "chunk 12"): in_use[2]}
+    assert in_use[0] > in_use[1] > 0
+    tokens = {s.labels["sequences"]: s.value for s in families["infire:kv_pool_context_tokens"].samples}
+    # 119 usable pages: a 32-token step's 8 pages in each chunked group, 4 (12 tokens, a page more for
+    # a straddling span) per sequence in each, the rest global at 4 tokens a page.
+    assert tokens["1"] == (119 - 2 * 8 - 2 * 4) * PS
+    assert tokens["8"] == ((119 - 16) // 8 - 8) * PS
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_what_does_not_take_local_layers_yet_says_so(llms):
+    import jax.numpy as jnp
+
+    from infire_jax.errors import ConfigError
+    from infire_jax.speculative.setup import parse_speculation
+
+    with pytest.raises(ConfigError, match="hybrid KV cache"):
+        llms[0].engine.export_prompt_kv(prompts(6, (20,))[0])
+    with pytest.raises(ConfigError, match="sliding-window layers"):
+        parse_speculation({"method": "draft_model", "model": "dummy:smollm2-135m", "num_speculative_tokens": 2},
+                          CONFIG, dtype=jnp.float32, multiprocess=False, one_plain_device=True)
+    assert parse_speculation({"method": "ngram", "num_speculative_tokens": 2}, CONFIG, dtype=jnp.float32,
+                             multiprocess=False, one_plain_device=True)[0].method == "ngram"
