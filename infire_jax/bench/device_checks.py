@@ -31,6 +31,9 @@ LONG = ["--input-len", "2048", "--output-len", "128"]
 SWAP = ("infire_jax.bench", "swap", "--model", "dummy:llama-3.1-8b", "--model", "dummy:llama-3.2-1b",
         "--dtype", "bfloat16", "--max-resident", "1", "--swaps", "4")
 PALETTE = ("--weights-compression", "palette:mlp,attn")
+# Llama 4 Scout's shapes with 8 of its 48 layers (2 global, 6 chunked; about 40 GB of bf16 weights):
+# decode at 4k and 32k context, where the chunked layers' KV bytes stay flat (issue 33 section 5).
+SCOUT = ("--model", "dummy:llama-4-scout,layers=8", "--dtype", "bfloat16", "--output-len", "128")
 
 
 def fleet(config: str) -> tuple[str, ...]:
@@ -58,6 +61,14 @@ CHECKS = (
     Check("decode-b1", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1")),
     Check("profile-b1", 150, ("infire_jax.bench", "profile", *LLAMA, "--batch-size", "1", "--input-len", "2048",
                               "--steps", "32")),
+    # This wave's new paths: Llama 4's chunked attention on the hybrid KV cache, and batched LoRA
+    # (8 random rank-16 adapters, one a row, against the base model in the same run).
+    Check("llama4-scout-4k", 240, ("infire_jax.bench", "latency", *SCOUT, "--input-len", "4096", "--max-model-len",
+                                   "4224", "--batch-size", "1", "32")),
+    Check("llama4-scout-32k", 300, ("infire_jax.bench", "latency", *SCOUT, "--input-len", "32768", "--max-model-len",
+                                    "32896", "--batch-size", "1", "8")),
+    Check("lora-b1-b8", 240, ("infire_jax.bench", "latency", *LLAMA, "--input-len", "512", "--output-len", "128",
+                              "--batch-size", "1", "8", "--lora", "8", "--lora-rank", "16")),
     # Section 2: the quantized and MoE kernels as the engine runs them.
     Check("int8-kernel", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
                                "--weights-quantization", "int8")),
