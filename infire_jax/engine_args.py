@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--attention", default="auto", dest="attn_impl",
                    help="attention implementation: auto (pallas on GPU, else reference), reference, pallas, "
                         "or pallas_interpret (the Pallas kernels in interpret mode, for checking on CPU)")
+    p.add_argument("--max-prompt-logprobs", type=int, default=20,
+                   help="most top alternatives a prompt token's logprobs may ask for (prompt_logprobs; on "
+                        "/v1/completions, logprobs with echo); more is a 400 (default 20)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
     p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile; longer is a 400 (default 10)")
@@ -80,7 +83,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,
                         weights_compression=args.weights_compression,
                         weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
-                        grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps)
+                        grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps,
+                        max_prompt_logprobs=args.max_prompt_logprobs)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

@@ -80,6 +80,20 @@ class Request:
         self.spec_state = None
         self.spec_head_drafts: list[int] = []  # EAGLE-3: what the head drafted in the request's last step
         self.grammar = None  # its structured.GrammarMatcher when the output is constrained
+        # Prompt logprobs (params.prompt_logprobs): the entries read back so far (the first position's
+        # None first), and the first prompt position no dispatched step has computed logits for yet;
+        # a prompt computed again after a preemption skips the positions before it.
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_next = 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_tokens 0: the prompt runs (for its prompt logprobs) and nothing is sampled."""
+        return self.max_tokens == 0
 
     @property
     def num_prompt_tokens(self) -> int:

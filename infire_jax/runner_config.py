@@ -26,6 +26,7 @@ class RunnerConfig:
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states the forward also returns
     decode_steps: int = 1  # most steps of a decode burst (1: no bursts)
     kv_cache_dtype: str | None = None  # the KV pool's dtype (None: the model's); float8_e4m3fn takes scales
+    max_prompt_logprobs: int = 20  # top alternatives a prompt position may ask for (prompt_logprobs.py)
 
     @property
     def pages_per_seq(self) -> int:

@@ -16,6 +16,7 @@ from typing import Sequence
 from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine
+from infire_jax.detokenizer import TokenText
 from infire_jax.engine import Engine
 from infire_jax.engine_args import engine_config, init_distributed, progress_bar
 from infire_jax.residency import Residency, host_to_device_bandwidth, start_engines
@@ -26,7 +27,6 @@ from server.errors import error_middleware
 from server.listen import bind, serve_until_signal
 from server.kv_handoff import KV_PULLED, RELEASE_PATH, ROLES, KVHandoff
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.responses import TokenText
 
 METRICS = web.AppKey("metrics", ServerMetrics)
 _MAX_BODY = 64 << 20  # bytes; prompts of token ids are large

@@ -19,6 +19,7 @@ from typing import Callable
 from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine, RequestStream
+from infire_jax.detokenizer import TokenText
 from infire_jax.errors import InvalidRequestError
 from infire_jax.structured import StructuredOutputs
 from infire_jax.structured.backend import CompiledGrammar
@@ -30,7 +31,7 @@ from server.auth import TENANT
 from server.errors import APIError, to_api_error
 from server.kv_handoff import KVHandoff, RequestHandoff, request_handoff
 from server.protocol import ChatRequest, GenerationRequest, bad, parse_chat, parse_completion
-from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, TokenText, Usage
+from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, Usage
 from server.streaming import SSEWriter
 
 PREFIX_HEADER = "x-prefix-tokens"

@@ -8,24 +8,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import time
 from typing import Any
 
+from infire_jax.detokenizer import TokenText
 from infire_jax.outputs import Delta
-from infire_jax.tokenizer import Tokenizer
 from server import tool_calls
-
-
-class TokenText:
-    """The text of single tokens, for logprobs; cached, since the same tokens recur."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._text = functools.lru_cache(maxsize=1 << 16)(
-            lambda t: tokenizer.decode([t], skip_special_tokens=False))
-
-    def __call__(self, token_id: int) -> str:
-        return self._text(token_id)
 
 
 class Usage:
