@@ -27,6 +27,7 @@ from server.errors import error_middleware
 from server.listen import bind, serve_until_signal
 from server.kv_handoff import KV_PULLED, RELEASE_PATH, ROLES, KVHandoff
 from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.tokenize import detokenize, tokenize, tokenizer_info
 
 METRICS = web.AppKey("metrics", ServerMetrics)
 _MAX_BODY = 64 << 20  # bytes; prompts of token ids are large
@@ -76,6 +77,9 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post(RELEASE_PATH, release_kv)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", tokenize)  # vLLM's tokenizer endpoints (server/tokenize.py)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.on_response_prepare.append(_routing_headers)

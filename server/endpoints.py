@@ -64,14 +64,14 @@ STATE = web.AppKey("state", ServerState)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    body = await _json(request)
+    body = await read_json(request)
     with request_handoff(st.handoff, request, body) as kv:
         return await _completions(request, st, body, kv)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    body = await _json(request)
+    body = await read_json(request)
     with request_handoff(st.handoff, request, body) as kv:
         return await _chat_completions(request, st, body, kv)
 
@@ -87,6 +87,7 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
     def formatter() -> CompletionFormatter:  # after admission: token-id prompts are known to be valid
         echo = [p if isinstance(p, str) else m.tokenizer.decode(p) for p in req.prompts] if req.echo else None
         return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", m.name, m.token_text, echo_texts=echo,
+                                   echo_ids=prompts if req.params.prompt_logprobs is not None else None,
                                    n=req.params.n, want_logprobs=req.params.logprobs is not None,
                                    include_usage=req.include_usage)
 
@@ -156,7 +157,7 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def _json(request: web.Request):
+async def read_json(request: web.Request):
     try:
         return json.loads(await request.read(), parse_constant=_no_constant)
     except ValueError as e:  # also UnicodeDecodeError and JSONDecodeError
@@ -202,7 +203,7 @@ async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, req: Ge
                 return await _stream(request, req, stream, make_formatter(), usage, len(prompts))
             choices = await _collect(req, stream, usage, len(prompts))
     except InvalidRequestError as e:  # the engine's admission checks; name the field the client sent
-        raise bad(str(e), prompt_param if e.param == "prompt" else e.param) from e
+        raise bad(str(e), {"prompt": prompt_param, "prompt_logprobs": "logprobs"}.get(e.param, e.param)) from e
     return await kv.answer(make_formatter().response(choices, usage), choices[0])
 
 
@@ -221,7 +222,7 @@ async def release_kv(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if st.handoff is None or st.role != "prefill":
         raise APIError(404, f"this worker's role is {st.role}; only prefill workers hold KV", code="not_found")
-    body = await _json(request)
+    body = await read_json(request)
     transfer_id = body.get("transfer_id") if isinstance(body, dict) else None
     if not isinstance(transfer_id, str):
         raise bad("the body must be {\"transfer_id\": \"...\"}", "transfer_id")
