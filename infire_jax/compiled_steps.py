@@ -22,7 +22,6 @@ from infire_jax import step_programs as programs
 from infire_jax.batch import DraftInputs, StepBatch, burst_inputs, draft_inputs
 from infire_jax.buckets import StepShape
 from infire_jax.device_memory import DeviceMemory
-from infire_jax.prompt_logprobs import BLOCK as PROMPT_BLOCK
 from infire_jax.sampler import BRANCHING
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.step_programs import StepForward, matmul_precision
@@ -141,7 +140,7 @@ class CompiledSteps:
                 "write_pages": (self.write_pages, (c, pages, *chunk)),
                 "prompt_logprobs": self.prompt_block_spec()[1:]}
         specs = {("small", name): (name, jitted, a) for name, (jitted, a) in args.items()}
-        block = jax.ShapeDtypeStruct((PROMPT_BLOCK,), jnp.int32)
+        block = jax.ShapeDtypeStruct((m.rc.prompt_logprobs_block,), jnp.int32)
         for shape in m.rc.buckets.shapes:
             hidden = self._hidden_struct(shape.num_tokens)
             specs["prompt_rows", shape] = ("prompt-rows", self.prompt_rows, (hidden, block))
@@ -153,8 +152,9 @@ class CompiledSteps:
                                     sharding=plan.replicated if plan else None)
 
     def prompt_block_spec(self) -> ProgramSpec:
-        targets = jax.ShapeDtypeStruct((PROMPT_BLOCK,), jnp.int32)
-        return "prompt-logprobs", self.prompt_block, (self.memory.state, self._hidden_struct(PROMPT_BLOCK), targets)
+        block = self.memory.rc.prompt_logprobs_block
+        targets = jax.ShapeDtypeStruct((block,), jnp.int32)
+        return "prompt-logprobs", self.prompt_block, (self.memory.state, self._hidden_struct(block), targets)
 
     # ---- compiling --------------------------------------------------------------------------------
     def compile(self, specs: dict[ProgramKey, ProgramSpec], workers: int,

@@ -24,7 +24,7 @@ from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.loaders import LoadedModel
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
-from infire_jax.prompt_logprobs import record_prompt_logprobs
+from infire_jax.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
 from infire_jax.request import Request, Status
 from infire_jax.runner import PendingStep
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
@@ -223,12 +223,11 @@ class Engine:
             record_prompt_logprobs(p.work.seqs, p.prompt_logprobs[0], res.prompt_logprobs, self.token_text)
         deltas = []
         for row, sq in enumerate(p.work.seqs):
+            req = sq.req
             if not sq.samples:
-                req = sq.req
                 if req.prefill_only and sq.start + sq.num_tokens == req.num_prompt_tokens and not req.is_finished:
                     deltas.append(self._prompt_done(req))
                 continue
-            req = sq.req
             req.num_pending_tokens -= sq.num_steps
             if req.is_finished:
                 continue  # stopped or aborted while this step was in flight
@@ -278,7 +277,7 @@ class Engine:
                      req.num_prompt_tokens, req.num_cached_tokens, self._take_prompt_logprobs(req))
 
     @staticmethod
-    def _take_prompt_logprobs(req: Request):
+    def _take_prompt_logprobs(req: Request) -> PromptLogprobs | None:
         """The request's prompt logprobs, whole, for its first delta (the prompt has run by then)."""
         out, req.prompt_logprobs = req.prompt_logprobs, None
         return out

@@ -15,15 +15,16 @@ and the top k, so nothing compiles per prompt and a block's [BLOCK, V] logits ar
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 import dataclasses
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from infire_jax.scheduler import ScheduledSeq
 
-BLOCK = 128  # prompt positions per launch of the head (a block's logits: BLOCK x vocab float32)
+# Prompt positions per launch of the head (a block's logits: BLOCK x vocab float32), or fewer where a
+# step has fewer tokens (RunnerConfig.prompt_logprobs_block).
+BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +43,11 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 class PromptLogprobPlan(NamedTuple):
-    """The prompt positions of one step, in blocks of BLOCK (padding: token 0, target 0)."""
+    """The prompt positions of one step, in blocks (padding: token 0, target 0)."""
 
     spans: list[tuple[int, int, int]]  # (row, first prompt position, count) per row, in block order
-    token_index: np.ndarray  # [blocks, BLOCK] int32: the position's index among the step's tokens
-    targets: np.ndarray  # [blocks, BLOCK] int32: the prompt token its logits predict
+    token_index: np.ndarray  # [blocks, block] int32: the position's index among the step's tokens
+    targets: np.ndarray  # [blocks, block] int32: the prompt token its logits predict
 
 
 class PromptLogprobResult(NamedTuple):
@@ -58,7 +59,7 @@ class PromptLogprobResult(NamedTuple):
     top_logprobs: np.ndarray  # [P, K] float32
 
 
-def plan_prompt_logprobs(seqs: list[ScheduledSeq], block: int = BLOCK) -> PromptLogprobPlan | None:
+def plan_prompt_logprobs(seqs: list[ScheduledSeq], block: int) -> PromptLogprobPlan | None:
     """The positions of this step whose prompt logprobs are wanted, or None when there are none."""
     spans, index, targets = [], [], []
     offset = 0

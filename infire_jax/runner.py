@@ -179,7 +179,7 @@ class ModelRunner(DeviceMemory):
                                 hidden: Array) -> tuple[PromptLogprobPlan, list[PromptLogprobs]] | None:
         """The head over the step's planned prompt positions, a block at a time (one process only: the
         engine checks); launched, not awaited."""
-        plan = plan_prompt_logprobs(work.seqs)
+        plan = plan_prompt_logprobs(work.seqs, self.rc.prompt_logprobs_block)
         if plan is None:
             return None
         gather, head = self.steps.compiled_prompt_rows[shape], self.steps.compiled_small["prompt_logprobs"]

@@ -8,6 +8,7 @@ import dataclasses
 
 from infire_jax.batch import StepBatch, build_batch
 from infire_jax.buckets import Buckets, StepShape
+from infire_jax.prompt_logprobs import BLOCK
 from infire_jax.sampler import BRANCHING
 from infire_jax.scheduler import SchedulerOutput
 
@@ -39,6 +40,11 @@ class RunnerConfig:
     @property
     def dummy_slot(self) -> int:
         return self.max_num_seqs
+
+    @property
+    def prompt_logprobs_block(self) -> int:
+        """Prompt positions per launch of the head: BLOCK, or a step's most tokens if fewer."""
+        return min(BLOCK, self.buckets.token_buckets[-1])
 
     @property
     def history_len(self) -> int:
