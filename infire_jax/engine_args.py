@@ -33,10 +33,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--weights-quantization", default=None, choices=["gguf", "int8", "int4", "checkpoint"],
                    help="keep the layer weights quantized on the device, dequantized per layer inside the layer "
                         "scan (embedding and head stay dense): gguf keeps a GGUF model's Q4_1/Q8_0 blocks; int8 "
-                        "quantizes any model at load, one scale per output channel; int4 draws a dummy: model's "
-                        "weights as AWQ/GPTQ-form int4 (groups of 128; a DeepSeek/Kimi dummy's routed experts as "
-                        "Kimi's int4); checkpoint keeps a published DeepSeek-V3/Kimi checkpoint's own int4 or fp8 "
-                        "weights (its routed experts dequantized one expert at a time in the grouped matmul)")
+                        "quantizes any model at load, one scale per output channel; int4 quantizes a Llama-family "
+                        "model at load to AWQ/GPTQ-form int4 (round to nearest, a float16 scale and a zero point per "
+                        "group of --int4-group-size inputs; a dummy: model's drawn, a DeepSeek/Kimi dummy's routed "
+                        "experts as Kimi's int4); checkpoint keeps a published GPTQ/AWQ/DeepSeek-V3/Kimi "
+                        "checkpoint's own int4 or fp8 weights (routed experts dequantized one expert at a time in "
+                        "the grouped matmul)")
+    p.add_argument("--int4-group-size", type=int, default=None, choices=[32, 128],
+                   help="with --weights-quantization int4: inputs per scale and zero point (default 128; a last "
+                        "group is shorter where it does not divide a weight's inputs, as GPTQ's)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -82,7 +87,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype,
                         calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,
                         weights_compression=args.weights_compression,
-                        weights_quantization=args.weights_quantization, speculative_config=args.speculative_config,
+                        weights_quantization=args.weights_quantization, int4_group_size=args.int4_group_size,
+                        speculative_config=args.speculative_config,
                         grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps,
                         max_prompt_logprobs=args.max_prompt_logprobs)
 

@@ -82,9 +82,11 @@ class EngineConfig:
     branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
     # Kept quantized on the device (quant/): "gguf" (a GGUF's Q4_1/Q8_0 blocks), "int8" (any model, at load),
-    # "int4" (a dummy: model drawn as AWQ / GPTQ-form int4) or
-    # "checkpoint" (a published DeepSeek-V3/Kimi checkpoint's own int4 / fp8 weights)
+    # "int4" (any Llama-family model at load, round to nearest in the AWQ / GPTQ form; a dummy: model's drawn)
+    # or "checkpoint" (a published GPTQ / AWQ / DeepSeek-V3 / Kimi checkpoint's own int4 / fp8 weights)
     weights_quantization: str | None = None
+    # "int4": inputs per scale and zero point, 32 or 128 (None: 128); refused with any other mode.
+    int4_group_size: int | None = None
     # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
     speculative_config: SpeculativeConfig | dict | str | None = None
     grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
@@ -177,6 +179,9 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
         raise ConfigError(f"max_prompt_logprobs must be >= 0, got {ec.max_prompt_logprobs}")
     if not 0.0 < ec.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
+    if ec.int4_group_size is not None and ec.weights_quantization != "int4":
+        raise ConfigError(f"int4_group_size sets weights_quantization='int4''s groups; weights_quantization is "
+                          f"{ec.weights_quantization!r}")
     try:
         resolve_impl(ec.attn_impl)
         mesh_config = load_mesh_config(ec.mesh, jax.device_count())
@@ -285,7 +290,7 @@ def _load_placed(ec: EngineConfig, dtype, plan: ShardPlan | None, loaded: Loaded
         if ec.weights_compression or loaded is not None:
             raise ConfigError("weights_quantization reads the model itself: it combines with neither "
                               "weights_compression nor a preloaded model")
-        return load_quantized_placed(ec.model, dtype, plan, ec.weights_quantization)
+        return load_quantized_placed(ec.model, dtype, plan, ec.weights_quantization, ec.int4_group_size)
     if ec.weights_compression:
         return load_resident_placed(ec.model, dtype, plan, ec.weights_compression, loaded=loaded)
     return load_placed(ec.model, dtype, plan, loaded=loaded)

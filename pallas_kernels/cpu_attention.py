@@ -6,8 +6,10 @@ dense T x T over the whole step, whatever its rows. `csrc/paged_attention.cc` at
 row's tokens to the row's positions straight from the pool, on XLA's thread pool, each block of
 keys read once for the run (docs/PERFORMANCE.md has both measured). This step's keys and values
 are first written by the reference's scatter, so the call's semantics are the reference's: every
-token sees its sequence's positions up to its own. An fp8 pool (uint8 bits) is read the same way,
-its codes widened in registers; the scales fold into q and the output (kv_quant.py).
+token sees its sequence's positions up to its own (from its first visible one on for a local layer,
+`meta.local`: another target, which takes the layer's chunk and window as buffers since they are
+traced). An fp8 pool (uint8 bits) is read the same way, its codes widened in registers; the scales
+fold into q and the output (kv_quant.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pallas_kernels import cpu_kernels, kv_quant, reference
 from pallas_kernels.metadata import AttentionMetadata
 
 TARGET = "infire_paged_attention"
+TARGET_LOCAL = "infire_paged_attention_local"
 
 
 def applies(q: Array, k_pages: Array) -> bool:
@@ -46,8 +49,9 @@ def paged_attention(
     kv_scale: Float[Array, "2 Hkv"] | None = None,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes k/v into the pages (in place), then attends each token to its sequence's positions
-    <= its own, reading them from the pool; padding tokens get zeros. With `kv_scale` the pool
-    holds fp8 bits (see `reference.ragged_paged_attention`)."""
+    <= its own (from `first_visible` on with `meta.local`; no earlier page is read), reading them
+    from the pool; padding tokens get zeros. With `kv_scale` the pool holds fp8 bits (see
+    `reference.ragged_paged_attention`)."""
     cpu_kernels.require()
     k, v = reference.quantize_step(k, v, kv_scale)
     k_pages, v_pages = reference.write_kv(k_pages, v_pages, layer, k, v, meta.slot_mapping)
@@ -55,7 +59,10 @@ def paged_attention(
     ints = [jnp.asarray(x).astype(jnp.int32) for x in (layer, meta.positions, meta.seq_ids, meta.page_table,
                                                          meta.num_seqs)]
     qf = q.astype(jnp.float32) if kv_scale is None else kv_quant.fold_query(q, kv_scale[0])
-    o = jax.ffi.ffi_call(TARGET, out)(qf * np.float32(scale), k_pages, v_pages, *ints)
+    if meta.local is not None:
+        ints += [jnp.asarray(x).astype(jnp.int32) for x in meta.local]
+    o = jax.ffi.ffi_call(TARGET if meta.local is None else TARGET_LOCAL, out)(qf * np.float32(scale), k_pages,
+                                                                              v_pages, *ints)
     if kv_scale is not None:
         o = kv_quant.unfold_output(o, kv_scale[1])
     return o.astype(q.dtype), k_pages, v_pages

@@ -31,6 +31,7 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # FFI target name -> the library's handler symbol.
 TARGETS = {"infire_skinny_matmul": "InfireSkinnyMatmul", "infire_skinny_matmul_nt": "InfireSkinnyMatmulNT",
            "infire_skinny_matmul_panels": "InfireSkinnyMatmulPanels", "infire_paged_attention": "InfirePagedAttention",
+           "infire_paged_attention_local": "InfirePagedAttentionLocal",
            "infire_palette_matmul": "InfirePaletteMatmul", "infire_q4_1_matmul": "InfireQ41Matmul"}
 
 

@@ -9,6 +9,10 @@ softmax over its range and writes its unnormalised partial (acc, max, sum). The 
 (flash-decoding) rescales every partial to the global max: out = sum_k e^(m_k - m) acc_k /
 sum_k e^(m_k - m) l_k. K is chosen from the batch so that S * Hkv * K fills the GPU; a split with no
 blocks writes (0, MASK_VALUE, 0) and drops out of the combine.
+
+A local layer's row (`meta.local`) sees keys `[first_visible(kv_len - 1), kv_len)`: the splits cut
+only the blocks holding those (`key_block_range`), so a chunked layer reads at most C keys (plus the
+rounding to blocks) at any context length, and never a page wholly before the visible range.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.kv_quant import compute_dtype
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.paged_block import attend_block, initial_state, load_key_block
+from pallas_kernels.metadata import AttentionMetadata, first_visible
+from pallas_kernels.paged_block import attend_block, initial_state, layer_scalars, load_key_block, local_mask
 from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
 
 BLOCK_K = 128  # keys per inner step
@@ -45,21 +49,37 @@ def decode_rows(meta: AttentionMetadata) -> Bool[Array, "S"]:
     return (q_lens == 1) & (jnp.arange(q_lens.shape[0]) < meta.num_seqs)
 
 
-def _decode_kernel(layer_ref, kv_lens_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, acc_ref, max_ref,
-                   total_ref, *, scale: float, page_size: int, block_k: int, num_splits: int, precision):
-    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
-    kv_len = kv_lens_ref[seq]
+def key_block_range(kv_len: Int[Array, ""], key_start: Int[Array, ""] | None, split: Int[Array, ""], *,
+                    block_k: int, num_splits: int) -> tuple[Int[Array, ""], Int[Array, ""]]:
+    """The key blocks [first, last) that split `split` of a row folds in: the blocks holding keys
+    [key_start, kv_len) (from key 0 when `key_start` is None, a global layer), cut into `num_splits`
+    contiguous ranges of ceil(blocks / num_splits)."""
     num_blocks = pl.cdiv(kv_len, block_k)
-    per_split = pl.cdiv(num_blocks, num_splits)
-    first = split * per_split
-    last = jnp.minimum(first + per_split, num_blocks)
+    if key_start is None:
+        per_split = pl.cdiv(num_blocks, num_splits)
+        first = split * per_split
+    else:
+        first_block = lax.div(key_start, block_k)
+        per_split = pl.cdiv(num_blocks - first_block, num_splits)
+        first = first_block + split * per_split
+    return first, jnp.minimum(first + per_split, num_blocks)
+
+
+def _decode_kernel(scalars_ref, kv_lens_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, acc_ref, max_ref,
+                   total_ref, *, scale: float, page_size: int, block_k: int, num_splits: int, local: bool,
+                   precision):
+    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = scalars_ref[0]
+    kv_len = kv_lens_ref[seq]
+    key_start = first_visible(local_mask(scalars_ref), jnp.maximum(kv_len - 1, 0)) if local else None
+    first, last = key_block_range(kv_len, key_start, split, block_k=block_k, num_splits=num_splits)
     q = q_ref[...]
 
     def body(j, state):
         pos, k, v = load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head, j * block_k,
-                                   kv_len, block_k=block_k, page_size=page_size, dtype=q.dtype)
-        visible = jnp.broadcast_to((pos < kv_len)[None, :], (q.shape[0], block_k))
+                                   kv_len, block_k=block_k, page_size=page_size, dtype=q.dtype, key_start=key_start)
+        seen = pos < kv_len if key_start is None else (pos >= key_start) & (pos < kv_len)
+        visible = jnp.broadcast_to(seen[None, :], (q.shape[0], block_k))
         return attend_block(state, q, k, v, visible, scale=scale, precision=precision)
 
     state = lax.fori_loop(first, last, body, initial_state(*q.shape))
@@ -90,7 +110,8 @@ def decode_attention(
     num_splits: int | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Bool[Array, "T"]]:
-    """Attention of every single-token row's token over its pages (written already).
+    """Attention of every single-token row's token over its pages (written already), from its first
+    visible key on for a local layer (`meta.local`).
 
     Returns the outputs and which tokens they cover; other tokens' outputs are 0.
     """
@@ -113,7 +134,7 @@ def decode_attention(
     partial_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, k: (k, i, h, 0))
     acc, row_max, total = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, page_size=page_size, block_k=block_k,
-                          num_splits=num_splits, precision=dot_precision(dtype)),
+                          num_splits=num_splits, local=meta.local is not None, precision=dot_precision(dtype)),
         grid=(s, hkv, num_splits),
         in_specs=[whole, whole, whole, pl.BlockSpec((None, None, gp, d), lambda i, h, k: (i, h, 0, 0)), whole, whole],
         out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, k: (k, i, h, 0, 0)),
@@ -124,8 +145,7 @@ def decode_attention(
         compiler_params=compiler_params(num_warps=4, num_stages=pipeline_stages(dtype)),
         interpret=interpret,
         name="paged_decode_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), kv_lens, meta.page_table.astype(jnp.int32), q_rows,
-      k_pages, v_pages)
+    )(layer_scalars(layer, meta.local), kv_lens, meta.page_table.astype(jnp.int32), q_rows, k_pages, v_pages)
 
     rows_out = combine_splits(acc, row_max, total)[:, :, :g].reshape(s, hq, d)
     valid = jnp.arange(t) < meta.cu_q_lens[meta.num_seqs]

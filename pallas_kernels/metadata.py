@@ -10,7 +10,32 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float, Int
+
+
+class LocalMask(NamedTuple):
+    """Which keys a layer's query sees besides causality. chunk C > 0: a query at position p sees keys in
+    [C*floor(p/C), p] (Llama 4's chunked attention); window W > 0: keys in [p-W+1, p] (sliding window);
+    both 0: every key <= p (a global layer). Traced int32 scalars, so one scanned layer body serves
+    layers of every kind; both > 0 means both bounds apply (the later start wins)."""
+    chunk: Int[Array, ""]
+    window: Int[Array, ""]
+
+
+def first_visible(local: LocalMask, positions: Int[Array, "..."]) -> Int[Array, "..."]:
+    """The first key position a query at each of `positions` sees (0 for a global layer).
+
+    Written with `lax.rem` and selects only, so the Pallas kernels call it on their own rows too.
+    Non-decreasing in the position: a run of a row's tokens sees from its first token's start on.
+    """
+    positions = jnp.asarray(positions)
+    chunk = jnp.asarray(local.chunk).astype(positions.dtype)
+    window = jnp.asarray(local.window).astype(positions.dtype)
+    in_chunk = lax.rem(positions, jnp.broadcast_to(jnp.maximum(chunk, 1), positions.shape))
+    chunk_start = jnp.where(chunk > 0, positions - in_chunk, 0)
+    window_start = jnp.where(window > 0, positions - window + 1, 0)
+    return jnp.maximum(jnp.maximum(chunk_start, window_start), 0)
 
 
 class AttentionMetadata(NamedTuple):
@@ -23,10 +48,22 @@ class AttentionMetadata(NamedTuple):
     num_seqs: Int[Array, ""]  # number of valid rows
     # An fp8 pool's per-(layer, kv head) [k_scale, v_scale] (kv_quant.py); None for a pool in a value dtype.
     kv_scales: Float[Array, "L 2 Hkv"] | None = None
+    # The layer's chunked / sliding-window mask (set per layer by the layer scan); None: every layer is
+    # global, static, and the kernels compile without any mask code.
+    local: LocalMask | None = None
+
+
+def require_global(meta: AttentionMetadata, what: str) -> None:
+    """Raises (at trace time) for a step with local masks that `what` cannot apply."""
+    if meta.local is not None:
+        raise ValueError(f"{what} has no chunked or sliding-window attention (meta.local is set); "
+                         "only the paged_attention kernels apply LocalMask")
 
 
 # Page 0 of the pool is never handed out: padding tokens write there and unused
-# page-table entries point there, so every gather stays in bounds.
+# page-table entries point there, so every gather stays in bounds. A local layer's entries for pages
+# wholly before the first key its step's queries see (first_visible of a row's first token) may be
+# the null page too (the hybrid cache frees them): no kernel lets what it holds reach an output.
 NULL_PAGE = 0
 
 
@@ -47,11 +84,13 @@ def slice_tokens(meta: AttentionMetadata, start, size: int) -> AttentionMetadata
         return jax.lax.dynamic_slice_in_dim(x, start, size)
 
     return AttentionMetadata(part(meta.positions), part(meta.slot_mapping), part(meta.seq_ids), meta.page_table,
-                             kv_lens.astype(meta.kv_lens.dtype), cu_local, meta.num_seqs, meta.kv_scales)
+                             kv_lens.astype(meta.kv_lens.dtype), cu_local, meta.num_seqs, meta.kv_scales,
+                             meta.local)
 
 
 def deactivate(meta: AttentionMetadata, active) -> AttentionMetadata:
-    """When `active` is false, the same shapes with every token padding (writes go to the null page)."""
+    """When `active` is false, the same shapes with every token padding (writes go to the null page);
+    `kv_scales` and `local` carry through."""
     assert NULL_PAGE == 0
     rows = meta.kv_lens.shape[0]
     return meta._replace(

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import mla_reference
 from pallas_kernels.attention import resolve_impl
 from pallas_kernels.decode_attention import decode_rows
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.metadata import AttentionMetadata, require_global
 from pallas_kernels.mla_decode import check_mla_supported, mla_decode_attention
 
 FORMS = ("absorbed", "expanded")
@@ -78,6 +78,7 @@ def mla_attention(
     through the jnp reference (there is no MLA prefill kernel yet), whose cached-context loop then
     skips the decode rows. With `meta.kv_scales` the pool is fp8 and this layer's [2, 1] scales apply.
     """
+    require_global(meta, "MLA attention")
     if impl not in ("reference", "pallas", "pallas_interpret"):
         raise ValueError(f"unresolved attention implementation {impl!r}; call choose_mla_impl first")
     if form not in FORMS:

@@ -24,7 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.decode_attention import choose_num_splits, combine_splits, decode_rows
 from pallas_kernels.kv_quant import compute_dtype
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.metadata import AttentionMetadata, require_global
 from pallas_kernels.paged_block import initial_state
 from pallas_kernels.triton_backend import (MASK_VALUE, compiler_params, dot_precision, is_power_of_2, next_power_of_2,
                                            pipeline_stages)
@@ -100,6 +100,7 @@ def mla_decode_attention(
 
     Returns the outputs and which tokens they cover; other tokens' outputs are 0.
     """
+    require_global(meta, "the MLA decode kernel")
     out_dtype = q_lat.dtype
     if kv_scale is not None:
         q_lat, q_pe = q_lat.astype(jnp.float32) * kv_scale[0, 0], q_pe.astype(jnp.float32) * kv_scale[1, 0]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.metadata import AttentionMetadata, require_global
 from pallas_kernels.reference import (_dot_precision, _pages_per_block, fold_cached_blocks, from_storage,
                                       query_block_size, query_blocks, quantize_step, write_kv)
 
@@ -115,6 +115,7 @@ def mla_paged_attention(
 ) -> tuple[Float[Array, "T H R"], Array, Array]:
     """Absorbed form: writes the step's latents and rotary keys into the pages; returns each head's
     attention-weighted latent (before W_uv) and the updated pages."""
+    require_global(meta, "MLA attention")
     precision = _dot_precision(q_lat, latent, latent_pages)
     latent_pages, rope_pages, c, kp, c_scale, rope_scale = _write_step(latent, k_pe, latent_pages, rope_pages,
                                                                       layer, meta, kv_scale)
@@ -151,6 +152,7 @@ def mla_paged_attention_expanded(
     latent accumulator starts at zero under part B's (max, sum), and W_uv, being linear, maps it
     to the value space after the loop. With fp8 scales the step's own part reads its dequantized
     latents and the cached part the codes, scales folded."""
+    require_global(meta, "MLA attention")
     precision = _dot_precision(q_nope, latent, latent_pages)
     latent_pages, rope_pages, c, kp, c_scale, rope_scale = _write_step(latent, k_pe, latent_pages, rope_pages,
                                                                       layer, meta, kv_scale)

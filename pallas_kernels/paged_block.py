@@ -5,6 +5,11 @@ positions of one sequence through its page table, score it against a tile of que
 it into the running (acc, max, sum) of an online softmax. Keys are gathered per position (page
 table entry, then offset in the page), so the block size is independent of the page size and any
 page size works.
+
+A local layer's key loop starts at the block holding the first key its tile sees
+(`metadata.first_visible`); that block may begin on pages the layer no longer holds (the null
+page, any bits), so keys before `key_start` are masked and their values zeroed like those past the
+end.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.metadata import LocalMask
 from pallas_kernels.triton_backend import MASK_VALUE
 
 
@@ -32,14 +38,26 @@ def initial_state(rows: int, head_dim: int) -> SoftmaxState:
     )
 
 
+def layer_scalars(layer: Int[Array, ""], local: LocalMask | None) -> Int[Array, "N"]:
+    """The kernels' scalar operand: [layer], or [layer, chunk, window] for a local layer."""
+    if local is None:
+        return jnp.reshape(layer, (1,)).astype(jnp.int32)
+    return jnp.stack([jnp.asarray(x).astype(jnp.int32) for x in (layer, *local)])
+
+
+def local_mask(scalars_ref) -> LocalMask:
+    """In a kernel: the local layer's mask from its scalar operand (`layer_scalars`)."""
+    return LocalMask(scalars_ref[1], scalars_ref[2])
+
+
 def load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head, first_key, key_end, *,
-                   block_k: int, page_size: int, dtype) -> tuple[Int[Array, "K"], Array, Array]:
+                   block_k: int, page_size: int, dtype, key_start=None) -> tuple[Int[Array, "K"], Array, Array]:
     """Positions, keys and values of `[first_key, first_key + block_k)` of sequence `seq`, in `dtype`
     (an fp8 pool's codes widen here, in registers).
 
-    Positions at or past `key_end` read whatever their slot holds (a clamped page-table entry keeps
-    the read in bounds); their values are zeroed so that stale or NaN slots cannot leak into
-    `p @ v` through a zero weight.
+    Positions at or past `key_end`, or before `key_start` (a local layer's), read whatever their slot
+    holds (a clamped page-table entry keeps the read in bounds); their values are zeroed so that
+    stale or NaN slots cannot leak into `p @ v` through a zero weight.
     """
     pos = first_key + jnp.arange(block_k, dtype=jnp.int32)
     column = jnp.minimum(lax.div(pos, page_size), page_table_ref.shape[1] - 1)
@@ -47,7 +65,8 @@ def load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head
     offset = lax.rem(pos, page_size)
     k = k_pages_ref[layer, page, offset, kv_head, :].astype(dtype)
     v = v_pages_ref[layer, page, offset, kv_head, :].astype(dtype)
-    v = jnp.where((pos < key_end)[:, None], v, jnp.zeros_like(v))
+    held = pos < key_end if key_start is None else (pos >= key_start) & (pos < key_end)
+    v = jnp.where(held[:, None], v, jnp.zeros_like(v))
     return pos, k, v
 
 
@@ -56,7 +75,10 @@ def attend_block(state: SoftmaxState, q: Float[Array, "M D"], k: Float[Array, "K
     """Folds one key block into the online softmax; invisible keys get exactly zero weight.
 
     Their logits are MASK_VALUE, so their weight is exp(MASK_VALUE - max) = 0 once a row has seen one
-    visible key. Every row has by its first block: key 0 (prefill), or a key below kv_len (decode).
+    visible key. Every row has by its first block (key 0 in prefill, a key below kv_len in decode),
+    except a local layer's prefill row whose first visible key lies in a later block: until then its
+    max stays MASK_VALUE and it sums finite values (zero or held ones) with weight 1, and its first
+    visible key rescales all of that by exp(MASK_VALUE - max) = 0.
     """
     logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32) * scale

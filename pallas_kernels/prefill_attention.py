@@ -10,6 +10,10 @@ is read once per group. It runs an online softmax over keys `[0, last position o
 W = ceil(T / block_q) + min(S, T // 2) bounds the items of any step (each row adds at most one
 partial block, and a row here has >= 2 tokens); items past the step's count return at once, without
 writing their (never gathered) output block.
+
+A local layer (`meta.local`) starts a program's key loop at the block holding the first key its
+first token sees (`first_visible` of the first position: the tile's later tokens see no earlier
+key), and masks each row's keys before its own first visible one.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.kv_quant import compute_dtype
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.paged_block import attend_block, initial_state, load_key_block
+from pallas_kernels.metadata import AttentionMetadata, first_visible
+from pallas_kernels.paged_block import attend_block, initial_state, layer_scalars, load_key_block, local_mask
 from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
 
 TILE_ROWS = 128  # block_q * Gp: query rows of one program
@@ -81,29 +85,38 @@ def work_items(meta: AttentionMetadata, num_tokens: int, block_q: int) -> WorkIt
     return WorkItems(table, starts[token_seq] + in_row // block_q, in_row % block_q, covered)
 
 
-def _prefill_kernel(layer_ref, items_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, out_ref, *,
-                    scale: float, page_size: int, block_k: int, group_rows: int, precision):
+def _prefill_kernel(scalars_ref, items_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, out_ref, *,
+                    scale: float, page_size: int, block_k: int, group_rows: int, local: bool, precision):
     item, kv_head = pl.program_id(0), pl.program_id(1)
     num_q = items_ref[item, ITEM_NUM_Q]
 
     @pl.when(num_q > 0)  # an item past the step's count writes nothing: no token reads its block
     def _():
-        layer = layer_ref[0]
+        layer = scalars_ref[0]
         seq = items_ref[item, ITEM_SEQ]
         first_pos = items_ref[item, ITEM_FIRST_POS]
         rows = out_ref.shape[0]
         q = q_ref[pl.ds(items_ref[item, ITEM_Q_START] * group_rows, rows), :]
         row_pos = first_pos + lax.div(jnp.arange(rows, dtype=jnp.int32), group_rows)
         key_end = first_pos + num_q
+        key_start, first_block = None, 0
+        if local:
+            mask = local_mask(scalars_ref)
+            key_start = first_visible(mask, first_pos)
+            row_first = first_visible(mask, row_pos)
+            first_block = lax.div(key_start, block_k)
 
         def body(j, state):
             pos, k, v = load_key_block(k_pages_ref, v_pages_ref, page_table_ref, layer, seq, kv_head, j * block_k,
-                                       key_end, block_k=block_k, page_size=page_size, dtype=q.dtype)
+                                       key_end, block_k=block_k, page_size=page_size, dtype=q.dtype,
+                                       key_start=key_start)
             visible = (pos[None, :] <= row_pos[:, None]) & (pos < key_end)[None, :]
+            if local:
+                visible = visible & (pos[None, :] >= row_first[:, None])
             return attend_block(state, q, k, v, visible, scale=scale, precision=precision)
 
-        state = lax.fori_loop(0, pl.cdiv(key_end, block_k), body, initial_state(*q.shape))
-        out_ref[...] = (state.acc / state.total[:, None]).astype(out_ref.dtype)  # every row saw key 0
+        state = lax.fori_loop(first_block, pl.cdiv(key_end, block_k), body, initial_state(*q.shape))
+        out_ref[...] = (state.acc / state.total[:, None]).astype(out_ref.dtype)  # every row saw key 0 or itself
 
 
 def prefill_attention(
@@ -118,7 +131,8 @@ def prefill_attention(
     block_k: int = BLOCK_K,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Bool[Array, "T"]]:
-    """Causal attention of every token of multi-token rows over its pages (written already).
+    """Causal attention of every token of multi-token rows over its pages (written already), from
+    each token's first visible key on for a local layer (`meta.local`).
 
     Returns the outputs and which tokens they cover; other tokens' outputs are 0.
     """
@@ -138,7 +152,7 @@ def prefill_attention(
     whole = pl.BlockSpec()
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, scale=scale, page_size=page_size, block_k=block_k, group_rows=gp,
-                          precision=dot_precision(dtype)),
+                          local=meta.local is not None, precision=dot_precision(dtype)),
         grid=(items.table.shape[0], hkv),
         in_specs=[whole, whole, whole, pl.BlockSpec((None, (t + block_q) * gp, d), lambda w, h: (h, 0, 0)),
                   whole, whole],
@@ -147,8 +161,7 @@ def prefill_attention(
         compiler_params=compiler_params(num_warps=4 if d <= 64 else 8, num_stages=pipeline_stages(dtype)),
         interpret=interpret,
         name="paged_prefill_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), items.table, meta.page_table.astype(jnp.int32), q_grouped,
-      k_pages, v_pages)
+    )(layer_scalars(layer, meta.local), items.table, meta.page_table.astype(jnp.int32), q_grouped, k_pages, v_pages)
 
     item = jnp.clip(items.token_item, 0, items.table.shape[0] - 1)
     per_token = out.reshape(-1, hkv, block_q, gp, d)[item[:, None], jnp.arange(hkv)[None, :], items.token_row[:, None]]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import kv_quant, placement
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.metadata import AttentionMetadata, first_visible
 
 # Positions per part-A block: large enough that the loop overhead is small on CPU, but the
 # block each query block gathers shrinks until all of them together stay about cache-sized.
@@ -118,11 +118,16 @@ class QueryBlocks(NamedTuple):
     token: Int[Array, "W C"]  # flat token of each slot (clipped: slots past their row's tokens repeat one)
     token_item: Int[Array, "T"]  # item of each token (meaningful for valid tokens)
     token_slot: Int[Array, "T"]  # slot of each token in its item
+    # Local layers only (None for global ones): the first cached position any slot of the item sees
+    # (at most ctx), and each slot's own first visible position.
+    start: Int[Array, "W"] | None = None
+    first_visible: Int[Array, "W C"] | None = None
 
 
 def query_blocks(meta: AttentionMetadata, num_tokens: int, block: int) -> QueryBlocks:
     """Each row's tokens cut into blocks of `block` slots: W = (T + S * (block - 1)) // block items
-    bound any step, as a row adds at most one partial block."""
+    bound any step, as a row adds at most one partial block. With `meta.local`, also where each item's
+    and slot's visible keys start (a row's first token sees from the earliest position)."""
     s = meta.kv_lens.shape[0]
     cu = meta.cu_q_lens.astype(jnp.int32)
     q_lens = cu[1:] - cu[:-1]
@@ -137,7 +142,21 @@ def query_blocks(meta: AttentionMetadata, num_tokens: int, block: int) -> QueryB
     in_row = jnp.arange(num_tokens, dtype=jnp.int32) - cu[sid]
     token_item = jnp.clip(starts[sid] + in_row // block, 0, item.shape[0] - 1)
     ctx = jnp.where(item < ends[-1], meta.kv_lens[row] - q_lens[row], 0)
-    return QueryBlocks(row, ctx, jnp.clip(token, 0, num_tokens - 1), token_item, in_row % block)
+    token = jnp.clip(token, 0, num_tokens - 1)
+    if meta.local is None:
+        return QueryBlocks(row, ctx, token, token_item, in_row % block)
+    slot_first = first_visible(meta.local, meta.positions.astype(jnp.int32))[token]
+    return QueryBlocks(row, ctx, token, token_item, in_row % block, jnp.minimum(slot_first[:, 0], ctx), slot_first)
+
+
+def item_key_blocks(qb: QueryBlocks, block: int) -> tuple[Int[Array, "W"] | int, Int[Array, "W"]]:
+    """Part A's bounds: each item's first key block and how many it folds in. A global layer's items
+    take the ceil(ctx / block) blocks from 0; a local layer's the blocks from the one holding `start`
+    up to ctx (none when they see no cached position)."""
+    if qb.start is None:
+        return 0, (qb.ctx + block - 1) // block
+    first_block = qb.start // block
+    return first_block, jnp.where(qb.ctx > qb.start, (qb.ctx + block - 1) // block - first_block, 0)
 
 
 def fold_cached_blocks(qb: QueryBlocks, page_table: Int[Array, "S P"], page_size: int, pages_per_block: int,
@@ -150,11 +169,18 @@ def fold_cached_blocks(qb: QueryBlocks, page_table: Int[Array, "S P"], page_size
     W x the longest (a decode row beside a 2k-token context used to pay for all 2k).
     `score(item [W], pages [W, pages_per_block]) -> (scores [W, ..., block], values)` scores each
     unit's block against its item's queries; `weigh(p, values) -> [W, ..., D]` sums the values.
+
+    A local layer's items (`qb.start` set) start at the block holding `start`, so the loop costs
+    what the items see, not their contexts; each slot sees only keys from its own first visible
+    position on. The scores' second-to-last axis must then be the item's slots, each slot's heads
+    together (C x heads), and `score` gets a third argument, the [W, block] keys in [start, ctx):
+    it must zero the values of the others (those pages may be the null page, any bits).
     """
     w = qb.ctx.shape[0]
     block = pages_per_block * page_size
     item_pages = page_table[qb.row]
-    item_blocks = (qb.ctx + block - 1) // block
+    local = qb.start is not None
+    first_block, item_blocks = item_key_blocks(qb, block)
     ends = jnp.cumsum(item_blocks)
 
     def body(j, carry):
@@ -163,16 +189,31 @@ def fold_cached_blocks(qb: QueryBlocks, page_table: Int[Array, "S P"], page_size
         real = unit < ends[-1]
         item = jnp.minimum(jnp.searchsorted(ends, unit, side="right"), w - 1).astype(jnp.int32)
         first = (unit - (ends[item] - item_blocks[item])) * block  # the unit's first position
+        if local:
+            first = first + first_block[item] * block
         columns = first[:, None] // page_size + jnp.arange(pages_per_block)
-        s, values = score(item, jnp.take_along_axis(item_pages[item], columns, axis=1, mode="clip"))
-        heads = (1,) * (s.ndim - 2)
-        in_ctx = real[:, None] & ((first[:, None] + jnp.arange(block)) < qb.ctx[item][:, None])
-        s = jnp.where(in_ctx.reshape(w, *heads, block), s, -jnp.inf)
+        pages = jnp.take_along_axis(item_pages[item], columns, axis=1, mode="clip")
+        if local:
+            keys = first[:, None] + jnp.arange(block)
+            in_range = real[:, None] & (keys < qb.ctx[item][:, None]) & (keys >= qb.start[item][:, None])
+            s, values = score(item, pages, in_range)
+            heads = (1,) * (s.ndim - 2)
+            slots = qb.first_visible.shape[1]
+            sees = in_range[:, None, :] & (keys[:, None, :] >= qb.first_visible[item][:, :, None])  # [W, C, block]
+            sees = jnp.repeat(sees, s.shape[-2] // slots, axis=1)
+            s = jnp.where(sees.reshape(w, *heads[1:], s.shape[-2], block), s, -jnp.inf)
+        else:
+            s, values = score(item, pages)
+            heads = (1,) * (s.ndim - 2)
+            in_ctx = real[:, None] & ((first[:, None] + jnp.arange(block)) < qb.ctx[item][:, None])
+            s = jnp.where(in_ctx.reshape(w, *heads, block), s, -jnp.inf)
         # Each unit's own statistics, merged into its item's: one iteration can hold several blocks
-        # of one item. A real unit has a position in context, so its max is finite.
+        # of one item. A real unit has a position in context, so its max is finite (a local layer's
+        # slot may see none of a unit's positions: its max is -inf, its weights 0).
         m_unit = jnp.max(s, axis=-1)
         real = real.reshape(w, *heads)
-        p = jnp.exp(s - jnp.where(real, m_unit, 0.0)[..., None])
+        seen = (real & (m_unit > -jnp.inf)) if local else real
+        p = jnp.exp(s - jnp.where(seen, m_unit, 0.0)[..., None])
         m_new = jnp.maximum(m, jax.ops.segment_max(m_unit, item, w, indices_are_sorted=True))
         alpha = jnp.exp(m - m_new)
         beta = jnp.where(real, jnp.exp(m_unit - m_new[item]), 0.0)
@@ -196,9 +237,10 @@ def ragged_paged_attention(
     scale: float,
     kv_scale: Float[Array, "2 Hkv"] | None = None,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
-    """Writes k/v into the pages, then attends each token to its sequence's positions <= its own.
-    With `kv_scale` the pool is fp8: k/v are quantized first and the scales fold into q and the
-    output (kv_quant.py), so every dot reads fp8 codes."""
+    """Writes k/v into the pages, then attends each token to its sequence's positions <= its own
+    (and, with `meta.local`, from its first visible one on). With `kv_scale` the pool is fp8: k/v are
+    quantized first and the scales fold into q and the output (kv_quant.py), so every dot reads fp8
+    codes."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -213,8 +255,11 @@ def ragged_paged_attention(
     qf = q if kv_scale is None else kv_quant.fold_query(q, kv_scale[0])
     qg = qf.astype(jnp.float32).reshape(t, hkv, g, d) * scale
 
-    # Part B: this step's tokens. A padding row sees only itself, so no row is empty.
+    # Part B: this step's tokens. A padding row sees only itself, so no row is empty (nor a real one
+    # of a local layer: a token sees itself).
     same = (sid[:, None] == sid[None, :]) & (pos[None, :] <= pos[:, None]) & valid[None, :]
+    if meta.local is not None:
+        same = same & (pos[None, :] >= first_visible(meta.local, pos)[:, None])
     mask_b = jnp.where(valid[:, None], same, jnp.eye(t, dtype=bool))
     s_b = jnp.einsum("tkgd,ukd->tkgu", qg, k.astype(jnp.float32), precision=precision)
     s_b = jnp.where(mask_b[:, None, None, :], s_b, -jnp.inf)
@@ -239,9 +284,11 @@ def ragged_paged_attention(
     ppb = _pages_per_block(num_pages, ps, w * hkv * d * 4)
     block = ppb * ps
 
-    def score(item, pages):
+    def score(item, pages, in_range=None):
         kb = from_storage(k_pages[layer, pages]).reshape(w, block, hkv, d).astype(jnp.float32)
         vb = from_storage(v_pages[layer, pages]).reshape(w, block, hkv, d).astype(jnp.float32)
+        if in_range is not None:  # a local layer: keys before `start` may be the null page's
+            vb = jnp.where(in_range[:, :, None, None], vb, 0.0)
         return jnp.einsum("wkmd,wbkd->wkmb", qi[item], kb, precision=precision), vb
 
     def weigh(p, vb):

@@ -294,12 +294,19 @@ def _messages(raw: Any) -> list[dict]:
     return out
 
 
+# Content parts that carry an image (OpenAI's chat `image_url`, the Responses API's `input_image`).
+_IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
 def _content(content: Any, p: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:  # never dropped: said so
+                raise bad(f"'{p}[{j}]': images are not supported yet (a {part['type']!r} part); this server reads "
+                          "text only, send the request without images", f"{p}[{j}]")
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                     and set(part) == {"type", "text"}):
                 raise bad(f"'{p}[{j}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",

@@ -101,9 +101,12 @@ class ShardPlan:
         expert_axis = mc.rule("experts")
         if expert_axis and cfg.num_experts % sizes[expert_axis]:
             bad(f"{cfg.num_experts} experts are not divisible by {expert_axis}={sizes[expert_axis]}")
-        if getattr(cfg, "deepseek_moe", None) is not None:  # DeepSeek-V3 family: also dense layers' MLPs
+        families = {"deepseek_moe": "DeepSeek-V3", "llama4": "Llama 4"}  # two layer stacks: also dense layers' MLPs
+        for field, family in families.items():
+            if getattr(cfg, field, None) is None:
+                continue
             if pp > 1:
-                bad("pipeline parallelism is not supported for the DeepSeek-V3 family")
+                bad(f"pipeline parallelism is not supported for the {family} family")
             if mc.rule("mlp") and cfg.intermediate_size % tp:
                 bad(f"dense MLP width {cfg.intermediate_size} is not divisible by tp={tp}")
         if cfg.num_layers < pp:
@@ -181,10 +184,9 @@ class ShardPlan:
     def prepare_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Repeats kv heads and spreads the stacked layers over padded stage slots."""
         out = dict(weights)
-        if self.kv_repeat > 1:
-            for name in ("layers.wqkv", "layers.bqkv"):
-                if name in out:
-                    out[name] = repeat_kv_heads(out[name], self.kv_repeat)
+        if self.kv_repeat > 1:  # every stack's fused q/k/v ("layers.wqkv", or Llama 4's "moe_layers.wqkv")
+            for name in [k for k in out if k.endswith((".wqkv", ".bqkv"))]:
+                out[name] = repeat_kv_heads(out[name], self.kv_repeat)
         if self.num_stages > 1:
             starts = np.cumsum((0,) + self.stage_layers[:-1])
             for name in [k for k in out if k.startswith("layers.")]:

@@ -49,7 +49,8 @@ def main() -> None:
             with environment(run.get("env", {})):  # read while the engine compiles its programs
                 llm = LLM(model=run["model"], mesh=run["mesh"], dtype=run.get("dtype", "float32"),
                           weights_compression=run.get("weights_compression"),
-                          weights_quantization=run.get("weights_quantization"), **job["engine"])
+                          weights_quantization=run.get("weights_quantization"),
+                          int4_group_size=run.get("int4_group_size"), **job["engine"])
                 if run.get("env"):  # the Pallas kernels of the smallest bucket's forward, traced under it
                     from test_step_program import forward_jaxpr, kernel_names
 

@@ -102,7 +102,7 @@ def test_roofline_dense_llama_8b():
     # Decode weights: all 8,030,261,248 params but the untied input embedding, of which 1 row is gathered.
     assert r.decode_weight_bytes(cfg, 2, 1) == (8_030_261_248 - 128255 * 4096) * 2 == 15_009_857_536
     # KV: K and V * 32 layers * 8 kv heads * 128 * 2 bytes = 131,072 bytes per token.
-    assert r.kv_bytes(cfg, 2, 1000) == 131_072_000
+    assert r.kv_bytes_read(cfg, 2, [1000]) == (131_072_000, 0)
     assert r.decode_step_bytes(cfg, 2, [1000, 500]) == (8_030_261_248 - 128254 * 4096) * 2 + 131_072 * 1500
     # Weights held in fewer bytes (int8 with its scales, as the engine measures them) count those; KV stays bf16.
     assert r.decode_step_bytes(cfg, 2, [1000, 500], 1.01) == pytest.approx(
@@ -119,9 +119,28 @@ def test_roofline_deepseek_v3_mla_and_moe():
     moe, dense = 9 * 44_040_192 + 1_835_008, 396_361_728
     assert r.layer_matmul_params(cfg) == 61 * attn + 58 * moe + 3 * dense == 35_697_917_952  # "37B activated" less embeddings
     # The pool holds the 512-wide latent and the 64-wide rope key: 576 values per token and layer.
-    assert r.kv_bytes(cfg, 2, 1000) == 61 * 576 * 2 * 1000
+    assert r.kv_bytes_read(cfg, 2, [1000]) == (61 * 576 * 2 * 1000, 0)
     # Absorbed attention per key and head: q.latent (512) + q.rope (64), then p.latent (512).
     assert r.forward_flops(cfg, 1, 999) - r.forward_flops(cfg, 1, 0) == 2 * 61 * 128 * (2 * 512 + 64) * 999
+
+
+def test_roofline_llama4_chunked_layers_read_one_chunk():
+    from infire_jax.bench import roofline as r
+
+    cfg = config_from_hf(CONFIGS["llama-4-scout"])
+    assert cfg.num_layers == 48 and cfg.num_heads == 40 and cfg.head_dim == 128
+    # 12 NoPE layers attend globally, 36 RoPE layers within chunks of 8192; K and V * 8 kv heads * 128 * 2 bytes.
+    per_token = 2 * 8 * 128 * 2
+    # At 32768 keys a chunked layer's query (position 32767) sees its chunk's 8192 keys.
+    assert r.kv_bytes_read(cfg, 2, [32768]) == (per_token * (12 * 32768 + 36 * 8192), per_token * 36 * 8192)
+    # Below one chunk every layer sees every key; one past a boundary a chunked layer sees one key.
+    assert r.kv_bytes_read(cfg, 2, [4096, 8193]) == (per_token * (48 * 4096 + 12 * 8193 + 36 * 1),
+                                                     per_token * 36 * (4096 + 1))
+    # A 10,000-token prompt: global layers 10000 * 10001 / 2 keys, chunked ones restart at 8192:
+    # 8192 * 8193 / 2 + 1808 * 1809 / 2 keys.
+    keys = 12 * 50_005_000 + 36 * (33_558_528 + 1_635_336)
+    assert r.forward_flops(cfg, 10_000, 0) == (2 * r.layer_matmul_params(cfg) * 10_000 + 2 * 5120 * 202_048
+                                               + 2 * 40 * 2 * 128 * keys)
 
 
 def test_roofline_tied_and_moe():

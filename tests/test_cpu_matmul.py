@@ -229,8 +229,8 @@ def test_q4_1_matmul_dequantizes_exactly_and_sums_within_float32(k, n):
 
 
 def test_micro_benchmark_runs(capsys):
-    """`python -m pallas_kernels.cpu_matmul_bench` (the figures in docs/PERFORMANCE.md) end to end."""
-    from pallas_kernels import cpu_matmul_bench
+    """`python -m infire_jax.bench.cpu_matmul` (the figures in docs/PERFORMANCE.md) end to end."""
+    from infire_jax.bench import cpu_matmul as cpu_matmul_bench
 
     assert cpu_matmul_bench.main(["--rows", "1", "64", "--dtype", "bfloat16", "float32", "--iters", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -26,7 +26,7 @@ from pallas_kernels import benchmark, reference
 from pallas_kernels.attention import IMPLS, decode_only_steps, paged_attention, resolve_impl
 from pallas_kernels.decode_attention import choose_num_splits, decode_attention
 from pallas_kernels.kv_write import write_kv_pages
-from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
+from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata, LocalMask
 from pallas_kernels.prefill_attention import max_work_items, prefill_attention, work_items
 
 # (tokens cached before the step, tokens in the step), one row per sequence: prefill chunks with and
@@ -501,10 +501,11 @@ def _jaxlib_version() -> tuple[int, ...]:
     return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
 
 
-def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16) -> str:
+def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16, *, local: bool = False) -> str:
     """The whole Pallas path (KV write and both attention kernels) lowered for CUDA, as StableHLO
-    text; an fp8 pool takes its per-(layer, kv head) scales in the metadata. Skips where the
-    jaxlib cannot lower Triton kernels without a GPU.
+    text; an fp8 pool takes its per-(layer, kv head) scales in the metadata, a local layer its
+    LocalMask (traced chunk and window). Skips where the jaxlib cannot lower Triton kernels without
+    a GPU.
 
     jaxlib <= 0.10.2 emits the Triton IR into the HLO without compiling it, so this runs on CPU too;
     later jaxlibs compile to PTX while lowering, which needs a GPU.
@@ -515,8 +516,9 @@ def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16) -> str:
     t, s, hq, hkv, d, ps = 64, 16, 32, 8, 128, 16
     sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
     scales = sd((2, 2, hkv), jnp.float32) if jnp.dtype(pool_dtype) == jnp.float8_e4m3fn else None
+    mask = LocalMask(sd((), i32), sd((), i32)) if local else None
     meta = AttentionMetadata(sd((t,), i32), sd((t,), i32), sd((t,), i32), sd((s, 256), i32), sd((s,), i32),
-                             sd((s + 1,), i32), sd((), i32), scales)
+                             sd((s + 1,), i32), sd((), i32), scales, mask)
     pool = sd((2, 1024, ps, hkv, d), pool_dtype)
 
     def step(q, k, v, k_pages, v_pages, layer, meta):

@@ -1,6 +1,6 @@
 """`infire-jax plan`: per-device bytes against what the engine places on 8 virtual CPU devices (GPTQ /
-AWQ checkpoints as `weights_quantization="checkpoint"` keeps them), the flagship configs' figures
-against hand arithmetic, and errors that name the field."""
+AWQ checkpoints as `weights_quantization="checkpoint"` keeps them, a float one as `"int4"` quantizes
+it at load), the flagship configs' figures against hand arithmetic, and errors that name the field."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from gptq_awq_models import quantization_config, write_checkpoint
-from infire_jax.memplan.model import formats_from_hf, from_hf_config, from_model_config, int4_layouts, placed_config
+from gptq_awq_models import quantization_config, write_checkpoint, write_float_twin
+from infire_jax.memplan.model import (
+    formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, int4_layouts, placed_config)
 from infire_jax.memplan.plan import GiB, layers_per_device, memory_plan, parse_bytes, tensor_bytes
 from infire_jax.memplan.source import plan_source
 from infire_jax.models.hf_config import config_from_hf
@@ -33,16 +34,24 @@ RUNS = [("dense", "8.yaml"), ("dense", "8-tp4-pp2.yaml"), ("moe", "8-ep8.yaml"),
 # tests/gptq_awq_models.py's tiny Llama (4 heads over 2 kv heads, 2 layers): (method, group, act-order), mesh
 INT4 = {"gptq-act-order-g32": (("gptq", 32, True), "8-tp4-pp2.yaml"), "awq-g32": (("awq", 32, False), "4.yaml"),
         "gptq-per-channel": (("gptq", -1, False), "8-tp4-pp2.yaml")}
+# the same model's float twin quantized at load (`weights_quantization="int4"`): group size, mesh
+AT_LOAD = {"at-load-g32": (32, "8-tp4-pp2.yaml"), "at-load-g128": (128, "2.yaml")}
 
 
 def test_plan_matches_the_bytes_placed_per_device(tmp_path):
     """One subprocess with 8 CPU devices places each (model, mesh); every device's bytes per weight
-    (per part of a kept int4 weight) and the KV pool's bytes per token equal the plan's, which
-    allocated nothing. A kept int4 weight's workspace is one layer of it in float32: 8 x its words."""
+    (per part of a kept int4 weight, from a GPTQ / AWQ checkpoint or quantized at load) and the KV
+    pool's bytes per token equal the plan's, which allocated nothing. A kept int4 weight's workspace
+    is one layer of it in float32: 8 x its words."""
     runs = [{"name": m, "config": MODELS[m], "mesh": os.path.join(CONFIG_DIR, mesh)} for m, mesh in RUNS]
+    defined = {}
     for name, ((method, group, act_order), mesh) in INT4.items():
-        write_checkpoint(tmp_path / name, method, group, act_order=act_order)
+        defined[name] = write_checkpoint(tmp_path / name, method, group, act_order=act_order)
         runs.append({"name": name, "checkpoint": str(tmp_path / name), "mesh": os.path.join(CONFIG_DIR, mesh)})
+    write_float_twin(tmp_path / "float", tmp_path / "awq-g32", defined["awq-g32"])
+    for name, (group, mesh) in AT_LOAD.items():
+        runs.append({"name": name, "checkpoint": str(tmp_path / "float"), "at_load": group,
+                     "mesh": os.path.join(CONFIG_DIR, mesh)})
     path = tmp_path / "job.json"
     path.write_text(json.dumps({"runs": runs}))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -55,6 +64,8 @@ def test_plan_matches_the_bytes_placed_per_device(tmp_path):
         mc = MeshConfig.from_yaml(r["mesh"])
         if r["name"] in INT4:
             model = plan_source(str(tmp_path / r["name"]), "float32")(mc)
+        elif r["name"] in AT_LOAD:
+            model = plan_source(str(tmp_path / "float"), "float32", "int4", AT_LOAD[r["name"]][0])(mc)
         else:
             model = from_model_config(placed_config(config_from_hf(MODELS[r["name"]]), mc), "float32")
         tensors = {t.name: t for t in model.tensors}
@@ -65,10 +76,10 @@ def test_plan_matches_the_bytes_placed_per_device(tmp_path):
         plan = memory_plan(model, mc, 80 * GiB, dtype="float32")
         assert sum(plan.weights.values()) == sum(b[0] for b in r["bytes"].values())
         assert plan.kv_bytes_per_token == r["kv_per_token"], r["mesh"]
-        if r["name"] in INT4:
+        if r["name"] in INT4 or r["name"] in AT_LOAD:
             words = sum(b[0] for k, b in r["bytes"].items() if k.endswith(".q4"))
             assert plan.workspace == words * 8 / layers_per_device(model.num_layers, mc), r["name"]
-            assert ("wo.g_idx" in r["bytes"]) == INT4[r["name"]][0][2]
+            assert ("wo.g_idx" in r["bytes"]) == (r["name"] in INT4 and INT4[r["name"]][0][2])
 
 
 def _plan(name: str, mesh: str, memory: str, **kw):
@@ -109,6 +120,10 @@ def test_quantization_configs_choose_each_kinds_format():
     assert p.kv_bytes_per_token == 31 * 576 * 2  # 61 layers in 2 stages of 31 slots
 
 
+def _mesh(name: str) -> MeshConfig:
+    return MeshConfig.from_yaml(os.path.join(CONFIG_DIR, name))
+
+
 def _int4_plan(qc: dict, mesh: str):
     """The plan of the dense model quantized as `qc` describes, on `mesh`."""
     mc, cfg = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, mesh)), config_from_hf(MODELS["dense"])
@@ -127,6 +142,14 @@ def _int4_plan(qc: dict, mesh: str):
                           config_from_hf(MODELS["dense"])), "quantization_config.bits = 3"),
     (lambda: from_hf_config(dict(TINY_MLA, quantization_config=quantization_config("gptq", 32))), "not MLA ones"),
     (lambda: _int4_plan(quantization_config("gptq", 32), "8.yaml"), "w_down.zero: 4 entries cannot be split 8"),
+    (lambda: memory_plan(from_model_config(placed_config(config_from_hf(MODELS["dense"]), _mesh("8.yaml")),
+                                           "bfloat16", int4=int4_at_load_layouts(config_from_hf(MODELS["dense"]), 32)),
+                         _mesh("8.yaml"), GiB), "w_down.zero: 4 entries cannot be split 8"),
+    (lambda: int4_at_load_layouts(config_from_hf(dict(MODELS["dense"], head_dim=12)), 32),
+     r"layers\.wo: int4 groups of 32 over its 96 inputs \(heads of 12\)"),
+    (lambda: plan_source("deepseek-v3", "bfloat16", "int4"), "not MLA ones"),
+    (lambda: plan_source(None, "bfloat16", "int8"), "weights_quantization 'int8' is not planned at load"),
+    (lambda: plan_source(None, "bfloat16", "int4", 64), r"int4_group_size 64: choose from \[32, 128\]"),
     (lambda: memory_plan(from_hf_config(dict(TINY_MLA, num_attention_heads=6)),
                          MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "8.yaml")), GiB), "6 attention heads"),
 ])

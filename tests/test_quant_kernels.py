@@ -2,7 +2,7 @@
 (models/quant_kernels.py), run here in Pallas interpret mode by choosing the kernels explicitly.
 
 - Each real loader's kept form, viewed as the kernel reads it, gives the weights the layer-body
-  dequantizer gives, bit for bit: the default GGUF's Q4_1, int8 at load, GPTQ / AWQ, and DeepSeek /
+  dequantizer gives, bit for bit: the default GGUF's Q4_1, int8 and int4 at load, GPTQ / AWQ, and DeepSeek /
   Kimi int4 and fp8 dense weights and routed experts (act-order GPTQ stays in the layer body).
 - Engines with the kernels chosen produce the tokens of engines without them, with logprobs within
   float32 rounding, and their forward runs the kernels (tests/test_step_program.py checks that the
@@ -63,12 +63,27 @@ def gguf_kept(default_gguf):
 
 
 @pytest.fixture(scope="module")
-def int8_kept(default_gguf):
+def float_layers(default_gguf):
+    """The default model's first two layers, dequantized at load."""
     from infire_jax.loaders.gguf import load_gguf
+
+    return {k: v[:2] for k, v in load_gguf(default_gguf).weights.items() if k.startswith("layers.")}
+
+
+@pytest.fixture(scope="module")
+def int8_kept(float_layers):
     from infire_jax.quant.resident import quantize_int8
 
-    weights = load_gguf(default_gguf).weights
-    return quantize_int8({k: v[:2] for k, v in weights.items() if k.startswith("layers.")})[0]
+    return quantize_int8(float_layers)[0]
+
+
+@pytest.fixture(scope="module")
+def int4_kept(float_layers):
+    """int4 at load (quant/int4_rtn.py) by group size: 128 (576 inputs end in a short group: kept in
+    64s; down's 1536 in 128s) and 32."""
+    from infire_jax.quant.int4_rtn import quantize_int4
+
+    return {group: quantize_int4(float_layers, group)[0] for group in (128, 32)}
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +106,12 @@ def deepseek_dirs(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-@pytest.mark.parametrize("source", ["gguf", "int8", "awq-g32", "gptq-sym-per-channel"])
+@pytest.mark.parametrize("source", ["gguf", "int8", "int4-g128", "int4-g32", "awq-g32", "gptq-sym-per-channel"])
 def test_llama_kept_weights_read_in_place_equal_the_layer_body_dequantization(source, request, monkeypatch):
     _use(monkeypatch, KERNELS)
-    if source in ("gguf", "int8"):
+    if source.startswith("int4-g"):
+        weights = request.getfixturevalue("int4_kept")[int(source[6:])]
+    elif source in ("gguf", "int8"):
         weights = request.getfixturevalue(f"{source}_kept")
     else:
         from infire_jax.loaders.llama_quant import load_gptq_awq_kept

@@ -41,6 +41,7 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
 
     cfg, itemsize, weight_itemsize = engine.model_config, engine_itemsize(engine), weight_bytes_per_param(engine)
     ttfts, e2es, decode_s, decode_bytes, prefill_s, prefill_flops = [], [], 0.0, 0.0, 0.0, 0
+    kv_read = local_kv_read = 0
     decode_steps = output_tokens = 0
     step_s0 = wait_s0 = 0.0
     for it in range(warmup + iters):
@@ -65,6 +66,8 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
             decode_s += seconds
             for contexts in step.step_contexts():
                 decode_bytes += roofline.decode_step_bytes(cfg, itemsize, contexts, weight_itemsize)
+                kv, local = roofline.kv_bytes_read(cfg, itemsize, contexts)
+                kv_read, local_kv_read = kv_read + kv, local_kv_read + local
                 decode_steps += 1
     if decode_steps == 0:
         raise BenchError(f"no step decoded all {batch} requests together: the KV pool (--num-kv-pages) "
@@ -84,6 +87,8 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
         **{f"p{p}_e2e_ms": float(np.percentile(e2e_ms, p)) for p in (50, 90, 99)},
         output_throughput=output_tokens / sum(e2es),
         decode_bytes_per_step=decode_bytes / decode_steps,
+        decode_kv_mb_per_step=kv_read / decode_steps / 1e6,
+        local_kv_share=local_kv_read / kv_read if kv_read else 0.0,
         decode_bandwidth=decode_bytes / decode_s,
         decode_bw_util=decode_bytes / decode_s / peaks.total_bandwidth,
         prefill_flops=prefill_flops / iters,
@@ -96,7 +101,8 @@ COLUMNS = [
     ("batch_size", "batch", "{}"), ("input_len", "in", "{}"), ("output_len", "out", "{}"),
     ("mean_ttft_ms", "TTFT ms", "{:.1f}"), ("decode_ms_per_token", "decode ms/tok", "{:.2f}"),
     ("decode_tokens_per_s", "decode tok/s", "{:.1f}"), ("mean_e2e_ms", "E2E ms", "{:.0f}"),
-    ("host_share", "host share", "{:.1%}"), ("decode_bw_util", "decode BW roofline", "{:.1%}"),
+    ("host_share", "host share", "{:.1%}"), ("decode_kv_mb_per_step", "KV MB/step", "{:.1f}"),
+    ("local_kv_share", "chunk/window KV", "{:.0%}"), ("decode_bw_util", "decode BW roofline", "{:.1%}"),
     ("prefill_flops_util", "prefill FLOP roofline", "{:.1%}"),
 ]
 

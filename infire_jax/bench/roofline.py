@@ -8,10 +8,13 @@ large matmul in the model's dtype. Both ceilings are measured here, never taken 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
 from typing import Callable, Sequence
+
+import numpy as np
 
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
@@ -128,9 +131,11 @@ def _attention_params(cfg: ModelConfig) -> int:
 
 
 def _moe_layers(cfg: ModelConfig) -> int:
-    """Layers with experts (DeepSeek-V3 keeps its first `first_k_dense_replace` dense)."""
+    """Layers with experts (DeepSeek-V3 keeps its first `first_k_dense_replace` dense; Llama 4 interleaves)."""
     if not cfg.is_moe:
         return 0
+    if cfg.llama4 is not None:
+        return cfg.llama4.stack_sizes["moe"]
     return cfg.num_layers - (cfg.deepseek_moe.first_k_dense_replace if cfg.deepseek_moe else 0)
 
 
@@ -140,7 +145,7 @@ def layer_matmul_params(cfg: ModelConfig) -> int:
     moe = _moe_layers(cfg)
     routed = 0
     if moe:
-        shared = cfg.deepseek_moe.num_shared_experts if cfg.deepseek_moe else 0
+        shared = cfg.deepseek_moe.num_shared_experts if cfg.deepseek_moe else int(cfg.llama4 is not None)
         routed = (cfg.num_experts_per_tok + shared) * 3 * e * cfg.moe_intermediate_size + e * cfg.num_experts
     return cfg.num_layers * _attention_params(cfg) + moe * routed + (cfg.num_layers - moe) * 3 * e * cfg.intermediate_size
 
@@ -150,17 +155,17 @@ def forward_flops(cfg: ModelConfig, new_tokens: int, cached_tokens: int, sampled
 
     2 per multiply-add: the layer weights for every new token (the embedding is a gather, no FLOPs),
     the LM head for the rows that sample, and causal attention (QK^T and PV), where new token i
-    attends to cached_tokens + i + 1 keys.
+    attends to cached_tokens + i + 1 keys in a global layer, fewer in a chunked or window layer.
     """
-    n, c = new_tokens, cached_tokens
-    keys = n * c + n * (n + 1) // 2
+    keys = sum(count * keys_attended(chunk, window, cached_tokens, new_tokens)
+               for (chunk, window), count in _layer_kinds(cfg).items())
     if cfg.mla is None:
         per_key = 2 * cfg.head_dim  # q.k and p.v over head_dim each
     else:  # the absorbed form: q.latent + q.rope key, then p.latent
         per_key = 2 * cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-    attention = 2 * cfg.num_layers * cfg.num_heads * per_key * keys
+    attention = 2 * cfg.num_heads * per_key * keys
     head = 2 * cfg.hidden_size * cfg.vocab_size * sampled_rows
-    return 2 * layer_matmul_params(cfg) * n + head + attention
+    return 2 * layer_matmul_params(cfg) * new_tokens + head + attention
 
 
 def expected_experts_touched(num_experts: int, per_token: int, batch: int) -> float:
@@ -184,14 +189,43 @@ def decode_weight_bytes(cfg: ModelConfig, itemsize: float, batch: int) -> float:
     return params * itemsize
 
 
-def kv_bytes(cfg: ModelConfig, itemsize: int, tokens: int) -> int:
-    """Bytes of the KV pool entries of `tokens` cached positions, over all layers (MLA: latent + rope key)."""
+def visible_keys(chunk: int, window: int, context: int) -> int:
+    """Keys a decode query at position context - 1 attends to: its chunk's start to itself in a chunked
+    layer, the last `window` in a sliding-window layer, every one in a global layer."""
+    if chunk:
+        return (context - 1) % chunk + 1
+    return min(context, window) if window else context
+
+
+def keys_attended(chunk: int, window: int, cached: int, new: int) -> int:
+    """Keys that `new` tokens following `cached` ones attend to in one layer, summed over the tokens."""
+    if not (chunk or window):
+        return new * cached + new * (new + 1) // 2
+    positions = np.arange(cached, cached + new, dtype=np.int64)
+    return int(np.sum(positions % chunk + 1 if chunk else np.minimum(positions + 1, window)))
+
+
+def _layer_kinds(cfg: ModelConfig) -> collections.Counter:
+    """How many layers attend with each (chunk, window); (0, 0) is global attention."""
+    return collections.Counter(cfg.local_attention or ((0, 0),) * cfg.num_layers)
+
+
+def kv_bytes_read(cfg: ModelConfig, itemsize: int, contexts: Sequence[int]) -> tuple[int, int]:
+    """Bytes of K and V one decode step reads over all layers (MLA: latent + rope key), and the part of
+    them that chunked and sliding-window layers read, which stays flat as contexts grow."""
     entry = kv_entry(cfg)
-    return cfg.num_layers * entry.heads * (entry.k_dim + entry.v_dim) * itemsize * tokens
+    per_token = entry.heads * (entry.k_dim + entry.v_dim) * itemsize
+    total = local_part = 0
+    for (chunk, window), count in _layer_kinds(cfg).items():
+        tokens = count * sum(visible_keys(chunk, window, c) for c in contexts)
+        total += tokens
+        local_part += tokens if chunk or window else 0
+    return total * per_token, local_part * per_token
 
 
 def decode_step_bytes(cfg: ModelConfig, itemsize: int, contexts: Sequence[int],
                       weight_itemsize: float | None = None) -> float:
     """Bytes one decode step reads: the weights (`weight_itemsize` bytes a parameter, default
-    `itemsize`: quantized or compressed weights hold fewer), plus each sequence's K and V over its context."""
-    return decode_weight_bytes(cfg, weight_itemsize or itemsize, len(contexts)) + kv_bytes(cfg, itemsize, sum(contexts))
+    `itemsize`: quantized or compressed weights hold fewer), plus each sequence's K and V over the keys
+    each layer sees."""
+    return decode_weight_bytes(cfg, weight_itemsize or itemsize, len(contexts)) + kv_bytes_read(cfg, itemsize, contexts)[0]

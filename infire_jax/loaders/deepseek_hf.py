@@ -37,7 +37,7 @@ _NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weigh
 _MLP = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
-def _deinterleave(n: int) -> np.ndarray:
+def deinterleave(n: int) -> np.ndarray:
     """Column order (0, 2, 4, ..., 1, 3, 5, ...) of an interleaved rotary block of width n."""
     return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
 
@@ -46,7 +46,7 @@ def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, laye
     """One HF layer tensor into `layer` under our name (experts by (index, part))."""
     m, h = cfg.mla, cfg.num_heads
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    rope = _deinterleave(m.qk_rope_head_dim) if interleaved else np.arange(m.qk_rope_head_dim)
+    rope = deinterleave(m.qk_rope_head_dim) if interleaved else np.arange(m.qk_rope_head_dim)
     em = _EXPERT.fullmatch(rest)
     if rest in _NORMS:
         layer[_NORMS[rest]] = w

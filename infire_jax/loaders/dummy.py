@@ -13,6 +13,15 @@ from infire_jax.models.hf_config import config_from_hf
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
+# Llama 4's text model: every 4th layer NoPE (global, temperature-tuned), the others RoPE within 8192-token
+# chunks with q/k L2-normed (Scout; Maverick does not norm them); one routed expert a token plus a shared one.
+_LLAMA4_TEXT = dict(
+    model_type="llama4_text", vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+    num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+    rms_norm_eps=1e-5, rope_theta=500000.0, attention_chunk_size=8192, no_rope_layers=[1, 1, 1, 0] * 12,
+    attn_temperature_tuning=4, floor_scale=8192, attn_scale=0.1, num_experts_per_tok=1, attention_bias=False,
+    tie_word_embeddings=False, bos_token_id=200000, eos_token_id=[200001, 200007, 200008], pad_token_id=200018)
+
 # The published HF config.json values of each model (only the fields we read).
 CONFIGS: dict[str, dict] = {
     "llama-3.1-8b": dict(
@@ -69,6 +78,20 @@ CONFIGS: dict[str, dict] = {
             rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                           "original_max_position_embeddings": 4096, "type": "yarn"},
             attention_bias=False, tie_word_embeddings=False, bos_token_id=163584, eos_token_id=163585)),
+    # Llama 4 (models/llama4.py), the published multimodal configs' text models (the vision tower is not served).
+    "llama-4-scout": dict(
+        model_type="llama4", tie_word_embeddings=False, boi_token_index=200080, eoi_token_index=200081,
+        image_token_index=200092,
+        text_config=dict(_LLAMA4_TEXT, num_local_experts=16, interleave_moe_layer_step=1, moe_layers=list(range(48)),
+                         use_qk_norm=True, max_position_embeddings=10485760,
+                         rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 1.0, "original_max_position_embeddings": 8192})),
+    "llama-4-maverick": dict(
+        model_type="llama4", tie_word_embeddings=False, boi_token_index=200080, eoi_token_index=200081,
+        image_token_index=200092,
+        text_config=dict(_LLAMA4_TEXT, num_local_experts=128, interleave_moe_layer_step=2,
+                         moe_layers=list(range(1, 48, 2)), use_qk_norm=False, max_position_embeddings=1048576,
+                         rope_scaling=None)),
 }
 
 _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -35,7 +35,7 @@ def place_parts(loaded: LoadedModel, weights: dict[str, np.ndarray], layouts: di
     """The model placed with `weights`' kept parts as `layouts` say, q/k/v's repeated for the plan's
     kv-head repeat as the float weights are."""
     if plan is not None and plan.kv_repeat > 1:
-        for k in [k for k in weights if k.startswith("layers.wqkv.")]:
+        for k in [k for k in weights if ".wqkv." in k]:  # any stack's (Llama 4 has two)
             weights[k] = repeat_kv_heads(weights[k], plan.kv_repeat)
     graphdef, state = build_state(loaded.config, weights, dtype, plan=plan, quantized=layouts)
     return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")

@@ -6,10 +6,12 @@ are dequantized per layer inside the scan (quant/resident.py). The embedding, LM
 are dequantized at load as usual. A fused group (q/k/v, gate/up) stays quantized only if all its
 tensors in every layer share one supported type; anything else is dequantized, so any GGUF loads.
 Checkpoints of the placed weights are bypassed: the GGUF file is the compact form.
-`place_quantized_at_load` serves `weights_quantization="int8"` (any model, quantized at load by
-quant/resident.py `quantize_int8`) and a `dummy:` model's drawn "int8" / "int4" parts; the
-GGUF's kept blocks, int8 rows and a GPTQ / AWQ checkpoint's groups (loaders/llama_quant.py) are
-placed alike (loaders/fused_parts.py). loaders/load.py picks the loader for each mode.
+`place_quantized_at_load` serves `weights_quantization="int8"` and `"int4"` (any Llama-family
+model, quantized at load by quant/resident.py `quantize_int8` or, round to nearest in a GPTQ / AWQ
+checkpoint's kept form, quant/int4_rtn.py `quantize_int4`) and a `dummy:` model's drawn "int8" /
+"int4" parts; the GGUF's kept blocks, int8 rows and int4 groups (at load or a GPTQ / AWQ
+checkpoint's, loaders/llama_quant.py) are placed alike (loaders/fused_parts.py). loaders/load.py
+picks the loader for each mode.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from gguf.quants import dequantize
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
 from infire_jax.loaders.gguf import _BLOCK, _LAYER_MAP, _PERMUTED_QK, _config, read_metadata, unpermute_qk
+from infire_jax.loaders.llama_quant import check_mesh
 from infire_jax.loaders.paths import DEFAULT_MODEL_NAME, default_model_path
 from infire_jax.loaders.weights import LoadedModel, Placed, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
-from infire_jax.quant.resident import INPUT_AXIS, QuantLayout, quantize_int8
+from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, quantize_int4
+from infire_jax.quant.resident import INPUT_AXIS, SHARED_EXPERT, QuantLayout, quantize_int8
 from infire_jax.tokenizer import tokenizer_from_gguf
 from sharding.plan import ShardPlan
 
@@ -105,13 +109,14 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
     return model, layouts
 
 
-def dummy_layout(mode: str, cfg) -> QuantLayout:
+def dummy_layout(mode: str, cfg, group: int = DEFAULT_INT4_GROUP) -> QuantLayout:
     """A dummy model's quantized layout: int8 per output channel, or int4 in the AWQ / GPTQ form (uint8
-    zeros, float16 scales) in groups of 128 inputs, fewer where a weight's input axis (wo's: head_dim)
-    is not a multiple of 128. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi K2's.)"""
+    zeros, float16 scales) in groups of `group` inputs, fewer where a weight's input axis (wo's: head_dim)
+    is not a multiple of it. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi K2's.)"""
     if mode == "int8":
         return QuantLayout("int8")
-    return QuantLayout("int4", group=math.gcd(128, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim))
+    return QuantLayout("int4", group=math.gcd(group, cfg.hidden_size, cfg.intermediate_size,
+                                             cfg.moe_intermediate_size, cfg.head_dim))
 
 
 def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:
@@ -126,10 +131,12 @@ def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:
     return place_parts(loaded, dict(loaded.weights), layouts, dtype, plan)
 
 
-def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPlan | None) -> Placed:
+def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPlan | None,
+                            int4_group: int = DEFAULT_INT4_GROUP) -> Placed:
     """`loaded` placed with its layer weights quantized at load: "int8" quantizes a model's float
-    layer weights per output channel; a `dummy:` model's parts are drawn on the device(s) ("int4":
-    AWQ / GPTQ form, Kimi K2's for a DeepSeek-V3-family one's routed experts)."""
+    layer weights per output channel, "int4" in groups of `int4_group` inputs with zero points (the
+    GPTQ / AWQ kept form; the mesh must split no group); a `dummy:` model's parts are drawn on the
+    device(s) ("int4": AWQ / GPTQ form, Kimi K2's for a DeepSeek-V3-family one's routed experts)."""
     if loaded.config.mla is not None and mode == "int4" and loaded.weights is None:
         # a DeepSeek-V3-family dummy: routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales)
         layouts = {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
@@ -139,11 +146,21 @@ def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPl
         raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
                           "family keeps a published quantized checkpoint's weights with 'checkpoint'")
     if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
-        layouts = {short: dummy_layout(mode, loaded.config) for short in INPUT_AXIS}
+        shorts = [s for s in INPUT_AXIS if loaded.config.llama4 is not None or s not in SHARED_EXPERT]
+        layouts = {short: dummy_layout(mode, loaded.config, int4_group) for short in shorts}
         graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
         return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
-    if mode == "int4":
-        raise ConfigError("weights_quantization='int4' draws random AWQ / GPTQ-form parts for dummy: models; "
-                          "a GPTQ / AWQ checkpoint keeps its own int4 weights with 'checkpoint'")
-    weights, layouts = quantize_int8(loaded.weights)
+    if mode == "int8":
+        weights, layouts = quantize_int8(loaded.weights)
+        return place_parts(loaded, weights, layouts, dtype, plan)
+    if loaded.config.llama4 is not None:  # its stacks are dense_layers / moe_layers, which int4_rtn does not walk
+        raise ConfigError("weights_quantization='int4' at load covers the single-stack Llama-family models; for "
+                          "Llama 4 use 'int8' (a dummy: model draws int4 parts)")
+    try:
+        weights, layouts = quantize_int4(loaded.weights, int4_group)
+    except ValueError as e:
+        raise ConfigError(f"weights_quantization='int4': {e} (weights_quantization 'int8', or none, loads "
+                          "any shape)") from e
+    if plan is not None:
+        check_mesh(layouts, loaded.config, plan)
     return place_parts(loaded, weights, layouts, dtype, plan)

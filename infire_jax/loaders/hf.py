@@ -20,6 +20,7 @@ from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.deepseek_hf import deepseek_weights, rope_interleaved
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.loaders.kv_scales_hf import is_kv_scale
+from infire_jax.loaders.llama4_hf import llama4_weights
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.hf_config import config_from_hf
@@ -105,6 +106,8 @@ def load_hf_dir(path: str) -> LoadedModel:
     tensors = dequantized(checkpoint_tensors(path), scheme)
     if cfg.mla is not None:  # the DeepSeek-V3 family
         weights = deepseek_weights(tensors, cfg, rope_interleaved(path))
+    elif cfg.llama4 is not None:
+        weights = llama4_weights(tensors, cfg)
     else:
         weights = llama_weights(tensors, cfg)
     return LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path), name=os.path.basename(os.path.normpath(path)),

@@ -28,6 +28,7 @@ from infire_jax.loaders.weights import (
     NATIVE_FORMAT_VERSION, LoadedModel, Placed, is_native_dir, load_native, read_native_config, save_native)
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
+from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, INT4_GROUPS
 from infire_jax.quant.resident import QUANTIZATION_MODES
 from sharding.plan import ShardPlan
 
@@ -140,17 +141,24 @@ def load_resident_placed(spec: str | None, dtype, plan: ShardPlan | None, weight
     return load_placed(spec, dtype, plan, loaded=loaded, compress=kinds)
 
 
-def load_quantized_placed(spec: str | None, dtype, plan: ShardPlan | None, mode: str) -> Placed:
+def load_quantized_placed(spec: str | None, dtype, plan: ShardPlan | None, mode: str,
+                          int4_group_size: int | None = None) -> Placed:
     """The model placed with its layer weights kept quantized (`mode`: "gguf" keeps a GGUF file's
-    blocks; "int8" quantizes any model's float layer weights at load, per output channel, "int4" draws
-    a `dummy:` model's; "checkpoint" keeps a quantized HF checkpoint's own format: GPTQ / AWQ int4,
-    DeepSeek-V3's fp8, Kimi's int4). Checkpoints of the placed weights are bypassed."""
+    blocks; "int8" quantizes any model's float layer weights at load, per output channel, "int4" with
+    zero points in groups of `int4_group_size` inputs (default 128; a `dummy:` model's are drawn);
+    "checkpoint" keeps a quantized HF checkpoint's own format: GPTQ / AWQ int4, DeepSeek-V3's fp8,
+    Kimi's int4). Checkpoints of the placed weights are bypassed."""
     if mode not in QUANTIZATION_MODES:
         raise ConfigError(f"unknown weights_quantization {mode!r}; choose from {list(QUANTIZATION_MODES)}")
+    if int4_group_size is not None and mode != "int4":
+        raise ConfigError(f"int4_group_size sets weights_quantization='int4''s groups, not {mode!r}'s")
+    if int4_group_size is not None and int4_group_size not in INT4_GROUPS:
+        raise ConfigError(f"int4_group_size {int4_group_size!r}: choose from {list(INT4_GROUPS)}")
     if mode == "checkpoint":
         if llama_quant.is_gptq_awq(spec):
             return llama_quant.load_kept_placed(spec, dtype, plan)
         return deepseek_quant.load_kept_placed(spec, dtype, plan)
     if mode == "gguf":
         return gguf_quant.load_gguf_placed(spec, dtype, plan)
-    return gguf_quant.place_quantized_at_load(load_model(spec), mode, dtype, plan)
+    return gguf_quant.place_quantized_at_load(load_model(spec), mode, dtype, plan,
+                                              int4_group_size or DEFAULT_INT4_GROUP)

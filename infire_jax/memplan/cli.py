@@ -24,6 +24,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens of the largest step, for the activation estimate (the GPU default, 8192)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="rows sampled per step (logits estimate)")
+    p.add_argument("--weights-quantization", default=None, choices=["int4"],
+                   help="int4: the layer weights as the engine's --weights-quantization int4 quantizes them at load "
+                        "(GPTQ / AWQ, DeepSeek-V3 and Kimi configs are planned as their checkpoints are kept)")
+    p.add_argument("--int4-group-size", type=int, default=None, choices=[32, 128],
+                   help="with --weights-quantization int4: inputs per scale and zero point (default 128)")
     p.add_argument("--dequant", default="per-layer", choices=["per-layer", "fused"],
                    help="per-layer: the layer scan dequantizes one layer's dense weights, the grouped matmul one "
                         "routed expert at a time (the XLA path: a workspace of one layer's dense weights and one "
@@ -43,7 +48,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         memory = parse_bytes(args.device_memory)
-        model_for = plan_source(args.model, args.dtype)
+        model_for = plan_source(args.model, args.dtype, args.weights_quantization, args.int4_group_size)
         kv_dtype = "float8_e4m3" if args.kv_cache_dtype in ("fp8", "fp8_e4m3") else args.kv_cache_dtype
         kw = dict(dtype=args.dtype, kv_dtype=kv_dtype, utilization=args.gpu_memory_utilization,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -2,8 +2,8 @@
 
 A `PlanModel` comes from one of our `ModelConfig`s (the engine's exact tensor layout: fused q/k/v
 and gate/up, kv heads repeated for tp; a GPTQ / AWQ config's layer weights as the int4 parts
-`weights_quantization="checkpoint"` keeps) or from a plain HF `config.json` dict, which also covers
-DeepSeek-V3-style models (MLA attention, shared experts, `first_k_dense_replace` dense layers)
+`weights_quantization="checkpoint"` keeps, or a float model's as `"int4"` quantizes them at load)
+or from a plain HF `config.json` dict, which also covers DeepSeek-V3-style models (MLA attention, shared experts, `first_k_dense_replace` dense layers)
 that the plan must size before the engine runs them. Weights are never allocated.
 """
 
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from infire_jax.loaders.hf_quantized import quant_scheme
 from infire_jax.models.config import ModelConfig
 from infire_jax.quant.gptq_awq import kept_group
-from infire_jax.quant.resident import QuantLayout
+from infire_jax.quant.int4_rtn import at_load_group
+from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
 
 KINDS = ("attention", "experts", "shared", "embeddings")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
@@ -60,14 +61,57 @@ class PlanModel:
     kept: tuple[Tensor, ...] = ()  # weights held as the int4 parts in `tensors`, dequantized a layer at a time
 
 
+def _attention_tensors(cfg: ModelConfig, n: int, prefix: str = "") -> list[Tensor]:
+    """A stack of `n` GQA layers' attention and norms (models/llama.py, models/llama4.py)."""
+    e, hkv, d, hq = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    g = hq // hkv
+    return [Tensor(f"{prefix}attn_norm", "attention", (n, e), ("layers", "norm"), False),
+            Tensor(f"{prefix}wqkv", "attention", (n, e, hkv, g + 2, d),
+                   ("layers", "embed", "kv_heads", "qkv", "head_dim")),
+            Tensor(f"{prefix}wo", "attention", (n, hq, d, e), ("layers", "q_heads", "head_dim", "embed")),
+            Tensor(f"{prefix}mlp_norm", "shared", (n, e), ("layers", "norm"), False)]
+
+
+def _head_tensors(cfg: ModelConfig) -> list[Tensor]:
+    e = cfg.hidden_size
+    t = [Tensor("embed", "embeddings", (cfg.vocab_size, e), ("vocab", "embed")),
+         Tensor("final_norm", "embeddings", (e,), ("norm",), False)]
+    if not cfg.tie_word_embeddings:
+        t.append(Tensor("lm_head", "embeddings", (cfg.vocab_size, e), ("vocab", "embed")))
+    return t
+
+
+def _llama4_tensors(cfg: ModelConfig) -> list[Tensor]:
+    """Llama 4's two stacks (models/llama4.py): every layer's attention; the dense layers' MLP, or the
+    MoE layers' router, routed experts and shared expert."""
+    e, x, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    t = []
+    for kind, n in cfg.llama4.stack_sizes.items():
+        if not n:
+            continue
+        p = f"{kind}_layers."
+        t += _attention_tensors(cfg, n, p)
+        width = f if kind == "moe" else cfg.intermediate_size
+        mlp = [Tensor(f"{p}w{'_shared' if kind == 'moe' else ''}_gate_up", "shared", (n, e, 2, width),
+                      ("layers", "embed", "gate_up", "mlp")),
+               Tensor(f"{p}w{'_shared' if kind == 'moe' else ''}_down", "shared", (n, width, e),
+                      ("layers", "mlp", "embed"))]
+        if kind == "moe":
+            mlp += [Tensor(f"{p}router", "shared", (n, e, x), ("layers", "embed", "router"), False),
+                    Tensor(f"{p}w_gate_up", "experts", (n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp")),
+                    Tensor(f"{p}w_down", "experts", (n, x, f, e), ("layers", "experts", "mlp", "embed"))]
+        t += mlp
+    return t + _head_tensors(cfg)
+
+
 def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
-    """The engine's own tensors (models/llama.py `DecoderLayers`, `Llama`) for an effective config."""
+    """The engine's own tensors (models/llama.py `DecoderLayers`, `Llama`; models/llama4.py's two stacks)
+    for an effective config."""
+    if cfg.llama4 is not None:
+        return _llama4_tensors(cfg)
     n, e, hkv, d, hq = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
     g = hq // hkv
-    t = [Tensor("attn_norm", "attention", (n, e), ("layers", "norm"), False),
-         Tensor("wqkv", "attention", (n, e, hkv, g + 2, d), ("layers", "embed", "kv_heads", "qkv", "head_dim")),
-         Tensor("wo", "attention", (n, hq, d, e), ("layers", "q_heads", "head_dim", "embed")),
-         Tensor("mlp_norm", "shared", (n, e), ("layers", "norm"), False)]
+    t = _attention_tensors(cfg, n)
     if cfg.attention_bias:
         t.append(Tensor("bqkv", "attention", (n, hkv, g + 2, d), ("layers", "kv_heads", "qkv", "head_dim"), False))
     if cfg.qk_norm:
@@ -81,11 +125,7 @@ def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
         f = cfg.intermediate_size
         t += [Tensor("w_gate_up", "shared", (n, e, 2, f), ("layers", "embed", "gate_up", "mlp")),
               Tensor("w_down", "shared", (n, f, e), ("layers", "mlp", "embed"))]
-    t += [Tensor("embed", "embeddings", (cfg.vocab_size, e), ("vocab", "embed")),
-          Tensor("final_norm", "embeddings", (e,), ("norm",), False)]
-    if not cfg.tie_word_embeddings:
-        t.append(Tensor("lm_head", "embeddings", (cfg.vocab_size, e), ("vocab", "embed")))
-    return t
+    return t + _head_tensors(cfg)
 
 
 def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats: Mapping[str, str] | None = None,
@@ -93,6 +133,8 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
     """The plan of one of our models as the engine places it (`cfg`: the plan's effective config);
     `int4` names the layer weights kept as int4 parts (`int4_layouts`), planned part by part."""
     width = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
+    if cfg.llama4 is not None:  # the routed experts and the shared expert, or a dense layer's MLP
+        width = max(width + cfg.moe_intermediate_size, cfg.intermediate_size)
     tensors, kept = [], []
     for t in _gqa_tensors(cfg):
         layout = (int4 or {}).get(t.name)
@@ -127,6 +169,14 @@ def int4_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
         group = size if scheme.act_order else kept_group(size, cfg.head_dim if short == "wo" else None)
         layouts[short] = QuantLayout("int4", group, jnp.float16, scheme.act_order)
     return layouts
+
+
+def int4_at_load_layouts(cfg: ModelConfig, group: int) -> dict[str, QuantLayout]:
+    """A float model's layer weights as `weights_quantization="int4"` keeps them (quant/int4_rtn.py):
+    int4 words, uint8 zeros and fp16 scales per piece of each `group`-input group; ValueError naming a
+    weight that cannot be kept so."""
+    return {t.name: QuantLayout("int4", at_load_group(t.name, t.shape[1:], group), jnp.float16)
+            for t in _gqa_tensors(cfg) if t.name in INPUT_AXIS}
 
 
 def _field(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -227,13 +277,18 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     from sharding.plan import plan_stages
 
     sizes, repeat = mc.sizes, 1
+    if cfg.llama4 is not None and sizes["pp"] > 1:
+        raise ValueError("pipeline parallelism is not supported for the Llama 4 family")  # as ShardPlan.create
     tp = sizes["tp"] if mc.rule("q_heads") else 1
     if cfg.num_kv_heads % tp:
         if tp % cfg.num_kv_heads:
             raise ValueError(f"{cfg.num_kv_heads} kv heads neither divide nor are divisible by tp={tp}")
         repeat = tp // cfg.num_kv_heads
-    width = cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
-    if mc.rule("mlp") and width % sizes["tp"]:
-        raise ValueError(f"MLP width {width} is not divisible by tp={sizes['tp']}")
+    widths = {cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size}
+    if cfg.llama4 is not None:  # its dense layers too
+        widths.add(cfg.intermediate_size)
+    for width in sorted(widths):
+        if mc.rule("mlp") and width % sizes["tp"]:
+            raise ValueError(f"MLP width {width} is not divisible by tp={sizes['tp']}")
     layers = cfg.num_layers if sizes["pp"] == 1 else sizes["pp"] * max(plan_stages(cfg.num_layers, sizes["pp"]))
     return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeat, num_layers=layers)

@@ -7,20 +7,34 @@ import os
 from typing import Callable
 
 from infire_jax.memplan.model import (
-    PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_layouts, placed_config)
+    PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, int4_layouts, placed_config)
 from infire_jax.models.hf_config import config_from_hf
+from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, INT4_GROUPS
 from sharding.mesh import MeshConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_NOT_MLA = "weights_quantization int4 quantizes Llama-architecture models at load, not MLA ones"
 
 
 def shipped_configs() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
 
 
-def plan_source(spec: str | None, dtype: str) -> Callable[[MeshConfig], PlanModel]:
+def plan_source(spec: str | None, dtype: str, weights_quantization: str | None = None,
+                int4_group_size: int | None = None) -> Callable[[MeshConfig], PlanModel]:
     """`kimi-k2.5` / `dummy:kimi-k2.5` (a shipped config), a config.json file or a directory holding
-    one, or any model spec the engine loads (its config only: no weight is read)."""
+    one, or any model spec the engine loads (its config only: no weight is read). `weights_quantization`
+    "int4": the layer weights as quantized at load in groups of `int4_group_size` (default 128);
+    ValueError for any other mode or a model it does not cover."""
+    if weights_quantization not in (None, "int4"):
+        raise ValueError(f"weights_quantization {weights_quantization!r} is not planned at load (int4; a GPTQ / "
+                         "AWQ, DeepSeek-V3 or Kimi config is planned as its checkpoint is kept)")
+    if int4_group_size is not None and weights_quantization != "int4":
+        raise ValueError("int4_group_size sets the groups of weights_quantization int4")
+    if int4_group_size not in (None, *INT4_GROUPS):
+        raise ValueError(f"int4_group_size {int4_group_size}: choose from {list(INT4_GROUPS)}")
+    group = int4_group_size or DEFAULT_INT4_GROUP
+
     name = (spec or "").removeprefix("dummy:")
     path = None
     if name in shipped_configs():
@@ -34,12 +48,17 @@ def plan_source(spec: str | None, dtype: str) -> Callable[[MeshConfig], PlanMode
             hf = json.load(f)
         hf = dict(hf.get("text_config") or hf)
         if hf.get("kv_lora_rank"):  # MLA: the layout does not depend on the mesh
+            if weights_quantization:
+                raise ValueError(_NOT_MLA)
             model = from_hf_config(hf, dtype, name=spec or path)
             return lambda mc: model
         cfg, formats = config_from_hf(hf), formats_from_hf(hf, dtype)
-        int4 = int4_layouts(hf, cfg)
+        int4 = int4_at_load_layouts(cfg, group) if weights_quantization else int4_layouts(hf, cfg)
         return lambda mc: from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, int4)
     from infire_jax.loaders.load import load_config
 
     cfg = load_config(spec)
-    return lambda mc: from_model_config(placed_config(cfg, mc), dtype, spec or "default model")
+    if weights_quantization and cfg.mla is not None:
+        raise ValueError(_NOT_MLA)
+    int4 = int4_at_load_layouts(cfg, group) if weights_quantization else {}
+    return lambda mc: from_model_config(placed_config(cfg, mc), dtype, spec or "default model", int4=int4)

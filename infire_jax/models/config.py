@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from infire_jax.errors import UnsupportedModelError
 
 # The architecture families a ModelConfig may name (models/registry.py builds each).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,32 @@ class DeepseekMoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Llama4Config:
+    """What sets a Llama 4 layer apart (models/llama4_config.py parses it, models/llama4.py runs it).
+
+    Layer i is a MoE layer when (i + 1) % moe_step == 0 (HF's `interleave_moe_layer_step` and
+    `moe_layers`), else a dense one of ModelConfig.intermediate_size; a MoE layer's routed experts
+    and its shared expert are ModelConfig.moe_intermediate_size wide. Which layers attend within a
+    chunk is ModelConfig.local_attention."""
+
+    rope_layers: tuple[bool, ...]  # layer i rotates q and k (HF no_rope_layers[i] == 1); else a NoPE layer
+    moe_step: int
+    qk_l2_norm: bool  # use_qk_norm: a weightless L2 norm of q and k after the rotation, on RoPE layers
+    temperature_tuning: bool  # attn_temperature_tuning: NoPE layers scale q by log1p(floor((p + 1) / floor_scale))
+    floor_scale: float  # * attn_scale + 1
+    attn_scale: float
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (i + 1) % self.moe_step == 0
+
+    @property
+    def stack_sizes(self) -> dict[str, int]:
+        """Layers in each of models/llama4.py's stacks: "dense", "moe"."""
+        moe = len(self.rope_layers) // self.moe_step
+        return {"dense": len(self.rope_layers) - moe, "moe": moe}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -83,6 +109,8 @@ class ModelConfig:
     # DeepSeek-V3 family (architecture "deepseek_v3"; models/deepseek_config.py parses and checks them).
     mla: MLAConfig | None = None
     deepseek_moe: DeepseekMoEConfig | None = None
+    # Llama 4 (architecture "llama4"; models/llama4_config.py parses and checks it).
+    llama4: Llama4Config | None = None
     # Chunked and sliding-window attention: each layer's (chunk C, window W), as LocalMask in
     # pallas_kernels/metadata.py reads them (C > 0: the query at p sees keys [C*floor(p/C), p]; W > 0:
     # keys [p-W+1, p]; (0, 0): a global layer). Empty: every layer is global.
@@ -106,6 +134,9 @@ class ModelConfig:
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+        if (self.llama4 is not None) != (self.architecture == "llama4") or (
+                self.llama4 is not None and len(self.llama4.rope_layers) != self.num_layers):
+            raise UnsupportedModelError("a llama4 config needs its Llama4Config, with a RoPE flag for each layer")
         if self.local_attention and (len(self.local_attention) != self.num_layers or any(
                 len(lw) != 2 or min(lw) < 0 for lw in self.local_attention)):
             raise UnsupportedModelError(
@@ -128,12 +159,16 @@ class ModelConfig:
             d["mla"] = MLAConfig(**d["mla"])
         if d.get("deepseek_moe") is not None:
             d["deepseek_moe"] = DeepseekMoEConfig(**d["deepseek_moe"])
+        if d.get("llama4") is not None:
+            d["llama4"] = Llama4Config(**{**d["llama4"], "rope_layers": tuple(d["llama4"]["rope_layers"])})
         return cls(**d)
 
     def param_count(self) -> int:
         """Number of weights, counted from the shapes (embedding and head counted once if tied)."""
         if self.mla is not None:
             return _deepseek_param_count(self)
+        if self.llama4 is not None:
+            return _llama4_param_count(self)
         e, hd = self.hidden_size, self.head_dim
         attn = e * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
@@ -160,6 +195,18 @@ def _deepseek_param_count(cfg: ModelConfig) -> int:
     n_moe = cfg.num_layers - d.first_k_dense_replace
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
     return (cfg.num_layers * (attn + 2 * e) + d.first_k_dense_replace * dense_mlp + n_moe * moe_mlp
+            + cfg.vocab_size * e + head + e)
+
+
+def _llama4_param_count(cfg: ModelConfig) -> int:
+    """Weights of a Llama 4 text model: attention on every layer; a dense MLP, or the routed experts,
+    router and shared expert; as HF's Llama4ForCausalLM holds them."""
+    e, hd, f = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
+    moe = cfg.llama4.stack_sizes["moe"]
+    attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * e  # q/k/v/o and the two norms
+    moe_mlp = cfg.num_experts * 3 * e * f + e * cfg.num_experts + 3 * e * f
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
+    return (cfg.num_layers * attn + moe * moe_mlp + (cfg.num_layers - moe) * 3 * e * cfg.intermediate_size
             + cfg.vocab_size * e + head + e)
 
 

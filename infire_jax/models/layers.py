@@ -65,8 +65,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         high_wavelen = old / rs.high_freq_factor
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        with np.errstate(divide="ignore", invalid="ignore"):  # equal factors (Llama 4 Scout): no medium band
+            smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
     return inv.astype(np.float32)

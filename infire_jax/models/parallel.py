@@ -34,12 +34,14 @@ class Reductions:
     attn: tuple[str, ...] = ()  # after wo
     mlp: tuple[str, ...] = ()  # after w_down (dense) or the expert combine (MoE)
     expert_axis: str | None = None  # experts are split over this axis
+    dense: tuple[str, ...] = ()  # after a dense or shared-expert MLP beside experts (replicated over ep)
 
     @classmethod
     def for_plan(cls, plan: ShardPlan) -> "Reductions":
-        attn = plan.axis("q_heads")
-        mlp = tuple(dict.fromkeys(a for a in (plan.axis("mlp"), plan.axis("experts")) if a))  # experts may share tp
-        return cls(attn=(attn,) if attn else (), mlp=mlp, expert_axis=plan.axis("experts"))
+        attn, width = plan.axis("q_heads"), plan.axis("mlp")
+        mlp = tuple(dict.fromkeys(a for a in (width, plan.axis("experts")) if a))  # experts may share tp
+        return cls(attn=(attn,) if attn else (), mlp=mlp, expert_axis=plan.axis("experts"),
+                   dense=(width,) if width else ())
 
 
 def psum(x: Array, axes: tuple[str, ...]) -> Array:

@@ -119,7 +119,7 @@ def dequantize(w: Int4Zero) -> Float[np.ndarray, "O I"]:
     return diff.astype(np.float32) * w.scale[:, w.g_idx].astype(np.float32)
 
 
-def _words(q: np.ndarray) -> np.ndarray:
+def pack_words(q: UInt8[np.ndarray, "O I"]) -> Int32[np.ndarray, "O I8"]:
     """Values `[O, I]` packed eight to an int32 along the input axis (input `8j + k` in bits 4k of word j)."""
     out, inp = q.shape
     return (q.astype(np.int64).reshape(out, inp // 8, 8) << _SHIFTS).sum(-1).astype(np.uint32).view(np.int32)
@@ -133,7 +133,7 @@ def kept_parts(w: Int4Zero, per_group: int) -> dict[str, np.ndarray]:
     if w.act_order or size % per_group:
         raise ValueError(f"groups of {size} inputs (act-order: {w.act_order}) are not kept in groups of {per_group}")
     repeat = size // per_group
-    return {"q4": _words(w.q), "zero": np.repeat(w.zero, repeat, axis=1), "scale": np.repeat(w.scale, repeat, axis=1)}
+    return {"q4": pack_words(w.q), "zero": np.repeat(w.zero, repeat, axis=1), "scale": np.repeat(w.scale, repeat, axis=1)}
 
 
 def kept_parts_act_order(w: Int4Zero) -> dict[str, np.ndarray]:
@@ -143,7 +143,7 @@ def kept_parts_act_order(w: Int4Zero) -> dict[str, np.ndarray]:
     groups = w.scale.shape[1]
     if groups > np.iinfo(np.int16).max + 1:
         raise ValueError(f"{groups} groups do not fit the int16 group index")
-    return {"q4": _words(w.q), "zero": w.zero, "scale": w.scale, "g_idx": w.g_idx.astype(np.int16)}
+    return {"q4": pack_words(w.q), "zero": w.zero, "scale": w.scale, "g_idx": w.g_idx.astype(np.int16)}
 
 
 def kept_group(size: int, head_dim: int | None) -> int:

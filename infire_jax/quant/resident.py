@@ -1,8 +1,9 @@
 """Quantized stacked weights kept in device memory and dequantized one layer at a time in the scan.
 
-Three sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), any
-float model quantized at load to int8 with one scale per output channel (`quantize_int8`), or a
-GPTQ / AWQ checkpoint's int4 groups with zero points (loaders/llama_quant.py, quant/gptq_awq.py).
+Four sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), any
+float model quantized at load to int8 with one scale per output channel (`quantize_int8`) or to
+int4 groups with zero points (quant/int4_rtn.py), or a GPTQ / AWQ checkpoint's int4 groups with
+zero points (loaders/llama_quant.py, quant/gptq_awq.py).
 
 Like palette compression (compression/resident.py), a quantized stacked weight is a module of
 parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, with the input
@@ -29,11 +30,12 @@ from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 from infire_jax.quant.gptq_awq import dequantize_parts
 from infire_jax.weight_parts import WeightParts
 
-QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: dummy: models; "checkpoint": quant/grouped.py
+QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: quant/int4_rtn.py; "checkpoint": quant/grouped.py
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
-# w_down [(X,) F, E].
-INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2}
+# w_down [(X,) F, E], and a shared expert's (Llama 4) like a dense MLP's.
+INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2}
+SHARED_EXPERT = ("w_shared_gate_up", "w_shared_down")  # Llama 4's MoE layers only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +132,14 @@ def dequantize_layer(lp: Mapping[str, Any], dtype) -> dict[str, Any]:
 
 
 def quantize_int8(weights: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, QuantLayout]]:
-    """Host weights with every quantizable stacked layer weight replaced by int8 parts
-    ("layers.wqkv.int8", "layers.wqkv.scale"): symmetric, one scale per output channel (absmax / 127
-    over the input axis), round to nearest."""
+    """Host weights with every quantizable stacked layer weight of every stack replaced by int8 parts
+    ("layers.wqkv.int8", "layers.wqkv.scale"; Llama 4: "moe_layers.wqkv.int8", ...): symmetric, one scale
+    per output channel (absmax / 127 over the input axis), round to nearest. The layouts are by weight
+    name (`wqkv`), as the models take them."""
     out, layouts = dict(weights), {}
-    for short, rel in INPUT_AXIS.items():
-        name = f"layers.{short}"
-        if name not in out:
-            continue
+    for name in [k for k in weights if k.count(".") == 1 and k.partition(".")[2] in INPUT_AXIS]:
+        short = name.partition(".")[2]
+        rel = INPUT_AXIS[short]
         w = np.asarray(out.pop(name), np.float32)
         scale = np.abs(w).max(axis=w.ndim + rel, keepdims=True) / 127
         scale = np.where(scale == 0, 1, scale).astype(np.float32)

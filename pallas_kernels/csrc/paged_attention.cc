@@ -11,6 +11,12 @@
 // holding float8_e4m3fn bits (both widened exactly), as pool_storage_dtype keeps it; an fp8 pool's
 // scales are folded into q and the output by the caller (pallas_kernels/kv_quant.py).
 //
+// Local layers (InfirePagedAttentionLocal, with the layer's chunk and window as S32 scalars): token t
+// sees positions first_visible(positions[t]) .. positions[t] only (pallas_kernels/metadata.py's
+// LocalMask), and an item's key loop starts at its first token's first visible position, so pages
+// before it (the null page, once the hybrid cache frees them) are never read. InfirePagedAttention is
+// the same code with chunk = window = 0.
+//
 // The reference attention (pallas_kernels/reference.py) gathers each row's pages into new arrays
 // every layer and runs as a string of small ops, one after another; here nothing is copied.
 #include <algorithm>
@@ -142,15 +148,28 @@ struct Args {
   const int32_t* page_table;  // [S, P]
   int64_t pages_per_seq, num_pages, page_size, hkv, group, dim;
   float* out;           // [T, Hq, D]
+  int64_t chunk, window;  // a local layer's mask (metadata.LocalMask); 0, 0 for a global layer
 };
+
+// The first position a query at `pos` sees (metadata.first_visible): its chunk's start, or its window's.
+inline int64_t first_visible(int64_t pos, int64_t chunk, int64_t window) {
+  int64_t start = chunk > 0 ? pos - pos % chunk : 0;
+  if (window > 0) start = std::max(start, pos - window + 1);
+  return std::max<int64_t>(start, 0);
+}
 
 struct Item { int64_t t0, nt, row; };  // tokens t0 .. t0 + nt - 1 of sequence row `row`
 
-// One item and kv head h: its nt x G queries against positions 0 .. (its last token's position).
-template <typename P>
+// One item and kv head h: its nt x G queries against positions (its first token's first visible
+// position) .. (its last token's position); each token masks the positions before its own first.
+// kLocal false (chunk = window = 0): the loop starts at 0 and the masks compile away, as before them.
+template <typename P, bool kLocal>
 void attend(const Args& a, const Item& it, int64_t h) {
   const int64_t G = a.group, D = a.dim, nv = D / 16, hq = a.hkv * G, nq = it.nt * G;
   const int64_t last = a.positions[it.t0 + it.nt - 1];
+  int64_t first[kMaxQueries];  // each token's first visible position (positions ascend within an item)
+  if (kLocal)
+    for (int64_t i = 0; i < it.nt; ++i) first[i] = first_visible(a.positions[it.t0 + i], a.chunk, a.window);
   const int32_t* table = a.page_table + it.row * a.pages_per_seq;
   const P* kp = static_cast<const P*>(a.k);
   const P* vp = static_cast<const P*>(a.v);
@@ -168,7 +187,7 @@ void attend(const Args& a, const Item& it, int64_t h) {
     return ((page * a.page_size + pos % a.page_size) * a.hkv + h) * D;
   };
   const int64_t row_bytes = D * int64_t(sizeof(P));
-  for (int64_t p0 = 0; p0 <= last; p0 += kBlock) {
+  for (int64_t p0 = kLocal ? first[0] : 0; p0 <= last; p0 += kBlock) {
     const int64_t nb = std::min<int64_t>(kBlock, last + 1 - p0);
     // The next block's rows are fetched while this one is computed: the rows are short and strided
     // (the other heads' rows lie between them), which the hardware prefetcher follows poorly.
@@ -196,6 +215,8 @@ void attend(const Args& a, const Item& it, int64_t h) {
       const int64_t pt = a.positions[it.t0 + i];
       if (pt < p0) continue;  // the block lies after this token
       const int64_t seen = std::min<int64_t>(kBlock, pt - p0 + 1);  // lanes at or before the token
+      const int64_t from = kLocal ? std::max<int64_t>(first[i] - p0, 0) : 0;  // lanes from its first visible one
+      if (from >= kBlock) continue;  // the block lies before what this token sees
       for (int64_t g = 0; g < G; ++g) {
         const int64_t qi = i * G + g;
         const float* qv = a.q + ((it.t0 + i) * hq + h * G + g) * D;
@@ -206,7 +227,7 @@ void attend(const Args& a, const Item& it, int64_t h) {
           s2 += qv[d + 2] * load(kt + (d + 2) * kBlock);
           s3 += qv[d + 3] * load(kt + (d + 3) * kBlock);
         }
-        const v16 s = lane < int32_t(seen) ? (s0 + s1) + (s2 + s3) : splat(-INFINITY);
+        const v16 s = (lane < int32_t(seen)) & (lane >= int32_t(from)) ? (s0 + s1) + (s2 + s3) : splat(-INFINITY);
         const float m_new = std::max(m[qi], hmax(s));
         const float alpha = std::exp(m[qi] - m_new);  // 0 on the first block (m = -inf)
         alignas(64) float p[kBlock];
@@ -216,7 +237,7 @@ void attend(const Args& a, const Item& it, int64_t h) {
         float* ar = acc + qi * D;
         v16 o[kMaxDim / 16];
         for (int64_t j = 0; j < nv; ++j) o[j] = load(ar + 16 * j) * alpha;
-        for (int64_t b = 0; b < seen; ++b)
+        for (int64_t b = from; b < seen; ++b)
           for (int64_t j = 0; j < nv; ++j) o[j] += p[b] * load(vb + b * D + 16 * j);
         for (int64_t j = 0; j < nv; ++j) store(ar + 16 * j, o[j]);
       }
@@ -234,10 +255,10 @@ void attend(const Args& a, const Item& it, int64_t h) {
 
 }  // namespace
 
-static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> seq_ids,
-                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> num_seqs,
-                       ffi::ResultBuffer<ffi::F32> out) {
+static ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> seq_ids,
+                      ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> num_seqs, int64_t chunk, int64_t window,
+                      ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(); auto kd = k_pages.dimensions(); auto td = page_table.dimensions();
   auto vd = v_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2 || vd.size() != 5 ||
@@ -252,8 +273,9 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("paged_attention: layer index out of range");
   const int64_t per_layer = kd[1] * kd[2] * kd[3] * kd[4];
   const int64_t G = hq / hkv;
+  if (chunk < 0 || window < 0) return ffi::Error::InvalidArgument("paged_attention: chunk and window must be >= 0");
   Args a{q.typed_data(), nullptr, nullptr, positions.typed_data(), page_table.typed_data(), td[1], kd[1], kd[2], hkv,
-         G, D, out->typed_data()};
+         G, D, out->typed_data(), chunk, window};
   const ffi::DataType type = k_pages.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::U16 && type != ffi::DataType::U8)
     return ffi::Error::InvalidArgument("paged_attention: the pool must be float32, uint16 (bfloat16 bits) or "
@@ -274,18 +296,45 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     if (back && back->row == row && back->t0 + back->nt == t && back->nt < per_item) ++back->nt;
     else items.push_back({t, 1, row});
   }
-  run_chunks(pool, int64_t(items.size()) * hkv, [&a, &items, type](int64_t i) {
+  const bool local = chunk > 0 || window > 0;
+  run_chunks(pool, int64_t(items.size()) * hkv, [&a, &items, type, local](int64_t i) {
     const Item& it = items[i / a.hkv];
-    if (type == ffi::DataType::F32) attend<float>(a, it, i % a.hkv);
-    else if (type == ffi::DataType::U16) attend<uint16_t>(a, it, i % a.hkv);
-    else attend<uint8_t>(a, it, i % a.hkv);
+    const int64_t h = i % a.hkv;
+    if (type == ffi::DataType::F32) local ? attend<float, true>(a, it, h) : attend<float, false>(a, it, h);
+    else if (type == ffi::DataType::U16) local ? attend<uint16_t, true>(a, it, h) : attend<uint16_t, false>(a, it, h);
+    else local ? attend<uint8_t, true>(a, it, h) : attend<uint8_t, false>(a, it, h);
   });
   return ffi::Error::Success();
+}
+
+static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> seq_ids,
+                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> num_seqs,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q, k_pages, v_pages, layer, positions, seq_ids, page_table, num_seqs, 0, 0, out);
+}
+
+// A local layer: its chunk and window are traced (one scanned layer body serves every kind), so buffers.
+static ffi::Error ImplLocal(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                            ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::S32> seq_ids, ffi::Buffer<ffi::S32> page_table,
+                            ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> chunk,
+                            ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q, k_pages, v_pages, layer, positions, seq_ids, page_table, num_seqs, chunk.typed_data()[0],
+             window.typed_data()[0], out);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InfirePagedAttention, Impl,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InfirePagedAttentionLocal, ImplLocal,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,6 +1,6 @@
 """CPU micro-benchmark of the skinny matmul (`cpu_matmul`) against XLA's dot, in the model's layer scan.
 
-    python -m pallas_kernels.cpu_matmul_bench [--dtype float32 bfloat16] [--rows 1 4 8 16 64 512]
+    python -m infire_jax.bench.cpu_matmul [--dtype float32 bfloat16] [--rows 1 4 8 16 64 512]
 
 A stack of random dense layers shaped like the default model's (SmolLM2-135M: 30 layers, hidden
 576, MLP 1536, 9 q heads and 3 kv heads of 64) multiplies T tokens through its four weights per
@@ -89,7 +89,7 @@ def _seconds(fn, *args, iters: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pallas_kernels.cpu_matmul_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infire_jax.bench.cpu_matmul", description=__doc__.split("\n")[0])
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16], help="tokens per step")
     p.add_argument("--iters", type=int, default=10)

@@ -1,0 +1,113 @@
+"""HF checkpoints of Llama 4 -> the Llama4 model's stacked weights (`dense_layers.*`, `moe_layers.*`).
+
+Two layouts: `Llama4ForCausalLM` (`model.layers.N...`, `lm_head`) and the published multimodal
+`Llama4ForConditionalGeneration` (the same under `language_model.`, with `vision_model.` and
+`multi_modal_projector.` beside them). Images are not served yet, so the vision tower is not read
+into the model; the log says so once per load.
+
+Per layer: q/k/v/o, the dense MLP's gate/up/down (`feed_forward.*_proj`), or the MoE's router
+[X, E], fused experts `experts.gate_up_proj` [X, E, 2F] (gate columns first) and `experts.down_proj`
+[X, F, E], and the shared expert. Llama 4 rotates adjacent pairs of q and k; each head's rows of
+q_proj and k_proj are reordered (even dimensions, then odd) into the "rotate half" layout the model
+rotates, on q and k alike, so every q.k is what the checkpoint computes (v and o are untouched).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Iterable
+
+import numpy as np
+
+from infire_jax.errors import UnsupportedModelError
+from infire_jax.loaders.deepseek_hf import deinterleave
+from infire_jax.loaders.weights import fuse_projections, from_hf_layout
+from infire_jax.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.(.+)")
+_TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
+_SKIPPED = ("vision_model.", "multi_modal_projector.")
+_PLAIN = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+          "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+          "self_attn.o_proj.weight": "wo"}
+_DENSE = {"feed_forward.gate_proj.weight": "w_gate", "feed_forward.up_proj.weight": "w_up",
+          "feed_forward.down_proj.weight": "w_down"}
+_MOE = {"feed_forward.router.weight": "router", "feed_forward.experts.gate_up_proj": "w_gate_up",
+        "feed_forward.experts.down_proj": "w_down", "feed_forward.shared_expert.gate_proj.weight": "w_shared_gate",
+        "feed_forward.shared_expert.up_proj.weight": "w_shared_up",
+        "feed_forward.shared_expert.down_proj.weight": "w_shared_down"}
+
+
+def stack_position(cfg: ModelConfig, layer: int) -> tuple[str, int]:
+    """("moe_layers" or "dense_layers", index in that stack) of layer `layer` (models/llama4.py's order)."""
+    p = cfg.llama4.moe_step
+    if cfg.llama4.is_moe_layer(layer):
+        return "moe_layers", layer // p
+    return "dense_layers", layer - layer // p
+
+
+def _rotate_half_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """q_proj / k_proj [heads * D, E] with each head's rows in the order (0, 2, 4, ..., 1, 3, 5, ...)."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, d, -1)[:, deinterleave(d)].reshape(w.shape)
+
+
+def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, moe: bool) -> tuple[str, np.ndarray]:
+    """(our short name, the tensor in our layout) of one HF layer tensor."""
+    if rest in _PLAIN:
+        short = _PLAIN[rest]
+        if short in ("wq", "wk"):
+            w = _rotate_half_rows(w, cfg.num_heads if short == "wq" else cfg.num_kv_heads)
+        return short, from_hf_layout(short, w, cfg)
+    if not moe and rest in _DENSE:
+        return _DENSE[rest], w.T
+    if moe and rest in _MOE:
+        short = _MOE[rest]
+        if short == "w_gate_up":  # [X, E, 2F]: the gate's F columns, then the up projection's
+            return short, w.reshape(*w.shape[:2], 2, -1)
+        return short, w if short == "w_down" else w.T
+    raise UnsupportedModelError(f"unexpected weight {rest!r} in a Llama 4 {'MoE' if moe else 'dense'} layer")
+
+
+def llama4_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our parameter paths from HF tensor names and arrays (either layout)."""
+    sizes = {f"{kind}_layers": n for kind, n in cfg.llama4.stack_sizes.items()}
+    per_stack: dict[str, dict[str, list]] = {stack: {} for stack in sizes}
+    weights: dict[str, np.ndarray] = {}
+    skipped = 0
+    for name, w in tensors:
+        if name.startswith(_SKIPPED):
+            skipped += 1
+            continue
+        m = _LAYER.fullmatch(name)
+        top = _TOP.get(name.removeprefix("language_model."))
+        if top is not None:
+            if top != "lm_head" or not cfg.tie_word_embeddings:
+                weights[top] = w
+        elif m and m.group(2).endswith("rotary_emb.inv_freq"):
+            continue
+        elif m and int(m.group(1)) < cfg.num_layers:
+            stack, index = stack_position(cfg, int(m.group(1)))
+            short, value = _convert(m.group(2), w, cfg, stack == "moe_layers")
+            per_stack[stack].setdefault(short, [None] * sizes[stack])[index] = value
+        else:
+            raise UnsupportedModelError(f"unexpected weight {name!r} for Llama 4 ({cfg.num_layers} layers)")
+    if skipped:
+        log.warning("Llama 4: the vision tower and projector (%d tensors) are not loaded; images are not "
+                    "supported yet, text is served", skipped)
+    for stack, per_layer in per_stack.items():
+        stacked = {}
+        for short, arrays in per_layer.items():
+            missing = [i for i, a in enumerate(arrays) if a is None]
+            if missing:
+                raise UnsupportedModelError(f"weight {short!r} is missing for {stack} {missing}")
+            stacked[short] = np.stack(arrays)
+        if ("w_shared_gate" in stacked) != ("w_shared_up" in stacked):
+            raise UnsupportedModelError("the checkpoint has only one of the shared expert's gate and up projections")
+        if "w_shared_gate" in stacked:
+            stacked["w_shared_gate_up"] = np.stack([stacked.pop("w_shared_gate"), stacked.pop("w_shared_up")], axis=-2)
+        weights.update({f"{stack}.{k}": v for k, v in fuse_projections(stacked, cfg).items()})
+    return weights

@@ -1,0 +1,267 @@
+"""Llama 4 decoder (Scout, Maverick): GQA attention with chunked RoPE layers and global NoPE layers,
+dense and MoE layers interleaved.
+
+Per layer (transformers' Llama4TextDecoderLayer):
+- RoPE layers rotate q and k (Llama 4 rotates adjacent pairs; the loader moves each head's pairs
+  into the "rotate half" layout `apply_rope` takes, on q and k alike, so q.k is unchanged), L2-norm
+  them without a weight (`use_qk_norm`), and attend within their chunk (`LocalMask`);
+- NoPE layers leave q and k unrotated, scale q by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1
+  (`attn_temperature_tuning`) and attend to every earlier position;
+- the MLP is dense (`intermediate_size_mlp` wide), or the MoE: a router picks each token's top-k experts
+  by logit, the sigmoid of the chosen logit scales the expert's *input*, the outputs are summed, and a
+  shared expert runs on every token.
+
+Layer i is a MoE layer when (i + 1) % P == 0 (P: `interleave_moe_layer_step`; Scout 1, Maverick 2).
+The weights are two stacks, `dense_layers` and `moe_layers` (each a full layer: attention and MLP),
+and the forward scans over super-layers of P layers: P - 1 dense then one MoE, each a slice of its
+stack, then over the L % P dense layers left. The pool's layer index runs over all layers in order
+(layer s * P + j), and so does each layer's (chunk, window, RoPE) row of `layer_table`, scanned with
+the weights, so one compiled body serves RoPE and NoPE, chunked and global layers.
+
+On a mesh (models/parallel.py) heads and MLP widths split over tp, experts over ep; the shared
+expert and dense MLPs are replicated over ep. Pipeline parallelism is refused for this family
+(sharding/plan.py). Layer weights may be kept int8 / int4 (quant/resident.py), dequantized a layer
+at a time; on a GPU the quantized matmul kernels read them in place (models/quant_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from infire_jax.errors import ConfigError
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.deepseek_moe import shared_mlp
+from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear, project_qkv
+from infire_jax.models.moe import Routing, routed_mlp
+from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.quant_kernels import layer_stacks
+from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
+from pallas_kernels import cpu_matmul
+from pallas_kernels.attention import paged_attention
+from pallas_kernels.metadata import AttentionMetadata, LocalMask
+from sharding.plan import ShardPlan
+
+KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
+# The layer weights that are plain matmuls, with how many leading axes of one layer's weight are inputs.
+DENSE_INPUTS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1}
+STACKS = ("dense", "moe")
+
+
+def layer_table(cfg: ModelConfig) -> np.ndarray:
+    """int32 [L, 3]: each layer's chunk and window (`LocalMask`) and whether it rotates q and k."""
+    local = cfg.local_attention or ((0, 0),) * cfg.num_layers
+    return np.asarray([(c, w, r) for (c, w), r in zip(local, cfg.llama4.rope_layers)], np.int32)
+
+
+class Llama4Layers(nnx.Module):
+    """`n` stacked layers of one kind: attention (fused q/k/v grouped by kv head, as models/llama.py's
+    `DecoderLayers`) and a dense MLP or the MoE (router, routed experts, shared expert).
+
+    `resident` names the weights kept quantized (`QuantLayout`s by weight name; a name this stack
+    lacks, such as the shared expert's in the dense stack, is the other stack's)."""
+
+    def __init__(self, cfg: ModelConfig, n: int, moe: bool, dtype, resident: dict[str, QuantLayout]):
+        e, hkv, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+        g = cfg.num_heads // hkv
+        self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        self.wqkv = param((n, e, hkv, g + 2, d), ("layers", "embed", "kv_heads", "qkv", "head_dim"), dtype)
+        self.wo = param((n, cfg.num_heads, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        if moe:  # the router's expert axis stays replicated; the shared expert splits over tp like a dense MLP
+            x, f = cfg.num_experts, cfg.moe_intermediate_size
+            self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
+            self.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
+            self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
+            self.w_shared_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
+            self.w_shared_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
+        else:
+            f = cfg.intermediate_size
+            self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
+            self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
+        for short, layout in resident.items():
+            plain = getattr(self, short, None)
+            if isinstance(plain, nnx.Param):
+                setattr(self, short, QuantParams(short, tuple(plain.shape), plain.axes, layout))
+
+    def arrays(self) -> dict[str, Array | dict[str, Array]]:
+        """The stacked arrays by name (a dict of parts for a quantized weight), for `lax.scan`."""
+        return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, QuantParams))}
+
+    def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
+        return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, QuantParams))}
+
+
+def l2_norm(x: Float[Array, "... D"], eps: float) -> Float[Array, "... D"]:
+    """transformers' Llama4TextL2Norm: RMSNorm without a weight, in float32."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def temperature(cfg: ModelConfig, positions: Int[Array, "T"]) -> Float[Array, "T"] | None:
+    """NoPE layers' query scale per token (attn_temperature_tuning), or None when it is off."""
+    l4 = cfg.llama4
+    if not l4.temperature_tuning:
+        return None
+    p = positions.astype(jnp.float32)
+    return jnp.log1p(jnp.floor((p + 1.0) / l4.floor_scale)) * l4.attn_scale + 1.0
+
+
+def position_qk(cfg: ModelConfig, q: Array, k: Array, cos: Array, sin: Array, temp: Array | None,
+                rope_on: Array) -> tuple[Array, Array]:
+    """q and k as the layer attends with them: rotated (and L2-normed) on a RoPE layer, q scaled by
+    the temperature on a NoPE layer; `rope_on` is the layer's traced flag."""
+    qr, kr = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cfg.llama4.qk_l2_norm:
+        qr, kr = l2_norm(qr, cfg.rms_norm_eps), l2_norm(kr, cfg.rms_norm_eps)
+    qn = q if temp is None else (q.astype(jnp.float32) * temp[:, None, None]).astype(q.dtype)
+    return jnp.where(rope_on, qr, qn), jnp.where(rope_on, kr, k)
+
+
+def llama4_moe(lp: dict[str, Array], x: Float[Array, "T E"], *, k: int, expert_axis: str | None
+               ) -> Float[Array, "T E"]:
+    """The routed experts' summed output (a partial sum on a mesh, over the expert and tp axes).
+
+    As transformers' Llama4Router and Llama4TextMoe: top-k over the router logits (in the
+    activations' dtype), sigmoid of each chosen logit, which scales the token's row going into that
+    expert; the k outputs are added unweighted. Each (token, choice) is dispatched as a row of its
+    own with weight 1, so moe.py's grouped matmul and expert-parallel split serve it unchanged.
+    """
+    logits = linear(x, lp["router"], "te,ex->tx")
+    top, experts = jax.lax.top_k(logits, k)
+    scores = jax.nn.sigmoid(top.astype(jnp.float32)).astype(x.dtype)
+    t, e = x.shape
+    rows = (x[:, None, :] * scores[..., None]).reshape(t * k, e)
+    routing = Routing(jnp.ones((t * k, 1), jnp.float32), experts.reshape(t * k, 1).astype(jnp.int32))
+    out = routed_mlp(lp, rows, routing, expert_axis=expert_axis).reshape(t, k, e)
+    return jnp.sum(out.astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def layer_step(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, temp: Array | None, meta: AttentionMetadata,
+               attn_impl: str, red: Reductions, in_place: dict[str, tuple[KernelView, tuple]], carry, lp: dict,
+               stack_index: Array, layer: Array, row: Int[Array, "3"]):
+    """One layer: (h, k_pages, v_pages) -> the same. `layer` is the pool's (all layers) index, `stack_index`
+    this layer's in its stack (for the weights read in place), `row` its `layer_table` row."""
+    h, k_pages, v_pages = carry
+    tokens = h.shape[0]
+    lp = dequantize_layer(lp, h.dtype)
+    lp = kernel_weights(lp, in_place, stack_index, tokens, cpu=red == Reductions())
+    q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), False)
+    q, k = position_qk(cfg, q, k, cos, sin, temp, row[2] > 0)
+    if cfg.has_local_attention:
+        meta = meta._replace(local=LocalMask(row[0], row[1]))
+    o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=cfg.head_dim ** -0.5,
+                                          impl=attn_impl, cpu_kernel=red == Reductions())
+    h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    if moe:  # the shared expert splits like a dense MLP, over the `mlp` axis only (even where experts share it)
+        routed = llama4_moe(lp, x, k=cfg.num_experts_per_tok, expert_axis=red.expert_axis)
+        h = h + psum(routed, red.mlp) + psum(shared_mlp(lp, x), red.dense)
+    else:
+        h = h + psum(dense_mlp(lp, x), red.dense)
+    return h, k_pages, v_pages
+
+
+def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
+                  h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
+                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+    """Scans the super-layers (P - 1 dense layers and a MoE layer each), then the dense layers left
+    over; the KV pool is a loop carry, indexed by the layer's place among all layers."""
+    p = cfg.llama4.moe_step
+    supers, tail = cfg.num_layers // p, cfg.num_layers % p
+    table = layer_table(cfg)
+    tokens = h.shape[0]
+    in_place = {kind: layer_stacks(w, tokens, DENSE_INPUTS, kind == "moe", one_device=red == Reductions())
+                for kind, w in weights.items()}
+    scanned = {kind: {n: a for n, a in w.items() if n not in in_place[kind]} for kind, w in weights.items()}
+    step = functools.partial(layer_step, cfg, cos=cos, sin=sin, temp=temperature(cfg, meta.positions), meta=meta,
+                             attn_impl=attn_impl, red=red)
+    dense = scanned.get("dense", {})
+    carry = (h, k_pages, v_pages)
+    if supers:
+        def super_layer(carry, xs):
+            dense_lp, moe_lp, s, rows = xs
+            for j in range(p - 1):
+                carry = step(False, in_place=in_place["dense"], carry=carry,
+                             lp=jax.tree.map(lambda a: a[j], dense_lp), stack_index=s * (p - 1) + j,
+                             layer=s * p + j, row=rows[j])
+            carry = step(True, in_place=in_place["moe"], carry=carry, lp=moe_lp, stack_index=s,
+                         layer=s * p + p - 1, row=rows[p - 1])
+            return carry, None
+
+        dense_xs = jax.tree.map(lambda a: a[:supers * (p - 1)].reshape(supers, p - 1, *a.shape[1:]), dense)
+        xs = (dense_xs, scanned["moe"], jnp.arange(supers, dtype=jnp.int32),
+              jnp.asarray(table[:supers * p].reshape(supers, p, 3)))
+        carry, _ = jax.lax.scan(super_layer, carry, xs)
+    if tail:
+        def dense_layer(carry, xs):
+            lp, i, row = xs
+            return step(False, in_place=in_place["dense"], carry=carry, lp=lp, stack_index=supers * (p - 1) + i,
+                        layer=supers * p + i, row=row), None
+
+        xs = (jax.tree.map(lambda a: a[supers * (p - 1):], dense), jnp.arange(tail, dtype=jnp.int32),
+              jnp.asarray(table[supers * p:]))
+        carry, _ = jax.lax.scan(dense_layer, carry, xs)
+    return carry
+
+
+class Llama4(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: dict[str, QuantLayout] | None = None):
+        """`resident`: layer weights kept quantized, by weight name (`wqkv`, `w_gate_up`, ...: in every stack)."""
+        resident = dict(resident or {})
+        if not all(isinstance(layout, QuantLayout) for layout in resident.values()):
+            raise ConfigError("weights_compression is not supported for the Llama 4 family; weights_quantization "
+                              "int8 / int4 keeps its layer weights quantized")
+        self.cfg = cfg
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        sizes = cfg.llama4.stack_sizes
+        if sizes["dense"]:
+            self.dense_layers = Llama4Layers(cfg, sizes["dense"], False, dtype, resident)
+        if sizes["moe"]:
+            self.moe_layers = Llama4Layers(cfg, sizes["moe"], True, dtype, resident)
+        self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+
+    def _stacks(self) -> dict[str, Llama4Layers]:
+        return {kind: getattr(self, f"{kind}_layers") for kind in STACKS if hasattr(self, f"{kind}_layers")}
+
+    def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
+        return self.embed[...][tokens]
+
+    def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
+                   plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
+                   ) -> tuple[Float[Array, "T E"], KVPages]:
+        if aux_layers is not None:
+            raise ConfigError("aux hidden states (EAGLE-3) are not implemented for the Llama 4 family")
+        cos, sin = rope_tables(rope_inv_freq(self.cfg), meta.positions)
+        weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
+        if plan is None:
+            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
+            return h, (k_pages, v_pages)
+        axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
+        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin)
+
+    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        if plan is None and cpu_matmul.head_applies(h.shape[0], head):
+            return cpu_matmul.head_matmul(h, head)
+        return head_logits(h, head)
+
+    def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
+                 *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
+                 ) -> tuple[Float[Array, "S V"], KVPages]:
+        """Logits of each row's `logits_indices` token and the updated pool."""
+        h, kv = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
+                                aux_layers=aux_layers)
+        return self.logits(h[logits_indices], plan), kv

@@ -1,0 +1,309 @@
+"""Llama 4 (models/llama4.py) against HF transformers, through the real engine.
+
+Tiny random checkpoints of both published layouts (tests/llama4_models.py) are loaded by our HF
+loader and decoded greedily: tokens must equal HF's `generate` over 48 tokens and logprobs agree
+within 1e-3 (float32). Prompt and output cross several 16-token chunks, a NoPE layer's temperature
+changes every 8 positions, and dense and MoE layers interleave. Then the same family kept int8 with
+n-gram speculation, with an fp8 KV cache, and on 2 and 8 virtual devices; its configs' errors; the
+published configs' shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deepseek_models import hf_greedy
+from llama4_models import TEXT_CONFIGS, fp8_kv, hf_model, quantize_like_int8, save, text_model
+
+NUM_TOKENS = 48
+# 5 + 40 + 18 prompt tokens: the first 32-token step ends 27 tokens into the second prompt, mid-chunk.
+PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100)),
+           [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31, 17, 90, 200, 33, 21, 8, 140]]
+ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
+              num_kv_pages=40)
+GREEDY = dict(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[object, str]]:
+    """name -> (the HF model, its saved checkpoint)."""
+    out = {}
+    for name in TEXT_CONFIGS:
+        hf = hf_model(name)
+        out[name] = hf, save(hf, tmp_path_factory.mktemp(name))
+    return out
+
+
+def _assert_matches(outs, hf) -> None:
+    for prompt, out in zip(PROMPTS, outs):
+        want, want_lp = hf_greedy(text_model(hf), prompt, NUM_TOKENS)
+        assert out.token_ids == want
+        np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+
+
+# The causal model runs the CPU attention kernel and moe.py's loop over row tiles; the multimodal one
+# the GPU's kernels in interpret mode: Pallas attention and the grouped matmul reading the experts in place.
+@pytest.mark.parametrize("name,impl", [("causal", "reference"), ("multimodal", "pallas_interpret")])
+def test_generate_matches_hf(name, impl, checkpoints, caplog, monkeypatch):
+    from infire_jax import LLM, SamplingParams
+
+    hf, path = checkpoints[name]
+    if impl == "pallas_interpret":
+        monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
+    with caplog.at_level("WARNING", logger="infire_jax.loaders.llama4_hf"):
+        llm = LLM(model=path, attn_impl=impl, **ENGINE)
+    vision = [r for r in caplog.records if "vision tower" in r.getMessage()]
+    assert len(vision) == (name == "multimodal")  # said once, for the layout that has one
+    cfg = llm.engine.model_config
+    l4 = cfg.llama4
+    assert cfg.architecture == "llama4" and llm.engine.runner.rc.attn_impl == impl
+    assert l4.temperature_tuning and l4.floor_scale == 8 and not all(l4.rope_layers)
+    assert {c for c, _ in cfg.local_attention} == {0, 16}  # chunked RoPE layers, global NoPE layers
+    assert l4.stack_sizes == {"dense": cfg.num_layers - cfg.num_layers // 2, "moe": cfg.num_layers // 2}
+    _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), hf)
+    llm.engine.close()
+
+
+def test_int8_weights_with_ngram_speculation_match_hf_on_the_same_int8_weights(checkpoints):
+    """`weights_quantization="int8"` keeps every stack's layer weights int8 (the experts and shared
+    expert too); HF given the same per-channel int8 weights is the reference. Speculating with
+    n-grams (which these repetitive greedy texts accept) changes no greedy token; a constrained
+    request keeps to its grammar."""
+    import re
+
+    from flax import nnx
+
+    from infire_jax import LLM, SamplingParams, StructuredOutputs
+
+    _, path = checkpoints["causal"]
+    want = hf_model("causal")
+    quantize_like_int8(want)
+    llm = LLM(model=path, weights_quantization="int8", **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    placed = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.state)}
+    for name in ("dense_layers.wqkv", "dense_layers.w_down", "moe_layers.wo", "moe_layers.w_gate_up",
+                 "moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"):
+        assert placed[f"{name}.int8"].dtype == np.int8 and name not in placed
+    _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), want)
+    assert llm.engine.spec.stats.num_accepted_tokens > 0
+    pattern = "(chunk|nope)-[0-9]{2}"  # structured output, speculating within the grammar
+    out = llm.generate(["Which layer kind, and how many?"], SamplingParams(
+        max_tokens=16, temperature=0, structured_outputs=StructuredOutputs(regex=pattern)))[0].outputs[0]
+    assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop"
+    assert llm.engine.compiles_since_warmup == 0
+    llm.engine.close()
+
+
+def test_fp8_kv_cache_matches_hf_on_the_same_fp8_keys_and_values(checkpoints, monkeypatch):
+    """An fp8 (e4m3) pool, its per-(layer, kv head) scales calibrated at build; HF attending to its
+    keys and values rounded to e4m3 with those scales is the reference."""
+    from infire_jax import LLM, SamplingParams
+
+    _, path = checkpoints["causal"]
+    llm = LLM(model=path, kv_cache_dtype="fp8", **ENGINE)
+    assert llm.engine.runner.cache.k_pages.dtype == np.uint8
+    want = hf_model("causal")
+    fp8_kv(want, llm.engine.runner.kv_scales, monkeypatch)
+    _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), want)
+    llm.engine.close()
+
+
+# ---- 2 and 8 virtual devices: tensor and expert parallel equal one device; pipelines are refused ----------------
+
+def test_tp_and_ep_meshes_match_one_device(checkpoints, tmp_path):
+    """The multimodal model (top-2 routing) in a process with 8 virtual devices: on 2 (tp 2) and on 8
+    (tp 8, its 2 kv heads repeated, the experts split over the same axis; tp 2 x ep 4) it gives one
+    device's tokens."""
+    import json
+    import os
+
+    from test_sharding import ROOT, _results, _run_worker
+
+    meshes = ["1.yaml", "2.yaml", "8-tp8-ep.yaml", "8-tp2-ep4.yaml", "8-pp8.yaml"]
+    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=[4, 32], num_kv_pages=40)
+    job = {"runs": [{"model": checkpoints["multimodal"][1], "mesh": os.path.join(ROOT, "sharding", "configs", m)}
+                    for m in meshes],
+           "prompts": ["Hello, Llama 4", "x" * 40, "the chunks of a long prompt cross"], "max_tokens": 24,
+           "engine": engine}
+    results = {os.path.basename(r["mesh"]): r for r in _results(_run_worker(job, 8, tmp_path, "llama4"))}
+    assert "pipeline parallelism is not supported for the Llama 4 family" in results.pop("8-pp8.yaml")["error"]
+    single = results.pop("1.yaml")
+    assert set(results) == {"2.yaml", "8-tp8-ep.yaml", "8-tp2-ep4.yaml"}
+    for mesh, r in results.items():
+        assert r["fits"] and r["tokens"] == single["tokens"], (mesh, json.dumps(r)[:500])
+        np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4)
+        specs = {k: v["spec"] for k, v in r["params"].items()}
+        # tp splits the heads and the dense and shared MLPs' widths; ep (or tp) the routed experts
+        assert "tp" in specs["moe_layers.wqkv"] and "tp" in specs["dense_layers.w_gate_up"]
+        assert "tp" in specs["moe_layers.w_shared_gate_up"]
+        assert specs["moe_layers.w_gate_up"][1] == {"2.yaml": None, "8-tp8-ep.yaml": "tp", "8-tp2-ep4.yaml": "ep"}[mesh]
+
+
+# ---- configs: every field read, or refused naming it ------------------------------------------------------------
+
+def _hf_text(name: str) -> dict:
+    """A dummy's published text config as transformers 5 takes it (a boolean temperature tuning, rope aside)."""
+    from infire_jax.loaders.dummy import CONFIGS
+
+    text = {k: v for k, v in CONFIGS[name]["text_config"].items() if k not in ("model_type", "rope_scaling")}
+    return {**text, "attn_temperature_tuning": bool(text["attn_temperature_tuning"])}
+
+
+def _raw(**changes) -> dict:
+    raw = dict(TEXT_CONFIGS["causal"], model_type="llama4_text", num_hidden_layers=4)
+    raw.pop("rope_parameters")
+    return {**raw, **changes}
+
+
+def test_config_fields_follow_transformers():
+    """Derived fields as Llama4TextConfig derives them: NoPE every `no_rope_layer_interval`-th layer,
+    chunked RoPE layers, MoE layers every `interleave_moe_layer_step`-th; `layer_types` and
+    `moe_layers` honoured; no chunk size means every layer global; Scout's `attn_temperature_tuning: 4`
+    is on; Scout's llama3 rope with equal band factors gives transformers' frequencies."""
+    import torch
+    from transformers import Llama4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.models.hf_config import config_from_hf
+    from infire_jax.models.layers import rope_inv_freq
+
+    raw = _raw(no_rope_layers=None, no_rope_layer_interval=2, moe_layers=None)
+    cfg = config_from_hf(raw)
+    hf = Llama4TextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert cfg.llama4.rope_layers == tuple(bool(r) for r in hf.no_rope_layers) == (True, False, True, False)
+    assert cfg.local_attention == tuple((16, 0) if t == "chunked_attention" else (0, 0) for t in hf.layer_types)
+    assert [i for i in range(4) if cfg.llama4.is_moe_layer(i)] == hf.moe_layers == [1, 3]
+    assert config_from_hf({**raw, "layer_types": ["full_attention"] * 4}).local_attention == ((0, 0),) * 4
+    assert not config_from_hf({**raw, "attention_chunk_size": None}).has_local_attention
+    assert config_from_hf({**raw, "interleave_moe_layer_step": 1, "moe_layers": [0, 1, 2, 3, 9]}).llama4.moe_step == 1
+    scout = config_from_hf(CONFIGS["llama-4-scout"])
+    assert scout.llama4.temperature_tuning and scout.llama4.qk_l2_norm
+    hf_scout = Llama4TextConfig(**_hf_text("llama-4-scout"),
+                                rope_parameters={**CONFIGS["llama-4-scout"]["text_config"]["rope_scaling"],
+                                                 "rope_theta": 500000.0})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_scout, torch.device("cpu"))
+    np.testing.assert_allclose(rope_inv_freq(scout), want.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("moe_layers", [0, 2]),  # not every interleave_moe_layer_step-th layer
+    ("interleave_moe_layer_step", 0),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+    ("rope_scaling", {"rope_type": "llama3"}),  # no factor
+    ("no_rope_layers", [1, 0, 1]),  # shorter than the layers
+    ("layer_types", ["chunked_attention", "sliding_attention", "full_attention", "full_attention"]),
+    ("hidden_act", "gelu"),
+    ("attention_bias", True),
+    ("attn_temperature_tuning", "yes"),
+    ("floor_scale", 0),
+    ("use_qk_norm", "sometimes"),
+    ("attention_chunk_size", 0),
+    ("sliding_window", 4096),  # a field Llama 4 does not have
+])
+def test_bad_config_fields_are_named(field, value):
+    from infire_jax.errors import UnsupportedModelError
+    from infire_jax.models.hf_config import config_from_hf
+
+    config_from_hf(_raw())  # the unmodified config is accepted
+    with pytest.raises(UnsupportedModelError, match=field):
+        config_from_hf(_raw(**{field: value}))
+
+
+def test_multimodal_wrapper_fields_are_checked():
+    from infire_jax.errors import UnsupportedModelError
+    from infire_jax.models.hf_config import config_from_hf
+
+    wrapper = {"model_type": "llama4", "text_config": _raw(), "vision_config": {}, "image_token_index": 200092}
+    assert config_from_hf(wrapper).architecture == "llama4"
+    for bad, field in (({"video_config": {}}, "video_config"), ({"text_config": None}, "text_config"),
+                       ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+                       ({"text_config": _raw(layer_types=["chunked_attention"] * 4, attention_chunk_size=None)},
+                        "layer_types")):
+        with pytest.raises(UnsupportedModelError, match=field):
+            config_from_hf({**wrapper, **bad})
+
+
+# ---- the published configurations, built abstractly ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name,experts,moe_layers", [("llama-4-scout", 16, 48), ("llama-4-maverick", 128, 24)])
+def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
+    """`dummy:` carries the published text config; shapes only (no allocation of 100-400B weights).
+    The count equals HF's own text model built on the meta device, and the memory plan's tensors
+    hold exactly those weights (and refuse a pipeline, as the engine does)."""
+    import math
+    import os
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from infire_jax.loaders.dummy import load_dummy
+    from infire_jax.loaders.gguf_quant import dummy_layout
+    from infire_jax.memplan.model import from_model_config, placed_config
+    from infire_jax.models.registry import abstract_model
+    from infire_jax.quant.resident import INPUT_AXIS
+    from sharding.mesh import CONFIG_DIR, MeshConfig
+
+    cfg = load_dummy(name).config
+    assert (cfg.num_layers, cfg.num_experts, cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim) == (48, experts, 202048,
+                                                                                                8, 128)
+    assert sum(c == 8192 for c, _ in cfg.local_attention) == 36 and cfg.llama4.stack_sizes["moe"] == moe_layers
+    params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.bfloat16),
+                                                                               nnx.Param))}
+    assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for v in params.values())  # nothing allocated
+    assert params["moe_layers.w_gate_up"].shape == (moe_layers, experts, 5120, 2, 8192)
+    assert params["moe_layers.w_shared_down"].shape == (moe_layers, 8192, 5120)
+    assert ("dense_layers.w_gate_up" in params) == (moe_layers < 48)
+    ours = sum(math.prod(v.shape) for v in params.values())
+    with torch.device("meta"):
+        hf = Llama4ForCausalLM(Llama4TextConfig(**_hf_text(name)))
+    assert ours == cfg.param_count() == sum(p.numel() for p in hf.parameters())
+    plan = from_model_config(cfg, "bfloat16")
+    assert sum(math.prod(t.shape) for t in plan.tensors) == ours
+    # `weights_quantization="int4"` draws a dummy's layer weights as int4 parts, groups of 128 inputs
+    int4 = abstract_model(cfg, jnp.bfloat16, {s: dummy_layout("int4", cfg) for s in INPUT_AXIS})
+    parts = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(nnx.state(int4, nnx.Param))}
+    assert parts["moe_layers.w_gate_up.q4"] == (moe_layers, experts, 5120 // 8, 2, 8192)
+    assert parts["moe_layers.w_shared_down.scale"] == (moe_layers, 8192 // 128, 5120)
+    assert parts["moe_layers.router"] == (moe_layers, 5120, experts)  # the router stays as it is
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported for the Llama 4 family"):
+        placed_config(cfg, MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "2-pp2.yaml")))  # as the engine refuses
+    small = load_dummy(f"{name},layers=3").config
+    assert small.num_layers == 3 and small.llama4.stack_sizes["moe"] == 3 // cfg.llama4.moe_step
+
+
+def test_image_parts_get_a_400_saying_so():
+    from server.api_error import APIError
+    from server.protocol import parse_chat
+
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    with pytest.raises(APIError) as e:
+        parse_chat(body)
+    assert e.value.status == 400 and "images are not supported yet" in e.value.message
+    assert e.value.param == "messages[0].content[1]"
+
+
+def test_eagle3_is_refused_before_loading():
+    """EAGLE-3 reads hidden states the Llama 4 forward does not return: refused before anything loads."""
+    from infire_jax.errors import ConfigError
+    from infire_jax.models.hf_config import config_from_hf
+    from infire_jax.speculative.setup import parse_speculation
+
+    with pytest.raises(ConfigError, match="Llama 4 family"):
+        parse_speculation({"method": "eagle3", "model": "/nonexistent/eagle3", "num_speculative_tokens": 2},
+                          config_from_hf(_raw()), dtype="float32", multiprocess=False, one_plain_device=True)
+
+
+def test_int4_at_load_is_refused_by_name(checkpoints):
+    """Quantizing at load walks the single `layers.` stack; Llama 4's stacks are refused, not left in float."""
+    from infire_jax import LLM
+    from infire_jax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="Llama 4 use 'int8'"):
+        LLM(checkpoints["causal"][1], weights_quantization="int4", **ENGINE)
