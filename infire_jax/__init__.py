@@ -8,8 +8,10 @@ xla_flags.apply()  # before anything can start a jax backend
 from infire_jax.engine import Engine, EngineConfig
 from infire_jax.llm import LLM
 from infire_jax.outputs import CompletionOutput, RequestOutput
+from infire_jax.prompt_logprobs import Logprob
 from infire_jax.sampling_params import SamplingParams
 from infire_jax.structured import StructuredOutputs
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "StructuredOutputs"]
+__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams",
+           "StructuredOutputs"]
 __version__ = "0.1.0"

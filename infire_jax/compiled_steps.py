@@ -1,7 +1,8 @@
 """The step's programs, compiled ahead of time for the runner (runner.py): step_programs.py's pure
 functions jitted once, with their donations and shardings, then compiled at warmup for every token
 bucket (a sampler per row count and variant, a burst per decode-sized bucket and variant, with
-speculation the verifying forward and the verifier), or deserialized from the executable cache
+speculation the verifying forward and the verifier; for prompt logprobs a block gather per bucket
+and one head program), or deserialized from the executable cache
 (executable_cache.py). The steps call only these executables, so nothing compiles after warmup,
 and compiling needs the weights' and the pool's shapes alone. XLA's memory analysis of the same
 programs gives the largest step's temporaries, which the pool is sized around (kv_pool.py).
@@ -46,7 +47,7 @@ class CompiledSteps:
         self.forward = jax.jit(functools.partial(programs.forward, graphdef, rc.attn_impl, plan, precision,
                                                  rc.aux_layers), donate_argnums=(1,),
                                out_shardings=StepForward(cache_shardings, plan.replicated, plan.replicated,
-                                                         None) if plan else None)
+                                                         None, plan.replicated) if plan else None)
         self.samplers = {v: jax.jit(functools.partial(programs.sample_step, v), donate_argnums=(0,),
                                     out_shardings=plan.replicated if plan else None)
                          for v in rc.sampler_variants}
@@ -56,6 +57,10 @@ class CompiledSteps:
                                                     rc.decode_steps, branching), donate_argnums=(1,),
                                   out_shardings=(cache_shardings, plan.replicated) if plan else None)
                        for v in rc.sampler_variants}
+        self.prompt_rows = jax.jit(programs.gather_rows, out_shardings=plan.replicated if plan else None)
+        self.prompt_block = jax.jit(functools.partial(programs.prompt_logprobs_block, graphdef, plan, precision,
+                                                      rc.max_prompt_logprobs),
+                                    out_shardings=plan.replicated if plan else None)
         self.history = jax.jit(programs.load_history, donate_argnums=(0,))
         self.read_pages = jax.jit(programs.read_pages)
         self.write_pages = jax.jit(programs.write_pages, donate_argnums=(0,),
@@ -66,7 +71,9 @@ class CompiledSteps:
         self.compiled_verify_forward: dict[StepShape, jax.stages.Compiled] = {}  # speculative decoding
         self.compiled_verifiers: dict[int, jax.stages.Compiled] = {}
         self.compiled_bursts: dict[tuple[StepShape, str], jax.stages.Compiled] = {}
-        self.compiled_small: dict[str, jax.stages.Compiled] = {}  # history, read_pages, write_pages
+        self.compiled_prompt_rows: dict[StepShape, jax.stages.Compiled] = {}  # prompt logprobs' block gathers
+        # history, read_pages, write_pages, prompt_logprobs (the head over a block of prompt positions)
+        self.compiled_small: dict[str, jax.stages.Compiled] = {}
         # Warm starts load the step programs without tracing them (executable_cache.py).
         self.executables = executable_cache.for_runner(repr((m.cfg, rc, str(jnp.dtype(m.dtype)), plan, graphdef)))
 
@@ -120,7 +127,8 @@ class CompiledSteps:
         return specs
 
     def small_specs(self) -> dict[ProgramKey, ProgramSpec]:
-        """The history program, and the page programs of KV transfer (one process only)."""
+        """The history program, the page programs of KV transfer, and prompt logprobs' programs (a
+        block gather per bucket, the head over a block) (one process only)."""
         m = self.memory
         ids = jax.ShapeDtypeStruct((m.rc.history_len,), jnp.int32)
         pages = jax.ShapeDtypeStruct((TRANSFER_PAGES,), jnp.int32)
@@ -129,8 +137,24 @@ class CompiledSteps:
                  for p in (c.k_pages, c.v_pages)]
         args = {"history": (self.history, (c, jax.ShapeDtypeStruct((), jnp.int32), ids, ids)),
                 "read_pages": (self.read_pages, (c.k_pages, c.v_pages, pages)),
-                "write_pages": (self.write_pages, (c, pages, *chunk))}
-        return {("small", name): (name, jitted, a) for name, (jitted, a) in args.items()}
+                "write_pages": (self.write_pages, (c, pages, *chunk)),
+                "prompt_logprobs": self.prompt_block_spec()[1:]}
+        specs = {("small", name): (name, jitted, a) for name, (jitted, a) in args.items()}
+        block = jax.ShapeDtypeStruct((m.rc.prompt_logprobs_block,), jnp.int32)
+        for shape in m.rc.buckets.shapes:
+            hidden = self._hidden_struct(shape.num_tokens)
+            specs["prompt_rows", shape] = ("prompt-rows", self.prompt_rows, (hidden, block))
+        return specs
+
+    def _hidden_struct(self, num_tokens: int) -> jax.ShapeDtypeStruct:
+        plan = self.memory.plan
+        return jax.ShapeDtypeStruct((num_tokens, self.memory.cfg.hidden_size), self.memory.dtype,
+                                    sharding=plan.replicated if plan else None)
+
+    def prompt_block_spec(self) -> ProgramSpec:
+        block = self.memory.rc.prompt_logprobs_block
+        targets = jax.ShapeDtypeStruct((block,), jnp.int32)
+        return "prompt-logprobs", self.prompt_block, (self.memory.state, self._hidden_struct(block), targets)
 
     # ---- compiling --------------------------------------------------------------------------------
     def compile(self, specs: dict[ProgramKey, ProgramSpec], workers: int,
@@ -140,7 +164,8 @@ class CompiledSteps:
         compiled once `before_compiling` returns; `on_shape` hears of each bucket's forward."""
         tables = {"forward": self.compiled_forward, "sampler": self.compiled_samplers,
                   "verify_forward": self.compiled_verify_forward, "verifier": self.compiled_verifiers,
-                  "burst": self.compiled_bursts, "small": self.compiled_small}
+                  "burst": self.compiled_bursts, "small": self.compiled_small,
+                  "prompt_rows": self.compiled_prompt_rows}
         cache, done = self.executables, {}
         # XLA compiles and deserializes with the GIL released: a few threads overlap them.
         with concurrent.futures.ThreadPoolExecutor(workers, "infire-compile") as pool:
@@ -182,6 +207,7 @@ class CompiledSteps:
             batch = rc.empty_batch(shape)
             peaks += [self.executable(self.burst_spec(v, shape, batch)).memory_analysis().temp_size_in_bytes
                       for v in rc.sampler_variants]
+        peaks.append(self.executable(self.prompt_block_spec()).memory_analysis().temp_size_in_bytes)
         if rc.num_spec:
             shape = rc.buckets.shapes[-1]
             batch = rc.empty_batch(shape, verify=True)

@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings, and single tokens' text (logprobs).
 
 `tokenizers.decoders.DecodeStream` turns one token at a time into text and holds back bytes of a
 UTF-8 character split across tokens. On top of it, text that could be the start of a stop string
@@ -6,6 +6,8 @@ is held back until it is known not to be one, so a stream never shows text a sto
 """
 
 from __future__ import annotations
+
+import functools
 
 from tokenizers.decoders import DecodeStream
 
@@ -52,3 +54,15 @@ class IncrementalDetokenizer:
         out = self.text[self._emitted:]
         self._emitted = len(self.text)
         return out
+
+
+class TokenText:
+    """The text of single tokens, for logprobs (special tokens included); cached, since the same
+    tokens recur."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._text = functools.lru_cache(maxsize=1 << 16)(
+            lambda t: tokenizer.decode([t], skip_special_tokens=False))
+
+    def __call__(self, token_id: int) -> str:
+        return self._text(token_id)

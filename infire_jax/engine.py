@@ -15,7 +15,7 @@ import time
 
 from infire_jax import multihost
 from infire_jax.compile_guard import cache_hit_count, compile_count
-from infire_jax.detokenizer import IncrementalDetokenizer
+from infire_jax.detokenizer import IncrementalDetokenizer, TokenText
 from infire_jax.engine_setup import EngineConfig, Progress, load_and_compile, on_gpu, resolve_settings
 from infire_jax.engine_stats import BootTimeline, EngineStats
 from infire_jax.errors import ConfigError, InvalidRequestError
@@ -26,6 +26,7 @@ from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
+from infire_jax.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
 from infire_jax.request import Request, Status
 from infire_jax.runner import PendingStep
 from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
@@ -49,6 +50,7 @@ class Engine:
         built = load_and_compile(ec, s, loaded, progress or (lambda stage, done, total: None))
         self.runner, self.loaded, self.pool_sizing = built.runner, built.placed.loaded, built.sizing
         self.model_config, self.tokenizer, self.model_name = self.loaded.config, self.loaded.tokenizer, self.loaded.name
+        self.token_text = TokenText(self.tokenizer)  # logprob entries' decoded tokens
         self.load_seconds, self.warmup_seconds = built.load_seconds, built.warmup_seconds
         # After the warmup: its token trie is built on a thread of its own, which would hold the GIL
         # against the warmup's (the first structured-output request waits for it instead).
@@ -115,6 +117,8 @@ class Engine:
         ids = self.tokenize_prompt(prompt)
         if params.structured_outputs is not None:
             grammar = self._grammar(params, grammar)
+        if params.prompt_logprobs is not None:
+            self._check_prompt_logprobs(params.prompt_logprobs)
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(
@@ -158,6 +162,15 @@ class Engine:
             raise InvalidRequestError("structured outputs are not supported across several processes yet",
                                       param=params.structured_outputs.param)
         return compiled or self.grammars.compile(params.structured_outputs)
+
+    def _check_prompt_logprobs(self, k: int) -> None:
+        if k > self.config.max_prompt_logprobs:
+            raise InvalidRequestError(f"prompt_logprobs (on /v1/completions: logprobs with echo) must be at most "
+                                      f"{self.config.max_prompt_logprobs} (--max-prompt-logprobs), got {k}",
+                                      param="prompt_logprobs")
+        if multihost.is_multiprocess():  # followers would need to launch the head's blocks too
+            raise InvalidRequestError("prompt logprobs are not supported across several processes yet",
+                                      param="prompt_logprobs")
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages now; later results for it are dropped."""
@@ -219,11 +232,15 @@ class Engine:
         start = time.perf_counter()
         res = self.runner.fetch(p)
         self.stats.device_wait_seconds += time.perf_counter() - start
+        if res.prompt_logprobs is not None:
+            record_prompt_logprobs(p.work.seqs, p.prompt_logprobs[0], res.prompt_logprobs, self.token_text)
         deltas = []
         for row, sq in enumerate(p.work.seqs):
-            if not sq.samples:
-                continue
             req = sq.req
+            if not sq.samples:
+                if req.prefill_only and sq.start + sq.num_tokens == req.num_prompt_tokens and not req.is_finished:
+                    deltas.append(self._prompt_done(req))
+                continue
             req.num_pending_tokens -= sq.num_steps
             if req.is_finished:
                 continue  # stopped or aborted while this step was in flight
@@ -260,10 +277,23 @@ class Engine:
                 if self.spec is not None:
                     self.spec.plan(req, len(self.scheduler.running))
             deltas.append(Delta(req.parent_id, req.index, tokens, text, lps, finish, reason,
-                                req.num_prompt_tokens, req.num_cached_tokens))
+                                req.num_prompt_tokens, req.num_cached_tokens, self._take_prompt_logprobs(req)))
         if self.spec is not None:
             self.spec.propose_queued()
         return deltas
+
+    def _prompt_done(self, req: Request) -> Delta:
+        """A prefill-only request (max_tokens 0) whose prompt has run: it finishes with no token."""
+        self.scheduler.finish(req, Status.FINISHED_LENGTH)
+        self._forget(req)
+        return Delta(req.parent_id, req.index, [], "", None, Status.FINISHED_LENGTH.value, None,
+                     req.num_prompt_tokens, req.num_cached_tokens, self._take_prompt_logprobs(req))
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request) -> PromptLogprobs | None:
+        """The request's prompt logprobs, whole, for its first delta (the prompt has run by then)."""
+        out, req.prompt_logprobs = req.prompt_logprobs, None
+        return out
 
     @staticmethod
     def _append_token(req: Request, tok: int) -> tuple[str, Status, int | str | None]:

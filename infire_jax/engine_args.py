@@ -63,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--attention", default="auto", dest="attn_impl",
                    help="attention implementation: auto (pallas on GPU, else reference), reference, pallas, "
                         "or pallas_interpret (the Pallas kernels in interpret mode, for checking on CPU)")
+    p.add_argument("--max-prompt-logprobs", type=int, default=20,
+                   help="most top alternatives a prompt token's logprobs may ask for (prompt_logprobs; on "
+                        "/v1/completions, logprobs with echo); more is a 400 (default 20)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
     p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile; longer is a 400 (default 10)")
@@ -97,7 +100,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         speculative_config=args.speculative_config,
                         grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_cpu_loras=args.max_cpu_loras)
+                        max_cpu_loras=args.max_cpu_loras,
+                        max_prompt_logprobs=args.max_prompt_logprobs)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

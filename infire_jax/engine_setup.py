@@ -95,6 +95,8 @@ class EngineConfig:
     # Decode bursts: up to this many decode steps in one device launch when a step is decodes alone
     # and nobody waiting could join (scheduler.py); 1 turns them off. Not with speculative decoding.
     num_decode_steps: int = 4
+    # Prompt logprobs: the most top alternatives a prompt position may ask for (vLLM's max_logprobs).
+    max_prompt_logprobs: int = 20
     # Hot standby (residency.py): the weight bytes a pool sized from device memory leaves room for,
     # when more than the model's own (the heaviest models that may be resident with it).
     pool_weight_bytes: int = 0
@@ -185,7 +187,8 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                       num_spec=spec_config.num_speculative_tokens if spec_config else 0,
                       aux_layers=eagle_head.cfg.aux_layers(cfg.num_layers) if eagle_head else None,
                       decode_steps=1 if spec_config else ec.num_decode_steps,
-                      kv_cache_dtype=kv_dtype.name, kv_groups=kv_groups, lora=ec.lora)
+                      kv_cache_dtype=kv_dtype.name, kv_groups=kv_groups, lora=ec.lora,
+                      max_prompt_logprobs=ec.max_prompt_logprobs)
     return Settings(dtype, kv_dtype, cfg, plan, plan.effective_config(cfg) if plan else cfg, max_model_len, budget,
                     spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales)
 
@@ -194,6 +197,8 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
     """Everything that can be checked from the config alone, before any weight is read."""
     if ec.max_num_seqs < 1 or ec.page_size < 1 or ec.num_decode_steps < 1:
         raise ConfigError("max_num_seqs, page_size and num_decode_steps must be positive")
+    if ec.max_prompt_logprobs < 0:
+        raise ConfigError(f"max_prompt_logprobs must be >= 0, got {ec.max_prompt_logprobs}")
     if not 0.0 < ec.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
     if ec.int4_group_size is not None and ec.weights_quantization != "int4":

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from infire_jax.kv_cache import NULL_PAGE, KVCacheManager, block_chain, extend_block_hashes
+from infire_jax.kv_cache import NULL_PAGE, KVCacheManager, block_chain, extend_block_hashes, hit_blocks
 from infire_jax.kv_groups import KVGroupLayout
 from infire_jax.request import Request
 
@@ -174,9 +174,9 @@ class HybridKVCacheManager:
         """The longest usable cached prefix of the request's tokens, leaving at least one to compute."""
         if not self.enable_prefix_caching:
             return []
-        n = req.num_tokens
-        extend_block_hashes(req, n - 1, self.page_size)
-        return self._longest_hit(req.block_hashes[:(n - 1) // self.page_size])
+        n = hit_blocks(req, self.page_size)
+        extend_block_hashes(req, n * self.page_size, self.page_size)
+        return self._longest_hit(req.block_hashes[:n])
 
     def record_query(self, num_tokens: int, num_hit: int) -> None:
         self.queries += num_tokens

@@ -46,6 +46,13 @@ def block_chain(token_ids: list[int], salt: str | None, page_size: int):
         yield i, parent
 
 
+def hit_blocks(req: Request, page_size: int) -> int:
+    """Most full blocks a prefix hit may cover: all but the token the step needs logits for, and for a
+    request scoring its prompt (prompt logprobs) only the positions already scored."""
+    n = (req.num_tokens - 1) // page_size
+    return min(n, req.prompt_logprobs_next // page_size) if req.wants_prompt_logprobs else n
+
+
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
         if num_pages < 2:
@@ -108,10 +115,10 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        n = req.num_tokens
-        extend_block_hashes(req, n - 1, self.page_size)
+        n = hit_blocks(req, self.page_size)
+        extend_block_hashes(req, n * self.page_size, self.page_size)
         pages = []
-        for h in req.block_hashes[:(n - 1) // self.page_size]:
+        for h in req.block_hashes[:n]:
             page = self.cached.get(h)
             if page is None:
                 break

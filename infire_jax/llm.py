@@ -66,6 +66,8 @@ class LLM:
                     out = results[d.request_id]
                     out.outputs[d.index].add(d)
                     out.num_cached_tokens = d.num_cached_tokens
+                    if d.prompt_logprobs is not None and d.index == 0:
+                        out.prompt_logprobs = d.prompt_logprobs
         except BaseException:
             for rid in order:
                 self.engine.abort(rid)

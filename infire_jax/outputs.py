@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from infire_jax.prompt_logprobs import PromptLogprobs
+
 
 @dataclasses.dataclass
 class Delta:
@@ -18,6 +20,7 @@ class Delta:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # whole, with the sequence's first delta (when asked for)
 
     @property
     def finished(self) -> bool:
@@ -51,6 +54,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:

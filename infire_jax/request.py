@@ -86,6 +86,20 @@ class Request:
         self.grammar = None  # its structured.GrammarMatcher when the output is constrained
         self.lora = None  # its LoRA adapter (lora/adapters.py); None: the base model
         self.lora_slot = 0  # the adapter's device slot while the request runs (0: none)
+        # Prompt logprobs (params.prompt_logprobs): the entries read back so far (the first position's
+        # None first), and the first prompt position no dispatched step has computed logits for yet;
+        # a prompt computed again after a preemption skips the positions before it.
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_next = 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_tokens 0: the prompt runs (for its prompt logprobs) and nothing is sampled."""
+        return self.max_tokens == 0
 
     @property
     def num_prompt_tokens(self) -> int:

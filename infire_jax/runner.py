@@ -17,6 +17,10 @@ sampler variant: up to `decode_steps` forwards and samplers in a device loop
 With speculative decoding, a step in which some row carries proposed tokens is a verifying step:
 a forward with logits at every proposed position (one more program per bucket), then the
 verifier (speculative/verify.py) in place of the sampler.
+
+A step with prompt positions whose logprobs are asked for (prompt_logprobs.py) launches, after its
+forward, the LM head over those positions' hidden states a block at a time; their logprobs come
+back with the step's tokens. Other steps launch nothing more.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ from infire_jax.buckets import StepShape
 from infire_jax.compiled_steps import TRANSFER_PAGES, CompiledSteps, ProgramKey, ProgramSpec
 from infire_jax.device_memory import DeviceMemory
 from infire_jax.models.config import ModelConfig
+from infire_jax.prompt_logprobs import PromptLogprobPlan, PromptLogprobResult, plan_prompt_logprobs
 from infire_jax.runner_config import RunnerConfig
 from infire_jax.sampler import SamplerOutput, choose_variant
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput
-from infire_jax.step_programs import BurstOutput, StepForward
+from infire_jax.step_programs import BurstOutput, PromptLogprobs, StepForward
 from pallas_kernels.metadata import NULL_PAGE
 from sharding.plan import ShardPlan
 
@@ -59,6 +64,7 @@ class PendingStep(NamedTuple):
     out: SamplerOutput | VerifyOutput | BurstOutput  # device arrays, not yet read back
     want_logprobs: bool
     drafts: Array | None = None  # [S, k] proposals the step's observer made (EAGLE-3), read back with the tokens
+    prompt_logprobs: tuple[PromptLogprobPlan, list[PromptLogprobs]] | None = None  # a block's outputs per block
 
 
 class StepResult(NamedTuple):
@@ -71,6 +77,7 @@ class StepResult(NamedTuple):
     top_ids: np.ndarray | None  # [rows, P, MAX_LOGPROBS]
     top_logprobs: np.ndarray | None
     drafts: np.ndarray | None = None  # [rows, k]
+    prompt_logprobs: PromptLogprobResult | None = None  # the planned prompt positions'
 
 
 class ModelRunner(DeviceMemory):
@@ -166,7 +173,18 @@ class ModelRunner(DeviceMemory):
                 multihost.send(multihost.STEP, self._command(shape, variant), batch)
             fwd, out = self._run(shape, batch, variant, mask)
         drafts = self.observer(work, batch, fwd, out) if self.observer is not None else None
-        return PendingStep(work, out, want_lp, drafts)
+        return PendingStep(work, out, want_lp, drafts, self._launch_prompt_logprobs(work, shape, fwd.hidden))
+
+    def _launch_prompt_logprobs(self, work: SchedulerOutput, shape: StepShape,
+                                hidden: Array) -> tuple[PromptLogprobPlan, list[PromptLogprobs]] | None:
+        """The head over the step's planned prompt positions, a block at a time (one process only: the
+        engine checks); launched, not awaited."""
+        plan = plan_prompt_logprobs(work.seqs, self.rc.prompt_logprobs_block)
+        if plan is None:
+            return None
+        gather, head = self.steps.compiled_prompt_rows[shape], self.steps.compiled_small["prompt_logprobs"]
+        return plan, [head(self.state, gather(hidden, index), targets)
+                      for index, targets in zip(plan.token_index, plan.targets)]
 
     def _run(self, shape: StepShape, batch: StepBatch, variant: str,
              grammar_mask: np.ndarray | None = None) -> tuple[StepForward, SamplerOutput]:
@@ -225,7 +243,9 @@ class ModelRunner(DeviceMemory):
             wanted += [p.out.logprob, p.out.top_ids, p.out.top_logprobs]
         if p.drafts is not None:
             wanted.append(p.drafts)
-        host = jax.device_get([x.addressable_data(0) for x in wanted])
+        blocks = [x for block in p.prompt_logprobs[1] for x in block] if p.prompt_logprobs is not None else []
+        host = jax.device_get([x.addressable_data(0) for x in wanted + blocks])
+        blocks, host = host[len(host) - len(blocks):], host[:len(host) - len(blocks)]
         drafts = host.pop() if p.drafts is not None else None
         tokens = host.pop(0)
         if several:
@@ -233,7 +253,9 @@ class ModelRunner(DeviceMemory):
         else:  # one token per row
             tokens, num = tokens[:, None], np.ones(len(tokens), np.int32)
             host = [host[0][:, None], host[1][:, None], host[2][:, None]] if host else host
-        return StepResult(tokens, num, *(host or (None, None, None)), drafts)
+        fields = len(PromptLogprobResult._fields)
+        prompt = PromptLogprobResult(*(np.concatenate(blocks[i::fields]) for i in range(fields))) if blocks else None
+        return StepResult(tokens, num, *(host or (None, None, None)), drafts, prompt)
 
     # ---- KV pages in and out (KV transfer between engines) ----------------------------------------
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:

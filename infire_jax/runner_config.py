@@ -10,6 +10,7 @@ from infire_jax.batch import StepBatch, build_batch
 from infire_jax.buckets import Buckets, StepShape
 from infire_jax.kv_groups import KVGroupLayout
 from infire_jax.lora.config import LoRAConfig
+from infire_jax.prompt_logprobs import BLOCK
 from infire_jax.sampler import BRANCHING
 from infire_jax.scheduler import SchedulerOutput
 
@@ -32,6 +33,7 @@ class RunnerConfig:
     # A hybrid KV cache's layer groups (kv_groups.py): the pool holds `page_layers` layers a page, and with
     # several groups each step carries their page tables. None: one group of every layer, every page kept.
     kv_groups: KVGroupLayout | None = None
+    max_prompt_logprobs: int = 20  # top alternatives a prompt position may ask for (prompt_logprobs.py)
 
     @property
     def pages_per_seq(self) -> int:
@@ -53,6 +55,11 @@ class RunnerConfig:
     @property
     def dummy_slot(self) -> int:
         return self.max_num_seqs
+
+    @property
+    def prompt_logprobs_block(self) -> int:
+        """Prompt positions per launch of the head: BLOCK, or a step's most tokens if fewer."""
+        return min(BLOCK, self.buckets.token_buckets[-1])
 
     @property
     def history_len(self) -> int:

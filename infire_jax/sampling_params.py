@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: each prompt token's logprob after the first, with the top k (0: its own
+    # alone); at most the engine's max_prompt_logprobs (engine.py checks it).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # the output must match it (infire_jax/structured/)
@@ -51,8 +54,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}", "n")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        # max_tokens 0: the prompt alone runs (for its prompt logprobs); nothing is generated.
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            bad(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}", "max_tokens")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -75,6 +79,8 @@ class SamplingParams:
             bad(f"seed must be an integer, got {self.seed!r}", "seed")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0):
+            bad(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}", "prompt_logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings", "stop")
         if any(not isinstance(t, int) or not 0 <= t < 2 ** 31 for t in self.stop_token_ids):
@@ -87,3 +93,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

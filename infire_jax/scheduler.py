@@ -10,6 +10,10 @@ Scheduling runs one step ahead of the results (asynchronous scheduling): a reque
 token was sampled on the device but not yet read back is scheduled with that token taken from
 the device (`from_device`). `Request.num_pending_tokens` counts such tokens.
 
+A request that asks for prompt logprobs takes from the prefix cache only the positions whose
+logprobs an earlier step already computed (after a preemption); a prefill-only request
+(max_tokens 0) runs its prompt and samples nothing.
+
 When every row of a step is a plain decode and nobody waiting could be admitted, the step may
 become a decode burst: each row takes up to `num_decode_steps` decode steps in one device launch
 (`ScheduledSeq.num_steps`), its pages allocated for all of them, so the host plans, launches and
@@ -130,6 +134,8 @@ class Scheduler:
     # ---- the step plan ----------------------------------------------------------------------
     def _wants_tokens(self, req: Request) -> int:
         """Tokens the request could compute now (0 once its last allowed token is sampled)."""
+        if req.prefill_only:
+            return req.num_prompt_tokens - req.num_computed_tokens
         if len(req.output_token_ids) + req.num_pending_tokens >= req.max_tokens:
             return 0
         return req.num_tokens - req.num_computed_tokens + len(req.spec_drafts)
@@ -139,7 +145,7 @@ class Scheduler:
         drafts, req.spec_drafts = req.spec_drafts, []
         return ScheduledSeq(
             req=req, start=start, num_tokens=n, drafts=drafts,
-            samples=start + n - len(drafts) == req.num_tokens,
+            samples=start + n - len(drafts) == req.num_tokens and not req.prefill_only,
             from_device=start >= len(req.prompt_token_ids) + len(req.output_token_ids),
             reset_slot=reset,
             gen_index=len(req.output_token_ids) + req.num_pending_tokens,
@@ -260,6 +266,8 @@ class Scheduler:
     def commit(self, out: SchedulerOutput) -> None:
         """Records that the planned step was dispatched: its tokens are (about to be) cached."""
         for s in out.seqs:
+            if s.req.wants_prompt_logprobs:  # the step computes these positions' logits (prompt_logprobs.py)
+                s.req.prompt_logprobs_next = max(s.req.prompt_logprobs_next, s.start + s.num_tokens)
             # The engine adds accepted proposals; a burst computes each of its samples but the last.
             s.req.num_computed_tokens += s.num_tokens - len(s.drafts) + s.num_steps - 1
             if s.samples:

@@ -7,7 +7,9 @@ batch; compiled_steps.py jits and compiles them, the runner (runner.py) launches
 - `decode_burst`: several decode steps of the same rows in one launch (forward and sampler in a
   loop on the device, each step feeding its samples to the next), stopping rows on their stop ids;
 - `read_pages` / `write_pages`: a prompt's KV pages out of and into the pool (KV transfer);
-- `load_history`: one slot's token history rebuilt (a preempted request coming back).
+- `load_history`: one slot's token history rebuilt (a preempted request coming back);
+- `gather_rows` / `prompt_logprobs_block`: prompt logprobs, a block of positions at a time from the
+  forward's hidden states (prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class StepForward(NamedTuple):
     logits: Float[Array, "S V"]  # float32, at each row's logits_indices
     tokens: Int[Array, "T"]  # the step's token ids, the device's last samples filled in
     aux: Float[Array, "T N"] | None  # residual-stream states at RunnerConfig.aux_layers (EAGLE-3), else None
+    hidden: Float[Array, "T E"]  # every token's last hidden state, before the final norm (prompt logprobs)
 
 
 def forward(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, precision: str,
@@ -90,16 +93,17 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
     meta = b.meta._replace(kv_scales=cache.kv_scales)
     # Each token's LoRA adapter slot (lora/batched.py); without LoRA the program is the plain one.
     lora = {} if cache.lora is None else {"lora": LoRAStep(cache.lora, b.lora_slots)}
+    h, kv = model.embed_tokens(tokens), (cache.k_pages, cache.v_pages)
     if aux_layers is None:
-        logits, (k_pages, v_pages) = model(
-            tokens, (cache.k_pages, cache.v_pages), meta, b.logits_indices, attn_impl=attn_impl, plan=plan, **lora)
+        h, (k_pages, v_pages) = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, **lora)
     else:
-        logits, (k_pages, v_pages), aux = model(tokens, (cache.k_pages, cache.v_pages), meta, b.logits_indices,
-                                                attn_impl=attn_impl, plan=plan, aux_layers=aux_layers, **lora)
+        h, (k_pages, v_pages), aux = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan,
+                                                      aux_layers=aux_layers, **lora)
+    logits = model.logits(h[b.logits_indices], plan)
     if plan is not None:  # gather the vocab-split logits once, so the sampler holds no collectives
         logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
     return StepForward(cache._replace(k_pages=k_pages, v_pages=v_pages, counts=counts, prompt_mask=prompt_mask),
-                       logits, tokens, aux)
+                       logits, tokens, aux, h)
 
 
 def sample_step(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
@@ -214,6 +218,39 @@ def decode_burst(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None,
             carry = jax.lax.fori_loop(0, num_steps, body, carry)
     cache, _, num, out = carry
     return cache, out._replace(num_tokens=num)
+
+
+class PromptLogprobs(NamedTuple):
+    """A block of prompt positions (prompt_logprobs.py): each one's prompt token and top k."""
+
+    logprob: Float[Array, "B"]  # of the prompt token the position predicts
+    rank: Int[Array, "B"]  # tokens at least as likely as it (itself included: 1 = the most likely)
+    top_ids: Int[Array, "B K"]
+    top_logprobs: Float[Array, "B K"]
+
+
+def gather_rows(hidden: Float[Array, "T E"], index: Int[Array, "B"]) -> Float[Array, "B E"]:
+    """A block's hidden states out of the step's (one program per token bucket; the block's own is one)."""
+    return hidden[index]
+
+
+def prompt_logprobs_block(graphdef: nnx.GraphDef, plan: ShardPlan | None, precision: str, k: int, state: nnx.State,
+                          rows: Float[Array, "B E"], targets: Int[Array, "B"]) -> PromptLogprobs:
+    """The final norm and LM head over a block of hidden states, then each position's log-softmax
+    reduced to its target's logprob and rank and the top k: only [B, k + 2] values leave."""
+    model = nnx.merge(graphdef, state)
+    with jax.default_matmul_precision(precision):
+        logits = model.logits(rows, plan)
+    if plan is not None:
+        logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(lp >= chosen[:, None], axis=-1, dtype=jnp.int32)
+    if k:
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+    else:
+        top_lp, top_ids = jnp.zeros((rows.shape[0], 0), jnp.float32), jnp.zeros((rows.shape[0], 0), jnp.int32)
+    return PromptLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_lp)
 
 
 def read_pages(k_pages: Array, v_pages: Array, pages: Int[Array, "P"]) -> tuple[Array, Array]:

@@ -16,6 +16,7 @@ from typing import Sequence
 from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine
+from infire_jax.detokenizer import TokenText
 from infire_jax.engine import Engine
 from infire_jax.engine_args import engine_config, init_distributed, progress_bar
 from infire_jax.residency import Residency, host_to_device_bandwidth, start_engines
@@ -27,7 +28,7 @@ from server.listen import bind, serve_until_signal
 from server.kv_handoff import KV_PULLED, RELEASE_PATH, ROLES, KVHandoff
 from server.lora import add_static, load_lora_adapter, model_cards, parse_lora_modules, unload_lora_adapter
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.responses import TokenText
+from server.tokenize import detokenize, tokenize, tokenizer_info
 
 METRICS = web.AppKey("metrics", ServerMetrics)
 _MAX_BODY = 64 << 20  # bytes; prompts of token ids are large
@@ -87,6 +88,9 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", tokenize)  # vLLM's tokenizer endpoints (server/tokenize.py)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.on_response_prepare.append(_routing_headers)

@@ -19,6 +19,7 @@ from typing import Callable
 from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine, RequestStream
+from infire_jax.detokenizer import TokenText
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs
@@ -31,7 +32,7 @@ from server.auth import TENANT
 from server.errors import APIError, to_api_error
 from server.kv_handoff import KVHandoff, RequestHandoff, request_handoff
 from server.protocol import ChatRequest, GenerationRequest, bad, parse_chat, parse_completion
-from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, TokenText, Usage
+from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, Usage
 from server.streaming import SSEWriter
 
 PREFIX_HEADER = "x-prefix-tokens"
@@ -89,6 +90,7 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
     def formatter() -> CompletionFormatter:  # after admission: token-id prompts are known to be valid
         echo = [p if isinstance(p, str) else m.tokenizer.decode(p) for p in req.prompts] if req.echo else None
         return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, m.token_text, echo_texts=echo,
+                                   echo_ids=prompts if req.params.prompt_logprobs is not None else None,
                                    n=req.params.n, want_logprobs=req.params.logprobs is not None,
                                    include_usage=req.include_usage)
 
@@ -211,7 +213,7 @@ async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: s
                 return await _stream(request, req, stream, make_formatter(), usage, len(prompts))
             choices = await _collect(req, stream, usage, len(prompts))
     except InvalidRequestError as e:  # the engine's admission checks; name the field the client sent
-        raise bad(str(e), prompt_param if e.param == "prompt" else e.param) from e
+        raise bad(str(e), {"prompt": prompt_param, "prompt_logprobs": "logprobs"}.get(e.param, e.param)) from e
     return await kv.answer(make_formatter().response(choices, usage), choices[0])
 
 

@@ -134,7 +134,7 @@ def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> Non
         raise bad(f"Invalid '{name}': expected a value <= {hi}, but got {v} instead.", name)
 
 
-def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None,
+def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
             constraint: StructuredOutputs | None = None) -> GenerationRequest:
     """Fields both endpoints share, and the SamplingParams they define."""
     model = b.string("model")
@@ -170,7 +170,7 @@ def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None,
             presence_penalty=b.number("presence_penalty", 0.0, lo=-2, hi=2),
             frequency_penalty=b.number("frequency_penalty", 0.0, lo=-2, hi=2),
             seed=b.integer("seed", None, lo=-_INT64, hi=_INT64 - 1), stop=stop, stop_token_ids=stop_token_ids,
-            ignore_eos=b.boolean("ignore_eos", False), logprobs=logprobs,
+            ignore_eos=b.boolean("ignore_eos", False), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=b.boolean("skip_special_tokens", True),
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
             structured_outputs=_constraint(constraint, structured.structured_outputs(b.data.get("structured_outputs"))))
@@ -215,10 +215,14 @@ def parse_completion(data: Any) -> CompletionRequest:
     prompts = _prompts(b.data["prompt"])
     logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
     echo = b.boolean("echo", False)
-    if echo and logprobs is not None:
-        raise bad("'echo' together with 'logprobs' is not supported (it needs prompt logprobs)", "echo")
+    max_tokens = b.integer("max_tokens", 16, lo=0)
+    if max_tokens == 0 and not echo:
+        raise bad("'max_tokens' may be 0 only with 'echo' (scoring the prompt); otherwise it must be at least 1",
+                  "max_tokens")
     b.neutral("suffix", lambda v: v == "", "insertion (suffix) is not implemented")
-    common = _common(b, max_tokens=b.integer("max_tokens", 16, lo=1), logprobs=logprobs)
+    # echo with logprobs: the prompt's tokens come back with their logprobs too (prompt logprobs)
+    common = _common(b, max_tokens=max_tokens, logprobs=logprobs,
+                     prompt_logprobs=logprobs if echo else None)
     b.neutral("best_of", lambda v: v == common.params.n, "best_of must be null or equal to n")
     return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
 

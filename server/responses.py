@@ -8,24 +8,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import time
 from typing import Any
 
+from infire_jax.detokenizer import TokenText
 from infire_jax.outputs import Delta
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.prompt_logprobs import PromptLogprobs
 from server import tool_calls
-
-
-class TokenText:
-    """The text of single tokens, for logprobs; cached, since the same tokens recur."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._text = functools.lru_cache(maxsize=1 << 16)(
-            lambda t: tokenizer.decode([t], skip_special_tokens=False))
-
-    def __call__(self, token_id: int) -> str:
-        return self._text(token_id)
 
 
 class Usage:
@@ -56,12 +45,15 @@ class Choice:
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # echo with logprobs
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
         self.token_ids.extend(d.token_ids)
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if d.finished:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
@@ -112,11 +104,18 @@ class Formatter(abc.ABC):
 
 
 class CompletionFormatter(Formatter):
+    """The legacy completions layout. With echo and logprobs (`echo_ids`: each prompt's tokens), a
+    choice's logprobs cover the prompt, its first token's null, then the generated tokens; its text
+    offsets count the tokens' texts from 0. Streamed, the echoed prompt and its logprobs ride in the
+    choice's first chunk (they come with its first delta), as vLLM streams them."""
+
     full_object = chunk_object = "text_completion"
 
-    def __init__(self, *args, echo_texts: list[str] | None, n: int, **kwargs):
+    def __init__(self, *args, echo_texts: list[str] | None, n: int, echo_ids: list[list[int]] | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self._echo = echo_texts
+        self._echo_ids = echo_ids
         self._n = n
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
 
@@ -124,10 +123,34 @@ class CompletionFormatter(Formatter):
         return self._echo[index // self._n] if self._echo is not None else ""
 
     def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        if self._echo is None:
+        if self._echo is None or self._echo_ids is not None:
             return []
         return [self._chunk([{"index": i, "text": self._echo_text(i), "logprobs": None, "finish_reason": None}])
                 for i in range(num_choices)]
+
+    def _prompt_logprobs(self, index: int, entries: PromptLogprobs) -> dict[str, Any]:
+        """The echoed prompt's part: its tokens, null then each token's logprob, null then the top
+        alternatives by rank (the prompt token's own among them), from text offset 0."""
+        tt, ids = self.token_text, self._echo_ids[index // self._n]
+        tokens = [tt(t) for t in ids]
+        offsets = [0]
+        for s in tokens[:-1]:
+            offsets.append(offsets[-1] + len(s))
+        self._offsets[index] = offsets[-1] + len(tokens[-1])
+        top: list[dict[str, float] | None] = [None]
+        for e in entries[1:]:
+            alternatives: dict[str, float] = {}
+            for i, lp in sorted(e.items(), key=lambda item: item[1].rank):
+                alternatives.setdefault(tt(i), lp.logprob)  # two ids of one text: the likelier
+            top.append(alternatives)
+        return {"tokens": tokens, "token_logprobs": [None] + [e[t].logprob for t, e in zip(ids[1:], entries[1:])],
+                "top_logprobs": top, "text_offset": offsets}
+
+    def _echoed(self, index: int, prompt: PromptLogprobs, token_ids: list[int],
+                entries: list[dict[int, float]]) -> dict[str, Any]:
+        """Echo with logprobs: the prompt's part, then the generated tokens'."""
+        head, tail = self._prompt_logprobs(index, prompt), self._logprobs(index, token_ids, entries)
+        return {k: head[k] + tail[k] for k in head}
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
         tt = self.token_text
@@ -142,14 +165,22 @@ class CompletionFormatter(Formatter):
                 "top_logprobs": [{tt(i): lp for i, lp in e.items()} for e in entries], "text_offset": offsets}
 
     def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
-        lp = self._logprobs(index, d.token_ids, d.logprobs) if self.want_logprobs and d.logprobs else None
-        if not d.text and lp is None and not d.finished:
+        text = d.text
+        if self._echo_ids is not None and d.prompt_logprobs is not None:  # the choice's first delta
+            text = self._echo_text(index) + text
+            lp = self._echoed(index, d.prompt_logprobs, d.token_ids, d.logprobs or [])
+        else:
+            lp = self._logprobs(index, d.token_ids, d.logprobs) if self.want_logprobs and d.logprobs else None
+        if not text and lp is None and not d.finished:
             return None
-        return self._chunk([{"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
+        return self._chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
                              "stop_reason": d.stop_reason}])
 
     def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
-        lp = self._logprobs(index, c.token_ids, c.logprobs) if self.want_logprobs else None
+        if self._echo_ids is not None:
+            lp = self._echoed(index, c.prompt_logprobs, c.token_ids, c.logprobs)
+        else:
+            lp = self._logprobs(index, c.token_ids, c.logprobs) if self.want_logprobs else None
         return {"index": index, "text": self._echo_text(index) + "".join(c.text), "logprobs": lp,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 

@@ -47,7 +47,8 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CMPL, {"temperature": -1, "stream": True}, 400, "temperature"),
     (CMPL, {"logit_bias": {"50": 5}}, 400, "logit_bias"),
     (CMPL, {"suffix": "the end"}, 400, "suffix"),
-    (CMPL, {"echo": True, "logprobs": 1}, 400, "echo"),
+    (CMPL, {"echo": True, "logprobs": 21}, 400, "logprobs"),
+    (CMPL, {"echo": True, "max_tokens": -1}, 400, "max_tokens"),
     (CMPL, {"best_of": 3}, 400, "best_of"),
     (CMPL, {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     (CMPL, {"stream": True, "stream_options": {"include_usage": "yes"}}, 400, "include_usage"),
@@ -64,6 +65,7 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CHAT, {"messages": [{"role": "user", "content": "word " * 1100}]}, 400, "messages"),
     (CHAT, {"top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (CHAT, {"echo": True}, 400, "echo"),  # echo (and so prompt logprobs) is the legacy completions' only
     (CHAT, {"tools": [{"type": "function", "function": {"description": "f"}}]}, 400, "tools[0].function.name"),
     (CHAT, {"response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CHAT, {"max_completion_tokens": -1}, 400, "max_completion_tokens"),

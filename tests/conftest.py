@@ -36,6 +36,42 @@ def hf_smol(default_gguf):
     return model
 
 
+@pytest.fixture(scope="module")
+def smol_server(smol_llm):
+    """`smol_llm`'s engine behind the server's own app (server/app.py), on a free port, its event loop
+    on a thread of its own so that blocking clients (urllib, lm-eval) can call it; yields the base URL.
+    Module-scoped: while it serves, its engine thread owns the engine (the module must not call
+    `smol_llm` itself); at the end the engine is handed back idle."""
+    import asyncio
+    import socket
+    import threading
+
+    from aiohttp import web
+
+    from server.app import build_app
+    from server.listen import make_runner
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="smol-server", daemon=True)
+    thread.start()
+    runner = make_runner(build_app(smol_llm.engine))
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    async def start():
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+
+    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=60)
+        loop.close()
+        sock.close()
+
+
 @pytest.fixture
 def cpu_device():
     """Runs a test on the CPU device, kernel choices included (`pallas_kernels.placement`): CPU-kernel

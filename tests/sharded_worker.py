@@ -41,7 +41,8 @@ def main() -> None:
     from infire_jax.errors import ConfigError
     from infire_jax.lora import LoRARequest
 
-    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=job.get("prompt_logprobs"))
     for run in job["runs"]:
         result = {"model": run["model"], "mesh": run["mesh"], "weights_compression": run.get("weights_compression"),
                   "tag": run.get("tag")}
@@ -70,6 +71,11 @@ def main() -> None:
         llm.engine.close()
         result.update(fits=True, tokens=[o.token_ids for o in outs],
                       logprobs=[[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+        if params.prompt_logprobs is not None:  # each prompt token's (logprob, rank), and each position's top ids
+            result["prompt_logprobs"] = [[(e[t].logprob, e[t].rank) for e, t in zip(o.prompt_logprobs[1:], p[1:])]
+                                         for o, p in zip(outs, prompts)]
+            result["prompt_top"] = [[sorted((lp.rank, i) for i, lp in e.items() if lp.rank <= params.prompt_logprobs)
+                                     for e in o.prompt_logprobs[1:]] for o in outs]
         if llm.engine.runner.kv_scales is not None:  # an fp8 pool's calibrated scales, in the pool's layout
             result["kv_scales"] = llm.engine.runner.kv_scales.tolist()
         plan = llm.engine.plan

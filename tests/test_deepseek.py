@@ -1,13 +1,15 @@
 """The DeepSeek-V3 family (MLA + DeepSeek MoE) against HF transformers, through the real engine.
 
 Tiny random DeepseekV3 and Kimi-K2.5-text checkpoints are saved to disk, loaded by our HF loader
-and decoded greedily; tokens must equal HF's `generate` and logprobs agree within 1e-3 (float32).
+and decoded greedily; tokens must equal HF's `generate` and logprobs (of the prompts' tokens too) agree
+within 1e-3 (float32).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from deepseek_models import hf_greedy, hf_model, save
 
@@ -32,11 +34,17 @@ def test_generate_matches_hf(name, pages, impl, tmp_path):
     pool = llm.engine.runner.cache
     rope = cfg.mla.qk_rope_head_dim
     assert pool.k_pages.shape[3:] == (1, 32) and pool.v_pages.shape[3:] == (1, rope)  # latent, rope key
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1,
+                                                prompt_logprobs=2))
     for prompt, out in zip(PROMPTS, outs):
         want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
         assert out.token_ids == want
         np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+        with torch.no_grad():  # prompt logprobs: HF's forward over the prompt
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        np.testing.assert_allclose([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])],
+                                   ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-3, rtol=0)
     assert (llm.engine.scheduler.num_preemptions > 0) == (pages == 12)
 
 

@@ -98,7 +98,7 @@ def test_compile_guard_detects_compilation():
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=1.5), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),

@@ -229,6 +229,13 @@ def tiny_models(tmp_path_factory, smol_llm):
 def _assert_same(sharded: dict, single: dict) -> None:
     assert sharded["tokens"] == single["tokens"], (sharded["mesh"], sharded["model"])
     np.testing.assert_allclose(np.asarray(sharded["logprobs"]), np.asarray(single["logprobs"]), atol=1e-4)
+    if "prompt_logprobs" in single:  # each prompt token's logprob and rank, each position's top ids
+        for ours, ref in zip(sharded["prompt_logprobs"], single["prompt_logprobs"]):
+            assert len(ours) == len(ref) > 0
+            np.testing.assert_allclose([lp for lp, _ in ours], [lp for lp, _ in ref], atol=1e-4)
+            # a rank counts the vocabulary's tokens at least as likely: float32 ties within 1e-6 may move it by one
+            assert max(abs(a - b) for (_, a), (_, b) in zip(ours, ref)) <= 1
+        assert sharded["prompt_top"] == single["prompt_top"], (sharded["mesh"], sharded["model"])
 
 
 def _assert_each_device_holds_its_shard(result: dict) -> None:
@@ -265,6 +272,21 @@ def test_every_shipped_mesh_matches_single_device(tiny_models, tmp_path):
     assert "llama" in fits["8.yaml"] and "llama" in fits["8-tp4-pp2.yaml"]
     assert fits["8-ep8.yaml"] == ["mixtral"] and fits["8-tp2-ep4.yaml"] == ["mixtral"]
     assert "mixtral" in fits["8-tp8-ep.yaml"]  # experts split over the tp devices
+
+
+def test_prompt_logprobs_on_meshes_match_single_device(tiny_models, tmp_path):
+    """Prompt logprobs (top 3; the 30-token prompt chunked over the 32-token budget beside the others)
+    equal the single device's on a pipeline (the default model on 2-pp2; its 3 kv heads fit no tp) and
+    on tp x pp, the head split over tp (the tiny Llama on 8-tp4-pp2)."""
+    runs = [{"model": m, "mesh": os.path.join(CONFIG_DIR, mesh)}
+            for m, meshes in [(None, ["1.yaml", "2-pp2.yaml"]), (tiny_models["llama"], ["1.yaml", "8-tp4-pp2.yaml"])]
+            for mesh in meshes]
+    results = _results(_run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": 4, "prompt_logprobs": 3,
+                                    "engine": ENGINE}, 8, tmp_path, "prompt_lp"))
+    assert [r["fits"] for r in results] == [True] * 4
+    for single, sharded in zip(results[::2], results[1::2]):
+        assert len(sharded["prompt_logprobs"]) == len(PROMPTS)
+        _assert_same(sharded, single)
 
 
 def _free_port() -> int:

@@ -200,7 +200,11 @@ class DeepseekV3(nnx.Module):
         axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
         return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, kv_axes=kv_entry(cfg).pool_axes)
 
-    def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S V"]:
+    def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
+        return self.embed[...][tokens]
+
+    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
+        """Final norm and LM head; `plan` as `Llama.logits` takes it (XLA's dot here on any mesh)."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
         return head_logits(h, head)
@@ -208,5 +212,5 @@ class DeepseekV3(nnx.Module):
     def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
                  *, attn_impl: str, plan: ShardPlan | None = None) -> tuple[Float[Array, "S V"], KVPages]:
         """Logits of each row's `logits_indices` token and the updated pool."""
-        h, kv = self.run_layers(self.embed[...][tokens], kv, meta, attn_impl=attn_impl, plan=plan)
+        h, kv = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan)
         return self.logits(h[logits_indices]), kv

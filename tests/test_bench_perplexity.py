@@ -1,0 +1,73 @@
+"""`bench perplexity`: the sliding-window perplexity of prompt logprobs equals HF's perplexity guide's
+loop run on transformers' logits of the same weights, in float64; the flags are checked before any
+engine is built."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from infire_jax.bench.common import BenchError
+from infire_jax.bench.perplexity import DEFAULT_TEXT, negative_log_likelihood, read_text, variant_args, windows
+
+WINDOW, STRIDE, TOKENS = 128, 48, 300  # windows of uneven overlap; the last one shorter
+
+
+def hf_guide_perplexity(model, ids: list[int], window: int, stride: int) -> tuple[float, int]:
+    """HF's perplexity guide's loop (labels of the positions before the window's last trg_len masked,
+    then shifted), its log-softmax and sums in float64."""
+    import torch
+
+    nll, count, prev_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + window, len(ids))
+        trg_len = end - prev_end
+        input_ids = torch.tensor([ids[begin:end]])
+        labels = input_ids.clone()
+        labels[:, :-trg_len] = -100
+        with torch.no_grad():
+            logits = model(input_ids).logits[0].double()
+        lp = torch.log_softmax(logits[:-1], dim=-1)
+        shifted = labels[0, 1:]
+        scored = shifted != -100
+        nll -= lp[scored].gather(-1, shifted[scored][:, None]).sum().item()
+        count += int(scored.sum())
+        prev_end = end
+        if end == len(ids):
+            break
+    return nll, count
+
+
+def test_perplexity_matches_hf_guide_in_float64(smol_llm, hf_smol):
+    text, _ = read_text(None)
+    ids = smol_llm.tokenizer.encode(text)[:TOKENS]
+    assert len(windows(len(ids), WINDOW, STRIDE)) == 5
+    nll, count = negative_log_likelihood(smol_llm, ids, WINDOW, STRIDE)
+    ref_nll, ref_count = hf_guide_perplexity(hf_smol, ids, WINDOW, STRIDE)
+    assert count == ref_count == TOKENS - 1  # every token after the first, once
+    assert abs(math.exp(nll / count) / math.exp(ref_nll / ref_count) - 1) < 1e-4, (nll, ref_nll)
+
+
+def _flags(**overrides) -> argparse.Namespace:
+    from infire_jax.bench.__main__ import build_parser
+
+    return build_parser().parse_args(["perplexity", *[f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]])
+
+
+def test_variants_are_engine_flags_checked_before_any_engine():
+    args = _flags(max_num_seqs=4)
+    fp8 = variant_args(args, "kv-cache-dtype=fp8")
+    assert (fp8.kv_cache_dtype, fp8.max_num_seqs, args.kv_cache_dtype) == ("fp8", 4, "auto")
+    assert variant_args(args, "weights-quantization=int8").weights_quantization == "int8"
+    for bad, says in [("kv-cache-dtype=fp9", "invalid choice"), ("no-such-flag=1", "not an engine flag"),
+                      ("kv=fp8", "not an engine flag"), ("kv-cache-dtype", "NAME=VALUE"),
+                      ("model=other.gguf", "keeps the model")]:
+        with pytest.raises(BenchError, match=says):
+            variant_args(args, bad)
+    with pytest.raises(BenchError, match="longer than --window"):
+        windows(100, 32, 33)
+    with pytest.raises(BenchError, match="no text file /nonexistent"):
+        read_text("/nonexistent")
+    assert DEFAULT_TEXT == "/usr/share/common-licenses/GPL-3"
