@@ -1,8 +1,9 @@
-"""The GPU LoRA kernels (pallas_kernels/lora_sgmv.py) in Pallas interpret mode, against each token's
-delta in float64 numpy, on SmolLM2-135M's adapted weights (hidden 576, 9 x 64 query heads, 3 x 64
-kv heads, intermediate 1536) at ranks 8 and 64; rows without an adapter exactly zero even when
-slot 0's stacks hold garbage; a row's delta the same bits whatever else the step holds; the
-engine's dispatch on a GPU; and the lowering to Triton for CUDA."""
+"""The GPU LoRA kernels (pallas_kernels/lora_sgmv.py) in Pallas interpret mode (compiled on a GPU,
+where the `kernel-tests` device check runs this file), against each token's delta in float64
+numpy, on SmolLM2-135M's adapted weights (hidden 576, 9 x 64 query heads, 3 x 64 kv heads,
+intermediate 1536) at ranks 8 and 64; rows without an adapter exactly zero even when slot 0's
+stacks hold garbage; a row's delta the same bits whatever else the step holds; the engine's
+dispatch on a GPU; and the lowering to Triton for CUDA."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def _np_delta(x, a, b, layer, slots, members):
 
 
 def _run(x, a, b, slots, members, layer=1):
-    fn = jax.jit(lambda x, a, b, s, l: lora_sgmv(x, a, b, s, members, l, interpret=True))
+    interpret = jax.default_backend() != "gpu"
+    fn = jax.jit(lambda x, a, b, s, l: lora_sgmv(x, a, b, s, members, l, interpret=interpret))
     return np.asarray(fn(jnp.asarray(x), jnp.asarray(a), jnp.asarray(b), jnp.asarray(slots), jnp.int32(layer)))
 
 
