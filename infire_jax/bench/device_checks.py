@@ -57,7 +57,8 @@ CHECKS = (
     # its profile, which shows whether the head is read in bf16 and decode steps launch no prefill kernel).
     Check("kernel-tests", 180, ("pytest", "tests/test_kernels.py", "tests/test_quant_matmul.py",
                                 "tests/test_palette_kernels.py", "tests/test_step_program.py", "tests/test_layers.py",
-                                "tests/test_kv_fp8_kernels.py", "tests/test_local_attention.py", "-q"), figures=False),
+                                "tests/test_kv_fp8_kernels.py", "tests/test_local_attention.py",
+                                "tests/test_lora_kernels.py", "-q"), figures=False),
     Check("decode-b1", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1")),
     Check("profile-b1", 150, ("infire_jax.bench", "profile", *LLAMA, "--batch-size", "1", "--input-len", "2048",
                               "--steps", "32")),

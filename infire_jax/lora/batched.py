@@ -4,14 +4,16 @@ hook that adds it to the decoder's projections (models/llama.py `linear`).
 A step's forward takes the stacks (layout.py) and each token's slot ([T] int32, 0: no adapter).
 The stacks are not scanned with the layer weights: the layer body reads its layer of them in
 place (`LoRAWeight` holds the whole stack and the layer index), so a step reads only the slots
-its tokens use, never a copy of every slot's layer. Three ways to the same sums:
+its tokens use, never a copy of every slot's layer. Four ways to the same sums:
 
 - `bgmv` (the reference): every token gathers its slot's A and B; for decode-sized steps;
 - `sgmv`: tokens sorted by slot, cut into tiles of one slot each, a loop of tile products (as
   models/moe.py's grouped matmul): for prompt chunks, where per-token copies of A would not fit;
   tokens of slot 0 are skipped;
 - on the CPU (one device), pallas_kernels/cpu_lora.py's FFI call, which groups the tokens by slot
-  and reads each slot's A and B in place once per group.
+  and reads each slot's A and B in place once per group;
+- on a GPU (one device), pallas_kernels/lora_sgmv.py's Pallas shrink and expand, the same grouping
+  (tiles of one slot, the stacks read in place). On a mesh the jnp forms take every backend.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from infire_jax.lora.layout import column_members, is_stack, stack_key
-from pallas_kernels import cpu_lora
+from pallas_kernels import cpu_lora, lora_sgmv, placement
 
 BGMV_MAX_TOKENS = 64  # larger steps take `sgmv`: per-token copies of A grow with the tokens
 SGMV_TILE = 32  # tokens per tile of `sgmv`
@@ -93,7 +95,8 @@ def lora_delta(x: Float[Array, "T ..."], a: Array, b: Array, layer: Int[Array, "
                kernel: bool) -> Array:
     """The LoRA delta of the adapted weight `name` for x (tokens first, then W's input axes), in W's
     output shape [T, *out] and x's dtype. `a` [L, S, C*R, *in] and `b` [L, S, R, *out] are whole
-    stacks (on a mesh, this device's shards); `kernel`: the CPU FFI call may take it."""
+    stacks (on a mesh, this device's shards); `kernel` (one device): the CPU FFI call or the GPU's
+    Pallas kernels may take it."""
     t, out = x.shape[0], b.shape[3:]
     k, n = math.prod(a.shape[3:]), math.prod(out)
     x2 = x.reshape(t, k)
@@ -102,6 +105,8 @@ def lora_delta(x: Float[Array, "T ..."], a: Array, b: Array, layer: Int[Array, "
     members = column_members(name, out)
     if kernel and cpu_lora.applies(a4, b4, members):
         y = cpu_lora.lora_sgmv(x2, a4, b4, slots, members, layer)
+    elif kernel and placement.platform() == "gpu" and lora_sgmv.applies(a4, b4, members):
+        y = lora_sgmv.lora_sgmv(x2, a4, b4, slots, members, layer)
     elif t <= BGMV_MAX_TOKENS:
         y = bgmv(x2, a4, b4, layer, slots, members)
     else:
