@@ -19,7 +19,7 @@ from infire_jax.bench import device_checks, latency, serve, suite, throughput
 from infire_jax.bench.common import BenchError, add_output_args
 from infire_jax.bench.datasets import random_prompts, read_jsonl
 from infire_jax.bench.metrics import RequestTiming, summarize
-from infire_jax.loaders.dummy import CONFIGS
+from infire_jax.loaders.dummy import CONFIGS, with_layers
 from infire_jax.models.hf_config import config_from_hf
 
 # Small shapes shared by the runs of one model, so they reuse one set of compiled steps.
@@ -243,7 +243,9 @@ def _check_latency(data: dict, batches: list[int], input_len: int, output_len: i
         assert r["decode_tokens_per_s"] == pytest.approx(b * 1000 / r["decode_ms_per_token"])
         assert r["mean_ttft_ms"] < r["mean_e2e_ms"] and r["p50_e2e_ms"] <= r["p99_e2e_ms"]
         if cfg_name.startswith("dummy:"):
-            cfg = config_from_hf(CONFIGS[cfg_name.split(":", 1)[1]])
+            spec = cfg_name.split(":", 1)[1]
+            hf = CONFIGS[spec.partition(",")[0]]
+            cfg = config_from_hf(with_layers(hf, spec) if "," in spec else hf)
             assert r["prefill_flops"] == b * forward_flops(cfg, input_len, 0)
 
 
@@ -291,17 +293,17 @@ def test_throughput_dataset(tmp_path):
 
 
 def test_latency_llama_1b(tmp_path):
-    data = _run(tmp_path, "latency_1b", "latency", "--model", "dummy:llama-3.2-1b", "--input-len", "16",
+    data = _run(tmp_path, "latency_1b", "latency", "--model", "dummy:llama-3.2-1b,layers=2", "--input-len", "16",
                 "--output-len", "8", "--batch-size", "2", "--num-iters", "1", "--num-iters-warmup", "0", *SMALL)
-    assert data["engine"]["model"] == "dummy:llama-3.2-1b" and data["engine"]["max_num_seqs"] == 2
+    assert data["engine"]["model"] == "dummy:llama-3.2-1b,layers=2" and data["engine"]["max_num_seqs"] == 2
     _check_latency(data, [2], 16, 8, 1)
 
 
 def test_throughput_llama_1b(tmp_path):
-    data = _run(tmp_path, "throughput_1b", "throughput", "--model", "dummy:llama-3.2-1b", "--input-len", "16",
+    data = _run(tmp_path, "throughput_1b", "throughput", "--model", "dummy:llama-3.2-1b,layers=2", "--input-len", "16",
                 "--output-len", "8", "--num-prompts", "2", "--max-concurrency", "2", "--num-warmup-prompts", "0",
                 *SMALL)
-    assert data["engine"]["model"] == "dummy:llama-3.2-1b"
+    assert data["engine"]["model"] == "dummy:llama-3.2-1b,layers=2"
     _check_throughput(data, [2], 2, 16, 8)
 
 
