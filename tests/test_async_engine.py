@@ -35,7 +35,7 @@ class ScriptedEngine:
     def __init__(self, max_num_seqs: int = 4, step_seconds: float = 0.002):
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
         self.model_name, self.max_model_len = "scripted", 64
-        self.kv = SimpleNamespace(usage=0.0, queries=0, hits=0)
+        self.kv = SimpleNamespace(usage=0.0, queries=0, hits=0, pages_in_use=lambda: [0])
         self.scheduler = SimpleNamespace(num_preemptions=0)
         self.grammars = SimpleNamespace(clock=SimpleNamespace(seconds=0.0))
         self.stats = EngineStats()
