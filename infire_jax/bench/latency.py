@@ -117,7 +117,7 @@ LORA_COLUMNS = [("variant", "model", "{}"), *COLUMNS[:5], ("decode_ms_per_token_
 
 def plot_point(r: dict) -> dict:
     return dict(label=r["label"], throughput=r["decode_tokens_per_s"], ttft_ms=r["mean_ttft_ms"],
-                tpot_ms=r["decode_ms_per_token"], series=r["variant"])
+                tpot_ms=r["decode_ms_per_token"], series=r.get("variant", "base"))
 
 
 def run(args: argparse.Namespace):

@@ -94,7 +94,7 @@ LORA_COLUMNS = [("variant", "model", "{}"), *COLUMNS[:4], ("output_throughput_vs
 
 def plot_point(r: dict) -> dict:
     return dict(label=r["label"], throughput=r["output_throughput"], ttft_ms=r["mean_ttft_ms"],
-                tpot_ms=r["mean_tpot_ms"], series=r["variant"])
+                tpot_ms=r["mean_tpot_ms"], series=r.get("variant", "base"))
 
 
 def run(args: argparse.Namespace):
