@@ -110,7 +110,8 @@ def test_engine_warm_start_loads_every_step_program(smol_llm):
     assert len(steps.compiled_bursts) == len(runner.rc.buckets.decode_shapes) == 4
     assert steps.executables.compiled == 0 and runner.executables_loaded == programs
     assert llm.engine.boot.compiled == 0
-    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    # prompts no other test sends: a prefix-cache hit in the session engine would change its float sums
+    prompts = ["Warm start check: the capital of France is", "Warm start check: a haiku about the sea."]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
     for ours, theirs in zip(llm.generate(prompts, params), smol_llm.generate(prompts, params)):
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
