@@ -26,14 +26,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from infire_jax.kv_cache import NULL_PAGE, KVCacheManager, block_chain, extend_block_hashes, hit_blocks
+from infire_jax.kv_cache import (NULL_PAGE, KVCacheManager, PoolAccounting, block_chain, extend_block_hashes,
+                                 hit_blocks)
 from infire_jax.kv_groups import KVGroupLayout
 from infire_jax.request import Request
 
 PrefixHit = list[tuple[int, ...]]  # per cached block, the page of each group (NULL_PAGE: the group needs none)
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolAccounting):
     """The interface of kv_cache.KVCacheManager (the scheduler and the engine call either), over the
     groups of `layout`. Prefix hits are lists of per-group page tuples instead of pages."""
 
@@ -66,26 +67,10 @@ class HybridKVCacheManager:
         self._free = OrderedDict((p, None) for p in range(1, self.num_pages))
         self._free_retained.clear()
 
-    # ---- accounting -------------------------------------------------------------------------
-    @property
-    def num_usable_pages(self) -> int:
-        return self.num_pages - 1
-
-    @property
-    def num_free_pages(self) -> int:
-        return len(self._free) + len(self._free_retained)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_pages / self.num_usable_pages
-
+    # ---- accounting (and PoolAccounting's) -------------------------------------------------
     def pages_in_use(self) -> list[int]:
         """Pages referenced by requests, per group."""
         return list(self._in_use)
-
-    def pages_needed(self, num_tokens: int) -> int:
-        """Blocks of `num_tokens` tokens (per group)."""
-        return -(-num_tokens // self.page_size)
 
     def seq_pages(self, num_tokens: int) -> int:
         """Pages one decoding sequence of `num_tokens` holds at most, over every group."""

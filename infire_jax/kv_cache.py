@@ -53,7 +53,32 @@ def hit_blocks(req: Request, page_size: int) -> int:
     return min(n, req.prompt_logprobs_next // page_size) if req.wants_prompt_logprobs else n
 
 
-class KVCacheManager:
+class PoolAccounting:
+    """The page counts both KV managers (this one and hybrid_kv_cache.py's) report, from their free
+    queues: page 0 is the null page, never handed out."""
+
+    num_pages: int
+    page_size: int
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free) + len(self._free_retained)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable pages referenced by requests (cached-but-free pages count as free)."""
+        return 1.0 - self.num_free_pages / self.num_usable_pages
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """Blocks of `num_tokens` tokens (per group)."""
+        return -(-num_tokens // self.page_size)
+
+
+class KVCacheManager(PoolAccounting):
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is reserved), got {num_pages}")
@@ -78,22 +103,7 @@ class KVCacheManager:
         self._free = OrderedDict((p, None) for p in range(1, self.num_pages))
         self._free_retained.clear()
 
-    # ---- accounting -------------------------------------------------------------------------
-    @property
-    def num_usable_pages(self) -> int:
-        return self.num_pages - 1
-
-    @property
-    def num_free_pages(self) -> int:
-        return len(self._free) + len(self._free_retained)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of usable pages referenced by requests (cached-but-free pages count as free)."""
-        return 1.0 - self.num_free_pages / self.num_usable_pages
-
-    def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    # ---- accounting: PoolAccounting ---------------------------------------------------------
 
     def seq_pages(self, num_tokens: int) -> int:
         """Pages one sequence of `num_tokens` holds (hybrid_kv_cache.py's bounds some groups)."""
