@@ -22,6 +22,7 @@ import pytest
 from infire_jax.errors import ConfigError
 from infire_jax.quant.int4_rtn import quantize_int4
 from infire_jax.quant.resident import dequantize_layer
+from test_bench_perplexity import short_text_perplexity
 
 RNG = np.random.default_rng(36)
 # Each fused weight's input axes in one layer of the model's layout, in HF's input order:
@@ -145,7 +146,12 @@ def test_engine_int4_at_load_follows_float32(smol_llm):
     want = [r[k] for r in ref for k in range(0, 64, 8)]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
     floats, ours = smol_llm.generate(forced, params), quant.generate(forced, params)
+    # The quality issue asks for <= 5% above float32; on this model int4 misses (+38.5% on this text,
+    # +35% on the whole GPL-3): its weights are already Q4_1, so a second 4-bit grid with integer zero
+    # points doubles the rounding (docs/PERFORMANCE.md). This bound catches a regression from there.
+    ratio = short_text_perplexity(quant) / short_text_perplexity(smol_llm)
     quant.engine.close()
+    assert ratio <= 1.42, ratio
     assert all(t in o.logprobs[0] for o, t in zip(ours, want))  # float32's token is in int4's top 20
     shift = np.mean([abs(o.logprobs[0][t] - f.logprobs[0][t]) for o, f, t in zip(ours, floats, want)])
     agree = sum(o.token_ids[0] == t for o, t in zip(ours, want))

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import quant_reference as ref
+from test_bench_perplexity import short_text_perplexity
 
 from infire_jax.quant.formats import (
     Fp8Block, Int4Group, Int8Channel, dequantize, linear, quantize_fp8_block, quantize_int4_group,
@@ -156,6 +157,8 @@ def test_engine_keeps_gguf_quantized_and_agrees_with_float32(smol_llm):
         assert q.token_ids == f.token_ids
         np.testing.assert_allclose([lp[t] for lp, t in zip(q.logprobs, q.token_ids)],
                                    [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-4)
+    # the quality issue's bound: within 0.5% of the same blocks dequantized at load, in perplexity
+    assert abs(short_text_perplexity(quant) / short_text_perplexity(smol_llm) - 1) <= 0.005
 
 
 def test_int8_per_channel_parts_round_to_nearest():
@@ -191,6 +194,8 @@ def test_engine_int8_agrees_with_float32_under_teacher_forcing(smol_llm):
     want = [r[k] for r in ref for k in range(0, 64, 8)]
     got = [o.token_ids[0] for o in quant.generate(forced, SamplingParams(max_tokens=1, temperature=0))]
     assert sum(a == b for a, b in zip(got, want)) >= 0.9 * len(want)
+    # the quality issue's bound: perplexity at most 1% above float32's (-0.4% on this text)
+    assert short_text_perplexity(quant) <= 1.01 * short_text_perplexity(smol_llm)
 
 
 def test_dummy_models_draw_int8_parts_on_the_device():
