@@ -246,6 +246,41 @@ def test_kv_transfer_moves_every_groups_pages(llms):
         assert engine.kv.num_free_pages == engine.kv.num_usable_pages and not any(engine.kv.pages_in_use())
 
 
+def test_decode_worker_checks_a_hybrid_payloads_groups_and_bytes(llms):
+    """kv_transfer_params carry the layout's groups: a decode worker whose layers are grouped otherwise
+    answers 400 naming both groupings; the bytes it expects are those of each group's pages."""
+    from infire_jax.async_engine import AsyncEngine
+    from infire_jax.kv_transfer.blocks import groups_to_json
+    from server.errors import APIError
+    from server.kv_handoff import KVHandoff, tokens_digest
+
+    a, kept = llms[0].engine, llms[1].engine
+    (prompt,) = prompts(12, (33,))
+    _greedy(a, prompt, None)
+    blocks = a.export_prompt_kv(prompt)
+    assert blocks.num_blocks == 8 and blocks.k.shape[1] == 8 + 2 * 2  # the chunk from token 24: blocks 6, 7
+    layout = blocks.layout
+    params = {"layout": {"model": layout.model, "dtype": layout.dtype, "page_size": PS,
+                         "page_shape": list(layout.page_shape), "v_page_shape": None, "kv_scales": None,
+                         "groups": groups_to_json(layout.groups)},
+              "num_tokens": 8 * PS, "tokens_digest": tokens_digest(prompt[:8 * PS]), "remote_engine_id": "x",
+              "remote_address": 0, "num_bytes": blocks.nbytes, "lora_digest": None}
+
+    def check(engine: Engine, changes: dict) -> int:
+        handoff = KVHandoff(AsyncEngine(engine, max_queue=0), "decode", buffer_bytes=1 << 20, host="127.0.0.1",
+                            hold_seconds=1.0)
+        return handoff._check({**params, **changes}, prompt, None)[1]
+
+    assert check(a, {}) == 8 * PS
+    with pytest.raises(APIError, match=r"grouped as global layers \[0, 3\]; chunk 12 layers \[1, 2\]; .* on the "
+                                       r"prefill worker and one group of every layer \(every page kept\) here"):
+        check(kept, {})
+    with pytest.raises(APIError, match="num_bytes"):
+        check(a, {"num_bytes": blocks.nbytes // 12 * 8})  # a page a block: the plain pool's size
+    with pytest.raises(APIError, match="layout.groups"):
+        check(a, {"layout": {**params["layout"], "groups": [[12, 0]]}})
+
+
 def test_what_does_not_take_local_layers_yet_says_so(llms):
     import jax.numpy as jnp
 
