@@ -21,6 +21,7 @@ from infire_jax.engine_stats import BootTimeline, EngineStats
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.hybrid_kv_cache import kv_cache_manager
 from infire_jax.kv_transfer import KVBlocks, KVLayout
+from infire_jax.kv_transfer.pages import export_pages, import_pages
 from infire_jax.loaders import LoadedModel
 from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest
@@ -324,44 +325,44 @@ class Engine:
     @property
     def kv_layout(self) -> KVLayout:
         c, rc = self.runner.cfg, self.runner.rc
-        entry = kv_entry(c)
+        entry, layers = kv_entry(c), rc.pool_layers(c.num_layers)
         return KVLayout.of(self.model_config.to_dict(), self.kv_dtype.name, rc.page_size,
-                           entry.k_page_shape(c.num_layers, rc.page_size),
-                           entry.v_page_shape(c.num_layers, rc.page_size), self.runner.kv_scales)
+                           entry.k_page_shape(layers, rc.page_size), entry.v_page_shape(layers, rc.page_size),
+                           self.runner.kv_scales, None if rc.kv_groups is None else rc.kv_groups.groups)
 
-    def _check_single_process(self) -> None:
+    @staticmethod
+    def _check_single_process() -> None:
         if multihost.is_multiprocess():
             raise ConfigError("KV transfer is not supported across several processes yet")
-        if self.runner.rc.kv_groups is not None:
-            raise ConfigError("KV transfer is not supported yet with a hybrid KV cache (chunked or sliding-window "
-                              "layers); engines built with hybrid_kv_cache=False can transfer")
 
     def export_prompt_kv(self, prompt: str | list[int], *, tenant: str | None = None,
                          lora_name: str | None = None) -> KVBlocks:
         """The KV of the prompt's full pages that this engine's prefix cache holds (after a prefill)
-        for this tenant and LoRA adapter."""
+        for this tenant and LoRA adapter; with a hybrid cache, each group's pages that a prefix hit
+        of them reads (kv_transfer/pages.py)."""
         self._check_single_process()
-        ids = self.tokenize_prompt(prompt)
-        pages = self.kv.cached_block_pages(ids, cache_salt(tenant, resolve_lora(self.lora, lora_name)))
+        ids, layout = self.tokenize_prompt(prompt), self.kv_layout
+        token_ids, pages = export_pages(self.kv, layout, ids, cache_salt(tenant, resolve_lora(self.lora, lora_name)))
         k, v = self.runner.read_pages(pages)
-        return KVBlocks(self.kv_layout, ids[:len(pages) * self.config.page_size], tenant, k, v)
+        return KVBlocks(layout, token_ids, tenant, k, v)
 
     def import_prompt_kv(self, blocks: KVBlocks, lora_name: str | None = None) -> int:
-        """Puts another engine's prompt pages into this engine's prefix cache; returns the blocks written.
+        """Puts another engine's prompt pages into this engine's prefix cache; returns the pages written.
 
         A request with that prompt, tenant and LoRA adapter then finds them cached, like any
         prefix-cache hit. Call it between steps, on the thread that runs them.
         """
         self._check_single_process()
-        self.kv_layout.check_compatible(blocks.layout)
+        layout = self.kv_layout
+        layout.check_compatible(blocks.layout)
         blocks.check()
         if blocks.token_ids:
             self.tokenize_prompt(blocks.token_ids)  # ids inside the vocabulary
-        targets = self.kv.import_blocks(blocks.token_ids, cache_salt(blocks.tenant, resolve_lora(self.lora, lora_name)))
-        if targets:
-            index = [i for i, _ in targets]
-            self.runner.write_pages([p for _, p in targets], blocks.k[:, index], blocks.v[:, index])
-        return len(targets)
+        pages, index = import_pages(self.kv, layout, blocks.token_ids,
+                                    cache_salt(blocks.tenant, resolve_lora(self.lora, lora_name)))
+        if pages:
+            self.runner.write_pages(pages, blocks.k[:, index], blocks.v[:, index])
+        return len(pages)
 
     # ---- hot standby: the model leaves the device and comes back (residency.py) -----------------------
     @property

@@ -39,12 +39,12 @@ import time
 from typing import Any, AsyncIterator, Iterator, Mapping
 
 import aiohttp
-import numpy as np
 from aiohttp import web
 
 from infire_jax.async_engine import AsyncEngine
 from infire_jax.errors import InvalidRequestError
 from infire_jax.kv_transfer import KVBlocks, KVLayout
+from infire_jax.kv_transfer.blocks import describe_groups, groups_from_json, groups_to_json
 from infire_jax.kv_transfer.mooncake import MooncakeTransport, Reservation
 from infire_jax.lora.adapters import lora_digest
 from server.errors import APIError
@@ -93,7 +93,7 @@ class Pulled:
 
     num_bytes: int
     seconds: float
-    blocks: int
+    pages: int  # written into the pool (a hybrid cache's: over its groups)
 
 
 KV_PULLED: web.RequestKey[Pulled | None] = web.RequestKey("kv_pulled")  # set when a pull was asked (response headers)
@@ -174,7 +174,7 @@ class KVHandoff:
                 "layout": {"model": layout.model, "dtype": layout.dtype, "page_size": layout.page_size,
                            "page_shape": list(layout.page_shape),
                            "v_page_shape": list(layout.v_page_shape) if layout.v_page_shape else None,
-                           "kv_scales": layout.kv_scales},
+                           "kv_scales": layout.kv_scales, "groups": groups_to_json(layout.groups)},
                 "first_token_id": first_token, "first_token_logprob": first_logprob,
                 "lora_digest": adapter,  # the LoRA adapter the KV was computed with (None: the base model)
             }
@@ -237,6 +237,14 @@ class KVHandoff:
         if not isinstance(layout, dict):
             raise _bad(f"'{_PARAM}.layout' is missing; pass the kv_transfer_params a prefill worker returned")
         mine = self.layout
+        try:
+            groups = groups_from_json(layout.get("groups"))
+        except ValueError as e:
+            raise _bad(f"'{_PARAM}.layout.groups': {e}; pass the kv_transfer_params a prefill worker returned")
+        if groups != mine.groups:
+            raise _bad(f"the transferred KV does not fit this worker: its layers are grouped as "
+                       f"{describe_groups(groups)} on the prefill worker and {describe_groups(mine.groups)} here "
+                       "(serve the same model with the same hybrid KV cache setting)")
         theirs = {"model": layout.get("model"), "dtype": layout.get("dtype"), "page_size": layout.get("page_size"),
                   "page_shape": tuple(layout.get("page_shape") or ()),
                   "v_page_shape": tuple(layout["v_page_shape"]) if layout.get("v_page_shape") else None,
@@ -256,10 +264,7 @@ class KVHandoff:
                        "(serve the same adapter files under the same name on both workers)")
         source = Reservation(field("remote_engine_id", str), field("remote_address", int), 0,
                              field("num_bytes", int))
-        layers, _, heads, dim = mine.page_shape
-        _, _, v_heads, v_dim = mine.v_page_shape or mine.page_shape
-        itemsize = 2 if mine.dtype == "bfloat16" else np.dtype(mine.dtype).itemsize
-        if source.nbytes != layers * (heads * dim + v_heads * v_dim) * itemsize * num_tokens:
+        if source.nbytes != mine.payload_nbytes(num_tokens // mine.page_size):
             raise _bad(f"'{_PARAM}.num_bytes' ({source.nbytes}) does not match {num_tokens} tokens of this layout")
         return source, num_tokens
 

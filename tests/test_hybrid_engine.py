@@ -3,7 +3,8 @@ groups freeing pages as sequences cross chunk boundaries, against the same model
 in one group (`hybrid_kv_cache=False`; the kernels mask the same way, so tokens and logprobs must be
 equal). Prompts crossing several chunks in one step, chunked prefill with a step boundary mid-chunk,
 decode and decode bursts across boundaries, preemption, prefix-cache hits; the pages a long sequence
-holds; no page leaks after 500 mixed requests with disconnects; no compiles after warmup."""
+holds; no page leaks after 500 mixed requests with disconnects; no compiles after warmup; a prompt's
+KV moved to another engine (each group's pages) serving it as a full prefix hit."""
 
 from __future__ import annotations
 
@@ -189,14 +190,103 @@ def test_metrics_report_each_groups_pages_and_the_context_that_fits(llms):
         engine.step()
 
 
+def _greedy(engine: Engine, prompt: list[int], tenant: str) -> tuple[list[int], list[float], int]:
+    """Greedy tokens, their logprobs and the prefix-cache hit of one request."""
+    rid, _ = engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1),
+                                tenant=tenant)
+    tokens, lps, cached = [], [], None
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens += d.token_ids
+            lps += [lp[t] for lp, t in zip(d.logprobs, d.token_ids)]
+            cached = d.num_cached_tokens
+    return tokens, lps, cached
+
+
+def test_kv_transfer_moves_every_groups_pages(llms):
+    """A 47-token prompt (four chunks of 12) prefilled on the hybrid engine A and exported: its 11 full
+    pages before the last token in the global group, and in each chunked group the 2 pages from the
+    chunk holding token 44 (what computing after them reads), crossing Mooncake into engine B. B
+    finds the whole run cached in every group and continues exactly as A did; a receiver whose layers
+    are grouped otherwise (every page kept) is refused; no page stays held on either side."""
+    from infire_jax.errors import InvalidRequestError
+    from infire_jax.kv_transfer.mooncake import MooncakeTransport
+
+    a, kept = llms[0].engine, llms[1].engine
+    b = make_llm(True).engine
+    (prompt,) = prompts(11, (47,))
+    want, want_lp, cached = _greedy(a, prompt, "pd")
+    assert cached == 0  # a full prefill: the single-engine reference
+    blocks = a.export_prompt_kv(prompt, tenant="pd")
+    groups = a.runner.rc.kv_groups.groups
+    assert blocks.layout.groups == groups and [g.kind for g in groups] == ["global", "chunk 12", "chunk 12"]
+    assert blocks.num_blocks == 11 and blocks.token_ids == prompt[:44]
+    assert blocks.k.shape == (2, 11 + 2 + 2, PS, 2, 16) == blocks.v.shape
+
+    src, dst = MooncakeTransport(1 << 20), MooncakeTransport(1 << 20)
+    held = src.hold(blocks)
+    region = dst.reserve(blocks.nbytes)
+    dst.fetch(held, region)
+    src.release(held)
+    arrived = dst.received(region, b.kv_layout, blocks.token_ids, blocks.tenant)
+    with pytest.raises(InvalidRequestError, match="grouped as .*chunk 12 layers .* here"):
+        kept.import_prompt_kv(arrived)
+    free = b.kv.num_free_pages
+    assert b.import_prompt_kv(arrived) == 15
+    dst.release(region)
+    assert b.import_prompt_kv(blocks) == 0  # every group's pages are cached already
+    assert b.kv.num_free_pages == free  # cached, unreferenced
+
+    got, got_lp, cached = _greedy(b, prompt, "pd")
+    assert cached == 44  # every full page before the last token: the hit is whole in every group
+    assert got == want
+    np.testing.assert_allclose(got_lp, want_lp, rtol=0, atol=1e-5)
+    assert _greedy(b, prompt, "other")[2] == 0  # another tenant's chain
+    for engine in (a, b, kept):
+        assert engine.kv.num_free_pages == engine.kv.num_usable_pages and not any(engine.kv.pages_in_use())
+
+
+def test_decode_worker_checks_a_hybrid_payloads_groups_and_bytes(llms):
+    """kv_transfer_params carry the layout's groups: a decode worker whose layers are grouped otherwise
+    answers 400 naming both groupings; the bytes it expects are those of each group's pages."""
+    from infire_jax.async_engine import AsyncEngine
+    from infire_jax.kv_transfer.blocks import groups_to_json
+    from server.errors import APIError
+    from server.kv_handoff import KVHandoff, tokens_digest
+
+    a, kept = llms[0].engine, llms[1].engine
+    (prompt,) = prompts(12, (33,))
+    _greedy(a, prompt, None)
+    blocks = a.export_prompt_kv(prompt)
+    assert blocks.num_blocks == 8 and blocks.k.shape[1] == 8 + 2 * 2  # the chunk from token 24: blocks 6, 7
+    layout = blocks.layout
+    params = {"layout": {"model": layout.model, "dtype": layout.dtype, "page_size": PS,
+                         "page_shape": list(layout.page_shape), "v_page_shape": None, "kv_scales": None,
+                         "groups": groups_to_json(layout.groups)},
+              "num_tokens": 8 * PS, "tokens_digest": tokens_digest(prompt[:8 * PS]), "remote_engine_id": "x",
+              "remote_address": 0, "num_bytes": blocks.nbytes, "lora_digest": None}
+
+    def check(engine: Engine, changes: dict) -> int:
+        handoff = KVHandoff(AsyncEngine(engine, max_queue=0), "decode", buffer_bytes=1 << 20, host="127.0.0.1",
+                            hold_seconds=1.0)
+        return handoff._check({**params, **changes}, prompt, None)[1]
+
+    assert check(a, {}) == 8 * PS
+    with pytest.raises(APIError, match=r"grouped as global layers \[0, 3\]; chunk 12 layers \[1, 2\]; .* on the "
+                                       r"prefill worker and one group of every layer \(every page kept\) here"):
+        check(kept, {})
+    with pytest.raises(APIError, match="num_bytes"):
+        check(a, {"num_bytes": blocks.nbytes // 12 * 8})  # a page a block: the plain pool's size
+    with pytest.raises(APIError, match="layout.groups"):
+        check(a, {"layout": {**params["layout"], "groups": [[12, 0]]}})
+
+
 def test_what_does_not_take_local_layers_yet_says_so(llms):
     import jax.numpy as jnp
 
     from infire_jax.errors import ConfigError
     from infire_jax.speculative.setup import parse_speculation
 
-    with pytest.raises(ConfigError, match="hybrid KV cache"):
-        llms[0].engine.export_prompt_kv(prompts(6, (20,))[0])
     with pytest.raises(ConfigError, match="sliding-window layers"):
         parse_speculation({"method": "draft_model", "model": "dummy:smollm2-135m", "num_speculative_tokens": 2},
                           CONFIG, dtype=jnp.float32, multiprocess=False, one_plain_device=True)

@@ -4,8 +4,8 @@ Tiny random checkpoints of both published layouts (tests/llama4_models.py) are l
 loader and decoded greedily: tokens must equal HF's `generate` over 48 tokens and logprobs agree
 within 1e-3 (float32). Prompt and output cross several 16-token chunks, a NoPE layer's temperature
 changes every 8 positions, and dense and MoE layers interleave. Then the same family kept int8 with
-n-gram speculation, with an fp8 KV cache, and on 2 and 8 virtual devices; its configs' errors; the
-published configs' shapes.
+n-gram speculation, with an fp8 KV cache, demoted to host memory and promoted back (hot standby), and
+on 2 and 8 virtual devices; its configs' errors; the published configs' shapes.
 """
 
 from __future__ import annotations
@@ -145,6 +145,42 @@ def test_fp8_kv_cache_matches_hf_on_the_same_fp8_keys_and_values(checkpoints, mo
     fp8_kv(want, llm.engine.runner.kv_scales, monkeypatch)
     _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), want)
     llm.engine.close()
+
+
+def test_hot_standby_demotes_and_promotes_the_hybrid_cache(checkpoints):
+    """Hot standby (residency.py) with two models on the hybrid KV cache (the causal checkpoint under
+    two names), one on the device at a time: each swap demotes one (its pool and prefix cache
+    dropped) and promotes the other, and the model that comes back answers exactly as before:
+    greedy tokens and logprobs across several chunks, from an empty prefix cache, nothing
+    compiled, no page held in any group."""
+    from infire_jax import LLM, EngineConfig, SamplingParams
+    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+    from infire_jax.residency import start_engines
+
+    path = checkpoints["causal"][1]
+    config = EngineConfig(model=path, **dict(ENGINE, page_size=4, num_kv_pages=160))
+    engines, residency = start_engines([("a", config), ("b", config)], max_resident=1)
+    params = SamplingParams(**dict(GREEDY, max_tokens=24))
+
+    def answer(name: str) -> list[tuple[list[int], list[float], int]]:
+        assert residency.acquire(name, timeout=60)
+        try:
+            outs = LLM(engine=engines[name]).generate(PROMPTS, params)
+        finally:
+            residency.release(name)
+        return [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                 o.num_cached_tokens) for o in outs]
+
+    before = answer("a")
+    assert all(cached == 0 for _, _, cached in before)
+    answer("b")  # "a" goes to host memory
+    assert not engines["a"].resident and engines["b"].resident
+    assert answer("a") == before  # back on the device: equal tokens and logprobs, no stale prefix hit
+    assert residency.stats["a"].promotions == residency.stats["b"].promotions == 1
+    for engine in engines.values():
+        assert isinstance(engine.kv, HybridKVCacheManager) and engine.compiles_since_warmup == 0
+        assert engine.kv.num_free_pages == engine.kv.num_usable_pages and not any(engine.kv.pages_in_use())
+        engine.close()
 
 
 # ---- 2 and 8 virtual devices: tensor and expert parallel equal one device; pipelines are refused ----------------

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from infire_jax.errors import ConfigError, InvalidRequestError
-from infire_jax.kv_transfer.blocks import KVBlocks, KVLayout
+from infire_jax.kv_transfer.blocks import KVBlocks, KVLayout, numpy_dtype
 
 _INSTALL_HINT = ("Mooncake needs the Python wheel and libibverbs: `pip install mooncake-transfer-engine-non-cuda` "
                  "and, as root, `apt-get install -y libibverbs1 ibverbs-providers` (./run.sh does both)")
@@ -121,11 +121,8 @@ class MooncakeTransport:
 
     def received(self, r: Reservation, layout: KVLayout, token_ids: list[int], tenant: str | None) -> KVBlocks:
         """The blocks fetched into `r`, as views of the staging buffer (import them, then release)."""
-        num_blocks = len(token_ids) // layout.page_size
-        dtype = _numpy_dtype(layout.dtype)
-        k_page, v_page = layout.page_shape, layout.v_page_shape or layout.page_shape
-        shape = (k_page[0], num_blocks, *k_page[1:])
-        v_shape = (v_page[0], num_blocks, *v_page[1:])
+        dtype = numpy_dtype(layout.dtype)
+        shape, v_shape = layout.payload_shapes(len(token_ids) // layout.page_size)
         half = int(np.prod(shape)) * dtype.itemsize
         total = half + int(np.prod(v_shape)) * dtype.itemsize
         if total != r.nbytes:
@@ -135,9 +132,3 @@ class MooncakeTransport:
         v = region[half:].view(dtype).reshape(v_shape)
         return KVBlocks(layout, token_ids, tenant, k, v)
 
-
-def _numpy_dtype(name: str) -> np.dtype:
-    """numpy's dtype of that name, ml_dtypes' for bfloat16 and float8_e4m3fn."""
-    import ml_dtypes
-
-    return np.dtype(getattr(ml_dtypes, name, name))
