@@ -2,8 +2,9 @@
 
 Reads one JSON request on stdin: {"model": HF dir, "eager": bool, "work": {...}}, where the work is
 what `bench compare` also runs on our engine: dtype, max_model_len, prompt_ids, prefill_ids,
-batch_sizes, new_tokens, reps. Prints one JSON line on stdout with the same figures as our side
-(vLLM's logs go to stderr). Prefix caching is off: every run repeats the same prompt.
+batch_sizes, new_tokens, reps; or what `bench perplexity` scores: dtype, kv_cache_dtype,
+max_model_len, windows (token ids) and first (each window's first scored position). Prints one JSON
+line on stdout with the same figures as our side (vLLM's logs go to stderr). Prefix caching is off: every run repeats the same prompt.
 Env knobs, set here unless the caller's environment sets them: VLLM_CPU_KVCACHE_SPACE=2 (GiB),
 VLLM_CACHE_ROOT under the infire_jax cache (its torch.compile cache), VLLM_LOGGING_STREAM=stderr.
 """
@@ -58,6 +59,21 @@ def measure(llm, work):
     return res
 
 
+def perplexity(llm, work):
+    """The summed negative log-likelihood of each window's positions from its `first` on (its prompt
+    logprobs; vLLM generates at least one token, which is not scored), and their count."""
+    from vllm import SamplingParams
+
+    start = time.perf_counter()
+    prompts = [{"prompt_token_ids": ids} for ids in work["windows"]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    nll, count = 0.0, 0
+    for ids, first, out in zip(work["windows"], work["first"], outs):
+        nll -= sum(out.prompt_logprobs[pos][ids[pos]].logprob for pos in range(first, len(ids)))
+        count += len(ids) - first
+    return {"nll": nll, "tokens": count, "seconds": time.perf_counter() - start}
+
+
 def main():
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     request = json.load(sys.stdin)
@@ -68,13 +84,14 @@ def main():
     work = request["work"]
     start = time.perf_counter()
     llm = vllm.LLM(model=request["model"], dtype=work["dtype"], max_model_len=work["max_model_len"], seed=0,
-                   enable_prefix_caching=False, enforce_eager=request["eager"])
+                   enable_prefix_caching=False, enforce_eager=request["eager"],
+                   kv_cache_dtype=work.get("kv_cache_dtype", "auto"))
     res = {"peer": "vllm", "load_s": time.perf_counter() - start, "work": work, "model": request["model"],
            "eager": request["eager"], "env": {k: os.environ[k] for k in ENV_DEFAULTS},
            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
            "versions": {"vllm": vllm.__version__, "torch": importlib.metadata.version("torch"),
                         "python": platform.python_version()}}
-    res.update(measure(llm, work))
+    res.update(perplexity(llm, work) if "windows" in work else measure(llm, work))
     print(json.dumps(res), flush=True)
 
 

