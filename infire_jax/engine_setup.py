@@ -169,13 +169,14 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
     budget = ec.max_num_batched_tokens or (8192 if on_gpu() else 512)
     branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else on_gpu()
-    spec_config, eagle_head = parse_speculation(
-        ec.speculative_config, cfg, dtype=dtype, multiprocess=multihost.is_multiprocess(),
-        one_plain_device=plan is None and not ec.weights_compression and not ec.weights_quantization)
     placed = plan.effective_config(cfg) if plan else cfg  # on a pipeline: the stacked slots, stage by stage
     layout = KVGroupLayout.of(placed.local_attention, placed.num_layers, hybrid=ec.hybrid_kv_cache,
                               stages=plan.num_stages if plan else 1)
     kv_groups = layout if layout.bounded else None
+    spec_config, eagle_head = parse_speculation(
+        ec.speculative_config, cfg, dtype=dtype, multiprocess=multihost.is_multiprocess(),
+        one_plain_device=plan is None and not ec.weights_compression and not ec.weights_quantization,
+        kv_groups=kv_groups)
     pool = PoolPlanner(
         PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
                                   extra_page_bytes(spec_config, eagle_head, ec.page_size, dtype), kv_groups),
