@@ -169,11 +169,14 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
     budget = ec.max_num_batched_tokens or (8192 if on_gpu() else 512)
     branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else on_gpu()
+    placed = plan.effective_config(cfg) if plan else cfg  # on a pipeline: the stacked slots, stage by stage
+    layout = KVGroupLayout.of(placed.local_attention, placed.num_layers, hybrid=ec.hybrid_kv_cache,
+                              stages=plan.num_stages if plan else 1)
+    kv_groups = layout if layout.bounded else None
     spec_config, eagle_head = parse_speculation(
         ec.speculative_config, cfg, dtype=dtype, multiprocess=multihost.is_multiprocess(),
-        one_plain_device=plan is None and not ec.weights_compression and not ec.weights_quantization)
-    layout = KVGroupLayout.of(cfg.local_attention, cfg.num_layers, hybrid=ec.hybrid_kv_cache)
-    kv_groups = layout if layout.bounded else None
+        one_plain_device=plan is None and not ec.weights_compression and not ec.weights_quantization,
+        kv_groups=kv_groups)
     pool = PoolPlanner(
         PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
                                   extra_page_bytes(spec_config, eagle_head, ec.page_size, dtype), kv_groups),
@@ -189,7 +192,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                       decode_steps=1 if spec_config else ec.num_decode_steps,
                       kv_cache_dtype=kv_dtype.name, kv_groups=kv_groups, lora=ec.lora,
                       max_prompt_logprobs=ec.max_prompt_logprobs)
-    return Settings(dtype, kv_dtype, cfg, plan, plan.effective_config(cfg) if plan else cfg, max_model_len, budget,
+    return Settings(dtype, kv_dtype, cfg, plan, placed, max_model_len, budget,
                     spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales)
 
 
@@ -212,8 +215,6 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
         plan = ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
     except ValueError as e:  # unknown attention name, MeshConfigError
         raise ConfigError(str(e)) from e
-    if plan is not None and plan.num_stages > 1 and cfg.has_local_attention:
-        raise ConfigError("pipeline parallelism (pp > 1) with chunked or sliding-window layers is not supported yet")
     return plan
 
 

@@ -15,6 +15,11 @@ draw their pages from one pool (vLLM's hybrid KV cache manager, adapted to a sta
   its group: `describe` says how many there are.
 - A model whose layers are all global, or an engine that keeps every page (`hybrid=False`), has one
   global group of every layer: the pool and the programs are those of a plain model.
+- On a pipeline of `stages` stages (the layers: the stacked slots, each stage's contiguous), the pool's
+  leading axis is split over the stages like the layers, s / stages indices each, and each group holds
+  at stage k's indices layers of stage k only: the layout is made per stage (each stage's layers of a
+  kind cut into groups of s / stages, a group empty where a stage has fewer), and a layer's index is
+  its stage's (`layer_table`), the one it reads in its stage's shard of the pool.
 
 Group 0 is a global group whenever the model has global layers.
 
@@ -35,7 +40,8 @@ MAX_GROUPS = 8  # more groups than kinds only up to this: each is a page table p
 @dataclasses.dataclass(frozen=True)
 class KVGroup:
     """Layers of one kind: chunk C > 0 and / or window W > 0 (both 0: global), and the model layer at
-    each index of the group's pages (fewer than `page_layers` where the group is padded)."""
+    each index of the group's pages (fewer than `page_layers` where the group is padded at its end;
+    -1 at an index that holds no layer before others that do, on a pipeline)."""
 
     chunk: int
     window: int
@@ -86,6 +92,7 @@ class KVGroupLayout:
     groups: tuple[KVGroup, ...]
     page_layers: int
     num_layers: int
+    stages: int = 1  # pipeline stages: each holds page_layers / stages indices of every page
 
     @classmethod
     def single(cls, num_layers: int) -> "KVGroupLayout":
@@ -94,22 +101,30 @@ class KVGroupLayout:
 
     @classmethod
     def of(cls, local_attention: Sequence[tuple[int, int]], num_layers: int, *, hybrid: bool = True,
-           max_groups: int = MAX_GROUPS) -> "KVGroupLayout":
+           max_groups: int = MAX_GROUPS, stages: int = 1) -> "KVGroupLayout":
         """The layout of a model whose layer l has `local_attention[l]` = (chunk, window) (empty: all
-        global, ModelConfig.local_attention). `hybrid=False` keeps every page: one global group."""
+        global, ModelConfig.local_attention). `hybrid=False` keeps every page: one global group.
+        `stages`: pipeline stages, each of num_layers / stages consecutive layers (module docstring)."""
         if not hybrid or not any(c or w for c, w in local_attention):
             return cls.single(num_layers)
-        kinds: dict[tuple[int, int], list[int]] = {}
+        if num_layers % stages:
+            raise ValueError(f"{num_layers} layers do not split into {stages} equal pipeline stages")
+        per_stage = num_layers // stages
+        kinds: dict[tuple[int, int], list[list[int]]] = {}  # each kind's layers in each stage
         for layer, (c, w) in enumerate(local_attention):
-            kinds.setdefault((c, w), []).append(layer)
+            kinds.setdefault((c, w), [[] for _ in range(stages)])[layer // per_stage].append(layer)
         order = sorted(kinds, key=lambda k: (k != (0, 0), k))  # the global kind first
-        counts = [len(kinds[k]) for k in order]
+        counts = [[len(in_stage) for in_stage in kinds[k]] for k in order]
         size = choose_page_layers(counts, max(max_groups, len(counts)))
         groups = []
         for kind in order:
-            layers = kinds[kind]
-            groups += [KVGroup(*kind, tuple(layers[i:i + size])) for i in range(0, len(layers), size)]
-        return cls(tuple(groups), size, num_layers)
+            for i in range(max(-(-len(in_stage) // size) for in_stage in kinds[kind])):
+                slots = [in_stage[i * size:(i + 1) * size] for in_stage in kinds[kind]]
+                layers = sum((part + [-1] * (size - len(part)) for part in slots), [])
+                while layers[-1] < 0:
+                    layers.pop()
+                groups.append(KVGroup(*kind, tuple(layers)))
+        return cls(tuple(groups), size * stages, num_layers, stages)
 
     @property
     def num_groups(self) -> int:
@@ -126,11 +141,14 @@ class KVGroupLayout:
         return self.num_groups * self.page_layers - self.num_layers
 
     def layer_table(self) -> np.ndarray:
-        """[L, 2] int32: each layer's (index in the pool's leading axis, group): `AttentionMetadata.layer_kv`."""
+        """[L, 2] int32: each layer's (index in the pool's leading axis, group): `AttentionMetadata.layer_kv`.
+        On a pipeline the index is within the layer's stage's share of the axis (split like the layers)."""
         table = np.zeros((self.num_layers, 2), np.int32)
+        share = self.page_layers // self.stages
         for g, group in enumerate(self.groups):
             for index, layer in enumerate(group.layers):
-                table[layer] = (index, g)
+                if layer >= 0:
+                    table[layer] = (index % share, g)
         return table
 
     def seq_blocks(self, num_tokens: int, page_size: int, step_tokens: int = 1) -> int:
@@ -158,7 +176,7 @@ class KVGroupLayout:
         """The groups, for the start-up log."""
         kinds: dict[str, list[int]] = {}
         for g in self.groups:
-            kinds.setdefault(g.kind, []).append(len(g.layers))
+            kinds.setdefault(g.kind, []).append(sum(layer >= 0 for layer in g.layers))
         parts = [f"{len(n)} x {g} ({sum(n)} layers)" for g, n in kinds.items()]
         padding = f" ({self.padding_layers} of them padding)" if self.padding_layers else ""
         return f"KV groups: {', '.join(parts)}; a page holds {self.page_layers} layers{padding}"
@@ -197,15 +215,18 @@ class KVCapacity:
         return f"{groups}KV tokens that fit: {', '.join(fits)}"
 
 
-def choose_page_layers(counts: Sequence[int], max_groups: int) -> int:
-    """The group size s for kinds of `counts` layers: the least padding, then the fewest groups,
-    among the sizes that make at most `max_groups` groups (s = the largest count always does when
-    there are no more kinds than that)."""
+def choose_page_layers(counts: Sequence[int | Sequence[int]], max_groups: int) -> int:
+    """The group size s (a stage's share of it, on a pipeline) for kinds of `counts` layers (a count
+    per pipeline stage each, or one count): the least padding, then the fewest groups, among the
+    sizes that make at most `max_groups` groups (s = the largest count always does when there are no
+    more kinds than that). A kind has as many groups as its stage with the most of its layers needs."""
+    counts = [(n,) if isinstance(n, int) else tuple(n) for n in counts]
+    stages, total = len(counts[0]), sum(map(sum, counts))
     best = None
-    for s in range(1, max(counts) + 1):
-        groups = sum(-(-n // s) for n in counts)
+    for s in range(1, max(map(max, counts)) + 1):
+        groups = sum(max(-(-n // s) for n in per_stage) for per_stage in counts)
         if groups <= max_groups:
-            key = (groups * s - sum(counts), groups)
+            key = (groups * s * stages - total, groups)
             if best is None or key < best[0]:
                 best = (key, s)
     return best[1]

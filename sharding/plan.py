@@ -49,6 +49,17 @@ def plan_stages(num_layers: int, num_stages: int, stage_extra: Sequence[float] |
     return best[num_layers][2]
 
 
+def spread_layers(per_layer: Sequence, stage_layers: Sequence[int]) -> tuple:
+    """A per-layer sequence over the stacked layer slots: each stage's `max(stage_layers)` slots hold its
+    layers, then copies of its last layer's entry (the padding slots are identities; an entry such as a
+    layer's attention kind then puts them beside a real layer of their stage)."""
+    padded, out, start = max(stage_layers), [], 0
+    for n in stage_layers:
+        out += list(per_layer[start:start + n]) + [per_layer[start + n - 1]] * (padded - n)
+        start += n
+    return tuple(out)
+
+
 def repeat_kv_heads(w: np.ndarray, r: int) -> np.ndarray:
     """A fused q/k/v weight [..., Hkv, G + 2, D] as [..., Hkv * r, G / r + 2, D].
 
@@ -133,9 +144,11 @@ class ShardPlan:
         return self.mesh_config.rule(logical)
 
     def effective_config(self, cfg):
-        """The config the placed model has: kv heads repeated, layers padded to whole stages."""
+        """The config the placed model has: kv heads repeated, layers padded to whole stages (and their
+        chunked / sliding-window kinds spread over the stage slots, `spread_layers`)."""
+        local = cfg.local_attention and spread_layers(cfg.local_attention, self.stage_layers)
         return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * self.kv_repeat,
-                                   num_layers=self.num_stages * self.padded_layers)
+                                   num_layers=self.num_stages * self.padded_layers, local_attention=local)
 
     def spec(self, logical_axes: Sequence[str | None]) -> P:
         """A mesh axis splits the first dimension that asks for it; later ones stay whole (experts split

@@ -65,9 +65,12 @@ def main() -> None:
             llm.engine.follow()
             del llm
             continue
-        prompts = [llm.tokenizer.encode(p) for p in job["prompts"]]
+        prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p in job["prompts"]]  # text or ids
         lora = job.get("lora")  # [name, id, path]: every prompt with that LoRA adapter
         outs = llm.generate(prompts, params, lora_request=LoRARequest(*lora) if lora else None)
+        kv, groups = llm.engine.kv, llm.engine.runner.rc.kv_groups
+        result.update(pages_free=[kv.num_free_pages, kv.num_usable_pages],
+                      kv_groups=None if groups is None else groups.describe())
         llm.engine.close()
         result.update(fits=True, tokens=[o.token_ids for o in outs],
                       logprobs=[[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])

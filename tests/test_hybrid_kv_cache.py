@@ -78,6 +78,30 @@ def test_layout_groups_equal_sizes_by_kind():
     assert KVGroupLayout.of([WINDOW] * 3, 3).groups == (KVGroup(0, 6, (0, 1, 2)),)
 
 
+def test_pipeline_layout_keeps_each_stages_layers_in_its_share_of_a_page():
+    """On pp stages a page's indices split like the layers: a group holds at stage k's indices stage k's
+    layers only, and a layer's table row gives its index within its stage's share."""
+    from sharding.plan import spread_layers
+
+    slots = spread_layers([WINDOW, WINDOW, GLOBAL, GLOBAL, WINDOW], (2, 3))  # stages of 2 and 3 layers, 3 slots each
+    assert slots == (WINDOW, WINDOW, WINDOW, GLOBAL, GLOBAL, WINDOW)  # stage 0's padding slot beside its layers
+    # (global, window) layers per stage: (0, 3) and (2, 1). One layer a stage a page pads 4 places in 5
+    # groups; two pad 6 (1 + 2 groups of 4 places), three 6 too.
+    lay = KVGroupLayout.of(slots, 6, stages=2)
+    assert lay.groups == (KVGroup(*GLOBAL, (-1, 3)), KVGroup(*GLOBAL, (-1, 4)), KVGroup(*WINDOW, (0, 5)),
+                          KVGroup(*WINDOW, (1,)), KVGroup(*WINDOW, (2,)))
+    assert (lay.page_layers, lay.padding_layers) == (2, 4) and choose_page_layers([(0, 2), (3, 1)], 8) == 1
+    assert lay.layer_table().tolist() == [[0, 2], [0, 3], [0, 4], [0, 0], [0, 1], [0, 2]]
+    assert KVGroupLayout.of(slots, 6, stages=2, max_groups=4).page_layers == 6  # padding 6 either way: 2 groups
+    assert KVGroupLayout.of(slots, 6, stages=1).groups == (KVGroup(*GLOBAL, (3, 4)), KVGroup(*WINDOW, (0, 1)),
+                                                           KVGroup(*WINDOW, (2, 5)))
+    alternating = KVGroupLayout.of([GLOBAL, WINDOW] * 4, 8, stages=2)  # no padding: one global, one window group
+    assert (alternating.page_layers, alternating.num_groups, alternating.padding_layers) == (4, 2, 0)
+    assert alternating.layer_table().tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]] * 2
+    with pytest.raises(ValueError, match="equal pipeline stages"):
+        KVGroupLayout.of(slots, 6, stages=4)
+
+
 def test_first_visible_matches_the_kernels_mask():
     import jax.numpy as jnp
 

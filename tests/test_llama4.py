@@ -133,6 +133,48 @@ def test_int8_weights_with_ngram_speculation_match_hf_on_the_same_int8_weights(c
     llm.engine.close()
 
 
+def _tiny_llama_draft(path) -> str:
+    """A 2-layer random Llama with the Llama 4 checkpoints' vocabulary and tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deepseek_models import VOCAB, _save_tokenizer
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("draft", ["itself", "llama"])
+def test_draft_model_beside_the_hybrid_kv_cache_is_token_identical(draft, checkpoints, tmp_path):
+    """A draft model on the hybrid KV cache's global group's pages (the chunked groups' tables dropped
+    from what it sees): the causal model drafting for itself (its chunked layers masked on the global
+    table; nearly every proposal accepted, so the draft's KV is where it reads it) and a random tiny
+    Llama with its vocabulary (nearly none). Greedy tokens equal HF's (those of decoding without a
+    draft: test_generate_matches_hf), past several chunks; every page comes back, nothing recompiles."""
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+
+    hf, path = checkpoints["causal"]
+    spec = {"method": "draft_model", "model": path if draft == "itself" else _tiny_llama_draft(tmp_path / "draft"),
+            "num_speculative_tokens": 3}
+    llm = LLM(model=path, **ENGINE, speculative_config=spec)
+    e = llm.engine
+    assert isinstance(e.kv, HybridKVCacheManager) and e.runner.rc.kv_groups.num_groups > 1
+    _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), hf)
+    s = e.spec.stats
+    assert s.num_drafts > 0
+    if draft == "itself":
+        assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens
+    else:
+        assert s.num_accepted_tokens <= 0.3 * s.num_draft_tokens
+    assert e.kv.num_free_pages == e.kv.num_usable_pages and e.compiles_since_warmup == 0
+    e.close()
+
+
 def test_fp8_kv_cache_matches_hf_on_the_same_fp8_keys_and_values(checkpoints, monkeypatch):
     """An fp8 (e4m3) pool, its per-(layer, kv head) scales calibrated at build; HF attending to its
     keys and values rounded to e4m3 with those scales is the reference."""

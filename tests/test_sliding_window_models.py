@@ -73,14 +73,17 @@ def test_parser_refuses_what_it_cannot_honour():
 
 
 def _tiny_hf_dir(tmp_path_factory, family: str):
-    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
     if family == "qwen2":  # layers 0-1 global, 2-3 sliding
         cfg = Qwen2Config(**COMMON, num_hidden_layers=4, rope_theta=10000.0, use_sliding_window=True,
                           sliding_window=WINDOW, max_window_layers=2)
+    elif family == "qwen3":  # layers 0-1 sliding, 2-3 global
+        cfg = Qwen3Config(**COMMON, num_hidden_layers=4, head_dim=16, rope_theta=10000.0, use_sliding_window=True,
+                          sliding_window=WINDOW, layer_types=["sliding_attention"] * 2 + ["full_attention"] * 2)
     else:  # every layer sliding
         cfg = MistralConfig(**COMMON, num_hidden_layers=3, head_dim=16, rope_theta=10000.0, sliding_window=WINDOW)
-    torch.manual_seed({"qwen2": 5, "mistral": 6}[family])
+    torch.manual_seed({"qwen2": 5, "mistral": 6, "qwen3": 7}[family])
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp(f"{family}-sliding")
     model.save_pretrained(path, safe_serialization=True)
@@ -118,3 +121,28 @@ def test_tiny_sliding_window_models_match_transformers(family, tmp_path_factory)
                                        rtol=0, atol=1e-5)
     kv = llm.engine.kv
     assert kv.num_free_pages == kv.num_usable_pages and llm.engine.compiles_since_warmup == 0
+
+
+def test_pipeline_stages_match_one_device(tmp_path_factory, tmp_path):
+    """pp = 2 (2-pp2.yaml, 2 virtual devices): each stage's layer scan takes its own layers' windows and
+    reads its share of the hybrid pool through its layers' group tables. The Qwen3 model's window layers
+    are stage 0's, its global layers stage 1's (a group per kind, each page half padding); the 3-layer
+    Mistral's stages hold 1 and 2 layers, the padding slot beside its stage's layer. Greedy tokens and
+    logprobs (1e-4) of prompts and outputs past the window equal one device's, and every page comes back."""
+    import os
+
+    from test_sharding import ROOT, _assert_same, _results, _run_worker
+
+    models = {family: _tiny_hf_dir(tmp_path_factory, family)[0] for family in ("qwen3", "mistral")}
+    meshes = [os.path.join(ROOT, "sharding", "configs", m) for m in ("1.yaml", "2-pp2.yaml")]
+    job = {"runs": [{"model": path, "mesh": mesh} for path in models.values() for mesh in meshes],
+           "prompts": _prompts(), "max_tokens": 24, "engine": {k: v for k, v in ENGINE.items() if k != "dtype"}}
+    results = _results(_run_worker(job, 2, tmp_path, "sliding_pp"))
+    assert [r["fits"] for r in results] == [True] * 4, [r.get("error") for r in results]
+    for single, staged in zip(results[::2], results[1::2]):
+        assert staged["mesh_sizes"]["pp"] == 2
+        _assert_same(staged, single)  # logprobs within the mesh tests' 1e-4 (one device's CPU kernels round apart)
+        assert staged["pages_free"][0] == staged["pages_free"][1]
+    assert results[1]["kv_groups"] == ("KV groups: 1 x global (2 layers), 1 x window 16 (2 layers); "
+                                       "a page holds 4 layers (4 of them padding)")
+    assert results[3]["kv_groups"] == "KV groups: 1 x window 16 (4 layers); a page holds 4 layers"  # 1 padding slot

@@ -308,6 +308,26 @@ def test_draft_model_with_another_vocabulary_is_refused():
                                                 "num_speculative_tokens": 2})
 
 
+def test_draft_model_needs_a_kv_group_that_keeps_every_page():
+    """A draft keeps its KV on the pages of the target's global group; a model of sliding-window layers
+    only has none on the hybrid KV cache: refused before anything loads, naming the way out. With every
+    page kept in one group (`hybrid_kv_cache=False`) or beside global layers, it passes."""
+    from infire_jax.kv_groups import KVGroupLayout
+    from infire_jax.models.config import ModelConfig
+    from infire_jax.speculative.setup import parse_speculation
+
+    windows = ((0, 16),) * 2
+    target = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=16, local_attention=windows)
+    spec = {"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 2}
+    check = dict(dtype="float32", multiprocess=False, one_plain_device=True)
+    with pytest.raises(ConfigError, match="no group keeps them: set hybrid_kv_cache=False"):
+        parse_speculation(spec, target, kv_groups=KVGroupLayout.of(windows, 2), **check)
+    assert parse_speculation(spec, target, kv_groups=None, **check)[0].method == "draft_model"
+    mixed = KVGroupLayout.of(((0, 0), (0, 16)), 2)
+    assert parse_speculation(spec, target, kv_groups=mixed, **check)[0].method == "draft_model"
+
+
 def test_constrained_requests_speculate_within_their_grammar(smol_llm, spec_llm):
     """JSON-schema and regex outputs with n-gram proposals: the proposals are cut to what the
     grammar allows, each verified position is masked by the grammar after the proposals before it,

@@ -276,7 +276,7 @@ def from_hf_config(hf: Mapping[str, Any], dtype: str = "bfloat16", name: str = "
 def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     """The config the engine places on mesh `mc` (ShardPlan.effective_config without devices): kv heads
     repeated up to tp, layers padded to whole pipeline stages; ValueError if the mesh cannot split it."""
-    from sharding.plan import plan_stages
+    from sharding.plan import plan_stages, spread_layers
 
     sizes, repeat = mc.sizes, 1
     if cfg.llama4 is not None and sizes["pp"] > 1:
@@ -292,5 +292,8 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     for width in sorted(widths):
         if mc.rule("mlp") and width % sizes["tp"]:
             raise ValueError(f"MLP width {width} is not divisible by tp={sizes['tp']}")
-    layers = cfg.num_layers if sizes["pp"] == 1 else sizes["pp"] * max(plan_stages(cfg.num_layers, sizes["pp"]))
-    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeat, num_layers=layers)
+    if sizes["pp"] == 1:
+        return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeat)
+    stages = plan_stages(cfg.num_layers, sizes["pp"])
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeat, num_layers=sizes["pp"] * max(stages),
+                               local_attention=cfg.local_attention and spread_layers(cfg.local_attention, stages))

@@ -92,17 +92,21 @@ def apply_rope(x: Float[Array, "T *H D"], cos: Float[Array, "T half"],
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def local_attention_table(cfg: ModelConfig, num_layers: int) -> Int[Array, "L 2"] | None:
+def local_attention_table(cfg: ModelConfig, num_layers: int, stage_axis: str = "pp") -> Int[Array, "L 2"] | None:
     """Each layer's (chunk, window) as an int32 [L, 2] table, for a layer scan over `num_layers` stacked
     layers to scan beside the weights, so that one layer body serves layers of every kind
     (`with_local_mask`); None when every layer is global, so that such a model's programs carry no
-    mask code at all. (A pipeline stage's scan over its own layers would need its rows: not yet.)"""
+    mask code at all. A scan over fewer layers than the (placed) model has is a pipeline stage's, inside
+    the mesh's shard_map: it gets the rows of its own stage, the `stage_axis` index's slice."""
     if not cfg.has_local_attention:
         return None
-    if len(cfg.local_attention) != num_layers:
-        raise ConfigError(f"chunked / sliding-window layers in a scan over {num_layers} of the model's "
-                          f"{len(cfg.local_attention)} layers (pipeline stages) are not supported yet")
-    return jnp.asarray(cfg.local_attention, jnp.int32)
+    table = jnp.asarray(cfg.local_attention, jnp.int32)
+    if len(cfg.local_attention) == num_layers:
+        return table
+    if len(cfg.local_attention) % num_layers:
+        raise ConfigError(f"a layer scan over {num_layers} layers is no pipeline stage of the model's "
+                          f"{len(cfg.local_attention)}")
+    return jax.lax.dynamic_slice_in_dim(table, jax.lax.axis_index(stage_axis) * num_layers, num_layers)
 
 
 def with_local_mask(meta: AttentionMetadata, row: Int[Array, "2"] | None) -> AttentionMetadata:

@@ -85,9 +85,12 @@ def run_sharded(
 
     kv_spec = plan.spec(kv_axes)
     # An fp8 pool's scales [layers, 2, heads] are split like the pool, so a device's layer index and
-    # kv heads read their own scales; the rest of the metadata (group tables included) is replicated.
+    # kv heads read their own scales; so is a hybrid cache's layer table [layers, 2] (a stage's layers'
+    # rows, each with its index in the stage's share of the pool: kv_groups.py); the rest of the
+    # metadata (the group tables included) is replicated.
     meta_spec = jax.tree.map(lambda _: P(), meta)._replace(
-        kv_scales=None if meta.kv_scales is None else plan.spec((kv_axes[0], None, kv_axes[3])))
+        kv_scales=None if meta.kv_scales is None else plan.spec((kv_axes[0], None, kv_axes[3])),
+        layer_kv=None if meta.layer_kv is None else plan.spec((kv_axes[0], None)))
     w_specs = jax.tree.map(plan.spec, dict(weight_axes), is_leaf=lambda x: isinstance(x, tuple))
     fn = jax.shard_map(local, mesh=plan.mesh,
                        in_specs=(P(), w_specs, kv_spec, kv_spec, meta_spec, P(), P(), *[P()] * len(token_args)),

@@ -1,8 +1,11 @@
 """The draft-model proposer: a smaller model with the target's tokenizer guesses the next k tokens.
 
 The draft keeps a KV pool with the target's page count and page size and writes it through the
-target's page tables, so its KV for position p sits in the same page slot as the target's. Two
-programs keep it in step, with no bookkeeping of its own:
+target's page tables, so its KV for position p sits in the same page slot as the target's. On a
+target with a hybrid KV cache (chunked or sliding-window layers) those are the pages of its group 0,
+a global group that keeps every page (speculative/setup.py refuses a target without one): the step's
+`page_table` and `slot_mapping` and `Request.pages` are that group's, and the other groups' tables
+are dropped from what the draft sees. Two programs keep it in step, with no bookkeeping of its own:
 
 * `observe`: every target step's tokens (as its forward resolved them) also go through the
   draft's layers (no LM head), on the same slots. Its KV therefore covers every position the target computed, prefill chunks and
@@ -44,7 +47,9 @@ from pallas_kernels.reference import pool_storage_dtype
 
 def _observe(graphdef, attn_impl: str, precision: str, state, kv, tokens: Int[Array, "T"],
              meta: AttentionMetadata) -> tuple[Array, Array]:
-    """The draft's layers over the target step's tokens: only the KV it writes is kept."""
+    """The draft's layers over the target step's tokens: only the KV it writes is kept. Every draft
+    layer reads and writes through the step's `page_table` and `slot_mapping` (the target's group 0's)."""
+    meta = meta._replace(group_page_tables=None, group_slot_mappings=None, layer_kv=None)
     with jax.default_matmul_precision(precision):
         model = nnx.merge(graphdef, state)
         _, kv = model.run_layers(model.embed_tokens(tokens), kv, meta, attn_impl=attn_impl)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from infire_jax.errors import ConfigError
 from infire_jax.kv_cache import KVCacheManager
+from infire_jax.kv_groups import KVGroupLayout
 from infire_jax.models.config import ModelConfig
 from infire_jax.request import Request
 from infire_jax.runner import ModelRunner
@@ -20,10 +21,11 @@ MAX_BATCH_CPU = 4
 MAX_BATCH_GPU = 32
 
 
-def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool,
-                      one_plain_device: bool) -> tuple[SpeculativeConfig | None, Eagle3Head | None]:
+def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, one_plain_device: bool,
+                      kv_groups: KVGroupLayout | None = None) -> tuple[SpeculativeConfig | None, Eagle3Head | None]:
     """The engine's `speculative_config`, checked; an EAGLE-3 head is loaded now, since the target's
-    forward must be compiled to return the states it reads."""
+    forward must be compiled to return the states it reads. `kv_groups`: the target's hybrid KV cache
+    (None: one group, every page kept)."""
     sc = SpeculativeConfig.parse(value)
     if sc is None:
         return None, None
@@ -34,9 +36,14 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool,
                           "return; use ngram or draft_model")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
-    if sc.method != "ngram" and target.has_local_attention:
-        raise ConfigError(f"speculative_config.method {sc.method!r} is not supported yet for a model with chunked or "
-                          "sliding-window layers (its pages are the target's global ones); use ngram")
+    if sc.method == "eagle3" and target.has_local_attention:
+        raise ConfigError("speculative_config.method 'eagle3' is not supported yet for a model with chunked or "
+                          "sliding-window layers (its head's attention has no place among the hybrid KV cache's "
+                          "groups); use ngram or draft_model")
+    if sc.method == "draft_model" and kv_groups is not None and kv_groups.groups[0].bounded:
+        raise ConfigError("speculative_config.method 'draft_model' keeps its KV on the pages of the target's global "
+                          "layers (a group that keeps every page); every layer of this model is chunked or "
+                          "sliding-window, so no group keeps them: set hybrid_kv_cache=False, or use ngram")
     return sc, load_eagle3(sc.model, target, dtype=dtype) if sc.method == "eagle3" else None
 
 
