@@ -288,7 +288,7 @@ def test_what_does_not_take_local_layers_yet_says_so(llms):
     from infire_jax.speculative.setup import parse_speculation
 
     with pytest.raises(ConfigError, match="sliding-window layers"):
-        parse_speculation({"method": "draft_model", "model": "dummy:smollm2-135m", "num_speculative_tokens": 2},
+        parse_speculation({"method": "eagle3", "model": "unused", "num_speculative_tokens": 2},
                           CONFIG, dtype=jnp.float32, multiprocess=False, one_plain_device=True)
     assert parse_speculation({"method": "ngram", "num_speculative_tokens": 2}, CONFIG, dtype=jnp.float32,
                              multiprocess=False, one_plain_device=True)[0].method == "ngram"
