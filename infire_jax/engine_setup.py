@@ -171,7 +171,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else on_gpu()
     spec_config, eagle_head = parse_speculation(
         ec.speculative_config, cfg, dtype=dtype, multiprocess=multihost.is_multiprocess(),
-        one_plain_device=plan is None and not ec.weights_compression and not ec.weights_quantization)
+        one_plain_device=plan is None and not ec.weights_compression, quantized=bool(ec.weights_quantization))
     layout = KVGroupLayout.of(cfg.local_attention, cfg.num_layers, hybrid=ec.hybrid_kv_cache)
     kv_groups = layout if layout.bounded else None
     pool = PoolPlanner(

@@ -20,10 +20,12 @@ MAX_BATCH_CPU = 4
 MAX_BATCH_GPU = 32
 
 
-def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool,
-                      one_plain_device: bool) -> tuple[SpeculativeConfig | None, Eagle3Head | None]:
+def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, one_plain_device: bool,
+                      quantized: bool = False) -> tuple[SpeculativeConfig | None, Eagle3Head | None]:
     """The engine's `speculative_config`, checked; an EAGLE-3 head is loaded now, since the target's
-    forward must be compiled to return the states it reads."""
+    forward must be compiled to return the states it reads. `one_plain_device`: one device, weights
+    not palette-compressed; `quantized`: the target's layer weights kept quantized, which a draft
+    model (its own weights, reading only the target's tokens and page tables) does not mind."""
     sc = SpeculativeConfig.parse(value)
     if sc is None:
         return None, None
@@ -34,6 +36,9 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool,
                           "return; use ngram or draft_model")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
+    if sc.method == "eagle3" and quantized:
+        raise ConfigError("speculative_config.method 'eagle3' runs with unquantized weights (drop weights_quantization); "
+                          "use ngram or draft_model")
     if sc.method != "ngram" and target.has_local_attention:
         raise ConfigError(f"speculative_config.method {sc.method!r} is not supported yet for a model with chunked or "
                           "sliding-window layers (its pages are the target's global ones); use ngram")
