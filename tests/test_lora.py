@@ -2,8 +2,8 @@
 
 Adapters are made by PEFT itself (`init_lora_weights=False`: random nonzero A and B), ranks 8 and
 64, every target module, on the default model (SmolLM2), a tiny random Llama (kept int8, with
-n-gram speculative decoding) and a tiny Qwen3-MoE (attention only). One SmolLM2 engine serves the
-offline tests and then the HTTP server's.
+n-gram speculative decoding; int4 at load, with a draft model), and a tiny Qwen3-MoE (attention
+only). One SmolLM2 engine serves the offline tests and then the HTTP server's.
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
     assert engine.compiles_since_warmup == compiles
 
 
-# ---- tiny models: int8 base weights with n-gram speculation, and a mixture of experts --------------
+# ---- tiny models: int8 / int4 base weights with n-gram / draft-model speculation, a mixture of experts
 
 def _int8_round_trip(model) -> None:
     """The HF model's layer weights as our int8 keeps them (quant/resident.py's quantize_int8, redone in
@@ -383,8 +383,8 @@ def test_tiny_llama_int4_with_draft_model_matches_peft(tmp_path):
     _int4_round_trip(base, 32)
     peft_model = _peft_model(base, {"r8": ADAPTERS["r8"], "r64": ADAPTERS["r64"]}, tmp_path / "adapters")
     llm = LLM(model=str(tmp_path / "model"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets=(4, 32), max_model_len=256, weights_quantization="int4", int4_group_size=32,
-              enable_lora=True, max_loras=2, max_lora_rank=64,
+              token_buckets=(4, 32), max_model_len=96, num_kv_pages=32, weights_quantization="int4",
+              int4_group_size=32, enable_lora=True, max_loras=2, max_lora_rank=64,
               speculative_config={"method": "draft_model", "model": str(tmp_path / "model"),
                                   "num_speculative_tokens": 3, "disable_by_batch_size": 3})
     e = llm.engine

@@ -37,8 +37,8 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
     if sc.method == "eagle3" and quantized:
-        raise ConfigError("speculative_config.method 'eagle3' runs with unquantized weights (drop weights_quantization); "
-                          "use ngram or draft_model")
+        raise ConfigError("speculative_config.method 'eagle3' runs with unquantized weights (drop "
+                          "weights_quantization); use ngram or draft_model")
     if sc.method != "ngram" and target.has_local_attention:
         raise ConfigError(f"speculative_config.method {sc.method!r} is not supported yet for a model with chunked or "
                           "sliding-window layers (its pages are the target's global ones); use ngram")
