@@ -37,3 +37,21 @@ def fp8_block(weight_bytes: np.ndarray, scale_inv: np.ndarray, block: int) -> np
 
 def int8_channel(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.astype(np.float64) * scale.astype(np.float64)
+
+
+def reference_rtn(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """AutoGPTQ's asymmetric round to nearest (`Quantizer.find_params`, the scale stored in float16):
+    per-input codes, zeros and float16 scales `[O, I]` of `w [O, I]`, one group at a time in float64."""
+    out, inp = w.shape
+    q, zero, scale = np.zeros((out, inp)), np.zeros((out, inp)), np.zeros((out, inp), np.float16)
+    for start in range(0, inp, group):
+        cols = slice(start, min(start + group, inp))
+        x = w[:, cols].astype(np.float64)
+        lo, hi = np.minimum(x.min(axis=1), 0.0), np.maximum(x.max(axis=1), 0.0)
+        empty = (lo == 0) & (hi == 0)
+        lo, hi = np.where(empty, -1.0, lo), np.where(empty, 1.0, hi)
+        s = np.maximum(((hi - lo) / 15).astype(np.float16), np.float16(2.0 ** -24))
+        z = np.clip(np.round(-lo / s.astype(np.float64)), 0, 15)
+        q[:, cols] = np.clip(np.round(x / s.astype(np.float64)[:, None]) + z[:, None], 0, 15)
+        zero[:, cols], scale[:, cols] = z[:, None], s[:, None]
+    return q, zero, scale

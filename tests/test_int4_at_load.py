@@ -22,6 +22,7 @@ import pytest
 from infire_jax.errors import ConfigError
 from infire_jax.quant.int4_rtn import quantize_int4
 from infire_jax.quant.resident import dequantize_layer
+from quant_reference import reference_rtn
 from test_bench_perplexity import short_text_perplexity
 
 RNG = np.random.default_rng(36)
@@ -31,23 +32,6 @@ INPUTS = {"wqkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
 # |w - (q - zero) * scale| <= half a step, where round(x / scale) can pass 15 at a group's top end by
 # float16's rounding of the scale: 15 * 2^-11 of a step more (clipped).
 BOUND = 0.5 + 15 * 2.0 ** -11
-
-
-def reference_rtn(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-input codes, zeros and float16 scales `[O, I]` of `w [O, I]`, one group at a time in float64."""
-    out, inp = w.shape
-    q, zero, scale = np.zeros((out, inp)), np.zeros((out, inp)), np.zeros((out, inp), np.float16)
-    for start in range(0, inp, group):
-        cols = slice(start, min(start + group, inp))
-        x = w[:, cols].astype(np.float64)
-        lo, hi = np.minimum(x.min(axis=1), 0.0), np.maximum(x.max(axis=1), 0.0)
-        empty = (lo == 0) & (hi == 0)
-        lo, hi = np.where(empty, -1.0, lo), np.where(empty, 1.0, hi)
-        s = np.maximum(((hi - lo) / 15).astype(np.float16), np.float16(2.0 ** -24))
-        z = np.clip(np.round(-lo / s.astype(np.float64)), 0, 15)
-        q[:, cols] = np.clip(np.round(x / s.astype(np.float64)[:, None]) + z[:, None], 0, 15)
-        zero[:, cols], scale[:, cols] = z[:, None], s[:, None]
-    return q, zero, scale
 
 
 def _matrix(short: str, a: np.ndarray) -> np.ndarray:

@@ -2,13 +2,14 @@
 
 Adapters are made by PEFT itself (`init_lora_weights=False`: random nonzero A and B), ranks 8 and
 64, every target module, on the default model (SmolLM2), a tiny random Llama (kept int8, with
-n-gram speculative decoding) and a tiny Qwen3-MoE (attention only). One SmolLM2 engine serves the
-offline tests and then the HTTP server's.
+n-gram speculative decoding; int4 at load, with a draft model), and a tiny Qwen3-MoE (attention
+only). One SmolLM2 engine serves the offline tests and then the HTTP server's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -59,12 +60,15 @@ def _logprobs(out) -> list[float]:
     return [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
 
 
-def _assert_matches_peft(model, adapter: str, prompt: list[int], tokens: list[int], logprobs: list[float]) -> None:
-    """Our greedy tokens are HF + PEFT's greedy tokens, with their logprobs within 1e-3. Checked in one
-    forward over the prompt and our tokens: if HF's argmax after every prefix of ours is our next
-    token, HF's own greedy decoding produces exactly our tokens (by induction over the steps)."""
-    model.set_adapter(adapter)
-    with torch.no_grad():
+def _assert_matches_peft(model, adapter: str | None, prompt: list[int], tokens: list[int],
+                         logprobs: list[float]) -> None:
+    """Our greedy tokens are HF + PEFT's greedy tokens, with their logprobs within 1e-3 (adapter None:
+    the base model's). Checked in one forward over the prompt and our tokens: if HF's argmax after
+    every prefix of ours is our next token, HF's own greedy decoding produces exactly our tokens (by
+    induction over the steps)."""
+    if adapter is not None:
+        model.set_adapter(adapter)
+    with torch.no_grad(), model.disable_adapter() if adapter is None else contextlib.nullcontext():
         logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].double()
     assert logits.argmax(-1).tolist() == tokens
     want = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
@@ -299,7 +303,7 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
     assert engine.compiles_since_warmup == compiles
 
 
-# ---- tiny models: int8 base weights with n-gram speculation, and a mixture of experts --------------
+# ---- tiny models: int8 / int4 base weights with n-gram / draft-model speculation, a mixture of experts
 
 def _int8_round_trip(model) -> None:
     """The HF model's layer weights as our int8 keeps them (quant/resident.py's quantize_int8, redone in
@@ -345,6 +349,60 @@ def test_tiny_llama_int8_with_ngram_speculation_matches_peft(tmp_path):
     stats = llm.engine.spec.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # the target verified the rows' proposals
     assert llm.engine.compiles_since_warmup == 0
+
+
+def _int4_round_trip(model, group: int) -> None:
+    """The HF model's layer weights as int4 at load keeps them ((q - zero) * scale of the float64
+    reference quantizer, per output row in groups of `group` of HF's inputs)."""
+    from quant_reference import reference_rtn
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight") and ".layers." in name:
+                q, zero, scale = reference_rtn(p.detach().numpy(), group)
+                p.copy_(torch.from_numpy(((q - zero) * scale.astype(np.float64)).astype(np.float32)))
+
+
+def test_tiny_llama_int4_with_draft_model_matches_peft(tmp_path):
+    """Int4 at load (groups of 32; o_proj's kept per head of 16) under a draft model: the float
+    checkpoint drafts without adapters for rows of two adapters and the base in one batch, and the
+    int4 target verifies each row with its adapter. Every row is HF + PEFT's on the int4-dequantized
+    weights; the same rows with speculation off (a batch past disable_by_batch_size) are the same
+    tokens; nothing stays pinned or allocated."""
+    from test_moe import PROMPTS as ID_PROMPTS
+    from test_moe import VOCAB, _save_tokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.05, tie_word_embeddings=False)
+    base = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    base.save_pretrained(tmp_path / "model", safe_serialization=True)  # float: the engine quantizes it
+    _save_tokenizer(tmp_path / "model")
+    _int4_round_trip(base, 32)
+    peft_model = _peft_model(base, {"r8": ADAPTERS["r8"], "r64": ADAPTERS["r64"]}, tmp_path / "adapters")
+    llm = LLM(model=str(tmp_path / "model"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+              token_buckets=(4, 32), max_model_len=96, num_kv_pages=32, weights_quantization="int4",
+              int4_group_size=32, enable_lora=True, max_loras=2, max_lora_rank=64,
+              speculative_config={"method": "draft_model", "model": str(tmp_path / "model"),
+                                  "num_speculative_tokens": 3, "disable_by_batch_size": 3})
+    e = llm.engine
+    names = ["r8", "r64", None]
+    loras = [LoRARequest(n, i + 1, str(tmp_path / "adapters" / n)) if n else None for i, n in enumerate(names)]
+    prompts = ID_PROMPTS[:3]
+    outs = llm.generate(prompts, _greedy(24), lora_request=loras)
+    for name, prompt, out in zip(names, prompts, outs):
+        _assert_matches_peft(peft_model, name, prompt, out.token_ids, _logprobs(out))
+    stats = e.spec.stats
+    drafts, accepted = stats.num_drafts, stats.num_accepted_tokens
+    assert drafts > 0 and 0 < accepted < stats.num_draft_tokens  # proposals both accepted and rejected
+    plain = llm.generate(prompts + [prompts[0]], _greedy(24), lora_request=loras + [None])  # 4 rows > 3: no drafts
+    assert stats.num_drafts == drafts
+    assert [o.token_ids for o in plain[:3]] == [o.token_ids for o in outs]
+    assert e.kv.num_free_pages == e.kv.num_usable_pages and e.lora.slots.num_pinned == 0
+    assert all(a.users == 0 for a in e.lora.by_name.values())
+    assert e.compiles_since_warmup == 0
 
 
 def test_tiny_qwen3_moe_attention_adapters_match_peft(tmp_path):

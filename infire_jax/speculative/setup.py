@@ -22,10 +22,13 @@ MAX_BATCH_GPU = 32
 
 
 def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, one_plain_device: bool,
-                      kv_groups: KVGroupLayout | None = None) -> tuple[SpeculativeConfig | None, Eagle3Head | None]:
+                      quantized: bool = False, kv_groups: KVGroupLayout | None = None
+                      ) -> tuple[SpeculativeConfig | None, Eagle3Head | None]:
     """The engine's `speculative_config`, checked; an EAGLE-3 head is loaded now, since the target's
-    forward must be compiled to return the states it reads. `kv_groups`: the target's hybrid KV cache
-    (None: one group, every page kept)."""
+    forward must be compiled to return the states it reads. `one_plain_device`: one device, weights
+    not palette-compressed; `quantized`: the target's layer weights kept quantized, which a draft
+    model (its own weights, reading only the target's tokens and page tables) does not mind;
+    `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
     sc = SpeculativeConfig.parse(value)
     if sc is None:
         return None, None
@@ -36,6 +39,9 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
                           "return; use ngram or draft_model")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
+    if sc.method == "eagle3" and quantized:
+        raise ConfigError("speculative_config.method 'eagle3' runs with unquantized weights (drop "
+                          "weights_quantization); use ngram or draft_model")
     if sc.method == "eagle3" and target.has_local_attention:
         raise ConfigError("speculative_config.method 'eagle3' is not supported yet for a model with chunked or "
                           "sliding-window layers (its head's attention has no place among the hybrid KV cache's "
