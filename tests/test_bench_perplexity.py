@@ -83,3 +83,25 @@ def test_variants_are_engine_flags_checked_before_any_engine():
     with pytest.raises(BenchError, match="no text file /nonexistent"):
         read_text("/nonexistent")
     assert DEFAULT_TEXT == "/usr/share/common-licenses/GPL-3"
+
+
+def test_vllm_scores_the_same_windows_where_it_has_the_option():
+    """vLLM's side of a row: our windows' token ids and first scored positions (so the two NLL sums
+    cover the same tokens), with its names for the dtypes; no row for our quantized or compressed
+    weights, nor for a cache dtype vLLM cannot pair with the weights."""
+    from infire_jax.bench.perplexity import peer_work
+
+    args = _flags(dtype="float32")
+    ids = list(range(300))
+    work = peer_work(None, args, "float32", ids, WINDOW, STRIDE)
+    spans = windows(len(ids), WINDOW, STRIDE)
+    assert work["windows"] == [ids[s:e] for s, e, _ in spans] and work["max_model_len"] == WINDOW + 1
+    assert [w[f] for w, f in zip(work["windows"], work["first"])] == [ids[f] for _, _, f in spans]
+    assert sum(len(w) - f for w, f in zip(work["windows"], work["first"])) == len(ids) - 1
+    assert (work["dtype"], work["kv_cache_dtype"]) == ("float32", "auto")
+    fp8 = variant_args(args, "kv-cache-dtype=fp8")
+    assert peer_work("kv-cache-dtype=fp8", fp8, "float32", ids, WINDOW, STRIDE)["kv_cache_dtype"] == "fp8"
+    for variant in ("weights-quantization=int8", "weights-compression=palette", "max-num-seqs=4"):
+        assert peer_work(variant, variant_args(args, variant), "float32", ids, WINDOW, STRIDE) is None, variant
+    f32_cache = variant_args(_flags(dtype="bfloat16"), "kv-cache-dtype=float32")
+    assert peer_work("kv-cache-dtype=float32", f32_cache, "bfloat16", ids, WINDOW, STRIDE) is None
