@@ -3,8 +3,9 @@
 Reads one JSON request on stdin: {"model": HF dir, "eager": bool, "work": {...}}, where the work is
 what `bench compare` also runs on our engine: dtype, max_model_len, prompt_ids, prefill_ids,
 batch_sizes, new_tokens, reps; or what `bench perplexity` scores: dtype, kv_cache_dtype,
-max_model_len, windows (token ids) and first (each window's first scored position). Prints one JSON
-line on stdout with the same figures as our side (vLLM's logs go to stderr). Prefix caching is off: every run repeats the same prompt.
+max_model_len, windows (token ids) and first (each window's first scored position).
+Prints one JSON line on stdout with the same figures as our side (vLLM's logs go to stderr).
+Prefix caching is off: every run repeats the same prompt.
 Env knobs, set here unless the caller's environment sets them: VLLM_CPU_KVCACHE_SPACE=2 (GiB),
 VLLM_CACHE_ROOT under the infire_jax cache (its torch.compile cache), VLLM_LOGGING_STREAM=stderr.
 """
