@@ -108,6 +108,32 @@ def test_dummy_model_shapes_without_allocating():
     assert m.tokenizer.decode(m.tokenizer.encode("dummy text")) == "dummy text"
 
 
+def test_large_dummy_weights_are_drawn_a_chunk_at_a_time(monkeypatch):
+    """A one-device draw of a large weight keeps one chunk's temporaries (a whole draw of 4 layers of
+    Llama 4 Scout's stacked experts needs 86 GB of them, more than any GPU holds); chunked draws keep
+    the normal draw's spread and are the same on every call."""
+    import jax
+    import jax.numpy as jnp
+
+    from infire_jax.models import registry
+
+    scout_experts = (4, 16, 5120, 16384)  # layers, experts, hidden, 2 x expert width (gate_up)
+    assert registry.draw_chunks(int(np.prod(scout_experts))) == 20  # 5 x 2^30 elements in chunks of 2^28
+    program = registry.weight_draw(scout_experts, jnp.bfloat16, "normal", 0, 0, None, None)
+    memory = program.lower().compile().memory_analysis()
+    assert memory.output_size_in_bytes == 2 * np.prod(scout_experts)
+    assert memory.temp_size_in_bytes < 8e9, memory.temp_size_in_bytes  # one chunk: ~24 bytes an element
+    monkeypatch.setattr(registry, "DRAW_CHUNK_ELEMENTS", 1000)
+    assert registry.draw_chunks(3 * 800) == 3 and registry.draw_chunks(1009) == 1  # a prime: drawn whole
+    w = np.asarray(registry.weight_draw((4, 600), jnp.float32, "normal", 5, 0, None, None)())
+    again = np.asarray(registry.weight_draw((4, 600), jnp.float32, "normal", 5, 0, None, None)())
+    np.testing.assert_array_equal(w, again)
+    chunks = w.reshape(3, 800)
+    assert not np.allclose(chunks[0], chunks[1]) and abs(w.std() - 0.02) < 0.002 and abs(w.mean()) < 0.002
+    bits = np.asarray(registry.weight_draw((4, 600), jnp.int8, "int8", 6, 0, None, None)())
+    assert bits.min() >= -127 and len(np.unique(bits)) > 200 and jax.numpy.dtype(bits.dtype) == jnp.int8
+
+
 def _cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     small = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "512"]
     return subprocess.run([sys.executable, "-m", "infire_jax", *args, *small], input=stdin, capture_output=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import jax
@@ -39,37 +40,61 @@ def _place(w: np.ndarray, dtype, sharding: jax.sharding.Sharding | None) -> jax.
     return jax.make_array_from_callback(w.shape, sharding, lambda idx: np.asarray(w[idx], dtype=dtype))
 
 
-def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: np.ndarray | None) -> jax.Array:
-    """One `dummy:` weight, drawn on its devices by its own small program (peak memory: one weight).
+DRAW_CHUNK_ELEMENTS = 1 << 28  # a random draw's temporaries take ~24 bytes an element (XLA CPU): ~6 GiB a chunk
 
-    Padding slots of short pipeline stages are zero, which makes them identity layers.
-    """
-    shape, dtype, init = tuple(var.shape), var.dtype, var.get_metadata()["init"]
+
+def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: np.ndarray | None) -> jax.Array:
+    """One `dummy:` weight, drawn on its devices by its own small program (peak memory: one weight,
+    and one chunk's temporaries). Padding slots of short pipeline stages are zero, which makes them
+    identity layers."""
+    return weight_draw(tuple(var.shape), var.dtype, var.get_metadata()["init"], index, seed, sharding, slot_mask)()
+
+
+def weight_draw(shape: tuple[int, ...], dtype, init: str, index: int, seed: int, sharding,
+                slot_mask: np.ndarray | None):
+    """The jitted program that draws one `dummy:` weight (`_random_weight`)."""
+
+    def values(key, shape):
+        if init == "ones":
+            return jnp.ones(shape, jnp.float32)
+        if init == "zeros":
+            return jnp.zeros(shape, jnp.float32)
+        if init == "int8":  # quantized values (quant/resident.py DUMMY_INIT), drawn a byte each
+            return jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8), -127)
+        if init == "int8-scale":  # uniform values times this have the normal draw's spread, 0.02
+            return jnp.full(shape, 0.02 * 3 ** 0.5 / 127, jnp.float32)
+        if init == "int4-words":  # eight random nibbles a word
+            return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
+        if init == "int4-zero":
+            return jnp.full(shape, 8, jnp.float32)
+        if init == "int4-scale":  # nibbles 0..15 less 8 have a spread of sqrt(255 / 12)
+            return jnp.full(shape, 0.02 / (255 / 12) ** 0.5, jnp.float32)
+        return 0.02 * jax.random.normal(key, shape, jnp.float32)
 
     def draw():
         key = jax.random.fold_in(jax.random.key(seed), index)
-        if init == "ones":
-            w = jnp.ones(shape, jnp.float32)
-        elif init == "zeros":
-            w = jnp.zeros(shape, jnp.float32)
-        elif init == "int8":  # quantized values (quant/resident.py DUMMY_INIT), drawn a byte each
-            w = jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8), -127)
-        elif init == "int8-scale":  # uniform values times this have the normal draw's spread, 0.02
-            w = jnp.full(shape, 0.02 * 3 ** 0.5 / 127, jnp.float32)
-        elif init == "int4-words":  # eight random nibbles a word
-            w = jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
-        elif init == "int4-zero":
-            w = jnp.full(shape, 8, jnp.float32)
-        elif init == "int4-scale":  # nibbles 0..15 less 8 have a spread of sqrt(255 / 12)
-            w = jnp.full(shape, 0.02 / (255 / 12) ** 0.5, jnp.float32)
-        else:
-            w = 0.02 * jax.random.normal(key, shape, jnp.float32)
-        w = w.astype(dtype)
+        chunks = draw_chunks(math.prod(shape)) if sharding is None else 1
+        if chunks == 1:
+            w = values(key, shape).astype(dtype)
+        else:  # one chunk's temporaries at a time (whole: 86 GB for 4 layers of Scout's stacked experts)
+            w = jax.lax.map(lambda k: values(k, (math.prod(shape) // chunks,)).astype(dtype),
+                            jax.random.split(key, chunks)).reshape(shape)
         if slot_mask is not None:
             w = jnp.where(slot_mask.reshape(-1, *[1] * (len(shape) - 1)), w, jnp.zeros((), dtype))
         return w
 
-    return jax.jit(draw, out_shardings=sharding)()
+    return jax.jit(draw, out_shardings=sharding)
+
+
+def draw_chunks(num_elements: int, limit: int | None = None) -> int:
+    """Into how many equal chunks a one-device draw of `num_elements` is cut so that each holds at most
+    `limit` (default DRAW_CHUNK_ELEMENTS): the least divisor of the count that does (1: drawn whole).
+    Sharded draws are not cut: each device draws only its shard."""
+    least = -(-num_elements // (limit or DRAW_CHUNK_ELEMENTS))
+    for n in range(least, min(num_elements, 64 * least) + 1):
+        if num_elements % n == 0:
+            return n
+    return 1
 
 
 def abstract_placement(cfg: ModelConfig, dtype, plan: ShardPlan | None,
