@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from typing import Callable
 
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -81,3 +84,35 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.1)
+
+
+class AppThread:
+    """aiohttp apps served in this process, on an event loop of its own thread (the engines' threads
+    beside it); `run` runs a coroutine there. Servers without a subprocess: no second compile."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.runners: list[web.AppRunner] = []
+        self.urls: list[str] = []
+
+    def run(self, coro, timeout: float = 300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def serve(self, app: web.Application) -> None:
+        from server.listen import bind, make_runner
+
+        runner = make_runner(app)  # the workers' own: a client that leaves cancels its handler
+        await runner.setup()
+        sock = bind("127.0.0.1", 0)
+        await web.SockSite(runner, sock).start()
+        self.runners.append(runner)
+        self.urls.append(f"http://127.0.0.1:{sock.getsockname()[1]}")
+
+    def close(self) -> None:
+        for runner in self.runners:
+            self.run(runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()

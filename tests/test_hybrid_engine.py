@@ -43,6 +43,12 @@ def llms() -> tuple[LLM, LLM]:
     return make_llm(True), make_llm(False)
 
 
+@pytest.fixture(scope="module")
+def receiver() -> Engine:
+    """A second hybrid engine: KV moved from the first lands here."""
+    return make_llm(True).engine
+
+
 def prompts(seed: int, lengths) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
@@ -203,7 +209,7 @@ def _greedy(engine: Engine, prompt: list[int], tenant: str) -> tuple[list[int], 
     return tokens, lps, cached
 
 
-def test_kv_transfer_moves_every_groups_pages(llms):
+def test_kv_transfer_moves_every_groups_pages(llms, receiver):
     """A 47-token prompt (four chunks of 12) prefilled on the hybrid engine A and exported: its 11 full
     pages before the last token in the global group, and in each chunked group the 2 pages from the
     chunk holding token 44 (what computing after them reads), crossing Mooncake into engine B. B
@@ -212,8 +218,7 @@ def test_kv_transfer_moves_every_groups_pages(llms):
     from infire_jax.errors import InvalidRequestError
     from infire_jax.kv_transfer.mooncake import MooncakeTransport
 
-    a, kept = llms[0].engine, llms[1].engine
-    b = make_llm(True).engine
+    a, kept, b = llms[0].engine, llms[1].engine, receiver
     (prompt,) = prompts(11, (47,))
     want, want_lp, cached = _greedy(a, prompt, "pd")
     assert cached == 0  # a full prefill: the single-engine reference
@@ -292,3 +297,68 @@ def test_what_does_not_take_local_layers_yet_says_so(llms):
                           CONFIG, dtype=jnp.float32, multiprocess=False, one_plain_device=True)
     assert parse_speculation({"method": "ngram", "num_speculative_tokens": 2}, CONFIG, dtype=jnp.float32,
                              multiprocess=False, one_plain_device=True)[0].method == "ngram"
+
+
+def test_http_fleet_disaggregates_with_every_groups_pages(llms, receiver):
+    """Over HTTP, as the fleet runs: router -> prefill worker (the first hybrid engine) -> each group's
+    pages over Mooncake -> decode worker (the second), for prompts across chunks (and one shorter than
+    a page: nothing to move). Each answer equals the engine with every page kept (tokens, logprobs
+    within 1e-5); the decode worker's hit is every full page before the last token, in every group;
+    afterwards no page, hold or staging byte is left on either worker. It takes the engines over
+    (their serving threads), so it comes last."""
+    import asyncio
+
+    import aiohttp
+
+    from infire_jax.detokenizer import TokenText
+    from router.app import RouterConfig, build_router_app
+    from server.app import build_app
+    from server.endpoints import STATE
+    from server_utils import AppThread
+
+    a, kept, b = llms[0].engine, llms[1].engine, receiver
+    cases = prompts(13, (47, 30, 3))
+    want = [_greedy(kept, p, None)[:2] for p in cases]
+    text = TokenText(a.tokenizer)
+    servers = AppThread()
+    try:
+        servers.run(servers.serve(build_app(a, role="prefill", kv_buffer_bytes=4 << 20, kv_hold_seconds=30)))
+        servers.run(servers.serve(build_app(b, role="decode", kv_buffer_bytes=4 << 20)))
+        prefill, decode = (r.app[STATE].handoff for r in servers.runners)
+        free = prefill.free_bytes, decode.free_bytes
+        router = RouterConfig(workers=((servers.urls[0], "prefill"), (servers.urls[1], "decode")),
+                              disagg_min_tokens=0, health_interval=0.5)
+        servers.run(servers.serve(build_router_app(router)))
+
+        async def complete(prompt: list[int]) -> tuple[dict, dict]:
+            body = {"model": "tiny-chunked", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 1}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(servers.urls[2] + "/v1/completions", json=body,
+                                  headers={"x-tenant-id": "fleet"}) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.json(), dict(r.headers)
+
+        for prompt, (tokens, lps) in zip(cases, want):
+            got, headers = servers.run(complete(prompt))
+            assert headers["x-infire-decode-worker"] == servers.urls[1]
+            moved = len(prompt) > PS
+            assert (headers.get("x-infire-kv-transfer") == "imported") == moved, headers
+            usage = got["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == ((len(prompt) - 1) // PS * PS if moved else 0)
+            logprobs = got["choices"][0]["logprobs"]
+            assert logprobs["tokens"] == [text(t) for t in tokens]
+            np.testing.assert_allclose(logprobs["token_logprobs"], lps, rtol=0, atol=1e-5)
+
+        async def drained() -> None:
+            for _ in range(200):
+                if prefill.num_holds == 0 and (prefill.free_bytes, decode.free_bytes) == free:
+                    return
+                await asyncio.sleep(0.05)
+
+        servers.run(drained())
+        assert prefill.num_holds == 0 and (prefill.free_bytes, decode.free_bytes) == free
+    finally:
+        servers.close()
+    for engine in (a, b):
+        assert engine.kv.num_free_pages == engine.kv.num_usable_pages and not any(engine.kv.pages_in_use())

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from infire_jax import Engine, EngineConfig, SamplingParams
 from infire_jax.errors import InvalidRequestError
+from server_utils import AppThread
 
 PS = 16
 CONFIG = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
@@ -153,37 +154,6 @@ class _Watch:
             await asyncio.Event().wait()  # until the client leaves and the handler is cancelled
 
 
-class _Workers:
-    """Two apps served on an event loop of its own; `run` runs a coroutine there."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.runners: list[web.AppRunner] = []
-        self.urls: list[str] = []
-
-    def run(self, coro, timeout: float = 300):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    async def serve(self, app: web.Application) -> None:
-        from server.listen import bind, make_runner
-
-        runner = make_runner(app)  # the workers' own: a client that leaves cancels its handler
-        await runner.setup()
-        sock = bind("127.0.0.1", 0)
-        await web.SockSite(runner, sock).start()
-        self.runners.append(runner)
-        self.urls.append(f"http://127.0.0.1:{sock.getsockname()[1]}")
-
-    def close(self) -> None:
-        for runner in self.runners:
-            self.run(runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
-
-
 @pytest.fixture(scope="module")
 def workers(pair):
     """The pair as a prefill worker (16 MiB staging buffer) and a decode worker (4 MiB: room for
@@ -195,7 +165,7 @@ def workers(pair):
     watch = _Watch()
     prefill.middlewares.append(watch.middleware)
     prefill.on_response_prepare.append(watch.on_prepare)
-    w = _Workers()
+    w = AppThread()
     try:
         w.run(w.serve(prefill))
         w.run(w.serve(build_app(receiver, role="decode", kv_buffer_bytes=4 << 20)))
@@ -205,7 +175,7 @@ def workers(pair):
         w.close()
 
 
-def _handoff(w: _Workers, i: int):
+def _handoff(w: AppThread, i: int):
     from server.endpoints import STATE
 
     return w.runners[i].app[STATE].handoff
@@ -224,7 +194,7 @@ async def _until(predicate: Callable[[], bool], seconds: float, what: str) -> No
         await asyncio.sleep(0.02)
 
 
-def _prefill_body(w: _Workers, prompt: list[int]) -> dict:
+def _prefill_body(w: AppThread, prompt: list[int]) -> dict:
     return {"model": w.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": {"do_remote_decode": True}}
 
