@@ -299,6 +299,30 @@ def test_what_does_not_take_local_layers_yet_says_so(llms):
                              multiprocess=False, one_plain_device=True)[0].method == "ngram"
 
 
+def test_bench_latency_imports_long_contexts(llms):
+    """`bench latency --import-context`: each prompt's pages before its last are imported with random
+    values and found cached (measure raises otherwise), so only the last page is prefilled; the chunked
+    groups' KV read per decode step stays flat as the context doubles while the global group's grows;
+    a pool too small for the batch's contexts says so."""
+    from infire_jax.bench import latency, roofline
+    from infire_jax.bench.common import BenchError
+
+    engine = llms[0].engine
+    peaks = roofline.DevicePeaks("cpu", "cpu", 1e10, 1e11, "float32", 1 << 20, 64)
+    rows = {n: latency.measure(engine, peaks, batch=2, input_len=n, output_len=10, iters=1, warmup=0, seed=0,
+                               import_context=True) for n in (61, 121)}
+    for n, r in rows.items():  # the last token of the prompt and its page's other tokens: (n - 1) % PS + 1 each
+        tail = (n - 1) % PS + 1
+        assert r["prefill_flops"] == 2 * roofline.forward_flops(CONFIG, tail, n - tail)
+    kv = {n: r["decode_kv_mb_per_step"] for n, r in rows.items()}
+    local = {n: kv[n] * rows[n]["local_kv_share"] for n in kv}
+    assert local[61] == pytest.approx(local[121]) and kv[121] - local[121] > 1.8 * (kv[61] - local[61])
+    with pytest.raises(BenchError, match="cannot hold 4 x 200 tokens"):
+        latency.measure(engine, peaks, batch=4, input_len=200, output_len=2, iters=1, warmup=0, seed=0,
+                        import_context=True)
+    assert engine.kv.num_free_pages == engine.kv.num_usable_pages
+
+
 def test_http_fleet_disaggregates_with_every_groups_pages(llms, receiver):
     """Over HTTP, as the fleet runs: router -> prefill worker (the first hybrid engine) -> each group's
     pages over Mooncake -> decode worker (the second), for prompts across chunks (and one shorter than

@@ -67,7 +67,7 @@ CHECKS = (
     Check("llama4-scout-4k", 240, ("infire_jax.bench", "latency", *SCOUT, "--input-len", "4096", "--max-model-len",
                                    "4224", "--batch-size", "1", "32")),
     Check("llama4-scout-32k", 300, ("infire_jax.bench", "latency", *SCOUT, "--input-len", "32768", "--max-model-len",
-                                    "32896", "--batch-size", "1", "8")),
+                                    "32896", "--batch-size", "1", "32", "--import-context")),
     Check("lora-b1-b8", 240, ("infire_jax.bench", "latency", *LLAMA, "--input-len", "512", "--output-len", "128",
                               "--batch-size", "1", "8", "--lora", "8", "--lora-rank", "16")),
     # Section 2: the quantized and MoE kernels as the engine runs them.

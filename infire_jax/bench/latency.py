@@ -9,6 +9,13 @@ measured matmul rate. Host share: the part of the engine's step time not spent w
 device (scheduling, building and launching steps, detokenizing), over the timed iterations. With
 --lora N the same runs follow on N random LoRA adapters, one per row round-robin (bench/lora.py),
 each figure with its ratio to the base model's.
+
+--import-context measures decode at contexts whose prefill this machine cannot afford (Llama 4
+Scout's layers at 32k tokens on a CPU, a batch of 32 of them): each prompt's KV, but for its last
+page, is written into the prefix cache with random values (`Engine.import_prompt_kv`, as a decode
+worker imports a prefill worker's pages) and each request takes that as its prefix hit. A decode
+step then reads exactly the bytes it would after a real prefill; TTFT and the prefill figures cover
+only the prompt's last page.
 """
 
 from __future__ import annotations
@@ -30,14 +37,46 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters-warmup", type=int_at_least(0), default=1,
                    help="untimed iterations per batch size before the timed ones")
     p.add_argument("--num-iters", type=positive_int, default=3, help="timed iterations per batch size")
+    p.add_argument("--import-context", action="store_true",
+                   help="import each prompt's KV but its last page (random values) instead of prefilling it: "
+                        "decode at long contexts without the prefill's cost (TTFT then covers the last page)")
     lora.add_args(p)
     add_bench_engine_args(p, "the largest --batch-size")
 
 
+def _random_pages(rng, shape: tuple[int, ...], dtype):
+    """Pages [layers, pages, ...] of standard normal values: 16 pages drawn, repeated over the rest (a
+    32k-token context's draw would take seconds a request, and the values do not change what a step reads)."""
+    import numpy as np
+
+    drawn = rng.standard_normal((shape[0], min(shape[1], 16), *shape[2:]), np.float32).astype(dtype)
+    return np.take(drawn, np.arange(shape[1]) % max(drawn.shape[1], 1), axis=1)
+
+
+def import_contexts(engine, prompts: list[list[int]], tenant: str, seed, loras: list[str | None]) -> list[int]:
+    """Writes each prompt's full pages before its last token into the prefix cache under `tenant` (and
+    its row's LoRA adapter), with random keys and values in the pool's dtype; returns the tokens each
+    request will find cached."""
+    import numpy as np
+
+    from infire_jax.kv_transfer.blocks import KVBlocks, numpy_dtype
+
+    layout, rng = engine.kv_layout, np.random.default_rng(seed)
+    dtype, ps = numpy_dtype(layout.dtype), layout.page_size
+    cached = []
+    for prompt, lora_name in zip(prompts, loras):
+        n = (len(prompt) - 1) // ps
+        k, v = (_random_pages(rng, shape, dtype) for shape in layout.payload_shapes(n))
+        engine.import_prompt_kv(KVBlocks(layout, prompt[:n * ps], tenant, k, v), lora_name)
+        cached.append(n * ps)
+    return cached
+
+
 def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters: int, warmup: int,
-            seed: int, bar=None, loras: list[str] | None = None) -> dict:
-    """Times `warmup + iters` runs of one batch (row i on LoRA adapter loras[i % N] if given); returns
-    the figures of the timed runs."""
+            seed: int, bar=None, loras: list[str] | None = None, import_context: bool = False) -> dict:
+    """Times `warmup + iters` runs of one batch (row i on LoRA adapter loras[i % N] if given; with
+    `import_context`, each prompt's KV but its last page imported, `import_contexts`); returns the
+    figures of the timed runs."""
     import numpy as np
 
     from infire_jax.bench import driver, roofline
@@ -54,9 +93,14 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
             step_s0, wait_s0 = engine.stats.step_seconds, engine.stats.device_wait_seconds
         prompts = [p.prompt for p in random_prompts(batch, input_len, output_len, cfg.vocab_size,
                                                     seed=(seed, batch, it))]
-        trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch,
-                           tenant=f"bench-latency-{batch}-{it}",
-                           loras=[loras[i % len(loras)] for i in range(batch)] if loras else None)
+        tenant, rows = f"bench-latency-{batch}-{it}", [loras[i % len(loras)] for i in range(batch)] if loras else None
+        imported = import_contexts(engine, prompts, tenant, (seed, batch, it), rows or [None] * batch) \
+            if import_context else None
+        trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch, tenant=tenant, loras=rows)
+        if imported is not None and [r.num_cached_tokens for r in trace.requests] != imported:
+            raise BenchError(f"the imported contexts were not all found cached ({sum(imported)} tokens imported, "
+                             f"{sum(r.num_cached_tokens for r in trace.requests)} hit): prefix caching is off, or the KV "
+                             f"pool cannot hold {batch} x {input_len} tokens (--num-kv-pages / --kv-cache-memory)")
         if bar is not None:
             bar.update(1)
         if it < warmup:
@@ -133,7 +177,8 @@ def run(args: argparse.Namespace):
             infos[variant] = engine_info(engine)
             for batch in args.batch_size:
                 r = measure(engine, peaks, batch=batch, input_len=args.input_len, output_len=args.output_len,
-                            iters=args.num_iters, warmup=args.num_iters_warmup, seed=args.seed, bar=bar, loras=loras)
+                            iters=args.num_iters, warmup=args.num_iters_warmup, seed=args.seed, bar=bar, loras=loras,
+                            import_context=args.import_context)
                 results.append({**r, "variant": variant})
             name = engine.model_name
     results = lora.with_ratios(results, ("decode_ms_per_token", "mean_ttft_ms"))
