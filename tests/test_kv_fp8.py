@@ -60,6 +60,18 @@ def test_same_bytes_hold_twice_the_pages(engines):
     assert fp8.runner.cache.k_pages.shape[1] == 80 and fp8.runner.cache.k_pages.dtype == np.uint8
 
 
+def test_bench_counts_a_byte_an_element_of_the_fp8_pool(engines):
+    """`bench latency`'s KV bytes a decode step reads are the pool's: half the bfloat16 pool's for the
+    same contexts."""
+    from infire_jax.bench import latency, roofline
+
+    peaks = roofline.DevicePeaks("cpu", "cpu", 1e10, 1e11, "float32", 1 << 20, 64)
+    bf16, fp8 = (latency.measure(e, peaks, batch=1, input_len=16, output_len=6, iters=1, warmup=0, seed=0)
+                 for e in engines)
+    assert bf16["decode_kv_mb_per_step"] == pytest.approx(2 * fp8["decode_kv_mb_per_step"])
+    assert bf16["decode_kv_mb_per_step"] == pytest.approx(BF16_PAGE_BYTES / 16 * (16 + 3) / 1e6, rel=0.1)
+
+
 def test_perplexity_within_2_percent_of_the_bfloat16_cache(engines):
     """The quality issue's bound on fp8 KV (replacing greedy agreement): perplexity at most 2% above
     the bfloat16 cache's (+1.0% on this text; the pool of 40 / 80 pages preempts and resumes windows)."""

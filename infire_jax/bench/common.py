@@ -94,6 +94,11 @@ def engine_itemsize(engine: Engine) -> int:
     return jnp.dtype(engine.dtype).itemsize
 
 
+def kv_itemsize(engine: Engine) -> int:
+    """Bytes of one element of the KV pool (1 for an fp8 pool, whatever the model's dtype)."""
+    return engine.kv_dtype.itemsize
+
+
 def engine_weight_bytes(engine: Engine) -> int:
     import jax
 

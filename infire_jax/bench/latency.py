@@ -80,10 +80,10 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
     import numpy as np
 
     from infire_jax.bench import driver, roofline
-    from infire_jax.bench.common import BenchError, engine_itemsize, weight_bytes_per_param
+    from infire_jax.bench.common import BenchError, kv_itemsize, weight_bytes_per_param
     from infire_jax.bench.datasets import random_prompts
 
-    cfg, itemsize, weight_itemsize = engine.model_config, engine_itemsize(engine), weight_bytes_per_param(engine)
+    cfg, itemsize, weight_itemsize = engine.model_config, kv_itemsize(engine), weight_bytes_per_param(engine)
     ttfts, e2es, decode_s, decode_bytes, prefill_s, prefill_flops = [], [], 0.0, 0.0, 0.0, 0
     kv_read = local_kv_read = 0
     decode_steps = output_tokens = 0

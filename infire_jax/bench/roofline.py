@@ -227,5 +227,5 @@ def decode_step_bytes(cfg: ModelConfig, itemsize: int, contexts: Sequence[int],
                       weight_itemsize: float | None = None) -> float:
     """Bytes one decode step reads: the weights (`weight_itemsize` bytes a parameter, default
     `itemsize`: quantized or compressed weights hold fewer), plus each sequence's K and V over the keys
-    each layer sees."""
+    each layer sees, `itemsize` bytes an element (the pool's: 1 for fp8)."""
     return decode_weight_bytes(cfg, weight_itemsize or itemsize, len(contexts)) + kv_bytes_read(cfg, itemsize, contexts)[0]

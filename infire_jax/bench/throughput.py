@@ -43,10 +43,10 @@ def measure(engine, peaks, prompts, output_lens, *, concurrency: int, tenant: st
     """Runs the prompts at `concurrency` (prompt i on LoRA adapter loras[i % N] if given); returns
     throughput, latency statistics and roofline fractions."""
     from infire_jax.bench import driver, roofline
-    from infire_jax.bench.common import engine_itemsize, weight_bytes_per_param
+    from infire_jax.bench.common import kv_itemsize, weight_bytes_per_param
     from infire_jax.bench.metrics import summarize
 
-    cfg, itemsize = engine.model_config, engine_itemsize(engine)
+    cfg, itemsize = engine.model_config, kv_itemsize(engine)
     trace = driver.run(engine, prompts, output_lens, concurrency=concurrency, tenant=tenant,
                        on_done=bar.update if bar is not None else None,
                        loras=[loras[i % len(loras)] for i in range(len(prompts))] if loras else None)
