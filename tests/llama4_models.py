@@ -6,9 +6,9 @@ prompt and 48 generated tokens cross several chunks:
 - `causal`: a `Llama4ForCausalLM` (`llama4_text`), 5 layers (two dense + MoE super-layers and a
   dense layer left over), NoPE on a dense layer, qk L2 norm, llama3 rope scaling, top-1 routing;
 - `multimodal`: a `Llama4ForConditionalGeneration` (`llama4`: text weights under `language_model.`
-  beside a one-layer vision tower), 6 layers (three super-layers: on 2 pipeline stages, 2 and 1 and a
-  padding one), NoPE on a MoE layer and on a dense one of the last super-layer, no qk norm, top-2
-  routing. Its reference is its `.language_model` (transformers' text-only forward of the wrapper fails).
+  beside a one-layer vision tower), 6 layers (three super-layers: on 2 pipeline stages, 1 and a
+  padding one, then 2), NoPE on a MoE layer and on a dense one of the last super-layer, no qk norm,
+  top-2 routing. Its reference is its `.language_model` (transformers' text-only forward of the wrapper fails).
 The LM head is scaled up (`SHARPEN`) so that greedy decoding has no near-ties between float32 engines.
 """
 

@@ -231,7 +231,7 @@ def test_tp_ep_and_pp_meshes_match_one_device(checkpoints, tmp_path):
     """The multimodal model (top-2 routing) in a process with 8 virtual devices: on 2 (tp 2) and on 8
     (tp 8, its 2 kv heads repeated, the experts split over the same axis; tp 2 x ep 4), and on
     pipelines of 2 stages (alone, and with tp 4 in each) it gives one device's tokens. A stage holds
-    whole super-layers: its three go 2 and 1, the second stage's padded with a zero (identity)
+    whole super-layers: its three go 1 and 2, the first stage's padded with a zero (identity)
     super-layer, and each stage reads its own layers' RoPE / NoPE and chunked / global rows. The
     causal model's dense layer after its last MoE layer, and 8 stages for 3 super-layers, are refused."""
     import json
@@ -267,6 +267,39 @@ def test_tp_ep_and_pp_meshes_match_one_device(checkpoints, tmp_path):
             assert specs["dense_layers.wqkv"][0] == specs["moe_layers.w_gate_up"][0] == "pp"
             assert r["params"]["moe_layers.router"]["global"] == 4 * 64 * 8 * 4  # 4 slots of [64, 8] float32
             assert r["kv_groups"] is not None  # the hybrid cache, laid out per stage
+
+
+def test_pipeline_stages_hold_whole_super_layers():
+    """A plan's stages of the Llama 4 family: 3 super-layers of 2 over 2 stages go 1 and 2, each
+    stack spread over its own slots (the padding zero), the RoPE flags and chunked kinds spread as
+    the layers are, so each stage's scan reads its own rows; what cannot be split is refused."""
+    import re
+
+    import jax
+
+    from infire_jax.models.hf_config import config_from_hf
+    from sharding.mesh import MeshConfig, MeshConfigError
+    from sharding.plan import ShardPlan
+
+    cfg = config_from_hf(_raw(num_hidden_layers=6, no_rope_layers=[1, 0, 1, 1, 0, 1]))
+    pp2 = MeshConfig.parse({"mesh": {"pp": 2}, "rules": {"layers": "pp"}}, "pp2")
+    plan = ShardPlan.create(cfg, pp2, [jax.devices()[0]] * 2)
+    assert plan.stage_layers == (2, 4) and plan.padded_layers == 4
+    assert plan.stacks == (("dense_layers", (1, 2)), ("moe_layers", (1, 2)))
+    placed = plan.effective_config(cfg)
+    assert placed.num_layers == 8 and placed.llama4.stack_sizes == {"dense": 4, "moe": 4}
+    assert placed.llama4.rope_layers == (True, False, False, False) + (True, True, False, True)  # padding: as the last
+    assert [c for c, _ in placed.local_attention] == [16, 0, 0, 0, 16, 16, 0, 16]
+    dense, moe = np.arange(1.0, 4.0)[:, None], np.arange(1.0, 4.0)[:, None] * 10  # 3 layers of each, in order
+    out = plan.prepare_weights({"dense_layers.attn_norm": dense, "moe_layers.attn_norm": moe, "embed": dense})
+    np.testing.assert_array_equal(out["dense_layers.attn_norm"][:, 0], [1, 0, 2, 3])
+    np.testing.assert_array_equal(out["moe_layers.attn_norm"][:, 0], [10, 0, 20, 30])
+    np.testing.assert_array_equal(plan.layer_slot_mask("moe_layers"), [1, 0, 1, 1])
+    assert plan.layer_slot_mask("embed") is None
+    for layers, mesh, says in ((5, pp2, "the 1 dense layer(s) after the last MoE layer of 5 cannot be placed"),
+                               (2, pp2, "1 Llama 4 super-layers (2 layers each: dense then MoE) cannot fill 2")):
+        with pytest.raises(MeshConfigError, match=re.escape(says)):
+            ShardPlan.create(config_from_hf(_raw(num_hidden_layers=layers)), mesh, [jax.devices()[0]] * 2)
 
 
 # ---- configs: every field read, or refused naming it ------------------------------------------------------------

@@ -23,8 +23,10 @@ group tables from the pool index (`for_layer`), so chunked layers read only thei
 global (NoPE) layers every page.
 
 On a mesh (models/parallel.py) heads and MLP widths split over tp, experts over ep; the shared
-expert and dense MLPs are replicated over ep. Pipeline parallelism is refused for this family
-(sharding/plan.py). Layer weights may be kept int8 / int4 (quant/resident.py), dequantized a layer
+expert and dense MLPs are replicated over ep. A pipeline stage holds whole super-layers
+(sharding/plan.py `stage_split`), each stack spread over its own zero-padded stage slots; a stage's
+scan reads its stage's rows of `layer_table` and indexes its share of the pool by the layer's place in
+the stage. Layer weights may be kept int8 / int4 (quant/resident.py), dequantized a layer
 at a time; on a GPU the quantized matmul kernels read them in place (models/quant_kernels.py).
 """
 
