@@ -190,7 +190,8 @@ class ShardPlan:
     def effective_config(self, cfg):
         """The config the placed model has: kv heads repeated, layers padded to whole stages (and their
         per-layer kinds spread over the stage slots, `spread_config`)."""
-        return dataclasses.replace(spread_config(cfg, self.stage_layers), num_kv_heads=cfg.num_kv_heads * self.kv_repeat)
+        spread = spread_config(cfg, self.stage_layers)
+        return dataclasses.replace(spread, num_kv_heads=cfg.num_kv_heads * self.kv_repeat)
 
     def spec(self, logical_axes: Sequence[str | None]) -> P:
         """A mesh axis splits the first dimension that asks for it; later ones stay whole (experts split
