@@ -60,6 +60,49 @@ def spread_layers(per_layer: Sequence, stage_layers: Sequence[int]) -> tuple:
     return tuple(out)
 
 
+def stage_split(cfg, num_stages: int) -> tuple[int, ...]:
+    """Real layers per pipeline stage (`plan_stages`). The Llama 4 family's stages hold whole super-layers
+    (models/llama4.py scans P - 1 dense layers and a MoE layer as one), so its split is of super-layers;
+    dense layers after its last MoE layer (L % P) cannot be placed on a pipeline."""
+    l4 = getattr(cfg, "llama4", None)
+    if l4 is None or num_stages == 1:
+        if cfg.num_layers < num_stages:
+            raise MeshConfigError(f"{cfg.num_layers} layers cannot fill {num_stages} pipeline stages")
+        return plan_stages(cfg.num_layers, num_stages)
+    p = l4.moe_step
+    supers, tail = divmod(cfg.num_layers, p)
+    if tail:
+        raise MeshConfigError(f"Llama 4 pipeline stages hold whole super-layers of interleave_moe_layer_step={p} "
+                              f"layers (dense then MoE); the {tail} dense layer(s) after the last MoE layer of "
+                              f"{cfg.num_layers} cannot be placed")
+    if supers < num_stages:
+        raise MeshConfigError(f"{supers} Llama 4 super-layers ({p} layers each: dense then MoE) cannot fill "
+                              f"{num_stages} pipeline stages")
+    return tuple(n * p for n in plan_stages(supers, num_stages))
+
+
+def stage_stacks(cfg, stage_layers: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each stack of layer weights (their names' prefix) with its entries in each stage: the one
+    `layers` stack, or Llama 4's `dense_layers` and `moe_layers` (a stage of n layers holds n / P MoE ones)."""
+    l4 = getattr(cfg, "llama4", None)
+    if l4 is None:
+        return (("layers", tuple(stage_layers)),)
+    moe = tuple(n // l4.moe_step for n in stage_layers)
+    stacks = (("dense_layers", tuple(n - m for n, m in zip(stage_layers, moe))), ("moe_layers", moe))
+    return tuple((name, counts) for name, counts in stacks if any(counts))
+
+
+def spread_config(cfg, stage_layers: Sequence[int]):
+    """`cfg` with its layers spread over the stacked slots of whole stages (`spread_layers`): the slot
+    count, and each slot's chunked / sliding-window kind and (Llama 4) RoPE flag."""
+    local = cfg.local_attention and spread_layers(cfg.local_attention, stage_layers)
+    l4 = getattr(cfg, "llama4", None)
+    if l4 is not None:
+        l4 = dataclasses.replace(l4, rope_layers=spread_layers(l4.rope_layers, stage_layers))
+    return dataclasses.replace(cfg, num_layers=len(stage_layers) * max(stage_layers), local_attention=local,
+                               llama4=l4)
+
+
 def repeat_kv_heads(w: np.ndarray, r: int) -> np.ndarray:
     """A fused q/k/v weight [..., Hkv, G + 2, D] as [..., Hkv * r, G / r + 2, D].
 
@@ -80,6 +123,7 @@ class ShardPlan:
     kv_repeat: int  # each kv head is stored this many times, so tp divides the kv heads
     stage_layers: tuple[int, ...]  # real layers per pipeline stage
     padded_layers: int  # layers per stage slot (the stacked axis holds pp * padded_layers)
+    stacks: tuple[tuple[str, tuple[int, ...]], ...]  # each layer stack's entries per stage (`stage_stacks`)
 
     # ---- construction and validation ----------------------------------------------------------
     @classmethod
@@ -112,19 +156,19 @@ class ShardPlan:
         expert_axis = mc.rule("experts")
         if expert_axis and cfg.num_experts % sizes[expert_axis]:
             bad(f"{cfg.num_experts} experts are not divisible by {expert_axis}={sizes[expert_axis]}")
-        families = {"deepseek_moe": "DeepSeek-V3", "llama4": "Llama 4"}  # two layer stacks: also dense layers' MLPs
-        for field, family in families.items():
+        for field in ("deepseek_moe", "llama4"):  # two layer stacks: also dense layers' MLPs
             if getattr(cfg, field, None) is None:
                 continue
-            if pp > 1:
-                bad(f"pipeline parallelism is not supported for the {family} family")
+            if field == "deepseek_moe" and pp > 1:
+                bad("pipeline parallelism is not supported for the DeepSeek-V3 family")
             if mc.rule("mlp") and cfg.intermediate_size % tp:
                 bad(f"dense MLP width {cfg.intermediate_size} is not divisible by tp={tp}")
-        if cfg.num_layers < pp:
-            bad(f"{cfg.num_layers} layers cannot fill {pp} pipeline stages")
-        stages = plan_stages(cfg.num_layers, pp)
+        try:
+            stages = stage_split(cfg, pp)
+        except MeshConfigError as e:
+            bad(str(e))
         mesh = Mesh(np.asarray(devices[:mc.num_devices]).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
-        return cls(mc, mesh, kv_repeat, stages, max(stages))
+        return cls(mc, mesh, kv_repeat, stages, max(stages), stage_stacks(cfg, stages))
 
     @classmethod
     def single_device(cls, cfg, device: jax.Device | None = None) -> "ShardPlan":
@@ -145,10 +189,9 @@ class ShardPlan:
 
     def effective_config(self, cfg):
         """The config the placed model has: kv heads repeated, layers padded to whole stages (and their
-        chunked / sliding-window kinds spread over the stage slots, `spread_layers`)."""
-        local = cfg.local_attention and spread_layers(cfg.local_attention, self.stage_layers)
-        return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * self.kv_repeat,
-                                   num_layers=self.num_stages * self.padded_layers, local_attention=local)
+        per-layer kinds spread over the stage slots, `spread_config`)."""
+        spread = spread_config(cfg, self.stage_layers)
+        return dataclasses.replace(spread, num_kv_heads=cfg.num_kv_heads * self.kv_repeat)
 
     def spec(self, logical_axes: Sequence[str | None]) -> P:
         """A mesh axis splits the first dimension that asks for it; later ones stay whole (experts split
@@ -173,11 +216,16 @@ class ShardPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def layer_slot_mask(self) -> np.ndarray:
-        """1 for stacked-layer slots that hold a real layer, 0 for a stage's padding slots."""
-        mask = np.zeros(self.num_stages * self.padded_layers, np.float32)
-        for s, n in enumerate(self.stage_layers):
-            mask[s * self.padded_layers:s * self.padded_layers + n] = 1
+    def layer_slot_mask(self, stack: str = "layers") -> np.ndarray | None:
+        """For the slots of layer stack `stack` (a `stacks` name): 1 where a real layer is, 0 in a stage's
+        padding slots; None for what is no layer stack."""
+        counts = dict(self.stacks).get(stack)
+        if counts is None:
+            return None
+        padded = max(counts)
+        mask = np.zeros(self.num_stages * padded, np.float32)
+        for s, n in enumerate(counts):
+            mask[s * padded:s * padded + n] = 1
         return mask
 
     # ---- host weights -------------------------------------------------------------------------
@@ -195,17 +243,18 @@ class ShardPlan:
         return out
 
     def prepare_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Repeats kv heads and spreads the stacked layers over padded stage slots."""
+        """Repeats kv heads and spreads each stack's layers over its padded stage slots (zeros: identities)."""
         out = dict(weights)
         if self.kv_repeat > 1:  # every stack's fused q/k/v ("layers.wqkv", or Llama 4's "moe_layers.wqkv")
             for name in [k for k in out if k.endswith((".wqkv", ".bqkv"))]:
                 out[name] = repeat_kv_heads(out[name], self.kv_repeat)
         if self.num_stages > 1:
-            starts = np.cumsum((0,) + self.stage_layers[:-1])
-            for name in [k for k in out if k.startswith("layers.")]:
-                w = out[name]
-                padded = np.zeros((self.num_stages * self.padded_layers, *w.shape[1:]), w.dtype)
-                for s, (start, n) in enumerate(zip(starts, self.stage_layers)):
-                    padded[s * self.padded_layers:s * self.padded_layers + n] = w[start:start + n]
-                out[name] = padded
+            for stack, counts in self.stacks:
+                starts, slots = np.cumsum((0,) + counts[:-1]), max(counts)
+                for name in [k for k in out if k.startswith(f"{stack}.")]:
+                    w = out[name]
+                    padded = np.zeros((self.num_stages * slots, *w.shape[1:]), w.dtype)
+                    for s, (start, n) in enumerate(zip(starts, counts)):
+                        padded[s * slots:s * slots + n] = w[start:start + n]
+                    out[name] = padded
         return out

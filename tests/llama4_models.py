@@ -6,8 +6,9 @@ prompt and 48 generated tokens cross several chunks:
 - `causal`: a `Llama4ForCausalLM` (`llama4_text`), 5 layers (two dense + MoE super-layers and a
   dense layer left over), NoPE on a dense layer, qk L2 norm, llama3 rope scaling, top-1 routing;
 - `multimodal`: a `Llama4ForConditionalGeneration` (`llama4`: text weights under `language_model.`
-  beside a one-layer vision tower), 4 layers, NoPE on a MoE layer, no qk norm, top-2 routing. Its
-  reference is its `.language_model` (transformers' text-only forward of the wrapper fails).
+  beside a one-layer vision tower), 6 layers (three super-layers: on 2 pipeline stages, 1 and a
+  padding one, then 2), NoPE on a MoE layer and on a dense one of the last super-layer, no qk norm,
+  top-2 routing. Its reference is its `.language_model` (transformers' text-only forward of the wrapper fails).
 The LM head is scaled up (`SHARPEN`) so that greedy decoding has no near-ties between float32 engines.
 """
 
@@ -30,7 +31,7 @@ TEXT_CONFIGS = {
                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 32}),
-    "multimodal": dict(_COMMON, num_hidden_layers=4, no_rope_layers=[1, 0, 1, 1], use_qk_norm=False,
+    "multimodal": dict(_COMMON, num_hidden_layers=6, no_rope_layers=[1, 0, 1, 1, 0, 1], use_qk_norm=False,
                        num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,

@@ -225,35 +225,81 @@ def test_hot_standby_demotes_and_promotes_the_hybrid_cache(checkpoints):
         engine.close()
 
 
-# ---- 2 and 8 virtual devices: tensor and expert parallel equal one device; pipelines are refused ----------------
+# ---- 2 and 8 virtual devices: tensor, expert and pipeline parallel equal one device ----------------------------
 
-def test_tp_and_ep_meshes_match_one_device(checkpoints, tmp_path):
+def test_tp_ep_and_pp_meshes_match_one_device(checkpoints, tmp_path):
     """The multimodal model (top-2 routing) in a process with 8 virtual devices: on 2 (tp 2) and on 8
-    (tp 8, its 2 kv heads repeated, the experts split over the same axis; tp 2 x ep 4) it gives one
-    device's tokens."""
+    (tp 8, its 2 kv heads repeated, the experts split over the same axis; tp 2 x ep 4), and on
+    pipelines of 2 stages (alone, and with tp 4 in each) it gives one device's tokens. A stage holds
+    whole super-layers: its three go 1 and 2, the first stage's padded with a zero (identity)
+    super-layer, and each stage reads its own layers' RoPE / NoPE and chunked / global rows. The
+    causal model's dense layer after its last MoE layer, and 8 stages for 3 super-layers, are refused."""
     import json
     import os
 
     from test_sharding import ROOT, _results, _run_worker
 
-    meshes = ["1.yaml", "2.yaml", "8-tp8-ep.yaml", "8-tp2-ep4.yaml", "8-pp8.yaml"]
+    def mesh(name):
+        return os.path.join(ROOT, "sharding", "configs", name)
+
+    meshes = ["1.yaml", "2.yaml", "8-tp8-ep.yaml", "8-tp2-ep4.yaml", "2-pp2.yaml", "8-tp4-pp2.yaml", "8-pp8.yaml"]
     engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=[4, 32], num_kv_pages=40)
-    job = {"runs": [{"model": checkpoints["multimodal"][1], "mesh": os.path.join(ROOT, "sharding", "configs", m)}
-                    for m in meshes],
-           "prompts": ["Hello, Llama 4", "x" * 40, "the chunks of a long prompt cross"], "max_tokens": 24,
+    runs = [{"model": checkpoints["multimodal"][1], "mesh": mesh(m)} for m in meshes]
+    runs.append({"model": checkpoints["causal"][1], "mesh": mesh("2-pp2.yaml"), "tag": "tail"})
+    job = {"runs": runs, "prompts": ["Hello, Llama 4", "x" * 40, "the chunks of a long prompt cross"], "max_tokens": 24,
            "engine": engine}
-    results = {os.path.basename(r["mesh"]): r for r in _results(_run_worker(job, 8, tmp_path, "llama4"))}
-    assert "pipeline parallelism is not supported for the Llama 4 family" in results.pop("8-pp8.yaml")["error"]
+    results = {r["tag"] or os.path.basename(r["mesh"]): r for r in _results(_run_worker(job, 8, tmp_path, "llama4"))}
+    assert "3 Llama 4 super-layers (2 layers each: dense then MoE) cannot fill 8 pipeline stages" in \
+        results.pop("8-pp8.yaml")["error"]
+    assert "the 1 dense layer(s) after the last MoE layer of 5 cannot be placed" in results.pop("tail")["error"]
     single = results.pop("1.yaml")
-    assert set(results) == {"2.yaml", "8-tp8-ep.yaml", "8-tp2-ep4.yaml"}
+    assert set(results) == {"2.yaml", "8-tp8-ep.yaml", "8-tp2-ep4.yaml", "2-pp2.yaml", "8-tp4-pp2.yaml"}
     for mesh, r in results.items():
         assert r["fits"] and r["tokens"] == single["tokens"], (mesh, json.dumps(r)[:500])
         np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4)
         specs = {k: v["spec"] for k, v in r["params"].items()}
-        # tp splits the heads and the dense and shared MLPs' widths; ep (or tp) the routed experts
-        assert "tp" in specs["moe_layers.wqkv"] and "tp" in specs["dense_layers.w_gate_up"]
-        assert "tp" in specs["moe_layers.w_shared_gate_up"]
-        assert specs["moe_layers.w_gate_up"][1] == {"2.yaml": None, "8-tp8-ep.yaml": "tp", "8-tp2-ep4.yaml": "ep"}[mesh]
+        if "tp" in mesh or mesh == "2.yaml":  # tp splits the heads and the dense and shared MLPs' widths
+            assert "tp" in specs["moe_layers.wqkv"] and "tp" in specs["dense_layers.w_gate_up"]
+            assert "tp" in specs["moe_layers.w_shared_gate_up"]
+        # ep (or tp) the routed experts; pp every stack's layers, 2 super-layer slots a stage
+        assert specs["moe_layers.w_gate_up"][1] == {"8-tp8-ep.yaml": "tp", "8-tp2-ep4.yaml": "ep"}.get(mesh)
+        if "pp2" in mesh:
+            assert specs["dense_layers.wqkv"][0] == specs["moe_layers.w_gate_up"][0] == "pp"
+            assert r["params"]["moe_layers.router"]["global"] == 4 * 64 * 8 * 4  # 4 slots of [64, 8] float32
+            assert r["kv_groups"] is not None  # the hybrid cache, laid out per stage
+
+
+def test_pipeline_stages_hold_whole_super_layers():
+    """A plan's stages of the Llama 4 family: 3 super-layers of 2 over 2 stages go 1 and 2, each
+    stack spread over its own slots (the padding zero), the RoPE flags and chunked kinds spread as
+    the layers are, so each stage's scan reads its own rows; what cannot be split is refused."""
+    import re
+
+    import jax
+
+    from infire_jax.models.hf_config import config_from_hf
+    from sharding.mesh import MeshConfig, MeshConfigError
+    from sharding.plan import ShardPlan
+
+    cfg = config_from_hf(_raw(num_hidden_layers=6, no_rope_layers=[1, 0, 1, 1, 0, 1]))
+    pp2 = MeshConfig.parse({"mesh": {"pp": 2}, "rules": {"layers": "pp"}}, "pp2")
+    plan = ShardPlan.create(cfg, pp2, [jax.devices()[0]] * 2)
+    assert plan.stage_layers == (2, 4) and plan.padded_layers == 4
+    assert plan.stacks == (("dense_layers", (1, 2)), ("moe_layers", (1, 2)))
+    placed = plan.effective_config(cfg)
+    assert placed.num_layers == 8 and placed.llama4.stack_sizes == {"dense": 4, "moe": 4}
+    assert placed.llama4.rope_layers == (True, False, False, False) + (True, True, False, True)  # padding: as the last
+    assert [c for c, _ in placed.local_attention] == [16, 0, 0, 0, 16, 16, 0, 16]
+    dense, moe = np.arange(1.0, 4.0)[:, None], np.arange(1.0, 4.0)[:, None] * 10  # 3 layers of each, in order
+    out = plan.prepare_weights({"dense_layers.attn_norm": dense, "moe_layers.attn_norm": moe, "embed": dense})
+    np.testing.assert_array_equal(out["dense_layers.attn_norm"][:, 0], [1, 0, 2, 3])
+    np.testing.assert_array_equal(out["moe_layers.attn_norm"][:, 0], [10, 0, 20, 30])
+    np.testing.assert_array_equal(plan.layer_slot_mask("moe_layers"), [1, 0, 1, 1])
+    assert plan.layer_slot_mask("embed") is None
+    for layers, mesh, says in ((5, pp2, "the 1 dense layer(s) after the last MoE layer of 5 cannot be placed"),
+                               (2, pp2, "1 Llama 4 super-layers (2 layers each: dense then MoE) cannot fill 2")):
+        with pytest.raises(MeshConfigError, match=re.escape(says)):
+            ShardPlan.create(config_from_hf(_raw(num_hidden_layers=layers)), mesh, [jax.devices()[0]] * 2)
 
 
 # ---- configs: every field read, or refused naming it ------------------------------------------------------------
@@ -347,7 +393,7 @@ def test_multimodal_wrapper_fields_are_checked():
 def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
     """`dummy:` carries the published text config; shapes only (no allocation of 100-400B weights).
     The count equals HF's own text model built on the meta device, and the memory plan's tensors
-    hold exactly those weights (and refuse a pipeline, as the engine does)."""
+    hold exactly those weights (and a pipeline splits whole super-layers, as the engine does)."""
     import math
     import os
 
@@ -386,8 +432,8 @@ def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
     assert parts["moe_layers.w_gate_up.q4"] == (moe_layers, experts, 5120 // 8, 2, 8192)
     assert parts["moe_layers.w_shared_down.scale"] == (moe_layers, 8192 // 128, 5120)
     assert parts["moe_layers.router"] == (moe_layers, 5120, experts)  # the router stays as it is
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported for the Llama 4 family"):
-        placed_config(cfg, MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "2-pp2.yaml")))  # as the engine refuses
+    piped = placed_config(cfg, MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "2-pp2.yaml")))  # whole super-layers
+    assert piped.num_layers == 48 and piped.llama4.stack_sizes == cfg.llama4.stack_sizes
     small = load_dummy(f"{name},layers=3").config
     assert small.num_layers == 3 and small.llama4.stack_sizes["moe"] == 3 // cfg.llama4.moe_step
 

@@ -276,11 +276,9 @@ def from_hf_config(hf: Mapping[str, Any], dtype: str = "bfloat16", name: str = "
 def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     """The config the engine places on mesh `mc` (ShardPlan.effective_config without devices): kv heads
     repeated up to tp, layers padded to whole pipeline stages; ValueError if the mesh cannot split it."""
-    from sharding.plan import plan_stages, spread_layers
+    from sharding.plan import spread_config, stage_split
 
     sizes, repeat = mc.sizes, 1
-    if cfg.llama4 is not None and sizes["pp"] > 1:
-        raise ValueError("pipeline parallelism is not supported for the Llama 4 family")  # as ShardPlan.create
     tp = sizes["tp"] if mc.rule("q_heads") else 1
     if cfg.num_kv_heads % tp:
         if tp % cfg.num_kv_heads:
@@ -294,6 +292,5 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
             raise ValueError(f"MLP width {width} is not divisible by tp={sizes['tp']}")
     if sizes["pp"] == 1:
         return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeat)
-    stages = plan_stages(cfg.num_layers, sizes["pp"])
-    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeat, num_layers=sizes["pp"] * max(stages),
-                               local_attention=cfg.local_attention and spread_layers(cfg.local_attention, stages))
+    stages = stage_split(cfg, sizes["pp"])  # a Llama 4 stage: whole super-layers
+    return dataclasses.replace(spread_config(cfg, stages), num_kv_heads=cfg.num_kv_heads * repeat)

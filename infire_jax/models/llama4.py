@@ -23,8 +23,10 @@ group tables from the pool index (`for_layer`), so chunked layers read only thei
 global (NoPE) layers every page.
 
 On a mesh (models/parallel.py) heads and MLP widths split over tp, experts over ep; the shared
-expert and dense MLPs are replicated over ep. Pipeline parallelism is refused for this family
-(sharding/plan.py). Layer weights may be kept int8 / int4 (quant/resident.py), dequantized a layer
+expert and dense MLPs are replicated over ep. A pipeline stage holds whole super-layers
+(sharding/plan.py `stage_split`), each stack spread over its own zero-padded stage slots; a stage's
+scan reads its stage's rows of `layer_table` and indexes its share of the pool by the layer's place in
+the stage. Layer weights may be kept int8 / int4 (quant/resident.py), dequantized a layer
 at a time; on a GPU the quantized matmul kernels read them in place (models/quant_kernels.py).
 """
 
@@ -58,13 +60,17 @@ DENSE_INPUTS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_
 STACKS = ("dense", "moe")
 
 
-def layer_table(cfg: ModelConfig) -> Int[Array, "L 3"]:
-    """int32 [L, 3]: each layer's chunk and window (`local_attention_table`, zeros where every layer is
-    global) and whether it rotates q and k."""
-    local = local_attention_table(cfg, cfg.num_layers)
+def layer_table(cfg: ModelConfig, num_layers: int) -> Int[Array, "L 3"]:
+    """int32 [num_layers, 3]: each layer's chunk and window (`local_attention_table`, zeros where every
+    layer is global) and whether it rotates q and k. A scan over fewer layers than the (placed) model has
+    is a pipeline stage's: it gets its stage's rows, as `local_attention_table` does."""
+    local = local_attention_table(cfg, num_layers)
     if local is None:
-        local = jnp.zeros((cfg.num_layers, 2), jnp.int32)
-    return jnp.concatenate([local, jnp.asarray(cfg.llama4.rope_layers, jnp.int32)[:, None]], axis=1)
+        local = jnp.zeros((num_layers, 2), jnp.int32)
+    rope = jnp.asarray(cfg.llama4.rope_layers, jnp.int32)[:, None]
+    if cfg.num_layers != num_layers:
+        rope = jax.lax.dynamic_slice_in_dim(rope, jax.lax.axis_index("pp") * num_layers, num_layers)
+    return jnp.concatenate([local, rope], axis=1)
 
 
 class Llama4Layers(nnx.Module):
@@ -180,10 +186,12 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
                   sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
     """Scans the super-layers (P - 1 dense layers and a MoE layer each), then the dense layers left
-    over; the KV pool is a loop carry, indexed by the layer's place among all layers."""
+    over; the KV pool is a loop carry, indexed by the layer's place among all layers (of its pipeline
+    stage: the stacks and the pool hold that stage's share, and a stage has no dense layers left over)."""
     p = cfg.llama4.moe_step
-    supers, tail = cfg.num_layers // p, cfg.num_layers % p
-    table = layer_table(cfg)
+    supers = weights["moe"]["attn_norm"].shape[0] if "moe" in weights else 0
+    tail = cfg.num_layers % p
+    table = layer_table(cfg, supers * p + tail)
     tokens = h.shape[0]
     in_place = {kind: layer_stacks(w, tokens, DENSE_INPUTS, kind == "moe", one_device=red == Reductions())
                 for kind, w in weights.items()}

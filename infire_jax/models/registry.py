@@ -150,8 +150,10 @@ def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtyp
     graphdef, flat, shardings = abstract_placement(cfg, dtype, plan, resident)
 
     if weights is None:
-        mask = plan.layer_slot_mask() if plan else None
-        placed = [(path, var.replace(_random_weight(i, var, seed, shardings[path], mask if path[0] == "layers" else None)))
+        masks = {}  # each layer stack's slot mask (None: not a stack)
+        for path, _ in flat:
+            masks.setdefault(path[0], plan.layer_slot_mask(path[0]) if plan else None)
+        placed = [(path, var.replace(_random_weight(i, var, seed, shardings[path], masks[path[0]])))
                   for i, (path, var) in enumerate(flat)]
         return graphdef, nnx.from_flat_state(placed)
 
