@@ -279,16 +279,3 @@ def test_decode_worker_checks_a_hybrid_payloads_groups_and_bytes(llms):
         check(a, {"num_bytes": blocks.nbytes // 12 * 8})  # a page a block: the plain pool's size
     with pytest.raises(APIError, match="layout.groups"):
         check(a, {"layout": {**params["layout"], "groups": [[12, 0]]}})
-
-
-def test_what_does_not_take_local_layers_yet_says_so(llms):
-    import jax.numpy as jnp
-
-    from infire_jax.errors import ConfigError
-    from infire_jax.speculative.setup import parse_speculation
-
-    with pytest.raises(ConfigError, match="sliding-window layers"):
-        parse_speculation({"method": "eagle3", "model": "unused", "num_speculative_tokens": 2},
-                          CONFIG, dtype=jnp.float32, multiprocess=False, one_plain_device=True)
-    assert parse_speculation({"method": "ngram", "num_speculative_tokens": 2}, CONFIG, dtype=jnp.float32,
-                             multiprocess=False, one_plain_device=True)[0].method == "ngram"
