@@ -34,9 +34,6 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
         return None, None
     if multiprocess:
         raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
-    if sc.method == "eagle3" and target.llama4 is not None:
-        raise ConfigError("speculative_config.method 'eagle3' reads hidden states that the Llama 4 family does not "
-                          "return; use ngram or draft_model")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
     if sc.method == "eagle3" and quantized:
