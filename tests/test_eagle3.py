@@ -32,12 +32,14 @@ HEAD_CONFIG = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama
                "vocab_size": 49152, "draft_vocab_size": 8192, "tie_word_embeddings": False}
 
 
-def random_checkpoint(seed: int = 0, *, draft_ids: list[int] | None = None) -> dict[str, np.ndarray]:
-    """A random head in the published EAGLE-3 layout (HF names, (out, in) weights, d2t offsets, t2d
-    mask), drafting over `draft_ids` (default: 8192 random target ids)."""
+def random_checkpoint(seed: int = 0, *, draft_ids: list[int] | None = None,
+                      config: dict = HEAD_CONFIG) -> dict[str, np.ndarray]:
+    """A random head of `config`'s shape in the published EAGLE-3 layout (HF names, (out, in) weights,
+    d2t offsets, t2d mask), drafting over `draft_ids` (default: `draft_vocab_size` random target ids)."""
     rng = np.random.default_rng(seed)
-    e, f, v = 576, 1536, 49152
-    target = np.sort(rng.choice(v, 8192, replace=False) if draft_ids is None else draft_ids)
+    e, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hq, hkv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    target = np.sort(rng.choice(v, config["draft_vocab_size"], replace=False) if draft_ids is None else draft_ids)
     draft_vocab = len(target)
 
     def mat(*shape, std=0.03):
@@ -49,9 +51,9 @@ def random_checkpoint(seed: int = 0, *, draft_ids: list[int] | None = None) -> d
     t2d = np.zeros(v, bool)
     t2d[target] = True
     return {"fc.weight": mat(e, 3 * e), "midlayer.input_layernorm.weight": norm(),
-            "midlayer.hidden_norm.weight": norm(), "midlayer.self_attn.q_proj.weight": mat(9 * 64, 2 * e),
-            "midlayer.self_attn.k_proj.weight": mat(3 * 64, 2 * e),
-            "midlayer.self_attn.v_proj.weight": mat(3 * 64, 2 * e), "midlayer.self_attn.o_proj.weight": mat(e, 9 * 64),
+            "midlayer.hidden_norm.weight": norm(), "midlayer.self_attn.q_proj.weight": mat(hq * d, 2 * e),
+            "midlayer.self_attn.k_proj.weight": mat(hkv * d, 2 * e),
+            "midlayer.self_attn.v_proj.weight": mat(hkv * d, 2 * e), "midlayer.self_attn.o_proj.weight": mat(e, hq * d),
             "midlayer.post_attention_layernorm.weight": norm(), "midlayer.mlp.gate_proj.weight": mat(f, e),
             "midlayer.mlp.up_proj.weight": mat(f, e), "midlayer.mlp.down_proj.weight": mat(e, f),
             "norm.weight": norm(), "lm_head.weight": mat(draft_vocab, e, std=0.05),
@@ -373,3 +375,116 @@ def test_catch_up_tokens_follow_each_position():
                                     jnp.array([0, 0, 3, 0]), jnp.array([13, 0, 9, 0]), jnp.array([1, 1, 2, 1]))
     assert np.asarray(shifted)[:9].tolist() == [11, 12, 13, 21, 77, 31, 9, 33, 9]
     assert np.asarray(last)[:3].tolist() == [2, 4, 6]
+
+
+def hf_states(model, tokens: list[int], indices: tuple[int, ...]) -> np.ndarray:
+    """HF's residual stream at `hidden_states` indices over `tokens`, [N, len(indices) * E] float64. Index
+    L is the last layer's output before the final norm (HF's `hidden_states[L]` is after it): a hook reads it."""
+    layers = model.model.layers
+    caught = []
+    hook = layers[len(layers) - 1].register_forward_hook(
+        lambda module, args, out: caught.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    return np.concatenate([(caught[0] if i == len(layers) else states[i])[0].double().numpy() for i in indices], -1)
+
+
+def attentive(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The head with its attention sharpened (q, k x 4) and carrying most of its output (o x 20): a key
+    or value read from a wrong page then changes its drafts."""
+    scale = {f"midlayer.self_attn.{p}.weight": f for p, f in (("q_proj", 4.0), ("k_proj", 4.0), ("o_proj", 20.0))}
+    return {name: w * scale.get(name, 1.0) if w.dtype.kind == "f" else w for name, w in tensors.items()}
+
+
+def record_proposals(engine) -> list[tuple[list[int], list[int]]]:
+    """Every proposal the engine's EAGLE-3 head hands out, with its request's tokens then."""
+    records, propose = [], engine.draft.propose
+
+    def recording(reqs, ks):
+        out = propose(reqs, ks)
+        records.extend((r.all_token_ids, drafts) for r, drafts in zip(reqs, out))
+        return out
+
+    engine.draft.propose = recording
+    return records
+
+
+def assert_first_drafts_are_the_references(records, finals: list[list[int]], tensors: dict, config: dict,
+                                           embed: np.ndarray, states) -> None:
+    """Each recorded proposal's first draft is the float64 reference head's greedy draft over the request's
+    tokens so far, fed the target's states (`states(final sequence)`, [N, 3E]): its catch-up KV, written over
+    the steps through the engine's page tables, is exact (later drafts may chain into the null page). Where
+    they differ, the reference's logits must tie within 1e-4."""
+    ref = ReferenceEagle3(tensors, config, embed)
+    draft_to_target = list(np.arange(len(tensors["d2t"])) + tensors["d2t"])
+    cache, checked = {}, 0
+    for tokens, drafts in records:
+        if not drafts:
+            continue
+        final = next(f for f in finals if f[:len(tokens)] == tokens)
+        if tuple(final) not in cache:
+            cache[tuple(final)] = states(final)
+        n = len(tokens)
+        want, logits = ref.greedy_chain(np.asarray(final[1:n]), cache[tuple(final)][:n - 1], 1)
+        if drafts[0] != want[0]:
+            got = draft_to_target.index(drafts[0])
+            assert logits[0].max() - logits[0][got] < 1e-4, (n, drafts, want, logits[0])
+        checked += 1
+    assert checked >= len(finals) * 5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_engine_serves_eagle3_beside_sliding_window_layers(family, tmp_path_factory, tmp_path):
+    """qwen3: sliding-window layers 0 and 1 before global layers 2 and 3, on the hybrid KV cache: the head's
+    one (global) layer keeps its KV on the pages of group 0, the global layers' (the target's layer 0 is in
+    a window group, whose table drops the pages before the window). mistral: every layer slides, so no
+    group keeps every page and the head is refused, unless every page is kept (`hybrid_kv_cache=False`).
+    Greedy tokens equal HF's over prompts and outputs past the window; each proposal's first draft is the
+    reference head's on HF's states (aux ids: the layers' outputs, the last one's included); drafts are
+    accepted and rejected, every page comes back, nothing compiles after warmup."""
+    from collections import Counter
+
+    from deepseek_models import hf_greedy
+    from test_sliding_window_models import ENGINE, VOCAB, _prompts, _tiny_hf_dir
+
+    from infire_jax import LLM
+    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+    from infire_jax.sampling_params import SamplingParams
+
+    path, hf = _tiny_hf_dir(tmp_path_factory, family)
+    num_layers = len(hf.model.layers)
+    ids = [0, 1, num_layers - 1]
+    prompts = _prompts()
+    want = [hf_greedy(hf, p, 48)[0] for p in prompts]
+    draft_ids = sorted(t for t, _ in Counter(sum(want, [])).most_common(3))
+    config = dict(HEAD_CONFIG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, vocab_size=VOCAB, draft_vocab_size=len(draft_ids), rope_theta=10000.0,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": ids})
+    tensors = attentive(random_checkpoint(5, draft_ids=draft_ids, config=config))
+    spec = {"method": "eagle3", "model": write_checkpoint(tmp_path, tensors, config), "num_speculative_tokens": 3,
+            "acceptance_threshold": 0.0}  # no back-off: every step drafts
+    if family == "mistral":
+        with pytest.raises(ConfigError, match="every layer of this model is chunked or sliding-window, so no group"):
+            LLM(model=path, **ENGINE, speculative_config=spec)
+    llm = LLM(model=path, **ENGINE, speculative_config=spec, hybrid_kv_cache=family != "mistral")
+    e = llm.engine
+    groups = e.runner.rc.kv_groups
+    assert e.runner.rc.aux_layers == tuple(i + 1 for i in ids)
+    if family == "qwen3":
+        assert isinstance(e.kv, HybridKVCacheManager) and e.runner.rc.aux_layers == (1, 2, 4)
+        assert [g.layers for g in groups.groups] == [(2, 3), (0, 1)] and groups.groups[1].bounded
+    else:
+        assert groups is None and e.model_config.local_attention == ((0, 16),) * num_layers
+    records = record_proposals(e)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    s = e.spec.stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    embed = hf.model.embed_tokens.weight.detach().numpy()
+    assert_first_drafts_are_the_references(records, [p + w for p, w in zip(prompts, want)], tensors, config, embed,
+                                           lambda seq: hf_states(hf, seq, e.runner.rc.aux_layers))
+    assert e.compiles_since_warmup == 0 and e.kv.num_free_pages == e.kv.num_usable_pages
+    e.close()

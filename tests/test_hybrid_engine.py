@@ -4,7 +4,8 @@ in one group (`hybrid_kv_cache=False`; the kernels mask the same way, so tokens 
 equal). Prompts crossing several chunks in one step, chunked prefill with a step boundary mid-chunk,
 decode and decode bursts across boundaries, preemption, prefix-cache hits; the pages a long sequence
 holds; no page leaks after 500 mixed requests with disconnects; no compiles after warmup; a prompt's
-KV moved to another engine (each group's pages) serving it as a full prefix hit."""
+KV moved to another engine (each group's pages) serving it as a full prefix hit, and the same through
+a router, a prefill and a decode worker over HTTP; `bench latency --import-context` on this cache."""
 
 from __future__ import annotations
 
@@ -284,19 +285,6 @@ def test_decode_worker_checks_a_hybrid_payloads_groups_and_bytes(llms):
         check(a, {"num_bytes": blocks.nbytes // 12 * 8})  # a page a block: the plain pool's size
     with pytest.raises(APIError, match="layout.groups"):
         check(a, {"layout": {**params["layout"], "groups": [[12, 0]]}})
-
-
-def test_what_does_not_take_local_layers_yet_says_so(llms):
-    import jax.numpy as jnp
-
-    from infire_jax.errors import ConfigError
-    from infire_jax.speculative.setup import parse_speculation
-
-    with pytest.raises(ConfigError, match="sliding-window layers"):
-        parse_speculation({"method": "eagle3", "model": "unused", "num_speculative_tokens": 2},
-                          CONFIG, dtype=jnp.float32, multiprocess=False, one_plain_device=True)
-    assert parse_speculation({"method": "ngram", "num_speculative_tokens": 2}, CONFIG, dtype=jnp.float32,
-                             multiprocess=False, one_plain_device=True)[0].method == "ngram"
 
 
 def test_bench_latency_imports_long_contexts(llms):

@@ -4,7 +4,8 @@ Tiny random checkpoints of both published layouts (tests/llama4_models.py) are l
 loader and decoded greedily: tokens must equal HF's `generate` over 48 tokens and logprobs agree
 within 1e-3 (float32). Prompt and output cross several 16-token chunks, a NoPE layer's temperature
 changes every 8 positions, and dense and MoE layers interleave. Then the same family kept int8 with
-n-gram speculation, with an fp8 KV cache, demoted to host memory and promoted back (hot standby), and
+n-gram speculation, with a draft model and with an EAGLE-3 head (its aux hidden states against HF's),
+with an fp8 KV cache, demoted to host memory and promoted back (hot standby), and
 on 2 and 8 virtual devices; its configs' errors; the published configs' shapes.
 """
 
@@ -172,6 +173,87 @@ def test_draft_model_beside_the_hybrid_kv_cache_is_token_identical(draft, checkp
     else:
         assert s.num_accepted_tokens <= 0.3 * s.num_draft_tokens
     assert e.kv.num_free_pages == e.kv.num_usable_pages and e.compiles_since_warmup == 0
+    e.close()
+
+
+def test_aux_hidden_states_equal_hf_hidden_states(checkpoints):
+    """EAGLE-3's features from the super-layer scan: HF `hidden_states` indices 0 (the embedding), 2 (a
+    MoE layer's output), 3 (the NoPE layer's) and 5 (the dense layer left over: the last layer's output,
+    before the final norm), for the three prompts in one step across 16-token chunks, within 1e-4
+    (float32); the logits and the pool are the plain forward's. Bad indices and a mesh are refused."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from test_eagle3 import PS, hf_states, make_meta
+
+    from infire_jax.errors import ConfigError
+    from infire_jax.loaders import load_model
+    from infire_jax.models.registry import build_state
+
+    hf, path = checkpoints["causal"]
+    loaded = load_model(path)
+    cfg = loaded.config
+    model = nnx.merge(*build_state(cfg, loaded.weights, jnp.float32))
+    layers = (0, 2, 3, 5)
+    rows, pages = [], iter(range(1, 100))
+    for ids in PROMPTS:
+        rows.append((list(range(len(ids))), [next(pages) for _ in range(-(-len(ids) // PS))]))
+    meta = make_meta(rows, num_tokens=64, num_rows=4, width=5)
+    tokens = jnp.asarray(np.concatenate([np.concatenate(PROMPTS), np.zeros(64 - sum(map(len, PROMPTS)), int)]))
+    kv = (jnp.zeros((cfg.num_layers, 12, PS, cfg.num_kv_heads, cfg.head_dim)),) * 2
+    last = jnp.asarray(np.cumsum([len(p) for p in PROMPTS] + [1]) - 1)
+    logits, kv_aux, aux = model(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers)
+    plain_logits, kv_plain = model(tokens, kv, meta, last, attn_impl="reference")
+    np.testing.assert_array_equal(logits, plain_logits)  # asking for aux states changes nothing else
+    np.testing.assert_array_equal(kv_aux[0], kv_plain[0])
+    assert aux.shape == (64, 4 * cfg.hidden_size)
+    off = 0
+    for ids in PROMPTS:
+        want = hf_states(hf, ids, layers)
+        np.testing.assert_allclose(aux[off:off + len(ids)], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        off += len(ids)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        model(tokens, kv, meta, last, attn_impl="reference", aux_layers=(3, 2))
+    with pytest.raises(ConfigError, match="one device"):
+        model(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers, plan=object())
+
+
+def test_eagle3_on_the_hybrid_kv_cache_is_token_identical(checkpoints, tmp_path):
+    """An EAGLE-3 head over the causal model on the hybrid KV cache (its KV on the global group's pages):
+    aux ids 1, 2, 4 (a MoE layer's, the NoPE layer's and the last layer's outputs). Greedy tokens equal
+    HF's past several chunks; drafts (over the two tokens most frequent in HF's continuations) are accepted and
+    rejected; each proposal's first draft is the float64 reference head's (tests/eagle3_reference.py) on
+    HF's states; every page comes back, nothing compiles after warmup."""
+    from collections import Counter
+
+    from test_eagle3 import (HEAD_CONFIG, assert_first_drafts_are_the_references, attentive, hf_states,
+                             random_checkpoint, record_proposals, write_checkpoint)
+
+    from deepseek_models import VOCAB
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+
+    hf, path = checkpoints["causal"]
+    want = [hf_greedy(hf, p, NUM_TOKENS)[0] for p in PROMPTS]
+    draft_ids = sorted(t for t, _ in Counter(sum(want, [])).most_common(2))
+    config = dict(HEAD_CONFIG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=96, vocab_size=VOCAB, draft_vocab_size=len(draft_ids), rope_theta=10000.0,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 4]})
+    tensors = attentive(random_checkpoint(6, draft_ids=draft_ids, config=config))
+    llm = LLM(model=path, **ENGINE, speculative_config={
+        "method": "eagle3", "model": write_checkpoint(tmp_path, tensors, config), "num_speculative_tokens": 3,
+        "acceptance_threshold": 0.0})  # no back-off: every step drafts
+    e = llm.engine
+    assert isinstance(e.kv, HybridKVCacheManager) and e.runner.rc.kv_groups.num_groups > 1
+    assert e.runner.rc.aux_layers == (2, 3, 5)
+    records = record_proposals(e)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    s = e.spec.stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    embed = hf.model.embed_tokens.weight.detach().numpy()
+    assert_first_drafts_are_the_references(records, [p + w for p, w in zip(PROMPTS, want)], tensors, config, embed,
+                                           lambda seq: hf_states(hf, seq, (2, 3, 5)))
+    assert e.compiles_since_warmup == 0 and e.kv.num_free_pages == e.kv.num_usable_pages
     e.close()
 
 
@@ -449,17 +531,6 @@ def test_image_parts_get_a_400_saying_so():
         parse_chat(body)
     assert e.value.status == 400 and "images are not supported yet" in e.value.message
     assert e.value.param == "messages[0].content[1]"
-
-
-def test_eagle3_is_refused_before_loading():
-    """EAGLE-3 reads hidden states the Llama 4 forward does not return: refused before anything loads."""
-    from infire_jax.errors import ConfigError
-    from infire_jax.models.hf_config import config_from_hf
-    from infire_jax.speculative.setup import parse_speculation
-
-    with pytest.raises(ConfigError, match="Llama 4 family"):
-        parse_speculation({"method": "eagle3", "model": "/nonexistent/eagle3", "num_speculative_tokens": 2},
-                          config_from_hf(_raw()), dtype="float32", multiprocess=False, one_plain_device=True)
 
 
 def test_int4_at_load_is_refused_by_name(checkpoints):

@@ -308,10 +308,11 @@ def test_draft_model_with_another_vocabulary_is_refused():
                                                 "num_speculative_tokens": 2})
 
 
-def test_draft_model_needs_a_kv_group_that_keeps_every_page():
-    """A draft keeps its KV on the pages of the target's global group; a model of sliding-window layers
-    only has none on the hybrid KV cache: refused before anything loads, naming the way out. With every
-    page kept in one group (`hybrid_kv_cache=False`) or beside global layers, it passes."""
+def test_draft_model_and_eagle3_need_a_kv_group_that_keeps_every_page():
+    """A draft model or an EAGLE-3 head keeps its KV on the pages of the target's global group; a model of
+    sliding-window layers only has none on the hybrid KV cache: refused before anything loads, naming the
+    way out. With every page kept in one group (`hybrid_kv_cache=False`) or beside global layers, a draft
+    model passes (an EAGLE-3 head there: tests/test_eagle3.py's engine tests)."""
     from infire_jax.kv_groups import KVGroupLayout
     from infire_jax.models.config import ModelConfig
     from infire_jax.speculative.setup import parse_speculation
@@ -321,8 +322,10 @@ def test_draft_model_needs_a_kv_group_that_keeps_every_page():
                          num_heads=2, num_kv_heads=1, head_dim=16, local_attention=windows)
     spec = {"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 2}
     check = dict(dtype="float32", multiprocess=False, one_plain_device=True)
-    with pytest.raises(ConfigError, match="no group keeps them: set hybrid_kv_cache=False"):
-        parse_speculation(spec, target, kv_groups=KVGroupLayout.of(windows, 2), **check)
+    for method in ("draft_model", "eagle3"):
+        with pytest.raises(ConfigError, match=f"method '{method}' keeps its KV on the pages of the target's global "
+                                              "layers .* no group keeps them: set hybrid_kv_cache=False"):
+            parse_speculation(dict(spec, method=method), target, kv_groups=KVGroupLayout.of(windows, 2), **check)
     assert parse_speculation(spec, target, kv_groups=None, **check)[0].method == "draft_model"
     mixed = KVGroupLayout.of(((0, 0), (0, 16)), 2)
     assert parse_speculation(spec, target, kv_groups=mixed, **check)[0].method == "draft_model"

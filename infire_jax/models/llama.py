@@ -272,14 +272,8 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
     weights, lora = split_stacks(weights, lora_slots, kernel=True)
     in_place = in_place_weights(cfg, weights, h.shape[0], Reductions())
     layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place, lora)
-    n, count = cfg.num_layers, len(aux_layers)
-    slot_of_output = np.full(n, count, np.int32)  # layer i's output is hidden-state index i + 1
-    for j, a in enumerate(aux_layers):
-        if a > 0:
-            slot_of_output[a - 1] = j
-    aux = jnp.zeros((count + 1, *h.shape), h.dtype)
-    if aux_layers[0] == 0:
-        aux = aux.at[0].set(h)
+    n = cfg.num_layers
+    aux, slot_of_output = aux_slots(aux_layers, n, h)
 
     def body(carry, xs):
         lp, idx, local, slot = xs
@@ -287,9 +281,31 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
         return (h, k_pages, v_pages, jax.lax.dynamic_update_index_in_dim(carry[3], h, slot, 0)), None
 
     scanned = {name: w for name, w in weights.items() if name not in in_place}
-    xs = (scanned, jnp.arange(n, dtype=jnp.int32), local_attention_table(cfg, n), jnp.asarray(slot_of_output))
+    xs = (scanned, jnp.arange(n, dtype=jnp.int32), local_attention_table(cfg, n), slot_of_output)
     (h, k_pages, v_pages, aux), _ = jax.lax.scan(body, (h, k_pages, v_pages, aux), xs)
-    return h, k_pages, v_pages, jnp.moveaxis(aux[:count], 0, 1).reshape(h.shape[0], count * h.shape[1])
+    return h, k_pages, v_pages, aux_features(aux, len(aux_layers))
+
+
+def aux_slots(aux_layers: tuple[int, ...], num_layers: int, h: Float[Array, "T E"]
+              ) -> tuple[Float[Array, "N1 T E"], Int[Array, "L"]]:
+    """The layer scan's carry for `aux_layers` (`decoder_stack_aux`): one [T, E] slot per requested
+    state, the input `h` already in the first if index 0 is requested, plus a scratch slot; and the
+    slot each layer's output goes to (layer i's output is hidden-state index i + 1; the scratch slot
+    for an index not requested)."""
+    count = len(aux_layers)
+    slot_of_output = np.full(num_layers, count, np.int32)
+    for j, a in enumerate(aux_layers):
+        if a > 0:
+            slot_of_output[a - 1] = j
+    aux = jnp.zeros((count + 1, *h.shape), h.dtype)
+    if aux_layers[0] == 0:
+        aux = aux.at[0].set(h)
+    return aux, jnp.asarray(slot_of_output)
+
+
+def aux_features(aux: Float[Array, "N1 T E"], count: int) -> Float[Array, "T N"]:
+    """The requested states of `aux_slots`' carry, concatenated along the features: [T, count * E]."""
+    return jnp.moveaxis(aux[:count], 0, 1).reshape(aux.shape[1], count * aux.shape[2])
 
 
 class Llama(nnx.Module):

@@ -22,6 +22,10 @@ in models/llama.py; with the hybrid KV cache (hybrid_kv_cache.py) `paged_attenti
 group tables from the pool index (`for_layer`), so chunked layers read only their chunk's pages and
 global (NoPE) layers every page.
 
+EAGLE-3's features (`aux_layers`, HF `hidden_states` indices) ride the same scans, as models/llama.py's
+`decoder_stack_aux`: the carry adds one [T, E] slot per requested state and a scratch slot, and each
+layer writes its output into the slot of its place among all layers (one device only).
+
 On a mesh (models/parallel.py) heads and MLP widths split over tp, experts over ep; the shared
 expert and dense MLPs are replicated over ep. A pipeline stage holds whole super-layers
 (sharding/plan.py `stage_split`), each stack spread over its own zero-padded stage slots; a stage's
@@ -44,7 +48,8 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import shared_mlp
 from infire_jax.models.layers import (apply_rope, head_logits, local_attention_table, param, rms_norm, rope_inv_freq,
                                       rope_tables, with_local_mask)
-from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear, project_qkv
+from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_aux_layers, dense_mlp, kernel_weights,
+                                     linear, project_qkv)
 from infire_jax.models.moe import Routing, routed_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
@@ -160,10 +165,12 @@ def llama4_moe(lp: dict[str, Array], x: Float[Array, "T E"], *, k: int, expert_a
 
 def layer_step(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, temp: Array | None, meta: AttentionMetadata,
                attn_impl: str, red: Reductions, in_place: dict[str, tuple[KernelView, tuple]], carry, lp: dict,
-               stack_index: Array, layer: Array, row: Int[Array, "3"]):
+               stack_index: Array, layer: Array, row: Int[Array, "3"], aux_slot: Int[Array, "L"] | None = None):
     """One layer: (h, k_pages, v_pages) -> the same. `layer` is the pool's (all layers) index, `stack_index`
-    this layer's in its stack (for the weights read in place), `row` its `layer_table` row."""
-    h, k_pages, v_pages = carry
+    this layer's in its stack (for the weights read in place), `row` its `layer_table` row. With
+    `aux_slot` (EAGLE-3's states), the carry also holds `aux_slots`' slots, and the layer's output goes
+    into slot `aux_slot[layer]`."""
+    h, k_pages, v_pages, *aux = carry
     tokens = h.shape[0]
     lp = dequantize_layer(lp, h.dtype)
     lp = kernel_weights(lp, in_place, stack_index, tokens, cpu=red == Reductions())
@@ -179,15 +186,20 @@ def layer_step(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, temp: Array 
         h = h + psum(routed, red.mlp) + psum(shared_mlp(lp, x), red.dense)
     else:
         h = h + psum(dense_mlp(lp, x), red.dense)
+    if aux_slot is not None:
+        return h, k_pages, v_pages, jax.lax.dynamic_update_index_in_dim(aux[0], h, aux_slot[layer], 0)
     return h, k_pages, v_pages
 
 
 def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
-                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+                  sin: Array, aux: tuple[Float[Array, "N1 T E"], Int[Array, "L"]] | None = None
+                  ) -> tuple[Float[Array, "T E"], Array, Array] | tuple[Float[Array, "T E"], Array, Array, Array]:
     """Scans the super-layers (P - 1 dense layers and a MoE layer each), then the dense layers left
     over; the KV pool is a loop carry, indexed by the layer's place among all layers (of its pipeline
-    stage: the stacks and the pool hold that stage's share, and a stage has no dense layers left over)."""
+    stage: the stacks and the pool hold that stage's share, and a stage has no dense layers left over).
+    With `aux` (models/llama.py's `aux_slots`: the slots and each layer's slot; one device) the slots
+    are carried too, each layer writing its output into its slot, and come back as a fourth element."""
     p = cfg.llama4.moe_step
     supers = weights["moe"]["attn_norm"].shape[0] if "moe" in weights else 0
     tail = cfg.num_layers % p
@@ -197,9 +209,9 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                 for kind, w in weights.items()}
     scanned = {kind: {n: a for n, a in w.items() if n not in in_place[kind]} for kind, w in weights.items()}
     step = functools.partial(layer_step, cfg, cos=cos, sin=sin, temp=temperature(cfg, meta.positions), meta=meta,
-                             attn_impl=attn_impl, red=red)
+                             attn_impl=attn_impl, red=red, aux_slot=None if aux is None else aux[1])
     dense = scanned.get("dense", {})
-    carry = (h, k_pages, v_pages)
+    carry = (h, k_pages, v_pages) if aux is None else (h, k_pages, v_pages, aux[0])
     if supers:
         def super_layer(carry, xs):
             dense_lp, moe_lp, s, rows = xs
@@ -253,12 +265,20 @@ class Llama4(nnx.Module):
 
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
-                   ) -> tuple[Float[Array, "T E"], KVPages]:
-        if aux_layers is not None:
-            raise ConfigError("aux hidden states (EAGLE-3) are not implemented for the Llama 4 family")
+                   ) -> tuple[Float[Array, "T E"], KVPages] | tuple[Float[Array, "T E"], KVPages, Float[Array, "T N"]]:
+        """Applies every decoder layer, on one device or (with a plan) across the mesh. With `aux_layers`
+        (static HF `hidden_states` indices, as models/llama.py's `run_layers`; one device only) the
+        residual stream at those indices comes back too, [T, len(aux_layers) * E]: EAGLE-3's features."""
         cos, sin = rope_tables(rope_inv_freq(self.cfg), meta.positions)
         weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
         stack = functools.partial(decoder_stack, self.cfg, attn_impl)
+        if aux_layers is not None:
+            check_aux_layers(aux_layers, self.cfg.num_layers)
+            if plan is not None:
+                raise ConfigError("aux hidden states (EAGLE-3) are implemented on one device only, not on a mesh")
+            h, k_pages, v_pages, aux = stack(Reductions(), weights, h, *kv, meta, cos, sin,
+                                             aux_slots(aux_layers, self.cfg.num_layers, h))
+            return h, (k_pages, v_pages), aux_features(aux, len(aux_layers))
         if plan is None:
             h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
             return h, (k_pages, v_pages)
@@ -274,8 +294,9 @@ class Llama4(nnx.Module):
 
     def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
                  *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
-                 ) -> tuple[Float[Array, "S V"], KVPages]:
-        """Logits of each row's `logits_indices` token and the updated pool."""
-        h, kv = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
-                                aux_layers=aux_layers)
-        return self.logits(h[logits_indices], plan), kv
+                 ) -> tuple[Float[Array, "S V"], KVPages] | tuple[Float[Array, "S V"], KVPages, Float[Array, "T N"]]:
+        """Logits of each row's `logits_indices` token and the updated pool; with `aux_layers`, also every
+        token's residual-stream states at those indices (`run_layers`)."""
+        out = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
+                              aux_layers=aux_layers)
+        return self.logits(out[0][logits_indices], plan), *out[1:]

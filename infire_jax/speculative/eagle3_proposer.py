@@ -16,6 +16,11 @@ The drafts come back with the step's tokens (`PendingStep.drafts`), so a request
 has its proposals without another program or read. Drafts are the head's argmax (one-hot), so
 verification stays lossless.
 
+On a target with a hybrid KV cache (chunked or sliding-window layers) the head's one layer is global:
+its KV sits on the pages of the target's group 0, a global group that keeps every page (as the draft
+model's, draft_model.py; speculative/setup.py refuses a target without one). The step's `page_table`
+and `slot_mapping` are that group's, and the other groups' tables are dropped from what the head sees.
+
 Known limits: chained draft positions past a row's pages write to the null page, where rows can
 collide (drafts get worse, output stays exact); a prefix-cache hit reuses the head's KV of the
 last cached position, computed with the earlier request's next token.
@@ -72,6 +77,7 @@ def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: 
     else:
         final = jnp.take_along_axis(out_tokens, (out_num - 1)[:, None], axis=1)[:, 0]
     shifted, last = catch_up_tokens(tokens, meta, sample_rows, next_tokens, num_drafts, final, out_num)
+    meta = meta._replace(group_page_tables=None, group_slot_mappings=None, layer_kv=None)  # group 0's pages
     with jax.default_matmul_precision(precision):
         head = nnx.merge(head_graphdef, head_state)
         embed = nnx.merge(target_graphdef, target_state).embed[...]

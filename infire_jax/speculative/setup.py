@@ -34,20 +34,13 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
         return None, None
     if multiprocess:
         raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
-    if sc.method == "eagle3" and target.llama4 is not None:
-        raise ConfigError("speculative_config.method 'eagle3' reads hidden states that the Llama 4 family does not "
-                          "return; use ngram or draft_model")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
     if sc.method == "eagle3" and quantized:
         raise ConfigError("speculative_config.method 'eagle3' runs with unquantized weights (drop "
                           "weights_quantization); use ngram or draft_model")
-    if sc.method == "eagle3" and target.has_local_attention:
-        raise ConfigError("speculative_config.method 'eagle3' is not supported yet for a model with chunked or "
-                          "sliding-window layers (its head's attention has no place among the hybrid KV cache's "
-                          "groups); use ngram or draft_model")
-    if sc.method == "draft_model" and kv_groups is not None and kv_groups.groups[0].bounded:
-        raise ConfigError("speculative_config.method 'draft_model' keeps its KV on the pages of the target's global "
+    if sc.method != "ngram" and kv_groups is not None and kv_groups.groups[0].bounded:
+        raise ConfigError(f"speculative_config.method {sc.method!r} keeps its KV on the pages of the target's global "
                           "layers (a group that keeps every page); every layer of this model is chunked or "
                           "sliding-window, so no group keeps them: set hybrid_kv_cache=False, or use ngram")
     return sc, load_eagle3(sc.model, target, dtype=dtype) if sc.method == "eagle3" else None
