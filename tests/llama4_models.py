@@ -101,6 +101,33 @@ def quantize_like_int8(model) -> None:
             p.copy_(torch.from_numpy(q))
 
 
+def quantize_like_int4(model, group: int) -> None:
+    """The text weights in place as `weights_quantization="int4"` keeps them (quant/int4_rtn.py):
+    AutoGPTQ's asymmetric round to nearest per output channel in groups of `group` inputs in HF's input
+    order (tests/quant_reference.py), dequantized back to float32. Router, norms, embedding and head
+    stay as they are."""
+    import torch
+
+    from quant_reference import reference_rtn
+
+    def rtn(w: np.ndarray) -> np.ndarray:  # [out, in]
+        q, zero, scale = reference_rtn(w, group)
+        return ((q - zero) * scale.astype(np.float64)).astype(np.float32)
+
+    text = text_model(model).model
+    with torch.no_grad():
+        for name, p in text.named_parameters():
+            w = p.detach().numpy()
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                              "gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+                q = rtn(w)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [X, in, out]
+                q = np.stack([rtn(e.T).T for e in w])
+            else:
+                continue
+            p.copy_(torch.from_numpy(np.ascontiguousarray(q)))
+
+
 def fp8_kv(model, kv_scales, monkeypatch) -> None:
     """Makes the text model attend to its keys and values as an fp8 pool holds them
     (pallas_kernels/kv_quant.py): each (layer, kv head)'s `x / scale`, saturated to +-448 and rounded to

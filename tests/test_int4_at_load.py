@@ -179,6 +179,10 @@ def test_weights_that_cannot_be_kept_are_named():
     down[1, 3, 5] = np.inf
     with pytest.raises(ValueError, match=r"layers\.w_down \(layer 1\): values that are not finite"):
         quantize_int4({"layers.w_down": down}, 32)
+    two = {"dense_layers.w_down": np.ones((1, 96, 8), np.float32), "moe_layers.w_down": np.ones((1, 4, 64, 8), np.float32)}
+    with pytest.raises(ValueError, match=r"moe_layers\.w_down would be kept in int4 pieces of 64 inputs and "
+                                         r"dense_layers\.w_down in pieces of 32"):
+        quantize_int4(two, 128)  # Llama 4's stacks: one layout a name
 
 
 def test_loader_refuses_by_name():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from deepseek_models import hf_greedy
-from llama4_models import TEXT_CONFIGS, fp8_kv, hf_model, quantize_like_int8, save, text_model
+from llama4_models import TEXT_CONFIGS, fp8_kv, hf_model, quantize_like_int4, quantize_like_int8, save, text_model
 
 NUM_TOKENS = 48
 # 5 + 40 + 18 prompt tokens: the first 32-token step ends 27 tokens into the second prompt, mid-chunk.
@@ -533,10 +533,21 @@ def test_image_parts_get_a_400_saying_so():
     assert e.value.param == "messages[0].content[1]"
 
 
-def test_int4_at_load_is_refused_by_name(checkpoints):
-    """Quantizing at load walks the single `layers.` stack; Llama 4's stacks are refused, not left in float."""
-    from infire_jax import LLM
-    from infire_jax.errors import ConfigError
+def test_int4_at_load_matches_hf_on_the_same_int4_weights(checkpoints):
+    """`weights_quantization="int4"` quantizes both stacks at load (groups of 32 with zero points: the
+    experts, shared expert and dense MLPs too); HF given the same round-to-nearest int4 weights,
+    dequantized, is the reference."""
+    from flax import nnx
 
-    with pytest.raises(ConfigError, match="Llama 4 use 'int8'"):
-        LLM(checkpoints["causal"][1], weights_quantization="int4", **ENGINE)
+    from infire_jax import LLM, SamplingParams
+
+    _, path = checkpoints["causal"]
+    want = hf_model("causal")
+    quantize_like_int4(want, 32)
+    llm = LLM(model=path, weights_quantization="int4", int4_group_size=32, **ENGINE)
+    placed = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.state)}
+    for name in ("dense_layers.wqkv", "dense_layers.w_down", "moe_layers.wo", "moe_layers.w_gate_up",
+                 "moe_layers.w_shared_down"):
+        assert placed[f"{name}.q4"].dtype == np.int32 and name not in placed
+    _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), want)
+    llm.engine.close()

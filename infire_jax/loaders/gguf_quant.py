@@ -153,9 +153,6 @@ def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPl
     if mode == "int8":
         weights, layouts = quantize_int8(loaded.weights)
         return place_parts(loaded, weights, layouts, dtype, plan)
-    if loaded.config.llama4 is not None:  # its stacks are dense_layers / moe_layers, which int4_rtn does not walk
-        raise ConfigError("weights_quantization='int4' at load covers the single-stack Llama-family models; for "
-                          "Llama 4 use 'int8' (a dummy: model draws int4 parts)")
     try:
         weights, layouts = quantize_int4(loaded.weights, int4_group)
     except ValueError as e:

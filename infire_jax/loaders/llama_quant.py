@@ -130,17 +130,18 @@ def check_mesh(layouts: dict[str, QuantLayout], cfg: ModelConfig, plan: ShardPla
     flat = nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.float32), nnx.Param))
     shapes = {".".join(map(str, p)): (tuple(v.shape), v.axes) for p, v in flat}
     for fused, layout in layouts.items():
-        shape, axes = shapes[f"layers.{fused}"]
-        axis = len(shape) + INPUT_AXIS[fused]
-        groups = shape[axis] // layout.group
-        entry = plan.spec(axes)[axis]
-        mesh_axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-        shards = math.prod(plan.sizes[a] for a in mesh_axes)
-        split_groups = groups > 1 and groups % shards and not layout.act_order  # act-order: whole tables
-        if split_groups or (shape[axis] // 8) % shards:
-            raise ConfigError(f"layers.{fused}: its {groups} int4 groups of {layout.group} inputs cannot be split "
-                              f"{shards} ways over {'x'.join(mesh_axes)}; use a mesh that splits it less, or "
-                              f"{_DEQUANTIZE}")
+        for name in [n for n in shapes if n.count(".") == 1 and n.partition(".")[2] == fused]:  # every stack's
+            shape, axes = shapes[name]
+            axis = len(shape) + INPUT_AXIS[fused]
+            groups = shape[axis] // layout.group
+            entry = plan.spec(axes)[axis]
+            mesh_axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+            shards = math.prod(plan.sizes[a] for a in mesh_axes)
+            split_groups = groups > 1 and groups % shards and not layout.act_order  # act-order: whole tables
+            if split_groups or (shape[axis] // 8) % shards:
+                raise ConfigError(f"{name}: its {groups} int4 groups of {layout.group} inputs cannot be split "
+                                  f"{shards} ways over {'x'.join(mesh_axes)}; use a mesh that splits it less, or "
+                                  f"{_DEQUANTIZE}")
 
 
 def load_kept_placed(path: str, dtype, plan: ShardPlan | None) -> Placed:

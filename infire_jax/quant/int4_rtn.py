@@ -68,15 +68,15 @@ def _input_axes(short: str, ndim: int) -> tuple[int, ...]:
     return (axis - 1, axis) if short == "wo" else (axis,)
 
 
-def at_load_group(short: str, shape: tuple[int, ...], group: int) -> int:
+def at_load_group(short: str, shape: tuple[int, ...], group: int, name: str | None = None) -> int:
     """Inputs per kept zero / scale of a layer weight of `shape` (one layer's, the model's layout):
-    `group` cut to divide the inputs and, for wo, a head; ValueError naming the weight unless that is
-    whole 8-input words."""
+    `group` cut to divide the inputs and, for wo, a head; ValueError naming the weight (`name`, default
+    "layers.<short>") unless that is whole 8-input words."""
     axes = _input_axes(short, len(shape))
     inputs = math.prod(shape[a] for a in axes)
     kept = math.gcd(group, inputs, shape[axes[-1]])
     if kept % 8:
-        raise ValueError(f"layers.{short}: int4 groups of {group} over its {inputs} inputs"
+        raise ValueError(f"{name or f'layers.{short}'}: int4 groups of {group} over its {inputs} inputs"
                          f"{f' (heads of {shape[axes[-1]]})' if short == 'wo' else ''} would be kept in pieces of "
                          f"{kept}, not whole 8-input words")
     return kept
@@ -102,16 +102,19 @@ def _layer_parts(short: str, w: np.ndarray, group: int, kept: int) -> dict[str, 
 
 def quantize_int4(weights: Mapping[str, np.ndarray], group: int = DEFAULT_INT4_GROUP
                   ) -> tuple[dict[str, np.ndarray], dict[str, QuantLayout]]:
-    """Host weights with every quantizable stacked layer weight ("layers.wqkv" [L, ...]) replaced by
-    its kept int4 parts ("layers.wqkv.q4", ".zero", ".scale"), and their layouts; other weights as
-    they are. ValueError naming the weight where it cannot be kept."""
-    out, layouts = dict(weights), {}
-    for short in INPUT_AXIS:
-        name = f"layers.{short}"
-        if name not in out:
-            continue
+    """Host weights with every quantizable stacked layer weight of every stack ("layers.wqkv" [L, ...];
+    Llama 4: "dense_layers.wqkv", "moe_layers.wqkv", ...) replaced by its kept int4 parts
+    ("layers.wqkv.q4", ".zero", ".scale"), and their layouts by weight name, as the models take them
+    (one for a name in every stack); other weights as they are. ValueError naming the weight where it
+    cannot be kept, or where two stacks would keep one name in different pieces."""
+    out, layouts, first = dict(weights), {}, {}
+    for name in [k for k in weights if k.count(".") == 1 and k.partition(".")[2] in INPUT_AXIS]:
+        short = name.partition(".")[2]
         w = out.pop(name)
-        kept = at_load_group(short, w.shape[1:], group)
+        kept = at_load_group(short, w.shape[1:], group, name)
+        if short in layouts and layouts[short].group != kept:
+            raise ValueError(f"{name} would be kept in int4 pieces of {kept} inputs and {first[short]} in pieces "
+                             f"of {layouts[short].group}; one layout serves both stacks")
         per_layer = []
         for i in range(w.shape[0]):
             try:
@@ -119,5 +122,5 @@ def quantize_int4(weights: Mapping[str, np.ndarray], group: int = DEFAULT_INT4_G
             except ValueError as e:
                 raise ValueError(f"{name} (layer {i}): {e}") from e
         out.update({f"{name}.{p}": np.stack([lp[p] for lp in per_layer]) for p in ("q4", "zero", "scale")})
-        layouts[short] = QuantLayout("int4", kept, jnp.float16)
+        layouts[short], first[short] = QuantLayout("int4", kept, jnp.float16), name
     return out, layouts
