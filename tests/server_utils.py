@@ -116,3 +116,64 @@ class AppThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
+
+
+def disaggregate_over_http(prefill, decode, prompts: list[list[int]], want: list[tuple[list[int], list[float]]],
+                           *, max_tokens: int, atol: float) -> None:
+    """Serves engines `prefill` and `decode` as a prefill and a decode worker behind a router, in this
+    process, and sends each prompt through (greedy, `max_tokens`): the decode worker answers; a prompt
+    longer than a page arrives over Mooncake, its full pages before the last token being the decode
+    worker's prefix hit (in every group of a hybrid cache); tokens and logprobs are `want`'s (token ids,
+    logprobs) within `atol`. Afterwards no hold, staging byte or page is left on either worker. It takes
+    the engines over (their serving threads): nothing may step them afterwards."""
+    import aiohttp
+    import numpy as np
+
+    from infire_jax.detokenizer import TokenText
+    from router.app import RouterConfig, build_router_app
+    from server.app import build_app
+    from server.endpoints import STATE
+
+    ps, text = decode.runner.rc.page_size, TokenText(decode.tokenizer)
+    servers = AppThread()
+    try:
+        servers.run(servers.serve(build_app(prefill, role="prefill", kv_buffer_bytes=4 << 20, kv_hold_seconds=30)))
+        servers.run(servers.serve(build_app(decode, role="decode", kv_buffer_bytes=4 << 20)))
+        handoffs = [r.app[STATE].handoff for r in servers.runners]
+        free = [h.free_bytes for h in handoffs]
+        router = RouterConfig(workers=((servers.urls[0], "prefill"), (servers.urls[1], "decode")),
+                              disagg_min_tokens=0, health_interval=0.5)
+        servers.run(servers.serve(build_router_app(router)))
+
+        async def complete(prompt: list[int]) -> tuple[dict, dict]:
+            body = {"model": decode.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 1}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(servers.urls[2] + "/v1/completions", json=body,
+                                  headers={"x-tenant-id": "fleet"}) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.json(), dict(r.headers)
+
+        for prompt, (tokens, lps) in zip(prompts, want):
+            got, headers = servers.run(complete(prompt))
+            assert headers["x-infire-decode-worker"] == servers.urls[1]
+            moved = len(prompt) > ps
+            assert (headers.get("x-infire-kv-transfer") == "imported") == moved, headers
+            cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == ((len(prompt) - 1) // ps * ps if moved else 0)
+            logprobs = got["choices"][0]["logprobs"]
+            assert logprobs["tokens"] == [text(t) for t in tokens]
+            np.testing.assert_allclose(logprobs["token_logprobs"], lps, rtol=0, atol=atol)
+
+        async def drained() -> None:
+            for _ in range(200):
+                if handoffs[0].num_holds == 0 and [h.free_bytes for h in handoffs] == free:
+                    return
+                await asyncio.sleep(0.05)
+
+        servers.run(drained())
+        assert handoffs[0].num_holds == 0 and [h.free_bytes for h in handoffs] == free
+    finally:
+        servers.close()
+    for engine in (prefill, decode):
+        assert engine.kv.num_free_pages == engine.kv.num_usable_pages and not any(engine.kv.pages_in_use())

@@ -315,62 +315,10 @@ def test_http_fleet_disaggregates_with_every_groups_pages(llms, receiver):
     """Over HTTP, as the fleet runs: router -> prefill worker (the first hybrid engine) -> each group's
     pages over Mooncake -> decode worker (the second), for prompts across chunks (and one shorter than
     a page: nothing to move). Each answer equals the engine with every page kept (tokens, logprobs
-    within 1e-5); the decode worker's hit is every full page before the last token, in every group;
-    afterwards no page, hold or staging byte is left on either worker. It takes the engines over
-    (their serving threads), so it comes last."""
-    import asyncio
+    within 1e-5), the decode worker's hit is every full page before the last token in every group, and
+    nothing is left held (`disaggregate_over_http`). It takes the engines over, so it comes last."""
+    from server_utils import disaggregate_over_http
 
-    import aiohttp
-
-    from infire_jax.detokenizer import TokenText
-    from router.app import RouterConfig, build_router_app
-    from server.app import build_app
-    from server.endpoints import STATE
-    from server_utils import AppThread
-
-    a, kept, b = llms[0].engine, llms[1].engine, receiver
     cases = prompts(13, (47, 30, 3))
-    want = [_greedy(kept, p, None)[:2] for p in cases]
-    text = TokenText(a.tokenizer)
-    servers = AppThread()
-    try:
-        servers.run(servers.serve(build_app(a, role="prefill", kv_buffer_bytes=4 << 20, kv_hold_seconds=30)))
-        servers.run(servers.serve(build_app(b, role="decode", kv_buffer_bytes=4 << 20)))
-        prefill, decode = (r.app[STATE].handoff for r in servers.runners)
-        free = prefill.free_bytes, decode.free_bytes
-        router = RouterConfig(workers=((servers.urls[0], "prefill"), (servers.urls[1], "decode")),
-                              disagg_min_tokens=0, health_interval=0.5)
-        servers.run(servers.serve(build_router_app(router)))
-
-        async def complete(prompt: list[int]) -> tuple[dict, dict]:
-            body = {"model": "tiny-chunked", "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                    "ignore_eos": True, "logprobs": 1}
-            async with aiohttp.ClientSession() as s:
-                async with s.post(servers.urls[2] + "/v1/completions", json=body,
-                                  headers={"x-tenant-id": "fleet"}) as r:
-                    assert r.status == 200, await r.text()
-                    return await r.json(), dict(r.headers)
-
-        for prompt, (tokens, lps) in zip(cases, want):
-            got, headers = servers.run(complete(prompt))
-            assert headers["x-infire-decode-worker"] == servers.urls[1]
-            moved = len(prompt) > PS
-            assert (headers.get("x-infire-kv-transfer") == "imported") == moved, headers
-            usage = got["usage"]
-            assert usage["prompt_tokens_details"]["cached_tokens"] == ((len(prompt) - 1) // PS * PS if moved else 0)
-            logprobs = got["choices"][0]["logprobs"]
-            assert logprobs["tokens"] == [text(t) for t in tokens]
-            np.testing.assert_allclose(logprobs["token_logprobs"], lps, rtol=0, atol=1e-5)
-
-        async def drained() -> None:
-            for _ in range(200):
-                if prefill.num_holds == 0 and (prefill.free_bytes, decode.free_bytes) == free:
-                    return
-                await asyncio.sleep(0.05)
-
-        servers.run(drained())
-        assert prefill.num_holds == 0 and (prefill.free_bytes, decode.free_bytes) == free
-    finally:
-        servers.close()
-    for engine in (a, b):
-        assert engine.kv.num_free_pages == engine.kv.num_usable_pages and not any(engine.kv.pages_in_use())
+    want = [_greedy(llms[1].engine, p, None)[:2] for p in cases]
+    disaggregate_over_http(llms[0].engine, receiver, cases, want, max_tokens=12, atol=1e-5)

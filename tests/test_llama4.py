@@ -307,6 +307,23 @@ def test_hot_standby_demotes_and_promotes_the_hybrid_cache(checkpoints):
         engine.close()
 
 
+def test_fleet_over_http_moves_every_groups_pages(checkpoints):
+    """The causal checkpoint as a prefill and a decode worker behind a router, in this process
+    (`disaggregate_over_http`): a prompt's full pages before its last token cross Mooncake in every group
+    (pages of 4, chunks of 16: the 40-token prompt's 36 tokens, over two chunk boundaries), the decode
+    worker takes them as its prefix hit, and its greedy answer is HF's (tokens, logprobs within 1e-3)."""
+    from infire_jax import Engine, EngineConfig
+    from server_utils import disaggregate_over_http
+
+    hf, path = checkpoints["causal"]
+    config = EngineConfig(model=path, **dict(ENGINE, page_size=4, num_kv_pages=160))
+    want = [hf_greedy(text_model(hf), p, 12) for p in PROMPTS]
+    prefill, decode = Engine(config), Engine(config)
+    disaggregate_over_http(prefill, decode, PROMPTS, want, max_tokens=12, atol=1e-3)
+    prefill.close()
+    decode.close()
+
+
 # ---- 2 and 8 virtual devices: tensor, expert and pipeline parallel equal one device ----------------------------
 
 def test_tp_ep_and_pp_meshes_match_one_device(checkpoints, tmp_path):
