@@ -114,35 +114,47 @@ def checkpoint(tmp_path_factory):
     return tensors, write_checkpoint(tmp_path_factory.mktemp("eagle3"), tensors, HEAD_CONFIG)
 
 
+def assert_aux_states(model, cfg, prompts: list[list[int]], layers: tuple[int, ...], want_states, *,
+                      num_tokens: int, num_rows: int, width: int, bad_layers: tuple[int, ...]) -> None:
+    """A target's forward with `aux_layers=layers` over `prompts` in one step: its logits and pool are the
+    plain forward's, each prompt's states are `want_states(ids)` [len(ids), len(layers) * E] within 1e-4
+    (float32), and `bad_layers` and a mesh are refused."""
+    rows, pages = [], iter(range(1, 100))
+    for ids in prompts:
+        rows.append((list(range(len(ids))), [next(pages) for _ in range(-(-len(ids) // PS))]))
+    meta = make_meta(rows, num_tokens=num_tokens, num_rows=num_rows, width=width)
+    tokens = jnp.asarray(np.concatenate([np.concatenate(prompts), np.zeros(num_tokens - sum(map(len, prompts)), int)]))
+    kv = (jnp.zeros((cfg.num_layers, 12, PS, cfg.num_kv_heads, cfg.head_dim)),) * 2
+    ends = np.cumsum([len(p) for p in prompts]) - 1
+    last = jnp.asarray(np.concatenate([ends, np.zeros(num_rows - len(prompts), int)]))
+    logits, kv_aux, aux = model(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers)
+    plain_logits, kv_plain = model(tokens, kv, meta, last, attn_impl="reference")
+    np.testing.assert_array_equal(logits, plain_logits)  # asking for aux states changes nothing else
+    np.testing.assert_array_equal(kv_aux[0], kv_plain[0])
+    assert aux.shape == (num_tokens, len(layers) * cfg.hidden_size)
+    off = 0
+    for ids in prompts:
+        want = want_states(ids)
+        np.testing.assert_allclose(np.asarray(aux[off:off + len(ids)]), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        off += len(ids)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        model(tokens, kv, meta, last, attn_impl="reference", aux_layers=bad_layers)
+    with pytest.raises(ConfigError, match="one device"):
+        model(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers, plan=object())
+
+
 def test_aux_hidden_states_equal_hf_hidden_states(smol, target, hf_smol):
     cfg = smol.config
     layers = (2, cfg.num_layers // 2, cfg.num_layers - 3)
     prompts = [smol.tokenizer.encode("The history of the Roman Empire begins with the founding of"),
                smol.tokenizer.encode("def fibonacci(n):")]
-    rows, pages = [], iter(range(1, 100))
-    for ids in prompts:
-        rows.append((list(range(len(ids))), [next(pages) for _ in range(-(-len(ids) // PS))]))
-    meta = make_meta(rows, num_tokens=32, num_rows=3, width=4)
-    tokens = jnp.asarray(np.concatenate([np.concatenate(prompts), np.zeros(32 - sum(map(len, prompts)), int)]))
-    kv = (jnp.zeros((cfg.num_layers, 12, PS, cfg.num_kv_heads, cfg.head_dim)),) * 2
-    last = jnp.asarray([len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1, 0])
-    logits, kv_aux, aux = target(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers)
-    plain_logits, kv_plain = target(tokens, kv, meta, last, attn_impl="reference")
-    np.testing.assert_array_equal(logits, plain_logits)  # asking for aux states changes nothing else
-    np.testing.assert_array_equal(kv_aux[0], kv_plain[0])
-    assert aux.shape == (32, 3 * cfg.hidden_size)
-    off = 0
-    for ids in prompts:
+
+    def want(ids: list[int]) -> np.ndarray:
         with torch.no_grad():
             hf = hf_smol(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        want = np.concatenate([hf[i][0].numpy() for i in layers], axis=-1)
-        got = np.asarray(aux[off:off + len(ids)])
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-        off += len(ids)
-    with pytest.raises(ConfigError, match="strictly increasing"):
-        target(tokens, kv, meta, last, attn_impl="reference", aux_layers=(15, 2, 27))
-    with pytest.raises(ConfigError, match="one device"):
-        target(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers, plan=object())
+        return np.concatenate([hf[i][0].numpy() for i in layers], axis=-1)
+
+    assert_aux_states(target, cfg, prompts, layers, want, num_tokens=32, num_rows=3, width=4, bad_layers=(15, 2, 27))
 
 
 def test_head_matches_float64_reference_through_paged_steps(checkpoint):

@@ -183,9 +183,8 @@ def test_aux_hidden_states_equal_hf_hidden_states(checkpoints):
     (float32); the logits and the pool are the plain forward's. Bad indices and a mesh are refused."""
     import jax.numpy as jnp
     from flax import nnx
-    from test_eagle3 import PS, hf_states, make_meta
+    from test_eagle3 import assert_aux_states, hf_states
 
-    from infire_jax.errors import ConfigError
     from infire_jax.loaders import load_model
     from infire_jax.models.registry import build_state
 
@@ -194,27 +193,8 @@ def test_aux_hidden_states_equal_hf_hidden_states(checkpoints):
     cfg = loaded.config
     model = nnx.merge(*build_state(cfg, loaded.weights, jnp.float32))
     layers = (0, 2, 3, 5)
-    rows, pages = [], iter(range(1, 100))
-    for ids in PROMPTS:
-        rows.append((list(range(len(ids))), [next(pages) for _ in range(-(-len(ids) // PS))]))
-    meta = make_meta(rows, num_tokens=64, num_rows=4, width=5)
-    tokens = jnp.asarray(np.concatenate([np.concatenate(PROMPTS), np.zeros(64 - sum(map(len, PROMPTS)), int)]))
-    kv = (jnp.zeros((cfg.num_layers, 12, PS, cfg.num_kv_heads, cfg.head_dim)),) * 2
-    last = jnp.asarray(np.cumsum([len(p) for p in PROMPTS] + [1]) - 1)
-    logits, kv_aux, aux = model(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers)
-    plain_logits, kv_plain = model(tokens, kv, meta, last, attn_impl="reference")
-    np.testing.assert_array_equal(logits, plain_logits)  # asking for aux states changes nothing else
-    np.testing.assert_array_equal(kv_aux[0], kv_plain[0])
-    assert aux.shape == (64, 4 * cfg.hidden_size)
-    off = 0
-    for ids in PROMPTS:
-        want = hf_states(hf, ids, layers)
-        np.testing.assert_allclose(aux[off:off + len(ids)], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-        off += len(ids)
-    with pytest.raises(ConfigError, match="strictly increasing"):
-        model(tokens, kv, meta, last, attn_impl="reference", aux_layers=(3, 2))
-    with pytest.raises(ConfigError, match="one device"):
-        model(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers, plan=object())
+    assert_aux_states(model, cfg, PROMPTS, layers, lambda ids: hf_states(hf, ids, layers), num_tokens=64,
+                      num_rows=4, width=5, bad_layers=(3, 2))
 
 
 def test_eagle3_on_the_hybrid_kv_cache_is_token_identical(checkpoints, tmp_path):
