@@ -71,6 +71,13 @@ def for_layer(meta: AttentionMetadata, layer: Int[Array, ""]) -> tuple[Attention
                          group_page_tables=None, group_slot_mappings=None, layer_kv=None), index
 
 
+def group0_only(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata as layers outside the hybrid cache's groups see it (a draft model's, an EAGLE-3
+    head's: their KV sits on the pages of group 0, a global group): `page_table` and `slot_mapping`
+    (group 0's), the group fields dropped. Unchanged for a pool of one group."""
+    return meta._replace(group_page_tables=None, group_slot_mappings=None, layer_kv=None)
+
+
 def require_global(meta: AttentionMetadata, what: str) -> None:
     """Raises (at trace time) for a step with local masks that `what` cannot apply."""
     if meta.local is not None:

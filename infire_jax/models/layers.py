@@ -100,12 +100,17 @@ def local_attention_table(cfg: ModelConfig, num_layers: int, stage_axis: str = "
     the mesh's shard_map: it gets the rows of its own stage, the `stage_axis` index's slice."""
     if not cfg.has_local_attention:
         return None
-    table = jnp.asarray(cfg.local_attention, jnp.int32)
-    if len(cfg.local_attention) == num_layers:
+    return stage_rows(jnp.asarray(cfg.local_attention, jnp.int32), num_layers, stage_axis)
+
+
+def stage_rows(table: Int[Array, "L ..."], num_layers: int, stage_axis: str = "pp") -> Int[Array, "N ..."]:
+    """A per-layer table's rows for a layer scan over `num_layers` stacked layers: all of them, or, for a
+    pipeline stage's scan (fewer layers than the table has, inside the mesh's shard_map), the
+    `stage_axis` index's slice."""
+    if len(table) == num_layers:
         return table
-    if len(cfg.local_attention) % num_layers:
-        raise ConfigError(f"a layer scan over {num_layers} layers is no pipeline stage of the model's "
-                          f"{len(cfg.local_attention)}")
+    if len(table) % num_layers:
+        raise ConfigError(f"a layer scan over {num_layers} layers is no pipeline stage of the model's {len(table)}")
     return jax.lax.dynamic_slice_in_dim(table, jax.lax.axis_index(stage_axis) * num_layers, num_layers)
 
 

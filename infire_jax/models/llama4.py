@@ -47,7 +47,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import shared_mlp
 from infire_jax.models.layers import (apply_rope, head_logits, local_attention_table, param, rms_norm, rope_inv_freq,
-                                      rope_tables, with_local_mask)
+                                      rope_tables, stage_rows, with_local_mask)
 from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_aux_layers, dense_mlp, kernel_weights,
                                      linear, project_qkv)
 from infire_jax.models.moe import Routing, routed_mlp
@@ -72,9 +72,7 @@ def layer_table(cfg: ModelConfig, num_layers: int) -> Int[Array, "L 3"]:
     local = local_attention_table(cfg, num_layers)
     if local is None:
         local = jnp.zeros((num_layers, 2), jnp.int32)
-    rope = jnp.asarray(cfg.llama4.rope_layers, jnp.int32)[:, None]
-    if cfg.num_layers != num_layers:
-        rope = jax.lax.dynamic_slice_in_dim(rope, jax.lax.axis_index("pp") * num_layers, num_layers)
+    rope = stage_rows(jnp.asarray(cfg.llama4.rope_layers, jnp.int32)[:, None], num_layers)
     return jnp.concatenate([local, rope], axis=1)
 
 

@@ -41,7 +41,7 @@ from infire_jax.request import Request
 from infire_jax.runner_config import RunnerConfig
 from infire_jax.step_programs import StepForward, matmul_precision
 from pallas_kernels.attention import decode_only_steps
-from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
+from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata, group0_only
 from pallas_kernels.reference import pool_storage_dtype
 
 
@@ -49,7 +49,7 @@ def _observe(graphdef, attn_impl: str, precision: str, state, kv, tokens: Int[Ar
              meta: AttentionMetadata) -> tuple[Array, Array]:
     """The draft's layers over the target step's tokens: only the KV it writes is kept. Every draft
     layer reads and writes through the step's `page_table` and `slot_mapping` (the target's group 0's)."""
-    meta = meta._replace(group_page_tables=None, group_slot_mappings=None, layer_kv=None)
+    meta = group0_only(meta)
     with jax.default_matmul_precision(precision):
         model = nnx.merge(graphdef, state)
         _, kv = model.run_layers(model.embed_tokens(tokens), kv, meta, attn_impl=attn_impl)

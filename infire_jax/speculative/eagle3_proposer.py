@@ -46,7 +46,7 @@ from infire_jax.sampler import SamplerOutput
 from infire_jax.scheduler import SchedulerOutput
 from infire_jax.speculative.eagle3 import Eagle3Head, eagle3_propose
 from infire_jax.speculative.verify import VerifyOutput
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.metadata import AttentionMetadata, group0_only
 
 
 def catch_up_tokens(tokens: Int[Array, "T"], meta: AttentionMetadata, sample_rows: Bool[Array, "S"],
@@ -77,7 +77,7 @@ def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: 
     else:
         final = jnp.take_along_axis(out_tokens, (out_num - 1)[:, None], axis=1)[:, 0]
     shifted, last = catch_up_tokens(tokens, meta, sample_rows, next_tokens, num_drafts, final, out_num)
-    meta = meta._replace(group_page_tables=None, group_slot_mappings=None, layer_kv=None)  # group 0's pages
+    meta = group0_only(meta)  # the head's KV is on group 0's pages
     with jax.default_matmul_precision(precision):
         head = nnx.merge(head_graphdef, head_state)
         embed = nnx.merge(target_graphdef, target_state).embed[...]
