@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--token-buckets", type=int, nargs="+", default=None, metavar="N",
+                   help="the step sizes compiled, in tokens: increasing, the last = --max-num-batched-tokens; "
+                        "each step is padded to the smallest that holds it. Fewer compile faster at start-up, "
+                        "more pad less (as vLLM's --cuda-graph-sizes). Default: powers of two up to the budget")
     p.add_argument("--num-decode-steps", type=int, default=4,
                    help="decode steps a step of decodes alone may run in one device launch, read back once "
                         "(1: one step a launch; tokens then stream one at a time). Default 4")
@@ -92,6 +96,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
 
     return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype,
                         calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,

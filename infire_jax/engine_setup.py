@@ -66,8 +66,9 @@ class EngineConfig:
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
     max_model_len: int | None = None  # default: min(model's context, 8192)
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # token budget of one step; default 512 on CPU, 8192 on GPU
-    token_buckets: tuple[int, ...] | None = None
+    max_num_batched_tokens: int | None = None  # token budget of one step; default the last bucket, else 512 on
+    # CPU, 8192 on GPU
+    token_buckets: tuple[int, ...] | None = None  # the step sizes compiled; default powers of two up to the budget
     page_size: int = 16
     num_kv_pages: int | None = None  # overrides the two below
     kv_cache_memory: int | None = None  # bytes per device; default: sized by gpu_memory_utilization, 1 GiB on CPU
@@ -167,7 +168,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                             else None)
     enable_compilation_cache()
     max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
-    budget = ec.max_num_batched_tokens or (8192 if on_gpu() else 512)
+    budget = ec.max_num_batched_tokens or (ec.token_buckets[-1] if ec.token_buckets else 8192 if on_gpu() else 512)
     branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else on_gpu()
     placed = plan.effective_config(cfg) if plan else cfg  # on a pipeline: the stacked slots, stage by stage
     layout = KVGroupLayout.of(placed.local_attention, placed.num_layers, hybrid=ec.hybrid_kv_cache,
@@ -236,7 +237,10 @@ def _attention(ec: EngineConfig, cfg: ModelConfig, dtype, kv_dtype) -> str:
 def _buckets(ec: EngineConfig, budget: int) -> Buckets:
     if budget < ec.max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({ec.max_num_seqs})")
-    buckets = Buckets(ec.token_buckets or default_token_buckets(budget), ec.max_num_seqs)
+    try:
+        buckets = Buckets(tuple(ec.token_buckets or default_token_buckets(budget)), ec.max_num_seqs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if buckets.token_buckets[-1] != budget:
         raise ConfigError(f"the largest token bucket must equal max_num_batched_tokens ({budget})")
     return buckets

@@ -22,8 +22,9 @@ from infire_jax.bench.metrics import RequestTiming, summarize
 from infire_jax.loaders.dummy import CONFIGS, with_layers
 from infire_jax.models.hf_config import config_from_hf
 
-# Small shapes shared by the runs of one model, so they reuse one set of compiled steps.
-SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32"]
+# Small shapes shared by the runs of one model, so they reuse one set of compiled steps (two step sizes,
+# not the default six: each bench run is a fresh process that compiles them).
+SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32", "--token-buckets", "4", "32"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # The flags the issue names, per subcommand (vllm bench names), besides every flag having help.
@@ -327,7 +328,8 @@ def test_suite_default_model(tmp_path):
 def test_serve_against_our_server(tmp_path):
     from tests.server_utils import MODEL, ServerProcess
 
-    server = ServerProcess(["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512"])
+    server = ServerProcess(["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
+                            "--token-buckets", "8", "64"])
     try:
         server.wait_ready()
         data = _run(tmp_path, "serve", "serve", "--base-url", server.url, "--num-prompts", "6", "--input-len", "16",

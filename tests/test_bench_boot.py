@@ -11,7 +11,8 @@ import json
 import subprocess
 import sys
 
-SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32", "--max-num-seqs", "4"]
+SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
+         "--token-buckets", "4", "32"]
 
 
 def _bench(tmp_path, *args: str) -> dict:

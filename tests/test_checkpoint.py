@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
+from conftest import cpu_env
 from infire_jax.loaders import checkpoint, load, load_model
 from infire_jax.loaders.dummy import dummy_tokenizer
 from infire_jax.loaders.weights import Placed
@@ -235,8 +236,7 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def _mesh_workers(jobs: list[dict], devices: int, cache_root: str) -> list[dict]:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT, INFIRE_JAX_CACHE=cache_root, INFIRE_JAX_NO_COMPILE_CACHE="1")
+    env = cpu_env(devices, PYTHONPATH=ROOT, INFIRE_JAX_CACHE=cache_root, INFIRE_JAX_NO_COMPILE_CACHE="1")
     procs = [subprocess.Popen([sys.executable, "-c", _MESH_WORKER, json.dumps(job)], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for job in jobs]
     results = []

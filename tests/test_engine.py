@@ -3,6 +3,7 @@ no-recompile guard, and rejection of bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -133,6 +134,26 @@ def test_bad_prompts_are_rejected_and_engine_still_serves(smol_llm):
     assert not smol_llm.engine.has_unfinished()
     assert smol_llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
     assert smol_llm.engine.kv.usage == 0.0
+
+
+def test_token_buckets_flag_sets_the_compiled_step_sizes():
+    """`--token-buckets 4 32` compiles those two step sizes, the last one the step budget unless it is
+    given; buckets out of order, or not ending at the budget, are refused by name."""
+    from infire_jax.cli import build_parser
+    from infire_jax.engine_args import engine_config
+    from infire_jax.engine_setup import resolve_settings
+    from infire_jax.errors import ConfigError
+
+    args = build_parser().parse_args(["serve", "--model", "dummy:smollm2-135m", "--max-num-seqs", "4",
+                                      "--max-model-len", "64", "--token-buckets", "4", "32"])
+    ec = engine_config(args, args.model[0])
+    settings = resolve_settings(ec, None)
+    assert settings.max_num_batched_tokens == 32
+    assert settings.runner_config.buckets.token_buckets == (4, 32)
+    with pytest.raises(ConfigError, match="distinct, increasing and positive"):
+        resolve_settings(dataclasses.replace(ec, token_buckets=(32, 4)), None)
+    with pytest.raises(ConfigError, match=r"largest token bucket must equal max_num_batched_tokens \(64\)"):
+        resolve_settings(dataclasses.replace(ec, max_num_batched_tokens=64), None)
 
 
 def test_unknown_model_path_is_rejected(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from infire_jax import executable_cache
 from infire_jax.sampling_params import SamplingParams
-from tests.conftest import SMALL_ENGINE
+from tests.conftest import SMALL_ENGINE, cpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +107,7 @@ def test_engine_warm_start_loads_every_step_program(smol_llm):
     programs = (len(steps.compiled_forward) + len(steps.compiled_samplers) + len(steps.compiled_bursts)
                 + len(steps.compiled_prompt_rows) + len(steps.compiled_small))
     assert len(steps.compiled_prompt_rows) == len(runner.rc.buckets.shapes)  # prompt logprobs' gathers
-    assert len(steps.compiled_bursts) == len(runner.rc.buckets.decode_shapes) == 4
+    assert len(steps.compiled_bursts) == len(runner.rc.buckets.decode_shapes) == 2
     assert steps.executables.compiled == 0 and runner.executables_loaded == programs
     assert llm.engine.boot.compiled == 0
     # prompts no other test sends: a prefix-cache hit in the session engine would change its float sums
@@ -125,8 +125,7 @@ def _boot(cache: str, **env: str) -> dict:
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "boot_worker.py"),
                            os.path.join(ROOT, "sharding", "configs", "1.yaml")], capture_output=True,
                           text=True, timeout=900, cwd=ROOT,
-                          env=dict(os.environ, INFIRE_JAX_CACHE=cache, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-                                   XLA_FLAGS="--xla_force_host_platform_device_count=2", **env))
+                          env=cpu_env(2, INFIRE_JAX_CACHE=cache, PYTHONPATH=ROOT, **env))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
 
@@ -178,6 +177,5 @@ def test_programs_load_onto_the_devices_they_were_compiled_for(tmp_path):
     the executable must load onto its own devices, in their order, not onto all of them."""
     proc = subprocess.run([sys.executable, "-c", f"from tests.test_executable_cache import _placed_programs; "
                            f"_placed_programs({str(tmp_path)!r})"], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-                                             XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+                          cwd=ROOT, env=cpu_env(2, PYTHONPATH=ROOT))
     assert proc.returncode == 0 and "PLACEMENTS OK" in proc.stdout, proc.stderr[-4000:]

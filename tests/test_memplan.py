@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from conftest import cpu_env
 from gptq_awq_models import quantization_config, write_checkpoint, write_float_twin
 from infire_jax.memplan.model import (
     formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, int4_layouts, placed_config)
@@ -54,7 +55,7 @@ def test_plan_matches_the_bytes_placed_per_device(tmp_path):
                      "mesh": os.path.join(CONFIG_DIR, mesh)})
     path = tmp_path / "job.json"
     path.write_text(json.dumps({"runs": runs}))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = cpu_env(8, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "memplan_worker.py"), str(path)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

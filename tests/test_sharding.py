@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import cpu_env
 from infire_jax.models.hf_config import config_from_hf
 from pallas_kernels.metadata import AttentionMetadata, slice_tokens
 from pallas_kernels.reference import ragged_paged_attention
@@ -185,7 +186,7 @@ def test_microbatches_see_earlier_microbatches_as_context():
 # ---- sharded runs on 8 virtual devices ----------------------------------------------------------
 
 PROMPTS = ["The capital of France is", "Once upon a time, " * 5, "def add(a, b):"]
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, token_buckets=[1, 4, 32], num_kv_pages=64)
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, token_buckets=[4, 32], num_kv_pages=64)
 
 
 def _hf_dir(path, family: str, tokenizer) -> str:
@@ -208,8 +209,7 @@ def _run_worker(job: dict, env_devices: int, tmp_path, name: str, distributed: d
     job = dict(job, distributed=distributed)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(job))
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={env_devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
+    env = cpu_env(env_devices, PYTHONPATH=ROOT)
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sharded_worker.py"), str(path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
