@@ -24,7 +24,8 @@ from infire_jax.models.hf_config import config_from_hf
 
 # Small shapes shared by the runs of one model, so they reuse one set of compiled steps (two step sizes,
 # not the default six: each bench run is a fresh process that compiles them).
-SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32", "--token-buckets", "4", "32"]
+SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32",
+         "--token-buckets", "4", "32"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # The flags the issue names, per subcommand (vllm bench names), besides every flag having help.

@@ -170,8 +170,9 @@ def test_kept_checkpoints_on_tp_meshes_equal_one_device_dequantized(checkpoints,
     for name, m in kept.items():
         runs += [{"model": checkpoints[name][0], "mesh": mesh["1"]},
                  {"model": checkpoints[name][0], "mesh": mesh[m], "weights_quantization": "checkpoint"}]
+    # one decode step a launch: a burst is the same layers again (on meshes: test_sharding's), another compile
     job = {"runs": runs, "prompts": ["Hello, GPTQ", "x" * 30], "max_tokens": 12,
-           "engine": {k: v for k, v in ENGINE.items() if k != "dtype"}}
+           "engine": {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "num_decode_steps": 1}}
     results = {(r["model"], os.path.basename(r["mesh"])): r for r in _results(_run_worker(job, 8, tmp_path, "q8"))}
     for name, m in kept.items():
         single, r = results[checkpoints[name][0], "1.yaml"], results[checkpoints[name][0], f"{m}.yaml"]

@@ -156,8 +156,9 @@ def test_int4_at_load_on_tp2_equals_one_device(smol_llm, tmp_path):
     runs = [{"model": model, "mesh": mesh[m], "weights_quantization": "int4", "int4_group_size": 32}
             for m in ("1", "2", "8")]
     job = {"runs": runs, "prompts": ["The capital of France is", "x" * 30], "max_tokens": 12,
+           # one decode step a launch: a burst is the same layers again (on meshes: test_sharding's)
            "engine": dict(max_num_seqs=2, max_num_batched_tokens=32, token_buckets=[4, 32], max_model_len=128,
-                          num_kv_pages=16)}
+                          num_kv_pages=16, num_decode_steps=1)}
     results = {os.path.basename(r["mesh"]): r for r in _results(_run_worker(job, 8, tmp_path, "int4"))}
     single, tp2, tp8 = results["1.yaml"], results["2.yaml"], results["8.yaml"]
     assert single["fits"] and tp2["fits"], (single.get("error"), tp2.get("error"))

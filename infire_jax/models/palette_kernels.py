@@ -102,7 +102,9 @@ class KernelPaletteWeight:
         if self.kernel == TILES:
             return decode_tiles(*self.parts()).reshape(self.shape)
         stored = jax.vmap(decode_palette_block, in_axes=(0, 0, None, 0, 0))(*self.parts())  # per panel
-        return cpu_matmul.unpack_panels(stored[..., _STORED_TO_PANEL]).reshape(self.shape)
+        # moved as 16-bit integers: XLA CPU's legacy emitters copy bfloat16 NaNs through float32, losing payloads
+        bits = jax.lax.bitcast_convert_type(stored, jnp.uint16)[..., _STORED_TO_PANEL]
+        return jax.lax.bitcast_convert_type(cpu_matmul.unpack_panels(bits), stored.dtype).reshape(self.shape)
 
 
 jax.tree_util.register_dataclass(KernelPaletteWeight, data_fields=["codes", "sign_mantissa", "palette", "esc_rows",
