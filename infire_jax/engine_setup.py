@@ -235,12 +235,12 @@ def _attention(ec: EngineConfig, cfg: ModelConfig, dtype, kv_dtype) -> str:
 
 
 def _buckets(ec: EngineConfig, budget: int) -> Buckets:
-    if budget < ec.max_num_seqs:
-        raise ConfigError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({ec.max_num_seqs})")
-    try:
+    try:  # their order first: out-of-order buckets would also make the budget (their last) look wrong
         buckets = Buckets(tuple(ec.token_buckets or default_token_buckets(budget)), ec.max_num_seqs)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if budget < ec.max_num_seqs:
+        raise ConfigError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({ec.max_num_seqs})")
     if buckets.token_buckets[-1] != budget:
         raise ConfigError(f"the largest token bucket must equal max_num_batched_tokens ({budget})")
     return buckets
