@@ -1,15 +1,15 @@
 """infire_jax: an LLM inference engine on JAX/XLA."""
 
-from infire_jax import xla_flags
+from infire_jax.runner import xla_flags
 
 xla_flags.apply()  # before anything can start a jax backend
 
 # ruff: noqa: E402
-from infire_jax.engine import Engine, EngineConfig
+from infire_jax.engine.engine import Engine, EngineConfig
 from infire_jax.llm import LLM
 from infire_jax.outputs import CompletionOutput, RequestOutput
-from infire_jax.prompt_logprobs import Logprob
-from infire_jax.sampling_params import SamplingParams
+from infire_jax.sample.prompt_logprobs import Logprob
+from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.structured import StructuredOutputs
 
 __all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams",

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from infire_jax.engine_args import (add_engine_args, add_sampling_args, engine_config, init_distributed, progress_bar,
+from infire_jax.engine.args import (add_engine_args, add_sampling_args, engine_config, init_distributed, progress_bar,
                                     sampling_params)
 from infire_jax.errors import InfireError
 from sharding.distributed import DistributedConfigError
@@ -14,7 +14,7 @@ from sharding.distributed import DistributedConfigError
 
 def _make_llm(args):
     """An LLM on process 0; on follower processes, runs process 0's steps and exits."""
-    from infire_jax.engine import Engine
+    from infire_jax.engine.engine import Engine
     from infire_jax.llm import LLM
 
     follower = init_distributed(args)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from infire_jax.engine import Engine, EngineConfig
+from infire_jax.engine.engine import Engine, EngineConfig
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.outputs import CompletionOutput, RequestOutput
-from infire_jax.sampling_params import SamplingParams
+from infire_jax.sample.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from infire_jax.prompt_logprobs import PromptLogprobs
+from infire_jax.sample.prompt_logprobs import PromptLogprobs
 
 
 @dataclasses.dataclass

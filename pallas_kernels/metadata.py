@@ -51,7 +51,7 @@ class AttentionMetadata(NamedTuple):
     # The layer's chunked / sliding-window mask (set per layer by the layer scan); None: every layer is
     # global, static, and the kernels compile without any mask code.
     local: LocalMask | None = None
-    # A hybrid KV cache of G > 1 groups (infire_jax/kv_groups.py): each group's page table and slot
+    # A hybrid KV cache of G > 1 groups (infire_jax/core/kv_groups.py): each group's page table and slot
     # mapping, and each layer's (index in the pool, group). `paged_attention` gives a layer its
     # group's table and mapping and its index in the pool [s, N, ...], s layers a page (`for_layer`);
     # `page_table` and `slot_mapping` above are then group 0's. None (static): one group, the pool [L, N, ...].

@@ -1,7 +1,7 @@
 """The aiohttp application: routes, middlewares, start-up and shut-down, and `serve(args)` for the CLI.
 
 Threads: the event loop (HTTP, tokenization, response building) and the engine thread (scheduling
-and device steps, see infire_jax.async_engine). Nothing on the event loop waits for the device.
+and device steps, see infire_jax.engine.async_engine). Nothing on the event loop waits for the device.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Sequence
 
 from aiohttp import web
 
-from infire_jax.async_engine import AsyncEngine
-from infire_jax.detokenizer import TokenText
-from infire_jax.engine import Engine
-from infire_jax.engine_args import engine_config, init_distributed, progress_bar
-from infire_jax.residency import Residency, host_to_device_bandwidth, start_engines
+from infire_jax.engine.async_engine import AsyncEngine
+from infire_jax.engine.detokenizer import TokenText
+from infire_jax.engine.engine import Engine
+from infire_jax.engine.args import engine_config, init_distributed, progress_bar
+from infire_jax.engine.residency import Residency, host_to_device_bandwidth, start_engines
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
 from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions, completions,
                               release_kv)
@@ -42,7 +42,7 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     """The app over warmed-up engines (one per served model); their threads start with the app.
     `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
 
-    Several engines share the device through `residency` (hot standby, infire_jax/residency.py).
+    Several engines share the device through `residency` (hot standby, infire_jax/engine/residency.py).
     A prefill or decode worker (`role`) serves one model and also runs a Mooncake transfer engine
     with a staging buffer of `kv_buffer_bytes` on `kv_host`, whose holds expire after `kv_hold_seconds`.
     """

@@ -18,8 +18,8 @@ from typing import Callable
 
 from aiohttp import web
 
-from infire_jax.async_engine import AsyncEngine, RequestStream
-from infire_jax.detokenizer import TokenText
+from infire_jax.engine.async_engine import AsyncEngine, RequestStream
+from infire_jax.engine.detokenizer import TokenText
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs
@@ -27,7 +27,7 @@ from infire_jax.structured.backend import CompiledGrammar
 from infire_jax.structured.tool_grammar import tool_call_constraint
 from infire_jax.structured.tool_parsers import MISTRAL, MISTRAL_MARKER, detect_format
 from infire_jax.structured.tool_prompt import render_inputs
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.loaders.tokenizer import Tokenizer
 from server.auth import TENANT
 from server.errors import APIError, to_api_error
 from server.kv_handoff import KVHandoff, RequestHandoff, request_handoff
@@ -57,7 +57,7 @@ class ServedModel:
 class ServerState:
     """What the handlers need, fixed when the app is built."""
 
-    models: dict[str, ServedModel]  # by served name; several with hot standby (infire_jax/residency.py)
+    models: dict[str, ServedModel]  # by served name; several with hot standby (infire_jax/engine/residency.py)
     role: str = "both"  # prefill, decode or both (server/kv_handoff.py)
     handoff: KVHandoff | None = None  # the KV transfer of a prefill or decode worker
 

@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from infire_jax.async_engine import EngineDeadError, QueueFullError
+from infire_jax.engine.async_engine import EngineDeadError, QueueFullError
 from infire_jax.errors import DeviceMemoryError, InvalidRequestError
 from server.api_error import APIError, http_error
 

@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping
 import aiohttp
 from aiohttp import web
 
-from infire_jax.async_engine import AsyncEngine
+from infire_jax.engine.async_engine import AsyncEngine
 from infire_jax.errors import InvalidRequestError
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.blocks import describe_groups, groups_from_json, groups_to_json

@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from infire_jax.async_engine import EngineSnapshot
-from infire_jax.kv_pool import PoolSizing
-from infire_jax.residency import Residency
+from infire_jax.engine.async_engine import EngineSnapshot
+from infire_jax.runner.kv_pool import PoolSizing
+from infire_jax.engine.residency import Residency
 from infire_jax.speculative.controller import SpecStats
 
 PREFIX = "infire:"

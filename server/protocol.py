@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 from infire_jax.errors import InvalidRequestError
-from infire_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from infire_jax.sample.sampling_params import MAX_LOGPROBS, SamplingParams
 from infire_jax.structured import StructuredOutputs
 from server import structured
 from server.errors import APIError

@@ -11,9 +11,9 @@ import dataclasses
 import time
 from typing import Any
 
-from infire_jax.detokenizer import TokenText
+from infire_jax.engine.detokenizer import TokenText
 from infire_jax.outputs import Delta
-from infire_jax.prompt_logprobs import PromptLogprobs
+from infire_jax.sample.prompt_logprobs import PromptLogprobs
 from server import tool_calls
 
 

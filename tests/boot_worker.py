@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-from infire_jax.engine import Engine, EngineConfig
-from infire_jax.sampling_params import SamplingParams
+from infire_jax.engine.engine import Engine, EngineConfig
+from infire_jax.sample.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140))]
 

@@ -129,7 +129,7 @@ def disaggregate_over_http(prefill, decode, prompts: list[list[int]], want: list
     import aiohttp
     import numpy as np
 
-    from infire_jax.detokenizer import TokenText
+    from infire_jax.engine.detokenizer import TokenText
     from router.app import RouterConfig, build_router_app
     from server.app import build_app
     from server.endpoints import STATE

@@ -16,12 +16,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from infire_jax.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from infire_jax.engine_stats import EngineStats
+from infire_jax.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from infire_jax.engine.stats import EngineStats
 from infire_jax.errors import InvalidRequestError
-from infire_jax.kv_pool import PoolSizing
+from infire_jax.runner.kv_pool import PoolSizing
 from infire_jax.outputs import Delta
-from infire_jax.sampling_params import SamplingParams
+from infire_jax.sample.sampling_params import SamplingParams
 
 VOCAB = 1000
 

@@ -14,13 +14,13 @@ import pytest
 from conftest import SMALL_ENGINE
 
 from infire_jax import LLM, SamplingParams
-from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, build_batch, burst_inputs
+from infire_jax.runner.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, build_batch, burst_inputs
 from infire_jax.bench.driver import StepTrace
-from infire_jax.buckets import Buckets, StepShape
-from infire_jax.kv_cache import KVCacheManager
-from infire_jax.request import Request
-from infire_jax.scheduler import Scheduler
-from infire_jax.step_programs import burst_step_batch
+from infire_jax.runner.buckets import Buckets, StepShape
+from infire_jax.core.kv_cache import KVCacheManager
+from infire_jax.core.request import Request
+from infire_jax.core.scheduler import Scheduler
+from infire_jax.runner.step_programs import burst_step_batch
 
 PS = 4
 

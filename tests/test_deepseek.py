@@ -95,7 +95,7 @@ def test_dummy_configs_construct_abstractly(name, experts, heads):
     from infire_jax.loaders.dummy import CONFIGS, load_dummy
     from infire_jax.models.kv_entry import kv_entry
     from infire_jax.models.registry import abstract_model
-    from infire_jax.device_memory import kv_bytes_per_page
+    from infire_jax.runner.device_memory import kv_bytes_per_page
 
     cfg = load_dummy(name).config
     assert (cfg.num_experts, cfg.num_heads, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) == (experts, heads, 512, 64)

@@ -49,7 +49,7 @@ def test_every_check_command_parses(check, tmp_path):
             build_parser().parse_args(fleet.worker_command(worker)[3:])
         assert parsed.fleet_log_dir.startswith(str(tmp_path))
     if parsed.command in ("latency", "throughput", "profile", "swap"):
-        from infire_jax.engine_args import engine_config
+        from infire_jax.engine.args import engine_config
 
         for model in (parsed.model if isinstance(parsed.model, list) else [parsed.model]):
             engine_config(parsed, model)

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from infire_jax.errors import ConfigError
-from infire_jax.kv_pool import PAGE_MULTIPLE, size_from_device_memory
-from infire_jax.xla_flags import merged_flags
+from infire_jax.runner.kv_pool import PAGE_MULTIPLE, size_from_device_memory
+from infire_jax.runner.xla_flags import merged_flags
 
 GIB = 1 << 30
 
@@ -101,7 +101,8 @@ def test_pool_that_cannot_fit_is_refused_with_the_numbers(kwargs, match):
 def test_engine_sizes_its_pool_from_a_stated_device_memory(monkeypatch):
     """The engine with a fake 4 GiB device: it measures the largest step's activations with XLA's
     memory analysis, subtracts the weights, and allocates the pool that is left."""
-    from infire_jax import Engine, EngineConfig, kv_pool
+    from infire_jax import Engine, EngineConfig
+    from infire_jax.runner import kv_pool
 
     page = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2, float32
     weights = 134_515_008 * 4  # its parameters, float32

@@ -353,7 +353,7 @@ def test_engine_serves_eagle3_losslessly(smol_llm, tmp_path):
     from conftest import SMALL_ENGINE
 
     from infire_jax import LLM
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.sample.sampling_params import SamplingParams
 
     prompt = "1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1,"
     draft_ids = sorted(set(smol_llm.tokenizer.encode(" 1, 1,")))
@@ -463,8 +463,8 @@ def test_engine_serves_eagle3_beside_sliding_window_layers(family, tmp_path_fact
     from test_sliding_window_models import ENGINE, VOCAB, _prompts, _tiny_hf_dir
 
     from infire_jax import LLM
-    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
+    from infire_jax.sample.sampling_params import SamplingParams
 
     path, hf = _tiny_hf_dir(tmp_path_factory, family)
     num_layers = len(hf.model.layers)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from infire_jax import LLM, SamplingParams
-from infire_jax.compile_guard import RecompileError, forbid_compiles
+from infire_jax.runner.compile_guard import RecompileError, forbid_compiles
 from infire_jax.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -140,8 +140,8 @@ def test_token_buckets_flag_sets_the_compiled_step_sizes():
     """`--token-buckets 4 32` compiles those two step sizes, the last one the step budget unless it is
     given; buckets out of order, or not ending at the budget, are refused by name."""
     from infire_jax.cli import build_parser
-    from infire_jax.engine_args import engine_config
-    from infire_jax.engine_setup import resolve_settings
+    from infire_jax.engine.args import engine_config
+    from infire_jax.engine.setup import resolve_settings
     from infire_jax.errors import ConfigError
 
     args = build_parser().parse_args(["serve", "--model", "dummy:smollm2-135m", "--max-num-seqs", "4",

@@ -1,4 +1,4 @@
-"""The executable cache (infire_jax/executable_cache.py): a warm start deserializes every step
+"""The executable cache (infire_jax/runner/executable_cache.py): a warm start deserializes every step
 program without tracing it, runs them to the same tokens, and never serves a damaged entry."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infire_jax import executable_cache
-from infire_jax.sampling_params import SamplingParams
+from infire_jax.runner import executable_cache
+from infire_jax.sample.sampling_params import SamplingParams
 from tests.conftest import SMALL_ENGINE, cpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

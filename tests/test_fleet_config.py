@@ -184,11 +184,11 @@ def test_one_gpu_workers_fit_their_allocator_and_leave_the_autotuner_room(name):
     allocated before compiling would leave the autotuner no room, so the engine compiles first
     (engine_setup.py): then all but the weights is free for it."""
     from infire_jax.cli import build_parser
-    from infire_jax.engine_args import engine_config
-    from infire_jax.engine_setup import resolve_dtype
-    from infire_jax.kv_pool import PoolPlanner, size_from_device_memory
+    from infire_jax.engine.args import engine_config
+    from infire_jax.engine.setup import resolve_dtype
+    from infire_jax.runner.kv_pool import PoolPlanner, size_from_device_memory
     from infire_jax.loaders.load import load_config
-    from infire_jax.residency import weight_bytes_bound
+    from infire_jax.engine.residency import weight_bytes_bound
 
     cfg = load_fleet_config(os.path.join(CONFIGS, name))
     fractions = []

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from infire_jax.errors import InvalidRequestError
-from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING, choose_variant, sample
+from infire_jax.sample.sampler import BRANCH_FREE_VARIANTS, BRANCHING, choose_variant, sample
 from infire_jax.structured import StructuredOutputs
 from infire_jax.structured.backend import GrammarBackend, GrammarCompileError
 from test_sampling import V, make_inputs
@@ -26,7 +26,7 @@ def tokenizer():
 
     from infire_jax.loaders.gguf import read_metadata
     from infire_jax.loaders.paths import default_model_path
-    from infire_jax.tokenizer import tokenizer_from_gguf
+    from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 
     return tokenizer_from_gguf(read_metadata(GGUFReader(default_model_path())))
 

@@ -13,7 +13,7 @@ import pytest
 from test_kernels import LAYER
 from test_local_attention import SHAPES, _fp8_case, make_case, real_tokens
 
-from infire_jax.kv_groups import KVGroupLayout
+from infire_jax.core.kv_groups import KVGroupLayout
 from pallas_kernels import cpu_kernels
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import NULL_PAGE

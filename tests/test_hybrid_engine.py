@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from infire_jax import LLM, SamplingParams
-from infire_jax.engine import Engine, EngineConfig
-from infire_jax.hybrid_kv_cache import HybridKVCacheManager
-from infire_jax.kv_cache import NULL_PAGE, KVCacheManager
+from infire_jax.engine.engine import Engine, EngineConfig
+from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
+from infire_jax.core.kv_cache import NULL_PAGE, KVCacheManager
 from infire_jax.loaders.dummy import dummy_tokenizer
 from infire_jax.loaders.weights import LoadedModel
 from infire_jax.models.config import ModelConfig
@@ -170,7 +170,7 @@ def test_no_page_leaks_after_500_mixed_requests_with_disconnects(llms):
 
 
 def test_metrics_report_each_groups_pages_and_the_context_that_fits(llms):
-    from infire_jax.async_engine import AsyncEngine
+    from infire_jax.engine.async_engine import AsyncEngine
     from server.metrics import _EngineCollector
 
     engine = llms[0].engine
@@ -255,7 +255,7 @@ def test_kv_transfer_moves_every_groups_pages(llms, receiver):
 def test_decode_worker_checks_a_hybrid_payloads_groups_and_bytes(llms):
     """kv_transfer_params carry the layout's groups: a decode worker whose layers are grouped otherwise
     answers 400 naming both groupings; the bytes it expects are those of each group's pages."""
-    from infire_jax.async_engine import AsyncEngine
+    from infire_jax.engine.async_engine import AsyncEngine
     from infire_jax.kv_transfer.blocks import groups_to_json
     from server.errors import APIError
     from server.kv_handoff import KVHandoff, tokens_digest

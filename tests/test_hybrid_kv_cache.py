@@ -1,4 +1,4 @@
-"""The hybrid KV cache on the host (kv_groups.py, hybrid_kv_cache.py): the group layout, pages freed as
+"""The hybrid KV cache on the host (core/kv_groups.py, core/hybrid_kv_cache.py): the group layout, pages freed as
 sequences cross chunk boundaries and windows slide, prefix hits per group, tenants, preemption and the
 page accounting. Pure host logic, no device."""
 
@@ -8,12 +8,12 @@ from collections import Counter
 
 import pytest
 
-from infire_jax.hybrid_kv_cache import HybridKVCacheManager
-from infire_jax.kv_cache import NULL_PAGE
-from infire_jax.kv_groups import KVGroup, KVGroupLayout, choose_page_layers
-from infire_jax.request import Request, Status
-from infire_jax.sampling_params import SamplingParams
-from infire_jax.scheduler import Scheduler
+from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
+from infire_jax.core.kv_cache import NULL_PAGE
+from infire_jax.core.kv_groups import KVGroup, KVGroupLayout, choose_page_layers
+from infire_jax.core.request import Request, Status
+from infire_jax.sample.sampling_params import SamplingParams
+from infire_jax.core.scheduler import Scheduler
 
 PS = 4
 GLOBAL, CHUNK, WINDOW = (0, 0), (16, 0), (0, 6)

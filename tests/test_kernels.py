@@ -77,7 +77,7 @@ class Case(NamedTuple):
 
 
 def build_metadata(rows, pages, *, num_tokens: int, num_rows: int, page_size: int, width: int) -> AttentionMetadata:
-    """Step metadata the way `infire_jax.batch` fills it: padding tokens -> row S and the null page."""
+    """Step metadata the way `infire_jax.runner.batch` fills it: padding tokens -> row S and the null page."""
     positions = np.zeros(num_tokens, np.int32)
     slots = (np.arange(num_tokens) % page_size + NULL_PAGE * page_size).astype(np.int32)
     seq_ids = np.full(num_tokens, num_rows, np.int32)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from infire_jax.kv_cache import KVCacheManager, block_hash
-from infire_jax.request import Request, Status
-from infire_jax.sampling_params import SamplingParams
-from infire_jax.scheduler import GROWTH_RATIO_INIT, GROWTH_RATIO_MIN, GROWTH_RATIO_STEP, Scheduler
+from infire_jax.core.kv_cache import KVCacheManager, block_hash
+from infire_jax.core.request import Request, Status
+from infire_jax.sample.sampling_params import SamplingParams
+from infire_jax.core.scheduler import GROWTH_RATIO_INIT, GROWTH_RATIO_MIN, GROWTH_RATIO_STEP, Scheduler
 
 PS = 4
 
@@ -235,7 +235,7 @@ def test_no_preemption_storm_at_high_concurrency(monkeypatch):
         return sched, [make_req(f"r{i}", list(range(i, i + 100)), max_tokens=100, arrival=i) for i in range(256)]
 
     with monkeypatch.context() as m:
-        import infire_jax.scheduler as scheduler
+        import infire_jax.core.scheduler as scheduler
 
         m.setattr(scheduler, "GROWTH_RATIO_INIT", 0.0)
         m.setattr(scheduler, "GROWTH_RATIO_MIN", 0.0)
@@ -249,8 +249,8 @@ def test_build_batch_lays_out_a_mixed_step():
     """Decodes (one from the device), a prompt chunk and padding: every array, position by position."""
     import numpy as np
 
-    from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, build_batch
-    from infire_jax.buckets import StepShape
+    from infire_jax.runner.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, build_batch
+    from infire_jax.runner.buckets import StepShape
 
     kv = KVCacheManager(64, PS)
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=8)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from infire_jax import LLM, Engine, EngineConfig, SamplingParams
-from infire_jax.device_memory import kv_bytes_per_page
-from infire_jax.engine_args import KV_CACHE_DTYPE_CHOICES
+from infire_jax.runner.device_memory import kv_bytes_per_page
+from infire_jax.engine.args import KV_CACHE_DTYPE_CHOICES
 from infire_jax.errors import ConfigError, InvalidRequestError
-from infire_jax.kv_scales import resolve_kv_cache_dtype
+from infire_jax.runner.kv_scales import resolve_kv_cache_dtype
 from pallas_kernels.kv_quant import FP8
 
 from tests.conftest import SMALL_ENGINE

@@ -159,7 +159,7 @@ def test_vllm_spellings(k, v, tmp_path):
 
 def test_the_flag_forces_calibration():
     from infire_jax.cli import build_parser
-    from infire_jax.engine_args import engine_config
+    from infire_jax.engine.args import engine_config
 
     for flags, want in (([], False), (["--calibrate-kv-scales"], True)):
         args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8", *flags])

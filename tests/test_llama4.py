@@ -73,8 +73,8 @@ def test_hybrid_kv_cache_matches_every_page_kept(checkpoints):
     every page kept in one group (`hybrid_kv_cache=False`); the prompts and 48 tokens cross several
     16-token chunks. A 40-token prompt decoded alone holds at most its chunk's pages in each chunked group."""
     from infire_jax import LLM, SamplingParams
-    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
-    from infire_jax.kv_cache import NULL_PAGE
+    from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
+    from infire_jax.core.kv_cache import NULL_PAGE
 
     path = checkpoints["causal"][1]
     engine_args = dict(ENGINE, page_size=4, num_kv_pages=160)
@@ -157,7 +157,7 @@ def test_draft_model_beside_the_hybrid_kv_cache_is_token_identical(draft, checkp
     Llama with its vocabulary (nearly none). Greedy tokens equal HF's (those of decoding without a
     draft: test_generate_matches_hf), past several chunks; every page comes back, nothing recompiles."""
     from infire_jax import LLM, SamplingParams
-    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+    from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
 
     hf, path = checkpoints["causal"]
     spec = {"method": "draft_model", "model": path if draft == "itself" else _tiny_llama_draft(tmp_path / "draft"),
@@ -210,7 +210,7 @@ def test_eagle3_on_the_hybrid_kv_cache_is_token_identical(checkpoints, tmp_path)
 
     from deepseek_models import VOCAB
     from infire_jax import LLM, SamplingParams
-    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+    from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
 
     hf, path = checkpoints["causal"]
     want = [hf_greedy(hf, p, NUM_TOKENS)[0] for p in PROMPTS]
@@ -258,8 +258,8 @@ def test_hot_standby_demotes_and_promotes_the_hybrid_cache(checkpoints):
     greedy tokens and logprobs across several chunks, from an empty prefix cache, nothing
     compiled, no page held in any group."""
     from infire_jax import LLM, EngineConfig, SamplingParams
-    from infire_jax.hybrid_kv_cache import HybridKVCacheManager
-    from infire_jax.residency import start_engines
+    from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
+    from infire_jax.engine.residency import start_engines
 
     path = checkpoints["causal"][1]
     config = EngineConfig(model=path, **dict(ENGINE, page_size=4, num_kv_pages=160))

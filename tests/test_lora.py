@@ -174,7 +174,7 @@ def test_prompt_kv_moves_between_engines_with_its_adapter(smol):
 def test_decode_worker_refuses_kv_of_another_adapter(smol):
     """A prefill worker's kv_transfer_params name the adapter the KV was computed with (its digest); a
     decode worker running the request on another adapter, or on the base model, refuses them (400)."""
-    from infire_jax.async_engine import AsyncEngine
+    from infire_jax.engine.async_engine import AsyncEngine
     from server.errors import APIError
     from server.kv_handoff import KVHandoff, tokens_digest
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from infire_jax import SamplingParams
-from infire_jax.compile_guard import forbid_compiles
+from infire_jax.runner.compile_guard import forbid_compiles
 from infire_jax.errors import InvalidRequestError
-from infire_jax.request import Status
+from infire_jax.core.request import Status
 
 LICENSE = "/usr/share/common-licenses/GPL-3"
 TOL = 1e-4

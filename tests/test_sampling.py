@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infire_jax import SamplingParams, sampler
-from infire_jax.detokenizer import IncrementalDetokenizer
-from infire_jax.sampler import (BRANCH_FREE_VARIANTS, BRANCHING, FULL, GREEDY, SAMPLE, SamplingInputs, choose_variant,
+from infire_jax import SamplingParams
+
+from infire_jax.sample import sampler
+from infire_jax.engine.detokenizer import IncrementalDetokenizer
+from infire_jax.sample.sampler import (BRANCH_FREE_VARIANTS, BRANCHING, FULL, GREEDY, SAMPLE, SamplingInputs, choose_variant,
                                 sample)
-from infire_jax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from infire_jax.sample.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 V = 64
 MODES = ["branching", "branch_free"]  # the CPU sampler (lax.cond) and the GPU one (variants picked on the host)

@@ -64,7 +64,7 @@ def tokenizer():
 
     from infire_jax.loaders.gguf import read_metadata
     from infire_jax.loaders.paths import default_model_path
-    from infire_jax.tokenizer import tokenizer_from_gguf
+    from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 
     return tokenizer_from_gguf(read_metadata(GGUFReader(default_model_path())))
 

@@ -14,7 +14,7 @@ from test_parity import assert_parity
 
 from infire_jax import LLM, SamplingParams
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.hybrid_kv_cache import HybridKVCacheManager
+from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
 from infire_jax.loaders.dummy import dummy_tokenizer
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.hf_config import config_from_hf

@@ -12,10 +12,10 @@ from scipy import stats
 
 from infire_jax import LLM
 from infire_jax.errors import ConfigError
-from infire_jax.request import Request
-from infire_jax.sampler import SamplingInputs
-from infire_jax.sampling_params import SamplingParams
-from infire_jax.scheduler import GROWTH_RATIO_MIN
+from infire_jax.core.request import Request
+from infire_jax.sample.sampler import SamplingInputs
+from infire_jax.sample.sampling_params import SamplingParams
+from infire_jax.core.scheduler import GROWTH_RATIO_MIN
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.controller import MAX_BACKOFF, NgramProposer, SpecController
 from infire_jax.speculative.ngram import propose_ngram
@@ -263,7 +263,7 @@ def test_preempted_and_aborted_speculating_requests_free_everything(smol_llm):
 
 
 def test_metrics_report_spec_decode_counters_under_vllm_names():
-    from infire_jax.async_engine import EngineSnapshot
+    from infire_jax.engine.async_engine import EngineSnapshot
     from infire_jax.speculative.controller import SpecStats
     from server.metrics import ServerMetrics
 
@@ -313,7 +313,7 @@ def test_draft_model_and_eagle3_need_a_kv_group_that_keeps_every_page():
     sliding-window layers only has none on the hybrid KV cache: refused before anything loads, naming the
     way out. With every page kept in one group (`hybrid_kv_cache=False`) or beside global layers, a draft
     model passes (an EAGLE-3 head there: tests/test_eagle3.py's engine tests)."""
-    from infire_jax.kv_groups import KVGroupLayout
+    from infire_jax.core.kv_groups import KVGroupLayout
     from infire_jax.models.config import ModelConfig
     from infire_jax.speculative.setup import parse_speculation
 

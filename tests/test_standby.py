@@ -1,4 +1,4 @@
-"""Hot standby: several models in one server, at most `max_resident` on the device (infire_jax/residency.py).
+"""Hot standby: several models in one server, at most `max_resident` on the device (infire_jax/engine/residency.py).
 
 Two real-shaped models (the default SmolLM2 and a random-weight `dummy:smollm2-135m`) share one
 device with max_resident=1, so every switch between them demotes one and promotes the other. Each
@@ -21,7 +21,7 @@ from aiohttp import web
 
 from infire_jax import LLM, EngineConfig, SamplingParams
 from infire_jax.errors import ConfigError, ModelNotFoundError
-from infire_jax.residency import start_engines
+from infire_jax.engine.residency import start_engines
 from server_utils import MODEL, ServerProcess
 
 DUMMY = "dummy:smollm2-135m"

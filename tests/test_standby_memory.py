@@ -1,4 +1,4 @@
-"""Hot standby within the device's memory (infire_jax/residency.py), on CPU with a faked card.
+"""Hot standby within the device's memory (infire_jax/engine/residency.py), on CPU with a faked card.
 
 `kv_pool.device_memory` is the hook through which the engine reads a GPU's memory; faking it
 sends the engine down the GPU's sizing path (pool from device memory, compiled before the pool is
@@ -20,12 +20,13 @@ import jax
 import pytest
 from aiohttp import web
 
-from infire_jax import EngineConfig, SamplingParams, kv_pool
+from infire_jax import EngineConfig, SamplingParams
 from infire_jax.bench.__main__ import main as bench_main
 from infire_jax.errors import DeviceMemoryError
+from infire_jax.runner import kv_pool
 from infire_jax.loaders import dummy
-from infire_jax.residency import start_engines, weight_bytes_bound
-from infire_jax.runner import ModelRunner
+from infire_jax.engine.residency import start_engines, weight_bytes_bound
+from infire_jax.runner.model_runner import ModelRunner
 
 SMALL, LARGE = "dummy:test-standby-small", "dummy:test-standby-large"
 FLAGS = dict(max_num_seqs=1, max_num_batched_tokens=1, max_model_len=32, num_decode_steps=1)  # as CLI_FLAGS

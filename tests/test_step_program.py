@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from infire_jax.buckets import Buckets
+from infire_jax.runner.buckets import Buckets
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state, drawn_weights
 from infire_jax.quant.resident import quantize_int8
-from infire_jax.runner import ModelRunner
-from infire_jax.runner_config import RunnerConfig
-from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
+from infire_jax.runner.model_runner import ModelRunner
+from infire_jax.runner.config import RunnerConfig
+from infire_jax.sample.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from pallas_kernels import cpu_kernels, placement
 
 DENSE = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,

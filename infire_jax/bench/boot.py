@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from infire_jax.bench.common import BenchError, positive_int
-from infire_jax.engine_args import add_engine_args, engine_config
+from infire_jax.engine.args import add_engine_args, engine_config
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 _RESULT = "BOOT "
@@ -89,9 +89,9 @@ def boot(args: argparse.Namespace) -> None:
     """One boot, in this fresh process: ready, then one token; prints the timings as a JSON line."""
     started = float(os.environ["INFIRE_BOOT_STARTED"])
     from infire_jax.compression.resident import parse_resident
-    from infire_jax.engine import Engine
+    from infire_jax.engine.engine import Engine
     from infire_jax.loaders.load import checkpoint_path
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.sample.sampling_params import SamplingParams
 
     imported = time.time()
     engine = Engine(engine_config(args))

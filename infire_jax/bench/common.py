@@ -8,12 +8,12 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
-from infire_jax.engine_args import add_engine_args, engine_config, init_distributed, progress_bar
+from infire_jax.engine.args import add_engine_args, engine_config, init_distributed, progress_bar
 from infire_jax.errors import InfireError
 
 if TYPE_CHECKING:
     from infire_jax.bench.roofline import DevicePeaks
-    from infire_jax.engine import Engine
+    from infire_jax.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Engine, D
     import jax.numpy as jnp
 
     from infire_jax.bench.roofline import measure_peaks
-    from infire_jax.engine import Engine
-    from infire_jax.engine_setup import resolve_dtype
+    from infire_jax.engine.engine import Engine
+    from infire_jax.engine.setup import resolve_dtype
 
     config = engine_config(args)
     config.max_num_seqs = args.max_num_seqs or max_num_seqs

@@ -24,7 +24,7 @@ import sys
 import time
 
 from infire_jax.bench.common import BenchError, positive_int
-from infire_jax.engine_args import progress_bar
+from infire_jax.engine.args import progress_bar
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -111,7 +111,7 @@ def _timed(generate, reps: int) -> tuple[list[float], list]:
 
 def measure(llm, work: dict) -> dict:
     """Our figures for `work`, in the shape peer_vllm.py prints: e2e per batch size, prefill, batch 1's output."""
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.sample.sampling_params import SamplingParams
 
     n = work["new_tokens"]
     forced = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
@@ -249,7 +249,7 @@ def summary(ours: dict, peer: dict | None, batch_sizes: list[int]) -> tuple[str,
 def run(args: argparse.Namespace):
     from infire_jax.bench import report
     from infire_jax.bench.common import device_info, engine_info, settings
-    from infire_jax.engine import Engine, EngineConfig
+    from infire_jax.engine.engine import Engine, EngineConfig
     from infire_jax.llm import LLM
 
     if max(args.prompt_len + args.new_tokens, args.prefill_len + 1) > args.max_model_len:

@@ -15,8 +15,8 @@ from collections import deque
 from typing import Callable, Sequence
 
 from infire_jax.bench.metrics import RequestTiming
-from infire_jax.engine import Engine
-from infire_jax.sampling_params import SamplingParams
+from infire_jax.engine.engine import Engine
+from infire_jax.sample.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

@@ -62,7 +62,7 @@ def main(backend: str) -> None:
 
     from infire_jax.loaders.gguf import read_metadata
     from infire_jax.loaders.paths import default_model_path
-    from infire_jax.tokenizer import tokenizer_from_gguf
+    from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 
     meta = read_metadata(GGUFReader(default_model_path()))
     tokenizer, vocab = tokenizer_from_gguf(meta), len(meta["tokenizer.ggml.tokens"])

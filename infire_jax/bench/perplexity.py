@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from infire_jax.bench.common import BenchError, add_bench_engine_args, positive_int
 from infire_jax.bench.report import Result, table
-from infire_jax.engine_args import add_engine_args, engine_config, progress_bar
+from infire_jax.engine.args import add_engine_args, engine_config, progress_bar
 
 if TYPE_CHECKING:
     from infire_jax.llm import LLM
@@ -82,7 +82,7 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
 
 def negative_log_likelihood(llm: LLM, ids: list[int], window: int, stride: int) -> tuple[float, int]:
     """The summed negative log-likelihood of the text's tokens after its first, and their count."""
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.sample.sampling_params import SamplingParams
 
     if len(ids) < 2:
         raise BenchError(f"the text has {len(ids)} token(s); perplexity needs at least 2")
@@ -133,7 +133,7 @@ def variant_args(args: argparse.Namespace, variant: str | None) -> argparse.Name
 
 def build_llm(args: argparse.Namespace) -> LLM:
     """An engine on the flags, long enough for a window (a prompt must be shorter than max_model_len)."""
-    from infire_jax.engine import Engine
+    from infire_jax.engine.engine import Engine
     from infire_jax.llm import LLM
 
     if args.max_model_len is not None and args.max_model_len <= args.window:

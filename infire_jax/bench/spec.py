@@ -19,7 +19,7 @@ import json
 import time
 
 from infire_jax.bench.common import BenchError, positive_int
-from infire_jax.engine_args import add_engine_args, engine_config
+from infire_jax.engine.args import add_engine_args, engine_config
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -65,9 +65,9 @@ def _run(llm, prompt: str, params) -> tuple[list[int], float]:
 def run(args: argparse.Namespace):
     from infire_jax.bench import report
     from infire_jax.bench.common import settings
-    from infire_jax.engine import Engine
+    from infire_jax.engine.engine import Engine
     from infire_jax.llm import LLM
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.sample.sampling_params import SamplingParams
 
     spec_config = json.loads(args.speculative_config)
     base = LLM(engine=Engine(dataclasses.replace(engine_config(args), speculative_config=None, max_num_seqs=1)))

@@ -15,7 +15,7 @@ import argparse
 import time
 
 from infire_jax.bench.common import BenchError, positive_int
-from infire_jax.engine_args import add_engine_args, engine_config
+from infire_jax.engine.args import add_engine_args, engine_config
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -37,8 +37,8 @@ def run(args: argparse.Namespace):
 
     from infire_jax.bench import report
     from infire_jax.bench.common import settings
-    from infire_jax.residency import host_to_device_bandwidth, start_engines
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.engine.residency import host_to_device_bandwidth, start_engines
+    from infire_jax.sample.sampling_params import SamplingParams
 
     if not args.model or len(args.model) <= args.max_resident:
         raise BenchError("bench swap needs more --model flags than --max-resident, so that requests swap")

@@ -21,7 +21,7 @@ from jaxtyping import Array
 
 from infire_jax.compression import as_bf16, parse_kinds, selected
 from infire_jax.compression.palette import PALETTE_SIZE, ROW, PaletteTensor, decode_palette_block, encode_palette
-from infire_jax.weight_parts import WeightParts
+from infire_jax.quant.weight_parts import WeightParts
 
 RESIDENT_FORMATS = ("palette",)
 RESIDENT_KINDS = ("mlp", "attn")  # stacked layer weights; the embedding is read whole every step

@@ -16,7 +16,7 @@ import json
 import numpy as np
 
 from infire_jax.errors import InvalidRequestError
-from infire_jax.kv_groups import KVGroup
+from infire_jax.core.kv_groups import KVGroup
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ other pages after a hit of k - 1 blocks than after one of k.
 
 from __future__ import annotations
 
-from infire_jax.hybrid_kv_cache import HybridKVCacheManager
-from infire_jax.kv_cache import NULL_PAGE, KVCacheManager
+from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
+from infire_jax.core.kv_cache import NULL_PAGE, KVCacheManager
 from infire_jax.kv_transfer.blocks import KVLayout
 
 

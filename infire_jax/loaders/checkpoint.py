@@ -48,7 +48,7 @@ from infire_jax.loaders.weights import NATIVE_FORMAT_VERSION, LoadedModel, Place
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.palette_kernels import palette_kernel_here
 from infire_jax.models.registry import abstract_placement, build_state
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.loaders.tokenizer import Tokenizer
 from sharding.plan import ShardPlan
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from infire_jax.compression import (
 from infire_jax.errors import ConfigError, CorruptCheckpointError, UnsupportedModelError
 from infire_jax.loaders.weights import LoadedModel
 from infire_jax.models.config import ModelConfig
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.loaders.tokenizer import Tokenizer
 
 FORMAT = "infire-jax-compressed"
 FORMAT_VERSION = 1

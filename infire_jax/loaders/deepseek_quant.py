@@ -28,7 +28,7 @@ from infire_jax.loaders.weights import LoadedModel, Placed
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model, build_state
 from infire_jax.quant.grouped import INPUT_AXIS, VALUE_PART, GroupedLayout
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.loaders.tokenizer import Tokenizer
 from sharding.plan import ShardPlan
 
 

@@ -100,7 +100,7 @@ _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] 
 
 def dummy_tokenizer(cfg: ModelConfig):
     """Byte-level tokenizer spanning the model's vocabulary: bytes first, then placeholder tokens."""
-    from infire_jax.tokenizer import Tokenizer
+    from infire_jax.loaders.tokenizer import Tokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}

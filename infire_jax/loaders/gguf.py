@@ -13,7 +13,7 @@ from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.llama_config import config_from_gguf
-from infire_jax.tokenizer import tokenizer_from_gguf
+from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 
 # Architectures whose q/k rows llama.cpp's converter interleaves for its RoPE kernel.
 _PERMUTED_QK = {"llama", "mistral"}

@@ -36,7 +36,7 @@ from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, quantize_int4
 from infire_jax.quant.resident import INPUT_AXIS, SHARED_EXPERT, QuantLayout, quantize_int8
-from infire_jax.tokenizer import tokenizer_from_gguf
+from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 from sharding.plan import ShardPlan
 
 

@@ -24,7 +24,7 @@ from infire_jax.loaders.llama4_hf import llama4_weights
 from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.hf_config import config_from_hf
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.loaders.tokenizer import Tokenizer
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")

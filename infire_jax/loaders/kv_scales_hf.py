@@ -3,7 +3,7 @@
 Per layer N, under `model.layers.N.self_attn.`: `k_scale` and `v_scale` (FP8 checkpoints such as
 AutoFP8's), `k_proj.k_scale` / `v_proj.v_scale` (ModelOpt), `k_proj.output_scale` /
 `v_proj.output_scale` (compressed-tensors' kv_cache_scheme), or the older `kv_scale` (one for both).
-Each is a scalar or one value per kv head, with vLLM's meaning, which is kv_scales.py's:
+Each is a scalar or one value per kv head, with vLLM's meaning, which is runner/kv_scales.py's:
 `k_fp8 = k / k_scale`. They are no model weights: the weight loaders skip them (`is_kv_scale`)
 and the engine reads them here, from the directory, because a model restored from its placed
 checkpoint (loaders/checkpoint.py) never runs the HF loader. Reading them costs the safetensors

@@ -38,7 +38,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model
 from infire_jax.quant.gptq_awq import kept_group, kept_parts, kept_parts_act_order
 from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.loaders.tokenizer import Tokenizer
 from sharding.plan import ShardPlan
 
 _FUSED_OF = {short: fused for fused, members in FUSED.items() for short in members}

@@ -18,7 +18,7 @@ from flax import nnx
 
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.loaders.tokenizer import Tokenizer
 
 NATIVE_FORMAT_VERSION = 2  # 2: fused q/k/v and gate/up, LM head [V, E]
 _WEIGHTS_FILE = "model.safetensors"

@@ -19,7 +19,7 @@ import os
 import re
 from typing import Callable
 
-from infire_jax.kv_groups import KVCapacity, KVGroupLayout
+from infire_jax.core.kv_groups import KVCapacity, KVGroupLayout
 from infire_jax.memplan.model import FORMAT_BYTES, KINDS, PlanModel, Tensor
 from sharding.mesh import CONFIG_DIR, MeshConfig
 from sharding.plan import plan_stages

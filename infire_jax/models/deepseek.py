@@ -38,7 +38,7 @@ from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
 from infire_jax.quant.grouped import ROUTED_EXPERTS, GroupedLayout, GroupedParams, dequantize_kept
-from infire_jax.weight_parts import WeightParts
+from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mla import mla_attention, step_form
 from sharding.plan import ShardPlan

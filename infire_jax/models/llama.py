@@ -31,7 +31,7 @@ from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, layer_stacks
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
-from infire_jax.weight_parts import WeightParts
+from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.metadata import AttentionMetadata

@@ -86,7 +86,7 @@ def run_sharded(
     kv_spec = plan.spec(kv_axes)
     # An fp8 pool's scales [layers, 2, heads] are split like the pool, so a device's layer index and
     # kv heads read their own scales; so is a hybrid cache's layer table [layers, 2] (a stage's layers'
-    # rows, each with its index in the stage's share of the pool: kv_groups.py); the rest of the
+    # rows, each with its index in the stage's share of the pool: core/kv_groups.py); the rest of the
     # metadata (the group tables included) is replicated.
     meta_spec = jax.tree.map(lambda _: P(), meta)._replace(
         kv_scales=None if meta.kv_scales is None else plan.spec((kv_axes[0], None, kv_axes[3])),

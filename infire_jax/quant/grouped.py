@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Int, Shaped
 
-from infire_jax.weight_parts import WeightParts
+from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels import placement
 
 # The input axis of each DeepSeek layer weight that a checkpoint may quantize, counted from the end:

@@ -28,7 +28,7 @@ from jaxtyping import Array
 
 from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 from infire_jax.quant.gptq_awq import dequantize_parts
-from infire_jax.weight_parts import WeightParts
+from infire_jax.quant.weight_parts import WeightParts
 
 QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: quant/int4_rtn.py; "checkpoint": quant/grouped.py
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from infire_jax.request import Request
+from infire_jax.core.request import Request
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.ngram import propose_ngram
 

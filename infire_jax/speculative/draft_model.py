@@ -31,15 +31,15 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
-from infire_jax.batch import StepBatch
-from infire_jax.device_memory import kv_bytes_per_page
+from infire_jax.runner.batch import StepBatch
+from infire_jax.runner.device_memory import kv_bytes_per_page
 from infire_jax.errors import ConfigError
 from infire_jax.loaders.load import load_config, load_placed
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
-from infire_jax.request import Request
-from infire_jax.runner_config import RunnerConfig
-from infire_jax.step_programs import StepForward, matmul_precision
+from infire_jax.core.request import Request
+from infire_jax.runner.config import RunnerConfig
+from infire_jax.runner.step_programs import StepForward, matmul_precision
 from pallas_kernels.attention import decode_only_steps
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata, group0_only
 from pallas_kernels.reference import pool_storage_dtype

@@ -36,14 +36,14 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.batch import StepBatch
-from infire_jax.device_memory import kv_bytes_per_page
+from infire_jax.runner.batch import StepBatch
+from infire_jax.runner.device_memory import kv_bytes_per_page
 from infire_jax.models.config import ModelConfig
-from infire_jax.request import Request
-from infire_jax.runner_config import RunnerConfig
-from infire_jax.step_programs import StepForward, matmul_precision
-from infire_jax.sampler import SamplerOutput
-from infire_jax.scheduler import SchedulerOutput
+from infire_jax.core.request import Request
+from infire_jax.runner.config import RunnerConfig
+from infire_jax.runner.step_programs import StepForward, matmul_precision
+from infire_jax.sample.sampler import SamplerOutput
+from infire_jax.core.scheduler import SchedulerOutput
 from infire_jax.speculative.eagle3 import Eagle3Head, eagle3_propose
 from infire_jax.speculative.verify import VerifyOutput
 from pallas_kernels.metadata import AttentionMetadata, group0_only

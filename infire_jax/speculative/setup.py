@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from infire_jax.errors import ConfigError
-from infire_jax.kv_cache import KVCacheManager
-from infire_jax.kv_groups import KVGroupLayout
+from infire_jax.core.kv_cache import KVCacheManager
+from infire_jax.core.kv_groups import KVGroupLayout
 from infire_jax.models.config import ModelConfig
-from infire_jax.request import Request
-from infire_jax.runner import ModelRunner
+from infire_jax.core.request import Request
+from infire_jax.runner.model_runner import ModelRunner
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.controller import NgramProposer, SpecController
 from infire_jax.speculative.draft_model import DraftModel

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.sampler import (SamplingInputs, apply_penalties, argmax, draw_key, grammar_masked, logprobs_of,
+from infire_jax.sample.sampler import (SamplingInputs, apply_penalties, argmax, draw_key, grammar_masked, logprobs_of,
                                 no_logprobs, sampling_logits, suppress)
 
 
@@ -110,7 +110,7 @@ def verify(
 ) -> VerifyOutput:
     """Accepts a prefix of each row's proposals and samples the token after it.
 
-    `branch`: skip unused work with `lax.cond` (CPU), else run every part (GPU, see sampler.py).
+    `branch`: skip unused work with `lax.cond` (CPU), else run every part (GPU, see sample/sampler.py).
     `grammar_mask` (structured outputs, [S * (K + 1), W]) holds what each position allows, given
     the proposals before it; it applies first, as in the plain sampler.
     """

@@ -17,15 +17,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from infire_jax.engine import Engine
+from infire_jax.engine.engine import Engine
 from infire_jax.errors import DeviceMemoryError, InvalidRequestError
 from infire_jax.outputs import Delta
-from infire_jax.sampling_params import SamplingParams
+from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.speculative.controller import SpecStats
 from infire_jax.structured.backend import CompiledGrammar
 
 if TYPE_CHECKING:
-    from infire_jax.residency import Residency
+    from infire_jax.engine.residency import Residency
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ per bucket); these are the only modules that hold device arrays.
 
 A step is two jitted calls, launched back to back without waiting: the forward (embed, all decoder
 layers over the paged pool, the LM head at each row's last token), compiled once per token bucket,
-and the sampler, compiled once per row count and sampler variant (see sampler.py). Keeping the
+and the sampler, compiled once per row count and sampler variant (see sample/sampler.py). Keeping the
 sampler apart means its variants do not multiply the forward's compilations. The pool, the
 per-slot sampling history and the last sampled tokens are donated, so each step updates them in
 place; the logits stay on the device between the two calls.
@@ -33,18 +33,18 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array
 
-from infire_jax import multihost
-from infire_jax.batch import BurstInputs, DraftInputs, StepBatch, burst_inputs, draft_inputs, grammar_bitmask
-from infire_jax.buckets import StepShape
-from infire_jax.compiled_steps import TRANSFER_PAGES, CompiledSteps, ProgramKey, ProgramSpec
-from infire_jax.device_memory import DeviceMemory
+from infire_jax.runner import multihost
+from infire_jax.runner.batch import BurstInputs, DraftInputs, StepBatch, burst_inputs, draft_inputs, grammar_bitmask
+from infire_jax.runner.buckets import StepShape
+from infire_jax.runner.compiled_steps import TRANSFER_PAGES, CompiledSteps, ProgramKey, ProgramSpec
+from infire_jax.runner.device_memory import DeviceMemory
 from infire_jax.models.config import ModelConfig
-from infire_jax.prompt_logprobs import PromptLogprobPlan, PromptLogprobResult, plan_prompt_logprobs
-from infire_jax.runner_config import RunnerConfig
-from infire_jax.sampler import SamplerOutput, choose_variant
-from infire_jax.scheduler import SchedulerOutput
+from infire_jax.sample.prompt_logprobs import PromptLogprobPlan, PromptLogprobResult, plan_prompt_logprobs
+from infire_jax.runner.config import RunnerConfig
+from infire_jax.sample.sampler import SamplerOutput, choose_variant
+from infire_jax.core.scheduler import SchedulerOutput
 from infire_jax.speculative.verify import VerifyOutput
-from infire_jax.step_programs import BurstOutput, PromptLogprobs, StepForward
+from infire_jax.runner.step_programs import BurstOutput, PromptLogprobs, StepForward
 from pallas_kernels.metadata import NULL_PAGE
 from sharding.plan import ShardPlan
 

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from infire_jax.scheduler import ScheduledSeq
+from infire_jax.core.scheduler import ScheduledSeq
 
 # Prompt positions per launch of the head (a block's logits: BLOCK x vocab float32), or fewer where a
 # step has fewer tokens (RunnerConfig.prompt_logprobs_block).

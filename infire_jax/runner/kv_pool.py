@@ -19,12 +19,12 @@ from typing import Any
 
 import jax
 
-from infire_jax.device_memory import kv_bytes_per_page
+from infire_jax.runner.device_memory import kv_bytes_per_page
 from infire_jax.errors import ConfigError
-from infire_jax.kv_groups import KVCapacity, KVGroupLayout
+from infire_jax.core.kv_groups import KVCapacity, KVGroupLayout
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
-from infire_jax.xla_flags import allocator_fraction
+from infire_jax.runner.xla_flags import allocator_fraction
 
 _GIB = float(1 << 30)
 # The pool's page count is rounded down to a multiple of this, so that small run-to-run differences
@@ -159,7 +159,7 @@ class PoolPlanner:
                            reserved_weight_bytes: int = 0) -> PoolSizing:
         """Measured with the weights and a minimal pool on the devices (the pool is not counted as in
         use: resizing frees it). The weights count at least `reserved_weight_bytes` (hot standby:
-        room for a heavier model that may be on the device instead, residency.py)."""
+        room for a heavier model that may be on the device instead, engine/residency.py)."""
         total, limit, in_use = device_memory()
         device = jax.local_devices()[0]
 

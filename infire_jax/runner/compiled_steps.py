@@ -1,4 +1,4 @@
-"""The step's programs, compiled ahead of time for the runner (runner.py): step_programs.py's pure
+"""The step's programs, compiled ahead of time for the runner (model_runner.py): step_programs.py's pure
 functions jitted once, with their donations and shardings, then compiled at warmup for every token
 bucket (a sampler per row count and variant, a burst per decode-sized bucket and variant, with
 speculation the verifying forward and the verifier; for prompt logprobs a block gather per bucket
@@ -17,14 +17,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from infire_jax import executable_cache
-from infire_jax import step_programs as programs
-from infire_jax.batch import DraftInputs, StepBatch, burst_inputs, draft_inputs
-from infire_jax.buckets import StepShape
-from infire_jax.device_memory import DeviceMemory
-from infire_jax.sampler import BRANCHING
-from infire_jax.scheduler import SchedulerOutput
-from infire_jax.step_programs import StepForward, matmul_precision
+from infire_jax.runner import executable_cache
+from infire_jax.runner import step_programs as programs
+from infire_jax.runner.batch import DraftInputs, StepBatch, burst_inputs, draft_inputs
+from infire_jax.runner.buckets import StepShape
+from infire_jax.runner.device_memory import DeviceMemory
+from infire_jax.sample.sampler import BRANCHING
+from infire_jax.core.scheduler import SchedulerOutput
+from infire_jax.runner.step_programs import StepForward, matmul_precision
 
 # A program to compile: its name in the executable cache, the jitted function, its arguments.
 ProgramSpec = tuple[str, Callable, tuple]

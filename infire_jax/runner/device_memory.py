@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from infire_jax import multihost
+from infire_jax.runner import multihost
 from infire_jax.lora.layout import stack_layout
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.panels import kernel_layout
-from infire_jax.runner_config import RunnerConfig
-from infire_jax.step_programs import DeviceCache
+from infire_jax.runner.config import RunnerConfig
+from infire_jax.runner.step_programs import DeviceCache
 from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels.reference import pool_storage_dtype
 from sharding.plan import ShardPlan
@@ -58,7 +58,7 @@ class DeviceMemory:
                           if is_fp8(self.kv_dtype) else None)
         self.cache = self._allocate_cache()
         # Structured outputs: a step with no constrained row passes its row bucket's all-allowed
-        # grammar mask, kept on the device, instead of copying one (structured/, sampler.py).
+        # grammar mask, kept on the device, instead of copying one (structured/, sample/sampler.py).
         self.mask_words = -(-cfg.vocab_size // 32)
         self._all_allowed: dict[int, jax.Array | None] = {}  # None while offloaded
 

@@ -33,8 +33,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from infire_jax.engine import Engine
-from infire_jax.engine_setup import EngineConfig, resolve_dtype
+from infire_jax.engine.engine import Engine
+from infire_jax.engine.setup import EngineConfig, resolve_dtype
 from infire_jax.errors import ConfigError, DeviceMemoryError
 from infire_jax.loaders.load import load_config
 from infire_jax.models.registry import abstract_state

@@ -6,11 +6,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from infire_jax.buckets import StepShape
-from infire_jax.kv_groups import KVGroupLayout
-from infire_jax.sampler import SamplingInputs
-from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS
-from infire_jax.scheduler import SchedulerOutput
+from infire_jax.runner.buckets import StepShape
+from infire_jax.core.kv_groups import KVGroupLayout
+from infire_jax.sample.sampler import SamplingInputs
+from infire_jax.sample.sampling_params import MAX_STOP_TOKEN_IDS
+from infire_jax.core.scheduler import SchedulerOutput
 from infire_jax.structured.matcher import fill_bitmasks
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 

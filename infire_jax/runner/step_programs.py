@@ -1,5 +1,5 @@
 """The device programs of a step, as pure functions of the weights, the pool and the step's
-batch; compiled_steps.py jits and compiles them, the runner (runner.py) launches them.
+batch; compiled_steps.py jits and compiles them, the runner (model_runner.py) launches them.
 
 - `forward`: the model over the step's tokens (embed, the decoder layers over the paged pool,
   the LM head at each row's last token), and each slot's token history for the penalties;
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs, StepBatch
+from infire_jax.runner.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs, StepBatch
 from infire_jax.lora.batched import LoRAStep
-from infire_jax.sampler import SamplerOutput, SamplingInputs, no_logprobs, sample
+from infire_jax.sample.sampler import SamplerOutput, SamplingInputs, no_logprobs, sample
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
 from pallas_kernels.attention import decode_only_steps
 from pallas_kernels.reference import from_storage, to_storage

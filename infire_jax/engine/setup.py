@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from infire_jax import multihost
-from infire_jax.buckets import Buckets, default_token_buckets
-from infire_jax.engine_stats import timed
+from infire_jax.runner import multihost
+from infire_jax.runner.buckets import Buckets, default_token_buckets
+from infire_jax.engine.stats import timed
 from infire_jax.errors import ConfigError
-from infire_jax.kv_groups import KVGroupLayout
-from infire_jax.kv_pool import PoolPlanner, PoolSizing
-from infire_jax.kv_scales import CALIBRATION_TEXT, calibrate, resolve_kv_cache_dtype
+from infire_jax.core.kv_groups import KVGroupLayout
+from infire_jax.runner.kv_pool import PoolPlanner, PoolSizing
+from infire_jax.runner.kv_scales import CALIBRATION_TEXT, calibrate, resolve_kv_cache_dtype
 from infire_jax.loaders import LoadedModel
 from infire_jax.loaders.kv_scales_hf import read_kv_scales
 from infire_jax.loaders.load import load_config, load_placed, load_quantized_placed, load_resident_placed
@@ -36,13 +36,13 @@ from infire_jax.loaders.weights import Placed
 from infire_jax.lora.config import LoRAConfig
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_state
-from infire_jax.runner import ModelRunner
-from infire_jax.runner_config import RunnerConfig
-from infire_jax.sampler import BRANCH_FREE_VARIANTS, BRANCHING
+from infire_jax.runner.model_runner import ModelRunner
+from infire_jax.runner.config import RunnerConfig
+from infire_jax.sample.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.eagle3 import Eagle3Head
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.loaders.tokenizer import Tokenizer
 from pallas_kernels.attention import choose_impl, resolve_impl
 from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels.mla import choose_mla_impl
@@ -82,7 +82,7 @@ class EngineConfig:
     calibrate_kv_scales: bool = False
     mesh: str | None = None  # mesh-config YAML; default: the shipped file for jax.device_count()
     seed: int = 0
-    branch_free_sampler: bool | None = None  # default: on GPU (see sampler.py), off on CPU
+    branch_free_sampler: bool | None = None  # default: on GPU (see sample/sampler.py), off on CPU
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
     # Kept quantized on the device (quant/): "gguf" (a GGUF's Q4_1/Q8_0 blocks), "int8" (any model, at load),
     # "int4" (any Llama-family model at load, round to nearest in the AWQ / GPTQ form; a dummy: model's drawn)
@@ -109,7 +109,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
 
     # A model with chunked or sliding-window layers keeps only the pages those layers still see
-    # (kv_groups.py, hybrid_kv_cache.py); False keeps every page of every layer in one group (the
+    # (core/kv_groups.py, core/hybrid_kv_cache.py); False keeps every page of every layer in one group (the
     # kernels mask the same way): for comparisons and tests.
     hybrid_kv_cache: bool = True
 

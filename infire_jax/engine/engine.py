@@ -3,7 +3,7 @@
 Each `step()` plans and dispatches step N+1 on the device, then reads back step N's tokens and
 turns them into text while the device computes. A front end (the offline `LLM`, the async server
 engine) only calls `add_request`, `abort` and `step`. Building one (settings, weights, compiled
-steps, the pool) is engine_setup.py's.
+steps, the pool) is setup.py's.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import logging
 import random
 import time
 
-from infire_jax import multihost
-from infire_jax.compile_guard import cache_hit_count, compile_count
-from infire_jax.detokenizer import IncrementalDetokenizer, TokenText
-from infire_jax.engine_setup import EngineConfig, Progress, load_and_compile, on_gpu, resolve_settings
-from infire_jax.engine_stats import BootTimeline, EngineStats
+from infire_jax.runner import multihost
+from infire_jax.runner.compile_guard import cache_hit_count, compile_count
+from infire_jax.engine.detokenizer import IncrementalDetokenizer, TokenText
+from infire_jax.engine.setup import EngineConfig, Progress, load_and_compile, on_gpu, resolve_settings
+from infire_jax.engine.stats import BootTimeline, EngineStats
 from infire_jax.errors import ConfigError, InvalidRequestError
-from infire_jax.hybrid_kv_cache import kv_cache_manager
+from infire_jax.core.hybrid_kv_cache import kv_cache_manager
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.pages import export_pages, import_pages
 from infire_jax.loaders import LoadedModel
@@ -27,11 +27,11 @@ from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
-from infire_jax.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
-from infire_jax.request import Request, Status
-from infire_jax.runner import PendingStep
-from infire_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
-from infire_jax.scheduler import Scheduler
+from infire_jax.sample.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
+from infire_jax.core.request import Request, Status
+from infire_jax.runner.model_runner import PendingStep
+from infire_jax.sample.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from infire_jax.core.scheduler import Scheduler
 from infire_jax.speculative.setup import build_speculation
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 

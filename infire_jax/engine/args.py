@@ -13,8 +13,8 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from infire_jax.engine import EngineConfig
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.engine.engine import EngineConfig
+    from infire_jax.sample.sampling_params import SamplingParams
 
 # The names `kv_scales.resolve_kv_cache_dtype` takes (kept here: building the parser imports no jax).
 KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float8_e4m3", "fp8", "fp8_e4m3")
@@ -92,7 +92,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
 
 def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
     """The engine settings of the flags, for `model` when given (else --model)."""
-    from infire_jax.engine import EngineConfig
+    from infire_jax.engine.engine import EngineConfig
 
     return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -129,7 +129,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampling settings of the flags of add_sampling_args."""
-    from infire_jax.sampling_params import SamplingParams
+    from infire_jax.sample.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.sampling_seed)

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from infire_jax.kv_cache import (NULL_PAGE, KVCacheManager, PoolAccounting, block_chain, extend_block_hashes,
+from infire_jax.core.kv_cache import (NULL_PAGE, KVCacheManager, PoolAccounting, block_chain, extend_block_hashes,
                                  hit_blocks)
-from infire_jax.kv_groups import KVGroupLayout
-from infire_jax.request import Request
+from infire_jax.core.kv_groups import KVGroupLayout
+from infire_jax.core.request import Request
 
 PrefixHit = list[tuple[int, ...]]  # per cached block, the page of each group (NULL_PAGE: the group needs none)
 

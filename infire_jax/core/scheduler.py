@@ -31,9 +31,9 @@ import dataclasses
 import math
 from typing import Protocol
 
-from infire_jax.hybrid_kv_cache import HybridKVCacheManager
-from infire_jax.kv_cache import KVCacheManager
-from infire_jax.request import Request, Status
+from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
+from infire_jax.core.kv_cache import KVCacheManager
+from infire_jax.core.request import Request, Status
 
 # Admission control (after SGLang's new_token_ratio): a running request is expected to generate
 # GROWTH_RATIO of the tokens it may still generate. Each preemption raises the ratio, each step

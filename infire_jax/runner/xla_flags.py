@@ -14,7 +14,7 @@ Measured on an H100 (`dummy:llama-3.1-8b`, bf16, batch-1 decode; ../shared/desig
     graph, so short ones launch without gaps.
 It also raises XLA's GPU allocator limit, `XLA_PYTHON_CLIENT_MEM_FRACTION`, from jax's 0.75 of
 the card to 0.95 (unless the user set it), so that `--gpu-memory-utilization` (0.90 by default, of
-the whole card) can be met: the KV pool is sized within both (infire_jax/kv_pool.py).
+the whole card) can be met: the KV pool is sized within both (infire_jax/runner/kv_pool.py).
 `INFIRE_JAX_NO_XLA_FLAGS=1` leaves both variables untouched.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from infire_jax.sampling_params import SamplingParams
+from infire_jax.sample.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.sampling_params import MAX_LOGPROBS
+from infire_jax.sample.sampling_params import MAX_LOGPROBS
 
 BRANCHING, GREEDY, SAMPLE, FULL = "branching", "greedy", "sample", "full"
 BRANCH_FREE_VARIANTS = (GREEDY, SAMPLE, FULL)  # each covers the batches the ones before it cover

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from infire_jax.batch import StepBatch, build_batch
-from infire_jax.buckets import Buckets, StepShape
-from infire_jax.kv_groups import KVGroupLayout
+from infire_jax.runner.batch import StepBatch, build_batch
+from infire_jax.runner.buckets import Buckets, StepShape
+from infire_jax.core.kv_groups import KVGroupLayout
 from infire_jax.lora.config import LoRAConfig
-from infire_jax.prompt_logprobs import BLOCK
-from infire_jax.sampler import BRANCHING
-from infire_jax.scheduler import SchedulerOutput
+from infire_jax.sample.prompt_logprobs import BLOCK
+from infire_jax.sample.sampler import BRANCHING
+from infire_jax.core.scheduler import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from infire_jax.request import Request
+from infire_jax.core.request import Request
 
 NULL_PAGE = 0  # never allocated: padding tokens write there (same constant as pallas_kernels)
 

@@ -11,8 +11,8 @@ import functools
 
 from tokenizers.decoders import DecodeStream
 
-from infire_jax.sampling_params import SamplingParams
-from infire_jax.tokenizer import Tokenizer
+from infire_jax.sample.sampling_params import SamplingParams
+from infire_jax.loaders.tokenizer import Tokenizer
 
 # Prompt tokens given to the decoder as context (some decoders strip a leading space without it).
 _CONTEXT_TOKENS = 4

@@ -1,0 +1,1 @@
+"""The engine: a request's life from admission to its last token, built from its flags; the async front."""

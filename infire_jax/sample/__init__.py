@@ -1,0 +1,1 @@
+"""Sampling: a request's parameters, the device sampler, and prompt logprobs."""
