@@ -6,7 +6,8 @@ are calls into one library. Its sources are
 compiled with the system's C++ compiler (`CXX`, else `c++`) and `-march=native` into the
 infire_jax cache, keyed by the sources, the jax version and the host CPU. Without a compiler, or
 with `INFIRE_JAX_NO_CPU_KERNELS=1`, `available()` is False and the models keep XLA's ops (the
-pure-`jnp` path).
+pure-`jnp` path). The layer matmuls are chosen only where the library was built for AVX-512
+(`chosen()`); the attention, sized for narrower vectors, runs on any CPU.
 """
 
 from __future__ import annotations
@@ -108,6 +109,15 @@ def require() -> None:
 def on_cpu() -> bool:
     """Whether a call traced now runs on the CPU with the kernels there."""
     return placement.platform() == "cpu" and available()
+
+
+def chosen() -> bool:
+    """Whether the models choose the kernels over XLA's own ops for a call traced now: on the CPU,
+    with the library built for AVX-512. The kernels hold 16-float vectors in registers; built for
+    AVX2, the compiler moves each through the stack, and a model's steps ran 3-16x slower than on
+    XLA's ops (docs/PERFORMANCE.md). The calls still run there, where asked for directly, and
+    `INFIRE_JAX_FORCE_CPU_KERNELS=1` has the models choose them on any CPU (to test them there)."""
+    return on_cpu() and (avx512() or bool(os.environ.get("INFIRE_JAX_FORCE_CPU_KERNELS")))
 
 
 @functools.cache

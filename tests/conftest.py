@@ -42,16 +42,31 @@ def cpu_env(devices: int, **extra: str) -> dict[str, str]:
 
 # Small enough to compile quickly on 2 CPU cores, big enough for batches and chunked prefill. Three
 # buckets, not the default seven: each is compiled (with its decode burst) by every engine a test builds.
+# 512 pages hold all 8 sequences at max_model_len; a CPU engine's default pool is 1 GiB (1,455 pages).
 SMALL_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
-                    token_buckets=(4, 8, 64))
+                    token_buckets=(4, 8, 64), num_kv_pages=512)
+
+
+# CI's machine has 24 GiB; a test process stays under half of it, so that the suite keeps room to
+# grow (or to run on two workers). The run prints its peak at its end, and fails if it passed this.
+RSS_LIMIT_GIB = 12.0
+_memory: dict[str, object] = {"peak_gib": 0.0, "peak_module": "no test module"}
+
+
+def _peak_rss_gib(who: int) -> float:
+    import resource
+
+    return resource.getrusage(who).ru_maxrss / (1 << 20)  # KiB on Linux
 
 
 @pytest.fixture(scope="module", autouse=True)
-def release_memory_after_each_module():
-    """The whole suite runs in one process on a 24 GiB machine: a module's engines and reference
-    models are usually in reference cycles (threads, callbacks), which Python's collector may leave
-    for a long time, and freed heap pages stay with the process until trimmed. Collect and trim
-    after every module, so that memory does not grow with the number of modules."""
+def release_memory_after_each_module(request):
+    """The suite runs many modules in one process: a module's engines and reference models are
+    usually in reference cycles (threads, callbacks), which Python's collector may leave for a long
+    time, and freed heap pages stay with the process until trimmed. Collect and trim after every
+    module, so that memory does not grow with the number of modules; note which module set the peak."""
+    import resource
+
     yield
     import ctypes
     import gc
@@ -61,6 +76,34 @@ def release_memory_after_each_module():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
+    peak = _peak_rss_gib(resource.RUSAGE_SELF)
+    if peak > _memory["peak_gib"] + 0.05:
+        _memory.update(peak_gib=peak, peak_module=request.module.__name__)
+
+
+def pytest_sessionfinish(session):
+    """Fail the run if the test process passed the limit."""
+    import resource
+
+    _memory["peak_gib"] = max(_memory["peak_gib"], _peak_rss_gib(resource.RUSAGE_SELF))
+    if _memory["peak_gib"] > RSS_LIMIT_GIB and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    over = _memory["peak_gib"] > RSS_LIMIT_GIB
+    terminalreporter.write_line(
+        f"peak RSS of the test process: {_memory['peak_gib']:.1f} GiB (reached in {_memory['peak_module']})"
+        + (f"; over the limit of {RSS_LIMIT_GIB} GiB" if over else ""), red=over)
+
+
+@pytest.fixture(scope="module")
+def models_choose_cpu_kernels():
+    """The models take the C++ matmul kernels on any CPU, for the modules that test them in a model
+    (without AVX-512 the models keep XLA's dot: `cpu_kernels.chosen`)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INFIRE_JAX_FORCE_CPU_KERNELS", "1")
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 in the model: a decode step takes them and agrees with XLA's dot; float32 prefill-sized steps do
 not take them, bfloat16 ones do where the CPU has AVX512-BF16. The engine-level checks are
 tests/test_parity.py (float32) and tests/test_compression.py (bfloat16 engines), whose CPU steps run
-through these kernels."""
+through these kernels on a CPU with AVX-512 (elsewhere the models keep XLA's dot; here they are
+made to take them)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from pallas_kernels import cpu_kernels, cpu_matmul
 
 # Without a C++ compiler the engine keeps XLA's dot (cpu_kernels.available() is False), so there is
 # nothing of ours to test; with one, a kernel that fails to build fails here instead of skipping.
-pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")),
-                                reason="no C++ compiler on this machine: the engine uses XLA's dot instead")
+pytestmark = [pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")),
+                                 reason="no C++ compiler on this machine: the engine uses XLA's dot instead"),
+              pytest.mark.usefixtures("models_choose_cpu_kernels")]
 
 
 def test_kernel_builds_where_a_compiler_exists():

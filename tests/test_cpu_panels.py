@@ -20,6 +20,8 @@ from pallas_kernels import cpu_matmul
 from test_cpu_matmul import HAS_BF16
 from test_kernels import build_metadata, device_meta
 
+pytestmark = pytest.mark.usefixtures("models_choose_cpu_kernels")
+
 
 def _bf16(rng, shape) -> jax.Array:
     return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)

@@ -24,7 +24,7 @@ from test_kv_transfer import run
 
 BF16_PAGE_BYTES = 30 * 16 * 3 * (64 + 64) * 2  # SmolLM2-135M: 30 layers, 3 kv heads of 64, page of 16
 POOL_BYTES = 40 * BF16_PAGE_BYTES
-CONFIG = dict(SMALL_ENGINE, max_model_len=512, kv_cache_memory=POOL_BYTES)
+CONFIG = dict(SMALL_ENGINE, max_model_len=512, num_kv_pages=None, kv_cache_memory=POOL_BYTES)
 PROMPTS = [
     "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "List three primary colors:",
     "Explain photosynthesis in one sentence.", "The meaning of life is", "Translate 'good morning' to Spanish:",
