@@ -47,26 +47,24 @@ SMALL_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, 
                     token_buckets=(4, 8, 64), num_kv_pages=512)
 
 
-# CI's machine has 24 GiB; a test process stays under half of it, so that the suite keeps room to
-# grow (or to run on two workers). The run prints its peak at its end, and fails if it passed this.
+# CI's machine has 24 GiB: a test process stays under half of it, so that the suite keeps room to
+# grow. The run prints its peak at its end, and fails if it passed this.
 RSS_LIMIT_GIB = 12.0
 _memory: dict[str, object] = {"peak_gib": 0.0, "peak_module": "no test module"}
 
 
-def _peak_rss_gib(who: int) -> float:
+def _peak_rss_gib() -> float:
     import resource
 
-    return resource.getrusage(who).ru_maxrss / (1 << 20)  # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB on Linux
 
 
 @pytest.fixture(scope="module", autouse=True)
 def release_memory_after_each_module(request):
-    """The suite runs many modules in one process: a module's engines and reference models are
-    usually in reference cycles (threads, callbacks), which Python's collector may leave for a long
-    time, and freed heap pages stay with the process until trimmed. Collect and trim after every
-    module, so that memory does not grow with the number of modules; note which module set the peak."""
-    import resource
-
+    """A test process runs many modules: a module's engines and reference models are usually in
+    reference cycles (threads, callbacks), which Python's collector may leave for a long time, and
+    freed heap pages stay with the process until trimmed. Collect and trim after every module, so
+    that memory does not grow with the number of modules; note which module set the peak."""
     yield
     import ctypes
     import gc
@@ -76,16 +74,14 @@ def release_memory_after_each_module(request):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
-    peak = _peak_rss_gib(resource.RUSAGE_SELF)
+    peak = _peak_rss_gib()
     if peak > _memory["peak_gib"] + 0.05:
         _memory.update(peak_gib=peak, peak_module=request.module.__name__)
 
 
 def pytest_sessionfinish(session):
     """Fail the run if the test process passed the limit."""
-    import resource
-
-    _memory["peak_gib"] = max(_memory["peak_gib"], _peak_rss_gib(resource.RUSAGE_SELF))
+    _memory["peak_gib"] = max(_memory["peak_gib"], _peak_rss_gib())
     if _memory["peak_gib"] > RSS_LIMIT_GIB and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
