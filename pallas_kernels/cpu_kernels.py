@@ -114,7 +114,7 @@ def on_cpu() -> bool:
 def chosen() -> bool:
     """Whether the models choose the kernels over XLA's own ops for a call traced now: on the CPU,
     with the library built for AVX-512. The kernels hold 16-float vectors in registers; built for
-    AVX2, the compiler moves each through the stack, and a model's steps ran 3-16x slower than on
+    AVX2, the compiler moves each through the stack, and a model's steps ran 2-16x slower than on
     XLA's ops (docs/PERFORMANCE.md). The calls still run there, where asked for directly, and
     `INFIRE_JAX_FORCE_CPU_KERNELS=1` has the models choose them on any CPU (to test them there)."""
     return on_cpu() and (avx512() or bool(os.environ.get("INFIRE_JAX_FORCE_CPU_KERNELS")))
