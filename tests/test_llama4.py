@@ -36,11 +36,11 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[object, str]]:
     return out
 
 
-def _assert_matches(outs, hf) -> None:
+def _assert_matches(outs, hf, atol: float = 1e-3) -> None:
     for prompt, out in zip(PROMPTS, outs):
         want, want_lp = hf_greedy(text_model(hf), prompt, NUM_TOKENS)
         assert out.token_ids == want
-        np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+        np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=atol, rtol=0)
 
 
 # The causal model runs the CPU attention kernel and moe.py's loop over row tiles; the multimodal one
@@ -239,7 +239,11 @@ def test_eagle3_on_the_hybrid_kv_cache_is_token_identical(checkpoints, tmp_path)
 
 def test_fp8_kv_cache_matches_hf_on_the_same_fp8_keys_and_values(checkpoints, monkeypatch):
     """An fp8 (e4m3) pool, its per-(layer, kv head) scales calibrated at build; HF attending to its
-    keys and values rounded to e4m3 with those scales is the reference."""
+    keys and values rounded to e4m3 with those scales is the reference. The tokens must be HF's, the
+    logprobs within 0.05: a key one ulp from an e4m3 rounding midpoint rounds either way, one step of
+    3 mantissa bits, and torch's keys and XLA's differ by ulps. Measured: one calibrated scale one
+    ulp apart (the CPU attention kernel's sum order against XLA's) moved HF's own logprobs by 0.026.
+    Unrounded keys change every token (logprobs off by 1.3 to 2.2)."""
     from infire_jax import LLM, SamplingParams
 
     _, path = checkpoints["causal"]
@@ -247,7 +251,7 @@ def test_fp8_kv_cache_matches_hf_on_the_same_fp8_keys_and_values(checkpoints, mo
     assert llm.engine.runner.cache.k_pages.dtype == np.uint8
     want = hf_model("causal")
     fp8_kv(want, llm.engine.runner.kv_scales, monkeypatch)
-    _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), want)
+    _assert_matches(llm.generate(PROMPTS, SamplingParams(**GREEDY)), want, atol=0.05)
     llm.engine.close()
 
 

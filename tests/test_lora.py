@@ -108,8 +108,9 @@ def test_smollm2_adapters_match_peft(smol):
 def test_mixed_batch_rows_equal_alone(smol):
     """Three adapters and the base model in one batch: row i is bitwise what it is in a batch of the
     same shape whose every row runs row i's adapter (no row's adapter reaches another row), and what
-    it is alone (the same tokens; logprobs within 1e-5: the base model's own float32 prefill differs
-    that much between a 9-token step, the CPU matmul kernel, and a 36-token one, XLA's dot)."""
+    it is alone (the same tokens; logprobs within 1e-4: the base model's own float32 prefill differs
+    by up to 1.4e-5 between a 9-token step and a 36-token one, whose matmuls block and sum differently,
+    on XLA's dot as on the CPU matmul kernel; each adapter gives its row other tokens)."""
     llm, _, requests = smol
     prompt = _prompts(llm)[0]
     loras = [requests["r8"], requests["r64"], None, requests["r16"]]
@@ -121,7 +122,7 @@ def test_mixed_batch_rows_equal_alone(smol):
         np.testing.assert_array_equal(_logprobs(together[i]), _logprobs(uniform))
         alone = llm.generate([prompt], _greedy(24), lora_request=lora)[0]
         assert together[i].token_ids == alone.token_ids
-        np.testing.assert_allclose(_logprobs(together[i]), _logprobs(alone), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(_logprobs(together[i]), _logprobs(alone), atol=1e-4, rtol=0)
     assert llm.engine.compiles_since_warmup == 0
 
 
@@ -136,7 +137,7 @@ def test_more_adapters_than_slots_wait_for_one(smol):
     for lora, out in zip(loras, together):
         alone = llm.generate([prompt], _greedy(16), lora_request=lora)[0]
         assert out.token_ids == alone.token_ids
-        np.testing.assert_allclose(_logprobs(out), _logprobs(alone), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(_logprobs(out), _logprobs(alone), atol=1e-4, rtol=0)
     assert sorted(o.name for o in llm.engine.lora.slots.owner[1:] if o) != sorted(["r8", "r64", "r16"])
     assert llm.engine.compiles_since_warmup == 0
 
