@@ -302,7 +302,12 @@ def test_draft_model_output_is_token_identical_and_frees_everything(smol_llm, de
     assert e.kv.num_free_pages == e.kv.num_usable_pages
 
 
-def test_draft_model_with_another_vocabulary_is_refused():
+def test_draft_model_with_another_vocabulary_is_refused(monkeypatch):
+    """From the draft's config, before the target is loaded and compiled."""
+    def load_and_compile(*args, **kwargs):
+        raise AssertionError("the target was loaded before the draft was checked")
+
+    monkeypatch.setattr("infire_jax.engine.engine.load_and_compile", load_and_compile)
     with pytest.raises(ConfigError, match="vocabulary"):
         LLM(**SMALL_ENGINE, speculative_config={"method": "draft_model", "model": "dummy:qwen3-0.6b",
                                                 "num_speculative_tokens": 2})
@@ -318,9 +323,9 @@ def test_draft_model_and_eagle3_need_a_kv_group_that_keeps_every_page():
     from infire_jax.speculative.setup import parse_speculation
 
     windows = ((0, 16),) * 2
-    target = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+    target = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=2, num_kv_heads=1, head_dim=16, local_attention=windows)
-    spec = {"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 2}
+    spec = {"method": "draft_model", "model": "dummy:smollm2-135m", "num_speculative_tokens": 2}  # its vocabulary
     check = dict(dtype="float32", multiprocess=False, one_plain_device=True)
     for method in ("draft_model", "eagle3"):
         with pytest.raises(ConfigError, match=f"method '{method}' keeps its KV on the pages of the target's global "

@@ -82,17 +82,23 @@ def _propose(graphdef, attn_impl: str, precision: str, k: int, page_size: int, s
     return kv, drafts.T
 
 
+def check_vocabulary(spec: str, target: ModelConfig) -> None:
+    """Refuses a draft whose vocabulary is not the target's, from its config alone: at engine setup,
+    before the target's weights are loaded or its steps compiled."""
+    cfg = load_config(spec)
+    if cfg.vocab_size != target.vocab_size:
+        raise ConfigError(f"speculative_config.model: the draft's vocabulary ({cfg.vocab_size} tokens) differs "
+                          f"from the target's ({target.vocab_size}); a draft needs the target's tokenizer")
+
+
 class DraftModel:
     """Loads the draft, allocates its pool beside the target's, and compiles its two programs."""
 
-    def __init__(self, spec: str, target: ModelConfig, rc: RunnerConfig, *, dtype, k: int, max_rows: int,
+    def __init__(self, spec: str, rc: RunnerConfig, *, dtype, k: int, max_rows: int,
                  reserve: Callable[[Request, int], bool]):
         """`reserve(req, n)` gives the request pages for its next n tokens, or says it cannot."""
         self.reserve = reserve
         cfg = load_config(spec)
-        if cfg.vocab_size != target.vocab_size:
-            raise ConfigError(f"speculative_config.model: the draft's vocabulary ({cfg.vocab_size} tokens) differs "
-                              f"from the target's ({target.vocab_size}); a draft needs the target's tokenizer")
         placed = load_placed(spec, dtype, None)
         self.rc, self.max_rows = rc, max_rows
         self.state = placed.state

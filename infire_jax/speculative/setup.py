@@ -10,7 +10,7 @@ from infire_jax.core.request import Request
 from infire_jax.runner.model_runner import ModelRunner
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.controller import NgramProposer, SpecController
-from infire_jax.speculative.draft_model import DraftModel
+from infire_jax.speculative.draft_model import DraftModel, check_vocabulary
 from infire_jax.speculative.eagle3 import Eagle3Head
 from infire_jax.speculative.eagle3_loader import load_eagle3
 from infire_jax.speculative.eagle3_proposer import Eagle3Proposer
@@ -43,6 +43,8 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
         raise ConfigError(f"speculative_config.method {sc.method!r} keeps its KV on the pages of the target's global "
                           "layers (a group that keeps every page); every layer of this model is chunked or "
                           "sliding-window, so no group keeps them: set hybrid_kv_cache=False, or use ngram")
+    if sc.method == "draft_model":
+        check_vocabulary(sc.model, target)
     return sc, load_eagle3(sc.model, target, dtype=dtype) if sc.method == "eagle3" else None
 
 
@@ -71,7 +73,7 @@ def build_speculation(sc: SpeculativeConfig, head: Eagle3Head | None, target: Mo
     if head is not None:
         draft = Eagle3Proposer(head, target, runner, runner.rc, dtype=dtype, k=sc.num_speculative_tokens)
     else:
-        draft = DraftModel(sc.model, target, runner.rc, dtype=dtype, k=sc.num_speculative_tokens,
+        draft = DraftModel(sc.model, runner.rc, dtype=dtype, k=sc.num_speculative_tokens,
                            max_rows=min(max_batch, max_num_seqs), reserve=reserve)
     draft.warmup(runner.empty_batches())
     runner.observer = draft.observe
