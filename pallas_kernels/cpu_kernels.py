@@ -6,8 +6,9 @@ are calls into one library. Its sources are
 compiled with the system's C++ compiler (`CXX`, else `c++`) and `-march=native` into the
 infire_jax cache, keyed by the sources, the jax version and the host CPU. Without a compiler, or
 with `INFIRE_JAX_NO_CPU_KERNELS=1`, `available()` is False and the models keep XLA's ops (the
-pure-`jnp` path). The layer matmuls are chosen only where the library was built for AVX-512
-(`chosen()`); the attention, sized for narrower vectors, runs on any CPU.
+pure-`jnp` path). The decode-step layer matmul and the attention run on any CPU (`chosen()`); the
+kernels on 16-float register tiles (panels, the LM head) only where it was built for AVX-512
+(`wide_chosen()`).
 """
 
 from __future__ import annotations
@@ -112,15 +113,23 @@ def on_cpu() -> bool:
 
 
 def chosen() -> bool:
-    """Whether the models choose the kernels over XLA's own ops for a call traced now: on the CPU,
-    with the library built for AVX-512. The kernels hold 16-float vectors in registers; built for
-    AVX2, the compiler moves each through the stack, and a model's steps ran 2-16x slower than on
-    XLA's ops (docs/PERFORMANCE.md). The calls still run there, where asked for directly, and
-    `INFIRE_JAX_FORCE_CPU_KERNELS=1` has the models choose them on any CPU (to test them there)."""
+    """Whether the models choose the layer matmul kernel (`cpu_matmul.skinny_matmul`, decode-sized
+    steps) over XLA's dot for a call traced now: on the CPU, wherever the library is built. It reads
+    each layer's weights in place, where a scan over the stacked weights copies every layer's slice
+    each step; with AVX2 alone it still ran a decode step's products 2-7x faster than XLA's dot
+    (docs/PERFORMANCE.md)."""
+    return on_cpu()
+
+
+def wide_chosen() -> bool:
+    """Whether the models also choose the kernels built on 16-float register tiles (the panel
+    matmuls, the LM head): on the CPU with the library built for AVX-512. Built for AVX2 the compiler
+    moves those tiles through the stack, and they ran 2-16x slower than XLA's ops at 8 or more rows.
+    The calls still run there where asked for directly, and `INFIRE_JAX_FORCE_CPU_KERNELS=1` has the
+    models choose them on any CPU (to test them there)."""
     return on_cpu() and (avx512() or bool(os.environ.get("INFIRE_JAX_FORCE_CPU_KERNELS")))
 
 
-@functools.cache
 def bf16_dot() -> bool:
     """Whether the library was built for a CPU with AVX512-BF16, so bfloat16 x bfloat16 products
     take `vdpbf16ps`."""

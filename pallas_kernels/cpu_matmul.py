@@ -70,7 +70,7 @@ def skinny_matmul(x: Float[Array, "M K"], stacked: Float[Array, "L K N"],
 def panel_kernel(dtype) -> bool:
     """Whether `panel_matmul` runs here on `dtype` panels: the CPU backend with the library, and
     for bfloat16 its `vdpbf16ps` dot."""
-    return cpu_kernels.chosen() and (dtype == jnp.float32 or (dtype == jnp.bfloat16 and cpu_kernels.bf16_dot()))
+    return cpu_kernels.wide_chosen() and (dtype == jnp.float32 or (dtype == jnp.bfloat16 and cpu_kernels.bf16_dot()))
 
 
 def panels_apply(weight: Array | jax.ShapeDtypeStruct) -> bool:
@@ -121,7 +121,7 @@ def head_applies(rows: int, head: Array) -> bool:
     converts the whole bfloat16 head to float32 every step (25 ms of a 70 ms step here); on a
     float32 head it matches the call at one row and falls behind at 8 (docs/PERFORMANCE.md)."""
     return (rows <= MAX_ROWS and head.dtype in (jnp.float32, jnp.bfloat16) and head.ndim == 2
-            and head.shape[1] % 16 == 0 and cpu_kernels.chosen())
+            and head.shape[1] % 16 == 0 and cpu_kernels.wide_chosen())
 
 
 def head_matmul(x: Float[Array, "M E"], head: Float[Array, "V E"]) -> Float[Array, "M V"]:

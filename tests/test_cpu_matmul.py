@@ -1,9 +1,9 @@
 """The CPU matmul kernels (XLA FFI calls, pallas_kernels/cpu_matmul.py) against float64 numpy, and
 in the model: a decode step takes them and agrees with XLA's dot; float32 prefill-sized steps do
 not take them, bfloat16 ones do where the CPU has AVX512-BF16. The engine-level checks are
-tests/test_parity.py (float32) and tests/test_compression.py (bfloat16 engines), whose CPU steps run
-through these kernels on a CPU with AVX-512 (elsewhere the models keep XLA's dot; here they are
-made to take them)."""
+tests/test_parity.py (float32) and tests/test_compression.py (bfloat16 engines), whose CPU decode
+steps run through the layer kernel on any CPU, and through the panel and head kernels on a CPU with
+AVX-512 (elsewhere the models keep XLA's dot for those; here they are made to take them)."""
 
 from __future__ import annotations
 
@@ -151,6 +151,20 @@ def test_applies_only_to_what_it_computes():
     assert not cpu_matmul.applies(1, jnp.zeros((2, 6, 960), jnp.float32))  # K not a multiple of 4
     with pytest.raises(ValueError, match="features"):
         cpu_matmul.skinny_matmul(jnp.zeros((1, 64)), w, jnp.int32(0))
+
+
+def test_the_models_choose_by_this_cpus_vectors(monkeypatch):
+    """Unforced, the models take the decode-step layer kernel on any CPU (it reads the stack in place,
+    and beat XLA's dot with AVX2 too), but the kernels on 16-float register tiles (panels, the LM
+    head) only where the library was built for AVX-512 (with AVX2 alone they were slower than XLA's)."""
+    monkeypatch.delenv("INFIRE_JAX_FORCE_CPU_KERNELS")
+    w = jnp.zeros((2, 576, 960), jnp.float32)
+    assert cpu_kernels.chosen() and cpu_matmul.applies(1, w)
+    assert cpu_kernels.wide_chosen() == cpu_kernels.avx512()
+    assert cpu_matmul.panel_kernel(jnp.float32) == cpu_kernels.avx512()
+    assert cpu_matmul.head_applies(1, jnp.zeros((64, 576), jnp.float32)) == cpu_kernels.avx512()
+    monkeypatch.setenv("INFIRE_JAX_FORCE_CPU_KERNELS", "1")
+    assert cpu_kernels.wide_chosen() and cpu_matmul.panel_kernel(jnp.float32)
 
 
 LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM = 3, 64, 128, 4, 2, 16
