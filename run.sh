@@ -36,6 +36,9 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
+# A machine without an NVIDIA GPU runs on its CPU: say so to jax, so that the CUDA plugin the test extra
+# installs (bench gpu-compile's compiler) does not try, and fail, to start a GPU backend.
+command -v nvidia-smi >/dev/null 2>&1 || export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 case "$cmd" in
   test) exec "$venv/bin/python" -m pytest "$@" ;;
   bench) exec "$venv/bin/python" -m infire_jax.bench "$@" ;;

@@ -12,7 +12,7 @@ import contextlib
 import jax
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import cpu_attention, placement, ragged_attention, reference
+from pallas_kernels import cpu_attention, placement, prefill_attention, ragged_attention, reference
 from pallas_kernels.metadata import AttentionMetadata, for_layer
 from pallas_kernels.triton_backend import check_supported
 
@@ -52,6 +52,14 @@ def choose_impl(impl: str, *, head_dim: int, num_q_heads: int, num_kv_heads: int
                 raise
             return "reference"
     return chosen
+
+
+def plan_step(meta: AttentionMetadata, impl: str, num_tokens: int, group: int) -> AttentionMetadata:
+    """The step's metadata as a layer loop hands it to every layer: with the Pallas prefill kernel's
+    work items built once, before the loop (`group`: query heads a kv head), where that kernel runs."""
+    if impl not in ("pallas", "pallas_interpret") or _DECODE_ONLY.value:
+        return meta
+    return prefill_attention.plan_step(meta, num_tokens, group)
 
 
 def paged_attention(

@@ -58,6 +58,9 @@ class AttentionMetadata(NamedTuple):
     group_page_tables: Int[Array, "G S P"] | None = None
     group_slot_mappings: Int[Array, "G T"] | None = None
     layer_kv: Int[Array, "L 2"] | None = None
+    # The prefill kernel's work items of this step (prefill_attention.WorkItems), built once before the
+    # layer loop (`prefill_attention.plan_step`): the same for every layer. None: built where used.
+    prefill_items: object | None = None
 
 
 def for_layer(meta: AttentionMetadata, layer: Int[Array, ""]) -> tuple[AttentionMetadata, Int[Array, ""]]:
@@ -111,7 +114,7 @@ def slice_tokens(meta: AttentionMetadata, start, size: int) -> AttentionMetadata
     groups = meta.group_slot_mappings
     return meta._replace(positions=part(meta.positions), slot_mapping=part(meta.slot_mapping),
                          seq_ids=part(meta.seq_ids), kv_lens=kv_lens.astype(meta.kv_lens.dtype), cu_q_lens=cu_local,
-                         group_slot_mappings=None if groups is None else part(groups, 1))
+                         group_slot_mappings=None if groups is None else part(groups, 1), prefill_items=None)
 
 
 def deactivate(meta: AttentionMetadata, active) -> AttentionMetadata:
@@ -125,4 +128,4 @@ def deactivate(meta: AttentionMetadata, active) -> AttentionMetadata:
         group_slot_mappings=None if groups is None else jnp.where(active, groups, 0),
         seq_ids=jnp.where(active, meta.seq_ids, rows),
         kv_lens=jnp.where(active, meta.kv_lens, 0),
-        cu_q_lens=jnp.where(active, meta.cu_q_lens, 0))
+        cu_q_lens=jnp.where(active, meta.cu_q_lens, 0), prefill_items=None)

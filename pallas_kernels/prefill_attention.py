@@ -18,8 +18,8 @@ key), and masks each row's keys before its own first visible one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +39,26 @@ BLOCK_K = 64  # keys per inner step
 ITEM_SEQ, ITEM_Q_START, ITEM_NUM_Q, ITEM_FIRST_POS = range(4)
 
 
-class WorkItems(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["table", "token_item", "token_row", "covered"],
+                   meta_fields=["block_q"])
+@dataclasses.dataclass(frozen=True)
+class WorkItems:
     table: Int[Array, "W 4"]  # seq, first flat token, tokens (0: no work), position of the first token
     token_item: Int[Array, "T"]  # work item of each token (meaningful where `covered`)
     token_row: Int[Array, "T"]  # index of the token inside its item's query block
     covered: Bool[Array, "T"]  # valid token of a multi-token row
+    block_q: int  # tokens of a query block (static)
+
+
+def block_q_of(group: int, tile_rows: int = TILE_ROWS) -> int:
+    """Tokens of a query block when a kv head serves `group` query heads (padded to a power of two)."""
+    return max(1, tile_rows // next_power_of_2(group))
+
+
+def plan_step(meta: AttentionMetadata, num_tokens: int, group: int) -> AttentionMetadata:
+    """`meta` with this step's work items, for a layer loop to build once rather than in every layer
+    (they depend on the step alone; XLA keeps them inside the loop otherwise: bench gpu-compile)."""
+    return meta._replace(prefill_items=work_items(meta, num_tokens, block_q_of(group)))
 
 
 def prefill_rows(meta: AttentionMetadata) -> Bool[Array, "S"]:
@@ -82,7 +97,7 @@ def work_items(meta: AttentionMetadata, num_tokens: int, block_q: int) -> WorkIt
     token_seq = jnp.clip(meta.seq_ids, 0, s - 1)
     in_row = token - cu[token_seq]
     covered = (token < cu[meta.num_seqs]) & is_prefill[token_seq]
-    return WorkItems(table, starts[token_seq] + in_row // block_q, in_row % block_q, covered)
+    return WorkItems(table, starts[token_seq] + in_row // block_q, in_row % block_q, covered, block_q)
 
 
 def _prefill_kernel(scalars_ref, items_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, out_ref, *,
@@ -140,9 +155,10 @@ def prefill_attention(
     hkv, page_size = k_pages.shape[3], k_pages.shape[2]
     g = hq // hkv
     gp = next_power_of_2(g)
-    block_q = max(1, tile_rows // gp)
+    block_q = block_q_of(g, tile_rows)
     rows = block_q * gp
-    items = work_items(meta, t, block_q)
+    planned = meta.prefill_items
+    items = planned if isinstance(planned, WorkItems) and planned.block_q == block_q else work_items(meta, t, block_q)
 
     # [Hkv, (T + block_q) * Gp, D]: row (token, head in group); the tail keeps every tile in bounds.
     dtype = compute_dtype(k_pages.dtype, q.dtype)

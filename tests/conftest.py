@@ -29,6 +29,12 @@ def _test_xla_flags() -> str:
     return os.environ["TEST_XLA_FLAGS_PROBED"]
 
 
+# Without a GPU, jax starts its CPU backend alone: the dev extra's CUDA plugin (bench gpu-compile's
+# compiler) would otherwise fail to start a CUDA backend in every test process, print its traceback and
+# unregister itself. Set before the probe below, so its subprocess and every test's inherit it.
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 TEST_XLA_FLAGS = _test_xla_flags()
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once, though imported as `tests.conftest` too
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
@@ -80,18 +86,35 @@ def release_memory_after_each_module(request):
         _memory.update(peak_gib=peak, peak_module=request.module.__name__)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Under pytest-xdist each worker is a test process of its own: it hands its peak to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["peak_rss"] = (max(_memory["peak_gib"], _peak_rss_gib()), _memory["peak_module"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: note each worker's peak (the controller itself runs no test)."""
+    peak = getattr(node, "workeroutput", {}).get("peak_rss")
+    if peak is not None:
+        _memory.setdefault("workers", {})[node.gateway.id] = peak
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    _memory["peak_gib"] = max(_memory["peak_gib"], _peak_rss_gib())
-    over = _memory["peak_gib"] > RSS_AIM_GIB
-    terminalreporter.write_line(
-        f"peak RSS of the test process: {_memory['peak_gib']:.1f} GiB (reached in {_memory['peak_module']})"
-        + (f"; over the aim of {RSS_AIM_GIB} GiB" if over else ""), red=over)
+    workers = _memory.get("workers") or {"the test process": (max(_memory["peak_gib"], _peak_rss_gib()),
+                                                               _memory["peak_module"])}
+    for name, (peak, module) in sorted(workers.items()):
+        over = peak > RSS_AIM_GIB
+        terminalreporter.write_line(
+            f"peak RSS of {name}: {peak:.1f} GiB (reached in {module})"
+            + (f"; over the aim of {RSS_AIM_GIB} GiB" if over else ""), red=over)
 
 
 @pytest.fixture(scope="module")
 def models_choose_cpu_kernels():
-    """The models take the C++ matmul kernels on any CPU, for the modules that test them in a model
-    (without AVX-512 the models keep XLA's dot: `cpu_kernels.chosen`)."""
+    """The models take every C++ matmul kernel on any CPU, for the modules that test them in a model
+    (without AVX-512 the models keep XLA's ops for the panel and head products: `cpu_kernels.wide_chosen`)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("INFIRE_JAX_FORCE_CPU_KERNELS", "1")
         yield

@@ -23,7 +23,7 @@ from flax import nnx
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
 from pallas_kernels import benchmark, reference
-from pallas_kernels.attention import IMPLS, decode_only_steps, paged_attention, resolve_impl
+from pallas_kernels.attention import IMPLS, decode_only_steps, paged_attention, plan_step, resolve_impl
 from pallas_kernels.decode_attention import choose_num_splits, decode_attention
 from pallas_kernels.kv_write import write_kv_pages
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata, LocalMask
@@ -280,6 +280,29 @@ def test_prefill_work_items_cover_every_chunk_token_once():
     token_item, token_row = np.asarray(items.token_item), np.asarray(items.token_row)
     for t in np.flatnonzero(chunks):
         assert table[token_item[t], 1] + token_row[t] == t
+
+
+@pytest.mark.parametrize("shapes", SHAPES[:3], ids=str)
+def test_work_items_planned_before_the_layer_loop_are_the_ones_used(shapes):
+    """A layer loop builds the prefill kernel's work items once (`plan_step`, models' decoder stacks):
+    the kernel then gives bit for bit its output without them, and does read the planned ones (items
+    planned for a step with no row give no output). Not for the reference, nor inside a decode-only
+    program."""
+    case = make_case(shapes, seed=3, poison=True)
+    k_pages, v_pages = pool_after_write(case)
+    meta = device_meta(case.meta)
+    group = shapes.num_q_heads // shapes.num_kv_heads
+    planned = plan_step(meta, "pallas_interpret", NUM_TOKENS, group)
+    assert plan_step(meta, "reference", NUM_TOKENS, group) is meta
+    with decode_only_steps():
+        assert plan_step(meta, "pallas", NUM_TOKENS, group) is meta
+    args = (device(case.q, shapes), device(k_pages, shapes), device(v_pages, shapes), jnp.int32(LAYER))
+    run = jax.jit(lambda m: prefill_attention(*args, m, scale=shapes.head_dim ** -0.5, interpret=True)[0])
+    want = np.asarray(run(meta))
+    assert want.any()
+    np.testing.assert_array_equal(np.asarray(run(planned)), want)
+    empty = plan_step(meta._replace(num_seqs=jnp.int32(0)), "pallas", NUM_TOKENS, group).prefill_items
+    assert not np.asarray(run(meta._replace(prefill_items=empty))).any()
 
 
 @pytest.mark.parametrize("shapes", SHAPES, ids=str)

@@ -106,6 +106,42 @@ def deepseek_dirs(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
+@pytest.mark.parametrize("tokens", [1, 64, 65])
+def test_plain_weights_of_a_gpu_decode_step_are_read_in_place(tokens, monkeypatch):
+    """On a GPU a step of at most one row tile (64 tokens) multiplies plain layer weights with the kernel
+    reading the layer of the stack in place (XLA's GPU GEMM would copy it out first: tests/test_gpu_compile.py):
+    it reads the weights exactly and sums within float32 rounding of float64; wider steps keep XLA's GEMM.
+    Chosen here (interpret mode) as a GPU's default is."""
+    from infire_jax.models.config import ModelConfig
+
+    _use(monkeypatch, {**KERNELS, "INFIRE_JAX_DENSE_MATMUL": "pallas"})
+    e, f, hkv, heads, d, layers = 64, 128, 2, 4, 16, 3
+    shapes = {"wqkv": (layers, e, hkv, heads // hkv + 2, d), "wo": (layers, heads, d, e),
+              "w_gate_up": (layers, e, 2, f), "w_down": (layers, f, e)}
+    stacks = {k: jnp.asarray(0.1 * RNG.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=e, intermediate_size=f, num_layers=layers,
+                      num_heads=heads, num_kv_heads=hkv, head_dim=d)
+    def kernel_read() -> dict:  # (a CPU's own kernel may take plain float32 stacks in small steps: cpu_matmul)
+        found = in_place_weights(cfg, stacks, tokens=tokens, red=Reductions())
+        return {k: v for k, v in found.items() if isinstance(v[0], KernelQuantWeight)}
+
+    in_place = kernel_read()
+    if tokens > 64:
+        assert in_place == {}
+        return
+    assert set(in_place) == set(INPUT_AXES)
+    for name, (kw, shape) in in_place.items():
+        assert shape == shapes[name][1:]
+        w = np.asarray(stacks[name][2]).reshape(int(np.prod(shape[:INPUT_AXES[name]])), -1)
+        _assert_reads_as(kw, 2, w, name)
+        x = RNG.standard_normal((tokens, w.shape[0])).astype(np.float32)
+        got = np.asarray(kw.matmul(jnp.asarray(x), jnp.int32(2)))
+        scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+        assert np.all(np.abs(got - x.astype(np.float64) @ w.astype(np.float64)) <= 1e-6 * scale + 1e-30), name
+    monkeypatch.setenv("INFIRE_JAX_DENSE_MATMUL", "xla")
+    assert kernel_read() == {}
+
+
 @pytest.mark.parametrize("source", ["gguf", "int8", "int4-g128", "int4-g32", "awq-g32", "gptq-sym-per-channel"])
 def test_llama_kept_weights_read_in_place_equal_the_layer_body_dequantization(source, request, monkeypatch):
     _use(monkeypatch, KERNELS)

@@ -1,5 +1,5 @@
 """`python -m infire_jax.bench`: latency, throughput, serve, fleet, suite, profile, boot, swap, spec, compare,
-device-checks and perplexity subcommands.
+device-checks, gpu-compile and perplexity subcommands.
 
 Flags follow `vllm bench` where they overlap. Every subcommand prints a table and takes
 --json FILE and --plot FILE.
@@ -11,14 +11,14 @@ import argparse
 import logging
 import sys
 
-from infire_jax.bench import (boot, compare, device_checks, fleet, latency, perplexity, profile, serve, spec, suite,
-                               swap, throughput)
+from infire_jax.bench import (boot, compare, device_checks, fleet, gpu_compile, latency, perplexity, profile, serve,
+                               spec, suite, swap, throughput)
 from infire_jax.bench.common import add_output_args
 from infire_jax.errors import InfireError
 
 SUBCOMMANDS = {"latency": latency, "throughput": throughput, "serve": serve, "fleet": fleet, "suite": suite,
                "profile": profile, "boot": boot, "swap": swap, "spec": spec, "compare": compare,
-               "device-checks": device_checks, "perplexity": perplexity}
+               "device-checks": device_checks, "gpu-compile": gpu_compile, "perplexity": perplexity}
 
 
 def build_parser() -> argparse.ArgumentParser:

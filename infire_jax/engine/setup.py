@@ -45,6 +45,7 @@ from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
 from pallas_kernels.attention import choose_impl, resolve_impl
 from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels import placement
 from pallas_kernels.mla import choose_mla_impl
 from pallas_kernels.triton_backend import check_fp8_device
 from sharding.mesh import load_mesh_config
@@ -126,7 +127,9 @@ def enable_compilation_cache() -> None:
 
 
 def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+    """Whether the engine builds for a GPU: this machine's, or the target being compiled for
+    (`placement.compiling_for`), whose defaults (dtype, step budget, sampler) it then takes."""
+    return placement.platform() == "gpu"
 
 
 def resolve_dtype(name: str):

@@ -33,7 +33,7 @@ from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, lay
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels import cpu_matmul
-from pallas_kernels.attention import paged_attention
+from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
 
@@ -243,6 +243,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     `lora_slots`, `weights` also hold the LoRA adapters' stacks (read per layer, not scanned)."""
     weights, lora = split_stacks(weights, lora_slots, kernel=red == Reductions())
     in_place = in_place_weights(cfg, weights, h.shape[0], red)
+    meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
     layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place, lora)
     num = jax.tree.leaves(weights)[0].shape[0]
     scanned = {name: w for name, w in weights.items() if name not in in_place}
@@ -271,6 +272,7 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
     """
     weights, lora = split_stacks(weights, lora_slots, kernel=True)
     in_place = in_place_weights(cfg, weights, h.shape[0], Reductions())
+    meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
     layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place, lora)
     n = cfg.num_layers
     aux, slot_of_output = aux_slots(aux_layers, n, h)

@@ -55,7 +55,7 @@ from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from pallas_kernels import cpu_matmul
-from pallas_kernels.attention import paged_attention
+from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
 
@@ -206,6 +206,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     in_place = {kind: layer_stacks(w, tokens, DENSE_INPUTS, kind == "moe", one_device=red == Reductions())
                 for kind, w in weights.items()}
     scanned = {kind: {n: a for n, a in w.items() if n not in in_place[kind]} for kind, w in weights.items()}
+    meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     step = functools.partial(layer_step, cfg, cos=cos, sin=sin, temp=temperature(cfg, meta.positions), meta=meta,
                              attn_impl=attn_impl, red=red, aux_slot=None if aux is None else aux[1])
     dense = scanned.get("dense", {})

@@ -31,10 +31,16 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from pallas_kernels import cpu_kernels, cpu_matmul, placement
+from pallas_kernels.quant_blocks import MAX_TILE_ROWS
 from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, supported
 
 MAX_DENSE_ROWS = 256
+# Plain (unquantized) dense stacks take the kernel in steps of at most one row tile: it reads the
+# weights once per row tile, so a wider step would read them several times, where XLA's GEMM copies the
+# layer out once (two more passes over it) and then reads it once.
+MAX_PLAIN_ROWS = MAX_TILE_ROWS
 DENSE_IMPLS = ("pallas", "cpu", "xla")
+PLAIN_IMPLS = ("pallas", "xla")
 GROUPED_IMPLS = ("pallas", "tiled", "ragged_dot")  # a MoE layer's grouped matmul (models/moe.py)
 # How many leading axes of one expert's weight are its inputs: w_gate_up [E, 2, F], w_down [F, E].
 EXPERT_INPUTS = {"w_gate_up": 1, "w_down": 1}
@@ -45,6 +51,18 @@ def dense_impl() -> str:
     impl = os.environ.get("INFIRE_JAX_QUANT_MATMUL", default)
     if impl not in DENSE_IMPLS:
         raise ConfigError(f"INFIRE_JAX_QUANT_MATMUL={impl!r}; choose one of {DENSE_IMPLS}")
+    return impl
+
+
+def plain_impl() -> str:
+    """How a GPU multiplies a decode-sized step by a plain (bf16 / f32) dense layer weight: `pallas`
+    (default on a GPU), the kernel reading the layer of the stack in place, or `xla`, XLA's GEMM on the
+    layer's slice, which XLA's GPU compiler in jax 0.10.2 copies out of the stack first (the whole
+    model, every decode step: docs/PERFORMANCE.md); INFIRE_JAX_DENSE_MATMUL chooses. Off a GPU, `xla`
+    (the CPU's own kernels read plain weights: `cpu_matmul`)."""
+    impl = os.environ.get("INFIRE_JAX_DENSE_MATMUL", "pallas" if placement.platform() == "gpu" else "xla")
+    if impl not in PLAIN_IMPLS:
+        raise ConfigError(f"INFIRE_JAX_DENSE_MATMUL={impl!r}; choose one of {PLAIN_IMPLS}")
     return impl
 
 
@@ -113,8 +131,9 @@ def _stack(value: Array | Mapping[str, Array], lead: int, inputs: int, plain: bo
         s = a.shape
         return a.reshape(math.prod(s[:lead]), math.prod(s[lead:lead + inputs]), math.prod(s[lead + inputs:]))
 
-    if not isinstance(value, Mapping):
-        return QuantStack(flat(value)) if plain else None
+    if not isinstance(value, Mapping):  # plain floats only: not palette codes or CPU panels
+        floats = isinstance(value, jax.Array) and jax.numpy.issubdtype(value.dtype, jax.numpy.floating)
+        return QuantStack(flat(value)) if plain and floats else None
 
     def part(name: str) -> Array:
         return flat(value[name])
@@ -156,15 +175,17 @@ def kernel_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping
 
     `dense_inputs[name]`: how many leading axes of one layer's dense weight are inputs (K), for the
     quantized dense stacks (INFIRE_JAX_QUANT_MATMUL's choice: pallas for at most MAX_DENSE_ROWS
-    tokens, cpu for Q4_1 stacks in decode steps on `one_device`). `expert_inputs` likewise for a MoE
+    tokens, cpu for Q4_1 stacks in decode steps on `one_device`), and the plain ones in steps of at
+    most MAX_PLAIN_ROWS tokens where `plain_impl` is pallas. `expert_inputs` likewise for a MoE
     layer's expert stacks [L, X, ...], plain or quantized, given when the grouped matmul is the
     kernel (moe.py); they are taken together or not at all (palette-coded experts stay with the loop
     over row tiles).
     """
     impl, out = dense_impl(), {}
+    plain = tokens <= MAX_PLAIN_ROWS and plain_impl() == "pallas"
     for name, inputs in dense_inputs.items():
         value = weights.get(name)
-        stack = None if value is None else _stack(value, 1, inputs, plain=False)
+        stack = None if value is None else _stack(value, 1, inputs, plain=plain)
         if stack is None:
             continue
         if impl == "pallas" and tokens <= MAX_DENSE_ROWS and supported(stack):

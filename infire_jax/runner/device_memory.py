@@ -39,10 +39,12 @@ class DeviceMemory:
     (its buffers are donated); `state` and `cache` are None while the model is off the device."""
 
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, rc: RunnerConfig,
-                 *, dtype, plan: ShardPlan | None = None):
+                 *, dtype, plan: ShardPlan | None = None, allocate: bool = True):
         """`cfg` is the placed model's config (a plan's effective config on a mesh); `state` may be
         the weights' shapes alone (attach_weights gives the weights). The runner owns the weights
-        it is given: on CPU it may repack some for its matmul kernel (models/panels.py)."""
+        it is given: on CPU it may repack some for its matmul kernel (models/panels.py). With
+        `allocate=False` the cache stays shapes too (`allocate_pool` allocates it): enough to compile
+        the steps, for another machine's devices as well (bench/gpu_compile.py)."""
         self.cfg = cfg
         self.rc = rc
         self.plain_graphdef = graphdef  # the layout `attach_weights` receives
@@ -56,7 +58,11 @@ class DeviceMemory:
         # host too, so a pool allocated again (restore, resize_pool) gets them back.
         self.kv_scales = (np.ones((cfg.num_layers, 2, kv_entry(cfg).heads), np.float32)
                           if is_fp8(self.kv_dtype) else None)
-        self.cache = self._allocate_cache()
+        if allocate:
+            self.cache = self._allocate_cache()
+        else:
+            self._cache_program()
+            self.cache = self._cache_shapes
         # Structured outputs: a step with no constrained row passes its row bucket's all-allowed
         # grammar mask, kept on the device, instead of copying one (structured/, sample/sampler.py).
         self.mask_words = -(-cfg.vocab_size // 32)

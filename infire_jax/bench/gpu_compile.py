@@ -1,0 +1,91 @@
+"""`bench gpu-compile`: the engine's GPU programs compiled on a CPU machine, and what each does a step.
+
+Every program the engine would serve with on one GPU of the target (each bucket's forward, samplers
+and decode bursts; with speculation the verifying ones; the small ones) is compiled for it from the
+weights' and the pool's shapes (bench/gpu_target.py), with the engine's GPU settings and XLA flags.
+A row per program: launches a step and a layer of the layer loop (from XLA's launch list), copies
+of weight size and their bytes a step, float32 tensors shaped like a weight, the custom calls, and
+memory against the card (arguments + outputs - donated + temporaries). This is compiled structure,
+not timing: jax 0.10.2's compiler, without autotuning. Needs the CUDA plugin (the `dev` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+
+from infire_jax.bench.common import BenchError
+from infire_jax.engine.args import add_engine_args, engine_config
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+COLUMNS = [
+    ("program", "program", "{}"), ("launches_per_step", "launches a step", "{:.0f}"),
+    ("launches_per_layer", "a layer", "{}"), ("weight_copies_per_step", "weight copies a step", "{:.0f}"),
+    ("weight_copy_gb_per_step", "GB copied a step", "{:.2f}"), ("float32_weights", "f32 weights", "{}"),
+    ("calls", "custom calls a step", "{}"), ("peak_gb", "peak GB", "{:.1f}"), ("of_card", "of card", "{:.2f}"),
+    ("compile_s", "compile s", "{:.1f}"),
+]
+_SHORT = {"__cublas$lt$matmul": "cublasLt", "__cublas$gemm": "cublas", "__gpu$xla.gpu.triton": "triton"}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="h100", choices=["h100", "h200"], help="the GPU to compile for")
+    p.add_argument("--programs", nargs="*", default=[],
+                   help="only programs whose names start so (e.g. burst forward sampler)")
+    p.add_argument("--dump-dir", default=None, help="keep XLA's dumps here (default: a temporary directory)")
+    add_engine_args(p)
+
+
+def pool_bytes(memory_bytes: int, utilization: float, weight_bytes: int, reserve: int = 2 << 30) -> int:
+    """The KV pool the engine would size on the card: its share of the card, less the weights and a
+    reserve for the largest step's temporaries (checked against each program's own afterwards)."""
+    return int(memory_bytes * utilization) - weight_bytes - reserve
+
+
+def run(args: argparse.Namespace):
+    from infire_jax.bench import gpu_target, program_stats, report
+    from infire_jax.bench.common import settings
+
+    gpu_target.use_cpu_backend()
+    target = gpu_target.target(args.target)
+    ec = engine_config(args)
+    shapes, layers, weight_bytes = gpu_target.weight_shapes(ec)
+    if not (ec.num_kv_pages or ec.kv_cache_memory):
+        ec.kv_cache_memory = pool_bytes(target.memory_bytes, ec.gpu_memory_utilization, weight_bytes)
+        if ec.kv_cache_memory <= 0:
+            raise BenchError(f"{weight_bytes / 1e9:.1f} GB of weights leave no room for a KV pool on one "
+                             f"{target.device_kind}")
+    dump_root = args.dump_dir or tempfile.mkdtemp(prefix="infire-gpu-compile.")
+    rows = []
+    try:
+        for p in gpu_target.engine_programs(ec, target, dump_root, tuple(args.programs)):
+            st = program_stats.read_dump(p.dump_dir, shapes, layers)
+            m = p.compiled.memory_analysis()
+            peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                    + m.temp_size_in_bytes)
+            rows.append(dict(
+                program=p.name, steps=p.steps, launches_per_step=st.launches / p.steps,
+                launches_per_layer=st.launches_per_layer, weight_copies_per_step=st.weight_copies / p.steps,
+                weight_copy_gb_per_step=st.weight_copy_bytes / p.steps / 1e9, weight_copy_ops=st.weight_copy_ops,
+                float32_weights=len(st.float32_weights), float32_weight_buffers=st.float32_weights,
+                calls=", ".join(f"{_SHORT.get(k, k)} {v / p.steps:.0f}" for k, v in sorted(st.custom_calls.items())),
+                custom_calls=st.custom_calls, argument_bytes=m.argument_size_in_bytes,
+                output_bytes=m.output_size_in_bytes, alias_bytes=m.alias_size_in_bytes,
+                temp_bytes=m.temp_size_in_bytes, peak_gb=peak / 1e9, of_card=peak / target.memory_bytes,
+                compile_s=p.seconds))
+    finally:
+        if args.dump_dir is None:
+            shutil.rmtree(dump_root, ignore_errors=True)
+    if not rows:
+        raise BenchError(f"no program of this engine starts with {args.programs}")
+    import jax
+
+    payload = dict(benchmark="gpu-compile", settings=settings(args), target=target.name,
+                   device_kind=target.device_kind, card_bytes=target.memory_bytes, jax=jax.__version__,
+                   weight_bytes=weight_bytes, kv_cache_memory=ec.kv_cache_memory, num_kv_pages=ec.num_kv_pages,
+                   results=rows)
+    title = (f"gpu-compile: {ec.model or 'default model'} for one {target.device_kind}, jax {jax.__version__} "
+             f"(compiled structure, not timing)")
+    return report.Result(payload, report.table(rows, COLUMNS), [], title)

@@ -1,0 +1,169 @@
+"""The engine's GPU programs, compiled on a machine without a GPU (../shared/design/DEVICELESS.md).
+
+With the CUDA plugin installed (`jax-cuda12-plugin`, `jax-cuda12-pjrt` and ptxas from
+`nvidia-cuda-nvcc-cu12`: the `dev` extra) and `JAX_PLATFORMS=cpu`, the plugin's compiler still
+serves a topology of GPUs described by a target config, and `jit(...).lower(...).compile()` on
+arguments placed on its devices gives real sm_90a machine code, its memory analysis and (with
+`xla_dump_to`) XLA's launch list. The engine builds for the target as it would on one
+(`placement.compiling_for("gpu")`: the GPU's kernels and defaults), from the weights' and the pool's
+shapes alone (`DeviceMemory(allocate=False)`), so nothing is allocated or read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infire_jax.errors import ConfigError
+
+# A target's `stream_executor::GpuTargetConfigProto` fields (the vendors' figures; the compiler reads
+# the compute capability, SM count and shared memory limits).
+_TARGET_CONFIG = """gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth} l2_cache_size: {l2} clock_rate_ghz: 1.98
+  device_memory_size: {memory} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 7 }}
+runtime_version {{ major: 12 minor: 8 patch: 0 }}
+device_description_str: "{name}"
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    device_kind: str
+    memory_bytes: int  # what the card reports as its total
+    bandwidth: float  # HBM bytes/s (vendor)
+
+    def config_text(self) -> str:
+        return _TARGET_CONFIG.format(bandwidth=int(self.bandwidth), l2=52428800, memory=self.memory_bytes,
+                                     name=self.device_kind)
+
+
+TARGETS = {
+    "h100": Target("h100", "NVIDIA H100 80GB HBM3", 84_929_347_584, 3.35e12),
+    "h200": Target("h200", "NVIDIA H200", 143_771 * (1 << 20), 4.8e12),  # nvidia-smi's 143,771 MiB
+}
+
+
+def target(name: str) -> Target:
+    if name not in TARGETS:
+        raise ConfigError(f"unknown GPU target {name!r}; choose one of {sorted(TARGETS)}")
+    return TARGETS[name]
+
+
+def devices(t: Target, count: int = 1) -> list:
+    """`count` GPUs of one host of target `t`, as devices to compile for (not to run on)."""
+    from jax.experimental import topologies
+
+    if jax.default_backend() != "cpu":
+        raise ConfigError("compiling for a GPU target runs on a CPU machine: set JAX_PLATFORMS=cpu")
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
+                                            target_config=t.config_text())
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        raise ConfigError(f"no CUDA compiler here ({type(e).__name__}: {e}); install the dev extra "
+                          "(jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12) and set JAX_PLATFORMS=cpu") from e
+    return list(topo.devices)
+
+
+def on_device(tree, device):
+    """Every array or shape of `tree` as a shape on `device` (a target device: nothing is allocated)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def one(a):
+        if isinstance(a, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+            return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding)
+        return a
+
+    return jax.tree.map(one, tree)
+
+
+@dataclasses.dataclass
+class CompiledProgram:
+    name: str  # e.g. "burst-greedy 64 tokens"
+    compiled: jax.stages.Compiled
+    dump_dir: str
+    seconds: float
+    steps: int  # engine steps a run of it takes (a decode burst's steps; else 1)
+
+
+def _built(ec, t: Target):
+    """The engine's settings and step programs for `ec` on target `t`, from shapes alone."""
+    from infire_jax.engine.setup import resolve_settings
+    from infire_jax.models.registry import abstract_state
+    from infire_jax.runner.compiled_steps import CompiledSteps
+    from infire_jax.runner.device_memory import DeviceMemory
+
+    s = resolve_settings(ec, None)
+    if s.plan is not None:
+        raise ConfigError("gpu-compile builds one device's programs; meshes are not built yet")
+    graphdef, state = abstract_state(s.model_config, s.dtype, None)
+    memory = DeviceMemory(s.placed_config, graphdef, state, s.runner_config, dtype=s.dtype, allocate=False)
+    return s, memory, CompiledSteps(memory)
+
+
+def engine_programs(ec, t: Target, dump_root: str, only: tuple[str, ...] = ()) -> Iterator[CompiledProgram]:
+    """Compiles the programs the engine of `ec` serves with on one GPU of target `t` (every bucket's
+    forward, samplers and decode bursts, the verifying programs with speculation, the small ones),
+    each dumped into a directory of its own under `dump_root`; `only` keeps names starting so."""
+    from pallas_kernels import placement
+
+    device = devices(t)[0]
+    with placement.compiling_for("gpu"):
+        s, memory, steps = _built(ec, t)
+        rc = s.runner_config
+        specs = {}
+        for shape in rc.buckets.shapes:
+            for key, spec in steps.bucket_specs(shape, rc.empty_batch(shape)).items():
+                specs[f"{spec[0]} {shape.num_tokens} tokens" if key[0] in ("forward", "verify_forward", "burst")
+                      else f"{spec[0]} {shape.num_rows} rows"] = spec
+        for (_, name), spec in steps.small_specs().items():
+            if spec[0] not in ("prompt-rows",):
+                specs[spec[0]] = spec
+        for name, (kind, jitted, args) in specs.items():
+            if only and not name.startswith(only):
+                continue
+            dump = tempfile.mkdtemp(prefix=name.replace(" ", "_") + ".", dir=dump_root)
+            start = time.perf_counter()
+            compiled = jitted.lower(*on_device(args, device)).compile(
+                compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+            yield CompiledProgram(name, compiled, dump, time.perf_counter() - start,
+                                  rc.decode_steps if kind.startswith("burst") else 1)
+
+
+def weight_shapes(ec) -> tuple[list[tuple[int, ...]], int, int]:
+    """One layer's weight shapes (and the unstacked ones), the layer count and the weights' bytes."""
+    from infire_jax.engine.setup import resolve_dtype
+    from infire_jax.loaders.load import load_config
+    from infire_jax.models.registry import abstract_state
+    from pallas_kernels import placement
+
+    with placement.compiling_for("gpu"):
+        cfg = load_config(ec.model)
+        _, state = abstract_state(cfg, resolve_dtype(ec.dtype), None)
+    leaves = jax.tree.leaves(state)
+    shapes = [tuple(a.shape[1:]) if a.ndim >= 2 and a.shape[0] == cfg.num_layers else tuple(a.shape) for a in leaves]
+    return shapes, cfg.num_layers, sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in leaves)
+
+
+def use_cpu_backend() -> None:
+    """Has jax start the CPU backend alone (`jax_platforms="cpu"`), before it starts any: with the
+    CUDA plugin installed and no GPU, starting its backend fails (cuInit) and unregisters the plugin,
+    whose compiler the target devices need."""
+    from infire_jax.runner.xla_flags import backend_started
+
+    if not backend_started():
+        jax.config.update("jax_platforms", "cpu")

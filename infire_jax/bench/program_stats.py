@@ -1,0 +1,212 @@
+"""What a compiled GPU program does each step, read from XLA's dump of it (`--xla_dump_to`):
+
+- launches: from the executable's launch list (`*.thunk_sequence.txt`), every kernel, library call
+  and device copy, each counted as often as the loops around it run (trip counts from the optimized
+  HLO, matched through `*.thunk_metadata.txt`);
+- copies of weight size: buffers the program writes by copying (a `copy`, `slice`, `dynamic-slice`
+  or `transpose`, alone or as a fusion's root) at least as large as the smallest layer weight;
+- float32 tensors shaped like a weight (a float32 copy of a bfloat16 weight doubles its bytes);
+- the custom calls (cuBLAS, cuDNN, Pallas / Triton kernels) by target.
+
+Only the dump is read, so this serves a program compiled for a GPU on a machine without one
+(bench/gpu_compile.py) as well as one compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import math
+import os
+import re
+
+# Bytes per element of an HLO element type (sub-byte types round up per element, an upper bound).
+_ELEMENT_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
+                  "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) \(.*\) -> .*\{$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\((.*)$")
+_ARRAY = re.compile(r"^([a-z0-9]+)\[([0-9,]*)\]")
+_CALLED = re.compile(r"\b(calls|body|condition|to_apply)=%([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_THUNK = re.compile(r"^(\s*)(\d+): (k\w+)")
+# Thunks that hold others rather than launch anything themselves.
+_CONTAINERS = {"kWhile", "kConditional", "kSequential", "kCommandBuffer", "kDynamicSliceFusion"}
+_COPY_OPS = {"copy", "slice", "dynamic-slice", "transpose"}
+_NOT_BUFFERS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "while", "call", "conditional",
+                "after-all", "partition-id", "replica-id"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    dtype: str | None  # None for a tuple
+    dims: tuple[int, ...]
+    opcode: str
+    rest: str  # operands and attributes
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.dims) * _ELEMENT_BYTES.get(self.dtype, 4) if self.dtype else 0
+
+
+def parse_hlo(text: str) -> dict[str, list[Instruction]]:
+    """The optimized HLO module's computations, by name, each a list of instructions; the entry
+    computation under the name "ENTRY"."""
+    computations: dict[str, list[Instruction]] = {}
+    current = None
+    for line in text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = computations.setdefault("ENTRY" if head.group(1) else head.group(2), [])
+            continue
+        m = _INSTRUCTION.match(line) if current is not None else None
+        if m:
+            shape = _ARRAY.match(m.group(2))
+            dims = tuple(int(d) for d in shape.group(2).split(",") if d) if shape else ()
+            current.append(Instruction(m.group(1), shape.group(1) if shape else None, dims, m.group(3), m.group(4)))
+    return computations
+
+
+@dataclasses.dataclass
+class ProgramStats:
+    launches: float  # a run of the program
+    launches_per_layer: int  # in one trip of the layer loop (0: no loop of `num_layers` trips)
+    loops_in_layer: int  # loops inside the layer loop (work redone every layer, e.g. a search)
+    weight_copies: int  # copies of weight size a run
+    weight_copy_bytes: int
+    weight_copy_ops: list[str]  # their op names (from the HLO metadata), one each
+    float32_weights: list[str]  # float32 buffers shaped like a weight
+    custom_calls: dict[str, int]  # target -> launches a run
+
+
+def _multipliers(comps: dict[str, list[Instruction]]) -> tuple[dict[str, int], set[str], dict[str, int]]:
+    """How often each computation runs in one run of the entry (loops' trip counts multiplied),
+    which computations are fusion bodies (their instructions write no buffer of their own), and
+    each while instruction's trip count."""
+    runs: dict[str, int] = {"ENTRY": 1}
+    fused: set[str] = set()
+    trips: dict[str, int] = {}
+    order = ["ENTRY"]
+    while order:
+        name = order.pop()
+        for ins in comps.get(name, []):
+            n = 1
+            if ins.opcode == "while":
+                found = _TRIPS.search(ins.rest)
+                n = int(found.group(1)) if found else 1
+                trips[ins.name] = n
+            for kind, callee in _CALLED.findall(ins.rest):
+                if ins.opcode == "fusion" and kind == "calls":
+                    fused.add(callee)
+                if callee not in runs:
+                    runs[callee] = runs[name] * (n if kind in ("body", "condition") else 1)
+                    order.append(callee)
+    return runs, fused, trips
+
+
+def _root(comp: list[Instruction]) -> Instruction | None:
+    """A computation's result: HLO text prints the ROOT instruction last."""
+    return comp[-1] if comp else None
+
+
+def hlo_facts(comps: dict[str, list[Instruction]], weight_shapes: list[tuple[int, ...]]
+              ) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """(copies of weight size as (op name, bytes, runs a program run), float32 buffers shaped like a
+    weight matrix) in the optimized HLO (`parse_hlo`); `weight_shapes` are one layer's weights (and
+    the unstacked ones)."""
+    runs, fused, _ = _multipliers(comps)
+    matrices = [tuple(sorted(d for d in s if d > 1)) for s in weight_shapes]
+    matrices = {m for m in matrices if len(m) >= 2}
+    smallest = min((math.prod(m) for m in matrices), default=1 << 62)
+    copies, f32 = [], []
+    for name, comp in comps.items():
+        if name in fused:
+            continue
+        for ins in comp:
+            if ins.opcode in _NOT_BUFFERS or ins.dtype is None:
+                continue
+            root = _root(comps.get(_callee(ins), [])) if ins.opcode == "fusion" else None
+            op = root.opcode if root is not None else ins.opcode
+            elements = math.prod(ins.dims)
+            if op in _COPY_OPS and elements >= smallest:
+                copies.append((_op_name(root or ins, ins), ins.nbytes, runs.get(name, 1)))
+            if ins.dtype == "f32" and tuple(sorted(d for d in ins.dims if d > 1)) in matrices:
+                f32.append(f"{ins.name} f32{list(ins.dims)}")
+    return copies, sorted(set(f32))
+
+
+def _callee(ins: Instruction) -> str:
+    found = re.search(r"\bcalls=%([\w.\-]+)", ins.rest)
+    return found.group(1) if found else ""
+
+
+def _op_name(ins: Instruction, outer: Instruction) -> str:
+    """The last two parts of the op's name in the HLO metadata (what jax op made it), else its name."""
+    found = re.search(r'op_name="([^"]+)"', ins.rest) or re.search(r'op_name="([^"]+)"', outer.rest)
+    return "/".join(found.group(1).split("/")[-2:]) if found else outer.name
+
+
+def thunk_launches(sequence: str, metadata: str, trips: dict[str, int], num_layers: int
+                   ) -> tuple[float, int, int, dict[str, float]]:
+    """(launches a run, launches a trip of the layer loop, loops inside it, launches by kind) from
+    the launch list;
+    a while's thunks count its trip count times (`trips`, by HLO while name). The layer loop is the
+    loop of `num_layers` trips that launches the most in a trip (its nested loops' launches apart)."""
+    names = dict(re.findall(r'profile_annotation: "([^"]+)"\s*thunk_id: (\d+)', metadata))
+    by_id = {int(i): n for n, i in names.items()}
+    stack: list[tuple[int, int, int]] = []  # (indent of a while thunk, its trips, its thunk id)
+    direct: collections.Counter = collections.Counter()  # while thunk id -> launches directly in a trip
+    nested: collections.Counter = collections.Counter()  # while thunk id -> loops directly inside it
+    total, kinds, layer_loops = 0.0, collections.Counter(), set()
+    for line in sequence.splitlines():
+        m = _THUNK.match(line)
+        if not m:
+            continue
+        indent, thunk_id, kind = len(m.group(1)), int(m.group(2)), m.group(3)
+        while stack and indent <= stack[-1][0]:
+            stack.pop()
+        if kind == "kWhile":
+            n = trips.get(by_id.get(thunk_id, ""), 1)
+            if stack:
+                nested[stack[-1][2]] += 1
+            stack.append((indent, n, thunk_id))
+            if n == num_layers:
+                layer_loops.add(thunk_id)
+            continue
+        if kind in _CONTAINERS:
+            continue
+        times = math.prod(s[1] for s in stack)
+        total += times
+        kinds[kind] += times
+        if stack:
+            direct[stack[-1][2]] += 1
+    layer = max(layer_loops, key=lambda i: direct[i], default=None)
+    return total, direct[layer] if layer is not None else 0, nested[layer] if layer is not None else 0, dict(kinds)
+
+
+def read_dump(dump_dir: str, weight_shapes: list[tuple[int, ...]], num_layers: int) -> ProgramStats:
+    """The stats of the one module XLA dumped into `dump_dir` (its largest, where several: the step
+    program rather than a helper)."""
+    def one(pattern: str) -> str:
+        paths = sorted(glob.glob(os.path.join(dump_dir, pattern)), key=os.path.getsize)
+        if not paths:
+            raise FileNotFoundError(f"no {pattern} in {dump_dir}: was the program compiled with xla_dump_to?")
+        with open(paths[-1]) as f:
+            return f.read()
+
+    hlo = one("*gpu_after_optimizations.txt")
+    comps = parse_hlo(hlo)
+    runs, _, trips = _multipliers(comps)
+    total, per_layer, loops, _ = thunk_launches(one("*.thunk_sequence.txt"), one("*.thunk_metadata.txt"), trips,
+                                                num_layers)
+    copies, f32 = hlo_facts(comps, weight_shapes)
+    calls: collections.Counter = collections.Counter()
+    for name, comp in comps.items():
+        for ins in comp:
+            target = _TARGET.search(ins.rest) if ins.opcode == "custom-call" else None
+            if target:
+                calls[target.group(1)] += runs.get(name, 1)
+    return ProgramStats(total, per_layer, loops, sum(r for _, _, r in copies), sum(b * r for _, b, r in copies),
+                        sorted({n for n, _, _ in copies}), f32, dict(calls))

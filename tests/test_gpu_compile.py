@@ -1,0 +1,133 @@
+"""The engine's H100 programs, compiled on this CPU machine (bench/gpu_target.py, `bench gpu-compile`):
+what they launch and copy each step, read from XLA's own dump (bench/program_stats.py).
+
+`dummy:llama-3.1-8b` at its real shapes (32 layers, bfloat16, 16 GB of weights), with the engine's
+GPU settings. The stats reader is checked first on a toy layer loop whose copies and launches are
+known, and the decode-burst check against the compiler's own copying path (INFIRE_JAX_DENSE_MATMUL=xla),
+so that a check passing means the copies are gone, not unseen. Compiled structure only: nothing runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("nvidia-smi") is not None,
+                                reason="a GPU machine compiles its programs on the GPU itself (bench device-checks)")
+
+MODEL = "dummy:llama-3.1-8b"
+ENGINE = dict(model=MODEL, token_buckets=(64, 8192), max_num_seqs=64, num_kv_pages=4096)
+LAYERS = 32
+# One layer's qkv, o, gate/up and down weights of Llama 3.1 8B in bfloat16: what a layer loop that
+# copies its weights out of the stacks copies each trip.
+LAYER_WEIGHT_BYTES = 2 * 4096 * (6144 + 4096 + 2 * 14336 + 14336)
+
+
+def _compile(tmp_path, programs: tuple[str, ...], **engine):
+    from infire_jax.bench import gpu_target, program_stats
+    from infire_jax.engine.setup import EngineConfig
+
+    ec = EngineConfig(**{**ENGINE, **engine})
+    shapes, layers, _ = gpu_target.weight_shapes(ec)
+    assert layers == LAYERS
+    return {p.name: (p, program_stats.read_dump(p.dump_dir, shapes, layers))
+            for p in gpu_target.engine_programs(ec, gpu_target.target("h100"), str(tmp_path), programs)}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("gpu"), ("burst-greedy", "forward"))
+
+
+def test_stats_count_a_layer_loop_that_copies(tmp_path):
+    """A four-layer loop over a stacked [4, 4096, 4096] weight: XLA copies each layer's slice out
+    (32 MiB each) before cuBLAS reads it, and launches the copy, the GEMM and an
+    elementwise kernel a trip; the reader finds four copies of the weight's size and the loop, and a
+    float32 copy of the weight where the loop upcasts it."""
+    import jax
+    import jax.numpy as jnp
+
+    from infire_jax.bench import gpu_target, program_stats
+
+    device = gpu_target.devices(gpu_target.target("h100"))[0]
+
+    def loop(x, w):
+        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0]
+
+    args = gpu_target.on_device((jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16),
+                                 jax.ShapeDtypeStruct((4, 4096, 4096), jnp.bfloat16)), device)
+    jax.jit(loop).lower(*args).compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    st = program_stats.read_dump(str(tmp_path), [(4096, 4096)], 4)
+    assert (st.weight_copies, st.weight_copy_bytes) == (4, 4 * 4096 * 4096 * 2)
+    assert st.custom_calls == {"__cublas$lt$matmul": 4}
+    assert st.launches_per_layer >= 3 and st.launches >= 4 * st.launches_per_layer
+    assert st.float32_weights == [] and st.loops_in_layer == 0
+
+    def upcast(x, w):  # a float32 copy of each layer's weight, as a float32 head or matmul would make
+        return jax.lax.scan(lambda h, wl: (jnp.tanh(h.astype(jnp.float32) @ wl.astype(jnp.float32)), None),
+                            x.astype(jnp.float32), w)[0]
+
+    jax.jit(upcast).lower(*args).compile(compiler_options={"xla_dump_to": str(tmp_path / "f32")})
+    assert program_stats.read_dump(str(tmp_path / "f32"), [(4096, 4096)], 4).float32_weights
+
+
+def test_decode_burst_reads_every_weight_in_place(compiled):
+    """The 64-row decode burst copies no weight (the plain layer weights go to the Pallas matmul that
+    reads the layer of the stack in place), holds no float32 copy of one, and launches at most 25
+    kernels a layer (measured 25 at this commit; issue 46 aims at 12)."""
+    program, st = compiled["burst-greedy 64 tokens"]
+    assert st.weight_copies == 0 and st.weight_copy_bytes == 0, st.weight_copy_ops
+    assert st.float32_weights == []
+    assert 0 < st.launches_per_layer <= 25
+    steps = program.steps
+    assert st.custom_calls.get("__gpu$xla.gpu.triton", 0) >= LAYERS * steps * 6  # 4 matmuls, KV write, attention
+
+
+def test_xla_gemm_path_copies_each_layer_out(tmp_path, monkeypatch):
+    """What the check above would catch: with XLA's GEMM on the layer's slice (jax 0.10.2's compiler),
+    every layer's four weights are copied each decode step, the whole model a step."""
+    monkeypatch.setenv("INFIRE_JAX_DENSE_MATMUL", "xla")
+    program, st = _compile(tmp_path, ("burst-greedy",))["burst-greedy 64 tokens"]
+    assert st.weight_copies == 4 * LAYERS * program.steps
+    assert st.weight_copy_bytes == LAYER_WEIGHT_BYTES * LAYERS * program.steps
+
+
+def test_forward_copies_only_past_a_row_tile_and_plans_once(compiled):
+    """A 64-token step reads the weights in place; an 8192-token prompt chunk takes XLA's GEMM, whose
+    copy of each layer (16 GB a step here) is small beside the chunk's 131 TFLOP. Neither redoes the
+    step's attention planning in every layer."""
+    _, small = compiled["forward 64 tokens"]
+    _, large = compiled["forward 8192 tokens"]
+    assert small.weight_copies == 0 and small.float32_weights == []
+    # The prefill kernel's work items (a search over the rows) are built once, before the layer loop.
+    assert small.loops_in_layer == 0 and large.loops_in_layer == 0
+    assert large.weight_copy_bytes >= LAYER_WEIGHT_BYTES * LAYERS and large.float32_weights == []
+
+
+def test_programs_fit_the_card(compiled):
+    from infire_jax.bench import gpu_target
+
+    card = gpu_target.target("h100").memory_bytes
+    for name, (program, _) in compiled.items():
+        m = program.compiled.memory_analysis()
+        peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        assert 16e9 < peak < card, (name, peak)
+
+
+def test_command_prints_a_row_per_program(tmp_path):
+    """`bench gpu-compile` end to end on the default model's samplers (seconds), with its JSON."""
+    out = tmp_path / "gc.json"
+    run = subprocess.run([sys.executable, "-m", "infire_jax.bench", "gpu-compile", "--target", "h200",
+                          "--programs", "sampler-greedy", "--max-num-seqs", "8", "--token-buckets", "8",
+                          "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "sampler-greedy 8 rows" in run.stdout and "NVIDIA H200" in run.stdout
+    import json
+
+    rows = json.loads(out.read_text())["results"]
+    assert [r["program"] for r in rows] == ["sampler-greedy 8 rows"] and rows[0]["weight_copies_per_step"] == 0
