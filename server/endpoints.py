@@ -25,7 +25,8 @@ from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs
 from infire_jax.structured.backend import CompiledGrammar
 from infire_jax.structured.tool_grammar import tool_call_constraint
-from infire_jax.structured.tool_parsers import MISTRAL, MISTRAL_MARKER, detect_format
+from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL_MARKER, detect_format
+from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS
 from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.loaders.tokenizer import Tokenizer
 from server.auth import TENANT
@@ -122,14 +123,19 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
 
 async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) -> None:
     """Checks every tool's parameter schema, and with a forced `tool_choice` constrains the output to
-    calls in the model's format. Mistral's `[TOOL_CALLS]` is a special token: keep it in the text."""
+    calls in the model's format. Markers such as Mistral's `[TOOL_CALLS]` or Kimi's and DeepSeek's
+    section tokens are special tokens: kept in the text for the parser."""
     for i, t in enumerate(req.tools.tools):
         if "parameters" in t["function"]:
             await _compile(m, StructuredOutputs(json=t["function"]["parameters"],
                                                 param=f"tools[{i}].function.parameters"))
     changes = {}
-    if tool_format == MISTRAL:
+    if tool_format not in (HERMES, LLAMA3_JSON):  # the others' markers are special tokens: keep them in the text
         changes["skip_special_tokens"] = False
+    if req.tools.forced and tool_format not in FORCEABLE_FORMATS:
+        raise bad(f"tool_choice {req.tools.choice!r} cannot be forced for the {tool_format} tool-call format "
+                  f"yet (forced calls exist for {', '.join(FORCEABLE_FORMATS)}); use tool_choice \"auto\"",
+                  "tool_choice")
     if req.tools.forced:
         changes["structured_outputs"] = tool_call_constraint(
             tool_format, req.tools.forced_functions(), parallel=req.tools.forced_many,

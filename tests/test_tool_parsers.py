@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
+from infire_jax.structured import TOOL_PARSERS, parse_tool_calls, stream_tool_calls
 from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolCallStream, detect_format
 from infire_jax.structured.tool_prompt import render_inputs
 
@@ -113,3 +115,200 @@ def test_tool_template_gets_tools_and_object_arguments():
     assert extra == {"tools": TOOLS}
     assert messages[1]["content"] == "" and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[2]["tool_call_id"] == "call_1"
+
+
+# ---- every parser through the parse surface (infire_jax.structured) ----
+
+KIMI_SB, KIMI_SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CB, KIMI_AB, KIMI_CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+DS_SB, DS_SE, DS_CB, DS_SEP, DS_CE = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                      "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
+
+
+def kimi(call_id: str, args: str) -> str:
+    return f"{KIMI_CB}{call_id}{KIMI_AB}{args}{KIMI_CE}"
+
+
+def ds3(name: str, args: str) -> str:
+    return f"{DS_CB}function{DS_SEP}{name}\n```json\n{args}\n```{DS_CE}"
+
+
+def ds31(name: str, args: str) -> str:
+    return f"{DS_CB}{name}{DS_SEP}{args}{DS_CE}"
+
+
+def coder(name: str, *params: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={p}>\n{v}\n</parameter>\n" for p, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+RUN_TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object", "properties": {
+    "cmd": {"type": "string"}, "timeout": {"type": "integer"}, "env": {"type": "object"},
+    "verbose": {"type": "boolean"}, "tag": {"type": "string"}, "limit": {"type": ["integer", "null"]},
+    "ratio": {"anyOf": [{"type": "number"}, {"type": "string"}]}}}}}]
+RUN = coder("run", ("cmd", "ls -la"), ("timeout", "30"), ("env", '{"A": "1"}'), ("verbose", "true"), ("tag", "007"))
+KIMI_TWO = (kimi("functions.get_weather:0", '{"city": "Lagos"}') + kimi("functions.get_time:1", '{"tz": "WAT"}'))
+KIMI_BAD = kimi("functions.f:2", '{"a": ')
+
+# (parser, output, content, [(name, arguments)], tools)
+SURFACE_CASES = [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\nAnything else?',
+     "Sure.\n\nAnything else?", [("f", {"a": 1})], None),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+               '<tool_call>{"name": "g", "arguments": {</tool_call>',
+     '<tool_call>{"name": "g", "arguments": {</tool_call>', [("f", {})], None),
+    ("llama3_json", '{"name": "f", "parameters": {"a": [1, 2]}} and then some text',
+     '{"name": "f", "parameters": {"a": [1, 2]}} and then some text', [], None),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Rome"}[TOOL_CALLS]get_time{"tz": "CET"}', "",
+     [("get_weather", {"city": "Rome"}), ("get_time", {"tz": "CET"})], None),
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', "Sure.",
+     [("get_weather", {"city": "Rome"})], None),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": [TOOL_CALLS]get_time{}',
+     '[TOOL_CALLS]get_weather{"city": ', [("get_time", {})], None),
+    ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"k": "v"}}] that is all', " that is all",
+     [("a", {"k": "v"})], None),
+    ("mistral", '[TOOL_CALLS]f{"a": NaN}', '[TOOL_CALLS]f{"a": NaN}', [], None),  # NaN is not JSON
+    ("mistral", "No tools needed [TOOL_CALLS] here", "No tools needed [TOOL_CALLS] here", [], None),
+    ("pythonic", "[get_weather(city='LA', n=3), other(x=[1, 2], flag=True, v=None)]", "",
+     [("get_weather", {"city": "LA", "n": 3}), ("other", {"x": [1, 2], "flag": True, "v": None})], None),
+    ("pythonic", " [f(d={'a': (1, 2.5), 'b': -4}, s=\"it's ]\"), g()]\nDone.", "\nDone.",
+     [("f", {"d": {"a": [1, 2.5], "b": -4}, "s": "it's ]"}), ("g", {})], None),
+    ("pythonic", "[get_weather(city=LA)]", "[get_weather(city=LA)]", [], None),  # a variable, not a literal
+    ("pythonic", "[f(1)] and [f(a=1+2)]", "[f(1)] and [f(a=1+2)]", [], None),  # positional; an expression
+    ("pythonic", "[1, 2] are the numbers", "[1, 2] are the numbers", [], None),
+    ("pythonic", "[f(a='x'", "[f(a='x'", [], None),  # ended inside the list
+    ("llama4_pythonic", "Let me check.<|python_start|>[get_weather(city='Oslo')]<|python_end|> Done.",
+     "Let me check. Done.", [("get_weather", {"city": "Oslo"})], None),
+    ("llama4_pythonic", "<|python_start|>[f(x=)]<|python_end|>", "<|python_start|>[f(x=)]<|python_end|>", [], None),
+    ("kimi_k2", f"I'll look both up.{KIMI_SB}{KIMI_TWO}{KIMI_SE}", "I'll look both up.",
+     [("get_weather", {"city": "Lagos"}), ("get_time", {"tz": "WAT"})], None),
+    ("kimi_k2", f"{KIMI_SB}{kimi('functions.get_weather:0', '{}')}{KIMI_SE}Back soon.", "Back soon.",
+     [("get_weather", {})], None),
+    ("kimi_k2", f"{KIMI_SB}{KIMI_BAD}{kimi('functions.g:3', '{}')}{KIMI_SE}", KIMI_BAD, [("g", {})], None),
+    ("deepseek_v3",
+     "Checking." + DS_SB + ds3("get_weather", '{"city": "Hanoi"}') + "\n" + ds3("get_time", "{}") + DS_SE,
+     "Checking.", [("get_weather", {"city": "Hanoi"}), ("get_time", {})], None),
+    ("deepseek_v3", f"{DS_SB}{ds3('f', '{oops}')}{DS_SE}", ds3("f", "{oops}"), [], None),
+    ("deepseek_v31", DS_SB + ds31("search", '{"q": "jax", "k": 5}') + ds31("open", '{"id": 2}') + DS_SE + "ok",
+     "ok", [("search", {"q": "jax", "k": 5}), ("open", {"id": 2})], None),
+    ("deepseek_v31", f"{DS_SB}{ds3('f', '{}')}{DS_SE}", ds3("f", "{}"), [], None),  # V3's layout is not V3.1's
+    ("qwen3_coder", f"Let me run it.\n{RUN}\n", "Let me run it.\n",
+     [("run", {"cmd": "ls -la", "timeout": 30, "env": {"A": "1"}, "verbose": True, "tag": "007"})], RUN_TOOLS),
+    ("qwen3_coder", RUN, "", [("run", {"cmd": "ls -la", "timeout": 30, "env": {"A": "1"}, "verbose": True,
+                                       "tag": "007"})], None),  # untyped: JSON where it is JSON
+    ("qwen3_coder", coder("run", ("limit", "null"), ("ratio", "0.5"), ("cmd", "def f():\n    return [1]")) +
+     coder("other", ("n", "nope")) + "\nSent both.", "\nSent both.",
+     [("run", {"limit": None, "ratio": 0.5, "cmd": "def f():\n    return [1]"}), ("other", {"n": "nope"})], RUN_TOOLS),
+    ("qwen3_coder", "<tool_call>\n<function=run>\n<parameter=cmd>\nls\n</parameter>\nstray\n</function>\n</tool_call>",
+     "<tool_call>\n<function=run>\n<parameter=cmd>\nls\n</parameter>\nstray\n</function>\n</tool_call>", [], RUN_TOOLS),
+    ("qwen3_coder", "<tool_call>\nrun(cmd='ls')\n</tool_call>", "<tool_call>\nrun(cmd='ls')\n</tool_call>", [], None),
+]
+SHORT_CASES = [  # every split point of these, and of some of the cases above
+    ("kimi_k2", f"Hi{KIMI_SB}{kimi('functions.f:0', '{}')}{KIMI_SE}", "Hi", [("f", {})], None),
+    ("deepseek_v31", f"Hi{DS_SB}{ds31('f', '{}')}{DS_SE}", "Hi", [("f", {})], None),
+    ("mistral", 'Hi[TOOL_CALLS]f[ARGS]{"a": 1}', "Hi", [("f", {"a": 1})], None),
+    ("llama4_pythonic", "Hi<|python_start|>[f(a=1)]<|python_end|>", "Hi", [("f", {"a": 1})], None),
+    ("hermes", 'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>', "Hi", [("f", {})], None),
+]
+
+
+def plain(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def random_split(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 40)))) if len(text) > 1 else []
+    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+@pytest.mark.parametrize("parser,text,content,calls,tools", SURFACE_CASES + SHORT_CASES)
+def test_every_parser_whole(parser, text, content, calls, tools):
+    got_content, got_calls = parse_tool_calls(text, parser, tools)
+    assert (got_content, plain(got_calls)) == (content, calls)
+    assert all(isinstance(json.loads(c.arguments), dict) and c.id for c in got_calls)
+
+
+@pytest.mark.parametrize("parser,text,content,calls,tools", SURFACE_CASES + SHORT_CASES)
+def test_every_split_gives_the_same(parser, text, content, calls, tools):
+    rng = random.Random(f"{parser}:{text}")
+    splits = [random_split(text, rng) for _ in range(60)] + [list(text)]
+    if len(text) <= 120:
+        splits += [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    for deltas in splits:
+        got_content, got_calls = stream_tool_calls(deltas, parser, tools)
+        assert (got_content, plain(got_calls)) == (content, calls), deltas
+
+
+def test_kimi_ids_are_its_own_and_mistral_ids_nine_alphanumerics():
+    _, calls = parse_tool_calls(KIMI_TWO, "kimi_k2")
+    assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    assert calls[0].to_openai()["function"]["name"] == "get_weather"
+    _, calls = parse_tool_calls('[TOOL_CALLS]a{}[TOOL_CALLS][{"name": "b", "arguments": {}}]', "mistral")
+    assert len(calls) == 2 and all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+
+
+def test_calls_and_content_stream_out_as_they_complete():
+    text = f"I'll look both up.{KIMI_SB}{KIMI_TWO}{KIMI_SE}"
+    s = ToolCallStream("kimi_k2")
+    assert s.feed("I'll look both up.<|tool_ca") == ("I'll look both up.", [])  # a marker's start is held
+    first_end = text.index(KIMI_CE) + len(KIMI_CE)
+    content, calls = s.feed(text[len("I'll look both up.<|tool_ca"):first_end])
+    assert content == "" and plain(calls) == [("get_weather", {"city": "Lagos"})]
+    content, calls = s.feed(text[first_end:])
+    assert content == "" and plain(calls) == [("get_time", {"tz": "WAT"})]
+    assert s.finish() == ("", []) and len(s.calls) == 2
+
+
+def test_unknown_parser_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*kimi_k2.*qwen3_coder"):
+        parse_tool_calls("x", "nope")
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "kimi_k2",
+                                 "deepseek_v3", "deepseek_v31", "qwen3_coder"}
+
+
+@pytest.mark.parametrize("template,fmt", [
+    ("{{ '<|tool_calls_section_begin|>' }}{% for c in m.tool_calls %}<|tool_call_begin|>{% endfor %}", "kimi_k2"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n' + '```json' }}",
+     "deepseek_v3"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + args + '<｜tool▁call▁end｜>'}}",
+     "deepseek_v31"),
+    ("{% if tools %}<|python_start|>{% endif %}", "llama4_pythonic"),
+    ("Respond as [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]",
+     "pythonic"),
+    ("<tool_call>\n<function={{ name }}>\n<parameter={{ p }}>", "qwen3_coder"),
+])
+def test_new_formats_come_from_the_template(template, fmt):
+    assert detect_format(template) == fmt
+
+
+def test_random_marker_soup_parses_the_same_however_streamed():
+    """Outputs made of pieces of every format's markers and JSON: never an exception, the split never
+    matters, and whatever is not a call comes back as content."""
+    atoms = ["<tool_call>", "</tool_call>", "\n", " ", "{", "}", "[", "]", '"name"', ": ", '"f"', ", ", '"arguments"',
+             '"parameters"', "{}", "[TOOL_CALLS]", "[ARGS]", "f", "<|python_tag|>", "<|python_start|>",
+             "<|python_end|>", "f(", "a=1", ")", "'x'", '"', "'", ";", "\\", "NaN", KIMI_SB, KIMI_SE, KIMI_CB, "functions.f:0", KIMI_AB,
+             KIMI_CE, DS_SB, DS_SE, DS_CB, DS_SEP, DS_CE, "function", "```json", "```", "<function=f>", "</function>",
+             "<parameter=p>", "</parameter>", "<|", "<"]
+    rng = random.Random(11)
+    for _ in range(300):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 14)))
+        for parser in TOOL_PARSERS:
+            content, calls = parse_tool_calls(text, parser)
+            got_content, got_calls = stream_tool_calls(random_split(text, rng), parser)
+            assert (got_content, plain(got_calls)) == (content, plain(calls)), (parser, text)
+            assert calls or content == text or parser in ("kimi_k2", "deepseek_v3", "deepseek_v31")
+
+
+@pytest.mark.parametrize("fmt", ["kimi_k2", "deepseek_v3", "deepseek_v31", "pythonic", "llama4_pythonic",
+                                 "qwen3_coder"])
+def test_a_forced_call_in_a_format_without_its_grammar_is_refused(fmt):
+    """tool_choice "required" or named writes the call through a grammar in the model's own format;
+    where none is written yet the request is refused (the server answers 400), rather than forcing
+    another format's call that this format's parser would not read back."""
+    from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, tool_call_constraint
+
+    assert fmt not in FORCEABLE_FORMATS
+    with pytest.raises(ValueError, match=fmt):
+        tool_call_constraint(fmt, [{"name": "f", "parameters": {"type": "object"}}], parallel=False)
+    for ok in FORCEABLE_FORMATS:
+        assert tool_call_constraint(ok, [{"name": "f"}], parallel=False).grammar

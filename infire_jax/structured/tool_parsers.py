@@ -1,177 +1,168 @@
 """Tool calls in a model's own output format, found in its text as it streams.
 
-Models are trained on one way of writing a call; the chat template shows which (`detect_format`):
+Models are trained on one way of writing a call; the chat template shows which (`detect_format`).
+The formats, under vLLM's `--tool-call-parser` names, are in tool_formats/: `hermes`,
+`llama3_json`, `mistral`, `pythonic`, `llama4_pythonic`, `kimi_k2`, `deepseek_v3`, `deepseek_v31`,
+`qwen3_coder`.
 
-* `hermes` (Qwen2.5, Hermes, and SmolLM2 through our Hermes-style prompt): content, then
-  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks.
-* `llama3_json` (Llama 3.1+): the whole output is `{"name": ..., "parameters": {...}}`, several
-  separated by `;`, optionally after `<|python_tag|>`.
-* `mistral`: content, then `[TOOL_CALLS]` and a JSON array of `{"name", "arguments"}`.
+`ToolCallStream` turns text deltas into content deltas and calls: text that may still turn out to
+be the start of a call is held back, and each call is handed out once its block is complete. Output
+that looks like a call but does not parse is returned as content, as vLLM does. Content is the
+output without its calls, without the section markers around them (Kimi, DeepSeek), and without
+whitespace that only separates calls; it is "" (never None) when there is none.
 
-`ToolCallStream` turns text deltas into content deltas and finished calls: text that may still
-turn out to be the start of a call is held back, and a call is handed out once complete. Output
-that looks like a call but does not parse is returned as content, as vLLM does.
+The stream decides only on text it has, never on where a delta ended, so the content and calls are
+the same however the output is split: `parse_tool_calls` is the stream fed the whole text at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
-import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from infire_jax.structured.tool_formats import FORMATS as _FORMATS
+from infire_jax.structured.tool_formats import ToolCall
+from infire_jax.structured.tool_formats.base import held_back
+from infire_jax.structured.tool_formats.json_calls import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARKER, PYTHON_TAG
+from infire_jax.structured.tool_formats.pythonic import PYTHON_START
+from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALLS_BEGIN, DEEPSEEK_SEP,
+                                                               KIMI_CALL_BEGIN, KIMI_SECTION_BEGIN)
 
 HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL)
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-MISTRAL_MARKER = "[TOOL_CALLS]"
-PYTHON_TAG = "<|python_tag|>"
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.DOTALL)
+PYTHONIC, LLAMA4_PYTHONIC, KIMI_K2 = "pythonic", "llama4_pythonic", "kimi_k2"
+DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER = "deepseek_v3", "deepseek_v31", "qwen3_coder"
+FORMATS = tuple(_FORMATS)
+TOOL_PARSERS = FORMATS
+
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "HERMES", "HERMES_CLOSE", "HERMES_OPEN", "KIMI_K2", "LLAMA3_JSON",
+           "LLAMA4_PYTHONIC", "MISTRAL", "MISTRAL_MARKER", "PYTHONIC", "PYTHON_TAG", "QWEN3_CODER", "TOOL_PARSERS",
+           "ToolCall", "ToolCallStream", "detect_format", "parse_tool_calls", "stream_tool_calls"]
 
 
 def detect_format(chat_template: str | None) -> str:
-    """The call format a chat template teaches; Hermes when it shows none (we then prompt for Hermes)."""
+    """The call format a chat template teaches; Hermes when it shows none (we then prompt for Hermes).
+
+    The most specific markers are looked for first: Qwen3-Coder's template also has `<tool_call>`,
+    and DeepSeek V3 and V3.1 share their markers but only V3 writes the call type and a ```json fence."""
     t = chat_template or ""
+    if KIMI_SECTION_BEGIN in t or KIMI_CALL_BEGIN in t:
+        return KIMI_K2
+    if DEEPSEEK_CALLS_BEGIN in t or DEEPSEEK_CALL_BEGIN in t:
+        return DEEPSEEK_V3 if "```json" in t or "function" + DEEPSEEK_SEP in t else DEEPSEEK_V31
     if MISTRAL_MARKER in t:
         return MISTRAL
+    if "<function=" in t:
+        return QWEN3_CODER
     if HERMES_OPEN in t:
         return HERMES
+    if PYTHON_START in t:
+        return LLAMA4_PYTHONIC
+    if "[func_name1(" in t:  # the instruction pythonic templates give: [func_name1(params_name1=...), ...]
+        return PYTHONIC
     if PYTHON_TAG in t or ('"parameters"' in t and "tools" in t):
         return LLAMA3_JSON
     return HERMES
 
 
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI returns it
-    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def to_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def _call(obj: object, args_key: str) -> ToolCall | None:
-    """A call from one decoded JSON object, or None when it is not shaped like one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def _json_calls(text: str, args_key: str, sep: str = ";") -> list[ToolCall] | None:
-    """Calls written as JSON objects one after another (a separator between them), or None."""
-    decoder, calls, i = json.JSONDecoder(), [], 0
-    while True:
-        while i < len(text) and (text[i].isspace() or (calls and text[i] == sep)):
-            i += 1
-        if i == len(text):
-            return calls or None
-        try:
-            obj, i = decoder.raw_decode(text, i)
-        except ValueError:
-            return None
-        items = obj if isinstance(obj, list) else [obj]
-        found = [_call(o, args_key) for o in items]
-        if not found or None in found:
-            return None
-        calls.extend(found)
-
-
-def parse_hermes_block(body: str) -> ToolCall | None:
-    try:
-        return _call(json.loads(body), "arguments")
-    except ValueError:
-        return None
-
-
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that could begin `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ToolCallStream:
-    """Splits one choice's output into content and tool calls, delta by delta."""
+    """Splits one choice's output into content and tool calls, delta by delta.
 
-    def __init__(self, fmt: str):
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown tool-call format {fmt!r}")
+    `fmt`: a parser name (FORMATS). `tools`: the request's tools, which Qwen3-Coder's format needs to
+    type its raw parameter values. `calls` collects every call handed out so far."""
+
+    def __init__(self, fmt: str, tools: list[dict[str, Any]] | None = None):
+        if fmt not in _FORMATS:
+            raise ValueError(f"unknown tool-call parser {fmt!r}; known: {', '.join(FORMATS)}")
         self.fmt = fmt
-        self.text = ""
         self.calls: list[ToolCall] = []
-        self._sent = 0  # characters of `text` handed out as content or consumed by calls
-        self._in_calls = False
-        self._calls_from = 0  # where the calls began: if none parses, content from there on
+        self._format = _FORMATS[fmt](tools)
+        self._markers = self._format.markers + self._format.noise
+        self._buf = ""  # the output from its first undecided character on (the rest is handed out)
+        self._undecided_head = True  # whether a head block begins is not known yet
+        self._in_block = False  # a block begins at _buf[0] and is not complete yet
+        self._gap_ws: str | None = None  # after a call: whitespace that is content only if text follows
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         """(content to show now, calls completed now)."""
-        self.text += delta
-        if self._in_calls:
-            return "", self._closed_calls()
-        if self.fmt == LLAMA3_JSON:
-            return self._feed_llama(), []
-        marker = HERMES_OPEN if self.fmt == HERMES else MISTRAL_MARKER
-        at = self.text.find(marker, self._sent)
-        if at < 0:
-            return self._content(len(self.text) - _held_back(self.text, marker)), []
-        content = self._content(at)
-        self._in_calls, self._calls_from = True, at
-        return content, self._closed_calls()
+        self._buf += delta
+        return self._advance(final=False)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the output: what is left, as calls if they parse, else as content."""
-        calls = self._closed_calls()
-        rest = self.text[self._sent:]
-        self._sent = len(self.text)
-        if not self._in_calls:
-            return rest, []
-        if self.fmt == HERMES:
-            at = rest.find(HERMES_OPEN)  # a last block the output ended inside of
-            last = parse_hermes_block(rest[at + len(HERMES_OPEN):].strip()) if at >= 0 else None
-            calls += [last] if last is not None else []
-        elif self.fmt == MISTRAL:
-            calls = _json_calls(rest.removeprefix(MISTRAL_MARKER), "arguments") or []
-        else:
-            calls = _json_calls(rest.removeprefix(PYTHON_TAG), "parameters") or []
-        self.calls.extend(c for c in calls if c not in self.calls)
-        if not self.calls:
-            return self.text[self._calls_from:], []  # it looked like a call but is not one: plain content
-        return "", calls
+        return self._advance(final=True)
 
-    def _content(self, end: int) -> str:
-        out = self.text[self._sent:end]
-        self._sent = max(self._sent, end)
-        return out
+    def _advance(self, final: bool) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        buf, pos = self._buf, 0
+        while pos < len(buf):
+            if self._undecided_head:
+                head = self._format.head(buf, final)
+                if head is None:
+                    break
+                self._undecided_head, self._in_block = False, head
+            if self._in_block:
+                block = self._format.block(buf, pos, final)
+                if block is None:
+                    break
+                if block.calls is None:
+                    content.append(buf[pos:block.end])
+                calls += block.calls or []
+                self._in_block, self._gap_ws = False, ("" if block.calls is not None else None)
+                pos = block.end
+                continue
+            at, marker = self._next_marker(buf, pos)
+            end = at if at >= 0 else len(buf) if final else max(pos, len(buf) - self._held_back(buf))
+            self._gap(buf[pos:end], content)
+            pos = end
+            if at < 0:
+                break
+            if marker in self._format.noise:
+                pos += len(marker)
+            else:
+                self._in_block = True
+        self._buf = buf[pos:]
+        self.calls += calls
+        return "".join(content), calls
 
-    def _closed_calls(self) -> list[ToolCall]:
-        """Hermes: the `<tool_call>` blocks closed in the unsent text (one that does not parse is skipped)."""
-        if self.fmt != HERMES or not self._in_calls:
-            return []
-        out = []
-        for m in _HERMES_BLOCK.finditer(self.text, self._sent):
-            call = parse_hermes_block(m.group(1))
-            if call is not None:
-                out.append(call)
-            self._sent = m.end()
-        self.calls.extend(out)
-        return out
+    def _next_marker(self, buf: str, pos: int) -> tuple[int, str]:
+        """The first marker (or noise) at or after `pos`, the longest where two begin together."""
+        best, found = -1, ""
+        for marker in self._markers:
+            at = buf.find(marker, pos)
+            if at >= 0 and (best < 0 or at < best or (at == best and len(marker) > len(found))):
+                best, found = at, marker
+        return best, found
 
-    def _feed_llama(self) -> str:
-        """The first non-blank characters decide: a JSON object (or the python tag) starts calls."""
-        head = self.text[self._sent:].lstrip()
-        if self._sent == 0 and (not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG)):
-            return ""  # undecided yet
-        if self._sent == 0 and (head.startswith("{") or head.startswith(PYTHON_TAG)):
-            self._in_calls = True
-            self._sent = self._calls_from = len(self.text) - len(head)
-            return ""
-        return self._content(len(self.text))
+    def _held_back(self, buf: str) -> int:
+        return max((held_back(buf, m) for m in self._markers), default=0)
+
+    def _gap(self, text: str, out: list[str]) -> None:
+        """Text between blocks is content; after a call, only once something other than whitespace
+        comes (the newlines a model puts between its calls are not content)."""
+        if self._gap_ws is None:
+            out.append(text)
+            return
+        self._gap_ws += text
+        if self._gap_ws.strip():
+            out.append(self._gap_ws)
+            self._gap_ws = None
+
+
+def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]] | None = None,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole output in format `parser`; content is "" when there is none.
+
+    `chat_template_kwargs` is taken so that a caller passes a request's the same way here and to
+    `parse_reasoning`; no tool-call format depends on them."""
+    return stream_tool_calls([text], parser, tools, chat_template_kwargs)
+
+
+def stream_tool_calls(deltas: Iterable[str], parser: str, tools: list[dict[str, Any]] | None = None,
+                      chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of an output given as deltas: the same as `parse_tool_calls` of their
+    concatenation, whatever the split."""
+    stream = ToolCallStream(parser, tools)
+    content = [stream.feed(d)[0] for d in deltas]
+    content.append(stream.finish()[0])
+    return "".join(content), stream.calls

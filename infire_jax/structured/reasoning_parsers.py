@@ -1,0 +1,119 @@
+"""Reasoning ("thinking") split from the answer, under vLLM's `--reasoning-parser` names.
+
+* `deepseek_r1`: the reasoning is everything up to `</think>`, with or without a leading `<think>`
+  (R1's template puts `<think>` in the prompt, so the output usually starts inside it). An output
+  without `</think>` is all reasoning: it was cut off while thinking.
+* `qwen3`, `glm45`: reasoning only inside a `<think>…</think>` that opens the output; an output not
+  starting with `<think>` is all content. `chat_template_kwargs={"enable_thinking": False}` makes it
+  all content (the template then closes an empty think block in the prompt).
+* `kimi_k2`: as qwen3, with `◁think▷…◁/think▷` as well as `<think>…</think>`.
+* `deepseek_v3`: V3.1+ thinks only when asked, `chat_template_kwargs={"thinking": True}`; then as
+  deepseek_r1, else all content.
+
+An opened think block that never closes is reasoning to the end, in every parser: a stream has
+already handed it out as reasoning by the time the output ends. Reasoning and content are "" (never
+None) when there is none. `ReasoningStream` holds back only text that may still be part of a marker,
+and decides only on text it has, so streamed and whole outputs split the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from infire_jax.structured.tool_formats.base import held_back
+
+THINK = ("<think>", "</think>")
+KIMI_THINK = ("◁think▷", "◁/think▷")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Syntax:
+    pairs: tuple[tuple[str, str], ...]  # (open, close) markers of a think block
+    implicit: bool  # the output begins inside the block (its open marker was in the prompt)
+
+
+_R1 = _Syntax((THINK,), implicit=True)
+_EXPLICIT = _Syntax((THINK,), implicit=False)
+
+
+def _qwen3(kwargs: dict[str, Any]) -> _Syntax | None:
+    return None if kwargs.get("enable_thinking", True) is False else _EXPLICIT
+
+
+REASONING_PARSERS: dict[str, Callable[[dict[str, Any]], _Syntax | None]] = {
+    "deepseek_r1": lambda kwargs: _R1,
+    "qwen3": _qwen3,
+    "glm45": _qwen3,
+    "kimi_k2": lambda kwargs: _Syntax((KIMI_THINK, THINK), implicit=False),
+    "deepseek_v3": lambda kwargs: _R1 if kwargs.get("thinking") is True else None,
+}
+
+_HEAD, _REASONING, _CONTENT = "head", "reasoning", "content"
+
+
+class ReasoningStream:
+    """Splits one choice's output into reasoning and content, delta by delta."""
+
+    def __init__(self, parser: str, chat_template_kwargs: dict[str, Any] | None = None):
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
+        self.parser = parser
+        self._syntax = REASONING_PARSERS[parser](chat_template_kwargs or {})
+        self._phase = _HEAD if self._syntax is not None else _CONTENT
+        self._close = ""  # the marker that ends the open think block
+        self._buf = ""  # text not handed out yet
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning to show now, content to show now)."""
+        self._buf += delta
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        """At the end of the output: what is left."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, str]:
+        reasoning, content = "", ""
+        if self._phase == _HEAD and not self._decide_head(final):
+            return "", ""
+        if self._phase == _REASONING:
+            at = self._buf.find(self._close)
+            if at < 0:
+                keep = 0 if final else held_back(self._buf, self._close)
+                reasoning, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                return reasoning, ""
+            reasoning, self._buf = self._buf[:at], self._buf[at + len(self._close):]
+            self._phase = _CONTENT
+        content, self._buf = self._buf, ""
+        return reasoning, content
+
+    def _decide_head(self, final: bool) -> bool:
+        """Whether the output opens a think block, once its first characters tell (leading
+        whitespace does not): then the open marker and the whitespace before it are dropped."""
+        s = self._buf.lstrip()
+        for opener, closer in self._syntax.pairs:
+            if s.startswith(opener):
+                self._phase, self._close, self._buf = _REASONING, closer, s[len(opener):]
+                return True
+        if not final and any(opener.startswith(s) for opener, _ in self._syntax.pairs):
+            return False  # blank so far, or a part of an open marker
+        self._phase = _REASONING if self._syntax.implicit else _CONTENT
+        self._close = self._syntax.pairs[0][1]
+        return True
+
+
+def parse_reasoning(text: str, parser: str,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(reasoning, content) of a whole output; each is "" when there is none."""
+    return stream_reasoning([text], parser, chat_template_kwargs)
+
+
+def stream_reasoning(deltas: Iterable[str], parser: str,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(reasoning, content) of an output given as deltas: the same as `parse_reasoning` of their
+    concatenation, whatever the split."""
+    stream = ReasoningStream(parser, chat_template_kwargs)
+    pieces = [stream.feed(d) for d in deltas] + [stream.finish()]
+    return "".join(r for r, _ in pieces), "".join(c for _, c in pieces)

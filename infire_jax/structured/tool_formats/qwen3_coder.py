@@ -1,0 +1,109 @@
+"""Qwen3-Coder's XML-like calls (`qwen3_coder`):
+
+    <tool_call>
+    <function=NAME>
+    <parameter=P>
+    value
+    </parameter>
+    ...
+    </function>
+    </tool_call>
+
+A parameter's value is raw text, not JSON: `42` may be the number or the string "42". The tool's JSON
+schema decides, which is why this format needs the request's `tools`. Without a schema for the
+parameter the text is tried as JSON, and kept as a string when it is not.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from infire_jax.structured.tool_formats.base import JSON_DECODER, Block, Format, ToolCall, closed_block, dumps
+from infire_jax.structured.tool_formats.json_calls import HERMES_CLOSE, HERMES_OPEN
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+_NOT_JSON = object()
+
+
+def _json(text: str) -> Any:
+    """`text` as JSON, or _NOT_JSON."""
+    try:
+        return JSON_DECODER.decode(text)
+    except ValueError:
+        return _NOT_JSON
+
+
+def _as_type(text: str, kind: str) -> Any:
+    """`text` as a value of JSON-schema type `kind`, or _NOT_JSON when it is not one."""
+    s = text.strip()
+    if kind == "string":
+        return text
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(s.lower(), _NOT_JSON)
+    if kind == "null":
+        return None if s.lower() in ("null", "none") else _NOT_JSON
+    value = _json(s)
+    if kind == "integer" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    ok = {"integer": (int,), "number": (int, float), "object": (dict,), "array": (list,)}.get(kind, ())
+    return value if isinstance(value, ok) and not isinstance(value, bool) else _NOT_JSON
+
+
+def _types(schema: dict[str, Any]) -> list[str]:
+    """The JSON types a parameter schema allows, in the order written (`type`, or `anyOf`/`oneOf`)."""
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    return [t for sub in schema.get("anyOf", schema.get("oneOf", [])) if isinstance(sub, dict) for t in _types(sub)]
+
+
+def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
+    """A parameter's raw text as the value its schema asks for. Non-string types are tried first, so
+    `["string", "null"]` reads `null` as null; text that fits none of them stays a string unless the
+    schema has no type at all, when it is read as JSON if it is JSON."""
+    kinds = _types(schema or {})
+    for kind in [k for k in kinds if k != "string"]:
+        value = _as_type(text, kind)
+        if value is not _NOT_JSON:
+            return value
+    if kinds:
+        return text
+    value = _json(text.strip())
+    return text if value is _NOT_JSON else value
+
+
+class Qwen3Coder(Format):
+    markers = (HERMES_OPEN,)
+
+    def block(self, text: str, start: int, final: bool) -> Block | None:
+        return closed_block(text, start, HERMES_OPEN, HERMES_CLOSE, final, self.parse)
+
+    def parse(self, body: str) -> list[ToolCall] | None:
+        """One `<function=…>` with its `<parameter=…>` elements; any other text in it means no call."""
+        function = _FUNCTION.fullmatch(body.rstrip())
+        if function is None or not function.group(1).strip():
+            return None
+        name, inner = function.group(1).strip(), function.group(2)
+        properties = self._properties(name)
+        args, at = {}, 0
+        for p in _PARAMETER.finditer(inner):
+            if inner[at:p.start()].strip():
+                return None
+            raw = p.group(2).removeprefix("\n").removesuffix("\n")  # the newlines the format puts around it
+            args[p.group(1).strip()] = typed_value(raw, properties.get(p.group(1).strip()))
+            at = p.end()
+        if inner[at:].strip():
+            return None
+        return [ToolCall(name, dumps(args))]
+
+    def _properties(self, name: str) -> dict[str, Any]:
+        """The parameter schemas of tool `name` (OpenAI's `{"type": "function", "function": {...}}`)."""
+        for tool in self.tools:
+            function = tool.get("function", tool)
+            if function.get("name") == name:
+                return (function.get("parameters") or {}).get("properties") or {}
+        return {}
