@@ -21,6 +21,9 @@ MAX_TILE_ROWS = 64  # rows a program holds accumulators for
 GEMV_MAX_ROWS = 4  # the register (no dot) form takes tiles of at most this many rows
 TARGET_PROGRAMS = 264  # about two per SM of an H100 / H200 (132 SMs)
 MAX_SPLITS = 16
+# The pipeline stages' shared memory a chosen tiling may take: 90% of what an H100 / H200 block may
+# opt into (232,448 bytes), the rest for Triton's own scratch.
+SHARED_BUDGET = 209_000
 ENV = "INFIRE_JAX_QUANT_BLOCKS"
 
 
@@ -89,9 +92,22 @@ def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | No
     if packing != "q4_1" and 128 <= group < want_k:  # a step within one group loads one scale row, not one a row
         want_k = group
     block_k = _largest(min(want_k, 512), k, min_block_k(packing))
-    blocks = Blocks(block_k=block_k, tile_n=tile_n, num_warps=4, num_stages=3, gemv=gemv)
+    stages = 3
+    # Each pipeline stage holds the step's x tile (rows padded to a dot) beside the weight items and
+    # their scales: wide tiles of many rows outgrow the shared memory (a Q4_1 step of 64 rows with
+    # block_k 512 asked an H100 for 239,616 bytes of its 232,448: tests/test_quant_matmul.py).
+    while block_k > min_block_k(packing) and stages * _stage_bytes(rows, block_k, tile_n, item_bytes) > SHARED_BUDGET:
+        block_k //= 2
+    blocks = Blocks(block_k=block_k, tile_n=tile_n, num_warps=4, num_stages=stages, gemv=gemv)
     env = os.environ.get(ENV)
     return dataclasses.replace(blocks, **parse(env)) if env else blocks
+
+
+def _stage_bytes(rows: int, block_k: int, tile_n: int, item_bytes: float) -> int:
+    """An upper bound of one pipeline stage's shared memory: the bfloat16 x tile (rows padded to a
+    power of two, at least MIN_DOT), the weight items, and two float32 scale rows per 32 inputs."""
+    padded = max(MIN_DOT, 1 << max(rows - 1, 0).bit_length())
+    return int(padded * block_k * 2 + block_k * item_bytes * tile_n + 2 * max(1, block_k // 32) * tile_n * 4)
 
 
 def splits_for(blocks: Blocks, programs: int, k_blocks: int) -> int:

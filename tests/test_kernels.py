@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from h100 import compiled_kernels, launches
 
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
@@ -526,9 +527,9 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16, *, local: bool = False) -> str:
     """The whole Pallas path (KV write and both attention kernels) lowered for CUDA, as StableHLO
-    text; an fp8 pool takes its per-(layer, kv head) scales in the metadata, a local layer its
-    LocalMask (traced chunk and window). Skips where the jaxlib cannot lower Triton kernels without
-    a GPU.
+    text, and compiled for an H100 (tests/h100.py); an fp8 pool takes its per-(layer, kv head) scales
+    in the metadata, a local layer its LocalMask (traced chunk and window). Skips where the jaxlib
+    cannot lower Triton kernels without a GPU.
 
     jaxlib <= 0.10.2 emits the Triton IR into the HLO without compiling it, so this runs on CPU too;
     later jaxlibs compile to PTX while lowering, which needs a GPU.
@@ -547,11 +548,14 @@ def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16, *, local: bool = False) 
     def step(q, k, v, k_pages, v_pages, layer, meta):
         return paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=d ** -0.5, impl="pallas")
 
-    hlo = jax.jit(step, donate_argnums=(3, 4)).trace(
-        sd((t, hq, d), bf16), sd((t, hkv, d), bf16), sd((t, hkv, d), bf16), pool, pool, sd((), i32), meta,
-    ).lower(lowering_platforms=("cuda",)).as_text()
-    for name in ("write_kv_pages", "paged_decode_attention", "paged_prefill_attention"):
+    jitted = jax.jit(step, donate_argnums=(3, 4))
+    args = (sd((t, hq, d), bf16), sd((t, hkv, d), bf16), sd((t, hkv, d), bf16), pool, pool, sd((), i32), meta)
+    hlo = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = ("write_kv_pages", "paged_decode_attention", "paged_prefill_attention")
+    for name in names:
         assert f'name = "{name}"' in hlo
+    kernels = compiled_kernels(jitted, *args)  # and they compile to sm_90a machine code
+    assert all(launches(kernels, name) for name in names), kernels
     return hlo
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from h100 import compiled_kernels, launches
 
 from infire_jax.lora.batched import lora_delta
 from infire_jax.lora.layout import MEMBERS, column_members
@@ -135,7 +136,8 @@ def _jaxlib_version() -> tuple[int, ...]:
 @pytest.mark.parametrize("name,in_shape,out", [WEIGHTS[0], WEIGHTS[2]])
 def test_lowers_to_triton_for_cuda(name, in_shape, out):
     """Both calls lower through Pallas' Triton rules (jaxlib <= 0.10.2 emits the Triton IR without
-    compiling it, so this runs on CPU; later jaxlibs compile while lowering, which needs a GPU)."""
+    compiling it, so this runs on CPU; later jaxlibs compile while lowering, which needs a GPU), and
+    compile for an H100 (tests/h100.py)."""
     if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
         pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
                     "pins jaxlib 0.10.2, which does not)")
@@ -143,9 +145,11 @@ def test_lowers_to_triton_for_cuda(name, in_shape, out):
     k, n, c = int(np.prod(in_shape)), int(np.prod(out)), len(MEMBERS[name])
     members = column_members(name, out)
     for t, rank in ((1, 8), (37, 64)):
-        hlo = jax.jit(lambda x, a, b, s, l: lora_sgmv(x, a, b, s, members, l)).trace(
-            sd((t, k), jnp.bfloat16), sd((LAYERS, SLOTS, c * rank, k), jnp.bfloat16),
-            sd((LAYERS, SLOTS, rank, n), jnp.bfloat16), sd((t,), jnp.int32), sd((), jnp.int32),
-        ).lower(lowering_platforms=("cuda",)).as_text()
+        jitted = jax.jit(lambda x, a, b, s, l: lora_sgmv(x, a, b, s, members, l))
+        args = (sd((t, k), jnp.bfloat16), sd((LAYERS, SLOTS, c * rank, k), jnp.bfloat16),
+                sd((LAYERS, SLOTS, rank, n), jnp.bfloat16), sd((t,), jnp.int32), sd((), jnp.int32))
+        hlo = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        kernels = compiled_kernels(jitted, *args)  # and they compile to sm_90a code
         for kernel in ("lora_shrink", "lora_expand"):
             assert f'name = "{kernel}"' in hlo, (t, rank, kernel)
+            assert launches(kernels, kernel), (t, rank, kernels)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from h100 import compiled_kernels, launches
 
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mla import mla_attention
@@ -134,3 +135,19 @@ def test_pallas_decode_kernel_matches_float64(page_size, heads, splits):
     err = np.max(np.abs(out[covered] - want[covered])) / np.max(np.abs(want[covered]))
     assert err < 2e-5, err
     assert not np.asarray(out_lat)[~covered].any()
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_pallas_decode_kernel_compiles_for_an_h100(pool_dtype):
+    """DeepSeek-V3's shapes on one of 8 GPUs (16 heads, a 512-wide latent, 64 rope dims, 64 rows): the
+    kernel compiles to sm_90a machine code here (tests/h100.py), bfloat16 and fp8 pools."""
+    t, s, h, r, dr, ps = 64, 16, 16, 512, 64, 64
+    sd, i32 = jax.ShapeDtypeStruct, jnp.int32
+    meta = AttentionMetadata(sd((t,), i32), sd((t,), i32), sd((t,), i32), sd((s, 64), i32), sd((s,), i32),
+                             sd((s + 1,), i32), sd((), i32))
+    scale = sd((2, 1), jnp.float32) if pool_dtype == jnp.float8_e4m3fn else None
+    fn = jax.jit(lambda *a: mla_decode_attention(*a[:6], scale=0.1, kv_scale=a[6] if len(a) > 6 else None))
+    args = (sd((t, h, r), jnp.bfloat16), sd((t, h, dr), jnp.bfloat16), sd((2, 1024, ps, 1, r), pool_dtype),
+            sd((2, 1024, ps, 1, dr), pool_dtype), sd((), i32), meta) + ((scale,) if scale is not None else ())
+    kernels = compiled_kernels(fn, *args)
+    assert launches(kernels, "paged_mla_decode"), kernels

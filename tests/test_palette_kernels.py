@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from h100 import compiled_kernels, launches
 
 from infire_jax.compression.resident import PaletteParams, compress_resident
 from infire_jax.compression.tiles import encode_tile_stack
@@ -119,6 +120,16 @@ def test_gpu_palette_matmul_reads_one_layer_of_a_stack(rows):
     assert tile_coding("w_down", w[:, :100]) is None  # not whole tiles: decoded in the layer body instead
     with pytest.raises(ValueError, match="does not split into 64 x 64 tiles"):
         encode_tile_stack(w[:, :100], name="w_down")
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gpu_palette_matmul_compiles_for_an_h100(rows):
+    """The kernel compiles to sm_90a machine code on this CPU machine (tests/h100.py): its tiles fit an
+    H100's shared memory and registers, at one row and at the most it takes."""
+    coded = _coded(_stack(np.random.default_rng(0), 512, 1024), TILES)
+    x = jax.ShapeDtypeStruct((rows, 512), jnp.bfloat16)
+    kernels = compiled_kernels(jax.jit(gpu_palette.palette_matmul), x, *coded.parts(), jnp.int32(1))
+    assert launches(kernels, "palette_matmul"), kernels
 
 
 def _resident(monkeypatch, coding) -> tuple[nnx.Module, nnx.Module]:

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import quant_reference as ref
+from h100 import compiled_kernels, launches
 
 from pallas_kernels import quant_blocks
 from pallas_kernels.quant_blocks import Blocks
@@ -196,7 +197,8 @@ def _jaxlib_version() -> tuple[int, ...]:
 @pytest.mark.parametrize("fmt", ["gptq32", "ct_int4", "q4_1", "q8_0", "fp8", "plain_bf16"])
 def test_lowers_to_triton_for_cuda(fmt):
     """Both entry points lower through Pallas' Triton rules (jaxlib <= 0.10.2 emits the Triton IR
-    without compiling it, so this runs on CPU; later jaxlibs compile while lowering, which needs a GPU)."""
+    without compiling it, so this runs on CPU; later jaxlibs compile while lowering, which needs a GPU),
+    and compile for an H100 (tests/h100.py)."""
     if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
         pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
                     "pins jaxlib 0.10.2, which does not)")
@@ -208,6 +210,7 @@ def test_lowers_to_triton_for_cuda(fmt):
                      (grouped_matmul, (sd((64, K), jnp.bfloat16), sd((S,), jnp.int32), abstract, sd((), jnp.int32)))):
         hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert 'name = "quant_matmul"' in hlo, fn.__name__
+        assert launches(compiled_kernels(jax.jit(fn), *args), "quant_matmul"), fn.__name__  # sm_90a code
 
 
 def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
@@ -227,8 +230,11 @@ def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
         else:
             fn, args = grouped_matmul, (sd((case.rows * case.top_k, case.k), jnp.bfloat16),
                                         sd((case.experts,), jnp.int32), stack, sd((), jnp.int32))
-        hlo = jax.jit(lambda *a: fn(*a, blocks=blocks)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        jitted = jax.jit(lambda *a: fn(*a, blocks=blocks))
+        hlo = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert 'name = "quant_matmul"' in hlo, (case.name, blocks)
+        if blocks is None:  # the chosen tilings also compile to sm_90a (shared memory within the card's)
+            assert launches(compiled_kernels(jitted, *args), "quant_matmul"), case.name
 
     cases, kernels = quant_bench.quant_cases(), {}
     for case in cases:  # one case per distinct kernel: form, format and tiling

@@ -1,0 +1,32 @@
+"""Kernels and programs compiled for an H100 (sm_90a) on this CPU machine, for the tests that check
+the GPU path without a GPU: the CUDA plugin's compiler and ptxas (the dev extra) turn the Triton IR
+that lowering emits into machine code, so a block shape or shared-memory use the card refuses fails
+here, as it would on the GPU (bench/gpu_target.py)."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import jax
+
+_KERNEL = re.compile(r"^\s*\d+: kCustomKernel\s+\[[^\]]*\]\s+(\S+) grid:", re.M)
+
+
+def compiled_kernels(jitted, *args) -> list[str]:
+    """The kernels (by name, in launch order) of `jitted` on `args` (arrays or shapes) compiled for one H100."""
+    from infire_jax.bench import gpu_target
+
+    device = gpu_target.devices(gpu_target.target("h100"))[0]
+    with tempfile.TemporaryDirectory() as dump:
+        jitted.lower(*gpu_target.on_device(args, device)).compile(compiler_options={"xla_dump_to": dump})
+        import glob
+
+        sequence = max(glob.glob(f"{dump}/*.thunk_sequence.txt"), key=len)
+        with open(sequence) as f:
+            return _KERNEL.findall(f.read())
+
+
+def launches(kernels: list[str], name: str) -> bool:
+    """Whether `name` (a pallas_call's name) is among the compiled kernels (XLA may suffix `__N`)."""
+    return any(k == name or k.startswith(f"{name}__") for k in kernels)
