@@ -11,6 +11,7 @@ from typing import Iterator
 import jax
 
 _target: str | None = None  # set by `compiling_for`; process-wide, since compiles run on worker threads
+_target_devices: list | None = None
 
 
 def platform() -> str:
@@ -23,13 +24,20 @@ def platform() -> str:
     return jax.devices(device)[0].platform if isinstance(device, str) else device.platform
 
 
+def devices() -> list:
+    """The devices an engine built now places its model on: the target's (`compiling_for`), else jax's."""
+    return list(_target_devices) if _target_devices is not None else jax.devices()
+
+
 @contextlib.contextmanager
-def compiling_for(target: str) -> Iterator[None]:
+def compiling_for(target: str, target_devices: list | None = None) -> Iterator[None]:
     """Everything traced inside chooses kernels and defaults for `target` ("gpu"), whatever this
-    machine runs on: for compiling another machine's programs (they are lowered for its devices)."""
-    global _target
-    previous, _target = _target, target
+    machine runs on, and an engine built inside places its model on `target_devices` (a topology's,
+    which compile but never run): for compiling another machine's programs."""
+    global _target, _target_devices
+    previous = _target, _target_devices
+    _target, _target_devices = target, target_devices
     try:
         yield
     finally:
-        _target = previous
+        _target, _target_devices = previous

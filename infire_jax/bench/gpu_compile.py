@@ -32,6 +32,8 @@ _SHORT = {"__cublas$lt$matmul": "cublasLt", "__cublas$gemm": "cublas", "__gpu$xl
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="h100", choices=["h100", "h200"], help="the GPU to compile for")
+    p.add_argument("--devices", type=int, default=1,
+                   help="GPUs of one host; the mesh is --mesh or the shipped file for this many")
     p.add_argument("--programs", nargs="*", default=[],
                    help="only programs whose names start so (e.g. burst forward sampler)")
     p.add_argument("--dump-dir", default=None, help="keep XLA's dumps here (default: a temporary directory)")
@@ -45,29 +47,37 @@ def pool_bytes(memory_bytes: int, utilization: float, weight_bytes: int, reserve
 
 
 def run(args: argparse.Namespace):
+    import dataclasses
+
+    import jax
+
     from infire_jax.bench import gpu_target, program_stats, report
     from infire_jax.bench.common import settings
 
     gpu_target.use_cpu_backend()
     target = gpu_target.target(args.target)
     ec = engine_config(args)
-    shapes, layers, weight_bytes = gpu_target.weight_shapes(ec)
-    if not (ec.num_kv_pages or ec.kv_cache_memory):
+    if not (ec.num_kv_pages or ec.kv_cache_memory):  # size the pool as the engine would on the cards
+        probe = gpu_target.TargetEngine(dataclasses.replace(ec, kv_cache_memory=1 << 30), target, args.devices)
+        weight_bytes = probe.weights_per_device()[2]
         ec.kv_cache_memory = pool_bytes(target.memory_bytes, ec.gpu_memory_utilization, weight_bytes)
         if ec.kv_cache_memory <= 0:
-            raise BenchError(f"{weight_bytes / 1e9:.1f} GB of weights leave no room for a KV pool on one "
-                             f"{target.device_kind}")
+            raise BenchError(f"{weight_bytes / 1e9:.1f} GB of weights a device leave no room for a KV pool on "
+                             f"{args.devices} x {target.device_kind}")
+    engine = gpu_target.TargetEngine(ec, target, args.devices)
+    shapes, layers, weight_bytes = engine.weights_per_device()
     dump_root = args.dump_dir or tempfile.mkdtemp(prefix="infire-gpu-compile.")
     rows = []
     try:
-        for p in gpu_target.engine_programs(ec, target, dump_root, tuple(args.programs)):
+        for p in engine.programs(dump_root, tuple(args.programs)):
             st = program_stats.read_dump(p.dump_dir, shapes, layers)
-            m = p.compiled.memory_analysis()
+            m = p.compiled.memory_analysis()  # one device's share of the program
             peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                     + m.temp_size_in_bytes)
             rows.append(dict(
                 program=p.name, steps=p.steps, launches_per_step=st.launches / p.steps,
-                launches_per_layer=st.launches_per_layer, weight_copies_per_step=st.weight_copies / p.steps,
+                launches_per_layer=st.launches_per_layer, loops_in_layer=st.loops_in_layer,
+                weight_copies_per_step=st.weight_copies / p.steps,
                 weight_copy_gb_per_step=st.weight_copy_bytes / p.steps / 1e9, weight_copy_ops=st.weight_copy_ops,
                 float32_weights=len(st.float32_weights), float32_weight_buffers=st.float32_weights,
                 calls=", ".join(f"{_SHORT.get(k, k)} {v / p.steps:.0f}" for k, v in sorted(st.custom_calls.items())),
@@ -80,12 +90,14 @@ def run(args: argparse.Namespace):
             shutil.rmtree(dump_root, ignore_errors=True)
     if not rows:
         raise BenchError(f"no program of this engine starts with {args.programs}")
-    import jax
-
+    plan = engine.settings.plan
     payload = dict(benchmark="gpu-compile", settings=settings(args), target=target.name,
-                   device_kind=target.device_kind, card_bytes=target.memory_bytes, jax=jax.__version__,
-                   weight_bytes=weight_bytes, kv_cache_memory=ec.kv_cache_memory, num_kv_pages=ec.num_kv_pages,
-                   results=rows)
-    title = (f"gpu-compile: {ec.model or 'default model'} for one {target.device_kind}, jax {jax.__version__} "
+                   device_kind=target.device_kind, devices=args.devices, mesh=plan.mesh_config.name if plan else None,
+                   card_bytes=target.memory_bytes, jax=jax.__version__, weight_bytes_per_device=weight_bytes,
+                   kv_cache_bytes_per_device=engine.kv_pool_bytes_per_device(),
+                   num_kv_pages=engine.settings.runner_config.num_pages, results=rows)
+    title = (f"gpu-compile: {ec.model or 'default model'} on {args.devices} x {target.device_kind}"
+             f"{f' ({plan.mesh_config.name})' if plan else ''}, jax {jax.__version__}, per device: weights "
+             f"{weight_bytes / 1e9:.1f} GB, KV pool {engine.kv_pool_bytes_per_device() / 1e9:.1f} GB "
              f"(compiled structure, not timing)")
     return report.Result(payload, report.table(rows, COLUMNS), [], title)

@@ -12,6 +12,7 @@ shapes alone (`DeviceMemory(allocate=False)`), so nothing is allocated or read.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import time
 from typing import Iterator
@@ -81,11 +82,16 @@ def devices(t: Target, count: int = 1) -> list:
 
 def on_device(tree, device):
     """Every array or shape of `tree` as a shape on `device` (a target device: nothing is allocated)."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    return _placed(tree, jax.sharding.SingleDeviceSharding(device))
 
+
+def _placed(tree, default):
+    """Every array or shape of `tree` as a shape: its own sharding kept where it has one (a plan's
+    weights and pool), else `default` (one device's, or a mesh's replicated one)."""
     def one(a):
         if isinstance(a, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-            return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding)
+            own = getattr(a, "sharding", None) if isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else None
+            return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=own or default)
         return a
 
     return jax.tree.map(one, tree)
@@ -100,63 +106,70 @@ class CompiledProgram:
     steps: int  # engine steps a run of it takes (a decode burst's steps; else 1)
 
 
-def _built(ec, t: Target):
-    """The engine's settings and step programs for `ec` on target `t`, from shapes alone."""
-    from infire_jax.engine.setup import resolve_settings
-    from infire_jax.models.registry import abstract_state
-    from infire_jax.runner.compiled_steps import CompiledSteps
-    from infire_jax.runner.device_memory import DeviceMemory
+class TargetEngine:
+    """The engine of `ec` built for `count` GPUs of target `t` (a mesh from `ec.mesh` or the shipped
+    file for the count, as on the GPUs themselves) from its weights' and pool's shapes alone."""
 
-    s = resolve_settings(ec, None)
-    if s.plan is not None:
-        raise ConfigError("gpu-compile builds one device's programs; meshes are not built yet")
-    graphdef, state = abstract_state(s.model_config, s.dtype, None)
-    memory = DeviceMemory(s.placed_config, graphdef, state, s.runner_config, dtype=s.dtype, allocate=False)
-    return s, memory, CompiledSteps(memory)
+    def __init__(self, ec, t: Target, count: int = 1):
+        from infire_jax.engine.setup import resolve_settings
+        from infire_jax.models.registry import abstract_state
+        from infire_jax.runner.compiled_steps import CompiledSteps
+        from infire_jax.runner.device_memory import DeviceMemory
 
+        self.target, self.devices = t, devices(t, count)
+        with self._building():
+            self.settings = s = resolve_settings(ec, None)
+            graphdef, state = abstract_state(s.model_config, s.dtype, s.plan)
+            self.memory = DeviceMemory(s.placed_config, graphdef, state, s.runner_config, dtype=s.dtype,
+                                       plan=s.plan, allocate=False)
+            self.steps = CompiledSteps(self.memory)
 
-def engine_programs(ec, t: Target, dump_root: str, only: tuple[str, ...] = ()) -> Iterator[CompiledProgram]:
-    """Compiles the programs the engine of `ec` serves with on one GPU of target `t` (every bucket's
-    forward, samplers and decode bursts, the verifying programs with speculation, the small ones),
-    each dumped into a directory of its own under `dump_root`; `only` keeps names starting so."""
-    from pallas_kernels import placement
+    def _building(self):
+        from pallas_kernels import placement
 
-    device = devices(t)[0]
-    with placement.compiling_for("gpu"):
-        s, memory, steps = _built(ec, t)
-        rc = s.runner_config
-        specs = {}
-        for shape in rc.buckets.shapes:
-            for key, spec in steps.bucket_specs(shape, rc.empty_batch(shape)).items():
-                specs[f"{spec[0]} {shape.num_tokens} tokens" if key[0] in ("forward", "verify_forward", "burst")
-                      else f"{spec[0]} {shape.num_rows} rows"] = spec
-        for (_, name), spec in steps.small_specs().items():
-            if spec[0] not in ("prompt-rows",):
-                specs[spec[0]] = spec
-        for name, (kind, jitted, args) in specs.items():
-            if only and not name.startswith(only):
-                continue
-            dump = tempfile.mkdtemp(prefix=name.replace(" ", "_") + ".", dir=dump_root)
-            start = time.perf_counter()
-            compiled = jitted.lower(*on_device(args, device)).compile(
-                compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
-            yield CompiledProgram(name, compiled, dump, time.perf_counter() - start,
-                                  rc.decode_steps if kind.startswith("burst") else 1)
+        return placement.compiling_for("gpu", self.devices)
 
+    def weights_per_device(self) -> tuple[list[tuple[int, ...]], int, int]:
+        """One device's shards of the weights: each layer weight's shape (the unstacked weights whole),
+        the layers its stacks hold, and its bytes."""
+        leaves = jax.tree.leaves(self.memory.state)
+        local = [tuple(a.sharding.shard_shape(a.shape)) if getattr(a, "sharding", None) is not None
+                 else tuple(a.shape) for a in leaves]
+        leading = [shape[0] for shape in local if len(shape) >= 3]
+        layers = max(set(leading), key=leading.count) if leading else 0
+        shapes = [shape[1:] if len(shape) >= 2 and shape[0] == layers else shape for shape in local]
+        nbytes = sum(math.prod(shape) * jnp.dtype(a.dtype).itemsize for shape, a in zip(local, leaves))
+        return shapes, layers, nbytes
 
-def weight_shapes(ec) -> tuple[list[tuple[int, ...]], int, int]:
-    """One layer's weight shapes (and the unstacked ones), the layer count and the weights' bytes."""
-    from infire_jax.engine.setup import resolve_dtype
-    from infire_jax.loaders.load import load_config
-    from infire_jax.models.registry import abstract_state
-    from pallas_kernels import placement
+    def kv_pool_bytes_per_device(self) -> int:
+        pages = (self.memory.cache.k_pages, self.memory.cache.v_pages)
+        return sum(math.prod(p.sharding.shard_shape(p.shape) if p.sharding is not None else p.shape)
+                   * jnp.dtype(p.dtype).itemsize for p in pages)
 
-    with placement.compiling_for("gpu"):
-        cfg = load_config(ec.model)
-        _, state = abstract_state(cfg, resolve_dtype(ec.dtype), None)
-    leaves = jax.tree.leaves(state)
-    shapes = [tuple(a.shape[1:]) if a.ndim >= 2 and a.shape[0] == cfg.num_layers else tuple(a.shape) for a in leaves]
-    return shapes, cfg.num_layers, sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in leaves)
+    def programs(self, dump_root: str, only: tuple[str, ...] = ()) -> Iterator[CompiledProgram]:
+        """Compiles the programs the engine serves with (every bucket's forward, samplers and decode
+        bursts, the verifying programs with speculation, the small ones), each dumped into a directory
+        of its own under `dump_root`; `only` keeps names starting so."""
+        steps, rc, plan = self.steps, self.settings.runner_config, self.settings.plan
+        default = plan.replicated if plan else jax.sharding.SingleDeviceSharding(self.devices[0])
+        with self._building():
+            specs = {}
+            for shape in rc.buckets.shapes:
+                for key, spec in steps.bucket_specs(shape, rc.empty_batch(shape)).items():
+                    specs[f"{spec[0]} {shape.num_tokens} tokens" if key[0] in ("forward", "verify_forward", "burst")
+                          else f"{spec[0]} {shape.num_rows} rows"] = spec
+            for _, spec in steps.small_specs().items():
+                if spec[0] != "prompt-rows":
+                    specs[spec[0]] = spec
+            for name, (kind, jitted, args) in specs.items():
+                if only and not name.startswith(only):
+                    continue
+                dump = tempfile.mkdtemp(prefix=name.replace(" ", "_") + ".", dir=dump_root)
+                start = time.perf_counter()
+                compiled = jitted.lower(*_placed(args, default)).compile(
+                    compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+                yield CompiledProgram(name, compiled, dump, time.perf_counter() - start,
+                                      rc.decode_steps if kind.startswith("burst") else 1)
 
 
 def use_cpu_backend() -> None:

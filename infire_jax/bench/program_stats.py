@@ -4,7 +4,8 @@
   and device copy, each counted as often as the loops around it run (trip counts from the optimized
   HLO, matched through `*.thunk_metadata.txt`);
 - copies of weight size: buffers the program writes by copying (a `copy`, `slice`, `dynamic-slice`
-  or `transpose`, alone or as a fusion's root) at least as large as the smallest layer weight;
+  or `transpose`, alone or as a fusion's root) at least as large as the smallest layer weight matrix
+  of a million elements or more;
 - float32 tensors shaped like a weight (a float32 copy of a bfloat16 weight doubles its bytes);
 - the custom calls (cuBLAS, cuDNN, Pallas / Triton kernels) by target.
 
@@ -34,6 +35,7 @@ _THUNK = re.compile(r"^(\s*)(\d+): (k\w+)")
 # Thunks that hold others rather than launch anything themselves.
 _CONTAINERS = {"kWhile", "kConditional", "kSequential", "kCommandBuffer", "kDynamicSliceFusion"}
 _COPY_OPS = {"copy", "slice", "dynamic-slice", "transpose"}
+WEIGHT_ELEMENTS = 1 << 20
 _NOT_BUFFERS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "while", "call", "conditional",
                 "after-all", "partition-id", "replica-id"}
 
@@ -119,7 +121,9 @@ def hlo_facts(comps: dict[str, list[Instruction]], weight_shapes: list[tuple[int
     runs, fused, _ = _multipliers(comps)
     matrices = [tuple(sorted(d for d in s if d > 1)) for s in weight_shapes]
     matrices = {m for m in matrices if len(m) >= 2}
-    smallest = min((math.prod(m) for m in matrices), default=1 << 62)
+    # Weight-sized: at least the smallest weight matrix of a million elements or more (a router's or
+    # a norm's copy is not what this looks for).
+    smallest = min((math.prod(m) for m in matrices if math.prod(m) >= WEIGHT_ELEMENTS), default=1 << 62)
     copies, f32 = [], []
     for name, comp in comps.items():
         if name in fused:

@@ -215,8 +215,9 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
         ec.lora.check(cfg, multiprocess=multihost.is_multiprocess())
     try:
         resolve_impl(ec.attn_impl)
-        mesh_config = load_mesh_config(ec.mesh, jax.device_count())
-        plan = ShardPlan.create(cfg, mesh_config) if mesh_config.num_devices > 1 else None
+        devices = placement.devices()
+        mesh_config = load_mesh_config(ec.mesh, len(devices))
+        plan = ShardPlan.create(cfg, mesh_config, devices) if mesh_config.num_devices > 1 else None
     except ValueError as e:  # unknown attention name, MeshConfigError
         raise ConfigError(str(e)) from e
     return plan
