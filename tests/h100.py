@@ -1,10 +1,12 @@
 """Kernels and programs compiled for an H100 (sm_90a) on this CPU machine, for the tests that check
 the GPU path without a GPU: the CUDA plugin's compiler and ptxas (the dev extra) turn the Triton IR
 that lowering emits into machine code, so a block shape or shared-memory use the card refuses fails
-here, as it would on the GPU (bench/gpu_target.py)."""
+here, as it would on the GPU (bench/gpu_target.py). On a GPU machine they compile for its own GPU."""
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import tempfile
 
@@ -14,15 +16,15 @@ _KERNEL = re.compile(r"^\s*\d+: kCustomKernel\s+\[[^\]]*\]\s+(\S+) grid:", re.M)
 
 
 def compiled_kernels(jitted, *args) -> list[str]:
-    """The kernels (by name, in launch order) of `jitted` on `args` (arrays or shapes) compiled for one H100."""
+    """The kernels (by name, in launch order) of `jitted` on `args` (arrays or shapes) compiled for one
+    H100 (on a GPU machine, for its own GPU)."""
     from infire_jax.bench import gpu_target
 
-    device = gpu_target.devices(gpu_target.target("h100"))[0]
+    on_gpu = jax.default_backend() == "gpu"
+    device = gpu_target.devices(gpu_target.here() if on_gpu else gpu_target.target("h100"), here=on_gpu)[0]
     with tempfile.TemporaryDirectory() as dump:
         jitted.lower(*gpu_target.on_device(args, device)).compile(compiler_options={"xla_dump_to": dump})
-        import glob
-
-        sequence = max(glob.glob(f"{dump}/*.thunk_sequence.txt"), key=len)
+        sequence = max(glob.glob(f"{dump}/*.thunk_sequence.txt"), key=os.path.getsize)  # the program, not a helper
         with open(sequence) as f:
             return _KERNEL.findall(f.read())
 

@@ -26,6 +26,8 @@ LLAMA = ["--model", "dummy:llama-3.1-8b", "--dtype", "bfloat16"]
 MOE = ["--model", "dummy:qwen3-30b-a3b", "--dtype", "bfloat16", "--input-len", "512", "--output-len", "128",
        "--batch-size", "1", "64"]
 LONG = ["--input-len", "2048", "--output-len", "128"]
+GPU_PROGRAMS = ("--model", "dummy:llama-3.1-8b", "--token-buckets", "64", "8192", "--max-num-seqs", "64",
+                "--num-kv-pages", "4096", "--programs", "forward", "burst-greedy", "sampler-greedy")
 # Hot standby: the 8B and the 1B model, one on the device, each request swapping (GPU.md: this ran
 # out of memory and hung).
 SWAP = ("infire_jax.bench", "swap", "--model", "dummy:llama-3.1-8b", "--model", "dummy:llama-3.2-1b",
@@ -59,7 +61,14 @@ CHECKS = (
                                 "tests/test_palette_kernels.py", "tests/test_step_program.py", "tests/test_layers.py",
                                 "tests/test_kv_fp8_kernels.py", "tests/test_local_attention.py",
                                 "tests/test_lora_kernels.py", "-q"), figures=False),
+    # Issue 46: what the GPU's own compiler (jax 0.11) makes of the decode and forward programs, to
+    # hold against `bench gpu-compile` compiled on a CPU machine for the same commit (docs/PERFORMANCE.md).
+    Check("gpu-programs", 90, ("infire_jax.bench", "gpu-compile", "--here", *GPU_PROGRAMS)),
     Check("decode-b1", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1")),
+    # The plain weights of decode steps through the Pallas matmul reading the stacks in place (the
+    # default), against cuBLAS on the layer's slice, which jax 0.10.2's compiler copies first.
+    Check("decode-b1-cublas", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64"),
+          env=(("INFIRE_JAX_DENSE_MATMUL", "xla"),)),
     Check("profile-b1", 150, ("infire_jax.bench", "profile", *LLAMA, "--batch-size", "1", "--input-len", "2048",
                               "--steps", "32")),
     # This wave's new paths: Llama 4's chunked attention on the hybrid KV cache, and batched LoRA

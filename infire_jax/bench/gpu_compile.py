@@ -34,6 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="h100", choices=["h100", "h200"], help="the GPU to compile for")
     p.add_argument("--devices", type=int, default=1,
                    help="GPUs of one host; the mesh is --mesh or the shipped file for this many")
+    p.add_argument("--here", action="store_true",
+                   help="on a GPU machine: compile for its own GPUs (--target ignored), to compare with the "
+                        "prediction a CPU machine compiles for the same commit")
     p.add_argument("--programs", nargs="*", default=[],
                    help="only programs whose names start so (e.g. burst forward sampler)")
     p.add_argument("--dump-dir", default=None, help="keep XLA's dumps here (default: a temporary directory)")
@@ -54,17 +57,19 @@ def run(args: argparse.Namespace):
     from infire_jax.bench import gpu_target, program_stats, report
     from infire_jax.bench.common import settings
 
-    gpu_target.use_cpu_backend()
-    target = gpu_target.target(args.target)
+    if not args.here:
+        gpu_target.use_cpu_backend()
+    target = gpu_target.here() if args.here else gpu_target.target(args.target)
     ec = engine_config(args)
     if not (ec.num_kv_pages or ec.kv_cache_memory):  # size the pool as the engine would on the cards
-        probe = gpu_target.TargetEngine(dataclasses.replace(ec, kv_cache_memory=1 << 30), target, args.devices)
+        probe = gpu_target.TargetEngine(dataclasses.replace(ec, kv_cache_memory=1 << 30), target, args.devices,
+                                        args.here)
         weight_bytes = probe.weights_per_device()[2]
         ec.kv_cache_memory = pool_bytes(target.memory_bytes, ec.gpu_memory_utilization, weight_bytes)
         if ec.kv_cache_memory <= 0:
             raise BenchError(f"{weight_bytes / 1e9:.1f} GB of weights a device leave no room for a KV pool on "
                              f"{args.devices} x {target.device_kind}")
-    engine = gpu_target.TargetEngine(ec, target, args.devices)
+    engine = gpu_target.TargetEngine(ec, target, args.devices, args.here)
     shapes, layers, weight_bytes = engine.weights_per_device()
     dump_root = args.dump_dir or tempfile.mkdtemp(prefix="infire-gpu-compile.")
     rows = []
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace):
         raise BenchError(f"no program of this engine starts with {args.programs}")
     plan = engine.settings.plan
     payload = dict(benchmark="gpu-compile", settings=settings(args), target=target.name,
-                   device_kind=target.device_kind, devices=args.devices, mesh=plan.mesh_config.name if plan else None,
+                   device_kind=target.device_kind, devices=args.devices, on_the_gpu=args.here, mesh=plan.mesh_config.name if plan else None,
                    card_bytes=target.memory_bytes, jax=jax.__version__, weight_bytes_per_device=weight_bytes,
                    kv_cache_bytes_per_device=engine.kv_pool_bytes_per_device(),
                    num_kv_pages=engine.settings.runner_config.num_pages, results=rows)

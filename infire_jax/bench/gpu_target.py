@@ -65,10 +65,22 @@ def target(name: str) -> Target:
     return TARGETS[name]
 
 
-def devices(t: Target, count: int = 1) -> list:
-    """`count` GPUs of one host of target `t`, as devices to compile for (not to run on)."""
+def here() -> Target:
+    """This machine's GPU as a target (its own devices: `devices(..., here=True)`)."""
+    kind = jax.devices()[0].device_kind
+    return TARGETS["h200" if "H200" in kind else "h100"]
+
+
+def devices(t: Target, count: int = 1, here: bool = False) -> list:
+    """`count` GPUs of one host of target `t`, as devices to compile for (not to run on); with `here`,
+    this machine's own GPUs, for comparing what it compiles with the prediction."""
     from jax.experimental import topologies
 
+    if here:
+        if jax.default_backend() != "gpu" or jax.device_count() < count:
+            raise ConfigError(f"--here compiles for this machine's GPUs: it has {jax.device_count()} "
+                              f"{jax.default_backend()} devices")
+        return jax.devices()[:count]
     if jax.default_backend() != "cpu":
         raise ConfigError("compiling for a GPU target runs on a CPU machine: set JAX_PLATFORMS=cpu")
     try:
@@ -110,13 +122,13 @@ class TargetEngine:
     """The engine of `ec` built for `count` GPUs of target `t` (a mesh from `ec.mesh` or the shipped
     file for the count, as on the GPUs themselves) from its weights' and pool's shapes alone."""
 
-    def __init__(self, ec, t: Target, count: int = 1):
+    def __init__(self, ec, t: Target, count: int = 1, here: bool = False):
         from infire_jax.engine.setup import resolve_settings
         from infire_jax.models.registry import abstract_state
         from infire_jax.runner.compiled_steps import CompiledSteps
         from infire_jax.runner.device_memory import DeviceMemory
 
-        self.target, self.devices = t, devices(t, count)
+        self.target, self.devices = t, devices(t, count, here)
         with self._building():
             self.settings = s = resolve_settings(ec, None)
             graphdef, state = abstract_state(s.model_config, s.dtype, s.plan)
