@@ -94,15 +94,16 @@ def devices(t: Target, count: int = 1, here: bool = False) -> list:
 
 def on_device(tree, device):
     """Every array or shape of `tree` as a shape on `device` (a target device: nothing is allocated)."""
-    return _placed(tree, jax.sharding.SingleDeviceSharding(device))
+    return _placed(tree, jax.sharding.SingleDeviceSharding(device), keep=False)
 
 
-def _placed(tree, default):
-    """Every array or shape of `tree` as a shape: its own sharding kept where it has one (a plan's
-    weights and pool), else `default` (one device's, or a mesh's replicated one)."""
+def _placed(tree, default, keep: bool = True):
+    """Every array or shape of `tree` as a shape on `default` (one device's sharding, or a mesh's
+    replicated one); with `keep`, a shape that has a sharding of its own keeps it (a plan's weights
+    and pool, laid out on the target's mesh). Arrays live on this machine: only their shapes count."""
     def one(a):
         if isinstance(a, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-            own = getattr(a, "sharding", None) if isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else None
+            own = a.sharding if keep and isinstance(a, jax.ShapeDtypeStruct) else None
             return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=own or default)
         return a
 
