@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Sequence
 
+import jinja2
 from aiohttp import web
 
 from infire_jax.engine.async_engine import AsyncEngine
@@ -20,6 +21,10 @@ from infire_jax.engine.detokenizer import TokenText
 from infire_jax.engine.engine import Engine
 from infire_jax.engine.args import engine_config, init_distributed, progress_bar
 from infire_jax.engine.residency import Residency, host_to_device_bandwidth, start_engines
+from infire_jax.loaders.tokenizer import Tokenizer
+from infire_jax.structured.reasoning_parsers import REASONING_PARSERS
+from infire_jax.structured.tool_parsers import TOOL_PARSERS, detect_format
+from server import responses_api
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
 from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions, completions,
                               release_kv)
@@ -38,9 +43,13 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
               api_keys: dict[str, str] | None = None, max_queue: int = 1024, role: str = "both",
               kv_buffer_bytes: int = 512 << 20, kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0,
               residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0,
-              lora_modules: Sequence[tuple[str, str]] = ()) -> web.Application:
+              lora_modules: Sequence[tuple[str, str]] = (), tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, chat_template: str | None = None) -> web.Application:
     """The app over warmed-up engines (one per served model); their threads start with the app.
     `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
+    `tool_call_parser` and `reasoning_parser` (vLLM's names) read every model's outputs (default: the
+    call format its chat template shows, and no reasoning); `chat_template` (Jinja text) replaces
+    every model's own.
 
     Several engines share the device through `residency` (hot standby, infire_jax/engine/residency.py).
     A prefill or decode worker (`role`) serves one model and also runs a Mooncake transfer engine
@@ -56,14 +65,23 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
         raise ValueError("a prefill or decode worker serves one model")
     if len(engines) > 1 and residency is None:
         raise ValueError("several models share the device through a Residency")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
     metrics = ServerMetrics(names)
     models = {}
     for name, engine in zip(names, engines):
         async_engine = AsyncEngine(engine, max_queue=max_queue, observer=metrics.observer(name), residency=residency,
                                    name=name)
         metrics.track_engine(name, lambda a=async_engine: a.snapshot, engine.pool_sizing)
-        models[name] = ServedModel(async_engine, engine.tokenizer, TokenText(engine.tokenizer), name,
-                                   engine.max_model_len)
+        tokenizer = engine.tokenizer
+        if chat_template is not None:  # the server's own copy: the engine's offline chat keeps the model's
+            tokenizer = Tokenizer(tokenizer.tk, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                                  chat_template=chat_template)
+        models[name] = ServedModel(async_engine, tokenizer, TokenText(engine.tokenizer), name, engine.max_model_len,
+                                   tool_parser=tool_call_parser or detect_format(tokenizer.chat_template),
+                                   reasoning_parser=reasoning_parser)
     if residency is not None:
         metrics.track_residency(residency, host_to_device_bytes_per_second)
     handoff = None
@@ -82,8 +100,11 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     app[STATE] = ServerState(models=models, role=role, handoff=handoff)
     app[AUTH] = Auth(api_keys or {})
     app[METRICS] = metrics
+    app[responses_api.STORE] = responses_api.ResponseStore()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses_api.create)
+    app.router.add_get("/v1/responses/{response_id}", responses_api.retrieve)
     app.router.add_post(RELEASE_PATH, release_kv)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
@@ -171,6 +192,21 @@ def _served_models(args: argparse.Namespace) -> list[tuple[str | None, str | Non
     return list(zip(names, specs))
 
 
+def _read_chat_template(path: str | None) -> str | None:
+    """--chat-template's file, checked as Jinja before any model loads."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: {e}") from e
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {path}: not a valid Jinja template (line {e.lineno}: {e.message})") from e
+    return text
+
+
 def _check_flags(args: argparse.Namespace) -> tuple[dict[str, str], list[tuple[str | None, str | None]]]:
     """The API keys and the served models, or ValueError naming the bad flag."""
     if args.max_queue < 0:
@@ -195,6 +231,7 @@ def serve(args: argparse.Namespace) -> int:
     """`infire-jax serve`: bind, load and warm up (with a progress bar), listen, print the ready line, serve."""
     try:
         keys, models = _check_flags(args)
+        chat_template = _read_chat_template(args.chat_template)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -226,7 +263,9 @@ def serve(args: argparse.Namespace) -> int:
                         role=args.role, kv_buffer_bytes=args.kv_buffer_mb << 20, kv_host=args.kv_host,
                         kv_hold_seconds=args.kv_hold_seconds, residency=residency if len(engines) > 1 else None,
                         host_to_device_bytes_per_second=bandwidth,
-                        lora_modules=parse_lora_modules(args.lora_modules or []))
+                        lora_modules=parse_lora_modules(args.lora_modules or []),
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        chat_template=chat_template)
         print(f"boot: ready to serve {time.monotonic() - _process_start():.2f} s after the process started",
               file=sys.stderr, flush=True)
         asyncio.run(serve_until_signal(app, sock, args.host))

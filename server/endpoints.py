@@ -11,10 +11,11 @@ response is sent, so admission errors still get their 4xx status even when strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import uuid
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -23,10 +24,10 @@ from infire_jax.engine.detokenizer import TokenText
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs
-from infire_jax.structured.backend import CompiledGrammar
-from infire_jax.structured.tool_grammar import tool_call_constraint
-from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL_MARKER, detect_format
-from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS
+from infire_jax.structured.backend import CompiledGrammar, GrammarCompileError
+from infire_jax.structured.reasoning_parsers import may_reason
+from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, tool_call_constraint
+from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL_MARKER
 from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.loaders.tokenizer import Tokenizer
 from server.auth import TENANT
@@ -52,6 +53,8 @@ class ServedModel:
     max_model_len: int
     # LoRA adapters served over it, by name (server/lora.py); changed on the event loop only.
     adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
+    tool_parser: str = HERMES  # the call format of its outputs (--tool-call-parser, else its chat template's)
+    reasoning_parser: str | None = None  # --reasoning-parser; None: its outputs are all answer
 
 
 @dataclasses.dataclass
@@ -82,7 +85,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_completion(body)
-    m, lora = _model(st, req)
+    m, lora = served_model(st, req)
     prompts = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     if any(not ids for ids in prompts):
         raise bad("the prompt is empty", "prompt")
@@ -100,25 +103,50 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
 
 async def _chat_completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_chat(body)
-    m, lora = _model(st, req)
-    tool_format = detect_format(m.tokenizer.chat_template)
-    try:
-        messages, extra = render_inputs(m.tokenizer.chat_template, req.messages,
-                                        req.tools.tools if req.tools else None)
-        text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-    except InvalidRequestError as e:
-        raise bad(str(e), "messages") from e
-    prompts = [m.tokenizer.encode(text, add_special_tokens=False)]
-    _check_length(m, prompts, "messages")
-    if req.tools is not None:
-        await _force_tool_calls(m, req, tool_format)
+    m, lora = served_model(st, req)
+    prompts = await chat_prompt(m, req, "messages")
 
     def formatter() -> ChatFormatter:
         return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, m.token_text,
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
-                             include_usage=req.include_usage, tool_format=tool_format if req.tools else None)
+                             include_usage=req.include_usage, tool_format=m.tool_parser if req.tools else None,
+                             tools=req.tools.tools if req.tools else None, reasoning_parser=m.reasoning_parser,
+                             chat_template_kwargs=req.chat_template_kwargs)
 
     return await _run(request, kv, m, lora, req, prompts, formatter, "messages")
+
+
+async def chat_prompt(m: ServedModel, req: ChatRequest, param: str) -> list[list[int]]:
+    """The prompt of a chat request (the chat API's and the Responses API's): its messages and tools
+    through the chat template, as token ids; its tools' schemas checked and forced calls constrained.
+    `param`: the field errors in the messages are named after."""
+    try:
+        messages, extra = render_inputs(m.tokenizer.chat_template, req.messages,
+                                        req.tools.tools if req.tools else None)
+        text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **req.chat_template_kwargs,
+                                               **extra)
+    except InvalidRequestError as e:
+        raise bad(str(e), param) from e
+    prompts = [m.tokenizer.encode(text, add_special_tokens=False)]
+    _check_length(m, prompts, param)
+    _check_reasoning(m, req)
+    if req.tools is not None:
+        await _force_tool_calls(m, req, m.tool_parser)
+    return prompts
+
+
+def _check_reasoning(m: ServedModel, req: ChatRequest) -> None:
+    """A constraint on the answer would have to start where the reasoning ends, which the grammar
+    cannot follow yet: refused while the request may think. vLLM's `structured_outputs` is not an
+    answer's constraint here: it constrains the whole output, the reasoning included."""
+    if m.reasoning_parser is None or not may_reason(m.reasoning_parser, req.chat_template_kwargs):
+        return
+    why = (f"with the {m.reasoning_parser} reasoning parser is not supported yet: the constraint would apply "
+           "only after the reasoning ends")
+    if req.response_format is not None:
+        raise bad(f"'response_format' {why}", "response_format")
+    if req.tools is not None and req.tools.forced:
+        raise bad(f"a forced 'tool_choice' {why}; use tool_choice \"auto\"", "tool_choice")
 
 
 async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) -> None:
@@ -145,11 +173,14 @@ async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) 
 
 async def _compile(m: ServedModel, spec: StructuredOutputs) -> CompiledGrammar:
     """On the default executor: a grammar never compiles on the event loop or the engine thread."""
-    return await asyncio.get_running_loop().run_in_executor(None, m.engine.engine.grammars.compile, spec)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, m.engine.engine.grammars.compile, spec)
+    except GrammarCompileError as e:  # a cached failure names the field of the request that first compiled it
+        raise GrammarCompileError(str(e), spec.field_param) from e
 
 
 # ---- shared steps ---------------------------------------------------------------------------------
-def _model(st: ServerState, req: GenerationRequest) -> tuple[ServedModel, str | None]:
+def served_model(st: ServerState, req: GenerationRequest) -> tuple[ServedModel, str | None]:
     """The requested model, if it is served and its engine runs, and the LoRA adapter the name
     selects (None: the model itself)."""
     m, lora = st.models.get(req.model), None
@@ -199,11 +230,11 @@ def _headers(request: web.Request, prompts: list[list[int]]) -> tuple[int, str |
     return hint, session
 
 
-async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: str | None,
-               req: GenerationRequest, prompts: list[list[int]], make_formatter: Callable[[], Formatter],
-               prompt_param: str) -> web.StreamResponse:
-    """Admits the request (with the LoRA adapter `lora`), then answers it whole or as a stream (`kv`:
-    its KV handoff, before and after)."""
+@contextlib.asynccontextmanager
+async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: str | None,
+                   req: GenerationRequest, prompts: list[list[int]], prompt_param: str) -> AsyncIterator[RequestStream]:
+    """The request's stream once the engine admitted it (with the LoRA adapter `lora`; `kv`: its KV
+    handoff before it runs). Leaving the block early (a disconnect cancels the handler) aborts it."""
     hint, session = _headers(request, prompts)
     tenant = request.get(TENANT)
     await kv.before(req.kv_transfer, prompts, tenant, stream=req.stream, lora_name=lora)
@@ -213,13 +244,21 @@ async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: s
                                 tenant=tenant, prefix_hint_tokens=hint, session_id=session, grammar=grammar,
                                 lora_request=lora)
     try:
-        async with stream:  # admits the request; leaving early (a disconnect) aborts it
-            usage = Usage([len(p) for p in prompts])
-            if req.stream:
-                return await _stream(request, req, stream, make_formatter(), usage, len(prompts))
-            choices = await _collect(req, stream, usage, len(prompts))
+        async with stream:
+            yield stream
     except InvalidRequestError as e:  # the engine's admission checks; name the field the client sent
         raise bad(str(e), {"prompt": prompt_param, "prompt_logprobs": "logprobs"}.get(e.param, e.param)) from e
+
+
+async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: str | None,
+               req: GenerationRequest, prompts: list[list[int]], make_formatter: Callable[[], Formatter],
+               prompt_param: str) -> web.StreamResponse:
+    """Admits the request, then answers it whole or as a stream (`kv`: its KV handoff, before and after)."""
+    async with admitted(request, kv, m, lora, req, prompts, prompt_param) as stream:
+        usage = Usage([len(p) for p in prompts])
+        if req.stream:
+            return await _stream(request, req, stream, make_formatter(), usage, len(prompts))
+        choices = await _collect(req, stream, usage, len(prompts))
     return await kv.answer(make_formatter().response(choices, usage), choices[0])
 
 

@@ -34,8 +34,10 @@ _COMMON = frozenset({
 })
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
-                   "tool_choice", "parallel_tool_calls", "store"}
+                   "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# Arguments the server gives the chat template itself: chat_template_kwargs may not replace them.
+_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def bad(message: str, param: str | None = None) -> APIError:
@@ -65,9 +67,11 @@ class ChatRequest(GenerationRequest):
     messages: list[dict]
     top_logprobs: int | None  # None: no logprobs
     tools: structured.ToolRequest | None  # None: no tool may be called
+    response_format: StructuredOutputs | None  # the constraint response_format puts on the answer
+    chat_template_kwargs: dict[str, Any]  # to the chat template and the reasoning parser
 
 
-class _Body:
+class Body:
     """Typed, range-checked access to the fields of a JSON object. A null field is an absent one."""
 
     def __init__(self, data: Any, allowed: frozenset[str]):
@@ -84,7 +88,7 @@ class _Body:
     def _typed(self, name: str, ok: Callable[[Any], bool], kind: str) -> Any:
         v = self.data.get(name)
         if v is not None and not ok(v):
-            raise bad(f"Invalid type for '{name}': expected {kind}, but got {_json_type(v)} instead.", name)
+            raise bad(f"Invalid type for '{name}': expected {kind}, but got {json_type(v)} instead.", name)
         return v
 
     def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
@@ -119,7 +123,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _json_type(v: Any) -> str:
+def json_type(v: Any) -> str:
     for t, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
                     (list, "an array"), (dict, "an object")):
         if isinstance(v, t):
@@ -134,7 +138,7 @@ def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> Non
         raise bad(f"Invalid '{name}': expected a value <= {hi}, but got {v} instead.", name)
 
 
-def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
             constraint: StructuredOutputs | None = None) -> GenerationRequest:
     """Fields both endpoints share, and the SamplingParams they define."""
     model = b.string("model")
@@ -145,7 +149,7 @@ def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None, prompt_lo
     if b.present("stream_options"):
         if not stream:
             raise bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
-        include_usage = _Body(b.data["stream_options"], frozenset({"include_usage"})).boolean("include_usage", False)
+        include_usage = Body(b.data["stream_options"], frozenset({"include_usage"})).boolean("include_usage", False)
     b.neutral("logit_bias", lambda v: v == {}, "logit bias is not implemented")
     b.string("user")
     stop = b.data.get("stop")
@@ -154,7 +158,7 @@ def _common(b: _Body, *, max_tokens: int | None, logprobs: int | None, prompt_lo
             if len(stop) > _MAX_STOP or not all(isinstance(s, str) for s in stop):
                 raise bad(f"'stop' must be a string or an array of at most {_MAX_STOP} strings", "stop")
         elif not isinstance(stop, str):
-            raise bad(f"Invalid type for 'stop': expected a string or an array, but got {_json_type(stop)} "
+            raise bad(f"Invalid type for 'stop': expected a string or an array, but got {json_type(stop)} "
                       "instead.", "stop")
     stop_token_ids = b.data.get("stop_token_ids")
     if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(
@@ -197,7 +201,7 @@ def _transfer_params(raw: Any) -> dict | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise bad(f"Invalid type for 'kv_transfer_params': expected an object, but got {_json_type(raw)} instead.",
+        raise bad(f"Invalid type for 'kv_transfer_params': expected an object, but got {json_type(raw)} instead.",
                   "kv_transfer_params")
     for flag in ("do_remote_decode", "do_remote_prefill"):
         if raw.get(flag) is not None and not isinstance(raw[flag], bool):
@@ -209,7 +213,7 @@ def _transfer_params(raw: Any) -> dict | None:
 
 
 def parse_completion(data: Any) -> CompletionRequest:
-    b = _Body(data, _COMPLETION)
+    b = Body(data, _COMPLETION)
     if not b.present("prompt"):
         raise bad("you must provide a prompt parameter", "prompt")
     prompts = _prompts(b.data["prompt"])
@@ -243,7 +247,7 @@ def _prompts(raw: Any) -> list[str | list[int]]:
 
 
 def parse_chat(data: Any) -> ChatRequest:
-    b = _Body(data, _CHAT)
+    b = Body(data, _CHAT)
     if not b.present("messages"):
         raise bad("you must provide a messages parameter", "messages")
     messages = _messages(b.data["messages"])
@@ -262,7 +266,23 @@ def parse_chat(data: Any) -> ChatRequest:
     if tools is not None and tools.forced and common.params.structured_outputs is not None:
         raise bad("a forced 'tool_choice' cannot be combined with 'response_format' or 'structured_outputs'",
                   "tool_choice")
-    return ChatRequest(**vars(common), messages=messages, top_logprobs=top, tools=tools)
+    return ChatRequest(**vars(common), messages=messages, top_logprobs=top, tools=tools, response_format=fmt,
+                       chat_template_kwargs=_template_kwargs(b.data.get("chat_template_kwargs")))
+
+
+def _template_kwargs(raw: Any) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`: extra variables of the template (Qwen3's `enable_thinking`,
+    DeepSeek V3.1's `thinking`), which the reasoning parser reads too."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad(f"Invalid type for 'chat_template_kwargs': expected an object, but got {json_type(raw)} instead.",
+                  "chat_template_kwargs")
+    taken = sorted(_TEMPLATE_ARGS.intersection(raw))
+    if taken:
+        raise bad(f"'chat_template_kwargs.{taken[0]}' is set by the server; give it in its own field",
+                  f"chat_template_kwargs.{taken[0]}")
+    return raw
 
 
 def _messages(raw: Any) -> list[dict]:
@@ -274,8 +294,8 @@ def _messages(raw: Any) -> list[dict]:
     for i, m in enumerate(raw):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise bad(f"Invalid type for '{p}': expected an object, but got {_json_type(m)} instead.", p)
-        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
+            raise bad(f"Invalid type for '{p}': expected an object, but got {json_type(m)} instead.", p)
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", *_REASONING_FIELDS})
         if extra:
             raise bad(f"Unrecognized or unsupported message field: {p}.{extra[0]}", f"{p}.{extra[0]}")
         role = m.get("role")
@@ -284,7 +304,7 @@ def _messages(raw: Any) -> list[dict]:
         calls = structured.tool_message(m, p)
         content = None if calls.get("tool_calls") and m.get("content") is None else \
             _content(m.get("content"), f"{p}.content")
-        msg = {"role": _ROLES[role], "content": content} | calls
+        msg = {"role": _ROLES[role], "content": content} | calls | _reasoning(m, p)
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -292,6 +312,23 @@ def _messages(raw: Any) -> list[dict]:
             msg["name"] = name
         out.append(msg)
     return out
+
+
+# An earlier turn's reasoning: vLLM's names, old and new.
+_REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _reasoning(m: dict, p: str) -> dict[str, str]:
+    """An assistant message's reasoning, as `reasoning_content` (the name templates such as Qwen3's
+    read; those that do not ignore it)."""
+    for name in _REASONING_FIELDS:
+        v = m.get(name)
+        if v is not None:
+            if not isinstance(v, str):
+                raise bad(f"Invalid type for '{p}.{name}': expected a string, but got {json_type(v)} instead.",
+                          f"{p}.{name}")
+            return {"reasoning_content": v}
+    return {}
 
 
 # Content parts that carry an image (OpenAI's chat `image_url`, the Responses API's `input_image`).
@@ -314,4 +351,4 @@ def _content(content: Any, p: str) -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise bad(f"Invalid type for '{p}': expected a string or an array of text parts, but got "
-              f"{_json_type(content)} instead.", p)
+              f"{json_type(content)} instead.", p)

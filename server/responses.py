@@ -189,12 +189,16 @@ class ChatFormatter(Formatter):
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args, top_logprobs: int, tool_format: str | None = None, **kwargs):
-        """`tool_format`: the model's tool-call format when the request offers tools (tool_calls.py)."""
+    def __init__(self, *args, top_logprobs: int, tool_format: str | None = None,
+                 tools: list[dict[str, Any]] | None = None, reasoning_parser: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None, **kwargs):
+        """`tool_format`: the model's tool-call format when the request offers `tools`;
+        `reasoning_parser`: the server's, if any (tool_calls.py)."""
         super().__init__(*args, **kwargs)
         self._top = top_logprobs
-        self._tool_format = tool_format
-        self._tool_deltas = tool_calls.StreamedToolCalls(tool_format) if tool_format else None
+        self._parser_args = (tool_format, tools, reasoning_parser, chat_template_kwargs)
+        self._parses = tool_format is not None or reasoning_parser is not None
+        self._parsers: dict[int, tool_calls.ChoiceParser] = {}  # per streamed choice
 
     def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -213,8 +217,9 @@ class ChatFormatter(Formatter):
     def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
         lp = self._logprobs(d.token_ids, d.logprobs) if self.want_logprobs and d.logprobs else None
         delta, reason = {"content": d.text} if d.text else {}, d.finish_reason
-        if self._tool_deltas is not None:
-            delta, reason = self._tool_deltas.delta(index, d.text, d.finished, d.finish_reason)
+        if self._parses:
+            parser = self._parsers.setdefault(index, tool_calls.ChoiceParser(*self._parser_args))
+            delta, reason = tool_calls.delta(parser, d.text, d.finished, d.finish_reason)
         if not delta and lp is None and not d.finished:
             return None
         return self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason,
@@ -223,7 +228,8 @@ class ChatFormatter(Formatter):
     def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
         lp = self._logprobs(c.token_ids, c.logprobs) if self.want_logprobs else None
         msg, reason = {"role": "assistant", "content": "".join(c.text)}, c.finish_reason
-        if self._tool_format is not None:
-            msg, reason = tool_calls.message(self._tool_format, "".join(c.text), c.finish_reason)
+        if self._parses:
+            msg, reason = tool_calls.message(tool_calls.ChoiceParser(*self._parser_args), "".join(c.text),
+                                             c.finish_reason, with_reasoning=self._parser_args[2] is not None)
         return {"index": index, "message": msg, "logprobs": lp, "finish_reason": reason,
                 "stop_reason": c.stop_reason}

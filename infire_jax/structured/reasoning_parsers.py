@@ -53,6 +53,16 @@ REASONING_PARSERS: dict[str, Callable[[dict[str, Any]], _Syntax | None]] = {
 _HEAD, _REASONING, _CONTENT = "head", "reasoning", "content"
 
 
+def may_reason(parser: str, chat_template_kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether an output may hold reasoning under `parser` with these template arguments: not with
+    Qwen3's `enable_thinking` false, nor DeepSeek V3.1's without `thinking`. A server uses it to tell
+    the requests whose whole output is the answer (a constraint on the answer then applies from the
+    first token)."""
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
+    return REASONING_PARSERS[parser](chat_template_kwargs or {}) is not None
+
+
 class ReasoningStream:
     """Splits one choice's output into reasoning and content, delta by delta."""
 
