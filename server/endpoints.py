@@ -26,8 +26,8 @@ from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs
 from infire_jax.structured.backend import CompiledGrammar, GrammarCompileError
 from infire_jax.structured.reasoning_parsers import may_reason
-from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, tool_call_constraint
-from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL_MARKER
+from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, MARKERS, tool_call_constraint
+from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON
 from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.loaders.tokenizer import Tokenizer
 from server.auth import TENANT
@@ -167,7 +167,7 @@ async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) 
     if req.tools.forced:
         changes["structured_outputs"] = tool_call_constraint(
             tool_format, req.tools.forced_functions(), parallel=req.tools.forced_many,
-            special_token_id=m.tokenizer.token_to_id(MISTRAL_MARKER))
+            special_token_ids={mark: m.tokenizer.token_to_id(mark) for mark in MARKERS.get(tool_format, ())})
     req.params = dataclasses.replace(req.params, **changes)
 
 

@@ -148,6 +148,43 @@ class TestReasoning:
         assert events[-1].response.output[0].content[0].text == text
 
 
+@pytest.fixture(scope="class", params=["kimi_k2", "deepseek_v3", "deepseek_v31"])
+def format_url(request, smol_llm):
+    """The engine served with another model family's tool-call format (--tool-call-parser), until the class ends."""
+    from server.app import build_app
+
+    servers = AppThread()
+    try:
+        servers.run(servers.serve(build_app(smol_llm.engine, tool_call_parser=request.param)))
+        yield request.param, servers.urls[0]
+    finally:
+        servers.close()
+
+
+class TestForcedCallsInSpecialTokenFormats:
+
+    def test_required_and_named_calls_are_written_and_read_in_the_format(self, format_url):
+        """A forced tool_choice writes the call in the served format's own markers (text here: SmolLM2's
+        tokenizer has no such special tokens) through the grammar, and the format's parser reads it back
+        as an OpenAI tool call whose arguments fit the schema; Kimi's call id is its functions.NAME:IDX."""
+        fmt, url = format_url
+        client = client_of(url)
+        fn = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            # One call (greedy SmolLM2 would repeat calls while the grammar lets it, to the token limit).
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[fn],
+                                               tool_choice=choice, max_tokens=200, temperature=0,
+                                               parallel_tool_calls=False)
+            calls = r.choices[0].message.tool_calls
+            assert calls and r.choices[0].finish_reason == "tool_calls", (fmt, r.choices[0].message.content)
+            (call,) = calls
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
+            if fmt == "kimi_k2":
+                assert re.fullmatch(r"functions\.get_weather:\d{1,2}", call.id), call.id
+            assert not r.choices[0].message.content
+
+
 def test_serve_flags_are_checked_before_loading(tmp_path, capsys):
     from infire_jax.cli import main
 

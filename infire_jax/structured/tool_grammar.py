@@ -1,7 +1,9 @@
 """A grammar that forces tool calls: `tool_choice` "required" or a named function, in the model's format.
 
-Each call is one JSON object whose `name` is a constant and whose arguments follow that tool's
-parameter schema, so a forced call is well formed and its arguments validate, whatever the model.
+Each call names one of the functions and its arguments follow that tool's parameter schema (a JSON
+object with `name` a constant; in Kimi's and DeepSeek's formats the name between their markers and the
+arguments' object after them), so a forced call is well formed and its arguments validate, whatever
+the model. Markers that are special tokens of the tokenizer are written as those tokens.
 """
 
 from __future__ import annotations
@@ -10,14 +12,25 @@ import json
 from typing import Any
 
 from infire_jax.structured.spec import StructuredOutputs
-from infire_jax.structured.tool_parsers import HERMES, HERMES_CLOSE, HERMES_OPEN, LLAMA3_JSON, MISTRAL, MISTRAL_MARKER
+from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END,
+                                                               DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_SEP,
+                                                               KIMI_ARGS_BEGIN, KIMI_CALL_BEGIN, KIMI_CALL_END,
+                                                               KIMI_SECTION_BEGIN, KIMI_SECTION_END)
+from infire_jax.structured.tool_parsers import (DEEPSEEK_V3, DEEPSEEK_V31, HERMES, HERMES_CLOSE, HERMES_OPEN, KIMI_K2,
+                                                LLAMA3_JSON, MISTRAL, MISTRAL_MARKER)
 
 # The same JSON layout as response_format's (backend._JSON_OPTIONS), given inside each schema.
 _X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 NEWLINE = "\n"
-# The formats a forced call is written in (the others' grammars are not written yet).
-FORCEABLE_FORMATS = (HERMES, LLAMA3_JSON, MISTRAL)
+# The formats a forced call is written in (pythonic and qwen3_coder arguments are not JSON: their
+# grammars are not written yet).
+FORCEABLE_FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31)
+# Each format's markers, for the caller to look up as special tokens (`special_token_ids`).
+MARKERS = {MISTRAL: (MISTRAL_MARKER,), KIMI_K2: (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN,
+                                                 KIMI_ARGS_BEGIN, KIMI_CALL_END),
+           DEEPSEEK_V3: (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)}
+MARKERS[DEEPSEEK_V31] = MARKERS[DEEPSEEK_V3]
 
 
 def _call_schema(fmt: str, function: dict[str, Any]) -> dict[str, Any]:
@@ -37,20 +50,53 @@ def _more(separator: str) -> str:
 
 
 def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel: bool,
-                         special_token_id: int | None = None) -> StructuredOutputs:
+                         special_token_ids: dict[str, int | None] | None = None) -> StructuredOutputs:
     """Calls to the given functions only (one, or one or more when `parallel`), in format `fmt`.
 
-    `special_token_id`: Mistral's `[TOOL_CALLS]` when the tokenizer has it as one token."""
+    `special_token_ids`: the format's markers (`MARKERS`) that the tokenizer has as one token each."""
     if fmt not in FORCEABLE_FORMATS:
         raise ValueError(f"no forced-call grammar for the {fmt} format; forced calls exist for {FORCEABLE_FORMATS}")
-    one = {"anyOf": [_call_schema(fmt, f) for f in functions]} if len(functions) > 1 else _call_schema(fmt, functions[0])
+    ids = special_token_ids or {}
+
+    def mark(text: str) -> str:
+        return f"<[{ids[text]}]>" if ids.get(text) is not None else json.dumps(text, ensure_ascii=False)
+
+    if fmt in (KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31):
+        return _section_constraint(fmt, functions, parallel, mark)
+    one = {"anyOf": [_call_schema(fmt, f) for f in functions]} if len(functions) > 1 \
+        else _call_schema(fmt, functions[0])
     if fmt == HERMES:
         call = f"{json.dumps(HERMES_OPEN + NEWLINE)} {_json(one)} {json.dumps(NEWLINE + HERMES_CLOSE)}"
         rules = f"start: call{_more(NEWLINE) if parallel else ''}\ncall: {call}\n"
     elif fmt == LLAMA3_JSON:
         rules = f"start: call{_more('; ') if parallel else ''}\ncall: {_json(one)}\n"
     else:  # MISTRAL
-        marker = f"<[{special_token_id}]>" if special_token_id is not None else json.dumps(MISTRAL_MARKER)
         array = {"type": "array", "items": one, "minItems": 1} | ({} if parallel else {"maxItems": 1})
-        rules = f"start: {marker} {_json(array)}\n"
+        rules = f"start: {mark(MISTRAL_MARKER)} {_json(array)}\n"
+    return StructuredOutputs(grammar=rules, param="tool_choice")
+
+
+def _section_constraint(fmt: str, functions: list[dict[str, Any]], parallel: bool, mark) -> StructuredOutputs:
+    """Kimi K2's and DeepSeek V3 / V3.1's calls: a section of call blocks, each the function's name
+    between markers and its arguments' JSON object (fenced as ```json for V3)."""
+    def args(f: dict[str, Any]) -> str:
+        return _json((f.get("parameters") or EMPTY_PARAMETERS) | {"type": "object"})
+
+    calls = []
+    for i, f in enumerate(functions):
+        name = f["name"]
+        if fmt == KIMI_K2:  # the id functions.NAME:IDX; IDX counts the calls (two digits: a bound, not a count)
+            head = f"{json.dumps(f'functions.{name}:')} /[0-9]{{1,2}}/ {mark(KIMI_ARGS_BEGIN)}"
+            body = f"{mark(KIMI_CALL_BEGIN)} {head} {args(f)} {mark(KIMI_CALL_END)}"
+        elif fmt == DEEPSEEK_V3:
+            fence = json.dumps(f"{name}\n```json\n")
+            body = (f"{mark(DEEPSEEK_CALL_BEGIN)} \"function\" {mark(DEEPSEEK_SEP)} {fence} {args(f)} "
+                    f"{json.dumps(chr(10) + '```')} {mark(DEEPSEEK_CALL_END)}")
+        else:
+            body = f"{mark(DEEPSEEK_CALL_BEGIN)} {json.dumps(name)} {mark(DEEPSEEK_SEP)} {args(f)} {mark(DEEPSEEK_CALL_END)}"
+        calls.append(f"call{i}: {body}")
+    kimi = fmt == KIMI_K2
+    begin, end = (KIMI_SECTION_BEGIN, KIMI_SECTION_END) if kimi else (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END)
+    rules = (f"start: {mark(begin)} call{'+' if parallel else ''} {mark(end)}\n"
+             f"call: {' | '.join(f'call{i}' for i in range(len(functions)))}\n" + "\n".join(calls) + "\n")
     return StructuredOutputs(grammar=rules, param="tool_choice")
