@@ -27,10 +27,9 @@ NEWLINE = "\n"
 # grammars are not written yet).
 FORCEABLE_FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31)
 # Each format's markers, for the caller to look up as special tokens (`special_token_ids`).
-MARKERS = {MISTRAL: (MISTRAL_MARKER,), KIMI_K2: (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN,
-                                                 KIMI_ARGS_BEGIN, KIMI_CALL_END),
-           DEEPSEEK_V3: (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)}
-MARKERS[DEEPSEEK_V31] = MARKERS[DEEPSEEK_V3]
+_DEEPSEEK_MARKERS = (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
+MARKERS = {MISTRAL: (MISTRAL_MARKER,), DEEPSEEK_V3: _DEEPSEEK_MARKERS, DEEPSEEK_V31: _DEEPSEEK_MARKERS,
+           KIMI_K2: (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGS_BEGIN, KIMI_CALL_END)}
 
 
 def _call_schema(fmt: str, function: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +92,8 @@ def _section_constraint(fmt: str, functions: list[dict[str, Any]], parallel: boo
             body = (f"{mark(DEEPSEEK_CALL_BEGIN)} \"function\" {mark(DEEPSEEK_SEP)} {fence} {args(f)} "
                     f"{json.dumps(chr(10) + '```')} {mark(DEEPSEEK_CALL_END)}")
         else:
-            body = f"{mark(DEEPSEEK_CALL_BEGIN)} {json.dumps(name)} {mark(DEEPSEEK_SEP)} {args(f)} {mark(DEEPSEEK_CALL_END)}"
+            body = (f"{mark(DEEPSEEK_CALL_BEGIN)} {json.dumps(name)} {mark(DEEPSEEK_SEP)} {args(f)} "
+                    f"{mark(DEEPSEEK_CALL_END)}")
         calls.append(f"call{i}: {body}")
     kimi = fmt == KIMI_K2
     begin, end = (KIMI_SECTION_BEGIN, KIMI_SECTION_END) if kimi else (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END)
