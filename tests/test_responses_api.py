@@ -411,3 +411,28 @@ def test_disconnect_mid_stream_aborts_and_stores_nothing(smol_server):
     status, err = post(smol_server, "/v1/responses", {"model": MODEL, "input": "Hi",
                                                       "previous_response_id": response_id})
     assert status == 404, err
+
+
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(smol_server):
+    """The OpenAI Agents SDK (`openai-agents`) runs a one-tool agent against /v1/responses, as agent
+    runtimes do by default: the model must call the tool (tool_choice "required"; the SDK then lets it
+    answer), the tool is called with arguments that fit its schema, and a final text comes back."""
+    import agents
+
+    agents.set_tracing_disabled(True)
+    cities = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        cities.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=smol_server + "/v1", api_key="none", max_retries=0))
+    agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                         model=model, model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                                                          max_tokens=100))
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert cities and all(isinstance(c, str) and c for c in cities)
+    assert isinstance(result.final_output, str) and result.final_output.strip()
