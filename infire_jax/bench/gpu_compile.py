@@ -97,7 +97,8 @@ def run(args: argparse.Namespace):
         raise BenchError(f"no program of this engine starts with {args.programs}")
     plan = engine.settings.plan
     payload = dict(benchmark="gpu-compile", settings=settings(args), target=target.name,
-                   device_kind=target.device_kind, devices=args.devices, on_the_gpu=args.here, mesh=plan.mesh_config.name if plan else None,
+                   device_kind=target.device_kind, devices=args.devices, on_the_gpu=args.here,
+                   mesh=plan.mesh_config.name if plan else None,
                    card_bytes=target.memory_bytes, jax=jax.__version__, weight_bytes_per_device=weight_bytes,
                    kv_cache_bytes_per_device=engine.kv_pool_bytes_per_device(),
                    num_kv_pages=engine.settings.runner_config.num_pages, results=rows)

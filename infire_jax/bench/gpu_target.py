@@ -87,8 +87,8 @@ def devices(t: Target, count: int = 1, here: bool = False) -> list:
         topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
                                             target_config=t.config_text())
     except (NotImplementedError, RuntimeError, ValueError) as e:
-        raise ConfigError(f"no CUDA compiler here ({type(e).__name__}: {e}); install the dev extra "
-                          "(jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12) and set JAX_PLATFORMS=cpu") from e
+        raise ConfigError(f"no CUDA compiler here ({type(e).__name__}: {e}); install the dev extra (jax-cuda12-"
+                          "plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12) and set JAX_PLATFORMS=cpu") from e
     return list(topo.devices)
 
 
