@@ -77,8 +77,7 @@ def run(args: argparse.Namespace):
         for p in engine.programs(dump_root, tuple(args.programs)):
             st = program_stats.read_dump(p.dump_dir, shapes, layers)
             m = p.compiled.memory_analysis()  # one device's share of the program
-            peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                    + m.temp_size_in_bytes)
+            peak = gpu_target.peak_bytes(p.compiled)
             rows.append(dict(
                 program=p.name, steps=p.steps, launches_per_step=st.launches / p.steps,
                 launches_per_layer=st.launches_per_layer, loops_in_layer=st.loops_in_layer,

@@ -110,6 +110,13 @@ def _placed(tree, default, keep: bool = True):
     return jax.tree.map(one, tree)
 
 
+def peak_bytes(compiled: jax.stages.Compiled) -> int:
+    """A compiled program's peak on one device, from XLA's memory analysis: arguments and outputs
+    (donated ones once) and temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
 @dataclasses.dataclass
 class CompiledProgram:
     name: str  # e.g. "burst-greedy 64 tokens"
