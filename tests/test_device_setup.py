@@ -122,6 +122,22 @@ def test_engine_sizes_its_pool_from_a_stated_device_memory(monkeypatch):
     assert out[0].text.startswith(" Paris")
 
 
+def test_cpu_devices_split_the_default_budget():
+    """Without a device memory figure (CPU) the default 1 GiB is the host's: 8 virtual devices share it,
+    each taking an eighth, as the tiny 8-device engines of the mesh tests did not (8 GiB for 2 layers).
+    Budgets a user states stay per device, as vLLM's --kv-cache-memory is."""
+    from infire_jax.runner.kv_pool import PoolPlanner
+
+    def planner(devices, kv_cache_memory=None):
+        return PoolPlanner(page_bytes=1 << 16, page_size=16, max_model_len=256, num_kv_pages=None,
+                           kv_cache_memory=kv_cache_memory, gpu_memory_utilization=0.9, devices=devices)
+
+    one, eight = planner(1).fixed(), planner(8).fixed()
+    assert one.num_pages == GIB >> 16 and eight.num_pages == GIB >> 19
+    assert eight.num_pages * eight.page_bytes * 8 <= GIB
+    assert planner(8, kv_cache_memory=GIB).fixed().num_pages == GIB >> 16
+
+
 @pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
 def test_engine_refuses_a_bad_gpu_memory_utilization_before_loading(value):
     from infire_jax import Engine, EngineConfig

@@ -185,7 +185,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
         PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
                                   extra_page_bytes(spec_config, eagle_head, ec.page_size, dtype), kv_groups),
         ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization,
-        kv_groups, budget)
+        kv_groups, budget, plan.mesh_config.num_devices if plan else 1)
     sizing = pool.fixed()
     rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else pool.min_pages,
                       max_model_len=max_model_len, max_num_seqs=ec.max_num_seqs,

@@ -111,6 +111,7 @@ class PoolPlanner:
     gpu_memory_utilization: float
     kv_groups: KVGroupLayout | None = None  # a hybrid cache's groups (None: one group, every page kept)
     step_tokens: int = 0  # the most tokens of one step (a bounded group's pages grow with it)
+    devices: int = 1  # the devices the pool is placed on (they split the default budget)
 
     @staticmethod
     def page_bytes_of(cfg: ModelConfig, plan: Any, page_size: int, dtype, extra_bytes: int,
@@ -145,9 +146,13 @@ class PoolPlanner:
         (it then fills the device: `from_device_memory`)."""
         if self.num_kv_pages:
             sizing = PoolSizing(self.num_kv_pages, self.page_bytes, "num_kv_pages")
-        elif self.kv_cache_memory is not None or device_memory() is None:
-            source = "kv_cache_memory" if self.kv_cache_memory is not None else "default budget, no device memory figure"
-            sizing = size_from_budget(self.kv_cache_memory or int(_GIB), self.page_bytes, source)
+        elif self.kv_cache_memory is not None:
+            sizing = size_from_budget(self.kv_cache_memory, self.page_bytes, "kv_cache_memory")
+        elif device_memory() is None:
+            # No device memory figure (CPU): its devices are one host's memory, so the default 1 GiB is the
+            # whole pool's, not each device's (8 virtual devices took 8 GiB for a 2-layer model).
+            sizing = size_from_budget(int(_GIB) // self.devices, self.page_bytes,
+                                      "default budget, no device memory figure")
         else:
             return None
         if sizing.num_pages < self.min_pages:
