@@ -40,7 +40,11 @@ fi
 # installs (bench gpu-compile's compiler) does not try, and fail, to start a GPU backend.
 command -v nvidia-smi >/dev/null 2>&1 || export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 case "$cmd" in
-  test) exec "$venv/bin/python" -m pytest "$@" ;;
+  # The whole suite runs on INFIRE_TEST_WORKERS pytest-xdist workers (2: CI's cores), a test file to a
+  # worker, so that one worker compiles while the other runs; with arguments, pytest runs as given.
+  test) workers=${INFIRE_TEST_WORKERS:-2}
+        if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadfile; fi
+        exec "$venv/bin/python" -m pytest "$@" ;;
   bench) exec "$venv/bin/python" -m infire_jax.bench "$@" ;;
   *) exec "$venv/bin/infire-jax" "$cmd" "$@" ;;
 esac

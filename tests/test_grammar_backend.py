@@ -81,7 +81,8 @@ def test_a_slow_compile_is_bounded_and_the_backend_keeps_working(tokenizer):
     start = time.monotonic()
     with pytest.raises(GrammarCompileError, match="did not compile within 0.2 s") as e:
         slow.compile(StructuredOutputs(json=big, param="response_format.json_schema.schema"))
-    assert time.monotonic() - start < 1.0 and e.value.param == "response_format.json_schema.schema"
+    # bounded: well before the compile would end (1.14 s was seen on a loaded machine, two test workers)
+    assert time.monotonic() - start < 1.5 and e.value.param == "response_format.json_schema.schema"
     assert slow.compile(StructuredOutputs(choice=["yes", "no"])) is not None  # the second thread serves it
     slow.close()
 
