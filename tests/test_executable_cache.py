@@ -96,11 +96,14 @@ def test_size_bound_drops_the_oldest(tmp_path):
     assert os.listdir(tmp_path) == [os.path.basename(bounded.path("new", args))]
 
 
-def test_engine_warm_start_loads_every_step_program(smol_llm):
-    """A second engine of the same settings deserializes all its programs (the session engine, or
-    an earlier run, wrote them) and generates exactly what the first one does."""
+def test_engine_warm_start_loads_every_step_program():
+    """A second engine of the same settings deserializes all its programs and generates exactly what
+    the first one does. The first is built here, so that the cache holds its programs whatever ran
+    before in this process (the session engine may have been built under another test's environment,
+    which keys its programs apart, or its entries may have aged out of the bounded cache)."""
     from infire_jax import LLM
 
+    first = LLM(**SMALL_ENGINE)
     llm = LLM(**SMALL_ENGINE)
     runner = llm.engine.runner
     steps = runner.steps
@@ -110,14 +113,14 @@ def test_engine_warm_start_loads_every_step_program(smol_llm):
     assert len(steps.compiled_bursts) == len(runner.rc.buckets.decode_shapes) == 2
     assert steps.executables.compiled == 0 and runner.executables_loaded == programs
     assert llm.engine.boot.compiled == 0
-    # prompts no other test sends: a prefix-cache hit in the session engine would change its float sums
     prompts = ["Warm start check: the capital of France is", "Warm start check: a haiku about the sea."]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
-    for ours, theirs in zip(llm.generate(prompts, params), smol_llm.generate(prompts, params)):
+    for ours, theirs in zip(llm.generate(prompts, params), first.generate(prompts, params)):
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
         for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-6 for t in a)
     llm.engine.close()
+    first.engine.close()
 
 
 def _boot(cache: str, **env: str) -> dict:
