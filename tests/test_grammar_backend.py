@@ -22,13 +22,11 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from gguf import GGUFReader
-
-    from infire_jax.loaders.gguf import read_metadata
+    from infire_jax.loaders.gguf import PlainGGUFReader, read_metadata
     from infire_jax.loaders.paths import default_model_path
     from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 
-    return tokenizer_from_gguf(read_metadata(GGUFReader(default_model_path())))
+    return tokenizer_from_gguf(read_metadata(PlainGGUFReader(default_model_path())))
 
 
 @pytest.fixture(scope="module")

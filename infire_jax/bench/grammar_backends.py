@@ -58,13 +58,11 @@ def _xgrammar(tokenizer, vocab: int, eos: int):
 
 
 def main(backend: str) -> None:
-    from gguf import GGUFReader
-
-    from infire_jax.loaders.gguf import read_metadata
+    from infire_jax.loaders.gguf import PlainGGUFReader, read_metadata
     from infire_jax.loaders.paths import default_model_path
     from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 
-    meta = read_metadata(GGUFReader(default_model_path()))
+    meta = read_metadata(PlainGGUFReader(default_model_path()))
     tokenizer, vocab = tokenizer_from_gguf(meta), len(meta["tokenizer.ggml.tokens"])
     eos = int(meta["tokenizer.ggml.eos_token_id"])
     start = {"llguidance": _llguidance, "xgrammar": _xgrammar}[backend](tokenizer, vocab, eos)

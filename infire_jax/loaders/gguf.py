@@ -37,6 +37,21 @@ _LAYER_MAP = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
+class PlainGGUFReader(GGUFReader):
+    """gguf's reader, slicing a plain ndarray view of its memory map. The reader slices the file once
+    per metadata value (about 250,000 times for SmolLM2's tokenizer), and each slice of a numpy
+    `memmap` runs Python code (`memmap.__array_finalize__`): the plain view read SmolLM2's header in
+    2.8 s instead of 9 s, and dequantizes its tensors twice as fast, from the same mapped pages."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain = mapped.view(np.ndarray)
+
+
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     meta = {}
     for key, field in reader.fields.items():
@@ -67,12 +82,12 @@ def _config(meta: dict[str, Any], raw: dict) -> ModelConfig:
 
 def read_gguf_config(path: str) -> ModelConfig:
     """The model config alone: metadata and tensor names, no tensor data."""
-    reader = GGUFReader(path)
+    reader = PlainGGUFReader(path)
     return _config(read_metadata(reader), {t.name: t for t in reader.tensors})
 
 
 def load_gguf(path: str) -> LoadedModel:
-    reader = GGUFReader(path)
+    reader = PlainGGUFReader(path)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
     raw = {t.name: t for t in reader.tensors}

@@ -21,12 +21,12 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
-from infire_jax.loaders.gguf import _BLOCK, _LAYER_MAP, _PERMUTED_QK, _config, read_metadata, unpermute_qk
+from infire_jax.loaders.gguf import (_BLOCK, _LAYER_MAP, _PERMUTED_QK, PlainGGUFReader, _config, read_metadata,
+                                     unpermute_qk)
 from infire_jax.loaders.llama_quant import check_mesh
 from infire_jax.loaders.paths import DEFAULT_MODEL_NAME, default_model_path
 from infire_jax.loaders.weights import LoadedModel, Placed, from_hf_layout, stack_layers
@@ -59,7 +59,7 @@ def _kept_types(raw: dict, cfg: ModelConfig) -> dict[str, str]:
 
 def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
     """The model with its kept weights as parts ("layers.wqkv.q4_1", ...) and their layouts."""
-    reader = GGUFReader(path)
+    reader = PlainGGUFReader(path)
     meta = read_metadata(reader)
     raw = {t.name: t for t in reader.tensors}
     cfg = _config(meta, raw)
