@@ -53,6 +53,18 @@ SMALL_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, 
                     token_buckets=(4, 8, 64), num_kv_pages=512)
 
 
+def engine_flags(**overrides) -> list[str]:
+    """`infire-jax serve` flags of SMALL_ENGINE (with `overrides`), for the tests' server subprocesses.
+    An engine of the same settings compiles the same programs: a server started with these loads them
+    from the executable cache that `smol_llm` (or an earlier server) filled, in seconds, instead of
+    compiling them again (15 programs; the CLI's default buckets make 27)."""
+    flags = []
+    for name, value in {**SMALL_ENGINE, **overrides}.items():
+        if name != "dtype":  # ServerProcess passes --dtype float32
+            flags += [f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, tuple) else (value,))]
+    return flags
+
+
 # CI's machine has 24 GiB: the aim is a test process under half of it, so that two workers would fit.
 # The run prints its peak at its end, and says when it passed the aim. Not yet a failure: a cold run
 # peaked at 16.0 GiB (at test_speculative, memory growing over the modules; issue 45 tracks it).

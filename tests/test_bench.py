@@ -21,11 +21,15 @@ from infire_jax.bench.datasets import random_prompts, read_jsonl
 from infire_jax.bench.metrics import RequestTiming, summarize
 from infire_jax.loaders.dummy import CONFIGS, with_layers
 from infire_jax.models.hf_config import config_from_hf
+from conftest import engine_flags
 
 # Small shapes shared by the runs of one model, so they reuse one set of compiled steps (two step sizes,
 # not the default six: each bench run is a fresh process that compiles them).
 SMALL = ["--max-model-len", "64", "--num-kv-pages", "16", "--max-num-batched-tokens", "32",
          "--token-buckets", "4", "32"]
+# The default model's float32 runs take the suite's small engine (conftest.SMALL_ENGINE): they load the
+# programs `smol_llm` compiled from the executable cache instead of compiling their own.
+SMOL = ["--dtype", "float32", *engine_flags()]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # The flags the issue names, per subcommand (vllm bench names), besides every flag having help.
@@ -279,7 +283,7 @@ def test_latency_default_model(tmp_path):
 
 def test_throughput_default_model(tmp_path):
     data = _run(tmp_path, "throughput", "throughput", "--input-len", "16", "--output-len", "8",
-                "--num-prompts", "6", "--max-concurrency", "2", "4", "--max-num-seqs", "4", *SMALL)
+                "--num-prompts", "6", "--max-concurrency", "2", "4", *SMOL)
     _check_throughput(data, [2, 4], 6, 16, 8)
 
 
@@ -287,8 +291,7 @@ def test_throughput_dataset(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p, "output_len": n}) + "\n"
                             for p, n in [("The capital of France is", 5), ([1, 2, 3, 4], 3), ("Hello", 4)]))
-    data = _run(tmp_path, "dataset", "throughput", "--dataset", str(path), "--max-concurrency", "4",
-                "--max-num-seqs", "4", *SMALL)
+    data = _run(tmp_path, "dataset", "throughput", "--dataset", str(path), "--max-concurrency", "4", *SMOL)
     (r,) = data["results"]
     assert r["completed"] == 3 and r["total_output_tokens"] == 5 + 3 + 4
     assert r["total_input_tokens"] > 4
@@ -312,7 +315,7 @@ def test_throughput_llama_1b(tmp_path):
 def test_suite_default_model(tmp_path):
     data = _run(tmp_path, "suite", "suite", "--model", "", "--latency-input-len", "16", "--latency-output-len", "4",
                 "--num-iters", "1", "--input-len", "16", "--output-len", "4", "--max-concurrency", "2", "4",
-                "--num-prompts", "4", "--max-num-seqs", "4", *SMALL)
+                "--num-prompts", "4", *SMOL)
     assert data["engine"]["model"] == "SmolLM2-135M-Instruct"
     figures = {f["key"]: f for f in data["figures"]}
     assert list(figures) == ["decode_ms_per_token_bs1", "ttft_ms_16_bs1", "output_tokens_per_s_c2",
@@ -329,8 +332,7 @@ def test_suite_default_model(tmp_path):
 def test_serve_against_our_server(tmp_path):
     from tests.server_utils import MODEL, ServerProcess
 
-    server = ServerProcess(["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
-                            "--token-buckets", "8", "64"])
+    server = ServerProcess(engine_flags())
     try:
         server.wait_ready()
         data = _run(tmp_path, "serve", "serve", "--base-url", server.url, "--num-prompts", "6", "--input-len", "16",

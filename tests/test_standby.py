@@ -22,11 +22,13 @@ from aiohttp import web
 from infire_jax import LLM, EngineConfig, SamplingParams
 from infire_jax.errors import ConfigError, ModelNotFoundError
 from infire_jax.engine.residency import start_engines
+from conftest import SMALL_ENGINE, engine_flags
 from server_utils import MODEL, ServerProcess
 
 DUMMY = "dummy:smollm2-135m"
-FLAGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
-CLI_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+# The suite's small engine: the default model's programs come from the executable cache `smol_llm` filled.
+FLAGS = SMALL_ENGINE
+CLI_FLAGS = engine_flags()
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 MAX_TOKENS = 8
 
@@ -124,7 +126,7 @@ def test_two_models_alternating_answer_as_each_alone(standby):
 
 def test_a_model_that_cannot_start_is_named():
     with pytest.raises(ConfigError, match=re.escape(DUMMY)):  # a pool too small for one sequence
-        start_engines([(None, EngineConfig(model=DUMMY, num_kv_pages=2, **FLAGS))], max_resident=1)
+        start_engines([(None, EngineConfig(model=DUMMY, **{**FLAGS, "num_kv_pages": 2}))], max_resident=1)
     with pytest.raises(ModelNotFoundError, match="missing.gguf"):
         start_engines([(None, EngineConfig(model="/nonexistent/missing.gguf", **FLAGS))], max_resident=1)
 

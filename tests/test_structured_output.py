@@ -13,10 +13,10 @@ import jsonschema
 import openai
 import pytest
 
+from conftest import engine_flags
 from server_utils import MODEL, ServerProcess
 
-ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024",
-        "--grammar-compile-timeout", "1"]
+ARGS = [*engine_flags(), "--grammar-compile-timeout", "1"]
 ASK = [{"role": "user", "content": "Describe a person, a city and the weather as JSON."}]
 
 SCHEMAS = {
