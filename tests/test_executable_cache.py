@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -60,6 +61,26 @@ def test_key_covers_context_shapes_and_dtypes(tmp_path):
     paths = {cache.path("f", args), cache.path("g", args), other.path("f", args), cache.path("f", wider),
              cache.path("f", halves)}
     assert len(paths) == 5
+
+
+def test_key_covers_the_source_of_every_package_that_builds_programs(monkeypatch):
+    """The model, sampler and speculation code (infire_jax/models, sample, speculative...) builds the
+    step programs as much as the runner does: a change to any of it must be a new key. (The source
+    fingerprint hashed only infire_jax/runner once the cache moved there: an edited verify.py kept
+    running its stale executables.)"""
+    import infire_jax
+    import pallas_kernels
+
+    walked, real_walk = [], os.walk
+
+    def walk(top, *args, **kwargs):
+        walked.append(os.path.abspath(top))
+        return real_walk(top, *args, **kwargs)
+
+    monkeypatch.setattr(os, "walk", walk)
+    executable_cache._source_fingerprint.__wrapped__()
+    for package in (infire_jax, pallas_kernels):
+        assert os.path.dirname(os.path.abspath(package.__file__)) in walked, walked
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
@@ -133,12 +154,24 @@ def _boot(cache: str, **env: str) -> dict:
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
 
 
+def _with_cpu_kernels(cache: str) -> None:
+    """This process's build of the CPU kernels' library, copied into an empty cache dir: a process
+    started on it would otherwise build the same library again with g++ (~50 s of CPU)."""
+    from pallas_kernels import cpu_kernels
+
+    lib = cpu_kernels.library()
+    if lib is not None:
+        os.makedirs(os.path.join(cache, "cpu_kernels"))
+        shutil.copy2(lib._name, os.path.join(cache, "cpu_kernels"))
+
+
 def test_fresh_processes_after_xla_cache_filled(tmp_path):
     """XLA's persistent cache holds the steps first (a start without this cache); the next start
     must compile them afresh to store them (an executable XLA's cache loaded cannot be serialized
     again), and the one after runs them deserialized: the same tokens and logprobs each time. The
     engine uses one of the two devices it sees, so a loaded program must not assume both."""
     cache = str(tmp_path)
+    _with_cpu_kernels(cache)
     plain = _boot(cache, INFIRE_JAX_NO_EXECUTABLE_CACHE="1")
     assert plain["executables_loaded"] == 0 and plain["compiled"] > 0
     storing = _boot(cache)

@@ -324,3 +324,21 @@ def test_import_blocks_keeps_the_cached_part_of_its_own_chain():
     assert [i for i, _ in taken] == [1, 2]
     assert kv.cached_block_pages(tokens, "t") == [first[0][1]] + [p for _, p in taken]
     assert kv.cached_block_pages([9] * 2 * PS, "u") == []  # the other tenant's pages were the ones evicted
+
+
+def test_build_batch_arrays_are_never_64_bit():
+    """The step programs are compiled for 32-bit arguments (jax without x64): a 64-bit array of a
+    batch (a verifying step's logits indices were int64) misses the executable cache's argument
+    check on every start, which then compiles the program again."""
+    import jax
+    import numpy as np
+
+    from infire_jax.core.scheduler import SchedulerOutput
+    from infire_jax.runner.batch import build_batch
+    from infire_jax.runner.buckets import StepShape
+
+    for num_spec in (0, 3):
+        batch = build_batch(SchedulerOutput([], []), StepShape(8, 4), page_size=PS, pages_per_seq=4, dummy_slot=4,
+                            num_spec=num_spec, lora=True)
+        wide = [str(x.dtype) for x in jax.tree.leaves(batch) if np.asarray(x).dtype.itemsize == 8]
+        assert not wide, (num_spec, wide)

@@ -173,7 +173,9 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     if num_spec:  # row i: its known token's index, then its proposals', then its last again
         ends = _column(rows["ends"], s, 1, np.int32)
         first = ends - 1 - _column(rows["drafts"], s, 0, np.int32)
-        logits_indices = np.minimum(first[:, None] + np.arange(num_spec + 1), ends[:, None] - 1).reshape(-1)
+        # int32 as the executables were compiled for (an int64 arange made a warm start rebuild them)
+        offsets = np.arange(num_spec + 1, dtype=np.int32)
+        logits_indices = np.minimum(first[:, None] + offsets, ends[:, None] - 1).reshape(-1)
     else:
         logits_indices = _column([e - 1 for e in rows["ends"]], s, 0, np.int32)
     return StepBatch(tokens, from_device, kind, meta, logits_indices, _column(rows["slots"], s, dummy_slot, np.int32),

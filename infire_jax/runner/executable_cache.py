@@ -57,7 +57,8 @@ def for_runner(context: str) -> ExecutableCache | None:
 def _source_fingerprint() -> str:
     """Every source file of the packages that build the programs (a code change is a new program)."""
     h = hashlib.sha256()
-    for pkg in (os.path.dirname(__file__), os.path.dirname(pallas_kernels.__file__),
+    infire_jax_dir = os.path.dirname(os.path.dirname(__file__))  # this file is infire_jax/runner/executable_cache.py
+    for pkg in (infire_jax_dir, os.path.dirname(pallas_kernels.__file__),
                 os.path.dirname(sharding.plan.__file__)):
         for root, dirs, files in os.walk(pkg):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
