@@ -295,8 +295,9 @@ def test_sharded_resident_compression_equals_unsharded(tmp_path, smol):
              for f, m in (("llama", "8-tp4-pp2.yaml"), ("mixtral", "8-tp2-ep4.yaml"))
              for wc in (None, "palette:mlp,attn")]
     runs = [{**r, "mesh": os.path.join(CONFIG_DIR, r["mesh"]), "dtype": "bfloat16"} for r in runs]
-    # one decode step a launch: a burst is the same layers again (on meshes: test_sharding's), another compile
-    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=[4, 32], num_kv_pages=32,
+    # one bucket, one decode step a launch: a burst is the same layers again, and the small bucket another forward
+    # (on meshes: test_sharding's), each another compile; the scheduler's steps are the same (chunked by the budget)
+    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=[32], num_kv_pages=32,
                   num_decode_steps=1)
     results = _results(_run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": 4, "engine": engine},
                                    8, tmp_path, "compressed"))

@@ -141,9 +141,10 @@ def test_ep_and_tp_meshes_match_one_device(tmp_path):
     runs += [{"model": models[s], "mesh": meshes[m], "weights_quantization": "checkpoint", "tag": f"{s}-kernels",
               "env": kernels} for s, m in (("fp8", "8"), ("int4", "8-ep8"))]
     runs.append({"model": narrow, "mesh": meshes["8"], "weights_quantization": "checkpoint", "tag": "narrow"})
-    # one decode step a launch: a burst is the same layers again (on meshes: test_deepseek's), another compile
-    job = {"runs": runs, "prompts": ["Hello, MLA", "x" * 40, "abc"], "max_tokens": 6,
-           "engine": {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "num_decode_steps": 1}}
+    # one bucket, one decode step a launch: a burst is the same layers again, and the small bucket another forward
+    # (on meshes: test_sharding's), each another compile; the scheduler's steps are the same (chunked by the budget)
+    engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32], "num_decode_steps": 1}
+    job = {"runs": runs, "prompts": ["Hello, MLA", "x" * 40, "abc"], "max_tokens": 6, "engine": engine}
     results = {(r["tag"], os.path.basename(r["mesh"])): r for r in _results(_run_worker(job, 8, tmp_path, "dsq8"))}
     assert "dense_layers.w_down" in results.pop(("narrow", "8.yaml"))["error"]
     # tp8 shards the kernel tiles (widths with a power-of-two factor of 16): both stacks' wq_a and wo, the dense

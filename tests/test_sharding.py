@@ -3,6 +3,7 @@ devices (and on 2 processes x 4 devices) that must equal the single-device run."
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -168,15 +169,16 @@ def test_microbatches_see_earlier_microbatches_as_context():
                                                 np.int32(4))))
     q, k, v = (jnp.asarray(rng.normal(size=(t, h, d)), jnp.float32) for h in (hq, hkv, hkv))
     cache = jnp.asarray(rng.normal(size=(1, pages, ps, hkv, d)), jnp.float32)
-    whole, _, _ = ragged_paged_attention(q, k, v, cache, cache, jnp.int32(0), meta, scale=0.25)
+    # jitted, as the engine runs it: two compiles (the step and a microbatch), not each op's (14 s of CPU, now 6)
+    attention = jax.jit(functools.partial(ragged_paged_attention, scale=0.25))
+    whole, _, _ = attention(q, k, v, cache, cache, jnp.int32(0), meta)
     m = 4
     size = t // m
     kp = vp = cache
     parts = []
     for i in range(m):
         sl = slice(i * size, (i + 1) * size)
-        out, kp, vp = ragged_paged_attention(q[sl], k[sl], v[sl], kp, vp, jnp.int32(0),
-                                             slice_tokens(meta, i * size, size), scale=0.25)
+        out, kp, vp = attention(q[sl], k[sl], v[sl], kp, vp, jnp.int32(0), slice_tokens(meta, i * size, size))
         parts.append(out)
     n = int(cu[-1])
     np.testing.assert_allclose(np.concatenate(parts)[:n], np.asarray(whole)[:n], rtol=1e-5, atol=1e-5)
@@ -209,7 +211,9 @@ def _run_worker(job: dict, env_devices: int, tmp_path, name: str, distributed: d
     job = dict(job, distributed=distributed)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(job))
-    env = cpu_env(env_devices, PYTHONPATH=ROOT)
+    # No placed-weights checkpoints (test_checkpoint's, on meshes and two processes too): a tmp model's would be
+    # written for nothing, and orbax's writes compile a program per shard layout (a mesh engine's: tens)
+    env = cpu_env(env_devices, PYTHONPATH=ROOT, INFIRE_JAX_NO_CHECKPOINT="1")
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sharded_worker.py"), str(path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -320,8 +324,12 @@ def test_fp8_kv_cache_on_a_mesh_matches_single_device(tiny_models, tmp_path):
     sharded calibration gives the single device's scales in the pool's layout, and the same tokens."""
     meshes = ("1.yaml", "8-tp4-pp2.yaml")
     runs = [{"model": tiny_models["llama"], "mesh": os.path.join(CONFIG_DIR, name)} for name in meshes]
-    single, sharded = _results(_run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": 8,
-                                            "engine": dict(ENGINE, kv_cache_dtype="fp8")}, 8, tmp_path, "fp8"))
+    # One bucket, one decode step a launch: a burst runs the same forward (bursts and the small bucket on meshes:
+    # test_every_shipped_mesh_matches_single_device), each another program both engines compile; the scheduler's
+    # steps are the same (chunked by the 32-token budget, not by the buckets).
+    engine = dict(ENGINE, kv_cache_dtype="fp8", token_buckets=[32], num_decode_steps=1)
+    single, sharded = _results(_run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": 8, "engine": engine},
+                                           8, tmp_path, "fp8"))
     assert sharded["fits"] and sharded["mesh_sizes"] == {"dp": 1, "pp": 2, "tp": 4, "ep": 1}
     assert plan_stages(3, 2) == (1, 2)  # slots: layer 0, padding, layers 1 and 2
     real = np.asarray([0, 2, 3])
