@@ -15,15 +15,23 @@ import jax
 _KERNEL = re.compile(r"^\s*\d+: kCustomKernel\s+\[[^\]]*\]\s+(\S+) grid:", re.M)
 
 
-def compiled_kernels(jitted, *args) -> list[str]:
-    """The kernels (by name, in launch order) of `jitted` on `args` (arrays or shapes) compiled for one
-    H100 (on a GPU machine, for its own GPU)."""
+def gpu_lowered(jitted, *args) -> jax.stages.Lowered:
+    """`jitted` on `args` (arrays or shapes) lowered for one H100 (on a GPU machine, for its own GPU):
+    its `as_text()` is the StableHLO a GPU compiles, and `compiled_kernels` compiles it without
+    lowering it again."""
     from infire_jax.bench import gpu_target
 
     on_gpu = jax.default_backend() == "gpu"
     device = gpu_target.devices(gpu_target.here() if on_gpu else gpu_target.target("h100"), here=on_gpu)[0]
+    return jitted.lower(*gpu_target.on_device(args, device))
+
+
+def compiled_kernels(jitted, *args) -> list[str]:
+    """The kernels (by name, in launch order) of `jitted` on `args` (arrays or shapes) compiled for one
+    H100 (on a GPU machine, for its own GPU); `jitted` may be `gpu_lowered`'s result (no `args`)."""
+    lowered = jitted if isinstance(jitted, jax.stages.Lowered) else gpu_lowered(jitted, *args)
     with tempfile.TemporaryDirectory() as dump:
-        jitted.lower(*gpu_target.on_device(args, device)).compile(compiler_options={"xla_dump_to": dump})
+        lowered.compile(compiler_options={"xla_dump_to": dump})
         sequence = max(glob.glob(f"{dump}/*.thunk_sequence.txt"), key=os.path.getsize)  # the program, not a helper
         with open(sequence) as f:
             return _KERNEL.findall(f.read())

@@ -359,8 +359,12 @@ def test_engine_serves_eagle3_losslessly(smol_llm, tmp_path):
     draft_ids = sorted(set(smol_llm.tokenizer.encode(" 1, 1,")))
     path = write_checkpoint(tmp_path, random_checkpoint(3, draft_ids=draft_ids),
                             dict(HEAD_CONFIG, draft_vocab_size=len(draft_ids)))
-    llm = LLM(**SMALL_ENGINE, speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": 3,
-                                                  "disable_by_batch_size": 8})
+    # The prompts prefill, and their rows verify 3 drafts each, in the 64-token bucket; rows that do not
+    # draft decode in the 4-token one. Up to 4 rows: the verifiers and samplers of 8 rows, and an 8-token
+    # bucket's forwards, are not compiled for nothing.
+    engine = dict(SMALL_ENGINE, max_num_seqs=4, token_buckets=(4, 64))
+    llm = LLM(**engine, speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": 3,
+                                            "disable_by_batch_size": 8})
     prompts = [prompt, "Write a short poem about the sea.", "List the numbers from 1 to 30 separated by commas:"]
     params = SamplingParams(max_tokens=30, temperature=0)
     for w, g in zip(smol_llm.generate(prompts, params), llm.generate(prompts, params)):
@@ -478,10 +482,13 @@ def test_engine_serves_eagle3_beside_sliding_window_layers(family, tmp_path_fact
     tensors = attentive(random_checkpoint(5, draft_ids=draft_ids, config=config))
     spec = {"method": "eagle3", "model": write_checkpoint(tmp_path, tensors, config), "num_speculative_tokens": 3,
             "acceptance_threshold": 0.0}  # no back-off: every step drafts
+    # One 32-token bucket: the prompts still prefill in chunks of 32 (the budget), and every step, decodes
+    # and verifications of 4 rows included, fits it; a 4-token bucket's forwards are not compiled for nothing.
+    engine = dict(ENGINE, token_buckets=(32,))
     if family == "mistral":
         with pytest.raises(ConfigError, match="every layer of this model is chunked or sliding-window, so no group"):
-            LLM(model=path, **ENGINE, speculative_config=spec)
-    llm = LLM(model=path, **ENGINE, speculative_config=spec, hybrid_kv_cache=family != "mistral")
+            LLM(model=path, **engine, speculative_config=spec)
+    llm = LLM(model=path, **engine, speculative_config=spec, hybrid_kv_cache=family != "mistral")
     e = llm.engine
     groups = e.runner.rc.kv_groups
     assert e.runner.rc.aux_layers == tuple(i + 1 for i in ids)

@@ -28,8 +28,10 @@ from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 
 NUM_TOKENS = 16
 PROMPTS = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31]]
-ENGINE = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
-              num_kv_pages=16)
+# One bucket (the two prompts prefill in one step; no chunking checked) and no decode bursts
+# (test_decode_burst.py): each engine compiles one forward, not two and a burst.
+ENGINE = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(32,), max_model_len=128,
+              num_kv_pages=16, num_decode_steps=1)
 # name: (method, group, sym, act_order, v1, family); every case is also kept quantized on the device
 CASES = {"gptq-act-order-g32": ("gptq", 32, False, True, True, "llama"),
          "gptq-sym-g128": ("gptq", 128, True, False, True, "llama"),
@@ -170,9 +172,9 @@ def test_kept_checkpoints_on_tp_meshes_equal_one_device_dequantized(checkpoints,
     for name, m in kept.items():
         runs += [{"model": checkpoints[name][0], "mesh": mesh["1"]},
                  {"model": checkpoints[name][0], "mesh": mesh[m], "weights_quantization": "checkpoint"}]
-    # one decode step a launch: a burst is the same layers again (on meshes: test_sharding's), another compile
+    # one decode step a launch (ENGINE's): a burst is the same layers again (on meshes: test_sharding's)
     job = {"runs": runs, "prompts": ["Hello, GPTQ", "x" * 30], "max_tokens": 12,
-           "engine": {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "num_decode_steps": 1}}
+           "engine": {k: v for k, v in ENGINE.items() if k != "dtype"}}
     results = {(r["model"], os.path.basename(r["mesh"])): r for r in _results(_run_worker(job, 8, tmp_path, "q8"))}
     for name, m in kept.items():
         single, r = results[checkpoints[name][0], "1.yaml"], results[checkpoints[name][0], f"{m}.yaml"]

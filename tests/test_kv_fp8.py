@@ -24,7 +24,9 @@ from test_kv_transfer import run
 
 BF16_PAGE_BYTES = 30 * 16 * 3 * (64 + 64) * 2  # SmolLM2-135M: 30 layers, 3 kv heads of 64, page of 16
 POOL_BYTES = 40 * BF16_PAGE_BYTES
-CONFIG = dict(SMALL_ENGINE, max_model_len=512, num_kv_pages=None, kv_cache_memory=POOL_BYTES)
+# No decode bursts: the fp8 pool is the subject (bursts: test_decode_burst.py), and a burst of each
+# decode-sized bucket is the largest program the two engines compile.
+CONFIG = dict(SMALL_ENGINE, max_model_len=512, num_kv_pages=None, kv_cache_memory=POOL_BYTES, num_decode_steps=1)
 PROMPTS = [
     "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "List three primary colors:",
     "Explain photosynthesis in one sentence.", "The meaning of life is", "Translate 'good morning' to Spanish:",

@@ -29,7 +29,10 @@ SCALES = {"model.layers.0.self_attn.k_scale": np.array([0.02, 0.03], np.float32)
           "model.layers.1.self_attn.k_scale": np.array([0.025], np.float32),
           "model.layers.1.self_attn.v_scale": np.array(0.0125, np.float32)}
 EXPECTED = np.array([[[0.02, 0.03], [0.015, 0.015]], [[0.025, 0.025], [0.0125, 0.0125]]], np.float32)
-ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_kv_pages=32)
+# One 32-token bucket (the prompts prefill in one step; no chunking here) and no decode bursts
+# (test_decode_burst.py): the engines compile what these tests run, not the six default buckets.
+ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,), max_model_len=128,
+              num_kv_pages=32, num_decode_steps=1)
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

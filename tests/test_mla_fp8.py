@@ -68,8 +68,9 @@ def test_deepseek_engine_with_fp8_latents_follows_the_bfloat16_cache(tmp_path):
     from infire_jax import LLM, Engine, EngineConfig, SamplingParams
 
     model = save("deepseek-v3", hf_model("deepseek-v3"), tmp_path)
+    # no decode bursts: the cache's fp8 latents are the subject, and a burst is the engines' largest program
     config = dict(model=model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32),
-                  max_model_len=128, kv_cache_memory=20 * BF16_PAGE_BYTES)
+                  max_model_len=128, kv_cache_memory=20 * BF16_PAGE_BYTES, num_decode_steps=1)
     bf16, fp8 = (Engine(EngineConfig(**config, kv_cache_dtype=d)) for d in ("bfloat16", "fp8"))
     assert bf16.pool_sizing.num_pages == 20 and fp8.pool_sizing.num_pages == 40
     assert fp8.runner.kv_cache_bytes == bf16.runner.kv_cache_bytes

@@ -233,8 +233,11 @@ def _engines(monkeypatch, **kwargs):
     return engines
 
 
+# A decode-sized bucket and a prefill-sized one (the 40-token prompt is chunked).
+# No decode bursts (num_decode_steps=1): a burst is the engine's largest program, compiled once per
+# engine, and runs the same model (bursts are tested in test_decode_burst.py).
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
-              num_kv_pages=40)
+              num_kv_pages=40, num_decode_steps=1)
 PROMPTS = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31], list(range(60, 100))]
 
 

@@ -289,11 +289,15 @@ def test_branch_free_engine_samples_like_the_cpu_engine_and_never_recompiles(req
 
     if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is not None:
         engine, cpu_like = SMALL_ENGINE, request.getfixturevalue("smol_llm")
+        # Three prompts prefill in the 64-token bucket and decode in the 4-token one: the GPU-like engine
+        # compiles only those (every variant's sampler and burst), not the session engine's 8 rows
+        # (an 8-token bucket, bursts and samplers of 8 rows: half of its programs).
+        gpu_engine = dict(engine, max_num_seqs=4, token_buckets=(4, 64))
     else:
         engine = dict(model="dummy:smollm2-135m", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
                       max_model_len=128)
-        cpu_like = LLM(**engine, branch_free_sampler=False)
-    gpu_like = LLM(**engine, branch_free_sampler=True)
+        cpu_like, gpu_engine = LLM(**engine, branch_free_sampler=False), engine
+    gpu_like = LLM(**gpu_engine, branch_free_sampler=True)
     assert gpu_like.engine.runner.rc.sampler_variants == BRANCH_FREE_VARIANTS
     assert gpu_like.engine.runner.rc.decode_steps == cpu_like.engine.runner.rc.decode_steps == 4
     prompts = ["The capital of France is", "List three fruits:", "Once upon a time"]
