@@ -16,12 +16,13 @@ import sys
 def main() -> None:
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from infire_jax.loaders.load import load_quantized_placed
     from infire_jax.loaders.hf import read_hf_config
     from infire_jax.models.hf_config import config_from_hf
-    from infire_jax.models.registry import build_state
+    from infire_jax.models.registry import abstract_placement, build_state
     from sharding.mesh import MeshConfig
     from sharding.plan import KV_POOL_AXES, ShardPlan
 
@@ -36,8 +37,11 @@ def main() -> None:
             state = load_quantized_placed(run["checkpoint"], jnp.float32, plan, "int4", run["at_load"]).state
         elif "checkpoint" in run:
             state = load_quantized_placed(run["checkpoint"], jnp.float32, plan, "checkpoint").state
-        else:
-            _, state = build_state(cfg, None, jnp.float32, plan=plan)
+        else:  # zeros through the checkpoint path (prepared for the plan, then put on its devices), as a
+            # loaded model's weights are placed: a `dummy:` draw compiles a program a weight (~1.5 s each)
+            _, flat, _ = abstract_placement(cfg, jnp.float32, None)
+            zeros = {".".join(map(str, p)): np.zeros(var.shape, var.dtype) for p, var in flat}
+            _, state = build_state(cfg, zeros, jnp.float32, plan=plan)
         per_name: dict[str, list[int]] = {}
         for path, var in nnx.to_flat_state(state):
             arr = var.get_value()

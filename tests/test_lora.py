@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import socket
@@ -78,12 +79,11 @@ def _assert_matches_peft(model, adapter: str | None, prompt: list[int], tokens: 
 # ---- SmolLM2 ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory, default_gguf):
-    """The LoRA engine on SmolLM2, PEFT's model with the adapters, and the adapters' requests."""
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf),
-                                                dtype=torch.float32)
+def smol(tmp_path_factory, hf_smol):
+    """The LoRA engine on SmolLM2, PEFT's model with the adapters, and the adapters' requests. PEFT
+    wraps the model it is given in place: a copy of the session's HF model (transformers' load of the
+    GGUF, float32), not another load of the GGUF (~25 s)."""
+    base = copy.deepcopy(hf_smol)
     path = tmp_path_factory.mktemp("smol_lora")
     peft_model = _peft_model(base, ADAPTERS, path)
     llm = LLM(**LORA_ENGINE)
@@ -97,11 +97,14 @@ def _prompts(llm) -> list[list[int]]:
 
 
 def test_smollm2_adapters_match_peft(smol):
-    """Rank 8 (a prompt prefilled in chunks) and rank 64 (rsLoRA's scale), every target module."""
+    """Rank 8 (a prompt prefilled in chunks) and rank 64 (rsLoRA's scale), every target module; the two
+    in one batch, which decodes them in the same steps (a row's adapter reaching no other row is
+    test_mixed_batch_rows_equal_alone's)."""
     llm, peft_model, requests = smol
     short, long = _prompts(llm)
-    for name, prompt in (("r8", long), ("r64", short)):
-        out = llm.generate([prompt], _greedy(), lora_request=requests[name])[0]
+    runs = (("r8", long), ("r64", short))
+    outs = llm.generate([prompt for _, prompt in runs], _greedy(), lora_request=[requests[name] for name, _ in runs])
+    for (name, prompt), out in zip(runs, outs):
         _assert_matches_peft(peft_model, name, prompt, out.token_ids, _logprobs(out))
 
 
@@ -114,13 +117,14 @@ def test_mixed_batch_rows_equal_alone(smol):
     llm, _, requests = smol
     prompt = _prompts(llm)[0]
     loras = [requests["r8"], requests["r64"], None, requests["r16"]]
-    together = llm.generate([prompt] * len(loras), _greedy(24), lora_request=loras)
+    # 12 tokens: the prefill and three decode bursts of 4, every row's own tokens from the first.
+    together = llm.generate([prompt] * len(loras), _greedy(12), lora_request=loras)
     assert len({tuple(o.token_ids) for o in together}) == 4
     for i, lora in enumerate(loras):
-        uniform = llm.generate([prompt] * len(loras), _greedy(24), lora_request=lora)[i]
+        uniform = llm.generate([prompt] * len(loras), _greedy(12), lora_request=lora)[i]
         assert together[i].token_ids == uniform.token_ids
         np.testing.assert_array_equal(_logprobs(together[i]), _logprobs(uniform))
-        alone = llm.generate([prompt], _greedy(24), lora_request=lora)[0]
+        alone = llm.generate([prompt], _greedy(12), lora_request=lora)[0]
         assert together[i].token_ids == alone.token_ids
         np.testing.assert_allclose(_logprobs(together[i]), _logprobs(alone), atol=1e-4, rtol=0)
     assert llm.engine.compiles_since_warmup == 0
@@ -447,8 +451,12 @@ def test_sharded_adapters_match_one_device_and_peft(tmp_path, smol_llm):
     peft_model = _peft_model(base, {"r8": ADAPTERS["r8"]}, tmp_path / "adapters")
     configs = os.path.join(os.path.dirname(__file__), "..", "sharding", "configs")
     meshes = [os.path.join(configs, m) for m in ("1.yaml", "8-tp4-pp2.yaml")]
+    # One bucket, one decode step a launch: what is checked here is the adapters' layout on the mesh; decode bursts
+    # and the small bucket on meshes are test_sharding's (each is another program every engine compiles). The steps
+    # are the same: the scheduler chunks by the 32-token budget, not by the buckets.
+    engine = {**ENGINE, "token_buckets": [32], "num_decode_steps": 1, "enable_lora": True, "max_lora_rank": 8}
     job = {"runs": [{"model": str(tmp_path / "model"), "mesh": m} for m in meshes], "prompts": PROMPTS,
-           "max_tokens": 16, "engine": {**ENGINE, "enable_lora": True, "max_lora_rank": 8},
+           "max_tokens": 16, "engine": engine,
            "lora": ["r8", 1, str(tmp_path / "adapters" / "r8")]}
     single, sharded = _results(_run_worker(job, 8, tmp_path, "lora"))
     assert single["fits"] and sharded["fits"], sharded.get("error")

@@ -80,10 +80,13 @@ def test_host_view_counts_only_xla_ops():
 def test_profile_cpu_end_to_end(tmp_path):
     out_json = tmp_path / "profile.json"
     trace_dir = tmp_path / "trace"
+    # Two token buckets, the prefill's (2 x 16) and the decodes' (2 rows), not the default six: the
+    # engine compiles each (forward, sampler, decode burst) before it profiles anything.
     proc = subprocess.run(
         [sys.executable, "-m", "infire_jax.bench", "profile", "--model", "dummy:smollm2-135m", "--batch-size", "2",
          "--input-len", "16", "--steps", "4", "--top", "5", "--trace-dir", str(trace_dir), "--max-model-len", "64",
-         "--num-kv-pages", "16", "--max-num-batched-tokens", "32", "--json", str(out_json)],
+         "--num-kv-pages", "16", "--max-num-batched-tokens", "32", "--token-buckets", "2", "32",
+         "--json", str(out_json)],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     data = json.loads(out_json.read_text())

@@ -200,9 +200,18 @@ def test_greedy_output_is_token_identical_to_no_speculation(smol_llm, spec_llm, 
     assert spec_llm.engine.compiles_since_warmup == 0
 
 
+# The sampled test's prompt: 49 tokens, three whole pages and one more, so that every sample but the
+# first few finds the prompt's pages in the prefix cache and prefills one token (GROUNDED's 52 left
+# four, and 8 rows of 4 took the 64-token bucket). Its n-gram proposals are accepted ~32% of the time
+# (GROUNDED's ~47%): a wrong acceptance moves more samples. Planted in verify.py, "accept every
+# proposal" and "draw a rejected token from p, not the residual" gave p = 1e-45 and 2e-5 here, against
+# 6e-18 and 0.014 (missed) with GROUNDED.
+SAMPLED_PROMPT = f"Repeat this text:\n{TEXT}\nAgain:\n"
+
+
 def _second_tokens(llm: LLM, n: int) -> np.ndarray:
     params = SamplingParams(n=n, max_tokens=3, temperature=1.0, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
-    out = llm.generate([GROUNDED], params)[0]
+    out = llm.generate([SAMPLED_PROMPT], params)[0]
     return np.array([o.token_ids[1] for o in out.outputs])
 
 
