@@ -359,9 +359,8 @@ def test_engine_serves_eagle3_losslessly(smol_llm, tmp_path):
     draft_ids = sorted(set(smol_llm.tokenizer.encode(" 1, 1,")))
     path = write_checkpoint(tmp_path, random_checkpoint(3, draft_ids=draft_ids),
                             dict(HEAD_CONFIG, draft_vocab_size=len(draft_ids)))
-    # The prompts prefill, and their rows verify 3 drafts each, in the 64-token bucket; rows that do not
-    # draft decode in the 4-token one. Up to 4 rows: the verifiers and samplers of 8 rows, and an 8-token
-    # bucket's forwards, are not compiled for nothing.
+    # Its steps (3 rows, up to 3 drafts each) take the 4- and the 64-token bucket; with up to 4 rows it
+    # compiles no 8-token bucket's forwards and no verifier or sampler of 8 rows, which it would not run.
     engine = dict(SMALL_ENGINE, max_num_seqs=4, token_buckets=(4, 64))
     llm = LLM(**engine, speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": 3,
                                             "disable_by_batch_size": 8})

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from h100 import compiled_kernels, launches
+from h100 import compiled_kernels, gpu_lowered, launches
 
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
@@ -550,11 +550,12 @@ def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16, *, local: bool = False) 
 
     jitted = jax.jit(step, donate_argnums=(3, 4))
     args = (sd((t, hq, d), bf16), sd((t, hkv, d), bf16), sd((t, hkv, d), bf16), pool, pool, sd((), i32), meta)
-    hlo = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    lowered = gpu_lowered(jitted, *args)  # lowered once: its text, then compiled from it
+    hlo = lowered.as_text()
     names = ("write_kv_pages", "paged_decode_attention", "paged_prefill_attention")
     for name in names:
         assert f'name = "{name}"' in hlo
-    kernels = compiled_kernels(jitted, *args)  # and they compile to sm_90a machine code
+    kernels = compiled_kernels(lowered)  # and they compile to sm_90a machine code
     assert all(launches(kernels, name) for name in names), kernels
     return hlo
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from h100 import compiled_kernels, launches
+from h100 import compiled_kernels, gpu_lowered, launches
 
 from infire_jax.lora.batched import lora_delta
 from infire_jax.lora.layout import MEMBERS, column_members
@@ -148,8 +148,9 @@ def test_lowers_to_triton_for_cuda(name, in_shape, out):
         jitted = jax.jit(lambda x, a, b, s, l: lora_sgmv(x, a, b, s, members, l))
         args = (sd((t, k), jnp.bfloat16), sd((LAYERS, SLOTS, c * rank, k), jnp.bfloat16),
                 sd((LAYERS, SLOTS, rank, n), jnp.bfloat16), sd((t,), jnp.int32), sd((), jnp.int32))
-        hlo = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        kernels = compiled_kernels(jitted, *args)  # and they compile to sm_90a code
+        lowered = gpu_lowered(jitted, *args)  # lowered once: its text, then compiled from it
+        hlo = lowered.as_text()
+        kernels = compiled_kernels(lowered)  # and they compile to sm_90a code
         for kernel in ("lora_shrink", "lora_expand"):
             assert f'name = "{kernel}"' in hlo, (t, rank, kernel)
             assert launches(kernels, kernel), (t, rank, kernels)
