@@ -25,7 +25,7 @@ from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs
 from infire_jax.structured.backend import CompiledGrammar, GrammarCompileError
-from infire_jax.structured.reasoning_parsers import may_reason
+from infire_jax.structured.reasoning_parsers import reasoning_grammar
 from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, MARKERS, tool_call_constraint
 from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON
 from infire_jax.structured.tool_prompt import render_inputs
@@ -129,24 +129,24 @@ async def chat_prompt(m: ServedModel, req: ChatRequest, param: str) -> list[list
         raise bad(str(e), param) from e
     prompts = [m.tokenizer.encode(text, add_special_tokens=False)]
     _check_length(m, prompts, param)
-    _check_reasoning(m, req)
     if req.tools is not None:
         await _force_tool_calls(m, req, m.tool_parser)
+    _answer_after_reasoning(m, req)
     return prompts
 
 
-def _check_reasoning(m: ServedModel, req: ChatRequest) -> None:
-    """A constraint on the answer would have to start where the reasoning ends, which the grammar
-    cannot follow yet: refused while the request may think. vLLM's `structured_outputs` is not an
-    answer's constraint here: it constrains the whole output, the reasoning included."""
-    if m.reasoning_parser is None or not may_reason(m.reasoning_parser, req.chat_template_kwargs):
+def _answer_after_reasoning(m: ServedModel, req: ChatRequest) -> None:
+    """A constraint on the answer (response_format, a forced tool_choice) starts where the reasoning
+    ends, while the request may think: the grammar lets the reasoning through first. vLLM's
+    `structured_outputs` is not an answer's constraint: it constrains the whole output, the reasoning
+    included."""
+    so = req.params.structured_outputs
+    if m.reasoning_parser is None or so is None or not (req.response_format is not None or
+                                                         (req.tools is not None and req.tools.forced)):
         return
-    why = (f"with the {m.reasoning_parser} reasoning parser is not supported yet: the constraint would apply "
-           "only after the reasoning ends")
-    if req.response_format is not None:
-        raise bad(f"'response_format' {why}", "response_format")
-    if req.tools is not None and req.tools.forced:
-        raise bad(f"a forced 'tool_choice' {why}; use tool_choice \"auto\"", "tool_choice")
+    after = reasoning_grammar(m.reasoning_parser, req.chat_template_kwargs)
+    if after is not None:
+        req.params = dataclasses.replace(req.params, structured_outputs=dataclasses.replace(so, after=after))
 
 
 async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) -> None:

@@ -135,3 +135,42 @@ def test_sampler_applies_the_mask_first_in_every_variant(mode):
         # logprobs are of the model's raw distribution, as vLLM reports them
         np.testing.assert_allclose(masked.logprob[2], raw[2, int(masked.tokens[2])], rtol=1e-5)
     assert int(masked.tokens[0]) == allowed[int(np.argmax(np.asarray(logits)[0, allowed]))]  # greedy among allowed
+
+
+def _accepts(backend, tokenizer, spec: StructuredOutputs, text: str) -> tuple[bool, bool]:
+    """(whether the grammar takes every token of `text`, whether it is then complete)."""
+    m = backend.compile(spec).matcher()
+    toks = ids(tokenizer, text)
+    return m.accept_tokens(toks) == len(toks), m.is_terminated()
+
+
+@pytest.mark.parametrize("answer", [dict(json=SCHEMA), dict(grammar='start: "{\\"a\\": " /[0-9]/ "}"'),
+                                    dict(regex=r'\{"a": [0-9]\}'), dict(choice=['{"a": 1}', '{"a": 3}', '{"a": 7}'])])
+def test_an_answer_constraint_starts_where_the_reasoning_ends(backend, tokenizer, answer):
+    """`after` (a reasoning parser's grammar) lets free reasoning through, JSON-looking text included,
+    up to the close marker; the answer's constraint holds from the next token on."""
+    from infire_jax.structured.reasoning_parsers import reasoning_grammar
+
+    r1 = StructuredOutputs(**answer, after=reasoning_grammar("deepseek_r1"))
+    assert _accepts(backend, tokenizer, r1, 'Hmm. {"a": 12} is wrong</think>{"a": 7}') == (True, True)
+    assert _accepts(backend, tokenizer, r1, "<think>\nfirst {\n</think>") == (True, False)
+    assert _accepts(backend, tokenizer, r1, '{"a": 7}') == (True, False)  # still reasoning
+    assert not _accepts(backend, tokenizer, r1, "ok</think>sure")[0]  # the answer is constrained
+    assert not _accepts(backend, tokenizer, r1, 'ok</think>{"a": 7}</think>')[0]  # one block only
+    m = backend.compile(r1).matcher()  # while reasoning, (nearly) the whole vocabulary is open
+    mask = np.zeros((1, backend.mask_words), np.int32)
+    m.fill_bitmask(mask, 0)
+    assert np.unpackbits(mask[0].view(np.uint8)).sum() > 45_000
+
+    qwen3 = StructuredOutputs(**answer, after=reasoning_grammar("qwen3"))  # the block is optional
+    assert _accepts(backend, tokenizer, qwen3, '{"a": 7}') == (True, True)
+    assert _accepts(backend, tokenizer, qwen3, '\n<think>\nso {</think>{"a": 3}') == (True, True)
+    assert not _accepts(backend, tokenizer, qwen3, "Sure")[0]
+    kimi = StructuredOutputs(**answer, after=reasoning_grammar("kimi_k2"))
+    assert _accepts(backend, tokenizer, kimi, '◁think▷ok◁/think▷{"a": 1}') == (True, True)
+    assert _accepts(backend, tokenizer, kimi, '<think>ok</think>{"a": 1}') == (True, True)
+    assert _accepts(backend, tokenizer, kimi, '◁think▷ok</think>{"a": 1}') == (True, False)  # its own closer
+
+    assert reasoning_grammar("qwen3", {"enable_thinking": False}) is None  # no reasoning: constrained at once
+    assert reasoning_grammar("deepseek_v3") is None and reasoning_grammar("deepseek_v3", {"thinking": True})
+    assert backend.compile(r1) is not backend.compile(StructuredOutputs(**answer))  # keyed apart

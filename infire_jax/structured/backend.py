@@ -42,7 +42,18 @@ def _escape(s: str) -> str:
 
 
 def to_grammar(spec: StructuredOutputs) -> str:
-    """The llguidance grammar (its JSON form) of a constraint."""
+    """The llguidance grammar (its JSON form) of a constraint, after what `spec.after` lets come first:
+    the constraint becomes the grammar named `answer` that `after`'s start rule ends in."""
+    grammar = _constraint_grammar(spec)
+    if spec.after is None:
+        return grammar
+    # llguidance gives Lark as its text and the other kinds as the JSON of a list of grammars
+    answer = {"grammars": [{"lark_grammar": grammar}]} if spec.kind in ("choice", "grammar") else json.loads(grammar)
+    answer["grammars"][0]["name"] = "answer"
+    return json.dumps(answer | {"grammars": [{"lark_grammar": spec.after}, *answer["grammars"]]})
+
+
+def _constraint_grammar(spec: StructuredOutputs) -> str:
     kind = spec.kind
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=_JSON_OPTIONS)

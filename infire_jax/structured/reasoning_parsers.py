@@ -19,6 +19,7 @@ and decides only on text it has, so streamed and whole outputs split the same wa
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -53,14 +54,28 @@ REASONING_PARSERS: dict[str, Callable[[dict[str, Any]], _Syntax | None]] = {
 _HEAD, _REASONING, _CONTENT = "head", "reasoning", "content"
 
 
-def may_reason(parser: str, chat_template_kwargs: dict[str, Any] | None = None) -> bool:
-    """Whether an output may hold reasoning under `parser` with these template arguments: not with
-    Qwen3's `enable_thinking` false, nor DeepSeek V3.1's without `thinking`. A server uses it to tell
-    the requests whose whole output is the answer (a constraint on the answer then applies from the
-    first token)."""
+def reasoning_grammar(parser: str, chat_template_kwargs: dict[str, Any] | None = None) -> str | None:
+    """The Lark grammar of the reasoning an output may hold before its answer, as `parser` splits it:
+    its start rule ends in `@answer`, the answer's constraint (`StructuredOutputs.after`). None when
+    the output holds no reasoning (the answer's constraint applies from the first token).
+
+    The reasoning is free text up to the first close marker (a lazy lexeme ends there); where the
+    output may also begin with the answer (qwen3's syntax), the think block is optional. The answer
+    follows the close marker at once, as vLLM's structured output starts at the token after it."""
     if parser not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
-    return REASONING_PARSERS[parser](chat_template_kwargs or {}) is not None
+    syntax = REASONING_PARSERS[parser](chat_template_kwargs or {})
+    if syntax is None:
+        return None
+    if syntax.implicit:  # inside the block from the first token (a leading open marker is free text)
+        blocks = [f"/(?s:.*)/ {json.dumps(syntax.pairs[0][1], ensure_ascii=False)}"]
+    else:
+        blocks = [f"/[ \\t\\r\\n]*/ {json.dumps(o, ensure_ascii=False)} /(?s:.*)/ {json.dumps(c, ensure_ascii=False)}"
+                  for o, c in syntax.pairs]
+    rules = [f"THINK{i}: {b}\nthink{i}[lazy]: THINK{i}" for i, b in enumerate(blocks)]
+    think = " | ".join(f"think{i}" for i in range(len(blocks)))
+    start = "start: think @answer" if syntax.implicit else "start: think? @answer"
+    return "\n".join([start, f"think: {think}", *rules]) + "\n"
 
 
 class ReasoningStream:

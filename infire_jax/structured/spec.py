@@ -27,6 +27,9 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool = False
     param: str = "structured_outputs"  # the request field errors name (plus ".<kind>" below it)
+    # What the output holds before the constraint applies: a Lark grammar whose `start` rule ends in
+    # `@answer`, the constraint (a reasoning block, `reasoning_parsers.reasoning_grammar`). None: from the start.
+    after: str | None = None
 
     def __post_init__(self):
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -62,7 +65,8 @@ class StructuredOutputs:
     def key(self) -> tuple[str, str]:
         """Equal constraints share one compiled grammar (backend cache), whatever field they came in."""
         value: Any = getattr(self, self.kind)
-        return self.kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        return self.kind, text if self.after is None else f"{self.after}\0{text}"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StructuredOutputs) and self.key() == other.key()
