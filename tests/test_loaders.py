@@ -132,18 +132,18 @@ def test_large_dummy_weights_are_drawn_a_chunk_at_a_time(monkeypatch):
 
     scout_experts = (4, 16, 5120, 16384)  # layers, experts, hidden, 2 x expert width (gate_up)
     assert registry.draw_chunks(int(np.prod(scout_experts))) == 20  # 5 x 2^30 elements in chunks of 2^28
-    program = registry.weight_draw(scout_experts, jnp.bfloat16, "normal", 0, 0, None, None)
-    memory = program.lower().compile().memory_analysis()
+    program = registry.weight_draw(scout_experts, jnp.bfloat16, "normal", None, None, 20)
+    memory = program.lower(np.uint32(0), np.uint32(0)).compile().memory_analysis()
     assert memory.output_size_in_bytes == 2 * np.prod(scout_experts)
     assert memory.temp_size_in_bytes < 8e9, memory.temp_size_in_bytes  # one chunk: ~24 bytes an element
     monkeypatch.setattr(registry, "DRAW_CHUNK_ELEMENTS", 1000)
     assert registry.draw_chunks(3 * 800) == 3 and registry.draw_chunks(1009) == 1  # a prime: drawn whole
-    w = np.asarray(registry.weight_draw((4, 600), jnp.float32, "normal", 5, 0, None, None)())
-    again = np.asarray(registry.weight_draw((4, 600), jnp.float32, "normal", 5, 0, None, None)())
+    w = np.asarray(registry.weight_draw((4, 600), jnp.float32, "normal", None, None, 3)(0, 5))
+    again = np.asarray(registry.weight_draw((4, 600), jnp.float32, "normal", None, None, 3)(0, 5))
     np.testing.assert_array_equal(w, again)
     chunks = w.reshape(3, 800)
     assert not np.allclose(chunks[0], chunks[1]) and abs(w.std() - 0.02) < 0.002 and abs(w.mean()) < 0.002
-    bits = np.asarray(registry.weight_draw((4, 600), jnp.int8, "int8", 6, 0, None, None)())
+    bits = np.asarray(registry.weight_draw((4, 600), jnp.int8, "int8", None, None, 1)(0, 6))
     assert bits.min() >= -127 and len(np.unique(bits)) > 200 and jax.numpy.dtype(bits.dtype) == jnp.int8
 
 

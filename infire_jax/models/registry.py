@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping
 
@@ -44,15 +45,21 @@ DRAW_CHUNK_ELEMENTS = 1 << 28  # a random draw's temporaries take ~24 bytes an e
 
 
 def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: np.ndarray | None) -> jax.Array:
-    """One `dummy:` weight, drawn on its devices by its own small program (peak memory: one weight,
-    and one chunk's temporaries). Padding slots of short pipeline stages are zero, which makes them
-    identity layers."""
-    return weight_draw(tuple(var.shape), var.dtype, var.get_metadata()["init"], index, seed, sharding, slot_mask)()
+    """One `dummy:` weight, drawn on its devices by a small program (peak memory: one weight, and one
+    chunk's temporaries). Padding slots of short pipeline stages are zero, which makes them identity
+    layers."""
+    mask = None if slot_mask is None else tuple(bool(b) for b in np.asarray(slot_mask).reshape(-1))
+    chunks = draw_chunks(math.prod(var.shape)) if sharding is None else 1  # sharded: each device its shard
+    return weight_draw(tuple(var.shape), np.dtype(var.dtype), var.get_metadata()["init"], sharding, mask, chunks)(
+        np.uint32(seed), np.uint32(index))
 
 
-def weight_draw(shape: tuple[int, ...], dtype, init: str, index: int, seed: int, sharding,
-                slot_mask: np.ndarray | None):
-    """The jitted program that draws one `dummy:` weight (`_random_weight`)."""
+@functools.lru_cache(maxsize=512)
+def weight_draw(shape: tuple[int, ...], dtype, init: str, sharding, slot_mask: tuple[bool, ...] | None,
+                chunks: int):
+    """The jitted program that draws a `dummy:` weight of this shape, kind and placement from (seed,
+    weight index), in `chunks` pieces: one program per kind of weight, shared by every weight and
+    model that has it."""
 
     def values(key, shape):
         if init == "ones":
@@ -71,16 +78,15 @@ def weight_draw(shape: tuple[int, ...], dtype, init: str, index: int, seed: int,
             return jnp.full(shape, 0.02 / (255 / 12) ** 0.5, jnp.float32)
         return 0.02 * jax.random.normal(key, shape, jnp.float32)
 
-    def draw():
+    def draw(seed, index):
         key = jax.random.fold_in(jax.random.key(seed), index)
-        chunks = draw_chunks(math.prod(shape)) if sharding is None else 1
         if chunks == 1:
             w = values(key, shape).astype(dtype)
         else:  # one chunk's temporaries at a time (whole: 86 GB for 4 layers of Scout's stacked experts)
             w = jax.lax.map(lambda k: values(k, (math.prod(shape) // chunks,)).astype(dtype),
                             jax.random.split(key, chunks)).reshape(shape)
         if slot_mask is not None:
-            w = jnp.where(slot_mask.reshape(-1, *[1] * (len(shape) - 1)), w, jnp.zeros((), dtype))
+            w = jnp.where(np.array(slot_mask).reshape(-1, *[1] * (len(shape) - 1)), w, jnp.zeros((), dtype))
         return w
 
     return jax.jit(draw, out_shardings=sharding)
@@ -88,8 +94,7 @@ def weight_draw(shape: tuple[int, ...], dtype, init: str, index: int, seed: int,
 
 def draw_chunks(num_elements: int, limit: int | None = None) -> int:
     """Into how many equal chunks a one-device draw of `num_elements` is cut so that each holds at most
-    `limit` (default DRAW_CHUNK_ELEMENTS): the least divisor of the count that does (1: drawn whole).
-    Sharded draws are not cut: each device draws only its shard."""
+    `limit` (default DRAW_CHUNK_ELEMENTS): the least divisor of the count that does (1: drawn whole)."""
     least = -(-num_elements // (limit or DRAW_CHUNK_ELEMENTS))
     for n in range(least, min(num_elements, 64 * least) + 1):
         if num_elements % n == 0:
