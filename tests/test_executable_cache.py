@@ -63,6 +63,24 @@ def test_key_covers_context_shapes_and_dtypes(tmp_path):
     assert len(paths) == 5
 
 
+def test_runners_of_other_settings_share_the_programs_they_both_lower(tmp_path):
+    """A program that another runner stored (the same lowered text on the same devices) is traced,
+    then loaded, not compiled again, and is kept under this runner's key too; another program compiles."""
+    jitted, reference, args = _program()
+    executable_cache.ExecutableCache(str(tmp_path), "a pool of 512 pages").get("f", args, lambda: jitted.lower(*args))
+    other = executable_cache.ExecutableCache(str(tmp_path), "a pool of 24 pages")
+    shared = other.get("f", args, lambda: jitted.lower(*args))
+    assert (other.compiled, other.shared, other.loaded) == (0, 1, 0)
+    x, w = _inputs()
+    np.testing.assert_allclose(np.asarray(shared(x, w)), reference(x, w), rtol=1e-5, atol=1e-4)
+    again = executable_cache.ExecutableCache(str(tmp_path), "a pool of 24 pages")
+    again.get("f", args, lambda: pytest.fail("the shared program was not kept under this runner's key"))
+    doubled = jax.jit(lambda x, w: 2 * jitted(x, w))
+    twice = other.get("g", args, lambda: doubled.lower(*args))
+    assert (other.compiled, other.shared) == (1, 1)
+    np.testing.assert_allclose(np.asarray(twice(x, w)), 2 * reference(x, w), rtol=1e-5, atol=1e-4)
+
+
 def test_key_covers_the_source_of_every_package_that_builds_programs(monkeypatch):
     """The model, sampler and speculation code (infire_jax/models, sample, speculative...) builds the
     step programs as much as the runner does: a change to any of it must be a new key. (The source
@@ -113,8 +131,10 @@ def test_size_bound_drops_the_oldest(tmp_path):
     size = os.path.getsize(cache.path("old", args))
     os.utime(cache.path("old", args), (1, 1))  # written long ago
     bounded = executable_cache.ExecutableCache(str(tmp_path), "ctx", max_bytes=int(size * 1.5))
-    bounded.get("new", args, lambda: jitted.lower(*args))
-    assert os.listdir(tmp_path) == [os.path.basename(bounded.path("new", args))]
+    other = jax.jit(lambda x, w: 2 * jitted(x, w))  # not the same program: not shared with "old"
+    bounded.get("new", args, lambda: other.lower(*args))
+    # "new" stays under both its names (its runner's key, its lowered text's); "old" goes under both
+    assert len(os.listdir(tmp_path)) == 2 and os.path.exists(bounded.path("new", args))
 
 
 def test_engine_warm_start_loads_every_step_program():

@@ -4,7 +4,9 @@ XLA's persistent cache (engine_setup.enable_compilation_cache) skips compilation
 program in it takes the program's HLO: a warm start still traced and lowered every step program, 0.1-0.25 s
 each, three quarters of a warm CPU boot. This cache keys a program by what it is made of instead:
 the package's source, jax and the devices, the runner's static settings and the arguments' shapes,
-dtypes and shardings. A hit deserializes the executable without tracing anything.
+dtypes and shardings. A hit deserializes the executable without tracing anything. A miss is traced
+and looked up once more by its lowered text: runners of other settings share the programs those
+settings do not change (the samplers of engines whose pools differ), compiled once.
 
 An executable that XLA's persistent cache loaded cannot be serialized again (on CPU the copy fails
 at its first run: "Function ... not found"; so did one stored while XLA's cache was on),
@@ -21,6 +23,7 @@ import hashlib
 import logging
 import os
 import pickle
+import shutil
 import tempfile
 import threading
 from typing import Any, Callable
@@ -125,9 +128,11 @@ class ExecutableCache:
         self.directory = directory
         self.max_bytes = max_bytes if max_bytes is not None else \
             int(float(os.environ.get("INFIRE_JAX_EXECUTABLE_CACHE_GB", "4")) * 2**30)
-        self._prefix = _source_fingerprint() + _runtime_fingerprint() + context
+        self._runtime = _source_fingerprint() + _runtime_fingerprint()
+        self._prefix = self._runtime + context
         self.loaded = 0  # programs deserialized from the cache
         self.compiled = 0  # programs compiled (and written) because the cache missed
+        self.shared = 0  # programs traced, then loaded: another runner had stored the same one
 
     def path(self, name: str, args: Any) -> str:
         key = hashlib.sha256((self._prefix + name + _signature(args)).encode()).hexdigest()
@@ -144,14 +149,32 @@ class ExecutableCache:
         return compiled
 
     def compile(self, name: str, args: Any, lower: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
-        """`lower()` compiled and written to the cache. XLA's persistent cache is switched off
-        meanwhile, process-wide: other compiles of the process should not run at the same time
+        """`lower()` compiled and written to the cache; or, where a runner of other settings already
+        stored the same program (the same lowered text for the same devices: a sampler does not
+        change with the pool's size), that executable, loaded. XLA's persistent cache is switched off
+        while compiling, process-wide: other compiles of the process should not run at the same time
         (they would miss it too, and not be written to it)."""
-        with _without_xla_cache():
-            compiled = lower().compile()
-        self.compiled += 1
-        self._store(self.path(name, args), compiled)
+        lowered = lower()
+        shared = self._shared_path(lowered, args)
+        compiled = self._load(shared, args)
+        if compiled is None:
+            with _without_xla_cache():
+                compiled = lowered.compile()
+            self.compiled += 1
+            self._store(shared, compiled)
+        else:
+            self.shared += 1
+        _link(shared, self.path(name, args))
         return compiled
+
+    def _shared_path(self, lowered: jax.stages.Lowered, args: Any) -> str:
+        """The file of a program by its lowered text and the devices of its arguments."""
+        devices = sorted({d.id for a in jax.tree.leaves(args)
+                          for d in (a.sharding.device_set if getattr(a, "sharding", None) is not None
+                                    else (jax.devices()[0],))})
+        h = hashlib.sha256((self._runtime + repr(devices)).encode())
+        h.update(lowered.as_text().encode())
+        return os.path.join(self.directory, "hlo-" + h.hexdigest()[:40] + ".exe")
 
     def _load(self, path: str, args: Any) -> jax.stages.Compiled | None:
         try:
@@ -195,19 +218,21 @@ class ExecutableCache:
 
     def _bound(self) -> None:
         """Deletes the oldest executables while the directory holds over max_bytes (a code change
-        or an upgrade leaves the earlier ones behind)."""
-        entries = []
+        or an upgrade leaves the earlier ones behind). A program's names (its runners' keys and its
+        lowered text's, hard links of one file) count once and go together."""
+        files: dict[int, list] = {}  # inode -> [mtime, size, names]
         for name in os.listdir(self.directory):
             try:
                 st = os.stat(os.path.join(self.directory, name))
             except FileNotFoundError:
                 continue
-            entries.append((st.st_mtime, st.st_size, name))
-        total = sum(size for _, size, _ in entries)
-        for _, size, name in sorted(entries):
+            files.setdefault(st.st_ino, [st.st_mtime, st.st_size, []])[2].append(name)
+        total = sum(size for _, size, _ in files.values())
+        for _, size, names in sorted(files.values()):
             if total <= self.max_bytes:
                 break
-            _remove(os.path.join(self.directory, name))
+            for name in names:
+                _remove(os.path.join(self.directory, name))
             total -= size
 
 
@@ -215,6 +240,20 @@ def _device_ids(compiled: jax.stages.Compiled) -> list[int]:
     """The devices the executable was compiled for, in its device assignment's order (the private
     field serialize_executable itself reads the executable from; missing, nothing is stored)."""
     return [d.id for d in compiled._executable._unloaded_executable.device_list]
+
+
+def _link(target: str, path: str) -> None:
+    """`path` names the file `target` (a hard link; a copy where links are not possible). Nothing when
+    `target` was not stored."""
+    if not os.path.exists(target) or target == path:
+        return
+    os.utime(target)  # used now: the size bound drops the least recently written first
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        os.link(target, tmp)
+    except OSError:
+        shutil.copyfile(target, tmp)
+    os.replace(tmp, path)
 
 
 def _remove(path: str) -> None:
