@@ -134,6 +134,11 @@ async def _stop_engine(app: web.Application) -> None:
         await st.handoff.stop()
     for m in st.models.values():
         await m.engine.shutdown()
+    # The app may outlive its server (aiohttp caches each app's middleware chain, keyed by the app):
+    # it lets go of the engines, so that their weights and pools go with their owners.
+    st.models.clear()
+    st.handoff = None
+    app[METRICS].release()
 
 
 async def _routing_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -237,3 +237,8 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def release(self) -> None:
+        """Drops the collectors and gauges that read the engines (the server has stopped)."""
+        self.registry = CollectorRegistry()
+        self._engines = _EngineCollector()
