@@ -40,10 +40,10 @@ fi
 # installs (bench gpu-compile's compiler) does not try, and fail, to start a GPU backend.
 command -v nvidia-smi >/dev/null 2>&1 || export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 case "$cmd" in
-  # INFIRE_TEST_WORKERS=N runs the whole suite on N pytest-xdist workers, a test file to a worker. One
-  # process by default: an engine already compiles its programs on every core, and two workers on CI's
-  # 2 cores took longer than one (docs/PERFORMANCE.md). With arguments, pytest runs as given.
-  test) workers=${INFIRE_TEST_WORKERS:-1}
+  # The whole suite runs on INFIRE_TEST_WORKERS pytest-xdist workers (default 2, one per core of CI's
+  # machine), a test file to a worker: one process left a core idle for a third of the run, and each
+  # worker stays under 12 GiB (docs/PERFORMANCE.md). With arguments, pytest runs as given.
+  test) workers=${INFIRE_TEST_WORKERS:-2}
         if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadfile; fi
         exec "$venv/bin/python" -m pytest "$@" ;;
   bench) exec "$venv/bin/python" -m infire_jax.bench "$@" ;;
