@@ -122,7 +122,7 @@ def test_command_prints_a_row_per_program(tmp_path):
     out = tmp_path / "gc.json"
     run = subprocess.run([sys.executable, "-m", "infire_jax.bench", "gpu-compile", "--target", "h200",
                           "--programs", "sampler-greedy", "--max-num-seqs", "8", "--token-buckets", "8",
-                          "--json", str(out)],
+                          "--json", str(out), "--dump-dir", str(tmp_path / "new" / "dumps")],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "sampler-greedy 8 rows" in run.stdout and "NVIDIA H200" in run.stdout
@@ -130,6 +130,7 @@ def test_command_prints_a_row_per_program(tmp_path):
 
     rows = json.loads(out.read_text())["results"]
     assert [r["program"] for r in rows] == ["sampler-greedy 8 rows"] and rows[0]["weight_copies_per_step"] == 0
+    assert list((tmp_path / "new" / "dumps").glob("sampler-greedy*/*thunk_sequence.txt"))  # made, and kept
 
 
 def test_llama4_scout_fits_two_h200s_with_the_seeds_kv_pool(tmp_path):

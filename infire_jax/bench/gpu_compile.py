@@ -12,6 +12,7 @@ not timing: jax 0.10.2's compiler, without autotuning. Needs the CUDA plugin (th
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace):
     engine = gpu_target.TargetEngine(ec, target, args.devices, args.here)
     shapes, layers, weight_bytes = engine.weights_per_device()
     dump_root = args.dump_dir or tempfile.mkdtemp(prefix="infire-gpu-compile.")
+    os.makedirs(dump_root, exist_ok=True)
     rows = []
     try:
         for p in engine.programs(dump_root, tuple(args.programs)):
