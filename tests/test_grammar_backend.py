@@ -174,3 +174,35 @@ def test_an_answer_constraint_starts_where_the_reasoning_ends(backend, tokenizer
     assert reasoning_grammar("qwen3", {"enable_thinking": False}) is None  # no reasoning: constrained at once
     assert reasoning_grammar("deepseek_v3") is None and reasoning_grammar("deepseek_v3", {"thinking": True})
     assert backend.compile(r1) is not backend.compile(StructuredOutputs(**answer))  # keyed apart
+
+
+def test_forced_qwen3_coder_calls_are_typed_by_the_schema(backend, tokenizer):
+    """A forced qwen3_coder call: the parameters in the schema's order (the optional ones may be left
+    out), a string as raw text within its bounds that ends at the first </parameter>, an enum as one
+    of its values, anything else as JSON of its schema; the format's parser reads it back typed."""
+    from infire_jax.structured import parse_tool_calls
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+
+    fn = {"name": "get_weather", "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1}, "code": {"type": "string", "pattern": "^[A-Z]{2}$"},
+        "opts": {"type": "object", "properties": {"hourly": {"type": "boolean"}}, "required": ["hourly"]}}}}
+    spec = tool_call_constraint("qwen3_coder", [fn], parallel=False)
+
+    def call(**params) -> str:
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+        return f"<tool_call>\n<function=get_weather>\n{body}</function>\n</tool_call>"
+
+    whole = call(city="Paris, <b>FR</b>", unit="celsius", days=3, code="FR", opts='{"hourly": true}')
+    assert _accepts(backend, tokenizer, spec, whole) == (True, True)
+    _, (got,) = parse_tool_calls(whole, "qwen3_coder", tools=[{"type": "function", "function": fn}])
+    assert json.loads(got.arguments) == {"city": "Paris, <b>FR</b>", "unit": "celsius", "days": 3, "code": "FR",
+                                         "opts": {"hourly": True}}
+    assert _accepts(backend, tokenizer, spec, call(city="Oslo", unit="fahrenheit")) == (True, True)
+    for wrong in (call(city="Paris", unit="kelvin"), call(city="x" * 21, unit="celsius"),
+                  call(city="Paris", unit="celsius", days="three"), call(city="Paris", unit="celsius", days=0),
+                  call(city="Paris", unit="celsius", code="France"), call(unit="celsius", city="Paris"),
+                  call(city="Paris"), call(city="Paris", unit="celsius", opts="{}")):
+        assert not _accepts(backend, tokenizer, spec, wrong)[0], wrong
+    two = tool_call_constraint("qwen3_coder", [fn], parallel=True)
+    assert _accepts(backend, tokenizer, two, whole + "\n" + call(city="Rome", unit="celsius"))[0]

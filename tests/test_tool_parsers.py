@@ -299,7 +299,7 @@ def test_random_marker_soup_parses_the_same_however_streamed():
             assert calls or content == text or parser in ("kimi_k2", "deepseek_v3", "deepseek_v31")
 
 
-@pytest.mark.parametrize("fmt", ["pythonic", "llama4_pythonic", "qwen3_coder"])
+@pytest.mark.parametrize("fmt", ["pythonic", "llama4_pythonic"])
 def test_a_forced_call_in_a_format_without_its_grammar_is_refused(fmt):
     """tool_choice "required" or named writes the call through a grammar in the model's own format;
     where none is written yet the request is refused (the server answers 400), rather than forcing

@@ -51,21 +51,22 @@ def _as_type(text: str, kind: str) -> Any:
     return value if isinstance(value, ok) and not isinstance(value, bool) else _NOT_JSON
 
 
-def _types(schema: dict[str, Any]) -> list[str]:
+def schema_types(schema: dict[str, Any]) -> list[str]:
     """The JSON types a parameter schema allows, in the order written (`type`, or `anyOf`/`oneOf`)."""
     kind = schema.get("type")
     if isinstance(kind, str):
         return [kind]
     if isinstance(kind, list):
         return [k for k in kind if isinstance(k, str)]
-    return [t for sub in schema.get("anyOf", schema.get("oneOf", [])) if isinstance(sub, dict) for t in _types(sub)]
+    return [t for sub in schema.get("anyOf", schema.get("oneOf", [])) if isinstance(sub, dict)
+            for t in schema_types(sub)]
 
 
 def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
     """A parameter's raw text as the value its schema asks for. Non-string types are tried first, so
     `["string", "null"]` reads `null` as null; text that fits none of them stays a string unless the
     schema has no type at all, when it is read as JSON if it is JSON."""
-    kinds = _types(schema or {})
+    kinds = schema_types(schema or {})
     for kind in [k for k in kinds if k != "string"]:
         value = _as_type(text, kind)
         if value is not _NOT_JSON:

@@ -1,0 +1,69 @@
+"""The Lark grammar of forced Qwen3-Coder calls (tool_grammar.py), from each tool's parameter schema.
+
+A call is `<tool_call>\\n<function=NAME>\\n`, one `<parameter=P>\\nvalue\\n</parameter>\\n` per
+parameter, then `</function>\\n</tool_call>`. The parameters come in the schema's order, the
+required ones always, the others optionally. A value is what qwen3_coder.py reads back as the
+parameter's type: a parameter that may be a string is raw text (its length and pattern bounds kept,
+`</parameter>` never inside it), a string enum or const is one of its values, anything else is JSON
+of its schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from infire_jax.errors import InvalidRequestError
+from infire_jax.structured.tool_formats.qwen3_coder import schema_types
+
+_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CLOSE = "\n</parameter>\n"
+
+
+def _string_terminal(schema: dict[str, Any]) -> str:
+    """A raw string value: its lengths and its pattern (a search, as JSON Schema's)."""
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    parts = [f"/(?s:.{{{low},{'' if high is None else high}}})/"]
+    if "pattern" in schema:  # a search unless anchored (the regexes have no anchors of their own)
+        pattern = schema["pattern"]
+        head = "" if pattern.startswith("^") else "(?s:.*)"
+        tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
+        body = pattern.removeprefix("^")[:len(pattern) - (not head) - (not tail)]
+        parts.append(f"/{head}(?:{body}){tail}/")
+    return " & ".join(parts)
+
+
+def _value(schema: dict[str, Any], rule: str) -> list[str]:
+    """Lark lines defining `rule` as a parameter's value and the close marker after it. A raw string
+    is one lazy lexeme with its close marker, so it ends at the first marker and never holds one."""
+    close = json.dumps(_CLOSE)
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if choices is not None and all(isinstance(c, str) for c in choices):
+        return [f"{rule}: (" + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices) + f") {close}"]
+    if "string" in schema_types(schema):
+        # the bounds of the string branch of a union (`anyOf`/`oneOf`), else of the schema itself
+        branches = [schema, *schema.get("anyOf", schema.get("oneOf", []))]
+        string = next((s for s in branches if isinstance(s, dict) and "string" in schema_types(s)
+                       and "anyOf" not in s and "oneOf" not in s), schema)
+        text = f"{rule.upper()}_TEXT"
+        return [f"{text}: {_string_terminal(string)}", f"{rule.upper()}: {text} {close}",
+                f"{rule}[lazy]: {rule.upper()}"]
+    return [f"{rule}: %json " + json.dumps(schema | {"x-guidance": _X_GUIDANCE}) + f" {close}"]
+
+
+def qwen3_coder_call(function: dict[str, Any], index: int) -> list[str]:
+    """Lark lines defining `call{index}`: one call of `function`."""
+    parameters = function.get("parameters") or {}
+    required = set(parameters.get("required", []))
+    lines, params = [], []
+    for j, (name, schema) in enumerate((parameters.get("properties") or {}).items()):
+        if not re.fullmatch(r"[^>\n]+", name):
+            raise InvalidRequestError(f"parameter name {name!r} of function {function['name']!r} cannot be "
+                                      "written in the qwen3_coder format (no '>' or newline)", "tools")
+        rule = f"v{index}_{j}"
+        lines += _value(schema if isinstance(schema, dict) else {}, rule)
+        head = json.dumps(f"<parameter={name}>\n", ensure_ascii=False)
+        params.append(f"({head} {rule})" + ("" if name in required else "?"))
+    head = json.dumps(f"<tool_call>\n<function={function['name']}>\n", ensure_ascii=False)
+    return [f"call{index}: {head} {' '.join(params)} \"</function>\\n</tool_call>\"", *lines]
