@@ -206,3 +206,38 @@ def test_forced_qwen3_coder_calls_are_typed_by_the_schema(backend, tokenizer):
         assert not _accepts(backend, tokenizer, spec, wrong)[0], wrong
     two = tool_call_constraint("qwen3_coder", [fn], parallel=True)
     assert _accepts(backend, tokenizer, two, whole + "\n" + call(city="Rome", unit="celsius"))[0]
+
+
+@pytest.mark.parametrize("fmt", ["pythonic", "llama4_pythonic"])
+def test_forced_pythonic_calls_are_python_literals_of_the_schema(backend, tokenizer, fmt):
+    """A forced pythonic call: keyword arguments in the schema's order (the optional ones may be left
+    out), each a Python literal of its schema (quoted strings within their bounds, True/False/None,
+    lists and dicts of the declared items and properties, any literal where the schema says nothing);
+    the format's parser reads it back as JSON arguments that fit the schema."""
+    import jsonschema
+
+    from infire_jax.structured import parse_tool_calls
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+
+    params = {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1}, "code": {"type": "string", "pattern": "^[A-Z]{2}$"},
+        "opts": {"type": "object", "required": ["hourly"], "properties": {
+            "hourly": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}}}},
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "extra": {}}}
+    spec = tool_call_constraint(fmt, [{"name": "get_weather", "parameters": params}, {"name": "noop"}], parallel=True)
+    whole = ("[get_weather(city='Paris', unit='celsius', days=3, code='FR', opts={'hourly': True, 'tags': ['a']}, "
+             "note=None, extra=[1.5, {'k': 'v'}]), noop()]")
+    assert _accepts(backend, tokenizer, spec, whole) == (True, True)
+    _, calls = parse_tool_calls(whole, fmt)
+    assert [c.name for c in calls] == ["get_weather", "noop"]
+    jsonschema.validate(args := json.loads(calls[0].arguments), params)
+    assert args["opts"] == {"hourly": True, "tags": ["a"]} and args["extra"] == [1.5, {"k": "v"}]
+    assert _accepts(backend, tokenizer, spec, "[get_weather(city='Oslo', unit='fahrenheit')]") == (True, True)
+    for wrong in ("[get_weather(city='Paris', unit='kelvin')]", "[get_weather(unit='celsius', city='Paris')]",
+                  "[get_weather(city='Paris')]", f"[get_weather(city='{'x' * 21}', unit='celsius')]",
+                  "[get_weather(city='Paris', unit='celsius', days=0)]",
+                  "[get_weather(city='Paris', unit='celsius', days=true)]",
+                  "[get_weather(city='Paris', unit='celsius', code='France')]",
+                  "[get_weather(city='Paris', unit='celsius', opts={'tags': []})]", "[other()]"):
+        assert not _accepts(backend, tokenizer, spec, wrong)[0], wrong

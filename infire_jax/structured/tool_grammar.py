@@ -12,21 +12,23 @@ import json
 from typing import Any
 
 from infire_jax.structured.spec import StructuredOutputs
+from infire_jax.structured.tool_formats.pythonic_grammar import pythonic_calls
 from infire_jax.structured.tool_formats.qwen3_coder_grammar import qwen3_coder_call
 from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END,
                                                                DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_SEP,
                                                                KIMI_ARGS_BEGIN, KIMI_CALL_BEGIN, KIMI_CALL_END,
                                                                KIMI_SECTION_BEGIN, KIMI_SECTION_END)
 from infire_jax.structured.tool_parsers import (DEEPSEEK_V3, DEEPSEEK_V31, HERMES, HERMES_CLOSE, HERMES_OPEN, KIMI_K2,
-                                                LLAMA3_JSON, MISTRAL, MISTRAL_MARKER, QWEN3_CODER)
+                                                LLAMA3_JSON, LLAMA4_PYTHONIC, MISTRAL, MISTRAL_MARKER, PYTHONIC,
+                                                QWEN3_CODER)
 
 # The same JSON layout as response_format's (backend._JSON_OPTIONS), given inside each schema.
 _X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 NEWLINE = "\n"
-# The formats a forced call is written in (pythonic arguments are Python literals: that grammar is not
-# written yet).
-FORCEABLE_FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER)
+# The formats a forced call is written in: all of them.
+FORCEABLE_FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER, PYTHONIC,
+                     LLAMA4_PYTHONIC)
 # Each format's markers, for the caller to look up as special tokens (`special_token_ids`).
 _DEEPSEEK_MARKERS = (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
 MARKERS = {MISTRAL: (MISTRAL_MARKER,), DEEPSEEK_V3: _DEEPSEEK_MARKERS, DEEPSEEK_V31: _DEEPSEEK_MARKERS,
@@ -63,6 +65,8 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
 
     if fmt in (KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31):
         return _section_constraint(fmt, functions, parallel, mark)
+    if fmt in (PYTHONIC, LLAMA4_PYTHONIC):  # Python literals (tool_formats/pythonic_grammar.py)
+        return StructuredOutputs(grammar=pythonic_calls(functions, parallel), param="tool_choice")
     if fmt == QWEN3_CODER:  # raw-text parameters typed by the schema (tool_formats/qwen3_coder_grammar.py)
         calls = [line for i, f in enumerate(functions) for line in qwen3_coder_call(f, i)]
         rules = (f"start: call{_more(NEWLINE) if parallel else ''}\n"

@@ -1,0 +1,147 @@
+"""The Lark grammar of forced pythonic calls (tool_grammar.py): `[f(a=1, b='x')]`, from each tool's schema.
+
+A call's keyword arguments come in the schema's order, the required ones always, the others
+optionally; each value is a Python literal of its schema, as pythonic.py reads back with `ast`:
+strings quoted (within their length and pattern bounds), integers and numbers as JSON writes them
+(also Python's syntax), `True`/`False`/`None`, lists of the item schema, dicts of the declared
+properties, a string enum or const as one of its values, a union as any of its branches, and any
+literal where the schema says nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from infire_jax.errors import InvalidRequestError
+from infire_jax.structured.tool_formats.qwen3_coder import schema_types
+
+_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+_SEP = '", "'
+# A Python string literal in single quotes (what repr writes), and any literal at all.
+_ANY = ["PY_STR: /'([^'\\\\\\n]|\\\\.)*'/",
+        "py_any: PY_STR | %json {\"type\": \"number\"} | \"True\" | \"False\" | \"None\" "
+        f"| \"[\" (py_any ({_SEP} py_any)*)? \"]\" | \"{{\" (PY_STR \": \" py_any ({_SEP} PY_STR \": \" py_any)*)? \"}}\""]
+
+
+class _Rules:
+    """Lark rules for the values of one set of tools, each schema its own rule."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.uses_any = False
+
+    def value(self, schema: Any) -> str:
+        """The name of a rule for a value of `schema`."""
+        at = len(self.lines)
+        rule = f"v{at}"
+        self.lines.append("")  # the rule's place (nested schemas add theirs after it)
+        self.lines[at] = f"{rule}: {self._body(schema if isinstance(schema, dict) else {}, rule)}"
+        return rule
+
+    def _body(self, schema: dict[str, Any], rule: str) -> str:
+        choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if choices is not None:
+            return " | ".join(json.dumps(_literal(c)) for c in choices)
+        branches = schema.get("anyOf", schema.get("oneOf"))
+        if branches:
+            return " | ".join(self.value(b) for b in branches)
+        kinds = schema_types(schema)
+        if not kinds:
+            self.uses_any = True
+            return "py_any"
+        return " | ".join(self._typed(kind, schema, rule) for kind in kinds)
+
+    def _typed(self, kind: str, schema: dict[str, Any], rule: str) -> str:
+        if kind == "string":
+            return self._string(schema, rule)
+        if kind in ("integer", "number"):  # JSON's numbers are Python's literals too
+            bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                                             "multipleOf") if k in schema}
+            return "%json " + json.dumps({"type": kind, **bounds, "x-guidance": _X_GUIDANCE})
+        if kind == "boolean":
+            return '"True" | "False"'
+        if kind == "null":
+            return '"None"'
+        if kind == "array":
+            item = self.value(schema.get("items", {}))
+            return f'"[" ({item} ({_SEP} {item})*)? "]"'
+        if kind == "object":
+            members = [(name, json.dumps(repr(name) + ": "), self.value(sub))
+                       for name, sub in (schema.get("properties") or {}).items()]
+            return '"{" ' + _sequence(members, set(schema.get("required", []))) + ' "}"'
+        raise InvalidRequestError(f"JSON schema type {kind!r} cannot be forced in the pythonic format", "tools")
+
+    def _string(self, schema: dict[str, Any], rule: str) -> str:
+        """Single-quoted; bounded strings hold no escapes, so that their length is the text's."""
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if high is None and "pattern" not in schema and not low:
+            self.uses_any = True
+            return "PY_STR"
+        parts = [f"/[^'\\\\\\n]{{{low},{'' if high is None else high}}}/"]
+        if "pattern" in schema:
+            pattern = schema["pattern"]
+            head = "" if pattern.startswith("^") else "(?s:.*)"
+            tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
+            parts.append(f"/{head}(?:{pattern.removeprefix('^')[:len(pattern) - (not head) - (not tail)]}){tail}/")
+        self.lines.append(f"{rule.upper()}_TEXT: {' & '.join(parts)}")
+        return f"\"'\" {rule.upper()}_TEXT \"'\""
+
+
+def _literal(value: Any) -> str:
+    """A JSON value as the Python literal the parser reads back as it."""
+    if isinstance(value, (bool, type(None))):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    return "{" + ", ".join(f"{k!r}: {_literal(v)}" for k, v in value.items()) + "}"
+
+
+def _sequence(items: list[tuple[str, str, str]], required: set[str]) -> str:
+    """Lark for `items` (name, head, value rule) in order, joined by ", ": the required ones always,
+    the others optionally (the separator goes before every item but the first one written)."""
+    def rest(i: int) -> str:
+        if i == len(items):
+            return ""
+        name, head, value = items[i]
+        one = f"{_SEP} {head} {value}"
+        return (f"{one} " if name in required else f"({one})? ") + rest(i + 1)
+
+    def first(i: int) -> str:
+        if i == len(items):
+            return ""
+        name, head, value = items[i]
+        written = f"{head} {value} {rest(i + 1)}".strip()
+        if name in required:
+            return written
+        later = first(i + 1)
+        return f"({written} | {later})" if later else f"({written})?"
+
+    return first(0)
+
+
+def pythonic_calls(functions: list[dict[str, Any]], parallel: bool) -> str:
+    """The Lark grammar of a list of calls to `functions` (one call unless `parallel`)."""
+    rules, calls = _Rules(), []
+    for i, f in enumerate(functions):
+        if not _IDENTIFIER.fullmatch(f["name"]):
+            raise InvalidRequestError(f"function name {f['name']!r} is not a Python identifier: it cannot be "
+                                      "called in the pythonic format", "tools")
+        parameters = f.get("parameters") or {}
+        args = []
+        for name, schema in (parameters.get("properties") or {}).items():
+            if not _IDENTIFIER.fullmatch(name):
+                raise InvalidRequestError(f"parameter {name!r} of function {f['name']!r} is not a Python "
+                                          "identifier: it cannot be a keyword argument", "tools")
+            args.append((name, json.dumps(name + "="), rules.value(schema)))
+        calls.append(f"call{i}: {json.dumps(f['name'] + '(')} "
+                     f"{_sequence(args, set(parameters.get('required', [])))} \")\"")
+    more = f" ({_SEP} call)*" if parallel else ""
+    return "\n".join([f'start: "[" call{more} "]"', "call: " + " | ".join(f"call{i}" for i in range(len(functions))),
+                      *calls, *rules.lines, *(_ANY if rules.uses_any else [])]) + "\n"
