@@ -23,7 +23,8 @@ _SEP = '", "'
 # A Python string literal in single quotes (what repr writes), and any literal at all.
 _ANY = ["PY_STR: /'([^'\\\\\\n]|\\\\.)*'/",
         "py_any: PY_STR | %json {\"type\": \"number\"} | \"True\" | \"False\" | \"None\" "
-        f"| \"[\" (py_any ({_SEP} py_any)*)? \"]\" | \"{{\" (PY_STR \": \" py_any ({_SEP} PY_STR \": \" py_any)*)? \"}}\""]
+        f"| \"[\" (py_any ({_SEP} py_any)*)? \"]\" "
+        f"| \"{{\" (PY_STR \": \" py_any ({_SEP} PY_STR \": \" py_any)*)? \"}}\""]
 
 
 class _Rules:
