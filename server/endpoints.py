@@ -25,7 +25,7 @@ from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs
 from infire_jax.structured.backend import CompiledGrammar, GrammarCompileError
-from infire_jax.structured.reasoning_parsers import reasoning_grammar
+from infire_jax.structured.reasoning_parsers import reasoning_grammar, reasoning_markers
 from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, MARKERS, tool_call_constraint
 from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON
 from infire_jax.structured.tool_prompt import render_inputs
@@ -131,22 +131,28 @@ async def chat_prompt(m: ServedModel, req: ChatRequest, param: str) -> list[list
     _check_length(m, prompts, param)
     if req.tools is not None:
         await _force_tool_calls(m, req, m.tool_parser)
-    _answer_after_reasoning(m, req)
+    _reasoning(m, req)
     return prompts
 
 
-def _answer_after_reasoning(m: ServedModel, req: ChatRequest) -> None:
-    """A constraint on the answer (response_format, a forced tool_choice) starts where the reasoning
-    ends, while the request may think: the grammar lets the reasoning through first. vLLM's
-    `structured_outputs` is not an answer's constraint: it constrains the whole output, the reasoning
-    included."""
-    so = req.params.structured_outputs
-    if m.reasoning_parser is None or so is None or not (req.response_format is not None or
-                                                         (req.tools is not None and req.tools.forced)):
+def _reasoning(m: ServedModel, req: ChatRequest) -> None:
+    """While the request may think: its markers that are special tokens stay in the decoded text, for
+    the reasoning parser to find; and a constraint on the answer (response_format, a forced
+    tool_choice) starts where the reasoning ends, the grammar letting the reasoning through first.
+    vLLM's `structured_outputs` is not an answer's constraint: it constrains the whole output, the
+    reasoning included."""
+    markers = reasoning_markers(m.reasoning_parser, req.chat_template_kwargs) if m.reasoning_parser else ()
+    if not markers:
         return
-    after = reasoning_grammar(m.reasoning_parser, req.chat_template_kwargs)
-    if after is not None:
-        req.params = dataclasses.replace(req.params, structured_outputs=dataclasses.replace(so, after=after))
+    ids = {marker: m.tokenizer.special_token_id(marker) for marker in markers}
+    changes = {}
+    if any(i is not None for i in ids.values()):
+        changes["skip_special_tokens"] = False
+    so = req.params.structured_outputs
+    if so is not None and (req.response_format is not None or (req.tools is not None and req.tools.forced)):
+        after = reasoning_grammar(m.reasoning_parser, req.chat_template_kwargs, ids)
+        changes["structured_outputs"] = dataclasses.replace(so, after=after)
+    req.params = dataclasses.replace(req.params, **changes)
 
 
 async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) -> None:

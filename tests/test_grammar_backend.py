@@ -241,3 +241,28 @@ def test_forced_pythonic_calls_are_python_literals_of_the_schema(backend, tokeni
                   "[get_weather(city='Paris', unit='celsius', code='France')]",
                   "[get_weather(city='Paris', unit='celsius', opts={'tags': []})]", "[other()]"):
         assert not _accepts(backend, tokenizer, spec, wrong)[0], wrong
+
+
+def test_reasoning_markers_that_are_special_tokens_are_those_tokens(backend, tokenizer):
+    """Where a parser's markers are special tokens of the tokenizer, the grammar writes them as those
+    tokens: the text spelling a marker out does not end the reasoning. (SmolLM2 has no think tokens:
+    two of its special tokens stand in for them; not its end of text, which ends a grammar's run.)"""
+    from infire_jax.structured.reasoning_parsers import reasoning_grammar
+
+    start, end = tokenizer.special_token_id("<jupyter_start>"), tokenizer.special_token_id("<jupyter_output>")
+    assert start is not None and end is not None and tokenizer.special_token_id("<think>") is None
+    assert tokenizer.special_token_id("Hello") is None  # an ordinary token is not special
+
+    def takes(spec: StructuredOutputs, toks: list[int]) -> tuple[bool, bool]:
+        m = backend.compile(spec).matcher()
+        return m.accept_tokens(toks) == len(toks), m.is_terminated()
+
+    answer = ids(tokenizer, '{"a": 7}')
+    r1 = StructuredOutputs(json=SCHEMA, after=reasoning_grammar("deepseek_r1", None, {"</think>": end}))
+    assert takes(r1, ids(tokenizer, "So </think> is text here.") + [end] + answer) == (True, True)
+    assert takes(r1, ids(tokenizer, 'x</think>{"a": 7}')) == (True, False)  # spelled out: still thinking
+    qwen3 = StructuredOutputs(json=SCHEMA, after=reasoning_grammar("qwen3", None, {"<think>": start, "</think>": end}))
+    assert takes(qwen3, [start] + ids(tokenizer, "hmm") + [end] + answer) == (True, True)
+    assert takes(qwen3, ids(tokenizer, "\n") + [start, end] + answer) == (True, True)
+    assert takes(qwen3, answer) == (True, True)
+    assert not takes(qwen3, ids(tokenizer, "<think>hmm</think>") + answer)[0]  # the opener is the token

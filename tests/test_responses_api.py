@@ -449,3 +449,31 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(smol_server):
     result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4))
     assert cities and all(isinstance(c, str) and c for c in cities)
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+def test_reasoning_markers_that_are_special_tokens_stay_in_the_decoded_text():
+    """A request that may think keeps special tokens in its decoded text where the parser's markers
+    are special tokens (the parser must see them), and its answer's grammar writes them as tokens;
+    where they are plain text, or the request does not think, nothing changes."""
+    import types
+
+    from server.endpoints import _reasoning
+    from server.protocol import parse_chat
+
+    def served(parser: str, special: dict[str, int]):
+        tokenizer = types.SimpleNamespace(special_token_id=special.get)
+        return types.SimpleNamespace(reasoning_parser=parser, tokenizer=tokenizer)
+
+    def request(**body):
+        return parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **body})
+
+    req = request(response_format={"type": "json_object"})
+    _reasoning(served("qwen3", {"<think>": 7, "</think>": 8}), req)
+    assert req.params.skip_special_tokens is False
+    assert "<[7]>" in req.params.structured_outputs.after and "<[8]>" in req.params.structured_outputs.after
+    plain = request()
+    _reasoning(served("qwen3", {}), plain)
+    assert plain.params.skip_special_tokens is True and plain.params.structured_outputs is None
+    off = request(chat_template_kwargs={"enable_thinking": False})
+    _reasoning(served("qwen3", {"<think>": 7, "</think>": 8}), off)
+    assert off.params.skip_special_tokens is True

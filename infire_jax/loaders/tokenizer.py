@@ -137,6 +137,13 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tk.token_to_id(token)
 
+    def special_token_id(self, token: str) -> int | None:
+        """The id of `token` if it is one of the tokenizer's special tokens (dropped by a decode that
+        skips special tokens, and never spelled out by the text's own tokens), else None."""
+        tid = self.tk.token_to_id(token)
+        added = self.tk.get_added_tokens_decoder().get(tid) if tid is not None else None
+        return tid if added is not None and added.special else None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 

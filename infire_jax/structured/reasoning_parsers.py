@@ -54,26 +54,56 @@ REASONING_PARSERS: dict[str, Callable[[dict[str, Any]], _Syntax | None]] = {
 _HEAD, _REASONING, _CONTENT = "head", "reasoning", "content"
 
 
-def reasoning_grammar(parser: str, chat_template_kwargs: dict[str, Any] | None = None) -> str | None:
+def reasoning_markers(parser: str, chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The open and close markers of the think blocks an output may hold (none when it may not reason):
+    a server keeps those that are special tokens in the text it decodes, for the parser to find."""
+    syntax = _syntax(parser, chat_template_kwargs)
+    return () if syntax is None else tuple(m for pair in syntax.pairs for m in pair)
+
+
+def _syntax(parser: str, chat_template_kwargs: dict[str, Any] | None) -> _Syntax | None:
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
+    return REASONING_PARSERS[parser](chat_template_kwargs or {})
+
+
+def reasoning_grammar(parser: str, chat_template_kwargs: dict[str, Any] | None = None,
+                      special_ids: dict[str, int | None] | None = None) -> str | None:
     """The Lark grammar of the reasoning an output may hold before its answer, as `parser` splits it:
     its start rule ends in `@answer`, the answer's constraint (`StructuredOutputs.after`). None when
     the output holds no reasoning (the answer's constraint applies from the first token).
 
     The reasoning is free text up to the first close marker (a lazy lexeme ends there); where the
     output may also begin with the answer (qwen3's syntax), the think block is optional. The answer
-    follows the close marker at once, as vLLM's structured output starts at the token after it."""
-    if parser not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
-    syntax = REASONING_PARSERS[parser](chat_template_kwargs or {})
+    follows the close marker at once, as vLLM's structured output starts at the token after it.
+    `special_ids`: the markers that are special tokens of the tokenizer, by text, written as those
+    tokens (a decode keeps them: `reasoning_markers`)."""
+    syntax = _syntax(parser, chat_template_kwargs)
     if syntax is None:
         return None
-    if syntax.implicit:  # inside the block from the first token (a leading open marker is free text)
-        blocks = [f"/(?s:.*)/ {json.dumps(syntax.pairs[0][1], ensure_ascii=False)}"]
-    else:
-        blocks = [f"/[ \\t\\r\\n]*/ {json.dumps(o, ensure_ascii=False)} /(?s:.*)/ {json.dumps(c, ensure_ascii=False)}"
-                  for o, c in syntax.pairs]
-    rules = [f"THINK{i}: {b}\nthink{i}[lazy]: THINK{i}" for i, b in enumerate(blocks)]
-    think = " | ".join(f"think{i}" for i in range(len(blocks)))
+    ids = special_ids or {}
+
+    def mark(marker: str) -> str:  # a special token is that token: text never holds it
+        return f"<[{ids[marker]}]>" if ids.get(marker) is not None else json.dumps(marker, ensure_ascii=False)
+
+    def block(i: int, opener: str | None, closer: str) -> str:
+        """Lark lines of think block `i`: blank space and the open marker (none for a block the output
+        starts inside), then free text up to the close marker's first occurrence."""
+        lines, parts = [], []
+        if opener is not None:
+            lines.append(f"WS{i}: /[ \\t\\r\\n]+/")
+            parts += [f"WS{i}?", mark(opener)]
+        if ids.get(closer) is not None:
+            lines.append(f"TEXT{i}: /(?s:.*)/")
+            parts += [f"TEXT{i}", mark(closer)]
+        else:  # a lazy lexeme ends at the first close marker
+            lines += [f"BODY{i}: /(?s:.*)/ {json.dumps(closer, ensure_ascii=False)}", f"body{i}[lazy]: BODY{i}"]
+            parts.append(f"body{i}")
+        return "\n".join([*lines, f"think{i}: {' '.join(parts)}"])
+
+    pairs = [(None, syntax.pairs[0][1])] if syntax.implicit else list(syntax.pairs)
+    rules = [block(i, o, c) for i, (o, c) in enumerate(pairs)]
+    think = " | ".join(f"think{i}" for i in range(len(pairs)))
     start = "start: think @answer" if syntax.implicit else "start: think? @answer"
     return "\n".join([start, f"think: {think}", *rules]) + "\n"
 
