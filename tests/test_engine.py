@@ -65,7 +65,7 @@ def test_long_prompt_is_prefilled_in_chunks(smol_llm):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     chunked = smol_llm.generate([ids], params)[0]
     big = LLM(dtype="float32", max_num_seqs=2, max_num_batched_tokens=256, token_buckets=(1, 2, 256),
-              max_model_len=1024)
+              max_model_len=1024, num_kv_pages=129)  # two sequences' pages, not the CPU's default 1 GiB
     whole = big.generate([ids], params)[0]
     assert chunked.token_ids == whole.token_ids
 

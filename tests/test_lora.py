@@ -343,9 +343,10 @@ def test_tiny_llama_int8_with_ngram_speculation_matches_peft(tmp_path):
     _save_tokenizer(tmp_path / "model")
     peft_model = _peft_model(base, {"r8": ADAPTERS["r8"], "r64": ADAPTERS["r64"]}, tmp_path / "adapters")
     llm = LLM(model=str(tmp_path / "model"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets=(4, 32), max_model_len=256, weights_quantization="int8", enable_lora=True, max_loras=2,
-              max_lora_rank=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+              token_buckets=(4, 32), max_model_len=256, num_kv_pages=72, weights_quantization="int8",
+              enable_lora=True, max_loras=2, max_lora_rank=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
     prompts = ID_PROMPTS[:2]
     for i, name in enumerate(("r8", "r64")):
         request = LoRARequest(name, i + 1, str(tmp_path / "adapters" / name))

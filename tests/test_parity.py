@@ -83,7 +83,9 @@ def _tiny_hf_dir(tmp_path_factory, family: str, tokenizer) -> str:
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_tiny_random_hf_dirs_match_hf(family, tmp_path_factory, smol_llm):
     path, hf_model = _tiny_hf_dir(tmp_path_factory, family, smol_llm.tokenizer)
-    llm = LLM(model=path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    # 4 sequences of 512 tokens: 128 pages of 16 (the CPU's default pool, 1 GiB, is 40,000 of this model's)
+    llm = LLM(model=path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+              num_kv_pages=129)
     expect = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
     assert llm.engine.model_config.architecture == expect
     if family == "llama3":
