@@ -7,6 +7,7 @@ spellings and a compressed-tensors config with a KV-cache scheme alone read the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import NamedTuple
@@ -108,10 +109,15 @@ def test_fp8_engine_takes_the_checkpoint_scales(engines):
 
 
 def test_fp8_engine_generates_as_one_given_the_scales_by_hand(engines):
-    got, want = (LLM(engine=e).generate(PROMPTS, GREEDY) for e in (engines.fp8, engines.by_hand))
+    """The scales set by hand reach the device pool, and the two engines compute the same: the same
+    tokens with the same log-probabilities, bit for bit (the calibrated scales give others)."""
+    np.testing.assert_array_equal(np.asarray(engines.by_hand.runner.cache.kv_scales), EXPECTED)
+    params = dataclasses.replace(GREEDY, logprobs=1)
+    got, want = (LLM(engine=e).generate(PROMPTS, params) for e in (engines.fp8, engines.by_hand))
     for g, w in zip(got, want):
         assert len(g.outputs[0].token_ids) == GREEDY.max_tokens
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
 
 
 def test_bfloat16_cache_ignores_the_scales(engines, tmp_path):
