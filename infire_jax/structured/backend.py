@@ -28,13 +28,18 @@ from infire_jax.structured.spec import StructuredOutputs
 
 # JSON without free whitespace: a small model cannot wander into endless blank lines, and the
 # separators are the ones json.dumps writes, so outputs look familiar.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256
 _COMPILE_THREADS = 2
 
 
 class GrammarCompileError(InvalidRequestError):
     """The constraint is invalid, uses an unsupported feature, or did not compile in time."""
+
+
+def inline_json(schema: dict) -> str:
+    """A JSON schema inside a Lark grammar (`%json`), in the same layout as a response_format's."""
+    return "%json " + json.dumps(schema | {"x-guidance": JSON_LAYOUT})
 
 
 def _escape(s: str) -> str:
@@ -56,9 +61,9 @@ def to_grammar(spec: StructuredOutputs) -> str:
 def _constraint_grammar(spec: StructuredOutputs) -> str:
     kind = spec.kind
     if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_LAYOUT)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":

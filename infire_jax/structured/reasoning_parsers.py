@@ -112,10 +112,8 @@ class ReasoningStream:
     """Splits one choice's output into reasoning and content, delta by delta."""
 
     def __init__(self, parser: str, chat_template_kwargs: dict[str, Any] | None = None):
-        if parser not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
         self.parser = parser
-        self._syntax = REASONING_PARSERS[parser](chat_template_kwargs or {})
+        self._syntax = _syntax(parser, chat_template_kwargs)
         self._phase = _HEAD if self._syntax is not None else _CONTENT
         self._close = ""  # the marker that ends the open think block
         self._buf = ""  # text not handed out yet

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from infire_jax.structured.backend import inline_json
 from infire_jax.structured.spec import StructuredOutputs
 from infire_jax.structured.tool_formats.pythonic_grammar import pythonic_calls
 from infire_jax.structured.tool_formats.qwen3_coder_grammar import qwen3_coder_call
@@ -22,8 +23,6 @@ from infire_jax.structured.tool_parsers import (DEEPSEEK_V3, DEEPSEEK_V31, HERME
                                                 LLAMA3_JSON, LLAMA4_PYTHONIC, MISTRAL, MISTRAL_MARKER, PYTHONIC,
                                                 QWEN3_CODER)
 
-# The same JSON layout as response_format's (backend._JSON_OPTIONS), given inside each schema.
-_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 NEWLINE = "\n"
 # The formats a forced call is written in: all of them.
@@ -40,10 +39,6 @@ def _call_schema(fmt: str, function: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": {"name": {"const": function["name"]},
                                              args_key: function.get("parameters") or EMPTY_PARAMETERS},
             "required": ["name", args_key], "additionalProperties": False}
-
-
-def _json(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps(schema | {"x-guidance": _X_GUIDANCE})
 
 
 def _more(separator: str) -> str:
@@ -75,13 +70,13 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
     one = {"anyOf": [_call_schema(fmt, f) for f in functions]} if len(functions) > 1 \
         else _call_schema(fmt, functions[0])
     if fmt == HERMES:
-        call = f"{json.dumps(HERMES_OPEN + NEWLINE)} {_json(one)} {json.dumps(NEWLINE + HERMES_CLOSE)}"
+        call = f"{json.dumps(HERMES_OPEN + NEWLINE)} {inline_json(one)} {json.dumps(NEWLINE + HERMES_CLOSE)}"
         rules = f"start: call{_more(NEWLINE) if parallel else ''}\ncall: {call}\n"
     elif fmt == LLAMA3_JSON:
-        rules = f"start: call{_more('; ') if parallel else ''}\ncall: {_json(one)}\n"
+        rules = f"start: call{_more('; ') if parallel else ''}\ncall: {inline_json(one)}\n"
     else:  # MISTRAL
         array = {"type": "array", "items": one, "minItems": 1} | ({} if parallel else {"maxItems": 1})
-        rules = f"start: {mark(MISTRAL_MARKER)} {_json(array)}\n"
+        rules = f"start: {mark(MISTRAL_MARKER)} {inline_json(array)}\n"
     return StructuredOutputs(grammar=rules, param="tool_choice")
 
 
@@ -89,7 +84,7 @@ def _section_constraint(fmt: str, functions: list[dict[str, Any]], parallel: boo
     """Kimi K2's and DeepSeek V3 / V3.1's calls: a section of call blocks, each the function's name
     between markers and its arguments' JSON object (fenced as ```json for V3)."""
     def args(f: dict[str, Any]) -> str:
-        return _json((f.get("parameters") or EMPTY_PARAMETERS) | {"type": "object"})
+        return inline_json((f.get("parameters") or EMPTY_PARAMETERS) | {"type": "object"})
 
     calls = []
     for i, f in enumerate(functions):

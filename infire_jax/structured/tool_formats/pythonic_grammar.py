@@ -15,9 +15,10 @@ import re
 from typing import Any
 
 from infire_jax.errors import InvalidRequestError
+from infire_jax.structured.backend import inline_json
 from infire_jax.structured.tool_formats.qwen3_coder import schema_types
+from infire_jax.structured.tool_formats.qwen3_coder_grammar import pattern_regex
 
-_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _SEP = '", "'
 # A Python string literal in single quotes (what repr writes), and any literal at all.
@@ -61,7 +62,7 @@ class _Rules:
         if kind in ("integer", "number"):  # JSON's numbers are Python's literals too
             bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                                              "multipleOf") if k in schema}
-            return "%json " + json.dumps({"type": kind, **bounds, "x-guidance": _X_GUIDANCE})
+            return inline_json({"type": kind, **bounds})
         if kind == "boolean":
             return '"True" | "False"'
         if kind == "null":
@@ -83,19 +84,14 @@ class _Rules:
             return "PY_STR"
         parts = [f"/[^'\\\\\\n]{{{low},{'' if high is None else high}}}/"]
         if "pattern" in schema:
-            pattern = schema["pattern"]
-            head = "" if pattern.startswith("^") else "(?s:.*)"
-            tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
-            parts.append(f"/{head}(?:{pattern.removeprefix('^')[:len(pattern) - (not head) - (not tail)]}){tail}/")
+            parts.append(pattern_regex(schema["pattern"]))
         self.lines.append(f"{rule.upper()}_TEXT: {' & '.join(parts)}")
         return f"\"'\" {rule.upper()}_TEXT \"'\""
 
 
 def _literal(value: Any) -> str:
     """A JSON value as the Python literal the parser reads back as it."""
-    if isinstance(value, (bool, type(None))):
-        return repr(value)
-    if isinstance(value, str):
+    if isinstance(value, (bool, type(None), str)):
         return repr(value)
     if isinstance(value, (int, float)):
         return json.dumps(value)

@@ -15,9 +15,9 @@ import re
 from typing import Any
 
 from infire_jax.errors import InvalidRequestError
+from infire_jax.structured.backend import inline_json
 from infire_jax.structured.tool_formats.qwen3_coder import schema_types
 
-_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CLOSE = "\n</parameter>\n"
 
 
@@ -25,13 +25,18 @@ def _string_terminal(schema: dict[str, Any]) -> str:
     """A raw string value: its lengths and its pattern (a search, as JSON Schema's)."""
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     parts = [f"/(?s:.{{{low},{'' if high is None else high}}})/"]
-    if "pattern" in schema:  # a search unless anchored (the regexes have no anchors of their own)
-        pattern = schema["pattern"]
-        head = "" if pattern.startswith("^") else "(?s:.*)"
-        tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
-        body = pattern.removeprefix("^")[:len(pattern) - (not head) - (not tail)]
-        parts.append(f"/{head}(?:{body}){tail}/")
+    if "pattern" in schema:
+        parts.append(pattern_regex(schema["pattern"]))
     return " & ".join(parts)
+
+
+def pattern_regex(pattern: str) -> str:
+    """A JSON-schema `pattern` as a Lark regex matching whole strings: a search unless anchored
+    (llguidance's regexes take no anchors)."""
+    head = "" if pattern.startswith("^") else "(?s:.*)"
+    tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
+    body = pattern.removeprefix("^")[:len(pattern) - (not head) - (not tail)]
+    return f"/{head}(?:{body}){tail}/"
 
 
 def _value(schema: dict[str, Any], rule: str) -> list[str]:
@@ -49,7 +54,7 @@ def _value(schema: dict[str, Any], rule: str) -> list[str]:
         text = f"{rule.upper()}_TEXT"
         return [f"{text}: {_string_terminal(string)}", f"{rule.upper()}: {text} {close}",
                 f"{rule}[lazy]: {rule.upper()}"]
-    return [f"{rule}: %json " + json.dumps(schema | {"x-guidance": _X_GUIDANCE}) + f" {close}"]
+    return [f"{rule}: {inline_json(schema)} {close}"]
 
 
 def qwen3_coder_call(function: dict[str, Any], index: int) -> list[str]:
