@@ -78,10 +78,12 @@ def _largest(limit: int, divides: int, floor: int) -> int:
     return b
 
 
-def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | None = None, group: int = 0) -> Blocks:
-    """The tiling for tiles of `rows` rows of a [k, n] weight with scales per `group` inputs (0: none):
-    `override` whole if given, else the heuristic below with the fields INFIRE_JAX_QUANT_BLOCKS names
-    replaced; it may not fit: `fits` says."""
+def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | None = None, group: int = 0,
+           x_bytes: int = 2) -> Blocks:
+    """The tiling for tiles of `rows` rows of a [k, n] weight with scales per `group` inputs (0: none),
+    whose x tiles load `x_bytes` a row and input (2 for bfloat16; a fused SwiGLU loads float32 gate
+    and up partials): `override` whole if given, else the heuristic below with the fields
+    INFIRE_JAX_QUANT_BLOCKS names replaced; it may not fit: `fits` says."""
     if override is not None:
         return override
     gemv = rows <= 2
@@ -96,18 +98,19 @@ def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | No
     # Each pipeline stage holds the step's x tile (rows padded to a dot) beside the weight items and
     # their scales: wide tiles of many rows outgrow the shared memory (a Q4_1 step of 64 rows with
     # block_k 512 asked an H100 for 239,616 bytes of its 232,448: tests/test_quant_matmul.py).
-    while block_k > min_block_k(packing) and stages * _stage_bytes(rows, block_k, tile_n, item_bytes) > SHARED_BUDGET:
+    while block_k > min_block_k(packing) and \
+            stages * _stage_bytes(rows, block_k, tile_n, item_bytes, x_bytes) > SHARED_BUDGET:
         block_k //= 2
     blocks = Blocks(block_k=block_k, tile_n=tile_n, num_warps=4, num_stages=stages, gemv=gemv)
     env = os.environ.get(ENV)
     return dataclasses.replace(blocks, **parse(env)) if env else blocks
 
 
-def _stage_bytes(rows: int, block_k: int, tile_n: int, item_bytes: float) -> int:
-    """An upper bound of one pipeline stage's shared memory: the bfloat16 x tile (rows padded to a
-    power of two, at least MIN_DOT), the weight items, and two float32 scale rows per 32 inputs."""
+def _stage_bytes(rows: int, block_k: int, tile_n: int, item_bytes: float, x_bytes: int = 2) -> int:
+    """An upper bound of one pipeline stage's shared memory: the x tile (rows padded to a power of
+    two, at least MIN_DOT), the weight items, and two float32 scale rows per 32 inputs."""
     padded = max(MIN_DOT, 1 << max(rows - 1, 0).bit_length())
-    return int(padded * block_k * 2 + block_k * item_bytes * tile_n + 2 * max(1, block_k // 32) * tile_n * 4)
+    return int(padded * block_k * x_bytes + block_k * item_bytes * tile_n + 2 * max(1, block_k // 32) * tile_n * 4)
 
 
 def splits_for(blocks: Blocks, programs: int, k_blocks: int) -> int:

@@ -19,7 +19,8 @@ come per shape from quant_blocks.py (docs/KERNELS.md has the analysis behind the
 
 `quant_matmul(x, stack, index)` is x @ W[index] for a decode-sized step: rows in tiles of up to
 64, and K split over programs so that a few rows still fill the GPU (the partial sums are added
-outside, one small XLA reduction). `grouped_matmul(x, group_sizes, stack, first)` multiplies rows sorted by group by
+outside, one small XLA reduction, or by the next kernel: `quant_matmul_parts` keeps them apart, and
+a down projection reads its gate/up projection's parts, forming silu(gate) * up as it loads them). `grouped_matmul(x, group_sizes, stack, first)` multiplies rows sorted by group by
 W[first + group] (a MoE layer's experts): tiles of rows never straddle two groups, so each tile
 reads its expert's weights once. Either way the stack index is data the kernel reads, so a layer
 scan hands over the whole stack, and no weight is ever copied out or dequantized in HBM.
@@ -187,8 +188,31 @@ def _piece_weights(stack: QuantStack, refs: dict, cache: dict, index, k0, n0, pi
 _PARTS = ("values", "scale", "zero", "minimum")
 
 
+def _cols(start, size: int, stride: int) -> pl.Slice:
+    return pl.ds(start, size, stride) if stride != 1 else pl.ds(start, size)
+
+
+def _swiglu_rows(x_ref, row, count: int | None, start, size: int, stride: int, num_inputs: int, parts: int,
+                 dtype) -> Array:
+    """silu(gate) * up for row `row` (or `count` rows from it) and the input columns `_cols(start, size,
+    stride)`, from the gate/up projection's unsummed float32 partials, `parts` blocks of rows stacked
+    in x_ref [parts * R, 2K] (gate columns [0, K), up [K, 2K)): each half summed and rounded to `dtype`
+    as the projection's output would be, the product computed in float32 and rounded to `dtype`, as
+    models/llama.py's `dense_mlp` does."""
+    block = x_ref.shape[0] // parts
+
+    def load(s, cols):
+        rows = row + s * block if count is None else pl.ds(row + s * block, count)
+        return x_ref[rows, cols]
+
+    gate, up = _cols(start, size, stride), _cols(start + num_inputs, size, stride)
+    g = sum(load(s, gate) for s in range(parts)).astype(dtype).astype(jnp.float32)
+    u = sum(load(s, up) for s in range(parts)).astype(dtype).astype(jnp.float32)
+    return (g * lax.logistic(g) * u).astype(dtype)
+
+
 def _kernel(index_ref, start_ref, blocks_ref, x_ref, *refs, stack: QuantStack, blocks: Blocks, splits: int,
-            precision):
+            precision, swiglu: int, dtype):
     out_ref = refs[-1]
     present = [p for p in _PARTS if getattr(stack, p) is not None]
     parts = dict(zip(present, refs[:-1]))
@@ -201,19 +225,24 @@ def _kernel(index_ref, start_ref, blocks_ref, x_ref, *refs, stack: QuantStack, b
     gemv = blocks.gemv and rows <= GEMV_MAX_ROWS
     pieces = _pieces(stack.packing, block_k)
 
+    def x_rows(r, count, piece: _Piece, k0, size: int):  # the piece's inputs of row r (or count rows), or
+        if swiglu:  # of silu(gate) * up from `swiglu` blocks of partials
+            return _swiglu_rows(x_ref, r, count, k0 + piece.col0, size, piece.stride, stack.num_inputs, swiglu,
+                                dtype)
+        return x_ref[r if count is None else pl.ds(r, count), _cols(k0 + piece.col0, size, piece.stride)]
+
     def body(kb, acc):
         k0 = kb * block_k
         cache = {}
         for piece in pieces:
-            w = _piece_weights(stack, parts, cache, index, k0, n * tile_n, piece, blocks=blocks, dtype=x_ref.dtype)
-            cols = pl.ds(k0 + piece.col0, w.shape[0], piece.stride) if piece.stride != 1 else \
-                pl.ds(k0 + piece.col0, w.shape[0])
+            w = _piece_weights(stack, parts, cache, index, k0, n * tile_n, piece, blocks=blocks, dtype=dtype)
+            cols = functools.partial(x_rows, piece=piece, k0=k0, size=w.shape[0])
             if gemv:  # each row's products in registers, summed over the piece's inputs now or at the end
                 wf = w.astype(jnp.float32)
-                acc = tuple(a + _fold(wf * x_ref[start + r, cols].astype(jnp.float32)[:, None], a.ndim)
+                acc = tuple(a + _fold(wf * cols(start + r, None).astype(jnp.float32)[:, None], a.ndim)
                             for r, a in enumerate(acc))
             else:
-                acc = acc + lax.dot_general(x_ref[pl.ds(start, rows), cols], w, (((1,), (0,)), ((), ())),
+                acc = acc + lax.dot_general(cols(start, rows), w, (((1,), (0,)), ((), ())),
                                             precision=precision, preferred_element_type=jnp.float32)
         return acc
 
@@ -233,18 +262,23 @@ def _fold(products: Array, ndim: int) -> Array:
 
 
 def _tiles_call(x: Array, stack: QuantStack, index: Array, start: Array, k_blocks: Array, rows: int,
-                blocks: Blocks, interpret: bool) -> Float[Array, "P T R N"]:
+                blocks: Blocks, interpret: bool, dtype=None) -> Float[Array, "P T R N"]:
     """Each tile t's `rows` rows of x from `start[t]` times W[index[t]], over its first `k_blocks[t]`
-    K steps of `blocks.block_k` (0: none); [splits, tiles, rows, N] partial sums in float32."""
+    K steps of `blocks.block_k` (0: none); [splits, tiles, rows, N] partial sums in float32. Given a
+    `dtype`, x is a gate/up projection's float32 partials [S, R, 2K] and the rows multiplied are
+    silu(gate) * up in `dtype` (`_swiglu_rows`)."""
     k, n = stack.num_inputs, stack.num_outputs
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} inputs, the quantized stack {k}")
+    swiglu = x.shape[0] if dtype is not None else 0  # blocks of partials, stacked as rows
+    x = x.reshape(-1, x.shape[-1])
+    if x.shape[-1] != (2 * k if swiglu else k):
+        raise ValueError(f"x has {x.shape[-1]} inputs, the quantized stack {k}{' (gate and up: twice)' if swiglu else ''}")
     present = [getattr(stack, p) for p in _PARTS if getattr(stack, p) is not None]
     tiles, tile_n = index.shape[0], blocks.tile_n
     splits = splits_for(blocks, tiles * (n // tile_n), k // blocks.block_k)
     whole = pl.BlockSpec()
     return pl.pallas_call(
-        functools.partial(_kernel, stack=stack, blocks=blocks, splits=splits, precision=dot_precision(x.dtype)),
+        functools.partial(_kernel, stack=stack, blocks=blocks, splits=splits, swiglu=swiglu,
+                          dtype=dtype or x.dtype, precision=dot_precision(dtype or x.dtype)),
         grid=(tiles, n // tile_n, splits),
         in_specs=[whole] * (4 + len(present)),
         out_specs=pl.BlockSpec((None, None, rows, tile_n), lambda t, j, s: (s, t, 0, j)),
@@ -261,20 +295,33 @@ def _tile_rows(rows: int, blocks: Blocks) -> int:
     return rows if blocks.gemv and rows <= GEMV_MAX_ROWS else max(MIN_DOT, rows)
 
 
+def quant_matmul_parts(x: Float[Array, "M K"] | Float[Array, "S M K2"], stack: QuantStack,
+                       index: Int[Array, ""] | int = 0, *, blocks: Blocks | None = None, interpret: bool = False,
+                       swiglu_dtype=None) -> Float[Array, "P R N"]:
+    """x @ W[index] as float32 partial sums over K's splits, [P, R, N] for R >= M rows (rows past M
+    multiply zeros): the sum over P is the product. With `swiglu_dtype`, x is a gate/up projection's
+    partials (this function's output for W = [E, 2K]) and the rows multiplied are silu(gate) * up,
+    rounded to that dtype, computed as each tile loads them (no launch of their own)."""
+    stack.check()
+    m, k = x.shape[-2], stack.num_inputs
+    x_bytes = 2 * 4 * x.shape[0] if swiglu_dtype is not None else 2
+    blocks = _fitted(choose(min(m, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group, x_bytes),
+                     stack)
+    rows = _tile_rows(m, blocks)
+    tiles = -(-m // rows)
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, tiles * rows - m), (0, 0)]
+    xp = x if tiles * rows == m else jnp.pad(x, pad)
+    out = _tiles_call(xp, stack, jnp.full((tiles,), index, jnp.int32), jnp.arange(tiles, dtype=jnp.int32) * rows,
+                      jnp.full((tiles,), k // blocks.block_k, jnp.int32), rows, blocks, interpret, swiglu_dtype)
+    return out.reshape(out.shape[0], tiles * rows, -1)
+
+
 def quant_matmul(x: Float[Array, "M K"], stack: QuantStack, index: Int[Array, ""] | int = 0, *,
                  blocks: Blocks | None = None, interpret: bool = False) -> Float[Array, "M N"]:
     """x @ W[index] in float32 (x's dtype into the dot), W dequantized tile by tile on chip; `blocks`
     replaces the chosen tiling (quant_blocks.py)."""
-    stack.check()
-    m, k = x.shape
-    blocks = _fitted(choose(min(m, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group), stack)
-    rows = _tile_rows(m, blocks)
-    tiles = -(-m // rows)
-    xp = x if tiles * rows == m else jnp.pad(x, ((0, tiles * rows - m), (0, 0)))
-    out = _tiles_call(xp, stack, jnp.full((tiles,), index, jnp.int32), jnp.arange(tiles, dtype=jnp.int32) * rows,
-                      jnp.full((tiles,), k // blocks.block_k, jnp.int32), rows, blocks, interpret)
-    out = out[0] if out.shape[0] == 1 else out.sum(axis=0)
-    return out.reshape(tiles * rows, -1)[:m]
+    out = quant_matmul_parts(x, stack, index, blocks=blocks, interpret=interpret)
+    return (out[0] if out.shape[0] == 1 else out.sum(axis=0))[:x.shape[0]]
 
 
 def group_tile_rows(num_rows: int, num_groups: int, blocks: Blocks) -> int:

@@ -185,7 +185,15 @@ def test_bursts_sample_what_single_steps_sample(smol_llm, one_step_llm, name):
     assert engine.runner.rc.decode_steps == 4 and one_step_llm.engine.runner.rc.decode_steps == 1
     free, steps = engine.kv.num_free_pages, engine.stats.steps
     got = outputs(smol_llm, PARAMS[name])
-    assert got == outputs(one_step_llm, PARAMS[name])
+    want = outputs(one_step_llm, PARAMS[name])
+    # Tokens, texts and ends exactly. Log-probabilities within float32 rounding: the session engine may
+    # hold a prompt's first pages from another module's requests (prefix caching), and then prefills
+    # only the tail, in another bucket, which rounds the prompt's logits and KV differently (1e-6 to 1e-5).
+    assert [[c[:3] for c in r] for r in got] == [[c[:3] for c in r] for r in want]
+    for g, w in zip((c[3] for r in got for c in r), (c[3] for r in want for c in r)):
+        assert (g is None) == (w is None) and [list(a) for a in g or []] == [list(b) for b in w or []]
+        for a, b in zip(g or [], w or []):
+            np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=0, atol=1e-4)
     longest = max(len(c[0]) for r in got for c in r)
     assert engine.stats.steps - steps < longest  # fewer launches than tokens: bursts ran
     assert engine.kv.num_free_pages == free and engine.compiles_since_warmup == 0

@@ -246,6 +246,8 @@ def test_engine_with_kept_awq_in_the_kernel_equals_the_layer_body_engine(gptq_di
     for tokens in (4, 32):
         names = kernel_names(forward_jaxpr(kernel.engine.runner, tokens))
         assert names.count("quant_matmul") == 4, names  # q/k/v, o, gate/up, down; each read in place
+        # o's partials added to the residual and normed in one kernel; silu(gate) * up inside down's
+        assert names.count("residual_rms_norm") == 1, names
     _use(monkeypatch, WITHOUT)  # a program is traced under the environment's choice
     assert "quant_matmul" not in kernel_names(forward_jaxpr(plain.engine.runner, 4))
     _assert_same(_generate(kernel, PROMPTS), _generate(plain, PROMPTS))

@@ -60,7 +60,7 @@ CHECKS = (
     Check("kernel-tests", 180, ("pytest", "tests/test_kernels.py", "tests/test_quant_matmul.py",
                                 "tests/test_palette_kernels.py", "tests/test_step_program.py", "tests/test_layers.py",
                                 "tests/test_kv_fp8_kernels.py", "tests/test_local_attention.py",
-                                "tests/test_lora_kernels.py", "-q"), figures=False),
+                                "tests/test_lora_kernels.py", "tests/test_fused_epilogues.py", "-q"), figures=False),
     # Issue 46: what the GPU's own compiler (jax 0.11) makes of the decode and forward programs, to
     # hold against `bench gpu-compile` compiled on a CPU machine for the same commit (docs/PERFORMANCE.md).
     Check("gpu-programs", 90, ("infire_jax.bench", "gpu-compile", "--here", *GPU_PROGRAMS)),
@@ -69,6 +69,10 @@ CHECKS = (
     # default), against cuBLAS on the layer's slice, which jax 0.10.2's compiler copies first.
     Check("decode-b1-cublas", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64"),
           env=(("INFIRE_JAX_DENSE_MATMUL", "xla"),)),
+    # Decode-sized steps run their layers unrolled (12 launches a layer of the 8B burst, compiled on a
+    # CPU machine), against the scan (17); the first H100 run found an unrolled scan slower with cuBLAS.
+    Check("decode-b1-scan", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64"),
+          env=(("INFIRE_JAX_LAYER_LOOP", "scan"),)),
     Check("profile-b1", 150, ("infire_jax.bench", "profile", *LLAMA, "--batch-size", "1", "--input-len", "2048",
                               "--steps", "32")),
     # This wave's new paths: Llama 4's chunked attention on the hybrid KV cache, and batched LoRA

@@ -5,7 +5,8 @@ and decode bursts; with speculation the verifying ones; the small ones) is compi
 weights' and the pool's shapes (bench/gpu_target.py), with the engine's GPU settings and XLA flags.
 A row per program: launches a step and a layer of the layer loop (from XLA's launch list), copies
 of weight size and their bytes a step, float32 tensors shaped like a weight, the custom calls, and
-memory against the card (arguments + outputs - donated + temporaries). This is compiled structure,
+memory against the card (arguments + outputs - donated + temporaries), and whether every program fits
+the share of the card XLA's allocator hands out (the JSON's `fits`). This is compiled structure,
 not timing: jax 0.10.2's compiler, without autotuning. Needs the CUDA plugin (the `dev` extra).
 """
 
@@ -45,9 +46,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def pool_bytes(memory_bytes: int, utilization: float, weight_bytes: int, reserve: int = 2 << 30) -> int:
-    """The KV pool the engine would size on the card: its share of the card, less the weights and a
-    reserve for the largest step's temporaries (checked against each program's own afterwards)."""
-    return int(memory_bytes * utilization) - weight_bytes - reserve
+    """The KV pool the engine would size on the card: its share of the card (within what the allocator
+    hands out), less the weights and a reserve for the largest step's temporaries (checked against
+    each program's own afterwards)."""
+    return min(int(memory_bytes * utilization), usable_bytes(memory_bytes)) - weight_bytes - reserve
+
+
+def usable_bytes(memory_bytes: int) -> int:
+    """What of the card XLA's allocator may hand out as the engine runs it: its fraction
+    (XLA_PYTHON_CLIENT_MEM_FRACTION, which the engine raises to 0.95 unless set; runner/xla_flags.py)."""
+    from infire_jax.runner import xla_flags
+
+    return int(memory_bytes * float(os.environ.get(xla_flags.ALLOCATOR_FRACTION_VAR,
+                                                   xla_flags.DEFAULT_ALLOCATOR_FRACTION)))
 
 
 def run(args: argparse.Namespace):
@@ -86,6 +97,7 @@ def run(args: argparse.Namespace):
                 weight_copies_per_step=st.weight_copies / p.steps,
                 weight_copy_gb_per_step=st.weight_copy_bytes / p.steps / 1e9, weight_copy_ops=st.weight_copy_ops,
                 float32_weights=len(st.float32_weights), float32_weight_buffers=st.float32_weights,
+                f32_weight_bytes=st.float32_weight_bytes // p.steps,
                 calls=", ".join(f"{_SHORT.get(k, k)} {v / p.steps:.0f}" for k, v in sorted(st.custom_calls.items())),
                 custom_calls=st.custom_calls, argument_bytes=m.argument_size_in_bytes,
                 output_bytes=m.output_size_in_bytes, alias_bytes=m.alias_size_in_bytes,
@@ -97,7 +109,14 @@ def run(args: argparse.Namespace):
     if not rows:
         raise BenchError(f"no program of this engine starts with {args.programs}")
     plan = engine.settings.plan
+    usable = usable_bytes(target.memory_bytes)
+    programs = [dict(name=r["program"], steps=r["steps"], launches_per_step=r["launches_per_step"],
+                     launches_per_layer=r["launches_per_layer"],
+                     weight_copy_bytes=round(r["weight_copy_gb_per_step"] * 1e9),
+                     f32_weight_bytes=r["f32_weight_bytes"], peak_bytes=round(r["peak_gb"] * 1e9),
+                     device_memory_bytes=target.memory_bytes, compile_seconds=r["compile_s"]) for r in rows]
     payload = dict(benchmark="gpu-compile", settings=settings(args), target=target.name,
+                   programs=programs, usable_bytes=usable, fits=all(p["peak_bytes"] <= usable for p in programs),
                    device_kind=target.device_kind, devices=args.devices, on_the_gpu=args.here,
                    mesh=plan.mesh_config.name if plan else None,
                    card_bytes=target.memory_bytes, jax=jax.__version__, weight_bytes_per_device=weight_bytes,
@@ -105,6 +124,7 @@ def run(args: argparse.Namespace):
                    num_kv_pages=engine.settings.runner_config.num_pages, results=rows)
     title = (f"gpu-compile: {ec.model or 'default model'} on {args.devices} x {target.device_kind}"
              f"{f' ({plan.mesh_config.name})' if plan else ''}, jax {jax.__version__}, per device: weights "
-             f"{weight_bytes / 1e9:.1f} GB, KV pool {engine.kv_pool_bytes_per_device() / 1e9:.1f} GB "
-             f"(compiled structure, not timing)")
+             f"{weight_bytes / 1e9:.1f} GB, KV pool {engine.kv_pool_bytes_per_device() / 1e9:.1f} GB; "
+             f"{'every program fits' if payload['fits'] else 'NOT every program fits'} the allocator's "
+             f"{usable / 1e9:.1f} GB of the card (compiled structure, not timing)")
     return report.Result(payload, report.table(rows, COLUMNS), [], title)

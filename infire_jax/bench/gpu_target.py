@@ -126,9 +126,23 @@ class CompiledProgram:
     steps: int  # engine steps a run of it takes (a decode burst's steps; else 1)
 
 
+def _quantized(ec, cfg) -> dict | None:
+    """The quantized weights' layouts of `ec`'s model as the engine would place them, from shapes
+    alone: a `dummy:` model's drawn int4 / int8 parts (a checkpoint's own come from its files)."""
+    if not ec.weights_quantization:
+        return None
+    if not (ec.model or "").startswith("dummy:") or ec.weights_quantization not in ("int4", "int8"):
+        raise ConfigError(f"a GPU target builds the quantized weights of a dummy: model (--weights-quantization "
+                          f"int4 or int8) from their shapes; got {ec.model!r} with {ec.weights_quantization!r}")
+    from infire_jax.loaders.gguf_quant import DEFAULT_INT4_GROUP, dummy_layouts
+
+    return dummy_layouts(cfg, ec.weights_quantization, ec.int4_group_size or DEFAULT_INT4_GROUP)
+
+
 class TargetEngine:
     """The engine of `ec` built for `count` GPUs of target `t` (a mesh from `ec.mesh` or the shipped
-    file for the count, as on the GPUs themselves) from its weights' and pool's shapes alone."""
+    file for the count, as on the GPUs themselves) from its weights' and pool's shapes alone (a
+    dummy's quantized ones included: `_quantized`)."""
 
     def __init__(self, ec, t: Target, count: int = 1, here: bool = False):
         from infire_jax.engine.setup import resolve_settings
@@ -139,7 +153,7 @@ class TargetEngine:
         self.target, self.devices = t, devices(t, count, here)
         with self._building():
             self.settings = s = resolve_settings(ec, None)
-            graphdef, state = abstract_state(s.model_config, s.dtype, s.plan)
+            graphdef, state = abstract_state(s.model_config, s.dtype, s.plan, _quantized(ec, s.model_config))
             self.memory = DeviceMemory(s.placed_config, graphdef, state, s.runner_config, dtype=s.dtype,
                                        plan=s.plan, allocate=False)
             self.steps = CompiledSteps(self.memory)

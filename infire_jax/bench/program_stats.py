@@ -21,6 +21,7 @@ import glob
 import math
 import os
 import re
+import statistics
 
 # Bytes per element of an HLO element type (sub-byte types round up per element, an upper bound).
 _ELEMENT_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
@@ -74,12 +75,13 @@ def parse_hlo(text: str) -> dict[str, list[Instruction]]:
 @dataclasses.dataclass
 class ProgramStats:
     launches: float  # a run of the program
-    launches_per_layer: int  # in one trip of the layer loop (0: no loop of `num_layers` trips)
-    loops_in_layer: int  # loops inside the layer loop (work redone every layer, e.g. a search)
+    launches_per_layer: int  # in one trip of the layer loop, or the median unrolled layer's (0: neither)
+    loops_in_layer: int  # loops inside a layer (work redone every layer, e.g. a search)
     weight_copies: int  # copies of weight size a run
     weight_copy_bytes: int
     weight_copy_ops: list[str]  # their op names (from the HLO metadata), one each
     float32_weights: list[str]  # float32 buffers shaped like a weight
+    float32_weight_bytes: int  # theirs, each counted as often as it is written a run
     custom_calls: dict[str, int]  # target -> launches a run
 
 
@@ -114,10 +116,10 @@ def _root(comp: list[Instruction]) -> Instruction | None:
 
 
 def hlo_facts(comps: dict[str, list[Instruction]], weight_shapes: list[tuple[int, ...]]
-              ) -> tuple[list[tuple[str, int, int]], list[str]]:
-    """(copies of weight size as (op name, bytes, runs a program run), float32 buffers shaped like a
-    weight matrix) in the optimized HLO (`parse_hlo`); `weight_shapes` are one layer's weights (and
-    the unstacked ones)."""
+              ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """(copies of weight size, float32 buffers shaped like a weight matrix), each as (op or buffer
+    name, bytes, runs a program run), in the optimized HLO (`parse_hlo`); `weight_shapes` are one
+    layer's weights (and the unstacked ones)."""
     runs, fused, _ = _multipliers(comps)
     matrices = [tuple(sorted(d for d in s if d > 1)) for s in weight_shapes]
     matrices = {m for m in matrices if len(m) >= 2}
@@ -137,8 +139,8 @@ def hlo_facts(comps: dict[str, list[Instruction]], weight_shapes: list[tuple[int
             if op in _COPY_OPS and elements >= smallest:
                 copies.append((_op_name(root or ins, ins), ins.nbytes, runs.get(name, 1)))
             if ins.dtype == "f32" and tuple(sorted(d for d in ins.dims if d > 1)) in matrices:
-                f32.append(f"{ins.name} f32{list(ins.dims)}")
-    return copies, sorted(set(f32))
+                f32.append((f"{ins.name} f32{list(ins.dims)}", ins.nbytes, runs.get(name, 1)))
+    return copies, f32
 
 
 def _callee(ins: Instruction) -> str:
@@ -152,17 +154,21 @@ def _op_name(ins: Instruction, outer: Instruction) -> str:
     return "/".join(found.group(1).split("/")[-2:]) if found else outer.name
 
 
-def thunk_launches(sequence: str, metadata: str, trips: dict[str, int], num_layers: int
-                   ) -> tuple[float, int, int, dict[str, float]]:
-    """(launches a run, launches a trip of the layer loop, loops inside it, launches by kind) from
-    the launch list;
-    a while's thunks count its trip count times (`trips`, by HLO while name). The layer loop is the
-    loop of `num_layers` trips that launches the most in a trip (its nested loops' launches apart)."""
+def thunk_launches(sequence: str, metadata: str, trips: dict[str, int], num_layers: int,
+                   layer_of: dict[str, int] | None = None) -> tuple[float, int, int, dict[str, float]]:
+    """(launches a run, launches a layer, loops inside a layer, launches by kind) from the launch list;
+    a while's thunks count its trip count times (`trips`, by HLO while name). Where the layers are
+    unrolled, a layer's launches are those of its name scope (`layer_of`: HLO instruction name -> its
+    layer, `layer_scopes`), and the median layer's count; else a layer is a trip of the layer
+    loop, the loop of `num_layers` trips that launches the most in a trip (its nested loops' launches
+    apart)."""
     names = dict(re.findall(r'profile_annotation: "([^"]+)"\s*thunk_id: (\d+)', metadata))
     by_id = {int(i): n for n, i in names.items()}
     stack: list[tuple[int, int, int]] = []  # (indent of a while thunk, its trips, its thunk id)
     direct: collections.Counter = collections.Counter()  # while thunk id -> launches directly in a trip
     nested: collections.Counter = collections.Counter()  # while thunk id -> loops directly inside it
+    unrolled: collections.Counter = collections.Counter()  # layer -> launches (unrolled layers)
+    unrolled_loops: collections.Counter = collections.Counter()  # layer -> loops in it
     total, kinds, layer_loops = 0.0, collections.Counter(), set()
     for line in sequence.splitlines():
         m = _THUNK.match(line)
@@ -171,6 +177,7 @@ def thunk_launches(sequence: str, metadata: str, trips: dict[str, int], num_laye
         indent, thunk_id, kind = len(m.group(1)), int(m.group(2)), m.group(3)
         while stack and indent <= stack[-1][0]:
             stack.pop()
+        scope = (layer_of or {}).get(by_id.get(thunk_id, ""))
         if kind == "kWhile":
             n = trips.get(by_id.get(thunk_id, ""), 1)
             if stack:
@@ -178,6 +185,8 @@ def thunk_launches(sequence: str, metadata: str, trips: dict[str, int], num_laye
             stack.append((indent, n, thunk_id))
             if n == num_layers:
                 layer_loops.add(thunk_id)
+            if scope is not None:
+                unrolled_loops[scope] += 1
             continue
         if kind in _CONTAINERS:
             continue
@@ -186,8 +195,22 @@ def thunk_launches(sequence: str, metadata: str, trips: dict[str, int], num_laye
         kinds[kind] += times
         if stack:
             direct[stack[-1][2]] += 1
+        if scope is not None:
+            unrolled[scope] += 1
+    if unrolled:  # the median layer: the first also holds what XLA hoisted out of all of them
+        return total, statistics.median_high(unrolled.values()), max(unrolled_loops.values(), default=0), dict(kinds)
     layer = max(layer_loops, key=lambda i: direct[i], default=None)
     return total, direct[layer] if layer is not None else 0, nested[layer] if layer is not None else 0, dict(kinds)
+
+
+_LAYER_SCOPE = re.compile(r'op_name="[^"]*/layer(\d+)/')
+
+
+def layer_scopes(comps: dict[str, list[Instruction]]) -> dict[str, int]:
+    """Each instruction made inside an unrolled layer (models/layers.py's `layer_loop`: the name scope
+    `layer{i}` in its HLO metadata), by name -> i."""
+    return {ins.name: int(m.group(1)) for comp in comps.values() for ins in comp
+            if (m := _LAYER_SCOPE.search(ins.rest))}
 
 
 def read_dump(dump_dir: str, weight_shapes: list[tuple[int, ...]], num_layers: int) -> ProgramStats:
@@ -204,7 +227,7 @@ def read_dump(dump_dir: str, weight_shapes: list[tuple[int, ...]], num_layers: i
     comps = parse_hlo(hlo)
     runs, _, trips = _multipliers(comps)
     total, per_layer, loops, _ = thunk_launches(one("*.thunk_sequence.txt"), one("*.thunk_metadata.txt"), trips,
-                                                num_layers)
+                                                num_layers, layer_scopes(comps))
     copies, f32 = hlo_facts(comps, weight_shapes)
     calls: collections.Counter = collections.Counter()
     for name, comp in comps.items():
@@ -213,4 +236,5 @@ def read_dump(dump_dir: str, weight_shapes: list[tuple[int, ...]], num_layers: i
             if target:
                 calls[target.group(1)] += runs.get(name, 1)
     return ProgramStats(total, per_layer, loops, sum(r for _, _, r in copies), sum(b * r for _, b, r in copies),
-                        sorted({n for n, _, _ in copies}), f32, dict(calls))
+                        sorted({n for n, _, _ in copies}), sorted({n for n, _, _ in f32}),
+                        sum(b * r for _, b, r in f32), dict(calls))

@@ -119,6 +119,20 @@ def dummy_layout(mode: str, cfg, group: int = DEFAULT_INT4_GROUP) -> QuantLayout
                                              cfg.moe_intermediate_size, cfg.head_dim))
 
 
+def dummy_layouts(cfg, mode: str, int4_group: int = DEFAULT_INT4_GROUP) -> dict:
+    """A `dummy:` model's quantized weights and their layouts under `weights_quantization=mode`, what
+    `build_state` (or `models.registry.abstract_state`, for shapes alone) takes: a DeepSeek-V3-family
+    one's routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales), a Llama-architecture one's
+    layer weights by `dummy_layout`."""
+    if cfg.mla is not None and mode == "int4":
+        return {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
+    if cfg.mla is not None:
+        raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; a DeepSeek-V3-family "
+                          "dummy draws its routed experts in int4")
+    shorts = [s for s in INPUT_AXIS if cfg.llama4 is not None or s not in SHARED_EXPERT]
+    return {short: dummy_layout(mode, cfg, int4_group) for short in shorts}
+
+
 def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:
     """A GGUF file (the default model's when `spec` is None) placed with its kept blocks."""
     path = spec or default_model_path()
@@ -137,19 +151,13 @@ def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPl
     layer weights per output channel, "int4" in groups of `int4_group` inputs with zero points (the
     GPTQ / AWQ kept form; the mesh must split no group); a `dummy:` model's parts are drawn on the
     device(s) ("int4": AWQ / GPTQ form, Kimi K2's for a DeepSeek-V3-family one's routed experts)."""
-    if loaded.config.mla is not None and mode == "int4" and loaded.weights is None:
-        # a DeepSeek-V3-family dummy: routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales)
-        layouts = {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
+    if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
+        layouts = dummy_layouts(loaded.config, mode, int4_group)
         graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
         return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
     if loaded.config.mla is not None:
         raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
                           "family keeps a published quantized checkpoint's weights with 'checkpoint'")
-    if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
-        shorts = [s for s in INPUT_AXIS if loaded.config.llama4 is not None or s not in SHARED_EXPERT]
-        layouts = {short: dummy_layout(mode, loaded.config, int4_group) for short in shorts}
-        graphdef, state = build_state(loaded.config, None, dtype, plan=plan, quantized=layouts)
-        return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
     if mode == "int8":
         weights, layouts = quantize_int8(loaded.weights)
         return place_parts(loaded, weights, layouts, dtype, plan)

@@ -25,6 +25,7 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -32,7 +33,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
 from infire_jax.models.kv_entry import kv_entry
-from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_tables
+from infire_jax.models.layers import apply_rope, head_logits, layer_loop, param, rms_norm, rope_tables
 from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
@@ -157,7 +158,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
         in_place = layer_stacks(weights[kind], h.shape[0], DENSE_INPUTS, kind == "moe", one_device=red == Reductions())
         layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red, in_place, start)
         scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
-        carry, _ = jax.lax.scan(layer, carry, (scanned, start + jnp.arange(n, dtype=jnp.int32)))
+        carry = layer_loop(layer, carry, (scanned, start + np.arange(n, dtype=np.int32)), n, h.shape[0])
         start += n
     return carry
 

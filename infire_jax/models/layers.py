@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,41 @@ def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, init: str = "
     """
     assert len(shape) == len(axes), (shape, axes)
     return nnx.Param(jnp.zeros(shape, dtype), axes=axes, init=init)
+
+
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+# Steps of up to this many tokens are decode-sized: their kernels are short, so what a loop trip adds
+# (its counter, its test, a copy of each small per-layer weight out of its stack) is a visible share.
+UNROLL_MAX_TOKENS = 64
+
+
+def layer_loop_kind(tokens: int) -> str:
+    """How the models run their stacked layers in a step of `tokens` tokens: `unrolled` on a GPU for
+    decode-sized steps, `scan` otherwise (INFIRE_JAX_LAYER_LOOP=scan|unrolled|auto chooses). A scan
+    compiles one layer body whatever the depth; unrolled, a trip's counter, test and slice copies are
+    gone (the layer index and per-layer weights become constants or fuse into their consumers: 20 ->
+    14 launches a layer of the 8B decode burst, docs/PERFORMANCE.md), for a compile several times
+    longer (the 8B burst's 1.4 -> 8.4 s, Llama 4 Scout's 46 s), paid once a program (the executable
+    cache). A prompt chunk's matmuls dwarf the loop, so its program keeps the scan."""
+    kind = os.environ.get("INFIRE_JAX_LAYER_LOOP", "auto")
+    if kind not in LAYER_LOOPS:
+        raise ConfigError(f"INFIRE_JAX_LAYER_LOOP={kind!r}; choose one of {LAYER_LOOPS}")
+    if kind == "auto":
+        return "unrolled" if placement.platform() == "gpu" and tokens <= UNROLL_MAX_TOKENS else "scan"
+    return kind
+
+
+def layer_loop(body: Callable[[Any, Any], tuple[Any, None]], carry: Any, xs: Any, length: int, tokens: int) -> Any:
+    """`lax.scan(body, carry, xs)[0]` over `length` layers, or the same trips unrolled
+    (`layer_loop_kind`), layer i's ops under the name scope `layer{i}` (bench/program_stats.py counts
+    a layer's launches by it). Give per-layer indices in `xs` as numpy arrays, so that unrolled each
+    layer's is a constant."""
+    if layer_loop_kind(tokens) == "scan":
+        return jax.lax.scan(body, carry, xs, length=length)[0]
+    for i in range(length):
+        with jax.named_scope(f"layer{i}"):
+            carry, _ = body(carry, jax.tree.map(lambda a: a[i], xs))
+    return carry
 
 
 def rms_norm(x: Float[Array, "... E"], weight: Float[Array, "E"], eps: float) -> Float[Array, "... E"]:

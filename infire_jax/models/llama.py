@@ -23,13 +23,13 @@ from infire_jax.errors import ConfigError
 from infire_jax.lora.batched import LayerLoRA, LoRAStep, LoRAWeight, split_stacks
 from infire_jax.lora.layout import stack_axes
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.layers import (apply_rope, head_logits, local_attention_table, param, rms_norm, rope_inv_freq,
-                                      rope_tables, with_local_mask)
+from infire_jax.models.layers import (apply_rope, head_logits, layer_loop, local_attention_table, param, rms_norm,
+                                      rope_inv_freq, rope_tables, with_local_mask)
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions, psum, run_sharded
-from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, layer_stacks
+from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, layer_stacks, residual_norm, swiglu_mlp
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels import cpu_matmul
@@ -137,6 +137,8 @@ def in_place_weights(cfg: ModelConfig, weights: dict[str, Array], tokens: int, r
     out = layer_stacks(weights, tokens, INPUT_AXES, cfg.is_moe, one_device=red == Reductions())
     if red != Reductions():
         return out
+    if "wo" in out and out["wo"][0].fuses and "mlp_norm" in weights:  # read in place by the fused residual norm
+        out["mlp_norm"] = (weights["mlp_norm"], tuple(weights["mlp_norm"].shape[1:]))
     for name in INPUT_AXES:
         w = weights.get(name)
         view = None if name in out or w is None or isinstance(w, dict) else _kernel_view(name, w, tokens)
@@ -181,7 +183,14 @@ def linear(x: Array, w: Array | InPlace | LoRAWeight, spec: str) -> Array:
     return y.reshape(x.shape[0], *w.shape[x.ndim - 1:]).astype(x.dtype)
 
 
+def _fuses(w) -> bool:
+    """Whether `w` is a weight the Pallas matmul reads in place whose partials a fused epilogue takes."""
+    return isinstance(w, InPlace) and isinstance(w.stacked, KernelQuantWeight) and w.stacked.fuses
+
+
 def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
+    if _fuses(lp["w_gate_up"]) and _fuses(lp["w_down"]):
+        return swiglu_mlp(x, lp["w_gate_up"].stacked, lp["w_down"].stacked, lp["w_down"].layer).astype(x.dtype)
     gate_up = linear(x, lp["w_gate_up"], "te,ecf->tcf")
     return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], "tf,fe->te")
 
@@ -229,8 +238,13 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
             q, k, v = project_qkv(lp, x, cfg.attention_bias, (cos, sin))
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, layer_meta, scale=scale,
                                               impl=attn_impl, cpu_kernel=red == Reductions())
-        h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
-        h = h + psum(mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)), red.mlp)
+        wo, norm = lp["wo"], lp["mlp_norm"]
+        if _fuses(wo) and isinstance(norm, InPlace):  # h + o @ wo and its norm, one kernel
+            h, x = residual_norm(h, o.reshape(o.shape[0], -1), wo.stacked, idx, norm.stacked, cfg.rms_norm_eps)
+        else:
+            h = h + psum(linear(o, wo, "thd,hde->te"), red.attn)
+            x = rms_norm(h, norm.stacked[norm.layer] if isinstance(norm, InPlace) else norm, cfg.rms_norm_eps)
+        h = h + psum(mlp(lp, x), red.mlp)
         return (h, k_pages, v_pages), None
 
     return layer
@@ -247,9 +261,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place, lora)
     num = jax.tree.leaves(weights)[0].shape[0]
     scanned = {name: w for name, w in weights.items() if name not in in_place}
-    xs = (scanned, jnp.arange(num, dtype=jnp.int32), local_attention_table(cfg, num))
-    (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages), xs)
-    return h, k_pages, v_pages
+    xs = (scanned, np.arange(num, dtype=np.int32), local_attention_table(cfg, num))
+    return layer_loop(layer, (h, k_pages, v_pages), xs, num, h.shape[0])
 
 
 def check_aux_layers(aux_layers: tuple[int, ...], num_layers: int) -> None:
@@ -283,13 +296,13 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
         return (h, k_pages, v_pages, jax.lax.dynamic_update_index_in_dim(carry[3], h, slot, 0)), None
 
     scanned = {name: w for name, w in weights.items() if name not in in_place}
-    xs = (scanned, jnp.arange(n, dtype=jnp.int32), local_attention_table(cfg, n), slot_of_output)
-    (h, k_pages, v_pages, aux), _ = jax.lax.scan(body, (h, k_pages, v_pages, aux), xs)
+    xs = (scanned, np.arange(n, dtype=np.int32), local_attention_table(cfg, n), slot_of_output)
+    h, k_pages, v_pages, aux = layer_loop(body, (h, k_pages, v_pages, aux), xs, n, h.shape[0])
     return h, k_pages, v_pages, aux_features(aux, len(aux_layers))
 
 
 def aux_slots(aux_layers: tuple[int, ...], num_layers: int, h: Float[Array, "T E"]
-              ) -> tuple[Float[Array, "N1 T E"], Int[Array, "L"]]:
+              ) -> tuple[Float[Array, "N1 T E"], np.ndarray]:
     """The layer scan's carry for `aux_layers` (`decoder_stack_aux`): one [T, E] slot per requested
     state, the input `h` already in the first if index 0 is requested, plus a scratch slot; and the
     slot each layer's output goes to (layer i's output is hidden-state index i + 1; the scratch slot
@@ -302,7 +315,7 @@ def aux_slots(aux_layers: tuple[int, ...], num_layers: int, h: Float[Array, "T E
     aux = jnp.zeros((count + 1, *h.shape), h.dtype)
     if aux_layers[0] == 0:
         aux = aux.at[0].set(h)
-    return aux, jnp.asarray(slot_of_output)
+    return aux, slot_of_output
 
 
 def aux_features(aux: Float[Array, "N1 T E"], count: int) -> Float[Array, "T N"]:

@@ -40,14 +40,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import shared_mlp
-from infire_jax.models.layers import (apply_rope, head_logits, local_attention_table, param, rms_norm, rope_inv_freq,
-                                      rope_tables, stage_rows, with_local_mask)
+from infire_jax.models.layers import (apply_rope, head_logits, layer_loop, local_attention_table, param, rms_norm,
+                                      rope_inv_freq, rope_tables, stage_rows, with_local_mask)
 from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_aux_layers, dense_mlp, kernel_weights,
                                      linear, project_qkv)
 from infire_jax.models.moe import Routing, routed_mlp
@@ -208,7 +209,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     scanned = {kind: {n: a for n, a in w.items() if n not in in_place[kind]} for kind, w in weights.items()}
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     step = functools.partial(layer_step, cfg, cos=cos, sin=sin, temp=temperature(cfg, meta.positions), meta=meta,
-                             attn_impl=attn_impl, red=red, aux_slot=None if aux is None else aux[1])
+                             attn_impl=attn_impl, red=red, aux_slot=None if aux is None else jnp.asarray(aux[1]))
     dense = scanned.get("dense", {})
     carry = (h, k_pages, v_pages) if aux is None else (h, k_pages, v_pages, aux[0])
     if supers:
@@ -223,18 +224,18 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
             return carry, None
 
         dense_xs = jax.tree.map(lambda a: a[:supers * (p - 1)].reshape(supers, p - 1, *a.shape[1:]), dense)
-        xs = (dense_xs, scanned["moe"], jnp.arange(supers, dtype=jnp.int32),
+        xs = (dense_xs, scanned["moe"], np.arange(supers, dtype=np.int32),
               table[:supers * p].reshape(supers, p, 3))
-        carry, _ = jax.lax.scan(super_layer, carry, xs)
+        carry = layer_loop(super_layer, carry, xs, supers, tokens)
     if tail:
         def dense_layer(carry, xs):
             lp, i, row = xs
             return step(False, in_place=in_place["dense"], carry=carry, lp=lp, stack_index=supers * (p - 1) + i,
                         layer=supers * p + i, row=row), None
 
-        xs = (jax.tree.map(lambda a: a[supers * (p - 1):], dense), jnp.arange(tail, dtype=jnp.int32),
+        xs = (jax.tree.map(lambda a: a[supers * (p - 1):], dense), np.arange(tail, dtype=np.int32),
               table[supers * p:])
-        carry, _ = jax.lax.scan(dense_layer, carry, xs)
+        carry = layer_loop(dense_layer, carry, xs, tail, tokens)
     return carry
 
 

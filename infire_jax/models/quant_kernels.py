@@ -32,7 +32,8 @@ from jaxtyping import Array, Float, Int
 from infire_jax.errors import ConfigError
 from pallas_kernels import cpu_kernels, cpu_matmul, placement
 from pallas_kernels.quant_blocks import MAX_TILE_ROWS
-from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, supported
+from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, quant_matmul_parts, supported
+from pallas_kernels.residual_norm import residual_rms_norm
 
 MAX_DENSE_ROWS = 256
 # Plain (unquantized) dense stacks take the kernel in steps of at most one row tile: it reads the
@@ -100,8 +101,31 @@ class KernelQuantWeight:
         """Rows sorted by expert, each times its expert of layer `layer`, in float32."""
         return grouped_matmul(x, group_sizes, self.stack, layer * self.experts, interpret=_interpret())
 
+    @property
+    def fuses(self) -> bool:
+        """Whether this is a dense stack of the Pallas kernel, whose unsummed partials the fused
+        epilogues below take (`residual_norm`, `swiglu_mlp`)."""
+        return self.kernel == "pallas" and not self.experts
+
 
 jax.tree_util.register_dataclass(KernelQuantWeight, data_fields=["stack"], meta_fields=["shape", "experts", "kernel"])
+
+
+def residual_norm(h: Float[Array, "T E"], x: Float[Array, "T K"], w: KernelQuantWeight, layer: Int[Array, ""],
+                  norm: Float[Array, "L E"], eps: float) -> tuple[Float[Array, "T E"], Float[Array, "T E"]]:
+    """h + x @ W[layer] and its RMSNorm with `norm[layer]`, in h's dtype: the matmul's K-split partials
+    summed, added and normed by one kernel (pallas_kernels/residual_norm.py) where XLA launches two."""
+    return residual_rms_norm(h, quant_matmul_parts(x, w.stack, layer, interpret=_interpret()), norm, layer, eps,
+                             interpret=_interpret())
+
+
+def swiglu_mlp(x: Float[Array, "T E"], gate_up: KernelQuantWeight, down: KernelQuantWeight,
+               layer: Int[Array, ""]) -> Float[Array, "T E"]:
+    """down(silu(gate) * up) of x, float32: the down projection's kernel forms silu(gate) * up from
+    the gate/up projection's partials as it loads them, where XLA would launch a kernel for it."""
+    parts = quant_matmul_parts(x, gate_up.stack, layer, interpret=_interpret())
+    out = quant_matmul_parts(parts, down.stack, layer, interpret=_interpret(), swiglu_dtype=x.dtype)
+    return (out[0] if out.shape[0] == 1 else out.sum(axis=0))[:x.shape[0]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,10 +114,12 @@ def abstract_placement(cfg: ModelConfig, dtype, plan: ShardPlan | None,
     return graphdef, flat, {path: plan.sharding(var.axes) if plan else None for path, var in flat}
 
 
-def abstract_state(cfg: ModelConfig, dtype, plan: ShardPlan | None) -> tuple[nnx.GraphDef, nnx.State]:
-    """The placed (uncompressed) weights as shapes, dtypes and shardings only: enough to compile the
-    steps while the weights are still being read."""
-    graphdef, flat, shardings = abstract_placement(cfg, dtype, plan)
+def abstract_state(cfg: ModelConfig, dtype, plan: ShardPlan | None,
+                   quantized: Mapping[str, QuantLayout] | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The placed (uncompressed; with `quantized`, those weights' parts as `build_state` places them)
+    weights as shapes, dtypes and shardings only: enough to compile the steps while the weights are
+    still being read, or for a GPU this machine does not have (bench/gpu_target.py)."""
+    graphdef, flat, shardings = abstract_placement(cfg, dtype, plan, dict(quantized) if quantized else None)
     return graphdef, nnx.from_flat_state([
         (p, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[p]))) for p, var in flat])
 
