@@ -27,7 +27,7 @@ _TEXT_FIELDS = {
     "attn_temperature_tuning", "floor_scale", "attn_scale", "attention_bias"}
 # Fields that inference does not read: training (dropout, router losses and jitter), initialisation,
 # caching hints, and what every transformers config carries (generation defaults, labels, bookkeeping).
-_INERT = {
+INERT_FIELDS = {
     "attention_dropout", "initializer_range", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
     "use_cache", "pad_token_id", "cache_implementation", "for_llm_compressor", "torch_dtype", "dtype",
     "transformers_version", "architectures", "_name_or_path", "_attn_implementation_autoset", "_commit_hash",
@@ -59,7 +59,7 @@ def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
                    "int8 quantizes it at load)")
     if hf.get("model_type") == "llama4_text":
         return hf
-    unknown = sorted(set(hf) - _WRAPPER_FIELDS - _INERT)
+    unknown = sorted(set(hf) - _WRAPPER_FIELDS - INERT_FIELDS)
     if unknown:
         raise _bad(unknown[0], hf[unknown[0]], "not a field of a Llama 4 config")
     text = hf.get("text_config")
@@ -123,7 +123,7 @@ def _local_attention(c: Mapping[str, Any], rope: tuple[bool, ...]) -> tuple[tupl
 
 def config_from_llama4_hf(hf: Mapping[str, Any]) -> ModelConfig:
     c = text_config(hf)
-    unknown = sorted(set(c) - _TEXT_FIELDS - _INERT)
+    unknown = sorted(set(c) - _TEXT_FIELDS - INERT_FIELDS)
     if unknown:
         raise _bad(unknown[0], c[unknown[0]], "not a field of a Llama 4 text config")
     if c.get("model_type", "llama4_text") != "llama4_text":

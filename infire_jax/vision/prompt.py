@@ -1,0 +1,41 @@
+"""An image's placeholder in a Llama 4 prompt, as transformers' Llama4Processor expands it.
+
+The chat template renders an image content part as `<|image|>`; the processor replaces it with the
+image's tokens: `<|image_start|>`, then for more than one tile each row of tiles as runs of
+`<|patch|>` (one run a tile, `<|tile_x_separator|>` between the tiles of a row, and
+`<|tile_y_separator|>` after each row), then `<|image|>` and the thumbnail's run, then
+`<|image_end|>`. The encoder's outputs replace the `<|patch|>` tokens, tiles in the same order.
+"""
+
+from __future__ import annotations
+
+IMAGE = "<|image|>"
+START, END, PATCH = "<|image_start|>", "<|image_end|>", "<|patch|>"
+TILE_X, TILE_Y = "<|tile_x_separator|>", "<|tile_y_separator|>"
+
+
+def image_tokens(grid: tuple[int, int], tokens_per_tile: int) -> list[str]:
+    """The placeholder of an image cut into `grid` (tiles down, across), as special-token strings."""
+    rows, cols = grid
+    out = [START]
+    if rows * cols > 1:
+        for _ in range(rows):
+            for x in range(cols):
+                out += [PATCH] * tokens_per_tile
+                if x < cols - 1:
+                    out.append(TILE_X)
+            out.append(TILE_Y)
+    out += [IMAGE] + [PATCH] * tokens_per_tile + [END]
+    return out
+
+
+def expand(text: str, grids: list[tuple[int, int]], tokens_per_tile: int) -> str:
+    """`text` with its i-th `<|image|>` replaced by image i's placeholder; ValueError unless the
+    counts match."""
+    parts = text.split(IMAGE)
+    if len(parts) - 1 != len(grids):
+        raise ValueError(f"the prompt has {len(parts) - 1} {IMAGE} markers for {len(grids)} images")
+    out = parts[0]
+    for grid, rest in zip(grids, parts[1:]):
+        out += "".join(image_tokens(grid, tokens_per_tile)) + rest
+    return out
