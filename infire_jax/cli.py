@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for vLLM's command lines: tool_choice \"auto\" is always served")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file that replaces the model's own")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="chat images may be file: URLs under this directory (default: none)")
+    s.add_argument("--allowed-media-domains", nargs="*", default=None, metavar="HOST",
+                   help="chat images may be fetched from these hosts only (default: any)")
     s.set_defaults(func=cmd_serve)
 
     z = sub.add_parser("compress", help="write a losslessly compressed bfloat16 checkpoint (serve it with --model DIR)")

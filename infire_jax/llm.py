@@ -10,8 +10,27 @@ from infire_jax.lora.request import LoRARequest
 from infire_jax.outputs import CompletionOutput, RequestOutput
 from infire_jax.sample.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# Text or token ids, or vLLM's dict form: {"prompt": text} or {"prompt_token_ids": ids}, with
+# "multi_modal_data": {"image": a PIL image, encoded bytes, or a list of them} (one per <|image|>).
+Prompt = str | list[int] | dict[str, Any]
 Messages = list[dict[str, Any]]
+
+
+def _split(prompt: Prompt) -> tuple[str | list[int], list | None]:
+    """(text or token ids, the images or None) of a prompt in any of its forms."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidRequestError(f"a prompt dict has 'prompt' or 'prompt_token_ids', and may have "
+                                  f"'multi_modal_data'; got {sorted(prompt)}", param="prompt")
+    data = prompt.get("multi_modal_data")
+    if data is not None and (not isinstance(data, dict) or set(data) - {"image"}):
+        raise InvalidRequestError("multi_modal_data takes {'image': image or [images]}", param="multi_modal_data")
+    images = None if data is None else data.get("image")
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), images
 
 
 class LLM:
@@ -33,7 +52,7 @@ class LLM:
 
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model);
         the engine needs `enable_lora=True`."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
@@ -51,13 +70,15 @@ class LLM:
             if len(loras) != len(prompts):
                 raise InvalidRequestError(f"{len(loras)} LoRA requests for {len(prompts)} prompts", param="lora_request")
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
-        for prompt in prompts:
-            self.engine.tokenize_prompt(prompt)
+        split = [_split(p) for p in prompts]
+        for prompt, images in split:
+            if images is None:
+                self.engine.tokenize_prompt(prompt)
         results: dict[str, RequestOutput] = {}
         order = []
         try:
-            for prompt, params, lora in zip(prompts, params_list, loras):
-                rid, ids = self.engine.add_request(prompt, params, lora_request=lora)
+            for (prompt, images), params, lora in zip(split, params_list, loras):
+                rid, ids = self.engine.add_request(prompt, params, lora_request=lora, images=images)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              [CompletionOutput(i) for i in range(params.n)])

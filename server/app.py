@@ -30,6 +30,7 @@ from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, c
                               release_kv)
 from server.errors import error_middleware
 from server.listen import bind, serve_until_signal
+from server.media import MediaPolicy
 from server.kv_handoff import KV_PULLED, RELEASE_PATH, ROLES, KVHandoff
 from server.lora import add_static, load_lora_adapter, model_cards, parse_lora_modules, unload_lora_adapter
 from server.metrics import CONTENT_TYPE, ServerMetrics
@@ -44,12 +45,13 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
               kv_buffer_bytes: int = 512 << 20, kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0,
               residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0,
               lora_modules: Sequence[tuple[str, str]] = (), tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, chat_template: str | None = None) -> web.Application:
+              reasoning_parser: str | None = None, chat_template: str | None = None,
+              media: MediaPolicy | None = None) -> web.Application:
     """The app over warmed-up engines (one per served model); their threads start with the app.
     `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
     `tool_call_parser` and `reasoning_parser` (vLLM's names) read every model's outputs (default: the
     call format its chat template shows, and no reasoning); `chat_template` (Jinja text) replaces
-    every model's own.
+    every model's own. `media` says where chat images may come from (server/media.py).
 
     Several engines share the device through `residency` (hot standby, infire_jax/engine/residency.py).
     A prefill or decode worker (`role`) serves one model and also runs a Mooncake transfer engine
@@ -97,7 +99,7 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
         add_static(lora_engines[0], list(lora_modules))
 
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=_MAX_BODY)
-    app[STATE] = ServerState(models=models, role=role, handoff=handoff)
+    app[STATE] = ServerState(models=models, role=role, handoff=handoff, media=media or MediaPolicy())
     app[AUTH] = Auth(api_keys or {})
     app[METRICS] = metrics
     app[responses_api.STORE] = responses_api.ResponseStore()
@@ -270,7 +272,9 @@ def serve(args: argparse.Namespace) -> int:
                         host_to_device_bytes_per_second=bandwidth,
                         lora_modules=parse_lora_modules(args.lora_modules or []),
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        chat_template=chat_template)
+                        chat_template=chat_template,
+                        media=MediaPolicy(args.allowed_local_media_path,
+                                          tuple(args.allowed_media_domains) if args.allowed_media_domains else None))
         print(f"boot: ready to serve {time.monotonic() - _process_start():.2f} s after the process started",
               file=sys.stderr, flush=True)
         asyncio.run(serve_until_signal(app, sock, args.host))

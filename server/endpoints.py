@@ -30,9 +30,12 @@ from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, MARKERS, tool_
 from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON
 from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.loaders.tokenizer import Tokenizer
+from infire_jax.vision import preprocess
+from infire_jax.vision import prompt as image_placeholders
 from server.auth import TENANT
 from server.errors import APIError, to_api_error
 from server.kv_handoff import KVHandoff, RequestHandoff, request_handoff
+from server.media import MediaPolicy, image_bytes
 from server.protocol import ChatRequest, GenerationRequest, bad, parse_chat, parse_completion
 from server.responses import ChatFormatter, Choice, CompletionFormatter, Formatter, Usage
 from server.streaming import SSEWriter
@@ -64,6 +67,7 @@ class ServerState:
     models: dict[str, ServedModel]  # by served name; several with hot standby (infire_jax/engine/residency.py)
     role: str = "both"  # prefill, decode or both (server/kv_handoff.py)
     handoff: KVHandoff | None = None  # the KV transfer of a prefill or decode worker
+    media: MediaPolicy = MediaPolicy()  # where chat images may come from (server/media.py)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -104,7 +108,8 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
 async def _chat_completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_chat(body)
     m, lora = served_model(st, req)
-    prompts = await chat_prompt(m, req, "messages")
+    tiles = await _image_tiles(st, m, req) if req.images else None
+    prompts = await chat_prompt(m, req, "messages", tiles)
 
     def formatter() -> ChatFormatter:
         return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, m.token_text,
@@ -113,19 +118,44 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
                              tools=req.tools.tools if req.tools else None, reasoning_parser=m.reasoning_parser,
                              chat_template_kwargs=req.chat_template_kwargs)
 
-    return await _run(request, kv, m, lora, req, prompts, formatter, "messages")
+    return await _run(request, kv, m, lora, req, prompts, formatter, "messages", tiles)
 
 
-async def chat_prompt(m: ServedModel, req: ChatRequest, param: str) -> list[list[int]]:
+async def _image_tiles(st: ServerState, m: ServedModel, req: ChatRequest) -> list[preprocess.Tiles]:
+    """The request's images fetched (server/media.py), decoded and cut into the model's tiles, off the
+    event loop; a 400 naming the part for any that cannot be, or where the model takes no images."""
+    images = m.engine.engine.images
+    if images is None:
+        raise bad(f"the model {req.model!r} takes no images (a Llama 4 checkpoint with a vision tower does)",
+                  req.images[0][1])
+    if st.role != "both":
+        raise bad("images are served by a worker of role 'both' only yet", req.images[0][1])
+    if len(req.images) > images.limit:
+        raise bad(f"{len(req.images)} images in one request; at most {images.limit} (--limit-mm-per-prompt)",
+                  "messages")
+    out = []
+    for url, param in req.images:
+        data = await image_bytes(url, st.media, param)
+        try:
+            out.append(await asyncio.to_thread(lambda d=data: images.tiles(preprocess.decode(d))))
+        except InvalidRequestError as e:
+            raise bad(str(e), param) from e
+    return out
+
+
+async def chat_prompt(m: ServedModel, req: ChatRequest, param: str,
+                      tiles: list[preprocess.Tiles] | None = None) -> list[list[int]]:
     """The prompt of a chat request (the chat API's and the Responses API's): its messages and tools
-    through the chat template, as token ids; its tools' schemas checked and forced calls constrained.
-    `param`: the field errors in the messages are named after."""
+    through the chat template, as token ids, each image's marker expanded for its `tiles`; its tools'
+    schemas checked and forced calls constrained. `param`: the field errors in the messages are named after."""
     try:
         messages, extra = render_inputs(m.tokenizer.chat_template, req.messages,
                                         req.tools.tools if req.tools else None)
         text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **req.chat_template_kwargs,
                                                **extra)
-    except InvalidRequestError as e:
+        if tiles:
+            text = image_placeholders.expand(text, [t.grid for t in tiles], m.engine.engine.images.cfg.tokens_per_tile)
+    except (InvalidRequestError, ValueError) as e:
         raise bad(str(e), param) from e
     prompts = [m.tokenizer.encode(text, add_special_tokens=False)]
     _check_length(m, prompts, param)
@@ -238,7 +268,8 @@ def _headers(request: web.Request, prompts: list[list[int]]) -> tuple[int, str |
 
 @contextlib.asynccontextmanager
 async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: str | None,
-                   req: GenerationRequest, prompts: list[list[int]], prompt_param: str) -> AsyncIterator[RequestStream]:
+                   req: GenerationRequest, prompts: list[list[int]], prompt_param: str,
+                   images: list[preprocess.Tiles] | None = None) -> AsyncIterator[RequestStream]:
     """The request's stream once the engine admitted it (with the LoRA adapter `lora`; `kv`: its KV
     handoff before it runs). Leaving the block early (a disconnect cancels the handler) aborts it."""
     hint, session = _headers(request, prompts)
@@ -248,7 +279,7 @@ async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lor
     grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
                                 tenant=tenant, prefix_hint_tokens=hint, session_id=session, grammar=grammar,
-                                lora_request=lora)
+                                lora_request=lora, images=images)
     try:
         async with stream:
             yield stream
@@ -258,9 +289,9 @@ async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lor
 
 async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: str | None,
                req: GenerationRequest, prompts: list[list[int]], make_formatter: Callable[[], Formatter],
-               prompt_param: str) -> web.StreamResponse:
+               prompt_param: str, images: list[preprocess.Tiles] | None = None) -> web.StreamResponse:
     """Admits the request, then answers it whole or as a stream (`kv`: its KV handoff, before and after)."""
-    async with admitted(request, kv, m, lora, req, prompts, prompt_param) as stream:
+    async with admitted(request, kv, m, lora, req, prompts, prompt_param, images) as stream:
         usage = Usage([len(p) for p in prompts])
         if req.stream:
             return await _stream(request, req, stream, make_formatter(), usage, len(prompts))

@@ -69,6 +69,8 @@ class ChatRequest(GenerationRequest):
     tools: structured.ToolRequest | None  # None: no tool may be called
     response_format: StructuredOutputs | None  # the constraint response_format puts on the answer
     chat_template_kwargs: dict[str, Any]  # to the chat template and the reasoning parser
+    # The messages' images in order, as (URL, the field that gave it); each is an <|image|> in the text.
+    images: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 class Body:
@@ -250,7 +252,8 @@ def parse_chat(data: Any) -> ChatRequest:
     b = Body(data, _CHAT)
     if not b.present("messages"):
         raise bad("you must provide a messages parameter", "messages")
-    messages = _messages(b.data["messages"])
+    images: list[tuple[str, str]] = []
+    messages = _messages(b.data["messages"], images)
     want_logprobs = b.boolean("logprobs", False)
     top_logprobs = b.integer("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
@@ -267,7 +270,7 @@ def parse_chat(data: Any) -> ChatRequest:
         raise bad("a forced 'tool_choice' cannot be combined with 'response_format' or 'structured_outputs'",
                   "tool_choice")
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top, tools=tools, response_format=fmt,
-                       chat_template_kwargs=_template_kwargs(b.data.get("chat_template_kwargs")))
+                       chat_template_kwargs=_template_kwargs(b.data.get("chat_template_kwargs")), images=images)
 
 
 def _template_kwargs(raw: Any) -> dict[str, Any]:
@@ -285,8 +288,9 @@ def _template_kwargs(raw: Any) -> dict[str, Any]:
     return raw
 
 
-def _messages(raw: Any) -> list[dict]:
-    """Validated messages with text content; `developer` is rendered as `system`. Tool results and an
+def _messages(raw: Any, images: list[tuple[str, str]] | None = None) -> list[dict]:
+    """Validated messages with text content (an image part: its `<|image|>` marker, its URL appended
+    to `images`; None: images are refused); `developer` is rendered as `system`. Tool results and an
     assistant's tool calls are checked in server/structured.py."""
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty array", "messages")
@@ -303,7 +307,7 @@ def _messages(raw: Any) -> list[dict]:
             raise bad(f"Invalid value for '{p}.role': expected one of {sorted(_ROLES)}, got {role!r}", f"{p}.role")
         calls = structured.tool_message(m, p)
         content = None if calls.get("tool_calls") and m.get("content") is None else \
-            _content(m.get("content"), f"{p}.content")
+            _content(m.get("content"), f"{p}.content", images)
         msg = {"role": _ROLES[role], "content": content} | calls | _reasoning(m, p)
         name = m.get("name")
         if name is not None:
@@ -333,17 +337,35 @@ def _reasoning(m: dict, p: str) -> dict[str, str]:
 
 # Content parts that carry an image (OpenAI's chat `image_url`, the Responses API's `input_image`).
 _IMAGE_PARTS = ("image_url", "input_image", "image")
+IMAGE_MARKER = "<|image|>"  # where an image goes in the text; the engine's model expands it (vision/prompt.py)
 
 
-def _content(content: Any, p: str) -> str:
+def images_of(part: dict, p: str, images: list[tuple[str, str]] | None) -> None:
+    """Appends an `image_url` part's URL to `images` (OpenAI's {"url": ..., "detail": ...} or the URL
+    itself); a 400 for other image parts, a malformed one, or where images are not taken (None)."""
+    if images is None or part["type"] != "image_url":
+        raise bad(f"'{p}': a {part['type']!r} part is not taken here; chat messages take "
+                  "{\"type\": \"image_url\", \"image_url\": {\"url\": ...}}", p)
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    extra = sorted(set(part) - {"type", "image_url"}) + (sorted(set(ref) - {"url", "detail"})
+                                                         if isinstance(ref, dict) else [])
+    if not isinstance(url, str) or not url or extra:
+        raise bad(f"'{p}': an image part is {{\"type\": \"image_url\", \"image_url\": {{\"url\": \"...\"}}}}"
+                  + (f"; unknown field {extra[0]!r}" if extra else ""), p)
+    images.append((url, p))
+
+
+def _content(content: Any, p: str, images: list[tuple[str, str]] | None = None) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:  # never dropped: said so
-                raise bad(f"'{p}[{j}]': images are not supported yet (a {part['type']!r} part); this server reads "
-                          "text only, send the request without images", f"{p}[{j}]")
+                texts.append(IMAGE_MARKER)
+                images_of(part, f"{p}[{j}]", images)
+                continue
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                     and set(part) == {"type", "text"}):
                 raise bad(f"'{p}[{j}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",

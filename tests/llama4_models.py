@@ -34,7 +34,7 @@ TEXT_CONFIGS = {
     "multimodal": dict(_COMMON, num_hidden_layers=6, no_rope_layers=[1, 0, 1, 1, 0, 1], use_qk_norm=False,
                        num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
-_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+_VISION = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
 
 

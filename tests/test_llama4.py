@@ -52,7 +52,7 @@ def test_generate_matches_hf(name, impl, checkpoints, caplog, monkeypatch):
     hf, path = checkpoints[name]
     if impl == "pallas_interpret":
         monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
-    with caplog.at_level("WARNING", logger="infire_jax.loaders.llama4_hf"):
+    with caplog.at_level("INFO", logger="infire_jax.loaders.llama4_hf"):
         llm = LLM(model=path, attn_impl=impl, **ENGINE)
     vision = [r for r in caplog.records if "vision tower" in r.getMessage()]
     assert len(vision) == (name == "multimodal")  # said once, for the layout that has one
@@ -526,17 +526,22 @@ def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
     assert small.num_layers == 3 and small.llama4.stack_sizes["moe"] == 3 // cfg.llama4.moe_step
 
 
-def test_image_parts_get_a_400_saying_so():
+def test_image_parts_become_markers_and_their_urls_are_kept():
+    """A chat image part is an <|image|> in the message's text and its URL, in order (the engine's
+    model expands the marker: tests/test_vision.py); a malformed one is a 400 naming the part."""
     from server.api_error import APIError
     from server.protocol import parse_chat
 
+    url = "data:image/png;base64,AAAA"
     body = {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is in this picture?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+        {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    req = parse_chat(body)
+    assert req.images == [(url, "messages[0].content[1]")]
+    assert req.messages[0]["content"] == "What is in this picture?\n<|image|>"
+    body["messages"][0]["content"][1] = {"type": "image_url", "image_url": {"uri": url}}
     with pytest.raises(APIError) as e:
         parse_chat(body)
-    assert e.value.status == 400 and "images are not supported yet" in e.value.message
-    assert e.value.param == "messages[0].content[1]"
+    assert e.value.status == 400 and e.value.param == "messages[0].content[1]" and "'uri'" in e.value.message
 
 
 def test_int4_at_load_matches_hf_on_the_same_int4_weights(checkpoints):

@@ -180,3 +180,244 @@ def test_vision_config_refuses_what_it_does_not_implement():
     with pytest.raises(UnsupportedModelError, match="mystery"):
         vision_config(config)
     assert ml_dtypes.bfloat16  # the processor's dtype, used by preprocess.normalize
+
+
+def test_a_saved_checkpoints_tower_loads_and_encodes_as_hf(tmp_path):
+    """The tiny multimodal Llama 4 of tests/llama4_models.py's text config with a two-layer tower of
+    56-pixel tiles, saved as transformers saves it: its tower read by name from the safetensors files
+    (nothing of the text model) encodes tiles as the HF model's own image features and projector do."""
+    from llama4_models import TEXT_CONFIGS, save
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from infire_jax.loaders.vision import has_vision, load_vision_tower
+
+    torch.manual_seed(1)
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14, vision_output_dim=48, projector_input_dim=48, projector_output_dim=48)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=TEXT_CONFIGS["multimodal"],
+                                                        vision_config=vision)).eval()
+    path = save(model, tmp_path / "mm")
+    assert has_vision(path)
+    cfg, tensors = load_vision_tower(path)
+    assert all(n.startswith(("vision_model.", "multi_modal_projector.")) for n in tensors)
+    pixels = RNG.standard_normal((2, 3, cfg.image_size, cfg.image_size)).astype(np.float32)
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=torch.from_numpy(pixels), return_dict=True).last_hidden_state
+        want = model.multi_modal_projector(features.reshape(-1, features.shape[-1])).numpy()
+    got = np.asarray(encode(cfg, weights_from_hf(cfg, tensors), pixels)).reshape(-1, cfg.text_hidden_size)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert not has_vision(str(tmp_path))  # no config.json there
+
+
+# Token ids of the placeholder's special tokens in the tiny vocabulary (tests/deepseek_models.py's 320):
+# <|patch|> is the config's image_token_index.
+SPECIAL = {prompt.PATCH: 300, prompt.START: 301, prompt.END: 302, prompt.TILE_X: 303, prompt.TILE_Y: 304,
+           prompt.IMAGE: 305}
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    """A tiny random Llama4ForConditionalGeneration (tests/llama4_models.py's multimodal text config,
+    a two-layer tower of 56-pixel tiles: 4 tokens a tile), its LM head sharpened against near-ties,
+    saved as transformers saves it."""
+    from llama4_models import SHARPEN, TEXT_CONFIGS, save
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    torch.manual_seed(2)
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14, vision_output_dim=48, projector_input_dim=48, projector_output_dim=48)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=TEXT_CONFIGS["multimodal"], vision_config=vision,
+                                                        image_token_index=SPECIAL[prompt.PATCH])).eval()
+    with torch.no_grad():
+        model.language_model.lm_head.weight.mul_(SHARPEN)
+    path = save(model, tmp_path_factory.mktemp("vision"))
+    _name_special_tokens(path)
+    return model, path
+
+
+def _name_special_tokens(path: str) -> None:
+    """The byte-level tokenizer's placeholder tokens 300..305 renamed to the image markers and made
+    special, so that text with the markers tokenizes to those ids (as Llama 4's tokenizer does)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    file = f"{path}/tokenizer.json"
+    with open(file) as f:
+        data = json.load(f)
+    vocab = data["model"]["vocab"]
+    for text, i in SPECIAL.items():
+        vocab[text] = vocab.pop(f"<|extra_{i}|>")
+    with open(file, "w") as f:
+        json.dump(data, f)
+    tk = Tokenizer.from_file(file)
+    tk.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in SPECIAL])
+    assert all(tk.token_to_id(text) == i for text, i in SPECIAL.items())
+    tk.save(file)
+
+
+@pytest.fixture(scope="module")
+def mm_llm(multimodal):
+    from infire_jax import LLM
+
+    return LLM(model=multimodal[1], dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32),
+               max_model_len=128, num_kv_pages=40, limit_mm_per_prompt={"image": 2})
+
+
+def _hf_greedy_with_images(model, ids: list[int], pixels: np.ndarray, num_tokens: int):
+    """HF's greedy tokens and their float64 log-probabilities: its tower's and projector's outputs put
+    in place of the <|patch|> embeddings, as the wrapper's forward does (which fails in this
+    transformers on a text model without `image_outputs`), then its text model's generate."""
+    lm = model.language_model
+    lm.generation_config.eos_token_id = None
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=torch.from_numpy(pixels), return_dict=True).last_hidden_state
+        projected = model.multi_modal_projector(features.reshape(-1, features.shape[-1]))
+        ids_t = torch.tensor([ids])
+        embeds = lm.get_input_embeddings()(ids_t)
+        embeds = embeds.masked_scatter((ids_t == SPECIAL[prompt.PATCH])[..., None].expand_as(embeds), projected)
+        out = lm.generate(inputs_embeds=embeds, max_new_tokens=num_tokens, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0)
+    want = out.sequences[0].tolist()
+    return want, [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(out.logits, want)]
+
+
+def _placeholder_ids(grid, per_tile: int) -> list[int]:
+    return [SPECIAL[t] for t in prompt.image_tokens(grid, per_tile)]
+
+
+def test_generate_with_images_equals_hf(multimodal, mm_llm):
+    """Greedy tokens and logprobs with images equal HF's within 1e-3: one tile, two tiles with the
+    thumbnail, and two images in one prompt, on the same pixel values; 32-token steps cut the long
+    prompt's image span across two prefill chunks. Nothing stays in the image pool afterwards."""
+    from infire_jax import SamplingParams
+
+    model, llm = multimodal[0], mm_llm
+    images = llm.engine.images
+    assert images is not None and images.cfg.tokens_per_tile == 4
+    wide = Image.fromarray(RNG.integers(0, 256, (56, 112, 3), dtype=np.uint8))  # 1 x 2 tiles and the thumbnail
+    small = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))  # one tile
+    cases = [([small], [5, 77]), ([wide], list(range(60, 84))), ([wide, small], [9, 8])]
+    prompts, want = [], []
+    for imgs, text in cases:
+        tiles = [preprocess.tiles(im, 56) for im in imgs]
+        ids = list(text)
+        for t in tiles:
+            ids += _placeholder_ids(t.grid, 4) + [13]
+        prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}})
+        want.append(_hf_greedy_with_images(model, ids, np.concatenate([t.pixels for t in tiles]), 16))
+    free = images.pool.free_rows
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1))
+    for out, (tokens, lps) in zip(outs, want):
+        assert out.outputs[0].token_ids == tokens
+        np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], lps, atol=1e-3, rtol=0)
+    assert images.pool.free_rows == free == images.pool.num_rows
+    # the image matters: the same prompt with another image answers otherwise
+    other = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    swapped = llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"],
+                             "multi_modal_data": {"image": other}}], SamplingParams(max_tokens=16, temperature=0,
+                                                                                      ignore_eos=True))
+    assert swapped[0].outputs[0].token_ids != outs[0].outputs[0].token_ids
+    assert llm.engine.compiles_since_warmup <= 2  # the encoder's tile buckets (1 and 4), compiled on first use
+
+
+def test_bad_image_requests_are_refused_and_hold_nothing(mm_llm):
+    from infire_jax import SamplingParams
+    from infire_jax.errors import InvalidRequestError
+
+    llm = mm_llm
+    pool = llm.engine.images.pool
+    small = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    ids = [5] + _placeholder_ids((1, 1), 4)
+    params = SamplingParams(max_tokens=2)
+    bad = [({"prompt_token_ids": ids, "multi_modal_data": {"image": [small] * 3}}, "at most 2"),
+           ({"prompt_token_ids": ids[:-2], "multi_modal_data": {"image": small}}, "3 image patch tokens, its images 4"),
+           ({"prompt_token_ids": ids, "multi_modal_data": {"image": b"not an image"}}, "cannot decode"),
+           ({"prompt_token_ids": ids, "multi_modal_data": {"video": small}}, "takes {'image'"),
+           ({"prompt": "no marker", "multi_modal_data": {"image": small}}, "0 <|image|> markers for 1 images")]
+    for prompt_dict, message in bad:
+        with pytest.raises(InvalidRequestError, match=re_escape(message)):
+            llm.generate(prompt_dict, params)
+        assert pool.free_rows == pool.num_rows and not llm.engine.has_unfinished()
+    # a prompt past max_model_len is refused after its image was encoded: the rows come back
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 130 + ids, "multi_modal_data": {"image": small}}, params)
+    assert pool.free_rows == pool.num_rows
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_same_image_hits_the_prefix_cache_and_another_does_not(mm_llm):
+    """The pages of a prompt with an image are keyed by its pixels: the same image again reuses them
+    (cached tokens), another image with the same token ids reuses none."""
+    from infire_jax import SamplingParams
+
+    ids = list(range(20, 50)) + _placeholder_ids((1, 1), 4) + [13] * 8  # 43 tokens: two full 16-token pages
+    image = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    other = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    run = lambda im: mm_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": im}}, params)[0]  # noqa: E731
+    assert run(image).num_cached_tokens == 0
+    assert run(image).num_cached_tokens == 32
+    assert run(other).num_cached_tokens == 0
+
+
+def test_chat_with_a_data_url_equals_offline(mm_llm):
+    """Through the server: a chat message with a base64 PNG data URL answers as the offline engine
+    does on the same text and image; an undecodable image, an http URL that is not an image and a
+    file: URL (none allowed) are 400s naming the part, and leave the image pool empty."""
+    import base64
+    import io
+    import json
+    import urllib.error
+    import urllib.request
+
+    from server_utils import AppThread
+
+    from infire_jax import SamplingParams
+    from server.app import build_app
+
+    image = Image.fromarray(RNG.integers(0, 256, (56, 112, 3), dtype=np.uint8))
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    servers = AppThread()
+    try:
+        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        servers.run(servers.serve(build_app(mm_llm.engine, chat_template=template)))
+
+        def chat(parts):
+            body = {"model": mm_llm.engine.model_name, "max_tokens": 12, "temperature": 0,
+                    "messages": [{"role": "user", "content": parts}]}
+            req = urllib.request.Request(servers.urls[0] + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status, json.load(r)
+            except urllib.error.HTTPError as e:
+                return e.code, json.load(e)
+
+        status, got = chat([{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": url}}])
+        assert status == 200, got
+        want = mm_llm.generate({"prompt": "look:\n<|image|>", "multi_modal_data": {"image": image}},
+                               SamplingParams(max_tokens=12, temperature=0))[0]
+        assert got["choices"][0]["message"]["content"] == want.outputs[0].text
+        assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        pool = mm_llm.engine.images.pool
+        for part, message in [({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                               "cannot decode"),
+                              ({"type": "image_url", "image_url": {"url": servers.urls[0] + "/health"}},
+                               "not an image"),
+                              ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+                               "--allowed-local-media-path"),
+                              ({"type": "input_image", "image_url": url}, "not taken here")]:
+            status, err = chat([{"type": "text", "text": "x"}, part])
+            assert status == 400 and message in err["error"]["message"], err
+            assert err["error"]["param"].startswith("messages[0].content[1]"), err
+        assert pool.free_rows == pool.num_rows and not mm_llm.engine.has_unfinished()
+    finally:
+        servers.close()

@@ -86,6 +86,9 @@ class Request:
         self.grammar = None  # its structured.GrammarMatcher when the output is constrained
         self.lora = None  # its LoRA adapter (lora/adapters.py); None: the base model
         self.lora_slot = 0  # the adapter's device slot while the request runs (0: none)
+        # Images (runner/image_pool.py): each prompt token's row of the device's image pool, -1 for text;
+        # None without images.
+        self.image_rows = None
         # Prompt logprobs (params.prompt_logprobs): the entries read back so far (the first position's
         # None first), and the first prompt position no dispatched step has computed logits for yet;
         # a prompt computed again after a preemption skips the positions before it.

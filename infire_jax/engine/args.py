@@ -84,10 +84,27 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="loaded LoRA adapters kept in host memory, least recently used first out "
                         "(default: --max-loras; at least that)")
+    p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None, metavar="image=N",
+                   help="images a prompt may carry, vLLM's flag as image=N or JSON {\"image\": N} (default 1 "
+                        "where the checkpoint has a vision tower; 0 serves text only)")
     p.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0's coordinator (env INFIRE_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
+
+
+def _mm_limits(text: str) -> dict[str, int]:
+    """`image=2` or `{"image": 2}` -> {"image": 2}."""
+    import json
+
+    try:
+        limits = json.loads(text) if text.lstrip().startswith("{") else {
+            k.strip(): int(v) for k, v in (item.split("=", 1) for item in text.split(",") if item.strip())}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt {text!r}: expected image=N or {{\"image\": N}}") from e
+    if not isinstance(limits, dict):
+        raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt {text!r}: expected image=N or {{\"image\": N}}")
+    return limits
 
 
 def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
@@ -106,7 +123,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras,
-                        max_prompt_logprobs=args.max_prompt_logprobs)
+                        max_prompt_logprobs=args.max_prompt_logprobs, limit_mm_per_prompt=args.limit_mm_per_prompt)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

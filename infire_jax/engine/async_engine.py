@@ -227,12 +227,13 @@ class AsyncEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, request_id: str, priority: int = 0,
                  tenant: str | None = None, prefix_hint_tokens: int = 0,
                  session_id: str | None = None, grammar: CompiledGrammar | None = None,
-                 lora_request: str | None = None) -> RequestStream:
+                 lora_request: str | None = None, images: list | None = None) -> RequestStream:
         """A stream of the deltas of `prompts` (token ids); use it as `async with ... as stream`.
         `grammar`: `params.structured_outputs`, compiled off the engine thread (GrammarBackend);
-        `lora_request`: the name of a loaded LoRA adapter."""
+        `lora_request`: the name of a loaded LoRA adapter; `images`: the prompt's images (their tiles,
+        engine/images.py), its image placeholders expanded already."""
         options = dict(priority=priority, tenant=tenant, prefix_hint_tokens=prefix_hint_tokens,
-                       session_id=session_id, grammar=grammar, lora_request=lora_request)
+                       session_id=session_id, grammar=grammar, lora_request=lora_request, images=images)
         return RequestStream(self, request_id, prompts, params, options)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:

@@ -12,10 +12,12 @@ import itertools
 import logging
 import random
 import time
+from typing import Any, Sequence
 
 from infire_jax.runner import multihost
 from infire_jax.runner.compile_guard import cache_hit_count, compile_count
 from infire_jax.engine.detokenizer import IncrementalDetokenizer, TokenText
+from infire_jax.engine.images import ImageInputs, PreparedImages
 from infire_jax.engine.setup import EngineConfig, Progress, load_and_compile, on_gpu, resolve_settings
 from infire_jax.engine.stats import BootTimeline, EngineStats
 from infire_jax.errors import ConfigError, InvalidRequestError
@@ -23,12 +25,14 @@ from infire_jax.core.hybrid_kv_cache import kv_cache_manager
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.pages import export_pages, import_pages
 from infire_jax.loaders import LoadedModel
+from infire_jax.loaders.vision import load_vision_tower
 from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
 from infire_jax.sample.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
 from infire_jax.core.request import Request, Status
+from infire_jax.runner.image_pool import ImagePool
 from infire_jax.runner.model_runner import PendingStep
 from infire_jax.sample.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.core.scheduler import Scheduler
@@ -63,6 +67,12 @@ class Engine:
                                    enable_prefix_caching=ec.enable_prefix_caching)
         # LoRA adapters (lora/adapters.py): admission pins a request's adapter into a device slot.
         self.lora = Adapters(ec.lora, self.model_config, self.runner, dtype=self.dtype) if ec.lora else None
+        # Images (engine/images.py): a Llama 4 checkpoint's vision tower and the device's image pool.
+        self.images = None
+        if s.vision is not None:
+            pool = ImagePool(s.vision, load_vision_tower(ec.model)[1], self.dtype, rc.image_pool[0])
+            self.images = ImageInputs(pool, self.runner, self.tokenizer, ec.images_per_prompt)
+        self._image_spans: dict[str, list[tuple[int, int]]] = {}  # request id -> its image pool rows
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
                                    max_num_batched_tokens=s.max_num_batched_tokens, num_decode_steps=rc.decode_steps,
                                    gate=self.lora)
@@ -108,13 +118,35 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, tenant: str | None = None,
                     prefix_hint_tokens: int = 0, session_id: str | None = None,
                     grammar: CompiledGrammar | None = None,
-                    lora_request: LoRARequest | str | None = None) -> tuple[str, list[int]]:
+                    lora_request: LoRARequest | str | None = None,
+                    images: Sequence[Any] | None = None) -> tuple[str, list[int]]:
         """Queues a prompt (text or token ids) for `params.n` samples; returns (request id, prompt ids).
 
         `grammar` is `params.structured_outputs` compiled already (the server compiles off this
         thread); without it the constraint is compiled here. `lora_request`: the LoRA adapter it
-        runs with, a loaded adapter's name or vLLM's LoRARequest (loaded on first use)."""
+        runs with, a loaded adapter's name or vLLM's LoRARequest (loaded on first use). `images`:
+        PIL images or encoded ones, one per `<|image|>` of a text prompt (engine/images.py)."""
         params = params or SamplingParams()
+        if images is None:
+            return self._add_request(prompt, params, request_id, priority, tenant, prefix_hint_tokens, session_id,
+                                     grammar, lora_request, None)
+        if self.images is None:
+            raise InvalidRequestError(f"{self.model_name} takes no images (a Llama 4 checkpoint with a vision "
+                                      "tower does, unless limit_mm_per_prompt is 0)", param="multi_modal_data")
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        prepared = self.images.prepare(prompt, images)
+        try:
+            rid, ids = self._add_request(prepared.ids, params, request_id, priority, tenant, prefix_hint_tokens,
+                                         session_id, grammar, lora_request, prepared)
+        except BaseException:
+            self.images.release(prepared.spans)
+            raise
+        self._image_spans[rid] = prepared.spans
+        return rid, ids
+
+    def _add_request(self, prompt, params, request_id, priority, tenant, prefix_hint_tokens, session_id, grammar,
+                     lora_request, images: PreparedImages | None) -> tuple[str, list[int]]:
         ids = self.tokenize_prompt(prompt)
         if params.structured_outputs is not None:
             grammar = self._grammar(params, grammar)
@@ -143,14 +175,18 @@ class Engine:
         children = []
         for i in range(params.n):
             seed = (params.seed + i) & (2 ** 64 - 1) if params.seed is not None else self._rng.getrandbits(64)
+            salt = cache_salt(tenant, adapter)
+            if images is not None:  # pages of another image are another prompt's
+                salt = f"{salt or ''}\0images\0{images.digest}"
             req = Request(f"{request_id}#{i}", ids, params, eos_token_ids=eos, max_tokens=max_tokens, seed=seed,
-                          priority=priority, cache_salt=cache_salt(tenant, adapter),
+                          priority=priority, cache_salt=salt,
                           prefix_hint_tokens=prefix_hint_tokens,
                           session_id=session_id, min_tokens_stop_ids=stop_ids, parent_id=request_id, index=i)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
             req.grammar = grammar.matcher() if params.structured_outputs is not None else None
             req.spec_wait = self.spec is not None  # so its first decode step can already carry proposals
             req.lora = adapter
+            req.image_rows = None if images is None else images.rows
             children.append(req)
         self._requests[request_id] = children
         for req in children:
@@ -178,6 +214,7 @@ class Engine:
         for req in self._requests.pop(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, Status.FINISHED_ABORTED)
+        self._release_images(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
@@ -320,6 +357,12 @@ class Engine:
         children = self._requests.get(req.parent_id)
         if children is not None and all(c.is_finished for c in children):
             del self._requests[req.parent_id]
+            self._release_images(req.parent_id)
+
+    def _release_images(self, request_id: str) -> None:
+        spans = self._image_spans.pop(request_id, None)
+        if spans:
+            self.images.release(spans)
 
     # ---- moving a prompt's KV to another engine (prefill/decode disaggregation) -------------------------
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import threading
@@ -43,6 +44,9 @@ from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.eagle3 import Eagle3Head
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
+from infire_jax.loaders.vision import has_vision
+from infire_jax.runner.image_pool import pool_rows
+from infire_jax.vision.config import VisionConfig, vision_config
 from pallas_kernels.attention import choose_impl, resolve_impl
 from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels import placement
@@ -109,10 +113,23 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
 
+    # Images (Llama 4 checkpoints with a vision tower): vLLM's limit_mm_per_prompt, {"image": N} images a
+    # prompt may carry (None: 1; 0 leaves the tower unloaded). The device holds the encoder outputs of
+    # IMAGE_POOL_PROMPTS such prompts' images at once (runner/image_pool.py).
+    limit_mm_per_prompt: dict[str, int] | None = None
+
     # A model with chunked or sliding-window layers keeps only the pages those layers still see
     # (core/kv_groups.py, core/hybrid_kv_cache.py); False keeps every page of every layer in one group (the
     # kernels mask the same way): for comparisons and tests.
     hybrid_kv_cache: bool = True
+
+    @property
+    def images_per_prompt(self) -> int:
+        limits = dict(self.limit_mm_per_prompt or {})
+        unknown = sorted(set(limits) - {"image"})
+        if unknown or any(not isinstance(v, int) or v < 0 for v in limits.values()):
+            raise ConfigError(f"limit_mm_per_prompt={self.limit_mm_per_prompt!r}: only {{'image': N}}, N >= 0")
+        return limits.get("image", 1)
 
     @property
     def lora(self) -> LoRAConfig | None:
@@ -157,6 +174,22 @@ class Settings(NamedTuple):
     sizing: PoolSizing | None  # the pool's size where it is known before the weights are on the device
     runner_config: RunnerConfig  # the pool at its final size if `sizing`, else at its least
     checkpoint_kv_scales: np.ndarray | None  # an fp8 pool's scales as the checkpoint carries them
+    vision: VisionConfig | None = None  # the checkpoint's vision tower, served (None: text only)
+
+
+# Prompts whose images' encoder outputs the device holds at once (each image at its most tiles).
+IMAGE_POOL_PROMPTS = 4
+
+
+def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:
+    """The vision tower to serve: a Llama 4 HF directory's, unless images are limited to 0."""
+    if ec.images_per_prompt == 0 or not ec.model or not has_vision(ec.model):
+        return None
+    if plan is not None or ec.weights_quantization or ec.weights_compression:
+        log.warning("%s: images are served on one device with plain weights only yet; serving text", ec.model)
+        return None
+    with open(os.path.join(ec.model, "config.json")) as f:
+        return vision_config(json.load(f))
 
 
 def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
@@ -187,6 +220,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
         ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization,
         kv_groups, budget, plan.mesh_config.num_devices if plan else 1)
     sizing = pool.fixed()
+    vision = _vision(ec, plan)
     rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else pool.min_pages,
                       max_model_len=max_model_len, max_num_seqs=ec.max_num_seqs,
                       buckets=_buckets(ec, budget), attn_impl=_attention(ec, cfg, dtype, kv_dtype),
@@ -195,9 +229,11 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                       aux_layers=eagle_head.cfg.aux_layers(cfg.num_layers) if eagle_head else None,
                       decode_steps=1 if spec_config else ec.num_decode_steps,
                       kv_cache_dtype=kv_dtype.name, kv_groups=kv_groups, lora=ec.lora,
-                      max_prompt_logprobs=ec.max_prompt_logprobs)
+                      max_prompt_logprobs=ec.max_prompt_logprobs,
+                      image_pool=None if vision is None else (
+                          pool_rows(vision, IMAGE_POOL_PROMPTS * ec.images_per_prompt), vision.text_hidden_size))
     return Settings(dtype, kv_dtype, cfg, plan, placed, max_model_len, budget,
-                    spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales)
+                    spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales, vision)
 
 
 def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:

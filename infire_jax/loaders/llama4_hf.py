@@ -2,8 +2,8 @@
 
 Two layouts: `Llama4ForCausalLM` (`model.layers.N...`, `lm_head`) and the published multimodal
 `Llama4ForConditionalGeneration` (the same under `language_model.`, with `vision_model.` and
-`multi_modal_projector.` beside them). Images are not served yet, so the vision tower is not read
-into the model; the log says so once per load.
+`multi_modal_projector.` beside them). The vision tower is not part of the text model: the engine
+reads it apart (loaders/vision.py) to serve images.
 
 Per layer: q/k/v/o, the dense MLP's gate/up/down (`feed_forward.*_proj`), or the MoE's router
 [X, E], fused experts `experts.gate_up_proj` [X, E, 2F] (gate columns first) and `experts.down_proj`
@@ -96,8 +96,8 @@ def llama4_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) 
         else:
             raise UnsupportedModelError(f"unexpected weight {name!r} for Llama 4 ({cfg.num_layers} layers)")
     if skipped:
-        log.warning("Llama 4: the vision tower and projector (%d tensors) are not loaded; images are not "
-                    "supported yet, text is served", skipped)
+        log.info("Llama 4: the vision tower and projector (%d tensors) are not text weights: the engine reads "
+                 "them apart to serve images (loaders/vision.py)", skipped)
     for stack, per_layer in per_stack.items():
         stacked = {}
         for short, arrays in per_layer.items():

@@ -40,7 +40,7 @@ INERT_FIELDS = {
     "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
     "finetuning_task", "id2label", "label2id", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
     "task_specific_params", "problem_type"}
-# The multimodal wrapper's own fields; its vision tower is not loaded (loaders/llama4_hf.py).
+# The multimodal wrapper's own fields; its vision tower is read apart (loaders/vision.py, vision/config.py).
 _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "boi_token_index", "eoi_token_index",
                    "image_token_index", "tie_word_embeddings"}
 _LAYER_TYPES = ("chunked_attention", "full_attention")

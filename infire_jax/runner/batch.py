@@ -30,6 +30,7 @@ class StepBatch(NamedTuple):
     sample_rows: np.ndarray  # [S] bool: rows whose sample is a real next token
     sampling: SamplingInputs
     lora_slots: np.ndarray | None = None  # [T] int32: each token's LoRA adapter slot (0: none); None: LoRA off
+    image_rows: np.ndarray | None = None  # [T] int32: an image patch token's row of the image pool (-1: none)
 
 
 class DraftInputs(NamedTuple):
@@ -76,7 +77,7 @@ def _column(values: list, size: int, fill, dtype) -> np.ndarray:
 
 def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, pages_per_seq: int,
                 dummy_slot: int, num_spec: int = 0, kv_groups: KVGroupLayout | None = None,
-                lora: bool = False) -> StepBatch:
+                lora: bool = False, images: bool = False) -> StepBatch:
     """Per-row values are gathered in Python lists and converted once per column: at batch 256 a
     numpy write per value cost more host time than the device step has to spare.
 
@@ -84,10 +85,12 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     token and its proposals, repeating its last token past them. With `kv_groups` of several groups
     (a hybrid KV cache) every group gets its page table and slot mapping from the rows'
     `group_pages`, and the metadata the layers' (pool index, group) table. With `lora`, each token
-    carries its request's adapter slot (lora/adapters.py; padding: 0)."""
+    carries its request's adapter slot (lora/adapters.py; padding: 0). With `images`, each prompt token
+    its image pool row (`Request.image_rows`; -1 for text, outputs and padding)."""
     t, s = shape.num_tokens, shape.num_rows
     num_groups = kv_groups.num_groups if kv_groups is not None else 1
     lora_slots = np.zeros(t, np.int32) if lora else None
+    image_rows = np.full(t, -1, np.int32) if images else None
     tokens = np.zeros(t, np.int32)
     from_device = np.zeros(t, bool)
     kind = np.zeros(t, np.int32)
@@ -127,6 +130,9 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         seq_ids[off:end] = i
         if lora_slots is not None:
             lora_slots[off:end] = req.lora_slot
+        if image_rows is not None and req.image_rows is not None and st < req.num_prompt_tokens:
+            prompt_end = min(st + n, req.num_prompt_tokens)
+            image_rows[off:off + prompt_end - st] = req.image_rows[st:prompt_end]
         for g, pages in enumerate(group_pages):
             page_tables[g, i, :len(pages)] = pages
         p = req.params
@@ -180,7 +186,7 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         logits_indices = _column([e - 1 for e in rows["ends"]], s, 0, np.int32)
     return StepBatch(tokens, from_device, kind, meta, logits_indices, _column(rows["slots"], s, dummy_slot, np.int32),
                      _column(rows["reset"], s, False, bool), _column(rows["sample"], s, False, bool), sampling,
-                     lora_slots)
+                     lora_slots, image_rows)
 
 
 def grammar_bitmask(work: SchedulerOutput, num_rows: int, words: int, positions: int = 1) -> np.ndarray | None:

@@ -34,6 +34,7 @@ class RunnerConfig:
     # several groups each step carries their page tables. None: one group of every layer, every page kept.
     kv_groups: KVGroupLayout | None = None
     max_prompt_logprobs: int = 20  # top alternatives a prompt position may ask for (prompt_logprobs.py)
+    image_pool: tuple[int, int] | None = None  # (rows, width) of the images' encoder outputs (image_pool.py)
 
     @property
     def pages_per_seq(self) -> int:
@@ -71,7 +72,8 @@ class RunnerConfig:
         for the proposals)."""
         return build_batch(work, shape, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
                            dummy_slot=self.dummy_slot, num_spec=self.num_spec if verify else 0,
-                           kv_groups=self.kv_groups if self.multi_group else None, lora=self.lora is not None)
+                           kv_groups=self.kv_groups if self.multi_group else None, lora=self.lora is not None,
+                           images=self.image_pool is not None)
 
     def empty_batch(self, shape: StepShape, verify: bool = False) -> StepBatch:
         """Padding only: what compiling a bucket's programs, or a follower's receive, takes."""

@@ -93,12 +93,15 @@ class DeviceMemory:
         shardings = DeviceCache(pool, pool, replicated, replicated, replicated,
                                 None if self.kv_scales is None else replicated,
                                 None if lora is None else {k: plan.sharding(axes) if plan else None
-                                                           for k, (_, axes) in lora.items()})
+                                                           for k, (_, axes) in lora.items()},
+                                None if rc.image_pool is None else replicated)
         dtype = self.dtype
 
         def new_cache(scales):
             stacks = None if lora is None else {k: jnp.zeros(shape, dtype) for k, (shape, _) in lora.items()}
-            return DeviceCache(*(jnp.zeros(shape, dt) for shape, dt in shapes[:5]), kv_scales=scales, lora=stacks)
+            images = None if rc.image_pool is None else jnp.zeros(rc.image_pool, dtype)
+            return DeviceCache(*(jnp.zeros(shape, dt) for shape, dt in shapes[:5]), kv_scales=scales, lora=stacks,
+                               images=images)
 
         # Kept, so a model coming back to the device (restore) allocates its pool without compiling;
         # an fp8 pool's scales come from their host copy (set_kv_scales).
@@ -109,7 +112,9 @@ class DeviceMemory:
         self._cache_shapes = DeviceCache(
             *(jax.ShapeDtypeStruct(shape, dt, sharding=s) for (shape, dt), s in zip(shapes[:5], shardings[:5])),
             kv_scales=scales, lora=None if lora is None else {
-                k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings.lora[k]) for k, (shape, _) in lora.items()})
+                k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings.lora[k]) for k, (shape, _) in lora.items()},
+            images=None if rc.image_pool is None else jax.ShapeDtypeStruct(rc.image_pool, dtype,
+                                                                          sharding=shardings.images))
 
     def set_kv_scales(self, scales: np.ndarray) -> None:
         """An fp8 pool's scales, [layers, 2, kv heads] float32 (k, v); only before any page is written."""

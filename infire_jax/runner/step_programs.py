@@ -40,6 +40,7 @@ class DeviceCache(NamedTuple):
     last_tokens: Int[Array, "R"]  # last sampled token per slot (asynchronous scheduling)
     kv_scales: Float[Array, "L 2 Hkv"] | None = None  # an fp8 pool's scales (pallas_kernels/kv_quant.py)
     lora: dict[str, Array] | None = None  # LoRA adapters' device slots (lora/layout.py), written between steps
+    images: Float[Array, "P E"] | None = None  # images' encoder outputs awaiting prefill (runner/image_pool.py)
 
 
 def matmul_precision(dtype) -> str:
@@ -94,6 +95,8 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
     # Each token's LoRA adapter slot (lora/batched.py); without LoRA the program is the plain one.
     lora = {} if cache.lora is None else {"lora": LoRAStep(cache.lora, b.lora_slots)}
     h, kv = model.embed_tokens(tokens), (cache.k_pages, cache.v_pages)
+    if b.image_rows is not None:  # an image's patch tokens take its encoder's outputs (runner/image_pool.py)
+        h = jnp.where((b.image_rows >= 0)[:, None], cache.images[jnp.maximum(b.image_rows, 0)].astype(h.dtype), h)
     if aux_layers is None:
         h, (k_pages, v_pages) = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, **lora)
     else:

@@ -157,14 +157,19 @@ def _encode_bucket(cfg: VisionConfig, weights: dict, pixels: Array) -> Array:
     return encode_tiles(cfg, weights, pixels)
 
 
-def encode(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray) -> Array:
-    """`encode_tiles` jitted at the tile bucket of `pixels` (padded with blank tiles, their outputs
-    dropped), so each bucket compiles once."""
+def encode_padded(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray
+                  ) -> Float[Array, "B P E"]:
+    """`encode_tiles` jitted at the tile bucket B of `pixels`, padded with blank tiles (whose outputs
+    follow the image's), so each bucket compiles once."""
     pixels = np.asarray(pixels, np.float32)
-    n = pixels.shape[0]
-    padded = np.zeros((tile_bucket(n), *pixels.shape[1:]), np.float32)
-    padded[:n] = pixels
-    return _encode_bucket(cfg, weights, jnp.asarray(padded))[:n]
+    padded = np.zeros((tile_bucket(pixels.shape[0]), *pixels.shape[1:]), np.float32)
+    padded[:pixels.shape[0]] = pixels
+    return _encode_bucket(cfg, weights, jnp.asarray(padded))
+
+
+def encode(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray) -> Array:
+    """`encode_padded` without the blank tiles' outputs."""
+    return encode_padded(cfg, weights, pixels)[:np.shape(pixels)[0]]
 
 
 # HF parameter names (`Llama4ForConditionalGeneration`: `vision_model.` and `multi_modal_projector.`)

@@ -19,13 +19,16 @@ import ml_dtypes
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from infire_jax.errors import ConfigError
+from infire_jax.errors import InvalidRequestError
 
 _BF16 = ml_dtypes.bfloat16
 
 
-class ImageError(ConfigError):
+class ImageError(InvalidRequestError):
     """An image that cannot be decoded or used (the server answers 400)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="image")
 
 
 @dataclasses.dataclass(frozen=True)

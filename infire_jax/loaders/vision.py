@@ -1,0 +1,51 @@
+"""A Llama 4 checkpoint's vision tower and projector, read apart from the text model.
+
+`Llama4ForConditionalGeneration` keeps them as `vision_model.*` and `multi_modal_projector.*` beside
+the text weights (loaders/llama4_hf.py skips them). Only those tensors are read here, by name from
+each safetensors file's index, so the text weights (200 GB for Scout) are not read a second time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+from safetensors import safe_open
+
+from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
+from infire_jax.vision.config import VisionConfig, vision_config
+
+VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
+
+
+def has_vision(path: str) -> bool:
+    """Whether `path` is an HF directory of a Llama 4 model with a vision tower."""
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    with open(cfg) as f:
+        hf = json.load(f)
+    return hf.get("model_type") == "llama4" and bool(hf.get("vision_config"))
+
+
+def load_vision_tower(path: str) -> tuple[VisionConfig, dict[str, np.ndarray]]:
+    """(the tower's config, its tensors by HF name as float32 numpy arrays) of an HF directory."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = vision_config(json.load(f))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
+    tensors = {}
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        for file in files:
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    if name.startswith(VISION_PREFIXES):
+                        tensors[name] = np.asarray(f.get_tensor(name), np.float32)
+    if not tensors:
+        raise UnsupportedModelError(f"{path}: the config has a vision tower but the weights have no "
+                                    f"{' or '.join(VISION_PREFIXES)} tensors")
+    return cfg, tensors

@@ -1,0 +1,77 @@
+"""Images on the device: the vision tower, and the pool where its outputs wait for their prompt.
+
+A request's images are encoded when it is added (vision/encoder.py, jitted per tile bucket), and
+each image's <|patch|> embeddings are written into rows of the pool, a [rows, E] array of the
+device cache (`DeviceCache.images`). Each prompt token that is an image patch carries its pool row
+(`StepBatch.image_rows`), and the forward takes the embedding from there instead of the token table,
+whichever step (chunk) prefills it. The rows stay the request's until it ends (a preempted request
+prefills again), then go back to the free list.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from infire_jax.errors import InvalidRequestError
+from infire_jax.vision.config import VisionConfig
+from infire_jax.vision.encoder import TILE_BUCKETS, encode_padded, tile_bucket, weights_from_hf
+
+
+def pool_rows(cfg: VisionConfig, images: int) -> int:
+    """Rows a pool needs to hold `images` images of the most tiles at once."""
+    return images * TILE_BUCKETS[-1] * cfg.tokens_per_tile
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(pool: Array, rows: Array, start: Array) -> Array:
+    return jax.lax.dynamic_update_slice_in_dim(pool, rows.astype(pool.dtype), start, 0)
+
+
+class ImagePool:
+    """The tower's weights on the device, and the free rows of the cache's image pool (first fit)."""
+
+    def __init__(self, cfg: VisionConfig, tensors: dict[str, np.ndarray], dtype, num_rows: int):
+        self.cfg, self.num_rows = cfg, num_rows
+        self.weights = weights_from_hf(cfg, tensors, dtype)
+        self._free: list[tuple[int, int]] = [(0, num_rows)]  # (start, rows), sorted by start
+
+    @property
+    def free_rows(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def reserve(self, rows: int) -> int:
+        """The start of `rows` free rows, now the caller's; InvalidRequestError when none are."""
+        for i, (start, n) in enumerate(self._free):
+            if n >= rows:
+                self._free[i:i + 1] = [(start + rows, n - rows)] if n > rows else []
+                return start
+        raise InvalidRequestError(f"the images in flight fill the device's image pool ({self.num_rows} rows, "
+                                  f"{self.free_rows} free, {rows} needed): retry when requests finish, or "
+                                  "raise limit_mm_per_prompt's pool", param="messages")
+
+    def release(self, start: int, rows: int) -> None:
+        spans = sorted([*self._free, (start, rows)])
+        merged = [spans[0]]
+        for s, n in spans[1:]:
+            if merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((s, n))
+        self._free = merged
+
+    def add(self, pool: Float[Array, "P E"], pixels: np.ndarray) -> tuple[Float[Array, "P E"], int, int]:
+        """Encodes an image's tiles ([tiles, C, H, W]) into reserved rows of `pool` (donated): (the
+        pool, the first row, rows reserved). Rows past the image's own tokens hold its bucket's blank tiles."""
+        rows = tile_bucket(pixels.shape[0]) * self.cfg.tokens_per_tile
+        start = self.reserve(rows)
+        try:
+            embeddings = encode_padded(self.cfg, self.weights, pixels).reshape(rows, -1)
+            return _write(pool, embeddings, jnp.int32(start)), start, rows
+        except BaseException:
+            self.release(start, rows)
+            raise
