@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from infire_jax.runner.compile_guard import compile_count
 from infire_jax.vision import preprocess, prompt
 from infire_jax.vision.config import vision_config
 from infire_jax.vision.encoder import TILE_BUCKETS, VisionTower, encode, encode_tiles, weights_from_hf
@@ -306,8 +307,9 @@ def test_generate_with_images_equals_hf(multimodal, mm_llm):
             ids += _placeholder_ids(t.grid, 4) + [13]
         prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}})
         want.append(_hf_greedy_with_images(model, ids, np.concatenate([t.pixels for t in tiles]), 16))
-    free = images.pool.free_rows
+    free, compiles = images.pool.free_rows, compile_count()
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1))
+    assert compile_count() == compiles  # the encoder's tile buckets were compiled with the engine
     for out, (tokens, lps) in zip(outs, want):
         assert out.outputs[0].token_ids == tokens
         np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], lps, atol=1e-3, rtol=0)
@@ -318,7 +320,6 @@ def test_generate_with_images_equals_hf(multimodal, mm_llm):
                              "multi_modal_data": {"image": other}}], SamplingParams(max_tokens=16, temperature=0,
                                                                                       ignore_eos=True))
     assert swapped[0].outputs[0].token_ids != outs[0].outputs[0].token_ids
-    assert llm.engine.compiles_since_warmup <= 2  # the encoder's tile buckets (1 and 4), compiled on first use
 
 
 def test_bad_image_requests_are_refused_and_hold_nothing(mm_llm):

@@ -71,6 +71,7 @@ class Engine:
         self.images = None
         if s.vision is not None:
             pool = ImagePool(s.vision, load_vision_tower(ec.model)[1], self.dtype, rc.image_pool[0])
+            self.runner.cache = self.runner.cache._replace(images=pool.warmup(self.runner.cache.images))
             self.images = ImageInputs(pool, self.runner, self.tokenizer, ec.images_per_prompt)
         self._image_spans: dict[str, list[tuple[int, int]]] = {}  # request id -> its image pool rows
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,

@@ -64,6 +64,16 @@ class ImagePool:
                 merged.append((s, n))
         self._free = merged
 
+    def warmup(self, pool: Float[Array, "P E"]) -> Float[Array, "P E"]:
+        """Compiles the encoder at every tile bucket and the pool's write, by running them on blank
+        tiles into the pool's first rows (free, and overwritten when reserved): serving an image
+        compiles nothing. Returns the pool (donated)."""
+        side = self.cfg.image_size
+        for bucket in TILE_BUCKETS:
+            blank = np.zeros((bucket, self.cfg.num_channels, side, side), np.float32)
+            pool = _write(pool, encode_padded(self.cfg, self.weights, blank).reshape(-1, pool.shape[1]), jnp.int32(0))
+        return pool
+
     def add(self, pool: Float[Array, "P E"], pixels: np.ndarray) -> tuple[Float[Array, "P E"], int, int]:
         """Encodes an image's tiles ([tiles, C, H, W]) into reserved rows of `pool` (donated): (the
         pool, the first row, rows reserved). Rows past the image's own tokens hold its bucket's blank tiles."""
