@@ -422,3 +422,21 @@ def test_chat_with_a_data_url_equals_offline(mm_llm):
         assert pool.free_rows == pool.num_rows and not mm_llm.engine.has_unfinished()
     finally:
         servers.close()
+
+
+def test_pool_rows_are_reserved_first_fit_and_merged_back():
+    """A full pool refuses with a message saying so; freed rows merge with their neighbours."""
+    from infire_jax.errors import InvalidRequestError
+    from infire_jax.runner.image_pool import ImagePool
+
+    config, _, _, tensors = _tiny_hf()
+    pool = ImagePool(vision_config(config.to_dict()), tensors, jnp.float32, 40)
+    a, b = pool.reserve(16), pool.reserve(16)
+    assert (a, b) == (0, 16) and pool.free_rows == 8
+    with pytest.raises(InvalidRequestError, match="fill the device's image pool"):
+        pool.reserve(16)
+    pool.release(a, 16)
+    assert pool.reserve(8) == 0 and pool.reserve(8) == 8  # first fit, in the freed span
+    for start, n in ((0, 8), (b, 16), (8, 8)):
+        pool.release(start, n)
+    assert pool.free_rows == 40 and pool.reserve(40) == 0  # one span again

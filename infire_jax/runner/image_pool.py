@@ -50,9 +50,9 @@ class ImagePool:
             if n >= rows:
                 self._free[i:i + 1] = [(start + rows, n - rows)] if n > rows else []
                 return start
-        raise InvalidRequestError(f"the images in flight fill the device's image pool ({self.num_rows} rows, "
-                                  f"{self.free_rows} free, {rows} needed): retry when requests finish, or "
-                                  "raise limit_mm_per_prompt's pool", param="messages")
+        raise InvalidRequestError(f"the images of the requests in flight fill the device's image pool "
+                                  f"({self.num_rows} rows, {self.free_rows} free, {rows} needed): retry when "
+                                  "some finish", param="messages")
 
     def release(self, start: int, rows: int) -> None:
         spans = sorted([*self._free, (start, rows)])
