@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from PIL import Image
+
 from infire_jax.engine.engine import Engine, EngineConfig
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.outputs import CompletionOutput, RequestOutput
 from infire_jax.sample.sampling_params import SamplingParams
+from infire_jax.vision import preprocess
+from infire_jax.vision import prompt as placeholders
 
 # Text or token ids, or vLLM's dict form: {"prompt": text} or {"prompt_token_ids": ids}, with
 # "multi_modal_data": {"image": a PIL image, encoded bytes, or a list of them} (one per <|image|>).
@@ -100,9 +104,51 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              **template_kwargs) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+        """Renders each conversation with the model's chat template, then generates. A message's content
+        may be a list of parts: text ({"type": "text", "text": ...}) and images ({"type": "image",
+        "image": a PIL image} or {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}),
+        each image where it stands (vision/prompt.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tokenizer.encode(
-            self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=True, **template_kwargs),
-            add_special_tokens=False) for conv in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate([self._chat_prompt(conv, template_kwargs) for conv in conversations], sampling_params)
+
+    def _chat_prompt(self, conversation: Messages, template_kwargs: dict) -> Prompt:
+        images: list = []
+        flat = [{**m, "content": _text_of(m["content"], images)} if _has_images(m.get("content")) else m
+                for m in conversation]
+        tk = self.engine.tokenizer
+        text = tk.apply_chat_template(flat, add_generation_prompt=True, **template_kwargs)
+        if not images:
+            return tk.encode(text, add_special_tokens=False)
+        inputs = self.engine.images
+        if inputs is None:
+            raise InvalidRequestError(f"{self.engine.model_name} takes no images", param="messages")
+        tiles = [inputs.tiles(preprocess.decode(im) if isinstance(im, bytes) else im) for im in images]
+        text = placeholders.expand(text, [t.grid for t in tiles], inputs.cfg.tokens_per_tile)
+        return {"prompt_token_ids": tk.encode(text, add_special_tokens=False), "multi_modal_data": {"image": tiles}}
+
+
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                                             for p in content)
+
+
+def _text_of(parts: list, images: list) -> str:
+    """A message's parts as text, each image an <|image|> marker and appended to `images` (a PIL image,
+    or a data URL's bytes)."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image" and isinstance(part.get("image"), Image.Image):
+            texts.append(placeholders.IMAGE)
+            images.append(part["image"])
+        elif kind == "image_url":
+            ref = part.get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            texts.append(placeholders.IMAGE)
+            images.append(preprocess.data_url_bytes(url if isinstance(url, str) else ""))
+        else:
+            raise InvalidRequestError(f"content part {j}: text, image (a PIL image) or image_url (a data URL) "
+                                      f"parts only, got {part!r:.80}", param="messages")
+    return "\n".join(texts)

@@ -11,14 +11,13 @@ Anything else, or a fetch that fails, is the client's error: a 400 naming the pa
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
 import os
 import urllib.parse
 
 import aiohttp
 
+from infire_jax.vision import preprocess
 from server.protocol import bad
 
 
@@ -45,16 +44,10 @@ async def image_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
 
 
 def _data_url(url: str, policy: MediaPolicy, param: str) -> bytes:
-    head, sep, payload = url.partition(",")
-    media = head[len("data:"):]
-    if not sep or not media.endswith(";base64") or not media.startswith("image/"):
-        raise bad(f"'{param}': a data URL must be data:image/<type>;base64,<data>", param)
-    if len(payload) > policy.max_bytes * 4 // 3 + 4:
-        raise bad(f"'{param}': the image is larger than {policy.max_bytes} bytes", param)
     try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise bad(f"'{param}': the data URL is not valid base64 ({e})", param) from e
+        return preprocess.data_url_bytes(url, policy.max_bytes)
+    except preprocess.ImageError as e:
+        raise bad(f"'{param}': {e}", param) from e
 
 
 async def _fetch(url: str, policy: MediaPolicy, param: str) -> bytes:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import collections
 import functools
-import inspect
 import math
 
 import jax
@@ -255,6 +254,11 @@ def _name_special_tokens(path: str) -> None:
     tk.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in SPECIAL])
     assert all(tk.token_to_id(text) == i for text, i in SPECIAL.items())
     tk.save(file)
+    with open(f"{path}/tokenizer_config.json", "w") as f:  # a chat template: the messages' contents in a row
+        json.dump({"chat_template": CHAT_TEMPLATE}, f)
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -388,8 +392,7 @@ def test_chat_with_a_data_url_equals_offline(mm_llm):
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     servers = AppThread()
     try:
-        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-        servers.run(servers.serve(build_app(mm_llm.engine, chat_template=template)))
+        servers.run(servers.serve(build_app(mm_llm.engine)))
 
         def chat(parts):
             body = {"model": mm_llm.engine.model_name, "max_tokens": 12, "temperature": 0,
@@ -440,3 +443,28 @@ def test_pool_rows_are_reserved_first_fit_and_merged_back():
     for start, n in ((0, 8), (b, 16), (8, 8)):
         pool.release(start, n)
     assert pool.free_rows == 40 and pool.reserve(40) == 0  # one span again
+
+
+def test_offline_chat_takes_image_parts(mm_llm):
+    """`LLM.chat` with an image part (a PIL image, or a data URL) answers as `generate` on the text with
+    the image's marker; a text-only list of parts renders as before; an unknown part is refused."""
+    import base64
+    import io
+
+    from infire_jax import SamplingParams
+    from infire_jax.errors import InvalidRequestError
+
+    image = Image.fromarray(RNG.integers(0, 256, (56, 112, 3), dtype=np.uint8))
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    params = SamplingParams(max_tokens=12, temperature=0)
+    want = mm_llm.generate({"prompt": "look:\n<|image|>", "multi_modal_data": {"image": image}}, params)[0]
+    for part in ({"type": "image", "image": image}, {"type": "image_url", "image_url": {"url": url}}):
+        got = mm_llm.chat([{"role": "user", "content": [{"type": "text", "text": "look:"}, part]}], params)[0]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.prompt_token_ids == want.prompt_token_ids
+    with pytest.raises(InvalidRequestError, match="content part 1"):
+        mm_llm.chat([{"role": "user", "content": [{"type": "image", "image": image}, {"type": "video"}]}], params)
+    pool = mm_llm.engine.images.pool
+    assert pool.free_rows == pool.num_rows

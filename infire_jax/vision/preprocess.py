@@ -11,6 +11,8 @@ rounding after each step, as the HF processor does: `x * (1/255)`, then `(x - 0.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
 import dataclasses
 import io
@@ -75,6 +77,20 @@ def normalize(rgb: np.ndarray) -> np.ndarray:
     x = (x * np.float32(1 / 255)).astype(_BF16).astype(np.float32)
     x = (x - np.float32(0.5)).astype(_BF16).astype(np.float32)
     return (x / np.float32(0.5)).astype(_BF16).astype(np.float32)
+
+
+def data_url_bytes(url: str, max_bytes: int = 20 << 20) -> bytes:
+    """The image in a `data:image/<type>;base64,<data>` URL; `ImageError` naming the problem otherwise."""
+    head, sep, payload = url.partition(",")
+    media = head[len("data:"):] if head.startswith("data:") else ""
+    if not sep or not media.endswith(";base64") or not media.startswith("image/"):
+        raise ImageError("a data URL must be data:image/<type>;base64,<data>")
+    if len(payload) > max_bytes * 4 // 3 + 4:
+        raise ImageError(f"the image is larger than {max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"the data URL is not valid base64 ({e})") from e
 
 
 def decode(data: bytes, max_pixels: int = 64 << 20) -> Image.Image:
