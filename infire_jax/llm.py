@@ -123,7 +123,10 @@ class LLM:
         if inputs is None:
             raise InvalidRequestError(f"{self.engine.model_name} takes no images", param="messages")
         tiles = [inputs.tiles(preprocess.decode(im) if isinstance(im, bytes) else im) for im in images]
-        text = placeholders.expand(text, [t.grid for t in tiles], inputs.cfg.tokens_per_tile)
+        try:  # a template that drops a message drops its markers
+            text = placeholders.expand(text, [t.grid for t in tiles], inputs.cfg.tokens_per_tile)
+        except ValueError as e:
+            raise InvalidRequestError(f"the chat template's text: {e}", param="messages") from e
         return {"prompt_token_ids": tk.encode(text, add_special_tokens=False), "multi_modal_data": {"image": tiles}}
 
 
