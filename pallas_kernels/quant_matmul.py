@@ -20,7 +20,8 @@ come per shape from quant_blocks.py (docs/KERNELS.md has the analysis behind the
 `quant_matmul(x, stack, index)` is x @ W[index] for a decode-sized step: rows in tiles of up to
 64, and K split over programs so that a few rows still fill the GPU (the partial sums are added
 outside, one small XLA reduction, or by the next kernel: `quant_matmul_parts` keeps them apart, and
-a down projection reads its gate/up projection's parts, forming silu(gate) * up as it loads them). `grouped_matmul(x, group_sizes, stack, first)` multiplies rows sorted by group by
+a down projection reads its gate/up projection's parts, forming silu(gate) * up as it loads them).
+`grouped_matmul(x, group_sizes, stack, first)` multiplies rows sorted by group by
 W[first + group] (a MoE layer's experts): tiles of rows never straddle two groups, so each tile
 reads its expert's weights once. Either way the stack index is data the kernel reads, so a layer
 scan hands over the whole stack, and no weight is ever copied out or dequantized in HBM.
@@ -271,7 +272,8 @@ def _tiles_call(x: Array, stack: QuantStack, index: Array, start: Array, k_block
     swiglu = x.shape[0] if dtype is not None else 0  # blocks of partials, stacked as rows
     x = x.reshape(-1, x.shape[-1])
     if x.shape[-1] != (2 * k if swiglu else k):
-        raise ValueError(f"x has {x.shape[-1]} inputs, the quantized stack {k}{' (gate and up: twice)' if swiglu else ''}")
+        twice = " (gate and up: twice)" if swiglu else ""
+        raise ValueError(f"x has {x.shape[-1]} inputs, the quantized stack {k}{twice}")
     present = [getattr(stack, p) for p in _PARTS if getattr(stack, p) is not None]
     tiles, tile_n = index.shape[0], blocks.tile_n
     splits = splits_for(blocks, tiles * (n // tile_n), k // blocks.block_k)

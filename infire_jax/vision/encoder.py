@@ -94,7 +94,8 @@ def _layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    return ((xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+    normed = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def _gelu(x: Array) -> Array:
