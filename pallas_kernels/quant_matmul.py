@@ -318,12 +318,16 @@ def quant_matmul_parts(x: Float[Array, "M K"] | Float[Array, "S M K2"], stack: Q
     return out.reshape(out.shape[0], tiles * rows, -1)
 
 
+def sum_parts(parts: Float[Array, "P R N"], rows: int) -> Float[Array, "M N"]:
+    """The product `quant_matmul_parts` split over K: its parts summed, its first `rows` rows."""
+    return (parts[0] if parts.shape[0] == 1 else parts.sum(axis=0))[:rows]
+
+
 def quant_matmul(x: Float[Array, "M K"], stack: QuantStack, index: Int[Array, ""] | int = 0, *,
                  blocks: Blocks | None = None, interpret: bool = False) -> Float[Array, "M N"]:
     """x @ W[index] in float32 (x's dtype into the dot), W dequantized tile by tile on chip; `blocks`
     replaces the chosen tiling (quant_blocks.py)."""
-    out = quant_matmul_parts(x, stack, index, blocks=blocks, interpret=interpret)
-    return (out[0] if out.shape[0] == 1 else out.sum(axis=0))[:x.shape[0]]
+    return sum_parts(quant_matmul_parts(x, stack, index, blocks=blocks, interpret=interpret), x.shape[0])
 
 
 def group_tile_rows(num_rows: int, num_groups: int, blocks: Blocks) -> int:

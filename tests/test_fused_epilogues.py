@@ -11,17 +11,15 @@ The engine with both in its layers gives the tokens of the engine without them
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from h100 import compiled_kernels, gpu_lowered, launches
-from test_quant_matmul import make_stack
+from test_quant_matmul import _jaxlib_version, make_stack
 
-from pallas_kernels.quant_matmul import QuantStack, quant_matmul, quant_matmul_parts
+from pallas_kernels.quant_matmul import QuantStack, quant_matmul, quant_matmul_parts, sum_parts
 from pallas_kernels.residual_norm import residual_rms_norm
 
 RNG = np.random.default_rng(11)
@@ -80,7 +78,7 @@ def test_down_projection_forms_silu_gate_times_up_from_the_partials(fmt, rows):
     x = RNG.standard_normal((rows, e)).astype(ml_dtypes.bfloat16)
     parts = quant_matmul_parts(jnp.asarray(x), gate_up, layer, interpret=True)
     got = quant_matmul_parts(parts, down, layer, interpret=True, swiglu_dtype=jnp.bfloat16)
-    got = np.asarray(got.sum(axis=0))[:rows]
+    got = np.asarray(sum_parts(got, rows))
     want, scale = _swiglu_reference(x, gu_w[layer], down_w[layer], ml_dtypes.bfloat16)
     assert np.all(np.abs(got - want) <= 2.0 ** -6 * scale + 1e-30), np.max(np.abs(got - want) / scale)
 
@@ -97,10 +95,8 @@ def test_swiglu_input_must_be_twice_the_down_projections_inputs():
         quant_matmul_parts(jnp.zeros((1, 4, 256)), down, 0, interpret=True, swiglu_dtype=jnp.bfloat16)
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
-
-
+# As tests/test_quant_matmul.py's lowering tests: the dev extra pins jaxlib 0.10.2, whose lowering runs here;
+# a later jaxlib compiles Triton while lowering, which needs a GPU (device-checks runs this file on one).
 @pytest.mark.skipif(jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2),
                     reason="this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
                            "pins jaxlib 0.10.2, which does not)")

@@ -10,6 +10,7 @@ import ast
 import collections
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -341,19 +342,13 @@ def test_bad_image_requests_are_refused_and_hold_nothing(mm_llm):
            ({"prompt_token_ids": ids, "multi_modal_data": {"video": small}}, "takes {'image'"),
            ({"prompt": "no marker", "multi_modal_data": {"image": small}}, "0 <|image|> markers for 1 images")]
     for prompt_dict, message in bad:
-        with pytest.raises(InvalidRequestError, match=re_escape(message)):
+        with pytest.raises(InvalidRequestError, match=re.escape(message)):
             llm.generate(prompt_dict, params)
         assert pool.free_rows == pool.num_rows and not llm.engine.has_unfinished()
     # a prompt past max_model_len is refused after its image was encoded: the rows come back
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 130 + ids, "multi_modal_data": {"image": small}}, params)
     assert pool.free_rows == pool.num_rows
-
-
-def re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 def test_same_image_hits_the_prefix_cache_and_another_does_not(mm_llm):

@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 from infire_jax.errors import ConfigError
 from pallas_kernels import cpu_kernels, cpu_matmul, placement
 from pallas_kernels.quant_blocks import MAX_TILE_ROWS
-from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, quant_matmul_parts, supported
+from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, quant_matmul_parts, sum_parts, supported
 from pallas_kernels.residual_norm import residual_rms_norm
 
 MAX_DENSE_ROWS = 256
@@ -124,8 +124,8 @@ def swiglu_mlp(x: Float[Array, "T E"], gate_up: KernelQuantWeight, down: KernelQ
     """down(silu(gate) * up) of x, float32: the down projection's kernel forms silu(gate) * up from
     the gate/up projection's partials as it loads them, where XLA would launch a kernel for it."""
     parts = quant_matmul_parts(x, gate_up.stack, layer, interpret=_interpret())
-    out = quant_matmul_parts(parts, down.stack, layer, interpret=_interpret(), swiglu_dtype=x.dtype)
-    return (out[0] if out.shape[0] == 1 else out.sum(axis=0))[:x.shape[0]]
+    return sum_parts(quant_matmul_parts(parts, down.stack, layer, interpret=_interpret(), swiglu_dtype=x.dtype),
+                     x.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)
