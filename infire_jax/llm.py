@@ -111,6 +111,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self._chat_prompt(conv, template_kwargs) for conv in conversations], sampling_params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache, as vLLM's `LLM.reset_prefix_cache` (False while requests run)."""
+        return self.engine.reset_prefix_cache()
+
     def _chat_prompt(self, conversation: Messages, template_kwargs: dict) -> Prompt:
         images: list = []
         flat = [{**m, "content": _text_of(m["content"], images)} if _has_images(m.get("content")) else m

@@ -19,12 +19,13 @@ GIB = 1 << 30
 
 
 def test_defaults_are_added_and_the_users_flags_win():
-    assert merged_flags("") == "--xla_gpu_enable_triton_gemm=false --xla_gpu_graph_min_graph_size=1"
+    assert merged_flags("") == ("--xla_gpu_enable_triton_gemm=false --xla_gpu_graph_min_graph_size=1 "
+                                "--xla_disable_hlo_passes=rematerialization")
     user = "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x"
     got = merged_flags(user).split()
     assert got[:2] == user.split()  # kept as given, first
     assert "--xla_gpu_enable_triton_gemm=false" not in got
-    assert got[2:] == ["--xla_gpu_graph_min_graph_size=1"]
+    assert got[2:] == ["--xla_gpu_graph_min_graph_size=1", "--xla_disable_hlo_passes=rematerialization"]
     assert merged_flags("xla_gpu_graph_min_graph_size=4").count("graph_min_graph_size") == 1
     assert merged_flags(merged_flags("")) == merged_flags("")  # idempotent
 

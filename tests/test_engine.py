@@ -190,3 +190,15 @@ def test_next_step_is_dispatched_before_the_previous_is_read_back(smol_llm, monk
     # The prompt, a decode burst of 4 steps, the last token's step; every read-back but the last
     # follows the launch of the next step.
     assert calls == ["dispatch x1", "dispatch x4", "fetch", "dispatch x1", "fetch", "fetch"]
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(smol_llm):
+    """`LLM.reset_prefix_cache` (vLLM's): a repeated prompt takes its full pages from the cache, and
+    after a reset computes them again."""
+    ids = smol_llm.tokenizer.encode(PROMPT * 3)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    smol_llm.generate([ids], params)
+    page = smol_llm.engine.config.page_size
+    assert smol_llm.generate([ids], params)[0].num_cached_tokens == (len(ids) - 1) // page * page
+    assert smol_llm.reset_prefix_cache()
+    assert smol_llm.generate([ids], params)[0].num_cached_tokens == 0

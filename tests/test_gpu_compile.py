@@ -135,6 +135,21 @@ def test_forward_copies_only_past_a_row_tile_and_plans_once(compiled):
     assert large.weight_copy_bytes >= LAYER_WEIGHT_BYTES * LAYERS and large.float32_weights == []
 
 
+def test_a_pool_filling_the_card_costs_the_prompt_chunk_nothing(tmp_path, compiled):
+    """With the pool sized as the engine sizes it (58 GB on an H100), the 8192-token chunk compiles as
+    beside the fixture's 8.6 GB pool: XLA's rematerialization, which misjudges memory beside the
+    donated pool and copied weights for nothing (38 launches a layer, 34 GB a step), stays off
+    (runner/xla_flags.py)."""
+    from infire_jax.bench import gpu_compile, gpu_target
+
+    h100 = gpu_target.target("h100")
+    pool = gpu_compile.pool_bytes(h100.memory_bytes, 0.9, 16_060_522_496)  # the 8B's bf16 weights
+    _, full = _compile(tmp_path, ("forward 8192",), num_kv_pages=None, kv_cache_memory=pool)["forward 8192 tokens"]
+    _, small = compiled["forward 8192 tokens"]
+    assert full.launches_per_layer == small.launches_per_layer
+    assert full.weight_copy_bytes == small.weight_copy_bytes
+
+
 def test_programs_fit_the_card(compiled):
     from infire_jax.bench import gpu_target
 
@@ -145,10 +160,11 @@ def test_programs_fit_the_card(compiled):
 
 
 def test_command_prints_a_row_per_program(tmp_path):
-    """`bench gpu-compile` end to end on the default model's samplers (seconds), with its JSON."""
+    """`bench gpu-compile` end to end on the 8B's samplers (seconds), with its JSON, its pool sized as
+    the engine sizes it on the card (the 8B's 8192-token context is more than a 1 GiB pool holds)."""
     out = tmp_path / "gc.json"
     run = subprocess.run([sys.executable, "-m", "infire_jax.bench", "gpu-compile", "--target", "h200",
-                          "--programs", "sampler-greedy", "--max-num-seqs", "8", "--token-buckets", "8",
+                          "--model", MODEL, "--programs", "sampler-greedy", "--max-num-seqs", "8", "--token-buckets", "8",
                           "--json", str(out), "--dump-dir", str(tmp_path / "new" / "dumps")],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -162,6 +178,7 @@ def test_command_prints_a_row_per_program(tmp_path):
     assert program["name"] == "sampler-greedy 8 rows" and program["weight_copy_bytes"] == 0
     assert program["f32_weight_bytes"] == 0 and program["device_memory_bytes"] == 143_771 * (1 << 20)
     assert 0 < program["peak_bytes"] < payload["usable_bytes"] and payload["fits"] is True
+    assert 100e9 < payload["kv_cache_bytes_per_device"] < payload["usable_bytes"] - 16e9  # the 8B's 16 GB
     assert list((tmp_path / "new" / "dumps").glob("sampler-greedy*/*thunk_sequence.txt"))  # made, and kept
 
 

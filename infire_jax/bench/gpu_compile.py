@@ -74,7 +74,8 @@ def run(args: argparse.Namespace):
     target = gpu_target.here() if args.here else gpu_target.target(args.target)
     ec = engine_config(args)
     if not (ec.num_kv_pages or ec.kv_cache_memory):  # size the pool as the engine would on the cards
-        probe = gpu_target.TargetEngine(dataclasses.replace(ec, kv_cache_memory=1 << 30), target, args.devices,
+        # shapes only (nothing is allocated): a pool large enough for one sequence of any length
+        probe = gpu_target.TargetEngine(dataclasses.replace(ec, kv_cache_memory=64 << 30), target, args.devices,
                                         args.here)
         weight_bytes = probe.weights_per_device()[2]
         ec.kv_cache_memory = pool_bytes(target.memory_bytes, ec.gpu_memory_utilization, weight_bytes)

@@ -220,6 +220,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt page (vLLM's `reset_prefix_cache`): later prompts compute their
+        KV afresh. False, and nothing dropped, while requests hold pages."""
+        if self.has_unfinished():
+            return False
+        self.kv.drop_cached()
+        return True
+
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
         compiles, start = compile_count(), time.perf_counter()

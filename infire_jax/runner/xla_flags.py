@@ -2,9 +2,9 @@
 
 XLA reads `XLA_FLAGS` once, when the first backend is created; a flag set later does nothing. So
 `infire_jax/__init__.py` calls `apply()` before anything can touch a device. The user's own
-`XLA_FLAGS` win: a default is added only when the user did not name that flag. The flags are all
-`xla_gpu_*`: every backend parses them and only the GPU compiler reads them, so setting them on a
-CPU machine changes nothing there.
+`XLA_FLAGS` win: a default is added only when the user did not name that flag. Every backend
+parses them and only the GPU compiler acts on them, so setting them on a CPU machine changes nothing
+there.
 
 Measured on an H100 (`dummy:llama-3.1-8b`, bf16, batch-1 decode; ../shared/design/GPU.md):
   * `--xla_gpu_enable_triton_gemm=false`: 19.1 -> 10.4 ms/token. XLA's Triton GEMM fusions take
@@ -12,6 +12,14 @@ Measured on an H100 (`dummy:llama-3.1-8b`, bf16, batch-1 decode; ../shared/desig
     arrays every step (8.9 ms of copies); cuBLAS reads the slice in place.
   * `--xla_gpu_graph_min_graph_size=1`: 11.0 -> 10.2 ms/token: every run of kernels goes into a CUDA
     graph, so short ones launch without gaps.
+Compiled for an H200 on a CPU machine (`bench gpu-compile --target h200`, jax 0.10.2; structure, not
+timing; docs/PERFORMANCE.md):
+  * `--xla_disable_hlo_passes=rematerialization`: XLA's rematerialization misjudges memory beside a
+    donated KV pool (the 8B's 117 GB pool on an H200: "only reduced to 328 GiB", three times the pool)
+    and, with the pool filling the card, recomputed and copied weights to save nothing: the 8B's
+    prompt chunks went from 26 to 38 launches a layer and from 16 to 34 GB of copies a step, at the
+    same peak. The pool is already sized beside the largest step's temporaries as compiled with a
+    minimal pool, where the pass does nothing (kv_pool.py), so it has nothing left to win.
 It also raises XLA's GPU allocator limit, `XLA_PYTHON_CLIENT_MEM_FRACTION`, from jax's 0.75 of
 the card to 0.95 (unless the user set it), so that `--gpu-memory-utilization` (0.90 by default, of
 the whole card) can be met: the KV pool is sized within both (infire_jax/runner/kv_pool.py).
@@ -33,6 +41,7 @@ DEFAULT_ALLOCATOR_FRACTION = "0.95"
 DEFAULT_GPU_FLAGS: dict[str, str] = {
     "xla_gpu_enable_triton_gemm": "false",
     "xla_gpu_graph_min_graph_size": "1",
+    "xla_disable_hlo_passes": "rematerialization",
 }
 
 
