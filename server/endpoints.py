@@ -108,7 +108,7 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
 async def _chat_completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_chat(body)
     m, lora = served_model(st, req)
-    tiles = await _image_tiles(st, m, req) if req.images else None
+    tiles = await image_tiles(st, m, req) if req.images else None
     prompts = await chat_prompt(m, req, "messages", tiles)
 
     def formatter() -> ChatFormatter:
@@ -121,7 +121,7 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
     return await _run(request, kv, m, lora, req, prompts, formatter, "messages", tiles)
 
 
-async def _image_tiles(st: ServerState, m: ServedModel, req: ChatRequest) -> list[preprocess.Tiles]:
+async def image_tiles(st: ServerState, m: ServedModel, req: ChatRequest) -> list[preprocess.Tiles]:
     """The request's images fetched (server/media.py), decoded and cut into the model's tiles, off the
     event loop; a 400 naming the part for any that cannot be, or where the model takes no images."""
     images = m.engine.engine.images

@@ -25,7 +25,7 @@ from aiohttp import web
 from infire_jax.engine.async_engine import RequestStream
 from infire_jax.errors import InvalidRequestError
 from server.auth import TENANT
-from server.endpoints import STATE, admitted, chat_prompt, read_json, served_model
+from server.endpoints import STATE, admitted, chat_prompt, image_tiles, read_json, served_model
 from server.errors import APIError, to_api_error
 from server.kv_handoff import RequestHandoff
 from server.protocol import Body, ChatRequest, bad, json_type, parse_chat
@@ -50,7 +50,8 @@ _ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
               "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
               "function_call_output": {"type", "call_id", "output", "id", "status"},
               "reasoning": {"type", "id", "summary", "content", "status", "encrypted_content"}}
-_TEXT_PARTS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"}}
+_PARTS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"},
+          "input_image": {"type", "image_url", "detail", "file_id"}}
 # Chat field names in the chat path's errors -> the Responses API's.
 _RENAMES = ((re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
             (re.compile(r"\bresponse_format(\.json_schema)?"), "text.format"),
@@ -123,10 +124,11 @@ async def create(request: web.Request) -> web.StreamResponse:
         return final
 
     with _responses_names():
-        prompts = await chat_prompt(m, r.chat, "input")
+        tiles = await image_tiles(st, m, r.chat) if r.chat.images else None
+        prompts = await chat_prompt(m, r.chat, "input", tiles)
         usage = Usage([len(prompts[0])])
         async with admitted(request, RequestHandoff(None, request, None), m, lora, r.chat, prompts,
-                            "input") as stream:
+                            "input", tiles) as stream:
             if r.chat.stream:
                 return await _stream(request, stream, out, usage, response, finished)
             reason = None
@@ -287,28 +289,41 @@ def _input_items(raw: Any) -> list[dict[str, Any]]:
             item = {k: _string(item, k, p) for k in ("call_id", "name", "arguments")} | {"type": kind}
         elif kind == "function_call_output":
             item = {"type": kind, "call_id": _string(item, "call_id", p),
-                    "output": _content(item.get("output"), f"{p}.output")}
+                    "output": _content(item.get("output"), f"{p}.output", images=False)}
         elif not isinstance(item.get("content") or [], list):
             raise bad(f"Invalid type for '{p}.content': expected an array of reasoning_text parts", f"{p}.content")
         items.append(item)  # a reasoning item is kept as given: templates drop earlier turns' reasoning
     return items
 
 
-def _content(raw: Any, p: str) -> str:
-    """A string, or text parts (input_text, or output_text from an earlier response's output)."""
+def _content(raw: Any, p: str, images: bool = True) -> str | list[dict[str, Any]]:
+    """A string, or parts: input_text, output_text (from an earlier response's output) and, where
+    `images`, input_image (a URL or data URL, as chat's image_url part takes). Text alone is joined into
+    a string; with an image, the chat parts in order."""
     if isinstance(raw, str):
         return raw
     if not isinstance(raw, list):
-        raise bad(f"Invalid type for '{p}': expected a string or an array of text parts, but got {json_type(raw)} "
-                  "instead.", p)
-    texts = []
+        raise bad(f"Invalid type for '{p}': expected a string or an array of content parts, but got "
+                  f"{json_type(raw)} instead.", p)
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(raw):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            what = "images and files are not supported yet; " if kind in ("input_image", "input_file") else ""
-            raise bad(f"'{p}[{j}]': {what}only input_text and output_text parts are supported", f"{p}[{j}]")
-        texts.append(_string(_object(part, f"{p}[{j}]", _TEXT_PARTS[kind]), "text", f"{p}[{j}]"))
-    return "\n".join(texts)
+        kind, q = part.get("type") if isinstance(part, dict) else None, f"{p}[{j}]"
+        if kind not in _PARTS or (kind == "input_image" and not images):
+            what = "files are not supported yet; " if kind == "input_file" else ""
+            taken = "input_text, output_text and input_image" if images else "input_text and output_text"
+            raise bad(f"'{q}': {what}only {taken} parts are supported here", q)
+        part = _object(part, q, _PARTS[kind])
+        if kind != "input_image":
+            parts.append({"type": "text", "text": _string(part, "text", q)})
+        elif part.get("file_id") is not None:
+            raise bad(f"'{q}.file_id': uploaded files are not supported; send the image as image_url (a URL or a "
+                      "data URL)", f"{q}.file_id")
+        else:
+            ref = {"url": _string(part, "image_url", q)} | ({"detail": part["detail"]} if part.get("detail") else {})
+            parts.append({"type": "image_url", "image_url": ref})
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)
 
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -323,7 +338,7 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             parts = item.get("content") or []
             reasoning = {"reasoning_content": "".join(p.get("text", "") for p in parts if isinstance(p, dict))}
         elif kind == "message":
-            content = item["content"] if isinstance(item["content"], str) else _content(item["content"], "input")
+            content = item["content"] if item.get("id") is None else _content(item["content"], "input")
             out.append({"role": item["role"], "content": content} | (reasoning if item["role"] == "assistant" else {}))
             reasoning = {}
         elif kind == "function_call":

@@ -367,8 +367,8 @@ def test_same_image_hits_the_prefix_cache_and_another_does_not(mm_llm):
 
 
 def test_chat_with_a_data_url_equals_offline(mm_llm):
-    """Through the server: a chat message with a base64 PNG data URL answers as the offline engine
-    does on the same text and image; an undecodable image, an http URL that is not an image and a
+    """Through the server: a chat message with a base64 PNG data URL, and the Responses API's
+    input_image, answer as the offline engine does on the same text and image; an undecodable image, an http URL that is not an image and a
     file: URL (none allowed) are 400s naming the part, and leave the image pool empty."""
     import base64
     import io
@@ -389,18 +389,24 @@ def test_chat_with_a_data_url_equals_offline(mm_llm):
     try:
         servers.run(servers.serve(build_app(mm_llm.engine)))
 
-        def chat(parts):
-            body = {"model": mm_llm.engine.model_name, "max_tokens": 12, "temperature": 0,
-                    "messages": [{"role": "user", "content": parts}]}
+        def post(path, body):
             # a tenant of its own: the offline request below must not take its pages from the prefix cache,
             # which computes the same logits in another order (random weights leave near-ties; CI saw one flip)
-            req = urllib.request.Request(servers.urls[0] + "/v1/chat/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json", "x-tenant-id": "chat"})
+            req = urllib.request.Request(servers.urls[0] + path, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json", "x-tenant-id": path})
             try:
                 with urllib.request.urlopen(req, timeout=120) as r:
                     return r.status, json.load(r)
             except urllib.error.HTTPError as e:
                 return e.code, json.load(e)
+
+        def chat(parts):
+            return post("/v1/chat/completions", {"model": mm_llm.engine.model_name, "max_tokens": 12,
+                                                 "temperature": 0, "messages": [{"role": "user", "content": parts}]})
+
+        def respond(items):
+            return post("/v1/responses", {"model": mm_llm.engine.model_name, "max_output_tokens": 12,
+                                          "temperature": 0, "input": items})
 
         status, got = chat([{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": url}}])
         assert status == 200, got
@@ -408,6 +414,18 @@ def test_chat_with_a_data_url_equals_offline(mm_llm):
                                SamplingParams(max_tokens=12, temperature=0))[0]
         assert want.num_cached_tokens == 0 and got["choices"][0]["message"]["content"] == want.outputs[0].text
         assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        # the Responses API's input_image, as chat's image_url
+        status, got = respond([{"role": "user", "content": [{"type": "input_text", "text": "look:"},
+                                                            {"type": "input_image", "image_url": url}]}])
+        assert status == 200, got
+        assert got["output"][-1]["content"][0]["text"] == want.outputs[0].text
+        assert got["usage"]["input_tokens"] == len(want.prompt_token_ids)
+        for items, param in [([{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}],
+                              "input[0].content[0].file_id"),
+                             ([{"type": "function_call_output", "call_id": "c",
+                                "output": [{"type": "input_image", "image_url": url}]}], "input[0].output[0]")]:
+            status, err = respond(items)
+            assert status == 400 and err["error"]["param"] == param, err
         pool = mm_llm.engine.images.pool
         for part, message in [({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
                                "cannot decode"),
