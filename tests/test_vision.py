@@ -169,6 +169,35 @@ def test_the_tower_module_lays_out_the_weights_as_the_checkpoint():
     assert shapes == jax.tree.map(lambda a: a.shape, weights_from_hf(cfg, tensors))
 
 
+def test_dummy_llama4_has_the_published_tower_and_image_tokens():
+    """`dummy:llama-4-scout` serves images as a checkpoint would: the published tower's config, random
+    weights in the layout a checkpoint's load to (drawn here for the small config), and a tokenizer
+    whose image placeholder strings are single tokens at the config's ids."""
+    import jax
+
+    from infire_jax.loaders.dummy import dummy_hf_config, load_dummy
+    from infire_jax.loaders.vision import has_vision
+    from infire_jax.vision import prompt as placeholders
+    from infire_jax.vision.encoder import random_weights, weights_from_hf
+
+    assert has_vision("dummy:llama-4-scout,layers=2") and not has_vision("dummy:llama-3.1-8b")
+    hf = dummy_hf_config("llama-4-scout")
+    cfg = vision_config(hf)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.tokens_per_tile, cfg.text_hidden_size) == (1408, 34, 144, 5120)
+    tokenizer = load_dummy("llama-4-scout,layers=1").tokenizer
+    image = placeholders.image_tokens((1, 2), cfg.tokens_per_tile)
+    ids = tokenizer.encode("hi " + "".join(image) + " bye")
+    assert len(ids) == len(tokenizer.encode("hi ")) + len(image) + len(tokenizer.encode(" bye"))
+    assert ids.count(cfg.image_token_id) == 3 * 144 and ids.count(hf["boi_token_index"]) == 1
+    assert ids.count(hf["eoi_token_index"]) == 1
+    config, _, _, tensors = _tiny_hf()
+    tiny = vision_config(config.to_dict())
+    drawn, loaded = random_weights(tiny, jnp.float32), weights_from_hf(tiny, tensors)
+    assert jax.tree.map(jnp.shape, drawn) == jax.tree.map(jnp.shape, loaded)
+    assert float(jnp.std(drawn["layers"]["wq"])) == pytest.approx(0.02, rel=0.05)
+    assert bool(jnp.all(drawn["pre_norm"]["scale"] == 1)) and bool(jnp.all(drawn["layers"]["b1"] == 0))
+
+
 def test_vision_config_refuses_what_it_does_not_implement():
     from infire_jax.errors import UnsupportedModelError
 
@@ -442,13 +471,34 @@ def test_chat_with_a_data_url_equals_offline(mm_llm):
         servers.close()
 
 
+def test_latency_bench_times_requests_with_images(mm_llm):
+    """`bench latency --images-per-request`: each prompt's text is followed by its random images'
+    placeholders (a 100-pixel square: a 2 x 2 grid and its thumbnail, 5 tiles of 4 tokens), their
+    encoding counted in the time to the first token, and their pool rows freed afterwards."""
+    from infire_jax.bench import latency
+    from infire_jax.bench.roofline import DevicePeaks
+
+    peaks = DevicePeaks("cpu", "cpu", 1e10, 1e11, "float32", 1 << 20, 256)
+    r = latency.measure(mm_llm.engine, peaks, batch=2, input_len=8, output_len=16, iters=1, warmup=0, seed=0,
+                        images_per_request=2, image_size=100)
+    assert (r["images_per_request"], r["image_size"], r["num_requests"]) == (2, 100, 2)
+    assert 0 < r["mean_add_ms"] < r["mean_ttft_ms"]
+    images, ids = latency.request_images(mm_llm.engine, 2, 100, 0)
+    assert ids.count(mm_llm.engine.images.cfg.image_token_id) == 2 * 5 * 4 and len(images) == 2
+    pool = mm_llm.engine.images.pool
+    assert pool.free_rows == pool.num_rows and not mm_llm.engine.has_unfinished()
+
+
 def test_pool_rows_are_reserved_first_fit_and_merged_back():
     """A full pool refuses with a message saying so; freed rows merge with their neighbours."""
     from infire_jax.errors import InvalidRequestError
     from infire_jax.runner.image_pool import ImagePool
 
+    from infire_jax.vision.encoder import weights_from_hf
+
     config, _, _, tensors = _tiny_hf()
-    pool = ImagePool(vision_config(config.to_dict()), tensors, jnp.float32, 40)
+    cfg = vision_config(config.to_dict())
+    pool = ImagePool(cfg, weights_from_hf(cfg, tensors), 40)
     a, b = pool.reserve(16), pool.reserve(16)
     assert (a, b) == (0, 16) and pool.free_rows == 8
     with pytest.raises(InvalidRequestError, match="fill the device's image pool"):

@@ -85,6 +85,11 @@ CHECKS = (
                                    "4224", "--batch-size", "1", "32")),
     Check("llama4-scout-32k", 300, ("infire_jax.bench", "latency", *SCOUT, "--input-len", "32768", "--max-model-len",
                                     "32896", "--batch-size", "1", "32", "--import-context")),
+    # Issue 48: Scout with its vision tower (the published 34 layers, random weights) and one 1024 x 1024
+    # image a request (a 4 x 4 grid and its thumbnail: 17 tiles, 2,467 tokens), TTFT including encoding.
+    Check("llama4-scout-image", 240, ("infire_jax.bench", "latency", *SCOUT, "--input-len", "512",
+                                      "--max-model-len", "3200", "--images-per-request", "1", "--image-size",
+                                      "1024", "--batch-size", "1", "4")),
     Check("lora-b1-b8", 240, ("infire_jax.bench", "latency", *LLAMA, "--input-len", "512", "--output-len", "128",
                               "--batch-size", "1", "8", "--lora", "8", "--lora-rank", "16")),
     # Section 2: the quantized and MoE kernels as the engine runs them.

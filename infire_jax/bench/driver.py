@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from infire_jax.bench.metrics import RequestTiming
 from infire_jax.engine.engine import Engine
@@ -23,7 +23,8 @@ from infire_jax.sample.sampling_params import SamplingParams
 class RequestTrace:
     prompt_len: int
     max_tokens: int
-    sent: float  # when it was added to the engine
+    sent: float  # when it was handed to the engine
+    added: float = 0.0  # seconds `Engine.add_request` took (tokenizing; encoding its images)
     token_times: list[float] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
 
@@ -74,9 +75,11 @@ class RunTrace:
 
 
 def run(engine: Engine, prompts: Sequence[list[int]], max_tokens: Sequence[int], *, concurrency: int,
-        tenant: str, on_done: Callable[[], None] | None = None, loras: Sequence[str | None] | None = None) -> RunTrace:
+        tenant: str, on_done: Callable[[], None] | None = None, loras: Sequence[str | None] | None = None,
+        images: Sequence[Sequence[Any]] | None = None) -> RunTrace:
     """Runs every prompt to exactly its `max_tokens` (greedy, EOS ignored), `concurrency` at a time;
-    prompt i with the LoRA adapter named loras[i] if given.
+    prompt i with the LoRA adapter named loras[i] and the images images[i] if given. A request's time
+    to its first token counts from before it is added: its images' encoding is in it.
 
     `tenant` salts the prefix cache, so earlier runs over the same prompts cannot serve this one.
     """
@@ -91,8 +94,10 @@ def run(engine: Engine, prompts: Sequence[list[int]], max_tokens: Sequence[int],
         while waiting and len(active) < concurrency:
             i = waiting.popleft()
             params = SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True)
-            rid, ids = engine.add_request(prompts[i], params, tenant=tenant, lora_request=loras[i] if loras else None)
-            traces[i] = RequestTrace(len(ids), max_tokens[i], time.perf_counter())
+            sent = time.perf_counter()
+            rid, ids = engine.add_request(prompts[i], params, tenant=tenant, lora_request=loras[i] if loras else None,
+                                          images=images[i] if images else None)
+            traces[i] = RequestTrace(len(ids), max_tokens[i], sent, added=time.perf_counter() - sent)
             active[rid] = i
 
     bursts = engine.runner.rc.decode_steps > 1  # else several tokens a row come from one verifying step

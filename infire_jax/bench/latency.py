@@ -40,8 +40,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import-context", action="store_true",
                    help="import each prompt's KV but its last page (random values) instead of prefilling it: "
                         "decode at long contexts without the prefill's cost (TTFT then covers the last page)")
+    p.add_argument("--images-per-request", type=int_at_least(0), default=0,
+                   help="random-pixel images after each prompt's text (a model with a vision tower, e.g. "
+                        "dummy:llama-4-scout); TTFT then includes encoding them")
+    p.add_argument("--image-size", type=positive_int, default=1024, help="the images' side, pixels (square)")
     lora.add_args(p)
     add_bench_engine_args(p, "the largest --batch-size")
+
+
+def request_images(engine, count: int, side: int, seed) -> tuple[list, list[int]]:
+    """`count` random-pixel images of `side` x `side` and the token ids of their placeholders (which
+    follow a prompt's text), for a model that takes images."""
+    import numpy as np
+    from PIL import Image
+
+    from infire_jax.bench.common import BenchError
+    from infire_jax.vision import prompt as placeholders
+
+    if engine.images is None:
+        raise BenchError(f"{engine.model_name} takes no images (--images-per-request needs a vision tower, "
+                         "e.g. dummy:llama-4-scout)")
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(count)]
+    tokens = [t for im in images for t in placeholders.image_tokens(engine.images.tiles(im).grid,
+                                                                      engine.images.cfg.tokens_per_tile)]
+    return images, engine.tokenizer.encode("".join(tokens), add_special_tokens=False)
 
 
 def _random_pages(rng, shape: tuple[int, ...], dtype):
@@ -73,10 +96,11 @@ def import_contexts(engine, prompts: list[list[int]], tenant: str, seed, loras: 
 
 
 def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters: int, warmup: int,
-            seed: int, bar=None, loras: list[str] | None = None, import_context: bool = False) -> dict:
+            seed: int, bar=None, loras: list[str] | None = None, import_context: bool = False,
+            images_per_request: int = 0, image_size: int = 1024) -> dict:
     """Times `warmup + iters` runs of one batch (row i on LoRA adapter loras[i % N] if given; with
-    `import_context`, each prompt's KV but its last page imported, `import_contexts`); returns the
-    figures of the timed runs."""
+    `import_context`, each prompt's KV but its last page imported, `import_contexts`; each prompt
+    followed by `images_per_request` random images); returns the figures of the timed runs."""
     import numpy as np
 
     from infire_jax.bench import driver, roofline
@@ -84,19 +108,23 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
     from infire_jax.bench.datasets import random_prompts
 
     cfg, itemsize, weight_itemsize = engine.model_config, kv_itemsize(engine), weight_bytes_per_param(engine)
-    ttfts, e2es, decode_s, decode_bytes, prefill_s, prefill_flops = [], [], 0.0, 0.0, 0.0, 0
+    images, image_ids = request_images(engine, images_per_request, image_size, seed) if images_per_request \
+        else (None, [])
+    reserved = set(image_ids)
+    ttfts, e2es, decode_s, decode_bytes, prefill_s, prefill_flops, added = [], [], 0.0, 0.0, 0.0, 0, []
     kv_read = local_kv_read = 0
     decode_steps = output_tokens = 0
     step_s0 = wait_s0 = 0.0
     for it in range(warmup + iters):
         if it == warmup:
             step_s0, wait_s0 = engine.stats.step_seconds, engine.stats.device_wait_seconds
-        prompts = [p.prompt for p in random_prompts(batch, input_len, output_len, cfg.vocab_size,
-                                                    seed=(seed, batch, it))]
+        prompts = [[t if t not in reserved else 0 for t in p.prompt] + image_ids  # no stray <|patch|> in the text
+                   for p in random_prompts(batch, input_len, output_len, cfg.vocab_size, seed=(seed, batch, it))]
         tenant, rows = f"bench-latency-{batch}-{it}", [loras[i % len(loras)] for i in range(batch)] if loras else None
         imported = import_contexts(engine, prompts, tenant, (seed, batch, it), rows or [None] * batch) \
             if import_context else None
-        trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch, tenant=tenant, loras=rows)
+        trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch, tenant=tenant, loras=rows,
+                           images=[images] * batch if images else None)
         if imported is not None and [r.num_cached_tokens for r in trace.requests] != imported:
             raise BenchError(f"the imported contexts were not all found cached ({sum(imported)} tokens imported, "
                              f"{sum(r.num_cached_tokens for r in trace.requests)} hit): prefix caching is off, or the KV "
@@ -107,6 +135,7 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
             continue
         timings = [r.timing() for r in trace.requests]
         ttfts += [t.ttft for t in timings]
+        added += [r.added for r in trace.requests]
         e2es.append(trace.duration)
         output_tokens += sum(t.output_tokens for t in timings)
         prefill_s += max(r.token_times[0] for r in trace.requests) - trace.start
@@ -128,6 +157,8 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
     e2e_ms = np.asarray(e2es) * 1000
     return dict(
         label=f"bs={batch}", batch_size=batch, input_len=input_len, output_len=output_len,
+        images_per_request=images_per_request, image_size=image_size if images_per_request else None,
+        mean_add_ms=float(np.mean(added) * 1000),
         num_iters=iters, num_requests=batch * iters, total_output_tokens=output_tokens,
         mean_ttft_ms=float(np.mean(ttfts) * 1000), p50_ttft_ms=float(np.median(ttfts) * 1000),
         prefill_ms=prefill_s / iters * 1000,
@@ -149,14 +180,15 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
 
 COLUMNS = [
     ("batch_size", "batch", "{}"), ("input_len", "in", "{}"), ("output_len", "out", "{}"),
-    ("mean_ttft_ms", "TTFT ms", "{:.1f}"), ("decode_ms_per_token", "decode ms/tok", "{:.2f}"),
+    ("mean_ttft_ms", "TTFT ms", "{:.1f}"), ("mean_add_ms", "of it adding", "{:.1f}"),
+    ("decode_ms_per_token", "decode ms/tok", "{:.2f}"),
     ("decode_tokens_per_s", "decode tok/s", "{:.1f}"), ("mean_e2e_ms", "E2E ms", "{:.0f}"),
     ("host_share", "host share", "{:.1%}"), ("decode_kv_mb_per_step", "KV MB/step", "{:.1f}"),
     ("local_kv_share", "chunk/window KV", "{:.0%}"), ("decode_bw_util", "decode BW roofline", "{:.1%}"),
     ("prefill_flops_util", "prefill FLOP roofline", "{:.1%}"),
 ]
-LORA_COLUMNS = [("variant", "model", "{}"), *COLUMNS[:5], ("decode_ms_per_token_vs_base", "decode vs base", "{:.3f}x"),
-                ("mean_ttft_ms_vs_base", "TTFT vs base", "{:.3f}x"), *COLUMNS[5:]]
+LORA_COLUMNS = [("variant", "model", "{}"), *COLUMNS[:6], ("decode_ms_per_token_vs_base", "decode vs base", "{:.3f}x"),
+                ("mean_ttft_ms_vs_base", "TTFT vs base", "{:.3f}x"), *COLUMNS[6:]]
 
 
 def plot_point(r: dict) -> dict:
@@ -178,7 +210,8 @@ def run(args: argparse.Namespace):
             for batch in args.batch_size:
                 r = measure(engine, peaks, batch=batch, input_len=args.input_len, output_len=args.output_len,
                             iters=args.num_iters, warmup=args.num_iters_warmup, seed=args.seed, bar=bar, loras=loras,
-                            import_context=args.import_context)
+                            import_context=args.import_context, images_per_request=args.images_per_request,
+                            image_size=args.image_size)
                 results.append({**r, "variant": variant})
             name = engine.model_name
     results = lora.with_ratios(results, ("decode_ms_per_token", "mean_ttft_ms"))

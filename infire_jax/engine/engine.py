@@ -25,7 +25,7 @@ from infire_jax.core.hybrid_kv_cache import kv_cache_manager
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.pages import export_pages, import_pages
 from infire_jax.loaders import LoadedModel
-from infire_jax.loaders.vision import load_vision_tower
+from infire_jax.loaders.vision import load_vision_weights
 from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
@@ -70,7 +70,7 @@ class Engine:
         # Images (engine/images.py): a Llama 4 checkpoint's vision tower and the device's image pool.
         self.images = None
         if s.vision is not None:
-            pool = ImagePool(s.vision, load_vision_tower(ec.model)[1], self.dtype, rc.image_pool[0])
+            pool = ImagePool(s.vision, load_vision_weights(ec.model, s.vision, self.dtype), rc.image_pool[0])
             self.runner.cache = self.runner.cache._replace(images=pool.warmup(self.runner.cache.images))
             self.images = ImageInputs(pool, self.runner, self.tokenizer, ec.images_per_prompt)
         self._image_spans: dict[str, list[tuple[int, int]]] = {}  # request id -> its image pool rows

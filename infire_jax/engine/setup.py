@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import threading
@@ -44,7 +43,7 @@ from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.eagle3 import Eagle3Head
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
-from infire_jax.loaders.vision import has_vision
+from infire_jax.loaders.vision import vision_hf_config
 from infire_jax.runner.image_pool import pool_rows
 from infire_jax.vision.config import VisionConfig, vision_config
 from pallas_kernels.attention import choose_impl, resolve_impl
@@ -182,14 +181,14 @@ IMAGE_POOL_PROMPTS = 4
 
 
 def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:
-    """The vision tower to serve: a Llama 4 HF directory's, unless images are limited to 0."""
-    if ec.images_per_prompt == 0 or not ec.model or not has_vision(ec.model):
+    """The vision tower to serve: a Llama 4 HF directory's or dummy's, unless images are limited to 0."""
+    hf = vision_hf_config(ec.model) if ec.images_per_prompt and ec.model else None
+    if hf is None:
         return None
     if plan is not None or ec.weights_quantization or ec.weights_compression:
         log.warning("%s: images are served on one device with plain weights only yet; serving text", ec.model)
         return None
-    with open(os.path.join(ec.model, "config.json")) as f:
-        return vision_config(json.load(f))
+    return vision_config(hf)
 
 
 def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:

@@ -22,6 +22,15 @@ _LLAMA4_TEXT = dict(
     attn_temperature_tuning=4, floor_scale=8192, attn_scale=0.1, num_experts_per_tok=1, attention_bias=False,
     tie_word_embeddings=False, bos_token_id=200000, eos_token_id=[200001, 200007, 200008], pad_token_id=200018)
 
+# Llama 4's vision tower, the same in Scout and Maverick (a 336-pixel tile: 144 <|patch|> tokens).
+_LLAMA4_VISION = dict(
+    hidden_size=1408, num_hidden_layers=34, num_attention_heads=16, intermediate_size=5632, image_size=336,
+    patch_size=14, pixel_shuffle_ratio=0.5, projector_input_dim=4096, projector_output_dim=4096,
+    vision_output_dim=4096, rope_theta=10000.0, norm_eps=1e-5, hidden_act="gelu", num_channels=3,
+    multi_modal_projector_bias=False, vision_feature_layer=-1, vision_feature_select_strategy="default")
+# The image tokens of Llama 4's tokenizer that the config does not name, at ids of the dummy vocabulary.
+_LLAMA4_IMAGE_TOKENS = {"<|tile_x_separator|>": 200084, "<|tile_y_separator|>": 200085, "<|image|>": 200090}
+
 # The published HF config.json values of each model (only the fields we read).
 CONFIGS: dict[str, dict] = {
     "llama-3.1-8b": dict(
@@ -78,17 +87,17 @@ CONFIGS: dict[str, dict] = {
             rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                           "original_max_position_embeddings": 4096, "type": "yarn"},
             attention_bias=False, tie_word_embeddings=False, bos_token_id=163584, eos_token_id=163585)),
-    # Llama 4 (models/llama4.py), the published multimodal configs' text models (the vision tower is not served).
+    # Llama 4 (models/llama4.py) with its vision tower (vision/), the published multimodal configs.
     "llama-4-scout": dict(
         model_type="llama4", tie_word_embeddings=False, boi_token_index=200080, eoi_token_index=200081,
-        image_token_index=200092,
+        image_token_index=200092, vision_config=_LLAMA4_VISION,
         text_config=dict(_LLAMA4_TEXT, num_local_experts=16, interleave_moe_layer_step=1, moe_layers=list(range(48)),
                          use_qk_norm=True, max_position_embeddings=10485760,
                          rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 1.0, "original_max_position_embeddings": 8192})),
     "llama-4-maverick": dict(
         model_type="llama4", tie_word_embeddings=False, boi_token_index=200080, eoi_token_index=200081,
-        image_token_index=200092,
+        image_token_index=200092, vision_config=_LLAMA4_VISION,
         text_config=dict(_LLAMA4_TEXT, num_local_experts=128, interleave_moe_layer_step=2,
                          moe_layers=list(range(1, 48, 2)), use_qk_norm=False, max_position_embeddings=1048576,
                          rope_scaling=None)),
@@ -98,19 +107,41 @@ _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] 
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def dummy_tokenizer(cfg: ModelConfig):
-    """Byte-level tokenizer spanning the model's vocabulary: bytes first, then placeholder tokens."""
+def dummy_tokenizer(cfg: ModelConfig, hf: dict | None = None):
+    """Byte-level tokenizer spanning the model's vocabulary: bytes first, then placeholder tokens; a
+    multimodal Llama 4 config's image tokens (`hf`) as special tokens at their ids."""
     from infire_jax.loaders.tokenizer import Tokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     for i in range(len(vocab), cfg.vocab_size):
         vocab[f"<|dummy_{i}|>"] = i
+    special = image_tokens(hf) if hf else {}
+    for token, i in special.items():
+        del vocab[f"<|dummy_{i}|>"]
+        vocab[token] = i
     tk = HFTokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tk.add_special_tokens(list(special))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
     return Tokenizer(tk, bos_token=None, eos_token=f"<|dummy_{eos}|>" if eos else None, chat_template=_CHATML)
+
+
+def image_tokens(hf: dict) -> dict[str, int]:
+    """A Llama 4 config's image tokens by id (vision/prompt.py's strings); none without a vision tower."""
+    if not hf.get("vision_config"):
+        return {}
+    return {"<|image_start|>": hf["boi_token_index"], "<|image_end|>": hf["eoi_token_index"],
+            "<|patch|>": hf["image_token_index"], **_LLAMA4_IMAGE_TOKENS}
+
+
+def dummy_hf_config(spec: str) -> dict:
+    """The HF config.json of `spec` (a name of CONFIGS, optionally with `,layers=N`)."""
+    name = spec.partition(",")[0]
+    if name not in CONFIGS:
+        raise ModelNotFoundError(f"unknown dummy model {name!r}; known: {sorted(CONFIGS)}")
+    return with_layers(CONFIGS[name], spec) if "," in spec else CONFIGS[name]
 
 
 def with_layers(hf: dict, spec: str) -> dict:
@@ -127,9 +158,7 @@ def with_layers(hf: dict, spec: str) -> dict:
 
 def load_dummy(spec: str, seed: int = 0) -> LoadedModel:
     """`spec`: a name of CONFIGS, optionally with `,layers=N` (`dummy:kimi-k2.5,layers=2`)."""
-    name = spec.partition(",")[0]
-    if name not in CONFIGS:
-        raise ModelNotFoundError(f"unknown dummy model {name!r}; known: {sorted(CONFIGS)}")
-    cfg = config_from_hf(with_layers(CONFIGS[name], spec) if "," in spec else CONFIGS[name])
-    return LoadedModel(config=cfg, tokenizer=dummy_tokenizer(cfg), name=f"dummy:{spec}", weights=None,
+    hf = dummy_hf_config(spec)
+    cfg = config_from_hf(hf)
+    return LoadedModel(config=cfg, tokenizer=dummy_tokenizer(cfg, hf), name=f"dummy:{spec}", weights=None,
                        random_seed=seed)

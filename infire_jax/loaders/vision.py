@@ -1,4 +1,5 @@
-"""A Llama 4 checkpoint's vision tower and projector, read apart from the text model.
+"""A Llama 4 checkpoint's vision tower and projector, read apart from the text model (a `dummy:`
+Llama 4's drawn at random).
 
 `Llama4ForConditionalGeneration` keeps them as `vision_model.*` and `multi_modal_projector.*` beside
 the text weights (loaders/llama4_hf.py skips them). Only those tensors are read here, by name from
@@ -10,25 +11,44 @@ from __future__ import annotations
 import glob
 import json
 import os
+from typing import Any
 
 import jax
 import numpy as np
 from safetensors import safe_open
 
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
+from infire_jax.loaders.dummy import dummy_hf_config
 from infire_jax.vision.config import VisionConfig, vision_config
+from infire_jax.vision.encoder import random_weights, weights_from_hf
 
 VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
 
-def has_vision(path: str) -> bool:
-    """Whether `path` is an HF directory of a Llama 4 model with a vision tower."""
-    cfg = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg):
-        return False
-    with open(cfg) as f:
-        hf = json.load(f)
-    return hf.get("model_type") == "llama4" and bool(hf.get("vision_config"))
+def vision_hf_config(model: str) -> dict[str, Any] | None:
+    """The config.json of `model` (an HF directory or a `dummy:` name) if it is a Llama 4 model with a
+    vision tower, else None."""
+    if model.startswith("dummy:"):
+        hf = dummy_hf_config(model[len("dummy:"):])
+    else:
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            hf = json.load(f)
+    return hf if hf.get("model_type") == "llama4" and hf.get("vision_config") else None
+
+
+def has_vision(model: str) -> bool:
+    return vision_hf_config(model) is not None
+
+
+def load_vision_weights(model: str, cfg: VisionConfig, dtype, seed: int = 0) -> dict:
+    """The tower's weights on the device (the pytree `vision.encoder.encode` takes): a checkpoint's, or a
+    `dummy:` model's drawn at random."""
+    if model.startswith("dummy:"):
+        return random_weights(cfg, dtype, seed)
+    return weights_from_hf(cfg, load_vision_tower(model)[1], dtype)
 
 
 def load_vision_tower(path: str) -> tuple[VisionConfig, dict[str, np.ndarray]]:

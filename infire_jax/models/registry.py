@@ -44,7 +44,7 @@ def _place(w: np.ndarray, dtype, sharding: jax.sharding.Sharding | None) -> jax.
 DRAW_CHUNK_ELEMENTS = 1 << 28  # a random draw's temporaries take ~24 bytes an element (XLA CPU): ~6 GiB a chunk
 
 
-def _random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: np.ndarray | None) -> jax.Array:
+def random_weight(index: int, var: nnx.Param, seed: int, sharding, slot_mask: np.ndarray | None) -> jax.Array:
     """One `dummy:` weight, drawn on its devices by a small program (peak memory: one weight, and one
     chunk's temporaries). Padding slots of short pipeline stages are zero, which makes them identity
     layers."""
@@ -160,7 +160,7 @@ def build_state(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | None, dtyp
         masks = {}  # each layer stack's slot mask (None: not a stack)
         for path, _ in flat:
             masks.setdefault(path[0], plan.layer_slot_mask(path[0]) if plan else None)
-        placed = [(path, var.replace(_random_weight(i, var, seed, shardings[path], masks[path[0]])))
+        placed = [(path, var.replace(random_weight(i, var, seed, shardings[path], masks[path[0]])))
                   for i, (path, var) in enumerate(flat)]
         return graphdef, nnx.from_flat_state(placed)
 

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 
 from infire_jax.errors import InvalidRequestError
 from infire_jax.vision.config import VisionConfig
-from infire_jax.vision.encoder import TILE_BUCKETS, encode_padded, tile_bucket, weights_from_hf
+from infire_jax.vision.encoder import TILE_BUCKETS, encode_padded, tile_bucket
 
 
 def pool_rows(cfg: VisionConfig, images: int) -> int:
@@ -35,9 +35,8 @@ def _write(pool: Array, rows: Array, start: Array) -> Array:
 class ImagePool:
     """The tower's weights on the device, and the free rows of the cache's image pool (first fit)."""
 
-    def __init__(self, cfg: VisionConfig, tensors: dict[str, np.ndarray], dtype, num_rows: int):
-        self.cfg, self.num_rows = cfg, num_rows
-        self.weights = weights_from_hf(cfg, tensors, dtype)
+    def __init__(self, cfg: VisionConfig, weights: dict, num_rows: int):
+        self.cfg, self.num_rows, self.weights = cfg, num_rows, weights
         self._free: list[tuple[int, int]] = [(0, num_rows)]  # (start, rows), sorted by start
 
     @property

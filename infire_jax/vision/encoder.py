@@ -188,6 +188,18 @@ _HF_LAYER = {
 }
 
 
+def random_weights(cfg: VisionConfig, dtype, seed: int = 0) -> dict:
+    """A `dummy:` model's tower (the pytree `encode` takes), drawn on the device as its text weights are
+    (models/registry.py: normal with spread 0.02, norm scales one, biases zero)."""
+    from infire_jax.models.registry import random_weight
+
+    tower = nnx.eval_shape(lambda: VisionTower(cfg, dtype))
+    params = sorted((k, p) for k, p in vars(tower).items() if isinstance(p, nnx.Param))
+    for i, (_, p) in enumerate(params):
+        p.set_value(random_weight(i, p, seed, None, None))
+    return tower.weights()
+
+
 def weights_from_hf(cfg: VisionConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> dict:
     """`VisionTower`'s weights (the pytree `encode` takes) from HF tensors by name (numpy arrays)."""
     def t(name: str, transpose: bool = False) -> np.ndarray:
