@@ -10,6 +10,7 @@ from infire_jax.engine.engine import Engine, EngineConfig
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.outputs import CompletionOutput, RequestOutput
+from infire_jax.runner.image_pool import ImagePoolFull
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.vision import preprocess
 from infire_jax.vision import prompt as placeholders
@@ -80,13 +81,21 @@ class LLM:
                 self.engine.tokenize_prompt(prompt)
         results: dict[str, RequestOutput] = {}
         order = []
+        pending = list(zip(split, params_list, loras))
         try:
-            for (prompt, images), params, lora in zip(split, params_list, loras):
-                rid, ids = self.engine.add_request(prompt, params, lora_request=lora, images=images)
-                order.append(rid)
-                results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
-                                             [CompletionOutput(i) for i in range(params.n)])
-            while self.engine.has_unfinished():
+            while pending or self.engine.has_unfinished():
+                while pending:  # in order; images wait for the image pool's rows that running ones free
+                    (prompt, images), params, lora = pending[0]
+                    try:
+                        rid, ids = self.engine.add_request(prompt, params, lora_request=lora, images=images)
+                    except ImagePoolFull:
+                        if not self.engine.has_unfinished():
+                            raise
+                        break
+                    pending.pop(0)
+                    order.append(rid)
+                    results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+                                                 [CompletionOutput(i) for i in range(params.n)])
                 for d in self.engine.step():
                     out = results[d.request_id]
                     out.outputs[d.index].add(d)

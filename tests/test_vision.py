@@ -173,19 +173,16 @@ def test_dummy_llama4_has_the_published_tower_and_image_tokens():
     """`dummy:llama-4-scout` serves images as a checkpoint would: the published tower's config, random
     weights in the layout a checkpoint's load to (drawn here for the small config), and a tokenizer
     whose image placeholder strings are single tokens at the config's ids."""
-    import jax
-
     from infire_jax.loaders.dummy import dummy_hf_config, load_dummy
     from infire_jax.loaders.vision import has_vision
-    from infire_jax.vision import prompt as placeholders
-    from infire_jax.vision.encoder import random_weights, weights_from_hf
+    from infire_jax.vision.encoder import random_weights
 
     assert has_vision("dummy:llama-4-scout,layers=2") and not has_vision("dummy:llama-3.1-8b")
     hf = dummy_hf_config("llama-4-scout")
     cfg = vision_config(hf)
     assert (cfg.hidden_size, cfg.num_layers, cfg.tokens_per_tile, cfg.text_hidden_size) == (1408, 34, 144, 5120)
     tokenizer = load_dummy("llama-4-scout,layers=1").tokenizer
-    image = placeholders.image_tokens((1, 2), cfg.tokens_per_tile)
+    image = prompt.image_tokens((1, 2), cfg.tokens_per_tile)
     ids = tokenizer.encode("hi " + "".join(image) + " bye")
     assert len(ids) == len(tokenizer.encode("hi ")) + len(image) + len(tokenizer.encode(" bye"))
     assert ids.count(cfg.image_token_id) == 3 * 144 and ids.count(hf["boi_token_index"]) == 1
@@ -486,6 +483,60 @@ def test_latency_bench_times_requests_with_images(mm_llm):
     images, ids = latency.request_images(mm_llm.engine, 2, 100, 0)
     assert ids.count(mm_llm.engine.images.cfg.image_token_id) == 2 * 5 * 4 and len(images) == 2
     pool = mm_llm.engine.images.pool
+    assert pool.free_rows == pool.num_rows and not mm_llm.engine.has_unfinished()
+
+
+def test_more_images_than_the_pool_holds_wait_for_rows(mm_llm):
+    """Twelve prompts of a 17-tile image each, where the pool holds eight such images: offline and
+    through the server (twelve chat requests at once) the last ones wait for rows and answer as the
+    prompts run in two halves that fit; nothing is refused and the pool ends empty."""
+    import concurrent.futures
+    import io
+    import base64
+    import json
+    import urllib.request
+
+    from server_utils import AppThread
+
+    from infire_jax import SamplingParams
+    from server.app import build_app
+
+    pool = mm_llm.engine.images.pool
+    images = [Image.fromarray(RNG.integers(0, 256, (224, 224, 3), dtype=np.uint8)) for _ in range(12)]
+    rows = mm_llm.engine.images.tiles(images[0]).pixels.shape[0] * mm_llm.engine.images.cfg.tokens_per_tile
+    assert rows == 17 * 4 and 8 * rows <= pool.num_rows < 12 * rows
+    prompts = [{"prompt": "look:\n<|image|>", "multi_modal_data": {"image": im}} for im in images]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert mm_llm.reset_prefix_cache()
+    together = [o.outputs[0].token_ids for o in mm_llm.generate(prompts, params)]
+    halves = []
+    for half in (prompts[:6], prompts[6:]):
+        assert mm_llm.reset_prefix_cache()
+        halves += [o.outputs[0] for o in mm_llm.generate(half, params)]
+    assert together == [o.token_ids for o in halves] and pool.free_rows == pool.num_rows
+
+    def data_url(im):
+        png = io.BytesIO()
+        im.save(png, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+    def chat(im):
+        body = {"model": mm_llm.engine.model_name, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "look:"},
+                                                          {"type": "image_url", "image_url": {"url": data_url(im)}}]}]}
+        req = urllib.request.Request(servers.urls[0] + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "x-tenant-id": "queue"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.load(r)["choices"][0]["message"]["content"]
+
+    servers = AppThread()
+    try:
+        servers.run(servers.serve(build_app(mm_llm.engine)))
+        with concurrent.futures.ThreadPoolExecutor(12) as ex:
+            answers = list(ex.map(chat, images))
+    finally:
+        servers.close()
+    assert answers == [o.text for o in halves]
     assert pool.free_rows == pool.num_rows and not mm_llm.engine.has_unfinished()
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from infire_jax.engine.engine import Engine
 from infire_jax.errors import DeviceMemoryError, InvalidRequestError
 from infire_jax.outputs import Delta
+from infire_jax.runner.image_pool import ImagePoolFull
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.speculative.controller import SpecStats
 from infire_jax.structured.backend import CompiledGrammar
@@ -188,6 +189,7 @@ class AsyncEngine:
         self.residency = residency
         self.name = name
         self._deferred: list[_Add] = []  # admissions held back while this model drains (residency.py)
+        self._image_waiting: list[_Add] = []  # requests whose images wait for image pool rows, in order
         self.capacity = engine.config.max_num_seqs + max_queue
         self.observer = observer
         self.snapshot = EngineSnapshot()
@@ -319,7 +321,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.engine.has_unfinished()
+                idle = not self.engine.has_unfinished() and not self._image_waiting
                 wait = 0 if not idle else _RESIDENCY_WAIT if self._deferred else None
                 draining = self.residency is not None and self.residency.should_drain(self.name)
                 for cmd in self._take_commands(wait):
@@ -328,8 +330,12 @@ class AsyncEngine:
                         return
                     if isinstance(cmd, _Add) and (draining or self._deferred):
                         self._deferred.append(cmd)
+                    elif isinstance(cmd, _Add) and self._image_waiting and cmd.options.get("images"):
+                        self._image_waiting.append(cmd)  # behind those already waiting for image rows
                     else:
                         self._apply(cmd)
+                if self._image_waiting:
+                    self._admit_image_waiting()
                 if self._deferred and not draining:
                     for cmd in self._deferred:
                         self._apply(cmd)
@@ -382,6 +388,15 @@ class AsyncEngine:
             except queue.Empty:
                 return cmds
 
+    def _admit_image_waiting(self) -> None:
+        """Admits the requests waiting for image pool rows, in order, until one still does not fit."""
+        waiting, self._image_waiting = self._image_waiting, []
+        for i, cmd in enumerate(waiting):
+            self._apply(cmd)
+            if self._image_waiting:  # it waits again; the rest keep their places behind it
+                self._image_waiting += waiting[i + 1:]
+                return
+
     def _apply(self, cmd: _Add | _Abort | _Call) -> None:
         if isinstance(cmd, _Abort):
             for eid in cmd.engine_ids:
@@ -407,6 +422,9 @@ class AsyncEngine:
             error = e
             for eid in added:  # a request's prompts are admitted together or not at all
                 self.engine.abort(eid)
+            if isinstance(e, ImagePoolFull) and self.engine.has_unfinished():
+                self._image_waiting.append(cmd)  # the running requests' images free rows as they finish
+                return
         self._loop.call_soon_threadsafe(cmd.stream._admit, error)
 
     def _take_snapshot(self) -> EngineSnapshot:

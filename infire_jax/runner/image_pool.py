@@ -32,6 +32,10 @@ def _write(pool: Array, rows: Array, start: Array) -> Array:
     return jax.lax.dynamic_update_slice_in_dim(pool, rows.astype(pool.dtype), start, 0)
 
 
+class ImagePoolFull(InvalidRequestError):
+    """The requests in flight hold the image pool's rows: a request can be added once some finish."""
+
+
 class ImagePool:
     """The tower's weights on the device, and the free rows of the cache's image pool (first fit)."""
 
@@ -44,14 +48,17 @@ class ImagePool:
         return sum(n for _, n in self._free)
 
     def reserve(self, rows: int) -> int:
-        """The start of `rows` free rows, now the caller's; InvalidRequestError when none are."""
+        """The start of `rows` free rows, now the caller's; ImagePoolFull when the requests in flight
+        hold them (callers wait for some to finish), InvalidRequestError when the pool is too small."""
         for i, (start, n) in enumerate(self._free):
             if n >= rows:
                 self._free[i:i + 1] = [(start + rows, n - rows)] if n > rows else []
                 return start
-        raise InvalidRequestError(f"the images of the requests in flight fill the device's image pool "
-                                  f"({self.num_rows} rows, {self.free_rows} free, {rows} needed): retry when "
-                                  "some finish", param="messages")
+        if rows > self.num_rows:
+            raise InvalidRequestError(f"the images need {rows} rows of the device's image pool, which has "
+                                      f"{self.num_rows}", param="messages")
+        raise ImagePoolFull(f"the images of the requests in flight fill the device's image pool "
+                            f"({self.num_rows} rows, {self.free_rows} free, {rows} needed)", param="messages")
 
     def release(self, start: int, rows: int) -> None:
         spans = sorted([*self._free, (start, rows)])
