@@ -96,7 +96,8 @@ def combine_splits(acc: Float[Array, "K S Hkv Gp D"], row_max: Float[Array, "K S
                    total: Float[Array, "K S Hkv Gp"],
                    sinks: Float[Array, "Hkv Gp"] | None = None) -> Float[Array, "S Hkv Gp D"]:
     """Merges the per-split partial softmaxes into normalised outputs (rows with no keys -> 0). A
-    sink logit per (kv head, head in group) adds exp(sink - max) to the denominator and nothing else."""
+    sink logit per (kv head, head in group) is one more column: it joins the max and adds
+    exp(sink - max) to the denominator, nothing to the numerator."""
     global_max = jnp.max(row_max, axis=0)
     if sinks is not None:
         global_max = jnp.maximum(global_max, sinks[None])
