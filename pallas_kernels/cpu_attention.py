@@ -9,7 +9,8 @@ are first written by the reference's scatter, so the call's semantics are the re
 token sees its sequence's positions up to its own (from its first visible one on for a local layer,
 `meta.local`: another target, which takes the layer's chunk and window as buffers since they are
 traced). An fp8 pool (uint8 bits) is read the same way, its codes widened in registers; the scales
-fold into q and the output (kv_quant.py).
+fold into q and the output (kv_quant.py). Attention sinks (gpt-oss's logit per query head) take a
+third target, with the local one's buffers (chunk = window = 0 for a global layer) and the sinks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pallas_kernels.metadata import AttentionMetadata
 
 TARGET = "infire_paged_attention"
 TARGET_LOCAL = "infire_paged_attention_local"
+TARGET_SINKS = "infire_paged_attention_sinks"
 
 
 def applies(q: Array, k_pages: Array) -> bool:
@@ -47,11 +49,13 @@ def paged_attention(
     *,
     scale: float,
     kv_scale: Float[Array, "2 Hkv"] | None = None,
+    sinks: Float[Array, "Hq"] | None = None,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes k/v into the pages (in place), then attends each token to its sequence's positions
     <= its own (from `first_visible` on with `meta.local`; no earlier page is read), reading them
     from the pool; padding tokens get zeros. With `kv_scale` the pool holds fp8 bits (see
-    `reference.ragged_paged_attention`)."""
+    `reference.ragged_paged_attention`). `sinks`: a logit per query head (scaled like the scores)
+    that joins each token's softmax and is dropped."""
     cpu_kernels.require()
     k, v = reference.quantize_step(k, v, kv_scale)
     k_pages, v_pages = reference.write_kv(k_pages, v_pages, layer, k, v, meta.slot_mapping)
@@ -59,10 +63,12 @@ def paged_attention(
     ints = [jnp.asarray(x).astype(jnp.int32) for x in (layer, meta.positions, meta.seq_ids, meta.page_table,
                                                          meta.num_seqs)]
     qf = q.astype(jnp.float32) if kv_scale is None else kv_quant.fold_query(q, kv_scale[0])
-    if meta.local is not None:
-        ints += [jnp.asarray(x).astype(jnp.int32) for x in meta.local]
-    o = jax.ffi.ffi_call(TARGET if meta.local is None else TARGET_LOCAL, out)(qf * np.float32(scale), k_pages,
-                                                                              v_pages, *ints)
+    target = TARGET if meta.local is None else TARGET_LOCAL
+    if meta.local is not None or sinks is not None:
+        ints += [jnp.asarray(x).astype(jnp.int32) for x in (meta.local or (0, 0))]
+    if sinks is not None:
+        target, ints = TARGET_SINKS, [*ints, sinks.astype(jnp.float32)]
+    o = jax.ffi.ffi_call(target, out)(qf * np.float32(scale), k_pages, v_pages, *ints)
     if kv_scale is not None:
         o = kv_quant.unfold_output(o, kv_scale[1])
     return o.astype(q.dtype), k_pages, v_pages

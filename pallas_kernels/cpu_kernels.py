@@ -35,6 +35,7 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 TARGETS = {"infire_skinny_matmul": "InfireSkinnyMatmul", "infire_skinny_matmul_nt": "InfireSkinnyMatmulNT",
            "infire_skinny_matmul_panels": "InfireSkinnyMatmulPanels", "infire_paged_attention": "InfirePagedAttention",
            "infire_paged_attention_local": "InfirePagedAttentionLocal",
+           "infire_paged_attention_sinks": "InfirePagedAttentionSinks",
            "infire_palette_matmul": "InfirePaletteMatmul", "infire_q4_1_matmul": "InfireQ41Matmul",
            "infire_lora_sgmv": "InfireLoraSgmv"}
 

@@ -10,6 +10,10 @@ softmax over its range and writes its unnormalised partial (acc, max, sum). The 
 sum_k e^(m_k - m) l_k. K is chosen from the batch so that S * Hkv * K fills the GPU; a split with no
 blocks writes (0, MASK_VALUE, 0) and drops out of the combine.
 
+Attention sinks (gpt-oss: a learned logit per query head, one more softmax column whose value is
+dropped) join once, in the combine: the sink is one more partial with max sink, sum 1 and acc 0. Folded
+per split instead, it would be counted K times.
+
 A local layer's row (`meta.local`) sees keys `[first_visible(kv_len - 1), kv_len)`: the splits cut
 only the blocks holding those (`key_block_range`), so a chunked layer reads at most C keys (plus the
 rounding to blocks) at any context length, and never a page wholly before the visible range.
@@ -89,11 +93,18 @@ def _decode_kernel(scalars_ref, kv_lens_ref, page_table_ref, q_ref, k_pages_ref,
 
 
 def combine_splits(acc: Float[Array, "K S Hkv Gp D"], row_max: Float[Array, "K S Hkv Gp"],
-                   total: Float[Array, "K S Hkv Gp"]) -> Float[Array, "S Hkv Gp D"]:
-    """Merges the per-split partial softmaxes into normalised outputs (rows with no keys -> 0)."""
+                   total: Float[Array, "K S Hkv Gp"],
+                   sinks: Float[Array, "Hkv Gp"] | None = None) -> Float[Array, "S Hkv Gp D"]:
+    """Merges the per-split partial softmaxes into normalised outputs (rows with no keys -> 0). A
+    sink logit per (kv head, head in group) is one more column: it joins the max and adds
+    exp(sink - max) to the denominator, nothing to the numerator."""
     global_max = jnp.max(row_max, axis=0)
+    if sinks is not None:
+        global_max = jnp.maximum(global_max, sinks[None])
     weight = jnp.exp(row_max - global_max[None])
     denom = jnp.sum(weight * total, axis=0)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks[None] - global_max)
     numer = jnp.sum(weight[..., None] * acc, axis=0)
     return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
 
@@ -108,10 +119,12 @@ def decode_attention(
     scale: float,
     block_k: int = BLOCK_K,
     num_splits: int | None = None,
+    sinks: Float[Array, "Hq"] | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Bool[Array, "T"]]:
     """Attention of every single-token row's token over its pages (written already), from its first
-    visible key on for a local layer (`meta.local`).
+    visible key on for a local layer (`meta.local`). `sinks`: a logit per query head (scaled like the
+    scores) that joins each row's softmax and is dropped (gpt-oss); None: plain softmax.
 
     Returns the outputs and which tokens they cover; other tokens' outputs are 0.
     """
@@ -147,7 +160,9 @@ def decode_attention(
         name="paged_decode_attention",
     )(layer_scalars(layer, meta.local), kv_lens, meta.page_table.astype(jnp.int32), q_rows, k_pages, v_pages)
 
-    rows_out = combine_splits(acc, row_max, total)[:, :, :g].reshape(s, hq, d)
+    if sinks is not None:  # padded heads get a sink too, and are dropped below
+        sinks = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, g), ((0, 0), (0, gp - g)))
+    rows_out = combine_splits(acc, row_max, total, sinks)[:, :, :g].reshape(s, hq, d)
     valid = jnp.arange(t) < meta.cu_q_lens[meta.num_seqs]
     seq = jnp.clip(meta.seq_ids, 0, s - 1)
     covered = valid & is_decode[seq]

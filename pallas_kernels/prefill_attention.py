@@ -14,6 +14,10 @@ writing their (never gathered) output block.
 A local layer (`meta.local`) starts a program's key loop at the block holding the first key its
 first token sees (`first_visible` of the first position: the tile's later tokens see no earlier
 key), and masks each row's keys before its own first visible one.
+
+Attention sinks (gpt-oss: a learned logit per query head, one more softmax column whose value is
+dropped) fold into a tile's running max and sum once its key loop ends, each row its head's: the
+sink's column carries no value, so no key block needs it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata, first_visible
-from pallas_kernels.paged_block import attend_block, initial_state, layer_scalars, load_key_block, local_mask
+from pallas_kernels.paged_block import (SoftmaxState, attend_block, initial_state, layer_scalars, load_key_block,
+                                        local_mask)
 from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
 
 TILE_ROWS = 128  # block_q * Gp: query rows of one program
@@ -100,8 +105,9 @@ def work_items(meta: AttentionMetadata, num_tokens: int, block_q: int) -> WorkIt
     return WorkItems(table, starts[token_seq] + in_row // block_q, in_row % block_q, covered, block_q)
 
 
-def _prefill_kernel(scalars_ref, items_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, out_ref, *,
-                    scale: float, page_size: int, block_k: int, group_rows: int, local: bool, precision):
+def _prefill_kernel(scalars_ref, items_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, *refs, scale: float,
+                    page_size: int, block_k: int, group_rows: int, local: bool, precision):
+    sinks_ref, out_ref = refs if len(refs) == 2 else (None, *refs)  # [rows] sinks of the tile's heads, if any
     item, kv_head = pl.program_id(0), pl.program_id(1)
     num_q = items_ref[item, ITEM_NUM_Q]
 
@@ -131,7 +137,17 @@ def _prefill_kernel(scalars_ref, items_ref, page_table_ref, q_ref, k_pages_ref, 
             return attend_block(state, q, k, v, visible, scale=scale, precision=precision)
 
         state = lax.fori_loop(first_block, pl.cdiv(key_end, block_k), body, initial_state(*q.shape))
+        if sinks_ref is not None:
+            state = fold_sinks(state, sinks_ref[...])
         out_ref[...] = (state.acc / state.total[:, None]).astype(out_ref.dtype)  # every row saw key 0 or itself
+
+
+def fold_sinks(state: SoftmaxState, sinks: Float[Array, "M"]) -> SoftmaxState:
+    """The state with one more column per row, logit `sinks` and value 0: the max and sum take it,
+    the accumulator only the rescale."""
+    row_max = jnp.maximum(state.row_max, sinks)
+    rescale = jnp.exp(state.row_max - row_max)
+    return SoftmaxState(state.acc * rescale[:, None], row_max, state.total * rescale + jnp.exp(sinks - row_max))
 
 
 def prefill_attention(
@@ -144,10 +160,13 @@ def prefill_attention(
     scale: float,
     tile_rows: int = TILE_ROWS,
     block_k: int = BLOCK_K,
+    sinks: Float[Array, "Hq"] | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Bool[Array, "T"]]:
     """Causal attention of every token of multi-token rows over its pages (written already), from
-    each token's first visible key on for a local layer (`meta.local`).
+    each token's first visible key on for a local layer (`meta.local`). `sinks`: a logit per query
+    head (scaled like the scores) that joins each row's softmax and is dropped (gpt-oss); None: plain
+    softmax.
 
     Returns the outputs and which tokens they cover; other tokens' outputs are 0.
     """
@@ -166,18 +185,24 @@ def prefill_attention(
     q_grouped = q_grouped.transpose(1, 0, 2, 3).reshape(hkv, (t + block_q) * gp, d)
 
     whole = pl.BlockSpec()
+    in_specs = [whole, whole, whole, pl.BlockSpec((None, (t + block_q) * gp, d), lambda w, h: (h, 0, 0)), whole, whole]
+    operands = [layer_scalars(layer, meta.local), items.table, meta.page_table.astype(jnp.int32), q_grouped, k_pages,
+                v_pages]
+    if sinks is not None:  # [Hkv, rows]: row (token, head in group) of a tile gets its head's sink
+        grouped = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, g), ((0, 0), (0, gp - g)))
+        in_specs.append(pl.BlockSpec((None, rows), lambda w, h: (h, 0)))
+        operands.append(jnp.tile(grouped, (1, block_q)))
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, scale=scale, page_size=page_size, block_k=block_k, group_rows=gp,
                           local=meta.local is not None, precision=dot_precision(dtype)),
         grid=(items.table.shape[0], hkv),
-        in_specs=[whole, whole, whole, pl.BlockSpec((None, (t + block_q) * gp, d), lambda w, h: (h, 0, 0)),
-                  whole, whole],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, rows, d), lambda w, h: (w, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((items.table.shape[0], hkv, rows, d), q.dtype),
         compiler_params=compiler_params(num_warps=4 if d <= 64 else 8, num_stages=pipeline_stages(dtype)),
         interpret=interpret,
         name="paged_prefill_attention",
-    )(layer_scalars(layer, meta.local), items.table, meta.page_table.astype(jnp.int32), q_grouped, k_pages, v_pages)
+    )(*operands)
 
     item = jnp.clip(items.token_item, 0, items.table.shape[0] - 1)
     per_token = out.reshape(-1, hkv, block_q, gp, d)[item[:, None], jnp.arange(hkv)[None, :], items.token_row[:, None]]

@@ -17,6 +17,11 @@
 // before it (the null page, once the hybrid cache frees them) are never read. InfirePagedAttention is
 // the same code with chunk = window = 0.
 //
+// Attention sinks (InfirePagedAttentionSinks: the local target's buffers and a float32 logit per query
+// head, gpt-oss's): one more softmax column per query, that logit with a value of 0, so it joins the
+// final normalisation only: out = acc e^(m - m') / (l e^(m - m') + e^(sink - m')), m' = max(m, sink).
+// The chunk and window buffers are 0, 0 for a global layer.
+//
 // The reference attention (pallas_kernels/reference.py) gathers each row's pages into new arrays
 // every layer and runs as a string of small ops, one after another; here nothing is copied.
 #include <algorithm>
@@ -149,6 +154,7 @@ struct Args {
   int64_t pages_per_seq, num_pages, page_size, hkv, group, dim;
   float* out;           // [T, Hq, D]
   int64_t chunk, window;  // a local layer's mask (metadata.LocalMask); 0, 0 for a global layer
+  const float* sinks;   // [Hq], already in the scaled scores' units; nullptr: no sinks
 };
 
 // The first position a query at `pos` sees (metadata.first_visible): its chunk's start, or its window's.
@@ -246,7 +252,11 @@ void attend(const Args& a, const Item& it, int64_t h) {
   for (int64_t i = 0; i < it.nt; ++i) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t qi = i * G + g;
-      const float inv = 1.0f / l[qi];
+      float inv = 1.0f / l[qi];
+      if (a.sinks) {
+        const float sink = a.sinks[h * G + g], m_new = std::max(m[qi], sink), alpha = std::exp(m[qi] - m_new);
+        inv = alpha / (l[qi] * alpha + std::exp(sink - m_new));
+      }
       float* out = a.out + ((it.t0 + i) * hq + h * G + g) * D;
       for (int64_t j = 0; j < nv; ++j) store(out + 16 * j, load(acc + qi * D + 16 * j) * inv);
     }
@@ -258,7 +268,7 @@ void attend(const Args& a, const Item& it, int64_t h) {
 static ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> seq_ids,
                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> num_seqs, int64_t chunk, int64_t window,
-                      ffi::ResultBuffer<ffi::F32> out) {
+                      const float* sinks, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(); auto kd = k_pages.dimensions(); auto td = page_table.dimensions();
   auto vd = v_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2 || vd.size() != 5 ||
@@ -275,7 +285,7 @@ static ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   const int64_t G = hq / hkv;
   if (chunk < 0 || window < 0) return ffi::Error::InvalidArgument("paged_attention: chunk and window must be >= 0");
   Args a{q.typed_data(), nullptr, nullptr, positions.typed_data(), page_table.typed_data(), td[1], kd[1], kd[2], hkv,
-         G, D, out->typed_data(), chunk, window};
+         G, D, out->typed_data(), chunk, window, sinks};
   const ffi::DataType type = k_pages.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::U16 && type != ffi::DataType::U8)
     return ffi::Error::InvalidArgument("paged_attention: the pool must be float32, uint16 (bfloat16 bits) or "
@@ -311,7 +321,7 @@ static ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> seq_ids,
                        ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> num_seqs,
                        ffi::ResultBuffer<ffi::F32> out) {
-  return Run(pool, q, k_pages, v_pages, layer, positions, seq_ids, page_table, num_seqs, 0, 0, out);
+  return Run(pool, q, k_pages, v_pages, layer, positions, seq_ids, page_table, num_seqs, 0, 0, nullptr, out);
 }
 
 // A local layer: its chunk and window are traced (one scanned layer body serves every kind), so buffers.
@@ -321,7 +331,19 @@ static ffi::Error ImplLocal(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> chunk,
                             ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, q, k_pages, v_pages, layer, positions, seq_ids, page_table, num_seqs, chunk.typed_data()[0],
-             window.typed_data()[0], out);
+             window.typed_data()[0], nullptr, out);
+}
+
+// Attention sinks, a layer of any kind (chunk = window = 0: global).
+static ffi::Error ImplSinks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                            ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::S32> seq_ids, ffi::Buffer<ffi::S32> page_table,
+                            ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> chunk, ffi::Buffer<ffi::S32> window,
+                            ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out) {
+  if (sinks.dimensions().size() != 1 || q.dimensions().size() != 3 || sinks.dimensions()[0] != q.dimensions()[1])
+    return ffi::Error::InvalidArgument("paged_attention: sinks must be [Hq]");
+  return Run(pool, q, k_pages, v_pages, layer, positions, seq_ids, page_table, num_seqs, chunk.typed_data()[0],
+             window.typed_data()[0], sinks.typed_data(), out);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InfirePagedAttention, Impl,
@@ -338,3 +360,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InfirePagedAttentionLocal, ImplLocal,
                                   .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InfirePagedAttentionSinks, ImplSinks,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
