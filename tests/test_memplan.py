@@ -88,6 +88,16 @@ def _plan(name: str, mesh: str, memory: str, **kw):
     return memory_plan(plan_source(name, "bfloat16")(mc), mc, parse_bytes(memory), **kw)
 
 
+def test_llama4_on_one_device_counts_its_vision_tower_and_image_pool():
+    """Where the engine serves images (one device, plain weights), the plan holds Scout's tower
+    (871,932,416 parameters in bf16) and the image pool (4 prompts' image of 17 tiles x 144 tokens,
+    5120 wide in bf16); on a mesh, where only text is served, neither."""
+    one = _plan("dummy:llama-4-scout,layers=8", "1.yaml", "141GB")
+    assert one.weights["vision"] == 871_932_416 * 2 + 4 * 17 * 144 * 5120 * 2
+    assert _plan("dummy:llama-4-scout", "2.yaml", "141GB").weights["vision"] == 0
+    assert _plan("dummy:llama-3.1-8b", "1.yaml", "80GB").weights["vision"] == 0
+
+
 def test_kimi_k25_figures_follow_from_its_config():
     """Hand arithmetic: 60 MoE layers x 384 experts x 3 x 7168 x 2048 int4 weights with a bf16
     scale per 32, split 8 ways; MLA KV of 512 + 64 bf16 values per layer, replicated over tp. On
@@ -140,11 +150,13 @@ def test_quantization_configs_choose_each_kinds_format():
     with open(os.path.join(ROOT, "infire_jax", "memplan", "configs", "kimi-k2.5.json")) as f:
         kimi = json.load(f)
     assert formats_from_hf(kimi, "bfloat16") == {"attention": "bfloat16", "experts": "int4-g32",
-                                                "shared": "bfloat16", "embeddings": "bfloat16"}
+                                                "shared": "bfloat16", "embeddings": "bfloat16",
+                                                "vision": "bfloat16"}
     with open(os.path.join(ROOT, "infire_jax", "memplan", "configs", "deepseek-v3.json")) as f:
         ds = json.load(f)
     assert formats_from_hf(ds, "bfloat16") == {"attention": "fp8-block128", "experts": "fp8-block128",
-                                              "shared": "fp8-block128", "embeddings": "bfloat16"}
+                                              "shared": "fp8-block128", "embeddings": "bfloat16",
+                                              "vision": "bfloat16"}
     p = _plan("deepseek-v3", "8-tp4-pp2.yaml", "141GB")
     assert p.kv_bytes_per_token == 31 * 576 * 2  # 61 layers in 2 stages of 31 slots
 

@@ -44,8 +44,8 @@ from infire_jax.speculative.eagle3 import Eagle3Head
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.loaders.vision import vision_hf_config
-from infire_jax.runner.image_pool import pool_rows
 from infire_jax.vision.config import VisionConfig, vision_config
+from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, pool_rows
 from pallas_kernels.attention import choose_impl, resolve_impl
 from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels import placement
@@ -174,10 +174,6 @@ class Settings(NamedTuple):
     runner_config: RunnerConfig  # the pool at its final size if `sizing`, else at its least
     checkpoint_kv_scales: np.ndarray | None  # an fp8 pool's scales as the checkpoint carries them
     vision: VisionConfig | None = None  # the checkpoint's vision tower, served (None: text only)
-
-
-# Prompts whose images' encoder outputs the device holds at once (each image at its most tiles).
-IMAGE_POOL_PROMPTS = 4
 
 
 def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:

@@ -21,7 +21,7 @@ from infire_jax.quant.gptq_awq import kept_group
 from infire_jax.quant.int4_rtn import at_load_group
 from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
 
-KINDS = ("attention", "experts", "shared", "embeddings")
+KINDS = ("attention", "experts", "shared", "embeddings", "vision")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
 # (compressed-tensors pack-quantized), fp8 with a float32 scale per 128 x 128 block (DeepSeek-V3),
 # GGUF blocks (Q4_1: 20 bytes, Q8_0: 34 bytes per 32 weights).
@@ -150,6 +150,23 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
                      hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=cfg.num_heads,
                      qk_head_dim=cfg.head_dim, mlp_width=width, num_experts=cfg.num_experts, kept=tuple(kept),
                      local_attention=tuple(cfg.local_attention))
+
+
+def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
+    """`model` with a Llama 4 config's vision tower and the engine's image pool (the default one image a
+    prompt), each held whole on the one device that serves images (engine/setup.py `_vision`)."""
+    from flax import nnx
+
+    from infire_jax.vision.config import vision_config
+    from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, VisionTower, pool_rows
+
+    vcfg = vision_config(hf)
+    tower = nnx.eval_shape(lambda: VisionTower(vcfg))
+    tensors = [Tensor(f"vision.{k}", "vision", tuple(p.shape), (None,) * len(p.shape), False)
+               for k, p in sorted(vars(tower).items()) if isinstance(p, nnx.Param)]
+    tensors.append(Tensor("image_pool", "vision", (pool_rows(vcfg, IMAGE_POOL_PROMPTS), vcfg.text_hidden_size),
+                          (None, None), False))
+    return dataclasses.replace(model, tensors=model.tensors + tuple(tensors))
 
 
 def int4_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:

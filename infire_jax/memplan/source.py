@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Callable
 
 from infire_jax.memplan.model import (
-    PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, int4_layouts, placed_config)
+    PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, int4_layouts, placed_config,
+    with_vision)
 from infire_jax.models.hf_config import config_from_hf
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, INT4_GROUPS
 from sharding.mesh import MeshConfig
@@ -46,6 +48,7 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
     if path is not None:
         with open(path) as f:
             hf = json.load(f)
+        vision = hf if hf.get("model_type") == "llama4" and hf.get("vision_config") else None
         hf = dict(hf.get("text_config") or hf)
         if hf.get("kv_lora_rank"):  # MLA: the layout does not depend on the mesh
             if weights_quantization:
@@ -54,11 +57,23 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
             return lambda mc: model
         cfg, formats = config_from_hf(hf), formats_from_hf(hf, dtype)
         int4 = int4_at_load_layouts(cfg, group) if weights_quantization else int4_layouts(hf, cfg)
-        return lambda mc: from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, int4)
+        return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, int4),
+                                  vision, mc, weights_quantization)
     from infire_jax.loaders.load import load_config
+    from infire_jax.loaders.vision import vision_hf_config
 
     cfg = load_config(spec)
     if weights_quantization and cfg.mla is not None:
         raise ValueError(_NOT_MLA)
     int4 = int4_at_load_layouts(cfg, group) if weights_quantization else {}
-    return lambda mc: from_model_config(placed_config(cfg, mc), dtype, spec or "default model", int4=int4)
+    vision = vision_hf_config(spec) if spec else None
+    return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or "default model", int4=int4),
+                              vision, mc, weights_quantization)
+
+
+def _served(model: PlanModel, vision_hf: dict | None, mc: MeshConfig, weights_quantization: str | None) -> PlanModel:
+    """`model` with the vision tower and image pool where the engine serves images: a Llama 4 with a
+    tower on one device with plain weights (engine/setup.py `_vision`)."""
+    if vision_hf is None or math.prod(mc.sizes.values()) > 1 or weights_quantization:
+        return model
+    return with_vision(model, vision_hf)

@@ -22,11 +22,6 @@ from infire_jax.vision.config import VisionConfig
 from infire_jax.vision.encoder import TILE_BUCKETS, encode_padded, tile_bucket
 
 
-def pool_rows(cfg: VisionConfig, images: int) -> int:
-    """Rows a pool needs to hold `images` images of the most tiles at once."""
-    return images * TILE_BUCKETS[-1] * cfg.tokens_per_tile
-
-
 @functools.partial(jax.jit, donate_argnums=0)
 def _write(pool: Array, rows: Array, start: Array) -> Array:
     return jax.lax.dynamic_update_slice_in_dim(pool, rows.astype(pool.dtype), start, 0)

@@ -28,6 +28,14 @@ from infire_jax.vision.config import VisionConfig
 
 # Tile counts an encoder call is padded to: one tile, a full grid of 16 with its thumbnail, between.
 TILE_BUCKETS = (1, 4, 8, 17)
+# Prompts whose images' encoder outputs the device's image pool holds at once (each image at its most
+# tiles); a request beyond them waits for rows (runner/image_pool.py).
+IMAGE_POOL_PROMPTS = 4
+
+
+def pool_rows(cfg: VisionConfig, images: int) -> int:
+    """Rows a pool needs to hold `images` images of the most tiles at once."""
+    return images * TILE_BUCKETS[-1] * cfg.tokens_per_tile
 
 
 class VisionTower(nnx.Module):
