@@ -10,7 +10,7 @@ from infire_jax.engine.args import (add_engine_args, add_sampling_args, engine_c
                                     sampling_params)
 from infire_jax.errors import InfireError
 from infire_jax.structured.reasoning_parsers import REASONING_PARSER_NAMES
-from infire_jax.structured.tool_parsers import TOOL_PARSERS
+from infire_jax.structured.tool_parsers import TOOL_PARSER_NAMES
 from sharding.distributed import DistributedConfigError
 
 
@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) served under their names, as vLLM's flag: NAME=PATH or "
                         'JSON {"name": ..., "path": ...}; needs --enable-lora')
-    s.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS, metavar="NAME",
-                   help="the tool-call format the model writes, by vLLM's names: " + ", ".join(TOOL_PARSERS)
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES, metavar="NAME",
+                   help="the tool-call format the model writes, by vLLM's names: " + ", ".join(TOOL_PARSER_NAMES)
                         + " (default: the one its chat template shows, else hermes)")
     s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES, metavar="NAME",
                    help="split the model's reasoning from its answer (chat: message.reasoning; Responses: "

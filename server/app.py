@@ -23,7 +23,7 @@ from infire_jax.engine.args import engine_config, init_distributed, progress_bar
 from infire_jax.engine.residency import Residency, host_to_device_bandwidth, start_engines
 from infire_jax.structured import harmony
 from infire_jax.structured.reasoning_parsers import REASONING_PARSER_NAMES
-from infire_jax.structured.tool_parsers import TOOL_PARSERS, detect_format
+from infire_jax.structured.tool_parsers import TOOL_PARSER_NAMES, detect_format
 from server import responses_api
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
 from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions, completions,
@@ -55,8 +55,8 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     """The app over warmed-up engines (one per served model); their threads start with the app.
     `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
     `tool_call_parser` and `reasoning_parser` (vLLM's names) read every model's outputs (default: the
-    call format its chat template shows, and no reasoning unless it writes harmony); `chat_template` (Jinja text) replaces
-    every model's own. `media` says where chat images may come from (server/media.py).
+    call format its chat template shows, and no reasoning unless it writes harmony); `chat_template`
+    (Jinja text) replaces every model's own. `media` says where chat images may come from (server/media.py).
 
     Several engines share the device through `residency` (hot standby, infire_jax/engine/residency.py).
     A prefill or decode worker (`role`) serves one model and also runs a Mooncake transfer engine
@@ -72,8 +72,8 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
         raise ValueError("a prefill or decode worker serves one model")
     if len(engines) > 1 and residency is None:
         raise ValueError("several models share the device through a Residency")
-    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSER_NAMES:
+        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSER_NAMES)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSER_NAMES:
         raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSER_NAMES)}")
     metrics = ServerMetrics(names)

@@ -34,12 +34,14 @@ HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 PYTHONIC, LLAMA4_PYTHONIC, KIMI_K2 = "pythonic", "llama4_pythonic", "kimi_k2"
 DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER = "deepseek_v3", "deepseek_v31", "qwen3_coder"
 FORMATS = tuple(_FORMATS)
+TOOL_PARSERS = FORMATS
 OPENAI = harmony.TOOL_PARSER
-TOOL_PARSERS = (*FORMATS, OPENAI)
+TOOL_PARSER_NAMES = (*FORMATS, OPENAI)  # every --tool-call-parser name
 
 __all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "HERMES", "HERMES_CLOSE", "HERMES_OPEN", "KIMI_K2", "LLAMA3_JSON",
-           "LLAMA4_PYTHONIC", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC", "PYTHON_TAG", "QWEN3_CODER", "TOOL_PARSERS",
-           "ToolCall", "ToolCallStream", "detect_format", "parse_tool_calls", "stream_tool_calls"]
+           "LLAMA4_PYTHONIC", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC", "PYTHON_TAG", "QWEN3_CODER",
+           "TOOL_PARSERS", "TOOL_PARSER_NAMES", "ToolCall", "ToolCallStream", "detect_format", "parse_tool_calls",
+           "stream_tool_calls"]
 
 
 def detect_format(chat_template: str | None) -> str:
@@ -79,7 +81,7 @@ class ToolCallStream:
         if fmt == OPENAI:
             raise ValueError(f"{fmt} calls are read by structured/harmony.py's HarmonyStream")
         if fmt not in _FORMATS:
-            raise ValueError(f"unknown tool-call parser {fmt!r}; known: {', '.join(TOOL_PARSERS)}")
+            raise ValueError(f"unknown tool-call parser {fmt!r}; known: {', '.join(TOOL_PARSER_NAMES)}")
         self.fmt = fmt
         self.calls: list[ToolCall] = []
         self._format = _FORMATS[fmt](tools)
