@@ -55,9 +55,8 @@ class Engine:
         t0, events, cached = time.monotonic(), compile_count(), cache_hit_count()
         built = load_and_compile(ec, s, loaded, progress or (lambda stage, done, total: None))
         self.runner, self.loaded, self.pool_sizing = built.runner, built.placed.loaded, built.sizing
-        self.model_config, self.tokenizer, self.model_name = self.loaded.config, self.loaded.tokenizer, self.loaded.name
-        if self.tokenizer.model_type == harmony.MODEL_TYPE:  # ours: the harmony parsers read what it writes
-            self.tokenizer = self.tokenizer.with_chat_template(harmony.chat_template())
+        self.model_config, self.model_name = self.loaded.config, self.loaded.name
+        self.tokenizer = harmony.model_tokenizer(self.loaded.tokenizer)
         self.token_text = TokenText(self.tokenizer)  # logprob entries' decoded tokens
         self.load_seconds, self.warmup_seconds = built.load_seconds, built.warmup_seconds
         # After the warmup: its token trie is built on a thread of its own, which would hold the GIL

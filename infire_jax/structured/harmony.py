@@ -20,6 +20,7 @@ import importlib.resources
 import re
 from collections.abc import Iterable
 
+from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.structured.tool_formats.base import ToolCall, dumps, held_back, json_object
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -44,6 +45,13 @@ Part = tuple[str, "str | ToolCall"]  # (REASONING or CONTENT, text) or (CALLS, t
 def chat_template() -> str:
     """The harmony chat template we ship (the engine's for model_type gpt_oss, or `--chat-template`)."""
     return importlib.resources.files("infire_jax.structured").joinpath("templates/gpt_oss.jinja").read_text()
+
+
+def model_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer an engine renders chats with: for a gpt_oss model, with our harmony template in
+    place of the model's own (ours passes the reasoning of earlier tool-calling turns back, and the
+    harmony parsers are tested against what it writes)."""
+    return tokenizer.with_chat_template(chat_template()) if tokenizer.model_type == MODEL_TYPE else tokenizer
 
 
 def is_harmony(chat_template_text: str | None) -> bool:
