@@ -209,7 +209,8 @@ def test_what_the_template_cannot_render_is_a_request_error(messages, kwargs, ma
 
 def test_a_gpt_oss_model_renders_with_our_template(tmp_path):
     """The engine's tokenizer (harmony.model_tokenizer) for config.json's model_type gpt_oss, over the
-    model's own template; other models keep theirs. The server then reads harmony by default."""
+    model's own template, also once restored from a checkpoint; other models keep theirs. The server
+    then reads harmony by default."""
     from server.app import _default_reasoning
     tokenizer(template="{{ messages }}").tk.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
@@ -217,6 +218,8 @@ def test_a_gpt_oss_model_renders_with_our_template(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         tk = harmony.model_tokenizer(Tokenizer.from_dir(str(tmp_path)))
         assert tk.chat_template == want and tk.model_type == model_type
+        Tokenizer.from_dir(str(tmp_path)).save(str(tmp_path / "saved"))  # as a checkpoint keeps it: no config.json
+        assert harmony.model_tokenizer(Tokenizer.from_dir(str(tmp_path / "saved"))).chat_template == want
     assert detect_format(TEMPLATE) == "openai" and _default_reasoning(TEMPLATE) == "openai_gptoss"
     assert _default_reasoning("{{ messages }}") is None
 

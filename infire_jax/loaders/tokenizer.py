@@ -120,7 +120,7 @@ class Tokenizer:
         def token_str(v):
             return v.get("content") if isinstance(v, dict) else v
 
-        model_type = None
+        model_type = conf.get("model_type")  # as `save` keeps it (a checkpoint has no config.json)
         config_path = os.path.join(path, "config.json")
         if os.path.exists(config_path):
             with open(config_path) as f:
@@ -136,7 +136,8 @@ class Tokenizer:
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         self.tk.save(os.path.join(path, "tokenizer.json"))
-        conf = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template}
+        conf = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
+                "model_type": self.model_type}
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
             json.dump(conf, f)
 
