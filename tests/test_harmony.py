@@ -242,6 +242,8 @@ CASES = [
      "<|start|>assistant<|channel|>final<|message|>c<|end|>\n<|start|>assistant<|channel|>final<|message|>d",
      "ab", "cd", []),
     ("<|channel|>final<|message|>Only the answer.", "", "Only the answer.", []),  # cut off: no end
+    # the stop token's text left out of the output: a whole call still is one
+    ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}', "", "", [("f", {"a": 1})]),
     ("", "", "", []),
     # not harmony: content, whole
     ("Hello there, no channels at all.", "", "Hello there, no channels at all.", []),

@@ -257,7 +257,8 @@ class TestHarmony:
 
     def test_responses_turn_after_a_call_and_output_that_is_not_harmony(self, harmony_url):
         """A Responses conversation with an earlier reasoning item, call and its output renders through
-        the template; SmolLM2's free text (no channels) is the answer, never an error."""
+        the template; SmolLM2's free text (no channels) is the answer, never an error. What harmony
+        cannot do yet is a 400: an answer's constraint, a forced call; so is an unknown effort."""
         client = client_of(harmony_url)
         r = client.responses.create(model=MODEL, max_output_tokens=6, temperature=0, reasoning={"effort": "low"},
                                     tools=[WEATHER], input=[
@@ -277,6 +278,10 @@ class TestHarmony:
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "chat_template_kwargs": {"reasoning_effort": "extreme"}})
         assert_error(status, body, 400, "messages")
+        status, body = post(harmony_url, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})
+        assert_error(status, body, 400, "tool_choice")
 
 
 def test_serve_flags_are_checked_before_loading(tmp_path, capsys):
