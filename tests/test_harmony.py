@@ -78,8 +78,9 @@ format?: "celsius" | "fahrenheit", // default: celsius
 
 } // namespace functions<|end|><|start|>user<|message|>What is the weather like in SF?<|end|><|start|>assistant\
 <|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant<|channel|>commentary \
-to=functions.get_weather <|constrain|>json<|message|>{"location":"San Francisco"}<|call|><|start|>functions.get_weather \
-to=assistant<|channel|>commentary<|message|>{"sunny": true, "temperature": 20}<|end|><|start|>assistant"""
+to=functions.get_weather <|constrain|>json<|message|>{"location":"San Francisco"}<|call|>\
+<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"sunny": true, "temperature": 20}<|end|>\
+<|start|>assistant"""
 # The documentation's example output of the call (its "Receiving tool calls") and of an answer.
 DOC_CALL = ('<|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant<|channel|>'
             'commentary to=functions.get_weather <|constrain|>json<|message|>{"location":"San Francisco"}<|call|>')
@@ -150,7 +151,8 @@ def test_json_schema_types_become_typescript():
              {"type": "function", "function": {"name": "ping", "description": "Two\nlines",
                                                "parameters": {"type": "object", "properties": {}}}}]
     text = render([{"role": "user", "content": "hi"}], tools)
-    assert "<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n" in text  # no instructions
+    # no instructions: the developer message holds the tools alone
+    assert "<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n" in text
     assert """type search = (_: {
 // What to look for.
 // Plain words.
