@@ -189,10 +189,10 @@ def _reasoning(m: ServedModel, req: ChatRequest) -> None:
     if any(i is not None for i in ids.values()):
         changes["skip_special_tokens"] = False
     so = req.params.structured_outputs
-    if so is not None and (req.response_format is not None or (req.tools is not None and req.tools.forced)):
-        if m.reasoning_parser == harmony.REASONING_PARSER:
-            raise bad("response_format cannot constrain a harmony (gpt-oss) answer yet: its final channel "
-                      "follows messages the grammar does not describe", "response_format")
+    if m.reasoning_parser == harmony.REASONING_PARSER:  # a forced call's grammar lets the analysis through itself
+        if so is not None and req.response_format is not None:
+            changes["structured_outputs"] = dataclasses.replace(so, after=harmony.answer_grammar(ids))
+    elif so is not None and (req.response_format is not None or (req.tools is not None and req.tools.forced)):
         after = reasoning_grammar(m.reasoning_parser, req.chat_template_kwargs, ids)
         changes["structured_outputs"] = dataclasses.replace(so, after=after)
     req.params = dataclasses.replace(req.params, **changes)

@@ -351,6 +351,62 @@ def test_the_openai_names_are_not_think_blocks_or_call_formats():
         ToolCallStream("openai")
 
 
+# ---- constraints: an answer's schema and a forced call, after the analysis -------------------------------
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """Byte-level BPE over the 256 byte symbols (no merges) plus harmony's special tokens."""
+    from tokenizers import decoders, models, pre_tokenizers
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tk = HFTokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in harmony.SPECIAL_TOKENS])
+    return Tokenizer(tk, bos_token=None, eos_token=None, chat_template=TEMPLATE)
+
+
+def accepts(tk: Tokenizer, spec, text: str, special: bool) -> bool:
+    """Whether the grammar takes all of `text` (its markers special tokens, or spelled out) and is then
+    complete; the text round-trips through the harmony parser."""
+    from infire_jax.structured.backend import GrammarBackend
+    backend = GrammarBackend(tk.tk.to_str(), tk.vocab_size, (tk.token_to_id(harmony.RETURN),), timeout=30.0)
+    try:
+        matcher = backend.compile(spec).matcher()
+    finally:
+        backend.close()
+    ids = tk.encode(text, add_special_tokens=False)
+    if not special:  # the markers as their characters' tokens: text, as in a vocabulary without them
+        ids = [t for ch in text for t in tk.encode(ch, add_special_tokens=False)]
+    return matcher.accept_tokens(ids) == len(ids) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_an_answers_schema_and_a_forced_call_come_after_the_analysis(byte_tokenizer, special):
+    from infire_jax.structured import StructuredOutputs
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+    tk = byte_tokenizer
+    ids = {t: tk.special_token_id(t) for t in harmony.SPECIAL_TOKENS} if special else {}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    answer = StructuredOutputs(json=schema, after=harmony.answer_grammar(ids))
+    thought = "<|channel|>analysis<|message|>Think < twice.<|end|><|start|>assistant"
+    for text, ok in ((thought + '<|channel|>final<|message|>{"a": 1}', True),
+                     ('<|channel|>final<|message|>{"a": 1}', True),
+                     (thought + thought + '<|channel|>final<|message|>{"a": 1}', True),
+                     (thought + '<|channel|>final<|message|>{"b": 1}', False),
+                     ('<|channel|>commentary<|message|>{"a": 1}', False)):
+        assert accepts(tk, answer, text, special) == ok, text
+    forced = tool_call_constraint("openai", [{"name": "f", "parameters": schema}, {"name": "g"}], parallel=True,
+                                  special_token_ids=ids)
+    for text, ok in ((thought + '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>',
+                      True),
+                     ('<|channel|>commentary to=functions.g <|constrain|>json<|message|>{}<|call|>', True),
+                     ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>', False),
+                     ('<|channel|>commentary to=functions.h <|constrain|>json<|message|>{}<|call|>', False)):
+        assert accepts(tk, forced, text, special) == ok, text
+        if ok:
+            assert [c.name for c in parse_harmony(text)[2]] == [text.split("functions.")[1].split(" ")[0]]
+
+
 def test_a_harmony_request_stops_at_return_and_call_and_keeps_the_special_tokens():
     from server.endpoints import _harmony_stops, _reasoning
     from server.protocol import parse_chat
@@ -363,9 +419,9 @@ def test_a_harmony_request_stops_at_return_and_call_and_keeps_the_special_tokens
     assert req.params.skip_special_tokens is False
     constrained = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}})
-    with pytest.raises(APIError, match="harmony") as e:
-        _reasoning(m, constrained)
-    assert e.value.status == 400 and e.value.param == "response_format"
+    _reasoning(m, constrained)  # the answer's constraint waits for the final channel
+    ids = {t: tk.special_token_id(t) for t in harmony.SPECIAL_TOKENS}
+    assert constrained.params.structured_outputs.after == harmony.answer_grammar(ids)
 
 
 def test_reasoning_effort_reaches_the_template_from_chat_and_responses():

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from infire_jax.loaders.tokenizer import Tokenizer
+from infire_jax.structured.backend import inline_json
 from infire_jax.structured.tool_formats.base import ToolCall, dumps, held_back, json_object
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -160,6 +163,45 @@ class HarmonyStream:
         if final:
             self._buf = ""
         return False
+
+
+def _marks(special_ids: dict[str, int | None] | None) -> Callable[[str], str]:
+    """A marker in Lark: the special token where the tokenizer has it (text never spells one), else text."""
+    ids = special_ids or {}
+    return lambda m: f"<[{ids[m]}]>" if ids.get(m) is not None else json.dumps(m)
+
+
+def _analysis_rules(mark: Callable[[str], str]) -> list[str]:
+    """Lark: `analysis`, one analysis message of free text and the header of the message after it.
+    The text ends at the first `<|end|>` (a lazy lexeme where `<|end|>` is text)."""
+    head = f'{mark(CHANNEL)} "analysis" {mark(MESSAGE)}'
+    after = f'{mark(START)} "assistant"'
+    if mark(END).startswith("<["):
+        return ["THOUGHT: /(?s:.*)/", f"analysis: {head} THOUGHT {mark(END)} {after}"]
+    return [f"THOUGHT: /(?s:.*)/ {mark(END)}", "thought[lazy]: THOUGHT", f"analysis: {head} thought {after}"]
+
+
+def answer_grammar(special_ids: dict[str, int | None] | None = None) -> str:
+    """The Lark grammar of what a harmony output holds before a constrained answer (`response_format`):
+    analysis messages, then the final channel's header; its start rule ends in `@answer`
+    (`StructuredOutputs.after`). `special_ids`: harmony's special tokens that the tokenizer has."""
+    mark = _marks(special_ids)
+    return "\n".join([f'start: analysis* {mark(CHANNEL)} "final" {mark(MESSAGE)} @answer',
+                      *_analysis_rules(mark)]) + "\n"
+
+
+def call_grammar(functions: list[dict[str, Any]], special_ids: dict[str, int | None] | None = None) -> str:
+    """The Lark grammar of a forced call (`tool_choice` required or named) in harmony: analysis
+    messages, then one commentary message to one of `functions` whose body is its arguments' JSON
+    object, ended by `<|call|>` (which stops generation: one call a turn)."""
+    mark = _marks(special_ids)
+    calls = []
+    for i, f in enumerate(functions):
+        schema = (f.get("parameters") or {"type": "object", "properties": {}}) | {"type": "object"}
+        calls.append(f'call{i}: {mark(CHANNEL)} {json.dumps("commentary to=functions." + f["name"] + " ")} '
+                     f'{mark(CONSTRAIN)} "json" {mark(MESSAGE)} {inline_json(schema)} {mark(CALL)}')
+    return "\n".join(["start: analysis* call", f"call: {' | '.join(f'call{i}' for i in range(len(functions)))}",
+                      *calls, *_analysis_rules(mark)]) + "\n"
 
 
 def _first(text: str, markers: Iterable[str]) -> tuple[int, str]:
