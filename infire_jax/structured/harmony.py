@@ -1,4 +1,5 @@
-"""gpt-oss's harmony format: its chat template (templates/gpt_oss.jinja) and its output read as it streams.
+"""gpt-oss's harmony format: its chat template (templates/gpt_oss.jinja), its output read as it streams,
+and the grammars that constrain an answer or force a call after the model's free analysis.
 
 The output is a series of messages, each `{header}<|message|>{body}` ended by `<|end|>`, `<|return|>`
 (the answer is done) or `<|call|>` (a tool is called); the next begins with `<|start|>assistant`. The
