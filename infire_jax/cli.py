@@ -9,8 +9,8 @@ import sys
 from infire_jax.engine.args import (add_engine_args, add_sampling_args, engine_config, init_distributed, progress_bar,
                                     sampling_params)
 from infire_jax.errors import InfireError
-from infire_jax.structured.reasoning_parsers import REASONING_PARSERS
-from infire_jax.structured.tool_parsers import TOOL_PARSERS
+from infire_jax.structured.reasoning_parsers import REASONING_PARSER_NAMES
+from infire_jax.structured.tool_parsers import TOOL_PARSER_NAMES
 from sharding.distributed import DistributedConfigError
 
 
@@ -136,12 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) served under their names, as vLLM's flag: NAME=PATH or "
                         'JSON {"name": ..., "path": ...}; needs --enable-lora')
-    s.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS, metavar="NAME",
-                   help="the tool-call format the model writes, by vLLM's names: " + ", ".join(TOOL_PARSERS)
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES, metavar="NAME",
+                   help="the tool-call format the model writes, by vLLM's names: " + ", ".join(TOOL_PARSER_NAMES)
                         + " (default: the one its chat template shows, else hermes)")
-    s.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS), metavar="NAME",
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES, metavar="NAME",
                    help="split the model's reasoning from its answer (chat: message.reasoning; Responses: "
-                        "a reasoning item), by vLLM's names: " + ", ".join(REASONING_PARSERS) + " (default: none)")
+                        "a reasoning item), by vLLM's names: " + ", ".join(REASONING_PARSER_NAMES)
+                        + " (default: openai_gptoss for a harmony chat template such as gpt-oss's, else none)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice \"auto\" is always served")
     s.add_argument("--chat-template", default=None, metavar="FILE",

@@ -21,9 +21,9 @@ from infire_jax.engine.detokenizer import TokenText
 from infire_jax.engine.engine import Engine
 from infire_jax.engine.args import engine_config, init_distributed, progress_bar
 from infire_jax.engine.residency import Residency, host_to_device_bandwidth, start_engines
-from infire_jax.loaders.tokenizer import Tokenizer
-from infire_jax.structured.reasoning_parsers import REASONING_PARSERS
-from infire_jax.structured.tool_parsers import TOOL_PARSERS, detect_format
+from infire_jax.structured import harmony
+from infire_jax.structured.reasoning_parsers import REASONING_PARSER_NAMES
+from infire_jax.structured.tool_parsers import TOOL_PARSER_NAMES, detect_format
 from server import responses_api
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
 from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions, completions,
@@ -40,6 +40,11 @@ METRICS = web.AppKey("metrics", ServerMetrics)
 _MAX_BODY = 64 << 20  # bytes; prompts of token ids are large
 
 
+def _default_reasoning(chat_template: str | None) -> str | None:
+    """Harmony's channels are always read (as vLLM serves gpt-oss): its raw output is no answer."""
+    return harmony.REASONING_PARSER if harmony.is_harmony(chat_template) else None
+
+
 def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] | None = None,
               api_keys: dict[str, str] | None = None, max_queue: int = 1024, role: str = "both",
               kv_buffer_bytes: int = 512 << 20, kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0,
@@ -50,8 +55,8 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     """The app over warmed-up engines (one per served model); their threads start with the app.
     `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
     `tool_call_parser` and `reasoning_parser` (vLLM's names) read every model's outputs (default: the
-    call format its chat template shows, and no reasoning); `chat_template` (Jinja text) replaces
-    every model's own. `media` says where chat images may come from (server/media.py).
+    call format its chat template shows, and no reasoning unless it writes harmony); `chat_template`
+    (Jinja text) replaces every model's own. `media` says where chat images may come from (server/media.py).
 
     Several engines share the device through `residency` (hot standby, infire_jax/engine/residency.py).
     A prefill or decode worker (`role`) serves one model and also runs a Mooncake transfer engine
@@ -67,10 +72,10 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
         raise ValueError("a prefill or decode worker serves one model")
     if len(engines) > 1 and residency is None:
         raise ValueError("several models share the device through a Residency")
-    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSER_NAMES:
+        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSER_NAMES)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSER_NAMES:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSER_NAMES)}")
     metrics = ServerMetrics(names)
     models = {}
     for name, engine in zip(names, engines):
@@ -79,11 +84,10 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
         metrics.track_engine(name, lambda a=async_engine: a.snapshot, engine.pool_sizing)
         tokenizer = engine.tokenizer
         if chat_template is not None:  # the server's own copy: the engine's offline chat keeps the model's
-            tokenizer = Tokenizer(tokenizer.tk, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
-                                  chat_template=chat_template)
+            tokenizer = tokenizer.with_chat_template(chat_template)
         models[name] = ServedModel(async_engine, tokenizer, TokenText(engine.tokenizer), name, engine.max_model_len,
                                    tool_parser=tool_call_parser or detect_format(tokenizer.chat_template),
-                                   reasoning_parser=reasoning_parser)
+                                   reasoning_parser=reasoning_parser or _default_reasoning(tokenizer.chat_template))
     if residency is not None:
         metrics.track_residency(residency, host_to_device_bytes_per_second)
     handoff = None

@@ -23,7 +23,7 @@ from infire_jax.engine.async_engine import AsyncEngine, RequestStream
 from infire_jax.engine.detokenizer import TokenText
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
-from infire_jax.structured import StructuredOutputs
+from infire_jax.structured import StructuredOutputs, harmony
 from infire_jax.structured.backend import CompiledGrammar, GrammarCompileError
 from infire_jax.structured.reasoning_parsers import reasoning_grammar, reasoning_markers
 from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, MARKERS, tool_call_constraint
@@ -159,10 +159,20 @@ async def chat_prompt(m: ServedModel, req: ChatRequest, param: str,
         raise bad(str(e), param) from e
     prompts = [m.tokenizer.encode(text, add_special_tokens=False)]
     _check_length(m, prompts, param)
+    if harmony.is_harmony(m.tokenizer.chat_template):
+        _harmony_stops(m, req)
     if req.tools is not None:
         await _force_tool_calls(m, req, m.tool_parser)
     _reasoning(m, req)
     return prompts
+
+
+def _harmony_stops(m: ServedModel, req: ChatRequest) -> None:
+    """A harmony output ends at `<|return|>` (answered) or `<|call|>` (a tool called), whatever the
+    model's config lists as its end tokens."""
+    ids = [i for i in (m.tokenizer.special_token_id(t) for t in harmony.STOP_TOKENS) if i is not None]
+    stops = list(dict.fromkeys([*req.params.stop_token_ids, *ids]))
+    req.params = dataclasses.replace(req.params, stop_token_ids=stops)
 
 
 def _reasoning(m: ServedModel, req: ChatRequest) -> None:
@@ -179,7 +189,10 @@ def _reasoning(m: ServedModel, req: ChatRequest) -> None:
     if any(i is not None for i in ids.values()):
         changes["skip_special_tokens"] = False
     so = req.params.structured_outputs
-    if so is not None and (req.response_format is not None or (req.tools is not None and req.tools.forced)):
+    if m.reasoning_parser == harmony.REASONING_PARSER:  # a forced call's grammar lets the analysis through itself
+        if so is not None and req.response_format is not None:
+            changes["structured_outputs"] = dataclasses.replace(so, after=harmony.answer_grammar(ids))
+    elif so is not None and (req.response_format is not None or (req.tools is not None and req.tools.forced)):
         after = reasoning_grammar(m.reasoning_parser, req.chat_template_kwargs, ids)
         changes["structured_outputs"] = dataclasses.replace(so, after=after)
     req.params = dataclasses.replace(req.params, **changes)
@@ -336,9 +349,7 @@ async def _stream(request: web.Request, req: GenerationRequest, stream: RequestS
                 chunks = []
                 for pi, d in batch:
                     usage.add(pi, d)
-                    chunk = fmt.chunk(pi * n + d.index, d)
-                    if chunk is not None:
-                        chunks.append(chunk)
+                    chunks += fmt.chunks(pi * n + d.index, d)
                 await sse.send(chunks)
             if req.include_usage:
                 await sse.send([fmt.usage_chunk(usage)])

@@ -34,7 +34,8 @@ _COMMON = frozenset({
 })
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
-                   "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs"}
+                   "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs", "reasoning_effort"}
+REASONING_EFFORTS = ("low", "medium", "high")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Arguments the server gives the chat template itself: chat_template_kwargs may not replace them.
 _TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
@@ -269,15 +270,20 @@ def parse_chat(data: Any) -> ChatRequest:
     if tools is not None and tools.forced and common.params.structured_outputs is not None:
         raise bad("a forced 'tool_choice' cannot be combined with 'response_format' or 'structured_outputs'",
                   "tool_choice")
+    kwargs = _template_kwargs(b.data.get("chat_template_kwargs"), b.string("reasoning_effort"))
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top, tools=tools, response_format=fmt,
-                       chat_template_kwargs=_template_kwargs(b.data.get("chat_template_kwargs")), images=images)
+                       chat_template_kwargs=kwargs, images=images)
 
 
-def _template_kwargs(raw: Any) -> dict[str, Any]:
+def _template_kwargs(raw: Any, effort: str | None = None) -> dict[str, Any]:
     """vLLM's `chat_template_kwargs`: extra variables of the template (Qwen3's `enable_thinking`,
-    DeepSeek V3.1's `thinking`), which the reasoning parser reads too."""
+    DeepSeek V3.1's `thinking`), which the reasoning parser reads too. `reasoning_effort` joins them
+    (gpt-oss's template writes it into its system message)."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad(f"Invalid value for 'reasoning_effort': expected one of {', '.join(REASONING_EFFORTS)}, got "
+                  f"{effort!r}", "reasoning_effort")
     if raw is None:
-        return {}
+        return {} if effort is None else {"reasoning_effort": effort}
     if not isinstance(raw, dict):
         raise bad(f"Invalid type for 'chat_template_kwargs': expected an object, but got {json_type(raw)} instead.",
                   "chat_template_kwargs")
@@ -285,7 +291,10 @@ def _template_kwargs(raw: Any) -> dict[str, Any]:
     if taken:
         raise bad(f"'chat_template_kwargs.{taken[0]}' is set by the server; give it in its own field",
                   f"chat_template_kwargs.{taken[0]}")
-    return raw
+    if effort is not None and raw.get("reasoning_effort", effort) != effort:
+        raise bad("'reasoning_effort' and 'chat_template_kwargs.reasoning_effort' differ; give one",
+                  "reasoning_effort")
+    return raw if effort is None else raw | {"reasoning_effort": effort}
 
 
 def _messages(raw: Any, images: list[tuple[str, str]] | None = None) -> list[dict]:

@@ -95,8 +95,8 @@ class Formatter(abc.ABC):
         """Chunks a stream opens with, before any token."""
 
     @abc.abstractmethod
-    def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
-        """The chunk of one delta of choice `index`; None when it carries nothing to show."""
+    def chunks(self, index: int, d: Delta) -> list[dict[str, Any]]:
+        """The chunks of one delta of choice `index`; none when it carries nothing to show."""
 
     @abc.abstractmethod
     def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
@@ -164,7 +164,7 @@ class CompletionFormatter(Formatter):
         return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
                 "top_logprobs": [{tt(i): lp for i, lp in e.items()} for e in entries], "text_offset": offsets}
 
-    def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
+    def chunks(self, index: int, d: Delta) -> list[dict[str, Any]]:
         text = d.text
         if self._echo_ids is not None and d.prompt_logprobs is not None:  # the choice's first delta
             text = self._echo_text(index) + text
@@ -172,9 +172,9 @@ class CompletionFormatter(Formatter):
         else:
             lp = self._logprobs(index, d.token_ids, d.logprobs) if self.want_logprobs and d.logprobs else None
         if not text and lp is None and not d.finished:
-            return None
-        return self._chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
-                             "stop_reason": d.stop_reason}])
+            return []
+        return [self._chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+                              "stop_reason": d.stop_reason}])]
 
     def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
         if self._echo_ids is not None:
@@ -214,16 +214,21 @@ class ChatFormatter(Formatter):
             self._token(t, e[t]) | {"top_logprobs": [self._token(i, lp) for i, lp in list(e.items())[:self._top]]}
             for t, e in zip(token_ids, entries)]}
 
-    def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
+    def chunks(self, index: int, d: Delta) -> list[dict[str, Any]]:
+        """One chunk per kind of part the delta completes (tool_calls.deltas); the first carries the
+        delta's logprobs, the last its finish reason."""
         lp = self._logprobs(d.token_ids, d.logprobs) if self.want_logprobs and d.logprobs else None
-        delta, reason = {"content": d.text} if d.text else {}, d.finish_reason
+        deltas, reason = [{"content": d.text}] if d.text else [], d.finish_reason
         if self._parses:
             parser = self._parsers.setdefault(index, tool_calls.ChoiceParser(*self._parser_args))
-            delta, reason = tool_calls.delta(parser, d.text, d.finished, d.finish_reason)
-        if not delta and lp is None and not d.finished:
-            return None
-        return self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason,
-                             "stop_reason": d.stop_reason}])
+            deltas, reason = tool_calls.deltas(parser, d.text, d.finished, d.finish_reason)
+        if not deltas and lp is None and not d.finished:
+            return []
+        deltas = deltas or [{}]
+        last = len(deltas) - 1
+        return [self._chunk([{"index": index, "delta": delta, "logprobs": lp if i == 0 else None,
+                              "finish_reason": reason if i == last else None,
+                              "stop_reason": d.stop_reason if i == last else None}]) for i, delta in enumerate(deltas)]
 
     def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
         lp = self._logprobs(c.token_ids, c.logprobs) if self.want_logprobs else None

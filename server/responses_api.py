@@ -38,7 +38,7 @@ MAX_STORED = 1000
 _FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "parallel_tool_calls", "text", "stream", "store", "previous_response_id", "metadata", "user", "background",
-    "include", "truncation", "service_tier",
+    "include", "truncation", "service_tier", "reasoning",
     # vLLM's extensions, as in chat
     "chat_template_kwargs", "top_k", "min_p", "repetition_penalty", "seed", "stop", "priority",
 })
@@ -57,7 +57,8 @@ _RENAMES = ((re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
             (re.compile(r"\bresponse_format(\.json_schema)?"), "text.format"),
             (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
             (re.compile(r"\b(tools\[\d+\])\.function\b"), r"\1"),
-            (re.compile(r"\bmessages\b"), "input"))
+            (re.compile(r"\bmessages\b"), "input"),
+            (re.compile(r"(?<!\.)\breasoning_effort\b"), "reasoning.effort"))
 
 
 @dataclasses.dataclass
@@ -219,6 +220,9 @@ def parse_request(data: Any, store: ResponseStore, tenant: str | None) -> Respon
         chat["tools"] = _tools(b.data["tools"])
     if b.present("tool_choice"):
         chat["tool_choice"] = _tool_choice(b.data["tool_choice"])
+    reasoning = _reasoning(b.data.get("reasoning"))
+    if reasoning["effort"] is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
     text = _text(b.data.get("text"))
     if text["format"]["type"] != "text":
         chat["response_format"] = _response_format(text["format"])
@@ -226,7 +230,8 @@ def parse_request(data: Any, store: ResponseStore, tenant: str | None) -> Respon
         req = parse_chat(chat)
     echo = {"instructions": instructions, "max_output_tokens": b.data.get("max_output_tokens"), "metadata": metadata,
             "model": req.model, "parallel_tool_calls": b.boolean("parallel_tool_calls", True),
-            "previous_response_id": previous, "reasoning": None, "store": b.boolean("store", True),
+            "previous_response_id": previous,
+            "reasoning": reasoning if b.present("reasoning") else None, "store": b.boolean("store", True),
             "temperature": req.params.temperature, "text": text, "tool_choice": b.data.get("tool_choice") or "auto",
             "tools": b.data.get("tools") or [], "top_p": req.params.top_p, "truncation": "disabled",
             "user": b.data.get("user")}
@@ -377,6 +382,16 @@ def _tool_choice(raw: Any) -> Any:
                       "tool_choice.type")
         return {"type": "function", "function": {"name": _string(raw, "name", "tool_choice")}}
     return raw
+
+
+def _reasoning(raw: Any) -> dict[str, Any]:
+    """`reasoning`: its `effort` goes to the chat template as chat's `reasoning_effort`; no summaries
+    are written (the reasoning itself is the reasoning item's content)."""
+    r = _object(raw if raw is not None else {}, "reasoning", {"effort", "summary", "generate_summary"})
+    for key in ("summary", "generate_summary"):
+        if r.get(key) is not None:
+            raise bad(f"'reasoning.{key}' is not supported: no reasoning summaries are written", f"reasoning.{key}")
+    return {"effort": r.get("effort"), "summary": None}
 
 
 def _text(raw: Any) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The output of a Responses API response (server/responses_api.py): its items and the stream events
 that build them.
 
-One choice's text goes through the chat path's ChoiceParser (server/tool_calls.py): reasoning, then
-answer text, then function calls as each completes. Reasoning and answer text become a `reasoning`
+One choice's text goes through the chat path's ChoiceParser (server/tool_calls.py): its reasoning,
+answer text and function calls, in the order they complete. Reasoning and answer text become a `reasoning`
 and a `message` item whose text streams in; each call becomes a `function_call` item, sent whole.
 A whole (non-streaming) response is built the same way with its events dropped, so both give the
 same items.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from infire_jax.structured.harmony import CALLS
 from infire_jax.structured.tool_parsers import ToolCall
 from server.tool_calls import ChoiceParser
 
@@ -43,11 +44,15 @@ class ResponseOutput:
 
     def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
         """The events of one delta of the output; `finished`: it is the last."""
-        reasoning, content, calls = self._parser.feed(text, finished)
-        self.reasoning += reasoning
-        events = self._stream_text(REASONING, reasoning) + self._stream_text(MESSAGE, content)
-        for call in calls:
-            events += self._close(COMPLETED) + self._call(call)
+        events = []
+        for kind, value in self._parser.feed(text, finished):
+            if kind == CALLS:
+                events += self._close(COMPLETED) + self._call(value)
+            elif kind == REASONING:
+                self.reasoning += value
+                events += self._stream_text(REASONING, value)
+            else:
+                events += self._stream_text(MESSAGE, value)
         return events
 
     def finish(self, status: str) -> list[dict[str, Any]]:

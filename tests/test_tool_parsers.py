@@ -8,6 +8,7 @@ import random
 import pytest
 
 from infire_jax.structured import TOOL_PARSERS, parse_tool_calls, stream_tool_calls
+from infire_jax.structured.tool_parsers import TOOL_PARSER_NAMES
 from infire_jax.structured.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolCallStream, detect_format
 from infire_jax.structured.tool_prompt import render_inputs
 
@@ -305,7 +306,7 @@ def test_every_format_has_a_forced_call_grammar():
     answers 400) rather than forced into another format's call that its parser would not read back."""
     from infire_jax.structured.tool_grammar import FORCEABLE_FORMATS, tool_call_constraint
 
-    assert set(FORCEABLE_FORMATS) == set(TOOL_PARSERS)
+    assert set(FORCEABLE_FORMATS) == set(TOOL_PARSER_NAMES)
     for fmt in FORCEABLE_FORMATS:
         assert tool_call_constraint(fmt, [{"name": "f"}], parallel=False).grammar
     with pytest.raises(ValueError, match="harmony"):

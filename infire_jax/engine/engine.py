@@ -31,6 +31,7 @@ from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
 from infire_jax.sample.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
+from infire_jax.structured import harmony
 from infire_jax.core.request import Request, Status
 from infire_jax.runner.image_pool import ImagePool
 from infire_jax.runner.model_runner import PendingStep
@@ -54,7 +55,8 @@ class Engine:
         t0, events, cached = time.monotonic(), compile_count(), cache_hit_count()
         built = load_and_compile(ec, s, loaded, progress or (lambda stage, done, total: None))
         self.runner, self.loaded, self.pool_sizing = built.runner, built.placed.loaded, built.sizing
-        self.model_config, self.tokenizer, self.model_name = self.loaded.config, self.loaded.tokenizer, self.loaded.name
+        self.model_config, self.model_name = self.loaded.config, self.loaded.name
+        self.tokenizer = harmony.model_tokenizer(self.loaded.tokenizer)
         self.token_text = TokenText(self.tokenizer)  # logprob entries' decoded tokens
         self.load_seconds, self.warmup_seconds = built.load_seconds, built.warmup_seconds
         # After the warmup: its token trie is built on a thread of its own, which would hold the GIL

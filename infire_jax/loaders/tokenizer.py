@@ -86,11 +86,12 @@ class Tokenizer:
     """Encode/decode plus the model's chat template. Wraps a `tokenizers.Tokenizer`."""
 
     def __init__(self, tk: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
-                 chat_template: str | None):
+                 chat_template: str | None, model_type: str | None = None):
         self.tk = tk
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
+        self.model_type = model_type  # config.json's, where the tokenizer came with one: its chat format's family
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
@@ -119,13 +120,24 @@ class Tokenizer:
         def token_str(v):
             return v.get("content") if isinstance(v, dict) else v
 
+        model_type = conf.get("model_type")  # as `save` keeps it (a checkpoint has no config.json)
+        config_path = os.path.join(path, "config.json")
+        if os.path.exists(config_path):
+            with open(config_path) as f:
+                model_type = json.load(f).get("model_type")
         return cls(tk, bos_token=token_str(conf.get("bos_token")), eos_token=token_str(conf.get("eos_token")),
-                   chat_template=template)
+                   chat_template=template, model_type=model_type)
+
+    def with_chat_template(self, chat_template: str) -> "Tokenizer":
+        """The same tokenizer rendering chats with `chat_template` instead."""
+        return Tokenizer(self.tk, bos_token=self.bos_token, eos_token=self.eos_token, chat_template=chat_template,
+                         model_type=self.model_type)
 
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         self.tk.save(os.path.join(path, "tokenizer.json"))
-        conf = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template}
+        conf = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
+                "model_type": self.model_type}
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
             json.dump(conf, f)
 

@@ -9,6 +9,8 @@
 * `kimi_k2`: as qwen3, with `◁think▷…◁/think▷` as well as `<think>…</think>`.
 * `deepseek_v3`: V3.1+ thinks only when asked, `chat_template_kwargs={"thinking": True}`; then as
   deepseek_r1, else all content.
+* `openai_gptoss`: gpt-oss's harmony channels, its `analysis` channel being the reasoning. They are
+  no think block: harmony.py reads them (server/tool_calls.py picks it by this name).
 
 An opened think block that never closes is reasoning to the end, in every parser: a stream has
 already handed it out as reasoning by the time the output ends. Reasoning and content are "" (never
@@ -23,6 +25,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from infire_jax.structured import harmony
 from infire_jax.structured.tool_formats.base import held_back
 
 THINK = ("<think>", "</think>")
@@ -51,19 +54,27 @@ REASONING_PARSERS: dict[str, Callable[[dict[str, Any]], _Syntax | None]] = {
     "deepseek_v3": lambda kwargs: _R1 if kwargs.get("thinking") is True else None,
 }
 
+# Every --reasoning-parser name: the think-block syntaxes, and harmony's channels.
+REASONING_PARSER_NAMES = (*REASONING_PARSERS, harmony.REASONING_PARSER)
+
 _HEAD, _REASONING, _CONTENT = "head", "reasoning", "content"
 
 
 def reasoning_markers(parser: str, chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, ...]:
     """The open and close markers of the think blocks an output may hold (none when it may not reason):
-    a server keeps those that are special tokens in the text it decodes, for the parser to find."""
+    a server keeps those that are special tokens in the text it decodes, for the parser to find.
+    Harmony's are its special tokens, which name the channels."""
+    if parser == harmony.REASONING_PARSER:
+        return harmony.SPECIAL_TOKENS
     syntax = _syntax(parser, chat_template_kwargs)
     return () if syntax is None else tuple(m for pair in syntax.pairs for m in pair)
 
 
 def _syntax(parser: str, chat_template_kwargs: dict[str, Any] | None) -> _Syntax | None:
+    if parser == harmony.REASONING_PARSER:
+        raise ValueError(f"{parser} output is read by structured/harmony.py's HarmonyStream, not as think blocks")
     if parser not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
+        raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSER_NAMES)}")
     return REASONING_PARSERS[parser](chat_template_kwargs or {})
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from infire_jax.structured import harmony
 from infire_jax.structured.backend import inline_json
 from infire_jax.structured.spec import StructuredOutputs
 from infire_jax.structured.tool_formats.pythonic_grammar import pythonic_calls
@@ -20,18 +21,19 @@ from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEG
                                                                KIMI_ARGS_BEGIN, KIMI_CALL_BEGIN, KIMI_CALL_END,
                                                                KIMI_SECTION_BEGIN, KIMI_SECTION_END)
 from infire_jax.structured.tool_parsers import (DEEPSEEK_V3, DEEPSEEK_V31, HERMES, HERMES_CLOSE, HERMES_OPEN, KIMI_K2,
-                                                LLAMA3_JSON, LLAMA4_PYTHONIC, MISTRAL, MISTRAL_MARKER, PYTHONIC,
-                                                QWEN3_CODER)
+                                                LLAMA3_JSON, LLAMA4_PYTHONIC, MISTRAL, MISTRAL_MARKER, OPENAI,
+                                                PYTHONIC, QWEN3_CODER)
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 NEWLINE = "\n"
 # The formats a forced call is written in: all of them.
 FORCEABLE_FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER, PYTHONIC,
-                     LLAMA4_PYTHONIC)
+                     LLAMA4_PYTHONIC, OPENAI)
 # Each format's markers, for the caller to look up as special tokens (`special_token_ids`).
 _DEEPSEEK_MARKERS = (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
 MARKERS = {MISTRAL: (MISTRAL_MARKER,), DEEPSEEK_V3: _DEEPSEEK_MARKERS, DEEPSEEK_V31: _DEEPSEEK_MARKERS,
-           KIMI_K2: (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGS_BEGIN, KIMI_CALL_END)}
+           KIMI_K2: (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGS_BEGIN, KIMI_CALL_END),
+           OPENAI: harmony.SPECIAL_TOKENS}
 
 
 def _call_schema(fmt: str, function: dict[str, Any]) -> dict[str, Any]:
@@ -60,6 +62,8 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
 
     if fmt in (KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31):
         return _section_constraint(fmt, functions, parallel, mark)
+    if fmt == OPENAI:  # harmony: one call a turn (its <|call|> ends the output), after any reasoning
+        return StructuredOutputs(grammar=harmony.call_grammar(functions, ids), param="tool_choice")
     if fmt in (PYTHONIC, LLAMA4_PYTHONIC):  # Python literals (tool_formats/pythonic_grammar.py)
         return StructuredOutputs(grammar=pythonic_calls(functions, parallel), param="tool_choice")
     if fmt == QWEN3_CODER:  # raw-text parameters typed by the schema (tool_formats/qwen3_coder_grammar.py)

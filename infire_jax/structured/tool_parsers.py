@@ -3,7 +3,8 @@
 Models are trained on one way of writing a call; the chat template shows which (`detect_format`).
 The formats, under vLLM's `--tool-call-parser` names, are in tool_formats/: `hermes`,
 `llama3_json`, `mistral`, `pythonic`, `llama4_pythonic`, `kimi_k2`, `deepseek_v3`, `deepseek_v31`,
-`qwen3_coder`.
+`qwen3_coder`; and `openai`, gpt-oss's harmony, whose calls are messages of their own (harmony.py reads
+them with the rest of the output, so it is no `ToolCallStream` format).
 
 `ToolCallStream` turns text deltas into content deltas and calls: text that may still turn out to
 be the start of a call is held back, and each call is handed out once its block is complete. Output
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from infire_jax.structured import harmony
 from infire_jax.structured.tool_formats import FORMATS as _FORMATS
 from infire_jax.structured.tool_formats import ToolCall
 from infire_jax.structured.tool_formats.base import held_back
@@ -33,10 +35,13 @@ PYTHONIC, LLAMA4_PYTHONIC, KIMI_K2 = "pythonic", "llama4_pythonic", "kimi_k2"
 DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER = "deepseek_v3", "deepseek_v31", "qwen3_coder"
 FORMATS = tuple(_FORMATS)
 TOOL_PARSERS = FORMATS
+OPENAI = harmony.TOOL_PARSER
+TOOL_PARSER_NAMES = (*FORMATS, OPENAI)  # every --tool-call-parser name
 
 __all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "HERMES", "HERMES_CLOSE", "HERMES_OPEN", "KIMI_K2", "LLAMA3_JSON",
-           "LLAMA4_PYTHONIC", "MISTRAL", "MISTRAL_MARKER", "PYTHONIC", "PYTHON_TAG", "QWEN3_CODER", "TOOL_PARSERS",
-           "ToolCall", "ToolCallStream", "detect_format", "parse_tool_calls", "stream_tool_calls"]
+           "LLAMA4_PYTHONIC", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC", "PYTHON_TAG", "QWEN3_CODER",
+           "TOOL_PARSERS", "TOOL_PARSER_NAMES", "ToolCall", "ToolCallStream", "detect_format", "parse_tool_calls",
+           "stream_tool_calls"]
 
 
 def detect_format(chat_template: str | None) -> str:
@@ -45,6 +50,8 @@ def detect_format(chat_template: str | None) -> str:
     The most specific markers are looked for first: Qwen3-Coder's template also has `<tool_call>`,
     and DeepSeek V3 and V3.1 share their markers but only V3 writes the call type and a ```json fence."""
     t = chat_template or ""
+    if harmony.is_harmony(t):
+        return OPENAI
     if KIMI_SECTION_BEGIN in t or KIMI_CALL_BEGIN in t:
         return KIMI_K2
     if DEEPSEEK_CALLS_BEGIN in t or DEEPSEEK_CALL_BEGIN in t:
@@ -71,8 +78,10 @@ class ToolCallStream:
     type its raw parameter values. `calls` collects every call handed out so far."""
 
     def __init__(self, fmt: str, tools: list[dict[str, Any]] | None = None):
+        if fmt == OPENAI:
+            raise ValueError(f"{fmt} calls are read by structured/harmony.py's HarmonyStream")
         if fmt not in _FORMATS:
-            raise ValueError(f"unknown tool-call parser {fmt!r}; known: {', '.join(FORMATS)}")
+            raise ValueError(f"unknown tool-call parser {fmt!r}; known: {', '.join(TOOL_PARSER_NAMES)}")
         self.fmt = fmt
         self.calls: list[ToolCall] = []
         self._format = _FORMATS[fmt](tools)
