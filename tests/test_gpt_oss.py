@@ -11,6 +11,8 @@ published sizes (dummy:gpt-oss-20b / -120b); what is refused.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,6 +197,7 @@ def test_published_configs(name, layers, experts, total, active):
     from flax import nnx
 
     from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.memplan.model import from_model_config
     from infire_jax.models.registry import abstract_model
 
     cfg = config_from_hf(CONFIGS[name])
@@ -206,6 +209,7 @@ def test_published_configs(name, layers, experts, total, active):
     assert model.layers.sinks.shape == (layers, 64)
     built = sum(np.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(model)))
     assert built == cfg.param_count()
+    assert sum(math.prod(t.shape) for t in from_model_config(cfg, "bfloat16").tensors) == built  # the memory plan's
     assert abs(cfg.param_count() / total - 1) < 2e-3
     assert abs(gpt_oss_param_count(cfg, active=True) / active - 1) < 2e-3
 
