@@ -23,7 +23,8 @@ _LLAMA4_TEXT = dict(
     tie_word_embeddings=False, bos_token_id=200000, eos_token_id=[200001, 200007, 200008], pad_token_id=200018)
 
 # gpt-oss (models/gpt_oss.py): windowed (128) and full layers alternating, 4 experts a token; the two sizes
-# differ only in their depth and experts.
+# differ only in their depth and experts. Their `layer_types` (sliding first, then alternating) is the
+# parser's default, left out so that `,layers=N` keeps it whole.
 _GPT_OSS = dict(
     model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, head_dim=64,
     num_attention_heads=64, num_key_value_heads=8, sliding_window=128, num_experts_per_tok=4, hidden_act="silu",
@@ -102,10 +103,8 @@ CONFIGS: dict[str, dict] = {
         text_config=dict(_LLAMA4_TEXT, num_local_experts=128, interleave_moe_layer_step=2,
                          moe_layers=list(range(1, 48, 2)), use_qk_norm=False, max_position_embeddings=1048576,
                          rope_scaling=None)),
-    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32,
-                        layer_types=["sliding_attention", "full_attention"] * 12),
-    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
-                         layer_types=["sliding_attention", "full_attention"] * 18),
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }
 
 _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

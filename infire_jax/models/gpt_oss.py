@@ -108,7 +108,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, Array], h
         lp, idx, local = xs
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), True, (cos, sin))
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, with_local_mask(meta, local),
-                                              scale=cfg.head_dim ** -0.5, impl=attn_impl, sinks=lp["sinks"])
+                                              scale=cfg.head_dim ** -0.5, impl=attn_impl, cpu_kernel=True,
+                                              sinks=lp["sinks"])
         h = h + (linear(o, lp["wo"], "thd,hde->te") + lp["bo"])
         h = h + moe(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), cfg)
         return (h, k_pages, v_pages), None
