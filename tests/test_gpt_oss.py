@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from deepseek_models import VOCAB, _save_tokenizer, hf_greedy
-from test_kernels import Shapes, assert_close, device_meta
+from test_kernels import Shapes, assert_close
 from test_local_attention import case_args, make_case, numpy_first_visible, real_tokens
 
 from infire_jax.errors import UnsupportedModelError
@@ -196,7 +196,7 @@ def test_published_configs(name, layers, experts, total, active):
     (OpenAI's model card: 20.9B total / 3.6B active, 116.8B / 5.1B)."""
     from flax import nnx
 
-    from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.loaders.dummy import CONFIGS, with_layers
     from infire_jax.memplan.model import from_model_config
     from infire_jax.models.registry import abstract_model
 
@@ -212,6 +212,8 @@ def test_published_configs(name, layers, experts, total, active):
     assert sum(math.prod(t.shape) for t in from_model_config(cfg, "bfloat16").tensors) == built  # the memory plan's
     assert abs(cfg.param_count() / total - 1) < 2e-3
     assert abs(gpt_oss_param_count(cfg, active=True) / active - 1) < 2e-3
+    few = config_from_hf(with_layers(CONFIGS[name], f"{name},layers=3"))  # `dummy:gpt-oss-20b,layers=3`
+    assert few.local_attention == ((0, 128), (0, 0), (0, 128))
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -75,6 +75,7 @@ def gpt_oss_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
         per_layer.setdefault(short, [None] * cfg.num_layers)[layer] = _convert(short, w, cfg)
     if packed:
         (layer, proj), parts = next(iter(packed.items()))
-        raise UnsupportedModelError(f"layer {layer}'s MXFP4 {proj} has its {list(parts)} but not both blocks and scales")
+        raise UnsupportedModelError(f"layer {layer}'s MXFP4 {proj} has its {list(parts)} but not both "
+                                    f"blocks and scales")
     weights.update(stack_layers(per_layer, cfg))
     return weights
