@@ -24,7 +24,7 @@ from test_kernels import Shapes, assert_close
 from test_local_attention import case_args, make_case, numpy_first_visible, real_tokens
 
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.models.config import gpt_oss_param_count
+from infire_jax.models.config import ModelConfig, gpt_oss_param_count
 from infire_jax.models.hf_config import config_from_hf
 from pallas_kernels.attention import paged_attention
 
@@ -187,6 +187,7 @@ def test_config_matches_transformers_defaults():
     skip = {"eos_token_ids"}  # the published config names its eos; transformers' default has none
     assert {k: v for k, v in ours.to_dict().items() if k not in skip} == \
            {k: v for k, v in theirs.to_dict().items() if k not in skip}
+    assert ModelConfig.from_dict(ours.to_dict()) == ours  # as native checkpoints keep it
 
 
 @pytest.mark.parametrize("name,layers,experts,total,active", [

@@ -91,9 +91,9 @@ def config_from_gpt_oss_hf(c: Mapping[str, Any]) -> ModelConfig:
     if unknown:
         raise _bad(unknown[0], c[unknown[0]], "not a field of a gpt-oss config")
     quant = c.get("quantization_config")
-    if quant and quant.get("quant_method") != "mxfp4":
-        raise _bad("quantization_config.quant_method", quant.get("quant_method"),
-                   "only mxfp4 experts (dequantized at load) are read")
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+    if quant and method != "mxfp4":
+        raise _bad("quantization_config.quant_method", method, "only mxfp4 experts (dequantized at load) are read")
     for field, want in (("hidden_act", "silu"), ("attention_bias", True)):
         if c.get(field, want) != want:
             raise _bad(field, c[field], f"only {want!r} is supported")
