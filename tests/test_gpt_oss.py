@@ -4,7 +4,7 @@ A tiny random checkpoint (4 layers, windowed and full alternating with an 8-toke
 prompts and outputs cross, 8 experts top-4, the clamp at 1.0 so it cuts, random biases and sinks) is
 loaded by our HF loader and decoded greedily with chunked prefill on the hybrid KV cache: tokens
 must equal HF's `generate` and logprobs agree within 1e-3 (float32). Then: attention sinks in the
-jnp reference against float64 numpy; MXFP4 dequantization against transformers' own; the loader
+jnp reference against float64 numpy (float32 and fp8 pools, windowed and global layers); MXFP4 dequantization against transformers' own; the loader
 reading MXFP4 experts as the float checkpoint; the config against transformers' GptOssConfig and the
 published sizes (dummy:gpt-oss-20b / -120b); what is refused.
 """
@@ -120,6 +120,36 @@ def test_sinks_match_numpy(kind):
     assert_close(np.asarray(out)[real], want[real], 2e-5)
     plain, _, _ = paged_attention(*args, scale=shapes.head_dim ** -0.5, impl="reference")
     assert np.abs(np.asarray(plain)[real] - want[real]).max() > 1e-2  # the sinks matter here
+
+
+def test_sinks_with_an_fp8_pool():
+    """An fp8 pool: the k scale folds into q, so the sinks join true scores (the oracle attends to the
+    keys and values as their e4m3 codes times the scales)."""
+    import ml_dtypes
+
+    from pallas_kernels import reference
+    from test_local_attention import LAYER, ROWS
+
+    shapes, kind = Shapes(page_size=8, head_dim=32, num_q_heads=4, num_kv_heads=2), (0, 10)
+    case = make_case(shapes, kind, seed=9)
+    kv_scale = np.random.default_rng(0).uniform(0.004, 0.02, size=(2, 2)).astype(np.float32)
+
+    def codes(x, scale):
+        return np.clip(x / scale[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+    exact = case._replace(k_history=[codes(h, kv_scale[0]).astype(np.float64) * kv_scale[0][:, None]
+                                     for h in case.k_history],
+                          v_history=[codes(h, kv_scale[1]).astype(np.float64) * kv_scale[1][:, None]
+                                     for h in case.v_history])
+    sinks = np.array([-3.0, 0.5, 2.0, 4.0], np.float32)
+    out, _, _ = jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a, scale=shapes.head_dim ** -0.5, kv_scale=jnp.asarray(kv_scale), sinks=jnp.asarray(sinks)))(
+        jnp.asarray(case.q), jnp.asarray(case.k), jnp.asarray(case.v),
+        jnp.asarray(codes(case.k_pages, kv_scale[0]).view(np.uint8)),
+        jnp.asarray(codes(case.v_pages, kv_scale[1]).view(np.uint8)), jnp.int32(LAYER), case_args(case, shapes)[-1])
+    real = real_tokens(case.meta)
+    np.testing.assert_allclose(np.asarray(out, np.float64)[real], sink_oracle(exact, kind, sinks, ROWS)[real],
+                               atol=2e-5, rtol=2e-5)
 
 
 def test_pallas_attention_refuses_sinks():
