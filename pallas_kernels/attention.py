@@ -74,21 +74,26 @@ def paged_attention(
     scale: float,
     impl: str,
     cpu_kernel: bool = False,
+    sinks: Float[Array, "Hq"] | None = None,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes this step's k/v into the pages and returns (attention output, k_pages, v_pages).
     `cpu_kernel`: the reference may hand the step to `cpu_attention` (the caller is off a mesh).
     With `meta.kv_scales` the pool is fp8 and this layer's scales apply (kv_quant.py). With group
     tables (a hybrid KV cache) the layer reads and writes its index of the pool through its group's page
-    table (`metadata.for_layer`); the scales stay the true layer's."""
+    table (`metadata.for_layer`); the scales stay the true layer's. `sinks` (gpt-oss): a learned logit
+    per query head joined to each softmax (reference.join_sinks); the jnp reference computes them, the
+    CPU and Pallas kernels not yet."""
     kv_scale = None if meta.kv_scales is None else meta.kv_scales[layer]
     meta, layer = for_layer(meta, layer)
     if impl == "reference":
-        if cpu_kernel and cpu_attention.applies(q, k_pages):
+        if cpu_kernel and sinks is None and cpu_attention.applies(q, k_pages):
             return cpu_attention.paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
                                                  kv_scale=kv_scale)
         return reference.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
-                                                kv_scale=kv_scale)
+                                                kv_scale=kv_scale, sinks=sinks)
     if impl in ("pallas", "pallas_interpret"):
+        if sinks is not None:
+            raise ValueError("attention sinks are not in the Pallas kernels yet")
         return ragged_attention.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
                                                        kv_scale=kv_scale, interpret=impl == "pallas_interpret",
                                                        decode_only=_DECODE_ONLY.value)

@@ -225,6 +225,19 @@ def fold_cached_blocks(qb: QueryBlocks, page_table: Int[Array, "S P"], page_size
     return jax.lax.fori_loop(0, (ends[-1] + w - 1) // w, body, state)
 
 
+def join_sinks(sinks: Float[Array, "Hq"], m: Float[Array, "W Hkv CG"], l_sum: Float[Array, "W Hkv CG"],
+               acc: Float[Array, "W Hkv CG D"], slots: int) -> tuple[Array, Array]:
+    """Attention sinks (gpt-oss): each query head's logit joins the denominator of its softmax and is
+    then dropped, so a row may give less than all of its weight to the keys. The online softmax's
+    (max, sum, acc) of items whose heads run (kv head, slot, group) are rescaled to max(m, sink), so a
+    sink far above the scores cannot overflow."""
+    hkv = m.shape[1]
+    s = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, 1, -1), (1, slots, 1)).reshape(hkv, -1)
+    m_all = jnp.maximum(m, s)
+    alpha = jnp.exp(m - m_all)
+    return l_sum * alpha + jnp.exp(s - m_all), acc * alpha[..., None]
+
+
 def ragged_paged_attention(
     q: Float[Array, "T Hq D"],
     k: Float[Array, "T Hkv D"],
@@ -236,11 +249,12 @@ def ragged_paged_attention(
     *,
     scale: float,
     kv_scale: Float[Array, "2 Hkv"] | None = None,
+    sinks: Float[Array, "Hq"] | None = None,
 ) -> tuple[Float[Array, "T Hq D"], Array, Array]:
     """Writes k/v into the pages, then attends each token to its sequence's positions <= its own
     (and, with `meta.local`, from its first visible one on). With `kv_scale` the pool is fp8: k/v are
     quantized first and the scales fold into q and the output (kv_quant.py), so every dot reads fp8
-    codes."""
+    codes. With `sinks` (gpt-oss), each query head's learned logit joins its softmax (`join_sinks`)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -294,8 +308,10 @@ def ragged_paged_attention(
     def weigh(p, vb):
         return jnp.einsum("wkmb,wbkd->wkmd", p, vb, precision=precision)
 
-    _, l_items, acc_items = fold_cached_blocks(qb, meta.page_table, ps, ppb,
-                                               (to_items(m), to_items(l_sum), to_items(acc)), score, weigh)
+    m_items, l_items, acc_items = fold_cached_blocks(qb, meta.page_table, ps, ppb,
+                                                     (to_items(m), to_items(l_sum), to_items(acc)), score, weigh)
+    if sinks is not None:
+        l_items, acc_items = join_sinks(sinks, m_items, l_items, acc_items, c)
     out = acc_items / l_items[..., None]
     if c > 1:  # padding tokens keep their part-B output: finite, as the null page they write must stay
         out = out.reshape(w, hkv, c, g, d)[qb.token_item, :, qb.token_slot]

@@ -31,6 +31,17 @@ _LLAMA4_VISION = dict(
 # The image tokens of Llama 4's tokenizer that the config does not name, at ids of the dummy vocabulary.
 _LLAMA4_IMAGE_TOKENS = {"<|tile_x_separator|>": 200084, "<|tile_y_separator|>": 200085, "<|image|>": 200090}
 
+# gpt-oss (models/gpt_oss.py): windowed (128) and full layers alternating, 4 experts a token; the two sizes
+# differ only in their depth and experts. Their `layer_types` (sliding first, then alternating) is the
+# parser's default, left out so that `,layers=N` keeps it whole.
+_GPT_OSS = dict(
+    model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, head_dim=64,
+    num_attention_heads=64, num_key_value_heads=8, sliding_window=128, num_experts_per_tok=4, hidden_act="silu",
+    rms_norm_eps=1e-5, max_position_embeddings=131072, attention_bias=True, swiglu_limit=7.0,
+    tie_word_embeddings=False, eos_token_id=200002, pad_token_id=199999, rope_theta=150000,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                  "original_max_position_embeddings": 4096})
+
 # The published HF config.json values of each model (only the fields we read).
 CONFIGS: dict[str, dict] = {
     "llama-3.1-8b": dict(
@@ -101,6 +112,8 @@ CONFIGS: dict[str, dict] = {
         text_config=dict(_LLAMA4_TEXT, num_local_experts=128, interleave_moe_layer_step=2,
                          moe_layers=list(range(1, 48, 2)), use_qk_norm=False, max_position_embeddings=1048576,
                          rope_scaling=None)),
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }
 
 _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.deepseek_hf import deepseek_weights, rope_interleaved
+from infire_jax.loaders.gpt_oss_hf import gpt_oss_weights
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.loaders.kv_scales_hf import is_kv_scale
 from infire_jax.loaders.llama4_hf import llama4_weights
@@ -102,10 +103,12 @@ def load_hf_dir(path: str) -> LoadedModel:
         raise ModelNotFoundError(f"{path} has no tokenizer.json")
 
     with open(os.path.join(path, "config.json")) as f:
-        scheme = quant_scheme(json.load(f))
+        scheme = None if cfg.gpt_oss is not None else quant_scheme(json.load(f))  # gpt-oss: MXFP4 experts
     tensors = dequantized(checkpoint_tensors(path), scheme)
     if cfg.mla is not None:  # the DeepSeek-V3 family
         weights = deepseek_weights(tensors, cfg, rope_interleaved(path))
+    elif cfg.gpt_oss is not None:
+        weights = gpt_oss_weights(tensors, cfg)
     elif cfg.llama4 is not None:
         weights = llama4_weights(tensors, cfg)
     else:

@@ -40,5 +40,8 @@ class LoRAConfig:
         if cfg.llama4 is not None:
             raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on Llama 4 "
                               "(its layers are models/llama4.py's, which take no adapter yet)")
+        if cfg.gpt_oss is not None:
+            raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on gpt-oss "
+                              "(its layers are models/gpt_oss.py's, which take no adapter yet)")
         if multiprocess:
             raise ConfigError("LoRA adapters are not supported across several processes yet")

@@ -13,12 +13,12 @@ from typing import Any, Mapping
 from infire_jax.errors import UnsupportedModelError
 
 # The architecture families a ModelConfig may name (models/registry.py builds each).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `kind` is "linear", "llama3" or "yarn" (DeepSeek-V3 family only)."""
+    """RoPE frequency scaling. `kind` is "linear", "llama3" or "yarn" (DeepSeek-V3 family, gpt-oss)."""
 
     kind: str
     factor: float = 1.0
@@ -30,6 +30,7 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+    truncate: bool = True  # YaRN's ramp bounds rounded to whole dimensions (gpt-oss: false)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,17 @@ class Llama4Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class GptOssConfig:
+    """gpt-oss's clamped SwiGLU experts (models/gpt_oss_config.py parses it, models/gpt_oss.py runs it):
+    the gate clamped above at `swiglu_limit`, the up projection to +-limit, out = (up + 1) * gate *
+    sigmoid(alpha * gate). Its other traits (attention sinks, biases, top-k softmax routing) hold for
+    every gpt-oss model."""
+
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -111,6 +123,8 @@ class ModelConfig:
     deepseek_moe: DeepseekMoEConfig | None = None
     # Llama 4 (architecture "llama4"; models/llama4_config.py parses and checks it).
     llama4: Llama4Config | None = None
+    # gpt-oss (architecture "gpt_oss"; models/gpt_oss_config.py parses and checks it).
+    gpt_oss: GptOssConfig | None = None
     # Chunked and sliding-window attention: each layer's (chunk C, window W), as LocalMask in
     # pallas_kernels/metadata.py reads them (C > 0: the query at p sees keys [C*floor(p/C), p]; W > 0:
     # keys [p-W+1, p]; (0, 0): a global layer). Empty: every layer is global.
@@ -137,6 +151,8 @@ class ModelConfig:
         if (self.llama4 is not None) != (self.architecture == "llama4") or (
                 self.llama4 is not None and len(self.llama4.rope_layers) != self.num_layers):
             raise UnsupportedModelError("a llama4 config needs its Llama4Config, with a RoPE flag for each layer")
+        if (self.gpt_oss is not None) != (self.architecture == "gpt_oss"):
+            raise UnsupportedModelError("a gpt_oss config needs its GptOssConfig, and only it has one")
         if self.local_attention and (len(self.local_attention) != self.num_layers or any(
                 len(lw) != 2 or min(lw) < 0 for lw in self.local_attention)):
             raise UnsupportedModelError(
@@ -161,6 +177,8 @@ class ModelConfig:
             d["deepseek_moe"] = DeepseekMoEConfig(**d["deepseek_moe"])
         if d.get("llama4") is not None:
             d["llama4"] = Llama4Config(**{**d["llama4"], "rope_layers": tuple(d["llama4"]["rope_layers"])})
+        if d.get("gpt_oss") is not None:
+            d["gpt_oss"] = GptOssConfig(**d["gpt_oss"])
         return cls(**d)
 
     def param_count(self) -> int:
@@ -169,6 +187,8 @@ class ModelConfig:
             return _deepseek_param_count(self)
         if self.llama4 is not None:
             return _llama4_param_count(self)
+        if self.gpt_oss is not None:
+            return gpt_oss_param_count(self)
         e, hd = self.hidden_size, self.head_dim
         attn = e * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
@@ -208,6 +228,20 @@ def _llama4_param_count(cfg: ModelConfig) -> int:
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
     return (cfg.num_layers * attn + moe * moe_mlp + (cfg.num_layers - moe) * 3 * e * cfg.intermediate_size
             + cfg.vocab_size * e + head + e)
+
+
+def gpt_oss_param_count(cfg: ModelConfig, active: bool = False) -> int:
+    """Weights of a gpt-oss model as HF's GptOssForCausalLM holds them (q/k/v/o with biases, sinks,
+    router with bias, experts with biases, two norms a layer); `active`: those one token uses (its
+    top-k experts, the router and the rest whole, the embedding row's share not counted)."""
+    e, hd, f = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
+    attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + hd * (cfg.num_heads + 2 * cfg.num_kv_heads) + e
+    attn += cfg.num_heads  # sinks
+    expert = e * 2 * f + 2 * f + f * e + e
+    experts = cfg.num_experts_per_tok if active else cfg.num_experts
+    layer = attn + e * cfg.num_experts + cfg.num_experts + experts * expert + 2 * e
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
+    return cfg.num_layers * layer + (0 if active else cfg.vocab_size * e) + head + e
 
 
 def eos_ids(raw: Any) -> tuple[int, ...]:

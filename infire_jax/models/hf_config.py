@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.models import deepseek_config, llama4_config, llama_config
+from infire_jax.models import deepseek_config, gpt_oss_config, llama4_config, llama_config
 from infire_jax.models.config import ModelConfig
 
 _PARSERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
     **dict.fromkeys(llama_config.MODEL_TYPES, llama_config.config_from_llama_hf),
     **dict.fromkeys(deepseek_config.MODEL_TYPES, deepseek_config.config_from_deepseek_hf),
     **dict.fromkeys(llama4_config.MODEL_TYPES, llama4_config.config_from_llama4_hf),
+    **dict.fromkeys(gpt_oss_config.MODEL_TYPES, gpt_oss_config.config_from_gpt_oss_hf),
 }
 
 

@@ -45,7 +45,7 @@ measuring option, not a serving path for kept weights.
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,16 +133,16 @@ def _swiglu(x: Array, w_gate_up: Float[Array, "E 2 F"], w_down: Float[Array, "F 
     return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ w_down
 
 
-def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_up: ExpertStack,
-                  w_down: ExpertStack) -> Float[Array, "M E"]:
-    """Grouped SwiGLU as a loop over row tiles, each inside one expert's group.
+def tiled_experts(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"],
+                  expert: Callable[[Float[Array, "B E"], Int[Array, ""]], Float[Array, "B E"]]) -> Float[Array, "M E"]:
+    """A grouped expert function as a loop over row tiles, each inside one expert's group:
+    `expert(rows, g)` is expert g's MLP of a tile of rows (`_swiglu`'s SwiGLU, or gpt-oss's clamped one
+    with biases, models/gpt_oss.py).
 
     Tile i of expert g covers sorted rows [start, start + B); rows past the group's end belong to the
     next expert (or to padding) and are left untouched when the tile's result is written back. The
     loop runs a static number of trips (`max_tiles`): a trip count read from the routing would make
-    XLA on a GPU copy it to the host every layer. Trips past the tiles in use write nothing. Each
-    trip takes its expert's weights [X E 2 F] / [X F E] by `expert_weight` (kept parts: just that
-    expert dequantized, in the activations' dtype).
+    XLA on a GPU copy it to the host every layer. Trips past the tiles in use write nothing.
     """
     m, e = xs.shape
     nx = group_sizes.shape[0]
@@ -159,15 +159,21 @@ def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_
 
     def tile(j, ys):
         g, r0 = group[j], start[j]
-        xt = jax.lax.dynamic_slice_in_dim(xs_pad, r0, b)
-        yt = _swiglu(xt, expert_weight(w_gate_up, g, "w_gate_up", xs.dtype),
-                     expert_weight(w_down, g, "w_down", xs.dtype))
+        yt = expert(jax.lax.dynamic_slice_in_dim(xs_pad, r0, b), g)
         keep = (r0 + jnp.arange(b)) < end[j]
         old = jax.lax.dynamic_slice_in_dim(ys, r0, b)
         return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where(keep[:, None], yt, old), r0, axis=0)
 
     ys = jax.lax.fori_loop(0, trips, tile, jnp.zeros((m + b, e), xs.dtype))
     return ys[:m]
+
+
+def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_up: ExpertStack,
+                  w_down: ExpertStack) -> Float[Array, "M E"]:
+    """The grouped SwiGLU by `tiled_experts`; each trip takes its expert's weights [X E 2 F] / [X F E]
+    by `expert_weight` (kept parts: just that expert dequantized, in the activations' dtype)."""
+    return tiled_experts(xs, group_sizes, lambda xt, g: _swiglu(
+        xt, expert_weight(w_gate_up, g, "w_gate_up", xs.dtype), expert_weight(w_down, g, "w_down", xs.dtype)))
 
 
 def _kernel_swiglu(d: Dispatch, w_gate_up: LayerExperts, w_down: LayerExperts) -> Float[Array, "M E"]:

@@ -15,6 +15,7 @@ from infire_jax.compression.resident import ResidentLayout, compress_resident
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek import DeepseekV3
+from infire_jax.models.gpt_oss import GptOss
 from infire_jax.models.llama import Llama
 from infire_jax.models.llama4 import Llama4
 from infire_jax.models.palette_kernels import kernel_coding
@@ -24,7 +25,8 @@ from sharding.plan import ShardPlan
 # The Llama-architecture families differ by flags (bias, qk-norm, MoE); the DeepSeek-V3 family has its own module.
 MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llama, "qwen3_moe": Llama,
                  "deepseek_v3": DeepseekV3,  # MLA + DeepSeek MoE (models/deepseek.py)
-                 "llama4": Llama4}  # chunked / NoPE attention, interleaved dense and MoE layers (models/llama4.py)
+                 "llama4": Llama4,  # chunked / NoPE attention, interleaved dense and MoE layers (models/llama4.py)
+                 "gpt_oss": GptOss}  # attention sinks, windowed and full layers, clamped-SwiGLU experts (models/gpt_oss.py)
 
 
 def abstract_model(cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None) -> nnx.Module:

@@ -1,4 +1,4 @@
-"""YaRN rotary scaling as the DeepSeek-V3 family's configs use it (HF `_compute_yarn_parameters`).
+"""YaRN rotary scaling as the DeepSeek-V3 family's and gpt-oss's configs use it (HF `_compute_yarn_parameters`).
 
 Three numbers come out of a YaRN config: the blended inverse frequencies, a factor on cos/sin
 (`attention_factor`, mscale / mscale_all_dim) and a factor on the softmax scale (mscale_all_dim's
@@ -33,8 +33,10 @@ def inv_freq(cfg: ModelConfig, dim: int) -> np.ndarray:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(rs.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:  # HF's default; gpt-oss keeps the fractional bounds
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)

@@ -1,0 +1,167 @@
+"""gpt-oss decoder (gpt-oss-20b, gpt-oss-120b): GQA attention with attention sinks, sliding-window and
+full layers alternating, and a mixture of experts with a clamped SwiGLU, every layer.
+
+Per layer (transformers' GptOssDecoderLayer):
+- q/k/v/o projections with biases; YaRN RoPE (models/yarn.py), its attention factor on cos and sin
+  as HF applies it; each query head's learned sink logit joins its softmax and is dropped
+  (pallas_kernels/reference.py `join_sinks`); layers marked sliding_attention see the last W keys
+  (ModelConfig.local_attention, on the hybrid KV cache as Qwen's and Mistral's windows);
+- the MoE: router logits with a bias, top-k of them, a softmax over the k chosen; each expert
+  computes gate_up = x W + b, the gate clamped above at `limit`, the up projection to +-limit,
+  (up + 1) * gate * sigmoid(alpha * gate), then W_down + b. The experts run as moe.py's grouped loop
+  over row tiles (`tiled_experts`), on every backend.
+
+Weights are stacked over layers and scanned as models/llama.py's; q/k/v are one weight grouped by kv
+head (`project_qkv`). One device only: meshes, kept-quantized or compressed weights, LoRA and EAGLE-3
+aux states are refused with a ConfigError, as are the Pallas attention kernels until they take sinks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from infire_jax.errors import ConfigError
+from infire_jax.models import yarn
+from infire_jax.models.config import GptOssConfig, ModelConfig
+from infire_jax.models.layers import (head_logits, layer_loop, local_attention_table, param, rms_norm, rope_tables,
+                                      with_local_mask)
+from infire_jax.models.llama import linear, project_qkv
+from infire_jax.models.moe import Routing, combine, dispatch, tiled_experts
+from pallas_kernels import cpu_matmul
+from pallas_kernels.attention import paged_attention, plan_step
+from pallas_kernels.metadata import AttentionMetadata
+from sharding.plan import ShardPlan
+
+KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
+
+
+class GptOssLayers(nnx.Module):
+    """All layers' weights, stacked on a leading `layers` axis. Experts are [X, E, 2, F] (gate, up) as
+    moe.py's, their biases [X, 2, F] and [X, E]."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        n, e, hkv, d, x, f = (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts,
+                              cfg.moe_intermediate_size)
+        g = cfg.num_heads // hkv
+        self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        self.wqkv = param((n, e, hkv, g + 2, d), ("layers", "embed", "kv_heads", "qkv", "head_dim"), dtype)
+        self.bqkv = param((n, hkv, g + 2, d), ("layers", "kv_heads", "qkv", "head_dim"), dtype, init="zeros")
+        self.wo = param((n, cfg.num_heads, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        self.bo = param((n, e), ("layers", "norm"), dtype, init="zeros")
+        self.sinks = param((n, cfg.num_heads), ("layers", "q_heads"), dtype, init="zeros")
+        self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
+        self.router_bias = param((n, x), ("layers", "router"), dtype, init="zeros")
+        self.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
+        self.b_gate_up = param((n, x, 2, f), ("layers", "experts", "gate_up", "mlp"), dtype, init="zeros")
+        self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
+        self.b_down = param((n, x, e), ("layers", "experts", "norm"), dtype, init="zeros")
+
+    def arrays(self) -> dict[str, Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def clamped_swiglu(lp: dict[str, Array], gc: GptOssConfig, x: Float[Array, "B E"], g: Int[Array, ""]
+                   ) -> Float[Array, "B E"]:
+    """Expert g of the layer on rows x, as transformers' GptOssExperts (`_apply_gate`)."""
+    gate_up = jnp.einsum("me,ecf->mcf", x, lp["w_gate_up"][g]) + lp["b_gate_up"][g]
+    gate = jnp.minimum(gate_up[:, 0], gc.swiglu_limit)
+    up = jnp.clip(gate_up[:, 1], -gc.swiglu_limit, gc.swiglu_limit)
+    glu = gate * jax.nn.sigmoid(gate * gc.swiglu_alpha)
+    return ((up + 1) * glu) @ lp["w_down"][g] + lp["b_down"][g]
+
+
+def route(lp: dict[str, Array], x: Float[Array, "T E"], k: int) -> Routing:
+    """GptOssTopKRouter: logits with the bias, in the activations' dtype; top-k of them; a softmax over
+    the k chosen (in float32, cast back as HF's softmax in the logits' dtype)."""
+    logits = jnp.einsum("te,ex->tx", x, lp["router"]) + lp["router_bias"]
+    top, experts = jax.lax.top_k(logits, k)
+    weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype)
+    return Routing(weights, experts.astype(jnp.int32))
+
+
+def moe(lp: dict[str, Array], x: Float[Array, "T E"], cfg: ModelConfig) -> Float[Array, "T E"]:
+    """The layer's experts on each token's top-k, summed with the routing weights (moe.py's dispatch,
+    grouped loop and combine)."""
+    routing = route(lp, x, cfg.num_experts_per_tok)
+    d = dispatch(x, routing.experts, cfg.num_experts)
+    ys = tiled_experts(d.x, d.group_sizes, functools.partial(clamped_swiglu, lp, cfg.gpt_oss))
+    return combine(ys, d, routing, x.dtype)
+
+
+def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, Array], h: Float[Array, "T E"],
+                  k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array, sin: Array
+                  ) -> tuple[Float[Array, "T E"], Array, Array]:
+    """Scans the stacked layers; the KV pool is a loop carry, each layer's (chunk, window) row of
+    `local_attention_table` scanned beside its weights (None: every layer global)."""
+    tokens, n = h.shape[0], cfg.num_layers
+    meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
+
+    def layer(carry, xs):
+        h, k_pages, v_pages = carry
+        lp, idx, local = xs
+        q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), True, (cos, sin))
+        o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, with_local_mask(meta, local),
+                                              scale=cfg.head_dim ** -0.5, impl=attn_impl, cpu_kernel=True,
+                                              sinks=lp["sinks"])
+        h = h + (linear(o, lp["wo"], "thd,hde->te") + lp["bo"])
+        h = h + moe(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), cfg)
+        return (h, k_pages, v_pages), None
+
+    xs = (weights, np.arange(n, dtype=np.int32), local_attention_table(cfg, n))
+    return layer_loop(layer, (h, k_pages, v_pages), xs, n, tokens)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T half"], Float[Array, "T half"]]:
+    """cos and sin of YaRN's frequencies (or plain RoPE's), times YaRN's attention factor as HF's
+    GptOssRotaryEmbedding multiplies them."""
+    cos, sin = rope_tables(yarn.inv_freq(cfg, cfg.head_dim), positions)
+    factor = yarn.cos_sin_factor(cfg.rope_scaling)
+    return cos * factor, sin * factor
+
+
+class GptOss(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: dict | None = None):
+        if resident:
+            raise ConfigError("weights_quantization and weights_compression are not supported for gpt-oss yet; "
+                              "its MXFP4 experts are dequantized at load")
+        self.cfg = cfg
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = GptOssLayers(cfg, dtype)
+        self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+
+    def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
+        return self.embed[...][tokens]
+
+    def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
+                   plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
+                   ) -> tuple[Float[Array, "T E"], KVPages]:
+        """Applies every decoder layer on one device."""
+        if plan is not None or aux_layers is not None:
+            raise ConfigError("gpt-oss runs on one device, without EAGLE-3 aux states, for now")
+        cos, sin = rope_cos_sin(self.cfg, meta.positions)
+        h, k_pages, v_pages = decoder_stack(self.cfg, attn_impl, self.layers.arrays(), h, *kv, meta, cos, sin)
+        return h, (k_pages, v_pages)
+
+    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        if plan is None and cpu_matmul.head_applies(h.shape[0], head):
+            return cpu_matmul.head_matmul(h, head)
+        return head_logits(h, head)
+
+    def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
+                 *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
+                 ) -> tuple[Float[Array, "S V"], KVPages]:
+        """Logits of each row's `logits_indices` token and the updated pool."""
+        h, kv = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
+                                aux_layers=aux_layers)
+        return self.logits(h[logits_indices], plan), kv

@@ -1,0 +1,256 @@
+"""gpt-oss (models/gpt_oss.py) against HF transformers' GptOssForCausalLM, through the real engine.
+
+A tiny random checkpoint (4 layers, windowed and full alternating with an 8-token window that
+prompts and outputs cross, 8 experts top-4, the clamp at 1.0 so it cuts, random biases and sinks) is
+loaded by our HF loader and decoded greedily with chunked prefill on the hybrid KV cache: tokens
+must equal HF's `generate` and logprobs agree within 1e-3 (float32). Then: attention sinks in the
+jnp reference against float64 numpy (float32 and fp8 pools, windowed and global layers); MXFP4 dequantization against transformers' own; the loader
+reading MXFP4 experts as the float checkpoint; the config against transformers' GptOssConfig and the
+published sizes (dummy:gpt-oss-20b / -120b); what is refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from deepseek_models import VOCAB, _save_tokenizer, hf_greedy
+from test_kernels import Shapes, assert_close
+from test_local_attention import case_args, make_case, numpy_first_visible, real_tokens
+
+from infire_jax.errors import UnsupportedModelError
+from infire_jax.models.config import ModelConfig, gpt_oss_param_count
+from infire_jax.models.hf_config import config_from_hf
+from pallas_kernels.attention import paged_attention
+
+WINDOW = 8
+SHARPEN = 4.0  # the LM head scaled up, so greedy decoding has no near-ties between float32 engines
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2, swiglu_limit=1.0, initializer_range=0.3,
+            max_position_embeddings=2048, bos_token_id=256, eos_token_id=257, pad_token_id=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+NUM_TOKENS = 24
+PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100)), [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31, 17, 90, 200]]
+ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
+              page_size=4, num_kv_pages=80)
+
+
+def hf_model(**overrides):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**{**TINY, **overrides})).to(torch.float32).eval()
+    with torch.no_grad():  # HF zeroes the biases at init; random ones (and larger sinks) make each count
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.3))
+        model.lm_head.weight.mul_(SHARPEN)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(the HF model, its saved float checkpoint)."""
+    hf = hf_model()
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf.save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path)
+    return hf, str(path)
+
+
+def test_generate_matches_hf(checkpoint):
+    from infire_jax import LLM, SamplingParams
+
+    hf, path = checkpoint
+    llm = LLM(model=path, **ENGINE)
+    cfg = llm.engine.model_config
+    assert cfg.architecture == "gpt_oss" and cfg.local_attention == ((0, WINDOW), (0, 0)) * 2
+    assert llm.engine.runner.rc.kv_groups.bounded  # the windowed layers keep a bounded number of pages
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
+    for prompt, out in zip(PROMPTS, outs):
+        want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
+        got = out.outputs[0]
+        assert got.token_ids == want
+        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+    llm.engine.close()
+
+
+def sink_oracle(case, kind, sinks: np.ndarray, rows) -> np.ndarray:
+    """float64 attention over [first_visible(p), p] with each head's sink logit in the softmax's denominator."""
+    t, hq, d = case.q.shape
+    group = hq // case.k.shape[1]
+    out = np.full((t, hq, d), np.nan)
+    for i, (ctx, n) in enumerate(rows):
+        span = slice(case.meta.cu_q_lens[i], case.meta.cu_q_lens[i + 1])
+        keys = np.repeat(case.k_history[i].astype(np.float64), group, axis=1)
+        values = np.repeat(case.v_history[i].astype(np.float64), group, axis=1)
+        scores = np.einsum("nhd,mhd->hnm", case.q[span].astype(np.float64), keys) * d ** -0.5
+        p, m = ctx + np.arange(n)[:, None], np.arange(ctx + n)[None, :]
+        first = np.zeros_like(p) if kind is None else numpy_first_visible(p, *kind)
+        scores = np.where(((m <= p) & (m >= first))[None], scores, -np.inf)
+        sink = sinks.astype(np.float64)[:, None, None]
+        top = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+        w = np.exp(scores - top)
+        out[span] = np.einsum("hnm,mhd->nhd", w / (w.sum(axis=-1, keepdims=True) + np.exp(sink - top)), values)
+    return out
+
+
+@pytest.mark.parametrize("kind", [(0, 10), None], ids=["window10", "global"])
+def test_sinks_match_numpy(kind):
+    """Prefill chunks after cached prefixes, decodes and a one-token prompt; sinks from below the scores
+    to far above them (a row then gives the keys almost nothing). A windowed layer's pool is NaN where
+    it may not read; a global one's unread slots are zeros (the unmasked program weighs them by 0)."""
+    from test_local_attention import ROWS
+
+    shapes = Shapes(page_size=8, head_dim=32, num_q_heads=4, num_kv_heads=2)
+    case = make_case(shapes, kind, seed=3)
+    args = case_args(case, shapes, None if kind else lambda x: jnp.asarray(np.nan_to_num(x)))
+    sinks = np.array([-3.0, 0.5, 2.0, 30.0], np.float32)
+    out, _, _ = jax.jit(lambda *a: paged_attention(*a, scale=shapes.head_dim ** -0.5, impl="reference",
+                                                   cpu_kernel=True, sinks=jnp.asarray(sinks)))(*args)
+    real = real_tokens(case.meta)
+    want = sink_oracle(case, kind, sinks, ROWS)
+    assert_close(np.asarray(out)[real], want[real], 2e-5)
+    plain, _, _ = paged_attention(*args, scale=shapes.head_dim ** -0.5, impl="reference")
+    assert np.abs(np.asarray(plain)[real] - want[real]).max() > 1e-2  # the sinks matter here
+
+
+def test_sinks_with_an_fp8_pool():
+    """An fp8 pool: the k scale folds into q, so the sinks join true scores (the oracle attends to the
+    keys and values as their e4m3 codes times the scales)."""
+    import ml_dtypes
+
+    from pallas_kernels import reference
+    from test_local_attention import LAYER, ROWS
+
+    shapes, kind = Shapes(page_size=8, head_dim=32, num_q_heads=4, num_kv_heads=2), (0, 10)
+    case = make_case(shapes, kind, seed=9)
+    kv_scale = np.random.default_rng(0).uniform(0.004, 0.02, size=(2, 2)).astype(np.float32)
+
+    def codes(x, scale):
+        return np.clip(x / scale[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+    exact = case._replace(k_history=[codes(h, kv_scale[0]).astype(np.float64) * kv_scale[0][:, None]
+                                     for h in case.k_history],
+                          v_history=[codes(h, kv_scale[1]).astype(np.float64) * kv_scale[1][:, None]
+                                     for h in case.v_history])
+    sinks = np.array([-3.0, 0.5, 2.0, 4.0], np.float32)
+    out, _, _ = jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a, scale=shapes.head_dim ** -0.5, kv_scale=jnp.asarray(kv_scale), sinks=jnp.asarray(sinks)))(
+        jnp.asarray(case.q), jnp.asarray(case.k), jnp.asarray(case.v),
+        jnp.asarray(codes(case.k_pages, kv_scale[0]).view(np.uint8)),
+        jnp.asarray(codes(case.v_pages, kv_scale[1]).view(np.uint8)), jnp.int32(LAYER), case_args(case, shapes)[-1])
+    real = real_tokens(case.meta)
+    np.testing.assert_allclose(np.asarray(out, np.float64)[real], sink_oracle(exact, kind, sinks, ROWS)[real],
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_pallas_attention_refuses_sinks():
+    shapes = Shapes(page_size=8, head_dim=32, num_q_heads=4, num_kv_heads=2)
+    case = make_case(shapes, None, seed=0)
+    with pytest.raises(ValueError, match="sinks are not in the Pallas kernels"):
+        paged_attention(*case_args(case, shapes), scale=0.1, impl="pallas_interpret", sinks=jnp.zeros(4))
+
+
+def _random_mxfp4(rng, shape) -> tuple[np.ndarray, np.ndarray]:
+    """blocks [..., G, 16] of random bytes and scales [..., G] around 2^0 (127 +- 8)."""
+    blocks = rng.integers(0, 256, (*shape, 16), dtype=np.uint8)
+    return blocks, rng.integers(119, 136, shape, dtype=np.uint8)
+
+
+def test_mxfp4_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from infire_jax.loaders.mxfp4 import dequantize_experts
+
+    blocks, scales = _random_mxfp4(np.random.default_rng(0), (3, 10, 4))  # 3 experts, 10 rows, 128 inputs
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    got = dequantize_experts(blocks, scales)
+    assert got.shape == (3, 128, 10)
+    np.testing.assert_array_equal(got.astype(np.float32), want.numpy())
+
+
+def test_loader_reads_mxfp4_experts_as_the_float_checkpoint(checkpoint):
+    """The published layout (`*_blocks`, `*_scales`) gives the weights that transformers' dequantized
+    tensors give in the float layout."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from infire_jax.loaders.gpt_oss_hf import gpt_oss_weights
+    from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
+
+    _, path = checkpoint
+    cfg = read_hf_config(path)
+    rng = np.random.default_rng(1)
+    floats, packed = [], []
+    for name, w in checkpoint_tensors(path):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [X, in, out]
+            blocks, scales = _random_mxfp4(rng, (w.shape[0], w.shape[2], w.shape[1] // 32))
+            floats.append((name, convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                            dtype=torch.float32).numpy()))
+            packed += [(f"{name}_blocks", blocks), (f"{name}_scales", scales)]
+        else:
+            floats.append((name, w))
+            packed.append((name, w))
+    want, got = gpt_oss_weights(floats, cfg), gpt_oss_weights(packed, cfg)
+    assert sorted(want) == sorted(got)
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(got[name], np.float32), want[name], err_msg=name)
+    with pytest.raises(UnsupportedModelError, match="not both blocks and scales"):
+        gpt_oss_weights([t for t in packed if not t[0].endswith("down_proj_scales")], cfg)
+
+
+def test_config_matches_transformers_defaults():
+    """transformers' GptOssConfig defaults are the published 120b; our parser reads them as dummy:gpt-oss-120b."""
+    from transformers import GptOssConfig
+
+    from infire_jax.loaders.dummy import CONFIGS
+
+    ours = config_from_hf(CONFIGS["gpt-oss-120b"])
+    theirs = config_from_hf(GptOssConfig().to_dict())
+    skip = {"eos_token_ids"}  # the published config names its eos; transformers' default has none
+    assert {k: v for k, v in ours.to_dict().items() if k not in skip} == \
+           {k: v for k, v in theirs.to_dict().items() if k not in skip}
+    assert ModelConfig.from_dict(ours.to_dict()) == ours  # as native checkpoints keep it
+
+
+@pytest.mark.parametrize("name,layers,experts,total,active", [
+    ("gpt-oss-20b", 24, 32, 20.91e9, 3.61e9), ("gpt-oss-120b", 36, 128, 116.83e9, 5.13e9)])
+def test_published_configs(name, layers, experts, total, active):
+    """Shapes of the model the engine builds (abstractly) and the published parameter counts
+    (OpenAI's model card: 20.9B total / 3.6B active, 116.8B / 5.1B)."""
+    from flax import nnx
+
+    from infire_jax.loaders.dummy import CONFIGS, with_layers
+    from infire_jax.memplan.model import from_model_config
+    from infire_jax.models.registry import abstract_model
+
+    cfg = config_from_hf(CONFIGS[name])
+    assert (cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size) == (layers, experts, 4, 2880)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (64, 8, 64, 201088)
+    assert cfg.local_attention == ((0, 128), (0, 0)) * (layers // 2)
+    model = abstract_model(cfg, jnp.bfloat16)
+    assert model.layers.w_gate_up.shape == (layers, experts, 2880, 2, 2880)
+    assert model.layers.sinks.shape == (layers, 64)
+    built = sum(np.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(model)))
+    assert built == cfg.param_count()
+    assert sum(math.prod(t.shape) for t in from_model_config(cfg, "bfloat16").tensors) == built  # the memory plan's
+    assert abs(cfg.param_count() / total - 1) < 2e-3
+    assert abs(gpt_oss_param_count(cfg, active=True) / active - 1) < 2e-3
+    few = config_from_hf(with_layers(CONFIGS[name], f"{name},layers=3"))  # `dummy:gpt-oss-20b,layers=3`
+    assert few.local_attention == ((0, 128), (0, 0), (0, 128))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_act", "gelu", "hidden_act"), ("layer_types", ["sliding_attention"], "layer_types"),
+    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "rope_type"),
+    ("quantization_config", {"quant_method": "fp8"}, "mxfp4"), ("some_new_field", 1, "not a field")])
+def test_config_refuses_what_it_cannot_honour(field, value, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        config_from_hf({**TINY, "model_type": "gpt_oss", field: value})
