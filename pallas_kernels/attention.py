@@ -86,15 +86,14 @@ def paged_attention(
     kv_scale = None if meta.kv_scales is None else meta.kv_scales[layer]
     meta, layer = for_layer(meta, layer)
     if impl == "reference":
-        if cpu_kernel and sinks is None and cpu_attention.applies(q, k_pages):
+        if cpu_kernel and cpu_attention.applies(q, k_pages):
             return cpu_attention.paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
-                                                 kv_scale=kv_scale)
+                                                 kv_scale=kv_scale, sinks=sinks)
         return reference.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
                                                 kv_scale=kv_scale, sinks=sinks)
     if impl in ("pallas", "pallas_interpret"):
-        if sinks is not None:
-            raise ValueError("attention sinks are not in the Pallas kernels yet")
         return ragged_attention.ragged_paged_attention(q, k, v, k_pages, v_pages, layer, meta, scale=scale,
-                                                       kv_scale=kv_scale, interpret=impl == "pallas_interpret",
+                                                       kv_scale=kv_scale, sinks=sinks,
+                                                       interpret=impl == "pallas_interpret",
                                                        decode_only=_DECODE_ONLY.value)
     raise ValueError(f"unresolved attention implementation {impl!r}; call resolve_impl first")

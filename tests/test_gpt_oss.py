@@ -65,11 +65,14 @@ def checkpoint(tmp_path_factory):
     return hf, str(path)
 
 
-def test_generate_matches_hf(checkpoint):
+@pytest.mark.parametrize("attn_impl", ["reference", "pallas_interpret"])
+def test_generate_matches_hf(checkpoint, attn_impl):
+    """Through the CPU path (the C++ attention kernel with sinks) and the GPU's Pallas kernels (in
+    interpret mode)."""
     from infire_jax import LLM, SamplingParams
 
     hf, path = checkpoint
-    llm = LLM(model=path, **ENGINE)
+    llm = LLM(model=path, attn_impl=attn_impl, **ENGINE)
     cfg = llm.engine.model_config
     assert cfg.architecture == "gpt_oss" and cfg.local_attention == ((0, WINDOW), (0, 0)) * 2
     assert llm.engine.runner.rc.kv_groups.bounded  # the windowed layers keep a bounded number of pages
@@ -150,13 +153,6 @@ def test_sinks_with_an_fp8_pool():
     real = real_tokens(case.meta)
     np.testing.assert_allclose(np.asarray(out, np.float64)[real], sink_oracle(exact, kind, sinks, ROWS)[real],
                                atol=2e-5, rtol=2e-5)
-
-
-def test_pallas_attention_refuses_sinks():
-    shapes = Shapes(page_size=8, head_dim=32, num_q_heads=4, num_kv_heads=2)
-    case = make_case(shapes, None, seed=0)
-    with pytest.raises(ValueError, match="sinks are not in the Pallas kernels"):
-        paged_attention(*case_args(case, shapes), scale=0.1, impl="pallas_interpret", sinks=jnp.zeros(4))
 
 
 def _random_mxfp4(rng, shape) -> tuple[np.ndarray, np.ndarray]:
