@@ -15,11 +15,14 @@ import torch
 from h100 import compiled_kernels, gpu_lowered, launches
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from infire_jax.memplan.model import FORMAT_BYTES, formats_from_hf
+from infire_jax.memplan.model import FORMAT_BYTES, formats_from_hf, from_model_config, placed_config
+from infire_jax.memplan.plan import check_fits, memory_plan
+from infire_jax.models.hf_config import config_from_hf
 from infire_jax.models import moe, quant_kernels
 from infire_jax.quant import grouped, mxfp4
 from pallas_kernels.quant_blocks import Blocks
 from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, quant_matmul_parts, sum_parts
+from sharding.mesh import CONFIG_DIR, MeshConfig
 
 RNG = np.random.default_rng(11)
 TORCH = {jnp.bfloat16: torch.bfloat16, jnp.float32: torch.float32, jnp.float16: torch.float16}
@@ -225,3 +228,26 @@ def test_plan_counts_mxfp4_experts_at_4_25_bits():
     for skip in (["model.layers.*.mlp.experts"], ["experts"], ["model.layers.*.mlp"]):
         q = {"quant_method": "mxfp4", "modules_to_not_convert": skip}
         assert formats_from_hf({"quantization_config": q}, "bfloat16")["experts"] == "bfloat16", skip
+
+
+def test_plan_holds_mxfp4_experts_in_whole_blocks():
+    """A MoE model's routed experts planned as MXFP4 take 4.25 / 16 of their bfloat16 bytes on each
+    device; a mesh that would cut an expert's input axis inside a block of 32 is refused by name."""
+    moe_cfg = config_from_hf(dict(model_type="mixtral", vocab_size=256, hidden_size=64, num_attention_heads=8,
+                                  num_key_value_heads=2, max_position_embeddings=512, intermediate_size=64,
+                                  num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2))
+
+    def plan(mesh: str, experts: str):
+        mc = MeshConfig.from_yaml(f"{CONFIG_DIR}/{mesh}")
+        formats = {k: "bfloat16" for k in ("attention", "shared", "embeddings", "vision")} | {"experts": experts}
+        model = from_model_config(placed_config(moe_cfg, mc), "bfloat16", formats=formats)
+        return model, mc
+
+    for mesh in ("8-ep8.yaml", "8-tp2-ep4.yaml"):  # tp2 splits each expert's 64 intermediate inputs into 2 blocks
+        (model, mc), (plain, _) = plan(mesh, "mxfp4"), plan(mesh, "bfloat16")
+        assert check_fits(model, mc) is None
+        got, want = memory_plan(model, mc, 2**30), memory_plan(plain, mc, 2**30)
+        assert got.weights["experts"] == want.weights["experts"] * 4.25 / 16
+        assert got.weights["attention"] == want.weights["attention"]
+    assert check_fits(*plan("8-tp4-pp2.yaml", "mxfp4")) == \
+        "MXFP4 weight w_down: its 64 inputs (blocks of 32) cannot be split 4 ways into whole blocks"
