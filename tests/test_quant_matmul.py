@@ -286,7 +286,8 @@ def test_benchmark_rows_and_sweep_run_in_interpret_mode():
 
     names = {c.name for c in quant_bench.quant_cases()}
     assert {"int4_gate_up_m1", "int8_down_m64", "q4_1_qkv_m16", "fp8_o_m1", "kimi_k2_5_ct_int4_gate_up_b1",
-            "qwen3_30b_a3b_bf16_down_b64"} <= names and len(names) == 4 * 4 * 3 + 2 * 3 * 2
+            "qwen3_30b_a3b_bf16_down_b64", "gpt_oss_120b_mxfp4_down_b1"} <= names and \
+        len(names) == 4 * 4 * 3 + 2 * 4 * 2
     dense = quant_bench.QuantCase("int8_tiny_m1", "dense", "int8", 128, 64, 1)
     grouped = quant_bench.QuantCase("moe_tiny_b1", "grouped", "bf16", 64, 32, 1, experts=4, top_k=2)
     for case, references in ((dense, ["bf16_dot"]), (grouped, ["bf16_ragged_dot"])):
