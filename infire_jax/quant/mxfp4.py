@@ -46,7 +46,7 @@ def _bits(codes: Array, scales: Array) -> Array:
     half = (c == 3).astype(jnp.int32)
     normal = ((k + 127) << 23) | (half << 22)
     subnormal = (2 + half) << jnp.clip(k + 148, 0, 31)  # k >= -130: at least bit 18
-    mag = jnp.where(k >= 127 + 1, 0x7F800000, jnp.where(k >= -126, normal, subnormal))
+    mag = jnp.where(k > 127, 0x7F800000, jnp.where(k >= -126, normal, subnormal))
     mag = jnp.where(c == 0, 0, mag)
     return (mag | ((codes >> 3) << 31)).astype(jnp.uint32)
 
@@ -95,11 +95,14 @@ def _check_hf(name: str, blocks: np.ndarray, scales: np.ndarray) -> tuple[int, i
     return x, out, groups * BLOCK
 
 
-def kept_from_hf(name: str, blocks: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
+def kept_from_hf(name: str, blocks: UInt8[np.ndarray, "X O G 16"], scales: UInt8[np.ndarray, "X O G"]
+                 ) -> dict[str, UInt8[np.ndarray, "..."]]:
     """A checkpoint's expert weight (`name`: "gate_up_proj" or "down_proj"; blocks [X, out, in / 32, 16],
     scales [X, out, in / 32]) as the kept parts {"fp4", "scale"} in the engine's layout: w_gate_up
     [X, E / 2 | E / 32, 2, F] from gpt-oss's gate_up_proj, whose outputs interleave gate (even) and up
     (odd), and w_down [X, F / 2 | F / 32, E]. Host arrays, so the loader places them as they come."""
+    if name not in ("gate_up_proj", "down_proj"):
+        raise ValueError(f"{name}: not a gpt-oss expert weight (gate_up_proj or down_proj)")
     x, out, inp = _check_hf(name, blocks, scales)
     fp4 = blocks.reshape(x, out, inp // 2).transpose(0, 2, 1)  # [X, in / 2, out]
     scale = scales.transpose(0, 2, 1)  # [X, in / 32, out]
@@ -111,6 +114,4 @@ def kept_from_hf(name: str, blocks: np.ndarray, scales: np.ndarray) -> dict[str,
             return a.reshape(*a.shape[:-1], out // 2, 2).swapaxes(-1, -2)
 
         fp4, scale = split(fp4), split(scale)
-    elif name != "down_proj":
-        raise ValueError(f"{name}: not a gpt-oss expert weight (gate_up_proj or down_proj)")
     return {"fp4": np.ascontiguousarray(fp4), "scale": np.ascontiguousarray(scale)}
