@@ -6,7 +6,8 @@ Dense: Llama-3.1-8B's four layer shapes (qkv, o, gate_up, down) in int8 per chan
 AWQ / GPTQ form (group 128, float16 scales, uint8 zeros), GGUF Q4_1 and fp8 with 128-input blocks,
 at 1, 16 and 64 rows, each against `jnp.dot` on a bfloat16 weight of the same shape. MoE: one layer's
 grouped matmuls (gate_up, down) of Qwen3-30B-A3B (128 experts, top-8, bfloat16 and int8) and of
-Kimi K2.5 (384 experts, top-8, compressed-tensors int4 in groups of 32) at batch 1 and 64, against
+Kimi K2.5 (384 experts, top-8, compressed-tensors int4 in groups of 32) and of gpt-oss-120b (128
+experts, top-4, MXFP4: two e2m1 codes a byte, a uint8 e8m0 scale per 32) at batch 1 and 64, against
 `jax.lax.ragged_dot` on bfloat16 experts (and tokamax's `ragged_dot` where tokamax is installed).
 Each row reports the bytes the weights must move (touched experts only) over its time, as a
 fraction of the copy bandwidth. Every timed call reads a different layer (or routing) than the last,
@@ -37,7 +38,8 @@ LLAMA_8B_LAYER = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 2867
 DENSE_FORMATS = ("int8", "int4", "q4_1", "fp8")
 ROWS = (1, 16, 64)
 # name: (experts, top-k, hidden, moe_intermediate, format)
-MOE_LAYERS = {"qwen3_30b_a3b": (128, 8, 2048, 768, ("bf16", "int8")), "kimi_k2_5": (384, 8, 7168, 2048, ("ct_int4",))}
+MOE_LAYERS = {"qwen3_30b_a3b": (128, 8, 2048, 768, ("bf16", "int8")), "kimi_k2_5": (384, 8, 7168, 2048, ("ct_int4",)),
+              "gpt_oss_120b": (128, 4, 2880, 2880, ("mxfp4",))}
 MOE_BATCHES = (1, 64)
 WEIGHT_BYTES = 256 << 20  # layers per stack: enough that a timed loop never finds its weights in L2
 
@@ -88,6 +90,9 @@ def random_stack(fmt: str, s: int, k: int, n: int, key) -> QuantStack:
     if fmt == "fp8":
         return QuantStack(jax.random.normal(kv, (s, k, n), jnp.bfloat16).astype(jnp.float8_e4m3fn),
                           scale(128, jnp.float32))
+    if fmt == "mxfp4":  # scales 2^-9 .. 2^0, as a checkpoint's: no infinities
+        return QuantStack(bits((s, k // 2, n), jnp.uint8),
+                          jax.random.randint(ks, (s, k // 32, n), 118, 128).astype(jnp.uint8), packing="mxfp4")
     if fmt == "bf16":  # drawn in bfloat16: a float32 draw of Kimi's experts would need 45 GB
         return QuantStack(jax.random.normal(kv, (s, k, n), jnp.bfloat16))
     raise ValueError(fmt)
@@ -100,12 +105,12 @@ def stack_bytes(stack: QuantStack) -> int:
 
 
 def packing(case: QuantCase) -> str | None:
-    return {"int4": "int4", "ct_int4": "int4", "q4_1": "q4_1"}.get(case.fmt)
+    return {"int4": "int4", "ct_int4": "int4", "q4_1": "q4_1", "mxfp4": "mxfp4"}.get(case.fmt)
 
 
 def group(case: QuantCase) -> int:
     """Inputs per scale of the case's format (random_stack's), 0 for plain bf16."""
-    return {"int8": case.k, "int4": 128, "ct_int4": 32, "q4_1": 32, "fp8": 128}.get(case.fmt, 0)
+    return {"int8": case.k, "int4": 128, "ct_int4": 32, "q4_1": 32, "fp8": 128, "mxfp4": 32}.get(case.fmt, 0)
 
 
 def tile_rows(case: QuantCase) -> int:

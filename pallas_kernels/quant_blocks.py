@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-INPUTS_PER_ITEM = {"int4": 8, "q4_1": 2, None: 1}
+INPUTS_PER_ITEM = {"int4": 8, "q4_1": 2, "mxfp4": 2, None: 1}
+BLOCK_PACKINGS = ("q4_1", "mxfp4")  # 32 inputs a scale, 16 bytes of two nibbles
 MIN_DOT = 16  # Triton's smallest dot extent (rows, and K of each piece)
 MAX_TILE_ROWS = 64  # rows a program holds accumulators for
 GEMV_MAX_ROWS = 4  # the register (no dot) form takes tiles of at most this many rows
@@ -54,9 +55,9 @@ def _pow2(n: int) -> bool:
 
 
 def min_block_k(packing: str | None) -> int:
-    """Smallest K step: a Q4_1 block (32 inputs in two 16-input halves), else MIN_DOT inputs (int4
-    steps under 8 x 16 inputs read a word per input, quant_matmul._pieces)."""
-    return 32 if packing == "q4_1" else MIN_DOT
+    """Smallest K step: a Q4_1 or MXFP4 block (32 inputs in two 16-input halves), else MIN_DOT inputs
+    (int4 steps under 8 x 16 inputs read a word per input, quant_matmul._pieces)."""
+    return 32 if packing in BLOCK_PACKINGS else MIN_DOT
 
 
 def parse(text: str) -> dict:
@@ -88,10 +89,10 @@ def choose(rows: int, k: int, n: int, packing: str | None, override: Blocks | No
         return override
     gemv = rows <= 2
     # About 16 KB of weight items a K step (int8 [128, 128], int4 words [32, 128]; 32 KB for bf16 [128, 128]).
-    item_bytes = {"int4": 4 / 8, "q4_1": 1 / 2}.get(packing, 1)
+    item_bytes = {"int4": 4 / 8, "q4_1": 1 / 2, "mxfp4": 1 / 2}.get(packing, 1)
     tile_n = _largest(128 if gemv or rows <= 16 else 64, n, MIN_DOT)
     want_k = int(16384 // (item_bytes * tile_n))
-    if packing != "q4_1" and 128 <= group < want_k:  # a step within one group loads one scale row, not one a row
+    if packing not in BLOCK_PACKINGS and 128 <= group < want_k:  # a step within one group loads one scale row, not one a row
         want_k = group
     block_k = _largest(min(want_k, 512), k, min_block_k(packing))
     stages = 3

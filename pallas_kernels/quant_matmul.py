@@ -5,10 +5,13 @@ weight's layers x experts) as parts along the input axis K:
     values   [S, K / p, N]  p inputs an item: "int4" int32 words (input 8j + i in bits 4i of word j:
                             GPTQ / AWQ kept, compressed-tensors pack-quantized), "q4_1" GGUF bytes
                             (in a block of 32 inputs, byte i holds input i in its low nibble and
-                            input i + 16 in its high one), or one int8, float8_e4m3fn or float value
+                            input i + 16 in its high one), "mxfp4" bytes (gpt-oss: byte j holds
+                            e2m1 codes of inputs 2j, low nibble, and 2j + 1), or one int8,
+                            float8_e4m3fn or float value
     scale    [S, K / g, N]  one per g consecutive inputs (g = K: one per output channel)
     zero     [S, K / g, N]  optional uint8, subtracted before scaling (else `zero_point`)
     minimum  [S, K / g, N]  optional, added after scaling (GGUF Q4_1's m)
+MXFP4's scale is uint8 e8m0, one per 32 inputs: its weight is the code's FP4 value times 2^(s - 127).
 A weight is `(q - zero) * scale + minimum` in float32, the formats' definitions (bit for bit the
 dequantizers in infire_jax/quant), cast to x's dtype and fed to the dot with float32 accumulation.
 A K step loads each packed item once and splits into pieces of whole items (an int4 word's
@@ -38,8 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Shaped
 
-from pallas_kernels.quant_blocks import (GEMV_MAX_ROWS, INPUTS_PER_ITEM, MAX_TILE_ROWS, MIN_DOT, Blocks,
-                                         choose, min_block_k, splits_for)
+from pallas_kernels.quant_blocks import (BLOCK_PACKINGS, GEMV_MAX_ROWS, INPUTS_PER_ITEM, MAX_TILE_ROWS, MIN_DOT,
+                                         Blocks, choose, min_block_k, splits_for)
 
 # The register form keeps a row's products [items, tile_n] unsummed across K steps (one sum at the
 # end) when they fit in this many floats, 32 registers a thread at 4 warps; else it sums each piece.
@@ -87,8 +90,12 @@ class QuantStack:
                 raise ValueError(f"quantized stack part {name} {tuple(part.shape)} does not fit values "
                                  f"{tuple(self.values.shape)} ({k} inputs) and scale "
                                  f"{None if self.scale is None else tuple(self.scale.shape)}")
-        if self.packing == "q4_1" and (self.group != 32):
-            raise ValueError(f"Q4_1 blocks hold 32 inputs a scale, got groups of {self.group}")
+        if self.packing in BLOCK_PACKINGS and (self.group != 32):
+            raise ValueError(f"{self.packing} blocks hold 32 inputs a scale, got groups of {self.group}")
+        if self.packing == "mxfp4" and (self.values.dtype != jnp.uint8 or self.scale.dtype != jnp.uint8
+                                        or self.zero is not None or self.minimum is not None):
+            raise ValueError(f"MXFP4 is uint8 bytes and uint8 e8m0 scales alone, got values {self.values.dtype}, "
+                             f"scale {self.scale.dtype}, zero {self.zero is not None}, minimum {self.minimum is not None}")
         if self.packing == "int4" and self.group % 8:
             raise ValueError(f"an int4 word's 8 inputs share a scale; got groups of {self.group}")
         if not Blocks(min_block_k(self.packing), MIN_DOT).fits(k, n, self.packing):
@@ -140,6 +147,8 @@ def _pieces(packing: str | None, block_k: int) -> list[_Piece]:
         return [_Piece(0, block_k // 8, 4 * i, i, 8) for i in range(8)]
     if packing == "q4_1":  # block b: byte e holds input 32b + e (low nibble) and 32b + 16 + e (high)
         return [_Piece(16 * b, 16, 4 * h, 32 * b + 16 * h, 1) for b in range(block_k // 32) for h in range(2)]
+    if packing == "mxfp4":  # block b: byte e holds inputs 32b + 2e (low nibble) and 32b + 2e + 1 (high)
+        return [_Piece(16 * b, 16, 4 * h, 32 * b + h, 2) for b in range(block_k // 32) for h in range(2)]
     return [_Piece(0, block_k, None, 0, 1)]
 
 
@@ -168,7 +177,7 @@ def _piece_weights(stack: QuantStack, refs: dict, cache: dict, index, k0, n0, pi
 
     def part(name):
         if (name,) + key not in cache:
-            if group % (32 if stack.packing == "q4_1" else blocks.block_k) == 0:  # one group: a row, broadcast
+            if group % (32 if stack.packing in BLOCK_PACKINGS else blocks.block_k) == 0:  # one group: a row
                 row = lax.div(item0 * p, jnp.int32(group))
                 cache[(name,) + key] = refs[name][index, row, cols][None, :]
             else:  # a row per item (int4 words in groups shorter than the K step)
@@ -176,6 +185,8 @@ def _piece_weights(stack: QuantStack, refs: dict, cache: dict, index, k0, n0, pi
                 cache[(name,) + key] = refs[name][index, rows, cols]
         return cache[(name,) + key]
 
+    if stack.packing == "mxfp4":
+        return (_fp4_value(v) * _e8m0_value(part("scale"))).astype(dtype)
     if refs.get("zero") is not None:
         v = v.astype(jnp.int32) - part("zero").astype(jnp.int32)
     elif stack.zero_point:
@@ -184,6 +195,21 @@ def _piece_weights(stack: QuantStack, refs: dict, cache: dict, index, k0, n0, pi
     if refs.get("minimum") is not None:
         w = w + part("minimum").astype(jnp.float32)
     return w.astype(dtype)
+
+
+def _fp4_value(code: Array) -> Array:
+    """float32 value of e2m1 `code`s (0..15): sign bit 3, exponent e bits 1-2, mantissa m bit 0;
+    (m + 2 [e > 0]) * 2^(max(e, 1) - 2), by arithmetic rather than a table lookup per weight."""
+    code = code.astype(jnp.int32)
+    e, m = lax.shift_right_logical(code, 1) & 3, code & 1
+    mag = (m + 2 * (e > 0)).astype(jnp.float32) * lax.shift_left(1, jnp.maximum(e, 1)).astype(jnp.float32) * 0.25
+    return jnp.where(code >= 8, -mag, mag)
+
+
+def _e8m0_value(s: Array) -> Array:
+    """2^(s - 127) in float32 for uint8 e8m0 scales, the byte as the exponent field (s = 0, 2^-127, a
+    subnormal that no checkpoint's scale comes near, gives 0 here)."""
+    return lax.bitcast_convert_type(lax.shift_left(s.astype(jnp.int32), 23), jnp.float32)
 
 
 _PARTS = ("values", "scale", "zero", "minimum")

@@ -22,7 +22,8 @@ from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul
 
 RNG = np.random.default_rng(7)
 S, K, N = 3, 256, 128  # three matrices of [K, N]
-FORMATS = ("gptq32", "gptq128", "gptq_channel", "ct_int4", "q4_1", "q8_0", "int8", "fp8", "plain_bf16")
+FORMATS = ("gptq32", "gptq128", "gptq_channel", "ct_int4", "q4_1", "q8_0", "int8", "fp8", "mxfp4", "plain_bf16")
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])  # OCP MX FP4 values
 
 
 def _words(q: np.ndarray) -> np.ndarray:
@@ -69,6 +70,12 @@ def make_stack(fmt: str, k: int = K, n: int = N) -> tuple[QuantStack, np.ndarray
         table = np.array([ref.e4m3fn_value(b) for b in range(256)])
         return (QuantStack(jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale)),
                 table[raw] * _per_input(scale, 128))
+    if fmt == "mxfp4":  # gpt-oss: byte j holds inputs 2j (low nibble) and 2j + 1; an e8m0 scale per 32
+        packed = RNG.integers(0, 256, (S, k // 2, n), dtype=np.uint8)
+        scale = RNG.integers(118, 131, (S, k // 32, n), dtype=np.uint8)
+        codes = np.stack([packed & 0xF, packed >> 4], axis=2).reshape(S, k, n)
+        return (QuantStack(jnp.asarray(packed), jnp.asarray(scale), packing="mxfp4"),
+                E2M1[codes] * _per_input(2.0 ** (scale.astype(np.float64) - 127), 32))
     if fmt == "plain_bf16":
         w = RNG.standard_normal((S, k, n)).astype(ml_dtypes.bfloat16)
         return QuantStack(jnp.asarray(w)), w.astype(np.float64)
@@ -286,7 +293,8 @@ def test_benchmark_rows_and_sweep_run_in_interpret_mode():
 
     names = {c.name for c in quant_bench.quant_cases()}
     assert {"int4_gate_up_m1", "int8_down_m64", "q4_1_qkv_m16", "fp8_o_m1", "kimi_k2_5_ct_int4_gate_up_b1",
-            "qwen3_30b_a3b_bf16_down_b64"} <= names and len(names) == 4 * 4 * 3 + 2 * 3 * 2
+            "qwen3_30b_a3b_bf16_down_b64", "gpt_oss_120b_mxfp4_down_b1"} <= names and \
+        len(names) == 4 * 4 * 3 + 2 * 4 * 2
     dense = quant_bench.QuantCase("int8_tiny_m1", "dense", "int8", 128, 64, 1)
     grouped = quant_bench.QuantCase("moe_tiny_b1", "grouped", "bf16", 64, 32, 1, experts=4, top_k=2)
     for case, references in ((dense, ["bf16_dot"]), (grouped, ["bf16_ragged_dot"])):

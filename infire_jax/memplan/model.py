@@ -24,9 +24,11 @@ from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
 KINDS = ("attention", "experts", "shared", "embeddings", "vision")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
 # (compressed-tensors pack-quantized), fp8 with a float32 scale per 128 x 128 block (DeepSeek-V3),
-# GGUF blocks (Q4_1: 20 bytes, Q8_0: 34 bytes per 32 weights).
+# GGUF blocks (Q4_1: 20 bytes, Q8_0: 34 bytes per 32 weights), MXFP4 (gpt-oss's experts: two e2m1
+# weights a byte and a uint8 e8m0 scale per 32, 4.25 bits).
 FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int4-g32": 0.5 + 2 / 32,
                 "fp8-block128": 1 + 4 / 128 ** 2, "int8-channel": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32,
+                "mxfp4": 0.5 + 1 / 32,
                 "int32": 4.0, "int16": 2.0, "uint8": 1.0,  # kept GPTQ / AWQ parts
                 "float8_e4m3": 1.0}  # an fp8 KV cache (its per-head scales are a few bytes)
 INT4_METHODS = ("gptq", "awq")  # planned as kept int4 parts (`int4_layouts`), not as a kind's format
@@ -215,11 +217,17 @@ def _field(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:
 def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
     """Each kind's storage from `quantization_config`: compressed-tensors int4 group 32 (Kimi) or fp8
     128 x 128 blocks (DeepSeek-V3); kinds an `ignore` pattern covers keep `dtype`. GPTQ / AWQ leave
-    every kind at `dtype`: their layer weights are planned as int4 parts (`int4_layouts`)."""
+    every kind at `dtype`: their layer weights are planned as int4 parts (`int4_layouts`). MXFP4
+    (gpt-oss) quantizes the routed experts alone, as transformers does, unless `modules_to_not_convert`
+    names them."""
     formats = {k: dtype for k in KINDS}
     q = hf.get("quantization_config")
     method = (q or {}).get("quant_method")
     if not q or method in INT4_METHODS:
+        return formats
+    if method == "mxfp4":
+        if not _hf_skips("model.layers.1.mlp.experts", list(q.get("modules_to_not_convert") or [])):
+            formats["experts"] = "mxfp4"
         return formats
     if method == "fp8":
         if list(q.get("weight_block_size") or []) != [128, 128]:
@@ -234,7 +242,7 @@ def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
         fmt, ignore = "int4-g32", list(q.get("ignore") or [])
     else:
         raise ValueError(f"quantization_config.quant_method {method!r} is not planned (fp8, compressed-tensors, "
-                         f"gptq, awq)")
+                         f"mxfp4, gptq, awq)")
     # A module of each kind, named as DeepSeek-V3 names it; `ignore` entries are names or "re:" patterns.
     probes = {"attention": "model.layers.1.self_attn.kv_b_proj", "experts": "model.layers.1.mlp.experts.0.down_proj",
               "shared": "model.layers.1.mlp.shared_experts.down_proj", "dense": "model.layers.0.mlp.down_proj"}
@@ -244,6 +252,14 @@ def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
         if kind not in ignored and not (kind == "shared" and "dense" in ignored):
             formats[kind] = fmt
     return formats  # embeddings and the LM head are never quantized here
+
+
+def _hf_skips(module: str, patterns: list[str]) -> bool:
+    """Whether transformers leaves `module` unquantized for `modules_to_not_convert` (its
+    `should_convert_module`): a pattern matching from the start up to a module boundary, as a
+    regex ("model.layers.*.self_attn"), or as a suffix."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
 
 
 def from_hf_config(hf: Mapping[str, Any], dtype: str = "bfloat16", name: str = "model") -> PlanModel:

@@ -21,6 +21,7 @@ from typing import Callable
 
 from infire_jax.core.kv_groups import KVCapacity, KVGroupLayout
 from infire_jax.memplan.model import FORMAT_BYTES, KINDS, PlanModel, Tensor
+from infire_jax.quant.mxfp4 import BLOCK as MXFP4_BLOCK
 from sharding.mesh import CONFIG_DIR, MeshConfig
 from sharding.plan import plan_stages
 
@@ -105,6 +106,11 @@ def check_fits(model: PlanModel, mc: MeshConfig) -> str | None:
         uneven = [(n, k) for n, k in zip(t.shape, _splits(t, mc)) if t.store and n % k]
         if uneven:
             return f"kept int4 part {t.name}: {uneven[0][0]} entries cannot be split {uneven[0][1]} ways"
+        if t.matrix and model.formats[t.kind] == "mxfp4" and t.axes[1:2] == ("experts",):
+            inputs, ways = t.shape[2], _splits(t, mc)[2]  # an expert weight's input axis: after layers, experts
+            if inputs % (MXFP4_BLOCK * ways):
+                return (f"MXFP4 weight {t.name}: its {inputs} inputs (blocks of {MXFP4_BLOCK}) cannot be split "
+                        f"{ways} ways into whole blocks")
     return None
 
 

@@ -2,7 +2,7 @@
 (pallas_kernels/quant_matmul.py), and the CPU's for GGUF Q4_1 (pallas_kernels/csrc/q4_1_matmul.cc).
 
 Weights kept quantized (quant/resident.py: GGUF Q4_1 / Q8_0, int8 per channel, GPTQ / AWQ int4;
-quant/grouped.py: compressed-tensors int4, fp8 blocks) are otherwise dequantized one layer at a
+quant/grouped.py: compressed-tensors int4, fp8 blocks, MXFP4) are otherwise dequantized one layer at a
 time in the layer body, which writes the layer out in full precision and reads it back: 4-9x the
 bytes of the quantized weight. Here the layer body hands a kernel the whole stack and the layer
 index instead, and the kernel dequantizes each tile on chip (in registers, on a CPU):
@@ -174,6 +174,8 @@ def _stack(value: Array | Mapping[str, Array], lead: int, inputs: int, plain: bo
         return QuantStack(part("packed"), part("scale"), packing="int4", zero_point=8)
     if "fp8" in value:
         return QuantStack(part("fp8"), part("scale"))
+    if "fp4" in value:  # MXFP4 (gpt-oss's experts): bytes of two e2m1 codes, uint8 e8m0 scales
+        return QuantStack(part("fp4"), part("scale"), packing="mxfp4")
     return None
 
 

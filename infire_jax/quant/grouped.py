@@ -1,4 +1,4 @@
-"""A published checkpoint's int4 groups or fp8 blocks kept in device memory, dequantized where they are used.
+"""A published checkpoint's int4 groups, fp8 blocks or MXFP4 blocks kept in device memory, dequantized where they are used.
 
 `weights_quantization="checkpoint"` (loaders/deepseek_quant.py) keeps each quantized linear weight
 of a DeepSeek-V3-family checkpoint as published, moved into the model's layout exactly as the float
@@ -12,6 +12,9 @@ axis, and one scale per output channel and `group` consecutive inputs.
   `weight_scale_inv` repeated on each of the block's output rows (4 bytes per 128 weights, 3% on
   top of the fp8 bytes), so a weight's output axis can be permuted, reshaped, fused and split
   over tp as the float weight's is.
+- mxfp4 (gpt-oss's routed experts, quant/mxfp4.py): `fp4` uint8 bytes of two e2m1 inputs (low
+  nibble first), `scale` uint8 e8m0 (2^(s - 127)) per 32 inputs: 4.25 bits a weight. The loader
+  moves a checkpoint's `*_blocks` / `*_scales` into the expert layout with `mxfp4.kept_from_hf`.
 
 The parts keep the weight's logical axes with the input axis shortened, so they shard as the
 weight does (a shard must hold whole groups: the loader checks). The arithmetic is formats.py's
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Int, Shaped
 
+from infire_jax.quant import mxfp4
 from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels import placement
 
@@ -43,14 +47,16 @@ from pallas_kernels import placement
 # wo [H, Dv, E] (groups within a head), w_gate_up [(X,) E, 2, F], w_down [(X,) F, E], and the shared ones.
 INPUT_AXIS = {"wq_a": -2, "wq_b": -3, "wkv_a": -2, "w_uk": -3, "w_uv": -3, "wo": -2, "w_gate_up": -3,
               "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2}
-VALUE_PART = {"int4": "packed", "fp8": "fp8"}
+VALUE_PART = {"int4": "packed", "fp8": "fp8", "mxfp4": "fp4"}
 ROUTED_EXPERTS = ("w_gate_up", "w_down")  # in a MoE layer, dequantized one expert at a time
-_VALUES_PER_ITEM = {"int4": 8, "fp8": 1}
+_VALUES_PER_ITEM = {"int4": 8, "fp8": 1, "mxfp4": 2}
+_VALUE_DTYPE = {"int4": jnp.int32, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.uint8}
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedLayout:
-    """A kept weight's format: "int4" or "fp8", inputs per scale, and the scale's dtype."""
+    """A kept weight's format: "int4", "fp8" or "mxfp4" (group 32, scale uint8), inputs per scale, and
+    the scale's dtype."""
 
     kind: str
     group: int
@@ -61,13 +67,16 @@ class GroupedLayout:
         ValueError naming the weight unless its input axis is whole groups."""
         axis = len(shape) + INPUT_AXIS[name.rpartition(".")[2]]
         n = shape[axis]
+        if self.kind == "mxfp4" and (self.group != mxfp4.BLOCK or jnp.dtype(self.scale_dtype) != jnp.uint8):
+            raise ValueError(f"{name}: MXFP4 has one uint8 scale per {mxfp4.BLOCK} inputs, got groups of "
+                             f"{self.group} and {jnp.dtype(self.scale_dtype).name} scales")
         if n % self.group:
             raise ValueError(f"{name}: {self.kind} groups of {self.group} inputs do not tile its input axis of {n}")
 
         def along(m: int) -> tuple[int, ...]:
             return tuple(m if i == axis else s for i, s in enumerate(shape))
 
-        values = jnp.int32 if self.kind == "int4" else jnp.float8_e4m3fn
+        values = _VALUE_DTYPE[self.kind]
         return {VALUE_PART[self.kind]: (along(n // _VALUES_PER_ITEM[self.kind]), values),
                 "scale": (along(n // self.group), self.scale_dtype)}
 
@@ -94,6 +103,8 @@ def dequantize(parts: Mapping[str, Array], short: str, dtype) -> Shaped[Array, "
     """One kept weight (any leading axes: a layer, or the whole stack) in `dtype`."""
     scale = parts["scale"]
     a = scale.ndim + INPUT_AXIS[short]
+    if "fp4" in parts:
+        return mxfp4.dequantize_along(parts["fp4"], scale, a, dtype)
     if "packed" in parts:  # nibbles by a broadcast shift on a new axis after the word axis
         words = jnp.expand_dims(parts["packed"], a + 1)
         shifts = (jnp.arange(8, dtype=jnp.int32) * 4).reshape((8,) + (1,) * (scale.ndim - a - 1))
