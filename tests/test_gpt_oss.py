@@ -12,6 +12,7 @@ published sizes (dummy:gpt-oss-20b / -120b); what is refused.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +201,59 @@ def test_loader_reads_mxfp4_experts_as_the_float_checkpoint(checkpoint):
         np.testing.assert_array_equal(np.asarray(got[name], np.float32), want[name], err_msg=name)
     with pytest.raises(UnsupportedModelError, match="not both blocks and scales"):
         gpt_oss_weights([t for t in packed if not t[0].endswith("down_proj_scales")], cfg)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(checkpoint, tmp_path_factory):
+    """The tiny checkpoint with its experts as the published checkpoints store them: random MXFP4
+    blocks and scales (`*_blocks`, `*_scales`), and their quantization_config."""
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from infire_jax.loaders.hf import checkpoint_tensors
+
+    _, path = checkpoint
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    rng, tensors = np.random.default_rng(4), {}
+    for name, w in checkpoint_tensors(path):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [X, in, out]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = _random_mxfp4(
+                rng, (w.shape[0], w.shape[2], w.shape[1] // 32))
+        else:
+            tensors[name] = np.ascontiguousarray(w)
+    save_file(tensors, str(out / "model.safetensors"))
+    for f in os.listdir(path):
+        if f.startswith("tokenizer"):
+            shutil.copy(os.path.join(path, f), out / f)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_kept_mxfp4_experts_equal_the_dequantized_ones(mxfp4_checkpoint):
+    """weights_quantization="checkpoint" keeps the experts as MXFP4 (a byte per two weights and per
+    block of 32) and serves what the experts dequantized at load serve: the same tokens and logprobs."""
+    from infire_jax import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    results = []
+    for quant in (None, "checkpoint"):
+        llm = LLM(model=mxfp4_checkpoint, weights_quantization=quant, **ENGINE)
+        results.append([o.outputs[0] for o in llm.generate(PROMPTS, params)])
+        experts = llm.engine.runner.state["layers"]["w_gate_up"]
+        if quant:
+            assert experts["fp4"].get_value().dtype == jnp.uint8 and experts["scale"].get_value().dtype == jnp.uint8
+            assert experts["fp4"].get_value().shape[-3:] == (TINY["hidden_size"] // 2, 2, TINY["intermediate_size"])
+        llm.engine.close()
+    for plain, kept in zip(*results):
+        assert kept.token_ids == plain.token_ids
+        np.testing.assert_allclose([lp[t] for lp, t in zip(kept.logprobs, kept.token_ids)],
+                                   [lp[t] for lp, t in zip(plain.logprobs, plain.token_ids)], atol=1e-5, rtol=0)
 
 
 def test_config_matches_transformers_defaults():

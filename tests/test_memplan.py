@@ -98,6 +98,15 @@ def test_llama4_on_one_device_counts_its_vision_tower_and_image_pool():
     assert _plan("dummy:llama-3.1-8b", "1.yaml", "80GB").weights["vision"] == 0
 
 
+def test_gpt_oss_120b_fits_one_80gb_card_with_its_mxfp4_experts():
+    """As published: 36 layers x 128 experts x (2880 x 5760 + 2880 x 2880) weights at 4.25 bits (a
+    byte per two, a scale byte per 32) and their bf16 biases take 56.8 GiB; with the rest in bf16 one
+    80 GB card keeps room for KV at 0.9."""
+    p = _plan("dummy:gpt-oss-120b", "1.yaml", "80GB")
+    assert p.weights["experts"] == 36 * 128 * (3 * 2880 * 2880 * (0.5 + 1 / 32) + 3 * 2880 * 2)
+    assert p.weight_bytes < 61 * GiB and p.kv_room > 4 * GiB
+
+
 def test_kimi_k25_figures_follow_from_its_config():
     """Hand arithmetic: 60 MoE layers x 384 experts x 3 x 7168 x 2048 int4 weights with a bf16
     scale per 32, split 8 ways; MLA KV of 512 + 64 bf16 values per layer, replicated over tp. On

@@ -40,7 +40,10 @@ _GPT_OSS = dict(
     rms_norm_eps=1e-5, max_position_embeddings=131072, attention_bias=True, swiglu_limit=7.0,
     tie_word_embeddings=False, eos_token_id=200002, pad_token_id=199999, rope_theta=150000,
     rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                  "original_max_position_embeddings": 4096})
+                  "original_max_position_embeddings": 4096},
+    # the experts in MXFP4, as published (`infire-jax plan` counts them so; dummy weights are drawn plain)
+    quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
 
 # The published HF config.json values of each model (only the fields we read).
 CONFIGS: dict[str, dict] = {

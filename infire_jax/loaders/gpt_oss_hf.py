@@ -4,8 +4,9 @@ Per layer: q/k/v/o with biases, the sinks, the router [X, E] with its bias, and 
 `gate_up_proj` [X, E, 2F] with the gate and up columns interleaved (gate at even columns, as
 transformers' `_apply_gate` reads them), here split into [X, E, 2, F], its bias [X, 2F] likewise, and
 `down_proj` [X, F, E] with its bias [X, E]. The published checkpoints store the two expert weights as
-MXFP4 (`*_blocks`, `*_scales`, loaders/mxfp4.py), dequantized here to bfloat16, exactly; a float
-checkpoint (transformers' `save_pretrained` of a dequantized model) stores them plain.
+MXFP4 (`*_blocks`, `*_scales`, loaders/mxfp4.py), dequantized here to bfloat16, exactly, or kept as
+they are (`weights_quantization="checkpoint"`, loaders/gpt_oss_quant.py); a float checkpoint
+(transformers' `save_pretrained` of a dequantized model) stores them plain.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.mxfp4 import dequantize_experts
 from infire_jax.loaders.weights import from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
+from infire_jax.quant.mxfp4 import kept_from_hf
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
@@ -46,8 +48,10 @@ def _convert(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return from_hf_layout(short, w, cfg)
 
 
-def gpt_oss_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Our parameter paths from the checkpoint's tensor names and arrays (float or MXFP4 experts)."""
+def gpt_oss_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, keep_mxfp4: bool = False
+                    ) -> dict[str, np.ndarray]:
+    """Our parameter paths from the checkpoint's tensor names and arrays (float or MXFP4 experts; with
+    `keep_mxfp4`, the MXFP4 ones as their kept parts "layers.w_gate_up.fp4", "....scale")."""
     per_layer: dict[str, list] = {}
     packed: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     weights: dict[str, np.ndarray] = {}
@@ -67,8 +71,13 @@ def gpt_oss_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
             parts[q.group(2)] = w
             if len(parts) < 2:
                 continue
-            rest, w = f"mlp.experts.{q.group(1)}", dequantize_experts(parts["blocks"], parts["scales"])
             del packed[(layer, q.group(1))]
+            if keep_mxfp4:
+                short = _PLAIN[f"mlp.experts.{q.group(1)}"]
+                for part, a in kept_from_hf(q.group(1), parts["blocks"], parts["scales"]).items():
+                    per_layer.setdefault(f"{short}.{part}", [None] * cfg.num_layers)[layer] = a
+                continue
+            rest, w = f"mlp.experts.{q.group(1)}", dequantize_experts(parts["blocks"], parts["scales"])
         short = _PLAIN.get(rest)
         if short is None:
             raise UnsupportedModelError(f"unexpected weight {name!r} in a gpt-oss layer")
@@ -79,3 +88,4 @@ def gpt_oss_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
                                     f"blocks and scales")
     weights.update(stack_layers(per_layer, cfg))
     return weights
+

@@ -59,6 +59,7 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
         int4 = int4_at_load_layouts(cfg, group) if weights_quantization else int4_layouts(hf, cfg)
         return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, int4),
                                   vision, mc, weights_quantization)
+    from infire_jax.loaders.dummy import dummy_hf_config
     from infire_jax.loaders.load import load_config
     from infire_jax.loaders.vision import vision_hf_config
 
@@ -67,8 +68,10 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
         raise ValueError(_NOT_MLA)
     int4 = int4_at_load_layouts(cfg, group) if weights_quantization else {}
     vision = vision_hf_config(spec) if spec else None
-    return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or "default model", int4=int4),
-                              vision, mc, weights_quantization)
+    # a dummy's formats are its published config's (gpt-oss: the experts in MXFP4)
+    formats = formats_from_hf(dummy_hf_config(name), dtype) if spec and spec.startswith("dummy:") else None
+    return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or "default model", formats,
+                                                int4), vision, mc, weights_quantization)
 
 
 def _served(model: PlanModel, vision_hf: dict | None, mc: MeshConfig, weights_quantization: str | None) -> PlanModel:

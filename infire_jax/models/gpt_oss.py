@@ -12,13 +12,16 @@ Per layer (transformers' GptOssDecoderLayer):
   over row tiles (`tiled_experts`), on every backend.
 
 Weights are stacked over layers and scanned as models/llama.py's; q/k/v are one weight grouped by kv
-head (`project_qkv`). One device only: meshes, kept-quantized or compressed weights, LoRA and EAGLE-3
-aux states are refused with a ConfigError, as are the Pallas attention kernels until they take sinks.
+head (`project_qkv`). The checkpoint's MXFP4 experts are dequantized at load, or kept as they are
+(`weights_quantization="checkpoint"`, quant/mxfp4.py): each expert is then dequantized alone as its
+row tile reaches it. One device only: meshes, other quantization, compressed weights, LoRA and EAGLE-3
+aux states are refused with a ConfigError.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -33,19 +36,23 @@ from infire_jax.models.layers import (head_logits, layer_loop, local_attention_t
                                       with_local_mask)
 from infire_jax.models.llama import linear, project_qkv
 from infire_jax.models.moe import Routing, combine, dispatch, tiled_experts
+from infire_jax.quant.grouped import GroupedLayout, GroupedParams, expert_weight
+from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
+KEPT_EXPERTS = ("layers.w_gate_up", "layers.w_down")  # the expert weights a checkpoint stores in MXFP4
 
 
 class GptOssLayers(nnx.Module):
     """All layers' weights, stacked on a leading `layers` axis. Experts are [X, E, 2, F] (gate, up) as
-    moe.py's, their biases [X, 2, F] and [X, E]."""
+    moe.py's, their biases [X, 2, F] and [X, E]; `kept` names the expert weights held as the
+    checkpoint's MXFP4 parts (`GroupedParams`, "layers.w_gate_up": layout)."""
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, kept: Mapping[str, GroupedLayout]):
         n, e, hkv, d, x, f = (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts,
                               cfg.moe_intermediate_size)
         g = cfg.num_heads // hkv
@@ -62,19 +69,27 @@ class GptOssLayers(nnx.Module):
         self.b_gate_up = param((n, x, 2, f), ("layers", "experts", "gate_up", "mlp"), dtype, init="zeros")
         self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
         self.b_down = param((n, x, e), ("layers", "experts", "norm"), dtype, init="zeros")
+        for name, layout in kept.items():
+            short = name.rpartition(".")[2]
+            plain = getattr(self, short)
+            setattr(self, short, GroupedParams(name, tuple(plain.shape), plain.axes, layout))
 
-    def arrays(self) -> dict[str, Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+    def arrays(self) -> dict[str, Array | dict[str, Array]]:
+        """The stacked arrays by name (a dict of parts for a kept weight), for the layer loop."""
+        return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
 
 
 def clamped_swiglu(lp: dict[str, Array], gc: GptOssConfig, x: Float[Array, "B E"], g: Int[Array, ""]
                    ) -> Float[Array, "B E"]:
-    """Expert g of the layer on rows x, as transformers' GptOssExperts (`_apply_gate`)."""
-    gate_up = jnp.einsum("me,ecf->mcf", x, lp["w_gate_up"][g]) + lp["b_gate_up"][g]
+    """Expert g of the layer on rows x, as transformers' GptOssExperts (`_apply_gate`); a kept MXFP4
+    expert is dequantized alone (`expert_weight`)."""
+    w_gate_up, w_down = (expert_weight(lp[k], g, k, x.dtype) for k in ("w_gate_up", "w_down"))
+    gate_up = jnp.einsum("me,ecf->mcf", x, w_gate_up) + lp["b_gate_up"][g]
     gate = jnp.minimum(gate_up[:, 0], gc.swiglu_limit)
     up = jnp.clip(gate_up[:, 1], -gc.swiglu_limit, gc.swiglu_limit)
     glu = gate * jax.nn.sigmoid(gate * gc.swiglu_alpha)
-    return ((up + 1) * glu) @ lp["w_down"][g] + lp["b_down"][g]
+    return ((up + 1) * glu) @ w_down + lp["b_down"][g]
 
 
 def route(lp: dict[str, Array], x: Float[Array, "T E"], k: int) -> Routing:
@@ -127,13 +142,15 @@ def rope_cos_sin(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Ar
 
 
 class GptOss(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: dict | None = None):
-        if resident:
-            raise ConfigError("weights_quantization and weights_compression are not supported for gpt-oss yet; "
-                              "its MXFP4 experts are dequantized at load")
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping[str, GroupedLayout] | None = None):
+        """`resident`: the checkpoint's MXFP4 experts kept as such (weights_quantization="checkpoint")."""
+        resident = dict(resident or {})
+        if any(not isinstance(layout, GroupedLayout) or name not in KEPT_EXPERTS for name, layout in resident.items()):
+            raise ConfigError("gpt-oss keeps only its checkpoint's MXFP4 experts quantized (weights_quantization="
+                              "'checkpoint'); other quantization and weights_compression are not supported for it")
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = GptOssLayers(cfg, dtype)
+        self.layers = GptOssLayers(cfg, dtype, resident)
         self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)

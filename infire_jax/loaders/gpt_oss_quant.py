@@ -1,0 +1,38 @@
+"""`weights_quantization="checkpoint"` for gpt-oss: the checkpoint's MXFP4 experts kept as they are
+published (quant/mxfp4.py: 4.25 bits a weight, each expert dequantized alone where it is used), every
+other weight in the serving dtype. gpt-oss-120b's experts take 61 GB so, 233 GB in bfloat16."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from infire_jax.errors import ConfigError
+from infire_jax.loaders.gpt_oss_hf import gpt_oss_weights
+from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
+from infire_jax.loaders.tokenizer import Tokenizer
+from infire_jax.loaders.weights import LoadedModel, Placed
+from infire_jax.models.gpt_oss import KEPT_EXPERTS
+from infire_jax.models.registry import build_state
+from infire_jax.quant.grouped import GroupedLayout
+from infire_jax.quant.mxfp4 import BLOCK
+from sharding.plan import ShardPlan
+
+def is_gpt_oss(path: str | None) -> bool:
+    """Whether `path` is an HF directory of a gpt-oss model."""
+    return os.path.isfile(os.path.join(path or "", "config.json")) and read_hf_config(path).gpt_oss is not None
+
+
+def load_kept_placed(path: str, dtype, plan: ShardPlan | None) -> Placed:
+    """The model placed with its checkpoint's MXFP4 experts kept; ConfigError if it has none."""
+    cfg = read_hf_config(path)
+    weights = gpt_oss_weights(checkpoint_tensors(path), cfg, keep_mxfp4=True)
+    layouts = {t: GroupedLayout("mxfp4", BLOCK, jnp.uint8) for t in KEPT_EXPERTS if f"{t}.fp4" in weights}
+    if not layouts:
+        raise ConfigError(f"weights_quantization='checkpoint': {path} stores its experts unquantized; leave "
+                          "weights_quantization unset")
+    graphdef, state = build_state(cfg, weights, dtype, plan=plan, quantized=layouts)
+    loaded = LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path), name=os.path.basename(os.path.normpath(path)),
+                         weights=weights)
+    return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
