@@ -256,6 +256,31 @@ def test_kept_mxfp4_experts_equal_the_dequantized_ones(mxfp4_checkpoint):
                                    [lp[t] for lp, t in zip(plain.logprobs, plain.token_ids)], atol=1e-5, rtol=0)
 
 
+def test_dummy_kept_mxfp4_experts_are_drawn_with_a_float_dummys_spread():
+    """A `dummy:` gpt-oss with weights_quantization="checkpoint" (`bench latency` on a GPU) draws its
+    experts as MXFP4 parts: random bytes and a scale of 2^-7, so they dequantize with about the 0.02
+    spread of a float dummy's weights."""
+    from transformers import GptOssConfig
+
+    from infire_jax.loaders.gpt_oss_quant import is_gpt_oss
+    from infire_jax.models.gpt_oss import KEPT_EXPERTS
+    from infire_jax.models.registry import build_state
+    from infire_jax.quant import mxfp4
+    from infire_jax.quant.grouped import GroupedLayout, dequantize
+
+    assert is_gpt_oss("dummy:gpt-oss-120b") and not is_gpt_oss("dummy:llama-3.1-8b")
+    cfg = config_from_hf(GptOssConfig(**TINY).to_dict())
+    layouts = {t: GroupedLayout("mxfp4", mxfp4.BLOCK, jnp.uint8) for t in KEPT_EXPERTS}
+    _, state = build_state(cfg, None, jnp.float32, quantized=layouts)
+    parts = {k: v.get_value() for k, v in state["layers"]["w_down"].items()}
+    assert parts["fp4"].dtype == jnp.uint8 and bool(jnp.all(parts["scale"] == 120))
+    assert len(np.unique(np.asarray(parts["fp4"]))) > 200
+    w = dequantize(parts, "w_down", jnp.float32)
+    assert w.shape == (TINY["num_hidden_layers"], TINY["num_local_experts"], TINY["intermediate_size"],
+                       TINY["hidden_size"])
+    assert float(jnp.std(w)) == pytest.approx(0.023, rel=0.1)
+
+
 def test_config_matches_transformers_defaults():
     """transformers' GptOssConfig defaults are the published 120b; our parser reads them as dummy:gpt-oss-120b."""
     from transformers import GptOssConfig

@@ -9,6 +9,7 @@ import os
 import jax.numpy as jnp
 
 from infire_jax.errors import ConfigError
+from infire_jax.loaders.dummy import dummy_hf_config, load_dummy
 from infire_jax.loaders.gpt_oss_hf import gpt_oss_weights
 from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
 from infire_jax.loaders.tokenizer import Tokenizer
@@ -19,13 +20,22 @@ from infire_jax.quant.grouped import GroupedLayout
 from infire_jax.quant.mxfp4 import BLOCK
 from sharding.plan import ShardPlan
 
-def is_gpt_oss(path: str | None) -> bool:
-    """Whether `path` is an HF directory of a gpt-oss model."""
-    return os.path.isfile(os.path.join(path or "", "config.json")) and read_hf_config(path).gpt_oss is not None
+def is_gpt_oss(spec: str | None) -> bool:
+    """Whether `spec` is an HF directory of a gpt-oss model or a `dummy:` one."""
+    if spec and spec.startswith("dummy:"):
+        return dummy_hf_config(spec[len("dummy:"):]).get("model_type") == "gpt_oss"
+    return os.path.isfile(os.path.join(spec or "", "config.json")) and read_hf_config(spec).gpt_oss is not None
 
 
 def load_kept_placed(path: str, dtype, plan: ShardPlan | None) -> Placed:
-    """The model placed with its checkpoint's MXFP4 experts kept; ConfigError if it has none."""
+    """The model placed with its checkpoint's MXFP4 experts kept (a dummy's drawn as MXFP4 parts);
+    ConfigError if it has none."""
+    if path.startswith("dummy:"):
+        loaded = load_dummy(path[len("dummy:"):])
+        layouts = {t: GroupedLayout("mxfp4", BLOCK, jnp.uint8) for t in KEPT_EXPERTS}
+        graphdef, state = build_state(loaded.config, None, dtype, plan=plan, seed=loaded.random_seed,
+                                      quantized=layouts)
+        return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
     cfg = read_hf_config(path)
     weights = gpt_oss_weights(checkpoint_tensors(path), cfg, keep_mxfp4=True)
     layouts = {t: GroupedLayout("mxfp4", BLOCK, jnp.uint8) for t in KEPT_EXPERTS if f"{t}.fp4" in weights}

@@ -72,6 +72,10 @@ def weight_draw(shape: tuple[int, ...], dtype, init: str, sharding, slot_mask: t
             return jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8), -127)
         if init == "int8-scale":  # uniform values times this have the normal draw's spread, 0.02
             return jnp.full(shape, 0.02 * 3 ** 0.5 / 127, jnp.float32)
+        if init == "uint8-bits":  # two random FP4 values a byte (MXFP4)
+            return jax.random.bits(key, shape, jnp.uint8)
+        if init == "mxfp4-scale":  # e8m0 127 - 7: 2^-7 (quant/grouped.py DUMMY_INIT)
+            return jnp.full(shape, 120, jnp.uint8)
         if init == "int4-words":  # eight random nibbles a word
             return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
         if init == "int4-zero":

@@ -81,9 +81,11 @@ class GroupedLayout:
                 "scale": (along(n // self.group), self.scale_dtype)}
 
 
-# How a `dummy:` model draws kept int4 parts (models/registry.py): random nibbles (stored q + 8) and the
-# scale that gives them a float dummy's spread.
-DUMMY_INIT = {"int4": {"packed": "int4-words", "scale": "int4-scale"}}
+# How a `dummy:` model draws kept parts (models/registry.py): random int4 nibbles (stored q + 8) or FP4
+# pairs, and the scale that gives them a float dummy's spread (MXFP4's values have an RMS of 2.9: a
+# scale of 2^-7 gives 0.023).
+DUMMY_INIT = {"int4": {"packed": "int4-words", "scale": "int4-scale"},
+              "mxfp4": {"fp4": "uint8-bits", "scale": "mxfp4-scale"}}
 
 
 class GroupedParams(WeightParts):
