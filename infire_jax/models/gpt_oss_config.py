@@ -93,7 +93,8 @@ def config_from_gpt_oss_hf(c: Mapping[str, Any]) -> ModelConfig:
     quant = c.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
     if quant and method != "mxfp4":
-        raise _bad("quantization_config.quant_method", method, "only mxfp4 experts (dequantized at load) are read")
+        raise _bad("quantization_config.quant_method", method,
+                   "only mxfp4 experts are read (dequantized at load, or kept: weights_quantization=checkpoint)")
     for field, want in (("hidden_act", "silu"), ("attention_bias", True)):
         if c.get(field, want) != want:
             raise _bad(field, c[field], f"only {want!r} is supported")
