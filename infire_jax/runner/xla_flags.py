@@ -3,8 +3,8 @@
 XLA reads `XLA_FLAGS` once, when the first backend is created; a flag set later does nothing. So
 `infire_jax/__init__.py` calls `apply()` before anything can touch a device. The user's own
 `XLA_FLAGS` win: a default is added only when the user did not name that flag. Every backend
-parses them and only the GPU compiler acts on them, so setting them on a CPU machine changes nothing
-there.
+parses them; the `xla_gpu_*` ones change nothing on a CPU, and the CPU test suite runs with the
+rematerialization pass off too.
 
 Measured on an H100 (`dummy:llama-3.1-8b`, bf16, batch-1 decode; ../shared/design/GPU.md):
   * `--xla_gpu_enable_triton_gemm=false`: 19.1 -> 10.4 ms/token. XLA's Triton GEMM fusions take
