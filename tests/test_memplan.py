@@ -98,13 +98,15 @@ def test_llama4_on_one_device_counts_its_vision_tower_and_image_pool():
     assert _plan("dummy:llama-3.1-8b", "1.yaml", "80GB").weights["vision"] == 0
 
 
-def test_gpt_oss_120b_fits_one_80gb_card_with_its_mxfp4_experts():
+def test_gpt_oss_fits_one_card_with_its_mxfp4_experts():
     """As published: 36 layers x 128 experts x (2880 x 5760 + 2880 x 2880) weights at 4.25 bits (a
     byte per two, a scale byte per 32) and their bf16 biases take 56.8 GiB; with the rest in bf16 one
     80 GB card keeps room for KV at 0.9."""
     p = _plan("dummy:gpt-oss-120b", "1.yaml", "80GB")
     assert p.weights["experts"] == 36 * 128 * (3 * 2880 * 2880 * (0.5 + 1 / 32) + 3 * 2880 * 2)
     assert p.weight_bytes < 61 * GiB and p.kv_room > 4 * GiB
+    small = _plan("dummy:gpt-oss-20b", "1.yaml", "24GiB")  # and the 20b a 24 GiB card
+    assert small.weight_bytes < 13 * GiB and small.kv_room > 6 * GiB
 
 
 def test_kimi_k25_figures_follow_from_its_config():
