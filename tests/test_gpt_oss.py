@@ -37,7 +37,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_l
             max_position_embeddings=2048, bos_token_id=256, eos_token_id=257, pad_token_id=0,
             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
-NUM_TOKENS = 24
+NUM_TOKENS = 48  # the prompts and outputs run well past the window, so both the window and the sinks count
 PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100)), [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31, 17, 90, 200]]
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
               page_size=4, num_kv_pages=80)
@@ -206,7 +206,7 @@ def test_loader_reads_mxfp4_experts_as_the_float_checkpoint(checkpoint):
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(checkpoint, tmp_path_factory):
     """The tiny checkpoint with its experts as the published checkpoints store them: random MXFP4
-    blocks and scales (`*_blocks`, `*_scales`), and their quantization_config."""
+    blocks and scales of 2^-8 to 2^-4 (`*_blocks`, `*_scales`), and their quantization_config."""
     import json
     import shutil
 
@@ -219,8 +219,9 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
     rng, tensors = np.random.default_rng(4), {}
     for name, w in checkpoint_tensors(path):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [X, in, out]
-            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = _random_mxfp4(
-                rng, (w.shape[0], w.shape[2], w.shape[1] // 32))
+            blocks, _ = _random_mxfp4(rng, (w.shape[0], w.shape[2], w.shape[1] // 32))
+            tensors[f"{name}_blocks"] = blocks
+            tensors[f"{name}_scales"] = rng.integers(119, 124, blocks.shape[:-1], dtype=np.uint8)
         else:
             tensors[name] = np.ascontiguousarray(w)
     save_file(tensors, str(out / "model.safetensors"))
@@ -235,9 +236,12 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
     return str(out)
 
 
-def test_kept_mxfp4_experts_equal_the_dequantized_ones(mxfp4_checkpoint):
+def test_kept_mxfp4_experts_equal_the_dequantized_ones_and_hf(mxfp4_checkpoint):
     """weights_quantization="checkpoint" keeps the experts as MXFP4 (a byte per two weights and per
-    block of 32) and serves what the experts dequantized at load serve: the same tokens and logprobs."""
+    block of 32) and serves what the experts dequantized at load serve: the same tokens and logprobs;
+    and HF's model of the same directory (transformers dequantizes MXFP4 on a CPU), within 1e-3."""
+    from transformers import GptOssForCausalLM
+
     from infire_jax import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
@@ -254,6 +258,11 @@ def test_kept_mxfp4_experts_equal_the_dequantized_ones(mxfp4_checkpoint):
         assert kept.token_ids == plain.token_ids
         np.testing.assert_allclose([lp[t] for lp, t in zip(kept.logprobs, kept.token_ids)],
                                    [lp[t] for lp, t in zip(plain.logprobs, plain.token_ids)], atol=1e-5, rtol=0)
+    hf = GptOssForCausalLM.from_pretrained(mxfp4_checkpoint).to(torch.float32).eval()
+    for prompt, kept in zip(PROMPTS, results[1]):
+        want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
+        assert kept.token_ids == want
+        np.testing.assert_allclose([lp[t] for lp, t in zip(kept.logprobs, want)], want_lp, atol=1e-3, rtol=0)
 
 
 def test_dummy_kept_mxfp4_experts_are_drawn_with_a_float_dummys_spread():
