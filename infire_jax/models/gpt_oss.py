@@ -8,13 +8,14 @@ Per layer (transformers' GptOssDecoderLayer):
   (ModelConfig.local_attention, on the hybrid KV cache as Qwen's and Mistral's windows);
 - the MoE: router logits with a bias, top-k of them, a softmax over the k chosen; each expert
   computes gate_up = x W + b, the gate clamped above at `limit`, the up projection to +-limit,
-  (up + 1) * gate * sigmoid(alpha * gate), then W_down + b. The experts run as moe.py's grouped loop
-  over row tiles (`tiled_experts`), on every backend.
+  (up + 1) * gate * sigmoid(alpha * gate), then W_down + b. On a GPU the experts run as two grouped
+  Pallas matmuls reading the layer's experts in place (`grouped_experts`, MXFP4 or plain), elsewhere
+  as moe.py's loop over row tiles (`tiled_experts`); INFIRE_JAX_MOE_GROUPED chooses.
 
 Weights are stacked over layers and scanned as models/llama.py's; q/k/v are one weight grouped by kv
 head (`project_qkv`). The checkpoint's MXFP4 experts are dequantized at load, or kept as they are
-(`weights_quantization="checkpoint"`, quant/mxfp4.py): each expert is then dequantized alone as its
-row tile reaches it. One device only: meshes, other quantization, compressed weights, LoRA and EAGLE-3
+(`weights_quantization="checkpoint"`, quant/mxfp4.py): the GPU's grouped kernel reads them as they
+are, and the loop over row tiles dequantizes each expert alone as its tile reaches it. One device only: meshes, other quantization, compressed weights, LoRA and EAGLE-3
 aux states are refused with a ConfigError.
 """
 
@@ -35,7 +36,8 @@ from infire_jax.models.config import GptOssConfig, ModelConfig
 from infire_jax.models.layers import (head_logits, layer_loop, local_attention_table, param, rms_norm, rope_tables,
                                       with_local_mask)
 from infire_jax.models.llama import linear, project_qkv
-from infire_jax.models.moe import Routing, combine, dispatch, tiled_experts
+from infire_jax.models.moe import Dispatch, Routing, combine, dispatch, tiled_experts
+from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
 from infire_jax.quant.grouped import GroupedLayout, GroupedParams, expert_weight
 from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels import cpu_matmul
@@ -80,16 +82,31 @@ class GptOssLayers(nnx.Module):
                 for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
 
 
-def clamped_swiglu(lp: dict[str, Array], gc: GptOssConfig, x: Float[Array, "B E"], g: Int[Array, ""]
-                   ) -> Float[Array, "B E"]:
-    """Expert g of the layer on rows x, as transformers' GptOssExperts (`_apply_gate`); a kept MXFP4
-    expert is dequantized alone (`expert_weight`)."""
-    w_gate_up, w_down = (expert_weight(lp[k], g, k, x.dtype) for k in ("w_gate_up", "w_down"))
-    gate_up = jnp.einsum("me,ecf->mcf", x, w_gate_up) + lp["b_gate_up"][g]
+def _glu(gate_up: Float[Array, "B 2 F"], gc: GptOssConfig) -> Float[Array, "B F"]:
+    """transformers' GptOssExperts `_apply_gate`: the gate clamped above, up to +-limit, and
+    (up + 1) * gate * sigmoid(alpha * gate)."""
     gate = jnp.minimum(gate_up[:, 0], gc.swiglu_limit)
     up = jnp.clip(gate_up[:, 1], -gc.swiglu_limit, gc.swiglu_limit)
-    glu = gate * jax.nn.sigmoid(gate * gc.swiglu_alpha)
-    return ((up + 1) * glu) @ w_down + lp["b_down"][g]
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * gc.swiglu_alpha))
+
+
+def clamped_swiglu(lp: dict[str, Array], gc: GptOssConfig, x: Float[Array, "B E"], g: Int[Array, ""]
+                   ) -> Float[Array, "B E"]:
+    """Expert g of the layer on rows x; a kept MXFP4 expert is dequantized alone (`expert_weight`)."""
+    w_gate_up, w_down = (expert_weight(lp[k], g, k, x.dtype) for k in ("w_gate_up", "w_down"))
+    gate_up = jnp.einsum("me,ecf->mcf", x, w_gate_up) + lp["b_gate_up"][g]
+    return _glu(gate_up, gc) @ w_down + lp["b_down"][g]
+
+
+def grouped_experts(lp: dict[str, Array | LayerExperts], d: Dispatch, gc: GptOssConfig) -> Float[Array, "M E"]:
+    """Every sorted row through its expert by two grouped-kernel calls that read the layer's experts in
+    place (MXFP4 or plain; pallas_kernels/quant_matmul.py), each row's biases added and the clamped
+    SwiGLU between them."""
+    m, f = d.x.shape[0], lp["b_gate_up"].shape[-1]
+    expert = jnp.repeat(jnp.arange(d.group_sizes.shape[0], dtype=jnp.int32), d.group_sizes, total_repeat_length=m)
+    gate_up = lp["w_gate_up"].grouped(d.x, d.group_sizes).astype(d.x.dtype).reshape(m, 2, f)
+    glu = _glu(gate_up + lp["b_gate_up"][expert], gc)
+    return lp["w_down"].grouped(glu, d.group_sizes).astype(d.x.dtype) + lp["b_down"][expert]
 
 
 def route(lp: dict[str, Array], x: Float[Array, "T E"], k: int) -> Routing:
@@ -106,7 +123,10 @@ def moe(lp: dict[str, Array], x: Float[Array, "T E"], cfg: ModelConfig) -> Float
     grouped loop and combine)."""
     routing = route(lp, x, cfg.num_experts_per_tok)
     d = dispatch(x, routing.experts, cfg.num_experts)
-    ys = tiled_experts(d.x, d.group_sizes, functools.partial(clamped_swiglu, lp, cfg.gpt_oss))
+    if isinstance(lp["w_gate_up"], LayerExperts):
+        ys = grouped_experts(lp, d, cfg.gpt_oss)
+    else:
+        ys = tiled_experts(d.x, d.group_sizes, functools.partial(clamped_swiglu, lp, cfg.gpt_oss))
     return combine(ys, d, routing, x.dtype)
 
 
@@ -117,10 +137,12 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, Array], h
     `local_attention_table` scanned beside its weights (None: every layer global)."""
     tokens, n = h.shape[0], cfg.num_layers
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
+    in_place = layer_stacks(weights, tokens, {}, True, one_device=True)  # the experts, where the kernel is Pallas
 
     def layer(carry, xs):
         h, k_pages, v_pages = carry
         lp, idx, local = xs
+        lp = {**lp, **{name: LayerExperts(kw, idx) for name, (kw, _) in in_place.items()}}
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), True, (cos, sin))
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, with_local_mask(meta, local),
                                               scale=cfg.head_dim ** -0.5, impl=attn_impl, cpu_kernel=True,
@@ -129,7 +151,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, Array], h
         h = h + moe(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), cfg)
         return (h, k_pages, v_pages), None
 
-    xs = (weights, np.arange(n, dtype=np.int32), local_attention_table(cfg, n))
+    scanned = {name: w for name, w in weights.items() if name not in in_place}
+    xs = (scanned, np.arange(n, dtype=np.int32), local_attention_table(cfg, n))
     return layer_loop(layer, (h, k_pages, v_pages), xs, n, tokens)
 
 
