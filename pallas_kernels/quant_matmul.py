@@ -384,7 +384,10 @@ def grouped_matmul(x: Float[Array, "M K"], group_sizes: Int[Array, "G"], stack: 
     group_end = jnp.cumsum(group_sizes)
     group_first = group_end - group_sizes
     i = jnp.arange(trips, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), num_groups - 1).astype(jnp.int32)
+    # compare_all: one fused comparison, where the default binary search is a loop of a few launches
+    # a trip on a GPU (two such loops in every MoE layer of a step)
+    group = jnp.minimum(jnp.searchsorted(tile_end, i, side="right", method="compare_all"),
+                        num_groups - 1).astype(jnp.int32)
     used = i < tile_end[-1]
     start = jnp.where(used, group_first[group] + (i - tile_first[group]) * rows, 0)
     k_blocks = jnp.where(used, k // blocks.block_k, 0)
@@ -392,7 +395,7 @@ def grouped_matmul(x: Float[Array, "M K"], group_sizes: Int[Array, "G"], stack: 
     out = _tiles_call(xp, stack, first + group, start, k_blocks, rows, blocks, interpret)
     out = out[0] if out.shape[0] == 1 else out.sum(axis=0)
     r = jnp.arange(m, dtype=jnp.int32)
-    row_group = jnp.searchsorted(group_end, r, side="right").astype(jnp.int32)
+    row_group = jnp.searchsorted(group_end, r, side="right", method="compare_all").astype(jnp.int32)
     valid = row_group < num_groups
     g = jnp.minimum(row_group, num_groups - 1)
     offset = r - group_first[g]

@@ -27,12 +27,17 @@ def is_gpt_oss(spec: str | None) -> bool:
     return os.path.isfile(os.path.join(spec or "", "config.json")) and read_hf_config(spec).gpt_oss is not None
 
 
+def kept_layouts() -> dict[str, GroupedLayout]:
+    """The layouts of gpt-oss's kept experts (a dummy's are drawn so; bench/gpu_target.py builds them)."""
+    return {t: GroupedLayout("mxfp4", BLOCK, jnp.uint8) for t in KEPT_EXPERTS}
+
+
 def load_kept_placed(path: str, dtype, plan: ShardPlan | None) -> Placed:
     """The model placed with its checkpoint's MXFP4 experts kept (a dummy's drawn as MXFP4 parts);
     ConfigError if it has none."""
     if path.startswith("dummy:"):
         loaded = load_dummy(path[len("dummy:"):])
-        layouts = {t: GroupedLayout("mxfp4", BLOCK, jnp.uint8) for t in KEPT_EXPERTS}
+        layouts = kept_layouts()
         graphdef, state = build_state(loaded.config, None, dtype, plan=plan, seed=loaded.random_seed,
                                       quantized=layouts)
         return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")

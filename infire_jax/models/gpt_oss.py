@@ -35,8 +35,9 @@ from infire_jax.models import yarn
 from infire_jax.models.config import GptOssConfig, ModelConfig
 from infire_jax.models.layers import (head_logits, layer_loop, local_attention_table, param, rms_norm, rope_tables,
                                       with_local_mask)
-from infire_jax.models.llama import linear, project_qkv
+from infire_jax.models.llama import kernel_weights, linear, project_qkv
 from infire_jax.models.moe import Dispatch, Routing, combine, dispatch, tiled_experts
+from infire_jax.models.panels import INPUT_AXES
 from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
 from infire_jax.quant.grouped import GroupedLayout, GroupedParams, expert_weight
 from infire_jax.quant.weight_parts import WeightParts
@@ -137,12 +138,14 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, Array], h
     `local_attention_table` scanned beside its weights (None: every layer global)."""
     tokens, n = h.shape[0], cfg.num_layers
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
-    in_place = layer_stacks(weights, tokens, {}, True, one_device=True)  # the experts, where the kernel is Pallas
+    # On a GPU, the stacks the Pallas matmuls read in place: the experts, and in decode-sized steps
+    # q/k/v and o (XLA's GEMM would copy each layer's slice out of the stack first: docs/PERFORMANCE.md).
+    in_place = layer_stacks(weights, tokens, {k: INPUT_AXES[k] for k in ("wqkv", "wo")}, True, one_device=True)
 
     def layer(carry, xs):
         h, k_pages, v_pages = carry
         lp, idx, local = xs
-        lp = {**lp, **{name: LayerExperts(kw, idx) for name, (kw, _) in in_place.items()}}
+        lp = kernel_weights(lp, in_place, idx, tokens, cpu=False)
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), True, (cos, sin))
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, with_local_mask(meta, local),
                                               scale=cfg.head_dim ** -0.5, impl=attn_impl, cpu_kernel=True,
