@@ -25,8 +25,8 @@ from pallas_kernels import cpu_attention, cpu_kernels, decode_attention, prefill
 from pallas_kernels.metadata import AttentionMetadata, LocalMask
 from pallas_kernels.triton_backend import MASK_VALUE
 from test_kernels import LAYER, _jaxlib_version, assert_close, device, device_meta
-from test_local_attention import (ON_GPU, ROWS, SHAPES, LocalCase, _fp8_case, _pool_after_write, case_args, kind_id,
-                                  make_case, numpy_first_visible, real_tokens)
+from test_local_attention import (ON_GPU, SHAPES, LocalCase, _fp8_case, _pool_after_write, case_args, kind_id,
+                                  make_case, oracle, real_tokens)
 
 # None: a global layer (the unmasked programs); (0, 10): a sliding window of 10 (gpt-oss's banded layers
 # slide over 128); (12, 0): a chunked layer, whose decode row at 150 has only 7 keys for its sink to outweigh.
@@ -47,30 +47,6 @@ def make_sinks(num_q_heads: int, seed: int) -> np.ndarray:
     return np.asarray(jnp.asarray(sinks, jnp.bfloat16).astype(jnp.float32))
 
 
-def oracle(case: LocalCase, kind, sinks: np.ndarray | None, rows=ROWS) -> np.ndarray:
-    """float64 attention of each real token over its history's positions [first_visible(p), p], with
-    a sink column per head joined to every row and dropped; padding tokens NaN."""
-    t, hq, d = case.q.shape
-    group = hq // case.k.shape[1]
-    out = np.full((t, hq, d), np.nan)
-    for i, (ctx, n) in enumerate(rows):
-        span = slice(case.meta.cu_q_lens[i], case.meta.cu_q_lens[i + 1])
-        keys = np.repeat(case.k_history[i].astype(np.float64), group, axis=1)  # q head h reads kv head h // G
-        values = np.repeat(case.v_history[i].astype(np.float64), group, axis=1)
-        scores = np.einsum("nhd,mhd->hnm", case.q[span].astype(np.float64), keys) * d ** -0.5
-        p = ctx + np.arange(n)[:, None]
-        m = np.arange(ctx + n)[None, :]
-        first = np.zeros_like(p) if kind is None else numpy_first_visible(p, *kind)
-        scores = np.where(((m <= p) & (m >= first))[None], scores, -np.inf)
-        sink = np.full((hq, n, 1), -np.inf) if sinks is None else np.broadcast_to(
-            sinks.astype(np.float64)[:, None, None], (hq, n, 1))
-        row_max = np.maximum(scores.max(axis=-1, keepdims=True), sink)
-        w = np.exp(scores - row_max)
-        denom = w.sum(axis=-1, keepdims=True) + np.exp(sink - row_max)
-        out[span] = np.einsum("hnm,mhd->nhd", w / denom, values)
-    return out
-
-
 def assert_heads_close(actual, expected: np.ndarray, tol: float) -> None:
     """Every query head within `tol` of its own largest output: a head whose sink outweighs its keys
     has small outputs, which a tolerance relative to all heads would not check."""
@@ -84,7 +60,7 @@ def test_the_sinks_matter():
     case = make_case(shapes, (0, 10), seed=0)
     real = real_tokens(case.meta)
     sinks = make_sinks(shapes.num_q_heads, 0)
-    with_sinks, without = oracle(case, (0, 10), sinks)[real], oracle(case, (0, 10), None)[real]
+    with_sinks, without = oracle(case, (0, 10), sinks=sinks)[real], oracle(case, (0, 10))[real]
     change = np.abs(with_sinks - without).max(axis=(0, 2)) / np.abs(without).max(axis=(0, 2))
     assert (change[sinks > -30] > 0.05).all() and (change[sinks == -30] < 1e-9).all(), (sinks, change)
 
@@ -103,7 +79,7 @@ def test_pallas_path_with_sinks(shapes, kind):
     step = _jit(ragged_attention.ragged_paged_attention, scale=shapes.head_dim ** -0.5, interpret=not ON_GPU)
     out, _, _ = step(*case_args(case, shapes), sinks=jnp.asarray(sinks))
     real = real_tokens(case.meta)
-    assert_heads_close(np.asarray(out)[real], oracle(case, kind, sinks)[real], shapes.tol)
+    assert_heads_close(np.asarray(out)[real], oracle(case, kind, sinks=sinks)[real], shapes.tol)
     assert not np.asarray(out.astype(jnp.float32))[~real].any()
 
 
@@ -116,7 +92,7 @@ def test_kernels_with_small_tiles_and_splits(kind):
     sinks = make_sinks(shapes.num_q_heads, 2)
     k_pages, v_pages = (device(x, shapes) for x in _pool_after_write(case))
     args = (device(case.q, shapes), k_pages, v_pages, jnp.int32(LAYER), device_meta(case.meta))
-    want = oracle(case, kind, sinks)
+    want = oracle(case, kind, sinks=sinks)
     scale = shapes.head_dim ** -0.5
     decoded, is_decode = _jit(decode_attention.decode_attention, scale=scale, block_k=8, num_splits=3,
                               interpret=True)(*args, sinks=jnp.asarray(sinks))
@@ -161,7 +137,7 @@ def test_cpu_kernel_with_sinks(shapes, kind):
     assert f"custom_call @{cpu_attention.TARGET_SINKS}(" in step.lower(*args, sinks=jnp.asarray(sinks)).as_text()
     out, _, _ = step(*args, sinks=jnp.asarray(sinks))
     real = real_tokens(case.meta)
-    assert_heads_close(np.asarray(out)[real], oracle(case, kind, sinks)[real], shapes.tol)
+    assert_heads_close(np.asarray(out)[real], oracle(case, kind, sinks=sinks)[real], shapes.tol)
     assert not np.asarray(out.astype(jnp.float32))[~real].any()
 
 
@@ -184,7 +160,7 @@ def test_fp8_pool_with_sinks(impl):
     kind = (12, 0)
     case, kv_scale, k_bits, v_bits, _ = _fp8_case(kind)
     sinks = make_sinks(case.q.shape[1], 5)
-    want = oracle(_dequantized(case, kv_scale), kind, sinks)
+    want = oracle(_dequantized(case, kv_scale), kind, sinks=sinks)
     scale = SHAPES[0].head_dim ** -0.5
     if impl == "pallas":
         fn = _jit(ragged_attention.ragged_paged_attention, scale=scale, interpret=not ON_GPU)

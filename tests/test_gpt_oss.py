@@ -22,7 +22,7 @@ import torch
 
 from deepseek_models import VOCAB, _save_tokenizer, hf_greedy
 from test_kernels import Shapes, assert_close
-from test_local_attention import case_args, make_case, numpy_first_visible, real_tokens
+from test_local_attention import case_args, make_case, oracle, real_tokens
 
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig, gpt_oss_param_count
@@ -86,26 +86,6 @@ def test_generate_matches_hf(checkpoint, attn_impl):
     llm.engine.close()
 
 
-def sink_oracle(case, kind, sinks: np.ndarray, rows) -> np.ndarray:
-    """float64 attention over [first_visible(p), p] with each head's sink logit in the softmax's denominator."""
-    t, hq, d = case.q.shape
-    group = hq // case.k.shape[1]
-    out = np.full((t, hq, d), np.nan)
-    for i, (ctx, n) in enumerate(rows):
-        span = slice(case.meta.cu_q_lens[i], case.meta.cu_q_lens[i + 1])
-        keys = np.repeat(case.k_history[i].astype(np.float64), group, axis=1)
-        values = np.repeat(case.v_history[i].astype(np.float64), group, axis=1)
-        scores = np.einsum("nhd,mhd->hnm", case.q[span].astype(np.float64), keys) * d ** -0.5
-        p, m = ctx + np.arange(n)[:, None], np.arange(ctx + n)[None, :]
-        first = np.zeros_like(p) if kind is None else numpy_first_visible(p, *kind)
-        scores = np.where(((m <= p) & (m >= first))[None], scores, -np.inf)
-        sink = sinks.astype(np.float64)[:, None, None]
-        top = np.maximum(scores.max(axis=-1, keepdims=True), sink)
-        w = np.exp(scores - top)
-        out[span] = np.einsum("hnm,mhd->nhd", w / (w.sum(axis=-1, keepdims=True) + np.exp(sink - top)), values)
-    return out
-
-
 @pytest.mark.parametrize("kind", [(0, 10), None], ids=["window10", "global"])
 def test_sinks_match_numpy(kind):
     """Prefill chunks after cached prefixes, decodes and a one-token prompt; sinks from below the scores
@@ -120,7 +100,7 @@ def test_sinks_match_numpy(kind):
     out, _, _ = jax.jit(lambda *a: paged_attention(*a, scale=shapes.head_dim ** -0.5, impl="reference",
                                                    cpu_kernel=True, sinks=jnp.asarray(sinks)))(*args)
     real = real_tokens(case.meta)
-    want = sink_oracle(case, kind, sinks, ROWS)
+    want = oracle(case, kind, ROWS, sinks)
     assert_close(np.asarray(out)[real], want[real], 2e-5)
     plain, _, _ = paged_attention(*args, scale=shapes.head_dim ** -0.5, impl="reference")
     assert np.abs(np.asarray(plain)[real] - want[real]).max() > 1e-2  # the sinks matter here
@@ -152,7 +132,7 @@ def test_sinks_with_an_fp8_pool():
         jnp.asarray(codes(case.k_pages, kv_scale[0]).view(np.uint8)),
         jnp.asarray(codes(case.v_pages, kv_scale[1]).view(np.uint8)), jnp.int32(LAYER), case_args(case, shapes)[-1])
     real = real_tokens(case.meta)
-    np.testing.assert_allclose(np.asarray(out, np.float64)[real], sink_oracle(exact, kind, sinks, ROWS)[real],
+    np.testing.assert_allclose(np.asarray(out, np.float64)[real], oracle(exact, kind, ROWS, sinks)[real],
                                atol=2e-5, rtol=2e-5)
 
 

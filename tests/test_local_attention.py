@@ -126,8 +126,9 @@ def make_case(shapes: Shapes, kind, *, seed: int, rows=ROWS, num_tokens=NUM_TOKE
     return LocalCase(q, k, v, k_pages, v_pages, meta, k_history, v_history, dropped)
 
 
-def oracle(case: LocalCase, kind, rows=ROWS) -> np.ndarray:
-    """float64 attention of each real token over its history's positions [first_visible(p), p]."""
+def oracle(case: LocalCase, kind, rows=ROWS, sinks: np.ndarray | None = None) -> np.ndarray:
+    """float64 attention of each real token over its history's positions [first_visible(p), p]; with
+    `sinks` (a logit per query head, gpt-oss) a sink column joined to every row and dropped."""
     t, hq, d = case.q.shape
     group = hq // case.k.shape[1]
     out = np.full((t, hq, d), np.nan)
@@ -140,8 +141,11 @@ def oracle(case: LocalCase, kind, rows=ROWS) -> np.ndarray:
         m = np.arange(ctx + n)[None, :]
         first = np.zeros_like(p) if kind is None else numpy_first_visible(p, *kind)
         scores = np.where(((m <= p) & (m >= first))[None], scores, -np.inf)
-        w = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        out[span] = np.einsum("hnm,mhd->nhd", w / w.sum(axis=-1, keepdims=True), values)
+        sink = np.full((hq, n, 1), -np.inf) if sinks is None else np.broadcast_to(
+            sinks.astype(np.float64)[:, None, None], (hq, n, 1))
+        row_max = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+        w = np.exp(scores - row_max)
+        out[span] = np.einsum("hnm,mhd->nhd", w / (w.sum(axis=-1, keepdims=True) + np.exp(sink - row_max)), values)
     return out
 
 

@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 from infire_jax.errors import ConfigError
 from infire_jax.models import yarn
 from infire_jax.models.config import GptOssConfig, ModelConfig
-from infire_jax.models.layers import (head_logits, layer_loop, local_attention_table, param, rms_norm, rope_tables,
+from infire_jax.models.layers import (final_logits, layer_loop, local_attention_table, param, rms_norm, rope_tables,
                                       with_local_mask)
 from infire_jax.models.llama import kernel_weights, linear, project_qkv
 from infire_jax.models.moe import Dispatch, Routing, combine, dispatch, tiled_experts
@@ -41,7 +41,6 @@ from infire_jax.models.panels import INPUT_AXES
 from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
 from infire_jax.quant.grouped import GroupedLayout, GroupedParams, expert_weight
 from infire_jax.quant.weight_parts import WeightParts
-from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
@@ -195,11 +194,8 @@ class GptOss(nnx.Module):
         return h, (k_pages, v_pages)
 
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        if plan is None and cpu_matmul.head_applies(h.shape[0], head):
-            return cpu_matmul.head_matmul(h, head)
-        return head_logits(h, head)
+        return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
 
     def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
                  *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None

@@ -13,6 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
+from pallas_kernels import cpu_matmul
 from infire_jax.models.config import ModelConfig
 from pallas_kernels import placement
 from pallas_kernels.metadata import AttentionMetadata, LocalMask
@@ -68,6 +69,16 @@ def rms_norm(x: Float[Array, "... E"], weight: Float[Array, "E"], eps: float) ->
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def final_logits(h: Float[Array, "S E"], final_norm: Float[Array, "E"], head: Float[Array, "V E"], eps: float,
+                 one_device: bool) -> Float[Array, "S V"]:
+    """Final norm and LM head (`head_logits`): float32 logits, the head read once in place (on one
+    device, a CPU's bfloat16 head goes through the FFI call, where XLA would convert it whole every step)."""
+    h = rms_norm(h, final_norm, eps)
+    if one_device and cpu_matmul.head_applies(h.shape[0], head):
+        return cpu_matmul.head_matmul(h, head)
+    return head_logits(h, head)
 
 
 def head_logits(h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Array, "S V"]:

@@ -23,7 +23,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.lora.batched import LayerLoRA, LoRAStep, LoRAWeight, split_stacks
 from infire_jax.lora.layout import stack_axes
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.layers import (apply_rope, head_logits, layer_loop, local_attention_table, param, rms_norm,
+from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, local_attention_table, param, rms_norm,
                                       rope_inv_freq, rope_tables, with_local_mask)
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
@@ -373,13 +373,8 @@ class Llama(nnx.Module):
                            token_args=() if slots is None else (slots,))
 
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        """Final norm and LM head (`head_logits`): float32 logits, the head read once in place (on
-        CPU a bfloat16 head goes through the FFI call, where XLA would convert it whole every step)."""
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        if plan is None and cpu_matmul.head_applies(h.shape[0], head):
-            return cpu_matmul.head_matmul(h, head)
-        return head_logits(h, head)
+        return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
 
     def __call__(
         self,

@@ -47,7 +47,7 @@ from jaxtyping import Array, Float, Int
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import shared_mlp
-from infire_jax.models.layers import (apply_rope, head_logits, layer_loop, local_attention_table, param, rms_norm,
+from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, local_attention_table, param, rms_norm,
                                       rope_inv_freq, rope_tables, stage_rows, with_local_mask)
 from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_aux_layers, dense_mlp, kernel_weights,
                                      linear, project_qkv)
@@ -55,7 +55,6 @@ from infire_jax.models.moe import Routing, routed_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
-from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
@@ -286,11 +285,8 @@ class Llama4(nnx.Module):
         return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin)
 
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        if plan is None and cpu_matmul.head_applies(h.shape[0], head):
-            return cpu_matmul.head_matmul(h, head)
-        return head_logits(h, head)
+        return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
 
     def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
                  *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
