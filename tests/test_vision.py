@@ -546,19 +546,25 @@ def test_more_images_than_the_pool_holds_wait_for_rows(mm_llm):
 
 
 def test_pool_rows_are_reserved_first_fit_and_merged_back():
-    """A full pool refuses with a message saying so; freed rows merge with their neighbours."""
+    """A full pool refuses with a message saying so; freed rows merge with their neighbours; a request's
+    images are checked for room, first fit, before any is encoded (nothing reserved by the check)."""
     from infire_jax.errors import InvalidRequestError
-    from infire_jax.runner.image_pool import ImagePool
-
-    from infire_jax.vision.encoder import weights_from_hf
+    from infire_jax.runner.image_pool import ImagePool, ImagePoolFull
 
     config, _, _, tensors = _tiny_hf()
     cfg = vision_config(config.to_dict())
     pool = ImagePool(cfg, weights_from_hf(cfg, tensors), 40)
     a, b = pool.reserve(16), pool.reserve(16)
     assert (a, b) == (0, 16) and pool.free_rows == 8
-    with pytest.raises(InvalidRequestError, match="fill the device's image pool"):
+    with pytest.raises(ImagePoolFull, match="fill the device's image pool"):
         pool.reserve(16)
+    tiles = [np.zeros((n, 3, 56, 56), np.float32) for n in (1, 1, 3)]  # 4, 4 and 16 rows (a 4-tile bucket)
+    pool.check_room(tiles[:2])
+    with pytest.raises(ImagePoolFull):
+        pool.check_room(tiles)
+    with pytest.raises(InvalidRequestError, match="which has 40") as e:
+        pool.check_room([np.zeros((17, 3, 56, 56), np.float32)])
+    assert not isinstance(e.value, ImagePoolFull) and pool.free_rows == 8
     pool.release(a, 16)
     assert pool.reserve(8) == 0 and pool.reserve(8) == 8  # first fit, in the freed span
     for start, n in ((0, 8), (b, 16), (8, 8)):

@@ -70,6 +70,7 @@ class ImageInputs:
         if len(patches) != want:
             raise InvalidRequestError(f"the prompt has {len(patches)} image patch tokens, its images {want}",
                                       param="prompt")
+        self.pool.check_room([t.pixels for t in tiles])
         spans, rows, digest = [], [], hashlib.sha256()
         try:
             for t in tiles:

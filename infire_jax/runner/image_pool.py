@@ -55,6 +55,17 @@ class ImagePool:
         raise ImagePoolFull(f"the images of the requests in flight fill the device's image pool "
                             f"({self.num_rows} rows, {self.free_rows} free, {rows} needed)", param="messages")
 
+    def check_room(self, images: list[np.ndarray]) -> None:
+        """ImagePoolFull (or InvalidRequestError) unless the images' tiles ([tiles, C, H, W] each) would
+        all be reserved now, first fit in order: checked before any is encoded, so a request that
+        waits for rows (the async engine retries it every step) encodes nothing until it fits."""
+        free = list(self._free)
+        try:
+            for pixels in images:
+                self.reserve(tile_bucket(pixels.shape[0]) * self.cfg.tokens_per_tile)
+        finally:
+            self._free = free
+
     def release(self, start: int, rows: int) -> None:
         spans = sorted([*self._free, (start, rows)])
         merged = [spans[0]]
