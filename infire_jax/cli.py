@@ -1,4 +1,4 @@
-"""`infire-jax` command line: generate, chat, serve, compress, plan (also `python -m infire_jax ...`)."""
+"""`infire-jax` command line: generate, chat, serve, compress, plan, precompile (also `python -m infire_jax ...`)."""
 
 from __future__ import annotations
 
@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_args(m)
     m.set_defaults(func=run_plan)
+
+    pc = sub.add_parser("precompile", help="compile the step programs into the executable cache before the first "
+                                           "start (--target: a GPU's, on a machine without one)")
+    from infire_jax.bench import precompile
+
+    precompile.add_args(pc)
+    pc.set_defaults(func=precompile.run)
 
     r = sub.add_parser("router", help="route OpenAI requests over prefill/decode workers or replicas")
     from router.app import add_router_args

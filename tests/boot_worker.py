@@ -13,14 +13,14 @@ from infire_jax.engine.engine import Engine, EngineConfig
 from infire_jax.sample.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140))]
+# Two token buckets (a decode's and the budget's), not the default six: every kind of step program
+# (forward, sampler, decode burst, prompt-logprob gather) is still there, a third as many to compile.
+ENGINE = dict(model="dummy:smollm2-135m", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+              token_buckets=(4, 32), max_model_len=128, num_kv_pages=32)
 
 
 def main() -> None:
-    # Two token buckets (a decode's and the budget's), not the default six: every kind of step program
-    # (forward, sampler, decode burst, prompt-logprob gather) is still there, a third as many to compile.
-    engine = Engine(EngineConfig(model="dummy:smollm2-135m", dtype="float32", max_num_seqs=4,
-                                 max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
-                                 num_kv_pages=32, mesh=sys.argv[1] if len(sys.argv) > 1 else None))
+    engine = Engine(EngineConfig(**ENGINE, mesh=sys.argv[1] if len(sys.argv) > 1 else None))
     ids = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2))[0]
            for p in PROMPTS]
     tokens: dict[str, list[int]] = {i: [] for i in ids}

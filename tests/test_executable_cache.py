@@ -185,15 +185,22 @@ def _with_cpu_kernels(cache: str) -> None:
         shutil.copy2(lib._name, os.path.join(cache, "cpu_kernels"))
 
 
-def test_fresh_processes_after_xla_cache_filled(tmp_path):
+@pytest.fixture(scope="module")
+def plain_boot(tmp_path_factory) -> tuple[str, dict]:
+    """A start without the executable cache (XLA's persistent cache filled), and its cache dir."""
+    cache = str(tmp_path_factory.mktemp("boots"))
+    _with_cpu_kernels(cache)
+    plain = _boot(cache, INFIRE_JAX_NO_EXECUTABLE_CACHE="1")
+    assert plain["executables_loaded"] == 0 and plain["compiled"] > 0
+    return cache, plain
+
+
+def test_fresh_processes_after_xla_cache_filled(plain_boot):
     """XLA's persistent cache holds the steps first (a start without this cache); the next start
     must compile them afresh to store them (an executable XLA's cache loaded cannot be serialized
     again), and the one after runs them deserialized: the same tokens and logprobs each time. The
     engine uses one of the two devices it sees, so a loaded program must not assume both."""
-    cache = str(tmp_path)
-    _with_cpu_kernels(cache)
-    plain = _boot(cache, INFIRE_JAX_NO_EXECUTABLE_CACHE="1")
-    assert plain["executables_loaded"] == 0 and plain["compiled"] > 0
+    cache, plain = plain_boot
     storing = _boot(cache)
     assert storing["executables_loaded"] == 0 and storing["executables_stored"] > 0
     warm = _boot(cache)
@@ -201,6 +208,57 @@ def test_fresh_processes_after_xla_cache_filled(tmp_path):
     for run in (storing, warm):
         assert run["tokens"] == plain["tokens"] and run["compiles_since_warmup"] == 0
         np.testing.assert_allclose(run["logprobs"], plain["logprobs"], atol=1e-6)
+
+
+def test_a_precompiled_cache_is_what_the_next_start_loads(tmp_path, plain_boot):
+    """`infire-jax precompile` for this machine, in a fresh process, from the weights' and the pool's
+    shapes alone (nothing drawn or allocated): the next start with the same settings loads every step
+    program from it, compiles and stores none, and generates what a start that compiled its own does."""
+    from tests.boot_worker import ENGINE
+
+    cache = str(tmp_path)
+    _with_cpu_kernels(cache)
+    flags = [f for name, value in ENGINE.items()
+             for f in (f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, tuple) else (value,)))]
+    proc = subprocess.run([sys.executable, "-m", "infire_jax", "precompile", *flags, "--mesh",
+                           os.path.join(ROOT, "sharding", "configs", "1.yaml")], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=cpu_env(2, INFIRE_JAX_CACHE=cache, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stored = int(proc.stdout.split(" programs (")[0].rsplit("\n", 1)[-1])
+    warm = _boot(cache)
+    assert warm["executables_loaded"] == stored and warm["executables_stored"] == 0
+    assert warm["compiles_since_warmup"] == 0 and warm["tokens"] == plain_boot[1]["tokens"]
+    np.testing.assert_allclose(warm["logprobs"], plain_boot[1]["logprobs"], atol=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine compiles for its own GPU")
+def test_a_gpu_program_compiled_without_the_gpu_is_keyed_as_the_gpu_asks_for_it(tmp_path, monkeypatch):
+    """A program compiled for an H100 topology device on this CPU machine is stored under the key the
+    card's own engine computes: its arrays on device 0, or shapes without a placement, in a process
+    that chose the GPU platform, set the allocator's share and runs in a CUDA container. What changes
+    the program (the card, XLA_FLAGS) changes the key, and this machine's own CPU programs are apart."""
+    from infire_jax.bench import gpu_target
+
+    h100 = gpu_target.target("h100")
+    (device,) = gpu_target.devices(h100)
+    jitted, _, args = _program()
+    placed = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+                   for a in args)
+    platform = executable_cache.gpu_platform(h100.device_kind)
+    assert executable_cache.ExecutableCache(str(tmp_path), "ctx", platform=platform).put(
+        "f", placed, jitted.lower(*placed).compile()) > 0
+    for name, value in (("JAX_PLATFORMS", "cuda"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
+                        ("CUDA_VERSION", "12.8"), ("NVIDIA_VISIBLE_DEVICES", "all")):
+        monkeypatch.setenv(name, value)
+    on_the_card = executable_cache.ExecutableCache(str(tmp_path), "ctx", platform=platform)
+    on_device_0 = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(
+        jax.devices()[0])) for a in args)
+    assert os.path.exists(on_the_card.path("f", args)) and os.path.exists(on_the_card.path("f", on_device_0))
+    h200 = executable_cache.ExecutableCache(str(tmp_path), "ctx", platform=executable_cache.gpu_platform("NVIDIA H200"))
+    assert not os.path.exists(h200.path("f", args))
+    assert not os.path.exists(executable_cache.ExecutableCache(str(tmp_path), "ctx").path("f", args))
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=true")
+    assert not os.path.exists(executable_cache.ExecutableCache(str(tmp_path), "ctx", platform=platform).path("f", args))
 
 
 def _placed_programs(directory: str) -> None:

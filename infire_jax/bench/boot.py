@@ -12,6 +12,10 @@ persistent cache). The floor is the checkpoint's bytes over the drive's read spe
 O_DIRECT reads and np.fromfile of the same files, both past the page cache. A `dummy:` model has
 no checkpoint (its weights are drawn on the devices): it gets a first boot and --runs warm ones,
 and no floor; kept compressed (--weights-compression), it is checkpointed coded, like any model.
+With --precompile, `infire-jax precompile` fills the fresh cache first, in a process that sees no
+GPU (JAX_PLATFORMS=cpu: the card's programs compiled without it; `here`: this machine's own), so
+the first boot shows a start whose steps were compiled elsewhere (pass --num-kv-pages: the pool
+must be the one compiled for).
 Single process only.
 """
 
@@ -34,6 +38,10 @@ _RESULT = "BOOT "
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=positive_int, default=3, help="cold and warm boots measured (each)")
+    p.add_argument("--precompile", default=None, choices=["h100", "h200", "auto", "here"],
+                   help="fill the cache with `infire-jax precompile` before the first boot: --target h100/h200 "
+                        "(auto: this machine's GPU, from nvidia-smi) in a process without the GPU; here: "
+                        "for this machine's own devices")
     add_engine_args(p)
 
 
@@ -118,6 +126,36 @@ def _drawn(args: argparse.Namespace) -> bool:
     return (args.model or "").startswith("dummy:") and not args.weights_compression
 
 
+def _gpu_target(choice: str) -> str:
+    """--precompile's target: the named one, this machine's card (auto: nvidia-smi's name), or ""
+    (here: this machine's own devices)."""
+    if choice != "auto":
+        return "" if choice == "here" else choice
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise BenchError(f"--precompile auto reads this machine's GPU from nvidia-smi: {e}") from e
+    return "h200" if "H200" in name else "h100"
+
+
+def _precompile(flags: dict, cache: str, target: str) -> dict:
+    """`infire-jax precompile --target` of the boots' settings into `cache`, without the GPU."""
+    if not (flags.get("num_kv_pages") or flags.get("kv_cache_memory")):
+        raise BenchError("--precompile needs --num-kv-pages or --kv-cache-memory: the boots' pool must be the "
+                         "one the programs were compiled for")
+    target = _gpu_target(target)
+    env = dict(os.environ, INFIRE_BOOT_FLAGS=json.dumps(flags), INFIRE_JAX_CACHE=cache,
+               INFIRE_PRECOMPILE_TARGET=target, **({"JAX_PLATFORMS": "cpu"} if target else {}))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "infire_jax.bench.precompile"], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise BenchError(f"precompile failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return dict(json.loads(lines[0][len(_RESULT):]), process_s=time.perf_counter() - t0)
+
+
 def _spawn(flags: dict, cache: str) -> dict:
     env = dict(os.environ, INFIRE_BOOT_FLAGS=json.dumps(flags), INFIRE_JAX_CACHE=cache,
                INFIRE_BOOT_STARTED=repr(time.time()))
@@ -156,16 +194,19 @@ def run(args: argparse.Namespace):
     if args.num_processes:
         raise BenchError("bench boot runs a single process")
     flags = settings(args)
+    precompiled, first_mode = None, "precompiled" if args.precompile else "first"
     if _drawn(args):  # weights drawn on the devices: no checkpoint, no floor
         with tempfile.TemporaryDirectory(prefix="infire-boot-") as cache:
+            precompiled = args.precompile and _precompile(flags, cache, args.precompile)
             boots = [_spawn(flags, cache) for _ in range(args.runs + 1)]
         nbytes = boots[0]["weight_bytes"]
-        rows = [_summary("first", boots[:1], nbytes, None), _summary("warm", boots[1:], nbytes, None)]
-        payload = dict(benchmark="boot", settings=flags, weight_bytes=nbytes, results=rows,
+        rows = [_summary(first_mode, boots[:1], nbytes, None), _summary("warm", boots[1:], nbytes, None)]
+        payload = dict(benchmark="boot", settings=flags, weight_bytes=nbytes, results=rows, precompiled=precompiled,
                        boots=dict(first=boots[0], warm=boots[1:]))
         title = f"boot: {args.model}, weights {nbytes / 1e9:.2f} GB drawn on the devices (no checkpoint to read)"
         return report.Result(payload, report.table(rows, COLUMNS), [], title)
     with tempfile.TemporaryDirectory(prefix="infire-boot-") as cache:  # the first boot finds every cache empty
+        precompiled = args.precompile and _precompile(flags, cache, args.precompile)
         first = _spawn(flags, cache)
         if not os.path.isdir(first["checkpoint"]):
             raise BenchError(f"no checkpoint was written at {first['checkpoint']} (INFIRE_JAX_NO_CHECKPOINT?)")
@@ -178,9 +219,10 @@ def run(args: argparse.Namespace):
             evict(first["checkpoint"])
             cold.append(_spawn(flags, cache))
             warm.append(_spawn(flags, cache))
-    rows = [_summary("first", [first], nbytes, drive_s), _summary("cold", cold, nbytes, drive_s),
+    rows = [_summary(first_mode, [first], nbytes, drive_s), _summary("cold", cold, nbytes, drive_s),
             _summary("warm", warm, nbytes, drive_s)]
-    payload = dict(benchmark="boot", settings=flags, checkpoint=first["checkpoint"], checkpoint_bytes=nbytes,
+    payload = dict(benchmark="boot", settings=flags, precompiled=precompiled, checkpoint=first["checkpoint"],
+                   checkpoint_bytes=nbytes,
                    drive_seconds=drive_s, drive_gb_per_s=nbytes / drive_s / 1e9, direct_read_seconds=direct_s,
                    fromfile_seconds=fromfile, results=rows, boots=dict(first=first, cold=cold, warm=warm))
     title = (f"boot: {args.model or 'default model'}, checkpoint {nbytes / 1e9:.2f} GB, "

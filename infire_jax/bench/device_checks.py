@@ -79,6 +79,11 @@ CHECKS = (
           env=(("INFIRE_JAX_LAYER_LOOP", "scan"),)),
     Check("profile-b1", 150, ("infire_jax.bench", "profile", *LLAMA, "--batch-size", "1", "--input-len", "2048",
                               "--steps", "32")),
+    # Issue 46, item 8: the 8B's step programs compiled on this machine without its GPU (a process under
+    # JAX_PLATFORMS=cpu, `infire-jax precompile`), then a boot that should load all of them (`loaded`),
+    # compile none of them, and be ready with its compile time gone; and a warm boot beside it.
+    Check("boot-precompiled", 240, ("infire_jax.bench", "boot", *LLAMA, "--precompile", "auto", "--num-kv-pages",
+                                    "4096", "--runs", "1")),
     # This wave's new paths: Llama 4's chunked attention on the hybrid KV cache, and batched LoRA
     # (8 random rank-16 adapters, one a row, against the base model in the same run).
     Check("llama4-scout-4k", 240, ("infire_jax.bench", "latency", *SCOUT, "--input-len", "4096", "--max-model-len",

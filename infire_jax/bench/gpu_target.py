@@ -11,6 +11,7 @@ shapes alone (`DeviceMemory(allocate=False)`), so nothing is allocated or read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import tempfile
@@ -104,7 +105,8 @@ def _placed(tree, default, keep: bool = True):
     def one(a):
         if isinstance(a, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
             own = a.sharding if keep and isinstance(a, jax.ShapeDtypeStruct) else None
-            return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=own or default)
+            return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=own or default,
+                                        weak_type=bool(getattr(a, "weak_type", False)))
         return a
 
     return jax.tree.map(one, tree)
@@ -121,9 +123,11 @@ def peak_bytes(compiled: jax.stages.Compiled) -> int:
 class CompiledProgram:
     name: str  # e.g. "burst-greedy 64 tokens"
     compiled: jax.stages.Compiled
-    dump_dir: str
+    dump_dir: str | None
     seconds: float
     steps: int  # engine steps a run of it takes (a decode burst's steps; else 1)
+    cache_name: str = ""  # its name in the executable cache (e.g. "burst-greedy")
+    args: tuple = ()  # the arguments it was compiled for, as shapes on the target's devices
 
 
 def _quantized(ec, cfg) -> dict | None:
@@ -148,26 +152,31 @@ def _quantized(ec, cfg) -> dict | None:
 class TargetEngine:
     """The engine of `ec` built for `count` GPUs of target `t` (a mesh from `ec.mesh` or the shipped
     file for the count, as on the GPUs themselves) from its weights' and pool's shapes alone (a
-    dummy's quantized ones included: `_quantized`)."""
+    dummy's quantized ones included: `_quantized`). With `t` None, for this machine's own devices
+    as they are (its CPU: `infire-jax precompile` without a target)."""
 
-    def __init__(self, ec, t: Target, count: int = 1, here: bool = False):
+    def __init__(self, ec, t: Target | None, count: int = 1, here: bool = False):
         from infire_jax.engine.setup import resolve_settings
         from infire_jax.models.registry import abstract_state
+        from infire_jax.runner import executable_cache
         from infire_jax.runner.compiled_steps import CompiledSteps
         from infire_jax.runner.device_memory import DeviceMemory
 
-        self.target, self.devices = t, devices(t, count, here)
+        self.target = t
+        self.devices = jax.devices() if t is None else devices(t, count, here)
+        # Executables are keyed for the machine that will run them: a topology's are a GPU's.
+        platform = None if t is None or here else executable_cache.gpu_platform(t.device_kind)
         with self._building():
             self.settings = s = resolve_settings(ec, None)
             graphdef, state = abstract_state(s.model_config, s.dtype, s.plan, _quantized(ec, s.model_config))
             self.memory = DeviceMemory(s.placed_config, graphdef, state, s.runner_config, dtype=s.dtype,
                                        plan=s.plan, allocate=False)
-            self.steps = CompiledSteps(self.memory)
+            self.steps = CompiledSteps(self.memory, platform)
 
     def _building(self):
         from pallas_kernels import placement
 
-        return placement.compiling_for("gpu", self.devices)
+        return contextlib.nullcontext() if self.target is None else placement.compiling_for("gpu", self.devices)
 
     def weights_per_device(self) -> tuple[list[tuple[int, ...]], int, int]:
         """One device's shards of the weights: each layer weight's shape (the unstacked weights whole),
@@ -186,30 +195,33 @@ class TargetEngine:
         return sum(math.prod(p.sharding.shard_shape(p.shape) if p.sharding is not None else p.shape)
                    * jnp.dtype(p.dtype).itemsize for p in pages)
 
-    def programs(self, dump_root: str, only: tuple[str, ...] = ()) -> Iterator[CompiledProgram]:
-        """Compiles the programs the engine serves with (every bucket's forward, samplers and decode
-        bursts, the verifying programs with speculation, the small ones), each dumped into a directory
-        of its own under `dump_root`; `only` keeps names starting so."""
+    def programs(self, dump_root: str | None, only: tuple[str, ...] = ()) -> Iterator[CompiledProgram]:
+        """Compiles the programs the engine serves with, as its warmup does (every bucket's forward,
+        samplers and decode bursts, the verifying programs with speculation, the small ones, a
+        prompt-logprob gather per bucket), each dumped into a directory of its own under `dump_root`
+        (None: not dumped); `only` keeps names starting so."""
         steps, rc, plan = self.steps, self.settings.runner_config, self.settings.plan
         default = plan.replicated if plan else jax.sharding.SingleDeviceSharding(self.devices[0])
         with self._building():
             specs = {}
+            for key, spec in steps.small_specs().items():
+                specs[spec[0] if key[0] == "small" else f"{spec[0]} {key[1].num_tokens} tokens"] = spec
             for shape in rc.buckets.shapes:
                 for key, spec in steps.bucket_specs(shape, rc.empty_batch(shape)).items():
-                    specs[f"{spec[0]} {shape.num_tokens} tokens" if key[0] in ("forward", "verify_forward", "burst")
-                          else f"{spec[0]} {shape.num_rows} rows"] = spec
-            for _, spec in steps.small_specs().items():
-                if spec[0] != "prompt-rows":
-                    specs[spec[0]] = spec
+                    specs.setdefault(f"{spec[0]} {shape.num_tokens} tokens"
+                                     if key[0] in ("forward", "verify_forward", "burst")
+                                     else f"{spec[0]} {shape.num_rows} rows", spec)  # a sampler serves a row count
             for name, (kind, jitted, args) in specs.items():
                 if only and not name.startswith(only):
                     continue
-                dump = tempfile.mkdtemp(prefix=name.replace(" ", "_") + ".", dir=dump_root)
+                dump = None if dump_root is None else tempfile.mkdtemp(prefix=name.replace(" ", "_") + ".",
+                                                                       dir=dump_root)
+                options = {} if dump is None else {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+                placed = _placed(args, default)
                 start = time.perf_counter()
-                compiled = jitted.lower(*_placed(args, default)).compile(
-                    compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+                compiled = jitted.lower(*placed).compile(compiler_options=options or None)
                 yield CompiledProgram(name, compiled, dump, time.perf_counter() - start,
-                                      rc.decode_steps if kind.startswith("burst") else 1)
+                                      rc.decode_steps if kind.startswith("burst") else 1, kind, placed)
 
 
 def use_cpu_backend() -> None:

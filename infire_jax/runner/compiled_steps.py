@@ -35,9 +35,10 @@ TRANSFER_PAGES = 16  # pages per compiled page read or write (KV transfer betwee
 
 
 class CompiledSteps:
-    def __init__(self, memory: DeviceMemory):
+    def __init__(self, memory: DeviceMemory, platform: executable_cache.Platform | None = None):
         """The programs of the model in `memory`, jitted for its settings; they take its weights and
-        cache as arguments, of the shapes and shardings they have (or will have) there."""
+        cache as arguments, of the shapes and shardings they have (or will have) there. Their
+        executables are cached for this machine, or for `platform` (a GPU compiled for elsewhere)."""
         self.memory = memory
         m, rc, plan = memory, memory.rc, memory.plan
         graphdef, precision = m.graphdef, matmul_precision(m.dtype)
@@ -75,7 +76,8 @@ class CompiledSteps:
         # history, read_pages, write_pages, prompt_logprobs (the head over a block of prompt positions)
         self.compiled_small: dict[str, jax.stages.Compiled] = {}
         # Warm starts load the step programs without tracing them (executable_cache.py).
-        self.executables = executable_cache.for_runner(repr((m.cfg, rc, str(jnp.dtype(m.dtype)), plan, graphdef)))
+        self.executables = executable_cache.for_runner(repr((m.cfg, rc, str(jnp.dtype(m.dtype)), plan, graphdef)),
+                                                       platform)
 
     # ---- the programs' arguments, as shapes -------------------------------------------------------
     def forward_spec(self, batch: StepBatch) -> ProgramSpec:

@@ -8,6 +8,13 @@ dtypes and shardings. A hit deserializes the executable without tracing anything
 and looked up once more by its lowered text: runners of other settings share the programs those
 settings do not change (the samplers of engines whose pools differ), compiled once.
 
+The key names only what decides the executable, so that another machine can fill the cache for this
+one (`infire-jax precompile`, bench/precompile.py: a GPU's programs compiled on a CPU machine): the
+platform (jax, jaxlib and the CUDA plugin's versions, the devices' kind; the host CPU only for CPU
+code), the compiler's settings from the environment (XLA_FLAGS, INFIRE_JAX_*, jax's own; not the
+platform choice, the allocator's share or a container's CUDA_* variables), and each argument's
+devices by id, not by the device object's class (a topology's device where the GPU's own will run).
+
 An executable that XLA's persistent cache loaded cannot be serialized again (on CPU the copy fails
 at its first run: "Function ... not found"; so did one stored while XLA's cache was on),
 so a program this cache misses is compiled with XLA's cache switched off for that moment. The
@@ -18,7 +25,9 @@ deleted and its program compiled again; it is never run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import importlib.metadata
 import hashlib
 import logging
 import os
@@ -42,18 +51,54 @@ log = logging.getLogger(__name__)
 
 _MAGIC = b"infire-executable-2\n"
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
-_ENV_PREFIXES = ("INFIRE_JAX_", "XLA_", "JAX_", "TF_", "CUDA_", "NVIDIA_")
-_ENV_IGNORED = ("INFIRE_JAX_CACHE", "INFIRE_JAX_EXECUTABLE_CACHE_GB", "JAX_COMPILATION_CACHE_DIR")
+_ENV_PREFIXES = ("INFIRE_JAX_", "XLA_FLAGS", "JAX_")
+# Where caches live, and what does not change a program: the platform's choice (a CPU machine compiling
+# for a GPU sets JAX_PLATFORMS=cpu) and the allocator's share of the card.
+_ENV_IGNORED = ("INFIRE_JAX_CACHE", "INFIRE_JAX_EXECUTABLE_CACHE_GB", "JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS",
+                "JAX_PLATFORM_NAME")
 
 
-def for_runner(context: str) -> ExecutableCache | None:
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What an executable is built for, besides its program: the jax build (and CUDA plugin), the
+    backend, the devices' kind, the process count, and for CPU code the host CPU (-march=native
+    code in the CPU kernels, and XLA's own CPU code, run only where they were built)."""
+
+    versions: tuple[str, ...]
+    backend: str
+    device_kinds: tuple[str, ...]
+    process_count: int
+    host_cpu: str
+
+
+def _versions() -> tuple[str, ...]:
+    """jax, jaxlib and the CUDA plugin's distributions (the GPU's compiler), as installed."""
+    plugins = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+                     if (d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda")))
+    return (jax.__version__, jaxlib.__version__, *plugins)
+
+
+@functools.cache
+def this_platform() -> Platform:
+    backend = jax.default_backend()
+    return Platform(_versions(), backend, tuple(sorted({d.device_kind for d in jax.devices()})),
+                    jax.process_count(), cpu_kernels.host_cpu() if backend == "cpu" else "")
+
+
+def gpu_platform(device_kind: str) -> Platform:
+    """A GPU machine of one process whose cards are `device_kind`, with this machine's jax build."""
+    return Platform(_versions(), "gpu", (device_kind,), 1, "")
+
+
+def for_runner(context: str, platform: Platform | None = None) -> ExecutableCache | None:
     """The cache of a runner whose static settings `context` describes, under the infire_jax cache
-    dir; None with several processes (each would need the others' executables), with on-disk
-    compilation caches turned off (INFIRE_JAX_NO_COMPILE_CACHE), or with INFIRE_JAX_NO_EXECUTABLE_CACHE=1."""
+    dir, for this machine or `platform`; None with several processes (each would need the others'
+    executables), with on-disk compilation caches turned off (INFIRE_JAX_NO_COMPILE_CACHE), or with
+    INFIRE_JAX_NO_EXECUTABLE_CACHE=1."""
     if os.environ.get("INFIRE_JAX_NO_EXECUTABLE_CACHE") or os.environ.get("INFIRE_JAX_NO_COMPILE_CACHE") \
             or jax.process_count() > 1:
         return None
-    return ExecutableCache(os.path.join(cache_dir(), "executables"), context)
+    return ExecutableCache(os.path.join(cache_dir(), "executables"), context, platform=platform)
 
 
 @functools.cache
@@ -73,26 +118,34 @@ def _source_fingerprint() -> str:
     return h.hexdigest()
 
 
-def _runtime_fingerprint() -> str:
-    """What else decides the executable: jax, the devices, the host CPU (XLA CPU code is built for
-    it), the environment's compiler flags, and whether the CPU matmul kernel is there (read anew
-    for each runner: tests switch the last two within a process)."""
-    backend = jax.default_backend()
+def _runtime_fingerprint(platform: Platform) -> str:
+    """What else decides the executable: the platform, the environment's compiler settings, and on
+    CPU whether the CPU kernels are there (read anew for each runner: tests switch the last two
+    within a process)."""
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED)
-    return repr([_platform(), env, jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision,
-                 backend == "cpu" and cpu_kernels.available()])
+    return repr([platform, env, jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision,
+                 platform.backend == "cpu" and cpu_kernels.available()])
 
 
-@functools.cache
-def _platform() -> str:
-    return repr([jax.__version__, jaxlib.__version__, jax.default_backend(), [d.device_kind for d in jax.devices()],
-                 jax.process_count(), cpu_kernels.host_cpu()])
+def _placement(sharding: Any) -> Any:
+    """A sharding as the devices (by id) and layout it stands for: an argument without one runs on
+    the first device, as one placed there does; a topology's device and the card's own are alike."""
+    if sharding is None:
+        return ("device", 0, "device")
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return ("device", device.id, sharding.memory_kind or "device")
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        return ("mesh", tuple(mesh.axis_names), tuple(mesh.devices.shape), tuple(d.id for d in mesh.devices.flat),
+                str(sharding.spec), sharding.memory_kind or "device")
+    return repr(sharding)
 
 
 def _signature(args: Any) -> str:
-    """The arguments' tree, shapes, dtypes and shardings (arrays and ShapeDtypeStructs alike)."""
+    """The arguments' tree, shapes, dtypes and placements (arrays and ShapeDtypeStructs alike)."""
     leaves, tree = jax.tree.flatten(args)
-    return repr((str(tree), [(tuple(a.shape), str(a.dtype), repr(getattr(a, "sharding", None)),
+    return repr((str(tree), [(tuple(a.shape), str(a.dtype), _placement(getattr(a, "sharding", None)),
                               bool(getattr(a, "weak_type", False))) for a in leaves]))
 
 
@@ -124,11 +177,11 @@ def _without_xla_cache():
 class ExecutableCache:
     """A directory of serialized executables for one runner (`context`: its static settings)."""
 
-    def __init__(self, directory: str, context: str, max_bytes: int | None = None):
+    def __init__(self, directory: str, context: str, max_bytes: int | None = None, platform: Platform | None = None):
         self.directory = directory
         self.max_bytes = max_bytes if max_bytes is not None else \
             int(float(os.environ.get("INFIRE_JAX_EXECUTABLE_CACHE_GB", "4")) * 2**30)
-        self._runtime = _source_fingerprint() + _runtime_fingerprint()
+        self._runtime = _source_fingerprint() + _runtime_fingerprint(platform or this_platform())
         self._prefix = self._runtime + context
         self.loaded = 0  # programs deserialized from the cache
         self.compiled = 0  # programs compiled (and written) because the cache missed
@@ -147,6 +200,12 @@ class ExecutableCache:
         compiled = self._load(self.path(name, args), args)
         self.loaded += compiled is not None
         return compiled
+
+    def put(self, name: str, args: Any, compiled: jax.stages.Compiled) -> int:
+        """Stores `compiled`, built elsewhere (`infire-jax precompile`), as program `name` on `args`;
+        its size in bytes, 0 where it cannot be serialized."""
+        path = self.path(name, args)
+        return os.path.getsize(path) if self._store(path, compiled) else 0
 
     def compile(self, name: str, args: Any, lower: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
         """`lower()` compiled and written to the cache; or, where a runner of other settings already
@@ -203,18 +262,19 @@ class ExecutableCache:
             return None
         return compiled
 
-    def _store(self, path: str, compiled: jax.stages.Compiled) -> None:
+    def _store(self, path: str, compiled: jax.stages.Compiled) -> bool:
         try:
             payload = pickle.dumps((*serialize_executable.serialize(compiled), _device_ids(compiled)))
         except (ValueError, TypeError, AttributeError, pickle.PicklingError) as e:  # e.g. host callbacks
             log.info("executable cache: %s not stored (%s)", os.path.basename(path), e)
-            return
+            return False
         os.makedirs(self.directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=self.directory)
         with os.fdopen(fd, "wb") as f:
             f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
         os.replace(tmp, path)  # atomic: a concurrent start reads the old file or the new one
         self._bound()
+        return True
 
     def _bound(self) -> None:
         """Deletes the oldest executables while the directory holds over max_bytes (a code change
