@@ -334,6 +334,24 @@ def test_meshes_match_one_device(tmp_path):
             assert specs["layers.sinks"] == ["pp", None] and r["kv_groups"] is not None
         if kind == "kernels":
             assert r["kernels"].count("quant_matmul") == 2, r["kernels"]  # gate/up and down, in place
+        if kind == "kept":
+            _assert_the_plan_counts_each_devices_bytes(r, model)
+
+
+def _assert_the_plan_counts_each_devices_bytes(r: dict, model: str) -> None:
+    """Each device's bytes of each weight (a kept one's fp4 and scale parts together: 4.25 bits) are
+    `infire-jax plan`'s for the model on that mesh, which allocates nothing."""
+    from infire_jax.memplan.plan import tensor_bytes
+    from infire_jax.memplan.source import plan_source
+    from sharding.mesh import MeshConfig
+
+    mc = MeshConfig.from_yaml(r["mesh"])
+    planned = plan_source(model, "float32")(mc)
+    placed: dict[str, list[int]] = {}
+    for name, p in r["params"].items():
+        weight = name.removeprefix("layers.").removesuffix(".fp4").removesuffix(".scale")
+        placed[weight] = [a + b for a, b in zip(placed.get(weight, [0] * mc.num_devices), p["per_device"])]
+    assert placed == {t.name: [tensor_bytes(t, planned, mc, "float32")] * mc.num_devices for t in planned.tensors}
 
 
 def test_config_matches_transformers_defaults():
