@@ -183,10 +183,10 @@ def test_loader_reads_mxfp4_experts_as_the_float_checkpoint(checkpoint):
         gpt_oss_weights([t for t in packed if not t[0].endswith("down_proj_scales")], cfg)
 
 
-@pytest.fixture(scope="module")
-def mxfp4_checkpoint(checkpoint, tmp_path_factory):
-    """The tiny checkpoint with its experts as the published checkpoints store them: random MXFP4
-    blocks and scales of 2^-8 to 2^-4 (`*_blocks`, `*_scales`), and their quantization_config."""
+def save_as_mxfp4(path: str, out) -> str:
+    """A copy of the float checkpoint at `path` in `out` with its experts as the published checkpoints
+    store them: random MXFP4 blocks and scales of 2^-8 to 2^-4 (`*_blocks`, `*_scales`), and their
+    quantization_config."""
     import json
     import shutil
 
@@ -194,8 +194,6 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
 
     from infire_jax.loaders.hf import checkpoint_tensors
 
-    _, path = checkpoint
-    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     rng, tensors = np.random.default_rng(4), {}
     for name, w in checkpoint_tensors(path):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [X, in, out]
@@ -214,6 +212,12 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(config))
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(checkpoint, tmp_path_factory):
+    """The tiny checkpoint with its experts in MXFP4 (`save_as_mxfp4`)."""
+    return save_as_mxfp4(checkpoint[1], tmp_path_factory.mktemp("gpt_oss_mxfp4"))
 
 
 @pytest.mark.parametrize("grouped", ["tiled", "pallas"])
@@ -272,6 +276,82 @@ def test_dummy_kept_mxfp4_experts_are_drawn_with_a_float_dummys_spread():
     assert w.shape == (TINY["num_hidden_layers"], TINY["num_local_experts"], TINY["intermediate_size"],
                        TINY["hidden_size"])
     assert float(jnp.std(w)) == pytest.approx(0.023, rel=0.1)
+
+
+# ---- 8 virtual devices: tp, ep and pp meshes equal one device -------------------------------------------
+
+def test_meshes_match_one_device(tmp_path):
+    """The tiny model with an expert width of 64 (two MXFP4 blocks) in MXFP4, its experts dequantized at load
+    (float) and kept, in one process with 8 virtual devices. tp 2: the heads with their sinks and q/k/v
+    biases, the o bias added once after the reduction, the experts' widths with their gate/up biases (kept:
+    w_down's blocks one a device), the down bias once. ep 8, and tp 8 over the experts (8-tp8-ep, the 2 kv
+    heads repeated): a whole expert a device with its biases (kept: blocks and scales together); on ep 8 also
+    by the GPU's grouped kernels (interpret mode) reading each device's kept experts in place. Pipelines of 2
+    stages, each a windowed and a full layer. Each gives one device's greedy tokens, and its logprobs within
+    float32 rounding (the reductions' order; 7e-5 seen); tp 8 over the experts' widths would split w_down's
+    2 blocks of 32 and is refused naming it."""
+    from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
+
+    path = tmp_path / "float"
+    hf_model(intermediate_size=64).save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path)
+    (tmp_path / "mxfp4").mkdir()
+    model = save_as_mxfp4(str(path), tmp_path / "mxfp4")
+    meshes = {"float": ["1", "2", "8-ep8", "2-pp2"], "kept": ["1", "2", "8-ep8", "8-tp8-ep", "2-pp2", "8"],
+              "kernels": ["8-ep8"]}
+    runs = [{"model": model, "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"), "tag": kind,
+             "weights_quantization": None if kind == "float" else "checkpoint",
+             "env": {"INFIRE_JAX_MOE_GROUPED": "pallas"} if kind == "kernels" else {}}
+            for kind in meshes for m in meshes[kind]]
+    # one bucket, one decode step a launch: the layout on the mesh is what is checked (bursts: test_sharding's)
+    engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32], "num_decode_steps": 1}
+    job = {"runs": runs, "prompts": PROMPTS, "max_tokens": 16, "engine": engine}
+    results = {(r["tag"], os.path.basename(r["mesh"])[:-5]): r for r in _results(_run_worker(job, 8, tmp_path, "oss"))}
+    refused = results.pop(("kept", "8"))
+    assert not refused["fits"] and "layers.w_down: its 2 mxfp4 groups of 32 inputs cannot be split 8 ways over tp" \
+        in refused["error"], refused
+    for (kind, mesh), r in results.items():
+        single = results["float" if kind == "float" else "kept", "1"]
+        assert r["fits"] and r["tokens"] == single["tokens"], (kind, mesh, r.get("error"))
+        np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
+        if mesh == "1":
+            continue
+        _assert_each_device_holds_its_shard(r)
+        specs = {k: v["spec"] for k, v in r["params"].items()}
+        assert specs["layers.bo"][1] is None  # whole on every device, added once after wo's reduction
+        experts = ["layers.w_down"] if kind == "float" else [f"layers.w_down.{p}" for p in ("fp4", "scale")]
+        if mesh == "2":
+            assert specs["layers.sinks"] == [None, "tp"] and specs["layers.bqkv"][1] == "tp"
+            assert specs["layers.b_gate_up"] == [None, None, None, "tp"] and specs["layers.b_down"] == [None] * 3
+            assert all(specs[e] == [None, None, "tp", None] for e in experts), specs  # w_down's inputs: F
+        if mesh == "8-ep8":
+            assert specs["layers.b_down"][1] == specs["layers.b_gate_up"][1] == "ep"
+            assert all(specs[e] == [None, "ep", None, None] for e in experts), specs
+        if mesh == "8-tp8-ep":
+            assert specs["layers.sinks"] == [None, "tp"] and specs["layers.b_down"] == [None, "tp", None]
+            assert all(specs[e] == [None, "tp", None, None] for e in experts), specs
+        if mesh == "2-pp2":
+            assert specs["layers.sinks"] == ["pp", None] and r["kv_groups"] is not None
+        if kind == "kernels":
+            assert r["kernels"].count("quant_matmul") == 2, r["kernels"]  # gate/up and down, in place
+        if kind == "kept":
+            _assert_the_plan_counts_each_devices_bytes(r, model)
+
+
+def _assert_the_plan_counts_each_devices_bytes(r: dict, model: str) -> None:
+    """Each device's bytes of each weight (a kept one's fp4 and scale parts together: 4.25 bits) are
+    `infire-jax plan`'s for the model on that mesh, which allocates nothing."""
+    from infire_jax.memplan.plan import tensor_bytes
+    from infire_jax.memplan.source import plan_source
+    from sharding.mesh import MeshConfig
+
+    mc = MeshConfig.from_yaml(r["mesh"])
+    planned = plan_source(model, "float32")(mc)
+    placed: dict[str, list[int]] = {}
+    for name, p in r["params"].items():
+        weight = name.removeprefix("layers.").removesuffix(".fp4").removesuffix(".scale")
+        placed[weight] = [a + b for a, b in zip(placed.get(weight, [0] * mc.num_devices), p["per_device"])]
+    assert placed == {t.name: [tensor_bytes(t, planned, mc, "float32")] * mc.num_devices for t in planned.tensors}
 
 
 def test_config_matches_transformers_defaults():

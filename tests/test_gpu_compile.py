@@ -150,17 +150,21 @@ def test_a_pool_filling_the_card_costs_the_prompt_chunk_nothing(tmp_path, compil
     assert full.weight_copy_bytes == small.weight_copy_bytes
 
 
-def test_gpt_oss_decode_reads_its_mxfp4_experts_and_attention_in_place(tmp_path):
-    """gpt-oss with its experts kept in MXFP4 (a dummy's drawn so), 2 of its layers: the decode burst
-    copies no weight (the experts through the grouped Pallas kernel, q/k/v and o through the dense
-    one) and runs no loop inside a layer (the grouped kernel's tile schedule is one comparison, not a
-    binary search's loop: 4532 launches a step of the whole 120b before, 1472 after)."""
+@pytest.mark.parametrize("devices", [1, 2])
+def test_gpt_oss_decode_reads_its_mxfp4_experts_and_attention_in_place(tmp_path, devices):
+    """gpt-oss with its experts kept in MXFP4 (a dummy's drawn so), 2 of its layers, on one H100 and on
+    two (tp 2: each card half of every expert's width, whole blocks): the decode burst copies no weight
+    (the experts through the grouped Pallas kernel, q/k/v and o through the dense one) and runs no loop
+    inside a layer (the grouped kernel's tile schedule is one comparison, not a binary search's loop:
+    4532 launches a step of the whole 120b before, 1472 after)."""
     from infire_jax.bench import gpu_target, program_stats
     from infire_jax.engine.setup import EngineConfig
+    from sharding.mesh import CONFIG_DIR
 
     ec = EngineConfig(model="dummy:gpt-oss-20b,layers=2", dtype="bfloat16", weights_quantization="checkpoint",
-                      token_buckets=(64,), max_num_seqs=64, num_kv_pages=1024)
-    target = gpu_target.TargetEngine(ec, gpu_target.target("h100"))
+                      mesh=os.path.join(CONFIG_DIR, f"{devices}.yaml"), token_buckets=(64,), max_num_seqs=64,
+                      num_kv_pages=1024)
+    target = gpu_target.TargetEngine(ec, gpu_target.target("h100"), devices)
     shapes, layers, _ = target.weights_per_device()
     (program,) = target.programs(str(tmp_path), ("burst-greedy",))
     st = program_stats.read_dump(program.dump_dir, shapes, layers)

@@ -109,6 +109,19 @@ def test_gpt_oss_fits_one_card_with_its_mxfp4_experts():
     assert small.weight_bytes < 13 * GiB and small.kv_room > 6 * GiB
 
 
+def test_gpt_oss_splits_its_mxfp4_experts_over_meshes():
+    """tp 2 halves the experts' widths with their gate/up biases (w_down's 90 blocks of 32 inputs: 45 a
+    device), the down biases whole on each; ep 8 holds 16 whole experts a device; tp 8 would split w_down's
+    90 blocks and is refused, as the engine refuses it (tests/test_gpt_oss.py)."""
+    weights = 3 * 2880 * 2880 * (0.5 + 1 / 32)  # an expert's, at 4.25 bits
+    tp2 = _plan("dummy:gpt-oss-120b", "2.yaml", "80GB")
+    assert tp2.weights["experts"] == pytest.approx(36 * 128 * (weights / 2 + 2 * 2880 * 2), rel=1e-12)
+    ep8 = _plan("dummy:gpt-oss-120b", "8-ep8.yaml", "80GB")
+    assert ep8.weights["experts"] == pytest.approx(36 * 16 * (weights + 3 * 2880 * 2), rel=1e-12)
+    with pytest.raises(ValueError, match="MXFP4 weight w_down: its 2880 inputs .* cannot be split 8 ways"):
+        _plan("dummy:gpt-oss-120b", "8.yaml", "80GB")
+
+
 def test_kimi_k25_figures_follow_from_its_config():
     """Hand arithmetic: 60 MoE layers x 384 experts x 3 x 7168 x 2048 int4 weights with a bf16
     scale per 32, split 8 ways; MLA KV of 512 + 64 bf16 values per layer, replicated over tp. On

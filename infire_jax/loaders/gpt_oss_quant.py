@@ -1,6 +1,10 @@
 """`weights_quantization="checkpoint"` for gpt-oss: the checkpoint's MXFP4 experts kept as they are
 published (quant/mxfp4.py: 4.25 bits a weight, each expert dequantized alone where it is used), every
-other weight in the serving dtype. gpt-oss-120b's experts take 61 GB so, 233 GB in bfloat16."""
+other weight in the serving dtype. gpt-oss-120b's experts take 61 GB so, 233 GB in bfloat16.
+
+On a mesh the parts split as the float experts do (ep or tp: whole experts, blocks and scales together;
+tp over `mlp`: w_down's inputs in whole blocks of 32), and a mesh that would split a block is refused
+naming the weight (deepseek_quant.check_mesh, the same check as for its kept formats)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import os
 import jax.numpy as jnp
 
 from infire_jax.errors import ConfigError
+from infire_jax.loaders.deepseek_quant import check_mesh
 from infire_jax.loaders.dummy import dummy_hf_config, load_dummy
 from infire_jax.loaders.gpt_oss_hf import gpt_oss_weights
 from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
@@ -38,10 +43,14 @@ def load_kept_placed(path: str, dtype, plan: ShardPlan | None) -> Placed:
     if path.startswith("dummy:"):
         loaded = load_dummy(path[len("dummy:"):])
         layouts = kept_layouts()
+        if plan is not None:
+            check_mesh(layouts, loaded.config, plan)
         graphdef, state = build_state(loaded.config, None, dtype, plan=plan, seed=loaded.random_seed,
                                       quantized=layouts)
         return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
     cfg = read_hf_config(path)
+    if plan is not None:  # before a weight is read
+        check_mesh(kept_layouts(), cfg, plan)
     weights = gpt_oss_weights(checkpoint_tensors(path), cfg, keep_mxfp4=True)
     layouts = {t: GroupedLayout("mxfp4", BLOCK, jnp.uint8) for t in KEPT_EXPERTS if f"{t}.fp4" in weights}
     if not layouts:

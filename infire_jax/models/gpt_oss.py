@@ -15,8 +15,14 @@ Per layer (transformers' GptOssDecoderLayer):
 Weights are stacked over layers and scanned as models/llama.py's; q/k/v are one weight grouped by kv
 head (`project_qkv`). The checkpoint's MXFP4 experts are dequantized at load, or kept as they are
 (`weights_quantization="checkpoint"`, quant/mxfp4.py): the GPU's grouped kernel reads them as they
-are, and the loop over row tiles dequantizes each expert alone as its tile reaches it. One device only: meshes, other quantization, compressed weights, LoRA and EAGLE-3
-aux states are refused with a ConfigError.
+are, and the loop over row tiles dequantizes each expert alone as its tile reaches it.
+
+On a mesh the stack runs in models/parallel.py's shard_map as Llama 4's: tp splits the heads with their
+sinks and q/k/v biases, `wo`'s partial sums are reduced before the o bias is added (once), and the
+experts' widths split with their gate/up biases, the down bias added on the first tp shard only;
+ep (or tp, 8-tp8-ep.yaml) holds whole experts with their biases, kept MXFP4 parts too; pp stages hold
+their layers' window rows. Other quantization, compressed weights, LoRA and EAGLE-3 aux states are
+refused with a ConfigError.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from infire_jax.models.config import GptOssConfig, ModelConfig
 from infire_jax.models.layers import (final_logits, layer_loop, local_attention_table, param, rms_norm, rope_tables,
                                       with_local_mask)
 from infire_jax.models.llama import kernel_weights, linear, project_qkv
-from infire_jax.models.moe import Dispatch, Routing, combine, dispatch, tiled_experts
+from infire_jax.models.moe import Dispatch, Routing, combine, dispatch_local, tiled_experts
 from infire_jax.models.panels import INPUT_AXES
+from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
 from infire_jax.quant.grouped import GroupedLayout, GroupedParams, expert_weight
 from infire_jax.quant.weight_parts import WeightParts
@@ -81,6 +88,11 @@ class GptOssLayers(nnx.Module):
         return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
                 for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
 
+    def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
+        """Each array's logical axes (a dict per kept weight's parts), as `arrays` gives them."""
+        return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
+                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
+
 
 def _glu(gate_up: Float[Array, "B 2 F"], gc: GptOssConfig) -> Float[Array, "B F"]:
     """transformers' GptOssExperts `_apply_gate`: the gate clamped above, up to +-limit, and
@@ -118,11 +130,18 @@ def route(lp: dict[str, Array], x: Float[Array, "T E"], k: int) -> Routing:
     return Routing(weights, experts.astype(jnp.int32))
 
 
-def moe(lp: dict[str, Array], x: Float[Array, "T E"], cfg: ModelConfig) -> Float[Array, "T E"]:
+def moe(lp: dict[str, Array], x: Float[Array, "T E"], cfg: ModelConfig, red: Reductions
+        ) -> Float[Array, "T E"]:
     """The layer's experts on each token's top-k, summed with the routing weights (moe.py's dispatch,
-    grouped loop and combine)."""
+    grouped loop and combine). On a mesh (`red`), this device's partial sum: its experts' rows only
+    (`expert_axis`), or its share of every expert's width, where the down bias counts on the first
+    shard alone so that the reduction adds it once."""
     routing = route(lp, x, cfg.num_experts_per_tok)
-    d = dispatch(x, routing.experts, cfg.num_experts)
+    width = red.dense[0] if red.dense and red.dense[0] != red.expert_axis else None  # experts' widths split
+    if width is not None:
+        first = (jax.lax.axis_index(width) == 0).astype(lp["b_down"].dtype)
+        lp = {**lp, "b_down": lp["b_down"] * first}
+    d, routing = dispatch_local(x, routing, lp["w_gate_up"], red.expert_axis)
     if isinstance(lp["w_gate_up"], LayerExperts):
         ys = grouped_experts(lp, d, cfg.gpt_oss)
     else:
@@ -130,16 +149,18 @@ def moe(lp: dict[str, Array], x: Float[Array, "T E"], cfg: ModelConfig) -> Float
     return combine(ys, d, routing, x.dtype)
 
 
-def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, Array], h: Float[Array, "T E"],
-                  k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array, sin: Array
-                  ) -> tuple[Float[Array, "T E"], Array, Array]:
-    """Scans the stacked layers; the KV pool is a loop carry, each layer's (chunk, window) row of
-    `local_attention_table` scanned beside its weights (None: every layer global)."""
-    tokens, n = h.shape[0], cfg.num_layers
+def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, Array],
+                  h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
+                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+    """Scans the stacked layers (a pipeline stage's, inside the mesh's shard_map); the KV pool is a loop
+    carry, each layer's (chunk, window) row of `local_attention_table` scanned beside its weights (None:
+    every layer global). `red`: the mesh's reductions (none on one device)."""
+    tokens, n, one_device = h.shape[0], weights["attn_norm"].shape[0], red == Reductions()
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     # On a GPU, the stacks the Pallas matmuls read in place: the experts, and in decode-sized steps
     # q/k/v and o (XLA's GEMM would copy each layer's slice out of the stack first: docs/PERFORMANCE.md).
-    in_place = layer_stacks(weights, tokens, {k: INPUT_AXES[k] for k in ("wqkv", "wo")}, True, one_device=True)
+    in_place = layer_stacks(weights, tokens, {k: INPUT_AXES[k] for k in ("wqkv", "wo")}, True,
+                            one_device=one_device)
 
     def layer(carry, xs):
         h, k_pages, v_pages = carry
@@ -147,10 +168,10 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, Array], h
         lp = kernel_weights(lp, in_place, idx, tokens, cpu=False)
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), True, (cos, sin))
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, with_local_mask(meta, local),
-                                              scale=cfg.head_dim ** -0.5, impl=attn_impl, cpu_kernel=True,
+                                              scale=cfg.head_dim ** -0.5, impl=attn_impl, cpu_kernel=one_device,
                                               sinks=lp["sinks"])
-        h = h + (linear(o, lp["wo"], "thd,hde->te") + lp["bo"])
-        h = h + moe(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), cfg)
+        h = h + (psum(linear(o, lp["wo"], "thd,hde->te"), red.attn) + lp["bo"])
+        h = h + psum(moe(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), cfg, red), red.mlp)
         return (h, k_pages, v_pages), None
 
     scanned = {name: w for name, w in weights.items() if name not in in_place}
@@ -186,12 +207,15 @@ class GptOss(nnx.Module):
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
                    ) -> tuple[Float[Array, "T E"], KVPages]:
-        """Applies every decoder layer on one device."""
-        if plan is not None or aux_layers is not None:
-            raise ConfigError("gpt-oss runs on one device, without EAGLE-3 aux states, for now")
+        """Applies every decoder layer, on one device or (with a plan) across the mesh."""
+        if aux_layers is not None:
+            raise ConfigError("gpt-oss runs without EAGLE-3 aux states")
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
-        h, k_pages, v_pages = decoder_stack(self.cfg, attn_impl, self.layers.arrays(), h, *kv, meta, cos, sin)
-        return h, (k_pages, v_pages)
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
+        if plan is None:
+            h, k_pages, v_pages = stack(Reductions(), self.layers.arrays(), h, *kv, meta, cos, sin)
+            return h, (k_pages, v_pages)
+        return run_sharded(stack, plan, self.layers.arrays(), self.layers.axes(), h, kv, meta, cos, sin)
 
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]

@@ -226,7 +226,16 @@ def moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig, i
 def routed_mlp(lp: dict[str, Array], x: Float[Array, "T E"], routing: Routing, *, impl: str | None = None,
                expert_axis: str | None = None) -> Float[Array, "T E"]:
     """Each token through its routed experts, combined with the routing weights (see `moe_mlp`)."""
-    w = lp["w_gate_up"]
+    d, routing = dispatch_local(x, routing, lp["w_gate_up"], expert_axis)
+    return combine(expert_mlp(d, lp, impl or default_grouped_impl()), d, routing, x.dtype)
+
+
+def dispatch_local(x: Float[Array, "T E"], routing: Routing, w_gate_up: ExpertStack | LayerExperts,
+                   expert_axis: str | None) -> tuple[Dispatch, Routing]:
+    """`dispatch` onto the experts this device holds (`w_gate_up`'s, all of them off a mesh). With
+    `expert_axis` (inside shard_map), rows routed to other devices' experts go to a trailing group that
+    is never computed and their weights become 0, so `combine` gives this device's partial sum."""
+    w = w_gate_up
     num_local = w.num_experts if isinstance(w, LayerExperts) else jax.tree.leaves(w)[0].shape[0]
     experts = routing.experts
     if expert_axis is not None:
@@ -235,5 +244,4 @@ def routed_mlp(lp: dict[str, Array], x: Float[Array, "T E"], routing: Routing, *
         experts = jnp.where(mine, local, num_local)
         routing = routing._replace(weights=jnp.where(mine, routing.weights, jnp.zeros_like(routing.weights)))
     d = dispatch(x, experts, num_local + (expert_axis is not None))
-    d = d._replace(group_sizes=d.group_sizes[:num_local])
-    return combine(expert_mlp(d, lp, impl or default_grouped_impl()), d, routing, x.dtype)
+    return d._replace(group_sizes=d.group_sizes[:num_local]), routing
