@@ -166,14 +166,16 @@ class TargetEngine:
         self.devices = jax.devices() if t is None else devices(t, count, here)
         # Executables are keyed for the machine that will run them: a topology's are a GPU's.
         platform = None if t is None or here else executable_cache.gpu_platform(t.device_kind)
-        with self._building():
+        with self.building():
             self.settings = s = resolve_settings(ec, None)
             graphdef, state = abstract_state(s.model_config, s.dtype, s.plan, _quantized(ec, s.model_config))
             self.memory = DeviceMemory(s.placed_config, graphdef, state, s.runner_config, dtype=s.dtype,
                                        plan=s.plan, allocate=False)
             self.steps = CompiledSteps(self.memory, platform)
 
-    def _building(self):
+    def building(self):
+        """The context the engine's programs are traced in: the target's kernels and devices (process-
+        wide: enter it once around compiles that run on several threads)."""
         from pallas_kernels import placement
 
         return contextlib.nullcontext() if self.target is None else placement.compiling_for("gpu", self.devices)
@@ -195,14 +197,14 @@ class TargetEngine:
         return sum(math.prod(p.sharding.shard_shape(p.shape) if p.sharding is not None else p.shape)
                    * jnp.dtype(p.dtype).itemsize for p in pages)
 
-    def programs(self, dump_root: str | None, only: tuple[str, ...] = ()) -> Iterator[CompiledProgram]:
-        """Compiles the programs the engine serves with, as its warmup does (every bucket's forward,
+    def specs(self, only: tuple[str, ...] = ()) -> dict[str, tuple[str, object, tuple]]:
+        """The programs the engine serves with, as its warmup compiles them (every bucket's forward,
         samplers and decode bursts, the verifying programs with speculation, the small ones, a
-        prompt-logprob gather per bucket), each dumped into a directory of its own under `dump_root`
-        (None: not dumped); `only` keeps names starting so."""
+        prompt-logprob gather per bucket), by name: (their executable-cache name, the jitted function,
+        the arguments as shapes on the target's devices); `only` keeps names starting so."""
         steps, rc, plan = self.steps, self.settings.runner_config, self.settings.plan
         default = plan.replicated if plan else jax.sharding.SingleDeviceSharding(self.devices[0])
-        with self._building():
+        with self.building():
             specs = {}
             for key, spec in steps.small_specs().items():
                 specs[spec[0] if key[0] == "small" else f"{spec[0]} {key[1].num_tokens} tokens"] = spec
@@ -211,17 +213,25 @@ class TargetEngine:
                     specs.setdefault(f"{spec[0]} {shape.num_tokens} tokens"
                                      if key[0] in ("forward", "verify_forward", "burst")
                                      else f"{spec[0]} {shape.num_rows} rows", spec)  # a sampler serves a row count
-            for name, (kind, jitted, args) in specs.items():
-                if only and not name.startswith(only):
-                    continue
-                dump = None if dump_root is None else tempfile.mkdtemp(prefix=name.replace(" ", "_") + ".",
-                                                                       dir=dump_root)
-                options = {} if dump is None else {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-                placed = _placed(args, default)
-                start = time.perf_counter()
-                compiled = jitted.lower(*placed).compile(compiler_options=options or None)
-                yield CompiledProgram(name, compiled, dump, time.perf_counter() - start,
-                                      rc.decode_steps if kind.startswith("burst") else 1, kind, placed)
+        return {name: (kind, jitted, _placed(args, default)) for name, (kind, jitted, args) in specs.items()
+                if not only or name.startswith(only)}
+
+    def compile(self, name: str, spec: tuple[str, object, tuple], dump_root: str | None = None) -> CompiledProgram:
+        """One of `specs()` compiled (inside `building()`), dumped into a directory of its own under
+        `dump_root` (None: not dumped)."""
+        kind, jitted, args = spec
+        dump = None if dump_root is None else tempfile.mkdtemp(prefix=name.replace(" ", "_") + ".", dir=dump_root)
+        options = None if dump is None else {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        start = time.perf_counter()
+        compiled = jitted.lower(*args).compile(compiler_options=options)
+        return CompiledProgram(name, compiled, dump, time.perf_counter() - start,
+                               self.settings.runner_config.decode_steps if kind.startswith("burst") else 1, kind, args)
+
+    def programs(self, dump_root: str | None, only: tuple[str, ...] = ()) -> Iterator[CompiledProgram]:
+        """`specs()` compiled one after another (each compile timed alone)."""
+        with self.building():
+            for name, spec in self.specs(only).items():
+                yield self.compile(name, spec, dump_root)
 
 
 def use_cpu_backend() -> None:

@@ -19,7 +19,9 @@ Compiled without the card, XLA cannot autotune: the GEMMs take its default algor
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import os
 import time
 
 from infire_jax.engine.args import add_engine_args, engine_config
@@ -58,12 +60,15 @@ def precompile(ec, target_name: str | None, count: int = 1, log=print) -> dict:
     if cache is None:
         raise ConfigError("the executable cache is off (INFIRE_JAX_NO_EXECUTABLE_CACHE or INFIRE_JAX_NO_COMPILE_CACHE)")
     stored, skipped, total_bytes, start = [], [], 0, time.perf_counter()
-    for program in engine.programs(None):
-        size = cache.put(program.cache_name, program.args, program.compiled)
-        (stored if size else skipped).append(program.name)
-        total_bytes += size
-        log(f"  {program.name}: {program.seconds:.1f} s, {size / 1e6:.1f} MB" if size else
-            f"  {program.name}: {program.seconds:.1f} s, not serializable (compiled at the start)")
+    # XLA compiles with the GIL released: a few threads overlap them, as the engine's warmup does.
+    with engine.building(), \
+            concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1), "infire-precompile") as pool:
+        for program in pool.map(lambda item: engine.compile(*item), engine.specs().items()):
+            size = cache.put(program.cache_name, program.args, program.compiled)
+            (stored if size else skipped).append(program.name)
+            total_bytes += size
+            log(f"  {program.name}: {program.seconds:.1f} s, {size / 1e6:.1f} MB" if size else
+                f"  {program.name}: {program.seconds:.1f} s, not serializable (compiled at the start)")
     if total_bytes > cache.max_bytes:
         raise ConfigError(f"the programs take {total_bytes / 2**30:.2f} GiB, more than the cache keeps "
                           f"({cache.max_bytes / 2**30:.2f} GiB): raise INFIRE_JAX_EXECUTABLE_CACHE_GB here and "
@@ -78,7 +83,6 @@ def _boot_precompile() -> None:
     """`bench boot --precompile`'s step, in a fresh process: its flags and target from the
     environment, the result as one JSON line."""
     import json
-    import os
 
     args = argparse.Namespace(**json.loads(os.environ["INFIRE_BOOT_FLAGS"]))
     done = precompile(engine_config(args), os.environ["INFIRE_PRECOMPILE_TARGET"] or None, log=lambda _: None)
