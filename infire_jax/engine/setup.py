@@ -177,13 +177,19 @@ class Settings(NamedTuple):
 
 
 def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:
-    """The vision tower to serve: a Llama 4 HF directory's or dummy's, unless images are limited to 0."""
+    """The vision tower to serve: a Llama 4 HF directory's or dummy's, unless images are limited to 0. On
+    a mesh the tower and the image pool are replicated (engine.py). Not across processes: an image is
+    encoded where its request is added, on process 0 alone, and the others would not join the program."""
     hf = vision_hf_config(ec.model) if ec.images_per_prompt and ec.model else None
     if hf is None:
         return None
-    if plan is not None or ec.weights_quantization or ec.weights_compression:
-        log.warning("%s: images are served on one device with plain weights only yet; serving text", ec.model)
+    if ec.weights_quantization or ec.weights_compression:
+        log.warning("%s: images are served with plain weights only yet; serving text", ec.model)
         return None
+    if multihost.is_multiprocess():
+        raise ConfigError(f"{ec.model}: images are not served on a mesh over several processes (the vision "
+                          "tower runs where a request is added, on process 0 alone); "
+                          "limit_mm_per_prompt={'image': 0} serves text")
     return vision_config(hf)
 
 

@@ -166,14 +166,15 @@ def _encode_bucket(cfg: VisionConfig, weights: dict, pixels: Array) -> Array:
     return encode_tiles(cfg, weights, pixels)
 
 
-def encode_padded(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray
-                  ) -> Float[Array, "B P E"]:
+def encode_padded(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray,
+                  sharding: jax.sharding.Sharding | None = None) -> Float[Array, "B P E"]:
     """`encode_tiles` jitted at the tile bucket B of `pixels`, padded with blank tiles (whose outputs
-    follow the image's), so each bucket compiles once."""
+    follow the image's), so each bucket compiles once. `sharding`: where the pixels go, the weights'
+    placement (on a mesh, replicated: every device encodes, and the outputs are on every device)."""
     pixels = np.asarray(pixels, np.float32)
     padded = np.zeros((tile_bucket(pixels.shape[0]), *pixels.shape[1:]), np.float32)
     padded[:pixels.shape[0]] = pixels
-    return _encode_bucket(cfg, weights, jnp.asarray(padded))
+    return _encode_bucket(cfg, weights, jax.device_put(padded, sharding))
 
 
 def encode(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray) -> Array:
