@@ -68,3 +68,29 @@ def test_images_across_processes_are_refused_at_build(multimodal, monkeypatch):
     text = resolve_settings(EngineConfig(model=multimodal[1], max_model_len=128, num_kv_pages=40,
                                          limit_mm_per_prompt={"image": 0}), None)
     assert text.vision is None and text.runner_config.image_pool is None
+
+
+def test_a_pool_sized_from_device_memory_leaves_the_tower_room(multimodal, monkeypatch):
+    """Where the pool fills the device (a GPU: here its memory figure is given), the vision tower, placed
+    after the pool, counts with the weights (as the placed tower's bytes) and its largest call's
+    temporaries with the step's; served text alone, neither."""
+    import jax
+
+    from infire_jax import Engine, EngineConfig
+    from infire_jax.runner import kv_pool
+
+    monkeypatch.setattr(kv_pool, "device_memory", lambda: (64 << 20, 64 << 20, 0))
+    sizings, towers = [], []
+    for images in (0, 1):
+        engine = Engine(EngineConfig(model=multimodal[1], dtype="float32", max_num_seqs=2, max_num_batched_tokens=32,
+                                     token_buckets=(32,), max_model_len=128, num_decode_steps=1,
+                                     limit_mm_per_prompt={"image": images}))
+        sizings.append(engine.pool_sizing)
+        tower = [] if engine.images is None else jax.tree.leaves(engine.images.pool.weights)
+        towers.append(sum(a.nbytes for a in tower))
+        engine.close()
+    text, vision = sizings
+    assert text.source == vision.source == "device memory" and towers[0] == 0 < towers[1]
+    assert vision.weight_bytes == text.weight_bytes + towers[1]
+    assert vision.activation_bytes > text.activation_bytes  # the encoder's 17 tiles beside the step
+    assert vision.num_pages < text.num_pages
