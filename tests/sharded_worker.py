@@ -1,7 +1,7 @@
 """Runs greedy generation for several (model, mesh) pairs in one process and prints JSON lines.
 
-Used by test_sharding.py (and test_lora.py) in subprocesses that have 8 virtual CPU devices (or several processes
-joined with jax.distributed). Usage: python sharded_worker.py JOB.json
+Used by test_sharding.py (and test_lora.py, test_llama4.py, test_vision_mesh.py) in subprocesses that have
+8 virtual CPU devices (or several processes joined with jax.distributed). Usage: python sharded_worker.py JOB.json
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ def environment(env: dict[str, str]):
                 os.environ.pop(k)
             else:
                 os.environ[k] = v
+
+
+def _prompt(p, tokenizer):
+    """Ids of a text or id prompt, or a prompt dict with images ({"prompt": text, "images": [paths]})."""
+    if isinstance(p, dict):
+        from PIL import Image
+
+        return {"prompt": p["prompt"], "multi_modal_data": {"image": [Image.open(path) for path in p["images"]]}}
+    return p if isinstance(p, list) else tokenizer.encode(p)
 
 
 def main() -> None:
@@ -65,10 +74,15 @@ def main() -> None:
             llm.engine.follow()
             del llm
             continue
-        prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p in job["prompts"]]  # text or ids
+        prompts = [_prompt(p, llm.tokenizer) for p in job["prompts"]]
         lora = job.get("lora")  # [name, id, path]: every prompt with that LoRA adapter
         outs = llm.generate(prompts, params, lora_request=LoRARequest(*lora) if lora else None)
         kv, groups = llm.engine.kv, llm.engine.runner.rc.kv_groups
+        if llm.engine.images is not None:  # the vision tower's and the image pool's bytes on each device
+            arrays = [*jax.tree.leaves(llm.engine.images.pool.weights), llm.engine.runner.cache.images]
+            shards = [s for a in arrays for s in a.addressable_shards]
+            result["vision_bytes"] = {str(d.id): sum(s.data.nbytes for s in shards if s.device == d)
+                                      for d in sorted({s.device for s in shards}, key=lambda d: d.id)}
         result.update(pages_free=[kv.num_free_pages, kv.num_usable_pages],
                       kv_groups=None if groups is None else groups.describe())
         llm.engine.close()

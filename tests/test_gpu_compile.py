@@ -208,18 +208,27 @@ def test_command_prints_a_row_per_program(tmp_path):
 def test_llama4_scout_fits_two_h200s_with_the_seeds_kv_pool(tmp_path):
     """The seed's workload as compiled proof: Llama 4 Scout in bfloat16 on 2 x H200 (the shipped 2-GPU
     mesh), its pool sized as the engine sizes it at --gpu-memory-utilization 0.95, holds more than
-    56 GiB of KV in all (over 1.2M tokens of its 12 global layers at 48 KiB a token), and its decode
-    burst and largest prompt chunk fit each card."""
+    56 GiB of KV in all (over 1.2M tokens of its 12 global layers at 48 KiB a token) beside the vision
+    tower the engine serves images with (its weights and its largest call's temporaries on each card,
+    as the engine leaves them room), and its decode burst and largest prompt chunk fit each card."""
     import dataclasses
+
+    from pallas_kernels import placement
 
     from infire_jax.bench import gpu_compile, gpu_target
     from infire_jax.engine.setup import EngineConfig
+    from infire_jax.vision.encoder import device_bytes
 
     h200 = gpu_target.target("h200")
     ec = EngineConfig(model="dummy:llama-4-scout", max_num_seqs=64, token_buckets=(64, 8192),
                       gpu_memory_utilization=0.95, kv_cache_memory=1 << 30)
-    weights = gpu_target.TargetEngine(ec, h200, 2).weights_per_device()[2]
-    ec = dataclasses.replace(ec, kv_cache_memory=gpu_compile.pool_bytes(h200.memory_bytes, 0.95, weights))
+    probe = gpu_target.TargetEngine(ec, h200, 2)
+    with placement.compiling_for("gpu", probe.devices):
+        tower, encoding = device_bytes(probe.settings.vision, probe.settings.dtype, probe.settings.plan.replicated)
+    assert 1.6 * (1 << 30) < tower < 1.7 * (1 << 30)  # 872M parameters in bfloat16
+    weights = probe.weights_per_device()[2]
+    pool = gpu_compile.pool_bytes(h200.memory_bytes, 0.95, weights + tower) - encoding
+    ec = dataclasses.replace(ec, kv_cache_memory=pool)
     engine = gpu_target.TargetEngine(ec, h200, 2)
     assert engine.settings.plan.mesh.devices.size == 2
     assert 2 * engine.kv_pool_bytes_per_device() > 56 * (1 << 30)

@@ -329,9 +329,10 @@ def test_tp_ep_and_pp_meshes_match_one_device(checkpoints, tmp_path):
     meshes = ["1.yaml", "2.yaml", "8-tp8-ep.yaml", "8-tp2-ep4.yaml", "2-pp2.yaml", "8-tp4-pp2.yaml", "8-pp8.yaml"]
     # One bucket, one decode step a launch: what is checked here is the model's layout on the mesh; decode
     # bursts and the small bucket on meshes are test_sharding's (each is another program every engine compiles).
-    # The steps are the same: the scheduler chunks by the 32-token budget, not by the buckets.
+    # The steps are the same: the scheduler chunks by the 32-token budget, not by the buckets. Text alone: images
+    # on meshes are test_vision_mesh's (each engine would compile the tower's tile buckets).
     engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=[32], num_kv_pages=40,
-                  num_decode_steps=1)
+                  num_decode_steps=1, limit_mm_per_prompt={"image": 0})
     runs = [{"model": checkpoints["multimodal"][1], "mesh": mesh(m)} for m in meshes]
     runs.append({"model": checkpoints["causal"][1], "mesh": mesh("2-pp2.yaml"), "tag": "tail"})
     job = {"runs": runs, "prompts": ["Hello, Llama 4", "x" * 40, "the chunks of a long prompt cross"], "max_tokens": 24,

@@ -88,13 +88,18 @@ def _plan(name: str, mesh: str, memory: str, **kw):
     return memory_plan(plan_source(name, "bfloat16")(mc), mc, parse_bytes(memory), **kw)
 
 
-def test_llama4_on_one_device_counts_its_vision_tower_and_image_pool():
-    """Where the engine serves images (one device, plain weights), the plan holds Scout's tower
-    (871,932,416 parameters in bf16) and the image pool (4 prompts' image of 17 tiles x 144 tokens,
-    5120 wide in bf16); on a mesh, where only text is served, neither."""
-    one = _plan("dummy:llama-4-scout,layers=8", "1.yaml", "141GB")
-    assert one.weights["vision"] == 871_932_416 * 2 + 4 * 17 * 144 * 5120 * 2
-    assert _plan("dummy:llama-4-scout", "2.yaml", "141GB").weights["vision"] == 0
+def test_llama4_counts_its_vision_tower_and_image_pool_on_every_device():
+    """Where the engine serves images (plain weights), the plan holds Scout's tower (871,932,416
+    parameters in bf16) and the image pool (4 prompts' image of 17 tiles x 144 tokens, 5120 wide in
+    bf16) on each device: one, or every device of a mesh, where both are replicated; with weights
+    quantized at load, where only text is served, neither."""
+    tower_and_pool = 871_932_416 * 2 + 4 * 17 * 144 * 5120 * 2
+    assert _plan("dummy:llama-4-scout,layers=8", "1.yaml", "141GB").weights["vision"] == tower_and_pool
+    for mesh in ("2.yaml", "2-pp2.yaml", "8-tp2-ep4.yaml"):
+        assert _plan("dummy:llama-4-scout", mesh, "141GB").weights["vision"] == tower_and_pool, mesh
+    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "2.yaml"))
+    int4 = memory_plan(plan_source("dummy:llama-4-scout", "bfloat16", "int4")(mc), mc, parse_bytes("141GB"))
+    assert int4.weights["vision"] == 0
     assert _plan("dummy:llama-3.1-8b", "1.yaml", "80GB").weights["vision"] == 0
 
 

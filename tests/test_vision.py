@@ -23,6 +23,7 @@ from infire_jax.runner.compile_guard import compile_count
 from infire_jax.vision import preprocess, prompt
 from infire_jax.vision.config import vision_config
 from infire_jax.vision.encoder import TILE_BUCKETS, VisionTower, encode, encode_tiles, weights_from_hf
+from llama4_models import SPECIAL
 
 torch = pytest.importorskip("torch")
 RNG = np.random.default_rng(5)
@@ -236,56 +237,12 @@ def test_a_saved_checkpoints_tower_loads_and_encodes_as_hf(tmp_path):
     assert not has_vision(str(tmp_path))  # no config.json there
 
 
-# Token ids of the placeholder's special tokens in the tiny vocabulary (tests/deepseek_models.py's 320):
-# <|patch|> is the config's image_token_index.
-SPECIAL = {prompt.PATCH: 300, prompt.START: 301, prompt.END: 302, prompt.TILE_X: 303, prompt.TILE_Y: 304,
-           prompt.IMAGE: 305}
-
-
 @pytest.fixture(scope="module")
 def multimodal(tmp_path_factory):
-    """A tiny random Llama4ForConditionalGeneration (tests/llama4_models.py's multimodal text config,
-    a two-layer tower of 56-pixel tiles: 4 tokens a tile), its LM head sharpened against near-ties,
-    saved as transformers saves it."""
-    from llama4_models import SHARPEN, TEXT_CONFIGS, save
-    from transformers import Llama4Config, Llama4ForConditionalGeneration
+    """tests/llama4_models.py's `image_checkpoint`: (the HF model, its directory)."""
+    from llama4_models import image_checkpoint
 
-    torch.manual_seed(2)
-    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56,
-                  patch_size=14, vision_output_dim=48, projector_input_dim=48, projector_output_dim=48)
-    model = Llama4ForConditionalGeneration(Llama4Config(text_config=TEXT_CONFIGS["multimodal"], vision_config=vision,
-                                                        image_token_index=SPECIAL[prompt.PATCH])).eval()
-    with torch.no_grad():
-        model.language_model.lm_head.weight.mul_(SHARPEN)
-    path = save(model, tmp_path_factory.mktemp("vision"))
-    _name_special_tokens(path)
-    return model, path
-
-
-def _name_special_tokens(path: str) -> None:
-    """The byte-level tokenizer's placeholder tokens 300..305 renamed to the image markers and made
-    special, so that text with the markers tokenizes to those ids (as Llama 4's tokenizer does)."""
-    import json
-
-    from tokenizers import AddedToken, Tokenizer
-
-    file = f"{path}/tokenizer.json"
-    with open(file) as f:
-        data = json.load(f)
-    vocab = data["model"]["vocab"]
-    for text, i in SPECIAL.items():
-        vocab[text] = vocab.pop(f"<|extra_{i}|>")
-    with open(file, "w") as f:
-        json.dump(data, f)
-    tk = Tokenizer.from_file(file)
-    tk.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in SPECIAL])
-    assert all(tk.token_to_id(text) == i for text, i in SPECIAL.items())
-    tk.save(file)
-    with open(f"{path}/tokenizer_config.json", "w") as f:  # a chat template: the messages' contents in a row
-        json.dump({"chat_template": CHAT_TEMPLATE}, f)
-
-
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return image_checkpoint(tmp_path_factory.mktemp("vision"))
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,10 @@ class Engine:
         # Images (engine/images.py): a Llama 4 checkpoint's vision tower and the device's image pool.
         self.images = None
         if s.vision is not None:
-            pool = ImagePool(s.vision, load_vision_weights(ec.model, s.vision, self.dtype), rc.image_pool[0])
+            # On a mesh the tower and the pool's rows are replicated (ImagePool).
+            placed = s.plan.replicated if s.plan else None
+            pool = ImagePool(s.vision, load_vision_weights(ec.model, s.vision, self.dtype, sharding=placed),
+                             rc.image_pool[0], placed)
             self.runner.cache = self.runner.cache._replace(images=pool.warmup(self.runner.cache.images))
             self.images = ImageInputs(pool, self.runner, self.tokenizer, ec.images_per_prompt)
         self._image_spans: dict[str, list[tuple[int, int]]] = {}  # request id -> its image pool rows

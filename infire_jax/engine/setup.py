@@ -45,7 +45,7 @@ from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.loaders.vision import vision_hf_config
 from infire_jax.vision.config import VisionConfig, vision_config
-from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, pool_rows
+from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, device_bytes, pool_rows
 from pallas_kernels.attention import choose_impl, resolve_impl
 from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels import placement
@@ -177,13 +177,19 @@ class Settings(NamedTuple):
 
 
 def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:
-    """The vision tower to serve: a Llama 4 HF directory's or dummy's, unless images are limited to 0."""
+    """The vision tower to serve: a Llama 4 HF directory's or dummy's, unless images are limited to 0. On
+    a mesh the tower and the image pool are replicated (engine.py). Not across processes: an image is
+    encoded where its request is added, on process 0 alone, and the others would not join the program."""
     hf = vision_hf_config(ec.model) if ec.images_per_prompt and ec.model else None
     if hf is None:
         return None
-    if plan is not None or ec.weights_quantization or ec.weights_compression:
-        log.warning("%s: images are served on one device with plain weights only yet; serving text", ec.model)
+    if ec.weights_quantization or ec.weights_compression:
+        log.warning("%s: images are served with plain weights only yet; serving text", ec.model)
         return None
+    if multihost.is_multiprocess():
+        raise ConfigError(f"{ec.model}: images are not served on a mesh over several processes (the vision "
+                          "tower runs where a request is added, on process 0 alone); "
+                          "limit_mm_per_prompt={'image': 0} serves text")
     return vision_config(hf)
 
 
@@ -338,8 +344,12 @@ def load_and_compile(ec: EngineConfig, s: Settings, loaded: LoadedModel | None, 
         # followers' warmup runs a step on the pool).
         deferred = sizing is None and not multihost.is_multiprocess()
         if sizing is None:
+            # The vision tower is placed after the pool (engine.py), and encodes while a step may run.
+            tower, encoding = (0, 0) if s.vision is None else \
+                device_bytes(s.vision, s.dtype, s.plan.replicated if s.plan else None)
             sizing = s.pool.from_device_memory(runner.state, (runner.cache.k_pages, runner.cache.v_pages),
-                                               runner.peak_activation_bytes(), ec.pool_weight_bytes)
+                                               runner.peak_activation_bytes() + encoding, ec.pool_weight_bytes,
+                                               tower)
             runner.resize_pool(sizing.num_pages, allocate=not deferred)
         report("compile", 0, len(shapes))
         runner.warmup(lambda shape: report("compile", next(done), len(shapes)))

@@ -43,12 +43,16 @@ def has_vision(model: str) -> bool:
     return vision_hf_config(model) is not None
 
 
-def load_vision_weights(model: str, cfg: VisionConfig, dtype, seed: int = 0) -> dict:
+def load_vision_weights(model: str, cfg: VisionConfig, dtype, seed: int = 0,
+                        sharding: jax.sharding.Sharding | None = None) -> dict:
     """The tower's weights on the device (the pytree `vision.encoder.encode` takes): a checkpoint's, or a
-    `dummy:` model's drawn at random."""
+    `dummy:` model's drawn at random; placed on `sharding` (a mesh's replicated one: the same values
+    as on one device)."""
     if model.startswith("dummy:"):
-        return random_weights(cfg, dtype, seed)
-    return weights_from_hf(cfg, load_vision_tower(model)[1], dtype)
+        weights = random_weights(cfg, dtype, seed)
+    else:
+        weights = weights_from_hf(cfg, load_vision_tower(model)[1], dtype)
+    return weights if sharding is None else jax.device_put(weights, sharding)
 
 
 def load_vision_tower(path: str) -> tuple[VisionConfig, dict[str, np.ndarray]]:

@@ -163,7 +163,7 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
 
 def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
     """`model` with a Llama 4 config's vision tower and the engine's image pool (the default one image a
-    prompt), each held whole on the one device that serves images (engine/setup.py `_vision`)."""
+    prompt), each held whole on every device (replicated on a mesh, as engine/setup.py `_vision` places them)."""
     from flax import nnx
 
     from infire_jax.vision.config import vision_config

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Callable
 
@@ -58,7 +57,7 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
         cfg, formats = config_from_hf(hf), formats_from_hf(hf, dtype)
         int4 = int4_at_load_layouts(cfg, group) if weights_quantization else int4_layouts(hf, cfg)
         return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, int4),
-                                  vision, mc, weights_quantization)
+                                  vision, weights_quantization)
     from infire_jax.loaders.dummy import dummy_hf_config
     from infire_jax.loaders.load import load_config
     from infire_jax.loaders.vision import vision_hf_config
@@ -71,12 +70,13 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
     # a dummy's formats are its published config's (gpt-oss: the experts in MXFP4)
     formats = formats_from_hf(dummy_hf_config(name), dtype) if spec and spec.startswith("dummy:") else None
     return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or "default model", formats,
-                                                int4), vision, mc, weights_quantization)
+                                                int4), vision, weights_quantization)
 
 
-def _served(model: PlanModel, vision_hf: dict | None, mc: MeshConfig, weights_quantization: str | None) -> PlanModel:
+def _served(model: PlanModel, vision_hf: dict | None, weights_quantization: str | None) -> PlanModel:
     """`model` with the vision tower and image pool where the engine serves images: a Llama 4 with a
-    tower on one device with plain weights (engine/setup.py `_vision`)."""
-    if vision_hf is None or math.prod(mc.sizes.values()) > 1 or weights_quantization:
+    tower and plain weights, on one device or replicated on every device of a mesh (engine/setup.py
+    `_vision`)."""
+    if vision_hf is None or weights_quantization:
         return model
     return with_vision(model, vision_hf)

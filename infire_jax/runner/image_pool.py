@@ -32,10 +32,13 @@ class ImagePoolFull(InvalidRequestError):
 
 
 class ImagePool:
-    """The tower's weights on the device, and the free rows of the cache's image pool (first fit)."""
+    """The tower's weights on the device, and the free rows of the cache's image pool (first fit).
+    On a mesh both are replicated (`sharding`: the weights' placement, where pixels go too): every
+    device encodes an image and holds the rows, so the sharded forward reads them where it runs."""
 
-    def __init__(self, cfg: VisionConfig, weights: dict, num_rows: int):
-        self.cfg, self.num_rows, self.weights = cfg, num_rows, weights
+    def __init__(self, cfg: VisionConfig, weights: dict, num_rows: int,
+                 sharding: jax.sharding.Sharding | None = None):
+        self.cfg, self.num_rows, self.weights, self.sharding = cfg, num_rows, weights, sharding
         self._free: list[tuple[int, int]] = [(0, num_rows)]  # (start, rows), sorted by start
 
     @property
@@ -83,7 +86,8 @@ class ImagePool:
         side = self.cfg.image_size
         for bucket in TILE_BUCKETS:
             blank = np.zeros((bucket, self.cfg.num_channels, side, side), np.float32)
-            pool = _write(pool, encode_padded(self.cfg, self.weights, blank).reshape(-1, pool.shape[1]), jnp.int32(0))
+            encoded = encode_padded(self.cfg, self.weights, blank, self.sharding)
+            pool = _write(pool, encoded.reshape(-1, pool.shape[1]), jnp.int32(0))
         return pool
 
     def add(self, pool: Float[Array, "P E"], pixels: np.ndarray) -> tuple[Float[Array, "P E"], int, int]:
@@ -92,7 +96,7 @@ class ImagePool:
         rows = tile_bucket(pixels.shape[0]) * self.cfg.tokens_per_tile
         start = self.reserve(rows)
         try:
-            embeddings = encode_padded(self.cfg, self.weights, pixels).reshape(rows, -1)
+            embeddings = encode_padded(self.cfg, self.weights, pixels, self.sharding).reshape(rows, -1)
             return _write(pool, embeddings, jnp.int32(start)), start, rows
         except BaseException:
             self.release(start, rows)

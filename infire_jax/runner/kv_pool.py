@@ -161,10 +161,11 @@ class PoolPlanner:
         return self._with_capacity(sizing)
 
     def from_device_memory(self, weights: Any, minimal_pool: Any, activation_bytes: int,
-                           reserved_weight_bytes: int = 0) -> PoolSizing:
+                           reserved_weight_bytes: int = 0, later_weight_bytes: int = 0) -> PoolSizing:
         """Measured with the weights and a minimal pool on the devices (the pool is not counted as in
-        use: resizing frees it). The weights count at least `reserved_weight_bytes` (hot standby:
-        room for a heavier model that may be on the device instead, engine/residency.py)."""
+        use: resizing frees it). `later_weight_bytes`: weights placed after the pool (the vision tower),
+        counted with them. The weights count at least `reserved_weight_bytes` (hot standby: room for a
+        heavier model that may be on the device instead, engine/residency.py)."""
         total, limit, in_use = device_memory()
         device = jax.local_devices()[0]
 
@@ -173,7 +174,9 @@ class PoolPlanner:
                        if s.device == device)
 
         weight_bytes, pool = on_device(weights), on_device(minimal_pool)
+        other_bytes = max(0, in_use - weight_bytes - pool)
         return self._with_capacity(size_from_device_memory(
             device_bytes=total, allocator_limit=limit, utilization=self.gpu_memory_utilization,
-            weight_bytes=max(weight_bytes, reserved_weight_bytes), activation_bytes=activation_bytes,
-            other_bytes=max(0, in_use - weight_bytes - pool), page_bytes=self.page_bytes, min_pages=self.min_pages))
+            weight_bytes=max(weight_bytes + later_weight_bytes, reserved_weight_bytes),
+            activation_bytes=activation_bytes, other_bytes=other_bytes, page_bytes=self.page_bytes,
+            min_pages=self.min_pages))

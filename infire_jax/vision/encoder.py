@@ -16,6 +16,7 @@ compiles nothing new.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -166,14 +167,28 @@ def _encode_bucket(cfg: VisionConfig, weights: dict, pixels: Array) -> Array:
     return encode_tiles(cfg, weights, pixels)
 
 
-def encode_padded(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray
-                  ) -> Float[Array, "B P E"]:
+def encode_padded(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray,
+                  sharding: jax.sharding.Sharding | None = None) -> Float[Array, "B P E"]:
     """`encode_tiles` jitted at the tile bucket B of `pixels`, padded with blank tiles (whose outputs
-    follow the image's), so each bucket compiles once."""
+    follow the image's), so each bucket compiles once. `sharding`: where the pixels go, the weights'
+    placement (on a mesh, replicated: every device encodes, and the outputs are on every device)."""
     pixels = np.asarray(pixels, np.float32)
     padded = np.zeros((tile_bucket(pixels.shape[0]), *pixels.shape[1:]), np.float32)
     padded[:pixels.shape[0]] = pixels
-    return _encode_bucket(cfg, weights, jnp.asarray(padded))
+    return _encode_bucket(cfg, weights, jax.device_put(padded, sharding))
+
+
+def device_bytes(cfg: VisionConfig, dtype, sharding: jax.sharding.Sharding | None = None) -> tuple[int, int]:
+    """(the tower's weights, the temporaries of an encoder call at the largest tile bucket) on one device,
+    from shapes alone (XLA's memory analysis of the compiled call, placed on `sharding` as the engine
+    places it: replicated, so whole on each device). A pool sized from device memory leaves room for
+    them, since the engine places the tower after sizing it and encodes while a step runs."""
+    weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                           nnx.eval_shape(lambda: VisionTower(cfg, dtype)).weights())
+    side = cfg.image_size
+    pixels = jax.ShapeDtypeStruct((TILE_BUCKETS[-1], cfg.num_channels, side, side), jnp.float32, sharding=sharding)
+    temporaries = _encode_bucket.lower(cfg, weights, pixels).compile().memory_analysis().temp_size_in_bytes
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(weights)), int(temporaries)
 
 
 def encode(cfg: VisionConfig, weights: dict, pixels: Float[Array, "N C H W"] | np.ndarray) -> Array:
