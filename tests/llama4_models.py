@@ -9,6 +9,7 @@ prompt and 48 generated tokens cross several chunks:
   beside a one-layer vision tower), 6 layers (three super-layers: on 2 pipeline stages, 1 and a
   padding one, then 2), NoPE on a MoE layer and on a dense one of the last super-layer, no qk norm,
   top-2 routing. Its reference is its `.language_model` (transformers' text-only forward of the wrapper fails).
+  `vision_checkpoint` saves one with a two-layer tower and a tokenizer that names the image tokens.
 The LM head is scaled up (`SHARPEN`) so that greedy decoding has no near-ties between float32 engines.
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from deepseek_models import VOCAB, _save_tokenizer
+
+from infire_jax.vision import prompt
 
 SHARPEN = 4.0
 # 8 query and 2 kv heads, widths divisible by 8: tp 2 and 8 fit (kv heads repeated for tp 8).
@@ -148,3 +151,51 @@ def fp8_kv(model, kv_scales, monkeypatch) -> None:
 
     monkeypatch.setattr(modeling_llama4, "eager_attention_forward", attention)
     text_model(model).config._attn_implementation = "eager"
+
+
+# The image tokens' ids in `vision_checkpoint`'s tokenizer; <|patch|> is the config's image_token_index.
+SPECIAL = {prompt.PATCH: 300, prompt.START: 301, prompt.END: 302, prompt.TILE_X: 303, prompt.TILE_Y: 304,
+           prompt.IMAGE: 305}
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the messages' contents in a row
+
+
+def vision_checkpoint(path) -> tuple[object, str]:
+    """A tiny random Llama4ForConditionalGeneration (the multimodal text config, a two-layer tower of
+    56-pixel tiles: 4 tokens a tile), its LM head sharpened against near-ties, saved as transformers
+    saves it with `SPECIAL`'s tokens and `CHAT_TEMPLATE`: (the HF model, the checkpoint's path)."""
+    import torch
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    torch.manual_seed(2)
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14, vision_output_dim=48, projector_input_dim=48, projector_output_dim=48)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=TEXT_CONFIGS["multimodal"], vision_config=vision,
+                                                        image_token_index=SPECIAL[prompt.PATCH])).eval()
+    with torch.no_grad():
+        model.language_model.lm_head.weight.mul_(SHARPEN)
+    path = save(model, path)
+    _name_special_tokens(path)
+    return model, path
+
+
+def _name_special_tokens(path: str) -> None:
+    """The byte-level tokenizer's placeholder tokens 300..305 renamed to the image markers and made
+    special, so that text with the markers tokenizes to those ids (as Llama 4's tokenizer does)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    file = f"{path}/tokenizer.json"
+    with open(file) as f:
+        data = json.load(f)
+    vocab = data["model"]["vocab"]
+    for text, i in SPECIAL.items():
+        vocab[text] = vocab.pop(f"<|extra_{i}|>")
+    with open(file, "w") as f:
+        json.dump(data, f)
+    tk = Tokenizer.from_file(file)
+    tk.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in SPECIAL])
+    assert all(tk.token_to_id(text) == i for text, i in SPECIAL.items())
+    tk.save(file)
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE}, f)

@@ -23,6 +23,7 @@ from infire_jax.runner.compile_guard import compile_count
 from infire_jax.vision import preprocess, prompt
 from infire_jax.vision.config import vision_config
 from infire_jax.vision.encoder import TILE_BUCKETS, VisionTower, encode, encode_tiles, weights_from_hf
+from llama4_models import SPECIAL
 
 torch = pytest.importorskip("torch")
 RNG = np.random.default_rng(5)
@@ -237,55 +238,11 @@ def test_a_saved_checkpoints_tower_loads_and_encodes_as_hf(tmp_path):
 
 
 # Token ids of the placeholder's special tokens in the tiny vocabulary (tests/deepseek_models.py's 320):
-# <|patch|> is the config's image_token_index.
-SPECIAL = {prompt.PATCH: 300, prompt.START: 301, prompt.END: 302, prompt.TILE_X: 303, prompt.TILE_Y: 304,
-           prompt.IMAGE: 305}
-
-
 @pytest.fixture(scope="module")
 def multimodal(tmp_path_factory):
-    """A tiny random Llama4ForConditionalGeneration (tests/llama4_models.py's multimodal text config,
-    a two-layer tower of 56-pixel tiles: 4 tokens a tile), its LM head sharpened against near-ties,
-    saved as transformers saves it."""
-    from llama4_models import SHARPEN, TEXT_CONFIGS, save
-    from transformers import Llama4Config, Llama4ForConditionalGeneration
+    from llama4_models import vision_checkpoint
 
-    torch.manual_seed(2)
-    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56,
-                  patch_size=14, vision_output_dim=48, projector_input_dim=48, projector_output_dim=48)
-    model = Llama4ForConditionalGeneration(Llama4Config(text_config=TEXT_CONFIGS["multimodal"], vision_config=vision,
-                                                        image_token_index=SPECIAL[prompt.PATCH])).eval()
-    with torch.no_grad():
-        model.language_model.lm_head.weight.mul_(SHARPEN)
-    path = save(model, tmp_path_factory.mktemp("vision"))
-    _name_special_tokens(path)
-    return model, path
-
-
-def _name_special_tokens(path: str) -> None:
-    """The byte-level tokenizer's placeholder tokens 300..305 renamed to the image markers and made
-    special, so that text with the markers tokenizes to those ids (as Llama 4's tokenizer does)."""
-    import json
-
-    from tokenizers import AddedToken, Tokenizer
-
-    file = f"{path}/tokenizer.json"
-    with open(file) as f:
-        data = json.load(f)
-    vocab = data["model"]["vocab"]
-    for text, i in SPECIAL.items():
-        vocab[text] = vocab.pop(f"<|extra_{i}|>")
-    with open(file, "w") as f:
-        json.dump(data, f)
-    tk = Tokenizer.from_file(file)
-    tk.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in SPECIAL])
-    assert all(tk.token_to_id(text) == i for text, i in SPECIAL.items())
-    tk.save(file)
-    with open(f"{path}/tokenizer_config.json", "w") as f:  # a chat template: the messages' contents in a row
-        json.dump({"chat_template": CHAT_TEMPLATE}, f)
-
-
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return vision_checkpoint(tmp_path_factory.mktemp("vision"))
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +328,7 @@ def test_bad_image_requests_are_refused_and_hold_nothing(mm_llm):
         with pytest.raises(InvalidRequestError, match=re.escape(message)):
             llm.generate(prompt_dict, params)
         assert pool.free_rows == pool.num_rows and not llm.engine.has_unfinished()
-    # a prompt past max_model_len is refused after its image was encoded: the rows come back
+    # a prompt past max_model_len is refused after its image's rows were reserved: they come back
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 130 + ids, "multi_modal_data": {"image": small}}, params)
     assert pool.free_rows == pool.num_rows
@@ -379,17 +336,20 @@ def test_bad_image_requests_are_refused_and_hold_nothing(mm_llm):
 
 def test_same_image_hits_the_prefix_cache_and_another_does_not(mm_llm):
     """The pages of a prompt with an image are keyed by its pixels: the same image again reuses them
-    (cached tokens), another image with the same token ids reuses none."""
+    (cached tokens) and is not encoded again (its tokens are all in the hit), another image with the
+    same token ids reuses none."""
     from infire_jax import SamplingParams
 
-    ids = list(range(20, 50)) + _placeholder_ids((1, 1), 4) + [13] * 8  # 43 tokens: two full 16-token pages
+    ids = list(range(20, 40)) + _placeholder_ids((1, 1), 4) + [13] * 16  # 43 tokens: the image in two full pages
     image = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
     other = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
     params = SamplingParams(max_tokens=2, temperature=0)
     run = lambda im: mm_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": im}}, params)[0]  # noqa: E731
-    assert run(image).num_cached_tokens == 0
-    assert run(image).num_cached_tokens == 32
-    assert run(other).num_cached_tokens == 0
+    encoded = lambda: mm_llm.engine.stats.images_encoded  # noqa: E731
+    before = encoded()
+    assert run(image).num_cached_tokens == 0 and encoded() == before + 1
+    assert run(image).num_cached_tokens == 32 and encoded() == before + 1
+    assert run(other).num_cached_tokens == 0 and encoded() == before + 2
 
 
 def test_chat_with_a_data_url_equals_offline(mm_llm):
