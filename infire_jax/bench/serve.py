@@ -5,10 +5,10 @@ with --burstiness; inf sends all at once) with at most --max-concurrency in flig
 or concurrencies make a sweep. Reported per sweep point: request and token throughput, TTFT, TPOT,
 ITL and E2E latency statistics, and goodput under the --goodput SLOs. Output lengths are what the
 server reports in its usage (or the number of streamed chunks when it reports none). With
---images-per-request, each request is a chat message with that many images (serve_images.py). Against our
-own server, "host share" is the part of the engine's step time spent outside the jitted step
-(scheduling, batch building, detokenizing), read from its /metrics, and "grammar share" the part
-of that host time spent in the grammar engine (with --structured-output).
+--images-per-request, each request is a chat message with that many images (serve_images.py).
+Against our own server, "host share" is the part of the engine's step time spent outside the jitted
+step (scheduling, batch building, detokenizing), read from its /metrics, and "grammar share" the
+part of that host time spent in the grammar engine (with --structured-output).
 """
 
 from __future__ import annotations
