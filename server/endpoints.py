@@ -21,6 +21,7 @@ from aiohttp import web
 
 from infire_jax.engine.async_engine import AsyncEngine, RequestStream
 from infire_jax.engine.detokenizer import TokenText
+from infire_jax.engine.images import images_digest
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
 from infire_jax.structured import StructuredOutputs, harmony
@@ -128,8 +129,6 @@ async def image_tiles(st: ServerState, m: ServedModel, req: ChatRequest) -> list
     if images is None:
         raise bad(f"the model {req.model!r} takes no images (a Llama 4 checkpoint with a vision tower does)",
                   req.images[0][1])
-    if st.role != "both":
-        raise bad("images are served by a worker of role 'both' only yet", req.images[0][1])
     if len(req.images) > images.limit:
         raise bad(f"{len(req.images)} images in one request; at most {images.limit} (--limit-mm-per-prompt)",
                   "messages")
@@ -287,7 +286,8 @@ async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lor
     handoff before it runs). Leaving the block early (a disconnect cancels the handler) aborts it."""
     hint, session = _headers(request, prompts)
     tenant = request.get(TENANT)
-    await kv.before(req.kv_transfer, prompts, tenant, stream=req.stream, lora_name=lora)
+    await kv.before(req.kv_transfer, prompts, tenant, stream=req.stream, lora_name=lora,
+                    image_digest=images_digest(images) if images else None)
     spec = req.params.structured_outputs
     grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,

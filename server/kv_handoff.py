@@ -149,13 +149,16 @@ class KVHandoff:
     # ---- prefill side ------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def export(self, prompt: list[int], tenant: str | None, public_url: str, first_token: int | None,
-                     first_logprob: float | None, lora_name: str | None = None) -> AsyncIterator[dict | None]:
-        """Holds the prompt's cached full pages (computed with the LoRA adapter `lora_name`) and yields
+                     first_logprob: float | None, lora_name: str | None = None,
+                     image_digest: str | None = None) -> AsyncIterator[dict | None]:
+        """Holds the prompt's cached full pages (computed with the LoRA adapter `lora_name`, and the
+        images of `image_digest`, whose KV a decode worker takes without encoding them) and yields
         the `kv_transfer_params` a decode worker needs (None when no full page is cached: a prompt
         shorter than a page). Send them inside the block: if it raises or is cancelled (the client
         left), nobody can know the transfer id, so the hold is released at once."""
         blocks, adapter = await self.engine.call(
-            lambda e: (e.export_prompt_kv(prompt, tenant=tenant, lora_name=lora_name), lora_digest(e.lora, lora_name)))
+            lambda e: (e.export_prompt_kv(prompt, tenant=tenant, lora_name=lora_name, image_digest=image_digest),
+                       lora_digest(e.lora, lora_name)))
         region = await self._hold(blocks) if blocks.num_blocks else None
         if region is None:
             yield None
@@ -305,10 +308,12 @@ class KVHandoff:
                         status)
 
     async def pull(self, claim: Claim | None, params: dict, prompt: list[int], tenant: str | None,
-                   lora_name: str | None = None) -> Pulled | None:
+                   lora_name: str | None = None, image_digest: str | None = None) -> Pulled | None:
         """Fetches and imports the prompt's pages a prefill worker holds (`claim`: the hold `params`
         name); None when the transfer failed (the request then computes its prompt here, and the hold
-        is released now). Malformed params raise a 400 (the caller's `settle` releases the hold)."""
+        is released now). Malformed params raise a 400 (the caller's `settle` releases the hold).
+        `image_digest`: the digest of the request's images as this worker cut them (engine/images.py),
+        which keys the pages as a local prefill would, so their image tokens are a prefix hit here."""
         if claim is None:
             raise _bad(f"'{_PARAM}.remote_url' (http or https) and '{_PARAM}.transfer_id' must name the hold; "
                        "pass the kv_transfer_params a prefill worker returned")
@@ -322,21 +327,22 @@ class KVHandoff:
             return None
         claim.pulling = True
         task = asyncio.create_task(self._fetch_and_import(source, region, claim, prompt[:num_tokens], tenant,
-                                                          lora_name))
+                                                          lora_name, image_digest))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         # The task owns the region and the claim until it ends; a client that leaves does not cut it short.
         return await asyncio.shield(task)
 
     async def _fetch_and_import(self, source: Reservation, region: Reservation, claim: Claim,
-                                token_ids: list[int], tenant: str | None, lora_name: str | None) -> Pulled | None:
+                                token_ids: list[int], tenant: str | None, lora_name: str | None,
+                                image_digest: str | None) -> Pulled | None:
         try:
             seconds = await asyncio.get_running_loop().run_in_executor(None, self.transport.fetch, source, region)
             if not await self._confirm(claim):
                 self._count_failure("hold_gone")
                 return None
             blocks = self.transport.received(region, self.layout, token_ids, tenant)
-            written = await self.engine.call(lambda e: e.import_prompt_kv(blocks, lora_name=lora_name))
+            written = await self.engine.call(lambda e: e.import_prompt_kv(blocks, lora_name, image_digest))
             if self._metrics is not None:
                 self._metrics.kv_transferred(region.nbytes, seconds)
             return Pulled(region.nbytes, seconds, written)
@@ -373,18 +379,21 @@ class RequestHandoff:
         self._handoff = handoff
         self._request = request
         self._claim = claim
-        self._export: tuple[list[int], str | None, str | None] | None = None  # a prefill worker's prompt, tenant, LoRA
+        # a prefill worker's prompt, tenant, LoRA adapter and images' digest
+        self._export: tuple[list[int], str | None, str | None, str | None] | None = None
 
     @property
     def role(self) -> str:
         return self._handoff.role if self._handoff is not None else "both"
 
     async def before(self, params: dict | None, prompts: list[list[int]], tenant: str | None, *,
-                     stream: bool, lora_name: str | None = None) -> None:
+                     stream: bool, lora_name: str | None = None, image_digest: str | None = None) -> None:
         """Checks that the request's kv_transfer_params (None: none asked) ask for what this worker's
         role serves, on one prompt. A decode worker then imports the prompt's pages, so the request
-        runs as a prefix hit (the response's headers say how the pull went). `lora_name`: the
-        request's LoRA adapter, whose KV only its own requests may use."""
+        runs as a prefix hit (the response's headers say how the pull went), its images' tokens among
+        them never encoded. `lora_name`: the request's LoRA adapter, whose KV only its own requests
+        may use; `image_digest`: its images' (engine/images.py), whose KV only prompts of the same
+        images may use."""
         if params is None:
             return
         want = "prefill" if params.get("do_remote_decode") else "decode"
@@ -398,9 +407,10 @@ class RequestHandoff:
             if stream:
                 raise APIError(400, "kv_transfer_params with do_remote_decode need a non-streaming request",
                                param="stream")
-            self._export = (prompts[0], tenant, lora_name)
+            self._export = (prompts[0], tenant, lora_name, image_digest)
         else:
-            self._request[KV_PULLED] = await self._handoff.pull(self._claim, params, prompts[0], tenant, lora_name)
+            self._request[KV_PULLED] = await self._handoff.pull(self._claim, params, prompts[0], tenant, lora_name,
+                                                                image_digest)
 
     async def answer(self, body: dict, first: Choice) -> web.StreamResponse:
         """The whole (non-streaming) response. A prefill worker's names the KV it holds for the
@@ -408,14 +418,14 @@ class RequestHandoff:
         leaves before it is written (a cancel, or a reset write), `export` releases the hold."""
         if self._export is None:
             return web.json_response(body)
-        prompt, tenant, lora_name = self._export
+        prompt, tenant, lora_name, image_digest = self._export
         token = first.token_ids[0] if first.token_ids else None
         logprob = first.logprobs[0].get(token) if first.logprobs and token is not None else None
         request = self._request
         response = web.Response(content_type="application/json")
         with contextlib.suppress(ConnectionResetError):  # the client went away: nobody reads this answer
             async with self._handoff.export(prompt, tenant, f"{request.scheme}://{request.host}", token,
-                                            logprob, lora_name) as params:
+                                            logprob, lora_name, image_digest) as params:
                 response.text = json.dumps({**body, _PARAM: params})
                 await response.prepare(request)
                 await response.write_eof()

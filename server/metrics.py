@@ -122,6 +122,8 @@ class _EngineCollector(Collector):
             (CounterMetricFamily, "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions),
             (CounterMetricFamily, "prompt_tokens", "Prompt tokens of admitted sequences.", s.prompt_tokens),
             (CounterMetricFamily, "generation_tokens", "Generated tokens.", s.generation_tokens),
+            (CounterMetricFamily, "images_encoded", "Images through the vision tower (one whose tokens were cached, "
+             "or imported from a prefill worker, is not encoded).", s.images_encoded),
             (CounterMetricFamily, "engine_step_seconds", "Wall time of the engine thread inside steps.",
              s.step_seconds),
             (CounterMetricFamily, "engine_device_wait_seconds",

@@ -11,7 +11,8 @@ prompt and 48 generated tokens cross several chunks:
   top-2 routing. Its reference is its `.language_model` (transformers' text-only forward of the wrapper fails).
 The LM head is scaled up (`SHARPEN`) so that greedy decoding has no near-ties between float32 engines.
 `image_checkpoint` is the multimodal one with a two-layer tower of 56-pixel tiles and a tokenizer that
-knows the image placeholder's tokens, for images through the engine (test_vision.py, test_vision_mesh.py).
+knows the image placeholder's tokens, for images through the engine (test_vision.py, test_vision_mesh.py,
+test_fleet_images.py).
 """
 
 from __future__ import annotations

@@ -219,6 +219,37 @@ def test_random_prompts_are_fresh_per_seed():
     assert [p.prompt for p in a] != [p.prompt for p in random_prompts(3, 5, 2, 100, (0, 2))]
 
 
+def test_serve_image_flags_and_chat_bodies():
+    """`bench serve --image-size WxH` (or N), its images as JPEG data URLs of that size, random token ids
+    as words in a chat message with the images after the text; a chat stream's role-only first chunk
+    brings no token (it would make every TTFT zero)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from infire_jax.bench import serve_images
+
+    p = argparse.ArgumentParser()
+    serve.add_args(p)
+    args = p.parse_args(["--images-per-request", "2", "--image-size", "96x40"])
+    assert (args.images_per_request, args.image_size, args.endpoint) == (2, (96, 40), None)
+    assert p.parse_args(["--image-size", "64"]).image_size == (64, 64)
+    for bad in ("96x", "0x4", "axb", "1x2x3"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--image-size", bad])
+    urls = serve_images.data_urls(2, (96, 40), seed=0)
+    assert len(set(urls)) == 2 and urls == serve_images.data_urls(2, (96, 40), seed=0)
+    image = Image.open(io.BytesIO(base64.b64decode(urls[0].split(",", 1)[1])))
+    assert (image.format, image.size) == ("JPEG", (96, 40))
+    (message,) = serve_images.messages([0, 1, 52], urls)
+    assert message["content"][0] == {"type": "text", "text": "the a of"}
+    assert [part["image_url"]["url"] for part in message["content"][1:]] == urls
+    assert not serve._brings_token({"index": 0, "delta": {"role": "assistant", "content": ""}})
+    assert serve._brings_token({"index": 0, "delta": {"content": "Hi"}})
+    assert serve._brings_token({"index": 0, "text": ""}) and not serve._brings_token({"text": "", "finish_reason": "stop"})
+
+
 def test_summary_and_goodput():
     fast = RequestTiming(ttft=0.1, e2el=0.5, itl=[0.1] * 4, prompt_tokens=10, output_tokens=5)
     slow = RequestTiming(ttft=0.3, e2el=0.4, itl=[0.05, 0.05], prompt_tokens=20, output_tokens=3)

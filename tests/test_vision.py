@@ -328,7 +328,7 @@ def test_bad_image_requests_are_refused_and_hold_nothing(mm_llm):
         with pytest.raises(InvalidRequestError, match=re.escape(message)):
             llm.generate(prompt_dict, params)
         assert pool.free_rows == pool.num_rows and not llm.engine.has_unfinished()
-    # a prompt past max_model_len is refused after its image was encoded: the rows come back
+    # a prompt past max_model_len is refused after its image's rows were reserved: they come back
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 130 + ids, "multi_modal_data": {"image": small}}, params)
     assert pool.free_rows == pool.num_rows
@@ -336,17 +336,20 @@ def test_bad_image_requests_are_refused_and_hold_nothing(mm_llm):
 
 def test_same_image_hits_the_prefix_cache_and_another_does_not(mm_llm):
     """The pages of a prompt with an image are keyed by its pixels: the same image again reuses them
-    (cached tokens), another image with the same token ids reuses none."""
+    (cached tokens) and is not encoded again (its tokens are all in the hit), another image with the
+    same token ids reuses none."""
     from infire_jax import SamplingParams
 
-    ids = list(range(20, 50)) + _placeholder_ids((1, 1), 4) + [13] * 8  # 43 tokens: two full 16-token pages
+    ids = list(range(20, 40)) + _placeholder_ids((1, 1), 4) + [13] * 16  # 43 tokens: the image in two full pages
     image = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
     other = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
     params = SamplingParams(max_tokens=2, temperature=0)
     run = lambda im: mm_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": im}}, params)[0]  # noqa: E731
-    assert run(image).num_cached_tokens == 0
-    assert run(image).num_cached_tokens == 32
-    assert run(other).num_cached_tokens == 0
+    encoded = lambda: mm_llm.engine.stats.images_encoded  # noqa: E731
+    before = encoded()
+    assert run(image).num_cached_tokens == 0 and encoded() == before + 1
+    assert run(image).num_cached_tokens == 32 and encoded() == before + 1
+    assert run(other).num_cached_tokens == 0 and encoded() == before + 2
 
 
 def test_chat_with_a_data_url_equals_offline(mm_llm):

@@ -4,10 +4,11 @@ Requests stream (SSE) from --base-url; they arrive as a Poisson process at --req
 with --burstiness; inf sends all at once) with at most --max-concurrency in flight. Several rates
 or concurrencies make a sweep. Reported per sweep point: request and token throughput, TTFT, TPOT,
 ITL and E2E latency statistics, and goodput under the --goodput SLOs. Output lengths are what the
-server reports in its usage (or the number of streamed chunks when it reports none). Against our
-own server, "host share" is the part of the engine's step time spent outside the jitted step
-(scheduling, batch building, detokenizing), read from its /metrics, and "grammar share" the part
-of that host time spent in the grammar engine (with --structured-output).
+server reports in its usage (or the number of streamed chunks when it reports none). With
+--images-per-request, each request is a chat message with that many images (serve_images.py).
+Against our own server, "host share" is the part of the engine's step time spent outside the jitted
+step (scheduling, batch building, detokenizing), read from its /metrics, and "grammar share" the
+part of that host time spent in the grammar engine (with --structured-output).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import aiohttp
 
 from infire_jax.bench.common import BenchError, int_at_least, positive_int, rate
 from infire_jax.bench.metrics import RequestTiming, pct_label, percentiles_arg, slo_arg
+from infire_jax.bench.serve_images import data_urls, image_size, messages
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions", help="completions path on the server")
+    p.add_argument("--endpoint", default=None,
+                   help="the path requests go to (default: /v1/completions, or /v1/chat/completions with images)")
     p.add_argument("--model", default=None,
                    help="model name sent with each request (default: the first model of GET /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -65,6 +68,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-output", choices=["json_schema"], default=None,
                    help="constrain every request with vLLM's structured_outputs: json_schema sends a schema of "
                         "records long enough that no output completes it, so outputs keep their lengths")
+    p.add_argument("--images-per-request", type=int_at_least(0), default=0,
+                   help="random-pixel JPEG images (data URLs) after each request's text: chat requests, for a "
+                        "server whose model takes images; --input-len then counts words")
+    p.add_argument("--image-size", type=image_size, default=(1024, 1024), metavar="WxH",
+                   help="the images' width x height in pixels (or N: N x N)")
 
 
 def _url(base: str, path: str) -> str:
@@ -93,8 +101,7 @@ async def _send(session, url: str, body: dict, headers: dict) -> RequestTiming |
                 if "error" in chunk:
                     return f"error event: {json.dumps(chunk['error'])[:300]}"
                 choices = chunk.get("choices")
-                # A chunk with no text that only carries the finish reason brings no token.
-                if choices and (choices[0].get("text") or not choices[0].get("finish_reason")):
+                if choices and _brings_token(choices[0]):
                     times.append(time.perf_counter())
                 if chunk.get("usage"):
                     usage = chunk["usage"]
@@ -103,11 +110,20 @@ async def _send(session, url: str, body: dict, headers: dict) -> RequestTiming |
     end = time.perf_counter()
     if not times:
         return "the stream held no tokens"
-    prompt = body["prompt"]
+    prompt = body.get("prompt")
     return RequestTiming(
         ttft=times[0] - sent, e2el=end - sent, itl=[b - a for a, b in zip(times, times[1:])],
         prompt_tokens=usage["prompt_tokens"] if usage else (len(prompt) if isinstance(prompt, list) else 0),
         output_tokens=usage["completion_tokens"] if usage else len(times))
+
+
+def _brings_token(choice: dict) -> bool:
+    """Whether a streamed choice carries a token: a completion's chunk unless it only carries the finish
+    reason; a chat chunk with content (the first, with only the role, comes before any token)."""
+    delta = choice.get("delta")
+    if delta is None:
+        return bool(choice.get("text") or not choice.get("finish_reason"))
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
 async def _first_model(session, base_url: str, headers: dict) -> str:
@@ -208,14 +224,16 @@ async def _bench(args, prompts) -> tuple[str, list[dict]]:
     from infire_jax.bench.metrics import summarize
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    url = _url(args.base_url, args.endpoint)
+    images = data_urls(args.images_per_request, args.image_size, args.seed)
+    url = _url(args.base_url, args.endpoint or ("/v1/chat/completions" if images else "/v1/completions"))
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         model = args.model or await _first_model(session, args.base_url, headers)
 
         def body(prompt, output_len):
-            b = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True,
+            b = dict(model=model, max_tokens=output_len, temperature=0.0, stream=True,
                      stream_options={"include_usage": True})
+            b |= dict(messages=messages(prompt, images)) if images else dict(prompt=prompt)
             if args.ignore_eos:
                 b |= dict(ignore_eos=True, min_tokens=output_len)
             if args.structured_output == "json_schema":

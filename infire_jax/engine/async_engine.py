@@ -57,6 +57,7 @@ class EngineSnapshot:
     spec: SpecStats | None = None  # speculative decoding's counters, when the engine speculates
     grammar_seconds: float = 0.0  # of the host time: in the grammar engine (structured outputs)
     kv_group_pages: tuple[int, ...] = ()  # KV pages held by requests, per group of layers (hybrid_kv_cache.py)
+    images_encoded: int = 0  # images through the vision tower (none whose tokens were cached or imported)
 
 
 class LatencyObserver(Protocol):
@@ -435,4 +436,5 @@ class AsyncEngine:
             prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens,
             compiles_since_warmup=e.compiles_since_warmup, step_seconds=e.stats.step_seconds,
             device_wait_seconds=e.stats.device_wait_seconds, grammar_seconds=e.grammars.clock.seconds,
-            spec=e.spec.stats.copy() if e.spec else None, kv_group_pages=tuple(e.kv.pages_in_use()))
+            spec=e.spec.stats.copy() if e.spec else None, kv_group_pages=tuple(e.kv.pages_in_use()),
+            images_encoded=e.stats.images_encoded)

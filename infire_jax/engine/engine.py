@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from infire_jax.runner import multihost
 from infire_jax.runner.compile_guard import cache_hit_count, compile_count
 from infire_jax.engine.detokenizer import IncrementalDetokenizer, TokenText
-from infire_jax.engine.images import ImageInputs, PreparedImages
+from infire_jax.engine.images import ImageInputs, PreparedImages, salted
 from infire_jax.engine.setup import EngineConfig, Progress, load_and_compile, on_gpu, resolve_settings
 from infire_jax.engine.stats import BootTimeline, EngineStats
 from infire_jax.errors import ConfigError, InvalidRequestError
@@ -36,7 +36,7 @@ from infire_jax.core.request import Request, Status
 from infire_jax.runner.image_pool import ImagePool
 from infire_jax.runner.model_runner import PendingStep
 from infire_jax.sample.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
-from infire_jax.core.scheduler import Scheduler
+from infire_jax.core.scheduler import Scheduler, SchedulerOutput
 from infire_jax.speculative.setup import build_speculation
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 
@@ -78,7 +78,7 @@ class Engine:
                              rc.image_pool[0], placed)
             self.runner.cache = self.runner.cache._replace(images=pool.warmup(self.runner.cache.images))
             self.images = ImageInputs(pool, self.runner, self.tokenizer, ec.images_per_prompt)
-        self._image_spans: dict[str, list[tuple[int, int]]] = {}  # request id -> its image pool rows
+        self._images: dict[str, PreparedImages] = {}  # request id -> its images (pool rows, tiles not yet encoded)
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
                                    max_num_batched_tokens=s.max_num_batched_tokens, num_decode_steps=rc.decode_steps,
                                    gate=self.lora)
@@ -148,7 +148,7 @@ class Engine:
         except BaseException:
             self.images.release(prepared.spans)
             raise
-        self._image_spans[rid] = prepared.spans
+        self._images[rid] = prepared
         return rid, ids
 
     def _add_request(self, prompt, params, request_id, priority, tenant, prefix_hint_tokens, session_id, grammar,
@@ -181,9 +181,7 @@ class Engine:
         children = []
         for i in range(params.n):
             seed = (params.seed + i) & (2 ** 64 - 1) if params.seed is not None else self._rng.getrandbits(64)
-            salt = cache_salt(tenant, adapter)
-            if images is not None:  # pages of another image are another prompt's
-                salt = f"{salt or ''}\0images\0{images.digest}"
+            salt = salted(cache_salt(tenant, adapter), None if images is None else images.digest)
             req = Request(f"{request_id}#{i}", ids, params, eos_token_ids=eos, max_tokens=max_tokens, seed=seed,
                           priority=priority, cache_salt=salt,
                           prefix_hint_tokens=prefix_hint_tokens,
@@ -253,6 +251,7 @@ class Engine:
             work = self.scheduler.schedule()
         pending = None
         if work.seqs:
+            self._encode_images(work)
             pending = self.runner.dispatch(work)
             self.scheduler.commit(work)
             self.stats.steps += 1
@@ -261,6 +260,14 @@ class Engine:
             deltas = self._process(self._inflight)
         self._inflight = pending
         return synced + deltas
+
+    def _encode_images(self, work: SchedulerOutput) -> None:
+        """Encodes the images whose <|patch|> tokens this step computes first (engine/images.py): a
+        prompt whose images' tokens are a prefix hit, or KV a decode worker imported, encodes none."""
+        for sq in work.seqs:
+            prepared = self._images.get(sq.req.parent_id)
+            if prepared is not None and sq.start < sq.req.num_prompt_tokens:
+                self.stats.images_encoded += self.images.encode(prepared, sq.start, sq.start + sq.num_tokens)
 
     def _sync_for_grammar(self) -> list[Delta]:
         """A constrained row's next mask needs the token the step in flight samples for it, so that
@@ -374,9 +381,9 @@ class Engine:
             self._release_images(req.parent_id)
 
     def _release_images(self, request_id: str) -> None:
-        spans = self._image_spans.pop(request_id, None)
-        if spans:
-            self.images.release(spans)
+        prepared = self._images.pop(request_id, None)
+        if prepared is not None:
+            self.images.release(prepared.spans)
 
     # ---- moving a prompt's KV to another engine (prefill/decode disaggregation) -------------------------
     @property
@@ -393,21 +400,25 @@ class Engine:
             raise ConfigError("KV transfer is not supported across several processes yet")
 
     def export_prompt_kv(self, prompt: str | list[int], *, tenant: str | None = None,
-                         lora_name: str | None = None) -> KVBlocks:
+                         lora_name: str | None = None, image_digest: str | None = None) -> KVBlocks:
         """The KV of the prompt's full pages that this engine's prefix cache holds (after a prefill)
-        for this tenant and LoRA adapter; with a hybrid cache, each group's pages that a prefix hit
-        of them reads (kv_transfer/pages.py)."""
+        for this tenant and LoRA adapter, and the images of `image_digest` (engine/images.py's
+        `images_digest`; None: a prompt without images); with a hybrid cache, each group's pages that
+        a prefix hit of them reads (kv_transfer/pages.py)."""
         self._check_single_process()
         ids, layout = self.tokenize_prompt(prompt), self.kv_layout
-        token_ids, pages = export_pages(self.kv, layout, ids, cache_salt(tenant, resolve_lora(self.lora, lora_name)))
+        salt = salted(cache_salt(tenant, resolve_lora(self.lora, lora_name)), image_digest)
+        token_ids, pages = export_pages(self.kv, layout, ids, salt)
         k, v = self.runner.read_pages(pages)
         return KVBlocks(layout, token_ids, tenant, k, v)
 
-    def import_prompt_kv(self, blocks: KVBlocks, lora_name: str | None = None) -> int:
+    def import_prompt_kv(self, blocks: KVBlocks, lora_name: str | None = None, image_digest: str | None = None) -> int:
         """Puts another engine's prompt pages into this engine's prefix cache; returns the pages written.
 
-        A request with that prompt, tenant and LoRA adapter then finds them cached, like any
-        prefix-cache hit. Call it between steps, on the thread that runs them.
+        A request with that prompt, tenant, LoRA adapter and images (`image_digest`, which this engine's
+        caller computes from the images it was given) then finds them cached, like any prefix-cache
+        hit: its images' tokens among them are never encoded here. Call it between steps, on the
+        thread that runs them.
         """
         self._check_single_process()
         layout = self.kv_layout
@@ -416,7 +427,7 @@ class Engine:
         if blocks.token_ids:
             self.tokenize_prompt(blocks.token_ids)  # ids inside the vocabulary
         pages, index = import_pages(self.kv, layout, blocks.token_ids,
-                                    cache_salt(blocks.tenant, resolve_lora(self.lora, lora_name)))
+                                    salted(cache_salt(blocks.tenant, resolve_lora(self.lora, lora_name)), image_digest))
         if pages:
             self.runner.write_pages(pages, blocks.k[:, index], blocks.v[:, index])
         return len(pages)

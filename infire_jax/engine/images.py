@@ -4,13 +4,19 @@ image pool that its prompt's <|patch|> tokens read (runner/image_pool.py).
 The prompt is text with one `<|image|>` marker per image, which becomes the image's placeholder
 (vision/prompt.py), or token ids with the placeholders already in them (as HF's processor makes
 them); either way its <|patch|> tokens must be exactly the images' tiles' tokens, in order. The
-images are encoded as the request is added, and their rows are freed when it ends. A request's
-prefix-cache salt takes a digest of its pixels, so two images never share KV and the same image
-in the next turn does.
+images' pool rows are reserved as the request is added, and freed when it ends.
+
+An image is encoded only when a step is about to compute one of its <|patch|> tokens (`encode`, as
+vLLM's scheduler schedules an encoder input with the tokens that need it): one whose tokens are a
+prefix-cache hit (the same image in the next turn, or a decode worker's KV pulled from the prefill
+worker that encoded it) is never encoded. A request's prefix-cache salt takes a digest of its pixels
+(`images_digest`, `salted`), so two images never share KV and the same image does, on any worker
+that cut it into the same tiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any, Sequence
 
@@ -24,12 +30,42 @@ from infire_jax.runner.model_runner import ModelRunner
 from infire_jax.vision import preprocess, prompt as placeholders
 
 
+def images_digest(tiles: Sequence[preprocess.Tiles]) -> str:
+    """The digest of a prompt's images, their tiles' pixels in order: what its prefix-cache salt takes."""
+    digest = hashlib.sha256()
+    for t in tiles:
+        digest.update(t.pixels.tobytes())
+    return digest.hexdigest()
+
+
+def salted(salt: str | None, digest: str | None) -> str | None:
+    """A prefix-cache salt (tenant, LoRA adapter) with a prompt's images' digest (None: no images)."""
+    return salt if digest is None else f"{salt or ''}\0images\0{digest}"
+
+
+@dataclasses.dataclass
+class PendingImage:
+    """One image of a request: its pool rows, the prompt positions of its first and last <|patch|>
+    tokens, and its tiles until they are encoded (None after)."""
+
+    start: int
+    rows: int
+    first: int
+    last: int
+    pixels: np.ndarray | None
+
+
 class PreparedImages:
     """What `ImageInputs.prepare` made of a request's images: its prompt ids, each prompt token's pool
-    row (-1: not an image's), the pixels' digest, and the pool rows it holds as (start, rows)."""
+    row (-1: not an image's), the pixels' digest, and each image's rows and tiles."""
 
-    def __init__(self, ids: list[int], rows: np.ndarray, digest: str, spans: list[tuple[int, int]]):
-        self.ids, self.rows, self.digest, self.spans = ids, rows, digest, spans
+    def __init__(self, ids: list[int], rows: np.ndarray, digest: str, images: list[PendingImage]):
+        self.ids, self.rows, self.digest, self.images = ids, rows, digest, images
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The pool rows it holds, as (start, rows)."""
+        return [(im.start, im.rows) for im in self.images]
 
 
 class ImageInputs:
@@ -71,20 +107,32 @@ class ImageInputs:
             raise InvalidRequestError(f"the prompt has {len(patches)} image patch tokens, its images {want}",
                                       param="prompt")
         self.pool.check_room([t.pixels for t in tiles])
-        spans, rows, digest = [], [], hashlib.sha256()
+        images, rows, at = [], [], 0
         try:
             for t in tiles:
-                pool, start, n = self.pool.add(self.runner.cache.images, t.pixels)
-                self.runner.cache = self.runner.cache._replace(images=pool)
-                spans.append((start, n))
-                rows.append(start + np.arange(t.pixels.shape[0] * per_tile, dtype=np.int32))
-                digest.update(t.pixels.tobytes())
+                n, reserved = t.pixels.shape[0] * per_tile, self.pool.rows_for(t.pixels.shape[0])
+                images.append(PendingImage(self.pool.reserve(reserved), reserved, int(patches[at]),
+                                           int(patches[at + n - 1]), t.pixels))
+                rows.append(images[-1].start + np.arange(n, dtype=np.int32))
+                at += n
         except BaseException:
-            self.release(spans)
+            self.release([(im.start, im.rows) for im in images])
             raise
         token_rows = np.full(len(ids), -1, np.int32)
         token_rows[patches] = np.concatenate(rows)
-        return PreparedImages(ids, token_rows, digest.hexdigest(), spans)
+        return PreparedImages(ids, token_rows, images_digest(tiles), images)
+
+    def encode(self, prepared: PreparedImages, start: int, end: int) -> int:
+        """Encodes the request's images that prompt positions [start, end) need (a step computes them)
+        and that are not encoded yet; returns how many it encoded."""
+        count = 0
+        for im in prepared.images:
+            if im.pixels is not None and im.first < end and im.last >= start:
+                self.runner.cache = self.runner.cache._replace(
+                    images=self.pool.write(self.runner.cache.images, im.pixels, im.start))
+                im.pixels = None
+                count += 1
+        return count
 
     def release(self, spans: list[tuple[int, int]]) -> None:
         for start, n in spans:

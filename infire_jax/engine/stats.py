@@ -48,6 +48,7 @@ class EngineStats:
     generation_tokens: int = 0
     step_seconds: float = 0.0  # wall time inside step()
     device_wait_seconds: float = 0.0  # of which blocked on the device's results; the rest is host work
+    images_encoded: int = 0  # images through the vision tower (engine/images.py: none whose tokens were cached)
 
     @property
     def host_seconds(self) -> float:

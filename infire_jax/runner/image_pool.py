@@ -1,11 +1,13 @@
 """Images on the device: the vision tower, and the pool where its outputs wait for their prompt.
 
-A request's images are encoded when it is added (vision/encoder.py, jitted per tile bucket), and
-each image's <|patch|> embeddings are written into rows of the pool, a [rows, E] array of the
-device cache (`DeviceCache.images`). Each prompt token that is an image patch carries its pool row
-(`StepBatch.image_rows`), and the forward takes the embedding from there instead of the token table,
-whichever step (chunk) prefills it. The rows stay the request's until it ends (a preempted request
-prefills again), then go back to the free list.
+A request's images get rows of the pool, a [rows, E] array of the device cache
+(`DeviceCache.images`), when it is added; an image is encoded into its rows (vision/encoder.py,
+jitted per tile bucket) only when a step first computes one of its <|patch|> tokens
+(engine/images.py), so one whose tokens' KV is cached or was imported is never encoded. Each
+prompt token that is an image patch carries its pool row (`StepBatch.image_rows`), and the forward
+takes the embedding from there instead of the token table, whichever step (chunk) prefills it. The
+rows stay the request's until it ends (a preempted request prefills again), then go back to the
+free list.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class ImagePool:
         free = list(self._free)
         try:
             for pixels in images:
-                self.reserve(tile_bucket(pixels.shape[0]) * self.cfg.tokens_per_tile)
+                self.reserve(self.rows_for(pixels.shape[0]))
         finally:
             self._free = free
 
@@ -90,14 +92,14 @@ class ImagePool:
             pool = _write(pool, encoded.reshape(-1, pool.shape[1]), jnp.int32(0))
         return pool
 
-    def add(self, pool: Float[Array, "P E"], pixels: np.ndarray) -> tuple[Float[Array, "P E"], int, int]:
-        """Encodes an image's tiles ([tiles, C, H, W]) into reserved rows of `pool` (donated): (the
-        pool, the first row, rows reserved). Rows past the image's own tokens hold its bucket's blank tiles."""
-        rows = tile_bucket(pixels.shape[0]) * self.cfg.tokens_per_tile
-        start = self.reserve(rows)
-        try:
-            embeddings = encode_padded(self.cfg, self.weights, pixels, self.sharding).reshape(rows, -1)
-            return _write(pool, embeddings, jnp.int32(start)), start, rows
-        except BaseException:
-            self.release(start, rows)
-            raise
+    def write(self, pool: Float[Array, "P E"], pixels: np.ndarray, start: int) -> Float[Array, "P E"]:
+        """Encodes an image's tiles ([tiles, C, H, W]) into the rows reserved for them from `start`
+        (`reserve(rows_for(tiles))`) of `pool` (donated), and returns the pool. Rows past the image's
+        own tokens hold its bucket's blank tiles."""
+        rows = self.rows_for(pixels.shape[0])
+        embeddings = encode_padded(self.cfg, self.weights, pixels, self.sharding).reshape(rows, -1)
+        return _write(pool, embeddings, jnp.int32(start))
+
+    def rows_for(self, tiles: int) -> int:
+        """The rows an image of `tiles` tiles takes: its tile bucket's tokens."""
+        return tile_bucket(tiles) * self.cfg.tokens_per_tile
