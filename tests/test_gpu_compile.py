@@ -205,6 +205,15 @@ def test_command_prints_a_row_per_program(tmp_path):
     assert list((tmp_path / "new" / "dumps").glob("sampler-greedy*/*thunk_sequence.txt"))  # made, and kept
 
 
+def _scout_plan():
+    from infire_jax.memplan.plan import memory_plan
+    from infire_jax.memplan.source import plan_source
+    from sharding.mesh import CONFIG_DIR, MeshConfig
+
+    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "2.yaml"))
+    return memory_plan(plan_source("dummy:llama-4-scout", "bfloat16")(mc), mc, 141 * 10 ** 9)
+
+
 def test_llama4_scout_fits_two_h200s_with_the_seeds_kv_pool(tmp_path):
     """The seed's workload as compiled proof: Llama 4 Scout in bfloat16 on 2 x H200 (the shipped 2-GPU
     mesh), its pool sized as the engine sizes it at --gpu-memory-utilization 0.95, holds more than
@@ -226,6 +235,8 @@ def test_llama4_scout_fits_two_h200s_with_the_seeds_kv_pool(tmp_path):
     with placement.compiling_for("gpu", probe.devices):
         tower, encoding = device_bytes(probe.settings.vision, probe.settings.dtype, probe.settings.plan.replicated)
     assert 1.6 * (1 << 30) < tower < 1.7 * (1 << 30)  # 872M parameters in bfloat16
+    # infire-jax plan's estimate of the encoder's largest call holds what the H200's compiler allocates
+    assert encoding <= _scout_plan().encoder <= 2 * encoding, encoding
     weights = probe.weights_per_device()[2]
     pool = gpu_compile.pool_bytes(h200.memory_bytes, 0.95, weights + tower) - encoding
     ec = dataclasses.replace(ec, kv_cache_memory=pool)

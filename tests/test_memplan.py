@@ -92,14 +92,21 @@ def test_llama4_counts_its_vision_tower_and_image_pool_on_every_device():
     """Where the engine serves images (plain weights), the plan holds Scout's tower (871,932,416
     parameters in bf16) and the image pool (4 prompts' image of 17 tiles x 144 tokens, 5120 wide in
     bf16) on each device: one, or every device of a mesh, where both are replicated; with weights
-    quantized at load, where only text is served, neither."""
+    quantized at load, where only text is served, neither. Beside them each device keeps room for the
+    encoder's largest call (17 tiles of 577 tokens: 1408-wide activations and a 5632-wide MLP in
+    bf16, 16 heads' scores in float32), which the KV room leaves out."""
     tower_and_pool = 871_932_416 * 2 + 4 * 17 * 144 * 5120 * 2
+    encoder = 17 * 577 * (11 * 1408 + 5632) * 2 + 17 * 16 * 577 ** 2 * 4
     assert _plan("dummy:llama-4-scout,layers=8", "1.yaml", "141GB").weights["vision"] == tower_and_pool
     for mesh in ("2.yaml", "2-pp2.yaml", "8-tp2-ep4.yaml"):
-        assert _plan("dummy:llama-4-scout", mesh, "141GB").weights["vision"] == tower_and_pool, mesh
+        plan = _plan("dummy:llama-4-scout", mesh, "141GB")
+        assert plan.weights["vision"] == tower_and_pool and plan.encoder == encoder, mesh
+        assert "image encoder (largest call)" in plan.describe()
+        assert plan.kv_room == pytest.approx(plan.device_memory * plan.utilization - plan.weight_bytes
+                                             - plan.activations - plan.workspace - plan.logits - encoder)
     mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "2.yaml"))
     int4 = memory_plan(plan_source("dummy:llama-4-scout", "bfloat16", "int4")(mc), mc, parse_bytes("141GB"))
-    assert int4.weights["vision"] == 0
+    assert int4.weights["vision"] == 0 and int4.encoder == 0
     assert _plan("dummy:llama-3.1-8b", "1.yaml", "80GB").weights["vision"] == 0
 
 

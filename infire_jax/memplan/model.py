@@ -62,6 +62,9 @@ class PlanModel:
     mla: bool = False
     kept: tuple[Tensor, ...] = ()  # weights held as the int4 parts in `tensors`, dequantized a layer at a time
     local_attention: tuple[tuple[int, int], ...] = ()  # each layer's (chunk, window): ModelConfig.local_attention
+    # The vision encoder's largest call (every device runs it whole): its activations' elements in the
+    # serving dtype and its float32 attention scores' (`with_vision`); (0, 0) without a tower.
+    encoder_elements: tuple[int, int] = (0, 0)
 
 
 def _attention_tensors(cfg: ModelConfig, n: int, prefix: str = "") -> list[Tensor]:
@@ -167,7 +170,7 @@ def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
     from flax import nnx
 
     from infire_jax.vision.config import vision_config
-    from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, VisionTower, pool_rows
+    from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, TILE_BUCKETS, VisionTower, pool_rows
 
     vcfg = vision_config(hf)
     tower = nnx.eval_shape(lambda: VisionTower(vcfg))
@@ -175,7 +178,13 @@ def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
                for k, p in sorted(vars(tower).items()) if isinstance(p, nnx.Param)]
     tensors.append(Tensor("image_pool", "vision", (pool_rows(vcfg, IMAGE_POOL_PROMPTS), vcfg.text_hidden_size),
                           (None, None), False))
-    return dataclasses.replace(model, tensors=model.tensors + tuple(tensors))
+    # An estimate, as the text step's: over the largest tile bucket's tokens (each tile's patches and
+    # class token), the residual stream and its temporaries (8 x hidden), q/k/v (3 x hidden) and the
+    # MLP's inner width, and one layer's attention scores in float32.
+    tiles, tokens = TILE_BUCKETS[-1], vcfg.patches_per_side ** 2 + 1
+    elements = tiles * tokens * (11 * vcfg.hidden_size + vcfg.intermediate_size)
+    return dataclasses.replace(model, tensors=model.tensors + tuple(tensors),
+                               encoder_elements=(elements, tiles * vcfg.num_heads * tokens ** 2))
 
 
 def int4_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:

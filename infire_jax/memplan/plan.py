@@ -128,6 +128,7 @@ class MemoryPlan:
     kv_bytes_per_token: float
     kv_note: str
     kv_capacity: KVCapacity | None = None  # the hybrid KV cache's pages (chunked / window layers), else None
+    encoder: float = 0.0  # the vision encoder's largest call's activations (an image encoded beside a step)
 
     @property
     def weight_bytes(self) -> float:
@@ -135,7 +136,8 @@ class MemoryPlan:
 
     @property
     def kv_room(self) -> float:
-        return self.device_memory * self.utilization - self.weight_bytes - self.activations - self.workspace - self.logits
+        return (self.device_memory * self.utilization - self.weight_bytes - self.activations - self.workspace
+                - self.logits - self.encoder)
 
     @property
     def kv_pages(self) -> int:
@@ -166,6 +168,7 @@ class MemoryPlan:
                   f"activations (largest step) {g(self.activations)}",
                   f"dequantization workspace {g(self.workspace)}",
                   f"logits and sampling {g(self.logits)}",
+                  *([f"image encoder (largest call) {g(self.encoder)}"] if self.encoder else []),
                   f"KV room per device: {self.kv_room / GiB:.2f} GiB",
                   f"KV room in all: {self.num_devices} x {self.kv_room / GiB:.2f} GiB = "
                   f"{self.num_devices * self.kv_room / GiB:.2f} GiB",
@@ -233,7 +236,8 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
     return MemoryPlan(model=model.name, mesh=mc.name, num_devices=mc.num_devices, device_memory=device_memory,
                       utilization=utilization, weights=weights, activations=activations,
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
-                      kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity)
+                      kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity,
+                      encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4)
 
 
 def shipped_meshes(num_devices: int) -> list[MeshConfig]:
