@@ -34,8 +34,9 @@ _SHORT = {"__cublas$lt$matmul": "cublasLt", "__cublas$gemm": "cublas", "__gpu$xl
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="h100", choices=["h100", "h200"], help="the GPU to compile for")
-    p.add_argument("--devices", type=int, default=1,
-                   help="GPUs of one host; the mesh is --mesh or the shipped file for this many")
+    p.add_argument("--devices", type=int, default=None,
+                   help="GPUs of one host (default: --mesh's devices, else 1); the mesh is --mesh or the shipped "
+                        "file for this many")
     p.add_argument("--here", action="store_true",
                    help="on a GPU machine: compile for its own GPUs (--target ignored), to compare with the "
                         "prediction a CPU machine compiles for the same commit")
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace):
         gpu_target.use_cpu_backend()
     target = gpu_target.here() if args.here else gpu_target.target(args.target)
     ec = engine_config(args)
+    args.devices = gpu_target.device_count(args.devices, ec.mesh)
     if not (ec.num_kv_pages or ec.kv_cache_memory):  # size the pool as the engine would on the cards
         # shapes only (nothing is allocated): a pool large enough for one sequence of any length
         probe = gpu_target.TargetEngine(dataclasses.replace(ec, kv_cache_memory=64 << 30), target, args.devices,

@@ -72,6 +72,17 @@ def here() -> Target:
     return TARGETS["h200" if "H200" in kind else "h100"]
 
 
+def device_count(requested: int | None, mesh: str | None) -> int:
+    """The GPUs to compile for: as requested, else the mesh file's devices, else one."""
+    if requested is not None:
+        return requested
+    if mesh is None:
+        return 1
+    from sharding.mesh import MeshConfig
+
+    return MeshConfig.from_yaml(mesh).num_devices
+
+
 def devices(t: Target, count: int = 1, here: bool = False) -> list:
     """`count` GPUs of one host of target `t`, as devices to compile for (not to run on); with `here`,
     this machine's own GPUs, for comparing what it compiles with the prediction."""

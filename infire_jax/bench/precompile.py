@@ -31,8 +31,9 @@ from infire_jax.errors import ConfigError
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, choices=["h100", "h200"],
                    help="the GPU to compile for, on a machine without one (default: this machine's own devices)")
-    p.add_argument("--devices", type=int, default=1, help="GPUs of one host (--target); the mesh is --mesh or "
-                                                          "the shipped file for this many")
+    p.add_argument("--devices", type=int, default=None, help="GPUs of one host (--target; default: --mesh's "
+                                                             "devices, else 1); the mesh is --mesh or the shipped "
+                                                             "file for this many")
     add_engine_args(p)
 
 
@@ -85,12 +86,19 @@ def _boot_precompile() -> None:
     import json
 
     args = argparse.Namespace(**json.loads(os.environ["INFIRE_BOOT_FLAGS"]))
-    done = precompile(engine_config(args), os.environ["INFIRE_PRECOMPILE_TARGET"] or None, log=lambda _: None)
+    from infire_jax.bench.gpu_target import device_count
+
+    ec = engine_config(args)
+    done = precompile(ec, os.environ["INFIRE_PRECOMPILE_TARGET"] or None, device_count(None, ec.mesh),
+                      log=lambda _: None)
     print("BOOT " + json.dumps(done), flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    from infire_jax.bench.gpu_target import device_count
+
     ec = engine_config(args)
+    args.devices = device_count(args.devices, ec.mesh)
     print(f"precompiling {ec.model or 'the default model'} for "
           f"{f'{args.devices} x {args.target}' if args.target else 'this machine'}:")
     done = precompile(ec, args.target, args.devices)
