@@ -39,7 +39,7 @@ from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
 from infire_jax.quant.grouped import ROUTED_EXPERTS, GroupedLayout, GroupedParams, dequantize_kept
-from infire_jax.quant.weight_parts import WeightParts
+from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mla import mla_attention, step_form
 from sharding.plan import ShardPlan
@@ -51,7 +51,7 @@ DENSE_INPUTS = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wo": 2, "w_gate_up": 1, "w_do
                 "w_shared_down": 1}
 
 
-class MLALayers(nnx.Module):
+class MLALayers(LayerStacks):
     """`n` stacked decoder layers of one kind: MLA attention and a dense or a DeepSeek MoE MLP.
 
     The kv_b projection is held as its two halves, W_uk [R, H, Dn] and W_uv [R, H, Dv], the
@@ -94,14 +94,6 @@ class MLALayers(nnx.Module):
             self.w_shared_gate_up = param((n, e, 2, fs), ("layers", "embed", "gate_up", "mlp"), dtype)
             self.w_shared_down = param((n, fs, e), ("layers", "mlp", "embed"), dtype)
 
-    def arrays(self) -> dict[str, Array | dict[str, Array]]:
-        """The stacked arrays by name (a dict of parts for a kept quantized weight), for `lax.scan`."""
-        return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
-
-    def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
-        return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
 
 
 def mla_project(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], cos: Array, sin: Array

@@ -47,7 +47,7 @@ from infire_jax.models.panels import INPUT_AXES
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
 from infire_jax.quant.grouped import GroupedLayout, GroupedParams, expert_weight
-from infire_jax.quant.weight_parts import WeightParts
+from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
@@ -56,7 +56,7 @@ KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_si
 KEPT_EXPERTS = ("layers.w_gate_up", "layers.w_down")  # the expert weights a checkpoint stores in MXFP4
 
 
-class GptOssLayers(nnx.Module):
+class GptOssLayers(LayerStacks):
     """All layers' weights, stacked on a leading `layers` axis. Experts are [X, E, 2, F] (gate, up) as
     moe.py's, their biases [X, 2, F] and [X, E]; `kept` names the expert weights held as the
     checkpoint's MXFP4 parts (`GroupedParams`, "layers.w_gate_up": layout)."""
@@ -83,15 +83,6 @@ class GptOssLayers(nnx.Module):
             plain = getattr(self, short)
             setattr(self, short, GroupedParams(name, tuple(plain.shape), plain.axes, layout))
 
-    def arrays(self) -> dict[str, Array | dict[str, Array]]:
-        """The stacked arrays by name (a dict of parts for a kept weight), for the layer loop."""
-        return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
-
-    def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
-        """Each array's logical axes (a dict per kept weight's parts), as `arrays` gives them."""
-        return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts))}
 
 
 def _glu(gate_up: Float[Array, "B 2 F"], gc: GptOssConfig) -> Float[Array, "B F"]:

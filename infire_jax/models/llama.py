@@ -31,7 +31,7 @@ from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, layer_stacks, residual_norm, swiglu_mlp
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
-from infire_jax.quant.weight_parts import WeightParts
+from infire_jax.quant.weight_parts import LayerStacks, WeightParts
 from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -40,7 +40,7 @@ from sharding.plan import ShardPlan
 KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
 
 
-class DecoderLayers(nnx.Module):
+class DecoderLayers(LayerStacks):
     """All decoder layers' weights, stacked: every array has a leading `layers` axis.
 
     q/k/v are one weight and gate/up another, so each is one GEMM. The q/k/v weight is grouped by
@@ -56,6 +56,7 @@ class DecoderLayers(nnx.Module):
     """
 
     takes_panels = True  # the layer body reads repacked weights (models/panels.py)
+    PARTS = (WeightParts, PanelParams)
 
     def __init__(self, cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout | QuantLayout] | None = None):
         n, e, hkv, d = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
@@ -87,16 +88,6 @@ class DecoderLayers(nnx.Module):
             else:
                 setattr(self, short, PaletteParams(tuple(plain.shape), plain.axes, layout))
 
-    def arrays(self) -> dict[str, Array | dict[str, Array]]:
-        """The raw stacked arrays (a dict of parts for a compressed weight, a `PanelWeight` for a repacked
-        one), by attribute name, for `lax.scan`."""
-        return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts, PanelParams))}
-
-    def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
-        """Each stacked array's logical axis names, in the same structure as `arrays`."""
-        return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, WeightParts, PanelParams))}
 
 
 @dataclasses.dataclass(frozen=True)

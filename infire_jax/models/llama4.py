@@ -55,6 +55,7 @@ from infire_jax.models.moe import Routing, routed_mlp
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
+from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
@@ -76,7 +77,7 @@ def layer_table(cfg: ModelConfig, num_layers: int) -> Int[Array, "L 3"]:
     return jnp.concatenate([local, rope], axis=1)
 
 
-class Llama4Layers(nnx.Module):
+class Llama4Layers(LayerStacks):
     """`n` stacked layers of one kind: attention (fused q/k/v grouped by kv head, as models/llama.py's
     `DecoderLayers`) and a dense MLP or the MoE (router, routed experts, shared expert).
 
@@ -106,14 +107,6 @@ class Llama4Layers(nnx.Module):
             if isinstance(plain, nnx.Param):
                 setattr(self, short, QuantParams(short, tuple(plain.shape), plain.axes, layout))
 
-    def arrays(self) -> dict[str, Array | dict[str, Array]]:
-        """The stacked arrays by name (a dict of parts for a quantized weight), for `lax.scan`."""
-        return {k: v[...] if isinstance(v, nnx.Param) else v.arrays()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, QuantParams))}
-
-    def axes(self) -> dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]]:
-        return {k: v.axes if isinstance(v, nnx.Param) else v.axes()
-                for k, v in vars(self).items() if isinstance(v, (nnx.Param, QuantParams))}
 
 
 def l2_norm(x: Float[Array, "... D"], eps: float) -> Float[Array, "... D"]:
