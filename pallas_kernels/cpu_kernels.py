@@ -8,7 +8,8 @@ infire_jax cache, keyed by the sources, the jax version and the host CPU. Withou
 with `INFIRE_JAX_NO_CPU_KERNELS=1`, `available()` is False and the models keep XLA's ops (the
 pure-`jnp` path). The decode-step layer matmul and the attention run on any CPU (`chosen()`); the
 kernels on 16-float register tiles (panels, the LM head) only where it was built for AVX-512
-(`wide_chosen()`).
+(`wide_chosen()`). `cpu_onednn`'s call (`csrc/onednn/`) is built the same way (`build`) into a library
+of its own, linked to oneDNN.
 """
 
 from __future__ import annotations
@@ -55,29 +56,35 @@ def host_cpu() -> str:
         return platform.processor()
 
 
-def _build() -> str:
-    """Compiles the sources (once per sources, jax version and CPU) and returns the library's path."""
-    sources = sorted(glob.glob(os.path.join(_CSRC, "*.cc")))
+def build(name: str, sources: list[str], flags: list[str], key_extra: str = "") -> str:
+    """Compiles `sources` into the shared library `name` in the cache (once per sources, flags, jax
+    version, CPU and `key_extra`) and returns its path."""
     key = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(_CSRC, "*"))):
+    for path in sorted(sources):
+        with open(path, "rb") as f:
+            key.update(os.path.basename(path).encode() + b"\0" + f.read())
+    for path in sorted(glob.glob(os.path.join(_CSRC, "*.h"))):  # the headers the sources share
         with open(path, "rb") as f:
             key.update(os.path.basename(path).encode() + b"\0" + f.read())
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-I{_CSRC}"]
-    key.update(jax.__version__.encode() + host_cpu().encode() + " ".join(flags).encode())
-    path = os.path.join(_cache_dir(), f"infire_cpu_kernels-{key.hexdigest()[:16]}.so")
+    compile_flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-I{_CSRC}"]
+    key.update(jax.__version__.encode() + host_cpu().encode() + " ".join(compile_flags + flags).encode()
+               + key_extra.encode())
+    path = os.path.join(_cache_dir(), f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(_cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
         os.close(fd)
-        try:
-            subprocess.run([cxx, *flags, *sources, "-o", tmp], check=True, capture_output=True, text=True)
+        try:  # the flags (libraries to link) go after the sources
+            subprocess.run([cxx, *compile_flags, *sources, *flags, "-o", tmp], check=True, capture_output=True,
+                           text=True)
             os.replace(tmp, path)  # atomic: concurrent builders each write their own file
         except subprocess.CalledProcessError as e:
             os.unlink(tmp)
-            raise RuntimeError(f"{cxx} failed on {_CSRC}: {e.stderr.strip()[-2000:]}") from e
+            raise RuntimeError(f"{cxx} failed on {', '.join(map(os.path.basename, sources))}: "
+                               f"{e.stderr.strip()[-2000:]}") from e
     return path
 
 
@@ -87,7 +94,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("INFIRE_JAX_NO_CPU_KERNELS"):
         return None
     try:
-        lib = ctypes.cdll.LoadLibrary(_build())
+        lib = ctypes.cdll.LoadLibrary(build("infire_cpu_kernels", glob.glob(os.path.join(_CSRC, "*.cc")), []))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:

@@ -16,7 +16,9 @@ copy of the slice) on XLA's own thread pool:
 - bfloat16 panels kept palette-compressed (lossless, 12 bits a weight; `palette_matmul`,
   `csrc/palette_matmul.cc`), decoded in registers on the way into `vdpbf16ps`;
 - GGUF Q4_1 weights kept quantized (5 bits a weight; `q4_1_matmul`, `csrc/q4_1_matmul.cc`), decode
-  steps, dequantized in registers on the way into float32 FMAs.
+  steps, dequantized in registers on the way into float32 FMAs;
+- on a CPU with AMX, bfloat16 panels of steps of 2 or more tokens through oneDNN's tile kernels
+  (`cpu_onednn`), which read the panels in place as its blocked weight format.
 
 `cpu_kernels` builds the library; without it the models keep XLA's dot.
 """
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt8
 
-from pallas_kernels import cpu_kernels
+from pallas_kernels import cpu_kernels, cpu_onednn
 
 TARGET = "infire_skinny_matmul"
 HEAD_TARGET = "infire_skinny_matmul_nt"
@@ -104,13 +106,16 @@ def unpack_panels(panels: Array) -> Float[Array, "... K N"]:
 
 
 def panel_matmul(x: Float[Array, "M K"], panels: Array, layer: Int[Array, ""]) -> Float[Array, "M N"]:
-    """x @ w[layer] in float32 for x and a stack of panels (`pack_panels`) of the same dtype, read in place."""
+    """x @ w[layer] in float32 for x and a stack of panels (`pack_panels`) of the same dtype, read in place:
+    bfloat16 steps through oneDNN's AMX kernels where `cpu_onednn.takes` them, else the library's kernel."""
     if x.dtype != panels.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"panel_matmul takes x and panels both bfloat16 or both float32, got {x.dtype} and "
                          f"{panels.dtype}")
     k = panels.shape[2] * (2 if panels.dtype == jnp.bfloat16 else 1)
     if k != x.shape[1]:
         raise ValueError(f"x has {x.shape[1]} features but the panels hold {k}")
+    if cpu_onednn.takes(x.shape[0], panels):
+        return cpu_onednn.panel_matmul(x, panels, layer)
     cpu_kernels.require()
     out = jax.ShapeDtypeStruct((x.shape[0], PANEL * panels.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(PANEL_TARGET, out)(x, panels, layer.astype(jnp.int32))
@@ -153,7 +158,8 @@ def palette_matmul(x: Float[Array, "M K"], codes: UInt8[Array, "L P R 32"], sign
                    layer: Int[Array, ""]) -> Float[Array, "M N"]:
     """x @ w[layer] in float32 for bfloat16 x and w kept palette-compressed in the bfloat16 panel
     layout (`pack_panels`, each run's entries in `PALETTE_ORDER`; the format is described in
-    csrc/palette_matmul.cc), decoded in registers: bitwise what `panel_matmul` gives on the panels."""
+    csrc/palette_matmul.cc), decoded in registers: bitwise what the library's panel kernel gives on the
+    panels."""
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"palette_matmul takes bfloat16 x, got {x.dtype}")
     if codes.ndim != 4 or x.shape[1] != 2 * codes.shape[2]:

@@ -35,6 +35,12 @@ def _test_xla_flags() -> str:
 if not shutil.which("nvidia-smi"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# On a CPU with AMX, bfloat16 panel steps go to oneDNN (pallas_kernels/cpu_onednn.py), whose sums are
+# not the hand-written kernels' to the bit; the suite holds those kernels (and the paths built on them:
+# panels, palette-coded weights) to bitwise equalities, so it keeps oneDNN off, wherever it runs, except
+# in tests/test_cpu_onednn.py, which forces it on. Subprocesses inherit it.
+os.environ.setdefault("INFIRE_JAX_NO_ONEDNN", "1")
+
 TEST_XLA_FLAGS = _test_xla_flags()
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once, though imported as `tests.conftest` too
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
