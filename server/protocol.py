@@ -1,10 +1,10 @@
 """OpenAI request validation: a JSON body becomes a CompletionRequest or a ChatRequest, or a 400.
 
 Follows the OpenAI schema: unknown fields, wrong types and out-of-range values are rejected, and so
-are fields OpenAI would honour but this server cannot (logit_bias, suffix, ...), instead of being
-ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, ...), its `structured_outputs` and its `priority` (lower runs first) are accepted
-too. Structured-output and tool fields are checked in server/structured.py.
+are fields OpenAI would honour but this server cannot (suffix, ...), instead of being ignored.
+vLLM's sampling extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+...), its `structured_outputs` and its `priority` (lower runs first) are accepted too. Structured-output
+and tool fields are checked in server/structured.py.
 """
 
 from __future__ import annotations
@@ -153,7 +153,6 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
         if not stream:
             raise bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
         include_usage = Body(b.data["stream_options"], frozenset({"include_usage"})).boolean("include_usage", False)
-    b.neutral("logit_bias", lambda v: v == {}, "logit bias is not implemented")
     b.string("user")
     stop = b.data.get("stop")
     if stop is not None:
@@ -180,12 +179,30 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
             ignore_eos=b.boolean("ignore_eos", False), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=b.boolean("skip_special_tokens", True),
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
-            structured_outputs=_constraint(constraint, structured.structured_outputs(b.data.get("structured_outputs"))))
+            structured_outputs=_constraint(constraint, structured.structured_outputs(b.data.get("structured_outputs"))),
+            logit_bias=_logit_bias(b.data.get("logit_bias")))
     except InvalidRequestError as e:  # SamplingParams' own checks
         raise bad(str(e), e.param) from e
     return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,
                              priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1),
                              kv_transfer=_transfer_params(b.data.get("kv_transfer_params")))
+
+
+def _logit_bias(raw: Any) -> dict[int, float] | None:
+    """OpenAI's map of token ids (JSON keys, so strings) to biases; the values' ranges are SamplingParams'."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad(f"Invalid type for 'logit_bias': expected an object, but got {json_type(raw)} instead.", "logit_bias")
+    out = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad(f"Invalid key in 'logit_bias': {key!r} is not a token id", "logit_bias")
+        if not (_is_int(value) or isinstance(value, float)):
+            raise bad(f"Invalid value in 'logit_bias' for token {key}: expected a number, but got {json_type(value)} "
+                      "instead.", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _constraint(response_format: StructuredOutputs | None,

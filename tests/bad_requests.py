@@ -45,7 +45,14 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CMPL, {"prompt": [10 ** 6]}, 400, "prompt"),  # outside the vocabulary
     (CMPL, {"prompt": [10 ** 6], "stream": True}, 400, "prompt"),  # admission fails before the stream starts
     (CMPL, {"temperature": -1, "stream": True}, 400, "temperature"),
-    (CMPL, {"logit_bias": {"50": 5}}, 400, "logit_bias"),
+    (CMPL, {"logit_bias": [50]}, 400, "logit_bias"),
+    (CMPL, {"logit_bias": {"fifty": 5}}, 400, "logit_bias"),
+    (CMPL, {"logit_bias": {"-5": 5}}, 400, "logit_bias"),
+    (CMPL, {"logit_bias": {"50": "up"}}, 400, "logit_bias"),
+    (CMPL, {"logit_bias": {"50": 101}}, 400, "logit_bias"),
+    (CMPL, {"logit_bias": {"1000000": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    (CMPL, {"logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
+    (CHAT, {"logit_bias": {"50": -100.5}}, 400, "logit_bias"),
     (CMPL, {"suffix": "the end"}, 400, "suffix"),
     (CMPL, {"echo": True, "logprobs": 21}, 400, "logprobs"),
     (CMPL, {"echo": True, "max_tokens": -1}, 400, "max_tokens"),

@@ -75,6 +75,19 @@ def test_onednn_is_chosen_by_itself_exactly_where_the_cpu_has_amx(monkeypatch):
     assert cpu_onednn.isa().startswith("avx512_core_amx" if has_amx else "avx512_core_bf16")
 
 
+def test_onednn_leaves_openmp_workers_keeping_denormals():
+    """A 517-row call starts OpenMP's workers (oneDNN parallelizes it) from inside XLA, which flushes
+    denormals; libgomp is one per process (torch's here), so workers made under that flag would flush
+    every later OpenMP caller's denormals too (torch's references among them). The call runs with the
+    default floating-point environment: torch's parallel product still gives subnormals after it."""
+    import torch
+
+    panels = cpu_matmul.pack_panels(jnp.ones((1, 32, 32), jnp.bfloat16))
+    jax.block_until_ready(jax.jit(cpu_onednn.panel_matmul)(jnp.ones((517, 32), jnp.bfloat16), panels, jnp.int32(0)))
+    tiny = torch.full((1 << 21,), 1e-39, dtype=torch.float32) * 0.5  # parallel over OpenMP's workers
+    assert bool((tiny != 0).all()), f"{int((tiny == 0).sum())} of {tiny.numel()} denormals flushed"
+
+
 def test_onednn_panel_matmul_refuses_what_it_cannot_read():
     panels = cpu_matmul.pack_panels(jnp.zeros((1, 48, 32), jnp.bfloat16))
     with pytest.raises(ValueError, match="a multiple of 32"):

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from infire_jax import SamplingParams
+from infire_jax.errors import InvalidRequestError
 
 from infire_jax.sample import sampler
 from infire_jax.engine.detokenizer import IncrementalDetokenizer
 from infire_jax.sample.sampler import (BRANCH_FREE_VARIANTS, BRANCHING, FULL, GREEDY, SAMPLE, SamplingInputs, choose_variant,
                                 sample)
-from infire_jax.sample.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from infire_jax.sample.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 V = 64
 MODES = ["branching", "branch_free"]  # the CPU sampler (lax.cond) and the GPU one (variants picked on the host)
@@ -32,9 +33,13 @@ def make_inputs(rows: list[dict]) -> SamplingInputs:
         return jnp.asarray([r.get(name, default) for r in rows], dtype)
 
     suppress = np.full((s, MAX_STOP_TOKEN_IDS), -1, np.int32)
+    bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
+    bias = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
     for i, r in enumerate(rows):
         ids = r.get("suppress", [])
         suppress[i, :len(ids)] = ids
+        for j, (token, value) in enumerate(r.get("bias", {}).items()):
+            bias_ids[i, j], bias[i, j] = token, value
     return SamplingInputs(
         temperature=col("temperature", 0.0, jnp.float32), top_k=col("top_k", 0, jnp.int32),
         top_p=col("top_p", 1.0, jnp.float32), min_p=col("min_p", 0.0, jnp.float32),
@@ -42,7 +47,7 @@ def make_inputs(rows: list[dict]) -> SamplingInputs:
         frequency_penalty=col("freq", 0.0, jnp.float32),
         seed=jnp.asarray([[r.get("seed", 7), 0] for r in rows], jnp.uint32),
         step=jnp.zeros(s, jnp.int32), want_logprobs=col("logprobs", False, jnp.bool_),
-        suppress_ids=jnp.asarray(suppress))
+        suppress_ids=jnp.asarray(suppress), bias_ids=jnp.asarray(bias_ids), bias=jnp.asarray(bias))
 
 
 def reference_distribution(logits: np.ndarray, r: dict) -> np.ndarray:
@@ -189,8 +194,44 @@ def test_logprobs_are_raw_log_softmax_and_suppression_masks(mode):
         np.testing.assert_allclose(np.asarray(out.top_logprobs[i]), np.sort(ref[i])[::-1][:MAX_LOGPROBS], atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_logit_bias_is_added_before_penalties_and_leaves_logprobs_raw(mode):
+    """Greedy rows whose argmax each bias moves: a ban (-100) of the raw argmax, a boost of the fourth
+    token past the first, a bias on one row only (the row beside it keeps its argmax), and a bias
+    that loses only if added before the repetition penalty (vLLM's order: (6 + 2) / 2 = 4 < 4.5,
+    where 6 / 2 + 2 = 5 would win). Tokens are the float64 reference's argmax; logprobs are those of
+    the raw logits."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(-6.0, 1.0, (5, V)).astype(np.float32)
+    logits[:3, [7, 8, 9, 10]] = [5.0, 4.5, 4.0, 3.5]
+    logits[3, [7, 8, 9, 10]] = [5.0, 4.5, 4.0, 3.5]
+    logits[4, [20, 21]] = [6.0, 4.5]
+    prompt = np.zeros((6, V), bool)
+    prompt[4, 20] = True
+    rows = [dict(bias={7: -100.0}, logprobs=True), dict(bias={10: 2.0, 60: -3.0}, logprobs=True), dict(bias={7: 0.25}),
+            dict(), dict(bias={20: 2.0}, rep=2.0)]
+    want = []
+    for i, r in enumerate(rows):
+        x = logits[i].astype(np.float64)
+        for t, b in r.get("bias", {}).items():
+            x[t] += b
+        want.append(int(np.argmax(vllm_penalized(x, np.zeros(V), prompt[i], r.get("rep", 1.0), 0.0, 0.0))))
+    assert want == [8, 10, 7, 7, 21]
+    tables = jnp.zeros((6, V), jnp.int32), jnp.asarray(prompt), jnp.arange(5)
+    out = sample_as(mode, jnp.asarray(logits), make_inputs([dict(temperature=0.0, **r) for r in rows]), *tables)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    ref = logits[:2].astype(np.float64) - np.log(np.exp(logits[:2].astype(np.float64)).sum(-1, keepdims=True))
+    for i in range(2):
+        np.testing.assert_allclose(float(out.logprob[i]), ref[i, want[i]], atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(out.top_ids[i]), np.argsort(-ref[i])[:MAX_LOGPROBS])
+    drawn = {int(sample_as(mode, jnp.asarray(logits), make_inputs([dict(temperature=1.0, seed=s, bias={60: 100.0})]
+                                                                   * 5), *tables).tokens[0]) for s in range(8)}
+    assert drawn == {60}  # +100 makes a sampled row's token all but certain
+
+
 @pytest.mark.parametrize("rows,variant", [
     ([dict(), dict()], GREEDY),
+    ([dict(bias={3: 2.5}), dict()], SAMPLE),
     ([dict(), dict(logprobs=True)], SAMPLE),
     ([dict(rep=1.2), dict()], SAMPLE),
     ([dict(suppress=[3]), dict()], SAMPLE),
@@ -274,6 +315,32 @@ def test_eos_min_tokens_and_ignore_eos(smol_llm):
     assert 2 not in longer.token_ids[:n + 5]
     forced = smol_llm.chat(CHAT, SamplingParams(max_tokens=n + 10, temperature=0, ignore_eos=True))[0]
     assert len(forced.token_ids) == n + 10 and forced.outputs[0].finish_reason == "length"
+
+
+def test_logit_bias_on_the_real_model(smol_llm):
+    """A bias just past the gap between the first greedy token and the third candidate makes the
+    third the first token (its logprob reported raw, as without the bias); -100 on every token of a
+    greedy answer keeps each out of it; +100 on one token makes a seeded sampled answer all that
+    token. Ids outside the vocabulary are refused."""
+    prompt = ["The capital of Italy is"]
+    plain = smol_llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, logprobs=5))[0]
+    first = sorted(plain.logprobs[0].items(), key=lambda kv: -kv[1])
+    (top, top_lp), (third, third_lp) = first[0], first[2]
+    boosted = smol_llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=1,
+                                                       logit_bias={third: top_lp - third_lp + 0.5}))[0]
+    assert boosted.token_ids == [third]
+    np.testing.assert_allclose(boosted.logprobs[0][third], third_lp, atol=1e-4)
+    banned = smol_llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0,
+                                                      logit_bias={t: -100 for t in plain.token_ids}))[0]
+    assert len(banned.token_ids) == 8 and not set(banned.token_ids) & set(plain.token_ids)
+    forced = smol_llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True,
+                                                      logit_bias={top: 100}))[0]
+    assert forced.token_ids == [top] * 6
+    with pytest.raises(InvalidRequestError, match="logit_bias token id 49152 is out of the vocabulary"):
+        smol_llm.generate(prompt, SamplingParams(logit_bias={5: 1, 49152: 1}))
+    for bad_bias in ({5: 100.5}, {-1: 1}, {5: float("nan")}, {t: 1 for t in range(301)}, [5]):
+        with pytest.raises(InvalidRequestError, match="logit_bias"):
+            SamplingParams(logit_bias=bad_bias)
 
 
 def test_logprobs_output_shape(smol_llm):

@@ -178,6 +178,23 @@ def test_stop_strings(client):
     assert kept.choices[0].text == cut + stop
 
 
+def test_logit_bias_over_http(client, tokenizer):
+    """OpenAI's logit_bias, token ids as JSON keys, on both APIs and streamed: banning a greedy
+    answer's first token changes it, and the stream equals the non-streamed answer."""
+    kw = greedy(prompt="Here is a list of fruits: apple, banana, cherry,", max_tokens=8)
+    plain = client.completions.create(**kw).choices[0].text
+    first = tokenizer.encode(plain)[0]
+    ban = {str(first): -100}
+    banned = client.completions.create(logit_bias=ban, **kw).choices[0].text
+    assert banned != plain and tokenizer.encode(banned)[0] != first
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, logit_bias=ban, **kw))
+    assert streamed == banned
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0)
+    answer = client.chat.completions.create(**chat).choices[0].message.content
+    ban = {str(tokenizer.encode(answer)[0]): -100}
+    assert client.chat.completions.create(logit_bias=ban, **chat).choices[0].message.content != answer
+
+
 def test_seed_reproducibility(main, client):
     kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=1234, **kw).choices[0].text

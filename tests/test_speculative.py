@@ -14,7 +14,7 @@ from infire_jax import LLM
 from infire_jax.errors import ConfigError
 from infire_jax.core.request import Request
 from infire_jax.sample.sampler import SamplingInputs
-from infire_jax.sample.sampling_params import SamplingParams
+from infire_jax.sample.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from infire_jax.core.scheduler import GROWTH_RATIO_MIN
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.controller import MAX_BACKOFF, NgramProposer, SpecController
@@ -103,7 +103,8 @@ def _inputs(rows: int, temperature: float, top_k: int = 0, top_p: float = 1.0) -
         jnp.full(rows, temperature, jnp.float32), jnp.full(rows, top_k, jnp.int32), jnp.full(rows, top_p, jnp.float32),
         jnp.zeros(rows, jnp.float32), jnp.ones(rows, jnp.float32), jnp.zeros(rows, jnp.float32),
         jnp.zeros(rows, jnp.float32), jnp.stack([jnp.arange(rows, dtype=jnp.uint32), jnp.full(rows, 7, jnp.uint32)], 1),
-        jnp.full(rows, 3, jnp.int32), jnp.zeros(rows, bool), jnp.full((rows, 16), -1, jnp.int32))
+        jnp.full(rows, 3, jnp.int32), jnp.zeros(rows, bool), jnp.full((rows, 16), -1, jnp.int32),
+        jnp.full((rows, MAX_LOGIT_BIAS), -1, jnp.int32), jnp.zeros((rows, MAX_LOGIT_BIAS), jnp.float32))
 
 
 def _target(p: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -198,6 +199,22 @@ def test_greedy_output_is_token_identical_to_no_speculation(smol_llm, spec_llm, 
                 np.testing.assert_allclose(list(a.values()), [b[t] for t in a], atol=2e-4)
     assert spec_llm.engine.spec.stats.num_accepted_tokens > before  # speculation did happen
     assert spec_llm.engine.compiles_since_warmup == 0
+
+
+def test_logit_bias_holds_at_every_verified_position(smol_llm, spec_llm):
+    """Proposals are verified against the biased logits: with the comma banned and the space boosted,
+    the speculating engine's greedy tokens are the plain engine's (which differ from the unbiased
+    ones), and proposals were still accepted."""
+    comma, space = smol_llm.tokenizer.encode(",")[-1], smol_llm.tokenizer.encode(" ")[-1]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias={comma: -100, space: 1.5})
+    before = spec_llm.engine.spec.stats.num_accepted_tokens
+    want = smol_llm.generate(PROMPTS, params)
+    got = spec_llm.generate(PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert not any(comma in w.token_ids for w in want)
+    unbiased = smol_llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert comma in unbiased.token_ids
+    assert spec_llm.engine.spec.stats.num_accepted_tokens > before
 
 
 # The sampled test's prompt: 49 tokens, three whole pages and one more, so that every sample but the

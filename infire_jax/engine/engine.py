@@ -167,6 +167,10 @@ class Engine:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {n_prompt + max_tokens} "
                 f"were requested ({n_prompt} in the prompt, {max_tokens} to generate)", param="max_tokens")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token id {max(params.logit_bias)} is out of the vocabulary "
+                                      f"(ids 0 to {vocab - 1})", param="logit_bias")
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
         if params.min_tokens and len(stop_ids) > MAX_STOP_TOKEN_IDS:

@@ -9,7 +9,7 @@ import numpy as np
 from infire_jax.runner.buckets import StepShape
 from infire_jax.core.kv_groups import KVGroupLayout
 from infire_jax.sample.sampler import SamplingInputs
-from infire_jax.sample.sampling_params import MAX_STOP_TOKEN_IDS
+from infire_jax.sample.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from infire_jax.core.scheduler import SchedulerOutput
 from infire_jax.structured.matcher import fill_bitmasks
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
@@ -99,6 +99,8 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     seq_ids = np.full(t, s, np.int32)
     page_tables = np.full((num_groups, s, pages_per_seq), NULL_PAGE, np.int32)
     suppress = np.full((s, MAX_STOP_TOKEN_IDS), -1, np.int32)
+    bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
+    bias = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
     rows: dict[str, list] = {k: [] for k in (
         "kv_lens", "ends", "slots", "reset", "sample", "temperature", "top_k", "top_p", "min_p", "rep", "pres",
         "freq", "seed", "gen", "want_lp", "drafts")}
@@ -155,6 +157,9 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         if sq.gen_index < p.min_tokens:
             ids = req.min_tokens_stop_ids
             suppress[i, :len(ids)] = ids
+        if p.logit_bias:
+            bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
+            bias[i, :len(p.logit_bias)] = list(p.logit_bias.values())
         off = end
 
     nrows = len(work.seqs)
@@ -175,7 +180,7 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         _column(rows["top_p"], s, 1.0, np.float32), _column(rows["min_p"], s, 0.0, np.float32),
         _column(rows["rep"], s, 1.0, np.float32), _column(rows["pres"], s, 0.0, np.float32),
         _column(rows["freq"], s, 0.0, np.float32), seed, _column(rows["gen"], s, 0, np.int32),
-        _column(rows["want_lp"], s, False, bool), suppress)
+        _column(rows["want_lp"], s, False, bool), suppress, bias_ids, bias)
     if num_spec:  # row i: its known token's index, then its proposals', then its last again
         ends = _column(rows["ends"], s, 1, np.int32)
         first = ends - 1 - _column(rows["drafts"], s, 0, np.int32)

@@ -42,6 +42,8 @@ class SamplingInputs(NamedTuple):
     step: Int[Array, "S"]  # tokens generated so far: the draw index, so a seed replays exactly
     want_logprobs: Bool[Array, "S"]
     suppress_ids: Int[Array, "S K"]  # stop ids masked until min_tokens is reached; -1 = none
+    bias_ids: Int[Array, "S B"]  # logit_bias' token ids; -1 = none
+    bias: Float[Array, "S B"]  # what each adds to its token's logit
 
 
 class SamplerOutput(NamedTuple):
@@ -72,6 +74,19 @@ def apply_penalties(logits, s: SamplingInputs, counts: Int[Array, "S V"], in_pro
 def suppress(logits, ids):
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[1])].set(-jnp.inf, mode="drop")
+
+
+def add_logit_bias(logits, s: SamplingInputs):
+    """OpenAI's logit_bias: each row's (token, bias) pairs added to its logits."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.where(s.bias_ids >= 0, s.bias_ids, logits.shape[1])].add(s.bias, mode="drop")
+
+
+def biased(logits, s: SamplingInputs, branch: bool):
+    """`add_logit_bias`, which on CPU a batch without any bias skips."""
+    if branch:
+        return jax.lax.cond(jnp.any(s.bias_ids >= 0), add_logit_bias, lambda x, _: x, logits, s)
+    return add_logit_bias(logits, s)
 
 
 _BISECT_STEPS = 32  # halvings of the threshold interval: 2^-32 of the value range
@@ -182,6 +197,7 @@ def choose_variant(s: SamplingInputs, variants: tuple[str, ...]) -> str:
     if np.any((s.top_k > 0) | (s.top_p < 1.0)) and np.any(s.temperature > 0):
         return FULL
     plain = not (np.any(s.temperature > 0) or np.any(s.want_logprobs) or np.any(s.suppress_ids >= 0)
+                 or np.any(s.bias_ids >= 0)
                  or np.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0)))
     return GREEDY if plain else SAMPLE
 
@@ -196,8 +212,9 @@ def sample(
     grammar_mask: Int[Array, "S W"] | None = None,
 ) -> SamplerOutput:
     """Picks the next token of every row. The tables hold each request slot's token history.
-    `grammar_mask` (structured outputs) holds each row's allowed tokens as bits; logprobs stay
-    those of the model's own distribution, as vLLM reports them."""
+    `grammar_mask` (structured outputs) holds each row's allowed tokens as bits. In vLLM's order: the
+    mask, logit_bias, penalties, min-tokens suppression, then temperature and truncation; logprobs
+    stay those of the model's own distribution, as vLLM reports them."""
     rows = logits.shape[0]
     raw = logits
     if grammar_mask is not None:
@@ -205,6 +222,7 @@ def sample(
     if variant == GREEDY:
         return SamplerOutput(argmax(logits), *no_logprobs(rows))
     branch = variant == BRANCHING
+    logits = biased(logits, s, branch)
     if branch:
         has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
         logits = jax.lax.cond(has_penalty, lambda x: apply_penalties(x, s, counts_table[slots], prompt_table[slots]),

@@ -11,6 +11,8 @@ from infire_jax.structured.spec import StructuredOutputs
 MAX_LOGPROBS = 20
 # Stop token ids that `min_tokens` can hold back on the device, per request.
 MAX_STOP_TOKEN_IDS = 16
+# Tokens one request's logit_bias may move: the sampler's inputs hold this many (id, bias) pairs a row.
+MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass
@@ -38,12 +40,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # the output must match it (infire_jax/structured/)
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before penalties and
+    # sampling (vLLM's order); logprobs stay those of the model's own distribution.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is None:
+            self.logit_bias = {}
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -87,6 +94,15 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative 32-bit integers", "stop_token_ids")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             bad("structured_outputs must be a StructuredOutputs", "structured_outputs")
+        if not isinstance(self.logit_bias, dict):
+            bad("logit_bias must map token ids to biases", "logit_bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or not 0 <= token < 2 ** 31:
+                bad(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}", "logit_bias")
         if self.min_tokens and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 2:
             bad(f"with min_tokens, at most {MAX_STOP_TOKEN_IDS - 2} stop_token_ids are supported", "stop_token_ids")
 

@@ -28,7 +28,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.sample.sampler import (SamplingInputs, apply_penalties, argmax, draw_key, grammar_masked, logprobs_of,
-                                no_logprobs, sampling_logits, suppress)
+                                biased, no_logprobs, sampling_logits, suppress)
 
 
 class VerifyOutput(NamedTuple):
@@ -120,6 +120,7 @@ def verify(
     x = logits
     if grammar_mask is not None:
         x = grammar_masked(x, grammar_mask, branch)
+    x = biased(x, ps, branch)
     if branch:
         has_penalty = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
         x = jax.lax.cond(has_penalty, lambda y: _penalize(y, ps, counts_table, prompt_table, slots, drafts,

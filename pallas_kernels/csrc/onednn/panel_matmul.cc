@@ -7,6 +7,14 @@
 // format BA16a32b2a (blocks of 32 columns outer, 32 inputs inner, each block [16 pairs][32 columns][2]),
 // so oneDNN reads the stack in place: no copy and no reorder. One primitive per (M, K, N), made on
 // first use and kept; a scratchpad per calling thread (the primitive runs on oneDNN's OpenMP threads).
+//
+// The call runs with the default floating-point environment (no flush-to-zero, no denormals-are-zero),
+// restoring XLA's afterwards: OpenMP's worker threads are made by the thread that first runs a
+// parallel region and keep its MXCSR, and libgomp is one per process (torch's tests load the same), so
+// workers made under XLA's flush-to-zero would flush every later OpenMP caller's denormals too. The
+// tile and `vdpbf16ps` products ignore MXCSR; it decides only oneDNN's float32 sums across K blocks.
+#include <xmmintrin.h>
+
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -67,6 +75,9 @@ static ffi::Error Impl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::
   const int64_t M = xd[0], K = xd[1], N = 32 * wd[1], l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("onednn_panel_matmul: layer index out of range");
   if (M == 0) return ffi::Error::Success();
+  const unsigned int xla_csr = _mm_getcsr();
+  _mm_setcsr(xla_csr & ~(_MM_FLUSH_ZERO_ON | 0x0040u));  // 0x0040: denormals-are-zero
+  struct Restore { unsigned int csr; ~Restore() { _mm_setcsr(csr); } } restore{xla_csr};
   try {
     const Matmul& mm = matmul(M, K, N);
     thread_local std::vector<uint8_t> scratch;
