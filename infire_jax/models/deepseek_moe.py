@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.layers import swiglu
 from infire_jax.models.llama import linear
 from infire_jax.models.moe import Routing, routed_mlp
 
@@ -45,7 +46,7 @@ def router_logits(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, 
 
 def shared_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E"]:
     gate_up = linear(x, lp["w_shared_gate_up"], "te,ecf->tcf")
-    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_shared_down"], "tf,fe->te")
+    return linear(swiglu(gate_up[:, 0], gate_up[:, 1]), lp["w_shared_down"], "tf,fe->te")
 
 
 def deepseek_moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig,

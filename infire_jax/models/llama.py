@@ -24,7 +24,7 @@ from infire_jax.lora.batched import LayerLoRA, LoRAStep, LoRAWeight, split_stack
 from infire_jax.lora.layout import stack_axes
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, local_attention_table, param, rms_norm,
-                                      rope_inv_freq, rope_tables, with_local_mask)
+                                      rope_inv_freq, rope_tables, swiglu, with_local_mask)
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
@@ -183,7 +183,7 @@ def dense_mlp(lp: dict[str, Array], x: Float[Array, "T E"]) -> Float[Array, "T E
     if _fuses(lp["w_gate_up"]) and _fuses(lp["w_down"]):
         return swiglu_mlp(x, lp["w_gate_up"].stacked, lp["w_down"].stacked, lp["w_down"].layer).astype(x.dtype)
     gate_up = linear(x, lp["w_gate_up"], "te,ecf->tcf")
-    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], "tf,fe->te")
+    return linear(swiglu(gate_up[:, 0], gate_up[:, 1]), lp["w_down"], "tf,fe->te")
 
 
 def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool,

@@ -53,6 +53,7 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.layers import swiglu
 from infire_jax.models.quant_kernels import GROUPED_IMPLS, LayerExperts, default_grouped_impl
 from infire_jax.quant.grouped import dequantize_kept, expert_weight
 
@@ -130,7 +131,7 @@ def max_tiles(num_rows: int, num_experts: int, b: int) -> int:
 
 def _swiglu(x: Array, w_gate_up: Float[Array, "E 2 F"], w_down: Float[Array, "F E"]) -> Array:
     gate_up = jnp.einsum("me,ecf->mcf", x, w_gate_up)
-    return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ w_down
+    return swiglu(gate_up[:, 0], gate_up[:, 1]) @ w_down
 
 
 def tiled_experts(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"],
@@ -180,7 +181,7 @@ def _kernel_swiglu(d: Dispatch, w_gate_up: LayerExperts, w_down: LayerExperts) -
     """The grouped SwiGLU as two grouped-kernel calls over the layer's experts, read in place."""
     gate_up = w_gate_up.grouped(d.x, d.group_sizes).astype(d.x.dtype)
     f = gate_up.shape[1] // 2
-    return w_down.grouped(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], d.group_sizes).astype(d.x.dtype)
+    return w_down.grouped(swiglu(gate_up[:, :f], gate_up[:, f:]), d.group_sizes).astype(d.x.dtype)
 
 
 def expert_mlp(d: Dispatch, lp: dict[str, Array], impl: str) -> Float[Array, "M E"]:
@@ -192,7 +193,7 @@ def expert_mlp(d: Dispatch, lp: dict[str, Array], impl: str) -> Float[Array, "M 
         lp = dequantize_kept({k: lp[k] for k in ("w_gate_up", "w_down")}, d.x.dtype)
         x, e, _, f = lp["w_gate_up"].shape
         gate_up = jax.lax.ragged_dot(d.x, lp["w_gate_up"].reshape(x, e, 2 * f), d.group_sizes)
-        return jax.lax.ragged_dot(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], lp["w_down"], d.group_sizes)
+        return jax.lax.ragged_dot(swiglu(gate_up[:, :f], gate_up[:, f:]), lp["w_down"], d.group_sizes)
     if impl not in GROUPED_IMPLS:
         raise ConfigError(f"unknown grouped matmul {impl!r}; choose one of {GROUPED_IMPLS}")
     return _tiled_swiglu(d.x, d.group_sizes, lp["w_gate_up"], lp["w_down"])
