@@ -53,6 +53,9 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CMPL, {"logit_bias": {"1000000": 1}}, 400, "logit_bias"),  # outside the vocabulary
     (CMPL, {"logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
     (CHAT, {"logit_bias": {"50": -100.5}}, 400, "logit_bias"),
+    (CMPL, {"allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (CMPL, {"allowed_token_ids": [5, "6"]}, 400, "allowed_token_ids"),
+    (CMPL, {"allowed_token_ids": [5, 10 ** 6]}, 400, "allowed_token_ids"),  # outside the vocabulary
     (CMPL, {"suffix": "the end"}, 400, "suffix"),
     (CMPL, {"echo": True, "logprobs": 21}, 400, "logprobs"),
     (CMPL, {"echo": True, "max_tokens": -1}, 400, "max_tokens"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from infire_jax import SamplingParams
 from infire_jax.errors import InvalidRequestError
+from infire_jax.structured import StructuredOutputs
 
 from infire_jax.sample import sampler
 from infire_jax.engine.detokenizer import IncrementalDetokenizer
@@ -341,6 +344,36 @@ def test_logit_bias_on_the_real_model(smol_llm):
     for bad_bias in ({5: 100.5}, {-1: 1}, {5: float("nan")}, {t: 1 for t in range(301)}, [5]):
         with pytest.raises(InvalidRequestError, match="logit_bias"):
             SamplingParams(logit_bias=bad_bias)
+
+
+def test_allowed_token_ids_on_the_real_model(smol_llm):
+    """Only the listed tokens are sampled: greedy takes the likeliest of them (the plain run's second
+    and fourth candidates give the second), sampled answers stay inside the set and run to max_tokens
+    (EOS is not listed), a request beside it in the same steps is untouched, and with a grammar
+    (a choice) the answer is what both allow. Ids outside the vocabulary are refused."""
+    prompt = "The capital of Italy is"
+    plain = smol_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=5))[0]
+    ranked = [t for t, _ in sorted(plain.logprobs[0].items(), key=lambda kv: -kv[1])]
+    allowed = [ranked[3], ranked[1]]
+    only = SamplingParams(max_tokens=6, temperature=0, allowed_token_ids=allowed)
+    got, beside = smol_llm.generate([prompt, prompt], [only, SamplingParams(max_tokens=8, temperature=0)])
+    assert got.token_ids[0] == ranked[1] and set(got.token_ids) <= set(allowed) and len(got.token_ids) == 6
+    assert beside.token_ids == plain.token_ids
+    wider = allowed + ranked[2:3]
+    sampled = smol_llm.generate([prompt], SamplingParams(n=4, max_tokens=8, temperature=1.5, seed=1,
+                                                         allowed_token_ids=wider))[0]
+    assert all(set(o.token_ids) <= set(wider) and len(o.token_ids) == 8 for o in sampled.outputs)
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+    choice = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(choice=[" yes", " no"]))
+    assert smol_llm.generate([prompt], choice)[0].text == " no"  # the grammar alone
+    choice = dataclasses.replace(choice, allowed_token_ids=[*smol_llm.tokenizer.encode(" yes"),
+                                                            *smol_llm.engine.model_config.eos_token_ids])
+    assert smol_llm.generate([prompt], choice)[0].text == " yes"  # what both allow
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids token id 49152 is out of the vocabulary"):
+        smol_llm.generate([prompt], SamplingParams(allowed_token_ids=[5, 49152]))
+    for bad_ids in ([], [-1], [5, "6"], (5,)):
+        with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad_ids)
 
 
 def test_logprobs_output_shape(smol_llm):

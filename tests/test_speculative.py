@@ -201,10 +201,10 @@ def test_greedy_output_is_token_identical_to_no_speculation(smol_llm, spec_llm, 
     assert spec_llm.engine.compiles_since_warmup == 0
 
 
-def test_logit_bias_holds_at_every_verified_position(smol_llm, spec_llm):
+def test_logit_bias_and_allowed_token_ids_hold_at_every_verified_position(smol_llm, spec_llm):
     """Proposals are verified against the biased logits: with the comma banned and the space boosted,
     the speculating engine's greedy tokens are the plain engine's (which differ from the unbiased
-    ones), and proposals were still accepted."""
+    ones), and proposals were still accepted; so with allowed_token_ids."""
     comma, space = smol_llm.tokenizer.encode(",")[-1], smol_llm.tokenizer.encode(" ")[-1]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias={comma: -100, space: 1.5})
     before = spec_llm.engine.spec.stats.num_accepted_tokens
@@ -214,6 +214,16 @@ def test_logit_bias_holds_at_every_verified_position(smol_llm, spec_llm):
     assert not any(comma in w.token_ids for w in want)
     unbiased = smol_llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
     assert comma in unbiased.token_ids
+    assert spec_llm.engine.spec.stats.num_accepted_tokens > before
+    # allowed_token_ids ride with the grammar masks, one per verified position: the grounded answer's
+    # own tokens but its last new one, so it follows the text (proposals accepted), then parts from it
+    grounded = smol_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    allowed = sorted(set(grounded.token_ids) - {grounded.token_ids[-1]})
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, allowed_token_ids=allowed)
+    before = spec_llm.engine.spec.stats.num_accepted_tokens
+    want = smol_llm.generate(PROMPTS[:1], params)[0].token_ids
+    assert want != grounded.token_ids and set(want) <= set(allowed)
+    assert spec_llm.generate(PROMPTS[:1], params)[0].token_ids == want
     assert spec_llm.engine.spec.stats.num_accepted_tokens > before
 
 

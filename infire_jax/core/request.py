@@ -84,6 +84,7 @@ class Request:
         self.spec_state = None
         self.spec_head_drafts: list[int] = []  # EAGLE-3: what the head drafted in the request's last step
         self.grammar = None  # its structured.GrammarMatcher when the output is constrained
+        self.allowed_mask = None  # allowed_token_ids as the sampler's bitmask row ([W] int32), or None
         self.lora = None  # its LoRA adapter (lora/adapters.py); None: the base model
         self.lora_slot = 0  # the adapter's device slot while the request runs (0: none)
         # Images (runner/image_pool.py): each prompt token's row of the device's image pool, -1 for text;

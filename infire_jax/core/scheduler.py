@@ -250,7 +250,8 @@ class Scheduler:
         steps = []
         for sq in seqs:
             req = sq.req
-            if sq.num_tokens != 1 or not sq.samples or sq.drafts or req.grammar is not None:
+            if sq.num_tokens != 1 or not sq.samples or sq.drafts or req.grammar is not None \
+                    or req.allowed_mask is not None:
                 return
             left = req.max_tokens - sq.gen_index
             if sq.gen_index < req.params.min_tokens:

@@ -39,6 +39,7 @@ from infire_jax.sample.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.core.scheduler import Scheduler, SchedulerOutput
 from infire_jax.speculative.setup import build_speculation
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
+from infire_jax.structured.matcher import token_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,16 @@ class Engine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but {n_prompt + max_tokens} "
                 f"were requested ({n_prompt} in the prompt, {max_tokens} to generate)", param="max_tokens")
         vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token id {max(params.logit_bias)} is out of the vocabulary "
-                                      f"(ids 0 to {vocab - 1})", param="logit_bias")
+        for name, tokens in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= vocab for t in tokens):
+                raise InvalidRequestError(f"{name} token id {max(tokens)} is out of the vocabulary "
+                                          f"(ids 0 to {vocab - 1})", param=name)
+        allowed = None
+        if params.allowed_token_ids:
+            if multihost.is_multiprocess():  # its mask rides with the grammars' (followers would need it)
+                raise InvalidRequestError("allowed_token_ids is not supported across several processes yet",
+                                          param="allowed_token_ids")
+            allowed = token_bitmask(params.allowed_token_ids, -(-vocab // 32))
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
         if params.min_tokens and len(stop_ids) > MAX_STOP_TOKEN_IDS:
@@ -192,6 +200,7 @@ class Engine:
                           session_id=session_id, min_tokens_stop_ids=stop_ids, parent_id=request_id, index=i)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
             req.grammar = grammar.matcher() if params.structured_outputs is not None else None
+            req.allowed_mask = allowed
             req.spec_wait = self.spec is not None  # so its first decode step can already carry proposals
             req.lora = adapter
             req.image_rows = None if images is None else images.rows

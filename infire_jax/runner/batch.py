@@ -195,25 +195,31 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
 
 
 def grammar_bitmask(work: SchedulerOutput, num_rows: int, words: int, positions: int = 1) -> np.ndarray | None:
-    """Structured outputs: each constrained sampling row's allowed next tokens as bits ([S, W] int32,
-    every bit set for the other rows), or None when no row is constrained, so an unconstrained step
-    copies no mask (the runner passes a device-resident all-allowed one).
+    """Structured outputs and allowed_token_ids: each constrained sampling row's allowed next tokens
+    as bits ([S, W] int32, every bit set for the other rows; a row with both has what both allow), or
+    None when no row is constrained, so an unconstrained step copies no mask (the runner passes a
+    device-resident all-allowed one).
 
     A verifying step (`positions` = K + 1) has a mask per position, [S * (K + 1), W]: position j
     of a row allows what its grammar allows after the row's first j proposals. The matcher walks
     the proposals and is rolled back; the engine advances it by the tokens the step accepts."""
-    rows = [(sq, i) for i, sq in enumerate(work.seqs) if sq.samples and sq.req.grammar is not None]
+    rows = [(sq, i) for i, sq in enumerate(work.seqs)
+            if sq.samples and (sq.req.grammar is not None or sq.req.allowed_mask is not None)]
     if not rows:
         return None
     mask = np.full((num_rows * positions, words), -1, np.int32)
-    if positions == 1:
-        fill_bitmasks([(sq.req.grammar, i) for sq, i in rows], mask)
-        return mask
+    grammars = [(sq, i) for sq, i in rows if sq.req.grammar is not None]
+    if positions == 1 and grammars:
+        fill_bitmasks([(sq.req.grammar, i) for sq, i in grammars], mask)
+    elif grammars:
+        for sq, i in grammars:
+            grammar = sq.req.grammar
+            for j, tok in enumerate([*sq.drafts, None]):
+                fill_bitmasks([(grammar, i * positions + j)], mask)
+                if tok is not None:
+                    grammar.accept_token(tok)
+            grammar.rollback(len(sq.drafts))
     for sq, i in rows:
-        grammar = sq.req.grammar
-        for j, tok in enumerate([*sq.drafts, None]):
-            fill_bitmasks([(grammar, i * positions + j)], mask)
-            if tok is not None:
-                grammar.accept_token(tok)
-        grammar.rollback(len(sq.drafts))
+        if sq.req.allowed_mask is not None:
+            mask[i * positions:(i + 1) * positions] &= sq.req.allowed_mask
     return mask

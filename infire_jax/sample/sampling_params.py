@@ -43,6 +43,8 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before penalties and
     # sampling (vLLM's order); logprobs stay those of the model's own distribution.
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (EOS too only if listed)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -103,6 +105,10 @@ class SamplingParams:
                 bad(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                 bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}", "logit_bias")
+        if self.allowed_token_ids is not None and not (
+                isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                and all(_is_int(t) and 0 <= t < 2 ** 31 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids must be a non-empty list of token ids (integers >= 0)", "allowed_token_ids")
         if self.min_tokens and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 2:
             bad(f"with min_tokens, at most {MAX_STOP_TOKEN_IDS - 2} stop_token_ids are supported", "stop_token_ids")
 

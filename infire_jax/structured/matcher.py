@@ -61,6 +61,15 @@ class GrammarMatcher:
         return self._m.get_error()
 
 
+def token_bitmask(token_ids: list[int], words: int) -> np.ndarray:
+    """A set of token ids as one bitmask row ([W] int32, bit t % 32 of word t // 32), the layout of
+    the grammar masks (allowed_token_ids' mask)."""
+    ids = np.asarray(token_ids, np.int64)
+    mask = np.zeros(words, np.uint32)
+    np.bitwise_or.at(mask, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+    return mask.view(np.int32)
+
+
 def fill_bitmasks(rows: list[tuple[GrammarMatcher, int]], mask: Int32[np.ndarray, "S W"]) -> None:
     """Fills several rows at once, on llguidance's threads (the GIL is released)."""
     start = time.perf_counter()
