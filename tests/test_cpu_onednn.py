@@ -97,6 +97,19 @@ def test_onednn_panel_matmul_refuses_what_it_cannot_read():
                                 cpu_matmul.pack_panels(jnp.zeros((1, 64, 32), jnp.float32)), jnp.int32(0))
 
 
+def test_gemm_benchmark_runs(capsys):
+    """`python -m infire_jax.bench.cpu_gemm` (the GEMM table in docs/PERFORMANCE.md) end to end: every
+    weight shape and step size with a rate in each column, and oneDNN's ISA named."""
+    from infire_jax.bench import cpu_gemm
+
+    assert cpu_gemm.main(["--rows", "1", "64", "--iters", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith(f"oneDNN: {cpu_onednn.isa()}") and lines[1].split()[:2] == ["model", "weight"]
+    assert [ln.split()[1] + ln.split()[4] for ln in lines[2:]] == [
+        f"{w}{m}" for w in ("wqkv", "wo", "w_gate_up", "w_down") for m in (1, 64)]
+    assert all(float(rate) > 0 for ln in lines[2:] for rate in ln.split()[5:8])
+
+
 def _prompt_logprobs(outs) -> np.ndarray:
     return np.concatenate([[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs])
 

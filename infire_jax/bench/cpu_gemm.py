@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infire_jax.bench.cpu_matmul import best_seconds
 from pallas_kernels import cpu_kernels, cpu_matmul, cpu_onednn
 
 # hidden, MLP, q heads, kv heads, head dim
@@ -35,18 +36,6 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     return {"wqkv": (e, (h + 2 * hkv) * d), "wo": (h * d, e), "w_gate_up": (e, 2 * f), "w_down": (f, e)}
 
 
-def _seconds(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m infire_jax.bench.cpu_gemm", description=__doc__.split("\n")[0])
     p.add_argument("--model", nargs="+", default=["smollm2-135m"], choices=sorted(MODELS))
@@ -56,25 +45,27 @@ def main(argv: list[str] | None = None) -> int:
     if jax.default_backend() != "cpu" or not cpu_kernels.available():
         p.error("needs the CPU backend and a C++ compiler (see pallas_kernels/cpu_kernels.py)")
     has_panels = cpu_matmul.panel_kernel(jnp.bfloat16)
-    os.environ["INFIRE_JAX_NO_ONEDNN"] = "1"  # the panels column is the hand-written kernel at every M
     print(f"oneDNN: {cpu_onednn.isa() or 'not available'}; {os.cpu_count()} CPUs")
     print(f"{'model':>13} {'weight':>9} {'K':>6} {'N':>6} {'M':>5} {'XLA':>7} {'panels':>7} {'oneDNN':>7}  GFLOP/s")
     xla = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
     hand = jax.jit(cpu_matmul.panel_matmul)
     onednn = jax.jit(cpu_onednn.panel_matmul)
-    rng = np.random.default_rng(0)
-    for model in args.model:
-        for name, (k, n) in layer_shapes(model).items():
-            w = jnp.asarray(0.02 * rng.standard_normal((k, n), np.float32)).astype(jnp.bfloat16)
-            panels = jax.jit(cpu_matmul.pack_panels)(w[None])
-            for m in args.rows:
-                x = jnp.asarray(rng.standard_normal((m, k), np.float32)).astype(jnp.bfloat16)
-                flops = 2 * m * k * n
-                rates = [flops / _seconds(xla, (x, w), args.iters) / 1e9]
-                for ok, fn in ((has_panels, hand), (cpu_onednn.library() is not None and k % 32 == 0, onednn)):
-                    rates.append(flops / _seconds(fn, (x, panels, jnp.int32(0)), args.iters) / 1e9 if ok else None)
-                cells = " ".join(f"{r:7.0f}" if r is not None else f"{'-':>7}" for r in rates)
-                print(f"{model:>13} {name:>9} {k:>6} {n:>6} {m:>5} {cells}")
+    # the panels column is the hand-written kernel at every M (panel_matmul would hand oneDNN its steps on AMX)
+    with mock.patch.dict(os.environ, {"INFIRE_JAX_NO_ONEDNN": "1"}):
+        rng = np.random.default_rng(0)
+        for model in args.model:
+            for name, (k, n) in layer_shapes(model).items():
+                w = jnp.asarray(0.02 * rng.standard_normal((k, n), np.float32)).astype(jnp.bfloat16)
+                panels = jax.jit(cpu_matmul.pack_panels)(w[None])
+                for m in args.rows:
+                    x = jnp.asarray(rng.standard_normal((m, k), np.float32)).astype(jnp.bfloat16)
+                    flops = 2 * m * k * n
+                    rates = [flops / best_seconds(xla, x, w, iters=args.iters) / 1e9]
+                    for ok, fn in ((has_panels, hand), (cpu_onednn.library() is not None and k % 32 == 0, onednn)):
+                        seconds = best_seconds(fn, x, panels, jnp.int32(0), iters=args.iters) if ok else None
+                        rates.append(flops / seconds / 1e9 if ok else None)
+                    cells = " ".join(f"{r:7.0f}" if r is not None else f"{'-':>7}" for r in rates)
+                    print(f"{model:>13} {name:>9} {k:>6} {n:>6} {m:>5} {cells}")
     return 0
 
 

@@ -76,7 +76,8 @@ def _pass(use_kernel: bool, x: jax.Array, weights: dict[str, jax.Array]) -> jax.
     return jax.lax.scan(layer, x, (scanned, jnp.arange(LAYERS, dtype=jnp.int32)))[0]
 
 
-def _seconds(fn, *args, iters: int) -> float:
+def best_seconds(fn, *args, iters: int) -> float:
+    """Seconds a call of `fn` takes: the best of 3 loops of `iters` calls, after one untimed."""
     jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(3):
@@ -105,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(w.nbytes for w in weights.values())
         for rows in args.rows:
             x = jnp.full((rows, EMBED), 0.01, jnp.dtype(dtype))
-            xla = _seconds(jax.jit(functools.partial(_pass, False)), x, weights, iters=args.iters)
-            ffi = _seconds(jax.jit(functools.partial(_pass, True)), x, weights, iters=args.iters)
-            pan = (_seconds(jax.jit(functools.partial(_pass, True)), x, panels, iters=args.iters)
+            xla = best_seconds(jax.jit(functools.partial(_pass, False)), x, weights, iters=args.iters)
+            ffi = best_seconds(jax.jit(functools.partial(_pass, True)), x, weights, iters=args.iters)
+            pan = (best_seconds(jax.jit(functools.partial(_pass, True)), x, panels, iters=args.iters)
                    if panels is not None else None)
             cells = f"{pan * 1e3:10.2f} {nbytes / pan / 1e9:6.1f}" if pan else f"{'-':>10} {'-':>6}"
-            q = _seconds(jax.jit(functools.partial(_pass, True)), x, quant, iters=args.iters) if quant else None
+            q = best_seconds(jax.jit(functools.partial(_pass, True)), x, quant, iters=args.iters) if quant else None
             qbytes = sum(a.nbytes for a in jax.tree.leaves(quant)) if quant else 0
             qcells = f"{q * 1e3:8.2f} {qbytes / q / 1e9:6.1f}" if q else f"{'-':>8} {'-':>6}"
             print(f"{dtype:>8} {rows:>4} {xla * 1e3:8.2f} {nbytes / xla / 1e9:6.1f} {ffi * 1e3:10.2f} "
