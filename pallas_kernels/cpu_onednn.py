@@ -55,7 +55,8 @@ def _installed() -> tuple[str, str, str]:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built call, registered with jax, or None (no oneDNN wheel, no compiler, turned off)."""
+    """The built call, registered with jax, or None (no oneDNN wheel, or no CPU kernels: no compiler, or
+    INFIRE_JAX_NO_CPU_KERNELS)."""
     if not cpu_kernels.available():
         return None
     try:

@@ -3,8 +3,8 @@
 Follows the OpenAI schema: unknown fields, wrong types and out-of-range values are rejected, and so
 are fields OpenAI would honour but this server cannot (suffix, ...), instead of being ignored.
 vLLM's sampling extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-allowed_token_ids, ...), its `structured_outputs` and its `priority` (lower runs first) are accepted too. Structured-output
-and tool fields are checked in server/structured.py.
+allowed_token_ids, ...), its `structured_outputs` and its `priority` (lower runs first) are accepted
+too. Structured-output and tool fields are checked in server/structured.py.
 """
 
 from __future__ import annotations
@@ -166,10 +166,6 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
     if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(
             _is_int(t) and 0 <= t < _INT32 for t in stop_token_ids)):
         raise bad("'stop_token_ids' must be an array of token ids (integers >= 0)", "stop_token_ids")
-    allowed = b.data.get("allowed_token_ids")
-    if allowed is not None and not (isinstance(allowed, list) and allowed and all(
-            _is_int(t) and 0 <= t < _INT32 for t in allowed)):
-        raise bad("'allowed_token_ids' must be a non-empty array of token ids (integers >= 0)", "allowed_token_ids")
     top_k = b.integer("top_k", 0, lo=-1, hi=_INT32 - 1)
     try:
         params = SamplingParams(
@@ -184,7 +180,7 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
             skip_special_tokens=b.boolean("skip_special_tokens", True),
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
             structured_outputs=_constraint(constraint, structured.structured_outputs(b.data.get("structured_outputs"))),
-            logit_bias=_logit_bias(b.data.get("logit_bias")), allowed_token_ids=allowed)
+            logit_bias=_logit_bias(b.data.get("logit_bias")), allowed_token_ids=b.data.get("allowed_token_ids"))
     except InvalidRequestError as e:  # SamplingParams' own checks
         raise bad(str(e), e.param) from e
     return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                     for ok, fn in ((has_panels, hand), (cpu_onednn.library() is not None and k % 32 == 0, onednn)):
                         seconds = best_seconds(fn, x, panels, jnp.int32(0), iters=args.iters) if ok else None
                         rates.append(flops / seconds / 1e9 if ok else None)
-                    cells = " ".join(f"{r:7.0f}" if r is not None else f"{'-':>7}" for r in rates)
+                    cells = " ".join(f"{'-':>7}" if r is None else f"{r:7.0f}" if r >= 10 else f"{r:7.2f}"
+                                     for r in rates)
                     print(f"{model:>13} {name:>9} {k:>6} {n:>6} {m:>5} {cells}")
     return 0
 
