@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -75,6 +76,27 @@ def _column(values: list, size: int, fill, dtype) -> np.ndarray:
     return out
 
 
+@functools.cache
+def _no_logit_bias(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """A row bucket's logit_bias columns when no row has any: made once, read-only (a step's inputs are
+    copied to the device, never written)."""
+    ids, bias = np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
+    ids.flags.writeable = bias.flags.writeable = False
+    return ids, bias
+
+
+def _logit_bias(num_rows: int, biased: list[tuple[int, dict[int, float]]]) -> tuple[np.ndarray, np.ndarray]:
+    """The sampler's logit_bias columns ([S, MAX_LOGIT_BIAS] ids, -1 for none, and biases) of the rows
+    `biased` names, each with its request's map."""
+    if not biased:
+        return _no_logit_bias(num_rows)
+    ids, bias = (a.copy() for a in _no_logit_bias(num_rows))
+    for i, token_bias in biased:
+        ids[i, :len(token_bias)] = list(token_bias)
+        bias[i, :len(token_bias)] = list(token_bias.values())
+    return ids, bias
+
+
 def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, pages_per_seq: int,
                 dummy_slot: int, num_spec: int = 0, kv_groups: KVGroupLayout | None = None,
                 lora: bool = False, images: bool = False) -> StepBatch:
@@ -99,8 +121,8 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
     seq_ids = np.full(t, s, np.int32)
     page_tables = np.full((num_groups, s, pages_per_seq), NULL_PAGE, np.int32)
     suppress = np.full((s, MAX_STOP_TOKEN_IDS), -1, np.int32)
-    bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
-    bias = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
+    biased = [(i, sq.req.params.logit_bias) for i, sq in enumerate(work.seqs) if sq.req.params.logit_bias]
+    bias_ids, bias = _logit_bias(s, biased)
     rows: dict[str, list] = {k: [] for k in (
         "kv_lens", "ends", "slots", "reset", "sample", "temperature", "top_k", "top_p", "min_p", "rep", "pres",
         "freq", "seed", "gen", "want_lp", "drafts")}
@@ -157,9 +179,6 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
         if sq.gen_index < p.min_tokens:
             ids = req.min_tokens_stop_ids
             suppress[i, :len(ids)] = ids
-        if p.logit_bias:
-            bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
-            bias[i, :len(p.logit_bias)] = list(p.logit_bias.values())
         off = end
 
     nrows = len(work.seqs)
