@@ -47,6 +47,23 @@ def test_matches_numpy_with_poisoned_pool(shapes):
         np.testing.assert_array_equal(got[:, 1:], expected[:, 1:])
 
 
+@pytest.mark.parametrize("shapes", [
+    Shapes(page_size=16, head_dim=80, num_q_heads=10, num_kv_heads=5),  # groups of 2 queries; 4 + 1 dim vectors
+    Shapes(page_size=16, head_dim=48, num_q_heads=5, num_kv_heads=1),  # groups of 5 queries; 3 dim vectors
+    Shapes(page_size=8, head_dim=96, num_q_heads=14, num_kv_heads=2, dtype="bfloat16"),  # 7 queries; 4 + 2
+], ids=str)
+def test_every_register_tile_remainder(shapes):
+    """The kernel runs a work item's queries 4 at a time and each value sum over 4 vectors of dims at a
+    time (csrc/paged_attention.cc): queries per item and head dims that leave each remainder, against
+    the float64 oracle."""
+    case = make_case(shapes, seed=26, poison=True)
+    out, _, _ = cpu_attention.paged_attention(
+        device(case.q, shapes), device(case.k, shapes), device(case.v, shapes), _pool(case.k_pages, shapes),
+        _pool(case.v_pages, shapes), jnp.int32(LAYER), device_meta(case.meta), scale=shapes.head_dim ** -0.5)
+    real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
+    assert_close(np.asarray(out)[real], numpy_attention(case, shapes.num_q_heads)[real], shapes.tol)
+
+
 def test_float32_is_float32_exact_to_rounding():
     """float32 sums and exp: within a few float32 roundings of float64, not bfloat16-close."""
     shapes = SHAPES[3]

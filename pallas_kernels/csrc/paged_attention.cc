@@ -3,10 +3,12 @@
 // After this step's keys and values are written into the pool (XLA's scatter, in place), token t of
 // sequence row s attends to positions 0 .. positions[t] of s, read in place from layer `layer` of
 // the pool [L, N, page_size, Hkv, D] through page_table[s]. One work item is a run of up to
-// kMaxQueries / G consecutive tokens of one row and one kv head: each block of 16 positions is read
+// kMaxQueries / G consecutive tokens of one row and one kv head: each block of kKeys positions is read
 // (widened to float32) and its keys transposed once for all the item's G-headed queries, so a
-// query's 16 scores are one vector (no horizontal sums), folded into an online softmax (float32
-// scores, sums and exp). A token's result does not depend on the rest of the step. Padding tokens
+// query's scores are kSub vectors (no horizontal sums), folded into an online softmax (float32
+// scores, sums and exp). The queries go through a block kQB at a time, sharing each key and value
+// load in registers; each query's sums are its own chains, so a token's result does not depend on
+// the rest of the step. Padding tokens
 // (seq_ids[t] >= num_seqs) get zeros. The pool is float32, uint16 holding bfloat16 bits, or uint8
 // holding float8_e4m3fn bits (both widened exactly), as pool_storage_dtype keeps it; an fp8 pool's
 // scales are folded into q and the output by the caller (pallas_kernels/kv_quant.py).
@@ -44,7 +46,6 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16x __attribute__((vector_size(64)));
 typedef uint16_t h16 __attribute__((vector_size(32)));
 typedef uint32_t u16x __attribute__((vector_size(64)));
-constexpr int kBlock = 16;      // positions per online-softmax block
 constexpr int kMaxGroup = 16;   // query heads per kv head (at most kMaxQueries)
 constexpr int kMaxDim = 256;    // head_dim
 
@@ -144,6 +145,9 @@ inline float hmax(v16 v) {
 }
 
 constexpr int kMaxQueries = 32;  // query heads per work item (tokens x G)
+constexpr int kQB = 4;           // queries whose scores and value sums share each load (registers: kQB x kSub)
+constexpr int kSub = 4;          // 16-position vectors per online-softmax block
+constexpr int kKeys = 16 * kSub; // positions per block
 
 struct Args {
   const float* q;       // [T, Hq, D], already scaled
@@ -166,100 +170,179 @@ inline int64_t first_visible(int64_t pos, int64_t chunk, int64_t window) {
 
 struct Item { int64_t t0, nt, row; };  // tokens t0 .. t0 + nt - 1 of sequence row `row`
 
+// Scores of QB queries (rows of q, D apart) against a block's keys (kt: [D, kKeys]), one chain of
+// FMAs over d per query and vector, so a query's scores do not depend on its neighbours.
+template <int QB>
+inline void scores(const float* q, const float* kt, int64_t D, v16 (&s)[kQB][kSub]) {
+  v16 acc[QB][kSub];
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < kSub; ++c) acc[i][c] = v16{};
+  for (int64_t d = 0; d < D; ++d) {
+    v16 k[kSub];
+    for (int c = 0; c < kSub; ++c) k[c] = load(kt + d * kKeys + 16 * c);
+    for (int i = 0; i < QB; ++i) {
+      const float x = q[i * D + d];
+      for (int c = 0; c < kSub; ++c) acc[i][c] += x * k[c];
+    }
+  }
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < kSub; ++c) s[i][c] = acc[i][c];
+}
+
+// acc[i] = acc[i] * alpha[i] + sum over the block's first nb positions of p[i][b] * values[b], for
+// QB queries and the CW vectors of dims from j0: each value vector is loaded once for the QB queries.
+template <int QB, int CW>
+inline void value_sums(float* acc, const float* p, const float* alpha, const float* vb, int64_t D, int64_t j0,
+                       int64_t nb) {
+  v16 o[QB][CW];
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < CW; ++c) o[i][c] = load(acc + i * D + 16 * (j0 + c)) * alpha[i];
+  for (int64_t b = 0; b < nb; ++b) {
+    v16 v[CW];
+    for (int c = 0; c < CW; ++c) v[c] = load(vb + b * D + 16 * (j0 + c));
+    for (int i = 0; i < QB; ++i) {
+      const float w = p[i * kKeys + b];
+      for (int c = 0; c < CW; ++c) o[i][c] += w * v[c];
+    }
+  }
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < CW; ++c) store(acc + i * D + 16 * (j0 + c), o[i][c]);
+}
+
+template <int QB>
+inline void value_sums(float* acc, const float* p, const float* alpha, const float* vb, int64_t D, int64_t nb) {
+  const int64_t nv = D / 16;
+  int64_t j0 = 0;
+  for (; j0 + 4 <= nv; j0 += 4) value_sums<QB, 4>(acc, p, alpha, vb, D, j0, nb);
+  switch (nv - j0) {
+    case 3: value_sums<QB, 3>(acc, p, alpha, vb, D, j0, nb); break;
+    case 2: value_sums<QB, 2>(acc, p, alpha, vb, D, j0, nb); break;
+    case 1: value_sums<QB, 1>(acc, p, alpha, vb, D, j0, nb); break;
+    default: break;
+  }
+}
+
+// The online-softmax step of QB queries q0.. of an item over the block at p0: scores, each query's
+// visible lanes ([lo, hi]: at or before its token, from its first visible position; none: the block
+// leaves it unchanged), its new max and sum, then the value sums.
+template <int QB>
+void block_step(const float* qb, const float* kt, const float* vb, int64_t D, int64_t p0, int64_t nb,
+                const int64_t* lo, const int64_t* hi, float* m, float* l, float* acc) {
+  v16 s[kQB][kSub];
+  scores<QB>(qb, kt, D, s);
+  alignas(64) float p[QB * kKeys];
+  float alpha[QB];
+  const i16x lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int i = 0; i < QB; ++i) {
+    if (lo[i] > hi[i]) {  // nothing of the block is visible: p = 0, alpha = 1 leave its sums as they are
+      alpha[i] = 1.0f;
+      std::fill(p + i * kKeys, p + (i + 1) * kKeys, 0.0f);
+      continue;
+    }
+    v16 mx = splat(-INFINITY);
+    for (int c = 0; c < kSub; ++c) {
+      const i16x pos = lane + int32_t(p0 + 16 * c);
+      s[i][c] = (pos >= int32_t(lo[i])) & (pos <= int32_t(hi[i])) ? s[i][c] : splat(-INFINITY);
+      mx = mx > s[i][c] ? mx : s[i][c];
+    }
+    const float m_new = std::max(m[i], hmax(mx));
+    alpha[i] = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
+    v16 sum = v16{};
+    for (int c = 0; c < kSub; ++c) {
+      const v16 e = exp16(s[i][c] - m_new);
+      store(p + i * kKeys + 16 * c, e);
+      sum += e;
+    }
+    l[i] = l[i] * alpha[i] + hsum(sum);
+    m[i] = m_new;
+  }
+  value_sums<QB>(acc, p, alpha, vb, D, nb);
+}
+
 // One item and kv head h: its nt x G queries against positions (its first token's first visible
-// position) .. (its last token's position); each token masks the positions before its own first.
-// kLocal false (chunk = window = 0): the loop starts at 0 and the masks compile away, as before them.
+// position) .. (its last token's position), in blocks of kKeys; each block's keys are read (widened to
+// float32) and transposed once for all the item's queries, which go through it kQB at a time.
+// kLocal false (chunk = window = 0): the loop starts at 0 and the masks compile away.
 template <typename P, bool kLocal>
 void attend(const Args& a, const Item& it, int64_t h) {
   const int64_t G = a.group, D = a.dim, nv = D / 16, hq = a.hkv * G, nq = it.nt * G;
   const int64_t last = a.positions[it.t0 + it.nt - 1];
-  int64_t first[kMaxQueries];  // each token's first visible position (positions ascend within an item)
-  if (kLocal)
-    for (int64_t i = 0; i < it.nt; ++i) first[i] = first_visible(a.positions[it.t0 + i], a.chunk, a.window);
   const int32_t* table = a.page_table + it.row * a.pages_per_seq;
   const P* kp = static_cast<const P*>(a.k);
   const P* vp = static_cast<const P*>(a.v);
-  alignas(64) thread_local float kt[kMaxDim * kBlock];      // the block's keys, [D, 16]
-  alignas(64) thread_local float vb[kBlock * kMaxDim];      // its values, [16, D]
+  alignas(64) thread_local float kt[kMaxDim * kKeys];        // the block's keys, [D, kKeys]
+  alignas(64) thread_local float vb[kKeys * kMaxDim];        // its values, [kKeys, D]
+  alignas(64) thread_local float qs[kMaxQueries * kMaxDim];  // the item's queries, [nq, D]
   alignas(64) thread_local float acc[kMaxQueries * kMaxDim];
   float m[kMaxQueries], l[kMaxQueries];
+  int64_t first[kMaxQueries], pos[kMaxQueries];  // each query's first visible position and its own
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int64_t t = it.t0 + qi / G;
+    pos[qi] = a.positions[t];
+    first[qi] = kLocal ? first_visible(pos[qi], a.chunk, a.window) : 0;
+    std::memcpy(qs + qi * D, a.q + (t * hq + h * G + qi % G) * D, D * sizeof(float));
+  }
   std::fill(acc, acc + nq * D, 0.0f);
   std::fill(m, m + nq, -INFINITY);
   std::fill(l, l + nq, 0.0f);
-  const i16x lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  auto row_offset = [&](int64_t pos) {  // position `pos`'s key (and value) row for head h
-    const int64_t page = std::clamp<int64_t>(table[std::min(pos / a.page_size, a.pages_per_seq - 1)], 0,
+  auto row_offset = [&](int64_t p) {  // position p's key (and value) row for head h
+    const int64_t page = std::clamp<int64_t>(table[std::min(p / a.page_size, a.pages_per_seq - 1)], 0,
                                              a.num_pages - 1);
-    return ((page * a.page_size + pos % a.page_size) * a.hkv + h) * D;
+    return ((page * a.page_size + p % a.page_size) * a.hkv + h) * D;
   };
   const int64_t row_bytes = D * int64_t(sizeof(P));
-  for (int64_t p0 = kLocal ? first[0] : 0; p0 <= last; p0 += kBlock) {
-    const int64_t nb = std::min<int64_t>(kBlock, last + 1 - p0);
+  for (int64_t p0 = first[0]; p0 <= last; p0 += kKeys) {
+    const int64_t nb = std::min<int64_t>(kKeys, last + 1 - p0);
     // The next block's rows are fetched while this one is computed: the rows are short and strided
     // (the other heads' rows lie between them), which the hardware prefetcher follows poorly.
-    for (int64_t pos = p0 + kBlock; pos <= std::min(last, p0 + 2 * kBlock - 1); ++pos) {
-      const int64_t offset = row_offset(pos);
+    for (int64_t p = p0 + kKeys; p <= std::min(last, p0 + 2 * kKeys - 1); ++p) {
+      const int64_t offset = row_offset(p);
       for (int64_t byte = 0; byte < row_bytes; byte += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(kp + offset) + byte);
         __builtin_prefetch(reinterpret_cast<const char*>(vp + offset) + byte);
       }
     }
-    v16 rows[kMaxDim / 16][kBlock];
-    for (int64_t b = 0; b < kBlock; ++b) {
-      if (b >= nb) { for (int64_t j = 0; j < nv; ++j) rows[j][b] = v16{}; continue; }
-      const int64_t offset = row_offset(p0 + b);
+    for (int sub = 0; sub < kSub; ++sub) {
+      v16 rows[kMaxDim / 16][16];
+      for (int64_t b = 0; b < 16; ++b) {
+        const int64_t key = 16 * sub + b;
+        if (key >= nb) { for (int64_t j = 0; j < nv; ++j) rows[j][b] = v16{}; continue; }
+        const int64_t offset = row_offset(p0 + key);
+        for (int64_t j = 0; j < nv; ++j) {
+          rows[j][b] = load(kp + offset + 16 * j);
+          store(vb + key * D + 16 * j, load(vp + offset + 16 * j));
+        }
+      }
       for (int64_t j = 0; j < nv; ++j) {
-        rows[j][b] = load(kp + offset + 16 * j);
-        store(vb + b * D + 16 * j, load(vp + offset + 16 * j));
+        transpose16(rows[j]);
+        for (int c = 0; c < 16; ++c) store(kt + (16 * j + c) * kKeys + 16 * sub, rows[j][c]);
       }
     }
-    for (int64_t j = 0; j < nv; ++j) {
-      transpose16(rows[j]);
-      for (int c = 0; c < 16; ++c) store(kt + (16 * j + c) * kBlock, rows[j][c]);
-    }
-    for (int64_t i = 0; i < it.nt; ++i) {
-      const int64_t pt = a.positions[it.t0 + i];
-      if (pt < p0) continue;  // the block lies after this token
-      const int64_t seen = std::min<int64_t>(kBlock, pt - p0 + 1);  // lanes at or before the token
-      const int64_t from = kLocal ? std::max<int64_t>(first[i] - p0, 0) : 0;  // lanes from its first visible one
-      if (from >= kBlock) continue;  // the block lies before what this token sees
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t qi = i * G + g;
-        const float* qv = a.q + ((it.t0 + i) * hq + h * G + g) * D;
-        v16 s0 = v16{}, s1 = v16{}, s2 = v16{}, s3 = v16{};
-        for (int64_t d = 0; d < D; d += 4) {
-          s0 += qv[d] * load(kt + d * kBlock);
-          s1 += qv[d + 1] * load(kt + (d + 1) * kBlock);
-          s2 += qv[d + 2] * load(kt + (d + 2) * kBlock);
-          s3 += qv[d + 3] * load(kt + (d + 3) * kBlock);
-        }
-        const v16 s = (lane < int32_t(seen)) & (lane >= int32_t(from)) ? (s0 + s1) + (s2 + s3) : splat(-INFINITY);
-        const float m_new = std::max(m[qi], hmax(s));
-        const float alpha = std::exp(m[qi] - m_new);  // 0 on the first block (m = -inf)
-        alignas(64) float p[kBlock];
-        store(p, exp16(s - m_new));
-        l[qi] = l[qi] * alpha + hsum(load(p));
-        m[qi] = m_new;
-        float* ar = acc + qi * D;
-        v16 o[kMaxDim / 16];
-        for (int64_t j = 0; j < nv; ++j) o[j] = load(ar + 16 * j) * alpha;
-        for (int64_t b = from; b < seen; ++b)
-          for (int64_t j = 0; j < nv; ++j) o[j] += p[b] * load(vb + b * D + 16 * j);
-        for (int64_t j = 0; j < nv; ++j) store(ar + 16 * j, o[j]);
+    for (int64_t q0 = 0; q0 < nq; q0 += kQB) {
+      int64_t lo[kQB], hi[kQB];
+      for (int64_t i = 0; i < kQB && q0 + i < nq; ++i) {
+        lo[i] = std::max(first[q0 + i], p0);
+        hi[i] = std::min(pos[q0 + i], p0 + nb - 1);
+      }
+      const float* qb = qs + q0 * D;
+      float* ab = acc + q0 * D;
+      switch (std::min<int64_t>(kQB, nq - q0)) {
+        case 4: block_step<4>(qb, kt, vb, D, p0, nb, lo, hi, m + q0, l + q0, ab); break;
+        case 3: block_step<3>(qb, kt, vb, D, p0, nb, lo, hi, m + q0, l + q0, ab); break;
+        case 2: block_step<2>(qb, kt, vb, D, p0, nb, lo, hi, m + q0, l + q0, ab); break;
+        default: block_step<1>(qb, kt, vb, D, p0, nb, lo, hi, m + q0, l + q0, ab); break;
       }
     }
   }
-  for (int64_t i = 0; i < it.nt; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t qi = i * G + g;
-      float inv = 1.0f / l[qi];
-      if (a.sinks) {
-        const float sink = a.sinks[h * G + g], m_new = std::max(m[qi], sink), alpha = std::exp(m[qi] - m_new);
-        inv = alpha / (l[qi] * alpha + std::exp(sink - m_new));
-      }
-      float* out = a.out + ((it.t0 + i) * hq + h * G + g) * D;
-      for (int64_t j = 0; j < nv; ++j) store(out + 16 * j, load(acc + qi * D + 16 * j) * inv);
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int64_t g = qi % G;
+    float inv = 1.0f / l[qi];
+    if (a.sinks) {
+      const float sink = a.sinks[h * G + g], m_new = std::max(m[qi], sink), alpha = std::exp(m[qi] - m_new);
+      inv = alpha / (l[qi] * alpha + std::exp(sink - m_new));
     }
+    float* out = a.out + ((it.t0 + qi / G) * hq + h * G + g) * D;
+    for (int64_t j = 0; j < nv; ++j) store(out + 16 * j, load(acc + qi * D + 16 * j) * inv);
   }
 }
 
