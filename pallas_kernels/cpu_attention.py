@@ -8,8 +8,9 @@ keys read once for the run (docs/PERFORMANCE.md has both measured). This step's 
 are first written by the reference's scatter, so the call's semantics are the reference's: every
 token sees its sequence's positions up to its own (from its first visible one on for a local layer,
 `meta.local`: another target, which takes the layer's chunk and window as buffers since they are
-traced). An fp8 pool (uint8 bits) is read the same way, its codes widened in registers; the scales
-fold into q and the output (kv_quant.py). Attention sinks (gpt-oss's logit per query head) take a
+traced). bfloat16 queries over a bfloat16 pool multiply in bfloat16 where the CPU has AVX512-BF16
+(`bf16_products`); other pairings widen to float32. An fp8 pool (uint8 bits) is read the same way, its
+codes widened in registers; the scales fold into q and the output (kv_quant.py). Attention sinks (gpt-oss's logit per query head) take a
 third target, with the local one's buffers (chunk = window = 0 for a global layer) and the sinks.
 """
 
@@ -38,6 +39,14 @@ def applies(q: Array, k_pages: Array) -> bool:
             and hq // hkv <= 16 and cpu_kernels.on_cpu())
 
 
+def bf16_products(q: Array, k_pages: Array) -> bool:
+    """Whether the call multiplies in bfloat16 (`vdpbf16ps`, float32 sums): bfloat16 queries over a
+    bfloat16 pool, on a library built for AVX512-BF16. The scores are scaled after the products and the
+    softmax weights rounded to bfloat16 for the value sums, as the Pallas kernels do on the GPU; every
+    other pairing widens to float32 products."""
+    return q.dtype == jnp.bfloat16 and k_pages.dtype == jnp.uint16 and cpu_kernels.bf16_dot()
+
+
 def paged_attention(
     q: Float[Array, "T Hq D"],
     k: Float[Array, "T Hkv D"],
@@ -62,13 +71,16 @@ def paged_attention(
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     ints = [jnp.asarray(x).astype(jnp.int32) for x in (layer, meta.positions, meta.seq_ids, meta.page_table,
                                                          meta.num_seqs)]
-    qf = q.astype(jnp.float32) if kv_scale is None else kv_quant.fold_query(q, kv_scale[0])
+    if bf16_products(q, k_pages):
+        qf = q
+    else:
+        qf = q.astype(jnp.float32) if kv_scale is None else kv_quant.fold_query(q, kv_scale[0])
     target = TARGET if meta.local is None else TARGET_LOCAL
     if meta.local is not None or sinks is not None:
         ints += [jnp.asarray(x).astype(jnp.int32) for x in (meta.local or (0, 0))]
     if sinks is not None:
         target, ints = TARGET_SINKS, [*ints, sinks.astype(jnp.float32)]
-    o = jax.ffi.ffi_call(target, out)(qf * np.float32(scale), k_pages, v_pages, *ints)
+    o = jax.ffi.ffi_call(target, out)(qf, k_pages, v_pages, *ints, scale=np.float32(scale))
     if kv_scale is not None:
         o = kv_quant.unfold_output(o, kv_scale[1])
     return o.astype(q.dtype), k_pages, v_pages
