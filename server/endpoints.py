@@ -91,17 +91,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_completion(body)
     m, lora = served_model(st, req)
-    prompts = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-    if any(not ids for ids in prompts):
+    given = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    if any(not ids for ids in given):
         raise bad("the prompt is empty", "prompt")
+    prompts = _truncated(m, req, given)
     _check_length(m, prompts, "prompt")
 
     def formatter() -> CompletionFormatter:  # after admission: token-id prompts are known to be valid
-        echo = [p if isinstance(p, str) else m.tokenizer.decode(p) for p in req.prompts] if req.echo else None
+        echo = [p if isinstance(p, str) and len(ids) == len(full) else m.tokenizer.decode(ids)
+                for p, full, ids in zip(req.prompts, given, prompts)] if req.echo else None
         return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, m.token_text, echo_texts=echo,
                                    echo_ids=prompts if req.params.prompt_logprobs is not None else None,
                                    n=req.params.n, want_logprobs=req.params.logprobs is not None,
-                                   include_usage=req.include_usage)
+                                   include_usage=req.include_usage, tokens_as_ids=req.tokens_as_ids)
 
     return await _run(request, kv, m, lora, req, prompts, formatter, "prompt")
 
@@ -117,7 +119,7 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
                              include_usage=req.include_usage, tool_format=m.tool_parser if req.tools else None,
                              tools=req.tools.tools if req.tools else None, reasoning_parser=m.reasoning_parser,
-                             chat_template_kwargs=req.chat_template_kwargs)
+                             chat_template_kwargs=req.chat_template_kwargs, tokens_as_ids=req.tokens_as_ids)
 
     return await _run(request, kv, m, lora, req, prompts, formatter, "messages", tiles)
 
@@ -150,13 +152,14 @@ async def chat_prompt(m: ServedModel, req: ChatRequest, param: str,
     try:
         messages, extra = render_inputs(m.tokenizer.chat_template, req.messages,
                                         req.tools.tools if req.tools else None)
-        text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **req.chat_template_kwargs,
-                                               **extra)
+        text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                               continue_final_message=req.continue_final_message,
+                                               **req.chat_template_kwargs, **extra)
         if tiles:
             text = image_placeholders.expand(text, [t.grid for t in tiles], m.engine.engine.images.cfg.tokens_per_tile)
     except (InvalidRequestError, ValueError) as e:
         raise bad(str(e), param) from e
-    prompts = [m.tokenizer.encode(text, add_special_tokens=False)]
+    prompts = _truncated(m, req, [m.tokenizer.encode(text, add_special_tokens=False)])
     _check_length(m, prompts, param)
     if harmony.is_harmony(m.tokenizer.chat_template):
         _harmony_stops(m, req)
@@ -254,6 +257,15 @@ async def read_json(request: web.Request):
         return json.loads(await request.read(), parse_constant=_no_constant)
     except ValueError as e:  # also UnicodeDecodeError and JSONDecodeError
         raise bad(f"We could not parse the JSON body of your request ({e}). The body must be a JSON object.") from e
+
+
+def _truncated(m: ServedModel, req: GenerationRequest, prompts: list[list[int]]) -> list[list[int]]:
+    """vLLM's `truncate_prompt_tokens`: each prompt's last k tokens (-1: the model's context length)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return prompts
+    k = m.max_model_len if k == -1 else k
+    return [p[-k:] for p in prompts]
 
 
 def _check_length(m: ServedModel, prompts: list[list[int]], param: str) -> None:

@@ -28,13 +28,15 @@ _COMMON = frozenset({
     "stream", "stream_options", "logit_bias", "user",
     # vLLM extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "priority", "structured_outputs", "allowed_token_ids",
+    "include_stop_str_in_output", "priority", "structured_outputs", "allowed_token_ids", "truncate_prompt_tokens",
+    "return_tokens_as_token_ids",
     # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
     "kv_transfer_params",
 })
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
-                   "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs", "reasoning_effort"}
+                   "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs", "reasoning_effort",
+                   "add_generation_prompt", "continue_final_message"}
 REASONING_EFFORTS = ("low", "medium", "high")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Arguments the server gives the chat template itself: chat_template_kwargs may not replace them.
@@ -55,6 +57,9 @@ class GenerationRequest:
     include_usage: bool
     priority: int
     kv_transfer: dict | None  # kv_transfer_params that ask for a transfer; None: none asked
+    # vLLM's: keep the prompt's last k tokens (-1: the model's context length); None: the whole prompt
+    truncate_prompt_tokens: int | None
+    tokens_as_ids: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
 
 
 @dataclasses.dataclass
@@ -72,6 +77,8 @@ class ChatRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any]  # to the chat template and the reasoning parser
     # The messages' images in order, as (URL, the field that gave it); each is an <|image|> in the text.
     images: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    add_generation_prompt: bool = True  # the template's assistant header after the messages
+    continue_final_message: bool = False  # vLLM's: the last message left open, for the model to continue
 
 
 class Body:
@@ -183,9 +190,15 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
             logit_bias=_logit_bias(b.data.get("logit_bias")), allowed_token_ids=b.data.get("allowed_token_ids"))
     except InvalidRequestError as e:  # SamplingParams' own checks
         raise bad(str(e), e.param) from e
+    truncate = b.integer("truncate_prompt_tokens", None, lo=-1)
+    if truncate == 0:
+        raise bad("'truncate_prompt_tokens' must be -1 (the model's context length) or at least 1",
+                  "truncate_prompt_tokens")
     return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,
                              priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1),
-                             kv_transfer=_transfer_params(b.data.get("kv_transfer_params")))
+                             kv_transfer=_transfer_params(b.data.get("kv_transfer_params")),
+                             truncate_prompt_tokens=truncate,
+                             tokens_as_ids=b.boolean("return_tokens_as_token_ids", False))
 
 
 def _logit_bias(raw: Any) -> dict[int, float] | None:
@@ -288,8 +301,18 @@ def parse_chat(data: Any) -> ChatRequest:
         raise bad("a forced 'tool_choice' cannot be combined with 'response_format' or 'structured_outputs'",
                   "tool_choice")
     kwargs = _template_kwargs(b.data.get("chat_template_kwargs"), b.string("reasoning_effort"))
+    generation_prompt = b.boolean("add_generation_prompt", True)
+    continue_final = b.boolean("continue_final_message", False)
+    if continue_final and generation_prompt:
+        raise bad("'continue_final_message' leaves the last message open: set 'add_generation_prompt' to false "
+                  "with it", "continue_final_message")
+    if continue_final and not (messages[-1]["content"] or "").strip():
+        raise bad("'continue_final_message' needs a last message with text to continue", "continue_final_message")
+    if common.truncate_prompt_tokens is not None and images:
+        raise bad("'truncate_prompt_tokens' cannot cut a prompt with images", "truncate_prompt_tokens")
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top, tools=tools, response_format=fmt,
-                       chat_template_kwargs=kwargs, images=images)
+                       chat_template_kwargs=kwargs, images=images, add_generation_prompt=generation_prompt,
+                       continue_final_message=continue_final)
 
 
 def _template_kwargs(raw: Any, effort: str | None = None) -> dict[str, Any]:

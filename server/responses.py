@@ -65,13 +65,20 @@ class Formatter(abc.ABC):
     chunk_object: str
 
     def __init__(self, request_id: str, model: str, token_text: TokenText, *, want_logprobs: bool,
-                 include_usage: bool):
+                 include_usage: bool, tokens_as_ids: bool = False):
+        """`tokens_as_ids`: vLLM's return_tokens_as_token_ids, logprobs name each token "token_id:{id}"
+        (exact where a token's text is part of a character or ambiguous)."""
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
+        self.tokens_as_ids = tokens_as_ids
+
+    def token_name(self, token_id: int) -> str:
+        """How logprobs name a token: its text, or "token_id:{id}"."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.token_text(token_id)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -131,19 +138,20 @@ class CompletionFormatter(Formatter):
     def _prompt_logprobs(self, index: int, entries: PromptLogprobs) -> dict[str, Any]:
         """The echoed prompt's part: its tokens, null then each token's logprob, null then the top
         alternatives by rank (the prompt token's own among them), from text offset 0."""
-        tt, ids = self.token_text, self._echo_ids[index // self._n]
-        tokens = [tt(t) for t in ids]
+        ids = self._echo_ids[index // self._n]
+        texts = [self.token_text(t) for t in ids]
         offsets = [0]
-        for s in tokens[:-1]:
+        for s in texts[:-1]:
             offsets.append(offsets[-1] + len(s))
-        self._offsets[index] = offsets[-1] + len(tokens[-1])
+        self._offsets[index] = offsets[-1] + len(texts[-1])
         top: list[dict[str, float] | None] = [None]
         for e in entries[1:]:
             alternatives: dict[str, float] = {}
             for i, lp in sorted(e.items(), key=lambda item: item[1].rank):
-                alternatives.setdefault(tt(i), lp.logprob)  # two ids of one text: the likelier
+                alternatives.setdefault(self.token_name(i), lp.logprob)  # two ids of one text: the likelier
             top.append(alternatives)
-        return {"tokens": tokens, "token_logprobs": [None] + [e[t].logprob for t, e in zip(ids[1:], entries[1:])],
+        return {"tokens": [self.token_name(t) for t in ids],
+                "token_logprobs": [None] + [e[t].logprob for t, e in zip(ids[1:], entries[1:])],
                 "top_logprobs": top, "text_offset": offsets}
 
     def _echoed(self, index: int, prompt: PromptLogprobs, token_ids: list[int],
@@ -153,16 +161,15 @@ class CompletionFormatter(Formatter):
         return {k: head[k] + tail[k] for k in head}
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
-        tt = self.token_text
-        tokens = [tt(t) for t in token_ids]
         offset = self._offsets.get(index, len(self._echo_text(index)))
         offsets = []
-        for s in tokens:
+        for t in token_ids:  # offsets into the text, whatever names the tokens
             offsets.append(offset)
-            offset += len(s)
+            offset += len(self.token_text(t))
         self._offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{tt(i): lp for i, lp in e.items()} for e in entries], "text_offset": offsets}
+        name = self.token_name
+        return {"tokens": [name(t) for t in token_ids], "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{name(i): lp for i, lp in e.items()} for e in entries], "text_offset": offsets}
 
     def chunks(self, index: int, d: Delta) -> list[dict[str, Any]]:
         text = d.text
@@ -205,7 +212,7 @@ class ChatFormatter(Formatter):
                               "finish_reason": None}]) for i in range(num_choices)]
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        s = self.token_text(token_id)
+        s = self.token_name(token_id)
         return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:

@@ -80,4 +80,16 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CHAT, {"response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CHAT, {"max_completion_tokens": -1}, 400, "max_completion_tokens"),
     (CHAT, {"max_tokens": 2000}, 400, "max_tokens"),
+    (CHAT, {"continue_final_message": True}, 400, "continue_final_message"),  # add_generation_prompt is true
+    (CHAT, {"continue_final_message": True, "add_generation_prompt": False,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
+     400, "continue_final_message"),
+    (CHAT, {"add_generation_prompt": "no"}, 400, "add_generation_prompt"),
+    (CHAT, {"truncate_prompt_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+     400, "truncate_prompt_tokens"),
+    (CMPL, {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    (CMPL, {"truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    (CMPL, {"truncate_prompt_tokens": 1100, "prompt": [5] * 1100}, 400, "prompt"),  # still longer than the model's
+    (CMPL, {"return_tokens_as_token_ids": 1}, 400, "return_tokens_as_token_ids"),
 ]

@@ -195,6 +195,82 @@ def test_logit_bias_over_http(client, tokenizer):
     assert client.chat.completions.create(logit_bias=ban, **chat).choices[0].message.content != answer
 
 
+def test_continue_final_message_and_add_generation_prompt(client, tokenizer):
+    """vLLM's chat extensions: a prefilled answer continued from its last character (the prompt is the
+    conversation's text with the generation prompt, then the prefix, and answers as that completion
+    does), and a conversation rendered without the assistant header."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prefix = "The capital of France is"
+    chat = greedy(messages=[*question, {"role": "assistant", "content": prefix}], max_tokens=5,
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    r = client.chat.completions.create(**chat)
+    text = tokenizer.apply_chat_template(question, add_generation_prompt=True) + prefix
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.content == client.completions.create(**greedy(prompt=ids, max_tokens=5)).choices[0].text
+    bare = client.chat.completions.create(**greedy(messages=question, max_tokens=2,
+                                                   extra_body={"add_generation_prompt": False}))
+    without = tokenizer.apply_chat_template(question, add_generation_prompt=False)
+    assert bare.usage.prompt_tokens == len(tokenizer.encode(without, add_special_tokens=False)) < len(ids) - 5
+
+
+def test_open_final_message_cuts_after_the_content():
+    """Where the template keeps a message's trailing whitespace, the cut keeps it; where it trims it, the
+    cut follows the trimmed text; text it does not write is refused."""
+    from infire_jax.errors import InvalidRequestError
+    from infire_jax.loaders.tokenizer import open_final_message
+
+    assert open_final_message("<u>hi</u><a>Sure, </a>", "Sure, ") == "<u>hi</u><a>Sure, "
+    assert open_final_message("<u>hi</u><a>Sure,</a>", "  Sure, ") == "<u>hi</u><a>Sure,"
+    assert open_final_message("<a>yes</a><a>yes</a>", "yes") == "<a>yes</a><a>yes"  # the last occurrence
+    with pytest.raises(InvalidRequestError):
+        open_final_message("<u>hi</u><a>SURE</a>", "Sure")
+
+
+def test_truncate_prompt_tokens(client, tokenizer):
+    """vLLM's truncate_prompt_tokens keeps a prompt's last k tokens, on both APIs: the same answer as
+    those tokens sent as the prompt; echo returns the kept part; -1 keeps a prompt that fits."""
+    ids = tokenizer.encode(LONG_TEXT)
+    kw = greedy(max_tokens=4)
+    cut = client.completions.create(prompt=LONG_TEXT, extra_body={"truncate_prompt_tokens": 12}, **kw)
+    assert cut.usage.prompt_tokens == 12
+    assert cut.choices[0].text == client.completions.create(prompt=ids[-12:], **kw).choices[0].text
+    echoed = client.completions.create(prompt=LONG_TEXT, echo=True, extra_body={"truncate_prompt_tokens": 12}, **kw)
+    assert echoed.choices[0].text == tokenizer.decode(ids[-12:]) + cut.choices[0].text
+    whole = client.completions.create(prompt=LONG_TEXT, extra_body={"truncate_prompt_tokens": -1}, **kw)
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": LONG_TEXT}],
+                                          extra_body={"truncate_prompt_tokens": 20}, **kw)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": LONG_TEXT}], add_generation_prompt=True)
+    tail = tokenizer.encode(text, add_special_tokens=False)[-20:]
+    assert chat.usage.prompt_tokens == 20
+    assert chat.choices[0].message.content == client.completions.create(prompt=tail, **kw).choices[0].text
+
+
+def test_return_tokens_as_token_ids(client, tokenizer):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:{id}" (the ids the text
+    decodes from), with the same values and text offsets; chat's bytes are the name's."""
+    kw = greedy(prompt="The capital of France is", max_tokens=6, logprobs=2)
+    plain = client.completions.create(**kw).choices[0]
+    named = client.completions.create(extra_body={"return_tokens_as_token_ids": True}, **kw).choices[0]
+    assert named.text == plain.text
+    ids = [int(t.removeprefix("token_id:")) for t in named.logprobs.tokens]
+    assert all(t.startswith("token_id:") for t in named.logprobs.tokens)
+    assert tokenizer.decode(ids) == plain.text
+    assert named.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    assert named.logprobs.text_offset == plain.logprobs.text_offset
+    for top, plain_top in zip(named.logprobs.top_logprobs, plain.logprobs.top_logprobs):
+        assert sorted(top.values()) == sorted(plain_top.values())
+        assert all(k.startswith("token_id:") for k in top)
+    chat = greedy(messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, logprobs=True, top_logprobs=2,
+                  extra_body={"return_tokens_as_token_ids": True})
+    r = client.chat.completions.create(**chat)
+    content = r.choices[0].logprobs.content
+    assert tokenizer.decode([int(t.token.removeprefix("token_id:")) for t in content]) == r.choices[0].message.content
+    for t in content:
+        assert bytes(t.bytes).decode() == t.token and t.top_logprobs[0].token == t.token
+
+
 def test_seed_reproducibility(main, client):
     kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=1234, **kw).choices[0].text

@@ -163,12 +163,28 @@ class Tokenizer:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                            **kwargs) -> str:
-        """Renders a conversation with the model's own template."""
+                            continue_final_message: bool = False, **kwargs) -> str:
+        """Renders a conversation with the model's own template. `continue_final_message`: the text ends
+        with the last message's content, whatever the template writes after it (its end-of-turn), so the
+        model continues that message (a prefilled answer), as transformers and vLLM do."""
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; use the completions API", param="messages")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template error: {e}", param="messages") from e
+        return open_final_message(text, messages[-1].get("content") or "") if continue_final_message else text
+
+
+def open_final_message(text: str, final: str) -> str:
+    """`text` (a rendered conversation) cut after its last message's content `final`: after the content
+    as given where the template kept its trailing whitespace, else after the stripped content (templates
+    that trim it)."""
+    core = final.strip()
+    if not core or core not in text:
+        raise InvalidRequestError("continue_final_message: the chat template does not write the last message's "
+                                  "text as given, so it cannot be continued", param="continue_final_message")
+    at = text.rindex(core)
+    kept = final.lstrip()
+    return text[:at + len(kept)] if text[at:at + len(kept)] == kept else text[:at + len(core)]
