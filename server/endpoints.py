@@ -100,10 +100,12 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
     def formatter() -> CompletionFormatter:  # after admission: token-id prompts are known to be valid
         echo = [p if isinstance(p, str) and len(ids) == len(full) else m.tokenizer.decode(ids)
                 for p, full, ids in zip(req.prompts, given, prompts)] if req.echo else None
+        echo_logprobs = req.echo and req.params.logprobs is not None
         return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, m.token_text, echo_texts=echo,
-                                   echo_ids=prompts if req.params.prompt_logprobs is not None else None,
-                                   n=req.params.n, want_logprobs=req.params.logprobs is not None,
-                                   include_usage=req.include_usage, tokens_as_ids=req.tokens_as_ids)
+                                   echo_ids=prompts if echo_logprobs else None, echo_top=req.params.logprobs or 0,
+                                   n=req.params.n,
+                                   want_logprobs=req.params.logprobs is not None, include_usage=req.include_usage,
+                                   tokens_as_ids=req.tokens_as_ids, prompt_logprobs=req.prompt_logprobs)
 
     return await _run(request, kv, m, lora, req, prompts, formatter, "prompt")
 
@@ -119,7 +121,8 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
                              include_usage=req.include_usage, tool_format=m.tool_parser if req.tools else None,
                              tools=req.tools.tools if req.tools else None, reasoning_parser=m.reasoning_parser,
-                             chat_template_kwargs=req.chat_template_kwargs, tokens_as_ids=req.tokens_as_ids)
+                             chat_template_kwargs=req.chat_template_kwargs, tokens_as_ids=req.tokens_as_ids,
+                             prompt_logprobs=req.prompt_logprobs)
 
     return await _run(request, kv, m, lora, req, prompts, formatter, "messages", tiles)
 
@@ -309,7 +312,9 @@ async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lor
         async with stream:
             yield stream
     except InvalidRequestError as e:  # the engine's admission checks; name the field the client sent
-        raise bad(str(e), {"prompt": prompt_param, "prompt_logprobs": "logprobs"}.get(e.param, e.param)) from e
+        named = {"prompt": prompt_param, "prompt_logprobs": "prompt_logprobs" if req.prompt_logprobs is not None
+                 else "logprobs"}  # echo with logprobs asks for them otherwise
+        raise bad(str(e), named.get(e.param, e.param)) from e
 
 
 async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: str | None,

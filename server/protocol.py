@@ -29,7 +29,7 @@ _COMMON = frozenset({
     # vLLM extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "priority", "structured_outputs", "allowed_token_ids", "truncate_prompt_tokens",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "prompt_logprobs",
     # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
     "kv_transfer_params",
 })
@@ -60,6 +60,7 @@ class GenerationRequest:
     # vLLM's: keep the prompt's last k tokens (-1: the model's context length); None: the whole prompt
     truncate_prompt_tokens: int | None
     tokens_as_ids: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs field: the response's list with this many alternatives
 
 
 @dataclasses.dataclass
@@ -174,6 +175,11 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
             _is_int(t) and 0 <= t < _INT32 for t in stop_token_ids)):
         raise bad("'stop_token_ids' must be an array of token ids (integers >= 0)", "stop_token_ids")
     top_k = b.integer("top_k", 0, lo=-1, hi=_INT32 - 1)
+    asked = b.integer("prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if asked is not None and stream:
+        raise bad("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
+    if asked is not None:  # the engine computes the larger of it and echo's
+        prompt_logprobs = asked if prompt_logprobs is None else max(asked, prompt_logprobs)
     try:
         params = SamplingParams(
             n=b.integer("n", 1, lo=1, hi=_MAX_N), max_tokens=max_tokens, min_tokens=b.integer("min_tokens", 0, lo=0),
@@ -198,7 +204,7 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
                              priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1),
                              kv_transfer=_transfer_params(b.data.get("kv_transfer_params")),
                              truncate_prompt_tokens=truncate,
-                             tokens_as_ids=b.boolean("return_tokens_as_token_ids", False))
+                             tokens_as_ids=b.boolean("return_tokens_as_token_ids", False), prompt_logprobs=asked)
 
 
 def _logit_bias(raw: Any) -> dict[int, float] | None:

@@ -65,9 +65,11 @@ class Formatter(abc.ABC):
     chunk_object: str
 
     def __init__(self, request_id: str, model: str, token_text: TokenText, *, want_logprobs: bool,
-                 include_usage: bool, tokens_as_ids: bool = False):
+                 include_usage: bool, tokens_as_ids: bool = False, prompt_logprobs: int | None = None):
         """`tokens_as_ids`: vLLM's return_tokens_as_token_ids, logprobs name each token "token_id:{id}"
-        (exact where a token's text is part of a character or ambiguous)."""
+        (exact where a token's text is part of a character or ambiguous). `prompt_logprobs`: vLLM's
+        field, the response's `prompt_logprobs` list with that many alternatives (never streamed)."""
+        self.prompt_logprobs = prompt_logprobs
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -79,6 +81,15 @@ class Formatter(abc.ABC):
     def token_name(self, token_id: int) -> str:
         """How logprobs name a token: its text, or "token_id:{id}"."""
         return f"token_id:{token_id}" if self.tokens_as_ids else self.token_text(token_id)
+
+    def prompt_logprobs_list(self, entries: PromptLogprobs) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: null for the first token, then each token's entry and the top
+        alternatives, keyed by token id, each with its logprob, rank and text."""
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for e in entries[1:]:
+            out.append({str(i): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_text(i)}
+                        for i, lp in top_ranked(e, self.prompt_logprobs)})
+        return out
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -96,6 +107,14 @@ class Formatter(abc.ABC):
     def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         return self._envelope(self.full_object, [self._full_choice(i, c) for i, c in enumerate(choices)]) | {
             "usage": usage.to_dict()}
+
+
+def top_ranked(entry: dict[int, Any], k: int) -> list[tuple[int, Any]]:
+    """A prompt position's entry (its prompt token first) as a response lists it: the k most likely
+    tokens and the prompt token, by rank; the engine computed the most any field asked for."""
+    token = next(iter(entry))
+    kept = dict(sorted(entry.items(), key=lambda item: item[1].rank)[:k]) | {token: entry[token]}
+    return sorted(kept.items(), key=lambda item: item[1].rank)
 
     @abc.abstractmethod
     def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
@@ -119,10 +138,12 @@ class CompletionFormatter(Formatter):
     full_object = chunk_object = "text_completion"
 
     def __init__(self, *args, echo_texts: list[str] | None, n: int, echo_ids: list[list[int]] | None = None,
-                 **kwargs):
+                 echo_top: int = 0, **kwargs):
+        """`echo_top`: with `echo_ids`, the alternatives each echoed prompt token lists (`logprobs`)."""
         super().__init__(*args, **kwargs)
         self._echo = echo_texts
         self._echo_ids = echo_ids
+        self._echo_top = echo_top
         self._n = n
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
 
@@ -147,7 +168,7 @@ class CompletionFormatter(Formatter):
         top: list[dict[str, float] | None] = [None]
         for e in entries[1:]:
             alternatives: dict[str, float] = {}
-            for i, lp in sorted(e.items(), key=lambda item: item[1].rank):
+            for i, lp in top_ranked(e, self._echo_top):
                 alternatives.setdefault(self.token_name(i), lp.logprob)  # two ids of one text: the likelier
             top.append(alternatives)
         return {"tokens": [self.token_name(t) for t in ids],
@@ -188,8 +209,11 @@ class CompletionFormatter(Formatter):
             lp = self._echoed(index, c.prompt_logprobs, c.token_ids, c.logprobs)
         else:
             lp = self._logprobs(index, c.token_ids, c.logprobs) if self.want_logprobs else None
-        return {"index": index, "text": self._echo_text(index) + "".join(c.text), "logprobs": lp,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        out = {"index": index, "text": self._echo_text(index) + "".join(c.text), "logprobs": lp,
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs_list(c.prompt_logprobs)
+        return out
 
 
 class ChatFormatter(Formatter):
@@ -206,6 +230,12 @@ class ChatFormatter(Formatter):
         self._parser_args = (tool_format, tools, reasoning_parser, chat_template_kwargs)
         self._parses = tool_format is not None or reasoning_parser is not None
         self._parsers: dict[int, tool_calls.ChoiceParser] = {}  # per streamed choice
+
+    def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        out = super().response(choices, usage)
+        if self.prompt_logprobs is not None:  # vLLM's place for them in chat: the response's, its one prompt's
+            out["prompt_logprobs"] = self.prompt_logprobs_list(choices[0].prompt_logprobs)
+        return out
 
     def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

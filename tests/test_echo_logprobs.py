@@ -140,11 +140,48 @@ def test_streamed_echo_carries_the_prompt_in_the_first_chunk(smol_server, tok):
     assert chunks[-1]["usage"] == whole["usage"]
 
 
+def test_prompt_logprobs_field_matches_hf(smol_server, tok, hf_smol):
+    """vLLM's `prompt_logprobs` field: a list per choice (completions) or per response (chat), null for
+    the first token, then {token id: {logprob, rank, decoded_token}} for the prompt token and the top k,
+    the values HF's; with echo it keeps echo's own k in `logprobs`."""
+    ids = tok.encode(TEXT)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smol(torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
+    out = completion(smol_server, prompt=TEXT, prompt_logprobs=2, max_tokens=1)
+    (choice,) = out["choices"]
+    assert choice["logprobs"] is None and not choice["text"].startswith(TEXT)
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        row = ref[i]
+        own = entry[str(ids[i + 1])]
+        assert abs(own["logprob"] - row[ids[i + 1]]) < 1e-4 and own["decoded_token"] == tok.decode([ids[i + 1]])
+        best = sorted(entry.items(), key=lambda kv: kv[1]["rank"])
+        assert 2 <= len(entry) <= 3 and [e["rank"] for _, e in best[:2]] == [1, 2]
+        np.testing.assert_allclose([e["logprob"] for _, e in best[:2]], np.sort(row)[::-1][:2], atol=1e-4)
+        gap = np.abs(row - row[ids[i + 1]])
+        if np.sort(gap)[1] > 1e-3:  # no near-tie with the prompt token: its rank is HF's
+            assert own["rank"] == 1 + int((row > row[ids[i + 1]]).sum())
+    both = completion(smol_server, prompt=TEXT, prompt_logprobs=3, echo=True, logprobs=1, max_tokens=1)["choices"][0]
+    check_layout(both, ids, tok, 1, 1)  # echo's alternatives stay 1 (and the token)
+    assert all(3 <= len(e) <= 4 for e in both["prompt_logprobs"][1:])
+    status, chat = post(smol_server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "prompt_logprobs": 0,
+                                                              "messages": [{"role": "user", "content": TEXT}]})
+    assert status == 200 and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in completion(smol_server, prompt=TEXT, max_tokens=1)["choices"][0]
+
+
 def test_bad_echo_requests_get_400s(smol_server, smol_llm):
     cases = [("/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 21}, "logprobs"),
              ("/v1/completions", {"prompt": TEXT, "max_tokens": 0}, "max_tokens"),
              ("/v1/completions", {"prompt": TEXT, "max_tokens": 0, "logprobs": 1}, "max_tokens"),
-             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo")]
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+             ("/v1/completions", {"prompt": TEXT, "prompt_logprobs": 21}, "prompt_logprobs"),
+             ("/v1/completions", {"prompt": TEXT, "prompt_logprobs": -1}, "prompt_logprobs"),
+             ("/v1/completions", {"prompt": TEXT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1,
+                                       "stream": True}, "prompt_logprobs")]
     for path, body, param in cases:
         status, out = post(smol_server, path, {"model": MODEL, **body})
         assert status == 400 and out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error"
@@ -154,10 +191,11 @@ def test_bad_echo_requests_get_400s(smol_server, smol_llm):
         status, out = post(smol_server, "/v1/completions", {"model": MODEL, "prompt": TEXT, "echo": True,
                                                             "logprobs": 4})
         ok, _ = post(smol_server, "/v1/completions", {"model": MODEL, "prompt": TEXT, "echo": True, "logprobs": 3})
+        _, field = post(smol_server, "/v1/completions", {"model": MODEL, "prompt": TEXT, "prompt_logprobs": 4})
     finally:
         smol_llm.engine.config.max_prompt_logprobs = limit
     assert status == 400 and out["error"]["param"] == "logprobs" and "--max-prompt-logprobs" in out["error"]["message"]
-    assert ok == 200
+    assert ok == 200 and field["error"]["param"] == "prompt_logprobs"
 
 
 def test_tokenizer_endpoints(smol_server, tok):
