@@ -29,7 +29,7 @@ _COMMON = frozenset({
     # vLLM extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "priority", "structured_outputs", "allowed_token_ids", "truncate_prompt_tokens",
-    "return_tokens_as_token_ids", "prompt_logprobs",
+    "return_tokens_as_token_ids", "prompt_logprobs", "bad_words",
     # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
     "kv_transfer_params",
 })
@@ -193,7 +193,8 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
             skip_special_tokens=b.boolean("skip_special_tokens", True),
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
             structured_outputs=_constraint(constraint, structured.structured_outputs(b.data.get("structured_outputs"))),
-            logit_bias=_logit_bias(b.data.get("logit_bias")), allowed_token_ids=b.data.get("allowed_token_ids"))
+            logit_bias=_logit_bias(b.data.get("logit_bias")), allowed_token_ids=b.data.get("allowed_token_ids"),
+            bad_words=b.data.get("bad_words"))
     except InvalidRequestError as e:  # SamplingParams' own checks
         raise bad(str(e), e.param) from e
     truncate = b.integer("truncate_prompt_tokens", None, lo=-1)

@@ -92,4 +92,6 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CMPL, {"truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     (CMPL, {"truncate_prompt_tokens": 1100, "prompt": [5] * 1100}, 400, "prompt"),  # still longer than the model's
     (CMPL, {"return_tokens_as_token_ids": 1}, 400, "return_tokens_as_token_ids"),
+    (CMPL, {"bad_words": "Berlin"}, 400, "bad_words"),
+    (CHAT, {"bad_words": ["ok", " "]}, 400, "bad_words"),
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -374,6 +375,42 @@ def test_allowed_token_ids_on_the_real_model(smol_llm):
     for bad_ids in ([], [-1], [5, "6"], (5,)):
         with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad_ids)
+
+
+def test_bad_words_on_the_real_model(smol_llm):
+    """vLLM's bad_words: a word the greedy answer opens with is never written, alone or after a space
+    (here " Berlin" is one token and "Berlin" two); a two-token phrase is banned only at its second
+    token, so the answer equals the plain one up to the phrase's first token and then parts from it; a
+    request beside it in the same steps is untouched."""
+    from infire_jax.sample import bad_words
+
+    tok = smol_llm.tokenizer
+    encode = functools.partial(tok.encode, add_special_tokens=False)
+    assert bad_words.word_sequences(["Berlin"], encode) == [encode("Berlin"), encode(" Berlin")]
+    assert len(encode("Berlin")) == 2 and len(encode(" Berlin")) == 1
+    banned, longer = bad_words.split_bans(bad_words.word_sequences(["Berlin"], encode), 1536)
+    (berlin,) = encode(" Berlin")
+    assert not (banned.view(np.uint32)[berlin // 32] >> (berlin % 32)) & 1 and (banned == -1).sum() == 1535
+    assert longer == [(tuple(encode("Berlin")[:1]), encode("Berlin")[1])]
+    assert bad_words.banned_after(longer, [5, *encode("Berlin")[:1]]) == encode("Berlin")[1:]
+    assert bad_words.banned_after(longer, [5, 6]) == []
+
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    plain = smol_llm.generate([prompt], greedy)[0].token_ids
+    assert plain[0] == berlin
+    no_berlin, beside = smol_llm.generate([prompt, prompt], [dataclasses.replace(greedy, bad_words=["Berlin"]),
+                                                             greedy])
+    assert berlin not in no_berlin.token_ids and "Berlin" not in no_berlin.text
+    assert beside.token_ids == plain
+    phrase = encode(" capital of")
+    at = next(i for i in range(len(plain)) if plain[i:i + 2] == phrase)
+    got = smol_llm.generate([prompt], dataclasses.replace(greedy, bad_words=["capital of"]))[0].token_ids
+    assert got[:at + 1] == plain[:at + 1] and got[at + 1] != phrase[1]
+    assert not any(got[i:i + 2] in (phrase, encode("capital of")) for i in range(len(got)))
+    for bad_list in ([""], ["  "], "Berlin", [5], ["x"] * 257):
+        with pytest.raises(InvalidRequestError, match="bad_words"):
+            SamplingParams(bad_words=bad_list)
 
 
 def test_logprobs_output_shape(smol_llm):

@@ -271,6 +271,20 @@ def test_return_tokens_as_token_ids(client, tokenizer):
         assert bytes(t.bytes).decode() == t.token and t.top_logprobs[0].token == t.token
 
 
+def test_bad_words_over_http(client):
+    """vLLM's bad_words on both APIs: the greedy answer's word is never written, streamed the same."""
+    kw = greedy(prompt="The capital of France is Paris. The capital of Germany is", max_tokens=8)
+    assert "Berlin" in client.completions.create(**kw).choices[0].text
+    banned = client.completions.create(extra_body={"bad_words": ["Berlin"]}, **kw).choices[0].text
+    assert "Berlin" not in banned
+    stream = client.completions.create(stream=True, extra_body={"bad_words": ["Berlin"]}, **kw)
+    assert "".join(c.choices[0].text for c in stream) == banned
+    chat = greedy(messages=[{"role": "user", "content": "What is the capital of Germany?"}], max_tokens=12)
+    assert "Berlin" in client.chat.completions.create(**chat).choices[0].message.content
+    answer = client.chat.completions.create(extra_body={"bad_words": ["Berlin"]}, **chat).choices[0].message.content
+    assert "Berlin" not in answer
+
+
 def test_seed_reproducibility(main, client):
     kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=1234, **kw).choices[0].text

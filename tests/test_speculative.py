@@ -3,6 +3,7 @@ on, against the same engine without it (greedy: token-identical; sampled: the sa
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,6 +225,26 @@ def test_logit_bias_and_allowed_token_ids_hold_at_every_verified_position(smol_l
     want = smol_llm.generate(PROMPTS[:1], params)[0].token_ids
     assert want != grounded.token_ids and set(want) <= set(allowed)
     assert spec_llm.generate(PROMPTS[:1], params)[0].token_ids == want
+    assert spec_llm.engine.spec.stats.num_accepted_tokens > before
+
+
+def test_bad_words_hold_at_every_verified_position(smol_llm, spec_llm):
+    """Two-token bad words, from the grounded answer (where proposals are accepted), are banned at
+    whichever verified position their first token ends: the speculating engine's greedy tokens are the
+    plain engine's, which part from the unbanned answer there, and proposals were accepted. Several
+    words, so that some fall inside a proposal, not at its start."""
+    tok = smol_llm.tokenizer
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    grounded = smol_llm.generate(PROMPTS[:1], params)[0].token_ids
+    starts = [i for i in range(4, len(grounded) - 1) if tok.decode(grounded[i:i + 2]).startswith(" ")
+              and tok.encode(tok.decode(grounded[i:i + 2]), add_special_tokens=False) == grounded[i:i + 2]]
+    assert len(starts) >= 6
+    before = spec_llm.engine.spec.stats.num_accepted_tokens
+    for at in starts[:6]:
+        banned = dataclasses.replace(params, bad_words=[tok.decode(grounded[at:at + 2])])
+        want = smol_llm.generate(PROMPTS[:1], banned)[0].token_ids
+        assert want[:at + 1] == grounded[:at + 1] and want[at + 1] != grounded[at + 1]
+        assert spec_llm.generate(PROMPTS[:1], banned)[0].token_ids == want, at
     assert spec_llm.engine.spec.stats.num_accepted_tokens > before
 
 

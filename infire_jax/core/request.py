@@ -84,7 +84,8 @@ class Request:
         self.spec_state = None
         self.spec_head_drafts: list[int] = []  # EAGLE-3: what the head drafted in the request's last step
         self.grammar = None  # its structured.GrammarMatcher when the output is constrained
-        self.allowed_mask = None  # allowed_token_ids as the sampler's bitmask row ([W] int32), or None
+        self.allowed_mask = None  # allowed_token_ids and one-token bad_words as the sampler's bitmask row ([W] int32)
+        self.bad_sequences: list = []  # longer bad_words (sample/bad_words.py): banned after their prefix
         self.lora = None  # its LoRA adapter (lora/adapters.py); None: the base model
         self.lora_slot = 0  # the adapter's device slot while the request runs (0: none)
         # Images (runner/image_pool.py): each prompt token's row of the device's image pool, -1 for text;
@@ -95,6 +96,12 @@ class Request:
         # a prompt computed again after a preemption skips the positions before it.
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_next = 0
+
+    @property
+    def masked_by_output(self) -> bool:
+        """Whether its next step's token mask depends on the tokens sampled so far (a grammar, a longer
+        bad word): the engine reads each step back before planning the next, and it never bursts."""
+        return self.grammar is not None or bool(self.bad_sequences)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -250,7 +250,7 @@ class Scheduler:
         steps = []
         for sq in seqs:
             req = sq.req
-            if sq.num_tokens != 1 or not sq.samples or sq.drafts or req.grammar is not None \
+            if sq.num_tokens != 1 or not sq.samples or sq.drafts or req.masked_by_output \
                     or req.allowed_mask is not None:
                 return
             left = req.max_tokens - sq.gen_index

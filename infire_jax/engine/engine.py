@@ -8,6 +8,7 @@ steps, the pool) is setup.py's.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -30,6 +31,7 @@ from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
+from infire_jax.sample import bad_words
 from infire_jax.sample.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
 from infire_jax.structured import harmony
 from infire_jax.core.request import Request, Status
@@ -173,12 +175,17 @@ class Engine:
             if any(t >= vocab for t in tokens):
                 raise InvalidRequestError(f"{name} token id {max(tokens)} is out of the vocabulary "
                                           f"(ids 0 to {vocab - 1})", param=name)
-        allowed = None
+        allowed, bad_sequences, words = None, [], -(-vocab // 32)
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(params, name) and multihost.is_multiprocess():  # masks ride with the grammars'
+                raise InvalidRequestError(f"{name} is not supported across several processes yet", param=name)
         if params.allowed_token_ids:
-            if multihost.is_multiprocess():  # its mask rides with the grammars' (followers would need it)
-                raise InvalidRequestError("allowed_token_ids is not supported across several processes yet",
-                                          param="allowed_token_ids")
-            allowed = token_bitmask(params.allowed_token_ids, -(-vocab // 32))
+            allowed = token_bitmask(params.allowed_token_ids, words)
+        if params.bad_words:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            banned, bad_sequences = bad_words.split_bans(bad_words.word_sequences(params.bad_words, encode), words)
+            if banned is not None:
+                allowed = banned if allowed is None else allowed & banned
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         stop_ids = tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
         if params.min_tokens and len(stop_ids) > MAX_STOP_TOKEN_IDS:
@@ -201,6 +208,7 @@ class Engine:
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
             req.grammar = grammar.matcher() if params.structured_outputs is not None else None
             req.allowed_mask = allowed
+            req.bad_sequences = bad_sequences
             req.spec_wait = self.spec is not None  # so its first decode step can already carry proposals
             req.lora = adapter
             req.image_rows = None if images is None else images.rows
@@ -253,7 +261,7 @@ class Engine:
         return deltas
 
     def _step(self) -> list[Delta]:
-        synced = self._sync_for_grammar()
+        synced = self._sync_for_masks()
         work = self.scheduler.schedule()
         deltas = []
         if not work.seqs and self._inflight is not None:
@@ -282,11 +290,12 @@ class Engine:
             if prepared is not None and sq.start < sq.req.num_prompt_tokens:
                 self.stats.images_encoded += self.images.encode(prepared, sq.start, sq.start + sq.num_tokens)
 
-    def _sync_for_grammar(self) -> list[Delta]:
-        """A constrained row's next mask needs the token the step in flight samples for it, so that
-        step is read back before the next is planned (structured outputs give up the overlap)."""
+    def _sync_for_masks(self) -> list[Delta]:
+        """A constrained row's next mask (a grammar's, a longer bad word's) needs the token the step in
+        flight samples for it, so that step is read back before the next is planned (such requests give
+        up the overlap)."""
         p = self._inflight
-        if p is None or not any(sq.samples and sq.req.grammar is not None for sq in p.work.seqs):
+        if p is None or not any(sq.samples and sq.req.masked_by_output for sq in p.work.seqs):
             return []
         self._inflight = None
         return self._process(p)

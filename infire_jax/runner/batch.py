@@ -9,6 +9,7 @@ import numpy as np
 
 from infire_jax.runner.buckets import StepShape
 from infire_jax.core.kv_groups import KVGroupLayout
+from infire_jax.sample.bad_words import banned_after
 from infire_jax.sample.sampler import SamplingInputs
 from infire_jax.sample.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from infire_jax.core.scheduler import SchedulerOutput
@@ -214,7 +215,7 @@ def build_batch(work: SchedulerOutput, shape: StepShape, *, page_size: int, page
 
 
 def grammar_bitmask(work: SchedulerOutput, num_rows: int, words: int, positions: int = 1) -> np.ndarray | None:
-    """Structured outputs and allowed_token_ids: each constrained sampling row's allowed next tokens
+    """Structured outputs, allowed_token_ids and bad_words: each constrained sampling row's allowed next tokens
     as bits ([S, W] int32, every bit set for the other rows; a row with both has what both allow), or
     None when no row is constrained, so an unconstrained step copies no mask (the runner passes a
     device-resident all-allowed one).
@@ -223,7 +224,7 @@ def grammar_bitmask(work: SchedulerOutput, num_rows: int, words: int, positions:
     of a row allows what its grammar allows after the row's first j proposals. The matcher walks
     the proposals and is rolled back; the engine advances it by the tokens the step accepts."""
     rows = [(sq, i) for i, sq in enumerate(work.seqs)
-            if sq.samples and (sq.req.grammar is not None or sq.req.allowed_mask is not None)]
+            if sq.samples and (sq.req.masked_by_output or sq.req.allowed_mask is not None)]
     if not rows:
         return None
     mask = np.full((num_rows * positions, words), -1, np.int32)
@@ -241,4 +242,9 @@ def grammar_bitmask(work: SchedulerOutput, num_rows: int, words: int, positions:
     for sq, i in rows:
         if sq.req.allowed_mask is not None:
             mask[i * positions:(i + 1) * positions] &= sq.req.allowed_mask
+        if sq.req.bad_sequences:  # position j follows the output and the row's first j proposals
+            bits, output = mask.view(np.uint32), sq.req.output_token_ids
+            for j in range(positions):
+                for token in banned_after(sq.req.bad_sequences, output + list(sq.drafts[:j]) if j else output):
+                    bits[i * positions + j, token // 32] &= ~np.uint32(1 << (token % 32))
     return mask

@@ -13,6 +13,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 16
 # Tokens one request's logit_bias may move: the sampler's inputs hold this many (id, bias) pairs a row.
 MAX_LOGIT_BIAS = 300
+# Words one request's bad_words may ban (each is checked against the output at every step it samples).
+MAX_BAD_WORDS = 256
 
 
 @dataclasses.dataclass
@@ -45,6 +47,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: only these tokens may be sampled (EOS too only if listed)
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: the output never spells these words (as the tokenizer writes them, with or
+    # without a leading space; sample/bad_words.py)
+    bad_words: list[str] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -109,6 +114,10 @@ class SamplingParams:
                 isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
                 and all(_is_int(t) and 0 <= t < 2 ** 31 for t in self.allowed_token_ids)):
             bad("allowed_token_ids must be a non-empty list of token ids (integers >= 0)", "allowed_token_ids")
+        if self.bad_words is not None and not (
+                isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_BAD_WORDS
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} words (non-blank strings)", "bad_words")
         if self.min_tokens and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 2:
             bad(f"with min_tokens, at most {MAX_STOP_TOKEN_IDS - 2} stop_token_ids are supported", "stop_token_ids")
 
