@@ -9,9 +9,10 @@ are first written by the reference's scatter, so the call's semantics are the re
 token sees its sequence's positions up to its own (from its first visible one on for a local layer,
 `meta.local`: another target, which takes the layer's chunk and window as buffers since they are
 traced). bfloat16 queries over a bfloat16 pool multiply in bfloat16 where the CPU has AVX512-BF16
-(`bf16_products`); other pairings widen to float32. An fp8 pool (uint8 bits) is read the same way, its
-codes widened in registers; the scales fold into q and the output (kv_quant.py). Attention sinks (gpt-oss's logit per query head) take a
-third target, with the local one's buffers (chunk = window = 0 for a global layer) and the sinks.
+(`bf16_products`); other pairings widen to float32. An fp8 pool (uint8 bits) is read the same way,
+its codes widened in registers; the scales fold into q and the output (kv_quant.py). Attention sinks
+(gpt-oss's logit per query head) take a third target, with the local one's buffers (chunk = window =
+0 for a global layer) and the sinks. The scores' scale is an attribute of the call.
 """
 
 from __future__ import annotations

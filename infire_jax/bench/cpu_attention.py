@@ -5,11 +5,10 @@
 One layer of a model's attention heads over a pool of 16-token pages, random keys and values:
 - a prefill of N tokens from position 0 (one row; the step's keys are written, then attended causally);
 - a decode step of 8 rows, each at --context positions.
-ms is the best of 3 loops of --iters calls (the jitted call, the step's key/value write into the donated
-pools included);
-GFLOP/s counts 4 D flops per query head and visible key (the two products), so a causal prefill is
-about half a dense one. The pool dtype is --dtype (bfloat16 is stored as its uint16 bits, as the engine
-keeps it on CPU).
+ms is the best of 3 loops of --iters calls (the jitted call, the step's key/value write into the
+donated pools included); GFLOP/s counts 4 D flops per query head and visible key (the two products),
+so a causal prefill is about half a dense one. The pool dtype is --dtype (bfloat16 is stored as its
+uint16 bits, as the engine keeps it on CPU).
 """
 
 from __future__ import annotations

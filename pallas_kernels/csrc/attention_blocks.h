@@ -117,11 +117,16 @@ inline void transpose16(V* r) {
 #undef INFIRE_ROUND
 }
 
+// The max of v's lanes: halves folded onto each other (max is exact in any order).
 inline float hmax(v16 v) {
-  float s[16]; std::memcpy(s, &v, sizeof(s));
-  float m = s[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, s[i]);
-  return m;
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), b = __builtin_shufflevector(v, v, 8, 9, 10, 11,
+                                                                                                   12, 13, 14, 15);
+  const v8 h = a > b ? a : b;
+  const v4 c = __builtin_shufflevector(h, h, 0, 1, 2, 3), d = __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const v4 q = c > d ? c : d;
+  return std::max(std::max(q[0], q[1]), std::max(q[2], q[3]));
 }
 
 constexpr int kMaxQueries = 128;  // query heads per work item (tokens x G)

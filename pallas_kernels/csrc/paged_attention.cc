@@ -100,9 +100,10 @@ void block_step(const Block& blk, int64_t q0, int64_t p0, int64_t nb, const int6
       continue;
     }
     v16 mx = splat(-INFINITY);
+    const bool whole = lo[i] == p0 && hi[i] == p0 + kKeys - 1;  // most blocks of a long prompt: no mask
     for (int c = 0; c < kSub; ++c) {
       const i16x pos = lane + int32_t(p0 + 16 * c);
-      s[i][c] = (pos >= int32_t(lo[i])) & (pos <= int32_t(hi[i])) ? s[i][c] : splat(-INFINITY);
+      if (!whole) s[i][c] = (pos >= int32_t(lo[i])) & (pos <= int32_t(hi[i])) ? s[i][c] : splat(-INFINITY);
       mx = mx > s[i][c] ? mx : s[i][c];
     }
     const float m_new = std::max(m[i], hmax(mx));
