@@ -32,7 +32,7 @@ _COMMON = frozenset({
     "return_tokens_as_token_ids", "prompt_logprobs", "bad_words",
     # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
     "kv_transfer_params",
-})
+}) | frozenset(structured.GUIDED_FIELDS)
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs", "reasoning_effort",
@@ -192,7 +192,7 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
             ignore_eos=b.boolean("ignore_eos", False), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=b.boolean("skip_special_tokens", True),
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
-            structured_outputs=_constraint(constraint, structured.structured_outputs(b.data.get("structured_outputs"))),
+            structured_outputs=_constraint(constraint, _vllm_constraint(b.data)),
             logit_bias=_logit_bias(b.data.get("logit_bias")), allowed_token_ids=b.data.get("allowed_token_ids"),
             bad_words=b.data.get("bad_words"))
     except InvalidRequestError as e:  # SamplingParams' own checks
@@ -223,6 +223,14 @@ def _logit_bias(raw: Any) -> dict[int, float] | None:
                       "instead.", "logit_bias")
         out[int(key)] = float(value)
     return out
+
+
+def _vllm_constraint(data: dict[str, Any]) -> StructuredOutputs | None:
+    """vLLM's `structured_outputs`, or its older `guided_*` fields: not both."""
+    new, old = structured.structured_outputs(data.get("structured_outputs")), structured.guided(data)
+    if new is not None and old is not None:
+        raise bad("give 'structured_outputs' or a 'guided_*' field, not both", "structured_outputs")
+    return new or old
 
 
 def _constraint(response_format: StructuredOutputs | None,

@@ -1,5 +1,5 @@
 """Validation of the structured-output and tool fields of a request: `response_format`, vLLM's
-`structured_outputs`, `tools`, `tool_choice`, and the tool parts of messages.
+`structured_outputs` (and its older `guided_*` fields), `tools`, `tool_choice`, and the tool parts of messages.
 
 Only shapes and types are checked here, each error naming its field; whether a schema, regex or
 grammar compiles is the grammar backend's check (infire_jax/structured/backend.py), run by the
@@ -76,6 +76,28 @@ def structured_outputs(raw: Any) -> StructuredOutputs | None:
         return None
     v = _object(raw, "structured_outputs", set(_STRUCTURED_KEYS))
     return _spec("structured_outputs", **{k: v[k] for k in _STRUCTURED_KEYS if v.get(k) is not None})
+
+
+# vLLM's older request fields for the same constraints (deprecated there, still sent by many clients),
+# by the `structured_outputs` key each stands for.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# ... and the two that choose how: a backend (one constrains every output here, so any name is the
+# same output) and a whitespace pattern (which would change the JSON written: refused).
+GUIDED_FIELDS = (*_GUIDED, "guided_decoding_backend", "guided_whitespace_pattern")
+
+
+def guided(data: dict[str, Any]) -> StructuredOutputs | None:
+    """vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: at most one; None: none."""
+    backend = data.get("guided_decoding_backend")
+    if backend is not None and not isinstance(backend, str):
+        raise _bad("'guided_decoding_backend' must be a string", "guided_decoding_backend")
+    if data.get("guided_whitespace_pattern") is not None:
+        raise _bad("'guided_whitespace_pattern' is not supported by this server: JSON is written with the "
+                   "grammar backend's own whitespace", "guided_whitespace_pattern")
+    given = sorted(k for k in _GUIDED if data.get(k) is not None)
+    if len(given) > 1:
+        raise _bad(f"give one of {', '.join(_GUIDED)}, not {' and '.join(given)}", given[1])
+    return _spec(given[0], **{_GUIDED[given[0]]: data[given[0]]}) if given else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,6 +148,22 @@ def test_regex_choice_and_grammar(server):
     assert all(r.choices[0].finish_reason == "stop" for r in out)
 
 
+def test_vllm_guided_fields(client):
+    """vLLM's older guided_json (a schema, or its JSON text), guided_regex and guided_choice constrain
+    as structured_outputs does; guided_decoding_backend is accepted (one backend serves every name)."""
+    schema = SCHEMAS["numbers"]
+    for value in (schema, json.dumps(schema)):
+        r = client.completions.create(model=MODEL, prompt="Weather report as JSON:", max_tokens=60, temperature=0,
+                                      extra_body={"guided_json": value, "guided_decoding_backend": "xgrammar"})
+        jsonschema.validate(json.loads(r.choices[0].text), schema)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is the sky green?"}],
+                                       max_tokens=10, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.completions.create(model=MODEL, prompt="A city and a distance:", max_tokens=20, temperature=0,
+                                  extra_body={"guided_regex": r"[A-Z][a-z]{2,8}, [0-9]{1,3} km"})
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}, [0-9]{1,3} km", r.choices[0].text)
+
+
 def test_max_tokens_cut_gives_length_and_a_valid_prefix(client):
     schema = SCHEMAS["nested"]
     r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, temperature=0,
@@ -237,6 +253,13 @@ BAD = [  # (changes to a chat body, param)
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"yaml": "a"}}, "structured_outputs.yaml"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_json": {}, "guided_regex": "a"}, "guided_regex"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"guided_decoding_backend": 3}, "guided_decoding_backend"),
     ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad name!"}}]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
