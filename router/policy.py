@@ -72,6 +72,13 @@ def _utf8(s: str) -> bytes:
     return s.encode("utf-8", "surrogatepass")  # JSON strings may hold lone surrogates
 
 
+# What an image part is taken to cost: a Llama 4 image cut into 2 x 2 tiles and its thumbnail, each
+# tile 144 <|patch|> tokens, and its markers. The router does not fetch images to count their tiles (1
+# to 16, and the thumbnail); a typical photo's is near this, and counting none sent image requests to
+# workers as if their prefill were a few text tokens.
+IMAGE_TOKENS = 5 * 144 + 8
+
+
 def _text_chars(content: Any) -> int:
     """Characters of a chat message's content: a string or an array of text parts."""
     if isinstance(content, str):
@@ -79,6 +86,13 @@ def _text_chars(content: Any) -> int:
     if isinstance(content, list):
         return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return 0
+
+
+def _images(content: Any) -> int:
+    """Image parts of a chat message's content."""
+    if not isinstance(content, list):
+        return 0
+    return sum(1 for p in content if isinstance(p, dict) and p.get("type") == "image_url")
 
 
 def _is_token_ids(p: Any) -> bool:
@@ -92,13 +106,15 @@ def _prompts(body: dict) -> list:
 
 
 def estimate_prompt_tokens(kind: str, body: dict) -> int:
-    """Token ids count themselves; text is ~4 characters a token; a chat message adds 4 (its template)."""
+    """Token ids count themselves; text is ~4 characters a token; a chat message adds 4 (its template),
+    an image part IMAGE_TOKENS."""
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):
             return 0
         messages = [m for m in messages if isinstance(m, dict)]
-        return math.ceil(sum(_text_chars(m.get("content")) for m in messages) / 4) + 4 * len(messages)
+        return (math.ceil(sum(_text_chars(m.get("content")) for m in messages) / 4) + 4 * len(messages)
+                + IMAGE_TOKENS * sum(_images(m.get("content")) for m in messages))
     return sum(len(p) if _is_token_ids(p) else math.ceil(len(p) / 4) if isinstance(p, str) else 0
                for p in _prompts(body))
 

@@ -16,7 +16,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from router.app import RouterConfig, add_router_args, config_from_args
 from router.errors import APIError, error_middleware, no_healthy_worker, worker_unavailable
-from router.policy import (BALANCE_ABS, RUNNING_WEIGHT, TEXT_CHUNK, Policy, PrefixIndex, SessionMap,
+from router.policy import (BALANCE_ABS, IMAGE_TOKENS, RUNNING_WEIGHT, TEXT_CHUNK, Policy, PrefixIndex, SessionMap,
                            estimate_prompt_tokens, prefix_chain, rendezvous, route_key)
 from router.workers import InFlight, Worker, WorkerDown
 
@@ -257,6 +257,9 @@ def test_chat_prompt_estimates():
                 {"role": "user", "content": [{"type": "text", "text": "b" * 20}, {"type": "text", "text": "c" * 20}]}]
     assert estimate_prompt_tokens("chat", {"messages": messages}) == 80 // 4 + 2 * 4
     assert estimate_prompt_tokens("chat", {"messages": "not a list"}) == 0
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with_images = [messages[0], {"role": "user", "content": [*messages[1]["content"], image, image]}]
+    assert estimate_prompt_tokens("chat", {"messages": with_images}) == 80 // 4 + 2 * 4 + 2 * IMAGE_TOKENS
 
 
 # ---- worker health and requests in flight -------------------------------------------------------------
