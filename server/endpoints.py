@@ -122,7 +122,7 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
                              include_usage=req.include_usage, tool_format=m.tool_parser if req.tools else None,
                              tools=req.tools.tools if req.tools else None, reasoning_parser=m.reasoning_parser,
                              chat_template_kwargs=req.chat_template_kwargs, tokens_as_ids=req.tokens_as_ids,
-                             prompt_logprobs=req.prompt_logprobs)
+                             prompt_logprobs=req.prompt_logprobs, echo_text=req.echo_text)
 
     return await _run(request, kv, m, lora, req, prompts, formatter, "messages", tiles)
 

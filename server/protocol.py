@@ -36,7 +36,7 @@ _COMMON = frozenset({
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs", "reasoning_effort",
-                   "add_generation_prompt", "continue_final_message"}
+                   "add_generation_prompt", "continue_final_message", "echo"}
 REASONING_EFFORTS = ("low", "medium", "high")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Arguments the server gives the chat template itself: chat_template_kwargs may not replace them.
@@ -80,6 +80,8 @@ class ChatRequest(GenerationRequest):
     images: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     add_generation_prompt: bool = True  # the template's assistant header after the messages
     continue_final_message: bool = False  # vLLM's: the last message left open, for the model to continue
+    # vLLM's echo: the last message's text, where it is the assistant's, opens the answer; None: no echo
+    echo_text: str | None = None
 
 
 class Body:
@@ -325,9 +327,11 @@ def parse_chat(data: Any) -> ChatRequest:
         raise bad("'continue_final_message' needs a last message with text to continue", "continue_final_message")
     if common.truncate_prompt_tokens is not None and images:
         raise bad("'truncate_prompt_tokens' cannot cut a prompt with images", "truncate_prompt_tokens")
+    last = messages[-1]
+    echo = b.boolean("echo", False) and last["role"] == "assistant"
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top, tools=tools, response_format=fmt,
                        chat_template_kwargs=kwargs, images=images, add_generation_prompt=generation_prompt,
-                       continue_final_message=continue_final)
+                       continue_final_message=continue_final, echo_text=(last["content"] or "") if echo else None)
 
 
 def _template_kwargs(raw: Any, effort: str | None = None) -> dict[str, Any]:

@@ -75,7 +75,7 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CHAT, {"messages": [{"role": "user", "content": "word " * 1100}]}, 400, "messages"),
     (CHAT, {"top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    (CHAT, {"echo": True}, 400, "echo"),  # echo (and so prompt logprobs) is the legacy completions' only
+    (CHAT, {"echo": "yes"}, 400, "echo"),
     (CHAT, {"tools": [{"type": "function", "function": {"description": "f"}}]}, 400, "tools[0].function.name"),
     (CHAT, {"response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CHAT, {"max_completion_tokens": -1}, 400, "max_completion_tokens"),

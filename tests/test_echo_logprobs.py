@@ -176,7 +176,7 @@ def test_bad_echo_requests_get_400s(smol_server, smol_llm):
     cases = [("/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 21}, "logprobs"),
              ("/v1/completions", {"prompt": TEXT, "max_tokens": 0}, "max_tokens"),
              ("/v1/completions", {"prompt": TEXT, "max_tokens": 0, "logprobs": 1}, "max_tokens"),
-             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": 1}, "echo"),
              ("/v1/completions", {"prompt": TEXT, "prompt_logprobs": 21}, "prompt_logprobs"),
              ("/v1/completions", {"prompt": TEXT, "prompt_logprobs": -1}, "prompt_logprobs"),
              ("/v1/completions", {"prompt": TEXT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),

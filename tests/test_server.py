@@ -198,7 +198,8 @@ def test_logit_bias_over_http(client, tokenizer):
 def test_continue_final_message_and_add_generation_prompt(client, tokenizer):
     """vLLM's chat extensions: a prefilled answer continued from its last character (the prompt is the
     conversation's text with the generation prompt, then the prefix, and answers as that completion
-    does), and a conversation rendered without the assistant header."""
+    does), echoed before the answer with `echo` (whole and streamed), and a conversation rendered
+    without the assistant header."""
     question = [{"role": "user", "content": "What is the capital of France?"}]
     prefix = "The capital of France is"
     chat = greedy(messages=[*question, {"role": "assistant", "content": prefix}], max_tokens=5,
@@ -208,6 +209,12 @@ def test_continue_final_message_and_add_generation_prompt(client, tokenizer):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert r.usage.prompt_tokens == len(ids)
     assert r.choices[0].message.content == client.completions.create(**greedy(prompt=ids, max_tokens=5)).choices[0].text
+    echoed = client.chat.completions.create(**{**chat, "extra_body": {**chat["extra_body"], "echo": True}})
+    assert echoed.choices[0].message.content == prefix + r.choices[0].message.content  # vLLM's chat echo
+    stream = client.chat.completions.create(stream=True, **{**chat, "extra_body": {**chat["extra_body"], "echo": True}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == echoed.choices[0].message.content
+    plain = client.chat.completions.create(**greedy(messages=question, max_tokens=5, extra_body={"echo": True}))
+    assert not plain.choices[0].message.content.startswith(question[0]["content"])  # only an assistant's is echoed
     bare = client.chat.completions.create(**greedy(messages=question, max_tokens=2,
                                                    extra_body={"add_generation_prompt": False}))
     without = tokenizer.apply_chat_template(question, add_generation_prompt=False)
