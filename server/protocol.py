@@ -21,7 +21,7 @@ from server.errors import APIError
 _INT64 = 2 ** 63
 _INT32 = 2 ** 31  # token ids and top_k travel to the device as int32
 _MAX_N = 128
-_MAX_STOP = 4
+_MAX_STOP = 64  # OpenAI takes 4; vLLM any number (few-shot prompts often stop on many markers)
 
 _COMMON = frozenset({
     "model", "n", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",

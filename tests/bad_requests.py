@@ -21,7 +21,7 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CMPL, {"prompt": [[1, "a"]]}, 400, "prompt"),
     (CMPL, {"prompt": ""}, 400, "prompt"),
     (CMPL, {"stop": 3}, 400, "stop"),
-    (CMPL, {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    (CMPL, {"stop": [str(i) for i in range(65)]}, 400, "stop"),
     (CMPL, {"logprobs": True}, 400, "logprobs"),
     (CMPL, {"foo": 1}, 400, "foo"),
     (CMPL, {"temperature": 3}, 400, "temperature"),

@@ -172,6 +172,8 @@ def test_stop_strings(client):
     cut = full[:full.index(stop)]
     r = client.completions.create(stop=[stop, "#never#"], **kw).choices[0]
     assert (r.text, r.finish_reason, r.stop_reason) == (cut, "stop", stop)
+    many = [f"#never{i}#" for i in range(7)] + [stop]  # more than OpenAI's 4, as vLLM takes them
+    assert client.completions.create(stop=many, **kw).choices[0].text == cut
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, stop=stop, **kw))
     assert streamed == cut
     kept = client.completions.create(stop=stop, extra_body={"include_stop_str_in_output": True}, **kw)
