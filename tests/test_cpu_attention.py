@@ -23,6 +23,10 @@ pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++"
                                 reason="no C++ compiler on this machine: the engine uses the reference instead")
 
 
+# A step with two rows long enough for bfloat16 products (32 tokens or more), a decode and a short chunk.
+LONG = dict(rows=((0, 40), (13, 1), (90, 33), (5, 12)), num_tokens=96, num_rows=5)
+
+
 def _pool(pages: np.ndarray, shapes: Shapes) -> jax.Array:
     """A pool as the CPU reference stores it (bfloat16 as its uint16 bits)."""
     return reference.to_storage(device(pages, shapes), reference.pool_storage_dtype(shapes.dtype, "reference"))
@@ -55,12 +59,12 @@ def test_matches_numpy_with_poisoned_pool(shapes):
 def test_every_register_tile_remainder(shapes):
     """The kernel runs a work item's queries 4 at a time and each value sum over 4 vectors of dims at a
     time (csrc/paged_attention.cc): queries per item and head dims that leave each remainder, against
-    the float64 oracle."""
-    case = make_case(shapes, seed=26, poison=True)
+    the float64 oracle; with rows long enough for bfloat16 products too."""
+    case = make_case(shapes, seed=26, poison=True, **LONG)
     out, _, _ = cpu_attention.paged_attention(
         device(case.q, shapes), device(case.k, shapes), device(case.v, shapes), _pool(case.k_pages, shapes),
         _pool(case.v_pages, shapes), jnp.int32(LAYER), device_meta(case.meta), scale=shapes.head_dim ** -0.5)
-    real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
+    real = np.arange(LONG["num_tokens"]) < case.meta.cu_q_lens[case.meta.num_seqs]
     assert_close(np.asarray(out)[real], numpy_attention(case, shapes.num_q_heads)[real], shapes.tol)
 
 
@@ -69,26 +73,37 @@ def test_every_register_tile_remainder(shapes):
 def test_bfloat16_products_stay_within_bfloat16_rounding(shapes):
     """bfloat16 queries over a bfloat16 pool multiply in bfloat16 (`vdpbf16ps`, where the library has
     it): their error against float64 is within 1.5x that of float32 products whose output is rounded to
-    bfloat16 (about 1.6e-3 against 1.2e-3 mean, relative, measured)."""
-    case = make_case(shapes, seed=27, poison=True)
+    bfloat16 (about 1.6e-3 against 1.2e-3 mean, relative, measured). Rows of 32 tokens or more in a
+    step take them; a decode row and a short chunk keep float32 products, bit for bit those of float32
+    queries."""
+    case = make_case(shapes, seed=27, poison=True, **LONG)
     q, pools = device(case.q, shapes), (_pool(case.k_pages, shapes), _pool(case.v_pages, shapes))
     assert cpu_attention.bf16_products(q, pools[0]) == cpu_kernels.bf16_dot()
     assert not cpu_attention.bf16_products(q.astype(jnp.float32), pools[0])
-    real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
+    real = np.arange(LONG["num_tokens"]) < case.meta.cu_q_lens[case.meta.num_seqs]
+    long = np.zeros_like(real)
+    for i, (_, n) in enumerate(LONG["rows"]):
+        long[case.meta.cu_q_lens[i]:case.meta.cu_q_lens[i + 1]] = n >= 32
     expected = numpy_attention(case, shapes.num_q_heads)[real]
 
-    def errors(queries):
+    def call(queries):
         out = cpu_attention.paged_attention(queries, device(case.k, shapes), device(case.v, shapes), *pools,
                                             jnp.int32(LAYER), device_meta(case.meta), scale=shapes.head_dim ** -0.5)[0]
-        got = np.asarray(out.astype(jnp.bfloat16).astype(jnp.float32), np.float64)[real]
+        return np.asarray(out.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+    def errors(got):
+        got = got[real]
         assert np.isfinite(got).all()
         return (np.abs(got - expected).mean() / np.abs(expected).mean(),
                 np.abs(got - expected).max() / np.abs(expected).max())
 
-    products, widened = errors(q), errors(q.astype(jnp.float32))
-    assert products[0] < 1.5 * widened[0] and products[1] < 1.5 * widened[1], (products, widened)
+    with_products, widened = call(q), call(q.astype(jnp.float32))
+    products = errors(with_products)
+    assert products[0] < 1.5 * errors(widened)[0] and products[1] < 1.5 * errors(widened)[1]
+    short = real & ~long
+    np.testing.assert_array_equal(with_products[short], widened[short])
     if cpu_kernels.bf16_dot():
-        assert products != widened  # a path of its own
+        assert not np.array_equal(with_products[long], widened[long])  # a path of its own
 
 
 def test_float32_is_float32_exact_to_rounding():

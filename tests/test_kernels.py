@@ -99,27 +99,30 @@ def build_metadata(rows, pages, *, num_tokens: int, num_rows: int, page_size: in
     return AttentionMetadata(positions, slots, seq_ids, table, kv_lens, cu, np.int32(len(rows)))
 
 
-def make_case(shapes: Shapes, *, seed: int, poison: bool) -> Case:
-    """Random histories, cached prefixes placed on randomly ordered pages; untouched slots NaN or stale."""
+def make_case(shapes: Shapes, *, seed: int, poison: bool, rows=ROWS, num_tokens: int = NUM_TOKENS,
+              num_rows: int = NUM_ROWS) -> Case:
+    """Random histories, cached prefixes placed on randomly ordered pages; untouched slots NaN or stale.
+    `rows` (ROWS by default): (cached, new) tokens of each sequence, in a step of `num_tokens` tokens and
+    `num_rows` rows (then padding)."""
     rng = np.random.default_rng(seed)
     ps, hkv, d = shapes.page_size, shapes.num_kv_heads, shapes.head_dim
 
     def rand(*shape):
         return np.array(jnp.asarray(rng.standard_normal(shape), shapes.dtype).astype(jnp.float32))
 
-    num_pages = [-(-(ctx + n) // ps) for ctx, n in ROWS]
+    num_pages = [-(-(ctx + n) // ps) for ctx, n in rows]
     order = rng.permutation(np.arange(1, sum(num_pages) + 4))  # 3 pages nobody owns
     starts = np.cumsum([0] + num_pages)
-    pages = [order[starts[i]:starts[i + 1]] for i in range(len(ROWS))]
-    meta = build_metadata(ROWS, pages, num_tokens=NUM_TOKENS, num_rows=NUM_ROWS, page_size=ps,
+    pages = [order[starts[i]:starts[i + 1]] for i in range(len(rows))]
+    meta = build_metadata(rows, pages, num_tokens=num_tokens, num_rows=num_rows, page_size=ps,
                           width=max(num_pages) + 2)
 
     pool_shape = (NUM_LAYERS, len(order) + 1, ps, hkv, d)
     k_pages = np.full(pool_shape, np.nan, np.float32) if poison else rand(*pool_shape)
     v_pages = np.full(pool_shape, np.nan, np.float32) if poison else rand(*pool_shape)
-    k, v = rand(NUM_TOKENS, hkv, d), rand(NUM_TOKENS, hkv, d)
+    k, v = rand(num_tokens, hkv, d), rand(num_tokens, hkv, d)
     k_history, v_history = [], []
-    for i, (ctx, n) in enumerate(ROWS):
+    for i, (ctx, n) in enumerate(rows):
         kh, vh = rand(ctx + n, hkv, d), rand(ctx + n, hkv, d)
         pos = np.arange(ctx)
         k_pages[LAYER, pages[i][pos // ps], pos % ps] = kh[:ctx]
@@ -128,7 +131,7 @@ def make_case(shapes: Shapes, *, seed: int, poison: bool) -> Case:
         v[meta.cu_q_lens[i]:meta.cu_q_lens[i + 1]] = vh[ctx:]
         k_history.append(kh)
         v_history.append(vh)
-    q = rand(NUM_TOKENS, shapes.num_q_heads, d)
+    q = rand(num_tokens, shapes.num_q_heads, d)
     return Case(q, k, v, k_pages, v_pages, meta, k_history, v_history)
 
 
@@ -137,7 +140,9 @@ def numpy_attention(case: Case, num_q_heads: int) -> np.ndarray:
     t, _, d = case.q.shape
     group = num_q_heads // case.k.shape[1]
     out = np.full((t, num_q_heads, d), np.nan)
-    for i, (ctx, n) in enumerate(ROWS):
+    for i, kh in enumerate(case.k_history):
+        n = int(case.meta.cu_q_lens[i + 1] - case.meta.cu_q_lens[i])
+        ctx = len(kh) - n
         rows = slice(case.meta.cu_q_lens[i], case.meta.cu_q_lens[i + 1])
         keys = np.repeat(case.k_history[i].astype(np.float64), group, axis=1)  # q head h reads kv head h // G
         values = np.repeat(case.v_history[i].astype(np.float64), group, axis=1)

@@ -4,7 +4,7 @@
 
 One layer of a model's attention heads over a pool of 16-token pages, random keys and values:
 - a prefill of N tokens from position 0 (one row; the step's keys are written, then attended causally);
-- a decode step of 8 rows, each at --context positions.
+- decode steps of --decode-rows rows (8), each at --context positions.
 ms is the best of 3 loops of --iters calls (the jitted call, the step's key/value write into the
 donated pools included); GFLOP/s counts 4 D flops per query head and visible key (the two products),
 so a causal prefill is about half a dense one. The pool dtype is --dtype (bfloat16 is stored as its
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", nargs="+", default=["smollm2-135m"], choices=sorted(MODELS))
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths (tokens)")
     p.add_argument("--context", type=int, default=576, help="positions of each decode row")
+    p.add_argument("--decode-rows", type=int, nargs="+", default=[8], help="rows of the decode steps")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args(argv)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':>13} {'step':>18} {'ms':>8} {'GFLOP/s':>8}   ({args.dtype} pool)")
     for model in args.model:
         cases = [(f"prefill {n}", [(0, n)]) for n in args.prefill]
-        cases.append((f"decode 8 x {args.context}", [(args.context - 1, 1)] * 8))
+        cases += [(f"decode {b} x {args.context}", [(args.context - 1, 1)] * b) for b in args.decode_rows]
         for name, rows in cases:
             s, flops = seconds(model, rows, args.dtype, args.iters)
             print(f"{model:>13} {name:>18} {1e3 * s:8.3f} {flops / s / 1e9:8.1f}")

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -135,19 +136,29 @@ constexpr int kSub = 4;          // 16-position vectors per online-softmax block
 constexpr int kKeys = 16 * kSub; // positions per block
 
 // A block of kKeys positions for float32 products: the keys widened and transposed ([D, kKeys]), so a
-// query's scores are kSub vectors, and the values widened ([kKeys, D]); the item's queries scaled.
-template <typename P>
+// query's scores are kSub vectors, and the values widened ([kKeys, D]); the item's queries widened
+// (Q: float, or uint16_t holding bfloat16 bits) and scaled.
+template <typename P, typename Q = float>
 struct Float32Block {
-  using Query = float;  // what the call's q holds
+  using Query = Q;  // what the call's q holds
   alignas(64) float kt[kMaxDim * kKeys];
   alignas(64) float vb[kKeys * kMaxDim];
   alignas(64) float q[kMaxQueries * kMaxDim];
   int64_t D;
 
-  // Query qi of the item: `src`, a [D] row of float32, times the scores' scale.
+  // Query qi of the item: `src`, a [D] row of q, times the scores' scale.
   void set_query(int64_t qi, const void* src, float scale) {
-    const float* x = static_cast<const float*>(src);
-    for (int64_t d = 0; d < D; ++d) q[qi * D + d] = x[d] * scale;
+    const Q* x = static_cast<const Q*>(src);
+    for (int64_t d = 0; d < D; ++d) {
+      float f;
+      if constexpr (std::is_same_v<Q, float>) {
+        f = x[d];
+      } else {
+        const uint32_t bits = uint32_t(x[d]) << 16;
+        std::memcpy(&f, &bits, sizeof(f));
+      }
+      q[qi * D + d] = f * scale;
+    }
   }
 
   // rows(b): position b's pool offset (b < nb); positions from nb on are zeros.

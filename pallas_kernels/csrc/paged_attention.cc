@@ -65,7 +65,14 @@ inline int64_t first_visible(int64_t pos, int64_t chunk, int64_t window) {
   return std::max<int64_t>(start, 0);
 }
 
-struct Item { int64_t t0, nt, row; };  // tokens t0 .. t0 + nt - 1 of sequence row `row`
+// Tokens t0 .. t0 + nt - 1 of sequence row `row`; bf16: bfloat16 products (its row's run is long enough).
+struct Item { int64_t t0, nt, row; bool bf16; };
+
+// bfloat16 products go to rows of at least this many tokens in a step (prompt chunks): their blocks are
+// laid out for many queries at once. A decode row (1 token) or a speculative one (K + 1) keeps float32
+// products, which read a long context faster when few queries share each block, and so a verifying
+// step's tokens equal a plain decode's bit for bit.
+constexpr int64_t kBf16MinTokens = 32;
 
 
 // The value sums of QB queries over every vector of dims, 4 vectors at a time.
@@ -188,10 +195,10 @@ void attend(const Args& a, const Item& it, int64_t h) {
   }
 }
 
-// float32 products of a pool of type P (widened in registers).
-template <typename P>
+// float32 products of a pool of type P and queries of type Q (widened in registers).
+template <typename P, typename Q = float>
 void run(const Args& a, const Item& it, int64_t h, bool local) {
-  local ? attend<P, Float32Block<P>, true>(a, it, h) : attend<P, Float32Block<P>, false>(a, it, h);
+  local ? attend<P, Float32Block<P, Q>, true>(a, it, h) : attend<P, Float32Block<P, Q>, false>(a, it, h);
 }
 
 }  // namespace
@@ -239,7 +246,9 @@ static ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_p
   const int64_t rows = std::min<int64_t>(num_seqs.typed_data()[0], td[0]);
   const int32_t* sid = seq_ids.typed_data();
   int64_t real = 0;
-  for (int64_t t = 0; t < T; ++t) real += sid[t] >= 0 && sid[t] < rows;
+  std::vector<int64_t> row_tokens(std::max<int64_t>(rows, 0), 0);
+  for (int64_t t = 0; t < T; ++t)
+    if (sid[t] >= 0 && sid[t] < rows) ++real, ++row_tokens[sid[t]];
   const int64_t min_items = (4 * std::max<int64_t>(1, pool.num_threads()) + hkv - 1) / hkv;
   const int64_t per_item = std::max<int64_t>(1, std::min<int64_t>(kMaxQueries / G, (real + min_items - 1) / min_items));
   std::vector<Item> items;
@@ -248,7 +257,7 @@ static ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_p
     if (row < 0 || row >= rows) { std::memset(a.out + t * hq * D, 0, hq * D * sizeof(float)); continue; }
     Item* back = items.empty() ? nullptr : &items.back();
     if (back && back->row == row && back->t0 + back->nt == t && back->nt < per_item) ++back->nt;
-    else items.push_back({t, 1, row});
+    else items.push_back({t, 1, row, bf16 && row_tokens[row] >= kBf16MinTokens});
   }
   const bool local = chunk > 0 || window > 0;
   // The last items of a row read the most keys: they go first, so no thread is left with one at the end.
@@ -256,9 +265,10 @@ static ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_p
     const Item& it = items[items.size() - 1 - i / a.hkv];
     const int64_t h = i % a.hkv;
 #if defined(__AVX512BF16__)
-    if (bf16) return local ? attend<uint16_t, Bf16Block, true>(a, it, h) : attend<uint16_t, Bf16Block, false>(a, it, h);
+    if (it.bf16) return local ? attend<uint16_t, Bf16Block, true>(a, it, h) : attend<uint16_t, Bf16Block, false>(a, it, h);
 #endif
-    if (type == ffi::DataType::F32) run<float>(a, it, h, local);
+    if (bf16) run<uint16_t, uint16_t>(a, it, h, local);  // bfloat16 queries, widened
+    else if (type == ffi::DataType::F32) run<float>(a, it, h, local);
     else if (type == ffi::DataType::U16) run<uint16_t>(a, it, h, local);
     else run<uint8_t>(a, it, h, local);
   });
