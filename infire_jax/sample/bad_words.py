@@ -3,11 +3,10 @@
 A word becomes the token sequences it is written with: alone and after a space (" word") where the
 tokenizer spells that differently. vLLM adds the spaced one only when it has as many tokens, which
 leaves " Berlin" (one token) free when "Berlin" is two, as SmolLM2's tokenizer writes them; here both
-are banned. A
-one-token sequence bans its token at every step: a constant bitmask row, ANDed with allowed_token_ids'.
-A longer one bans its last token wherever the output so far ends with the rest (`banned_after`): the
-scheduler's mask for that step, so such a request decodes a step at a time (no bursts), and the engine
-reads each of its tokens back before planning the next step, as for a grammar.
+are banned. A one-token sequence bans its token at every step: a constant bitmask row, ANDed with
+allowed_token_ids'. A longer one bans its last token wherever the output so far ends with the rest
+(`banned_after`): the scheduler's mask for that step, so such a request decodes a step at a time (no
+bursts), and the engine reads each of its tokens back before planning the next step, as for a grammar.
 """
 
 from __future__ import annotations

@@ -74,7 +74,6 @@ struct Item { int64_t t0, nt, row; bool bf16; };
 // step's tokens equal a plain decode's bit for bit.
 constexpr int64_t kBf16MinTokens = 32;
 
-
 // The value sums of QB queries over every vector of dims, 4 vectors at a time.
 template <int QB, typename Block>
 inline void value_sums(const Block& blk, float* acc, const float* p, const float* alpha, int64_t nb) {
