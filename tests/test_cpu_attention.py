@@ -17,7 +17,7 @@ import pytest
 from pallas_kernels import cpu_attention, cpu_kernels, reference
 from pallas_kernels.attention import paged_attention
 from test_kernels import (LAYER, NUM_TOKENS, ROWS, SHAPES, Shapes, assert_close, build_metadata, device,
-                          device_meta, make_case, module_reference, numpy_attention, pool_after_write)
+                          device_meta, make_case, module_reference, numpy_attention, pool_after_write, row_tokens)
 
 pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")),
                                 reason="no C++ compiler on this machine: the engine uses the reference instead")
@@ -81,9 +81,7 @@ def test_bfloat16_products_stay_within_bfloat16_rounding(shapes):
     assert cpu_attention.bf16_products(q, pools[0]) == cpu_kernels.bf16_dot()
     assert not cpu_attention.bf16_products(q.astype(jnp.float32), pools[0])
     real = np.arange(LONG["num_tokens"]) < case.meta.cu_q_lens[case.meta.num_seqs]
-    long = np.zeros_like(real)
-    for i, (_, n) in enumerate(LONG["rows"]):
-        long[case.meta.cu_q_lens[i]:case.meta.cu_q_lens[i + 1]] = n >= 32
+    long = row_tokens(case.meta, lambda n: n >= 32)
     expected = numpy_attention(case, shapes.num_q_heads)[real]
 
     def call(queries):

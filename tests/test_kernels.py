@@ -184,9 +184,10 @@ def device_meta(meta: AttentionMetadata) -> AttentionMetadata:
 
 def row_tokens(meta: AttentionMetadata, predicate) -> np.ndarray:
     """Mask of the real tokens whose row's step length satisfies `predicate`."""
-    mask = np.zeros(NUM_TOKENS, bool)
-    for i, (_, n) in enumerate(ROWS):
-        mask[meta.cu_q_lens[i]:meta.cu_q_lens[i + 1]] = predicate(n)
+    cu = np.asarray(meta.cu_q_lens)
+    mask = np.zeros(len(meta.positions), bool)
+    for i in range(int(meta.num_seqs)):
+        mask[cu[i]:cu[i + 1]] = predicate(int(cu[i + 1] - cu[i]))
     return mask
 
 

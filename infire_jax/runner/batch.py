@@ -243,8 +243,9 @@ def grammar_bitmask(work: SchedulerOutput, num_rows: int, words: int, positions:
         if sq.req.allowed_mask is not None:
             mask[i * positions:(i + 1) * positions] &= sq.req.allowed_mask
         if sq.req.bad_sequences:  # position j follows the output and the row's first j proposals
-            bits, output = mask.view(np.uint32), sq.req.output_token_ids
+            bits = mask.view(np.uint32)
+            tail = sq.req.output_token_ids[-max(len(prefix) for prefix, _ in sq.req.bad_sequences):]
             for j in range(positions):
-                for token in banned_after(sq.req.bad_sequences, output + list(sq.drafts[:j]) if j else output):
+                for token in banned_after(sq.req.bad_sequences, tail + list(sq.drafts[:j])):
                     bits[i * positions + j, token // 32] &= ~np.uint32(1 << (token % 32))
     return mask
