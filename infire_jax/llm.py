@@ -1,4 +1,5 @@
-"""The offline Python API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+"""The offline Python API: `LLM(...).generate(prompts, params)`, `.chat(messages, params)` and
+`.embed(prompts)` (runner="pooling")."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from PIL import Image
 from infire_jax.engine.engine import Engine, EngineConfig
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
-from infire_jax.outputs import CompletionOutput, RequestOutput
+from infire_jax.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from infire_jax.pooling.config import PoolingParams
 from infire_jax.runner.image_pool import ImagePoolFull
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.vision import preprocess
@@ -57,17 +59,29 @@ class LLM:
 
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model);
         the engine needs `enable_lora=True`."""
+        return self._run(prompts, sampling_params, SamplingParams, lora_request)[0]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's `LLM.embed`), in prompt order; the engine needs runner="pooling"."""
+        outputs, embeddings = self._run(prompts, pooling_params, PoolingParams, lora_request)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(embeddings[o.request_id]))
+                for o in outputs]
+
+    def _run(self, prompts, params, kind: type, lora_request) -> tuple[list[RequestOutput], dict[str, list[float]]]:
+        """Runs every prompt to its end: the outputs in prompt order, and the embeddings by request id."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
             raise InvalidRequestError("no prompts given", param="prompt")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        if params is None or isinstance(params, kind):
+            params_list = [params or kind()] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = list(params)
             if len(params_list) != len(prompts):
-                raise InvalidRequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+                raise InvalidRequestError(f"{len(params_list)} {kind.__name__} for {len(prompts)} prompts")
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompts)
         else:
@@ -80,6 +94,7 @@ class LLM:
             if images is None:
                 self.engine.tokenize_prompt(prompt)
         results: dict[str, RequestOutput] = {}
+        embeddings: dict[str, list[float]] = {}
         order = []
         pending = list(zip(split, params_list, loras))
         try:
@@ -102,13 +117,15 @@ class LLM:
                     out.num_cached_tokens = d.num_cached_tokens
                     if d.prompt_logprobs is not None and d.index == 0:
                         out.prompt_logprobs = d.prompt_logprobs
+                    if d.embedding is not None:
+                        embeddings[d.request_id] = d.embedding.tolist()
         except BaseException:
             for rid in order:
                 self.engine.abort(rid)
             while self.engine.has_unfinished():
                 self.engine.step()
             raise
-        return [results[rid] for rid in order]
+        return [results[rid] for rid in order], embeddings
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from infire_jax.sample.prompt_logprobs import PromptLogprobs
 
 
@@ -21,6 +23,7 @@ class Delta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # whole, with the sequence's first delta (when asked for)
+    embedding: np.ndarray | None = None  # an embedding request's (PoolingParams), float32, with its one delta
 
     @property
     def finished(self) -> bool:
@@ -72,3 +75,22 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[dict[int, float]] | None:
         return self.outputs[0].logprobs
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding, as vLLM's `LLM.embed` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

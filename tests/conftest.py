@@ -55,8 +55,10 @@ def cpu_env(devices: int, **extra: str) -> dict[str, str]:
 # Small enough to compile quickly on 2 CPU cores, big enough for batches and chunked prefill. Three
 # buckets, not the default seven: each is compiled (with its decode burst) by every engine a test builds.
 # 512 pages hold all 8 sequences at max_model_len; a CPU engine's default pool is 1 GiB (1,455 pages).
+# The pooling runner also serves embeddings (a small program a bucket), so the shared engine and server
+# test those too, and an engine with another pooler_config loads every program from the executable cache.
 SMALL_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
-                    token_buckets=(4, 8, 64), num_kv_pages=512)
+                    token_buckets=(4, 8, 64), num_kv_pages=512, runner="pooling")
 
 
 def engine_flags(**overrides) -> list[str]:

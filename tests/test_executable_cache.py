@@ -149,8 +149,9 @@ def test_engine_warm_start_loads_every_step_program():
     runner = llm.engine.runner
     steps = runner.steps
     programs = (len(steps.compiled_forward) + len(steps.compiled_samplers) + len(steps.compiled_bursts)
-                + len(steps.compiled_prompt_rows) + len(steps.compiled_small))
+                + len(steps.compiled_prompt_rows) + len(steps.compiled_pool) + len(steps.compiled_small))
     assert len(steps.compiled_prompt_rows) == len(runner.rc.buckets.shapes)  # prompt logprobs' gathers
+    assert len(steps.compiled_pool) == len(runner.rc.buckets.shapes)  # embeddings' (runner="pooling")
     assert len(steps.compiled_bursts) == len(runner.rc.buckets.decode_shapes) == 2
     assert steps.executables.compiled == 0 and runner.executables_loaded == programs
     assert llm.engine.boot.compiled == 0

@@ -48,9 +48,11 @@ def block_chain(token_ids: list[int], salt: str | None, page_size: int):
 
 def hit_blocks(req: Request, page_size: int) -> int:
     """Most full blocks a prefix hit may cover: all but the token the step needs logits for, and for a
-    request scoring its prompt (prompt logprobs) only the positions already scored."""
+    request scoring its prompt (prompt logprobs, an embedding of every position) only the positions
+    already scored."""
     n = (req.num_tokens - 1) // page_size
-    return min(n, req.prompt_logprobs_next // page_size) if req.wants_prompt_logprobs else n
+    first = req.first_unscored
+    return n if first is None else min(n, first // page_size)
 
 
 class PoolAccounting:

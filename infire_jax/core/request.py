@@ -96,6 +96,13 @@ class Request:
         # a prompt computed again after a preemption skips the positions before it.
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_next = 0
+        # Embeddings (infire_jax/pooling/): the request's PoolingParams (None: it generates), its pooling
+        # type (pooling/config.py), its pooled states summed so far, and the first prompt position no
+        # dispatched step has pooled yet.
+        self.pooling = None
+        self.pooling_type: str | None = None
+        self.pooled = None
+        self.pool_next = 0
 
     @property
     def masked_by_output(self) -> bool:
@@ -106,6 +113,14 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
+
+    @property
+    def first_unscored(self) -> int | None:
+        """The first prompt position this request must still compute itself (its prompt logprobs, or
+        an embedding that pools every position), or None when a prefix-cache hit may skip any."""
+        firsts = ([self.prompt_logprobs_next] if self.wants_prompt_logprobs else []) + \
+            ([self.pool_next] if self.pooling_type in ("MEAN", "CLS") else [])
+        return min(firsts) if firsts else None
 
     @property
     def prefill_only(self) -> bool:

@@ -269,6 +269,8 @@ class Scheduler:
         for s in out.seqs:
             if s.req.wants_prompt_logprobs:  # the step computes these positions' logits (prompt_logprobs.py)
                 s.req.prompt_logprobs_next = max(s.req.prompt_logprobs_next, s.start + s.num_tokens)
+            if s.req.pooling is not None:  # and pools their states (infire_jax/pooling/plan.py)
+                s.req.pool_next = max(s.req.pool_next, s.start + s.num_tokens)
             # The engine adds accepted proposals; a burst computes each of its samples but the last.
             s.req.num_computed_tokens += s.num_tokens - len(s.drafts) + s.num_steps - 1
             if s.samples:

@@ -70,6 +70,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--max-prompt-logprobs", type=int, default=20,
                    help="most top alternatives a prompt token's logprobs may ask for (prompt_logprobs; on "
                         "/v1/completions, logprobs with echo); more is a 400 (default 20)")
+    p.add_argument("--runner", default="generate", choices=("generate", "pooling"),
+                   help="vLLM's flag: pooling also serves embeddings (POST /v1/embeddings, LLM.embed), a prompt's "
+                        "final hidden states pooled; the model still generates (default generate)")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help="with --runner pooling: {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": "
+                        "bool, \"matryoshka_dimensions\": [sizes] or true} over what the checkpoint declares "
+                        "(sentence-transformers files); default LAST, normalized")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
     p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile; longer is a 400 (default 10)")
@@ -123,7 +130,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras,
-                        max_prompt_logprobs=args.max_prompt_logprobs, limit_mm_per_prompt=args.limit_mm_per_prompt)
+                        max_prompt_logprobs=args.max_prompt_logprobs, limit_mm_per_prompt=args.limit_mm_per_prompt,
+                        runner=args.runner, pooler_config=args.pooler_config)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

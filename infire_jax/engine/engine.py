@@ -8,7 +8,6 @@ steps, the pool) is setup.py's.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import random
@@ -17,6 +16,7 @@ from typing import Any, Sequence
 
 from infire_jax.runner import multihost
 from infire_jax.runner.compile_guard import cache_hit_count, compile_count
+from infire_jax.engine.admission import pooling_run, stop_ids, token_masks
 from infire_jax.engine.detokenizer import IncrementalDetokenizer, TokenText
 from infire_jax.engine.images import ImageInputs, PreparedImages, salted
 from infire_jax.engine.setup import EngineConfig, Progress, load_and_compile, on_gpu, resolve_settings
@@ -31,17 +31,17 @@ from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
-from infire_jax.sample import bad_words
+from infire_jax.pooling.config import PoolingParams
+from infire_jax.pooling.plan import embedding, record_pooling
 from infire_jax.sample.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
 from infire_jax.structured import harmony
 from infire_jax.core.request import Request, Status
 from infire_jax.runner.image_pool import ImagePool
 from infire_jax.runner.model_runner import PendingStep
-from infire_jax.sample.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.core.scheduler import Scheduler, SchedulerOutput
 from infire_jax.speculative.setup import build_speculation
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
-from infire_jax.structured.matcher import token_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Engine:
         ec = self.config = config or EngineConfig()
         s = resolve_settings(ec, loaded)
         self.dtype, self.kv_dtype, self.plan, self.max_model_len = s.dtype, s.kv_dtype, s.plan, s.max_model_len
-        self.spec_config, self.eagle_head, self.pool = s.spec_config, s.eagle_head, s.pool
+        self.spec_config, self.eagle_head, self.pool, self.pooler = s.spec_config, s.eagle_head, s.pool, s.pooler
         t0, events, cached = time.monotonic(), compile_count(), cache_hit_count()
         built = load_and_compile(ec, s, loaded, progress or (lambda stage, done, total: None))
         self.runner, self.loaded, self.pool_sizing = built.runner, built.placed.loaded, built.sizing
@@ -123,7 +123,7 @@ class Engine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, tenant: str | None = None,
                     prefix_hint_tokens: int = 0, session_id: str | None = None,
                     grammar: CompiledGrammar | None = None,
@@ -134,7 +134,8 @@ class Engine:
         `grammar` is `params.structured_outputs` compiled already (the server compiles off this
         thread); without it the constraint is compiled here. `lora_request`: the LoRA adapter it
         runs with, a loaded adapter's name or vLLM's LoRARequest (loaded on first use). `images`:
-        PIL images or encoded ones, one per `<|image|>` of a text prompt (engine/images.py)."""
+        PIL images or encoded ones, one per `<|image|>` of a text prompt (engine/images.py).
+        PoolingParams ask for the prompt's embedding instead (runner="pooling"): its one delta has it."""
         params = params or SamplingParams()
         if images is None:
             return self._add_request(prompt, params, request_id, priority, tenant, prefix_hint_tokens, session_id,
@@ -157,6 +158,9 @@ class Engine:
     def _add_request(self, prompt, params, request_id, priority, tenant, prefix_hint_tokens, session_id, grammar,
                      lora_request, images: PreparedImages | None) -> tuple[str, list[int]]:
         ids = self.tokenize_prompt(prompt)
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            params = pooling_run(pooling, self.pooler, self.model_name, self.model_config.hidden_size)
         if params.structured_outputs is not None:
             grammar = self._grammar(params, grammar)
         if params.prompt_logprobs is not None:
@@ -170,27 +174,9 @@ class Engine:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {n_prompt + max_tokens} "
                 f"were requested ({n_prompt} in the prompt, {max_tokens} to generate)", param="max_tokens")
-        vocab = self.model_config.vocab_size
-        for name, tokens in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
-            if any(t >= vocab for t in tokens):
-                raise InvalidRequestError(f"{name} token id {max(tokens)} is out of the vocabulary "
-                                          f"(ids 0 to {vocab - 1})", param=name)
-        allowed, bad_sequences, words = None, [], -(-vocab // 32)
-        for name in ("allowed_token_ids", "bad_words"):
-            if getattr(params, name) and multihost.is_multiprocess():  # masks ride with the grammars'
-                raise InvalidRequestError(f"{name} is not supported across several processes yet", param=name)
-        if params.allowed_token_ids:
-            allowed = token_bitmask(params.allowed_token_ids, words)
-        if params.bad_words:
-            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
-            banned, bad_sequences = bad_words.split_bans(bad_words.word_sequences(params.bad_words, encode), words)
-            if banned is not None:
-                allowed = banned if allowed is None else allowed & banned
+        allowed, bad_sequences = token_masks(params, self.tokenizer, self.model_config.vocab_size)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        stop_ids = tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
-        if params.min_tokens and len(stop_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(f"min_tokens supports at most {MAX_STOP_TOKEN_IDS} stop token ids "
-                                      f"(eos included), got {len(stop_ids)}", param="stop_token_ids")
+        stop = stop_ids(params, eos)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -204,7 +190,7 @@ class Engine:
             req = Request(f"{request_id}#{i}", ids, params, eos_token_ids=eos, max_tokens=max_tokens, seed=seed,
                           priority=priority, cache_salt=salt,
                           prefix_hint_tokens=prefix_hint_tokens,
-                          session_id=session_id, min_tokens_stop_ids=stop_ids, parent_id=request_id, index=i)
+                          session_id=session_id, min_tokens_stop_ids=stop, parent_id=request_id, index=i)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params)
             req.grammar = grammar.matcher() if params.structured_outputs is not None else None
             req.allowed_mask = allowed
@@ -212,6 +198,8 @@ class Engine:
             req.spec_wait = self.spec is not None  # so its first decode step can already carry proposals
             req.lora = adapter
             req.image_rows = None if images is None else images.rows
+            if pooling is not None:
+                req.pooling, req.pooling_type = pooling, self.pooler.pooling_type
             children.append(req)
         self._requests[request_id] = children
         for req in children:
@@ -315,6 +303,8 @@ class Engine:
         self.stats.device_wait_seconds += time.perf_counter() - start
         if res.prompt_logprobs is not None:
             record_prompt_logprobs(p.work.seqs, p.prompt_logprobs[0], res.prompt_logprobs, self.token_text)
+        if res.pooled is not None:
+            record_pooling(p.work.seqs, p.pooling[0], res.pooled)
         deltas = []
         for row, sq in enumerate(p.work.seqs):
             req = sq.req
@@ -364,11 +354,14 @@ class Engine:
         return deltas
 
     def _prompt_done(self, req: Request) -> Delta:
-        """A prefill-only request (max_tokens 0) whose prompt has run: it finishes with no token."""
+        """A prefill-only request (max_tokens 0) whose prompt has run: it finishes with no token (an
+        embedding request, with its embedding)."""
         self.scheduler.finish(req, Status.FINISHED_LENGTH)
         self._forget(req)
+        p = req.pooling
+        pooled = embedding(req.pooled, req.num_prompt_tokens, self.pooler, p.dimensions, p.normalize) if p else None
         return Delta(req.parent_id, req.index, [], "", None, Status.FINISHED_LENGTH.value, None,
-                     req.num_prompt_tokens, req.num_cached_tokens, self._take_prompt_logprobs(req))
+                     req.num_prompt_tokens, req.num_cached_tokens, self._take_prompt_logprobs(req), pooled)
 
     @staticmethod
     def _take_prompt_logprobs(req: Request) -> PromptLogprobs | None:

@@ -32,10 +32,12 @@ from infire_jax.loaders import LoadedModel
 from infire_jax.loaders.kv_scales_hf import read_kv_scales
 from infire_jax.loaders.load import load_config, load_placed, load_quantized_placed, load_resident_placed
 from infire_jax.loaders.paths import cache_dir
+from infire_jax.loaders.pooler import declared_pooler
 from infire_jax.loaders.weights import Placed
 from infire_jax.lora.config import LoRAConfig
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_state
+from infire_jax.pooling.config import PoolerConfig
 from infire_jax.runner.model_runner import ModelRunner
 from infire_jax.runner.config import RunnerConfig
 from infire_jax.sample.sampler import BRANCH_FREE_VARIANTS, BRANCHING
@@ -117,6 +119,12 @@ class EngineConfig:
     # IMAGE_POOL_PROMPTS such prompts' images at once (runner/image_pool.py).
     limit_mm_per_prompt: dict[str, int] | None = None
 
+    # vLLM's `--runner`: "pooling" also serves embeddings (infire_jax/pooling/: a pooling program per
+    # bucket), pooled as `pooler_config` says (a PoolerConfig, a dict or its JSON) over what the checkpoint
+    # declares (loaders/pooler.py); such an engine still generates.
+    runner: str = "generate"
+    pooler_config: PoolerConfig | dict | str | None = None
+
     # A model with chunked or sliding-window layers keeps only the pages those layers still see
     # (core/kv_groups.py, core/hybrid_kv_cache.py); False keeps every page of every layer in one group (the
     # kernels mask the same way): for comparisons and tests.
@@ -174,6 +182,21 @@ class Settings(NamedTuple):
     runner_config: RunnerConfig  # the pool at its final size if `sizing`, else at its least
     checkpoint_kv_scales: np.ndarray | None  # an fp8 pool's scales as the checkpoint carries them
     vision: VisionConfig | None = None  # the checkpoint's vision tower, served (None: text only)
+    pooler: PoolerConfig | None = None  # how embeddings are pooled (None: the engine serves none)
+
+
+def _pooler(ec: EngineConfig) -> PoolerConfig | None:
+    """The embeddings' pooling, with `runner="pooling"` (on one process: followers would need the
+    pooling program's launches too)."""
+    if ec.runner not in ("generate", "pooling"):
+        raise ConfigError(f"runner must be 'generate' or 'pooling', got {ec.runner!r}")
+    if ec.runner == "generate":
+        if ec.pooler_config is not None:
+            raise ConfigError("pooler_config applies to runner='pooling' (embeddings) only")
+        return None
+    if multihost.is_multiprocess():
+        raise ConfigError("runner='pooling' (embeddings) is not supported across several processes yet")
+    return PoolerConfig.parse(ec.pooler_config, declared_pooler(ec.model))
 
 
 def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:
@@ -221,7 +244,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
         ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization,
         kv_groups, budget, plan.mesh_config.num_devices if plan else 1)
     sizing = pool.fixed()
-    vision = _vision(ec, plan)
+    vision, pooler = _vision(ec, plan), _pooler(ec)
     rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else pool.min_pages,
                       max_model_len=max_model_len, max_num_seqs=ec.max_num_seqs,
                       buckets=_buckets(ec, budget), attn_impl=_attention(ec, cfg, dtype, kv_dtype),
@@ -232,9 +255,10 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                       kv_cache_dtype=kv_dtype.name, kv_groups=kv_groups, lora=ec.lora,
                       max_prompt_logprobs=ec.max_prompt_logprobs,
                       image_pool=None if vision is None else (
-                          pool_rows(vision, IMAGE_POOL_PROMPTS * ec.images_per_prompt), vision.text_hidden_size))
+                          pool_rows(vision, IMAGE_POOL_PROMPTS * ec.images_per_prompt), vision.text_hidden_size),
+                      pooling=pooler is not None)
     return Settings(dtype, kv_dtype, cfg, plan, placed, max_model_len, budget,
-                    spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales, vision)
+                    spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales, vision, pooler)
 
 
 def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:

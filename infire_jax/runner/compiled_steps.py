@@ -2,7 +2,7 @@
 functions jitted once, with their donations and shardings, then compiled at warmup for every token
 bucket (a sampler per row count and variant, a burst per decode-sized bucket and variant, with
 speculation the verifying forward and the verifier; for prompt logprobs a block gather per bucket
-and one head program), or deserialized from the executable cache
+and one head program; for embeddings a pooling program per bucket), or deserialized from the executable cache
 (executable_cache.py). The steps call only these executables, so nothing compiles after warmup,
 and compiling needs the weights' and the pool's shapes alone. XLA's memory analysis of the same
 programs gives the largest step's temporaries, which the pool is sized around (kv_pool.py).
@@ -62,6 +62,9 @@ class CompiledSteps:
         self.prompt_block = jax.jit(functools.partial(programs.prompt_logprobs_block, graphdef, plan, precision,
                                                       rc.max_prompt_logprobs),
                                     out_shardings=plan.replicated if plan else None)
+        self.pool = {shape: jax.jit(functools.partial(programs.pool_rows, graphdef, shape.num_rows),
+                                    out_shardings=plan.replicated if plan else None)
+                     for shape in rc.buckets.shapes} if rc.pooling else {}
         self.history = jax.jit(programs.load_history, donate_argnums=(0,))
         self.read_pages = jax.jit(programs.read_pages)
         self.write_pages = jax.jit(programs.write_pages, donate_argnums=(0,),
@@ -73,6 +76,7 @@ class CompiledSteps:
         self.compiled_verifiers: dict[int, jax.stages.Compiled] = {}
         self.compiled_bursts: dict[tuple[StepShape, str], jax.stages.Compiled] = {}
         self.compiled_prompt_rows: dict[StepShape, jax.stages.Compiled] = {}  # prompt logprobs' block gathers
+        self.compiled_pool: dict[StepShape, jax.stages.Compiled] = {}  # embeddings (rc.pooling)
         # history, read_pages, write_pages, prompt_logprobs (the head over a block of prompt positions)
         self.compiled_small: dict[str, jax.stages.Compiled] = {}
         # Warm starts load the step programs without tracing them (executable_cache.py).
@@ -129,8 +133,9 @@ class CompiledSteps:
         return specs
 
     def small_specs(self) -> dict[ProgramKey, ProgramSpec]:
-        """The history program, the page programs of KV transfer, and prompt logprobs' programs (a
-        block gather per bucket, the head over a block) (one process only)."""
+        """The history program, the page programs of KV transfer, prompt logprobs' programs (a block
+        gather per bucket, the head over a block) and embeddings' (a pooling program per bucket) (one
+        process only)."""
         m = self.memory
         ids = jax.ShapeDtypeStruct((m.rc.history_len,), jnp.int32)
         pages = jax.ShapeDtypeStruct((TRANSFER_PAGES,), jnp.int32)
@@ -146,6 +151,9 @@ class CompiledSteps:
         for shape in m.rc.buckets.shapes:
             hidden = self._hidden_struct(shape.num_tokens)
             specs["prompt_rows", shape] = ("prompt-rows", self.prompt_rows, (hidden, block))
+            if shape in self.pool:
+                tokens = [jax.ShapeDtypeStruct((shape.num_tokens,), t) for t in (jnp.float32, jnp.int32)]
+                specs["pool", shape] = (f"pool-{shape.num_rows}", self.pool[shape], (m.state, hidden, *tokens))
         return specs
 
     def _hidden_struct(self, num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -167,7 +175,7 @@ class CompiledSteps:
         tables = {"forward": self.compiled_forward, "sampler": self.compiled_samplers,
                   "verify_forward": self.compiled_verify_forward, "verifier": self.compiled_verifiers,
                   "burst": self.compiled_bursts, "small": self.compiled_small,
-                  "prompt_rows": self.compiled_prompt_rows}
+                  "prompt_rows": self.compiled_prompt_rows, "pool": self.compiled_pool}
         cache, done = self.executables, {}
         # XLA compiles and deserializes with the GIL released: a few threads overlap them.
         with concurrent.futures.ThreadPoolExecutor(workers, "infire-compile") as pool:

@@ -35,6 +35,7 @@ class RunnerConfig:
     kv_groups: KVGroupLayout | None = None
     max_prompt_logprobs: int = 20  # top alternatives a prompt position may ask for (prompt_logprobs.py)
     image_pool: tuple[int, int] | None = None  # (rows, width) of the images' encoder outputs (image_pool.py)
+    pooling: bool = False  # embeddings: a pooling program per bucket (step_programs.pool_rows)
 
     @property
     def pages_per_seq(self) -> int:

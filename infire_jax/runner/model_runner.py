@@ -20,7 +20,9 @@ verifier (speculative/verify.py) in place of the sampler.
 
 A step with prompt positions whose logprobs are asked for (prompt_logprobs.py) launches, after its
 forward, the LM head over those positions' hidden states a block at a time; their logprobs come
-back with the step's tokens. Other steps launch nothing more.
+back with the step's tokens. A step with rows that pool (embeddings, infire_jax/pooling/plan.py)
+launches the bucket's pooling program on its hidden states; each row's sum comes back with the
+tokens. Other steps launch nothing more.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from infire_jax.runner.compiled_steps import TRANSFER_PAGES, CompiledSteps, Prog
 from infire_jax.runner.device_memory import DeviceMemory
 from infire_jax.models.config import ModelConfig
 from infire_jax.sample.prompt_logprobs import PromptLogprobPlan, PromptLogprobResult, plan_prompt_logprobs
+from infire_jax.pooling.plan import PoolingPlan, plan_pooling
 from infire_jax.runner.config import RunnerConfig
 from infire_jax.sample.sampler import SamplerOutput, choose_variant
 from infire_jax.core.scheduler import SchedulerOutput
@@ -65,6 +68,7 @@ class PendingStep(NamedTuple):
     want_logprobs: bool
     drafts: Array | None = None  # [S, k] proposals the step's observer made (EAGLE-3), read back with the tokens
     prompt_logprobs: tuple[PromptLogprobPlan, list[PromptLogprobs]] | None = None  # a block's outputs per block
+    pooling: tuple[PoolingPlan, Array] | None = None  # the rows' pooled sums [S, E]
 
 
 class StepResult(NamedTuple):
@@ -78,6 +82,7 @@ class StepResult(NamedTuple):
     top_logprobs: np.ndarray | None
     drafts: np.ndarray | None = None  # [rows, k]
     prompt_logprobs: PromptLogprobResult | None = None  # the planned prompt positions'
+    pooled: np.ndarray | None = None  # [rows, E] float32: each pooling row's weighted sum
 
 
 class ModelRunner(DeviceMemory):
@@ -173,7 +178,18 @@ class ModelRunner(DeviceMemory):
                 multihost.send(multihost.STEP, self._command(shape, variant), batch)
             fwd, out = self._run(shape, batch, variant, mask)
         drafts = self.observer(work, batch, fwd, out) if self.observer is not None else None
-        return PendingStep(work, out, want_lp, drafts, self._launch_prompt_logprobs(work, shape, fwd.hidden))
+        return PendingStep(work, out, want_lp, drafts, self._launch_prompt_logprobs(work, shape, fwd.hidden),
+                           self._launch_pooling(work, shape, fwd.hidden))
+
+    def _launch_pooling(self, work: SchedulerOutput, shape: StepShape, hidden: Array) -> tuple[PoolingPlan, Array] | None:
+        """The bucket's pooling program over the step's hidden states, when a row pools (one process
+        only: the engine checks); launched, not awaited."""
+        if not self.rc.pooling:
+            return None
+        plan = plan_pooling(work.seqs, shape.num_tokens)
+        if plan is None:
+            return None
+        return plan, self.steps.compiled_pool[shape](self.state, hidden, plan.weights, plan.token_rows)
 
     def _launch_prompt_logprobs(self, work: SchedulerOutput, shape: StepShape,
                                 hidden: Array) -> tuple[PromptLogprobPlan, list[PromptLogprobs]] | None:
@@ -243,9 +259,12 @@ class ModelRunner(DeviceMemory):
             wanted += [p.out.logprob, p.out.top_ids, p.out.top_logprobs]
         if p.drafts is not None:
             wanted.append(p.drafts)
+        if p.pooling is not None:
+            wanted.append(p.pooling[1])
         blocks = [x for block in p.prompt_logprobs[1] for x in block] if p.prompt_logprobs is not None else []
         host = jax.device_get([x.addressable_data(0) for x in wanted + blocks])
         blocks, host = host[len(host) - len(blocks):], host[:len(host) - len(blocks)]
+        pooled = host.pop() if p.pooling is not None else None
         drafts = host.pop() if p.drafts is not None else None
         tokens = host.pop(0)
         if several:
@@ -255,7 +274,7 @@ class ModelRunner(DeviceMemory):
             host = [host[0][:, None], host[1][:, None], host[2][:, None]] if host else host
         fields = len(PromptLogprobResult._fields)
         prompt = PromptLogprobResult(*(np.concatenate(blocks[i::fields]) for i in range(fields))) if blocks else None
-        return StepResult(tokens, num, *(host or (None, None, None)), drafts, prompt)
+        return StepResult(tokens, num, *(host or (None, None, None)), drafts, prompt, pooled)
 
     # ---- KV pages in and out (KV transfer between engines) ----------------------------------------
     def read_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,9 @@ batch; compiled_steps.py jits and compiles them, the runner (model_runner.py) la
 - `read_pages` / `write_pages`: a prompt's KV pages out of and into the pool (KV transfer);
 - `load_history`: one slot's token history rebuilt (a preempted request coming back);
 - `gather_rows` / `prompt_logprobs_block`: prompt logprobs, a block of positions at a time from the
-  forward's hidden states (prompt_logprobs.py).
+  forward's hidden states (prompt_logprobs.py);
+- `pool_rows`: embeddings, the forward's hidden states normed and summed per row by the host's
+  weights (infire_jax/pooling/plan.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.runner.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs, StepBatch
 from infire_jax.lora.batched import LoRAStep
+from infire_jax.models.layers import rms_norm
 from infire_jax.sample.sampler import SamplerOutput, SamplingInputs, no_logprobs, sample
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
 from pallas_kernels.attention import decode_only_steps
@@ -254,6 +257,15 @@ def prompt_logprobs_block(graphdef: nnx.GraphDef, plan: ShardPlan | None, precis
     else:
         top_lp, top_ids = jnp.zeros((rows.shape[0], 0), jnp.float32), jnp.zeros((rows.shape[0], 0), jnp.int32)
     return PromptLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_lp)
+
+
+def pool_rows(graphdef: nnx.GraphDef, num_rows: int, state: nnx.State, hidden: Float[Array, "T E"],
+              weights: Float[Array, "T"], token_rows: Int[Array, "T"]) -> Float[Array, "S E"]:
+    """Each row's weighted sum of its tokens' final hidden states (after the final norm, in the
+    model's dtype, as HF's `last_hidden_state`), in float32: only [S, E] leaves the device."""
+    model = nnx.merge(graphdef, state)
+    states = rms_norm(hidden, model.final_norm[...], model.cfg.rms_norm_eps).astype(jnp.float32)
+    return jax.ops.segment_sum(states * weights[:, None], token_rows, num_segments=num_rows)
 
 
 def read_pages(k_pages: Array, v_pages: Array, pages: Int[Array, "P"]) -> tuple[Array, Array]:

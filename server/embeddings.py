@@ -1,0 +1,133 @@
+"""`POST /v1/embeddings` (OpenAI's, with vLLM's extensions): each input's embedding, from an engine
+started with `--runner pooling` (infire_jax/pooling/).
+
+Every input is one engine request (a prompt run with nothing sampled); they are admitted together
+and batched by the scheduler like any prompts, so a list of inputs costs about one prefill of their
+tokens. A client that leaves aborts them all.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import time
+import uuid
+
+import numpy as np
+from aiohttp import web
+
+from infire_jax.errors import InvalidRequestError
+from infire_jax.pooling.config import PoolingParams
+from server.auth import TENANT
+from server.endpoints import STATE, ServedModel, read_json, served_model
+from server.protocol import bad
+
+_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
+                     # vLLM's extensions
+                     "truncate_prompt_tokens", "add_special_tokens", "priority", "normalize"})
+_MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
+_INT32 = 2 ** 31
+
+
+@dataclasses.dataclass
+class EmbeddingRequest:
+    model: str
+    inputs: list[str | list[int]]
+    base64: bool
+    params: PoolingParams
+    truncate_prompt_tokens: int | None
+    add_special_tokens: bool
+    priority: int
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_embedding(body) -> EmbeddingRequest:
+    """The request, or a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise bad(f"unknown field(s) {', '.join(unknown)}; /v1/embeddings takes {', '.join(sorted(_FIELDS))}",
+                  unknown[0])
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model is required (a served model's name)", "model")
+    raw = body.get("input")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
+        inputs = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, str) or (isinstance(x, list) and all(_is_int(t) for t in x))
+                                               for x in raw):
+        inputs = list(raw)
+    else:
+        raise bad("input must be a string, an array of strings, an array of token ids or an array of such arrays, "
+                  "and not empty", "input")
+    if len(inputs) > _MAX_INPUTS:
+        raise bad(f"input may hold at most {_MAX_INPUTS} items, got {len(inputs)}", "input")
+    if any(len(x) == 0 for x in inputs):
+        raise bad("input must not contain an empty string or an empty array of tokens", "input")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad(f"encoding_format must be 'float' or 'base64', got {fmt!r}", "encoding_format")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user must be a string", "user")
+    dims, normalize = body.get("dimensions"), body.get("normalize")
+    if dims is not None and (not _is_int(dims) or dims < 1):
+        raise bad(f"dimensions must be a positive integer, got {dims!r}", "dimensions")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise bad(f"normalize must be true or false, got {normalize!r}", "normalize")
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and (not _is_int(truncate) or not (truncate == -1 or truncate >= 1)):
+        raise bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {truncate!r}", "truncate_prompt_tokens")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise bad(f"add_special_tokens must be true or false, got {special!r}", "add_special_tokens")
+    priority = body.get("priority", 0)
+    if not _is_int(priority) or not -_INT32 <= priority < _INT32:
+        raise bad(f"priority must be a 32-bit integer, got {priority!r}", "priority")
+    return EmbeddingRequest(model, inputs, fmt == "base64", PoolingParams(dims, normalize), truncate, special, priority)
+
+
+def _prompts(m: ServedModel, req: EmbeddingRequest) -> list[list[int]]:
+    prompts = [m.tokenizer.encode(x, add_special_tokens=req.add_special_tokens) if isinstance(x, str) else x
+               for x in req.inputs]
+    k = req.truncate_prompt_tokens
+    if k is not None:
+        prompts = [p[-(m.max_model_len if k == -1 else k):] for p in prompts]
+    for p in prompts:
+        if not p:
+            raise bad("an input is empty once tokenized", "input")
+        if len(p) >= m.max_model_len:
+            raise bad(f"This model's maximum context length is {m.max_model_len} tokens, but an input has {len(p)} "
+                      "tokens (truncate_prompt_tokens keeps an input's last tokens).", "input")
+    return prompts
+
+
+def _encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:
+    """OpenAI's forms: a list of floats, or base64 of the little-endian float32 values."""
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist()
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    req = parse_embedding(await read_json(request))
+    m, lora = served_model(st, req)
+    prompts = _prompts(m, req)
+    stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
+                               tenant=request.get(TENANT), lora_request=lora)
+    vectors: list[np.ndarray | None] = [None] * len(prompts)
+    try:
+        async with stream:
+            async for batch in stream:
+                for i, d in batch:
+                    vectors[i] = d.embedding
+    except InvalidRequestError as e:  # the engine's checks (no pooling runner, dimensions)
+        raise bad(str(e), "input" if e.param == "prompt" else e.param) from e
+    tokens = sum(len(p) for p in prompts)
+    return web.json_response({
+        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": req.model,
+        "data": [{"index": i, "object": "embedding", "embedding": _encoded(v, req.base64)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

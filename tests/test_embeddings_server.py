@@ -1,0 +1,97 @@
+"""`POST /v1/embeddings` on the server's app over the shared small engine (runner="pooling"): OpenAI's
+response for every input form, base64, vLLM's truncation, against HF transformers on the same
+weights; and the 400s, after which the server still answers and holds nothing."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from server_utils import MODEL
+
+TEXT = "The licenses for most software are designed to take away your freedom to share and change the works."
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/embeddings", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+@pytest.fixture(scope="module")
+def tok(smol_llm):
+    return smol_llm.tokenizer
+
+
+def hf_last(hf_smol, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        h = hf_smol.model(torch.tensor([ids])).last_hidden_state[0, -1].double().numpy()
+    return h / np.linalg.norm(h)
+
+
+def test_embeddings_of_every_input_form(smol_server, hf_smol, tok):
+    ids = tok.encode("Token ids are an input too.")
+    status, out = post(smol_server, {"model": MODEL, "input": [TEXT, ids, "Hi"]})
+    assert status == 200, out
+    assert out["object"] == "list" and out["model"] == MODEL and out["id"].startswith("embd-")
+    prompts = [tok.encode(TEXT), ids, tok.encode("Hi")]
+    assert [d["index"] for d in out["data"]] == [0, 1, 2] and {d["object"] for d in out["data"]} == {"embedding"}
+    for d, p in zip(out["data"], prompts):
+        np.testing.assert_allclose(d["embedding"], hf_last(hf_smol, p), atol=2e-6)
+    n = sum(map(len, prompts))
+    assert out["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    status, one = post(smol_server, {"model": MODEL, "input": ids, "encoding_format": "base64"})
+    assert status == 200, one
+    decoded = np.frombuffer(base64.b64decode(one["data"][0]["embedding"]), "<f4")
+    np.testing.assert_array_equal(decoded, np.asarray(out["data"][1]["embedding"], np.float32))
+
+
+def test_vllm_fields(smol_server, hf_smol, tok):
+    """truncate_prompt_tokens keeps an input's last k tokens; normalize=false gives the raw state;
+    dimensions equal to the hidden size is the whole embedding."""
+    full = tok.encode(TEXT)
+    status, out = post(smol_server, {"model": MODEL, "input": TEXT, "truncate_prompt_tokens": 7,
+                                     "dimensions": 576, "priority": -1})
+    assert status == 200, out
+    np.testing.assert_allclose(out["data"][0]["embedding"], hf_last(hf_smol, full[-7:]), atol=2e-6)
+    assert out["usage"]["prompt_tokens"] == 7
+    status, raw = post(smol_server, {"model": MODEL, "input": "Hi", "normalize": False})
+    with torch.no_grad():
+        want = hf_smol.model(torch.tensor([tok.encode("Hi")])).last_hidden_state[0, -1].numpy()
+    np.testing.assert_allclose(raw["data"][0]["embedding"], want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"model": MODEL}, "input", 400),
+    ({"model": MODEL, "input": ""}, "input", 400),
+    ({"model": MODEL, "input": []}, "input", 400),
+    ({"model": MODEL, "input": ["a", []]}, "input", 400),
+    ({"model": MODEL, "input": [1, "a"]}, "input", 400),
+    ({"model": MODEL, "input": "a", "encoding_format": "int8"}, "encoding_format", 400),
+    ({"model": MODEL, "input": "a", "dimensions": 64}, "dimensions", 400),  # not a matryoshka model
+    ({"model": MODEL, "input": "a", "dimensions": 0}, "dimensions", 400),
+    ({"model": MODEL, "input": "a", "normalize": "yes"}, "normalize", 400),
+    ({"model": MODEL, "input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", 400),
+    ({"model": MODEL, "input": "a", "stream": True}, "stream", 400),
+    ({"model": MODEL, "input": [10 ** 9]}, "input", 400),  # outside the vocabulary
+    ({"model": MODEL, "input": "word " * 1100}, "input", 400),  # over max_model_len
+    ({"model": "nope", "input": "a"}, "model", 404),
+])
+def test_bad_requests(smol_server, smol_llm, body, param, status):
+    code, out = post(smol_server, body)
+    assert code == status, out
+    assert out["error"]["param"] == param and out["error"]["message"]
+    assert out["error"]["type"] == ("invalid_request_error" if status == 400 else out["error"]["type"])
+    code, ok = post(smol_server, {"model": MODEL, "input": "still up"})
+    assert code == 200 and len(ok["data"][0]["embedding"]) == 576
+    e = smol_llm.engine  # the engine thread is idle between requests: nothing is held
+    assert e.kv.num_free_pages == e.kv.num_usable_pages and e.num_running == e.num_waiting == 0
