@@ -20,7 +20,7 @@ from aiohttp import web
 from router.errors import error_middleware
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import POLICIES, Policy
-from router.proxy import DECODE_ROLES, STATE, RouterState, chat_completions, completions, models
+from router.proxy import DECODE_ROLES, STATE, RouterState, chat_completions, completions, embeddings, models
 from router.workers import HealthMonitor, Worker
 from server.listen import bind, serve_until_signal
 
@@ -101,6 +101,7 @@ def build_router_app(config: RouterConfig) -> web.Application:
     app[MONITOR] = HealthMonitor(workers, config.health_interval, config.health_timeout)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

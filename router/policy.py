@@ -99,9 +99,10 @@ def _is_token_ids(p: Any) -> bool:
     return isinstance(p, list) and all(type(t) is int for t in p)
 
 
-def _prompts(body: dict) -> list:
-    """A completion's prompts: `prompt` is one string or token-id array, or an array of them."""
-    prompt = body.get("prompt")
+def _prompts(kind: str, body: dict) -> list:
+    """A completion's prompts (an embedding request's inputs): `prompt` (`input`) is one string or
+    token-id array, or an array of them."""
+    prompt = body.get("input" if kind == "embeddings" else "prompt")
     return prompt if isinstance(prompt, list) and prompt and not _is_token_ids(prompt) else [prompt]
 
 
@@ -116,11 +117,11 @@ def estimate_prompt_tokens(kind: str, body: dict) -> int:
         return (math.ceil(sum(_text_chars(m.get("content")) for m in messages) / 4) + 4 * len(messages)
                 + IMAGE_TOKENS * sum(_images(m.get("content")) for m in messages))
     return sum(len(p) if _is_token_ids(p) else math.ceil(len(p) / 4) if isinstance(p, str) else 0
-               for p in _prompts(body))
+               for p in _prompts(kind, body))
 
 
 def num_prompts(kind: str, body: dict) -> int:
-    return 1 if kind == "chat" else len(_prompts(body))
+    return 1 if kind == "chat" else len(_prompts(kind, body))
 
 
 def prompt_of(kind: str, body: dict) -> str | list[int]:
@@ -130,7 +131,7 @@ def prompt_of(kind: str, body: dict) -> str | list[int]:
     """
     if kind == "chat":
         return json.dumps(body.get("messages"), sort_keys=True, ensure_ascii=False)
-    prompt = _prompts(body)[0]  # of a batch, the first: a batch's prompts usually share their prefix
+    prompt = _prompts(kind, body)[0]  # of a batch, the first: a batch's prompts usually share their prefix
     if isinstance(prompt, str) or _is_token_ids(prompt):
         return prompt
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
@@ -162,7 +163,7 @@ class RouteKey:
 
 
 def route_key(kind: str, body: dict, *, tenant: str = "", session: str | None = None) -> RouteKey:
-    """kind: "completions" or "chat"; tenant: whatever separates tenants (the auth and tenant headers)."""
+    """kind: "completions", "chat" or "embeddings"; tenant: whatever separates tenants (the auth and tenant headers)."""
     return RouteKey(prefix_chain(prompt_of(kind, body), tenant), estimate_prompt_tokens(kind, body),
                     num_prompts(kind, body), session)
 

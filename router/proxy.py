@@ -79,6 +79,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "chat", "/v1/chat/completions")
 
 
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    """Workers started with `--runner pooling` serve them; a prompt alone, never disaggregated."""
+    return await _generate(request, "embeddings", "/v1/embeddings")
+
+
 async def models(request: web.Request) -> web.Response:
     """The first healthy worker's model list."""
     st = request.app[STATE]
@@ -118,7 +123,8 @@ async def _generate(request: web.Request, kind: str, path: str) -> web.StreamRes
     hold = None
     if target.role == "both":
         route[PREFILL_HEADER] = target.url
-    elif key.prompts == 1 and uncached >= st.disagg_min_tokens and (prefills := st.healthy(("prefill",))):
+    elif (kind != "embeddings" and key.prompts == 1 and uncached >= st.disagg_min_tokens
+          and (prefills := st.healthy(("prefill",)))):
         prefill = st.policy.choose_prefill(prefills)
         kv = await _prefill(st, prefill, path, body, headers, key.tokens, route)
         if isinstance(kv, web.Response):

@@ -1,5 +1,6 @@
 """`POST /v1/embeddings` (OpenAI's, with vLLM's extensions): each input's embedding, from an engine
-started with `--runner pooling` (infire_jax/pooling/).
+started with `--runner pooling` (infire_jax/pooling/). vLLM's chat form takes `messages` instead of
+`input`: the conversation through the chat template (no generation prompt unless asked), one input.
 
 Every input is one engine request (a prompt run with nothing sampled); they are admitted together
 and batched by the scheduler like any prompts, so a list of inputs costs about one prefill of their
@@ -20,11 +21,14 @@ from infire_jax.errors import InvalidRequestError
 from infire_jax.pooling.config import PoolingParams
 from server.auth import TENANT
 from server.endpoints import STATE, ServedModel, read_json, served_model
-from server.protocol import bad
+from infire_jax.structured.tool_prompt import render_inputs
+from server.protocol import bad, parse_messages, template_kwargs
 
 _FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
-                     # vLLM's extensions
-                     "truncate_prompt_tokens", "add_special_tokens", "priority", "normalize"})
+                     # vLLM's extensions; the chat form's
+                     "truncate_prompt_tokens", "add_special_tokens", "priority", "normalize", "messages",
+                     "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 _MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 _INT32 = 2 ** 31
 
@@ -32,7 +36,9 @@ _INT32 = 2 ** 31
 @dataclasses.dataclass
 class EmbeddingRequest:
     model: str
-    inputs: list[str | list[int]]
+    inputs: list[str | list[int]]  # none in the chat form
+    messages: list[dict] | None  # vLLM's chat form: one conversation, through the chat template
+    template_flags: dict  # the chat form's: add_generation_prompt, continue_final_message, chat_template_kwargs
     base64: bool
     params: PoolingParams
     truncate_prompt_tokens: int | None
@@ -55,19 +61,7 @@ def parse_embedding(body) -> EmbeddingRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model is required (a served model's name)", "model")
-    raw = body.get("input")
-    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
-        inputs = [raw]
-    elif isinstance(raw, list) and raw and all(isinstance(x, str) or (isinstance(x, list) and all(_is_int(t) for t in x))
-                                               for x in raw):
-        inputs = list(raw)
-    else:
-        raise bad("input must be a string, an array of strings, an array of token ids or an array of such arrays, "
-                  "and not empty", "input")
-    if len(inputs) > _MAX_INPUTS:
-        raise bad(f"input may hold at most {_MAX_INPUTS} items, got {len(inputs)}", "input")
-    if any(len(x) == 0 for x in inputs):
-        raise bad("input must not contain an empty string or an empty array of tokens", "input")
+    inputs, messages, flags = _chat_form(body) if "messages" in body else (_inputs(body), None, {})
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad(f"encoding_format must be 'float' or 'base64', got {fmt!r}", "encoding_format")
@@ -81,18 +75,66 @@ def parse_embedding(body) -> EmbeddingRequest:
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and (not _is_int(truncate) or not (truncate == -1 or truncate >= 1)):
         raise bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {truncate!r}", "truncate_prompt_tokens")
-    special = body.get("add_special_tokens", True)
+    special = body.get("add_special_tokens", messages is None)  # vLLM's defaults: the template writes them
     if not isinstance(special, bool):
         raise bad(f"add_special_tokens must be true or false, got {special!r}", "add_special_tokens")
     priority = body.get("priority", 0)
     if not _is_int(priority) or not -_INT32 <= priority < _INT32:
         raise bad(f"priority must be a 32-bit integer, got {priority!r}", "priority")
-    return EmbeddingRequest(model, inputs, fmt == "base64", PoolingParams(dims, normalize), truncate, special, priority)
+    return EmbeddingRequest(model, inputs, messages, flags, fmt == "base64", PoolingParams(dims, normalize), truncate,
+                            special, priority)
+
+
+def _inputs(body: dict) -> list[str | list[int]]:
+    """`input`: a string, token ids, or an array of either (OpenAI's forms), none of them empty."""
+    chat_only = sorted(set(_CHAT_FIELDS) & set(body))
+    if chat_only:
+        raise bad(f"{chat_only[0]} applies to the chat form (messages) only", chat_only[0])
+    raw = body.get("input")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
+        inputs = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, str) or (isinstance(x, list) and all(_is_int(t) for t in x))
+                                               for x in raw):
+        inputs = list(raw)
+    else:
+        raise bad("input must be a string, an array of strings, an array of token ids or an array of such arrays, "
+                  "and not empty", "input")
+    if len(inputs) > _MAX_INPUTS:
+        raise bad(f"input may hold at most {_MAX_INPUTS} items, got {len(inputs)}", "input")
+    if any(len(x) == 0 for x in inputs):
+        raise bad("input must not contain an empty string or an empty array of tokens", "input")
+    return inputs
+
+
+def _chat_form(body: dict) -> tuple[list, list[dict], dict]:
+    """vLLM's chat form: no input, the messages (text only) and the template's flags, checked."""
+    if "input" in body:
+        raise bad("give input or messages (vLLM's chat form), not both", "messages")
+    flags = {name: body.get(name, False) for name in _CHAT_FIELDS[:2]}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise bad(f"{name} must be true or false", name)
+    if all(flags.values()):
+        raise bad("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
+    flags["chat_template_kwargs"] = template_kwargs(body.get("chat_template_kwargs"))
+    return [], parse_messages(body["messages"]), flags
+
+
+def _render(m: ServedModel, req: EmbeddingRequest) -> str:
+    flags = req.template_flags
+    try:
+        messages, extra = render_inputs(m.tokenizer.chat_template, req.messages, None)
+        return m.tokenizer.apply_chat_template(messages, add_generation_prompt=flags["add_generation_prompt"],
+                                               continue_final_message=flags["continue_final_message"],
+                                               **{**flags["chat_template_kwargs"], **extra})
+    except (InvalidRequestError, ValueError) as e:
+        raise bad(str(e), "messages") from e
 
 
 def _prompts(m: ServedModel, req: EmbeddingRequest) -> list[list[int]]:
+    inputs = [_render(m, req)] if req.messages is not None else req.inputs
     prompts = [m.tokenizer.encode(x, add_special_tokens=req.add_special_tokens) if isinstance(x, str) else x
-               for x in req.inputs]
+               for x in inputs]
     k = req.truncate_prompt_tokens
     if k is not None:
         prompts = [p[-(m.max_model_len if k == -1 else k):] for p in prompts]

@@ -301,7 +301,7 @@ def parse_chat(data: Any) -> ChatRequest:
     if not b.present("messages"):
         raise bad("you must provide a messages parameter", "messages")
     images: list[tuple[str, str]] = []
-    messages = _messages(b.data["messages"], images)
+    messages = parse_messages(b.data["messages"], images)
     want_logprobs = b.boolean("logprobs", False)
     top_logprobs = b.integer("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
@@ -317,7 +317,7 @@ def parse_chat(data: Any) -> ChatRequest:
     if tools is not None and tools.forced and common.params.structured_outputs is not None:
         raise bad("a forced 'tool_choice' cannot be combined with 'response_format' or 'structured_outputs'",
                   "tool_choice")
-    kwargs = _template_kwargs(b.data.get("chat_template_kwargs"), b.string("reasoning_effort"))
+    kwargs = template_kwargs(b.data.get("chat_template_kwargs"), b.string("reasoning_effort"))
     generation_prompt = b.boolean("add_generation_prompt", True)
     continue_final = b.boolean("continue_final_message", False)
     if continue_final and generation_prompt:
@@ -334,7 +334,7 @@ def parse_chat(data: Any) -> ChatRequest:
                        continue_final_message=continue_final, echo_text=(last["content"] or "") if echo else None)
 
 
-def _template_kwargs(raw: Any, effort: str | None = None) -> dict[str, Any]:
+def template_kwargs(raw: Any, effort: str | None = None) -> dict[str, Any]:
     """vLLM's `chat_template_kwargs`: extra variables of the template (Qwen3's `enable_thinking`,
     DeepSeek V3.1's `thinking`), which the reasoning parser reads too. `reasoning_effort` joins them
     (gpt-oss's template writes it into its system message)."""
@@ -356,7 +356,7 @@ def _template_kwargs(raw: Any, effort: str | None = None) -> dict[str, Any]:
     return raw if effort is None else raw | {"reasoning_effort": effort}
 
 
-def _messages(raw: Any, images: list[tuple[str, str]] | None = None) -> list[dict]:
+def parse_messages(raw: Any, images: list[tuple[str, str]] | None = None) -> list[dict]:
     """Validated messages with text content (an image part: its `<|image|>` marker, its URL appended
     to `images`; None: images are refused); `developer` is rendered as `system`. Tool results and an
     assistant's tool calls are checked in server/structured.py."""

@@ -70,6 +70,19 @@ def test_vllm_fields(smol_server, hf_smol, tok):
     np.testing.assert_allclose(raw["data"][0]["embedding"], want, rtol=1e-5, atol=1e-4)
 
 
+def test_chat_form(smol_server, hf_smol, tok):
+    """vLLM's chat form: the conversation through the chat template (no generation prompt unless
+    asked), its special tokens the template's own."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    for flags in ({}, {"add_generation_prompt": True}):
+        status, out = post(smol_server, {"model": MODEL, "messages": messages, **flags})
+        assert status == 200, out
+        text = tok.apply_chat_template(messages, add_generation_prompt=bool(flags))
+        ids = tok.encode(text, add_special_tokens=False)
+        assert out["usage"]["prompt_tokens"] == len(ids) and len(out["data"]) == 1
+        np.testing.assert_allclose(out["data"][0]["embedding"], hf_last(hf_smol, ids), atol=2e-6)
+
+
 @pytest.mark.parametrize("body, param, status", [
     ({"model": MODEL}, "input", 400),
     ({"model": MODEL, "input": ""}, "input", 400),
@@ -84,6 +97,11 @@ def test_vllm_fields(smol_server, hf_smol, tok):
     ({"model": MODEL, "input": "a", "stream": True}, "stream", 400),
     ({"model": MODEL, "input": [10 ** 9]}, "input", 400),  # outside the vocabulary
     ({"model": MODEL, "input": "word " * 1100}, "input", 400),  # over max_model_len
+    ({"model": MODEL, "input": "a", "messages": [{"role": "user", "content": "a"}]}, "messages", 400),
+    ({"model": MODEL, "messages": []}, "messages", 400),
+    ({"model": MODEL, "input": "a", "add_generation_prompt": True}, "add_generation_prompt", 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"messages": 1}},
+     "chat_template_kwargs.messages", 400),
     ({"model": "nope", "input": "a"}, "model", 404),
 ])
 def test_bad_requests(smol_server, smol_llm, body, param, status):

@@ -236,6 +236,25 @@ def test_sessions_stick_to_one_replica_and_hit_its_cache(fleet):
     assert asked == 8 and hits == 8
 
 
+def test_embeddings_through_both_routers(fleet):
+    """The workers run `--runner pooling`: /v1/embeddings through either router equals B's own answer
+    (never disaggregated: the decode worker computes the inputs itself, P takes no request)."""
+    body = {"model": MODEL, "input": [SENTENCE * 3, PROMPTS[3]]}
+    status, want, _ = post(fleet["B"].url, body, path="/v1/embeddings")
+    assert status == 200, want
+    prefilled = fleet["P"].metrics()["infire:prompt_tokens_total"]
+    for router in ("replicas", "disagg"):
+        status, got, hdrs = post(fleet[router].url, body, path="/v1/embeddings")
+        assert status == 200, got
+        assert hdrs["x-infire-decode-worker"] in (fleet["B"].url, fleet["R"].url, fleet["D"].url)
+        assert got["usage"] == want["usage"]
+        for g, w in zip(got["data"], want["data"]):
+            np.testing.assert_allclose(g["embedding"], w["embedding"], atol=2e-6)
+    assert fleet["P"].metrics()["infire:prompt_tokens_total"] == prefilled
+    status, out, _ = post(fleet["replicas"].url, {"model": MODEL, "input": []}, path="/v1/embeddings")
+    assert status == 400 and out["error"]["param"] == "input"
+
+
 def test_tenants_stay_apart_across_the_fleet(fleet):
     replicas, disagg, p = fleet["replicas"], fleet["disagg"], fleet["P"]
     prompt = SENTENCE * 3 + "Tenants."
