@@ -18,7 +18,7 @@ import numpy as np
 from aiohttp import web
 
 from infire_jax.errors import InvalidRequestError
-from infire_jax.pooling.config import PoolingParams
+from infire_jax.pooling.config import REMOVED_NORMALIZE, PoolingParams
 from server.auth import TENANT
 from server.endpoints import STATE, ServedModel, read_json, served_model
 from infire_jax.structured.tool_prompt import render_inputs
@@ -26,7 +26,7 @@ from server.protocol import bad, parse_messages, template_kwargs
 
 _FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
                      # vLLM's extensions; the chat form's
-                     "truncate_prompt_tokens", "add_special_tokens", "priority", "normalize", "messages",
+                     "truncate_prompt_tokens", "add_special_tokens", "priority", "use_activation", "messages",
                      "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 _CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 _MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
@@ -54,6 +54,8 @@ def parse_embedding(body) -> EmbeddingRequest:
     """The request, or a 400 naming the field."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    if "normalize" in body:
+        raise bad(REMOVED_NORMALIZE, "normalize")
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise bad(f"unknown field(s) {', '.join(unknown)}; /v1/embeddings takes {', '.join(sorted(_FIELDS))}",
@@ -67,11 +69,11 @@ def parse_embedding(body) -> EmbeddingRequest:
         raise bad(f"encoding_format must be 'float' or 'base64', got {fmt!r}", "encoding_format")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user must be a string", "user")
-    dims, normalize = body.get("dimensions"), body.get("normalize")
+    dims, activation = body.get("dimensions"), body.get("use_activation")
     if dims is not None and (not _is_int(dims) or dims < 1):
         raise bad(f"dimensions must be a positive integer, got {dims!r}", "dimensions")
-    if normalize is not None and not isinstance(normalize, bool):
-        raise bad(f"normalize must be true or false, got {normalize!r}", "normalize")
+    if activation is not None and not isinstance(activation, bool):
+        raise bad(f"use_activation must be true or false, got {activation!r}", "use_activation")
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and (not _is_int(truncate) or not (truncate == -1 or truncate >= 1)):
         raise bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {truncate!r}", "truncate_prompt_tokens")
@@ -81,7 +83,7 @@ def parse_embedding(body) -> EmbeddingRequest:
     priority = body.get("priority", 0)
     if not _is_int(priority) or not -_INT32 <= priority < _INT32:
         raise bad(f"priority must be a 32-bit integer, got {priority!r}", "priority")
-    return EmbeddingRequest(model, inputs, messages, flags, fmt == "base64", PoolingParams(dims, normalize), truncate,
+    return EmbeddingRequest(model, inputs, messages, flags, fmt == "base64", PoolingParams(dims, activation), truncate,
                             special, priority)
 
 

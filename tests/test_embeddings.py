@@ -46,7 +46,7 @@ def test_last_token_embeddings_match_hf(smol_llm, hf_smol):
         assert got.shape == (576,) and o.outputs.hidden_size == 576
         np.testing.assert_allclose(got, unit(hf_states(hf_smol, o.prompt_token_ids)[-1]), atol=2e-6)
         assert abs(np.linalg.norm(got) - 1) < 1e-6
-    raw = smol_llm.embed(SHORT, PoolingParams(normalize=False))[0].outputs.embedding
+    raw = smol_llm.embed(SHORT, PoolingParams(use_activation=False))[0].outputs.embedding
     np.testing.assert_allclose(raw, hf_states(hf_smol, outs[0].prompt_token_ids)[-1], rtol=1e-5, atol=1e-4)
     assert smol_llm.engine.kv.num_free_pages == smol_llm.engine.kv.num_usable_pages  # nothing held after
 
@@ -87,7 +87,7 @@ def test_last_token_pooling_reads_a_prefix_hit(smol_llm, hf_smol):
 def mean_llm():
     """MEAN pooling without normalising, with matryoshka sizes; the same programs as the shared engine's,
     loaded from the executable cache."""
-    return LLM(**SMALL_ENGINE, pooler_config={"pooling_type": "MEAN", "normalize": False,
+    return LLM(**SMALL_ENGINE, pooler_config={"pooling_type": "MEAN", "use_activation": False,
                                               "matryoshka_dimensions": [64, 128]})
 
 
@@ -100,7 +100,7 @@ def test_mean_pooling_over_chunks_and_cached_pages(mean_llm, hf_smol):
     got = mean_llm.embed(LONG)[0].outputs.embedding
     assert mean_llm.engine.kv.hits == hits
     np.testing.assert_allclose(got, hf_states(hf_smol, ids).mean(axis=0), rtol=1e-5, atol=1e-5)
-    part = mean_llm.embed(SHORT, PoolingParams(dimensions=64, normalize=True))[0].outputs.embedding
+    part = mean_llm.embed(SHORT, PoolingParams(dimensions=64, use_activation=True))[0].outputs.embedding
     short = mean_llm.tokenizer.encode(SHORT)
     np.testing.assert_allclose(part, unit(hf_states(hf_smol, short).mean(axis=0)[:64]), atol=2e-6)
     with pytest.raises(InvalidRequestError, match="dimensions must be one of the model's sizes"):
@@ -136,6 +136,7 @@ def test_settings_and_requests_refused(smol_llm):
                           ({"pooler_config": {"pooling_type": "ALL"}}, "pooling_type must be one of"),
                           ({"pooler_config": {"softmax": True}}, "not softmax"),
                           ({"pooler_config": "{"}, "not valid JSON"),
+                          ({"pooler_config": {"normalize": False}}, "use `use_activation` instead"),
                           ({"pooler_config": {"matryoshka_dimensions": [0]}}, "positive integers")):
         with pytest.raises(ConfigError, match=match):
             LLM(**{**SMALL_ENGINE, **config})
@@ -157,6 +158,6 @@ def test_checkpoint_declares_its_pooling(tmp_path):
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     declared = declared_pooler(str(tmp_path))
-    assert declared == {"matryoshka_dimensions": (32, 64), "normalize": False, "pooling_type": "MEAN"}
-    assert PoolerConfig.parse({"normalize": True}, declared) == PoolerConfig("MEAN", True, (32, 64))
+    assert declared == {"matryoshka_dimensions": (32, 64), "use_activation": False, "pooling_type": "MEAN"}
+    assert PoolerConfig.parse({"use_activation": True}, declared) == PoolerConfig("MEAN", True, (32, 64))
     assert declared_pooler("model.gguf") == {} and PoolerConfig.parse(None) == PoolerConfig()

@@ -74,7 +74,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                    help="vLLM's flag: pooling also serves embeddings (POST /v1/embeddings, LLM.embed), a prompt's "
                         "final hidden states pooled; the model still generates (default generate)")
     p.add_argument("--pooler-config", default=None, metavar="JSON",
-                   help="with --runner pooling: {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": "
+                   help="with --runner pooling: {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"use_activation\": "
                         "bool, \"matryoshka_dimensions\": [sizes] or true} over what the checkpoint declares "
                         "(sentence-transformers files); default LAST, normalized")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")

@@ -34,7 +34,7 @@ def declared_pooler(model: str | None) -> dict[str, Any]:
     if not os.path.isfile(modules):
         return out
     entries = _json(modules)
-    out["normalize"] = any(m.get("type", "").endswith("models.Normalize") for m in entries)
+    out["use_activation"] = any(m.get("type", "").endswith("models.Normalize") for m in entries)
     for m in entries:
         pooling = os.path.join(model, m.get("path", ""), "config.json")
         if m.get("type", "").endswith("models.Pooling") and os.path.isfile(pooling):

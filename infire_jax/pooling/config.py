@@ -3,8 +3,9 @@
 
 A causal LM serves embeddings as vLLM's pooling runner does (`--runner pooling`): the prompt runs
 through the model, its final hidden states (after the final norm) are pooled, by default at the last
-token (LAST, as Qwen3-Embedding and e5-mistral are trained), optionally normalised to unit length.
-MEAN averages every prompt token's state; CLS takes the first token's.
+token (LAST, as Qwen3-Embedding and e5-mistral are trained), then normalised to unit length unless
+`use_activation` is false (vLLM 0.32's name for what it called `normalize` before, which it now
+refuses, as this does). MEAN averages every prompt token's state; CLS takes the first token's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from infire_jax.errors import ConfigError, InvalidRequestError
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+REMOVED_NORMALIZE = "Parameter `normalize` was removed; use `use_activation` instead."  # vLLM 0.32's words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,7 @@ class PoolerConfig:
     `is_matryoshka`); only then may a request ask for fewer `dimensions` (vLLM refuses it otherwise)."""
 
     pooling_type: str = "LAST"
-    normalize: bool = True
+    use_activation: bool = True  # for embeddings: normalise to unit length
     matryoshka_dimensions: tuple[int, ...] | bool = False
 
     def __post_init__(self):
@@ -33,8 +35,8 @@ class PoolerConfig:
         if kind not in POOLING_TYPES:
             raise ConfigError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
         object.__setattr__(self, "pooling_type", kind)
-        if not isinstance(self.normalize, bool):
-            raise ConfigError(f"normalize must be true or false, got {self.normalize!r}")
+        if not isinstance(self.use_activation, bool):
+            raise ConfigError(f"use_activation must be true or false, got {self.use_activation!r}")
         dims = self.matryoshka_dimensions
         if isinstance(dims, (list, tuple)):
             if not dims or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims):
@@ -56,6 +58,8 @@ class PoolerConfig:
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"pooler_config must be a JSON object, got {value!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
+        if "normalize" in (value or {}):
+            raise ConfigError(REMOVED_NORMALIZE)
         unknown = sorted(set(value or {}) - fields)
         if unknown:
             raise ConfigError(f"pooler_config takes {', '.join(sorted(fields))}; not {', '.join(unknown)}")
@@ -65,10 +69,10 @@ class PoolerConfig:
 @dataclasses.dataclass
 class PoolingParams:
     """What one embedding request asks for: `dimensions` (the embedding's first d values, for a
-    matryoshka model) and `normalize` (None: the engine's PoolerConfig decides)."""
+    matryoshka model) and `use_activation` (normalise; None: the engine's PoolerConfig decides)."""
 
     dimensions: int | None = None
-    normalize: bool | None = None
+    use_activation: bool | None = None
 
     n = 1  # one embedding a prompt (the engine's streams count sequences by `n`)
 
@@ -77,8 +81,9 @@ class PoolingParams:
                                             or self.dimensions < 1):
             raise InvalidRequestError(f"dimensions must be a positive integer, got {self.dimensions!r}",
                                       param="dimensions")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise InvalidRequestError(f"normalize must be true or false, got {self.normalize!r}", param="normalize")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise InvalidRequestError(f"use_activation must be true or false, got {self.use_activation!r}",
+                                      param="use_activation")
 
     def check(self, pooler: PoolerConfig, hidden_size: int) -> None:
         """Refuses `dimensions` the model was not trained for (vLLM's rule)."""

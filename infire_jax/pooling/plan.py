@@ -5,7 +5,7 @@ the scheduler gives it. Each step's forward leaves every token's hidden state on
 pooling program (step_programs.pool_rows) weighs them by this plan and sums them per row of the
 step, so only [rows, hidden] float32 comes back. The request adds its rows up (`Request.pooled`)
 and, once its last chunk is back, `embedding` finishes it: a mean divides, `dimensions` cuts a
-matryoshka prefix, `normalize` scales to unit length (in that order, as vLLM's pooler head does).
+matryoshka prefix, `use_activation` scales to unit length (in that order, as vLLM's pooler head does).
 
 Positions a dispatched step already pooled (`Request.pool_next`) are never weighed again, so a
 prompt computed again after a preemption adds nothing twice.
@@ -60,11 +60,11 @@ def record_pooling(seqs: list[ScheduledSeq], plan: PoolingPlan, sums: np.ndarray
 
 
 def embedding(pooled: np.ndarray, num_tokens: int, pooler: PoolerConfig, dimensions: int | None,
-              normalize: bool | None) -> np.ndarray:
+              use_activation: bool | None) -> np.ndarray:
     """A request's embedding (float32) from its summed states."""
     out = pooled / num_tokens if pooler.pooling_type == "MEAN" else pooled
     if dimensions is not None:
         out = out[:dimensions]
-    if pooler.normalize if normalize is None else normalize:
+    if pooler.use_activation if use_activation is None else use_activation:
         out = out / max(float(np.linalg.norm(out)), 1e-12)  # torch's F.normalize: eps 1e-12
     return out.astype(np.float32)
