@@ -13,7 +13,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 from infire_jax.bench import compare
 from infire_jax.bench.__main__ import main
@@ -99,15 +101,17 @@ def test_first_difference():
     assert compare.first_difference([1, 2], [1, 2, 3]) == 2
 
 
-def test_ours_against_a_saved_peer(tmp_path, tokenizer, capsys):
-    work = small_work(tokenizer)
+def test_ours_against_a_saved_peer(tmp_path, tokenizer, hf_smol, capsys):
+    work = dict(small_work(tokenizer), embed_inputs=3, embed_ids=compare.prompt_ids(tokenizer, 48))
     peer = dict(peer="vllm", load_s=80.0, work=work, token_ids_b1=[-1] * 4, text_b1="peer text",
                 e2e={"b1": dict(median_s=1.0, new_tokens=4, tok_s=4.0),
                      "b8": dict(median_s=1.0, new_tokens=32, tok_s=32.0)},
-                prefill=dict(len=64, median_s=2.0, tok_s=32.0))
+                prefill=dict(len=64, median_s=2.0, tok_s=32.0),
+                embed=dict(median_s=3.0, inputs_s=1.0, tok_s=24.0, first=[0.5] * 576))
     (tmp_path / "peer.json").write_text(json.dumps(peer))
     out = tmp_path / "compare.json"
-    assert main(["compare", *SMALL, "--peer-json", str(tmp_path / "peer.json"), "--json", str(out)]) == 0
+    assert main(["compare", *SMALL, "--embed-inputs", "3", "--embed-len", "48", "--peer-json",
+                 str(tmp_path / "peer.json"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     ours = res["ours"]
     assert res["work"] == work and res["prompt_len"] == 40 and res["machine"]["cpu_count"] >= 1
@@ -121,10 +125,19 @@ def test_ours_against_a_saved_peer(tmp_path, tokenizer, capsys):
     assert 0 < ours["prefill"]["median_s"] < 60 and ours["prefill"]["len"] == 64
     assert res["ratios"]["prefill"] == pytest.approx(2.0 / ours["prefill"]["median_s"])
     assert res["ratios"]["load"] == pytest.approx(80.0 / ours["load_s"])
+    embed = ours["embed"]
+    assert embed["inputs_s"] == pytest.approx(3 / embed["median_s"])
+    assert embed["tok_s"] == pytest.approx(3 * 48 / embed["median_s"])
+    assert res["ratios"]["embed"] == pytest.approx(3.0 / embed["median_s"])
+    with torch.no_grad():  # the last token's final state, normalised (both runners' pooling)
+        want = hf_smol.model(torch.tensor([work["embed_ids"]])).last_hidden_state[0, -1].double().numpy()
+    np.testing.assert_allclose(embed["first"], want / np.linalg.norm(want), atol=2e-6)
     assert [(t["figure"], t["target"], t["met"]) for t in res["targets"]] == [
         (k, t, res["ratios"][k] >= t) for k, t in (("b1", 1.3), ("b8", 1.5), ("prefill", 1.2))]
     assert res["same_tokens_b1"] is False and res["first_token_difference_b1"] == 0
     text = capsys.readouterr().out
-    for line in ("infire_jax b1: ", "vllm b1: 'peer text'", "first difference at token 0", "targets: b1 >= 1.3x: "):
+    gap = max(abs(a - 0.5) for a in embed["first"])
+    for line in ("infire_jax b1: ", "vllm b1: 'peer text'", "first difference at token 0", "targets: b1 >= 1.3x: ",
+                 f"embeddings: largest |ours - vllm| {gap:.2e}"):
         assert line in text
     assert [line.split()[0] for line in text.splitlines()[3:6]] == ["infire_jax", "vllm", "ratio"]

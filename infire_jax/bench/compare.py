@@ -3,7 +3,9 @@
 The work, identical on both sides: one chat-templated prompt of exactly --prompt-len tokens (built
 once with our tokenizer and passed to both engines as token ids), repeated --batch-sizes times and
 decoded to exactly --new-tokens tokens (greedy, EOS ignored); then a --prefill-len prompt generated
-to one token. Each is run once untimed, then --reps times; figures are medians. Prefix caching is
+to one token; with --embed-inputs N, N copies of an --embed-len prompt embedded (both engines' pooling
+runners: the last token's state, normalised). Each is run once untimed, then --reps times; figures
+are medians. Prefix caching is
 off on both. e2e tok/s = new tokens of the batch / wall time of the generate call; load s = wall
 time of building the engine (weights, compilation, KV pool). Ratios are ours over vLLM's speed, so
 above 1 means we are faster. Our side runs first in this process, then vLLM in the Python of its
@@ -63,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-len", type=positive_int, default=512,
                    help="tokens of the prompt whose prefill is timed (a generate of one token)")
     p.add_argument("--max-model-len", type=positive_int, default=2048, help="context length of both engines")
+    p.add_argument("--embed-inputs", type=int, default=0,
+                   help="also time embedding this many inputs in one call (runner pooling on both; 0: not)")
+    p.add_argument("--embed-len", type=positive_int, default=128, help="tokens of each embedded input")
     p.add_argument("--peer-python", default=os.environ.get("INFIRE_JAX_VLLM_PYTHON"), metavar="PATH",
                    help="the Python of vLLM's venv (default: env INFIRE_JAX_VLLM_PYTHON)")
     p.add_argument("--peer-model", default=None, metavar="DIR",
@@ -127,7 +132,18 @@ def measure(llm, work: dict) -> dict:
     seconds, _ = _timed(lambda: llm.generate([work["prefill_ids"]], one), work["reps"])
     res["prefill"] = dict(len=len(work["prefill_ids"]), seconds=seconds, median_s=statistics.median(seconds),
                           tok_s=len(work["prefill_ids"]) / statistics.median(seconds))
+    if work.get("embed_inputs"):
+        inputs = [work["embed_ids"]] * work["embed_inputs"]
+        seconds, outs = _timed(lambda: llm.embed(inputs), work["reps"])
+        res["embed"] = embed_figures(seconds, work, outs[0].outputs.embedding)
     return res
+
+
+def embed_figures(seconds: list[float], work: dict, first: list[float]) -> dict:
+    """An embedding run's figures, in the shape peer_vllm.py prints them too."""
+    median = statistics.median(seconds)
+    return dict(seconds=seconds, median_s=median, inputs_s=work["embed_inputs"] / median,
+                tok_s=work["embed_inputs"] * len(work["embed_ids"]) / median, first=first)
 
 
 def peer_model(args: argparse.Namespace) -> str:
@@ -207,6 +223,8 @@ def ratios(ours: dict, peer: dict) -> dict:
     """Ours/peer speed: tok/s over tok/s for decoding, the peer's seconds over ours for prefill and load."""
     out = {k: ours["e2e"][k]["tok_s"] / peer["e2e"][k]["tok_s"] for k in ours["e2e"]}
     out["prefill"] = peer["prefill"]["median_s"] / ours["prefill"]["median_s"]
+    if "embed" in ours and "embed" in peer:
+        out["embed"] = peer["embed"]["median_s"] / ours["embed"]["median_s"]
     out["load"] = peer["load_s"] / ours["load_s"]
     return out
 
@@ -219,6 +237,8 @@ def _row(name: str, res: dict, batch_sizes: list[int]) -> dict:
     row = {"engine": name, "load": f"{res['load_s']:.1f}", "prefill": f"{res['prefill']['median_s']:.3f}",
            "prefill_tok_s": f"{res['prefill']['tok_s']:.0f}"}
     row.update({f"b{b}": f"{res['e2e'][f'b{b}']['tok_s']:.1f}" for b in batch_sizes})
+    if "embed" in res:
+        row["embed"] = f"{res['embed']['inputs_s']:.1f}"
     return row
 
 
@@ -228,6 +248,8 @@ def summary(ours: dict, peer: dict | None, batch_sizes: list[int]) -> tuple[str,
 
     columns = [("engine", "", "{}"), ("load", "load s", "{}")] + [(f"b{b}", f"b{b} tok/s", "{}") for b in batch_sizes]
     columns += [("prefill", "prefill s", "{}"), ("prefill_tok_s", "prefill tok/s", "{}")]
+    if "embed" in ours:
+        columns.append(("embed", "embed inputs/s", "{}"))
     rows = [_row("infire_jax", ours, batch_sizes)]
     lines = [f"infire_jax b1: {ours['text_b1'][:200]!r}"]
     if peer is None:
@@ -242,6 +264,9 @@ def summary(ours: dict, peer: dict | None, batch_sizes: list[int]) -> tuple[str,
               "same tokens at batch 1: " + ("yes" if diff is None else f"no, first difference at token {diff}"),
               "targets: " + "; ".join(f"{t['figure']} >= {t['target']}x: {t['ratio']:.2f}x "
                                       f"{'met' if t['met'] else 'missed'}" for t in met)]
+    if "embed" in r:
+        gap = max(abs(a - b) for a, b in zip(ours["embed"]["first"], peer["embed"]["first"]))
+        lines.append(f"embeddings: largest |ours - {peer['peer']}| {gap:.2e}")
     return (report.table(rows, columns) + "\n\n" + "\n".join(lines),
             dict(ratios=r, targets=met, same_tokens_b1=diff is None, first_token_difference_b1=diff))
 
@@ -252,14 +277,15 @@ def run(args: argparse.Namespace):
     from infire_jax.engine.engine import Engine, EngineConfig
     from infire_jax.llm import LLM
 
-    if max(args.prompt_len + args.new_tokens, args.prefill_len + 1) > args.max_model_len:
+    if max(args.prompt_len + args.new_tokens, args.prefill_len + 1, args.embed_len + 1) > args.max_model_len:
         raise BenchError(f"--max-model-len {args.max_model_len} is shorter than the prompts and their new tokens")
     if not (args.skip_peer or args.peer_json):
         check_peer_python(args.peer_python)
         model_dir = peer_model(args)
     start = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                 max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False, seed=0),
+                                 max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False, seed=0,
+                                 runner="pooling" if args.embed_inputs else "generate"),
                     progress=progress_bar())
     llm = LLM(engine=engine)
     load_s = time.perf_counter() - start
@@ -268,6 +294,8 @@ def run(args: argparse.Namespace):
                     prompt_ids=prompt_ids(llm.tokenizer, args.prompt_len),
                     prefill_ids=prompt_ids(llm.tokenizer, args.prefill_len), batch_sizes=args.batch_sizes,
                     new_tokens=args.new_tokens, reps=args.reps)
+        if args.embed_inputs:
+            work.update(embed_inputs=args.embed_inputs, embed_ids=prompt_ids(llm.tokenizer, args.embed_len))
         peer = load_peer_json(args.peer_json, work) if args.peer_json else None  # refused before measuring
         ours = dict(load_s=load_s, **measure(llm, work))
     finally:

@@ -2,7 +2,8 @@
 
 Reads one JSON request on stdin: {"model": HF dir, "eager": bool, "work": {...}}, where the work is
 what `bench compare` also runs on our engine: dtype, max_model_len, prompt_ids, prefill_ids,
-batch_sizes, new_tokens, reps; or what `bench perplexity` scores: dtype, kv_cache_dtype,
+batch_sizes, new_tokens, reps (and embed_inputs copies of embed_ids to embed, on a second LLM with
+the pooling runner); or what `bench perplexity` scores: dtype, kv_cache_dtype,
 max_model_len, windows (token ids) and first (each window's first scored position).
 Prints one JSON line on stdout with the same figures as our side (vLLM's logs go to stderr).
 Prefix caching is off: every run repeats the same prompt.
@@ -11,6 +12,7 @@ VLLM_CACHE_ROOT under the infire_jax cache (its torch.compile cache), VLLM_LOGGI
 """
 
 import argparse
+import gc
 import importlib.metadata
 import json
 import os
@@ -60,6 +62,22 @@ def measure(llm, work):
     return res
 
 
+def embed(request, work):
+    """The pooling runner's time to embed `embed_inputs` copies of `embed_ids` (last token, normalised)."""
+    import vllm
+    from vllm.config import PoolerConfig
+
+    llm = vllm.LLM(model=request["model"], runner="pooling", dtype=work["dtype"], max_model_len=work["max_model_len"],
+                   seed=0, enable_prefix_caching=False, enforce_eager=request["eager"],
+                   pooler_config=PoolerConfig(pooling_type="LAST", use_activation=True))
+    prompts = [{"prompt_token_ids": work["embed_ids"]}] * work["embed_inputs"]
+    seconds, outs = timed(lambda: llm.embed(prompts, use_tqdm=False), work["reps"])
+    median = statistics.median(seconds)
+    return {"seconds": seconds, "median_s": median, "inputs_s": work["embed_inputs"] / median,
+            "tok_s": work["embed_inputs"] * len(work["embed_ids"]) / median,
+            "first": list(outs[0].outputs.embedding)}
+
+
 def perplexity(llm, work):
     """The summed negative log-likelihood of each window's positions from its `first` on (its prompt
     logprobs; vLLM generates at least one token, which is not scored), and their count."""
@@ -93,6 +111,10 @@ def main():
            "versions": {"vllm": vllm.__version__, "torch": importlib.metadata.version("torch"),
                         "python": platform.python_version()}}
     res.update(perplexity(llm, work) if "windows" in work else measure(llm, work))
+    if work.get("embed_inputs"):
+        del llm  # its engine process ends before the pooling one starts
+        gc.collect()
+        res["embed"] = embed(request, work)
     print(json.dumps(res), flush=True)
 
 
