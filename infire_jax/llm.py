@@ -10,8 +10,10 @@ from PIL import Image
 from infire_jax.engine.engine import Engine, EngineConfig
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora.request import LoRARequest
-from infire_jax.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from infire_jax.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                                ScoringRequestOutput)
 from infire_jax.pooling.config import PoolingParams
+from infire_jax.pooling.scoring import cosine_scores, pairs
 from infire_jax.runner.image_pool import ImagePoolFull
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.vision import preprocess
@@ -68,6 +70,20 @@ class LLM:
         outputs, embeddings = self._run(prompts, pooling_params, PoolingParams, lora_request)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(embeddings[o.request_id]))
                 for o in outputs]
+
+    def score(self, data_1: str | list[str], data_2: str | list[str], *,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for an embedding model: each pair's cosine similarity (one `data_1` text
+        against every `data_2` text, else one to one; infire_jax/pooling/scoring.py)."""
+        first, second = ([d] if isinstance(d, str) else list(d) for d in (data_1, data_2))
+        pairs(len(first), len(second))
+        embedded = self.embed(first + second, lora_request=lora_request)
+        vectors = [e.outputs.embedding for e in embedded]
+        scores = cosine_scores(vectors[:len(first)], vectors[len(first):])
+        return [ScoringRequestOutput(f"{embedded[i].request_id}_{embedded[len(first) + j].request_id}",
+                                     embedded[i].prompt_token_ids + embedded[len(first) + j].prompt_token_ids,
+                                     ScoringOutput(s))
+                for (i, j), s in zip(pairs(len(first), len(second)), scores)]
 
     def _run(self, prompts, params, kind: type, lora_request) -> tuple[list[RequestOutput], dict[str, list[float]]]:
         """Runs every prompt to its end: the outputs in prompt order, and the embeddings by request id."""

@@ -26,6 +26,7 @@ from infire_jax.structured.reasoning_parsers import REASONING_PARSER_NAMES
 from infire_jax.structured.tool_parsers import TOOL_PARSER_NAMES, detect_format
 from server import responses_api
 from server.embeddings import embeddings
+from server.scoring import rerank, score
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
 from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions, completions,
                               release_kv)
@@ -112,6 +113,10 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses_api.create)
     app.router.add_post("/v1/embeddings", embeddings)
+    for path in ("/score", "/v1/score"):  # vLLM's scoring API (server/scoring.py)
+        app.router.add_post(path, score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, rerank)
     app.router.add_get("/v1/responses/{response_id}", responses_api.retrieve)
     app.router.add_post(RELEASE_PATH, release_kv)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)

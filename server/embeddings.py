@@ -137,16 +137,38 @@ def _prompts(m: ServedModel, req: EmbeddingRequest) -> list[list[int]]:
     inputs = [_render(m, req)] if req.messages is not None else req.inputs
     prompts = [m.tokenizer.encode(x, add_special_tokens=req.add_special_tokens) if isinstance(x, str) else x
                for x in inputs]
-    k = req.truncate_prompt_tokens
-    if k is not None:
-        prompts = [p[-(m.max_model_len if k == -1 else k):] for p in prompts]
+    return checked_prompts(m, prompts, req.truncate_prompt_tokens, "input")
+
+
+def checked_prompts(m: ServedModel, prompts: list[list[int]], truncate: int | None, param: str) -> list[list[int]]:
+    """Each prompt's last `truncate` tokens (vLLM's truncate_prompt_tokens; -1: the context length),
+    none empty, each shorter than the context."""
+    if truncate is not None:
+        prompts = [p[-(m.max_model_len if truncate == -1 else truncate):] for p in prompts]
     for p in prompts:
         if not p:
-            raise bad("an input is empty once tokenized", "input")
+            raise bad("an input is empty once tokenized", param)
         if len(p) >= m.max_model_len:
             raise bad(f"This model's maximum context length is {m.max_model_len} tokens, but an input has {len(p)} "
-                      "tokens (truncate_prompt_tokens keeps an input's last tokens).", "input")
+                      "tokens (truncate_prompt_tokens keeps an input's last tokens).", param)
     return prompts
+
+
+async def embed(request: web.Request, m: ServedModel, lora: str | None, prompts: list[list[int]],
+                params: PoolingParams, priority: int, param: str) -> list[np.ndarray]:
+    """The prompts' embeddings, admitted together (the request's tenant; `lora`: its adapter); a
+    client that leaves aborts them. The engine's refusals are 400s naming `param` for the prompts."""
+    stream = m.engine.generate(prompts, params, request_id=uuid.uuid4().hex, priority=priority,
+                               tenant=request.get(TENANT), lora_request=lora)
+    vectors: list[np.ndarray | None] = [None] * len(prompts)
+    try:
+        async with stream:
+            async for batch in stream:
+                for i, d in batch:
+                    vectors[i] = d.embedding
+    except InvalidRequestError as e:  # the engine's checks (no pooling runner, dimensions)
+        raise bad(str(e), param if e.param == "prompt" else e.param) from e
+    return vectors
 
 
 def _encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:
@@ -157,18 +179,9 @@ def _encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:
 async def embeddings(request: web.Request) -> web.Response:
     st = request.app[STATE]
     req = parse_embedding(await read_json(request))
-    m, lora = served_model(st, req)
+    m, lora = served_model(st, req.model)
     prompts = _prompts(m, req)
-    stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
-                               tenant=request.get(TENANT), lora_request=lora)
-    vectors: list[np.ndarray | None] = [None] * len(prompts)
-    try:
-        async with stream:
-            async for batch in stream:
-                for i, d in batch:
-                    vectors[i] = d.embedding
-    except InvalidRequestError as e:  # the engine's checks (no pooling runner, dimensions)
-        raise bad(str(e), "input" if e.param == "prompt" else e.param) from e
+    vectors = await embed(request, m, lora, prompts, req.params, req.priority, "input")
     tokens = sum(len(p) for p in prompts)
     return web.json_response({
         "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": req.model,

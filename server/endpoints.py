@@ -90,7 +90,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_completion(body)
-    m, lora = served_model(st, req)
+    m, lora = served_model(st, req.model)
     given = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     if any(not ids for ids in given):
         raise bad("the prompt is empty", "prompt")
@@ -112,7 +112,7 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
 
 async def _chat_completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_chat(body)
-    m, lora = served_model(st, req)
+    m, lora = served_model(st, req.model)
     tiles = await image_tiles(st, m, req) if req.images else None
     prompts = await chat_prompt(m, req, "messages", tiles)
 
@@ -234,16 +234,16 @@ async def _compile(m: ServedModel, spec: StructuredOutputs) -> CompiledGrammar:
 
 
 # ---- shared steps ---------------------------------------------------------------------------------
-def served_model(st: ServerState, req: GenerationRequest) -> tuple[ServedModel, str | None]:
+def served_model(st: ServerState, model: str) -> tuple[ServedModel, str | None]:
     """The requested model, if it is served and its engine runs, and the LoRA adapter the name
     selects (None: the model itself)."""
-    m, lora = st.models.get(req.model), None
+    m, lora = st.models.get(model), None
     if m is None:
-        m = next((x for x in st.models.values() if req.model in x.adapters), None)
-        lora = req.model
+        m = next((x for x in st.models.values() if model in x.adapters), None)
+        lora = model
     if m is None:
         names = ", ".join(f"`{n}`" for x in st.models.values() for n in (x.name, *x.adapters))
-        raise APIError(404, f"The model `{req.model}` does not exist; this server serves {names}.",
+        raise APIError(404, f"The model `{model}` does not exist; this server serves {names}.",
                        param="model", code="model_not_found")
     if not m.engine.healthy:
         raise APIError(503, "the engine is not running; the server cannot generate", type="server_error",

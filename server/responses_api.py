@@ -103,7 +103,7 @@ class ResponsesRequest:
 async def create(request: web.Request) -> web.StreamResponse:
     st, store, tenant = request.app[STATE], request.app[STORE], request.get(TENANT)
     r = parse_request(await read_json(request), store, tenant)
-    m, lora = served_model(st, r.chat)
+    m, lora = served_model(st, r.chat.model)
     tools = r.chat.tools
     out = ResponseOutput(ChoiceParser(m.tool_parser if tools else None, tools.tools if tools else None,
                                       m.reasoning_parser, r.chat.chat_template_kwargs))

@@ -105,6 +105,9 @@ def test_mean_pooling_over_chunks_and_cached_pages(mean_llm, hf_smol):
     np.testing.assert_allclose(part, unit(hf_states(hf_smol, short).mean(axis=0)[:64]), atol=2e-6)
     with pytest.raises(InvalidRequestError, match="dimensions must be one of the model's sizes"):
         mean_llm.embed(SHORT, PoolingParams(dimensions=100))
+    scored = mean_llm.score(SHORT, LONG)[0].outputs.score  # cosine, though the embeddings are not unit length
+    means = [unit(hf_states(hf_smol, p).mean(axis=0)) for p in (short, ids)]
+    assert scored == pytest.approx(means[0] @ means[1], abs=2e-6)
 
 
 def test_cls_pooling_takes_the_first_position(hf_smol):
@@ -147,6 +150,20 @@ def test_settings_and_requests_refused(smol_llm):
     with pytest.raises(InvalidRequestError, match="dimensions must be a positive integer"):
         PoolingParams(dimensions=0)
     assert smol_llm.embed(SHORT, PoolingParams(dimensions=576))[0].outputs.hidden_size == 576
+
+
+def test_score_is_the_cosine_of_hf_embeddings(smol_llm, hf_smol):
+    """vLLM's LLM.score for an embedding model: one first text against each second, else in pairs."""
+    docs = ["Paris is the capital of France.", "Bananas are yellow.", LONG]
+    tok = smol_llm.tokenizer
+    want = [unit(hf_states(hf_smol, tok.encode(t))[-1]) for t in [SHORT, *docs]]
+    out = smol_llm.score(SHORT, docs)
+    assert [o.prompt_token_ids for o in out] == [tok.encode(SHORT) + tok.encode(d) for d in docs]
+    np.testing.assert_allclose([o.outputs.score for o in out], [want[0] @ w for w in want[1:]], atol=2e-6)
+    paired = smol_llm.score([SHORT, docs[1]], [docs[0], docs[2]])
+    np.testing.assert_allclose([o.outputs.score for o in paired], [want[0] @ want[1], want[2] @ want[3]], atol=2e-6)
+    with pytest.raises(InvalidRequestError, match="give one data_1 text, or as many as data_2"):
+        smol_llm.score([SHORT, SHORT], docs)
 
 
 def test_checkpoint_declares_its_pooling(tmp_path):

@@ -83,6 +83,63 @@ def test_chat_form(smol_server, hf_smol, tok):
         np.testing.assert_allclose(out["data"][0]["embedding"], hf_last(hf_smol, ids), atol=2e-6)
 
 
+def post_to(url: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+DOCS = ["Paris is the capital and largest city of France.", "Bananas are a yellow fruit.",
+        "France's capital city is Paris."]
+
+
+def test_score_and_rerank(smol_server, hf_smol, tok):
+    """vLLM's /score and /rerank: cosine similarities of HF's last-token embeddings."""
+    query = "What is the capital of France?"
+    want = [float(hf_last(hf_smol, tok.encode(query)) @ hf_last(hf_smol, tok.encode(d))) for d in DOCS]
+    tokens = len(tok.encode(query)) + sum(len(tok.encode(d)) for d in DOCS)
+    for path, sides in (("/score", ("text_1", "text_2")), ("/v1/score", ("queries", "documents"))):
+        status, out = post_to(smol_server, path, {"model": MODEL, sides[0]: query, sides[1]: DOCS})
+        assert status == 200, out
+        assert [d["index"] for d in out["data"]] == [0, 1, 2] and {d["object"] for d in out["data"]} == {"score"}
+        np.testing.assert_allclose([d["score"] for d in out["data"]], want, atol=2e-6)
+        assert out["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    status, pair = post_to(smol_server, "/score", {"model": MODEL, "data_1": [query, DOCS[1]], "data_2": DOCS[:2]})
+    assert status == 200 and len(pair["data"]) == 2
+    np.testing.assert_allclose(pair["data"][0]["score"], want[0], atol=2e-6)
+    order = sorted(range(3), key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        status, out = post_to(smol_server, path, {"model": MODEL, "query": query, "documents": DOCS, "top_n": 2})
+        assert status == 200, out
+        assert [r["index"] for r in out["results"]] == order[:2]
+        assert [r["document"]["text"] for r in out["results"]] == [DOCS[i] for i in order[:2]]
+        np.testing.assert_allclose([r["relevance_score"] for r in out["results"]], [want[i] for i in order[:2]],
+                                   atol=2e-6)
+    status, out = post_to(smol_server, "/rerank", {"model": MODEL, "query": query, "documents": DOCS})
+    assert status == 200 and len(out["results"]) == 3 and out["usage"]["prompt_tokens"] == tokens
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/score", {"model": MODEL, "text_1": "a"}, "text_1"),
+    ("/score", {"model": MODEL, "text_1": "a", "documents": ["b"]}, "text_1"),
+    ("/score", {"model": MODEL, "queries": ["a", "b"], "documents": ["c"]}, "documents"),
+    ("/score", {"model": MODEL, "text_1": "", "text_2": "b"}, "text_1"),
+    ("/score", {"model": MODEL, "text_1": "a", "text_2": [1, 2]}, "text_2"),
+    ("/score", {"model": MODEL, "text_1": "a", "text_2": "b", "instruction": "x"}, "instruction"),
+    ("/rerank", {"model": MODEL, "documents": ["a"]}, "query"),
+    ("/rerank", {"model": MODEL, "query": "q", "documents": []}, "documents"),
+    ("/rerank", {"model": MODEL, "query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/rerank", {"model": MODEL, "query": "q", "documents": ["word " * 1100]}, "documents"),
+])
+def test_scoring_bad_requests(smol_server, path, body, param):
+    status, out = post_to(smol_server, path, body)
+    assert status == 400, out
+    assert out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize("body, param, status", [
     ({"model": MODEL}, "input", 400),
     ({"model": MODEL, "input": ""}, "input", 400),
