@@ -20,7 +20,8 @@ from aiohttp import web
 from router.errors import error_middleware
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import POLICIES, Policy
-from router.proxy import DECODE_ROLES, STATE, RouterState, chat_completions, completions, embeddings, models
+from router.proxy import (DECODE_ROLES, STATE, RouterState, chat_completions, completions, embeddings, models, rerank,
+                          score)
 from router.workers import HealthMonitor, Worker
 from server.listen import bind, serve_until_signal
 
@@ -102,6 +103,10 @@ def build_router_app(config: RouterConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    for path in ("/score", "/v1/score"):
+        app.router.add_post(path, score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, rerank)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

@@ -99,10 +99,22 @@ def _is_token_ids(p: Any) -> bool:
     return isinstance(p, list) and all(type(t) is int for t in p)
 
 
+# Where each kind of request keeps its prompts: one string or token-id array, or an array of them.
+# A score's two sides and a rerank's documents are embedded each; the first side (the query) keys it.
+_PROMPT_FIELDS = {"completions": ("prompt",), "embeddings": ("input",), "rerank": ("query", "documents"),
+                  "score": ("text_1", "queries", "data_1", "text_2", "documents", "items", "data_2")}
+
+
 def _prompts(kind: str, body: dict) -> list:
-    """A completion's prompts (an embedding request's inputs): `prompt` (`input`) is one string or
-    token-id array, or an array of them."""
-    prompt = body.get("input" if kind == "embeddings" else "prompt")
+    """A request's prompts, in the order of its fields (`_PROMPT_FIELDS`)."""
+    out = []
+    for field in _PROMPT_FIELDS[kind]:
+        if field in body:
+            out += _listed(body[field])
+    return out or [None]
+
+
+def _listed(prompt) -> list:
     return prompt if isinstance(prompt, list) and prompt and not _is_token_ids(prompt) else [prompt]
 
 
@@ -163,7 +175,7 @@ class RouteKey:
 
 
 def route_key(kind: str, body: dict, *, tenant: str = "", session: str | None = None) -> RouteKey:
-    """kind: "completions", "chat" or "embeddings"; tenant: whatever separates tenants (the auth and tenant headers)."""
+    """kind: "completions", "chat", "embeddings", "score" or "rerank"; tenant: whatever separates tenants (the auth and tenant headers)."""
     return RouteKey(prefix_chain(prompt_of(kind, body), tenant), estimate_prompt_tokens(kind, body),
                     num_prompts(kind, body), session)
 

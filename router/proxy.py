@@ -80,8 +80,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
-    """Workers started with `--runner pooling` serve them; a prompt alone, never disaggregated."""
+    """Workers started with `--runner pooling` serve them (and scores); prompts alone, never disaggregated."""
     return await _generate(request, "embeddings", "/v1/embeddings")
+
+
+async def score(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "score", request.path)
+
+
+async def rerank(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "rerank", request.path)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -123,7 +131,7 @@ async def _generate(request: web.Request, kind: str, path: str) -> web.StreamRes
     hold = None
     if target.role == "both":
         route[PREFILL_HEADER] = target.url
-    elif (kind != "embeddings" and key.prompts == 1 and uncached >= st.disagg_min_tokens
+    elif (kind in ("completions", "chat") and key.prompts == 1 and uncached >= st.disagg_min_tokens
           and (prefills := st.healthy(("prefill",)))):
         prefill = st.policy.choose_prefill(prefills)
         kv = await _prefill(st, prefill, path, body, headers, key.tokens, route)

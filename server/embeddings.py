@@ -1,6 +1,7 @@
 """`POST /v1/embeddings` (OpenAI's, with vLLM's extensions): each input's embedding, from an engine
 started with `--runner pooling` (infire_jax/pooling/). vLLM's chat form takes `messages` instead of
-`input`: the conversation through the chat template (no generation prompt unless asked), one input.
+`input`: a conversation (or an array of them, one input each) through the chat template, with no
+generation prompt unless asked.
 
 Every input is one engine request (a prompt run with nothing sampled); they are admitted together
 and batched by the scheduler like any prompts, so a list of inputs costs about one prefill of their
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import sys
 import time
 import uuid
 
+import ml_dtypes
 import numpy as np
 from aiohttp import web
 
@@ -24,11 +27,12 @@ from server.endpoints import STATE, ServedModel, read_json, served_model
 from infire_jax.structured.tool_prompt import render_inputs
 from server.protocol import bad, parse_messages, template_kwargs
 
-_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
+_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "embed_dtype", "endianness",
                      # vLLM's extensions; the chat form's
                      "truncate_prompt_tokens", "add_special_tokens", "priority", "use_activation", "messages",
                      "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 _CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+_EMBED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 _MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 _INT32 = 2 ** 31
 
@@ -37,9 +41,11 @@ _INT32 = 2 ** 31
 class EmbeddingRequest:
     model: str
     inputs: list[str | list[int]]  # none in the chat form
-    messages: list[dict] | None  # vLLM's chat form: one conversation, through the chat template
+    messages: list[list[dict]] | None  # vLLM's chat form: conversations, each through the chat template
     template_flags: dict  # the chat form's: add_generation_prompt, continue_final_message, chat_template_kwargs
     base64: bool
+    embed_dtype: str  # base64's values: float32, float16 or bfloat16 (vLLM's embed_dtype)
+    endianness: str  # base64's byte order: native, big or little (vLLM's)
     params: PoolingParams
     truncate_prompt_tokens: int | None
     add_special_tokens: bool
@@ -67,6 +73,11 @@ def parse_embedding(body) -> EmbeddingRequest:
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad(f"encoding_format must be 'float' or 'base64', got {fmt!r}", "encoding_format")
+    dtype, order = body.get("embed_dtype", "float32"), body.get("endianness", "native")
+    if dtype not in _EMBED_DTYPES:
+        raise bad(f"embed_dtype must be one of {', '.join(_EMBED_DTYPES)}, got {dtype!r}", "embed_dtype")
+    if order not in ("native", "big", "little"):
+        raise bad(f"endianness must be 'native', 'big' or 'little', got {order!r}", "endianness")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user must be a string", "user")
     dims, activation = body.get("dimensions"), body.get("use_activation")
@@ -83,8 +94,8 @@ def parse_embedding(body) -> EmbeddingRequest:
     priority = body.get("priority", 0)
     if not _is_int(priority) or not -_INT32 <= priority < _INT32:
         raise bad(f"priority must be a 32-bit integer, got {priority!r}", "priority")
-    return EmbeddingRequest(model, inputs, messages, flags, fmt == "base64", PoolingParams(dims, activation), truncate,
-                            special, priority)
+    return EmbeddingRequest(model, inputs, messages, flags, fmt == "base64", dtype, order,
+                            PoolingParams(dims, activation), truncate, special, priority)
 
 
 def _inputs(body: dict) -> list[str | list[int]]:
@@ -109,7 +120,8 @@ def _inputs(body: dict) -> list[str | list[int]]:
 
 
 def _chat_form(body: dict) -> tuple[list, list[dict], dict]:
-    """vLLM's chat form: no input, the messages (text only) and the template's flags, checked."""
+    """vLLM's chat form: no input, the conversations (one, or an array of them; text only) and the
+    template's flags, checked."""
     if "input" in body:
         raise bad("give input or messages (vLLM's chat form), not both", "messages")
     flags = {name: body.get(name, False) for name in _CHAT_FIELDS[:2]}
@@ -119,13 +131,16 @@ def _chat_form(body: dict) -> tuple[list, list[dict], dict]:
     if all(flags.values()):
         raise bad("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
     flags["chat_template_kwargs"] = template_kwargs(body.get("chat_template_kwargs"))
-    return [], parse_messages(body["messages"]), flags
+    raw = body["messages"]
+    batched = isinstance(raw, list) and bool(raw) and all(isinstance(c, list) for c in raw)
+    if batched and len(raw) > _MAX_INPUTS:
+        raise bad(f"messages may hold at most {_MAX_INPUTS} conversations, got {len(raw)}", "messages")
+    return [], [parse_messages(c) for c in raw] if batched else [parse_messages(raw)], flags
 
 
-def _render(m: ServedModel, req: EmbeddingRequest) -> str:
-    flags = req.template_flags
+def _render(m: ServedModel, conversation: list[dict], flags: dict) -> str:
     try:
-        messages, extra = render_inputs(m.tokenizer.chat_template, req.messages, None)
+        messages, extra = render_inputs(m.tokenizer.chat_template, conversation, None)
         return m.tokenizer.apply_chat_template(messages, add_generation_prompt=flags["add_generation_prompt"],
                                                continue_final_message=flags["continue_final_message"],
                                                **{**flags["chat_template_kwargs"], **extra})
@@ -134,7 +149,7 @@ def _render(m: ServedModel, req: EmbeddingRequest) -> str:
 
 
 def _prompts(m: ServedModel, req: EmbeddingRequest) -> list[list[int]]:
-    inputs = [_render(m, req)] if req.messages is not None else req.inputs
+    inputs = req.inputs if req.messages is None else [_render(m, c, req.template_flags) for c in req.messages]
     prompts = [m.tokenizer.encode(x, add_special_tokens=req.add_special_tokens) if isinstance(x, str) else x
                for x in inputs]
     return checked_prompts(m, prompts, req.truncate_prompt_tokens, "input")
@@ -171,9 +186,15 @@ async def embed(request: web.Request, m: ServedModel, lora: str | None, prompts:
     return vectors
 
 
-def _encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:
-    """OpenAI's forms: a list of floats, or base64 of the little-endian float32 values."""
-    return base64.b64encode(vector.astype("<f4").tobytes()).decode() if as_base64 else vector.tolist()
+def _encoded(vector: np.ndarray, req: EmbeddingRequest) -> list[float] | str:
+    """OpenAI's forms: a list of floats, or base64 of the values' bytes (float32 in this machine's
+    byte order, as OpenAI's client reads them; vLLM's embed_dtype and endianness choose others)."""
+    if not req.base64:
+        return vector.tolist()
+    values = vector.astype(_EMBED_DTYPES[req.embed_dtype])
+    if req.endianness not in ("native", sys.byteorder):
+        values = values.byteswap()
+    return base64.b64encode(values.tobytes()).decode()
 
 
 async def embeddings(request: web.Request) -> web.Response:
@@ -185,6 +206,6 @@ async def embeddings(request: web.Request) -> web.Response:
     tokens = sum(len(p) for p in prompts)
     return web.json_response({
         "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": req.model,
-        "data": [{"index": i, "object": "embedding", "embedding": _encoded(v, req.base64)}
+        "data": [{"index": i, "object": "embedding", "embedding": _encoded(v, req)}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

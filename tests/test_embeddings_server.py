@@ -9,6 +9,7 @@ import json
 import urllib.error
 import urllib.request
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -53,6 +54,14 @@ def test_embeddings_of_every_input_form(smol_server, hf_smol, tok):
     assert status == 200, one
     decoded = np.frombuffer(base64.b64decode(one["data"][0]["embedding"]), "<f4")
     np.testing.assert_array_equal(decoded, np.asarray(out["data"][1]["embedding"], np.float32))
+    want = np.asarray(out["data"][1]["embedding"], np.float32)
+    for dtype, order, read in (("float16", "big", ">f2"), ("bfloat16", "little", ml_dtypes.bfloat16),
+                               ("float32", "native", "=f4")):
+        status, got = post(smol_server, {"model": MODEL, "input": ids, "encoding_format": "base64",
+                                         "embed_dtype": dtype, "endianness": order})
+        assert status == 200, got
+        values = np.frombuffer(base64.b64decode(got["data"][0]["embedding"]), read)
+        np.testing.assert_array_equal(values, want.astype(read))
 
 
 def test_vllm_fields(smol_server, hf_smol, tok):
@@ -81,6 +90,12 @@ def test_chat_form(smol_server, hf_smol, tok):
         ids = tok.encode(text, add_special_tokens=False)
         assert out["usage"]["prompt_tokens"] == len(ids) and len(out["data"]) == 1
         np.testing.assert_allclose(out["data"][0]["embedding"], hf_last(hf_smol, ids), atol=2e-6)
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    status, out = post(smol_server, {"model": MODEL, "messages": [messages, other]})  # the batched form
+    assert status == 200 and [d["index"] for d in out["data"]] == [0, 1]
+    for d, conversation in zip(out["data"], (messages, other)):
+        ids = tok.encode(tok.apply_chat_template(conversation, add_generation_prompt=False), add_special_tokens=False)
+        np.testing.assert_allclose(d["embedding"], hf_last(hf_smol, ids), atol=2e-6)
 
 
 def post_to(url: str, path: str, body: dict) -> tuple[int, dict]:
@@ -157,6 +172,9 @@ def test_scoring_bad_requests(smol_server, path, body, param):
     ({"model": MODEL, "input": "word " * 1100}, "input", 400),  # over max_model_len
     ({"model": MODEL, "input": "a", "messages": [{"role": "user", "content": "a"}]}, "messages", 400),
     ({"model": MODEL, "messages": []}, "messages", 400),
+    ({"model": MODEL, "messages": [[]]}, "messages", 400),
+    ({"model": MODEL, "input": "a", "embed_dtype": "fp8_e4m3"}, "embed_dtype", 400),
+    ({"model": MODEL, "input": "a", "endianness": "middle"}, "endianness", 400),
     ({"model": MODEL, "input": "a", "add_generation_prompt": True}, "add_generation_prompt", 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"messages": 1}},
      "chat_template_kwargs.messages", 400),

@@ -237,8 +237,9 @@ def test_sessions_stick_to_one_replica_and_hit_its_cache(fleet):
 
 
 def test_embeddings_through_both_routers(fleet):
-    """The workers run `--runner pooling`: /v1/embeddings through either router equals B's own answer
-    (never disaggregated: the decode worker computes the inputs itself, P takes no request)."""
+    """The workers run `--runner pooling`: /v1/embeddings, /score and /rerank through either router
+    equal B's own answers (never disaggregated: the decode worker computes the inputs itself, P takes
+    no request)."""
     body = {"model": MODEL, "input": [SENTENCE * 3, PROMPTS[3]]}
     status, want, _ = post(fleet["B"].url, body, path="/v1/embeddings")
     assert status == 200, want
@@ -250,9 +251,21 @@ def test_embeddings_through_both_routers(fleet):
         assert got["usage"] == want["usage"]
         for g, w in zip(got["data"], want["data"]):
             np.testing.assert_allclose(g["embedding"], w["embedding"], atol=2e-6)
-    assert fleet["P"].metrics()["infire:prompt_tokens_total"] == prefilled
     status, out, _ = post(fleet["replicas"].url, {"model": MODEL, "input": []}, path="/v1/embeddings")
     assert status == 400 and out["error"]["param"] == "input"
+    query = {"model": MODEL, "query": "What did Gutenberg build?", "documents": [SENTENCE, "Bananas are yellow."]}
+    status, want, _ = post(fleet["B"].url, query, path="/rerank")
+    assert status == 200, want
+    for router in ("replicas", "disagg"):
+        status, got, _ = post(fleet[router].url, query, path="/v1/rerank")
+        assert status == 200 and [r["index"] for r in got["results"]] == [r["index"] for r in want["results"]]
+        status, scored, _ = post(fleet[router].url, {"model": MODEL, "text_1": query["query"],
+                                                     "text_2": query["documents"]}, path="/score")
+        assert status == 200, scored
+        np.testing.assert_allclose([d["score"] for d in scored["data"]],
+                                   [r["relevance_score"] for r in sorted(want["results"], key=lambda r: r["index"])],
+                                   atol=2e-6)
+    assert fleet["P"].metrics()["infire:prompt_tokens_total"] == prefilled
 
 
 def test_tenants_stay_apart_across_the_fleet(fleet):

@@ -250,6 +250,13 @@ def test_prompt_counts():
     assert route_key("chat", {"messages": [{"role": "user", "content": "a"}] * 3}).prompts == 1
     # A batch is keyed by its first prompt: it matches that prompt sent alone.
     assert route_key("completions", {"prompt": [LONG, "x"]}).chain == route_key("completions", {"prompt": LONG}).chain
+    # Embeddings, scores and reranks: every text is a prompt, the first (the query) keys the request.
+    assert route_key("embeddings", {"input": [LONG, "x"]}).chain == route_key("completions", {"prompt": LONG}).chain
+    rerank = route_key("rerank", {"query": LONG, "documents": ["a" * 40, "b" * 40]})
+    assert rerank.prompts == 3 and rerank.tokens == estimate_prompt_tokens("completions", {"prompt": LONG}) + 20
+    assert rerank.chain == route_key("completions", {"prompt": LONG}).chain
+    score = route_key("score", {"queries": "q" * 8, "documents": ["a" * 40, "b" * 40]})
+    assert score.prompts == 3 and score.tokens == 2 + 20
 
 
 def test_chat_prompt_estimates():
