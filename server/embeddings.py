@@ -22,9 +22,9 @@ from aiohttp import web
 
 from infire_jax.errors import InvalidRequestError
 from infire_jax.pooling.config import REMOVED_NORMALIZE, PoolingParams
+from infire_jax.structured.tool_prompt import render_inputs
 from server.auth import TENANT
 from server.endpoints import STATE, ServedModel, read_json, served_model
-from infire_jax.structured.tool_prompt import render_inputs
 from server.protocol import bad, parse_messages, template_kwargs
 
 _FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "embed_dtype", "endianness",
@@ -54,6 +54,14 @@ class EmbeddingRequest:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def checked_priority(body: dict) -> int:
+    """vLLM's `priority` (lower runs first), a 32-bit integer."""
+    priority = body.get("priority", 0)
+    if not _is_int(priority) or not -_INT32 <= priority < _INT32:
+        raise bad(f"priority must be a 32-bit integer, got {priority!r}", "priority")
+    return priority
 
 
 def parse_embedding(body) -> EmbeddingRequest:
@@ -91,11 +99,8 @@ def parse_embedding(body) -> EmbeddingRequest:
     special = body.get("add_special_tokens", messages is None)  # vLLM's defaults: the template writes them
     if not isinstance(special, bool):
         raise bad(f"add_special_tokens must be true or false, got {special!r}", "add_special_tokens")
-    priority = body.get("priority", 0)
-    if not _is_int(priority) or not -_INT32 <= priority < _INT32:
-        raise bad(f"priority must be a 32-bit integer, got {priority!r}", "priority")
     return EmbeddingRequest(model, inputs, messages, flags, fmt == "base64", dtype, order,
-                            PoolingParams(dims, activation), truncate, special, priority)
+                            PoolingParams(dims, activation), truncate, special, checked_priority(body))
 
 
 def _inputs(body: dict) -> list[str | list[int]]:
@@ -181,8 +186,8 @@ async def embed(request: web.Request, m: ServedModel, lora: str | None, prompts:
             async for batch in stream:
                 for i, d in batch:
                     vectors[i] = d.embedding
-    except InvalidRequestError as e:  # the engine's checks (no pooling runner, dimensions)
-        raise bad(str(e), param if e.param == "prompt" else e.param) from e
+    except InvalidRequestError as e:  # the engine's checks (no pooling runner, dimensions; too many inputs)
+        raise bad(str(e), param if e.param in ("prompt", "n") else e.param) from e
     return vectors
 
 

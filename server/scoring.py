@@ -15,7 +15,7 @@ from aiohttp import web
 from infire_jax.errors import InvalidRequestError
 from infire_jax.pooling.config import PoolingParams
 from infire_jax.pooling.scoring import cosine_scores, pairs
-from server.embeddings import checked_prompts, embed
+from server.embeddings import checked_priority, checked_prompts, embed
 from server.endpoints import STATE, read_json, served_model
 from server.protocol import bad
 
@@ -40,15 +40,13 @@ def _common(body, allowed: frozenset[str]) -> dict:
         raise bad(f"unknown field(s) {', '.join(unknown)}", unknown[0])
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise bad("model is required (a served model's name)", "model")
-    truncate, priority = body.get("truncate_prompt_tokens"), body.get("priority", 0)
+    truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and (type(truncate) is not int or not (truncate == -1 or truncate >= 1)):
         raise bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {truncate!r}", "truncate_prompt_tokens")
-    if type(priority) is not int:
-        raise bad(f"priority must be an integer, got {priority!r}", "priority")
     for name in ("use_activation", "add_special_tokens"):
         if not isinstance(body.get(name, True), bool):
             raise bad(f"{name} must be true or false", name)
-    return dict(model=body["model"], truncate=truncate, priority=priority,
+    return dict(model=body["model"], truncate=truncate, priority=checked_priority(body),
                 special=body.get("add_special_tokens", True))
 
 

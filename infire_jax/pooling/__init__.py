@@ -1,1 +1,2 @@
-"""Embeddings from a causal LM (vLLM's pooling runner): settings (config.py) and the host side of a step (plan.py)."""
+"""Embeddings from a causal LM (vLLM's pooling runner): settings (config.py), the host side of a step
+(plan.py), and pairs' scores from embeddings (scoring.py)."""

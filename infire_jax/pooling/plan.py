@@ -8,7 +8,9 @@ and, once its last chunk is back, `embedding` finishes it: a mean divides, `dime
 matryoshka prefix, `use_activation` scales to unit length (in that order, as vLLM's pooler head does).
 
 Positions a dispatched step already pooled (`Request.pool_next`) are never weighed again, so a
-prompt computed again after a preemption adds nothing twice.
+prompt computed again after a preemption adds nothing twice. MEAN and CLS take no prefix-cache hit
+past that position (`Request.first_unscored`); LAST takes any, as a step always computes the last
+prompt token.
 """
 
 from __future__ import annotations
