@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
 import signal
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Callable
 
@@ -20,6 +22,16 @@ from prometheus_client.parser import text_string_to_metric_families
 MODEL = "SmolLM2-135M-Instruct"
 _READY_TIMEOUT_S = 600  # a first start compiles every bucket; later starts hit the on-disk cache
 
+
+
+def post_json(url: str, path: str, body: dict) -> tuple[int, dict]:
+    """POSTs `body` to a server; (status, its JSON answer), an error's too."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
 
 class ServerProcess:
     """One server on a free port (`--port 0`; the ready line names the port). `command` "router"

@@ -5,7 +5,6 @@ engine (float32). Prompt values are checked against HF transformers on the same 
 from __future__ import annotations
 
 import json
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -13,19 +12,11 @@ import pytest
 import torch
 
 from server_utils import MODEL
+from server_utils import post_json as post
 
 TEXT = ("The licenses for most software and other practical works are designed to take away your freedom "
         "to share and change the works.")
 OTHER = "By contrast, the GNU General Public License is intended to guarantee your freedom."
-
-
-def post(url: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
 
 
 def streamed(url: str, body: dict) -> list[dict]:

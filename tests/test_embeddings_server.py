@@ -1,31 +1,24 @@
-"""`POST /v1/embeddings` on the server's app over the shared small engine (runner="pooling"): OpenAI's
-response for every input form, base64, vLLM's truncation, against HF transformers on the same
-weights; and the 400s, after which the server still answers and holds nothing."""
+"""`POST /v1/embeddings`, `/score` and `/rerank` on the server's app over the shared small engine
+(runner="pooling"): OpenAI's response for every input form and vLLM's chat form, base64 in each
+dtype and byte order, vLLM's truncation, scores and rerank order, all against HF transformers on the
+same weights; and the 400s, after which the server still answers and holds nothing."""
 
 from __future__ import annotations
 
 import base64
-import json
-import urllib.error
-import urllib.request
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
-from server_utils import MODEL
+from server_utils import MODEL, post_json
 
 TEXT = "The licenses for most software are designed to take away your freedom to share and change the works."
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + "/v1/embeddings", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
+    return post_json(url, "/v1/embeddings", body)
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +91,6 @@ def test_chat_form(smol_server, hf_smol, tok):
         np.testing.assert_allclose(d["embedding"], hf_last(hf_smol, ids), atol=2e-6)
 
 
-def post_to(url: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
-
-
 DOCS = ["Paris is the capital and largest city of France.", "Bananas are a yellow fruit.",
         "France's capital city is Paris."]
 
@@ -117,23 +101,23 @@ def test_score_and_rerank(smol_server, hf_smol, tok):
     want = [float(hf_last(hf_smol, tok.encode(query)) @ hf_last(hf_smol, tok.encode(d))) for d in DOCS]
     tokens = len(tok.encode(query)) + sum(len(tok.encode(d)) for d in DOCS)
     for path, sides in (("/score", ("text_1", "text_2")), ("/v1/score", ("queries", "documents"))):
-        status, out = post_to(smol_server, path, {"model": MODEL, sides[0]: query, sides[1]: DOCS})
+        status, out = post_json(smol_server, path, {"model": MODEL, sides[0]: query, sides[1]: DOCS})
         assert status == 200, out
         assert [d["index"] for d in out["data"]] == [0, 1, 2] and {d["object"] for d in out["data"]} == {"score"}
         np.testing.assert_allclose([d["score"] for d in out["data"]], want, atol=2e-6)
         assert out["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
-    status, pair = post_to(smol_server, "/score", {"model": MODEL, "data_1": [query, DOCS[1]], "data_2": DOCS[:2]})
+    status, pair = post_json(smol_server, "/score", {"model": MODEL, "data_1": [query, DOCS[1]], "data_2": DOCS[:2]})
     assert status == 200 and len(pair["data"]) == 2
     np.testing.assert_allclose(pair["data"][0]["score"], want[0], atol=2e-6)
     order = sorted(range(3), key=lambda i: -want[i])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        status, out = post_to(smol_server, path, {"model": MODEL, "query": query, "documents": DOCS, "top_n": 2})
+        status, out = post_json(smol_server, path, {"model": MODEL, "query": query, "documents": DOCS, "top_n": 2})
         assert status == 200, out
         assert [r["index"] for r in out["results"]] == order[:2]
         assert [r["document"]["text"] for r in out["results"]] == [DOCS[i] for i in order[:2]]
         np.testing.assert_allclose([r["relevance_score"] for r in out["results"]], [want[i] for i in order[:2]],
                                    atol=2e-6)
-    status, out = post_to(smol_server, "/rerank", {"model": MODEL, "query": query, "documents": DOCS})
+    status, out = post_json(smol_server, "/rerank", {"model": MODEL, "query": query, "documents": DOCS})
     assert status == 200 and len(out["results"]) == 3 and out["usage"]["prompt_tokens"] == tokens
 
 
@@ -150,7 +134,7 @@ def test_score_and_rerank(smol_server, hf_smol, tok):
     ("/rerank", {"model": MODEL, "query": "q", "documents": ["word " * 1100]}, "documents"),
 ])
 def test_scoring_bad_requests(smol_server, path, body, param):
-    status, out = post_to(smol_server, path, body)
+    status, out = post_json(smol_server, path, body)
     assert status == 400, out
     assert out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error"
 

@@ -115,6 +115,11 @@ CHECKS = (
     Check("throughput-c64", 240, ("infire_jax.bench", "throughput", *LLAMA, "--input-len", "1000", "--output-len",
                                   "1000", "--num-prompts", "128", "--max-concurrency", "64",
                                   "--num-warmup-prompts", "16")),
+    # Embeddings (the pooling runner): 256 inputs of 512 tokens on the 8B's shapes, with the compare's
+    # b1 / b64 decode and a 2048-token prefill beside them; never run on a GPU yet.
+    Check("embeddings-8b", 240, ("infire_jax.bench", "compare", "--skip-peer", *LLAMA, "--batch-sizes", "1", "64",
+                                 "--new-tokens", "64", "--prefill-len", "2048", "--max-model-len", "4096",
+                                 "--embed-inputs", "256", "--embed-len", "512")),
     # Section 4: memory on a shared or multi-model GPU (GPU.md: the swap ran out of memory and hung;
     # the fleet files did not start).
     Check("swap-8b-1b", 180, SWAP),
