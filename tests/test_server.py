@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 
@@ -453,6 +454,38 @@ def test_disconnect_aborts_and_frees_pages(main):
                    f"{scenario.__name__}: the aborted request to free its pages")
     generated = main.metrics()["infire:generation_tokens_total"] - idle["infire:generation_tokens_total"]
     assert 3 <= generated < 900  # both were cut off long before max_tokens
+
+
+def test_openai_client_embeddings(client):
+    """The OpenAI client's embeddings call (it asks for base64 and decodes float32 itself) against the
+    server's float form (the shared flags run --runner pooling)."""
+    texts = ["The capital of France is Paris.", "Bananas are yellow."]
+    got = client.embeddings.create(model=MODEL, input=texts)
+    floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens == floats.usage.prompt_tokens > 0
+    for a, b in zip(got.data, floats.data):
+        assert len(a.embedding) == 576 and abs(np.linalg.norm(a.embedding) - 1) < 1e-5
+        np.testing.assert_array_equal(np.float32(a.embedding), np.float32(b.embedding))
+
+
+def test_embeddings_disconnect_aborts_and_frees_pages(main):
+    """A client that leaves before its embeddings are done: every input is aborted and its pages freed."""
+    idle = main.metrics()
+    body = {"model": MODEL, "input": [f"{i}: " + "Write a very long story about a dragon. " * 60 for i in range(64)]}
+
+    async def leave() -> None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY_A}"}) as s:
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.post(main.url + "/v1/embeddings", json=body,
+                                  timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                    await r.read()
+
+    asyncio.run(leave())
+    assert main.metrics()["infire:prompt_tokens_total"] > idle["infire:prompt_tokens_total"]  # admitted
+    # Run to the end, the 35k tokens (no shared prefix) would take minutes in this server's 64-token steps.
+    wait_until(lambda: (m := main.metrics())["infire:num_requests_running"] == 0 and m["infire:num_requests_waiting"] == 0
+               and m["infire:kv_cache_usage_perc"] == idle["infire:kv_cache_usage_perc"], 10,
+               "the aborted embeddings to free their pages")
 
 
 def test_preemption_completes_every_request(small):
