@@ -108,6 +108,20 @@ def test_smollm2_adapters_match_peft(smol):
         _assert_matches_peft(peft_model, name, prompt, out.token_ids, _logprobs(out))
 
 
+def test_embeddings_through_adapters_match_peft(smol):
+    """Embeddings (the shared flags run the pooling runner) through an adapter are PEFT's last hidden
+    state at the prompt's last token, normalised; the base model's row in the same batch is its own."""
+    llm, peft_model, requests = smol
+    short, long = _prompts(llm)
+    outs = llm.embed([long, short, short], lora_request=[requests["r8"], requests["r64"], None])
+    for (adapter, prompt), out in zip((("r8", long), ("r64", short), (None, short)), outs):
+        if adapter is not None:
+            peft_model.set_adapter(adapter)
+        with torch.no_grad(), peft_model.disable_adapter() if adapter is None else contextlib.nullcontext():
+            h = peft_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1].double().numpy()
+        np.testing.assert_allclose(out.outputs.embedding, h / np.linalg.norm(h), atol=1e-5)
+
+
 def test_mixed_batch_rows_equal_alone(smol):
     """Three adapters and the base model in one batch: row i is bitwise what it is in a batch of the
     same shape whose every row runs row i's adapter (no row's adapter reaches another row), and what
