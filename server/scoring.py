@@ -22,6 +22,7 @@ from server.protocol import bad
 _COMMON = frozenset({"model", "user", "truncate_prompt_tokens", "priority", "use_activation", "add_special_tokens"})
 # vLLM's names for the two sides of /score, any one pair of them
 _SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+_SIDE_NAMES = frozenset(name for side in _SIDES for name in side)
 
 
 def _texts(value, param: str) -> list[str]:
@@ -60,9 +61,9 @@ async def _embed_texts(request: web.Request, c: dict, texts: list[str], param: s
 
 async def score(request: web.Request) -> web.Response:
     body = await read_json(request)
-    c = _common(body, frozenset(name for side in _SIDES for name in side))
+    c = _common(body, _SIDE_NAMES)
     named = [side for side in _SIDES if side[0] in body and side[1] in body]
-    if len(named) != 1 or sum(name in body for name in {n for side in _SIDES for n in side}) != 2:
+    if len(named) != 1 or len(_SIDE_NAMES & set(body)) != 2:
         raise bad("give the two sides as one of " + ", ".join(f"{a}/{b}" for a, b in _SIDES), "text_1")
     (a, b), = named
     first, second = _texts(body[a], a), _texts(body[b], b)
