@@ -19,13 +19,13 @@ import pytest
 
 from bad_requests import BAD_BODIES, BASE, CMPL, DROP
 from conftest import engine_flags
-from server_utils import MODEL, ServerProcess, wait_until
+from server_utils import MODEL, ServerProcess, post_json, wait_until
 
 KEY_A, KEY_B = "sk-alpha-0123", "sk-beta-4567"
 # `main` runs the suite's small engine (conftest.engine_flags): it loads the programs `smol_llm` compiled.
 MAIN_ARGS = [*engine_flags(), "--api-key", f"{KEY_A}:alpha", "--api-key", f"{KEY_B}:beta", "--max-queue", "64"]
-# 23 usable pages of 16 tokens; 8 running sequences + 4 queued at most.
-SMALL_ARGS = [*engine_flags(max_model_len=256, num_kv_pages=24), "--max-queue", "4"]
+# 23 usable pages of 16 tokens; 8 running sequences + 4 queued at most; the generate runner (no embeddings).
+SMALL_ARGS = [*engine_flags(max_model_len=256, num_kv_pages=24, runner="generate"), "--max-queue", "4"]
 PAGE = 16
 LONG_TEXT = ("The history of the printing press begins with movable type in East Asia and continues with "
              "Gutenberg's press in Mainz around 1440, which spread across Europe within a few decades. ")
@@ -466,6 +466,14 @@ def test_openai_client_embeddings(client):
     for a, b in zip(got.data, floats.data):
         assert len(a.embedding) == 576 and abs(np.linalg.norm(a.embedding) - 1) < 1e-5
         np.testing.assert_array_equal(np.float32(a.embedding), np.float32(b.embedding))
+
+
+def test_generate_runner_refuses_embeddings(small):
+    for path, body, param in (("/v1/embeddings", {"input": "a"}, "input"),
+                              ("/rerank", {"query": "q", "documents": ["a"]}, "documents")):
+        status, out = post_json(small.url, path, {"model": MODEL, **body})
+        assert status == 400 and out["error"]["param"] == param
+        assert "start it with runner='pooling'" in out["error"]["message"]
 
 
 def test_embeddings_disconnect_aborts_and_frees_pages(main):

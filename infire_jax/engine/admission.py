@@ -20,7 +20,7 @@ def pooling_run(params: PoolingParams, pooler: PoolerConfig | None, model_name: 
     """An embedding request runs its prompt and samples nothing (infire_jax/pooling/)."""
     if pooler is None:
         raise InvalidRequestError(f"{model_name} serves no embeddings: start it with runner='pooling' "
-                                  "(--runner pooling)", param="input")
+                                  "(--runner pooling)", param="prompt")
     params.check(pooler, hidden_size)
     return SamplingParams(max_tokens=0)
 
