@@ -16,7 +16,8 @@ from infire_jax.sample.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from infire_jax.structured.matcher import token_bitmask
 
 
-def pooling_run(params: PoolingParams, pooler: PoolerConfig | None, model_name: str, hidden_size: int) -> SamplingParams:
+def pooling_run(params: PoolingParams, pooler: PoolerConfig | None, model_name: str,
+                hidden_size: int) -> SamplingParams:
     """An embedding request runs its prompt and samples nothing (infire_jax/pooling/)."""
     if pooler is None:
         raise InvalidRequestError(f"{model_name} serves no embeddings: start it with runner='pooling' "

@@ -359,7 +359,8 @@ class Engine:
         self.scheduler.finish(req, Status.FINISHED_LENGTH)
         self._forget(req)
         p = req.pooling
-        pooled = embedding(req.pooled, req.num_prompt_tokens, self.pooler, p.dimensions, p.use_activation) if p else None
+        pooled = None if p is None else embedding(req.pooled, req.num_prompt_tokens, self.pooler, p.dimensions,
+                                                  p.use_activation)
         return Delta(req.parent_id, req.index, [], "", None, Status.FINISHED_LENGTH.value, None,
                      req.num_prompt_tokens, req.num_cached_tokens, self._take_prompt_logprobs(req), pooled)
 
