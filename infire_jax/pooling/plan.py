@@ -31,6 +31,8 @@ class PoolingPlan(NamedTuple):
 
 def plan_pooling(seqs: list[ScheduledSeq], num_tokens: int) -> PoolingPlan | None:
     """The weights of this step's tokens (a bucket of `num_tokens`), or None when no row pools."""
+    if all(sq.req.pooling is None for sq in seqs):  # most steps, decode ones included: no arrays built
+        return None
     rows, offset = [], 0
     weights = np.zeros(num_tokens, np.float32)
     token_rows = np.zeros(num_tokens, np.int32)
