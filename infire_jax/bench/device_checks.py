@@ -109,6 +109,11 @@ CHECKS = (
     Check("gpt-oss-120b-mxfp4", 300, ("infire_jax.bench", "latency", "--model", "dummy:gpt-oss-120b", "--dtype",
                                       "bfloat16", "--weights-quantization", "checkpoint", "--input-len", "2048",
                                       "--output-len", "128", "--batch-size", "1", "64")),
+    # Gemma 3 27b (the published shapes, random weights): five 1024-token windows to one global layer on
+    # the hybrid KV cache, each kind its own RoPE; never run on a GPU yet.
+    Check("gemma3-27b", 240, ("infire_jax.bench", "latency", "--model", "dummy:gemma-3-27b", "--dtype", "bfloat16",
+                              "--input-len", "4096", "--output-len", "128", "--max-model-len", "4352",
+                              "--batch-size", "1", "32")),
     Check("kimi-layer-int4", 240, ("infire_jax.bench", "latency", "--model", "dummy:kimi-k2.5,layers=2", "--dtype",
                                    "bfloat16", "--weights-quantization", "int4", "--input-len", "512",
                                    "--output-len", "128", "--batch-size", "1", "64")),

@@ -45,6 +45,13 @@ _GPT_OSS = dict(
     quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
 
+# Gemma 3's language models (models/gemma3.py): five windowed layers to one global, the published text
+# configs' fields (the others are Gemma3TextConfig's defaults: sliding_window_pattern 6, RoPE bases 1e6
+# and 1e4); 4b and up scale the global layers' RoPE linearly by 8.
+_GEMMA3 = dict(model_type="gemma3_text", vocab_size=262208, head_dim=256, query_pre_attn_scalar=256,
+               sliding_window=1024, max_position_embeddings=131072, rope_scaling={"rope_type": "linear", "factor": 8.0},
+               rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=[1, 106])
+
 # The published HF config.json values of each model (only the fields we read).
 CONFIGS: dict[str, dict] = {
     "llama-3.1-8b": dict(
@@ -115,6 +122,15 @@ CONFIGS: dict[str, dict] = {
         text_config=dict(_LLAMA4_TEXT, num_local_experts=128, interleave_moe_layer_step=2,
                          moe_layers=list(range(1, 48, 2)), use_qk_norm=False, max_position_embeddings=1048576,
                          rope_scaling=None)),
+    "gemma-3-1b": dict(_GEMMA3, vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, sliding_window=512, rope_scaling=None,
+                       max_position_embeddings=32768),
+    "gemma-3-4b": dict(_GEMMA3, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                       num_attention_heads=8, num_key_value_heads=4),
+    "gemma-3-12b": dict(_GEMMA3, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                        num_attention_heads=16, num_key_value_heads=8),
+    "gemma-3-27b": dict(_GEMMA3, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
     "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }

@@ -43,5 +43,8 @@ class LoRAConfig:
         if cfg.gpt_oss is not None:
             raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on gpt-oss "
                               "(its layers are models/gpt_oss.py's, which take no adapter yet)")
+        if cfg.gemma3 is not None:
+            raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on Gemma 3 "
+                              "(its layers are models/gemma3.py's, which take no adapter yet)")
         if multiprocess:
             raise ConfigError("LoRA adapters are not supported across several processes yet")

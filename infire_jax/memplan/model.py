@@ -112,7 +112,7 @@ def _llama4_tensors(cfg: ModelConfig) -> list[Tensor]:
 
 def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
     """The engine's own tensors (models/llama.py `DecoderLayers`, `Llama`; models/llama4.py's two stacks;
-    models/gpt_oss.py's one) for an effective config."""
+    models/gpt_oss.py's and models/gemma3.py's one) for an effective config."""
     if cfg.llama4 is not None:
         return _llama4_tensors(cfg)
     n, e, hkv, d, hq = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
@@ -122,6 +122,9 @@ def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
         t.append(Tensor("bqkv", "attention", (n, hkv, g + 2, d), ("layers", "kv_heads", "qkv", "head_dim"), False))
     if cfg.qk_norm:
         t += [Tensor(k, "attention", (n, d), ("layers", "norm"), False) for k in ("q_norm", "k_norm")]
+    if cfg.gemma3 is not None:  # models/gemma3.py's sandwich norms
+        t += [Tensor(k, "attention" if k == "post_attn_norm" else "shared", (n, e), ("layers", "norm"), False)
+              for k in ("post_attn_norm", "post_mlp_norm")]
     if cfg.gpt_oss is not None:  # models/gpt_oss.py's o bias, sinks, router and expert biases
         x, f = cfg.num_experts, cfg.moe_intermediate_size
         t += [Tensor("bo", "attention", (n, e), ("layers", "norm"), False),

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from infire_jax.errors import UnsupportedModelError
 
 # The architecture families a ModelConfig may name (models/registry.py builds each).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,17 @@ class GptOssConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gemma3Config:
+    """What sets Gemma 3's decoder apart (models/gemma3_config.py parses it, models/gemma3.py runs it):
+    attention scaled by `query_pre_attn_scalar` ** -0.5 rather than head_dim's, and the windowed layers'
+    own RoPE base (ModelConfig.rope_theta and rope_scaling are the global layers'). Its other traits
+    (sandwich norms, the embedding scaled by sqrt(hidden), GELU-tanh MLP) hold for every Gemma 3."""
+
+    query_pre_attn_scalar: float = 256.0
+    local_rope_theta: float = 10000.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -125,6 +136,8 @@ class ModelConfig:
     llama4: Llama4Config | None = None
     # gpt-oss (architecture "gpt_oss"; models/gpt_oss_config.py parses and checks it).
     gpt_oss: GptOssConfig | None = None
+    # Gemma 3 (architecture "gemma3"; models/gemma3_config.py parses and checks it).
+    gemma3: Gemma3Config | None = None
     # Chunked and sliding-window attention: each layer's (chunk C, window W), as LocalMask in
     # pallas_kernels/metadata.py reads them (C > 0: the query at p sees keys [C*floor(p/C), p]; W > 0:
     # keys [p-W+1, p]; (0, 0): a global layer). Empty: every layer is global.
@@ -153,6 +166,8 @@ class ModelConfig:
             raise UnsupportedModelError("a llama4 config needs its Llama4Config, with a RoPE flag for each layer")
         if (self.gpt_oss is not None) != (self.architecture == "gpt_oss"):
             raise UnsupportedModelError("a gpt_oss config needs its GptOssConfig, and only it has one")
+        if (self.gemma3 is not None) != (self.architecture == "gemma3"):
+            raise UnsupportedModelError("a gemma3 config needs its Gemma3Config, and only it has one")
         if self.local_attention and (len(self.local_attention) != self.num_layers or any(
                 len(lw) != 2 or min(lw) < 0 for lw in self.local_attention)):
             raise UnsupportedModelError(
@@ -179,6 +194,8 @@ class ModelConfig:
             d["llama4"] = Llama4Config(**{**d["llama4"], "rope_layers": tuple(d["llama4"]["rope_layers"])})
         if d.get("gpt_oss") is not None:
             d["gpt_oss"] = GptOssConfig(**d["gpt_oss"])
+        if d.get("gemma3") is not None:
+            d["gemma3"] = Gemma3Config(**d["gemma3"])
         return cls(**d)
 
     def param_count(self) -> int:
@@ -197,7 +214,7 @@ class ModelConfig:
             mlp = self.num_experts * 3 * e * self.moe_intermediate_size + e * self.num_experts
         else:
             mlp = 3 * e * self.intermediate_size
-        norms = 2 * e + (2 * hd if self.qk_norm else 0)
+        norms = (4 if self.gemma3 else 2) * e + (2 * hd if self.qk_norm else 0)  # Gemma 3: sandwich norms
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.num_layers * (attn + mlp + norms) + self.vocab_size * e + head + e
 

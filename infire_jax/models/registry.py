@@ -15,6 +15,7 @@ from infire_jax.compression.resident import ResidentLayout, compress_resident
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek import DeepseekV3
+from infire_jax.models.gemma3 import Gemma3
 from infire_jax.models.gpt_oss import GptOss
 from infire_jax.models.llama import Llama
 from infire_jax.models.llama4 import Llama4
@@ -26,7 +27,8 @@ from sharding.plan import ShardPlan
 MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llama, "qwen3_moe": Llama,
                  "deepseek_v3": DeepseekV3,  # MLA + DeepSeek MoE (models/deepseek.py)
                  "llama4": Llama4,  # chunked / NoPE attention, interleaved dense and MoE layers (models/llama4.py)
-                 "gpt_oss": GptOss}  # attention sinks, windowed and full layers, clamped-SwiGLU experts (models/gpt_oss.py)
+                 "gpt_oss": GptOss,  # attention sinks, windowed and full layers, clamped-SwiGLU experts (models/gpt_oss.py)
+                 "gemma3": Gemma3}  # windowed and global layers, sandwich norms, GELU MLP (models/gemma3.py)
 
 
 def abstract_model(cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None) -> nnx.Module:

@@ -1,0 +1,70 @@
+"""HF checkpoints of Gemma 3 -> the Gemma3 model's stacked weights (`layers.*`).
+
+Text checkpoints (`Gemma3ForCausalLM`: `model.layers.*`) and the multimodal ones' language model
+(`Gemma3ForConditionalGeneration`, as published: `language_model.model.*`; as transformers 4.52+ saves
+it: `model.language_model.*`). The vision tower and its projector are skipped: images are not served.
+Every norm weight is stored as 1 + w, the factor Gemma's RMSNorm multiplies by (models/gemma3.py).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import numpy as np
+
+from infire_jax.errors import UnsupportedModelError
+from infire_jax.loaders.weights import from_hf_layout, stack_layers
+from infire_jax.models.config import ModelConfig
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
+_PER_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "post_attn_norm",
+              "pre_feedforward_layernorm.weight": "mlp_norm", "post_feedforward_layernorm.weight": "post_mlp_norm",
+              "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+              "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm",
+              "self_attn.k_norm.weight": "k_norm", "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
+              "mlp.down_proj.weight": "w_down"}
+NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm")
+# The multimodal checkpoints' language-model prefixes, as the text model names its tensors.
+_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+             ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_name(name: str) -> str | None:
+    """The text model's name of a checkpoint tensor; None for the vision tower's and projector's."""
+    if name.startswith(_VISION):
+        return None
+    for prefix, text in _PREFIXES:
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
+
+
+def gemma_norm(w: np.ndarray) -> np.ndarray:
+    """1 + w, added in float32 as Gemma's RMSNorm adds it."""
+    return w.astype(np.float32) + 1.0
+
+
+def gemma3_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our parameter paths from the checkpoint's tensor names and float arrays."""
+    per_layer: dict[str, list] = {}
+    weights: dict[str, np.ndarray] = {}
+    for raw, w in tensors:
+        name = text_name(raw)
+        if name is None:
+            continue
+        top = _TOP.get(name)
+        if top is not None:
+            if top != "lm_head" or not cfg.tie_word_embeddings:
+                weights[top] = gemma_norm(w) if top in NORMS else w
+            continue
+        m = _LAYER.fullmatch(name)
+        short = _PER_LAYER.get(m.group(2)) if m else None
+        if short is None or int(m.group(1)) >= cfg.num_layers:
+            raise UnsupportedModelError(f"unexpected weight {raw!r} for Gemma 3 ({cfg.num_layers} layers)")
+        w = gemma_norm(w) if short in NORMS else from_hf_layout(short, w, cfg)
+        per_layer.setdefault(short, [None] * cfg.num_layers)[int(m.group(1))] = w
+    weights.update(stack_layers(per_layer, cfg))
+    return weights
