@@ -118,8 +118,8 @@ def _transformers_4_names(path) -> None:
 
     for file in [f for f in os.listdir(path) if f.endswith(".safetensors")]:
         tensors = load_file(os.path.join(path, file))
-        assert "language_model.model.embed_tokens.weight" in tensors and "vision_tower.head.attention.in_proj_weight" \
-            in tensors
+        assert "language_model.model.embed_tokens.weight" in tensors and any(k.startswith("vision_tower.")
+                                                                             for k in tensors)
         renamed = {k.replace("language_model.model.", "model.language_model.")
                    .replace("vision_tower.", "model.vision_tower.")
                    .replace("multi_modal_projector.", "model.multi_modal_projector."): v for k, v in tensors.items()}

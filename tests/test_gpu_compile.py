@@ -173,6 +173,25 @@ def test_gpt_oss_decode_reads_its_mxfp4_experts_and_attention_in_place(tmp_path,
     assert st.custom_calls.get("__gpu$xla.gpu.triton", 0) >= 2 * program.steps * 5  # qkv, o, 2 experts, attention
 
 
+def test_gemma3_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path):
+    """Gemma 3 27b's shapes, 6 of its layers (five windowed, one global), on one H100: the decode burst
+    copies no weight (q/k/v, o, gate/up and down through the dense Pallas matmul, reading each layer
+    of the stacks in place; its mlp_norm stays out of llama.py's fused residual norm, which adds before
+    norming) and runs no loop inside a layer; the prompt-chunk program compiles too."""
+    from infire_jax.bench import gpu_target, program_stats
+    from infire_jax.engine.setup import EngineConfig
+
+    ec = EngineConfig(model="dummy:gemma-3-27b,layers=6", dtype="bfloat16", token_buckets=(64, 2048),
+                      max_num_seqs=64, max_model_len=8192, num_kv_pages=4096)
+    target = gpu_target.TargetEngine(ec, gpu_target.target("h100"))
+    shapes, layers, _ = target.weights_per_device()
+    programs = {p.name: p for p in target.programs(str(tmp_path), ("burst-greedy", "forward"))}
+    st = program_stats.read_dump(programs["burst-greedy 64 tokens"].dump_dir, shapes, layers)
+    assert st.weight_copies == 0 and st.float32_weights == [], st.weight_copy_ops
+    assert st.loops_in_layer == 0 and 0 < st.launches_per_layer <= 40, st.launches_per_layer
+    assert program_stats.read_dump(programs["forward 2048 tokens"].dump_dir, shapes, layers).launches_per_layer > 0
+
+
 def test_programs_fit_the_card(compiled):
     from infire_jax.bench import gpu_target
 

@@ -1,8 +1,8 @@
 """HF checkpoints of Gemma 3 -> the Gemma3 model's stacked weights (`layers.*`).
 
 Text checkpoints (`Gemma3ForCausalLM`: `model.layers.*`) and the multimodal ones' language model
-(`Gemma3ForConditionalGeneration`, as published: `language_model.model.*`; as transformers 4.52+ saves
-it: `model.language_model.*`). The vision tower and its projector are skipped: images are not served.
+(`Gemma3ForConditionalGeneration`: loaders/weights.py `language_model_name`). The vision tower and its
+projector are skipped: images are not served.
 Every norm weight is stored as 1 + w, the factor Gemma's RMSNorm multiplies by (models/gemma3.py).
 """
 
@@ -14,7 +14,7 @@ from typing import Iterable
 import numpy as np
 
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.loaders.weights import from_hf_layout, stack_layers
+from infire_jax.loaders.weights import from_hf_layout, language_model_name, stack_layers
 from infire_jax.models.config import ModelConfig
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -26,20 +26,6 @@ _PER_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.w
               "self_attn.k_norm.weight": "k_norm", "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
               "mlp.down_proj.weight": "w_down"}
 NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm")
-# The multimodal checkpoints' language-model prefixes, as the text model names its tensors.
-_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-             ("language_model.lm_head.", "lm_head."))
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
-def text_name(name: str) -> str | None:
-    """The text model's name of a checkpoint tensor; None for the vision tower's and projector's."""
-    if name.startswith(_VISION):
-        return None
-    for prefix, text in _PREFIXES:
-        if name.startswith(prefix):
-            return text + name[len(prefix):]
-    return name
 
 
 def gemma_norm(w: np.ndarray) -> np.ndarray:
@@ -52,7 +38,7 @@ def gemma3_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) 
     per_layer: dict[str, list] = {}
     weights: dict[str, np.ndarray] = {}
     for raw, w in tensors:
-        name = text_name(raw)
+        name = language_model_name(raw)
         if name is None:
             continue
         top = _TOP.get(name)

@@ -23,7 +23,7 @@ from infire_jax.loaders.gpt_oss_hf import gpt_oss_weights
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.loaders.kv_scales_hf import is_kv_scale
 from infire_jax.loaders.llama4_hf import llama4_weights
-from infire_jax.loaders.weights import LoadedModel, from_hf_layout, stack_layers
+from infire_jax.loaders.weights import LoadedModel, from_hf_layout, language_model_name, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.hf_config import config_from_hf
 from infire_jax.loaders.tokenizer import Tokenizer
@@ -136,8 +136,9 @@ def llama_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -
     per_layer: dict[str, list] = {}
     experts: dict[str, list[list]] = {}
     weights: dict[str, np.ndarray] = {}
-    for name, w in tensors:
-        if is_kv_scale(name):  # fp8 KV-cache scales: read by the engine, not model weights
+    for raw, w in tensors:
+        name = language_model_name(raw)  # a multimodal checkpoint's text weights (Mistral 3); no vision tower
+        if name is None or is_kv_scale(name):  # fp8 KV-cache scales: read by the engine, not model weights
             continue
         m = _LAYER.fullmatch(name)
         if m:

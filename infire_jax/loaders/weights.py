@@ -45,6 +45,25 @@ class Placed(NamedTuple):
     built_because: str | None  # None when restored from a checkpoint, else why it was (re)built
 
 
+# A multimodal checkpoint's language-model prefixes (as published: `language_model.model.*`; as
+# transformers 4.52 to 4.57 saved it: `model.language_model.*`), as the text model names its tensors,
+# and its vision tower's and projector's, which a text model skips.
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_name(name: str) -> str | None:
+    """The text model's name of a checkpoint tensor (a text checkpoint's as it is); None for a
+    multimodal checkpoint's vision tower and projector (Gemma 3's, Mistral 3's)."""
+    if name.startswith(_VISION):
+        return None
+    for prefix, text in _LANGUAGE_MODEL:
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
+
+
 def stack_layers(per_layer: Mapping[str, list[np.ndarray | None]], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Stacks each per-layer weight along a leading layer axis, then fuses the projections."""
     stacked = {}

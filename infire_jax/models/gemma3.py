@@ -82,7 +82,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     row of `local_attention_table`, scanned beside its weights, picks its mask and its table."""
     tokens, n, one_device = h.shape[0], weights["attn_norm"].shape[0], red == Reductions()
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
-    in_place = in_place_weights(cfg, weights, tokens, red)
+    # Not the fused residual norm's in-place mlp_norm (models/llama.py): Gemma norms wo's output before the add.
+    in_place = {k: v for k, v in in_place_weights(cfg, weights, tokens, red).items() if k != "mlp_norm"}
     scale, eps, half = cfg.gemma3.query_pre_attn_scalar ** -0.5, cfg.rms_norm_eps, cos.shape[-1] // 2
 
     def layer(carry, xs):

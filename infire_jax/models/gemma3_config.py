@@ -54,8 +54,8 @@ def _number(c: Mapping[str, Any], field: str, default: float) -> float:
 
 def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The language model's config: a `gemma3_text` config as it is, a `gemma3` one's `text_config` with
-    the wrapper's eos / bos ids (generation reads those; the published files keep them there only) and,
-    where the text config has none, its tying."""
+    the wrapper's eos / bos ids (generation reads those; the published files keep them there only) and
+    tying (transformers 5 ties by it) where the wrapper has them."""
     if hf.get("model_type") == "gemma3_text":
         return dict(hf)
     unknown = sorted(set(hf) - _WRAPPER_FIELDS - INERT_FIELDS)
@@ -64,9 +64,8 @@ def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
     text = hf.get("text_config")
     if not isinstance(text, Mapping):
         raise _bad("text_config", text, "a gemma3 config needs its language model's config")
-    ids = {k: hf[k] for k in ("eos_token_id", "bos_token_id") if k in hf}  # what generation reads
-    tied = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf else {}
-    return {**tied, **text, **ids, "model_type": "gemma3_text"}
+    outer = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in hf}
+    return {**text, **outer, "model_type": "gemma3_text"}
 
 
 def _rope(c: Mapping[str, Any]) -> tuple[float, Any, float]:

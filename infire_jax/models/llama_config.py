@@ -13,6 +13,7 @@ from infire_jax.models.config import ModelConfig, RopeScaling, eos_ids
 MODEL_TYPES = {
     "llama": "llama",
     "mistral": "llama",
+    "mistral3": "llama",  # Mistral Small 3.1 / 3.2's language model (`text_config`); its vision tower is not loaded
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mixtral": "mixtral",
@@ -76,9 +77,21 @@ def sliding_window_layers(hf: Mapping[str, Any], model_type: str, num_layers: in
     return tuple((0, window) if t == "sliding_attention" else (0, 0) for t in types)
 
 
+def mistral3_text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """A `mistral3` config's language model: its `text_config` (a Mistral), with the wrapper's eos / bos
+    ids (generation reads those) and tying (transformers 5 ties by it) where the wrapper has them."""
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping) or text.get("model_type", "mistral") != "mistral":
+        raise UnsupportedModelError(f"a mistral3 config's text_config must be a mistral model's, got {text!r:.200}")
+    outer = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in hf}
+    return {**text, **outer, "model_type": "mistral"}
+
+
 def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Builds a ModelConfig from a HF `config.json` dict (transformers 4.x and 5.x layouts) of one of
     MODEL_TYPES."""
+    if hf.get("model_type") == "mistral3":
+        hf = mistral3_text_config(hf)
     model_type = hf.get("model_type")
     arch = MODEL_TYPES.get(model_type or "")
     if arch is None:
