@@ -49,6 +49,8 @@ _DENSE = {
     "block_sparse_moe.gate.weight": "router",
     "mlp.gate.weight": "router",
 }
+# Phi-3 / Phi-4's fused projections: q, k, v rows of one weight, and gate then up rows of another.
+_FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")}
 # Expert projections: Mixtral's w1/w3/w2 and Qwen3-MoE's gate/up/down.
 _EXPERT_NAMES = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": "w_up",
                  "w2": "w_down", "down_proj": "w_down"}
@@ -130,6 +132,14 @@ def layer_weight(name: str, cfg: ModelConfig) -> tuple[int, str] | None:
     return (int(m.group(1)), short) if short else None
 
 
+def _fused_rows(name: str, cfg: ModelConfig) -> list[int]:
+    """Where each member of a fused Phi-3 weight ends, in rows (HF's (out, in) layout)."""
+    if name == "mlp.gate_up_proj.weight":
+        return [cfg.intermediate_size, 2 * cfg.intermediate_size]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [q, q + kv, q + 2 * kv]
+
+
 def llama_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """A Llama-architecture checkpoint's float tensors as the model's weights (stacked, fused)."""
     n, x = cfg.num_layers, cfg.num_experts
@@ -147,6 +157,10 @@ def llama_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -
             if em and cfg.is_moe:
                 short = _EXPERT_NAMES[em.group(2)]
                 experts.setdefault(short, [[None] * x for _ in range(n)])[layer][int(em.group(1))] = w.T
+                continue
+            if rest in _FUSED:
+                for short, part in zip(_FUSED[rest], np.split(w, _fused_rows(rest, cfg)[:-1], axis=0)):
+                    per_layer.setdefault(short, [None] * n)[layer] = from_hf_layout(short, part, cfg)
                 continue
             short = _DENSE.get(rest)
             if short is None:

@@ -13,7 +13,8 @@ from infire_jax.models.config import ModelConfig, RopeScaling, eos_ids
 MODEL_TYPES = {
     "llama": "llama",
     "mistral": "llama",
-    "mistral3": "llama",  # Mistral Small 3.1 / 3.2's language model (`text_config`); its vision tower is not loaded
+    "mistral3": "llama",
+    "phi3": "llama",  # Phi-3 / Phi-4: q/k/v and gate/up fused in the checkpoint (split at load)  # Mistral Small 3.1 / 3.2's language model (`text_config`); its vision tower is not loaded
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mixtral": "mixtral",
@@ -51,7 +52,7 @@ _DEFAULT_MAX_WINDOW_LAYERS = 28
 def sliding_window_layers(hf: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[tuple[int, int], ...]:
     """Each layer's (chunk, window) as ModelConfig.local_attention holds it, following transformers:
 
-    - mistral, mixtral: a `sliding_window` applies to every layer (null: none);
+    - mistral, mixtral, phi3: a `sliding_window` applies to every layer (null: none);
     - qwen2, qwen3: only with `use_sliding_window`, on the layers its `layer_types` calls
       "sliding_attention", by default those from `max_window_layers` on; qwen3_moe: every layer.
 
@@ -98,6 +99,9 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"model_type {model_type!r} is not one of {sorted(MODEL_TYPES)}")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini's
+        raise UnsupportedModelError(f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported "
+                                    "(only a rotation of the whole head)")
     rope_params = hf.get("rope_parameters") or {}
     rope_raw = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
     rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))

@@ -1,8 +1,13 @@
-"""Mistral 3 (Mistral Small 3.1 / 3.2, Magistral Small): a `mistral3` checkpoint's language model, a
-Mistral under `text_config` beside a Pixtral vision tower that is not loaded. A tiny random
-Mistral3ForConditionalGeneration, saved by transformers (Mistral's published tensor names) and renamed
-as transformers 4.5x saved it, is served from both: greedy tokens equal transformers' text-only
-`generate` of the same model and logprobs agree within 1e-3 (float32)."""
+"""Checkpoints whose layout differs from Llama's but whose model is models/llama.py's, each against
+transformers (greedy tokens equal, float32 logprobs within 1e-3):
+
+- Mistral 3 (Mistral Small 3.1 / 3.2, Magistral Small): a `mistral3` checkpoint's language model, a
+  Mistral under `text_config` beside a Pixtral vision tower that is not loaded. A tiny random
+  Mistral3ForConditionalGeneration, saved by transformers (Mistral's published tensor names) and
+  renamed as transformers 4.5x saved it, against transformers' text-only `generate` of it.
+- Phi-3 / Phi-4 (`phi3`): q/k/v fused in one weight and gate/up in another, split at load; a tiny
+  random Phi3ForCausalLM with more query heads than kv heads, with and without a sliding window.
+"""
 
 from __future__ import annotations
 
@@ -66,8 +71,36 @@ def test_language_model_matches_transformers(mistral3, names, tmp_path):
         llm.engine.close()
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_phi3_matches_transformers(window, tmp_path):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    text = {k: v for k, v in TEXT.items() if k not in ("model_type", "head_dim", "sliding_window")}
+    torch.manual_seed(1)
+    model = Phi3ForCausalLM(Phi3Config(**text, sliding_window=window, pad_token_id=0, eos_token_id=2,
+                                       bos_token_id=1, initializer_range=0.3)).to(torch.float32).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    vocab = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=1,
+                        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(2,))
+    dummy_tokenizer(vocab).save(str(tmp_path))
+    llm = LLM(model=str(tmp_path), **ENGINE)
+    try:
+        assert llm.engine.model_config.local_attention == (((0, window),) * 3 if window else ())
+        assert_parity(llm, model, PROMPTS, 24)
+    finally:
+        llm.engine.close()
+
+
 def test_refuses_a_text_config_that_is_not_mistral():
     with pytest.raises(UnsupportedModelError, match="text_config must be a mistral"):
         config_from_hf({"model_type": "mistral3", "text_config": {**TEXT, "model_type": "qwen2"}})
     with pytest.raises(UnsupportedModelError, match="text_config must be a mistral"):
         config_from_hf({"model_type": "mistral3"})
+
+
+def test_phi3_refuses_partial_rotation_and_longrope():
+    base = {**TEXT, "model_type": "phi3"}
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        config_from_hf({**base, "partial_rotary_factor": 0.75})
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        config_from_hf({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}})
