@@ -158,7 +158,7 @@ class ShardPlan:
             if getattr(cfg, field, None) is None:
                 continue
             if field == "deepseek_moe" and pp > 1:
-                bad("pipeline parallelism is not supported for the DeepSeek-V3 family")
+                bad(f"pipeline parallelism is not supported for {cfg.architecture} (the DeepSeek-V3 family's MoE)")
             if mc.rule("mlp") and cfg.intermediate_size % tp:
                 bad(f"dense MLP width {cfg.intermediate_size} is not divisible by tp={tp}")
         try:

@@ -192,6 +192,26 @@ def test_gemma3_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path)
     assert program_stats.read_dump(programs["forward 2048 tokens"].dump_dir, shapes, layers).launches_per_layer > 0
 
 
+def test_glm4_decode_compiles_and_reads_its_experts_in_place(tmp_path):
+    """GLM-4.5-Air's shapes, 2 of its layers (the dense one and a MoE one), on one H100: the decode burst
+    and the prompt-chunk program compile; the burst copies no weight (converting only the router to
+    float32) and runs no loop inside a layer."""
+    from infire_jax.bench import gpu_target, program_stats
+    from infire_jax.engine.setup import EngineConfig
+
+    ec = EngineConfig(model="dummy:glm-4.5-air,layers=2", dtype="bfloat16", token_buckets=(64, 2048),
+                      max_num_seqs=64, max_model_len=8192, num_kv_pages=4096)
+    target = gpu_target.TargetEngine(ec, gpu_target.target("h100"))
+    shapes, layers, _ = target.weights_per_device()
+    programs = {p.name: p for p in target.programs(str(tmp_path), ("burst-greedy", "forward"))}
+    st = program_stats.read_dump(programs["burst-greedy 64 tokens"].dump_dir, shapes, layers)
+    assert st.weight_copies == 0, st.weight_copy_ops
+    # only the router [E, X] is converted: its logits are float32 as HF's (models/deepseek_moe.py), 1 MB a layer
+    assert st.float32_weights and all(w.endswith("[4096, 128]") for w in st.float32_weights), st.float32_weights
+    assert st.loops_in_layer == 0, st.loops_in_layer
+    assert sorted(programs) == ["burst-greedy 64 tokens", "forward 2048 tokens", "forward 64 tokens"]
+
+
 def test_programs_fit_the_card(compiled):
     from infire_jax.bench import gpu_target
 

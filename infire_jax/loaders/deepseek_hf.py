@@ -1,4 +1,5 @@
-"""HF checkpoints of the DeepSeek-V3 family -> the DeepseekV3 model's stacked weights.
+"""HF checkpoints of the DeepSeek-V3 family -> the DeepseekV3 model's stacked weights; and of GLM-4.5
+(its MoE is DeepSeek-V3's, its attention GQA) -> the Glm4Moe model's.
 
 DeepSeek-V3 and Kimi K2 name their weights `model.layers.N...`; Kimi K2.5 prefixes its language
 model with `language_model.` and carries a vision tower and projector, which a text model skips.
@@ -25,6 +26,7 @@ import numpy as np
 
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
+from infire_jax.loaders.weights import from_hf_layout, fuse_projections
 from infire_jax.models.deepseek_config import text_config
 
 _LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.(.+)")
@@ -35,6 +37,9 @@ _NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weigh
           "self_attn.q_a_layernorm.weight": "q_a_norm", "self_attn.kv_a_layernorm.weight": "kv_a_norm",
           "mlp.gate.e_score_correction_bias": "router_bias"}
 _MLP = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_GQA = {"self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+        "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+        "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
 
 
 def deinterleave(n: int) -> np.ndarray:
@@ -43,16 +48,38 @@ def deinterleave(n: int) -> np.ndarray:
 
 
 def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, layer: dict) -> None:
-    """One HF layer tensor into `layer` under our name (experts by (index, part))."""
-    m, h = cfg.mla, cfg.num_heads
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    rope = deinterleave(m.qk_rope_head_dim) if interleaved else np.arange(m.qk_rope_head_dim)
+    """One HF layer tensor into `layer` under our name (experts by (index, part)): MLA's attention
+    (DeepSeek-V3) or GQA's (GLM-4.5: `_convert_gqa`), and DeepSeek-V3's MoE, which both have."""
     em = _EXPERT.fullmatch(rest)
     if rest in _NORMS:
         layer[_NORMS[rest]] = w
     elif em:
         layer.setdefault("experts", {})[(int(em.group(1)), _MLP[em.group(2)])] = w.T
-    elif rest == "self_attn.q_b_proj.weight":
+    elif rest == "mlp.gate.weight":
+        layer["router"] = w.T
+    elif rest.startswith(("mlp.shared_experts.", "mlp.")) and rest.endswith(".weight") \
+            and rest.split(".")[-2] in _MLP:
+        prefix = "shared_" if rest.startswith("mlp.shared_experts.") else ""
+        layer[f"{prefix}{_MLP[rest.split('.')[-2]]}"] = w.T
+    elif cfg.mla is None:
+        _convert_gqa(rest, w, cfg, layer)
+    else:
+        _convert_mla(rest, w, cfg, interleaved, layer)
+
+
+def _convert_gqa(rest: str, w: np.ndarray, cfg: ModelConfig, layer: dict) -> None:
+    """GLM-4.5's attention tensors, in models/llama.py's layouts (fused into q/k/v by `_finish`)."""
+    short = _GQA.get(rest)
+    if short is None:
+        raise UnsupportedModelError(f"unexpected weight {rest!r} in a {cfg.architecture} layer")
+    layer[short] = from_hf_layout(short, w, cfg)
+
+
+def _convert_mla(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, layer: dict) -> None:
+    m, h = cfg.mla, cfg.num_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    rope = deinterleave(m.qk_rope_head_dim) if interleaved else np.arange(m.qk_rope_head_dim)
+    if rest == "self_attn.q_b_proj.weight":
         q = w.reshape(h, qk, -1)
         q = np.concatenate([q[:, :m.qk_nope_head_dim], q[:, m.qk_nope_head_dim:][:, rope]], axis=1)
         layer["wq_b"] = q.transpose(2, 0, 1)
@@ -66,12 +93,6 @@ def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, laye
         layer["w_uv"] = kv[:, m.qk_nope_head_dim:].transpose(2, 0, 1)
     elif rest == "self_attn.o_proj.weight":
         layer["wo"] = w.reshape(w.shape[0], h, -1).transpose(1, 2, 0)
-    elif rest == "mlp.gate.weight":
-        layer["router"] = w.T
-    elif rest.startswith(("mlp.shared_experts.", "mlp.")) and rest.endswith(".weight") \
-            and rest.split(".")[-2] in _MLP:
-        prefix = "shared_" if rest.startswith("mlp.shared_experts.") else ""
-        layer[f"{prefix}{_MLP[rest.split('.')[-2]]}"] = w.T
     else:
         raise UnsupportedModelError(f"unexpected weight {rest!r} in a DeepSeek-V3 layer")
 
@@ -97,7 +118,7 @@ def linear_targets(module: str, cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def _finish(i: int, layer: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Fuses gate/up pairs and stacks the experts of one layer."""
+    """Fuses gate/up pairs (and a GQA layer's q/k/v) and stacks the experts of one layer."""
     out = {k: v for k, v in layer.items() if k not in ("experts", "gate", "up", "down", "shared_gate",
                                                        "shared_up", "shared_down")}
     for prefix, name in (("", "w_gate_up"), ("shared_", "w_shared_gate_up")):
@@ -112,7 +133,7 @@ def _finish(i: int, layer: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
                     raise UnsupportedModelError(f"expert {j}'s {part}_proj is missing in layer {i}")
         out["w_gate_up"] = np.stack([np.stack([got[j, "gate"], got[j, "up"]], axis=-2) for j in range(cfg.num_experts)])
         out["w_down"] = np.stack([got[j, "down"] for j in range(cfg.num_experts)])
-    return out
+    return fuse_projections(out, cfg)
 
 
 def deepseek_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig,

@@ -52,6 +52,14 @@ _GEMMA3 = dict(model_type="gemma3_text", vocab_size=262208, head_dim=256, query_
                sliding_window=1024, max_position_embeddings=131072, rope_scaling={"rope_type": "linear", "factor": 8.0},
                rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=[1, 106])
 
+# GLM-4.5 (models/glm4_moe.py): GQA rotating half of each head, DeepSeek-V3's MoE with one shared expert
+# after the first dense layer(s); Air without q/k norms. Their multi-token-prediction layer is not served.
+_GLM45 = dict(model_type="glm4_moe", vocab_size=151552, head_dim=128, num_attention_heads=96, num_key_value_heads=8,
+              partial_rotary_factor=0.5, attention_bias=True, rope_theta=1000000, rms_norm_eps=1e-5,
+              max_position_embeddings=131072, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
+              norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=[151329, 151336, 151338],
+              num_nextn_predict_layers=1)
+
 # The published HF config.json values of each model (only the fields we read).
 CONFIGS: dict[str, dict] = {
     "llama-3.1-8b": dict(
@@ -131,6 +139,11 @@ CONFIGS: dict[str, dict] = {
                         num_attention_heads=16, num_key_value_heads=8),
     "gemma-3-27b": dict(_GEMMA3, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
                         num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
+    "glm-4.5-air": dict(_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                        num_hidden_layers=46, n_routed_experts=128, first_k_dense_replace=1, use_qk_norm=False,
+                        routed_scaling_factor=1.0),
+    "glm-4.5": dict(_GLM45, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=92,
+                    n_routed_experts=160, first_k_dense_replace=3, use_qk_norm=True, routed_scaling_factor=2.5),
     "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }

@@ -110,6 +110,8 @@ def load_hf_dir(path: str) -> LoadedModel:
     tensors = dequantized(checkpoint_tensors(path), scheme)
     if cfg.mla is not None:  # the DeepSeek-V3 family
         weights = deepseek_weights(tensors, cfg, rope_interleaved(path))
+    elif cfg.glm4 is not None:  # DeepSeek-V3's MoE, GQA attention
+        weights = deepseek_weights(tensors, cfg, False)
     elif cfg.gpt_oss is not None:
         weights = gpt_oss_weights(tensors, cfg)
     elif cfg.llama4 is not None:

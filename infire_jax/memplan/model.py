@@ -110,11 +110,46 @@ def _llama4_tensors(cfg: ModelConfig) -> list[Tensor]:
     return t + _head_tensors(cfg)
 
 
+def _glm4_tensors(cfg: ModelConfig) -> list[Tensor]:
+    """GLM-4.5's two stacks (models/glm4_moe.py): every layer's GQA attention (with its q/k/v bias and
+    q/k norms if any); the dense layers' MLP, or the MoE layers' router and its bias, routed experts and
+    shared experts."""
+    e, hkv, d, x, f = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
+    dense = cfg.deepseek_moe.first_k_dense_replace
+    fs = f * cfg.deepseek_moe.num_shared_experts
+    t = []
+    for kind, n in (("dense", dense), ("moe", cfg.num_layers - dense)):
+        if not n:
+            continue
+        p = f"{kind}_layers."
+        t += _attention_tensors(cfg, n, p)
+        if cfg.attention_bias:
+            t.append(Tensor(f"{p}bqkv", "attention", (n, hkv, cfg.num_heads // hkv + 2, d),
+                            ("layers", "kv_heads", "qkv", "head_dim"), False))
+        if cfg.qk_norm:
+            t += [Tensor(f"{p}{k}", "attention", (n, d), ("layers", "norm"), False) for k in ("q_norm", "k_norm")]
+        if kind == "dense":
+            width = cfg.intermediate_size
+            t += [Tensor(f"{p}w_gate_up", "shared", (n, e, 2, width), ("layers", "embed", "gate_up", "mlp")),
+                  Tensor(f"{p}w_down", "shared", (n, width, e), ("layers", "mlp", "embed"))]
+            continue
+        t += [Tensor(f"{p}router", "shared", (n, e, x), ("layers", "embed", "router"), False),
+              Tensor(f"{p}router_bias", "shared", (n, x), ("layers", "router"), False, "float32"),
+              Tensor(f"{p}w_gate_up", "experts", (n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp")),
+              Tensor(f"{p}w_down", "experts", (n, x, f, e), ("layers", "experts", "mlp", "embed"))]
+        if fs:
+            t += [Tensor(f"{p}w_shared_gate_up", "shared", (n, e, 2, fs), ("layers", "embed", "gate_up", "mlp")),
+                  Tensor(f"{p}w_shared_down", "shared", (n, fs, e), ("layers", "mlp", "embed"))]
+    return t + _head_tensors(cfg)
+
+
 def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
     """The engine's own tensors (models/llama.py `DecoderLayers`, `Llama`; models/llama4.py's two stacks;
     models/gpt_oss.py's and models/gemma3.py's one) for an effective config."""
     if cfg.llama4 is not None:
         return _llama4_tensors(cfg)
+    if cfg.glm4 is not None:
+        return _glm4_tensors(cfg)
     n, e, hkv, d, hq = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
     g = hq // hkv
     t = _attention_tensors(cfg, n)
@@ -151,6 +186,8 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
     width = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
     if cfg.llama4 is not None:  # the routed experts and the shared expert, or a dense layer's MLP
         width = max(width + cfg.moe_intermediate_size, cfg.intermediate_size)
+    if cfg.glm4 is not None:  # the routed experts and the shared ones, or a dense layer's MLP
+        width = max(width + cfg.moe_intermediate_size * cfg.deepseek_moe.num_shared_experts, cfg.intermediate_size)
     tensors, kept = [], []
     for t in _gqa_tensors(cfg):
         layout = (int4 or {}).get(t.name)
@@ -337,8 +374,10 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
             raise ValueError(f"{cfg.num_kv_heads} kv heads neither divide nor are divisible by tp={tp}")
         repeat = tp // cfg.num_kv_heads
     widths = {cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size}
-    if cfg.llama4 is not None:  # its dense layers too
+    if cfg.llama4 is not None or cfg.glm4 is not None:  # its dense layers too
         widths.add(cfg.intermediate_size)
+    if cfg.glm4 is not None and sizes["pp"] > 1:
+        raise ValueError(f"pipeline parallelism is not supported for {cfg.architecture} (the DeepSeek-V3 family's MoE)")
     for width in sorted(widths):
         if mc.rule("mlp") and width % sizes["tp"]:
             raise ValueError(f"MLP width {width} is not divisible by tp={sizes['tp']}")

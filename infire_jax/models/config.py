@@ -13,7 +13,8 @@ from typing import Any, Mapping
 from infire_jax.errors import UnsupportedModelError
 
 # The architecture families a ModelConfig may name (models/registry.py builds each).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss", "gemma3",
+                 "glm4_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,15 @@ class Gemma3Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class Glm4Config:
+    """What sets GLM-4.5's decoder apart (models/glm4_config.py parses it, models/glm4_moe.py runs it):
+    q and k rotate only their first `rotary_dim` dimensions (HF's partial_rotary_factor). Its MoE is
+    DeepSeek-V3's (ModelConfig.deepseek_moe), its attention GQA with ModelConfig's bias and q/k norm."""
+
+    rotary_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -138,6 +148,8 @@ class ModelConfig:
     gpt_oss: GptOssConfig | None = None
     # Gemma 3 (architecture "gemma3"; models/gemma3_config.py parses and checks it).
     gemma3: Gemma3Config | None = None
+    # GLM-4.5 / 4.6 (architecture "glm4_moe"; models/glm4_config.py parses and checks it).
+    glm4: Glm4Config | None = None
     # Chunked and sliding-window attention: each layer's (chunk C, window W), as LocalMask in
     # pallas_kernels/metadata.py reads them (C > 0: the query at p sees keys [C*floor(p/C), p]; W > 0:
     # keys [p-W+1, p]; (0, 0): a global layer). Empty: every layer is global.
@@ -168,6 +180,8 @@ class ModelConfig:
             raise UnsupportedModelError("a gpt_oss config needs its GptOssConfig, and only it has one")
         if (self.gemma3 is not None) != (self.architecture == "gemma3"):
             raise UnsupportedModelError("a gemma3 config needs its Gemma3Config, and only it has one")
+        if (self.glm4 is not None) != (self.architecture == "glm4_moe"):
+            raise UnsupportedModelError("a glm4_moe config needs its Glm4Config, and only it has one")
         if self.local_attention and (len(self.local_attention) != self.num_layers or any(
                 len(lw) != 2 or min(lw) < 0 for lw in self.local_attention)):
             raise UnsupportedModelError(
@@ -196,6 +210,8 @@ class ModelConfig:
             d["gpt_oss"] = GptOssConfig(**d["gpt_oss"])
         if d.get("gemma3") is not None:
             d["gemma3"] = Gemma3Config(**d["gemma3"])
+        if d.get("glm4") is not None:
+            d["glm4"] = Glm4Config(**d["glm4"])
         return cls(**d)
 
     def param_count(self) -> int:
@@ -206,6 +222,8 @@ class ModelConfig:
             return _llama4_param_count(self)
         if self.gpt_oss is not None:
             return gpt_oss_param_count(self)
+        if self.glm4 is not None:
+            return _glm4_param_count(self)
         e, hd = self.hidden_size, self.head_dim
         attn = e * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
@@ -232,6 +250,22 @@ def _deepseek_param_count(cfg: ModelConfig) -> int:
     n_moe = cfg.num_layers - d.first_k_dense_replace
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
     return (cfg.num_layers * (attn + 2 * e) + d.first_k_dense_replace * dense_mlp + n_moe * moe_mlp
+            + cfg.vocab_size * e + head + e)
+
+
+def _glm4_param_count(cfg: ModelConfig) -> int:
+    """Weights of a GLM-4.5 model as HF's Glm4MoeForCausalLM holds them: GQA attention (q/k/v biases,
+    q/k norms if any), a dense MLP on the first layers, the router with its bias, the routed and shared
+    experts on the rest (multi-token-prediction layers, which HF skips too, not counted)."""
+    e, hd, d = cfg.hidden_size, cfg.head_dim, cfg.deepseek_moe
+    attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * e
+    attn += hd * (cfg.num_heads + 2 * cfg.num_kv_heads) if cfg.attention_bias else 0
+    attn += 2 * hd if cfg.qk_norm else 0
+    f = cfg.moe_intermediate_size
+    moe = cfg.num_experts * (3 * e * f + e + 1) + 3 * e * f * d.num_shared_experts
+    n_moe = cfg.num_layers - d.first_k_dense_replace
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
+    return (cfg.num_layers * attn + d.first_k_dense_replace * 3 * e * cfg.intermediate_size + n_moe * moe
             + cfg.vocab_size * e + head + e)
 
 

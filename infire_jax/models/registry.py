@@ -16,6 +16,7 @@ from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek import DeepseekV3
 from infire_jax.models.gemma3 import Gemma3
+from infire_jax.models.glm4_moe import Glm4Moe
 from infire_jax.models.gpt_oss import GptOss
 from infire_jax.models.llama import Llama
 from infire_jax.models.llama4 import Llama4
@@ -28,7 +29,8 @@ MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llam
                  "deepseek_v3": DeepseekV3,  # MLA + DeepSeek MoE (models/deepseek.py)
                  "llama4": Llama4,  # chunked / NoPE attention, interleaved dense and MoE layers (models/llama4.py)
                  "gpt_oss": GptOss,  # attention sinks, windowed and full layers, clamped-SwiGLU experts (models/gpt_oss.py)
-                 "gemma3": Gemma3}  # windowed and global layers, sandwich norms, GELU MLP (models/gemma3.py)
+                 "gemma3": Gemma3,  # windowed and global layers, sandwich norms, GELU MLP (models/gemma3.py)
+                 "glm4_moe": Glm4Moe}  # GQA with a partial rotation, DeepSeek-V3's MoE (models/glm4_moe.py)
 
 
 def abstract_model(cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None) -> nnx.Module:

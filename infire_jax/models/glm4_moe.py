@@ -1,0 +1,180 @@
+"""GLM-4.5 / GLM-4.6 decoder (GLM-4.5-Air, GLM-4.5, GLM-4.6): GQA attention and DeepSeek-V3's MoE.
+
+Per layer (transformers' Glm4MoeDecoderLayer): q/k/v with biases (`attention_bias`), q and k RMS-normed
+over the head where `use_qk_norm` (GLM-4.5, not Air), then rotated on their first `rotary_dim`
+dimensions only (HF's partial_rotary_factor, a half) in the "rotate half" layout, the rest passed
+through; the first `first_k_dense_replace` layers have a dense SwiGLU MLP, the rest DeepSeek-V3's
+grouped sigmoid router with score-correction bias, routed experts and shared experts
+(models/deepseek_moe.py). The layers are two stacks (`dense_layers`, `moe_layers`) scanned in turn as
+models/deepseek.py's, the KV pool's layer index running across both; q/k/v are one weight grouped by kv
+head as models/llama.py's.
+
+On a mesh (models/parallel.py) tp splits the heads and the MLP widths, ep the experts; pipeline
+parallelism is refused (sharding/plan.py), as for the DeepSeek-V3 family. Quantized or compressed
+weights, LoRA and EAGLE-3 aux states are refused with a ConfigError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from infire_jax.errors import ConfigError
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.deepseek_moe import deepseek_moe_mlp
+from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, param, rms_norm, rope_inv_freq,
+                                      rope_tables)
+from infire_jax.models.llama import dense_mlp, kernel_weights, linear, project_qkv
+from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.quant_kernels import layer_stacks
+from infire_jax.quant.weight_parts import LayerStacks
+from pallas_kernels.attention import paged_attention, plan_step
+from pallas_kernels.metadata import AttentionMetadata
+from sharding.plan import ShardPlan
+
+KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
+# The layer weights that are plain matmuls, with how many leading axes of one layer's weight are inputs.
+DENSE_INPUTS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1}
+
+
+class Glm4Layers(LayerStacks):
+    """`n` stacked layers of one kind: GQA attention, and a dense MLP or DeepSeek-V3's MoE. The router's
+    bias is kept in float32, as HF keeps it."""
+
+    def __init__(self, cfg: ModelConfig, n: int, moe: bool, dtype):
+        e, hkv, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+        g = cfg.num_heads // hkv
+        self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        self.wqkv = param((n, e, hkv, g + 2, d), ("layers", "embed", "kv_heads", "qkv", "head_dim"), dtype)
+        if cfg.attention_bias:
+            self.bqkv = param((n, hkv, g + 2, d), ("layers", "kv_heads", "qkv", "head_dim"), dtype, init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
+            self.k_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
+        self.wo = param((n, cfg.num_heads, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        if not moe:
+            f = cfg.intermediate_size
+            self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
+            self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
+            return
+        x, f = cfg.num_experts, cfg.moe_intermediate_size
+        self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
+        self.router_bias = param((n, x), ("layers", "router"), jnp.float32, init="zeros")
+        self.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
+        self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
+        fs = f * cfg.deepseek_moe.num_shared_experts
+        if fs:
+            self.w_shared_gate_up = param((n, e, 2, fs), ("layers", "embed", "gate_up", "mlp"), dtype)
+            self.w_shared_down = param((n, fs, e), ("layers", "mlp", "embed"), dtype)
+
+
+def partial_rope(x: Float[Array, "T H D"], cos: Float[Array, "T R"], sin: Float[Array, "T R"]) -> Float[Array, "T H D"]:
+    """The first 2R dimensions of each head rotated ("rotate half" within them), the rest as they are."""
+    rot = 2 * cos.shape[-1]
+    return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
+
+
+def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
+                  red: Reductions, in_place: dict, first: int):
+    """The scan body of one stack: (h, k pages, v pages), (layer weights, pool layer index) -> carry.
+    `in_place` weights are not scanned: the body reads its layer (pool index - `first`) of them."""
+    eps, one_device = cfg.rms_norm_eps, red == Reductions()
+    tp = tuple(a for a in red.mlp if a != red.expert_axis)  # dense and shared MLPs are replicated over ep
+
+    def layer(carry, xs):
+        h, k_pages, v_pages = carry
+        lp, idx = xs
+        lp = kernel_weights(lp, in_place, idx - first, h.shape[0], cpu=False)
+        q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], eps), cfg.attention_bias)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
+        o, k_pages, v_pages = paged_attention(partial_rope(q, cos, sin), partial_rope(k, cos, sin), v, k_pages,
+                                              v_pages, idx, meta, scale=cfg.head_dim ** -0.5, impl=attn_impl,
+                                              cpu_kernel=one_device)
+        h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)
+        x = rms_norm(h, lp["mlp_norm"], eps)
+        if moe:
+            routed, shared = deepseek_moe_mlp(lp, x, cfg=cfg, expert_axis=red.expert_axis)
+            h = h + psum(routed, red.mlp) + (0 if shared is None else psum(shared, tp))
+        else:
+            h = h + psum(dense_mlp(lp, x), tp)
+        return (h, k_pages, v_pages), None
+
+    return layer
+
+
+def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
+                  h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
+                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+    """Scans the dense stack, then the MoE stack; the pool is a loop carry, indexed across both."""
+    meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
+    carry, start = (h, k_pages, v_pages), 0
+    for kind in ("dense", "moe"):
+        if kind not in weights:
+            continue
+        n = jax.tree.leaves(weights[kind])[0].shape[0]
+        in_place = layer_stacks(weights[kind], h.shape[0], DENSE_INPUTS, kind == "moe", one_device=red == Reductions())
+        layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red, in_place, start)
+        scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
+        carry = layer_loop(layer, carry, (scanned, start + np.arange(n, dtype=np.int32)), n, h.shape[0])
+        start += n
+    return carry
+
+
+class Glm4Moe(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
+        if resident:
+            raise ConfigError("GLM-4.5 runs with plain weights; weights_quantization and weights_compression "
+                              "are not supported for it yet")
+        self.cfg = cfg
+        dense = cfg.deepseek_moe.first_k_dense_replace
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        if dense:
+            self.dense_layers = Glm4Layers(cfg, dense, False, dtype)
+        if cfg.num_layers > dense:
+            self.moe_layers = Glm4Layers(cfg, cfg.num_layers - dense, True, dtype)
+        self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+
+    def _stacks(self) -> dict[str, Glm4Layers]:
+        return {kind: getattr(self, f"{kind}_layers") for kind in ("dense", "moe") if hasattr(self, f"{kind}_layers")}
+
+    def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
+        return self.embed[...][tokens]
+
+    def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
+                   plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
+                   ) -> tuple[Float[Array, "T E"], KVPages]:
+        """Applies every decoder layer, on one device or (with a plan) across the mesh."""
+        if aux_layers is not None:
+            raise ConfigError("GLM-4.5 runs without EAGLE-3 aux states")
+        rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.glm4.rotary_dim)  # its frequencies span R dims
+        cos, sin = rope_tables(rope_inv_freq(rotary), meta.positions)
+        weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
+        if plan is None:
+            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
+            return h, (k_pages, v_pages)
+        axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
+        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin)
+
+    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
+        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
+
+    def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
+                 *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
+                 ) -> tuple[Float[Array, "S V"], KVPages]:
+        """Logits of each row's `logits_indices` token and the updated pool."""
+        h, kv = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
+                                aux_layers=aux_layers)
+        return self.logits(h[logits_indices], plan), kv
