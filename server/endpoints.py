@@ -206,7 +206,8 @@ def _reasoning(m: ServedModel, req: ChatRequest) -> None:
 async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) -> None:
     """Checks every tool's parameter schema, and with a forced `tool_choice` constrains the output to
     calls in the model's format. Markers such as Mistral's `[TOOL_CALLS]` or Kimi's and DeepSeek's
-    section tokens are special tokens: kept in the text for the parser."""
+    section tokens are special tokens: kept in the text for the parser, and written as those tokens in
+    a forced call's grammar."""
     for i, t in enumerate(req.tools.tools):
         if "parameters" in t["function"]:
             await _compile(m, StructuredOutputs(json=t["function"]["parameters"],
@@ -221,7 +222,7 @@ async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) 
     if req.tools.forced:
         changes["structured_outputs"] = tool_call_constraint(
             tool_format, req.tools.forced_functions(), parallel=req.tools.forced_many,
-            special_token_ids={mark: m.tokenizer.token_to_id(mark) for mark in MARKERS.get(tool_format, ())})
+            special_token_ids={mark: m.tokenizer.special_token_id(mark) for mark in MARKERS.get(tool_format, ())})
     req.params = dataclasses.replace(req.params, **changes)
 
 

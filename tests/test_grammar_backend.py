@@ -208,6 +208,52 @@ def test_forced_qwen3_coder_calls_are_typed_by_the_schema(backend, tokenizer):
     assert _accepts(backend, tokenizer, two, whole + "\n" + call(city="Rome", unit="celsius"))[0]
 
 
+@pytest.mark.parametrize("special", [False, True], ids=["text-markers", "special-token-markers"])
+def test_forced_glm45_calls_are_typed_by_the_schema(backend, tokenizer, special):
+    """A forced glm45 call, its markers as text or (where the tokenizer has them so, as GLM's does) as
+    special tokens: SmolLM2 has none of GLM's, so six of its special tokens stand in for them. The
+    parameters in the schema's order (the optional ones may be left out), a string as raw text within
+    its bounds ending at the first </arg_value>, an enum as one of its values, anything else as JSON
+    of its schema; the format's parser reads it back typed."""
+    import re
+
+    from infire_jax.structured import parse_tool_calls
+    from infire_jax.structured.tool_formats.glm45_grammar import MARKERS
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+
+    fn = {"name": "get_weather", "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1}, "code": {"type": "string", "pattern": "^[A-Z]{2}$"},
+        "opts": {"type": "object", "properties": {"hourly": {"type": "boolean"}}, "required": ["hourly"]}}}}
+    marks = dict(zip(MARKERS, range(3, 9))) if special else {}
+    assert all(tokenizer.special_token_id(tokenizer.tk.id_to_token(i)) == i for i in marks.values())
+    spec = tool_call_constraint("glm45", [fn], parallel=False, special_token_ids=marks)
+
+    def call(**params) -> str:
+        body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in params.items())
+        return f"<tool_call>get_weather\n{body}</tool_call>"
+
+    def accepts(s: StructuredOutputs, text: str) -> tuple[bool, bool]:
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", text) if marks else [text]
+        toks = [t for p in pieces if p for t in ([marks[p]] if p in marks else ids(tokenizer, p))]
+        m = backend.compile(s).matcher()
+        return m.accept_tokens(toks) == len(toks), m.is_terminated()
+
+    whole = call(city="Paris, <b>FR</b>", unit="celsius", days=3, code="FR", opts='{"hourly": true}')
+    assert accepts(spec, whole) == (True, True)
+    _, (got,) = parse_tool_calls(whole, "glm45", tools=[{"type": "function", "function": fn}])
+    assert json.loads(got.arguments) == {"city": "Paris, <b>FR</b>", "unit": "celsius", "days": 3, "code": "FR",
+                                         "opts": {"hourly": True}}
+    assert accepts(spec, call(city="Oslo", unit="fahrenheit")) == (True, True)
+    for wrong in (call(city="Paris", unit="kelvin"), call(city="x" * 21, unit="celsius"),
+                  call(city="Paris", unit="celsius", days="three"), call(city="Paris", unit="celsius", days=0),
+                  call(city="Paris", unit="celsius", code="France"), call(unit="celsius", city="Paris"),
+                  call(city="Paris"), call(city="Paris", unit="celsius", opts="{}")):
+        assert not accepts(spec, wrong)[0], wrong
+    two = tool_call_constraint("glm45", [fn], parallel=True, special_token_ids=marks)
+    assert accepts(two, whole + "\n" + call(city="Rome", unit="celsius"))[0]
+
+
 @pytest.mark.parametrize("fmt", ["pythonic", "llama4_pythonic"])
 def test_forced_pythonic_calls_are_python_literals_of_the_schema(backend, tokenizer, fmt):
     """A forced pythonic call: keyword arguments in the schema's order (the optional ones may be left

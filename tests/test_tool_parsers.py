@@ -148,6 +148,15 @@ RUN_TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"ty
     "verbose": {"type": "boolean"}, "tag": {"type": "string"}, "limit": {"type": ["integer", "null"]},
     "ratio": {"anyOf": [{"type": "number"}, {"type": "string"}]}}}}}]
 RUN = coder("run", ("cmd", "ls -la"), ("timeout", "30"), ("env", '{"A": "1"}'), ("verbose", "true"), ("tag", "007"))
+
+
+def glm(name: str, *args: tuple[str, str]) -> str:
+    """A call as GLM-4.5's chat template writes one."""
+    body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args)
+    return f"<tool_call>{name}\n{body}</tool_call>"
+
+
+GLM_RUN = glm("run", ("cmd", "ls -la"), ("timeout", "30"), ("env", '{"A": "1"}'), ("verbose", "true"), ("tag", "007"))
 KIMI_TWO = (kimi("functions.get_weather:0", '{"city": "Lagos"}') + kimi("functions.get_time:1", '{"tz": "WAT"}'))
 KIMI_BAD = kimi("functions.f:2", '{"a": ')
 
@@ -203,6 +212,17 @@ SURFACE_CASES = [
     ("qwen3_coder", "<tool_call>\n<function=run>\n<parameter=cmd>\nls\n</parameter>\nstray\n</function>\n</tool_call>",
      "<tool_call>\n<function=run>\n<parameter=cmd>\nls\n</parameter>\nstray\n</function>\n</tool_call>", [], RUN_TOOLS),
     ("qwen3_coder", "<tool_call>\nrun(cmd='ls')\n</tool_call>", "<tool_call>\nrun(cmd='ls')\n</tool_call>", [], None),
+    ("glm45", f"Let me run it.\n{GLM_RUN}", "Let me run it.\n",
+     [("run", {"cmd": "ls -la", "timeout": 30, "env": {"A": "1"}, "verbose": True, "tag": "007"})], RUN_TOOLS),
+    ("glm45", GLM_RUN, "", [("run", {"cmd": "ls -la", "timeout": 30, "env": {"A": "1"}, "verbose": True,
+                                     "tag": "007"})], None),  # untyped: JSON where it is JSON
+    ("glm45", glm("run", ("limit", "null"), ("ratio", "0.5"), ("cmd", "def f():\n    return [1]")) + "\n" +
+     glm("get_time") + "\nSent both.", "\nSent both.",
+     [("run", {"limit": None, "ratio": 0.5, "cmd": "def f():\n    return [1]"}), ("get_time", {})], RUN_TOOLS),
+    ("glm45", "<tool_call>run\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\nstray\n</tool_call>",
+     "<tool_call>run\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\nstray\n</tool_call>", [], RUN_TOOLS),
+    ("glm45", "<tool_call>\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>",
+     "<tool_call>\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>", [], None),  # no name
 ]
 SHORT_CASES = [  # every split point of these, and of some of the cases above
     ("kimi_k2", f"Hi{KIMI_SB}{kimi('functions.f:0', '{}')}{KIMI_SE}", "Hi", [("f", {})], None),
@@ -210,6 +230,8 @@ SHORT_CASES = [  # every split point of these, and of some of the cases above
     ("mistral", 'Hi[TOOL_CALLS]f[ARGS]{"a": 1}', "Hi", [("f", {"a": 1})], None),
     ("llama4_pythonic", "Hi<|python_start|>[f(a=1)]<|python_end|>", "Hi", [("f", {"a": 1})], None),
     ("hermes", 'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>', "Hi", [("f", {})], None),
+    ("glm45", "Hi<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>", "Hi",
+     [("f", {"a": 1})], None),
 ]
 
 
@@ -264,7 +286,7 @@ def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*kimi_k2.*qwen3_coder"):
         parse_tool_calls("x", "nope")
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "kimi_k2",
-                                 "deepseek_v3", "deepseek_v31", "qwen3_coder"}
+                                 "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45"}
 
 
 @pytest.mark.parametrize("template,fmt", [
@@ -277,6 +299,7 @@ def test_unknown_parser_names_the_known_ones():
     ("Respond as [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]",
      "pythonic"),
     ("<tool_call>\n<function={{ name }}>\n<parameter={{ p }}>", "qwen3_coder"),
+    ("{{ '\\n<tool_call>' + tc.name }}{% for k, v in args.items() %}<arg_key>{{ k }}</arg_key>{% endfor %}", "glm45"),
 ])
 def test_new_formats_come_from_the_template(template, fmt):
     assert detect_format(template) == fmt
@@ -289,7 +312,8 @@ def test_random_marker_soup_parses_the_same_however_streamed():
              '"parameters"', "{}", "[TOOL_CALLS]", "[ARGS]", "f", "<|python_tag|>", "<|python_start|>",
              "<|python_end|>", "f(", "a=1", ")", "'x'", '"', "'", ";", "\\", "NaN", KIMI_SB, KIMI_SE, KIMI_CB, "functions.f:0", KIMI_AB,
              KIMI_CE, DS_SB, DS_SE, DS_CB, DS_SEP, DS_CE, "function", "```json", "```", "<function=f>", "</function>",
-             "<parameter=p>", "</parameter>", "<|", "<"]
+             "<parameter=p>", "</parameter>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "f\n",
+             "<|", "<"]
     rng = random.Random(11)
     for _ in range(300):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 14)))

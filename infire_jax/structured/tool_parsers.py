@@ -3,7 +3,7 @@
 Models are trained on one way of writing a call; the chat template shows which (`detect_format`).
 The formats, under vLLM's `--tool-call-parser` names, are in tool_formats/: `hermes`,
 `llama3_json`, `mistral`, `pythonic`, `llama4_pythonic`, `kimi_k2`, `deepseek_v3`, `deepseek_v31`,
-`qwen3_coder`; and `openai`, gpt-oss's harmony, whose calls are messages of their own (harmony.py reads
+`qwen3_coder`, `glm45`; and `openai`, gpt-oss's harmony, whose calls are messages of their own (harmony.py reads
 them with the rest of the output, so it is no `ToolCallStream` format).
 
 `ToolCallStream` turns text deltas into content deltas and calls: text that may still turn out to
@@ -25,6 +25,7 @@ from infire_jax.structured import harmony
 from infire_jax.structured.tool_formats import FORMATS as _FORMATS
 from infire_jax.structured.tool_formats import ToolCall
 from infire_jax.structured.tool_formats.base import held_back
+from infire_jax.structured.tool_formats.glm45 import ARG_KEY
 from infire_jax.structured.tool_formats.json_calls import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARKER, PYTHON_TAG
 from infire_jax.structured.tool_formats.pythonic import PYTHON_START
 from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALLS_BEGIN, DEEPSEEK_SEP,
@@ -32,23 +33,24 @@ from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEG
 
 HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 PYTHONIC, LLAMA4_PYTHONIC, KIMI_K2 = "pythonic", "llama4_pythonic", "kimi_k2"
-DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER = "deepseek_v3", "deepseek_v31", "qwen3_coder"
+DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER, GLM45 = "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45"
 FORMATS = tuple(_FORMATS)
 TOOL_PARSERS = FORMATS
 OPENAI = harmony.TOOL_PARSER
 TOOL_PARSER_NAMES = (*FORMATS, OPENAI)  # every --tool-call-parser name
 
-__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "HERMES", "HERMES_CLOSE", "HERMES_OPEN", "KIMI_K2", "LLAMA3_JSON",
-           "LLAMA4_PYTHONIC", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC", "PYTHON_TAG", "QWEN3_CODER",
-           "TOOL_PARSERS", "TOOL_PARSER_NAMES", "ToolCall", "ToolCallStream", "detect_format", "parse_tool_calls",
-           "stream_tool_calls"]
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "GLM45", "HERMES", "HERMES_CLOSE", "HERMES_OPEN", "KIMI_K2",
+           "LLAMA3_JSON", "LLAMA4_PYTHONIC", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC", "PYTHON_TAG",
+           "QWEN3_CODER", "TOOL_PARSERS", "TOOL_PARSER_NAMES", "ToolCall", "ToolCallStream", "detect_format",
+           "parse_tool_calls", "stream_tool_calls"]
 
 
 def detect_format(chat_template: str | None) -> str:
     """The call format a chat template teaches; Hermes when it shows none (we then prompt for Hermes).
 
-    The most specific markers are looked for first: Qwen3-Coder's template also has `<tool_call>`,
-    and DeepSeek V3 and V3.1 share their markers but only V3 writes the call type and a ```json fence."""
+    The most specific markers are looked for first: Qwen3-Coder's and GLM-4.5's templates also have
+    `<tool_call>`, and DeepSeek V3 and V3.1 share their markers but only V3 writes the call type and a
+    ```json fence."""
     t = chat_template or ""
     if harmony.is_harmony(t):
         return OPENAI
@@ -60,6 +62,8 @@ def detect_format(chat_template: str | None) -> str:
         return MISTRAL
     if "<function=" in t:
         return QWEN3_CODER
+    if ARG_KEY in t:
+        return GLM45
     if HERMES_OPEN in t:
         return HERMES
     if PYTHON_START in t:

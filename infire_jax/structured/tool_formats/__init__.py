@@ -7,6 +7,7 @@ output text into content and calls is the same for all (tool_parsers.ToolCallStr
 from __future__ import annotations
 
 from infire_jax.structured.tool_formats.base import Block, Format, ToolCall
+from infire_jax.structured.tool_formats.glm45 import Glm45
 from infire_jax.structured.tool_formats.json_calls import Hermes, Llama3Json, Mistral
 from infire_jax.structured.tool_formats.pythonic import Pythonic
 from infire_jax.structured.tool_formats.qwen3_coder import Qwen3Coder
@@ -22,6 +23,7 @@ FORMATS: dict[str, type[Format]] = {
     "deepseek_v3": DeepSeekV3,
     "deepseek_v31": DeepSeekV31,
     "qwen3_coder": Qwen3Coder,
+    "glm45": Glm45,
 }
 
 __all__ = ["FORMATS", "Block", "Format", "ToolCall"]

@@ -77,6 +77,15 @@ def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
     return text if value is _NOT_JSON else value
 
 
+def tool_properties(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The parameter schemas of tool `name` (OpenAI's `{"type": "function", "function": {...}}`)."""
+    for tool in tools:
+        function = tool.get("function", tool)
+        if function.get("name") == name:
+            return (function.get("parameters") or {}).get("properties") or {}
+    return {}
+
+
 class Qwen3Coder(Format):
     markers = (HERMES_OPEN,)
 
@@ -89,7 +98,7 @@ class Qwen3Coder(Format):
         if function is None or not function.group(1).strip():
             return None
         name, inner = function.group(1).strip(), function.group(2)
-        properties = self._properties(name)
+        properties = tool_properties(self.tools, name)
         args, at = {}, 0
         for p in _PARAMETER.finditer(inner):
             if inner[at:p.start()].strip():
@@ -100,11 +109,3 @@ class Qwen3Coder(Format):
         if inner[at:].strip():
             return None
         return [ToolCall(name, dumps(args))]
-
-    def _properties(self, name: str) -> dict[str, Any]:
-        """The parameter schemas of tool `name` (OpenAI's `{"type": "function", "function": {...}}`)."""
-        for tool in self.tools:
-            function = tool.get("function", tool)
-            if function.get("name") == name:
-                return (function.get("parameters") or {}).get("properties") or {}
-        return {}

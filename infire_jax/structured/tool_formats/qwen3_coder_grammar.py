@@ -39,10 +39,12 @@ def pattern_regex(pattern: str) -> str:
     return f"/{head}(?:{body}){tail}/"
 
 
-def _value(schema: dict[str, Any], rule: str) -> list[str]:
-    """Lark lines defining `rule` as a parameter's value and the close marker after it. A raw string
-    is one lazy lexeme with its close marker, so it ends at the first marker and never holds one."""
-    close = json.dumps(_CLOSE)
+def value_rules(schema: dict[str, Any], rule: str, close: str = json.dumps(_CLOSE), text_close: bool = True
+                ) -> list[str]:
+    """Lark lines defining `rule` as a parameter's value and the close marker after it (`close`, a Lark
+    expression). A raw string is one lazy lexeme with a textual close marker (`text_close`), so it ends
+    at the first marker and never holds one; a close marker that is a special token ends the string's
+    lexeme by itself (no text is that token)."""
     choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if choices is not None and all(isinstance(c, str) for c in choices):
         return [f"{rule}: (" + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices) + f") {close}"]
@@ -52,6 +54,8 @@ def _value(schema: dict[str, Any], rule: str) -> list[str]:
         string = next((s for s in branches if isinstance(s, dict) and "string" in schema_types(s)
                        and "anyOf" not in s and "oneOf" not in s), schema)
         text = f"{rule.upper()}_TEXT"
+        if not text_close:
+            return [f"{text}: {_string_terminal(string)}", f"{rule}: {text} {close}"]
         return [f"{text}: {_string_terminal(string)}", f"{rule.upper()}: {text} {close}",
                 f"{rule}[lazy]: {rule.upper()}"]
     return [f"{rule}: {inline_json(schema)} {close}"]
@@ -67,7 +71,7 @@ def qwen3_coder_call(function: dict[str, Any], index: int) -> list[str]:
             raise InvalidRequestError(f"parameter name {name!r} of function {function['name']!r} cannot be "
                                       "written in the qwen3_coder format (no '>' or newline)", "tools")
         rule = f"v{index}_{j}"
-        lines += _value(schema if isinstance(schema, dict) else {}, rule)
+        lines += value_rules(schema if isinstance(schema, dict) else {}, rule)
         head = json.dumps(f"<parameter={name}>\n", ensure_ascii=False)
         params.append(f"({head} {rule})" + ("" if name in required else "?"))
     head = json.dumps(f"<tool_call>\n<function={function['name']}>\n", ensure_ascii=False)
