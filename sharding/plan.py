@@ -159,6 +159,10 @@ class ShardPlan:
                 continue
             if field == "deepseek_moe" and pp > 1:
                 bad(f"pipeline parallelism is not supported for {cfg.architecture} (the DeepSeek-V3 family's MoE)")
+            glm4 = getattr(cfg, "glm4", None)
+            if glm4 is not None and glm4.qk_norm_whole and tp > 1 and mc.rule("q_heads"):
+                bad(f"tp={tp} would split {cfg.architecture}'s q/k norms, which span every head; use ep "
+                    "(8-ep8.yaml) for its experts")
             if mc.rule("mlp") and cfg.intermediate_size % tp:
                 bad(f"dense MLP width {cfg.intermediate_size} is not divisible by tp={tp}")
         try:

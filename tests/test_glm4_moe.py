@@ -161,5 +161,5 @@ def test_refuses_lora(checkpoint):
     from infire_jax import LLM
 
     _, path = checkpoint
-    with pytest.raises(ConfigError, match="not on GLM-4.5"):
+    with pytest.raises(ConfigError, match="not on glm4_moe"):
         LLM(model=path, **ENGINE, enable_lora=True)

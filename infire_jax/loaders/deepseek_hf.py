@@ -1,5 +1,5 @@
 """HF checkpoints of the DeepSeek-V3 family -> the DeepseekV3 model's stacked weights; and of GLM-4.5
-(its MoE is DeepSeek-V3's, its attention GQA) -> the Glm4Moe model's.
+and MiniMax-M2 (their MoE is DeepSeek-V3's, their attention GQA) -> the Glm4Moe model's.
 
 DeepSeek-V3 and Kimi K2 name their weights `model.layers.N...`; Kimi K2.5 prefixes its language
 model with `language_model.` and carries a vision tower and projector, which a text model skips.
@@ -30,13 +30,14 @@ from infire_jax.loaders.weights import from_hf_layout, fuse_projections
 from infire_jax.models.deepseek_config import text_config
 
 _LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# Experts, DeepSeek-V3's and GLM-4.5's names, and MiniMax-M2's (Mixtral's w1 / w3 / w2).
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
 _SKIPPED = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 _TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
 _NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
           "self_attn.q_a_layernorm.weight": "q_a_norm", "self_attn.kv_a_layernorm.weight": "kv_a_norm",
-          "mlp.gate.e_score_correction_bias": "router_bias"}
-_MLP = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+          "mlp.gate.e_score_correction_bias": "router_bias", "block_sparse_moe.e_score_correction_bias": "router_bias"}
+_MLP = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _GQA = {"self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
         "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
         "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
@@ -55,7 +56,7 @@ def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, laye
         layer[_NORMS[rest]] = w
     elif em:
         layer.setdefault("experts", {})[(int(em.group(1)), _MLP[em.group(2)])] = w.T
-    elif rest == "mlp.gate.weight":
+    elif rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):
         layer["router"] = w.T
     elif rest.startswith(("mlp.shared_experts.", "mlp.")) and rest.endswith(".weight") \
             and rest.split(".")[-2] in _MLP:

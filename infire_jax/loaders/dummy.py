@@ -144,6 +144,13 @@ CONFIGS: dict[str, dict] = {
                         routed_scaling_factor=1.0),
     "glm-4.5": dict(_GLM45, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=92,
                     n_routed_experts=160, first_k_dense_replace=3, use_qk_norm=True, routed_scaling_factor=2.5),
+    # MiniMax-M2 (models/glm4_moe.py): q/k normed over all heads, half of each head rotated, 8 of 256 experts.
+    "minimax-m2": dict(model_type="minimax_m2", vocab_size=200064, hidden_size=3072, intermediate_size=1536,
+                       num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+                       rotary_dim=64, num_local_experts=256, num_experts_per_tok=8, rope_theta=5000000,
+                       rms_norm_eps=1e-6, max_position_embeddings=196608, use_qk_norm=True, qk_norm_type="per_layer",
+                       scoring_func="sigmoid", use_routing_bias=True, tie_word_embeddings=False,
+                       bos_token_id=200034, eos_token_id=200020),
     "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }

@@ -44,8 +44,8 @@ class LoRAConfig:
             raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on gpt-oss "
                               "(its layers are models/gpt_oss.py's, which take no adapter yet)")
         if cfg.glm4 is not None:
-            raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on GLM-4.5 "
-                              "(its layers are models/glm4_moe.py's, which take no adapter yet)")
+            raise ConfigError(f"LoRA adapters are supported on the Llama family (dense and MoE), not on "
+                              f"{cfg.architecture} (its layers are models/glm4_moe.py's, which take no adapter yet)")
         if cfg.gemma3 is not None:
             raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on Gemma 3 "
                               "(its layers are models/gemma3.py's, which take no adapter yet)")

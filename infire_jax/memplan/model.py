@@ -111,7 +111,7 @@ def _llama4_tensors(cfg: ModelConfig) -> list[Tensor]:
 
 
 def _glm4_tensors(cfg: ModelConfig) -> list[Tensor]:
-    """GLM-4.5's two stacks (models/glm4_moe.py): every layer's GQA attention (with its q/k/v bias and
+    """GLM-4.5's (and MiniMax-M2's) two stacks (models/glm4_moe.py): every layer's GQA attention (with its q/k/v bias and
     q/k norms if any); the dense layers' MLP, or the MoE layers' router and its bias, routed experts and
     shared experts."""
     e, hkv, d, x, f = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
@@ -126,8 +126,10 @@ def _glm4_tensors(cfg: ModelConfig) -> list[Tensor]:
         if cfg.attention_bias:
             t.append(Tensor(f"{p}bqkv", "attention", (n, hkv, cfg.num_heads // hkv + 2, d),
                             ("layers", "kv_heads", "qkv", "head_dim"), False))
-        if cfg.qk_norm:
-            t += [Tensor(f"{p}{k}", "attention", (n, d), ("layers", "norm"), False) for k in ("q_norm", "k_norm")]
+        if cfg.qk_norm:  # over a head, or over all heads at once (MiniMax-M2)
+            heads = (cfg.num_heads, hkv) if cfg.glm4.qk_norm_whole else (1, 1)
+            t += [Tensor(f"{p}{k}", "attention", (n, d * h), ("layers", "norm"), False)
+                  for k, h in zip(("q_norm", "k_norm"), heads)]
         if kind == "dense":
             width = cfg.intermediate_size
             t += [Tensor(f"{p}w_gate_up", "shared", (n, e, 2, width), ("layers", "embed", "gate_up", "mlp")),
@@ -376,6 +378,8 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     widths = {cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size}
     if cfg.llama4 is not None or cfg.glm4 is not None:  # its dense layers too
         widths.add(cfg.intermediate_size)
+    if cfg.glm4 is not None and cfg.glm4.qk_norm_whole and mc.rule("q_heads") and sizes["tp"] > 1:
+        raise ValueError(f"tp={sizes['tp']} would split {cfg.architecture}'s q/k norms, which span every head")
     if cfg.glm4 is not None and sizes["pp"] > 1:
         raise ValueError(f"pipeline parallelism is not supported for {cfg.architecture} (the DeepSeek-V3 family's MoE)")
     for width in sorted(widths):

@@ -14,7 +14,7 @@ from infire_jax.errors import UnsupportedModelError
 
 # The architecture families a ModelConfig may name (models/registry.py builds each).
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss", "gemma3",
-                 "glm4_moe")
+                 "glm4_moe", "minimax_m2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +106,14 @@ class Gemma3Config:
 
 @dataclasses.dataclass(frozen=True)
 class Glm4Config:
-    """What sets GLM-4.5's decoder apart (models/glm4_config.py parses it, models/glm4_moe.py runs it):
-    q and k rotate only their first `rotary_dim` dimensions (HF's partial_rotary_factor). Its MoE is
-    DeepSeek-V3's (ModelConfig.deepseek_moe), its attention GQA with ModelConfig's bias and q/k norm."""
+    """What sets GLM-4.5's and MiniMax-M2's decoder apart (models/glm4_config.py and
+    models/minimax_m2_config.py parse it, models/glm4_moe.py runs it): q and k rotate only their first
+    `rotary_dim` dimensions (HF's partial_rotary_factor). Their MoE is DeepSeek-V3's
+    (ModelConfig.deepseek_moe), their attention GQA with ModelConfig's bias and q/k norm: over each head
+    (GLM-4.5), or over all heads' q (k) at once (`qk_norm_whole`: MiniMax-M2's)."""
 
     rotary_dim: int
+    qk_norm_whole: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +151,8 @@ class ModelConfig:
     gpt_oss: GptOssConfig | None = None
     # Gemma 3 (architecture "gemma3"; models/gemma3_config.py parses and checks it).
     gemma3: Gemma3Config | None = None
-    # GLM-4.5 / 4.6 (architecture "glm4_moe"; models/glm4_config.py parses and checks it).
+    # GLM-4.5 / 4.6 (architecture "glm4_moe", models/glm4_config.py) and MiniMax-M2 ("minimax_m2",
+    # models/minimax_m2_config.py): GQA with a partial rotation beside DeepSeek-V3's MoE.
     glm4: Glm4Config | None = None
     # Chunked and sliding-window attention: each layer's (chunk C, window W), as LocalMask in
     # pallas_kernels/metadata.py reads them (C > 0: the query at p sees keys [C*floor(p/C), p]; W > 0:
@@ -180,8 +184,8 @@ class ModelConfig:
             raise UnsupportedModelError("a gpt_oss config needs its GptOssConfig, and only it has one")
         if (self.gemma3 is not None) != (self.architecture == "gemma3"):
             raise UnsupportedModelError("a gemma3 config needs its Gemma3Config, and only it has one")
-        if (self.glm4 is not None) != (self.architecture == "glm4_moe"):
-            raise UnsupportedModelError("a glm4_moe config needs its Glm4Config, and only it has one")
+        if (self.glm4 is not None) != (self.architecture in ("glm4_moe", "minimax_m2")):
+            raise UnsupportedModelError("glm4_moe and minimax_m2 configs need their Glm4Config, and only they have one")
         if self.local_attention and (len(self.local_attention) != self.num_layers or any(
                 len(lw) != 2 or min(lw) < 0 for lw in self.local_attention)):
             raise UnsupportedModelError(
@@ -254,13 +258,15 @@ def _deepseek_param_count(cfg: ModelConfig) -> int:
 
 
 def _glm4_param_count(cfg: ModelConfig) -> int:
-    """Weights of a GLM-4.5 model as HF's Glm4MoeForCausalLM holds them: GQA attention (q/k/v biases,
+    """Weights of a GLM-4.5 (or MiniMax-M2) model as HF's Glm4MoeForCausalLM (MiniMaxM2ForCausalLM)
+    holds them: GQA attention (q/k/v biases,
     q/k norms if any), a dense MLP on the first layers, the router with its bias, the routed and shared
     experts on the rest (multi-token-prediction layers, which HF skips too, not counted)."""
     e, hd, d = cfg.hidden_size, cfg.head_dim, cfg.deepseek_moe
     attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * e
     attn += hd * (cfg.num_heads + 2 * cfg.num_kv_heads) if cfg.attention_bias else 0
-    attn += 2 * hd if cfg.qk_norm else 0
+    if cfg.qk_norm:  # over a head, or over all heads at once (MiniMax-M2)
+        attn += hd * (cfg.num_heads + cfg.num_kv_heads) if cfg.glm4.qk_norm_whole else 2 * hd
     f = cfg.moe_intermediate_size
     moe = cfg.num_experts * (3 * e * f + e + 1) + 3 * e * f * d.num_shared_experts
     n_moe = cfg.num_layers - d.first_k_dense_replace

@@ -1,16 +1,19 @@
-"""GLM-4.5 / GLM-4.6 decoder (GLM-4.5-Air, GLM-4.5, GLM-4.6): GQA attention and DeepSeek-V3's MoE.
+"""GLM-4.5 / GLM-4.6 (GLM-4.5-Air too) and MiniMax-M2 decoders: GQA attention and DeepSeek-V3's MoE.
 
 Per layer (transformers' Glm4MoeDecoderLayer): q/k/v with biases (`attention_bias`), q and k RMS-normed
 over the head where `use_qk_norm` (GLM-4.5, not Air), then rotated on their first `rotary_dim`
 dimensions only (HF's partial_rotary_factor, a half) in the "rotate half" layout, the rest passed
 through; the first `first_k_dense_replace` layers have a dense SwiGLU MLP, the rest DeepSeek-V3's
 grouped sigmoid router with score-correction bias, routed experts and shared experts
-(models/deepseek_moe.py). The layers are two stacks (`dense_layers`, `moe_layers`) scanned in turn as
+(models/deepseek_moe.py). MiniMax-M2 differs only in its q/k norms, each over all heads at once
+(`Glm4Config.qk_norm_whole`), and in its MoE's settings: every layer, no groups, no shared expert, no
+bias on q/k/v. The layers are two stacks (`dense_layers`, `moe_layers`) scanned in turn as
 models/deepseek.py's, the KV pool's layer index running across both; q/k/v are one weight grouped by kv
 head as models/llama.py's.
 
 On a mesh (models/parallel.py) tp splits the heads and the MLP widths, ep the experts; pipeline
-parallelism is refused (sharding/plan.py), as for the DeepSeek-V3 family. Quantized or compressed
+parallelism is refused (sharding/plan.py), as for the DeepSeek-V3 family, and so is tp for MiniMax-M2,
+whose q/k norms span every head. Quantized or compressed
 weights, LoRA and EAGLE-3 aux states are refused with a ConfigError.
 """
 
@@ -55,9 +58,10 @@ class Glm4Layers(LayerStacks):
         self.wqkv = param((n, e, hkv, g + 2, d), ("layers", "embed", "kv_heads", "qkv", "head_dim"), dtype)
         if cfg.attention_bias:
             self.bqkv = param((n, hkv, g + 2, d), ("layers", "kv_heads", "qkv", "head_dim"), dtype, init="zeros")
-        if cfg.qk_norm:
-            self.q_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
-            self.k_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
+        if cfg.qk_norm:  # over a head, or over all heads at once
+            whole = cfg.glm4.qk_norm_whole
+            self.q_norm = param((n, d * (cfg.num_heads if whole else 1)), ("layers", "norm"), dtype, init="ones")
+            self.k_norm = param((n, d * (hkv if whole else 1)), ("layers", "norm"), dtype, init="ones")
         self.wo = param((n, cfg.num_heads, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
         self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
         if not moe:
@@ -82,6 +86,12 @@ def partial_rope(x: Float[Array, "T H D"], cos: Float[Array, "T R"], sin: Float[
     return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
 
 
+def qk_norm(x: Float[Array, "T H D"], weight: Array, eps: float, whole: bool) -> Float[Array, "T H D"]:
+    """RMSNorm over each head, or over all of a token's heads at once (`whole`; head h at [h*D, h*D + D)
+    of the weight, as HF's flat projection)."""
+    return rms_norm(x.reshape(x.shape[0], -1), weight, eps).reshape(x.shape) if whole else rms_norm(x, weight, eps)
+
+
 def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
                   red: Reductions, in_place: dict, first: int):
     """The scan body of one stack: (h, k pages, v pages), (layer weights, pool layer index) -> carry.
@@ -95,7 +105,7 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
         lp = kernel_weights(lp, in_place, idx - first, h.shape[0], cpu=False)
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], eps), cfg.attention_bias)
         if cfg.qk_norm:
-            q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
+            q, k = (qk_norm(x, lp[name], eps, cfg.glm4.qk_norm_whole) for x, name in ((q, "q_norm"), (k, "k_norm")))
         o, k_pages, v_pages = paged_attention(partial_rope(q, cos, sin), partial_rope(k, cos, sin), v, k_pages,
                                               v_pages, idx, meta, scale=cfg.head_dim ** -0.5, impl=attn_impl,
                                               cpu_kernel=one_device)
@@ -132,8 +142,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 class Glm4Moe(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
         if resident:
-            raise ConfigError("GLM-4.5 runs with plain weights; weights_quantization and weights_compression "
-                              "are not supported for it yet")
+            raise ConfigError(f"{cfg.architecture} runs with plain weights; weights_quantization and "
+                              "weights_compression are not supported for it yet")
         self.cfg = cfg
         dense = cfg.deepseek_moe.first_k_dense_replace
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
@@ -156,7 +166,7 @@ class Glm4Moe(nnx.Module):
                    ) -> tuple[Float[Array, "T E"], KVPages]:
         """Applies every decoder layer, on one device or (with a plan) across the mesh."""
         if aux_layers is not None:
-            raise ConfigError("GLM-4.5 runs without EAGLE-3 aux states")
+            raise ConfigError(f"{self.cfg.architecture} runs without EAGLE-3 aux states")
         rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.glm4.rotary_dim)  # its frequencies span R dims
         cos, sin = rope_tables(rope_inv_freq(rotary), meta.positions)
         weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}

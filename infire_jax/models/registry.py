@@ -30,7 +30,8 @@ MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llam
                  "llama4": Llama4,  # chunked / NoPE attention, interleaved dense and MoE layers (models/llama4.py)
                  "gpt_oss": GptOss,  # attention sinks, windowed and full layers, clamped-SwiGLU experts (models/gpt_oss.py)
                  "gemma3": Gemma3,  # windowed and global layers, sandwich norms, GELU MLP (models/gemma3.py)
-                 "glm4_moe": Glm4Moe}  # GQA with a partial rotation, DeepSeek-V3's MoE (models/glm4_moe.py)
+                 "glm4_moe": Glm4Moe,  # GQA with a partial rotation, DeepSeek-V3's MoE (models/glm4_moe.py)
+                 "minimax_m2": Glm4Moe}  # the same, q/k normed over all heads, a MoE every layer
 
 
 def abstract_model(cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None) -> nnx.Module:
