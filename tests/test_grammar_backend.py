@@ -254,6 +254,48 @@ def test_forced_glm45_calls_are_typed_by_the_schema(backend, tokenizer, special)
     assert accepts(two, whole + "\n" + call(city="Rome", unit="celsius"))[0]
 
 
+@pytest.mark.parametrize("special", [False, True], ids=["text-markers", "special-token-markers"])
+def test_forced_minimax_m2_calls_are_one_block_of_typed_invokes(backend, tokenizer, special):
+    """A forced minimax_m2 block, its markers as text or as special tokens (two of SmolLM2's stand in):
+    one `<invoke>` (or, parallel, several) of the given functions, the parameters in the schema's order,
+    each typed as the format's parser reads it back."""
+    import re
+
+    from infire_jax.structured import parse_tool_calls
+    from infire_jax.structured.tool_formats.minimax_m2_grammar import MARKERS
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+
+    fn = {"name": "get_weather", "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}}}
+    marks = dict(zip(MARKERS, (3, 4))) if special else {}
+    tools = [fn, {"name": "get_time"}]
+
+    def block(*invokes: str) -> str:
+        return "<minimax:tool_call>\n" + "\n".join(invokes) + "\n</minimax:tool_call>"
+
+    def weather(**params) -> str:
+        body = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in params.items())
+        return f'<invoke name="get_weather">\n{body}</invoke>'
+
+    def accepts(parallel: bool, text: str) -> tuple[bool, bool]:
+        spec = tool_call_constraint("minimax_m2", tools, parallel=parallel, special_token_ids=marks)
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", text) if marks else [text]
+        toks = [t for p in pieces if p for t in ([marks[p]] if p in marks else ids(tokenizer, p))]
+        m = backend.compile(spec).matcher()
+        return m.accept_tokens(toks) == len(toks), m.is_terminated()
+
+    whole = block(weather(city="Paris <FR>", days=3, unit="celsius"))
+    assert accepts(False, whole) == (True, True)
+    _, (got,) = parse_tool_calls(whole, "minimax_m2", tools=[{"type": "function", "function": fn}])
+    assert json.loads(got.arguments) == {"city": "Paris <FR>", "days": 3, "unit": "celsius"}
+    two = block(weather(city="Oslo"), '<invoke name="get_time">\n</invoke>')
+    assert accepts(True, two) == (True, True) and not accepts(False, two)[0]
+    for wrong in (block(weather(days=3)), block(weather(city="Paris", days=0)), block(weather(city="x" * 21)),
+                  block(weather(city="Paris", unit="kelvin")), block('<invoke name="other">\n</invoke>')):
+        assert not accepts(True, wrong)[0], wrong
+
+
 @pytest.mark.parametrize("fmt", ["pythonic", "llama4_pythonic"])
 def test_forced_pythonic_calls_are_python_literals_of_the_schema(backend, tokenizer, fmt):
     """A forced pythonic call: keyword arguments in the schema's order (the optional ones may be left

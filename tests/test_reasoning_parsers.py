@@ -19,6 +19,8 @@ CASES = [
     ("deepseek_r1", None, "Still going, no end", "Still going, no end", ""),  # cut off while thinking
     ("deepseek_r1", None, "</think>Just 4.", "", "Just 4."),
     ("deepseek_r1", None, "", "", ""),
+    ("minimax_m2", None, "Plan: call it.\n</think>\n\nCalling.", "Plan: call it.\n", "\n\nCalling."),
+    ("minimax_m2", None, "<think>x</think>y", "x", "y"),
     ("qwen3", None, "<think>\nplan\n</think>\n\nanswer <think> stays", "\nplan\n", "\n\nanswer <think> stays"),
     ("qwen3", None, "\n<think>a</think>b", "a", "b"),
     ("qwen3", None, "No thinking here</think> at all", "", "No thinking here</think> at all"),
@@ -71,7 +73,7 @@ def test_reasoning_streams_out_before_the_block_closes():
 def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2'.*deepseek_r1.*qwen3"):
         ReasoningStream("r2")
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "kimi_k2", "glm45", "deepseek_v3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "kimi_k2", "glm45", "deepseek_v3", "minimax_m2"}
 
 
 def test_random_marker_soup_splits_the_same_however_streamed():

@@ -161,7 +161,8 @@ class TestReasoning:
         assert events[-1].response.output[0].content[0].text == text
 
 
-@pytest.fixture(scope="class", params=["kimi_k2", "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "pythonic"])
+@pytest.fixture(scope="class", params=["kimi_k2", "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "minimax_m2",
+                                                 "pythonic"])
 def format_url(request, smol_llm):
     """The engine served with another model family's tool-call format (--tool-call-parser), until the class ends."""
     from server.app import build_app

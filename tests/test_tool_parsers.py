@@ -156,6 +156,13 @@ def glm(name: str, *args: tuple[str, str]) -> str:
     return f"<tool_call>{name}\n{body}</tool_call>"
 
 
+def minimax(*calls: tuple[str, tuple[tuple[str, str], ...]]) -> str:
+    """A block of calls as MiniMax-M2's chat template writes one."""
+    invokes = "".join(f'<invoke name="{name}">\n' + "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in args)
+                      + "</invoke>\n" for name, args in calls)
+    return f"<minimax:tool_call>\n{invokes}</minimax:tool_call>"
+
+
 GLM_RUN = glm("run", ("cmd", "ls -la"), ("timeout", "30"), ("env", '{"A": "1"}'), ("verbose", "true"), ("tag", "007"))
 KIMI_TWO = (kimi("functions.get_weather:0", '{"city": "Lagos"}') + kimi("functions.get_time:1", '{"tz": "WAT"}'))
 KIMI_BAD = kimi("functions.f:2", '{"a": ')
@@ -221,6 +228,16 @@ SURFACE_CASES = [
      [("run", {"limit": None, "ratio": 0.5, "cmd": "def f():\n    return [1]"}), ("get_time", {})], RUN_TOOLS),
     ("glm45", "<tool_call>run\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\nstray\n</tool_call>",
      "<tool_call>run\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\nstray\n</tool_call>", [], RUN_TOOLS),
+    ("minimax_m2", "Checking." + minimax(("run", (("cmd", "ls -la"), ("timeout", "30"), ("env", '{"A": "1"}'))),
+                                         ("get_time", ())) + "\nDone.", "Checking.\nDone.",
+     [("run", {"cmd": "ls -la", "timeout": 30, "env": {"A": "1"}}), ("get_time", {})], RUN_TOOLS),
+    ("minimax_m2", minimax(("run", (("tag", "007"), ("limit", "null"))),), "",
+     [("run", {"tag": "007", "limit": None})], None),  # untyped: JSON where it is JSON
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="run">\nstray<parameter name="cmd">ls</parameter>\n'
+                   '</invoke>\n</minimax:tool_call>', '<minimax:tool_call>\n<invoke name="run">\nstray'
+     '<parameter name="cmd">ls</parameter>\n</invoke>\n</minimax:tool_call>', [], RUN_TOOLS),
+    ("minimax_m2", "<minimax:tool_call>\n</minimax:tool_call>", "<minimax:tool_call>\n</minimax:tool_call>", [],
+     None),  # a block with no call
     ("glm45", "<tool_call>\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>",
      "<tool_call>\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>", [], None),  # no name
 ]
@@ -232,6 +249,8 @@ SHORT_CASES = [  # every split point of these, and of some of the cases above
     ("hermes", 'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>', "Hi", [("f", {})], None),
     ("glm45", "Hi<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>", "Hi",
      [("f", {"a": 1})], None),
+    ("minimax_m2", 'Hi<minimax:tool_call><invoke name="f"><parameter name="a">1</parameter></invoke>'
+                   "</minimax:tool_call>", "Hi", [("f", {"a": 1})], None),
 ]
 
 
@@ -286,7 +305,7 @@ def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*kimi_k2.*qwen3_coder"):
         parse_tool_calls("x", "nope")
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "kimi_k2",
-                                 "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45"}
+                                 "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "minimax_m2"}
 
 
 @pytest.mark.parametrize("template,fmt", [
@@ -300,6 +319,7 @@ def test_unknown_parser_names_the_known_ones():
      "pythonic"),
     ("<tool_call>\n<function={{ name }}>\n<parameter={{ p }}>", "qwen3_coder"),
     ("{{ '\\n<tool_call>' + tc.name }}{% for k, v in args.items() %}<arg_key>{{ k }}</arg_key>{% endfor %}", "glm45"),
+    ('{{- "<minimax:tool_call>" }}{% for tc in m.tool_calls %}<invoke name="{{ tc.name }}">', "minimax_m2"),
 ])
 def test_new_formats_come_from_the_template(template, fmt):
     assert detect_format(template) == fmt
@@ -313,6 +333,7 @@ def test_random_marker_soup_parses_the_same_however_streamed():
              "<|python_end|>", "f(", "a=1", ")", "'x'", '"', "'", ";", "\\", "NaN", KIMI_SB, KIMI_SE, KIMI_CB, "functions.f:0", KIMI_AB,
              KIMI_CE, DS_SB, DS_SE, DS_CB, DS_SEP, DS_CE, "function", "```json", "```", "<function=f>", "</function>",
              "<parameter=p>", "</parameter>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "f\n",
+             "<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="f">', "</invoke>", '<parameter name="a">',
              "<|", "<"]
     rng = random.Random(11)
     for _ in range(300):

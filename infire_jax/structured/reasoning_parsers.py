@@ -1,8 +1,8 @@
 """Reasoning ("thinking") split from the answer, under vLLM's `--reasoning-parser` names.
 
-* `deepseek_r1`: the reasoning is everything up to `</think>`, with or without a leading `<think>`
-  (R1's template puts `<think>` in the prompt, so the output usually starts inside it). An output
-  without `</think>` is all reasoning: it was cut off while thinking.
+* `deepseek_r1`, `minimax_m2`: the reasoning is everything up to `</think>`, with or without a leading
+  `<think>` (R1's and MiniMax-M2's templates put `<think>` in the prompt, so the output usually starts
+  inside it). An output without `</think>` is all reasoning: it was cut off while thinking.
 * `qwen3`, `glm45`: reasoning only inside a `<think>…</think>` that opens the output; an output not
   starting with `<think>` is all content. `chat_template_kwargs={"enable_thinking": False}` makes it
   all content (the template then closes an empty think block in the prompt).
@@ -48,6 +48,7 @@ def _qwen3(kwargs: dict[str, Any]) -> _Syntax | None:
 
 REASONING_PARSERS: dict[str, Callable[[dict[str, Any]], _Syntax | None]] = {
     "deepseek_r1": lambda kwargs: _R1,
+    "minimax_m2": lambda kwargs: _R1,  # its template opens <think> in the prompt
     "qwen3": _qwen3,
     "glm45": _qwen3,
     "kimi_k2": lambda kwargs: _Syntax((KIMI_THINK, THINK), implicit=False),

@@ -14,7 +14,7 @@ from typing import Any
 from infire_jax.structured import harmony
 from infire_jax.structured.backend import inline_json
 from infire_jax.structured.spec import StructuredOutputs
-from infire_jax.structured.tool_formats import glm45_grammar
+from infire_jax.structured.tool_formats import glm45_grammar, minimax_m2_grammar
 from infire_jax.structured.tool_formats.pythonic_grammar import pythonic_calls
 from infire_jax.structured.tool_formats.qwen3_coder_grammar import qwen3_coder_call
 from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END,
@@ -22,19 +22,19 @@ from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEG
                                                                KIMI_ARGS_BEGIN, KIMI_CALL_BEGIN, KIMI_CALL_END,
                                                                KIMI_SECTION_BEGIN, KIMI_SECTION_END)
 from infire_jax.structured.tool_parsers import (DEEPSEEK_V3, DEEPSEEK_V31, GLM45, HERMES, HERMES_CLOSE, HERMES_OPEN,
-                                                KIMI_K2, LLAMA3_JSON, LLAMA4_PYTHONIC, MISTRAL, MISTRAL_MARKER,
-                                                OPENAI, PYTHONIC, QWEN3_CODER)
+                                                KIMI_K2, LLAMA3_JSON, LLAMA4_PYTHONIC, MINIMAX_M2, MISTRAL,
+                                                MISTRAL_MARKER, OPENAI, PYTHONIC, QWEN3_CODER)
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 NEWLINE = "\n"
 # The formats a forced call is written in: all of them.
 FORCEABLE_FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER, GLM45,
-                     PYTHONIC, LLAMA4_PYTHONIC, OPENAI)
+                     MINIMAX_M2, PYTHONIC, LLAMA4_PYTHONIC, OPENAI)
 # Each format's markers, for the caller to look up as special tokens (`special_token_ids`).
 _DEEPSEEK_MARKERS = (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
 MARKERS = {MISTRAL: (MISTRAL_MARKER,), DEEPSEEK_V3: _DEEPSEEK_MARKERS, DEEPSEEK_V31: _DEEPSEEK_MARKERS,
            KIMI_K2: (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGS_BEGIN, KIMI_CALL_END),
-           OPENAI: harmony.SPECIAL_TOKENS, GLM45: glm45_grammar.MARKERS}
+           OPENAI: harmony.SPECIAL_TOKENS, GLM45: glm45_grammar.MARKERS, MINIMAX_M2: minimax_m2_grammar.MARKERS}
 
 
 def _call_schema(fmt: str, function: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +67,9 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
         return StructuredOutputs(grammar=harmony.call_grammar(functions, ids), param="tool_choice")
     if fmt in (PYTHONIC, LLAMA4_PYTHONIC):  # Python literals (tool_formats/pythonic_grammar.py)
         return StructuredOutputs(grammar=pythonic_calls(functions, parallel), param="tool_choice")
+    if fmt == MINIMAX_M2:  # one block of <invoke>s, raw-text parameters (tool_formats/minimax_m2_grammar.py)
+        return StructuredOutputs(grammar=minimax_m2_grammar.minimax_m2_calls(functions, parallel, mark),
+                                 param="tool_choice")
     if fmt in (QWEN3_CODER, GLM45):  # raw-text parameters typed by the schema (tool_formats/*_grammar.py)
         calls = [line for i, f in enumerate(functions) for line in (
             qwen3_coder_call(f, i) if fmt == QWEN3_CODER else

@@ -9,6 +9,7 @@ from __future__ import annotations
 from infire_jax.structured.tool_formats.base import Block, Format, ToolCall
 from infire_jax.structured.tool_formats.glm45 import Glm45
 from infire_jax.structured.tool_formats.json_calls import Hermes, Llama3Json, Mistral
+from infire_jax.structured.tool_formats.minimax_m2 import MiniMaxM2
 from infire_jax.structured.tool_formats.pythonic import Pythonic
 from infire_jax.structured.tool_formats.qwen3_coder import Qwen3Coder
 from infire_jax.structured.tool_formats.special_tokens import DeepSeekV3, DeepSeekV31, KimiK2
@@ -24,6 +25,7 @@ FORMATS: dict[str, type[Format]] = {
     "deepseek_v31": DeepSeekV31,
     "qwen3_coder": Qwen3Coder,
     "glm45": Glm45,
+    "minimax_m2": MiniMaxM2,
 }
 
 __all__ = ["FORMATS", "Block", "Format", "ToolCall"]
