@@ -10,11 +10,12 @@ from infire_jax.llm import LLM
 from infire_jax.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                 ScoringRequestOutput)
 from infire_jax.pooling.config import PoolerConfig, PoolingParams
+from infire_jax.sample.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from infire_jax.sample.prompt_logprobs import Logprob
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.structured import StructuredOutputs
 
-__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "Engine", "EngineConfig", "Logprob",
-           "PoolerConfig", "PoolingParams", "RequestOutput", "SamplingParams", "ScoringOutput", "ScoringRequestOutput",
-           "StructuredOutputs"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "Engine", "EngineConfig", "Logprob", "PoolerConfig", "PoolingParams",
+           "RequestOutput", "SamplingParams", "ScoringOutput", "ScoringRequestOutput", "StructuredOutputs"]
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
-"""The offline Python API: `LLM(...).generate(prompts, params)`, `.chat(messages, params)` and
-`.embed(prompts)` (runner="pooling")."""
+"""The offline Python API: `LLM(...).generate(prompts, params)`, `.chat(messages, params)`,
+`.beam_search(prompts, params)` and `.embed(prompts)` (runner="pooling")."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from infire_jax.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequ
 from infire_jax.pooling.config import PoolingParams
 from infire_jax.pooling.scoring import cosine_scores, pairs
 from infire_jax.runner.image_pool import ImagePoolFull
+from infire_jax.sample.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.vision import preprocess
 from infire_jax.vision import prompt as placeholders
@@ -62,6 +63,34 @@ class LLM:
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model);
         the engine needs `enable_lora=True`."""
         return self._run(prompts, sampling_params, SamplingParams, lora_request)[0]
+
+    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams, *,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (infire_jax/sample/beam_search.py): each prompt's best
+        `params.beam_width` sequences, best first, each with the prompt's tokens and the whole text."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise InvalidRequestError("no prompts given", param="prompt")
+        ids = []
+        for prompt in prompts:
+            text, images = _split(prompt)
+            if images:
+                raise InvalidRequestError("beam search takes no images", param="multi_modal_data")
+            ids.append(self.engine.tokenize_prompt(text))
+            if len(ids[-1]) + params.max_tokens > self.engine.max_model_len:
+                raise InvalidRequestError(f"a prompt of {len(ids[-1])} tokens and max_tokens={params.max_tokens} "
+                                          f"exceed max_model_len={self.engine.max_model_len}",
+                                          param="max_tokens")
+        eos = self.tokenizer.token_to_id(self.tokenizer.eos_token) if self.tokenizer.eos_token else None
+        search = BeamSearch(ids, params, eos)
+        while not search.done:
+            outs = self._run(search.step_prompts(), search.step_params(), SamplingParams, lora_request)[0]
+            search.advance([o.outputs[0].logprobs[0] for o in outs])
+        results = search.results()
+        for seq in (s for r in results for s in r.sequences):
+            seq.text = self.tokenizer.decode(seq.tokens)
+        return results
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,

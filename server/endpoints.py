@@ -33,6 +33,7 @@ from infire_jax.structured.tool_prompt import render_inputs
 from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.vision import preprocess
 from infire_jax.vision import prompt as image_placeholders
+from server import beam_search
 from server.auth import TENANT
 from server.errors import APIError, to_api_error
 from server.kv_handoff import KVHandoff, RequestHandoff, request_handoff
@@ -321,7 +322,12 @@ async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lor
 async def _run(request: web.Request, kv: RequestHandoff, m: ServedModel, lora: str | None,
                req: GenerationRequest, prompts: list[list[int]], make_formatter: Callable[[], Formatter],
                prompt_param: str, images: list[preprocess.Tiles] | None = None) -> web.StreamResponse:
-    """Admits the request, then answers it whole or as a stream (`kv`: its KV handoff, before and after)."""
+    """Admits the request, then answers it whole or as a stream (`kv`: its KV handoff, before and after).
+    A beam search runs as requests of its own (server/beam_search.py)."""
+    if req.beam_search:
+        if images:
+            raise bad("images cannot be used with 'use_beam_search'", "messages")
+        return await beam_search.respond(request, m, lora, req, prompts, make_formatter)
     async with admitted(request, kv, m, lora, req, prompts, prompt_param, images) as stream:
         usage = Usage([len(p) for p in prompts])
         if req.stream:

@@ -29,7 +29,7 @@ _COMMON = frozenset({
     # vLLM extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "priority", "structured_outputs", "allowed_token_ids", "truncate_prompt_tokens",
-    "return_tokens_as_token_ids", "prompt_logprobs", "bad_words",
+    "return_tokens_as_token_ids", "prompt_logprobs", "bad_words", "use_beam_search", "length_penalty", "early_stopping",
     # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
     "kv_transfer_params",
 }) | frozenset(structured.GUIDED_FIELDS)
@@ -61,6 +61,8 @@ class GenerationRequest:
     truncate_prompt_tokens: int | None
     tokens_as_ids: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     prompt_logprobs: int | None  # vLLM's prompt_logprobs field: the response's list with this many alternatives
+    beam_search: bool  # vLLM's use_beam_search: `n` beams (server/beam_search.py)
+    length_penalty: float  # a beam's score: cumulative logprob / length ** length_penalty
 
 
 @dataclasses.dataclass
@@ -207,7 +209,26 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
                              priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1),
                              kv_transfer=_transfer_params(b.data.get("kv_transfer_params")),
                              truncate_prompt_tokens=truncate,
-                             tokens_as_ids=b.boolean("return_tokens_as_token_ids", False), prompt_logprobs=asked)
+                             tokens_as_ids=b.boolean("return_tokens_as_token_ids", False), prompt_logprobs=asked,
+                             **_beam_search(b, params, asked))
+
+
+def _beam_search(b: Body, params: SamplingParams, prompt_logprobs: int | None) -> dict[str, Any]:
+    """vLLM's beam-search fields; what beam search cannot honour is refused naming the field. vLLM's
+    `early_stopping` is taken and has no effect there either (its beam search runs to max_tokens)."""
+    length_penalty = b.number("length_penalty", 1.0)
+    b.boolean("early_stopping", False)
+    if not b.boolean("use_beam_search", False):
+        return {"beam_search": False, "length_penalty": length_penalty}
+    constraint = "response_format" if b.present("response_format") else "structured_outputs"
+    conflicts = {"stop": params.stop, "stop_token_ids": params.stop_token_ids, "logit_bias": params.logit_bias,
+                 constraint: params.structured_outputs, "prompt_logprobs": prompt_logprobs,
+                 "allowed_token_ids": params.allowed_token_ids, "bad_words": params.bad_words,
+                 "min_tokens": params.min_tokens}
+    for name, value in conflicts.items():
+        if value:
+            raise bad(f"'{name}' cannot be used with 'use_beam_search'", name)
+    return {"beam_search": True, "length_penalty": length_penalty}
 
 
 def _logit_bias(raw: Any) -> dict[int, float] | None:
@@ -278,6 +299,8 @@ def parse_completion(data: Any) -> CompletionRequest:
     common = _common(b, max_tokens=max_tokens, logprobs=logprobs,
                      prompt_logprobs=logprobs if echo else None)
     b.neutral("best_of", lambda v: v == common.params.n, "best_of must be null or equal to n")
+    if common.beam_search and echo:
+        raise bad("'echo' cannot be used with 'use_beam_search'", "echo")
     return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
 
 

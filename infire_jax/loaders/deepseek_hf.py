@@ -25,8 +25,8 @@ from typing import Iterable
 import numpy as np
 
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.models.config import ModelConfig
 from infire_jax.loaders.weights import from_hf_layout, fuse_projections
+from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_config import text_config
 
 _LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.(.+)")
@@ -50,7 +50,7 @@ def deinterleave(n: int) -> np.ndarray:
 
 def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, layer: dict) -> None:
     """One HF layer tensor into `layer` under our name (experts by (index, part)): MLA's attention
-    (DeepSeek-V3) or GQA's (GLM-4.5: `_convert_gqa`), and DeepSeek-V3's MoE, which both have."""
+    (DeepSeek-V3) or GQA's (GLM-4.5, MiniMax-M2: `_convert_gqa`), and DeepSeek-V3's MoE, which all have."""
     em = _EXPERT.fullmatch(rest)
     if rest in _NORMS:
         layer[_NORMS[rest]] = w
@@ -69,7 +69,8 @@ def _convert(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, laye
 
 
 def _convert_gqa(rest: str, w: np.ndarray, cfg: ModelConfig, layer: dict) -> None:
-    """GLM-4.5's attention tensors, in models/llama.py's layouts (fused into q/k/v by `_finish`)."""
+    """GLM-4.5's and MiniMax-M2's attention tensors, in models/llama.py's layouts (fused into q/k/v by
+    `_finish`)."""
     short = _GQA.get(rest)
     if short is None:
         raise UnsupportedModelError(f"unexpected weight {rest!r} in a {cfg.architecture} layer")
