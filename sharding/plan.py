@@ -92,13 +92,14 @@ def stage_stacks(cfg, stage_layers: Sequence[int]) -> tuple[tuple[str, tuple[int
 
 def spread_config(cfg, stage_layers: Sequence[int]):
     """`cfg` with its layers spread over the stacked slots of whole stages (`spread_layers`): the slot
-    count, and each slot's chunked / sliding-window kind and (Llama 4) RoPE flag."""
+    count, and each slot's chunked / sliding-window kind and RoPE flag (Llama 4's, SmolLM3's)."""
     local = cfg.local_attention and spread_layers(cfg.local_attention, stage_layers)
     l4 = getattr(cfg, "llama4", None)
     if l4 is not None:
         l4 = dataclasses.replace(l4, rope_layers=spread_layers(l4.rope_layers, stage_layers))
+    nope = getattr(cfg, "nope_layers", ()) and spread_layers(cfg.nope_layers, stage_layers)
     return dataclasses.replace(cfg, num_layers=len(stage_layers) * max(stage_layers), local_attention=local,
-                               llama4=l4)
+                               llama4=l4, nope_layers=nope)
 
 
 def repeat_kv_heads(w: np.ndarray, r: int) -> np.ndarray:

@@ -158,6 +158,8 @@ class ModelConfig:
     # pallas_kernels/metadata.py reads them (C > 0: the query at p sees keys [C*floor(p/C), p]; W > 0:
     # keys [p-W+1, p]; (0, 0): a global layer). Empty: every layer is global.
     local_attention: tuple[tuple[int, int], ...] = ()
+    # Layers that do not rotate q and k (SmolLM3's NoPE layers; models/llama.py). Empty: every layer rotates.
+    nope_layers: tuple[bool, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -186,6 +188,9 @@ class ModelConfig:
             raise UnsupportedModelError("a gemma3 config needs its Gemma3Config, and only it has one")
         if (self.glm4 is not None) != (self.architecture in ("glm4_moe", "minimax_m2")):
             raise UnsupportedModelError("glm4_moe and minimax_m2 configs need their Glm4Config, and only they have one")
+        if self.nope_layers and len(self.nope_layers) != self.num_layers:
+            raise UnsupportedModelError(f"nope_layers must flag each of the {self.num_layers} layers, "
+                                        f"got {len(self.nope_layers)}")
         if self.local_attention and (len(self.local_attention) != self.num_layers or any(
                 len(lw) != 2 or min(lw) < 0 for lw in self.local_attention)):
             raise UnsupportedModelError(
@@ -204,6 +209,7 @@ class ModelConfig:
         if d.get("rope_freq_factors") is not None:
             d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
         d["local_attention"] = tuple(tuple(lw) for lw in d.get("local_attention", ()))
+        d["nope_layers"] = tuple(d.get("nope_layers", ()))
         if d.get("mla") is not None:
             d["mla"] = MLAConfig(**d["mla"])
         if d.get("deepseek_moe") is not None:

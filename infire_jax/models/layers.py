@@ -160,6 +160,14 @@ def local_attention_table(cfg: ModelConfig, num_layers: int, stage_axis: str = "
     return stage_rows(jnp.asarray(cfg.local_attention, jnp.int32), num_layers, stage_axis)
 
 
+def nope_table(cfg: ModelConfig, num_layers: int, stage_axis: str = "pp") -> Int[Array, "L"] | None:
+    """Each layer's NoPE flag (1: q and k are not rotated) as an int32 [L] table, a pipeline stage's rows
+    as `local_attention_table`'s; None when every layer rotates."""
+    if not any(cfg.nope_layers):
+        return None
+    return stage_rows(jnp.asarray(cfg.nope_layers, jnp.int32), num_layers, stage_axis)
+
+
 def stage_rows(table: Int[Array, "L ..."], num_layers: int, stage_axis: str = "pp") -> Int[Array, "N ..."]:
     """A per-layer table's rows for a layer scan over `num_layers` stacked layers: all of them, or, for a
     pipeline stage's scan (fewer layers than the table has, inside the mesh's shard_map), the

@@ -1,4 +1,4 @@
-"""Llama-architecture decoder (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and their MoE kin).
+"""Llama-architecture decoder (Llama 2/3.x, SmolLM2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/4, and their MoE kin).
 
 Layer weights are stacked along a leading `layers` axis and the forward scans over them: one
 compiled layer body keeps compile time flat in depth, and the stacked axis is what pipeline
@@ -23,8 +23,8 @@ from infire_jax.errors import ConfigError
 from infire_jax.lora.batched import LayerLoRA, LoRAStep, LoRAWeight, split_stacks
 from infire_jax.lora.layout import stack_axes
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, local_attention_table, param, rms_norm,
-                                      rope_inv_freq, rope_tables, swiglu, with_local_mask)
+from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, local_attention_table, nope_table, param,
+                                      rms_norm, rope_inv_freq, rope_tables, swiglu, with_local_mask)
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
@@ -201,13 +201,14 @@ def project_qkv(lp: dict[str, Array], x: Float[Array, "T E"], bias: bool,
 
 def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
                   red: Reductions, in_place: dict[str, tuple[KernelView, tuple]] | None = None,
-                  lora: LayerLoRA | None = None) -> Callable:
+                  lora: LayerLoRA | None = None, nope: Int[Array, "L"] | None = None) -> Callable:
     """The body of the layer scan: (h, k_pages, v_pages), (layer weights, layer index, the layer's row
     of `local_attention_table` or None) -> carry.
 
     Head and MLP counts come from the weights' shapes, so the same body runs on a shard of them.
     `in_place` weights (`in_place_weights`) are not scanned: the body reads its layer of them, and
-    so of the LoRA adapters' stacks (`lora`), whose deltas `linear` adds to the projections.
+    so of the LoRA adapters' stacks (`lora`), whose deltas `linear` adds to the projections. A layer
+    flagged in `nope` (`nope_table`, SmolLM3's NoPE layers) rotates by nothing: cos 1, sin 0.
     """
     scale = cfg.head_dim ** -0.5
     mlp = functools.partial(moe_mlp, cfg=cfg, expert_axis=red.expert_axis) if cfg.is_moe else dense_mlp
@@ -216,6 +217,8 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
         h, k_pages, v_pages = carry
         lp, idx, local = xs
         layer_meta = with_local_mask(meta, local)
+        rotates = True if nope is None else nope[idx] == 0
+        c, s = (cos, sin) if nope is None else (jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0))
         lp = decode_layer(dequantize_layer(lp, h.dtype))  # this layer's compressed / quantized weights, decoded
         lp = kernel_weights(lp, in_place or {}, idx, h.shape[0], cpu=red == Reductions())
         if lora is not None:
@@ -223,10 +226,10 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         if cfg.qk_norm:  # q and k normed, each with its own weight, before their rotations
             q, k, v = project_qkv(lp, x, cfg.attention_bias)
-            q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), cos, sin)
-            k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), cos, sin)
+            q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), c, s)
+            k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), c, s)
         else:
-            q, k, v = project_qkv(lp, x, cfg.attention_bias, (cos, sin))
+            q, k, v = project_qkv(lp, x, cfg.attention_bias, (c, s))
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, layer_meta, scale=scale,
                                               impl=attn_impl, cpu_kernel=red == Reductions())
         wo, norm = lp["wo"], lp["mlp_norm"]
@@ -249,8 +252,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     weights, lora = split_stacks(weights, lora_slots, kernel=red == Reductions())
     in_place = in_place_weights(cfg, weights, h.shape[0], red)
     meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
-    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place, lora)
     num = jax.tree.leaves(weights)[0].shape[0]
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place, lora, nope_table(cfg, num))
     scanned = {name: w for name, w in weights.items() if name not in in_place}
     xs = (scanned, np.arange(num, dtype=np.int32), local_attention_table(cfg, num))
     return layer_loop(layer, (h, k_pages, v_pages), xs, num, h.shape[0])
@@ -277,8 +280,8 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
     weights, lora = split_stacks(weights, lora_slots, kernel=True)
     in_place = in_place_weights(cfg, weights, h.shape[0], Reductions())
     meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
-    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place, lora)
     n = cfg.num_layers
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place, lora, nope_table(cfg, n))
     aux, slot_of_output = aux_slots(aux_layers, n, h)
 
     def body(carry, xs):

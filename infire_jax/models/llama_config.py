@@ -13,8 +13,9 @@ from infire_jax.models.config import ModelConfig, RopeScaling, eos_ids
 MODEL_TYPES = {
     "llama": "llama",
     "mistral": "llama",
-    "mistral3": "llama",
-    "phi3": "llama",  # Phi-3 / Phi-4: q/k/v and gate/up fused in the checkpoint (split at load)  # Mistral Small 3.1 / 3.2's language model (`text_config`); its vision tower is not loaded
+    "mistral3": "llama",  # Mistral Small 3.1 / 3.2's language model (`text_config`); its vision tower is not loaded
+    "phi3": "llama",  # Phi-3 / Phi-4: q/k/v and gate/up fused in the checkpoint (split at load)
+    "smollm3": "llama",  # SmolLM3: every `no_rope_layer_interval`-th layer does not rotate q and k (NoPE)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mixtral": "mixtral",
@@ -49,29 +50,47 @@ _DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "qwen3_moe": 4
 _DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
+def smollm3_rope_layers(hf: Mapping[str, Any], num_layers: int) -> list[bool]:
+    """Which layers rotate q and k, as transformers' SmolLM3Config reads them: `no_rope_layers` (1: RoPE,
+    0: NoPE) or, absent, every `no_rope_layer_interval`-th layer NoPE."""
+    given = hf.get("no_rope_layers")
+    if given is None:
+        interval = int(hf.get("no_rope_layer_interval", 4))
+        return [(i + 1) % interval != 0 for i in range(num_layers)]
+    if not isinstance(given, list) or len(given) != num_layers or any(v not in (0, 1) for v in given):
+        raise UnsupportedModelError(f"no_rope_layers must give 0 (NoPE) or 1 (RoPE) for each of the {num_layers} "
+                                    f"layers, got {given!r}")
+    return [bool(v) for v in given]
+
+
 def sliding_window_layers(hf: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[tuple[int, int], ...]:
     """Each layer's (chunk, window) as ModelConfig.local_attention holds it, following transformers:
 
     - mistral, mixtral, phi3: a `sliding_window` applies to every layer (null: none);
     - qwen2, qwen3: only with `use_sliding_window`, on the layers its `layer_types` calls
-      "sliding_attention", by default those from `max_window_layers` on; qwen3_moe: every layer.
+      "sliding_attention", by default those from `max_window_layers` on; qwen3_moe: every layer;
+    - smollm3: only with `use_sliding_window`, as `layer_types` says, by default on its NoPE layers.
 
     transformers' window W lets the query at p see the keys p - W < k <= p (masking_utils'
     `sliding_window_overlay`; flash attention's window (W - 1, 0)): W keys, the query's own
     included, which is LocalMask's [p - W + 1, p] with the same W, so W is taken as it is."""
     if model_type == "llama" and hf.get("use_sliding_window") and hf.get("sliding_window"):
         raise UnsupportedModelError("use_sliding_window is set, but transformers' llama has no sliding-window attention")
-    on = hf.get("use_sliding_window", False) if model_type.startswith("qwen") else model_type != "llama"
+    slides_if_asked = model_type.startswith(("qwen", "smollm3"))
+    on = hf.get("use_sliding_window", False) if slides_if_asked else model_type != "llama"
     window = hf.get("sliding_window", _DEFAULT_WINDOW.get(model_type)) if on else None
     if not window:
         return ()
     if not isinstance(window, int) or window < 1:
         raise UnsupportedModelError(f"sliding_window must be a positive integer, got {window!r}")
-    if model_type not in ("qwen2", "qwen3"):
+    if model_type not in ("qwen2", "qwen3", "smollm3"):
         return ((0, window),) * num_layers
-    first = int(hf.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
-    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                      for i in range(num_layers)]
+    if model_type == "smollm3":
+        default = ["full_attention" if r else "sliding_attention" for r in smollm3_rope_layers(hf, num_layers)]
+    else:
+        first = int(hf.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
+        default = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    types = hf.get("layer_types") or default
     if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise UnsupportedModelError(f"layer_types must name full_attention or sliding_attention for each of the "
                                     f"{num_layers} layers, got {types!r}")
@@ -138,6 +157,7 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
         # HF Qwen3MoeConfig defaults to False; Mixtral always renormalises.
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if arch == "qwen3_moe" else True,
         local_attention=sliding_window_layers(hf, model_type, num_layers),
+        nope_layers=tuple(not r for r in smollm3_rope_layers(hf, num_layers)) if model_type == "smollm3" else (),
     )
 
 
