@@ -10,7 +10,7 @@ import torch
 
 from server_utils import MODEL, post_json
 
-from infire_jax import BeamSearchParams, SamplingParams
+from infire_jax import BeamSearchParams
 from infire_jax.sample.beam_search import BeamSearch
 
 # A toy model: the top log-probabilities after each prefix (token 0 is the end of the sequence).

@@ -37,17 +37,11 @@ class LoRAConfig:
         if cfg.mla is not None:
             raise ConfigError(f"LoRA adapters are supported on the Llama family (dense and MoE), not on "
                               f"{cfg.architecture} (latent attention)")
-        if cfg.llama4 is not None:
-            raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on Llama 4 "
-                              "(its layers are models/llama4.py's, which take no adapter yet)")
-        if cfg.gpt_oss is not None:
-            raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on gpt-oss "
-                              "(its layers are models/gpt_oss.py's, which take no adapter yet)")
-        if cfg.glm4 is not None:
-            raise ConfigError(f"LoRA adapters are supported on the Llama family (dense and MoE), not on "
-                              f"{cfg.architecture} (its layers are models/glm4_moe.py's, which take no adapter yet)")
-        if cfg.gemma3 is not None:
-            raise ConfigError("LoRA adapters are supported on the Llama family (dense and MoE), not on Gemma 3 "
-                              "(its layers are models/gemma3.py's, which take no adapter yet)")
+        own_layers = (("Llama 4", cfg.llama4, "llama4"), ("gpt-oss", cfg.gpt_oss, "gpt_oss"),
+                      (cfg.architecture, cfg.glm4, "glm4_moe"), ("Gemma 3", cfg.gemma3, "gemma3"))
+        for name, family, module in own_layers:
+            if family is not None:
+                raise ConfigError(f"LoRA adapters are supported on the Llama family (dense and MoE), not on {name} "
+                                  f"(its layers are models/{module}.py's, which take no adapter yet)")
         if multiprocess:
             raise ConfigError("LoRA adapters are not supported across several processes yet")

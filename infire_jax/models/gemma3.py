@@ -28,12 +28,12 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, local_attention_table, param, rms_norm,
+from infire_jax.models.decoder import DecoderModel
+from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_table, param, rms_norm,
                                       rope_inv_freq, rope_tables, with_local_mask)
 from infire_jax.models.llama import in_place_weights, kernel_weights, linear, project_qkv
 from infire_jax.models.panels import PanelParams
@@ -115,7 +115,7 @@ def rope_cos_sin(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Ar
     return tuple(jnp.concatenate([g, w], axis=-1) for g, w in zip(*tables))
 
 
-class Gemma3(nnx.Module):
+class Gemma3(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
         if resident:
             raise ConfigError("Gemma 3 runs with plain weights; weights_quantization and weights_compression "
@@ -144,15 +144,3 @@ class Gemma3(nnx.Module):
             h, k_pages, v_pages = stack(Reductions(), self.layers.arrays(), h, *kv, meta, cos, sin)
             return h, (k_pages, v_pages)
         return run_sharded(stack, plan, self.layers.arrays(), self.layers.axes(), h, kv, meta, cos, sin)
-
-    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
-
-    def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
-                 *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
-                 ) -> tuple[Float[Array, "S V"], KVPages]:
-        """Logits of each row's `logits_indices` token and the updated pool."""
-        h, kv = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
-                                aux_layers=aux_layers)
-        return self.logits(h[logits_indices], plan), kv

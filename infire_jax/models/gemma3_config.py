@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import Gemma3Config, ModelConfig, eos_ids
+from infire_jax.models.config_fields import Fields
 from infire_jax.models.llama4_config import INERT_FIELDS
 from infire_jax.models.llama_config import rope_scaling_from_hf
 
@@ -26,30 +26,14 @@ _FIELDS = {
     "num_key_value_heads", "head_dim", "hidden_activation", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "bos_token_id", "eos_token_id", "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_local_base_freq",
     "rope_parameters", "attention_bias", "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
-    "_sliding_window_pattern", "layer_types", "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"}
+    "_sliding_window_pattern", "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+    "use_bidirectional_attention"}
 # A multimodal `gemma3` config's own fields beside its text_config (the vision tower's are not read).
 _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "mm_tokens_per_image", "boi_token_index",
                    "eoi_token_index", "image_token_index", "image_token_id", "boi_token_id", "eoi_token_id",
                    "eos_token_id", "bos_token_id", "tie_word_embeddings"}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
-
-
-def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"Gemma 3 config field {field}={value!r}: {why}")
-
-
-def _int(c: Mapping[str, Any], field: str, default: int) -> int:
-    value = c.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(field, value, "must be an integer >= 1")
-    return value
-
-
-def _number(c: Mapping[str, Any], field: str, default: float) -> float:
-    value = c.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise _bad(field, value, "must be a positive number")
-    return float(value)
+F = "Gemma 3"  # the family refusals name
 
 
 def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -58,83 +42,82 @@ def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
     tying (transformers 5 ties by it) where the wrapper has them."""
     if hf.get("model_type") == "gemma3_text":
         return dict(hf)
-    unknown = sorted(set(hf) - _WRAPPER_FIELDS - INERT_FIELDS)
-    if unknown:
-        raise _bad(unknown[0], hf[unknown[0]], "not a field of a Gemma 3 config")
+    f = Fields(F, hf)
+    f.only_known(_WRAPPER_FIELDS | INERT_FIELDS, "a Gemma 3 config")
     text = hf.get("text_config")
     if not isinstance(text, Mapping):
-        raise _bad("text_config", text, "a gemma3 config needs its language model's config")
+        raise f.bad("text_config", text, "a gemma3 config needs its language model's config")
     outer = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in hf}
     return {**text, **outer, "model_type": "gemma3_text"}
 
 
-def _rope(c: Mapping[str, Any]) -> tuple[float, Any, float]:
+def _rope(f: Fields) -> tuple[float, Any, float]:
     """(global theta, global scaling, local theta). 5.x: `rope_parameters` by layer type; 4.x:
     `rope_scaling` (or a flat `rope_parameters`) for the global layers and `rope_local_base_freq`."""
+    c = f.c
     params = c.get("rope_parameters")
     by_type = isinstance(params, Mapping) and bool(set(params) & set(_LAYER_TYPES))
     full = dict((params or {}).get("full_attention") or {}) if by_type else dict(params or c.get("rope_scaling") or {})
     local = dict(params.get("sliding_attention") or {}) if by_type else {}
     if local.get("rope_type", local.get("type", "default")) != "default":
-        raise _bad("rope_parameters.sliding_attention.rope_type", local.get("rope_type", local.get("type")),
-                   "the windowed layers' RoPE must be the default one")
+        raise f.bad("rope_parameters.sliding_attention.rope_type", local.get("rope_type", local.get("type")),
+                    "the windowed layers' RoPE must be the default one")
     kind = full.get("rope_type", full.get("type", "default"))
     if kind not in ("default", "linear"):
-        raise _bad("rope_parameters.full_attention.rope_type", kind, "only default and linear are supported")
-    theta = _number({"rope_theta": full.get("rope_theta", c.get("rope_theta", 1_000_000.0))}, "rope_theta", 0)
-    local_theta = _number({"rope_local_base_freq": local.get("rope_theta", c.get("rope_local_base_freq", 10_000.0))},
-                          "rope_local_base_freq", 0)
+        raise f.bad("rope_parameters.full_attention.rope_type", kind, "only default and linear are supported")
+    theta = f.of({"rope_theta": full.get("rope_theta", c.get("rope_theta", 1_000_000.0))}).number("rope_theta", 0)
+    local_theta = f.of({"rope_local_base_freq": local.get("rope_theta", c.get("rope_local_base_freq", 10_000.0))}
+                       ).number("rope_local_base_freq", 0)
     return theta, rope_scaling_from_hf(full), local_theta
 
 
-def _local_attention(c: Mapping[str, Any], layers: int) -> tuple[tuple[int, int], ...]:
+def _local_attention(f: Fields, layers: int) -> tuple[tuple[int, int], ...]:
     """Each layer's (0, window) or (0, 0): `layer_types`, else every `sliding_window_pattern`-th layer
     global (transformers' rule). transformers' window W is the W keys p - W < k <= p, LocalMask's W."""
-    pattern = _int(c, "sliding_window_pattern", c.get("_sliding_window_pattern", 6))  # 5.x writes the latter
-    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+    pattern = f.int("sliding_window_pattern", f.c.get("_sliding_window_pattern", 6))  # 5.x writes the latter
+    types = f.c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                      for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or any(t not in _LAYER_TYPES for t in types):
-        raise _bad("layer_types", types, f"must give one of {_LAYER_TYPES} for each of the {layers} layers")
+        raise f.bad("layer_types", types, f"must give one of {_LAYER_TYPES} for each of the {layers} layers")
     if "sliding_attention" not in types:
         return ()
-    window = _int(c, "sliding_window", 4096)
+    window = f.int("sliding_window", 4096)
     return tuple((0, window) if t == "sliding_attention" else (0, 0) for t in types)
 
 
 def config_from_gemma3_hf(hf: Mapping[str, Any]) -> ModelConfig:
     c = text_config(hf)
-    unknown = sorted(set(c) - _FIELDS - INERT_FIELDS)
-    if unknown:
-        raise _bad(unknown[0], c[unknown[0]], "not a field of a Gemma 3 text config")
+    f = Fields(F, c)
+    f.only_known(_FIELDS | INERT_FIELDS, "a Gemma 3 text config")
     for field in ("final_logit_softcapping", "attn_logit_softcapping"):
         if c.get(field) is not None:
-            raise _bad(field, c[field], "soft-capping is not supported (Gemma 3 sets none)")
+            raise f.bad(field, c[field], "soft-capping is not supported (Gemma 3 sets none)")
     for field, want in (("attention_bias", False), ("use_bidirectional_attention", False)):
         if c.get(field) not in (None, want):
-            raise _bad(field, c[field], f"only {want!r} is supported")
+            raise f.bad(field, c[field], f"only {want!r} is supported")
     act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise _bad("hidden_activation", act, "only gelu_pytorch_tanh is supported")
-    layers = _int(c, "num_hidden_layers", 26)
-    theta, scaling, local_theta = _rope(c)
+        raise f.bad("hidden_activation", act, "only gelu_pytorch_tanh is supported")
+    layers = f.int("num_hidden_layers", 26)
+    theta, scaling, local_theta = _rope(f)
     return ModelConfig(
         architecture="gemma3",
-        vocab_size=_int(c, "vocab_size", 262_208),
-        hidden_size=_int(c, "hidden_size", 2304),
-        intermediate_size=_int(c, "intermediate_size", 9216),
+        vocab_size=f.int("vocab_size", 262_208),
+        hidden_size=f.int("hidden_size", 2304),
+        intermediate_size=f.int("intermediate_size", 9216),
         num_layers=layers,
-        num_heads=_int(c, "num_attention_heads", 8),
-        num_kv_heads=_int(c, "num_key_value_heads", 4),
-        head_dim=_int(c, "head_dim", 256),
-        rms_norm_eps=_number(c, "rms_norm_eps", 1e-6),
+        num_heads=f.int("num_attention_heads", 8),
+        num_kv_heads=f.int("num_key_value_heads", 4),
+        head_dim=f.int("head_dim", 256),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=_int(c, "max_position_embeddings", 131_072),
+        max_position_embeddings=f.int("max_position_embeddings", 131_072),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
         qk_norm=True,
         bos_token_id=c.get("bos_token_id", 2),
         eos_token_ids=eos_ids(c.get("eos_token_id", 1)),
-        local_attention=_local_attention(c, layers),
-        gemma3=Gemma3Config(query_pre_attn_scalar=_number(c, "query_pre_attn_scalar", 256),
+        local_attention=_local_attention(f, layers),
+        gemma3=Gemma3Config(query_pre_attn_scalar=f.number("query_pre_attn_scalar", 256),
                             local_rope_theta=local_theta),
     )

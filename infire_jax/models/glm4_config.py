@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import DeepseekMoEConfig, Glm4Config, ModelConfig, eos_ids
+from infire_jax.models.config_fields import Fields
 from infire_jax.models.llama4_config import INERT_FIELDS
 from infire_jax.models.llama_config import rope_scaling_from_hf
 
@@ -28,66 +28,47 @@ _FIELDS = {
     "num_nextn_predict_layers", "num_mtp_layers"}
 
 
-def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"GLM-4.5 config field {field}={value!r}: {why}")
-
-
-def _int(c: Mapping[str, Any], field: str, default: int, lo: int = 1) -> int:
-    value = c.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise _bad(field, value, f"must be an integer >= {lo}")
-    return value
-
-
-def _number(c: Mapping[str, Any], field: str, default: float) -> float:
-    value = c.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise _bad(field, value, "must be a positive number")
-    return float(value)
-
-
 def config_from_glm4_hf(c: Mapping[str, Any]) -> ModelConfig:
-    unknown = sorted(set(c) - _FIELDS - INERT_FIELDS)
-    if unknown:
-        raise _bad(unknown[0], c[unknown[0]], "not a field of a GLM-4.5 config")
+    f = Fields("GLM-4.5", c)
+    f.only_known(_FIELDS | INERT_FIELDS, "a GLM-4.5 config")
     if c.get("hidden_act", "silu") != "silu":
-        raise _bad("hidden_act", c["hidden_act"], "only 'silu' is supported")
+        raise f.bad("hidden_act", c["hidden_act"], "only 'silu' is supported")
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    factor = _number({**c, **rope}, "partial_rotary_factor", 0.5)
-    heads, hidden = _int(c, "num_attention_heads", 96), _int(c, "hidden_size", 4096)
-    head_dim = _int({"head_dim": c.get("head_dim") or hidden // heads}, "head_dim", 128)
+    factor = f.of({**c, **rope}).number("partial_rotary_factor", 0.5)
+    heads, hidden = f.int("num_attention_heads", 96), f.int("hidden_size", 4096)
+    head_dim = f.of({"head_dim": c.get("head_dim") or hidden // heads}).int("head_dim", 128)
     rotary = int(head_dim * factor)
     if factor > 1 or rotary % 2:
-        raise _bad("partial_rotary_factor", factor, f"must rotate an even number of the {head_dim} head dimensions")
-    layers, experts = _int(c, "num_hidden_layers", 46), _int(c, "n_routed_experts", 128)
-    n_group = _int(c, "n_group", 1)
+        raise f.bad("partial_rotary_factor", factor, f"must rotate an even number of the {head_dim} head dimensions")
+    layers, experts = f.int("num_hidden_layers", 46), f.int("n_routed_experts", 128)
+    n_group = f.int("n_group", 1)
     if experts % n_group:
-        raise _bad("n_group", n_group, f"must divide the {experts} routed experts")
+        raise f.bad("n_group", n_group, f"must divide the {experts} routed experts")
     return ModelConfig(
         architecture="glm4_moe",
-        vocab_size=_int(c, "vocab_size", 151552),
+        vocab_size=f.int("vocab_size", 151552),
         hidden_size=hidden,
-        intermediate_size=_int(c, "intermediate_size", 10944),
+        intermediate_size=f.int("intermediate_size", 10944),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=_int(c, "num_key_value_heads", 8),
+        num_kv_heads=f.int("num_key_value_heads", 8),
         head_dim=head_dim,
-        rms_norm_eps=_number(c, "rms_norm_eps", 1e-5),
-        rope_theta=_number({**c, **rope}, "rope_theta", 10000.0),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-5),
+        rope_theta=f.of({**c, **rope}).number("rope_theta", 10000.0),
         rope_scaling=rope_scaling_from_hf(rope),
-        max_position_embeddings=_int(c, "max_position_embeddings", 131072),
+        max_position_embeddings=f.int("max_position_embeddings", 131072),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         attention_bias=bool(c.get("attention_bias", False)),
         qk_norm=bool(c.get("use_qk_norm", False)),
         bos_token_id=c.get("bos_token_id"),
         eos_token_ids=eos_ids(c.get("eos_token_id")),
         num_experts=experts,
-        num_experts_per_tok=_int(c, "num_experts_per_tok", 8),
-        moe_intermediate_size=_int(c, "moe_intermediate_size", 1408),
+        num_experts_per_tok=f.int("num_experts_per_tok", 8),
+        moe_intermediate_size=f.int("moe_intermediate_size", 1408),
         norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-        deepseek_moe=DeepseekMoEConfig(n_group=n_group, topk_group=_int(c, "topk_group", 1),
-                                       routed_scaling_factor=_number(c, "routed_scaling_factor", 1.0),
-                                       num_shared_experts=_int(c, "n_shared_experts", 1, lo=0),
-                                       first_k_dense_replace=_int(c, "first_k_dense_replace", 1, lo=0)),
+        deepseek_moe=DeepseekMoEConfig(n_group=n_group, topk_group=f.int("topk_group", 1),
+                                       routed_scaling_factor=f.number("routed_scaling_factor", 1.0),
+                                       num_shared_experts=f.int("n_shared_experts", 1, lo=0),
+                                       first_k_dense_replace=f.int("first_k_dense_replace", 1, lo=0)),
         glm4=Glm4Config(rotary_dim=rotary),
     )

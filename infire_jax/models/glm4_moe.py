@@ -26,14 +26,13 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
-from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, param, rms_norm, rope_inv_freq,
-                                      rope_tables)
+from infire_jax.models.layers import apply_rope, layer_loop, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.llama import dense_mlp, kernel_weights, linear, project_qkv
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
@@ -139,7 +138,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     return carry
 
 
-class Glm4Moe(nnx.Module):
+class Glm4Moe(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
         if resident:
             raise ConfigError(f"{cfg.architecture} runs with plain weights; weights_quantization and "
@@ -158,9 +157,6 @@ class Glm4Moe(nnx.Module):
     def _stacks(self) -> dict[str, Glm4Layers]:
         return {kind: getattr(self, f"{kind}_layers") for kind in ("dense", "moe") if hasattr(self, f"{kind}_layers")}
 
-    def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
-        return self.embed[...][tokens]
-
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
                    ) -> tuple[Float[Array, "T E"], KVPages]:
@@ -176,15 +172,3 @@ class Glm4Moe(nnx.Module):
             return h, (k_pages, v_pages)
         axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
         return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin)
-
-    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
-
-    def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
-                 *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
-                 ) -> tuple[Float[Array, "S V"], KVPages]:
-        """Logits of each row's `logits_indices` token and the updated pool."""
-        h, kv = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
-                                aux_layers=aux_layers)
-        return self.logits(h[logits_indices], plan), kv

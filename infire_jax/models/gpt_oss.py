@@ -33,14 +33,13 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models import yarn
 from infire_jax.models.config import GptOssConfig, ModelConfig
-from infire_jax.models.layers import (final_logits, layer_loop, local_attention_table, param, rms_norm, rope_tables,
-                                      with_local_mask)
+from infire_jax.models.decoder import DecoderModel
+from infire_jax.models.layers import layer_loop, local_attention_table, param, rms_norm, rope_tables, with_local_mask
 from infire_jax.models.llama import kernel_weights, linear, project_qkv
 from infire_jax.models.moe import Dispatch, Routing, combine, dispatch_local, tiled_experts
 from infire_jax.models.panels import INPUT_AXES
@@ -178,7 +177,7 @@ def rope_cos_sin(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Ar
     return cos * factor, sin * factor
 
 
-class GptOss(nnx.Module):
+class GptOss(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping[str, GroupedLayout] | None = None):
         """`resident`: the checkpoint's MXFP4 experts kept as such (weights_quantization="checkpoint")."""
         resident = dict(resident or {})
@@ -192,9 +191,6 @@ class GptOss(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
 
-    def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
-        return self.embed[...][tokens]
-
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
                    ) -> tuple[Float[Array, "T E"], KVPages]:
@@ -207,15 +203,3 @@ class GptOss(nnx.Module):
             h, k_pages, v_pages = stack(Reductions(), self.layers.arrays(), h, *kv, meta, cos, sin)
             return h, (k_pages, v_pages)
         return run_sharded(stack, plan, self.layers.arrays(), self.layers.axes(), h, kv, meta, cos, sin)
-
-    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
-
-    def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
-                 *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
-                 ) -> tuple[Float[Array, "S V"], KVPages]:
-        """Logits of each row's `logits_indices` token and the updated pool."""
-        h, kv = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
-                                aux_layers=aux_layers)
-        return self.logits(h[logits_indices], plan), kv

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import GptOssConfig, ModelConfig, RopeScaling, eos_ids
+from infire_jax.models.config_fields import Fields
 from infire_jax.models.llama4_config import INERT_FIELDS
 
 MODEL_TYPES = ("gpt_oss",)
@@ -33,21 +34,15 @@ _ROPE_FIELDS = {"rope_type", "type", "factor", "beta_fast", "beta_slow", "trunca
 
 
 def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"gpt-oss config field {field}={value!r}: {why}")
+    return Fields("gpt-oss", {}).bad(field, value, why)
 
 
 def _int(c: Mapping[str, Any], field: str, default: int, lo: int = 1) -> int:
-    value = c.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise _bad(field, value, f"must be an integer >= {lo}")
-    return value
+    return Fields("gpt-oss", c).int(field, default, lo)
 
 
 def _number(c: Mapping[str, Any], field: str, default: float) -> float:
-    value = c.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise _bad(field, value, "must be a positive number")
-    return float(value)
+    return Fields("gpt-oss", c).number(field, default)
 
 
 def _rope(c: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:

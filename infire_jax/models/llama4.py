@@ -46,8 +46,9 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.deepseek_moe import shared_mlp
-from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, local_attention_table, param, rms_norm,
+from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_table, param, rms_norm,
                                       rope_inv_freq, rope_tables, stage_rows, with_local_mask)
 from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_aux_layers, dense_mlp, kernel_weights,
                                      linear, project_qkv)
@@ -231,7 +232,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     return carry
 
 
-class Llama4(nnx.Module):
+class Llama4(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: dict[str, QuantLayout] | None = None):
         """`resident`: layer weights kept quantized, by weight name (`wqkv`, `w_gate_up`, ...: in every stack)."""
         resident = dict(resident or {})
@@ -251,9 +252,6 @@ class Llama4(nnx.Module):
 
     def _stacks(self) -> dict[str, Llama4Layers]:
         return {kind: getattr(self, f"{kind}_layers") for kind in STACKS if hasattr(self, f"{kind}_layers")}
-
-    def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
-        return self.embed[...][tokens]
 
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
@@ -276,16 +274,3 @@ class Llama4(nnx.Module):
             return h, (k_pages, v_pages)
         axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
         return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin)
-
-    def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
-        head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
-
-    def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
-                 *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
-                 ) -> tuple[Float[Array, "S V"], KVPages] | tuple[Float[Array, "S V"], KVPages, Float[Array, "T N"]]:
-        """Logits of each row's `logits_indices` token and the updated pool; with `aux_layers`, also every
-        token's residual-stream states at those indices (`run_layers`)."""
-        out = self.run_layers(self.embed_tokens(tokens), kv, meta, attn_impl=attn_impl, plan=plan,
-                              aux_layers=aux_layers)
-        return self.logits(out[0][logits_indices], plan), *out[1:]

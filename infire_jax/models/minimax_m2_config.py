@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import DeepseekMoEConfig, Glm4Config, ModelConfig, eos_ids
+from infire_jax.models.config_fields import Fields
 from infire_jax.models.llama4_config import INERT_FIELDS
 from infire_jax.models.llama_config import rope_scaling_from_hf
 
@@ -39,61 +39,42 @@ _FIXED = {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sig
           "routed_scaling_factor": 1.0}  # transformers' router does not scale the weights
 
 
-def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"MiniMax-M2 config field {field}={value!r}: {why}")
-
-
-def _int(c: Mapping[str, Any], field: str, default: int) -> int:
-    value = c.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(field, value, "must be an integer >= 1")
-    return value
-
-
-def _number(c: Mapping[str, Any], field: str, default: float) -> float:
-    value = c.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise _bad(field, value, "must be a positive number")
-    return float(value)
-
-
 def config_from_minimax_m2_hf(c: Mapping[str, Any]) -> ModelConfig:
-    unknown = sorted(set(c) - _FIELDS - _UNREAD - INERT_FIELDS)
-    if unknown:
-        raise _bad(unknown[0], c[unknown[0]], "not a field of a MiniMax-M2 config")
+    f = Fields("MiniMax-M2", c)
+    f.only_known(_FIELDS | _UNREAD | INERT_FIELDS, "a MiniMax-M2 config")
     for field, want in _FIXED.items():
         if field in c and c[field] != want:
-            raise _bad(field, c[field], f"only {want!r} is supported")
+            raise f.bad(field, c[field], f"only {want!r} is supported")
     if any(kind != 1 for kind in c.get("attn_type_list") or ()):
-        raise _bad("attn_type_list", c["attn_type_list"], "only full attention (1) on every layer is supported")
-    heads, hidden = _int(c, "num_attention_heads", 48), _int(c, "hidden_size", 3072)
-    head_dim = _int({"head_dim": c.get("head_dim") or hidden // heads}, "head_dim", 128)
+        raise f.bad("attn_type_list", c["attn_type_list"], "only full attention (1) on every layer is supported")
+    heads, hidden = f.int("num_attention_heads", 48), f.int("hidden_size", 3072)
+    head_dim = f.of({"head_dim": c.get("head_dim") or hidden // heads}).int("head_dim", 128)
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
-    rotary = _int(c, "rotary_dim", round(head_dim * factor) if factor else head_dim)
+    rotary = f.int("rotary_dim", round(head_dim * factor) if factor else head_dim)
     if rotary > head_dim or rotary % 2:
-        raise _bad("rotary_dim", rotary, f"must be an even number of at most the {head_dim} head dimensions")
-    experts = _int(c, "num_local_experts", 256)
+        raise f.bad("rotary_dim", rotary, f"must be an even number of at most the {head_dim} head dimensions")
+    experts = f.int("num_local_experts", 256)
     return ModelConfig(
         architecture="minimax_m2",
-        vocab_size=_int(c, "vocab_size", 200064),
+        vocab_size=f.int("vocab_size", 200064),
         hidden_size=hidden,
-        intermediate_size=_int(c, "intermediate_size", 1536),
-        num_layers=_int(c, "num_hidden_layers", 62),
+        intermediate_size=f.int("intermediate_size", 1536),
+        num_layers=f.int("num_hidden_layers", 62),
         num_heads=heads,
-        num_kv_heads=_int(c, "num_key_value_heads", 8),
+        num_kv_heads=f.int("num_key_value_heads", 8),
         head_dim=head_dim,
-        rms_norm_eps=_number(c, "rms_norm_eps", 1e-6),
-        rope_theta=_number({**c, **rope}, "rope_theta", 5_000_000.0),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        rope_theta=f.of({**c, **rope}).number("rope_theta", 5_000_000.0),
         rope_scaling=rope_scaling_from_hf(rope),
-        max_position_embeddings=_int(c, "max_position_embeddings", 196608),
+        max_position_embeddings=f.int("max_position_embeddings", 196608),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         qk_norm=True,
         bos_token_id=c.get("bos_token_id", 200034),
         eos_token_ids=eos_ids(c.get("eos_token_id", 200020)),
         num_experts=experts,
-        num_experts_per_tok=_int(c, "num_experts_per_tok", 8),
-        moe_intermediate_size=_int(c, "intermediate_size", 1536),
+        num_experts_per_tok=f.int("num_experts_per_tok", 8),
+        moe_intermediate_size=f.int("intermediate_size", 1536),
         norm_topk_prob=True,
         deepseek_moe=DeepseekMoEConfig(n_group=1, topk_group=1, routed_scaling_factor=1.0, num_shared_experts=0,
                                        first_k_dense_replace=0),
