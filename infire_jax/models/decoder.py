@@ -8,6 +8,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.models.layers import final_logits
+from infire_jax.models.parallel import Reductions, StackFn, run_sharded
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
 
@@ -23,6 +24,16 @@ class DecoderModel(nnx.Module):
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
         return final_logits(h, self.final_norm[...], head, self.cfg.rms_norm_eps, plan is None)
+
+    def run_stack(self, stack: StackFn, weights: dict, axes: dict, h: Float[Array, "T E"], kv: KVPages,
+                  meta: AttentionMetadata, cos: Array, sin: Array, plan: ShardPlan | None
+                  ) -> tuple[Float[Array, "T E"], KVPages]:
+        """`stack` (models/parallel.py's StackFn) over the model's layer weights: on one device, or across
+        the plan's mesh."""
+        if plan is None:
+            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
+            return h, (k_pages, v_pages)
+        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin)
 
     def __call__(self, tokens: Int[Array, "T"], kv: KVPages, meta: AttentionMetadata, logits_indices: Int[Array, "S"],
                  *, attn_impl: str, plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None

@@ -21,7 +21,7 @@ use, and the grouped matmul (models/moe.py) the routed experts one expert at a t
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -138,21 +138,30 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
     return layer
 
 
-def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
-                  h: Float[Array, "T E"], latent_pages: Array, rope_pages: Array, meta: AttentionMetadata, cos: Array,
-                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
-    """Scans the dense stack, then the MoE stack; the pool is a loop carry, indexed across both."""
-    carry, start = (h, latent_pages, rope_pages), 0
+def scan_stacks(weights: dict[str, dict[str, Array]], carry: tuple, dense_inputs: dict[str, int], red: Reductions,
+                make_layer: Callable[[bool, dict, int], Callable]) -> tuple:
+    """Scans the dense stack, then the MoE stack (this family's and GLM-4.5's layout); the pool is in the
+    loop carry (its first entry the residual stream), indexed across both. `make_layer(moe, in_place,
+    first)`: the scan body of a stack whose first layer is pool layer `first`."""
+    start, tokens = 0, carry[0].shape[0]
     for kind in ("dense", "moe"):
         if kind not in weights:
             continue
         n = jax.tree.leaves(weights[kind])[0].shape[0]
-        in_place = layer_stacks(weights[kind], h.shape[0], DENSE_INPUTS, kind == "moe", one_device=red == Reductions())
-        layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red, in_place, start)
+        in_place = layer_stacks(weights[kind], tokens, dense_inputs, kind == "moe", one_device=red == Reductions())
         scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
-        carry = layer_loop(layer, carry, (scanned, start + np.arange(n, dtype=np.int32)), n, h.shape[0])
+        carry = layer_loop(make_layer(kind == "moe", in_place, start), carry,
+                           (scanned, start + np.arange(n, dtype=np.int32)), n, tokens)
         start += n
     return carry
+
+
+def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
+                  h: Float[Array, "T E"], latent_pages: Array, rope_pages: Array, meta: AttentionMetadata, cos: Array,
+                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+    """Scans the dense stack, then the MoE stack (`scan_stacks`)."""
+    return scan_stacks(weights, (h, latent_pages, rope_pages), DENSE_INPUTS, red, lambda moe, in_place, first:
+                       make_layer_fn(cfg, moe, cos, sin, meta, attn_impl, red, in_place, first))
 
 
 class DeepseekV3(nnx.Module):

@@ -37,7 +37,7 @@ from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_ta
                                       rope_inv_freq, rope_tables, with_local_mask)
 from infire_jax.models.llama import in_place_weights, kernel_weights, linear, project_qkv
 from infire_jax.models.panels import PanelParams
-from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.parallel import Reductions, psum
 from infire_jax.quant.weight_parts import LayerStacks, WeightParts
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -139,8 +139,5 @@ class Gemma3(DecoderModel):
         if aux_layers is not None:
             raise ConfigError("Gemma 3 runs without EAGLE-3 aux states")
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
-        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
-        if plan is None:
-            h, k_pages, v_pages = stack(Reductions(), self.layers.arrays(), h, *kv, meta, cos, sin)
-            return h, (k_pages, v_pages)
-        return run_sharded(stack, plan, self.layers.arrays(), self.layers.axes(), h, kv, meta, cos, sin)
+        return self.run_stack(functools.partial(decoder_stack, self.cfg, attn_impl), self.layers.arrays(),
+                              self.layers.axes(), h, kv, meta, cos, sin, plan)

@@ -23,19 +23,17 @@ import dataclasses
 import functools
 from typing import Mapping
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
+from infire_jax.models.deepseek import scan_stacks
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
-from infire_jax.models.layers import apply_rope, layer_loop, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.llama import dense_mlp, kernel_weights, linear, project_qkv
-from infire_jax.models.parallel import Reductions, psum, run_sharded
-from infire_jax.models.quant_kernels import layer_stacks
+from infire_jax.models.parallel import Reductions, psum
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -123,19 +121,10 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
 def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
                   sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
-    """Scans the dense stack, then the MoE stack; the pool is a loop carry, indexed across both."""
+    """Scans the dense stack, then the MoE stack (models/deepseek.py `scan_stacks`)."""
     meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
-    carry, start = (h, k_pages, v_pages), 0
-    for kind in ("dense", "moe"):
-        if kind not in weights:
-            continue
-        n = jax.tree.leaves(weights[kind])[0].shape[0]
-        in_place = layer_stacks(weights[kind], h.shape[0], DENSE_INPUTS, kind == "moe", one_device=red == Reductions())
-        layer = make_layer_fn(cfg, kind == "moe", cos, sin, meta, attn_impl, red, in_place, start)
-        scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
-        carry = layer_loop(layer, carry, (scanned, start + np.arange(n, dtype=np.int32)), n, h.shape[0])
-        start += n
-    return carry
+    return scan_stacks(weights, (h, k_pages, v_pages), DENSE_INPUTS, red, lambda moe, in_place, first:
+                       make_layer_fn(cfg, moe, cos, sin, meta, attn_impl, red, in_place, first))
 
 
 class Glm4Moe(DecoderModel):
@@ -165,10 +154,7 @@ class Glm4Moe(DecoderModel):
             raise ConfigError(f"{self.cfg.architecture} runs without EAGLE-3 aux states")
         rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.glm4.rotary_dim)  # its frequencies span R dims
         cos, sin = rope_tables(rope_inv_freq(rotary), meta.positions)
-        weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
-        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
-        if plan is None:
-            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
-            return h, (k_pages, v_pages)
-        axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
-        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin)
+        stacks = self._stacks()
+        return self.run_stack(functools.partial(decoder_stack, self.cfg, attn_impl),
+                              {kind: st.arrays() for kind, st in stacks.items()},
+                              {kind: st.axes() for kind, st in stacks.items()}, h, kv, meta, cos, sin, plan)

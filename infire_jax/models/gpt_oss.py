@@ -43,7 +43,7 @@ from infire_jax.models.layers import layer_loop, local_attention_table, param, r
 from infire_jax.models.llama import kernel_weights, linear, project_qkv
 from infire_jax.models.moe import Dispatch, Routing, combine, dispatch_local, tiled_experts
 from infire_jax.models.panels import INPUT_AXES
-from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.parallel import Reductions, psum
 from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
 from infire_jax.quant.grouped import GroupedLayout, GroupedParams, expert_weight
 from infire_jax.quant.weight_parts import LayerStacks
@@ -198,8 +198,5 @@ class GptOss(DecoderModel):
         if aux_layers is not None:
             raise ConfigError("gpt-oss runs without EAGLE-3 aux states")
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
-        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
-        if plan is None:
-            h, k_pages, v_pages = stack(Reductions(), self.layers.arrays(), h, *kv, meta, cos, sin)
-            return h, (k_pages, v_pages)
-        return run_sharded(stack, plan, self.layers.arrays(), self.layers.axes(), h, kv, meta, cos, sin)
+        return self.run_stack(functools.partial(decoder_stack, self.cfg, attn_impl), self.layers.arrays(),
+                              self.layers.axes(), h, kv, meta, cos, sin, plan)

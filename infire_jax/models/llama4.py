@@ -53,7 +53,7 @@ from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_ta
 from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_aux_layers, dense_mlp, kernel_weights,
                                      linear, project_qkv)
 from infire_jax.models.moe import Routing, routed_mlp
-from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.parallel import Reductions, psum
 from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from infire_jax.quant.weight_parts import LayerStacks
@@ -269,8 +269,5 @@ class Llama4(DecoderModel):
             h, k_pages, v_pages, aux = stack(Reductions(), weights, h, *kv, meta, cos, sin,
                                              aux_slots(aux_layers, self.cfg.num_layers, h))
             return h, (k_pages, v_pages), aux_features(aux, len(aux_layers))
-        if plan is None:
-            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
-            return h, (k_pages, v_pages)
-        axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
-        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin)
+        axes = {kind: st.axes() for kind, st in self._stacks().items()}
+        return self.run_stack(stack, weights, axes, h, kv, meta, cos, sin, plan)
