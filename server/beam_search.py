@@ -39,7 +39,8 @@ def _params(req: GenerationRequest, prompts: list[list[int]], max_model_len: int
 
 async def respond(request: web.Request, m, lora: str | None, req: GenerationRequest, prompts: list[list[int]],
                   make_formatter: Callable[[], Formatter]) -> web.StreamResponse:
-    """Runs the search to its end, then answers with its choices (whole, or as a stream)."""
+    """Runs the search to its end, then answers with its choices (whole, or as a stream). `m`: the served
+    model (server/endpoints.py's ServedModel, which imports this module)."""
     if req.kv_transfer is not None:
         raise bad("'kv_transfer_params' cannot be used with 'use_beam_search'", "kv_transfer_params")
     if req.params.structured_outputs is not None:  # a forced tool_choice's grammar, or response_format
