@@ -74,7 +74,7 @@ class MLALayers(LayerStacks):
         self.wo = param((n, h, m.v_head_dim, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
         self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
         if moe:
-            self._moe_mlp(cfg, n, dtype)
+            add_moe_params(self, cfg, n, dtype)
         else:
             f = cfg.intermediate_size
             self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
@@ -83,16 +83,19 @@ class MLALayers(LayerStacks):
             plain = getattr(self, name.rpartition(".")[2])
             setattr(self, name.rpartition(".")[2], GroupedParams(name, tuple(plain.shape), plain.axes, layout))
 
-    def _moe_mlp(self, cfg: ModelConfig, n: int, dtype) -> None:
-        e, x, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
-        self.router_bias = param((n, x), ("layers", "router"), jnp.float32, init="zeros")
-        self.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
-        self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
-        fs = f * cfg.deepseek_moe.num_shared_experts
-        if fs:
-            self.w_shared_gate_up = param((n, e, 2, fs), ("layers", "embed", "gate_up", "mlp"), dtype)
-            self.w_shared_down = param((n, fs, e), ("layers", "mlp", "embed"), dtype)
+
+def add_moe_params(stack: LayerStacks, cfg: ModelConfig, n: int, dtype) -> None:
+    """A stack of `n` DeepSeek-V3 MoE layers' MLP weights (this family's and GLM-4.5's): the router and
+    its bias (in float32, as HF keeps it), the routed experts and the shared ones."""
+    e, x, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    stack.router = param((n, e, x), ("layers", "embed", "router"), dtype)
+    stack.router_bias = param((n, x), ("layers", "router"), jnp.float32, init="zeros")
+    stack.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
+    stack.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
+    fs = f * cfg.deepseek_moe.num_shared_experts
+    if fs:
+        stack.w_shared_gate_up = param((n, e, 2, fs), ("layers", "embed", "gate_up", "mlp"), dtype)
+        stack.w_shared_down = param((n, fs, e), ("layers", "mlp", "embed"), dtype)
 
 
 

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
-from infire_jax.models.deepseek import scan_stacks
+from infire_jax.models.deepseek import add_moe_params, scan_stacks
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.llama import dense_mlp, kernel_weights, linear, project_qkv
@@ -66,15 +66,7 @@ class Glm4Layers(LayerStacks):
             self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
             self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
             return
-        x, f = cfg.num_experts, cfg.moe_intermediate_size
-        self.router = param((n, e, x), ("layers", "embed", "router"), dtype)
-        self.router_bias = param((n, x), ("layers", "router"), jnp.float32, init="zeros")
-        self.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
-        self.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
-        fs = f * cfg.deepseek_moe.num_shared_experts
-        if fs:
-            self.w_shared_gate_up = param((n, e, 2, fs), ("layers", "embed", "gate_up", "mlp"), dtype)
-            self.w_shared_down = param((n, fs, e), ("layers", "mlp", "embed"), dtype)
+        add_moe_params(self, cfg, n, dtype)
 
 
 def partial_rope(x: Float[Array, "T H D"], cos: Float[Array, "T R"], sin: Float[Array, "T R"]) -> Float[Array, "T H D"]:
