@@ -29,6 +29,11 @@ def decode_only_steps() -> contextlib.AbstractContextManager:
     return _DECODE_ONLY(True)
 
 
+def is_decode_only() -> bool:
+    """Whether what is being traced is inside `decode_only_steps` (models may pick a per-token form)."""
+    return _DECODE_ONLY.value
+
+
 def resolve_impl(impl: str) -> str:
     """Maps "auto" to the best implementation for the platform a call runs on; other names pass through."""
     if impl not in IMPLS:

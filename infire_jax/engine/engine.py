@@ -19,7 +19,7 @@ from infire_jax.runner.compile_guard import cache_hit_count, compile_count
 from infire_jax.engine.admission import pooling_run, stop_ids, token_masks
 from infire_jax.engine.detokenizer import IncrementalDetokenizer, TokenText
 from infire_jax.engine.images import ImageInputs, PreparedImages, salted
-from infire_jax.engine.setup import EngineConfig, Progress, load_and_compile, on_gpu, resolve_settings
+from infire_jax.engine.setup import EngineConfig, Progress, load_and_compile, on_gpu, prefix_caching, resolve_settings
 from infire_jax.engine.stats import BootTimeline, EngineStats
 from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.core.hybrid_kv_cache import kv_cache_manager
@@ -69,7 +69,7 @@ class Engine:
         log.info("%s", self.pool_sizing.describe())
         rc = self.runner.rc
         self.kv = kv_cache_manager(rc.num_pages, ec.page_size, rc.kv_groups,
-                                   enable_prefix_caching=ec.enable_prefix_caching)
+                                   enable_prefix_caching=prefix_caching(ec, self.model_config))
         # LoRA adapters (lora/adapters.py): admission pins a request's adapter into a device slot.
         self.lora = Adapters(ec.lora, self.model_config, self.runner, dtype=self.dtype) if ec.lora else None
         # Images (engine/images.py): a Llama 4 checkpoint's vision tower and the device's image pool.
@@ -405,15 +405,18 @@ class Engine:
     @property
     def kv_layout(self) -> KVLayout:
         c, rc = self.runner.cfg, self.runner.rc
-        entry, layers = kv_entry(c), rc.pool_layers(c.num_layers)
+        entry, layers = kv_entry(c), rc.pool_layers(c.num_kv_layers)
         return KVLayout.of(self.model_config.to_dict(), self.kv_dtype.name, rc.page_size,
                            entry.k_page_shape(layers, rc.page_size), entry.v_page_shape(layers, rc.page_size),
                            self.runner.kv_scales, None if rc.kv_groups is None else rc.kv_groups.groups)
 
-    @staticmethod
-    def _check_single_process() -> None:
+    def _check_kv_transfer(self) -> None:
+        """KV transfer: one process, and a model whose pages hold its whole context."""
         if multihost.is_multiprocess():
             raise ConfigError("KV transfer is not supported across several processes yet")
+        if self.model_config.gated_delta is not None:
+            raise ConfigError("KV transfer is not supported for Qwen3.5: its linear-attention layers keep their "
+                              "state outside the KV pages")
 
     def export_prompt_kv(self, prompt: str | list[int], *, tenant: str | None = None,
                          lora_name: str | None = None, image_digest: str | None = None) -> KVBlocks:
@@ -421,7 +424,7 @@ class Engine:
         for this tenant and LoRA adapter, and the images of `image_digest` (engine/images.py's
         `images_digest`; None: a prompt without images); with a hybrid cache, each group's pages that
         a prefix hit of them reads (kv_transfer/pages.py)."""
-        self._check_single_process()
+        self._check_kv_transfer()
         ids, layout = self.tokenize_prompt(prompt), self.kv_layout
         salt = salted(cache_salt(tenant, resolve_lora(self.lora, lora_name)), image_digest)
         token_ids, pages = export_pages(self.kv, layout, ids, salt)
@@ -436,7 +439,7 @@ class Engine:
         hit: its images' tokens among them are never encoded here. Call it between steps, on the
         thread that runs them.
         """
-        self._check_single_process()
+        self._check_kv_transfer()
         layout = self.kv_layout
         layout.check_compatible(blocks.layout)
         blocks.check()

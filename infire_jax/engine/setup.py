@@ -278,10 +278,37 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
         resolve_impl(ec.attn_impl)
         devices = placement.devices()
         mesh_config = load_mesh_config(ec.mesh, len(devices))
-        plan = ShardPlan.create(cfg, mesh_config, devices) if mesh_config.num_devices > 1 else None
     except ValueError as e:  # unknown attention name, MeshConfigError
         raise ConfigError(str(e)) from e
-    return plan
+    if cfg.gated_delta is not None:
+        _check_linear_state(ec, mesh_config.num_devices)
+    try:
+        return ShardPlan.create(cfg, mesh_config, devices) if mesh_config.num_devices > 1 else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _check_linear_state(ec: EngineConfig, num_devices: int) -> None:
+    """A model with linear-attention layers (Qwen3.5) keeps each sequence's state in its slot, advanced once
+    per token: nothing that runs a token twice, or skips tokens by reusing pages, serves it yet."""
+    fp8 = is_fp8(resolve_kv_cache_dtype(ec.kv_cache_dtype, jnp.float32))
+    refused = {"speculative_config": ec.speculative_config, "weights_quantization": ec.weights_quantization,
+               "weights_compression": ec.weights_compression, "kv_cache_dtype": ec.kv_cache_dtype if fp8 else None}
+    for name, value in refused.items():
+        if value:
+            raise ConfigError(f"{name} is not supported for Qwen3.5 (linear-attention layers) yet")
+    if num_devices > 1 or multihost.is_multiprocess():
+        raise ConfigError("Qwen3.5 (linear-attention layers) runs on one device yet; give a one-device mesh "
+                          "config or make one device visible")
+
+
+def prefix_caching(ec: EngineConfig, cfg: ModelConfig) -> bool:
+    """Whether the prefix cache runs: as asked, except for a model with linear-attention layers, whose state
+    at a cached page's end is not kept (vLLM also turned it off for such models at first)."""
+    if ec.enable_prefix_caching and cfg.gated_delta is not None:
+        log.info("prefix caching is off: %s's linear-attention layers keep no state per cached page", cfg.architecture)
+        return False
+    return ec.enable_prefix_caching
 
 
 def _attention(ec: EngineConfig, cfg: ModelConfig, dtype, kv_dtype) -> str:

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.deepseek_hf import deepseek_weights, rope_interleaved
 from infire_jax.loaders.gemma3_hf import gemma3_weights
+from infire_jax.loaders.qwen3_5_hf import qwen3_5_weights
 from infire_jax.loaders.gpt_oss_hf import gpt_oss_weights
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.loaders.kv_scales_hf import is_kv_scale
@@ -118,6 +119,8 @@ def load_hf_dir(path: str) -> LoadedModel:
         weights = llama4_weights(tensors, cfg)
     elif cfg.gemma3 is not None:
         weights = gemma3_weights(tensors, cfg)
+    elif cfg.gated_delta is not None:
+        weights = qwen3_5_weights(tensors, cfg)
     else:
         weights = llama_weights(tensors, cfg)
     return LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path), name=os.path.basename(os.path.normpath(path)),

@@ -14,7 +14,7 @@ from infire_jax.errors import UnsupportedModelError
 
 # The architecture families a ModelConfig may name (models/registry.py builds each).
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss", "gemma3",
-                 "glm4_moe", "minimax_m2")
+                 "glm4_moe", "minimax_m2", "qwen3_5")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +117,28 @@ class Glm4Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Qwen3.5's hybrid decoder (models/qwen3_5_config.py parses it, models/qwen3_5.py runs it): layer i
+    attends (gated GQA over the paged pool, rotating the first `rotary_dim` dimensions of each head) when
+    (i + 1) % interval == 0; every other layer is a Gated DeltaNet, a linear attention whose state per
+    sequence (a causal convolution's last inputs and a [v heads, k dim, v dim] matrix) lives in the
+    request's device slot instead of the pool (models/gated_delta.py)."""
+
+    interval: int
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    rotary_dim: int
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels the convolution runs over: q and k of every k head, v of every v head."""
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -160,10 +182,22 @@ class ModelConfig:
     local_attention: tuple[tuple[int, int], ...] = ()
     # Layers that do not rotate q and k (SmolLM3's NoPE layers; models/llama.py). Empty: every layer rotates.
     nope_layers: tuple[bool, ...] = ()
+    # Qwen3.5 (architecture "qwen3_5", models/qwen3_5_config.py): linear-attention layers between attention ones.
+    gated_delta: GatedDeltaNetConfig | None = None
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that keep keys and values in the paged pool (Qwen3.5: its attention layers alone)."""
+        return self.num_layers // self.gated_delta.interval if self.gated_delta else self.num_layers
+
+    @property
+    def num_linear_layers(self) -> int:
+        """The layers whose state lives in a request's device slot (Qwen3.5's Gated DeltaNets)."""
+        return self.num_layers - self.num_kv_layers
 
     @property
     def has_local_attention(self) -> bool:
@@ -188,6 +222,10 @@ class ModelConfig:
             raise UnsupportedModelError("a gemma3 config needs its Gemma3Config, and only it has one")
         if (self.glm4 is not None) != (self.architecture in ("glm4_moe", "minimax_m2")):
             raise UnsupportedModelError("glm4_moe and minimax_m2 configs need their Glm4Config, and only they have one")
+        if (self.gated_delta is not None) != (self.architecture == "qwen3_5") or (
+                self.gated_delta is not None and self.num_layers % self.gated_delta.interval):
+            raise UnsupportedModelError("a qwen3_5 config needs its GatedDeltaNetConfig, with whole groups of "
+                                        "linear layers and an attention layer, and only it has one")
         if self.nope_layers and len(self.nope_layers) != self.num_layers:
             raise UnsupportedModelError(f"nope_layers must flag each of the {self.num_layers} layers, "
                                         f"got {len(self.nope_layers)}")
@@ -222,6 +260,8 @@ class ModelConfig:
             d["gemma3"] = Gemma3Config(**d["gemma3"])
         if d.get("glm4") is not None:
             d["glm4"] = Glm4Config(**d["glm4"])
+        if d.get("gated_delta") is not None:
+            d["gated_delta"] = GatedDeltaNetConfig(**d["gated_delta"])
         return cls(**d)
 
     def param_count(self) -> int:
@@ -234,6 +274,8 @@ class ModelConfig:
             return gpt_oss_param_count(self)
         if self.glm4 is not None:
             return _glm4_param_count(self)
+        if self.gated_delta is not None:
+            return _qwen3_5_param_count(self)
         e, hd = self.hidden_size, self.head_dim
         attn = e * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
@@ -245,6 +287,20 @@ class ModelConfig:
         norms = (4 if self.gemma3 else 2) * e + (2 * hd if self.qk_norm else 0)  # Gemma 3: sandwich norms
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.num_layers * (attn + mlp + norms) + self.vocab_size * e + head + e
+
+
+def _qwen3_5_param_count(cfg: ModelConfig) -> int:
+    """Weights of the Qwen3.5 model (models/qwen3_5.py): attention layers with a gate per q value and q/k
+    norms, Gated DeltaNet layers, a SwiGLU MLP and two norms in every layer."""
+    g, e, hd = cfg.gated_delta, cfg.hidden_size, cfg.head_dim
+    value = g.num_v_heads * g.v_head_dim
+    attn = e * hd * (3 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * hd
+    linear = e * (g.conv_dim + value + 2 * g.num_v_heads) + g.conv_dim * g.conv_kernel + 2 * g.num_v_heads \
+        + g.v_head_dim + value * e
+    per_layer = 3 * e * cfg.intermediate_size + 2 * e
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
+    return (cfg.num_layers * per_layer + cfg.num_kv_layers * attn + cfg.num_linear_layers * linear
+            + cfg.vocab_size * e + head + e)
 
 
 def _deepseek_param_count(cfg: ModelConfig) -> int:

@@ -20,6 +20,7 @@ from infire_jax.models.glm4_moe import Glm4Moe
 from infire_jax.models.gpt_oss import GptOss
 from infire_jax.models.llama import Llama
 from infire_jax.models.llama4 import Llama4
+from infire_jax.models.qwen3_5 import Qwen3_5
 from infire_jax.models.palette_kernels import kernel_coding
 from infire_jax.quant.resident import QuantLayout
 from sharding.plan import ShardPlan
@@ -31,7 +32,8 @@ MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llam
                  "gpt_oss": GptOss,  # attention sinks, windowed and full layers, clamped-SwiGLU experts (models/gpt_oss.py)
                  "gemma3": Gemma3,  # windowed and global layers, sandwich norms, GELU MLP (models/gemma3.py)
                  "glm4_moe": Glm4Moe,  # GQA with a partial rotation, DeepSeek-V3's MoE (models/glm4_moe.py)
-                 "minimax_m2": Glm4Moe}  # the same, q/k normed over all heads, a MoE every layer
+                 "minimax_m2": Glm4Moe,  # the same, q/k normed over all heads, a MoE every layer
+                 "qwen3_5": Qwen3_5}  # Gated DeltaNet layers, a gated attention layer closing each group
 
 
 def abstract_model(cfg: ModelConfig, dtype, resident: dict[str, ResidentLayout] | None = None) -> nnx.Module:

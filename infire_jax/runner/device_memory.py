@@ -15,6 +15,7 @@ from flax import nnx
 from infire_jax.runner import multihost
 from infire_jax.lora.layout import stack_layout
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.gated_delta import LinearState
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.panels import kernel_layout
 from infire_jax.runner.config import RunnerConfig
@@ -25,8 +26,19 @@ from sharding.plan import ShardPlan
 
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, layers: int | None = None) -> int:
-    """One page of the pool over `layers` layers (default: the model's; a hybrid cache's page holds fewer)."""
-    return kv_entry(cfg).bytes_per_page(cfg.num_layers if layers is None else layers, page_size, jnp.dtype(dtype))
+    """One page of the pool over `layers` layers (default: the model's with KV; a hybrid cache's page holds fewer)."""
+    return kv_entry(cfg).bytes_per_page(cfg.num_kv_layers if layers is None else layers, page_size, jnp.dtype(dtype))
+
+
+def linear_state_shapes(cfg: ModelConfig, num_slots: int, dtype) -> LinearState | None:
+    """(shape, dtype) of a model's linear-attention state per slot (models/gated_delta.py), or None: the
+    convolution's inputs in the model's dtype, the delta rule's matrices in float32 (as HF computes them)."""
+    g = cfg.gated_delta
+    if g is None:
+        return None
+    n = cfg.num_linear_layers
+    return LinearState(((n, num_slots, g.conv_kernel - 1, g.conv_dim), jnp.dtype(dtype)),
+                       ((n, num_slots, g.num_v_heads, g.k_head_dim, g.v_head_dim), jnp.dtype(jnp.float32)))
 
 
 def _host_copy(a: np.ndarray) -> np.ndarray:
@@ -56,7 +68,7 @@ class DeviceMemory:
         self.kv_dtype = jnp.dtype(rc.kv_cache_dtype or dtype)
         # An fp8 pool's [k_scale, v_scale] per (layer, kv head) (pallas_kernels/kv_quant.py): kept on the
         # host too, so a pool allocated again (restore, resize_pool) gets them back.
-        self.kv_scales = (np.ones((cfg.num_layers, 2, kv_entry(cfg).heads), np.float32)
+        self.kv_scales = (np.ones((cfg.num_kv_layers, 2, kv_entry(cfg).heads), np.float32)
                           if is_fp8(self.kv_dtype) else None)
         if allocate:
             self.cache = self._allocate_cache()
@@ -82,7 +94,7 @@ class DeviceMemory:
         replicated = plan.replicated if plan else None
 
         stored = pool_storage_dtype(self.kv_dtype, rc.attn_impl)
-        layers = rc.pool_layers(c.num_layers)  # a hybrid cache's page holds one group's layers
+        layers = rc.pool_layers(c.num_kv_layers)  # a hybrid cache's page holds one group's layers
         shapes = DeviceCache(
             k_pages=((layers, rc.num_pages, rc.page_size, entry.heads, entry.k_dim), stored),
             v_pages=((layers, rc.num_pages, rc.page_size, entry.heads, entry.v_dim), stored),
@@ -90,18 +102,21 @@ class DeviceMemory:
             last_tokens=((rc.num_slots,), jnp.int32))
         # LoRA adapters' device slots (lora/layout.py): empty until an adapter is paged in.
         lora = None if rc.lora is None else stack_layout(c, rc.lora)
+        linear = linear_state_shapes(c, rc.num_slots, self.dtype)
         shardings = DeviceCache(pool, pool, replicated, replicated, replicated,
                                 None if self.kv_scales is None else replicated,
                                 None if lora is None else {k: plan.sharding(axes) if plan else None
                                                            for k, (_, axes) in lora.items()},
-                                None if rc.image_pool is None else replicated)
+                                None if rc.image_pool is None else replicated,
+                                None if linear is None else LinearState(replicated, replicated))
         dtype = self.dtype
 
         def new_cache(scales):
             stacks = None if lora is None else {k: jnp.zeros(shape, dtype) for k, (shape, _) in lora.items()}
             images = None if rc.image_pool is None else jnp.zeros(rc.image_pool, dtype)
             return DeviceCache(*(jnp.zeros(shape, dt) for shape, dt in shapes[:5]), kv_scales=scales, lora=stacks,
-                               images=images)
+                               images=images, linear=None if linear is None else LinearState(
+                                   *(jnp.zeros(shape, dt) for shape, dt in linear)))
 
         # Kept, so a model coming back to the device (restore) allocates its pool without compiling;
         # an fp8 pool's scales come from their host copy (set_kv_scales).
@@ -114,7 +129,9 @@ class DeviceMemory:
             kv_scales=scales, lora=None if lora is None else {
                 k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings.lora[k]) for k, (shape, _) in lora.items()},
             images=None if rc.image_pool is None else jax.ShapeDtypeStruct(rc.image_pool, dtype,
-                                                                          sharding=shardings.images))
+                                                                          sharding=shardings.images),
+            linear=None if linear is None else LinearState(*(jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
+                                                             for shape, dt in linear)))
 
     def set_kv_scales(self, scales: np.ndarray) -> None:
         """An fp8 pool's scales, [layers, 2, kv heads] float32 (k, v); only before any page is written."""

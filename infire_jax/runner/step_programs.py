@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.runner.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs, StepBatch
 from infire_jax.lora.batched import LoRAStep
+from infire_jax.models.gated_delta import LinearState, LinearStep
 from infire_jax.models.layers import rms_norm
 from infire_jax.sample.sampler import SamplerOutput, SamplingInputs, no_logprobs, sample
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
@@ -44,6 +45,7 @@ class DeviceCache(NamedTuple):
     kv_scales: Float[Array, "L 2 Hkv"] | None = None  # an fp8 pool's scales (pallas_kernels/kv_quant.py)
     lora: dict[str, Array] | None = None  # LoRA adapters' device slots (lora/layout.py), written between steps
     images: Float[Array, "P E"] | None = None  # images' encoder outputs awaiting prefill (runner/image_pool.py)
+    linear: LinearState | None = None  # linear-attention layers' state per request slot (models/gated_delta.py)
 
 
 def matmul_precision(dtype) -> str:
@@ -100,7 +102,13 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
     h, kv = model.embed_tokens(tokens), (cache.k_pages, cache.v_pages)
     if b.image_rows is not None:  # an image's patch tokens take its encoder's outputs (runner/image_pool.py)
         h = jnp.where((b.image_rows >= 0)[:, None], cache.images[jnp.maximum(b.image_rows, 0)].astype(h.dtype), h)
-    if aux_layers is None:
+    linear = cache.linear
+    if linear is not None:  # zeroed for admitted rows (and the dummy slot); a token updates its slot's, if live
+        linear = LinearState(*(a.at[:, reset].set(0) for a in linear))
+        live_slots = jnp.where(b.token_kind != TOKEN_PAD, tok_slot, dummy)
+        h, (k_pages, v_pages), linear = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan,
+                                                         linear=LinearStep(linear, live_slots))
+    elif aux_layers is None:
         h, (k_pages, v_pages) = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, **lora)
     else:
         h, (k_pages, v_pages), aux = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan,
@@ -108,8 +116,8 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
     logits = model.logits(h[b.logits_indices], plan)
     if plan is not None:  # gather the vocab-split logits once, so the sampler holds no collectives
         logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
-    return StepForward(cache._replace(k_pages=k_pages, v_pages=v_pages, counts=counts, prompt_mask=prompt_mask),
-                       logits, tokens, aux, h)
+    return StepForward(cache._replace(k_pages=k_pages, v_pages=v_pages, counts=counts, prompt_mask=prompt_mask,
+                                      linear=linear), logits, tokens, aux, h)
 
 
 def sample_step(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],

@@ -1,0 +1,127 @@
+"""The Gated DeltaNet of Qwen3.5's linear-attention layers over a step's packed tokens, with each
+sequence's state in its request's device slot (runner/step_programs.py `DeviceCache.linear`).
+
+A layer's state per sequence is what transformers' Qwen3_5GatedDeltaNet carries in its cache: the last
+K - 1 inputs of its causal depthwise convolution ([K - 1, C]) and the delta rule's matrix ([Hv, Dk, Dv],
+float32). A step's tokens come row after row (the attention metadata's `cu_q_lens`, `seq_ids`); each
+row continues its slot's state, which its first step after admission finds zeroed (the runner resets
+it). A token updates the state of the slot `token_slots` names: a padding token's, and a decode burst's
+token of a row that already stopped, name the dummy slot (the last), so nothing is updated twice.
+
+The delta rule (per v head, with k and q L2-normed and q scaled by Dk ** -0.5):
+    S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+runs token by token (a scan over the step's tokens, the state of every row in the carry); a decode
+burst, whose rows hold one token each, updates every row at once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.attention import is_decode_only
+from pallas_kernels.metadata import AttentionMetadata
+
+
+class LinearState(NamedTuple):
+    """Every linear layer's state per request slot, donated with the KV pool to every step."""
+
+    conv: Float[Array, "L R K1 C"]  # the convolution's last K - 1 inputs, oldest first
+    recurrent: Float[Array, "L R Hv Dk Dv"]  # the delta rule's matrix, float32
+
+
+class LinearStep(NamedTuple):
+    """The state and which slot each token of the step updates (the dummy slot: none)."""
+
+    state: LinearState
+    token_slots: Int[Array, "T"]
+
+
+class Rows(NamedTuple):
+    """Where each token and row of the step stands, for the convolution's window and the state's slot."""
+
+    offset: Int[Array, "T"]  # the token's index within its row in this step
+    row: Int[Array, "T"]  # its row, or S (an extra, discarded row) when it updates no slot
+    row_slot: Int[Array, "S"]  # the slot each row reads and writes (the dummy slot for a row with no live token)
+    row_len: Int[Array, "S"]
+    last: Int[Array, "S"]  # each row's last token
+
+
+def step_rows(meta: AttentionMetadata, token_slots: Int[Array, "T"], dummy: int) -> Rows:
+    cu = meta.cu_q_lens
+    s = cu.shape[0] - 1
+    t = jnp.arange(token_slots.shape[0], dtype=jnp.int32)
+    offset = t - cu[jnp.clip(meta.seq_ids, 0, s - 1)]
+    row_len = cu[1:] - cu[:-1]
+    last = jnp.clip(cu[1:] - 1, 0, token_slots.shape[0] - 1)
+    row_slot = jnp.where(row_len > 0, token_slots[last], dummy)
+    row = jnp.where(token_slots == dummy, s, meta.seq_ids)
+    return Rows(offset, row, row_slot, row_len, last)
+
+
+def _window(x: Float[Array, "T C"], conv: Float[Array, "R K1 C"], t: Int[Array, "N"], offset: Int[Array, "N"],
+            slot: Int[Array, "N"], lag: int) -> Float[Array, "N C"]:
+    """The input `lag` tokens before token t of its row: from this step (lag <= offset), else from the
+    slot's saved inputs."""
+    k1 = conv.shape[1]
+    saved = conv[slot, jnp.clip(k1 - (lag - offset), 0, k1 - 1)]
+    return jnp.where((lag <= offset)[:, None], x[jnp.clip(t - lag, 0, x.shape[0] - 1)], saved)
+
+
+def causal_conv(x: Float[Array, "T C"], weight: Float[Array, "K C"], conv: Float[Array, "R K1 C"], rows: Rows,
+                token_slots: Int[Array, "T"]) -> tuple[Float[Array, "T C"], Float[Array, "R K1 C"]]:
+    """SiLU of the depthwise causal convolution of each token's last K inputs (HF's conv1d: weight[K - 1]
+    takes the token's own), and the slots' saved inputs updated to each row's last K - 1."""
+    kernel = weight.shape[0]
+    t = jnp.arange(x.shape[0], dtype=jnp.int32)
+    acc = jnp.zeros(x.shape, jnp.float32)
+    for i in range(kernel):
+        acc = acc + weight[i].astype(jnp.float32) * _window(x, conv, t, rows.offset, token_slots,
+                                                           kernel - 1 - i).astype(jnp.float32)
+    out = jax.nn.silu(acc).astype(x.dtype)
+    last_offset = rows.row_len - 1
+    saved = jnp.stack([_window(x, conv, rows.last, last_offset, rows.row_slot, kernel - 2 - i)
+                       for i in range(kernel - 1)], axis=1)
+    return out, conv.at[rows.row_slot].set(saved.astype(conv.dtype))
+
+
+def l2_norm(x: Float[Array, "... D"], eps: float = 1e-6) -> Float[Array, "... D"]:
+    """x / sqrt(sum x^2 + eps), as the FLA kernels and transformers compute it."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _delta_step(state: Float[Array, "... Hv Dk Dv"], q, k, v, g, beta):
+    """One token's update of its state and its output (float32; q, k [.., Hv, Dk], v [.., Hv, Dv])."""
+    state = state * jnp.exp(g)[..., None, None]
+    memory = jnp.einsum("...hkv,...hk->...hv", state, k)
+    delta = (v - memory) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return state, jnp.einsum("...hkv,...hk->...hv", state, q)
+
+
+def gated_delta_rule(q: Float[Array, "T Hk Dk"], k: Float[Array, "T Hk Dk"], v: Float[Array, "T Hv Dv"],
+                     g: Float[Array, "T Hv"], beta: Float[Array, "T Hv"], recurrent: Float[Array, "R Hv Dk Dv"],
+                     rows: Rows, token_slots: Int[Array, "T"]
+                     ) -> tuple[Float[Array, "T Hv Dv"], Float[Array, "R Hv Dk Dv"]]:
+    """Each token's output and the slots' states after the step (float32 throughout)."""
+    f32 = jnp.float32
+    group = v.shape[1] // q.shape[1]
+    q = jnp.repeat(l2_norm(q.astype(f32)), group, axis=1) * q.shape[-1] ** -0.5
+    k = jnp.repeat(l2_norm(k.astype(f32)), group, axis=1)
+    v, g, beta = v.astype(f32), g.astype(f32), beta.astype(f32)
+    if is_decode_only():  # one token a row: every row's state at once
+        state, out = _delta_step(recurrent[token_slots], q, k, v, g, beta)
+        return out, recurrent.at[token_slots].set(state)
+    s = rows.row_slot.shape[0]
+    carry = jnp.concatenate([recurrent[rows.row_slot], jnp.zeros((1, *recurrent.shape[1:]), f32)])
+
+    def step(carry, xs):
+        r, *tok = xs
+        state, out = _delta_step(carry[r], *tok)
+        return carry.at[r].set(state), out
+
+    carry, out = jax.lax.scan(step, carry, (rows.row, q, k, v, g, beta))
+    return out, recurrent.at[rows.row_slot].set(carry[:s])

@@ -1,0 +1,186 @@
+"""Qwen3.5 decoder (Qwen3.5 0.8B-27B, text): groups of Gated DeltaNet layers, each group ending in a
+gated attention layer (three to one in every published model).
+
+Per layer (transformers' Qwen3_5DecoderLayer): h + mixer(norm(h)), then h + mlp(norm(h)), the MLP SwiGLU.
+- An attention layer: q and an output gate from one projection (per head: D values of q, then D of the
+  gate), q and k RMS-normed over the head, the first `rotary_dim` dims of each head rotated, GQA over the
+  paged pool (its own index there: the pool holds attention layers only), the output times sigmoid(gate).
+- A Gated DeltaNet (models/gated_delta.py): q, k and v through a causal depthwise convolution (SiLU),
+  the delta rule with decay g = -exp(A_log) softplus(a + dt_bias) and strength beta = sigmoid(b), then
+  an RMSNorm of each v head times SiLU(z), and the output projection.
+Qwen3.5's RMSNorm multiplies by (1 + w): the loader stores 1 + w (loaders/qwen3_5_hf.py), so every norm
+is models/layers.py's; the gated norm of the DeltaNet multiplies by w itself.
+
+The layers are stacked in two stacks, the linear layers' and the attention layers', and scanned group by
+group: the group's linear layers, then its attention layer. One device only (a mesh is refused at
+settings, engine/setup.py); quantized or compressed weights, LoRA and EAGLE-3 are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from infire_jax.errors import ConfigError
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.decoder import DecoderModel
+from infire_jax.models.gated_delta import LinearState, LinearStep, Rows, causal_conv, gated_delta_rule, step_rows
+from infire_jax.models.glm4_moe import partial_rope
+from infire_jax.models.layers import layer_loop, param, rms_norm, rope_inv_freq, rope_tables, swiglu
+from infire_jax.quant.weight_parts import LayerStacks
+from pallas_kernels.attention import paged_attention, plan_step
+from pallas_kernels.metadata import AttentionMetadata
+from sharding.plan import ShardPlan
+
+KVPages = tuple[Array, Array]
+
+
+def _mlp_params(layers: LayerStacks, cfg: ModelConfig, n: int, dtype) -> None:
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    layers.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+    layers.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+    layers.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
+    layers.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
+
+
+class AttentionLayers(LayerStacks):
+    """The attention layers' weights: q with its gate [E, H, 2, D], k and v [E, Hkv, D], o [H, D, E]."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        n, e, h, hkv, d = cfg.num_kv_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        _mlp_params(self, cfg, n, dtype)
+        self.wq = param((n, e, h, 2, d), ("layers", "embed", "q_heads", "qkv", "head_dim"), dtype)
+        self.wk = param((n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wv = param((n, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.q_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
+        self.k_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
+        self.wo = param((n, h, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+
+
+class LinearLayers(LayerStacks):
+    """The Gated DeltaNet layers' weights (HF's names: in_proj_qkv as w_qkv [E, C], in_proj_z, _b, _a,
+    conv1d [K, C], dt_bias, A_log, norm [Dv], out_proj [Hv * Dv, E])."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        g, n, e = cfg.gated_delta, cfg.num_linear_layers, cfg.hidden_size
+        value = g.num_v_heads * g.v_head_dim
+        _mlp_params(self, cfg, n, dtype)
+        self.w_qkv = param((n, e, g.conv_dim), ("layers", "embed", "linear_qkv"), dtype)
+        self.w_z = param((n, e, value), ("layers", "embed", "linear_value"), dtype)
+        self.w_b = param((n, e, g.num_v_heads), ("layers", "embed", "linear_heads"), dtype)
+        self.w_a = param((n, e, g.num_v_heads), ("layers", "embed", "linear_heads"), dtype)
+        self.conv = param((n, g.conv_kernel, g.conv_dim), ("layers", "conv_kernel", "linear_qkv"), dtype)
+        self.dt_bias = param((n, g.num_v_heads), ("layers", "linear_heads"), dtype, init="ones")
+        self.a_log = param((n, g.num_v_heads), ("layers", "linear_heads"), dtype, init="zeros")
+        self.norm = param((n, g.v_head_dim), ("layers", "norm"), dtype, init="ones")
+        self.w_out = param((n, value, e), ("layers", "linear_value", "embed"), dtype)
+
+
+def gated_rms_norm(x: Float[Array, "T H D"], z: Float[Array, "T H D"], weight: Float[Array, "D"],
+                   eps: float) -> Float[Array, "T H D"]:
+    """RMSNorm of each head times w (in x's dtype, as HF's Qwen3_5RMSNormGated), then times SiLU(z) in float32."""
+    normed = rms_norm(x, weight, eps)
+    return (normed.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def linear_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], conv: Array, recurrent: Array,
+                 rows: Rows, token_slots: Int[Array, "T"]) -> tuple[Float[Array, "T E"], Array, Array]:
+    """One Gated DeltaNet over the step's tokens: its output and the layer's updated slot states."""
+    g, t = cfg.gated_delta, x.shape[0]
+    kd = g.num_k_heads * g.k_head_dim
+    mixed, conv = causal_conv(x @ lp["w_qkv"], lp["conv"], conv, rows, token_slots)
+    q = mixed[:, :kd].reshape(t, g.num_k_heads, g.k_head_dim)
+    k = mixed[:, kd:2 * kd].reshape(t, g.num_k_heads, g.k_head_dim)
+    v = mixed[:, 2 * kd:].reshape(t, g.num_v_heads, g.v_head_dim)
+    f32 = jnp.float32
+    beta = jax.nn.sigmoid((x @ lp["w_b"]).astype(f32))
+    decay = -jnp.exp(lp["a_log"].astype(f32)) * jax.nn.softplus((x @ lp["w_a"]).astype(f32)
+                                                                + lp["dt_bias"].astype(f32))
+    out, recurrent = gated_delta_rule(q, k, v, decay, beta, recurrent, rows, token_slots)
+    z = (x @ lp["w_z"]).reshape(t, g.num_v_heads, g.v_head_dim)
+    y = gated_rms_norm(out.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps)
+    return y.reshape(t, -1) @ lp["w_out"], conv, recurrent
+
+
+def attention_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], k_pages: Array, v_pages: Array,
+                    idx: Int[Array, ""], meta: AttentionMetadata, cos: Array, sin: Array, attn_impl: str
+                    ) -> tuple[Float[Array, "T E"], Array, Array]:
+    eps = cfg.rms_norm_eps
+    qg = jnp.einsum("te,ehcd->thcd", x, lp["wq"])
+    q = partial_rope(rms_norm(qg[:, :, 0], lp["q_norm"], eps), cos, sin)
+    k = partial_rope(rms_norm(jnp.einsum("te,ekd->tkd", x, lp["wk"]), lp["k_norm"], eps), cos, sin)
+    v = jnp.einsum("te,ekd->tkd", x, lp["wv"])
+    o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=cfg.head_dim ** -0.5,
+                                          impl=attn_impl, cpu_kernel=True)
+    gated = (o.astype(jnp.float32) * jax.nn.sigmoid(qg[:, :, 1].astype(jnp.float32))).astype(x.dtype)
+    return jnp.einsum("thd,hde->te", gated, lp["wo"]), k_pages, v_pages
+
+
+def _mlp(lp: dict[str, Array], h: Float[Array, "T E"], eps: float) -> Float[Array, "T E"]:
+    gate_up = jnp.einsum("te,ecf->tcf", rms_norm(h, lp["mlp_norm"], eps), lp["w_gate_up"])
+    return h + swiglu(gate_up[:, 0], gate_up[:, 1]) @ lp["w_down"]
+
+
+def decoder_stack(cfg: ModelConfig, attn_impl: str, linear: dict[str, Array], attention: dict[str, Array],
+                  h: Float[Array, "T E"], kv: KVPages, state: LinearState, token_slots: Int[Array, "T"],
+                  meta: AttentionMetadata, cos: Array, sin: Array
+                  ) -> tuple[Float[Array, "T E"], KVPages, LinearState]:
+    """Scans the groups: each one's linear layers (an inner loop over their slice of the linear stack and
+    of the state), then its attention layer."""
+    tokens, groups, per_group = h.shape[0], cfg.num_kv_layers, cfg.gated_delta.interval - 1
+    eps = cfg.rms_norm_eps
+    meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
+    rows = step_rows(meta, token_slots, state.conv.shape[1] - 1)
+
+    def by_group(a: Array) -> Array:
+        return a.reshape(groups, per_group, *a.shape[1:])
+
+    def linear_layer(h, xs):
+        lp, conv, recurrent = xs
+        y, conv, recurrent = linear_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), conv, recurrent, rows,
+                                          token_slots)
+        return _mlp(lp, h + y, eps), (conv, recurrent)
+
+    def group(carry, xs):
+        h, k_pages, v_pages = carry
+        lin, conv, recurrent, lp, idx = xs
+        h, (conv, recurrent) = jax.lax.scan(linear_layer, h, (lin, conv, recurrent))
+        y, k_pages, v_pages = attention_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), k_pages, v_pages, idx,
+                                              meta, cos, sin, attn_impl)
+        return (_mlp(lp, h + y, eps), k_pages, v_pages), (conv, recurrent)
+
+    xs = (jax.tree.map(by_group, linear), by_group(state.conv), by_group(state.recurrent), attention,
+          np.arange(groups, dtype=np.int32))
+    (h, k_pages, v_pages), (conv, recurrent) = jax.lax.scan(group, (h, *kv), xs)
+    flat = LinearState(conv.reshape(state.conv.shape), recurrent.reshape(state.recurrent.shape))
+    return h, (k_pages, v_pages), flat
+
+
+class Qwen3_5(DecoderModel):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
+        if resident:
+            raise ConfigError("Qwen3.5 runs with plain weights; weights_quantization and weights_compression "
+                              "are not supported for it yet")
+        self.cfg = cfg
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.linear_layers = LinearLayers(cfg, dtype)
+        self.attention_layers = AttentionLayers(cfg, dtype)
+        self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+
+    def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
+                   plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None,
+                   linear: LinearStep | None = None) -> tuple[Float[Array, "T E"], KVPages, LinearState]:
+        """Applies every decoder layer on one device: the updated pool and linear state."""
+        if plan is not None or aux_layers is not None or linear is None:
+            raise ConfigError("Qwen3.5 runs on one device, with its linear state and without EAGLE-3 aux states")
+        rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.gated_delta.rotary_dim)
+        cos, sin = rope_tables(rope_inv_freq(rotary), meta.positions)
+        return decoder_stack(self.cfg, attn_impl, self.linear_layers.arrays(), self.attention_layers.arrays(), h,
+                             kv, linear.state, linear.token_slots, meta, cos, sin)
