@@ -60,6 +60,14 @@ _GLM45 = dict(model_type="glm4_moe", vocab_size=151552, head_dim=128, num_attent
               norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=[151329, 151336, 151338],
               num_nextn_predict_layers=1)
 
+# Qwen3.5 (models/qwen3_5.py): three Gated DeltaNet layers to one gated attention layer, the published
+# 27b's text config.
+_QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_num_key_heads=16,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=248044,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                 "mrope_interleaved": True, "mrope_section": [11, 11, 10]})
+
 # The published HF config.json values of each model (only the fields we read).
 CONFIGS: dict[str, dict] = {
     "llama-3.1-8b": dict(
@@ -137,6 +145,8 @@ CONFIGS: dict[str, dict] = {
                        num_attention_heads=8, num_key_value_heads=4),
     "gemma-3-12b": dict(_GEMMA3, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
                         num_attention_heads=16, num_key_value_heads=8),
+    "qwen3.5-27b": dict(_QWEN3_5, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
     "gemma-3-27b": dict(_GEMMA3, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
                         num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
     "glm-4.5-air": dict(_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,

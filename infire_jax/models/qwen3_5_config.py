@@ -27,11 +27,11 @@ _FIELDS = {
     "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "attention_bias", "head_dim",
     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
     "linear_num_value_heads", "layer_types", "full_attention_interval", "bos_token_id", "eos_token_id",
-    "attn_output_gate", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype"}
+    "attn_output_gate", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "mlp_only_layers"}
 # A multimodal `qwen3_5` config's own fields beside its text_config (the vision tower's are not read).
 _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "image_token_id", "video_token_id",
                    "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings", "eos_token_id",
-                   "bos_token_id"}
+                   "bos_token_id", "hidden_size"}
 _ROPE_FIELDS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 _LAYER_TYPES = ("linear_attention", "full_attention")
 F = "Qwen3.5"  # the family refusals name
@@ -91,7 +91,8 @@ def config_from_qwen3_5_hf(hf: Mapping[str, Any]) -> ModelConfig:
     c = text_config(hf)
     f = Fields(F, c)
     f.only_known(_FIELDS | INERT_FIELDS, "a Qwen3.5 text config")
-    for field, want in (("attention_bias", False), ("attn_output_gate", True), ("hidden_act", "silu")):
+    for field, want in (("attention_bias", False), ("attn_output_gate", True), ("hidden_act", "silu"),
+                        ("mlp_only_layers", [])):
         if c.get(field, want) != want:
             raise f.bad(field, c[field], f"only {want!r} is supported")
     layers = f.int("num_hidden_layers", 32)

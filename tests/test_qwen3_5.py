@@ -1,0 +1,237 @@
+"""Qwen3.5 (models/qwen3_5.py, models/gated_delta.py) against HF transformers' Qwen3_5ForCausalLM, through
+the real engine, and the Gated DeltaNet over packed rows against a float64 computation.
+
+A tiny random checkpoint (8 layers: two groups of three Gated DeltaNets and a gated attention layer;
+GQA in both kinds, k and v head dims apart, a partial rotation; random norm weights, so Qwen's 1 + w
+counts, and random decays) is loaded by our HF loader and decoded greedily with chunked prefill, decode
+bursts and a pool small enough that requests are preempted and computed again: tokens must equal HF's
+`generate`, logprobs agree within 1e-3 (float32). Then: the multimodal checkpoint's names, the published
+27b config against transformers' model, and what is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from deepseek_models import VOCAB, _save_tokenizer, hf_greedy
+
+from infire_jax.errors import ConfigError, UnsupportedModelError
+from infire_jax.models.hf_config import config_from_hf
+
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4, max_position_embeddings=2048,
+            bos_token_id=256, eos_token_id=257, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25})
+NUM_TOKENS = 24
+PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100)), [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31, 17, 90, 200]]
+# 22 pages of 4 tokens hold the longest sequence (64 tokens) and little more: the three preempt each other.
+ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=64,
+              page_size=4, num_kv_pages=22)
+
+
+def hf_model():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY)).to(torch.float32).eval()
+    with torch.no_grad():  # HF starts the norms at 0 (1 + w = 1): random ones count
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+            if "A_log" in name:  # slow decays: a state lasts the whole sequence (a stale one would show)
+                p.copy_(torch.empty_like(p).uniform_(-7.0, -3.0))
+        model.get_input_embeddings().weight.mul_(4.0)  # a sharper head: no near-ties between engines
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf = hf_model()
+    path = tmp_path_factory.mktemp("qwen3_5")
+    hf.save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path)
+    return hf, path
+
+
+@pytest.mark.parametrize("attn_impl", ["reference", "pallas_interpret"])
+def test_generate_matches_hf(checkpoint, attn_impl):
+    """Through the CPU path and the GPU's Pallas kernels (in interpret mode), preempted and recomputed."""
+    from infire_jax import LLM, SamplingParams
+
+    hf, path = checkpoint
+    want = [hf_greedy(hf, prompt, NUM_TOKENS) for prompt in PROMPTS]
+    llm = LLM(model=str(path), attn_impl=attn_impl, **ENGINE)
+    try:
+        engine = llm.engine
+        assert engine.model_config.architecture == "qwen3_5" and engine.model_config.num_kv_layers == 2
+        assert not engine.kv.enable_prefix_caching  # no state is kept per cached page
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True,
+                                                    logprobs=1))
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv.num_free_pages == engine.kv.num_pages - 1  # every page back (the null page aside)
+        with pytest.raises(ConfigError, match="linear-attention layers keep their state outside"):
+            engine.export_prompt_kv(PROMPTS[0])
+    finally:
+        llm.engine.close()
+    for (tokens, logprobs), out in zip(want, outs):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, tokens)], logprobs, atol=1e-3, rtol=0)
+
+
+def test_multimodal_checkpoint_loads_its_language_model(checkpoint, tmp_path):
+    """A `qwen3_5` config (text_config inside) with the published tensor names (`model.language_model.*`):
+    its vision tower and multi-token-prediction layer skipped, the text model's weights exactly."""
+    from safetensors.numpy import load_file, save_file
+
+    from infire_jax.loaders.hf import load_hf_dir
+
+    _, path = checkpoint
+    tensors = load_file(str(path / "model.safetensors"))
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.visual.blocks.0.attn.qkv.weight"] = np.ones((4, 4), np.float32)
+    renamed["mtp.layers.0.mlp.up_proj.weight"] = np.ones((4, 4), np.float32)
+    (tmp_path / "mm").mkdir()
+    save_file(renamed, str(tmp_path / "mm" / "model.safetensors"))
+    _save_tokenizer(tmp_path / "mm")
+    text = {k: v for k, v in TINY.items() if k != "eos_token_id"}
+    with open(tmp_path / "mm" / "config.json", "w") as f:
+        json.dump({"model_type": "qwen3_5", "text_config": text, "vision_config": {"depth": 1},
+                   "eos_token_id": TINY["eos_token_id"], "image_token_id": 300, "tie_word_embeddings": False}, f)
+    mm, plain = load_hf_dir(str(tmp_path / "mm")), load_hf_dir(str(path))
+    assert mm.config == plain.config and mm.config.eos_token_ids == (TINY["eos_token_id"],)
+    assert sorted(mm.weights) == sorted(plain.weights)
+    for name, w in plain.weights.items():
+        np.testing.assert_array_equal(mm.weights[name], w)
+
+
+def _reference(x, w, conv0, q, k, v, g, beta, rec0):
+    """One row's tokens through the convolution and the delta rule in float64, as transformers computes
+    them (causal_conv1d_update and torch_recurrent_gated_delta_rule), from its saved state."""
+    hist = np.concatenate([conv0, x])
+    kernel = w.shape[0]
+    mixed = np.stack([(hist[t:t + kernel] * w).sum(0) for t in range(len(x))])
+    mixed = mixed / (1 + np.exp(-mixed))
+    group = v.shape[1] // q.shape[1]
+
+    def l2(a):
+        return a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
+
+    q, k = np.repeat(l2(q), group, 1) / np.sqrt(q.shape[-1]), np.repeat(l2(k), group, 1)
+    state, out = rec0.copy(), []
+    for t in range(len(x)):
+        state = state * np.exp(g[t])[:, None, None]
+        delta = (v[t] - np.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out.append(np.einsum("hkv,hk->hv", state, q[t]))
+    return mixed, np.stack(out), hist[-(kernel - 1):], state
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_gated_delta_over_packed_rows_matches_float64(decode_only):
+    """Rows of several tokens, one token, none, continuing saved states or from zero, padding tokens and a
+    row whose token updates no slot (a burst's stopped row): each row's outputs and saved states against
+    the float64 per-row computation; slots no token updates keep their state."""
+    from infire_jax.models.gated_delta import causal_conv, gated_delta_rule, step_rows
+    from pallas_kernels.attention import decode_only_steps
+    from pallas_kernels.metadata import AttentionMetadata
+
+    rng = np.random.default_rng(0)
+    hk, hv, dk, dv, kernel, slots = 2, 4, 8, 6, 4, 6
+    channels = 2 * hk * dk + hv * dv
+    lens, row_slots = ([1, 1, 1, 0], [3, 0, 2, 5]) if decode_only else ([5, 1, 3, 0], [3, 0, 2, 5])
+    live = [True, True, not decode_only, False]  # decode: row 2's token is a stopped row's
+    total = sum(lens) + 3  # and padding tokens
+    conv = rng.normal(size=(slots, kernel - 1, channels))
+    rec = rng.normal(size=(slots, hv, dk, dv))
+    x = rng.normal(size=(total, channels))
+    q, k = rng.normal(size=(total, hk, dk)), rng.normal(size=(total, hk, dk))
+    g, beta = -rng.uniform(0.1, 2.0, (total, hv)), rng.uniform(0, 1, (total, hv))
+    w = rng.normal(size=(kernel, channels))
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    seq_ids = np.full(total, len(lens), np.int32)
+    token_slots = np.full(total, slots - 1, np.int32)
+    for r, n in enumerate(lens):
+        seq_ids[cu[r]:cu[r + 1]] = r
+        if live[r]:
+            token_slots[cu[r]:cu[r + 1]] = row_slots[r]
+    meta = AttentionMetadata(positions=np.zeros(total, np.int32), slot_mapping=np.zeros(total, np.int32),
+                             seq_ids=seq_ids, page_table=np.zeros((len(lens), 1), np.int32),
+                             kv_lens=np.zeros(len(lens), np.int32), cu_q_lens=cu, num_seqs=np.int32(len(lens)))
+    v = rng.normal(size=(total, hv, dv))
+    f32 = jnp.float32
+    rows = step_rows(meta, jnp.asarray(token_slots), slots - 1)
+    mixed, new_conv = causal_conv(jnp.asarray(x, f32), jnp.asarray(w, f32), jnp.asarray(conv, f32), rows,
+                                  jnp.asarray(token_slots))
+    with decode_only_steps() if decode_only else contextlib.nullcontext():
+        out, new_rec = gated_delta_rule(*(jnp.asarray(a, f32) for a in (q, k, v, g, beta, rec)), rows,
+                                        jnp.asarray(token_slots))
+    for r, n in enumerate(lens):
+        if not n or not live[r]:
+            continue
+        s, span = row_slots[r], slice(cu[r], cu[r + 1])
+        want_mixed, want_out, want_conv, want_rec = _reference(x[span], w, conv[s], q[span], k[span], v[span],
+                                                               g[span], beta[span], rec[s])
+        np.testing.assert_allclose(np.asarray(mixed)[span], want_mixed, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(out)[span], want_out, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(new_conv)[s], want_conv, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(new_rec)[s], want_rec, atol=2e-4, rtol=1e-4)
+    untouched = [s for s in range(slots - 1) if s not in [row_slots[r] for r in range(len(lens)) if lens[r] and live[r]]]
+    np.testing.assert_array_equal(np.asarray(new_rec)[untouched], rec[untouched].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(new_conv)[untouched], conv[untouched].astype(np.float32))
+
+
+def test_published_config_builds_transformers_model():
+    """`dummy:qwen3.5-27b` (the published text config) parses as transformers' Qwen3_5TextConfig reads it,
+    and the model the engine builds (abstractly) counts the parameters of transformers' model (on the
+    meta device): 26,895,998,464 for the language model."""
+    import math
+
+    from flax import nnx
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.models.registry import abstract_model
+
+    hf = CONFIGS["qwen3.5-27b"]
+    cfg = config_from_hf(hf)
+    assert cfg.num_kv_layers == 16 and cfg.gated_delta.rotary_dim == 64 and cfg.gated_delta.conv_dim == 10240
+    with torch.device("meta"):
+        ref = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{k: v for k, v in hf.items() if k != "model_type"}))
+    want = sum(p.numel() for p in ref.parameters())
+    assert want == cfg.param_count() == 26_895_998_464
+    model = abstract_model(cfg, jnp.bfloat16)
+    assert sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(model))) == want
+
+
+def test_config_refusals():
+    base = dict(TINY, model_type="qwen3_5_text")
+    for field, value, match in (("layer_types", ["full_attention"] + ["linear_attention"] * 7, "whole groups"),
+                                ("attention_bias", True, "attention_bias"), ("attn_output_gate", False, "gate"),
+                                ("linear_num_value_heads", 3, "multiple of linear_num_key_heads"),
+                                ("rope_parameters", {"rope_type": "yarn"}, "default RoPE"),
+                                ("mlp_only_layers", [1], "mlp_only_layers"), ("sliding_window", 8, "sliding_window")):
+        with pytest.raises(UnsupportedModelError, match=match):
+            config_from_hf({**base, field: value})
+
+
+@pytest.mark.parametrize("setting, match", [
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+    (dict(weights_quantization="int8"), "weights_quantization"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(enable_lora=True), "LoRA adapters are supported on the Llama family"),
+])
+def test_engine_refusals(checkpoint, setting, match):
+    """Refused by name before any weight is read."""
+    from infire_jax import LLM
+
+    _, path = checkpoint
+    with pytest.raises(ConfigError, match=match):
+        LLM(model=str(path), **{**ENGINE, **setting})
