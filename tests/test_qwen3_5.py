@@ -168,11 +168,16 @@ def test_gated_delta_over_packed_rows_matches_float64(decode_only):
     v = rng.normal(size=(total, hv, dv))
     f32 = jnp.float32
     rows = step_rows(meta, jnp.asarray(token_slots), slots - 1)
-    mixed, new_conv = causal_conv(jnp.asarray(x, f32), jnp.asarray(w, f32), jnp.asarray(conv, f32), rows,
+    layer = 1  # of two: the other layer's state stays as it was
+    conv2, rec2 = (jnp.asarray(np.stack([a[::-1], a]), f32) for a in (conv, rec))
+    mixed, new_conv = causal_conv(jnp.asarray(x, f32), jnp.asarray(w, f32), conv2, jnp.int32(layer), rows,
                                   jnp.asarray(token_slots))
     with decode_only_steps() if decode_only else contextlib.nullcontext():
-        out, new_rec = gated_delta_rule(*(jnp.asarray(a, f32) for a in (q, k, v, g, beta, rec)), rows,
-                                        jnp.asarray(token_slots))
+        out, new_rec = gated_delta_rule(*(jnp.asarray(a, f32) for a in (q, k, v, g, beta)), rec2, jnp.int32(layer),
+                                        rows, jnp.asarray(token_slots))
+    np.testing.assert_array_equal(new_conv[0], conv2[0])
+    np.testing.assert_array_equal(new_rec[0], rec2[0])
+    new_conv, new_rec = new_conv[layer], new_rec[layer]
     for r, n in enumerate(lens):
         if not n or not live[r]:
             continue

@@ -62,30 +62,35 @@ def step_rows(meta: AttentionMetadata, token_slots: Int[Array, "T"], dummy: int)
     return Rows(offset, row, row_slot, row_len, last)
 
 
-def _window(x: Float[Array, "T C"], conv: Float[Array, "R K1 C"], t: Int[Array, "N"], offset: Int[Array, "N"],
-            slot: Int[Array, "N"], lag: int) -> Float[Array, "N C"]:
-    """The input `lag` tokens before token t of its row: from this step (lag <= offset), else from the
-    slot's saved inputs."""
-    k1 = conv.shape[1]
-    saved = conv[slot, jnp.clip(k1 - (lag - offset), 0, k1 - 1)]
-    return jnp.where((lag <= offset)[:, None], x[jnp.clip(t - lag, 0, x.shape[0] - 1)], saved)
+def _window(x: Float[Array, "T C"], saved: Float[Array, "N K1 C"], t: Int[Array, "N"], offset: Int[Array, "N"],
+            lag: int) -> Float[Array, "N C"]:
+    """The input `lag` tokens before token t of its row: from this step (lag <= offset), else from its slot's
+    saved inputs (`saved`, gathered for each of the N)."""
+    k1 = saved.shape[1]
+    n = jnp.arange(saved.shape[0])
+    from_slot = saved[n, jnp.clip(k1 - (lag - offset), 0, k1 - 1)]
+    return jnp.where((lag <= offset)[:, None], x[jnp.clip(t - lag, 0, x.shape[0] - 1)], from_slot)
 
 
-def causal_conv(x: Float[Array, "T C"], weight: Float[Array, "K C"], conv: Float[Array, "R K1 C"], rows: Rows,
-                token_slots: Int[Array, "T"]) -> tuple[Float[Array, "T C"], Float[Array, "R K1 C"]]:
+def causal_conv(x: Float[Array, "T C"], weight: Float[Array, "K C"], conv: Float[Array, "L R K1 C"],
+                layer: Int[Array, ""], rows: Rows, token_slots: Int[Array, "T"]
+                ) -> tuple[Float[Array, "T C"], Float[Array, "L R K1 C"]]:
     """SiLU of the depthwise causal convolution of each token's last K inputs (HF's conv1d: weight[K - 1]
-    takes the token's own), and the slots' saved inputs updated to each row's last K - 1."""
+    takes the token's own), and the slots' saved inputs of `layer` updated to each row's last K - 1
+    (written in place: only the step's rows)."""
     kernel = weight.shape[0]
     t = jnp.arange(x.shape[0], dtype=jnp.int32)
+    # Each read of the saved inputs gathered once, before the write: XLA then updates the state in place
+    # (with the reads fused into several consumers, it copied the whole state every layer instead).
+    by_token, by_row = jax.lax.optimization_barrier((conv[layer, token_slots], conv[layer, rows.row_slot]))
     acc = jnp.zeros(x.shape, jnp.float32)
     for i in range(kernel):
-        acc = acc + weight[i].astype(jnp.float32) * _window(x, conv, t, rows.offset, token_slots,
+        acc = acc + weight[i].astype(jnp.float32) * _window(x, by_token, t, rows.offset,
                                                            kernel - 1 - i).astype(jnp.float32)
     out = jax.nn.silu(acc).astype(x.dtype)
-    last_offset = rows.row_len - 1
-    saved = jnp.stack([_window(x, conv, rows.last, last_offset, rows.row_slot, kernel - 2 - i)
-                       for i in range(kernel - 1)], axis=1)
-    return out, conv.at[rows.row_slot].set(saved.astype(conv.dtype))
+    saved = jnp.stack([_window(x, by_row, rows.last, rows.row_len - 1, kernel - 2 - i) for i in range(kernel - 1)],
+                      axis=1)
+    return out, conv.at[layer, rows.row_slot].set(saved.astype(conv.dtype))
 
 
 def l2_norm(x: Float[Array, "... D"], eps: float = 1e-6) -> Float[Array, "... D"]:
@@ -103,20 +108,22 @@ def _delta_step(state: Float[Array, "... Hv Dk Dv"], q, k, v, g, beta):
 
 
 def gated_delta_rule(q: Float[Array, "T Hk Dk"], k: Float[Array, "T Hk Dk"], v: Float[Array, "T Hv Dv"],
-                     g: Float[Array, "T Hv"], beta: Float[Array, "T Hv"], recurrent: Float[Array, "R Hv Dk Dv"],
-                     rows: Rows, token_slots: Int[Array, "T"]
-                     ) -> tuple[Float[Array, "T Hv Dv"], Float[Array, "R Hv Dk Dv"]]:
-    """Each token's output and the slots' states after the step (float32 throughout)."""
+                     g: Float[Array, "T Hv"], beta: Float[Array, "T Hv"], recurrent: Float[Array, "L R Hv Dk Dv"],
+                     layer: Int[Array, ""], rows: Rows, token_slots: Int[Array, "T"]
+                     ) -> tuple[Float[Array, "T Hv Dv"], Float[Array, "L R Hv Dk Dv"]]:
+    """Each token's output and the slots' states of `layer` after the step (float32 throughout; written in
+    place, only the step's rows)."""
     f32 = jnp.float32
     group = v.shape[1] // q.shape[1]
     q = jnp.repeat(l2_norm(q.astype(f32)), group, axis=1) * q.shape[-1] ** -0.5
     k = jnp.repeat(l2_norm(k.astype(f32)), group, axis=1)
     v, g, beta = v.astype(f32), g.astype(f32), beta.astype(f32)
-    if is_decode_only():  # one token a row: every row's state at once
-        state, out = _delta_step(recurrent[token_slots], q, k, v, g, beta)
-        return out, recurrent.at[token_slots].set(state)
+    if is_decode_only():  # one token a row: every row's state at once (gathered once: see causal_conv)
+        state, out = _delta_step(jax.lax.optimization_barrier(recurrent[layer, token_slots]), q, k, v, g, beta)
+        return out, recurrent.at[layer, token_slots].set(state)
     s = rows.row_slot.shape[0]
-    carry = jnp.concatenate([recurrent[rows.row_slot], jnp.zeros((1, *recurrent.shape[1:]), f32)])
+    carry = jnp.concatenate([jax.lax.optimization_barrier(recurrent[layer, rows.row_slot]),
+                             jnp.zeros((1, *recurrent.shape[2:]), f32)])
 
     def step(carry, xs):
         r, *tok = xs
@@ -124,4 +131,4 @@ def gated_delta_rule(q: Float[Array, "T Hk Dk"], k: Float[Array, "T Hk Dk"], v: 
         return carry.at[r].set(state), out
 
     carry, out = jax.lax.scan(step, carry, (rows.row, q, k, v, g, beta))
-    return out, recurrent.at[rows.row_slot].set(carry[:s])
+    return out, recurrent.at[layer, rows.row_slot].set(carry[:s])

@@ -12,7 +12,7 @@ Qwen3.5's RMSNorm multiplies by (1 + w): the loader stores 1 + w (loaders/qwen3_
 is models/layers.py's; the gated norm of the DeltaNet multiplies by w itself.
 
 The layers are stacked in two stacks, the linear layers' and the attention layers', and scanned group by
-group: the group's linear layers, then its attention layer. One device only (a mesh is refused at
+group: the group's linear layers, then its attention layer (decoder_stack). One device only (a mesh is refused at
 settings, engine/setup.py); quantized or compressed weights, LoRA and EAGLE-3 are refused.
 """
 
@@ -31,7 +31,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.gated_delta import LinearState, LinearStep, Rows, causal_conv, gated_delta_rule, step_rows
 from infire_jax.models.glm4_moe import partial_rope
-from infire_jax.models.layers import layer_loop, param, rms_norm, rope_inv_freq, rope_tables, swiglu
+from infire_jax.models.layers import param, rms_norm, rope_inv_freq, rope_tables, swiglu
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -88,12 +88,13 @@ def gated_rms_norm(x: Float[Array, "T H D"], z: Float[Array, "T H D"], weight: F
     return (normed.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
-def linear_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], conv: Array, recurrent: Array,
-                 rows: Rows, token_slots: Int[Array, "T"]) -> tuple[Float[Array, "T E"], Array, Array]:
-    """One Gated DeltaNet over the step's tokens: its output and the layer's updated slot states."""
+def linear_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], state: LinearState,
+                 layer: Int[Array, ""], rows: Rows, token_slots: Int[Array, "T"]
+                 ) -> tuple[Float[Array, "T E"], LinearState]:
+    """One Gated DeltaNet (linear layer `layer`) over the step's tokens: its output and the updated state."""
     g, t = cfg.gated_delta, x.shape[0]
     kd = g.num_k_heads * g.k_head_dim
-    mixed, conv = causal_conv(x @ lp["w_qkv"], lp["conv"], conv, rows, token_slots)
+    mixed, conv = causal_conv(x @ lp["w_qkv"], lp["conv"], state.conv, layer, rows, token_slots)
     q = mixed[:, :kd].reshape(t, g.num_k_heads, g.k_head_dim)
     k = mixed[:, kd:2 * kd].reshape(t, g.num_k_heads, g.k_head_dim)
     v = mixed[:, 2 * kd:].reshape(t, g.num_v_heads, g.v_head_dim)
@@ -101,10 +102,10 @@ def linear_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"],
     beta = jax.nn.sigmoid((x @ lp["w_b"]).astype(f32))
     decay = -jnp.exp(lp["a_log"].astype(f32)) * jax.nn.softplus((x @ lp["w_a"]).astype(f32)
                                                                 + lp["dt_bias"].astype(f32))
-    out, recurrent = gated_delta_rule(q, k, v, decay, beta, recurrent, rows, token_slots)
+    out, recurrent = gated_delta_rule(q, k, v, decay, beta, state.recurrent, layer, rows, token_slots)
     z = (x @ lp["w_z"]).reshape(t, g.num_v_heads, g.v_head_dim)
     y = gated_rms_norm(out.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps)
-    return y.reshape(t, -1) @ lp["w_out"], conv, recurrent
+    return y.reshape(t, -1) @ lp["w_out"], LinearState(conv, recurrent)
 
 
 def attention_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], k_pages: Array, v_pages: Array,
@@ -130,35 +131,32 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, linear: dict[str, Array], at
                   h: Float[Array, "T E"], kv: KVPages, state: LinearState, token_slots: Int[Array, "T"],
                   meta: AttentionMetadata, cos: Array, sin: Array
                   ) -> tuple[Float[Array, "T E"], KVPages, LinearState]:
-    """Scans the groups: each one's linear layers (an inner loop over their slice of the linear stack and
-    of the state), then its attention layer."""
+    """Scans the groups: each group's linear layers, unrolled over the group's slice of the linear stack, then
+    its attention layer. The pool and the linear state ride in the carry, each layer updating its own rows
+    in place. Never unrolled over the groups (models/layers.py `layer_loop`'s GPU decode form): compiled for
+    an H100, the 27b's unrolled decode burst copied its attention layers' weights out of their stacks, 21 GB
+    a step, and peaked at 95 GB (`bench gpu-compile`, docs/PERFORMANCE.md)."""
     tokens, groups, per_group = h.shape[0], cfg.num_kv_layers, cfg.gated_delta.interval - 1
     eps = cfg.rms_norm_eps
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     rows = step_rows(meta, token_slots, state.conv.shape[1] - 1)
 
-    def by_group(a: Array) -> Array:
-        return a.reshape(groups, per_group, *a.shape[1:])
-
-    def linear_layer(h, xs):
-        lp, conv, recurrent = xs
-        y, conv, recurrent = linear_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), conv, recurrent, rows,
-                                          token_slots)
-        return _mlp(lp, h + y, eps), (conv, recurrent)
-
     def group(carry, xs):
-        h, k_pages, v_pages = carry
-        lin, conv, recurrent, lp, idx = xs
-        h, (conv, recurrent) = jax.lax.scan(linear_layer, h, (lin, conv, recurrent))
+        h, k_pages, v_pages, state = carry
+        lin, lp, idx = xs
+        for j in range(per_group):
+            lj = {name: w[j] for name, w in lin.items()}
+            y, state = linear_mixer(cfg, lj, rms_norm(h, lj["attn_norm"], eps), state, idx * per_group + j, rows,
+                                    token_slots)
+            h = _mlp(lj, h + y, eps)
         y, k_pages, v_pages = attention_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), k_pages, v_pages, idx,
                                               meta, cos, sin, attn_impl)
-        return (_mlp(lp, h + y, eps), k_pages, v_pages), (conv, recurrent)
+        return (_mlp(lp, h + y, eps), k_pages, v_pages, state), None
 
-    xs = (jax.tree.map(by_group, linear), by_group(state.conv), by_group(state.recurrent), attention,
-          np.arange(groups, dtype=np.int32))
-    (h, k_pages, v_pages), (conv, recurrent) = jax.lax.scan(group, (h, *kv), xs)
-    flat = LinearState(conv.reshape(state.conv.shape), recurrent.reshape(state.recurrent.shape))
-    return h, (k_pages, v_pages), flat
+    by_group = {name: w.reshape(groups, per_group, *w.shape[1:]) for name, w in linear.items()}
+    xs = (by_group, attention, np.arange(groups, dtype=np.int32))
+    (h, k_pages, v_pages, state), _ = jax.lax.scan(group, (h, *kv, state), xs)
+    return h, (k_pages, v_pages), state
 
 
 class Qwen3_5(DecoderModel):
