@@ -134,12 +134,16 @@ def _reference(x, w, conv0, q, k, v, g, beta, rec0):
     return mixed, np.stack(out), hist[-(kernel - 1):], state
 
 
-@pytest.mark.parametrize("decode_only", [False, True])
-def test_gated_delta_over_packed_rows_matches_float64(decode_only):
-    """Rows of several tokens, one token, none, continuing saved states or from zero, padding tokens and a
-    row whose token updates no slot (a burst's stopped row): each row's outputs and saved states against
-    the float64 per-row computation; slots no token updates keep their state."""
+@pytest.mark.parametrize("decode_only, chunk", [(False, 64), (False, 4), (True, 64)])
+def test_gated_delta_over_packed_rows_matches_float64(decode_only, chunk, monkeypatch):
+    """Rows of several tokens, one token, none, continuing saved states, padding tokens and a row whose
+    token updates no slot (a burst's stopped row), in one chunk or across chunks of 4 (rows starting and
+    ending inside them): each row's outputs and saved states against the float64 per-row computation;
+    slots no token updates keep their state."""
+    from infire_jax.models import gated_delta
     from infire_jax.models.gated_delta import causal_conv, gated_delta_rule, step_rows
+
+    monkeypatch.setattr(gated_delta, "CHUNK", chunk)
     from pallas_kernels.attention import decode_only_steps
     from pallas_kernels.metadata import AttentionMetadata
 

@@ -10,8 +10,9 @@ token of a row that already stopped, name the dummy slot (the last), so nothing 
 
 The delta rule (per v head, with k and q L2-normed and q scaled by Dk ** -0.5):
     S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q
-runs token by token (a scan over the step's tokens, the state of every row in the carry); a decode
-burst, whose rows hold one token each, updates every row at once.
+runs a chunk of tokens at a time (`chunked_delta_rule`: matmuls within the chunk, the state of every row
+in the carry of a scan over the chunks); a decode burst, whose rows hold one token each, updates every
+row at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.attention import is_decode_only
 from pallas_kernels.metadata import AttentionMetadata
+
+
+# Tokens a step's delta rule takes at once (`chunked_delta_rule`), as the FLA kernels' chunks.
+CHUNK = 64
 
 
 class LinearState(NamedTuple):
@@ -124,11 +129,72 @@ def gated_delta_rule(q: Float[Array, "T Hk Dk"], k: Float[Array, "T Hk Dk"], v: 
     s = rows.row_slot.shape[0]
     carry = jnp.concatenate([jax.lax.optimization_barrier(recurrent[layer, rows.row_slot]),
                              jnp.zeros((1, *recurrent.shape[2:]), f32)])
-
-    def step(carry, xs):
-        r, *tok = xs
-        state, out = _delta_step(carry[r], *tok)
-        return carry.at[r].set(state), out
-
-    carry, out = jax.lax.scan(step, carry, (rows.row, q, k, v, g, beta))
+    out, carry = chunked_delta_rule(q, k, v, g, beta, carry, rows.row, CHUNK)
     return out, recurrent.at[layer, rows.row_slot].set(carry[:s])
+
+
+def _segments(row: Int[Array, "C"]) -> tuple[Int[Array, "C"], Int[Array, "C"]]:
+    """The index of the first and of the last token of each token's run of equal rows in a chunk."""
+    c = row.shape[0]
+    i = jnp.arange(c)
+    starts = jnp.concatenate([jnp.ones(1, bool), row[1:] != row[:-1]])
+    ends = jnp.concatenate([row[1:] != row[:-1], jnp.ones(1, bool)])
+    first = jax.lax.cummax(jnp.where(starts, i, 0))
+    last = jax.lax.cummin(jnp.where(ends, i, c - 1), reverse=True)
+    return first, last
+
+
+def chunked_delta_rule(q: Float[Array, "T H Dk"], k: Float[Array, "T H Dk"], v: Float[Array, "T H Dv"],
+                       g: Float[Array, "T H"], beta: Float[Array, "T H"], states: Float[Array, "S1 H Dk Dv"],
+                       row: Int[Array, "T"], chunk: int) -> tuple[Float[Array, "T H Dv"], Float[Array, "S1 H Dk Dv"]]:
+    """The delta rule over packed rows, a chunk of tokens at a time (the chunked form of the FLA kernels and
+    transformers' torch_chunk_gated_delta_rule, with the chunk's rows kept apart): `states` holds each row's
+    state (row S1 - 1: tokens that update none), continued from chunk to chunk. Within a chunk, with G the
+    cumulative decay of each token's run of its row and D[i, j] = exp(G_i - G_j) between tokens of one row:
+        T = (I + strictly_lower(beta_i k_i.k_j D_ij))^-1,  U = T (beta v),  W = T (beta exp(G) k),
+        V' = U - W S0,  o = exp(G) q S0 + lower(q_i.k_j D_ij) V',
+        S_row <- exp(G_last) S0 + sum over the row's tokens of exp(G_last - G_t) k_t V'_t^T,
+    with S0 the state of the token's row when the chunk starts."""
+    t, h = g.shape
+    chunk = min(chunk, t)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    dummy = states.shape[0] - 1
+
+    def chunks(a, fill=0):
+        if pad:
+            a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+        return a.reshape(n, chunk, *a.shape[1:])
+
+    q, k, v, g, beta, row = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta), chunks(row, dummy)
+    # What does not depend on the state, for every chunk at once: only the state's recurrence is a loop.
+    first, last = jax.vmap(_segments)(row)  # [n, C]
+    cum = jnp.cumsum(g, axis=1)  # [n, C, H]
+    base = jnp.where((first > 0)[..., None], jnp.take_along_axis(cum, jnp.maximum(first - 1, 0)[..., None], 1), 0.0)
+    seg = cum - base  # the decay since the token's run began, through the token
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    same = (row[:, :, None] == row[:, None, :]) & lower
+    decay = jnp.exp(jnp.where(same[..., None], seg[:, :, None] - seg[:, None], -jnp.inf))  # [n, C, C, H]
+    decay = jnp.moveaxis(decay, 3, 1)  # [n, H, C, C]: 0 across rows and above the diagonal
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+    kb = k * beta[..., None]
+    strict = jnp.einsum("nihd,njhd->nhij", kb, k) * decay * (1 - eye)
+    solve = jax.scipy.linalg.solve_triangular(eye + strict, jnp.broadcast_to(eye, strict.shape), lower=True,
+                                              unit_diagonal=True)
+    u = jnp.einsum("nhij,njhd->nihd", solve, v * beta[..., None])
+    w = jnp.einsum("nhij,njhd->nihd", solve, kb * jnp.exp(seg)[..., None])
+    attn = jnp.einsum("nihd,njhd->nhij", q, k) * decay
+    q_decayed = q * jnp.exp(seg)[..., None]
+    k_to_end = k * jnp.exp(jnp.take_along_axis(seg, last[..., None], 1) - seg)[..., None]
+    end_decay = jnp.where((jnp.arange(chunk) == last)[..., None], jnp.exp(seg), 1.0)  # at a run's last token
+
+    def body(states, xs):
+        row, u, w, attn, q_decayed, k_to_end, end_decay = xs
+        start = jax.lax.optimization_barrier(states[row])  # [C, H, Dk, Dv]: each token's row's state
+        v_new = u - jnp.einsum("thk,thkv->thv", w, start)
+        out = jnp.einsum("thk,thkv->thv", q_decayed, start) + jnp.einsum("hij,jhd->ihd", attn, v_new)
+        states = states.at[row].multiply(end_decay[..., None, None])
+        return states.at[row].add(jnp.einsum("thk,thv->thkv", k_to_end, v_new)), out
+
+    states, out = jax.lax.scan(body, states, (row, u, w, attn, q_decayed, k_to_end, end_decay))
+    return out.reshape(n * chunk, h, -1)[:t], states
