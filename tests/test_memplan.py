@@ -110,6 +110,30 @@ def test_llama4_counts_its_vision_tower_and_image_pool_on_every_device():
     assert _plan("dummy:llama-3.1-8b", "1.yaml", "80GB").weights["vision"] == 0
 
 
+@pytest.mark.parametrize("name", ["qwen3.5-27b", "qwen3.5-35b-a3b"])
+def test_qwen3_5_plans_its_stacks_its_attention_layers_kv_and_each_slots_linear_state(name):
+    """Qwen3.5 (dense and MoE): the planned weights are the engine's model's parameters in bf16, the KV per
+    token is its attention layers' alone (a quarter of them), and each request slot (64 and the dummy one)
+    holds its linear layers' state as the runner allocates it (runner/device_memory.py)."""
+    import math
+
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.models.registry import abstract_model
+    from infire_jax.runner.device_memory import linear_state_shapes
+
+    cfg = config_from_hf(CONFIGS[name])
+    p = _plan(f"dummy:{name}", "1.yaml", "80GB", max_num_seqs=64)
+    params = sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.bfloat16))))
+    assert p.weight_bytes == 2 * params
+    assert p.kv_bytes_per_token == cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    per_slot = sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in linear_state_shapes(cfg, 1, jnp.bfloat16))
+    assert p.slot_state == 65 * per_slot > 3 * GiB
+
+
 def test_gpt_oss_fits_one_card_with_its_mxfp4_experts():
     """As published: 36 layers x 128 experts x (2880 x 5760 + 2880 x 2880) weights at 4.25 bits (a
     byte per two, a scale byte per 32) and their bf16 biases take 56.8 GiB; with the rest in bf16 one

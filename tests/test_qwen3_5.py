@@ -197,25 +197,100 @@ def test_gated_delta_over_packed_rows_matches_float64(decode_only, chunk, monkey
     np.testing.assert_array_equal(np.asarray(new_conv)[untouched], conv[untouched].astype(np.float32))
 
 
-def test_published_config_builds_transformers_model():
-    """`dummy:qwen3.5-27b` (the published text config) parses as transformers' Qwen3_5TextConfig reads it,
-    and the model the engine builds (abstractly) counts the parameters of transformers' model (on the
-    meta device): 26,895,998,464 for the language model."""
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def hf_moe_model(kind: str):
+    """A tiny Qwen3.5-MoE, or Qwen3-Next (the same layers; q/k/v/z and b/a fused per k head, experts saved
+    one by one)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    model_cls, config_cls = ((Qwen3NextForCausalLM, Qwen3NextConfig) if kind == "qwen3_next"
+                             else (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig))
+    torch.manual_seed(1)
+    model = model_cls(config_cls(**TINY, **MOE)).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name or name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p) * 0.5)  # and a router that prefers experts
+            if "A_log" in name:
+                p.copy_(torch.empty_like(p).uniform_(-7.0, -3.0))
+        model.get_input_embeddings().weight.mul_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_generates_as_hf_and_loads_experts_either_way(tmp_path, kind):
+    """Qwen3.5-MoE and Qwen3-Next (top-2 of 8 experts, a gated shared expert, every layer) through the engine:
+    HF's tokens and logprobs. Qwen3.5-MoE's experts saved one by one (as transformers 4.x wrote them) load
+    to the same weights as its fused ones."""
+    from safetensors.numpy import load_file, save_file
+
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.loaders.hf import load_hf_dir
+
+    hf = hf_moe_model(kind)
+    hf.save_pretrained(tmp_path / "fused", safe_serialization=True)
+    _save_tokenizer(tmp_path / "fused")
+    want = [hf_greedy(hf, prompt, NUM_TOKENS) for prompt in PROMPTS]
+    llm = LLM(model=str(tmp_path / "fused"), attn_impl="reference", **ENGINE)
+    try:
+        cfg = llm.engine.model_config
+        assert cfg.is_moe and cfg.num_experts == 8 and cfg.gated_delta.shared_expert_size == 48
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True,
+                                                    logprobs=1))
+    finally:
+        llm.engine.close()
+    for (tokens, logprobs), out in zip(want, outs):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, tokens)], logprobs, atol=1e-3, rtol=0)
+    if kind == "qwen3_next":
+        return
+    tensors = load_file(str(tmp_path / "fused" / "model.safetensors"))
+    split = {}
+    for name, w in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # [X, 2F, E]
+            f = w.shape[1] // 2
+            for x in range(w.shape[0]):
+                split[name.replace("gate_up_proj", f"{x}.gate_proj.weight")] = w[x, :f]
+                split[name.replace("gate_up_proj", f"{x}.up_proj.weight")] = w[x, f:]
+        elif name.endswith("mlp.experts.down_proj"):  # [X, E, F]
+            for x in range(w.shape[0]):
+                split[name.replace("down_proj", f"{x}.down_proj.weight")] = w[x]
+        else:
+            split[name] = w
+    (tmp_path / "split").mkdir()
+    save_file(split, str(tmp_path / "split" / "model.safetensors"))
+    _save_tokenizer(tmp_path / "split")
+    (tmp_path / "split" / "config.json").write_text((tmp_path / "fused" / "config.json").read_text())
+    fused, one_by_one = load_hf_dir(str(tmp_path / "fused")), load_hf_dir(str(tmp_path / "split"))
+    assert sorted(fused.weights) == sorted(one_by_one.weights)
+    for name, w in fused.weights.items():
+        np.testing.assert_array_equal(one_by_one.weights[name], w)
+
+
+@pytest.mark.parametrize("name, params", [("qwen3.5-27b", 26_895_998_464), ("qwen3.5-35b-a3b", 34_660_610_688)])
+def test_published_config_builds_transformers_model(name, params):
+    """The `dummy:` configs (the published text configs) parse as transformers reads them, and the model the
+    engine builds (abstractly) counts the parameters of transformers' model (on the meta device)."""
     import math
 
     from flax import nnx
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     from infire_jax.loaders.dummy import CONFIGS
     from infire_jax.models.registry import abstract_model
 
-    hf = CONFIGS["qwen3.5-27b"]
+    hf = CONFIGS[name]
     cfg = config_from_hf(hf)
-    assert cfg.num_kv_layers == 16 and cfg.gated_delta.rotary_dim == 64 and cfg.gated_delta.conv_dim == 10240
+    assert cfg.gated_delta.rotary_dim == 64 and cfg.num_kv_layers == cfg.num_layers // 4
+    model_cls, config_cls = ((Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig) if cfg.is_moe
+                             else (Qwen3_5ForCausalLM, Qwen3_5TextConfig))
     with torch.device("meta"):
-        ref = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{k: v for k, v in hf.items() if k != "model_type"}))
+        ref = model_cls(config_cls(**{k: v for k, v in hf.items() if k != "model_type"}))
     want = sum(p.numel() for p in ref.parameters())
-    assert want == cfg.param_count() == 26_895_998_464
+    assert want == cfg.param_count() == params
     model = abstract_model(cfg, jnp.bfloat16)
     assert sum(math.prod(v.shape) for _, v in nnx.to_flat_state(nnx.state(model))) == want
 

@@ -61,7 +61,7 @@ _GLM45 = dict(model_type="glm4_moe", vocab_size=151552, head_dim=128, num_attent
               num_nextn_predict_layers=1)
 
 # Qwen3.5 (models/qwen3_5.py): three Gated DeltaNet layers to one gated attention layer, the published
-# 27b's text config.
+# 27b's and 35b-a3b's text configs (the MoE's: 256 experts, top 8, and a shared expert).
 _QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_num_key_heads=16,
                 linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
                 max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=248044,
@@ -147,6 +147,10 @@ CONFIGS: dict[str, dict] = {
                         num_attention_heads=16, num_key_value_heads=8),
     "qwen3.5-27b": dict(_QWEN3_5, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                         num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
+    "qwen3.5-35b-a3b": dict(_QWEN3_5, model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512),
     "gemma-3-27b": dict(_GEMMA3, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
                         num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
     "glm-4.5-air": dict(_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,

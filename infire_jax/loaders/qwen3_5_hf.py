@@ -1,9 +1,11 @@
-"""HF checkpoints of Qwen3.5 -> the Qwen3_5 model's two layer stacks (models/qwen3_5.py).
+"""HF checkpoints of Qwen3.5, Qwen3.5-MoE and Qwen3-Next -> the Qwen3_5 model's two layer stacks
+(models/qwen3_5.py).
 
 Text checkpoints (`Qwen3_5ForCausalLM`: `model.layers.*`) and the multimodal ones' language model
 (`Qwen3_5ForConditionalGeneration`: `model.language_model.*`, loaders/weights.py `language_model_name`);
 the vision tower (`model.visual.*`) and the multi-token-prediction layer (`mtp.*`) are skipped. Layer i
 goes to the attention stack (its index there: i // interval) when it attends, else to the linear stack.
+Experts come fused (`mlp.experts.gate_up_proj`, as transformers 5 saves them) or one by one.
 Every RMSNorm weight but the DeltaNet's gated norm is stored as 1 + w, the factor Qwen3.5's multiplies by.
 """
 
@@ -23,14 +25,21 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
 _SKIPPED = ("model.visual.", "mtp.")
 _SHARED = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
-           "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down"}
+           "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
+           # Qwen3.5-MoE: the router, the experts fused (as transformers 5 saves them) and the shared expert
+           "mlp.gate.weight": "router", "mlp.experts.gate_up_proj": "w_gate_up", "mlp.experts.down_proj": "w_down",
+           "mlp.shared_expert.gate_proj.weight": "w_shared_gate", "mlp.shared_expert.up_proj.weight": "w_shared_up",
+           "mlp.shared_expert.down_proj.weight": "w_shared_down", "mlp.shared_expert_gate.weight": "shared_gate"}
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")  # one expert's, as 4.x saved
 _ATTENTION = {"self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
               "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm",
               "self_attn.k_norm.weight": "k_norm"}
 _LINEAR = {"linear_attn.in_proj_qkv.weight": "w_qkv", "linear_attn.in_proj_z.weight": "w_z",
            "linear_attn.in_proj_b.weight": "w_b", "linear_attn.in_proj_a.weight": "w_a",
            "linear_attn.conv1d.weight": "conv", "linear_attn.dt_bias": "dt_bias", "linear_attn.A_log": "a_log",
-           "linear_attn.norm.weight": "norm", "linear_attn.out_proj.weight": "w_out"}
+           "linear_attn.norm.weight": "norm", "linear_attn.out_proj.weight": "w_out",
+           # Qwen3-Next's: q, k, v and z (and b and a) in one projection, grouped by k head (`_split_grouped`)
+           "linear_attn.in_proj_qkvz.weight": "qkvz", "linear_attn.in_proj_ba.weight": "ba"}
 _ONE_PLUS_W = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
 
 
@@ -47,9 +56,31 @@ def _layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         return w.reshape(e, h, d).transpose(1, 2, 0)
     if short == "conv":  # [C, 1, K] -> [K, C]
         return w[:, 0, :].T
+    if short == "w_gate_up" and w.ndim == 3:  # experts [X, 2F, E] -> [X, E, 2, F]
+        return w.reshape(w.shape[0], 2, -1, e).transpose(0, 3, 1, 2)
+    if short == "w_down" and w.ndim == 3:  # experts [X, E, F] -> [X, F, E]
+        return w.transpose(0, 2, 1)
+    if short == "shared_gate":  # [1, E] -> [E]
+        return w[0]
     if w.ndim == 2:  # the other projections: [out, in] -> [in, out]
         return w.T
     return w
+
+
+def _split_grouped(short: str, w: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Qwen3-Next's fused projections as Qwen3.5's ([out, in] each): `in_proj_qkvz` holds, for each k head,
+    its q and k rows, then the v and z rows of its v heads; `in_proj_ba` its v heads' b rows, then their a
+    rows (transformers' `fix_query_key_value_ordering`). Qwen3.5's `in_proj_qkv` is every head's q, then
+    every k, then every v."""
+    g, e = cfg.gated_delta, cfg.hidden_size
+    per = g.num_v_heads // g.num_k_heads
+    grouped = w.reshape(g.num_k_heads, -1, e)
+    if short == "ba":
+        return {"w_b": grouped[:, :per].reshape(-1, e), "w_a": grouped[:, per:].reshape(-1, e)}
+    dk, dv = g.k_head_dim, per * g.v_head_dim
+    q, k = grouped[:, :dk], grouped[:, dk:2 * dk]
+    v, z = grouped[:, 2 * dk:2 * dk + dv], grouped[:, 2 * dk + dv:]
+    return {"w_qkv": np.concatenate([q.reshape(-1, e), k.reshape(-1, e), v.reshape(-1, e)]), "w_z": z.reshape(-1, e)}
 
 
 def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -58,23 +89,38 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
     stacks = {"attention_layers": [dict() for _ in range(cfg.num_kv_layers)],
               "linear_layers": [dict() for _ in range(cfg.num_linear_layers)]}
     weights: dict[str, np.ndarray] = {}
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}  # (layer, projection) -> expert -> [in, out]
     for raw, w in tensors:
         if raw.startswith(_SKIPPED):
             continue
         name = language_model_name(raw)
+        m = _LAYER.fullmatch(name or "")
+        expert = _EXPERT.fullmatch(m.group(2)) if m else None
+        if expert is not None and int(m.group(1)) < cfg.num_layers and cfg.is_moe:
+            experts.setdefault((int(m.group(1)), expert.group(2)), {})[int(expert.group(1))] = w.T
+            continue
         top = _TOP.get(name or "")
         if top is not None:
             if top != "lm_head" or not cfg.tie_word_embeddings:
                 weights[top] = gemma_norm(w) if top == "final_norm" else w
             continue
-        m = _LAYER.fullmatch(name or "")
         i = int(m.group(1)) if m else cfg.num_layers
         attends = (i + 1) % interval == 0
         short = _SHARED.get(m.group(2)) or (_ATTENTION if attends else _LINEAR).get(m.group(2)) if m else None
         if short is None or i >= cfg.num_layers:
             raise UnsupportedModelError(f"unexpected weight {raw!r} for Qwen3.5 ({cfg.num_layers} layers)")
-        stack = "attention_layers" if attends else "linear_layers"
-        stacks[stack][i // interval if attends else i - i // interval][short] = _layout(short, w, cfg)
+        layer = _layer(stacks, i, interval)
+        for part, value in (_split_grouped(short, w, cfg) if short in ("qkvz", "ba") else {short: w}).items():
+            layer[part] = _layout(part, value, cfg)
+    for (i, projection), by_expert in experts.items():
+        if sorted(by_expert) != list(range(cfg.num_experts)):
+            raise UnsupportedModelError(f"layer {i}'s experts' {projection} are incomplete for {cfg.num_experts} experts")
+        _layer(stacks, i, interval)[projection] = np.stack([by_expert[x] for x in range(cfg.num_experts)])
+    for layer in (*stacks["attention_layers"], *stacks["linear_layers"]):
+        if "gate_proj" in layer or "up_proj" in layer:  # per-expert checkpoints: [X, E, F] each
+            layer["w_gate_up"] = np.stack([layer.pop("gate_proj"), layer.pop("up_proj")], axis=-2)
+        if "down_proj" in layer:
+            layer["w_down"] = layer.pop("down_proj")
     for stack, layers in stacks.items():
         names = set().union(*layers)
         for short in sorted(names):
@@ -82,7 +128,15 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
             if missing:
                 raise UnsupportedModelError(f"weight {short!r} is missing for {stack} {missing}")
             weights[f"{stack}.{short}"] = np.stack([layer[short] for layer in layers])
-        if {"w_gate", "w_up"} <= names:
-            weights[f"{stack}.w_gate_up"] = np.stack([weights.pop(f"{stack}.w_gate"),
-                                                      weights.pop(f"{stack}.w_up")], axis=-2)
+        for gate, up, fused in (("w_gate", "w_up", "w_gate_up"), ("w_shared_gate", "w_shared_up", "w_shared_gate_up")):
+            if {gate, up} <= names:
+                weights[f"{stack}.{fused}"] = np.stack([weights.pop(f"{stack}.{gate}"), weights.pop(f"{stack}.{up}")],
+                                                       axis=-2)
     return weights
+
+
+def _layer(stacks: dict[str, list[dict]], i: int, interval: int) -> dict:
+    """Layer i's weights: the attention stack's entry i // interval, or the linear stack's."""
+    if (i + 1) % interval == 0:
+        return stacks["attention_layers"][i // interval]
+    return stacks["linear_layers"][i - i // interval]

@@ -65,6 +65,7 @@ class PlanModel:
     # The vision encoder's largest call (every device runs it whole): its activations' elements in the
     # serving dtype and its float32 attention scores' (`with_vision`); (0, 0) without a tower.
     encoder_elements: tuple[int, int] = (0, 0)
+    slot_state_bytes: float = 0.0  # per request slot, beside its pages (Qwen3.5's linear state)
 
 
 def _attention_tensors(cfg: ModelConfig, n: int, prefix: str = "") -> list[Tensor]:
@@ -145,6 +146,49 @@ def _glm4_tensors(cfg: ModelConfig) -> list[Tensor]:
     return t + _head_tensors(cfg)
 
 
+def _mlp_tensors(cfg: ModelConfig, n: int, p: str) -> list[Tensor]:
+    """A stack's dense MLP, or its router, routed experts and shared expert with its gate (models/qwen3_5.py)."""
+    e = cfg.hidden_size
+    if not cfg.is_moe:
+        f = cfg.intermediate_size
+        return [Tensor(f"{p}w_gate_up", "shared", (n, e, 2, f), ("layers", "embed", "gate_up", "mlp")),
+                Tensor(f"{p}w_down", "shared", (n, f, e), ("layers", "mlp", "embed"))]
+    x, f, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.gated_delta.shared_expert_size
+    return [Tensor(f"{p}router", "shared", (n, e, x), ("layers", "embed", "router"), False),
+            Tensor(f"{p}w_gate_up", "experts", (n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp")),
+            Tensor(f"{p}w_down", "experts", (n, x, f, e), ("layers", "experts", "mlp", "embed")),
+            Tensor(f"{p}w_shared_gate_up", "shared", (n, e, 2, fs), ("layers", "embed", "gate_up", "mlp")),
+            Tensor(f"{p}w_shared_down", "shared", (n, fs, e), ("layers", "mlp", "embed")),
+            Tensor(f"{p}shared_gate", "shared", (n, e), ("layers", "embed"), False)]
+
+
+def _qwen3_5_tensors(cfg: ModelConfig) -> list[Tensor]:
+    """Qwen3.5's two stacks (models/qwen3_5.py): the Gated DeltaNet layers' and the gated attention layers',
+    each with its norms and MLP."""
+    g, e, hkv, d, hq = cfg.gated_delta, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    n, value, p = cfg.num_linear_layers, g.num_v_heads * g.v_head_dim, "linear_layers."
+    t = [Tensor(f"{p}w_qkv", "attention", (n, e, g.conv_dim), ("layers", "embed", "linear_qkv")),
+         Tensor(f"{p}w_z", "attention", (n, e, value), ("layers", "embed", "linear_value")),
+         Tensor(f"{p}w_b", "attention", (n, e, g.num_v_heads), ("layers", "embed", "linear_heads")),
+         Tensor(f"{p}w_a", "attention", (n, e, g.num_v_heads), ("layers", "embed", "linear_heads")),
+         Tensor(f"{p}conv", "attention", (n, g.conv_kernel, g.conv_dim), ("layers", "conv_kernel", "linear_qkv"), False),
+         Tensor(f"{p}w_out", "attention", (n, value, e), ("layers", "linear_value", "embed"))]
+    t += [Tensor(f"{p}{k}", "attention", (n, g.num_v_heads), ("layers", "linear_heads"), False)
+          for k in ("dt_bias", "a_log")]
+    t.append(Tensor(f"{p}norm", "attention", (n, g.v_head_dim), ("layers", "norm"), False))
+    m, p = cfg.num_kv_layers, "attention_layers."
+    t += [Tensor(f"{p}wq", "attention", (m, e, hq, 2, d), ("layers", "embed", "q_heads", "qkv", "head_dim")),
+          Tensor(f"{p}wk", "attention", (m, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim")),
+          Tensor(f"{p}wv", "attention", (m, e, hkv, d), ("layers", "embed", "kv_heads", "head_dim")),
+          Tensor(f"{p}wo", "attention", (m, hq, d, e), ("layers", "q_heads", "head_dim", "embed"))]
+    t += [Tensor(f"{p}{k}", "attention", (m, d), ("layers", "norm"), False) for k in ("q_norm", "k_norm")]
+    for stack, count in (("linear_layers.", n), ("attention_layers.", m)):
+        t += [Tensor(f"{stack}attn_norm", "attention", (count, e), ("layers", "norm"), False),
+              Tensor(f"{stack}mlp_norm", "shared", (count, e), ("layers", "norm"), False)]
+        t += _mlp_tensors(cfg, count, stack)
+    return t + _head_tensors(cfg)
+
+
 def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
     """The engine's own tensors (models/llama.py `DecoderLayers`, `Llama`; models/llama4.py's two stacks;
     models/gpt_oss.py's and models/gemma3.py's one) for an effective config."""
@@ -152,6 +196,8 @@ def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
         return _llama4_tensors(cfg)
     if cfg.glm4 is not None:
         return _glm4_tensors(cfg)
+    if cfg.gated_delta is not None:
+        return _qwen3_5_tensors(cfg)
     n, e, hkv, d, hq = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
     g = hq // hkv
     t = _attention_tensors(cfg, n)
@@ -190,6 +236,8 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
         width = max(width + cfg.moe_intermediate_size, cfg.intermediate_size)
     if cfg.glm4 is not None:  # the routed experts and the shared ones, or a dense layer's MLP
         width = max(width + cfg.moe_intermediate_size * cfg.deepseek_moe.num_shared_experts, cfg.intermediate_size)
+    if cfg.gated_delta is not None:  # the routed experts and the shared one
+        width += cfg.gated_delta.shared_expert_size
     tensors, kept = [], []
     for t in _gqa_tensors(cfg):
         layout = (int4 or {}).get(t.name)
@@ -200,10 +248,22 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
         tensors += [Tensor(f"{t.name}.{part}", t.kind, shape, axes, False, jnp.dtype(store).name)
                     for part, (shape, store, axes) in layout.part_specs(t.name, t.shape, t.axes).items()]
     return PlanModel(name=name, tensors=tuple(tensors), formats={k: dtype for k in KINDS} | dict(formats or {}),
-                     num_layers=cfg.num_layers, kv_per_token_layer=((2 * cfg.num_kv_heads * cfg.head_dim, "kv_heads"),),
+                     num_layers=cfg.num_layers, kv_per_token_layer=(
+                         # the layers with KV (Qwen3.5: its attention layers alone), over every layer
+                         (2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_kv_layers / cfg.num_layers, "kv_heads"),),
                      hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=cfg.num_heads,
                      qk_head_dim=cfg.head_dim, mlp_width=width, num_experts=cfg.num_experts, kept=tuple(kept),
-                     local_attention=tuple(cfg.local_attention))
+                     local_attention=tuple(cfg.local_attention), slot_state_bytes=_slot_state_bytes(cfg, dtype))
+
+
+def _slot_state_bytes(cfg: ModelConfig, dtype: str) -> float:
+    """What a request slot holds on the device besides its pages: Qwen3.5's linear state (the convolution's
+    inputs in `dtype`, the delta rule's matrices in float32; runner/device_memory.py)."""
+    g = cfg.gated_delta
+    if g is None:
+        return 0.0
+    per_layer = (g.conv_kernel - 1) * g.conv_dim * FORMAT_BYTES[dtype] + g.num_v_heads * g.k_head_dim * g.v_head_dim * 4
+    return cfg.num_linear_layers * per_layer
 
 
 def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:

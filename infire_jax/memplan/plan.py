@@ -129,6 +129,7 @@ class MemoryPlan:
     kv_note: str
     kv_capacity: KVCapacity | None = None  # the hybrid KV cache's pages (chunked / window layers), else None
     encoder: float = 0.0  # the vision encoder's largest call's activations (an image encoded beside a step)
+    slot_state: float = 0.0  # every request slot's state beside its pages (Qwen3.5's linear layers)
 
     @property
     def weight_bytes(self) -> float:
@@ -137,7 +138,7 @@ class MemoryPlan:
     @property
     def kv_room(self) -> float:
         return (self.device_memory * self.utilization - self.weight_bytes - self.activations - self.workspace
-                - self.logits - self.encoder)
+                - self.logits - self.encoder - self.slot_state)
 
     @property
     def kv_pages(self) -> int:
@@ -169,6 +170,7 @@ class MemoryPlan:
                   f"dequantization workspace {g(self.workspace)}",
                   f"logits and sampling {g(self.logits)}",
                   *([f"image encoder (largest call) {g(self.encoder)}"] if self.encoder else []),
+                  *([f"request slots' linear-attention state {g(self.slot_state)}"] if self.slot_state else []),
                   f"KV room per device: {self.kv_room / GiB:.2f} GiB",
                   f"KV room in all: {self.num_devices} x {self.kv_room / GiB:.2f} GiB = "
                   f"{self.num_devices * self.kv_room / GiB:.2f} GiB",
@@ -229,7 +231,7 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
     # heads (3 x heads x head dim) and the MLP's gate, up and product (3 x width) for every token.
     activations = tokens * itemsize * (8 * model.hidden_size + 3 * heads * model.qk_head_dim + 3 * width)
     note = (f"MLA latent + rope key, {int(kv_items)} values x {layers} layers, {kv_dtype or dtype}" if model.mla
-            else f"k and v, {int(kv_items)} values x {layers} layers, {kv_dtype or dtype}")
+            else f"k and v, {kv_items:g} values x {layers} layers, {kv_dtype or dtype}")
     groups = KVGroupLayout.of(model.local_attention, model.num_layers)
     capacity = (KVCapacity(groups, 0, page_size, max_num_batched_tokens)
                 if groups.bounded and mc.sizes["pp"] == 1 else None)
@@ -237,7 +239,8 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
                       utilization=utilization, weights=weights, activations=activations,
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
                       kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity,
-                      encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4)
+                      encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4,
+                      slot_state=(max_num_seqs + 1) * model.slot_state_bytes)  # the engine's slots and its dummy one
 
 
 def shipped_meshes(num_devices: int) -> list[MeshConfig]:

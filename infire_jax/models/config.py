@@ -122,7 +122,8 @@ class GatedDeltaNetConfig:
     attends (gated GQA over the paged pool, rotating the first `rotary_dim` dimensions of each head) when
     (i + 1) % interval == 0; every other layer is a Gated DeltaNet, a linear attention whose state per
     sequence (a causal convolution's last inputs and a [v heads, k dim, v dim] matrix) lives in the
-    request's device slot instead of the pool (models/gated_delta.py)."""
+    request's device slot instead of the pool (models/gated_delta.py). Qwen3.5-MoE's layers have
+    ModelConfig's experts and a shared expert `shared_expert_size` wide, gated by a sigmoid."""
 
     interval: int
     num_k_heads: int
@@ -131,6 +132,7 @@ class GatedDeltaNetConfig:
     v_head_dim: int
     conv_kernel: int
     rotary_dim: int
+    shared_expert_size: int = 0
 
     @property
     def conv_dim(self) -> int:
@@ -297,7 +299,10 @@ def _qwen3_5_param_count(cfg: ModelConfig) -> int:
     attn = e * hd * (3 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * hd
     linear = e * (g.conv_dim + value + 2 * g.num_v_heads) + g.conv_dim * g.conv_kernel + 2 * g.num_v_heads \
         + g.v_head_dim + value * e
-    per_layer = 3 * e * cfg.intermediate_size + 2 * e
+    if cfg.is_moe:  # router, experts, shared expert and its gate
+        per_layer = e * cfg.num_experts * (1 + 3 * cfg.moe_intermediate_size) + 3 * e * g.shared_expert_size + e + 2 * e
+    else:
+        per_layer = 3 * e * cfg.intermediate_size + 2 * e
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
     return (cfg.num_layers * per_layer + cfg.num_kv_layers * attn + cfg.num_linear_layers * linear
             + cfg.vocab_size * e + head + e)

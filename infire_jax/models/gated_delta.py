@@ -124,11 +124,10 @@ def gated_delta_rule(q: Float[Array, "T Hk Dk"], k: Float[Array, "T Hk Dk"], v: 
     k = jnp.repeat(l2_norm(k.astype(f32)), group, axis=1)
     v, g, beta = v.astype(f32), g.astype(f32), beta.astype(f32)
     if is_decode_only():  # one token a row: every row's state at once (gathered once: see causal_conv)
-        state, out = _delta_step(jax.lax.optimization_barrier(recurrent[layer, token_slots]), q, k, v, g, beta)
+        state, out = _delta_step(recurrent[layer, token_slots], q, k, v, g, beta)
         return out, recurrent.at[layer, token_slots].set(state)
     s = rows.row_slot.shape[0]
-    carry = jnp.concatenate([jax.lax.optimization_barrier(recurrent[layer, rows.row_slot]),
-                             jnp.zeros((1, *recurrent.shape[2:]), f32)])
+    carry = jnp.concatenate([recurrent[layer, rows.row_slot], jnp.zeros((1, *recurrent.shape[2:]), f32)])
     out, carry = chunked_delta_rule(q, k, v, g, beta, carry, rows.row, CHUNK)
     return out, recurrent.at[layer, rows.row_slot].set(carry[:s])
 
@@ -154,7 +153,7 @@ def chunked_delta_rule(q: Float[Array, "T H Dk"], k: Float[Array, "T H Dk"], v: 
         T = (I + strictly_lower(beta_i k_i.k_j D_ij))^-1,  U = T (beta v),  W = T (beta exp(G) k),
         V' = U - W S0,  o = exp(G) q S0 + lower(q_i.k_j D_ij) V',
         S_row <- exp(G_last) S0 + sum over the row's tokens of exp(G_last - G_t) k_t V'_t^T,
-    with S0 the state of the token's row when the chunk starts."""
+    with S0 the state of the token's row when the chunk starts, written by the run's last token."""
     t, h = g.shape
     chunk = min(chunk, t)
     n = -(-t // chunk)
@@ -186,15 +185,18 @@ def chunked_delta_rule(q: Float[Array, "T H Dk"], k: Float[Array, "T H Dk"], v: 
     attn = jnp.einsum("nihd,njhd->nhij", q, k) * decay
     q_decayed = q * jnp.exp(seg)[..., None]
     k_to_end = k * jnp.exp(jnp.take_along_axis(seg, last[..., None], 1) - seg)[..., None]
-    end_decay = jnp.where((jnp.arange(chunk) == last)[..., None], jnp.exp(seg), 1.0)  # at a run's last token
+    is_last = jnp.arange(chunk) == last
+    run = jnp.where(is_last[:, :, None], same, False).astype(jnp.float32)  # [n, C, C]: a run's last token, its run
+    # Each run's last token writes its row's state; the others write nowhere (an index past the rows, dropped).
+    dest = jnp.where(is_last, row, states.shape[0])
 
     def body(states, xs):
-        row, u, w, attn, q_decayed, k_to_end, end_decay = xs
-        start = jax.lax.optimization_barrier(states[row])  # [C, H, Dk, Dv]: each token's row's state
+        row, dest, u, w, attn, q_decayed, k_to_end, run, seg = xs
+        start = states[row]  # [C, H, Dk, Dv]: each token's row's state
         v_new = u - jnp.einsum("thk,thkv->thv", w, start)
         out = jnp.einsum("thk,thkv->thv", q_decayed, start) + jnp.einsum("hij,jhd->ihd", attn, v_new)
-        states = states.at[row].multiply(end_decay[..., None, None])
-        return states.at[row].add(jnp.einsum("thk,thv->thkv", k_to_end, v_new)), out
+        end = start * jnp.exp(seg)[..., None, None] + jnp.einsum("tj,jhk,jhv->thkv", run, k_to_end, v_new)
+        return states.at[dest].set(end, mode="drop"), out
 
-    states, out = jax.lax.scan(body, states, (row, u, w, attn, q_decayed, k_to_end, end_decay))
+    states, out = jax.lax.scan(body, states, (row, dest, u, w, attn, q_decayed, k_to_end, run, seg))
     return out.reshape(n * chunk, h, -1)[:t], states

@@ -95,9 +95,9 @@ def route(logits: Float[Array, "T X"], k: int, *, renormalize: bool, weight_dtyp
 
 
 def route_for(cfg: ModelConfig, logits: Float[Array, "T X"]) -> Routing:
-    """The family's routing: Mixtral always renormalises and keeps float32 weights; Qwen3-MoE
-    renormalises only with `norm_topk_prob` and casts the weights back to the logits' dtype."""
-    qwen = cfg.architecture == "qwen3_moe"
+    """The family's routing: Mixtral always renormalises and keeps float32 weights; Qwen3-MoE (and
+    Qwen3.5-MoE) renormalise only with `norm_topk_prob` and cast the weights back to the logits' dtype."""
+    qwen = cfg.architecture in ("qwen3_moe", "qwen3_5")
     return route(logits, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob or not qwen,
                  weight_dtype=logits.dtype if qwen else jnp.float32)
 

@@ -1,7 +1,8 @@
-"""Qwen3.5 decoder (Qwen3.5 0.8B-27B, text): groups of Gated DeltaNet layers, each group ending in a
-gated attention layer (three to one in every published model).
+"""Qwen3.5 decoder (Qwen3.5 0.8B-27B and Qwen3.5-MoE 35B-A3B and up, text): groups of Gated DeltaNet
+layers, each group ending in a gated attention layer (three to one in every published model).
 
-Per layer (transformers' Qwen3_5DecoderLayer): h + mixer(norm(h)), then h + mlp(norm(h)), the MLP SwiGLU.
+Per layer (transformers' Qwen3_5DecoderLayer): h + mixer(norm(h)), then h + mlp(norm(h)), the MLP SwiGLU
+or (Qwen3.5-MoE) top-k softmax-routed experts beside a sigmoid-gated shared expert.
 - An attention layer: q and an output gate from one projection (per head: D values of q, then D of the
   gate), q and k RMS-normed over the head, the first `rotary_dim` dims of each head rotated, GQA over the
   paged pool (its own index there: the pool holds attention layers only), the output times sigmoid(gate).
@@ -19,7 +20,7 @@ settings, engine/setup.py); quantized or compressed weights, LoRA and EAGLE-3 ar
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,20 +33,38 @@ from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.gated_delta import LinearState, LinearStep, Rows, causal_conv, gated_delta_rule, step_rows
 from infire_jax.models.glm4_moe import partial_rope
 from infire_jax.models.layers import param, rms_norm, rope_inv_freq, rope_tables, swiglu
+from infire_jax.models.moe import route_for, routed_mlp, router_logits
+from infire_jax.models.llama import InPlace, linear
+from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]
+# Each projection's input axes (models/quant_kernels.py `layer_stacks`): what the in-place kernels read.
+DENSE_INPUTS = {"w_qkv": 1, "w_z": 1, "w_b": 1, "w_a": 1, "w_out": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 2,
+                "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1}
 
 
 def _mlp_params(layers: LayerStacks, cfg: ModelConfig, n: int, dtype) -> None:
-    e, f = cfg.hidden_size, cfg.intermediate_size
+    """The norms and the MLP: SwiGLU, or (MoE) a router, experts in models/llama.py's layout and a shared
+    expert with its sigmoid gate."""
+    e = cfg.hidden_size
     layers.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
     layers.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
-    layers.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
-    layers.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
+    if not cfg.is_moe:
+        f = cfg.intermediate_size
+        layers.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
+        layers.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
+        return
+    x, f, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.gated_delta.shared_expert_size
+    layers.router = param((n, e, x), ("layers", "embed", "router"), dtype)
+    layers.w_gate_up = param((n, x, e, 2, f), ("layers", "experts", "embed", "gate_up", "mlp"), dtype)
+    layers.w_down = param((n, x, f, e), ("layers", "experts", "mlp", "embed"), dtype)
+    layers.w_shared_gate_up = param((n, e, 2, fs), ("layers", "embed", "gate_up", "mlp"), dtype)
+    layers.w_shared_down = param((n, fs, e), ("layers", "mlp", "embed"), dtype)
+    layers.shared_gate = param((n, e), ("layers", "embed"), dtype)
 
 
 class AttentionLayers(LayerStacks):
@@ -94,37 +113,49 @@ def linear_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"],
     """One Gated DeltaNet (linear layer `layer`) over the step's tokens: its output and the updated state."""
     g, t = cfg.gated_delta, x.shape[0]
     kd = g.num_k_heads * g.k_head_dim
-    mixed, conv = causal_conv(x @ lp["w_qkv"], lp["conv"], state.conv, layer, rows, token_slots)
+    mixed, conv = causal_conv(linear(x, lp["w_qkv"], "te,ec->tc"), lp["conv"], state.conv, layer, rows, token_slots)
     q = mixed[:, :kd].reshape(t, g.num_k_heads, g.k_head_dim)
     k = mixed[:, kd:2 * kd].reshape(t, g.num_k_heads, g.k_head_dim)
     v = mixed[:, 2 * kd:].reshape(t, g.num_v_heads, g.v_head_dim)
     f32 = jnp.float32
-    beta = jax.nn.sigmoid((x @ lp["w_b"]).astype(f32))
-    decay = -jnp.exp(lp["a_log"].astype(f32)) * jax.nn.softplus((x @ lp["w_a"]).astype(f32)
+    beta = jax.nn.sigmoid(linear(x, lp["w_b"], "te,eh->th").astype(f32))
+    decay = -jnp.exp(lp["a_log"].astype(f32)) * jax.nn.softplus(linear(x, lp["w_a"], "te,eh->th").astype(f32)
                                                                 + lp["dt_bias"].astype(f32))
     out, recurrent = gated_delta_rule(q, k, v, decay, beta, state.recurrent, layer, rows, token_slots)
-    z = (x @ lp["w_z"]).reshape(t, g.num_v_heads, g.v_head_dim)
+    z = linear(x, lp["w_z"], "te,ev->tv").reshape(t, g.num_v_heads, g.v_head_dim)
     y = gated_rms_norm(out.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps)
-    return y.reshape(t, -1) @ lp["w_out"], LinearState(conv, recurrent)
+    return linear(y.reshape(t, -1), lp["w_out"], "tv,ve->te"), LinearState(conv, recurrent)
 
 
 def attention_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], k_pages: Array, v_pages: Array,
                     idx: Int[Array, ""], meta: AttentionMetadata, cos: Array, sin: Array, attn_impl: str
                     ) -> tuple[Float[Array, "T E"], Array, Array]:
     eps = cfg.rms_norm_eps
-    qg = jnp.einsum("te,ehcd->thcd", x, lp["wq"])
+    qg = linear(x, lp["wq"], "te,ehcd->thcd")
     q = partial_rope(rms_norm(qg[:, :, 0], lp["q_norm"], eps), cos, sin)
-    k = partial_rope(rms_norm(jnp.einsum("te,ekd->tkd", x, lp["wk"]), lp["k_norm"], eps), cos, sin)
-    v = jnp.einsum("te,ekd->tkd", x, lp["wv"])
+    k = partial_rope(rms_norm(linear(x, lp["wk"], "te,ekd->tkd"), lp["k_norm"], eps), cos, sin)
+    v = linear(x, lp["wv"], "te,ekd->tkd")
     o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=cfg.head_dim ** -0.5,
                                           impl=attn_impl, cpu_kernel=True)
     gated = (o.astype(jnp.float32) * jax.nn.sigmoid(qg[:, :, 1].astype(jnp.float32))).astype(x.dtype)
-    return jnp.einsum("thd,hde->te", gated, lp["wo"]), k_pages, v_pages
+    return linear(gated, lp["wo"], "thd,hde->te"), k_pages, v_pages
 
 
-def _mlp(lp: dict[str, Array], h: Float[Array, "T E"], eps: float) -> Float[Array, "T E"]:
-    gate_up = jnp.einsum("te,ecf->tcf", rms_norm(h, lp["mlp_norm"], eps), lp["w_gate_up"])
-    return h + swiglu(gate_up[:, 0], gate_up[:, 1]) @ lp["w_down"]
+def _swiglu_mlp(x: Float[Array, "T E"], w_gate_up: Array | InPlace, w_down: Array | InPlace) -> Float[Array, "T E"]:
+    gate_up = linear(x, w_gate_up, "te,ecf->tcf")
+    return linear(swiglu(gate_up[:, 0], gate_up[:, 1]), w_down, "tf,fe->te")
+
+
+def _mlp(cfg: ModelConfig, lp: dict[str, Array], h: Float[Array, "T E"]) -> Float[Array, "T E"]:
+    """h plus the MLP of norm(h): SwiGLU, or the routed experts (models/moe.py) plus the shared expert times
+    sigmoid(its gate), as HF's Qwen3_5MoeSparseMoeBlock."""
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    if not cfg.is_moe:
+        return h + _swiglu_mlp(x, lp["w_gate_up"], lp["w_down"])
+    routed = routed_mlp(lp, x, route_for(cfg, router_logits(lp, x)))
+    shared = _swiglu_mlp(x, lp["w_shared_gate_up"], lp["w_shared_down"])
+    gate = jax.nn.sigmoid((x @ lp["shared_gate"][:, None]).astype(jnp.float32)).astype(x.dtype)
+    return h + routed + gate * shared
 
 
 def decoder_stack(cfg: ModelConfig, attn_impl: str, linear: dict[str, Array], attention: dict[str, Array],
@@ -140,23 +171,45 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, linear: dict[str, Array], at
     eps = cfg.rms_norm_eps
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     rows = step_rows(meta, token_slots, state.conv.shape[1] - 1)
+    # A GPU reads decode-sized steps' weights, and any step's experts, in place from the whole stack.
+    lin_in_place, attn_in_place = (_in_place(w, tokens, cfg) for w in (linear, attention))
 
     def group(carry, xs):
         h, k_pages, v_pages, state = carry
         lin, lp, idx = xs
         for j in range(per_group):
-            lj = {name: w[j] for name, w in lin.items()}
-            y, state = linear_mixer(cfg, lj, rms_norm(h, lj["attn_norm"], eps), state, idx * per_group + j, rows,
-                                    token_slots)
-            h = _mlp(lj, h + y, eps)
+            layer = idx * per_group + j
+            lj = {**{name: w[j] for name, w in lin.items()}, **lin_in_place(layer)}
+            y, state = linear_mixer(cfg, lj, rms_norm(h, lj["attn_norm"], eps), state, layer, rows, token_slots)
+            h = _mlp(cfg, lj, h + y)
+        lp = {**lp, **attn_in_place(idx)}
         y, k_pages, v_pages = attention_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), k_pages, v_pages, idx,
                                               meta, cos, sin, attn_impl)
-        return (_mlp(lp, h + y, eps), k_pages, v_pages, state), None
+        return (_mlp(cfg, lp, h + y), k_pages, v_pages, state), None
 
+    linear = {name: w for name, w in linear.items() if name not in lin_in_place.stacks}
+    attention = {name: w for name, w in attention.items() if name not in attn_in_place.stacks}
     by_group = {name: w.reshape(groups, per_group, *w.shape[1:]) for name, w in linear.items()}
     xs = (by_group, attention, np.arange(groups, dtype=np.int32))
     (h, k_pages, v_pages, state), _ = jax.lax.scan(group, (h, *kv, state), xs)
     return h, (k_pages, v_pages), state
+
+
+class _InPlace(NamedTuple):
+    """A stack's weights a GPU kernel reads in place (name -> (the stack as read, one layer's shape)):
+    layer i's as models/llama.py's `InPlace` for the dense matmul, `LayerExperts` for the grouped one."""
+
+    stacks: dict
+
+    def __call__(self, layer: Int[Array, ""]) -> dict[str, InPlace | LayerExperts]:
+        return {name: LayerExperts(kw, layer) if kw.experts else InPlace(kw, layer, shape)
+                for name, (kw, shape) in self.stacks.items()}
+
+
+def _in_place(weights: dict[str, Array], tokens: int, cfg: ModelConfig) -> _InPlace:
+    """What the GPU's kernels read in place in a step of `tokens` tokens (nothing off a GPU): the plain
+    projections in decode-sized steps (quant_kernels.MAX_PLAIN_ROWS), a MoE stack's experts always."""
+    return _InPlace(layer_stacks(weights, tokens, DENSE_INPUTS, cfg.is_moe, one_device=True))
 
 
 class Qwen3_5(DecoderModel):

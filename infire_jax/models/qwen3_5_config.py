@@ -1,5 +1,7 @@
 """Qwen3.5's HF config (`qwen3_5_text`, Qwen3_5TextConfig; or `qwen3_5`, Qwen3_5Config, whose
-`text_config` is its language model) -> ModelConfig (models/hf_config.py picks this parser by model_type).
+`text_config` is its language model), Qwen3.5-MoE's (`qwen3_5_moe_text`, `qwen3_5_moe`; Qwen3.6's too) and
+Qwen3-Next's (`qwen3_next`: the same layers, its projections laid out otherwise, loaders/qwen3_5_hf.py)
+-> ModelConfig (models/hf_config.py picks this parser by model_type).
 
 Every field is read as transformers' Qwen3_5TextConfig reads it, with its defaults: `layer_types`, or
 every `full_attention_interval`-th layer an attention layer; RoPE from `rope_parameters` (5.x) or
@@ -19,7 +21,9 @@ from infire_jax.models.config import GatedDeltaNetConfig, ModelConfig, eos_ids
 from infire_jax.models.config_fields import Fields
 from infire_jax.models.llama4_config import INERT_FIELDS
 
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+# A multimodal config's model_type -> its text_config's.
+_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 _FIELDS = {
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -28,6 +32,12 @@ _FIELDS = {
     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
     "linear_num_value_heads", "layer_types", "full_attention_interval", "bos_token_id", "eos_token_id",
     "attn_output_gate", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "mlp_only_layers"}
+# Qwen3.5-MoE's besides (every layer's MLP is sparse; `intermediate_size`, where given, is not used), and
+# Qwen3-Next's (which may make layers dense: refused, no published model does).
+_MOE_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "norm_topk_prob"}
+_NEXT_FIELDS = {"decoder_sparse_step"}
+_MOE_TYPES = ("qwen3_5_moe_text", "qwen3_next")
 # A multimodal `qwen3_5` config's own fields beside its text_config (the vision tower's are not read).
 _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "image_token_id", "video_token_id",
                    "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings", "eos_token_id",
@@ -38,9 +48,9 @@ F = "Qwen3.5"  # the family refusals name
 
 
 def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The language model's config: a `qwen3_5_text` config as it is, a `qwen3_5` one's `text_config`
-    with the wrapper's eos / bos ids and tying where it has them."""
-    if hf.get("model_type") == "qwen3_5_text":
+    """The language model's config: a `qwen3_5_text` (`qwen3_5_moe_text`) config as it is, a `qwen3_5`
+    (`qwen3_5_moe`) one's `text_config` with the wrapper's eos / bos ids and tying where it has them."""
+    if hf.get("model_type") not in _TEXT_TYPES:
         return dict(hf)
     f = Fields(F, hf)
     f.only_known(_WRAPPER_FIELDS | INERT_FIELDS, "a Qwen3.5 config")
@@ -48,7 +58,7 @@ def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(text, Mapping):
         raise f.bad("text_config", text, "a qwen3_5 config needs its language model's config")
     outer = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in hf}
-    return {**text, **outer, "model_type": "qwen3_5_text"}
+    return {**text, **outer, "model_type": _TEXT_TYPES[hf["model_type"]]}
 
 
 def _rope(f: Fields, head_dim: int) -> tuple[float, int]:
@@ -61,7 +71,7 @@ def _rope(f: Fields, head_dim: int) -> tuple[float, int]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         raise f.bad("rope_parameters.rope_type", kind, "only the default RoPE is supported")
-    theta = f.of({"rope_theta": params.get("rope_theta", c.get("rope_theta", 10_000_000.0))}).number("rope_theta", 0)
+    theta = f.of({"rope_theta": params.get("rope_theta", c.get("rope_theta", 10_000.0))}).number("rope_theta", 0)
     factor = f.of({"partial_rotary_factor": params.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))}
                   ).number("partial_rotary_factor", 0)
     rotary = int(head_dim * factor)
@@ -90,12 +100,18 @@ def _interval(f: Fields, layers: int) -> int:
 def config_from_qwen3_5_hf(hf: Mapping[str, Any]) -> ModelConfig:
     c = text_config(hf)
     f = Fields(F, c)
-    f.only_known(_FIELDS | INERT_FIELDS, "a Qwen3.5 text config")
+    moe, nxt = c.get("model_type") in _MOE_TYPES, c.get("model_type") == "qwen3_next"
+    f.only_known(_FIELDS | INERT_FIELDS | (_MOE_FIELDS if moe else set()) | (_NEXT_FIELDS if nxt else set()),
+                 "a Qwen3.5 text config")
+    if moe and not nxt and c.get("norm_topk_prob", True) is not True:
+        raise f.bad("norm_topk_prob", c["norm_topk_prob"], "Qwen3.5-MoE renormalizes its top-k weights")
+    if nxt and c.get("decoder_sparse_step", 1) != 1:
+        raise f.bad("decoder_sparse_step", c["decoder_sparse_step"], "only a MoE on every layer is supported")
     for field, want in (("attention_bias", False), ("attn_output_gate", True), ("hidden_act", "silu"),
                         ("mlp_only_layers", [])):
         if c.get(field, want) != want:
             raise f.bad(field, c[field], f"only {want!r} is supported")
-    layers = f.int("num_hidden_layers", 32)
+    layers = f.int("num_hidden_layers", 48 if nxt else 40 if moe else 32)
     head_dim = f.int("head_dim", 256)
     theta, rotary = _rope(f, head_dim)
     k_heads, v_heads = f.int("linear_num_key_heads", 16), f.int("linear_num_value_heads", 32)
@@ -103,12 +119,16 @@ def config_from_qwen3_5_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise f.bad("linear_num_value_heads", v_heads, f"must be a multiple of linear_num_key_heads={k_heads}")
     return ModelConfig(
         architecture="qwen3_5",
-        vocab_size=f.int("vocab_size", 248_320),
-        hidden_size=f.int("hidden_size", 4096),
-        intermediate_size=f.int("intermediate_size", 12_288),
+        vocab_size=f.int("vocab_size", 151_936 if nxt else 248_320),
+        hidden_size=f.int("hidden_size", 2048 if moe else 4096),
+        intermediate_size=0 if moe else f.int("intermediate_size", 12_288),
+        num_experts=f.int("num_experts", 512 if nxt else 256) if moe else 0,
+        num_experts_per_tok=f.int("num_experts_per_tok", 10 if nxt else 8) if moe else 0,
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        moe_intermediate_size=f.int("moe_intermediate_size", 512) if moe else 0,
         num_layers=layers,
         num_heads=f.int("num_attention_heads", 16),
-        num_kv_heads=f.int("num_key_value_heads", 4),
+        num_kv_heads=f.int("num_key_value_heads", 2 if moe else 4),
         head_dim=head_dim,
         rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope_theta=theta,
@@ -120,5 +140,5 @@ def config_from_qwen3_5_hf(hf: Mapping[str, Any]) -> ModelConfig:
         gated_delta=GatedDeltaNetConfig(
             interval=_interval(f, layers), num_k_heads=k_heads, num_v_heads=v_heads, k_head_dim=f.int("linear_key_head_dim", 128),
             v_head_dim=f.int("linear_value_head_dim", 128), conv_kernel=f.int("linear_conv_kernel_dim", 4, lo=2),
-            rotary_dim=rotary),
+            rotary_dim=rotary, shared_expert_size=f.int("shared_expert_intermediate_size", 512) if moe else 0),
     )
