@@ -119,6 +119,15 @@ CHECKS = (
     Check("glm45-air-12-layers", 240, ("infire_jax.bench", "latency", "--model", "dummy:glm-4.5-air,layers=12",
                                        "--dtype", "bfloat16", "--input-len", "2048", "--output-len", "128",
                                        "--batch-size", "1", "32")),
+    # Qwen3.5 27b and 35b-a3b (the published shapes, random weights): Gated DeltaNet layers whose state lives in
+    # the request slots, the chunked delta rule for the prompt, the MoE's experts through the grouped kernel;
+    # never run on a GPU yet.
+    Check("qwen3.5-27b", 240, ("infire_jax.bench", "latency", "--model", "dummy:qwen3.5-27b", "--dtype", "bfloat16",
+                               "--input-len", "4096", "--output-len", "128", "--max-model-len", "4352",
+                               "--batch-size", "1", "32")),
+    Check("qwen3.5-35b-a3b", 240, ("infire_jax.bench", "latency", "--model", "dummy:qwen3.5-35b-a3b", "--dtype",
+                                   "bfloat16", "--input-len", "4096", "--output-len", "128", "--max-model-len",
+                                   "4352", "--batch-size", "1", "32")),
     Check("kimi-layer-int4", 240, ("infire_jax.bench", "latency", "--model", "dummy:kimi-k2.5,layers=2", "--dtype",
                                    "bfloat16", "--weights-quantization", "int4", "--input-len", "512",
                                    "--output-len", "128", "--batch-size", "1", "64")),
