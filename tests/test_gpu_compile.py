@@ -222,7 +222,7 @@ def test_qwen3_5_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path
     from infire_jax.bench import gpu_target, program_stats
     from infire_jax.engine.setup import EngineConfig
 
-    ec = EngineConfig(model=model, dtype="bfloat16", token_buckets=(64, 2048), max_num_seqs=64, max_model_len=8192,
+    ec = EngineConfig(model=model, dtype="bfloat16", token_buckets=(64, 256), max_num_seqs=64, max_model_len=8192,
                       num_kv_pages=4096)
     target = gpu_target.TargetEngine(ec, gpu_target.target("h100"))
     shapes, layers, _ = target.weights_per_device()
@@ -234,7 +234,7 @@ def test_qwen3_5_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path
     assert st.weight_copies == 3 * burst.steps, st.weight_copies
     routers = 4 if "a3b" in model else 0  # a MoE layer's router [E, X] is a plain (1 MB) matmul
     assert st.custom_calls.get("__cublas$lt$matmul", 0) == burst.steps * (1 + routers), st.custom_calls
-    forward = program_stats.read_dump(programs["forward 2048 tokens"].dump_dir, shapes, layers)
+    forward = program_stats.read_dump(programs["forward 256 tokens"].dump_dir, shapes, layers)
     assert forward.launches > 0 and "copy" not in [op.rstrip("0123456789.") for op in forward.weight_copy_ops], \
         forward.weight_copy_ops
 
