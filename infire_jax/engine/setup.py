@@ -296,7 +296,7 @@ def _check_linear_state(ec: EngineConfig, num_devices: int) -> None:
                "weights_compression": ec.weights_compression, "kv_cache_dtype": ec.kv_cache_dtype if fp8 else None}
     for name, value in refused.items():
         if value:
-            raise ConfigError(f"{name} is not supported for Qwen3.5 (linear-attention layers) yet")
+            raise ConfigError(f"{name}={value!r} is not supported for Qwen3.5 (linear-attention layers) yet")
     if num_devices > 1 or multihost.is_multiprocess():
         raise ConfigError("Qwen3.5 (linear-attention layers) runs on one device yet; give a one-device mesh "
                           "config or make one device visible")

@@ -118,6 +118,8 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
         _layer(stacks, i, interval)[projection] = np.stack([by_expert[x] for x in range(cfg.num_experts)])
     for layer in (*stacks["attention_layers"], *stacks["linear_layers"]):
         if "gate_proj" in layer or "up_proj" in layer:  # per-expert checkpoints: [X, E, F] each
+            if not {"gate_proj", "up_proj"} <= set(layer):
+                raise UnsupportedModelError("the checkpoint has only one of the experts' gate_proj and up_proj")
             layer["w_gate_up"] = np.stack([layer.pop("gate_proj"), layer.pop("up_proj")], axis=-2)
         if "down_proj" in layer:
             layer["w_down"] = layer.pop("down_proj")
