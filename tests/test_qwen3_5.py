@@ -60,6 +60,14 @@ def checkpoint(tmp_path_factory):
     return hf, path
 
 
+def _assert_as_hf(want: list, outs: list) -> None:
+    """Each output's greedy tokens are HF's, and their logprobs within 1e-3 of HF's (float64)."""
+    for (tokens, logprobs), out in zip(want, outs):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, tokens)], logprobs, atol=1e-3, rtol=0)
+
+
 @pytest.mark.parametrize("attn_impl", ["reference", "pallas_interpret"])
 def test_generate_matches_hf(checkpoint, attn_impl):
     """Through the CPU path and the GPU's Pallas kernels (in interpret mode), preempted and recomputed."""
@@ -80,10 +88,7 @@ def test_generate_matches_hf(checkpoint, attn_impl):
             engine.export_prompt_kv(PROMPTS[0])
     finally:
         llm.engine.close()
-    for (tokens, logprobs), out in zip(want, outs):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, tokens)], logprobs, atol=1e-3, rtol=0)
+    _assert_as_hf(want, outs)
 
 
 def test_multimodal_checkpoint_loads_its_language_model(checkpoint, tmp_path):
@@ -241,10 +246,7 @@ def test_moe_generates_as_hf_and_loads_experts_either_way(tmp_path, kind):
                                                     logprobs=1))
     finally:
         llm.engine.close()
-    for (tokens, logprobs), out in zip(want, outs):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, tokens)], logprobs, atol=1e-3, rtol=0)
+    _assert_as_hf(want, outs)
     if kind == "qwen3_next":
         return
     tensors = load_file(str(tmp_path / "fused" / "model.safetensors"))

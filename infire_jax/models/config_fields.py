@@ -36,6 +36,17 @@ class Fields:
             raise self.bad(field, value, "must be a positive number")
         return float(value)
 
+    def language_model(self, known: set[str], text_type: str) -> dict[str, Any]:
+        """A multimodal config's language model: its `text_config` (typed `text_type`), with the wrapper's
+        eos / bos ids (generation reads those; published files may keep them there only) and tying
+        (transformers 5 ties by it) where the wrapper has them; a wrapper field not in `known` is refused."""
+        self.only_known(known, f"a {self.family} config")
+        text = self.c.get("text_config")
+        if not isinstance(text, Mapping):
+            raise self.bad("text_config", text, f"a {self.c.get('model_type')} config needs its language model's config")
+        outer = {k: self.c[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in self.c}
+        return {**text, **outer, "model_type": text_type}
+
     def of(self, c: Mapping[str, Any]) -> "Fields":
         """The same family's reader of another mapping (a nested `rope_parameters`)."""
         return Fields(self.family, c)

@@ -42,13 +42,7 @@ def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
     tying (transformers 5 ties by it) where the wrapper has them."""
     if hf.get("model_type") == "gemma3_text":
         return dict(hf)
-    f = Fields(F, hf)
-    f.only_known(_WRAPPER_FIELDS | INERT_FIELDS, "a Gemma 3 config")
-    text = hf.get("text_config")
-    if not isinstance(text, Mapping):
-        raise f.bad("text_config", text, "a gemma3 config needs its language model's config")
-    outer = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in hf}
-    return {**text, **outer, "model_type": "gemma3_text"}
+    return Fields(F, hf).language_model(_WRAPPER_FIELDS | INERT_FIELDS, "gemma3_text")
 
 
 def _rope(f: Fields) -> tuple[float, Any, float]:

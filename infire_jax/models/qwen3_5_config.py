@@ -52,13 +52,7 @@ def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
     (`qwen3_5_moe`) one's `text_config` with the wrapper's eos / bos ids and tying where it has them."""
     if hf.get("model_type") not in _TEXT_TYPES:
         return dict(hf)
-    f = Fields(F, hf)
-    f.only_known(_WRAPPER_FIELDS | INERT_FIELDS, "a Qwen3.5 config")
-    text = hf.get("text_config")
-    if not isinstance(text, Mapping):
-        raise f.bad("text_config", text, "a qwen3_5 config needs its language model's config")
-    outer = {k: hf[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in hf}
-    return {**text, **outer, "model_type": _TEXT_TYPES[hf["model_type"]]}
+    return Fields(F, hf).language_model(_WRAPPER_FIELDS | INERT_FIELDS, _TEXT_TYPES[hf["model_type"]])
 
 
 def _rope(f: Fields, head_dim: int) -> tuple[float, int]:
