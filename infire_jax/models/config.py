@@ -118,11 +118,11 @@ class Glm4Config:
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaNetConfig:
-    """Qwen3.5's hybrid decoder (models/qwen3_5_config.py parses it, models/qwen3_5.py runs it): layer i
-    attends (gated GQA over the paged pool, rotating the first `rotary_dim` dimensions of each head) when
-    (i + 1) % interval == 0; every other layer is a Gated DeltaNet, a linear attention whose state per
-    sequence (a causal convolution's last inputs and a [v heads, k dim, v dim] matrix) lives in the
-    request's device slot instead of the pool (models/gated_delta.py). Qwen3.5-MoE's layers have
+    """Qwen3.5's (and Qwen3-Next's) hybrid decoder (models/qwen3_5_config.py parses it, models/qwen3_5.py
+    runs it): layer i attends (gated GQA over the paged pool, rotating the first `rotary_dim` dimensions of
+    each head) when (i + 1) % interval == 0; every other layer is a Gated DeltaNet, a linear attention whose
+    state per sequence (a causal convolution's last inputs and a [v heads, k dim, v dim] matrix) lives in
+    the request's device slot instead of the pool (models/gated_delta.py). The MoE models' layers have
     ModelConfig's experts and a shared expert `shared_expert_size` wide, gated by a sigmoid."""
 
     interval: int
