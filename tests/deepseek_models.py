@@ -9,6 +9,7 @@ router's and the embedding's, block scales) or Kimi K2's compressed-tensors int4
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -115,9 +116,10 @@ def _quantized(scheme: str, name: str, w) -> bool:
     return ".mlp.experts." in name and name.endswith(".weight")
 
 
-def quantize_checkpoint(path: str, scheme: str, size: int) -> dict:
+def quantize_checkpoint(path: str, scheme: str, size: int, which=None) -> dict:
     """Rewrites the float checkpoint at `path` in the published quantized layout (fp8 blocks or int4
-    groups of `size`); returns the float64 weights the quantized tensors define, by name."""
+    groups of `size`) of the tensors `which(name, array)` picks (default: DeepSeek-V3's and Kimi K2's);
+    returns the float64 weights the quantized tensors define, by name."""
     import ml_dtypes
     import numpy as np
     import torch
@@ -131,7 +133,7 @@ def quantize_checkpoint(path: str, scheme: str, size: int) -> dict:
     for name, t in tensors.items():
         w = t.numpy()
         module = name.removesuffix(".weight")
-        if not _quantized(scheme, name, w):
+        if not (which or functools.partial(_quantized, scheme))(name, w):
             out[name] = t
         elif scheme == "fp8":
             q = quantize_fp8_block(w, size)

@@ -91,6 +91,38 @@ def test_generate_matches_hf(checkpoint, attn_impl):
     _assert_as_hf(want, outs)
 
 
+_WARM = """
+import json, sys
+from infire_jax import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], attn_impl="reference", **json.loads(sys.argv[2]))
+outs = llm.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "loaded": llm.engine.boot.executables_loaded}))
+"""
+
+
+def test_a_new_process_serves_from_the_executable_cache(checkpoint):
+    """A warm start: a new process loads the step programs this one stored (runner/executable_cache.py) and
+    generates HF's tokens. The chunked delta rule's triangular solve was once a LAPACK call, whose
+    functions jaxlib binds only while tracing such a program: a warm start crashed in it."""
+    import subprocess
+    import sys
+
+    from infire_jax import LLM, SamplingParams
+
+    hf, path = checkpoint
+    llm = LLM(model=str(path), attn_impl="reference", **ENGINE)  # stores its programs, unless an earlier test did
+    try:
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
+    finally:
+        llm.engine.close()
+    proc = subprocess.run([sys.executable, "-c", _WARM, str(path), json.dumps(ENGINE), json.dumps(PROMPTS[:2])],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["loaded"] > 0
+    assert got["tokens"] == [hf_greedy(hf, prompt, 8)[0] for prompt in PROMPTS[:2]]
+
+
 def test_multimodal_checkpoint_loads_its_language_model(checkpoint, tmp_path):
     """A `qwen3_5` config (text_config inside) with the published tensor names (`model.language_model.*`):
     its vision tower and multi-token-prediction layer skipped, the text model's weights exactly."""
@@ -115,6 +147,37 @@ def test_multimodal_checkpoint_loads_its_language_model(checkpoint, tmp_path):
     assert sorted(mm.weights) == sorted(plain.weights)
     for name, w in plain.weights.items():
         np.testing.assert_array_equal(mm.weights[name], w)
+
+
+def test_fp8_checkpoint_is_dequantized_as_read(checkpoint, tmp_path):
+    """A published-style fp8 checkpoint (every projection in e4m3 with 16 x 16 block scales, as Qwen ships
+    Qwen3.5-*-FP8): the engine, which dequantizes it as read, gives HF's tokens on the weights the fp8
+    blocks define."""
+    import shutil
+
+    from deepseek_models import quantize_checkpoint
+
+    from infire_jax import LLM, SamplingParams
+
+    hf, path = checkpoint
+    shutil.copytree(path, tmp_path / "fp8")
+    defined = quantize_checkpoint(str(tmp_path / "fp8"), "fp8", 16,
+                                  lambda name, w: w.ndim == 2 and "_proj" in name and "lm_head" not in name)
+    assert any("linear_attn.in_proj_qkv" in name for name in defined) and any("self_attn.q_proj" in name
+                                                                             for name in defined)
+    ref = hf_model()
+    with torch.no_grad():
+        params = dict(ref.named_parameters())
+        for name, w in defined.items():
+            params[name].copy_(torch.from_numpy(w).to(torch.float32))
+    want = [hf_greedy(ref, prompt, NUM_TOKENS) for prompt in PROMPTS[:2]]
+    llm = LLM(model=str(tmp_path / "fp8"), attn_impl="reference", **ENGINE)
+    try:
+        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True,
+                                                        logprobs=1))
+    finally:
+        llm.engine.close()
+    _assert_as_hf(want, outs)
 
 
 def _reference(x, w, conv0, q, k, v, g, beta, rec0):

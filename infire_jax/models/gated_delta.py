@@ -17,6 +17,8 @@ row at once.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -143,6 +145,21 @@ def _segments(row: Int[Array, "C"]) -> tuple[Int[Array, "C"], Int[Array, "C"]]:
     return first, last
 
 
+def unit_lower_inverse(strict: Float[Array, "... C C"]) -> Float[Array, "... C C"]:
+    """(I + L)^-1 for a strictly lower-triangular L, by matmuls alone: L^C = 0, so the inverse is
+    I - L + L^2 - ... = (I - L)(I + L^2)(I + L^4)...(I + L^(2^(m-1))), 2^m >= C. No triangular solve: on
+    CPU that is a LAPACK call whose functions jaxlib binds only when such a program is traced, so a
+    warm start running a cached executable crashed in it; on a GPU, cuBLAS' solve. Full float32."""
+    c = strict.shape[-1]
+    eye = jnp.eye(c, dtype=strict.dtype)
+    matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+    inverse, power = eye - strict, strict
+    for _ in range(max(1, math.ceil(math.log2(c))) - 1):
+        power = matmul(power, power)
+        inverse = matmul(inverse, eye + power)
+    return inverse
+
+
 def chunked_delta_rule(q: Float[Array, "T H Dk"], k: Float[Array, "T H Dk"], v: Float[Array, "T H Dv"],
                        g: Float[Array, "T H"], beta: Float[Array, "T H"], states: Float[Array, "S1 H Dk Dv"],
                        row: Int[Array, "T"], chunk: int) -> tuple[Float[Array, "T H Dv"], Float[Array, "S1 H Dk Dv"]]:
@@ -178,8 +195,7 @@ def chunked_delta_rule(q: Float[Array, "T H Dk"], k: Float[Array, "T H Dk"], v: 
     eye = jnp.eye(chunk, dtype=jnp.float32)
     kb = k * beta[..., None]
     strict = jnp.einsum("nihd,njhd->nhij", kb, k) * decay * (1 - eye)
-    solve = jax.scipy.linalg.solve_triangular(eye + strict, jnp.broadcast_to(eye, strict.shape), lower=True,
-                                              unit_diagonal=True)
+    solve = unit_lower_inverse(strict)
     u = jnp.einsum("nhij,njhd->nihd", solve, v * beta[..., None])
     w = jnp.einsum("nhij,njhd->nihd", solve, kb * jnp.exp(seg)[..., None])
     attn = jnp.einsum("nihd,njhd->nhij", q, k) * decay

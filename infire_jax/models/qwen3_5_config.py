@@ -31,7 +31,8 @@ _FIELDS = {
     "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "attention_bias", "head_dim",
     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
     "linear_num_value_heads", "layer_types", "full_attention_interval", "bos_token_id", "eos_token_id",
-    "attn_output_gate", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "mlp_only_layers"}
+    "attn_output_gate", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "mlp_only_layers",
+    "quantization_config"}  # a published fp8 / int4 checkpoint's: dequantized as read (loaders/hf_quantized.py)
 # Qwen3.5-MoE's besides (every layer's MLP is sparse; `intermediate_size`, where given, is not used), and
 # Qwen3-Next's (which may make layers dense: refused, no published model does).
 _MOE_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
@@ -41,7 +42,7 @@ _MOE_TYPES = ("qwen3_5_moe_text", "qwen3_next")
 # A multimodal `qwen3_5` config's own fields beside its text_config (the vision tower's are not read).
 _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "image_token_id", "video_token_id",
                    "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings", "eos_token_id",
-                   "bos_token_id", "hidden_size"}
+                   "bos_token_id", "hidden_size", "quantization_config"}
 _ROPE_FIELDS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 _LAYER_TYPES = ("linear_attention", "full_attention")
 F = "Qwen3.5"  # the family refusals name
