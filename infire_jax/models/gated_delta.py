@@ -125,7 +125,7 @@ def gated_delta_rule(q: Float[Array, "T Hk Dk"], k: Float[Array, "T Hk Dk"], v: 
     q = jnp.repeat(l2_norm(q.astype(f32)), group, axis=1) * q.shape[-1] ** -0.5
     k = jnp.repeat(l2_norm(k.astype(f32)), group, axis=1)
     v, g, beta = v.astype(f32), g.astype(f32), beta.astype(f32)
-    if is_decode_only():  # one token a row: every row's state at once (gathered once: see causal_conv)
+    if is_decode_only():  # one token a row: every row's state at once
         state, out = _delta_step(recurrent[layer, token_slots], q, k, v, g, beta)
         return out, recurrent.at[layer, token_slots].set(state)
     s = rows.row_slot.shape[0]
