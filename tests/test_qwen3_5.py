@@ -179,6 +179,14 @@ def test_fp8_checkpoint_is_dequantized_as_read(checkpoint, tmp_path):
         llm.engine.close()
     _assert_as_hf(want, outs)
 
+    from safetensors.torch import load_file, save_file  # a float8 tensor with no scales to dequantize it by
+
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    tensors["model.layers.0.linear_attn.A_log"] = tensors["model.layers.0.linear_attn.A_log"].to(torch.float8_e4m3fn)
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="A_log.* is float8 without the block scales"):
+        LLM(model=str(tmp_path / "fp8"), attn_impl="reference", **ENGINE)
+
 
 def _reference(x, w, conv0, q, k, v, g, beta, rec0):
     """One row's tokens through the convolution and the delta rule in float64, as transformers computes
@@ -260,7 +268,8 @@ def test_gated_delta_over_packed_rows_matches_float64(decode_only, chunk, monkey
         np.testing.assert_allclose(np.asarray(out)[span], want_out, atol=2e-4, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(new_conv)[s], want_conv, atol=1e-6)
         np.testing.assert_allclose(np.asarray(new_rec)[s], want_rec, atol=2e-4, rtol=1e-4)
-    untouched = [s for s in range(slots - 1) if s not in [row_slots[r] for r in range(len(lens)) if lens[r] and live[r]]]
+    written = [row_slots[r] for r in range(len(lens)) if lens[r] and live[r]]
+    untouched = [s for s in range(slots - 1) if s not in written]
     np.testing.assert_array_equal(np.asarray(new_rec)[untouched], rec[untouched].astype(np.float32))
     np.testing.assert_array_equal(np.asarray(new_conv)[untouched], conv[untouched].astype(np.float32))
 

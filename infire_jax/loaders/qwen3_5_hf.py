@@ -93,6 +93,9 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
     for raw, w in tensors:
         if raw.startswith(_SKIPPED):
             continue
+        if w.dtype.name.startswith("float8"):  # what loaders/hf_quantized.py dequantized has no float8 left
+            raise UnsupportedModelError(f"{raw!r} is float8 without the block scales this loader dequantizes "
+                                        "(`weight_scale_inv` beside a `.weight`)")
         name = language_model_name(raw)
         m = _LAYER.fullmatch(name or "")
         expert = _EXPERT.fullmatch(m.group(2)) if m else None
@@ -114,7 +117,8 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
             layer[part] = _layout(part, value, cfg)
     for (i, projection), by_expert in experts.items():
         if sorted(by_expert) != list(range(cfg.num_experts)):
-            raise UnsupportedModelError(f"layer {i}'s experts' {projection} are incomplete for {cfg.num_experts} experts")
+            raise UnsupportedModelError(f"layer {i}'s experts' {projection} are incomplete for {cfg.num_experts} "
+                                        "experts")
         _layer(stacks, i, interval)[projection] = np.stack([by_expert[x] for x in range(cfg.num_experts)])
     for layer in (*stacks["attention_layers"], *stacks["linear_layers"]):
         if "gate_proj" in layer or "up_proj" in layer:  # per-expert checkpoints: [X, E, F] each

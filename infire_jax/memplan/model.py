@@ -171,7 +171,8 @@ def _qwen3_5_tensors(cfg: ModelConfig) -> list[Tensor]:
          Tensor(f"{p}w_z", "attention", (n, e, value), ("layers", "embed", "linear_value")),
          Tensor(f"{p}w_b", "attention", (n, e, g.num_v_heads), ("layers", "embed", "linear_heads")),
          Tensor(f"{p}w_a", "attention", (n, e, g.num_v_heads), ("layers", "embed", "linear_heads")),
-         Tensor(f"{p}conv", "attention", (n, g.conv_kernel, g.conv_dim), ("layers", "conv_kernel", "linear_qkv"), False),
+         Tensor(f"{p}conv", "attention", (n, g.conv_kernel, g.conv_dim), ("layers", "conv_kernel", "linear_qkv"),
+                False),
          Tensor(f"{p}w_out", "attention", (n, value, e), ("layers", "linear_value", "embed"))]
     t += [Tensor(f"{p}{k}", "attention", (n, g.num_v_heads), ("layers", "linear_heads"), False)
           for k in ("dt_bias", "a_log")]

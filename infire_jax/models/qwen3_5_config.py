@@ -133,7 +133,8 @@ def config_from_qwen3_5_hf(hf: Mapping[str, Any]) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"),
         eos_token_ids=eos_ids(c.get("eos_token_id")),
         gated_delta=GatedDeltaNetConfig(
-            interval=_interval(f, layers), num_k_heads=k_heads, num_v_heads=v_heads, k_head_dim=f.int("linear_key_head_dim", 128),
+            interval=_interval(f, layers), num_k_heads=k_heads, num_v_heads=v_heads,
+            k_head_dim=f.int("linear_key_head_dim", 128),
             v_head_dim=f.int("linear_value_head_dim", 128), conv_kernel=f.int("linear_conv_kernel_dim", 4, lo=2),
             rotary_dim=rotary, shared_expert_size=f.int("shared_expert_intermediate_size", 512) if moe else 0),
     )
