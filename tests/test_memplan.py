@@ -123,7 +123,7 @@ def test_qwen3_5_plans_its_stacks_its_attention_layers_kv_and_each_slots_linear_
 
     from infire_jax.loaders.dummy import CONFIGS
     from infire_jax.models.registry import abstract_model
-    from infire_jax.runner.device_memory import linear_state_shapes
+    from infire_jax.models.gated_delta import linear_state_shapes
 
     cfg = config_from_hf(CONFIGS[name])
     p = _plan(f"dummy:{name}", "1.yaml", "80GB", max_num_seqs=64)

@@ -10,6 +10,7 @@ that the plan must size before the engine runs them. Weights are never allocated
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Mapping
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from infire_jax.loaders.hf_quantized import quant_scheme
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
 from infire_jax.quant.int4_rtn import at_load_group
 from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
@@ -260,11 +262,8 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
 def _slot_state_bytes(cfg: ModelConfig, dtype: str) -> float:
     """What a request slot holds on the device besides its pages: Qwen3.5's linear state (the convolution's
     inputs in `dtype`, the delta rule's matrices in float32; runner/device_memory.py)."""
-    g = cfg.gated_delta
-    if g is None:
-        return 0.0
-    per_layer = (g.conv_kernel - 1) * g.conv_dim * FORMAT_BYTES[dtype] + g.num_v_heads * g.k_head_dim * g.v_head_dim * 4
-    return cfg.num_linear_layers * per_layer
+    shapes = linear_state_shapes(cfg, 1, jnp.dtype(dtype))
+    return 0.0 if shapes is None else float(sum(math.prod(shape) * dt.itemsize for shape, dt in shapes))
 
 
 def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:

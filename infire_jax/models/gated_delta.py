@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from infire_jax.models.config import ModelConfig
 from pallas_kernels.attention import is_decode_only
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -38,6 +39,18 @@ class LinearState(NamedTuple):
 
     conv: Float[Array, "L R K1 C"]  # the convolution's last K - 1 inputs, oldest first
     recurrent: Float[Array, "L R Hv Dk Dv"]  # the delta rule's matrix, float32
+
+
+def linear_state_shapes(cfg: ModelConfig, num_slots: int, dtype) -> LinearState | None:
+    """(shape, dtype) of a model's linear-attention state for `num_slots` slots, or None without linear layers:
+    the convolution's inputs in the model's dtype, the delta rule's matrices in float32 (as HF computes them).
+    The runner allocates it (runner/device_memory.py); `infire-jax plan` counts it (memplan/model.py)."""
+    g = cfg.gated_delta
+    if g is None:
+        return None
+    n = cfg.num_linear_layers
+    return LinearState(((n, num_slots, g.conv_kernel - 1, g.conv_dim), jnp.dtype(dtype)),
+                       ((n, num_slots, g.num_v_heads, g.k_head_dim, g.v_head_dim), jnp.dtype(jnp.float32)))
 
 
 class LinearStep(NamedTuple):

@@ -15,7 +15,7 @@ from flax import nnx
 from infire_jax.runner import multihost
 from infire_jax.lora.layout import stack_layout
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.gated_delta import LinearState
+from infire_jax.models.gated_delta import LinearState, linear_state_shapes
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.panels import kernel_layout
 from infire_jax.runner.config import RunnerConfig
@@ -29,16 +29,6 @@ def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, layers: int | Non
     """One page of the pool over `layers` layers (default: the model's with KV; a hybrid cache's page holds fewer)."""
     return kv_entry(cfg).bytes_per_page(cfg.num_kv_layers if layers is None else layers, page_size, jnp.dtype(dtype))
 
-
-def linear_state_shapes(cfg: ModelConfig, num_slots: int, dtype) -> LinearState | None:
-    """(shape, dtype) of a model's linear-attention state per slot (models/gated_delta.py), or None: the
-    convolution's inputs in the model's dtype, the delta rule's matrices in float32 (as HF computes them)."""
-    g = cfg.gated_delta
-    if g is None:
-        return None
-    n = cfg.num_linear_layers
-    return LinearState(((n, num_slots, g.conv_kernel - 1, g.conv_dim), jnp.dtype(dtype)),
-                       ((n, num_slots, g.num_v_heads, g.k_head_dim, g.v_head_dim), jnp.dtype(jnp.float32)))
 
 
 def _host_copy(a: np.ndarray) -> np.ndarray:
