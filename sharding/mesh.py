@@ -33,6 +33,9 @@ ALLOWED_RULES: dict[str, tuple[str, ...]] = {
     "qkv": (),  # the fused q/k/v weight's (G queries, k, v) axis
     "gate_up": (),  # the fused gate/up weight's (gate, up) axis
 }
+# Logical axes that follow another's rule: a Gated DeltaNet's (models/qwen3_5.py) channels, v values and
+# heads split as the attention heads do, so one `q_heads: tp` splits every layer of a Qwen3.5 by head.
+ALIASES = {"linear_qkv": "q_heads", "linear_value": "q_heads", "linear_heads": "q_heads"}
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
 
@@ -58,8 +61,9 @@ class MeshConfig:
         return n
 
     def rule(self, logical: str) -> str | None:
-        """The mesh axis sharding `logical`, or None when it is replicated (or its axis has size 1)."""
-        axis = dict(self.rules).get(logical)
+        """The mesh axis sharding `logical` (or the axis it follows, ALIASES), or None when it is replicated
+        (or its axis has size 1)."""
+        axis = dict(self.rules).get(ALIASES.get(logical, logical))
         return axis if axis is not None and self.sizes[axis] > 1 else None
 
     @classmethod

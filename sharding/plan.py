@@ -115,6 +115,27 @@ def repeat_kv_heads(w: np.ndarray, r: int) -> np.ndarray:
     return np.concatenate([q, kv], axis=-2).reshape(*lead, hkv * r, g // r + 2, d)
 
 
+def linear_layers_problem(cfg, mc: MeshConfig) -> str | None:
+    """Why mesh `mc` cannot split a model's Gated DeltaNet layers (Qwen3.5: their heads go with the
+    attention heads, sharding/mesh.py ALIASES), or None. Its two layer stacks are not split into stages."""
+    g = getattr(cfg, "gated_delta", None)
+    if g is None:
+        return None
+    sizes = mc.sizes
+    if sizes["pp"] > 1:
+        return f"pipeline parallelism is not supported for {cfg.architecture} (linear-attention layers); use tp or ep"
+    tp = sizes["tp"] if mc.rule("q_heads") else 1
+    if g.num_k_heads % tp:
+        return f"{g.num_k_heads} linear-attention k heads are not divisible by tp={tp}"
+    if mc.rule("mlp") and g.shared_expert_size % sizes["tp"]:
+        return f"shared expert width {g.shared_expert_size} is not divisible by tp={sizes['tp']}"
+    return None
+
+
+# Separate k and v weights [layers, E, kv heads, D] whose kv heads are repeated as the pool's (Qwen3.5's).
+SEPARATE_KV = ("attention_layers.wk", "attention_layers.wv")
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
     mesh_config: MeshConfig
@@ -166,6 +187,9 @@ class ShardPlan:
                     "(8-ep8.yaml) for its experts")
             if mc.rule("mlp") and cfg.intermediate_size % tp:
                 bad(f"dense MLP width {cfg.intermediate_size} is not divisible by tp={tp}")
+        problem = linear_layers_problem(cfg, mc)
+        if problem:
+            bad(problem)
         try:
             stages = stage_split(cfg, pp)
         except MeshConfigError as e:
@@ -251,6 +275,9 @@ class ShardPlan:
         if self.kv_repeat > 1:  # every stack's fused q/k/v ("layers.wqkv", or Llama 4's "moe_layers.wqkv")
             for name in [k for k in out if k.endswith((".wqkv", ".bqkv"))]:
                 out[name] = repeat_kv_heads(out[name], self.kv_repeat)
+            for name in SEPARATE_KV:  # copy i of kv head j beside j's others, as the fused weight's
+                if name in out:
+                    out[name] = np.repeat(out[name], self.kv_repeat, axis=2)
         if self.num_stages > 1:
             for stack, counts in self.stacks:
                 starts, slots = np.cumsum((0,) + counts[:-1]), max(counts)

@@ -78,6 +78,11 @@ def main() -> None:
         lora = job.get("lora")  # [name, id, path]: every prompt with that LoRA adapter
         outs = llm.generate(prompts, params, lora_request=LoRARequest(*lora) if lora else None)
         kv, groups = llm.engine.kv, llm.engine.runner.rc.kv_groups
+        linear = llm.engine.runner.cache.linear
+        if linear is not None:  # a Qwen3.5's linear state: each array's split and its bytes on each device
+            result["linear_state"] = {name: {"spec": [a for a in arr.sharding.spec], "global": int(arr.nbytes),
+                                             "per_device": [int(s.data.nbytes) for s in arr.addressable_shards]}
+                                      for name, arr in linear._asdict().items()}
         if llm.engine.images is not None:  # the vision tower's and the image pool's bytes on each device
             arrays = [*jax.tree.leaves(llm.engine.images.pool.weights), llm.engine.runner.cache.images]
             shards = [s for a in arrays for s in a.addressable_shards]

@@ -132,6 +132,12 @@ def test_qwen3_5_plans_its_stacks_its_attention_layers_kv_and_each_slots_linear_
     assert p.kv_bytes_per_token == cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     per_slot = sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in linear_state_shapes(cfg, 1, jnp.bfloat16))
     assert p.slot_state == 65 * per_slot > 3 * GiB
+    tp8 = _plan(f"dummy:{name}", "8.yaml", "80GB", max_num_seqs=64)  # each device: its heads' weights and state
+    assert tp8.slot_state == p.slot_state / 8
+    # an eighth, but for the repeated kv heads (4 to 8) and the replicated norms
+    assert tp8.weights["attention"] == pytest.approx(p.weights["attention"] / 8, rel=0.05)
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported"):
+        _plan(f"dummy:{name}", "8-pp8.yaml", "80GB", max_num_seqs=64)
 
 
 def test_gpt_oss_fits_one_card_with_its_mxfp4_experts():

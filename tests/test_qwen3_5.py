@@ -37,10 +37,15 @@ ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_
 
 
 def hf_model():
+    return hf_model_with()
+
+
+def hf_model_with(**changes):
+    """The tiny random Qwen3.5, its config changed by `changes`."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY)).to(torch.float32).eval()
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY, **changes})).to(torch.float32).eval()
     with torch.no_grad():  # HF starts the norms at 0 (1 + w = 1): random ones count
         for name, p in model.named_parameters():
             if "norm" in name or "dt_bias" in name:
@@ -393,3 +398,52 @@ def test_engine_refusals(checkpoint, setting, match):
     _, path = checkpoint
     with pytest.raises(ConfigError, match=match):
         LLM(model=str(path), **{**ENGINE, **setting})
+
+
+def test_meshes_match_hf(checkpoint, tmp_path):
+    """On virtual CPU devices, against HF: tp 2 with one kv head (repeated to each device) and tp 2 x ep 2 on
+    the MoE (its experts split over ep, every expert's width and the shared expert's over tp). Each device
+    holds its heads' weights and linear state. Meshes that cannot split the model are refused by name."""
+    import os
+
+    import yaml
+    from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
+
+    dense = hf_model_with(num_key_value_heads=1)
+    moe = hf_moe_model("qwen3_5_moe")
+    paths = {}
+    for name, hf in (("dense", dense), ("moe", moe)):
+        hf.save_pretrained(tmp_path / name, safe_serialization=True)
+        _save_tokenizer(tmp_path / name)
+        paths[name] = str(tmp_path / name)
+    tp_ep = tmp_path / "4-tp2-ep2.yaml"
+    tp_ep.write_text(yaml.safe_dump({"mesh": {"tp": 2, "ep": 2}, "rules": {
+        "vocab": "tp", "q_heads": "tp", "kv_heads": "tp", "mlp": "tp", "experts": "ep"}}))
+    shipped = {m: os.path.join(ROOT, "sharding", "configs", f"{m}.yaml") for m in ("2", "4", "2-pp2")}
+    runs = [{"model": paths["dense"], "mesh": shipped["2"], "tag": "tp2"},
+            {"model": paths["moe"], "mesh": str(tp_ep), "tag": "tp2-ep2"},
+            {"model": paths["dense"], "mesh": shipped["4"], "tag": "tp4"},
+            {"model": paths["dense"], "mesh": shipped["2-pp2"], "tag": "pp2"}]
+    engine = {k: v for k, v in ENGINE.items() if k != "dtype"}
+    proc = _run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": NUM_TOKENS, "engine": engine}, 4, tmp_path,
+                       "qwen3_5")
+    want = {"tp2": [hf_greedy(dense, p, NUM_TOKENS) for p in PROMPTS],
+            "tp2-ep2": [hf_greedy(moe, p, NUM_TOKENS) for p in PROMPTS]}
+    results = {r["tag"]: r for r in _results(proc)}
+    assert not results["tp4"]["fits"] and "2 linear-attention k heads are not divisible by tp=4" in results["tp4"]["error"]
+    assert not results["pp2"]["fits"] and "pipeline parallelism is not supported" in results["pp2"]["error"]
+    for tag, expected in want.items():
+        r = results[tag]
+        assert r["fits"], r.get("error")
+        for (tokens, logprobs), got, got_lp in zip(expected, r["tokens"], r["logprobs"]):
+            assert got == tokens, tag
+            np.testing.assert_allclose(got_lp, logprobs, atol=1e-3, rtol=0)
+        _assert_each_device_holds_its_shard(r)
+        specs = {k: v["spec"] for k, v in r["params"].items()}
+        assert specs["linear_layers.w_qkv"] == [None, None, "tp"] and specs["linear_layers.w_out"] == [None, "tp", None]
+        assert specs["attention_layers.wk"] == [None, None, "tp", None]
+        state = r["linear_state"]
+        assert state["conv"]["spec"] == [None, None, None, "tp"] and state["recurrent"]["spec"][2] == "tp"
+        for arr in state.values():  # each device its half: tp 2 (replicated over ep)
+            assert all(2 * b == arr["global"] for b in arr["per_device"])
+    assert results["tp2-ep2"]["params"]["linear_layers.w_gate_up"]["spec"][1] == "ep"

@@ -281,14 +281,14 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
     except ValueError as e:  # unknown attention name, MeshConfigError
         raise ConfigError(str(e)) from e
     if cfg.gated_delta is not None:
-        _check_linear_state(ec, mesh_config.num_devices)
+        _check_linear_state(ec)
     try:
         return ShardPlan.create(cfg, mesh_config, devices) if mesh_config.num_devices > 1 else None
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
 
-def _check_linear_state(ec: EngineConfig, num_devices: int) -> None:
+def _check_linear_state(ec: EngineConfig) -> None:
     """A model with linear-attention layers (Qwen3.5) keeps each sequence's state in its slot, advanced once
     per token: nothing that runs a token twice, or skips tokens by reusing pages, serves it yet."""
     fp8 = is_fp8(resolve_kv_cache_dtype(ec.kv_cache_dtype, jnp.float32))
@@ -297,9 +297,9 @@ def _check_linear_state(ec: EngineConfig, num_devices: int) -> None:
     for name, value in refused.items():
         if value:
             raise ConfigError(f"{name}={value!r} is not supported for Qwen3.5 (linear-attention layers) yet")
-    if num_devices > 1 or multihost.is_multiprocess():
-        raise ConfigError("Qwen3.5 (linear-attention layers) runs on one device yet; give a one-device mesh "
-                          "config or make one device visible")
+    if multihost.is_multiprocess():
+        raise ConfigError("Qwen3.5 (linear-attention layers) runs on one host's devices yet, not across "
+                          "jax.distributed processes")
 
 
 def prefix_caching(ec: EngineConfig, cfg: ModelConfig) -> bool:

@@ -7,6 +7,8 @@ the vision tower (`model.visual.*`) and the multi-token-prediction layer (`mtp.*
 goes to the attention stack (its index there: i // interval) when it attends, else to the linear stack.
 Experts come fused (`mlp.experts.gate_up_proj`, as transformers 5 saves them) or one by one.
 Every RMSNorm weight but the DeltaNet's gated norm is stored as 1 + w, the factor Qwen3.5's multiplies by.
+The convolution's channels (`in_proj_qkv`'s outputs, `conv1d`'s) are reordered by k head
+(models/gated_delta.py `qkv_order`), so that a mesh splits them by head.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.gemma3_hf import gemma_norm
 from infire_jax.loaders.weights import language_model_name
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.gated_delta import qkv_order
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
@@ -54,8 +57,10 @@ def _layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         return w.reshape(hkv, d, e).transpose(2, 0, 1)
     if short == "wo":
         return w.reshape(e, h, d).transpose(1, 2, 0)
-    if short == "conv":  # [C, 1, K] -> [K, C]
-        return w[:, 0, :].T
+    if short == "conv":  # [C, 1, K] -> [K, C], the channels grouped by k head
+        return w[:, 0, :].T[:, qkv_order(cfg)]
+    if short == "w_qkv":  # [C, E] -> [E, C], likewise
+        return w.T[:, qkv_order(cfg)]
     if short == "w_gate_up" and w.ndim == 3:  # experts [X, 2F, E] -> [X, E, 2, F]
         return w.reshape(w.shape[0], 2, -1, e).transpose(0, 3, 1, 2)
     if short == "w_down" and w.ndim == 3:  # experts [X, E, F] -> [X, F, E]

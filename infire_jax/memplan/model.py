@@ -427,7 +427,7 @@ def from_hf_config(hf: Mapping[str, Any], dtype: str = "bfloat16", name: str = "
 def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     """The config the engine places on mesh `mc` (ShardPlan.effective_config without devices): kv heads
     repeated up to tp, layers padded to whole pipeline stages; ValueError if the mesh cannot split it."""
-    from sharding.plan import spread_config, stage_split
+    from sharding.plan import linear_layers_problem, spread_config, stage_split
 
     sizes, repeat = mc.sizes, 1
     tp = sizes["tp"] if mc.rule("q_heads") else 1
@@ -442,6 +442,9 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
         raise ValueError(f"tp={sizes['tp']} would split {cfg.architecture}'s q/k norms, which span every head")
     if cfg.glm4 is not None and sizes["pp"] > 1:
         raise ValueError(f"pipeline parallelism is not supported for {cfg.architecture} (the DeepSeek-V3 family's MoE)")
+    problem = linear_layers_problem(cfg, mc)
+    if problem:
+        raise ValueError(problem)
     for width in sorted(widths):
         if mc.rule("mlp") and width % sizes["tp"]:
             raise ValueError(f"MLP width {width} is not divisible by tp={sizes['tp']}")

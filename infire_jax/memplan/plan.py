@@ -240,7 +240,8 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
                       kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity,
                       encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4,
-                      slot_state=(max_num_seqs + 1) * model.slot_state_bytes)  # the engine's slots and its dummy one
+                      # the engine's slots and its dummy one; tp splits the state by head (models/gated_delta.py)
+                      slot_state=(max_num_seqs + 1) * model.slot_state_bytes * heads / model.num_heads)
 
 
 def shipped_meshes(num_devices: int) -> list[MeshConfig]:

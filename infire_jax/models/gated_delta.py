@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig
@@ -37,8 +38,27 @@ CHUNK = 64
 class LinearState(NamedTuple):
     """Every linear layer's state per request slot, donated with the KV pool to every step."""
 
-    conv: Float[Array, "L R K1 C"]  # the convolution's last K - 1 inputs, oldest first
+    conv: Float[Array, "L R K1 C"]  # the convolution's last K - 1 inputs, oldest first (channels as `qkv_order`)
     recurrent: Float[Array, "L R Hv Dk Dv"]  # the delta rule's matrix, float32
+
+
+# The state's logical axes (sharding/plan.py): on a mesh, tp splits the channels and the v heads as it
+# splits the layers' weights, so each device keeps the state of its own heads.
+LINEAR_STATE_AXES = LinearState(conv=(None, None, None, "linear_qkv"),
+                                recurrent=(None, None, "linear_heads", None, None))
+
+
+def qkv_order(cfg: ModelConfig) -> np.ndarray:
+    """The model's order of the convolution's channels, as indices into HF's (every k head's q, then every
+    k, then every v head's v): grouped by k head, each group its q, its k, then its v heads' v. A mesh
+    then splits q, k and v of whole head groups by splitting the channels evenly (Qwen3-Next's
+    `in_proj_qkvz` groups them so too)."""
+    g = cfg.gated_delta
+    dk, dv = g.k_head_dim, g.num_v_heads // g.num_k_heads * g.v_head_dim
+    kd = g.num_k_heads * dk
+    return np.concatenate([np.concatenate([np.arange(h * dk, (h + 1) * dk), kd + np.arange(h * dk, (h + 1) * dk),
+                                           2 * kd + np.arange(h * dv, (h + 1) * dv)])
+                           for h in range(g.num_k_heads)])
 
 
 def linear_state_shapes(cfg: ModelConfig, num_slots: int, dtype) -> LinearState | None:

@@ -16,7 +16,7 @@ The embedding and LM head stay outside, sharded over the vocabulary by GSPMD.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -64,9 +64,16 @@ def run_sharded(
     sin: Array,
     kv_axes: tuple[str | None, ...] = KV_POOL_AXES,  # the pool's logical axes (models/kv_entry.py)
     token_args: tuple[Array, ...] = (),  # more per-token inputs (leading axis T), replicated: LoRA slots
-) -> tuple[Float[Array, "T E"], tuple[Array, Array]]:
+    state: Any = None,  # arrays the stack updates beside the pool (Qwen3.5's linear state); no pipeline
+    state_axes: Any = None,  # their logical axes: a tuple where `state` has an array
+) -> tuple[Float[Array, "T E"], tuple[Array, Array]] | tuple[Float[Array, "T E"], tuple[Array, Array], Any]:
+    """The stack across the mesh: h and the pool, and with `state`, the updated state (stack_fn then takes it
+    after the pool's pages and returns it last)."""
     red = Reductions.for_plan(plan)
     stages = plan.num_stages
+    carried = () if state is None else (state,)
+    if carried and stages > 1:
+        raise ValueError("a stack with state beside its pool runs without pipeline stages")
 
     def local(h, weights, k_pages, v_pages, meta, cos, sin, *token_args):
         if stages == 1:
@@ -92,8 +99,10 @@ def run_sharded(
         kv_scales=None if meta.kv_scales is None else plan.spec((kv_axes[0], None, kv_axes[3])),
         layer_kv=None if meta.layer_kv is None else plan.spec((kv_axes[0], None)))
     w_specs = jax.tree.map(plan.spec, dict(weight_axes), is_leaf=lambda x: isinstance(x, tuple))
+    state_specs = tuple(jax.tree.map(lambda _, axes: plan.spec(axes), s, state_axes) for s in carried)
     fn = jax.shard_map(local, mesh=plan.mesh,
-                       in_specs=(P(), w_specs, kv_spec, kv_spec, meta_spec, P(), P(), *[P()] * len(token_args)),
-                       out_specs=(P(), kv_spec, kv_spec), check_vma=False)
-    h, k_pages, v_pages = fn(h, dict(weights), *kv, meta, cos, sin, *token_args)
-    return h, (k_pages, v_pages)
+                       in_specs=(P(), w_specs, kv_spec, kv_spec, meta_spec, P(), P(), *state_specs,
+                                 *[P()] * len(token_args)),
+                       out_specs=(P(), kv_spec, kv_spec, *state_specs), check_vma=False)
+    h, k_pages, v_pages, *state = fn(h, dict(weights), *kv, meta, cos, sin, *carried, *token_args)
+    return (h, (k_pages, v_pages), *state)

@@ -13,13 +13,16 @@ Qwen3.5's RMSNorm multiplies by (1 + w): the loader stores 1 + w (loaders/qwen3_
 is models/layers.py's; the gated norm of the DeltaNet multiplies by w itself.
 
 The layers are stacked in two stacks, the linear layers' and the attention layers', and scanned group by
-group: the group's linear layers, then its attention layer (decoder_stack). One device only (a mesh is refused at
-settings, engine/setup.py); quantized or compressed weights, LoRA and EAGLE-3 are refused.
+group: the group's linear layers, then its attention layer (decoder_stack). On a mesh the stack runs in
+models/parallel.py's shard_map: tp splits the attention heads, the DeltaNets' heads (their weights and
+their state, sharding/mesh.py ALIASES) and the MLP widths, ep or tp the routed experts; no pipeline.
+Quantized or compressed weights, LoRA and EAGLE-3 are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping, NamedTuple
 
 import jax
@@ -30,11 +33,13 @@ from jaxtyping import Array, Float, Int
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
-from infire_jax.models.gated_delta import LinearState, LinearStep, Rows, causal_conv, gated_delta_rule, step_rows
+from infire_jax.models.gated_delta import (LINEAR_STATE_AXES, LinearState, LinearStep, Rows, causal_conv,
+                                           gated_delta_rule, step_rows)
 from infire_jax.models.glm4_moe import partial_rope
 from infire_jax.models.layers import param, rms_norm, rope_inv_freq, rope_tables, swiglu
 from infire_jax.models.moe import route_for, routed_mlp, router_logits
 from infire_jax.models.llama import InPlace, linear
+from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
@@ -110,33 +115,36 @@ def gated_rms_norm(x: Float[Array, "T H D"], z: Float[Array, "T H D"], weight: F
 def linear_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], state: LinearState,
                  layer: Int[Array, ""], rows: Rows, token_slots: Int[Array, "T"]
                  ) -> tuple[Float[Array, "T E"], LinearState]:
-    """One Gated DeltaNet (linear layer `layer`) over the step's tokens: its output and the updated state."""
+    """One Gated DeltaNet (linear layer `layer`) over the step's tokens: its output (a partial sum over the
+    heads on a mesh) and the updated state. The heads are this device's: the channels come grouped by k
+    head (gated_delta.qkv_order), each group its q, its k and its v heads' v."""
     g, t = cfg.gated_delta, x.shape[0]
-    kd = g.num_k_heads * g.k_head_dim
+    dk, dv = g.k_head_dim, g.v_head_dim
     mixed, conv = causal_conv(linear(x, lp["w_qkv"], "te,ec->tc"), lp["conv"], state.conv, layer, rows, token_slots)
-    q = mixed[:, :kd].reshape(t, g.num_k_heads, g.k_head_dim)
-    k = mixed[:, kd:2 * kd].reshape(t, g.num_k_heads, g.k_head_dim)
-    v = mixed[:, 2 * kd:].reshape(t, g.num_v_heads, g.v_head_dim)
+    grouped = mixed.reshape(t, -1, 2 * dk + g.num_v_heads // g.num_k_heads * dv)
+    q, k = grouped[..., :dk], grouped[..., dk:2 * dk]
+    v = grouped[..., 2 * dk:].reshape(t, -1, dv)
     f32 = jnp.float32
     beta = jax.nn.sigmoid(linear(x, lp["w_b"], "te,eh->th").astype(f32))
     decay = -jnp.exp(lp["a_log"].astype(f32)) * jax.nn.softplus(linear(x, lp["w_a"], "te,eh->th").astype(f32)
                                                                 + lp["dt_bias"].astype(f32))
     out, recurrent = gated_delta_rule(q, k, v, decay, beta, state.recurrent, layer, rows, token_slots)
-    z = linear(x, lp["w_z"], "te,ev->tv").reshape(t, g.num_v_heads, g.v_head_dim)
+    z = linear(x, lp["w_z"], "te,ev->tv").reshape(t, -1, dv)
     y = gated_rms_norm(out.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps)
     return linear(y.reshape(t, -1), lp["w_out"], "tv,ve->te"), LinearState(conv, recurrent)
 
 
 def attention_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], k_pages: Array, v_pages: Array,
-                    idx: Int[Array, ""], meta: AttentionMetadata, cos: Array, sin: Array, attn_impl: str
-                    ) -> tuple[Float[Array, "T E"], Array, Array]:
+                    idx: Int[Array, ""], meta: AttentionMetadata, cos: Array, sin: Array, attn_impl: str,
+                    one_device: bool) -> tuple[Float[Array, "T E"], Array, Array]:
+    """The gated attention of this device's heads: its output (a partial sum over the heads on a mesh)."""
     eps = cfg.rms_norm_eps
     qg = linear(x, lp["wq"], "te,ehcd->thcd")
     q = partial_rope(rms_norm(qg[:, :, 0], lp["q_norm"], eps), cos, sin)
     k = partial_rope(rms_norm(linear(x, lp["wk"], "te,ekd->tkd"), lp["k_norm"], eps), cos, sin)
     v = linear(x, lp["wv"], "te,ekd->tkd")
     o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=cfg.head_dim ** -0.5,
-                                          impl=attn_impl, cpu_kernel=True)
+                                          impl=attn_impl, cpu_kernel=one_device)
     gated = (o.astype(jnp.float32) * jax.nn.sigmoid(qg[:, :, 1].astype(jnp.float32))).astype(x.dtype)
     return linear(gated, lp["wo"], "thd,hde->te"), k_pages, v_pages
 
@@ -146,33 +154,36 @@ def _swiglu_mlp(x: Float[Array, "T E"], w_gate_up: Array | InPlace, w_down: Arra
     return linear(swiglu(gate_up[:, 0], gate_up[:, 1]), w_down, "tf,fe->te")
 
 
-def _mlp(cfg: ModelConfig, lp: dict[str, Array], h: Float[Array, "T E"]) -> Float[Array, "T E"]:
+def _mlp(cfg: ModelConfig, red: Reductions, lp: dict[str, Array], h: Float[Array, "T E"]) -> Float[Array, "T E"]:
     """h plus the MLP of norm(h): SwiGLU, or the routed experts (models/moe.py) plus the shared expert times
-    sigmoid(its gate), as HF's Qwen3_5MoeSparseMoeBlock."""
+    sigmoid(its gate), as HF's Qwen3_5MoeSparseMoeBlock. On a mesh each sums its device's share: the
+    routed experts over their axis and the MLP width's, the SwiGLUs over the width's."""
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     if not cfg.is_moe:
-        return h + _swiglu_mlp(x, lp["w_gate_up"], lp["w_down"])
-    routed = routed_mlp(lp, x, route_for(cfg, router_logits(lp, x)))
+        return h + psum(_swiglu_mlp(x, lp["w_gate_up"], lp["w_down"]), red.dense)
+    routed = routed_mlp(lp, x, route_for(cfg, router_logits(lp, x)), expert_axis=red.expert_axis)
     shared = _swiglu_mlp(x, lp["w_shared_gate_up"], lp["w_shared_down"])
     gate = jax.nn.sigmoid((x @ lp["shared_gate"][:, None]).astype(jnp.float32)).astype(x.dtype)
-    return h + routed + gate * shared
+    return h + psum(routed, red.mlp) + psum(gate * shared, red.dense)
 
 
-def decoder_stack(cfg: ModelConfig, attn_impl: str, linear: dict[str, Array], attention: dict[str, Array],
-                  h: Float[Array, "T E"], kv: KVPages, state: LinearState, token_slots: Int[Array, "T"],
-                  meta: AttentionMetadata, cos: Array, sin: Array
-                  ) -> tuple[Float[Array, "T E"], KVPages, LinearState]:
-    """Scans the groups: each group's linear layers, unrolled over the group's slice of the linear stack, then
-    its attention layer. The pool and the linear state ride in the carry, each layer updating its own rows
-    in place. Never unrolled over the groups (models/layers.py `layer_loop`'s GPU decode form): compiled for
+def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
+                  h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
+                  sin: Array, state: LinearState, token_slots: Int[Array, "T"]
+                  ) -> tuple[Float[Array, "T E"], Array, Array, LinearState]:
+    """Scans the groups (models/parallel.py's StackFn, with the linear state after the pool; on a mesh, inside
+    its shard_map with this device's heads, state and experts): each group's linear layers, unrolled over the
+    group's slice of the linear stack, then its attention layer. The pool and the linear state ride in the
+    carry, each layer updating its own rows in place. Never unrolled over the groups (models/layers.py `layer_loop`'s GPU decode form): compiled for
     an H100, the 27b's unrolled decode burst copied its attention layers' weights out of their stacks, 21 GB
     a step, and peaked at 95 GB (`bench gpu-compile`, docs/PERFORMANCE.md)."""
     tokens, groups, per_group = h.shape[0], cfg.num_kv_layers, cfg.gated_delta.interval - 1
-    eps = cfg.rms_norm_eps
+    eps, one_device = cfg.rms_norm_eps, red == Reductions()
+    linear, attention = weights["linear_layers"], weights["attention_layers"]
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     rows = step_rows(meta, token_slots, state.conv.shape[1] - 1)
     # A GPU reads decode-sized steps' weights, and any step's experts, in place from the whole stack.
-    lin_in_place, attn_in_place = (_in_place(w, tokens, cfg) for w in (linear, attention))
+    lin_in_place, attn_in_place = (_in_place(w, tokens, cfg, one_device) for w in (linear, attention))
 
     def group(carry, xs):
         h, k_pages, v_pages, state = carry
@@ -181,18 +192,18 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, linear: dict[str, Array], at
             layer = idx * per_group + j
             lj = {**{name: w[j] for name, w in lin.items()}, **lin_in_place(layer)}
             y, state = linear_mixer(cfg, lj, rms_norm(h, lj["attn_norm"], eps), state, layer, rows, token_slots)
-            h = _mlp(cfg, lj, h + y)
+            h = _mlp(cfg, red, lj, h + psum(y, red.attn))
         lp = {**lp, **attn_in_place(idx)}
         y, k_pages, v_pages = attention_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), k_pages, v_pages, idx,
-                                              meta, cos, sin, attn_impl)
-        return (_mlp(cfg, lp, h + y), k_pages, v_pages, state), None
+                                              meta, cos, sin, attn_impl, one_device)
+        return (_mlp(cfg, red, lp, h + psum(y, red.attn)), k_pages, v_pages, state), None
 
     linear = {name: w for name, w in linear.items() if name not in lin_in_place.stacks}
     attention = {name: w for name, w in attention.items() if name not in attn_in_place.stacks}
     by_group = {name: w.reshape(groups, per_group, *w.shape[1:]) for name, w in linear.items()}
     xs = (by_group, attention, np.arange(groups, dtype=np.int32))
-    (h, k_pages, v_pages, state), _ = jax.lax.scan(group, (h, *kv, state), xs)
-    return h, (k_pages, v_pages), state
+    (h, k_pages, v_pages, state), _ = jax.lax.scan(group, (h, k_pages, v_pages, state), xs)
+    return h, k_pages, v_pages, state
 
 
 class _InPlace(NamedTuple):
@@ -206,10 +217,11 @@ class _InPlace(NamedTuple):
                 for name, (kw, shape) in self.stacks.items()}
 
 
-def _in_place(weights: dict[str, Array], tokens: int, cfg: ModelConfig) -> _InPlace:
-    """What the GPU's kernels read in place in a step of `tokens` tokens (nothing off a GPU): the plain
-    projections in decode-sized steps (quant_kernels.MAX_PLAIN_ROWS), a MoE stack's experts always."""
-    return _InPlace(layer_stacks(weights, tokens, DENSE_INPUTS, cfg.is_moe, one_device=True))
+def _in_place(weights: dict[str, Array], tokens: int, cfg: ModelConfig, one_device: bool) -> _InPlace:
+    """What the GPU's kernels read in place in a step of `tokens` tokens (nothing off a GPU; on a mesh, each
+    device its shards): the plain projections in decode-sized steps (quant_kernels.MAX_PLAIN_ROWS), a MoE
+    stack's experts always."""
+    return _InPlace(layer_stacks(weights, tokens, DENSE_INPUTS, cfg.is_moe, one_device=one_device))
 
 
 class Qwen3_5(DecoderModel):
@@ -228,10 +240,17 @@ class Qwen3_5(DecoderModel):
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None,
                    linear: LinearStep | None = None) -> tuple[Float[Array, "T E"], KVPages, LinearState]:
-        """Applies every decoder layer on one device: the updated pool and linear state."""
-        if plan is not None or aux_layers is not None or linear is None:
-            raise ConfigError("Qwen3.5 runs on one device, with its linear state and without EAGLE-3 aux states")
+        """Applies every decoder layer, on one device or (with a plan) across the mesh: the updated pool and
+        linear state."""
+        if aux_layers is not None or linear is None:
+            raise ConfigError("Qwen3.5 runs with its linear state and without EAGLE-3 aux states")
         rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.gated_delta.rotary_dim)
         cos, sin = rope_tables(rope_inv_freq(rotary), meta.positions)
-        return decoder_stack(self.cfg, attn_impl, self.linear_layers.arrays(), self.attention_layers.arrays(), h,
-                             kv, linear.state, linear.token_slots, meta, cos, sin)
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
+        weights = {"linear_layers": self.linear_layers.arrays(), "attention_layers": self.attention_layers.arrays()}
+        if plan is None:
+            h, k_pages, v_pages, state = stack(Reductions(), weights, h, *kv, meta, cos, sin, *linear)
+            return h, (k_pages, v_pages), state
+        axes = {"linear_layers": self.linear_layers.axes(), "attention_layers": self.attention_layers.axes()}
+        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, token_args=(linear.token_slots,),
+                           state=linear.state, state_axes=LINEAR_STATE_AXES)

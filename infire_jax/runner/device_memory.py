@@ -15,7 +15,7 @@ from flax import nnx
 from infire_jax.runner import multihost
 from infire_jax.lora.layout import stack_layout
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.gated_delta import LinearState, linear_state_shapes
+from infire_jax.models.gated_delta import LINEAR_STATE_AXES, LinearState, linear_state_shapes
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.panels import kernel_layout
 from infire_jax.runner.config import RunnerConfig
@@ -98,7 +98,8 @@ class DeviceMemory:
                                 None if lora is None else {k: plan.sharding(axes) if plan else None
                                                            for k, (_, axes) in lora.items()},
                                 None if rc.image_pool is None else replicated,
-                                None if linear is None else LinearState(replicated, replicated))
+                                None if linear is None else LinearState(*(
+                                    plan.sharding(axes) if plan else None for axes in LINEAR_STATE_AXES)))
         dtype = self.dtype
 
         def new_cache(scales):
@@ -120,8 +121,8 @@ class DeviceMemory:
                 k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings.lora[k]) for k, (shape, _) in lora.items()},
             images=None if rc.image_pool is None else jax.ShapeDtypeStruct(rc.image_pool, dtype,
                                                                           sharding=shardings.images),
-            linear=None if linear is None else LinearState(*(jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
-                                                             for shape, dt in linear)))
+            linear=None if linear is None else LinearState(*(jax.ShapeDtypeStruct(shape, dt, sharding=s)
+                                                             for (shape, dt), s in zip(linear, shardings.linear))))
 
     def set_kv_scales(self, scales: np.ndarray) -> None:
         """An fp8 pool's scales, [layers, 2, kv heads] float32 (k, v); only before any page is written."""
