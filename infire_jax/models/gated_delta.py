@@ -159,7 +159,10 @@ def gated_delta_rule(q: Float[Array, "T Hk Dk"], k: Float[Array, "T Hk Dk"], v: 
     k = jnp.repeat(l2_norm(k.astype(f32)), group, axis=1)
     v, g, beta = v.astype(f32), g.astype(f32), beta.astype(f32)
     if is_decode_only():  # one token a row: every row's state at once
-        state, out = _delta_step(recurrent[layer, token_slots], q, k, v, g, beta)
+        # The rows' states gathered once, before the write (as `causal_conv`'s): fused into several consumers,
+        # the read made XLA copy the layer's whole state before writing it (on a tp mesh, for an H100).
+        start = jax.lax.optimization_barrier(recurrent[layer, token_slots])
+        state, out = _delta_step(start, q, k, v, g, beta)
         return out, recurrent.at[layer, token_slots].set(state)
     s = rows.row_slot.shape[0]
     carry = jnp.concatenate([recurrent[layer, rows.row_slot], jnp.zeros((1, *recurrent.shape[2:]), f32)])
