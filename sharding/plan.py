@@ -182,9 +182,9 @@ class ShardPlan:
             if field == "deepseek_moe" and pp > 1:
                 bad(f"pipeline parallelism is not supported for {cfg.architecture} (the DeepSeek-V3 family's MoE)")
             glm4 = getattr(cfg, "glm4", None)
-            if glm4 is not None and glm4.qk_norm_whole and tp > 1 and mc.rule("q_heads"):
-                bad(f"tp={tp} would split {cfg.architecture}'s q/k norms, which span every head; use ep "
-                    "(8-ep8.yaml) for its experts")
+            if glm4 is not None and glm4.qk_norm_whole and kv_repeat > 1:
+                bad(f"tp={tp} exceeds {cfg.architecture}'s {cfg.num_kv_heads} kv heads, whose k norm spans every "
+                    "kv head (a repeated head would count twice); use tp up to the kv heads, with ep for the experts")
             if mc.rule("mlp") and cfg.intermediate_size % tp:
                 bad(f"dense MLP width {cfg.intermediate_size} is not divisible by tp={tp}")
         problem = linear_layers_problem(cfg, mc)

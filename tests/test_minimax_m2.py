@@ -4,8 +4,8 @@ MiniMaxM2ForCausalLM, through the real engine.
 A tiny random checkpoint (3 layers, every one a MoE of 8 experts, top-2 by the sigmoid scores plus
 random score-correction biases; q and k RMS-normed over all their heads with random weights; 8 of the
 16 head dimensions rotated) is loaded by our HF loader and decoded greedily with chunked prefill: tokens
-equal HF's `generate`, logprobs agree within 1e-3 (float32). Then ep 8 against one device and tp
-refused, the published config's parameter count against transformers' own model, and what is refused.
+equal HF's `generate`, logprobs agree within 1e-3 (float32). Then ep 8 and tp 2 x ep 4 against one device,
+the published config's parameter count against transformers' own model, and what is refused.
 """
 
 from __future__ import annotations
@@ -71,26 +71,29 @@ def test_generate_matches_hf(checkpoint):
         llm.engine.close()
 
 
-def test_ep_matches_one_device_and_tp_is_refused(checkpoint, tmp_path):
-    """ep 8 (one expert a device, attention whole on each) in one process with 8 virtual devices: one
-    device's greedy tokens, logprobs within float32 rounding; tp 2 would split the q/k norms' heads and
-    is refused naming them."""
+def test_meshes_match_one_device(checkpoint, tmp_path):
+    """ep 8 (one expert a device, attention whole on each) and tp 2 x ep 4 (the heads, with the q/k norms
+    over all of them, split 2 ways: their mean squares summed over tp) in one process with 8 virtual
+    devices: one device's greedy tokens, logprobs within float32 rounding. tp 4, beyond the 2 kv heads
+    (which would count a repeated head twice in the k norm), is refused by name."""
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
     _, path = checkpoint
     runs = [{"model": path, "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"), "tag": m}
-            for m in ("1", "8-ep8", "2")]
+            for m in ("1", "8-ep8", "8-tp2-ep4", "4")]
     engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32], "num_decode_steps": 1}
     job = {"runs": runs, "prompts": PROMPTS, "max_tokens": 16, "engine": engine}
     results = {r["tag"]: r for r in _results(_run_worker(job, 8, tmp_path, "minimax"))}
-    refused = results.pop("2")
-    assert not refused["fits"] and "would split minimax_m2's q/k norms" in refused["error"], refused
-    single, ep = results["1"], results["8-ep8"]
-    assert ep["fits"] and ep["tokens"] == single["tokens"], ep.get("error")
-    np.testing.assert_allclose(ep["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
-    _assert_each_device_holds_its_shard(ep)
-    specs = {k: v["spec"] for k, v in ep["params"].items()}
-    assert specs["moe_layers.w_down"][1] == "ep" and specs["moe_layers.q_norm"] == [None, None]
+    refused = results.pop("4")
+    assert not refused["fits"] and "tp=4 exceeds minimax_m2's 2 kv heads" in refused["error"], refused
+    single = results.pop("1")
+    for tag, r in results.items():
+        assert r["fits"] and r["tokens"] == single["tokens"], (tag, r.get("error"))
+        np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
+        _assert_each_device_holds_its_shard(r)
+    ep, tp = ({k: v["spec"] for k, v in r["params"].items()} for r in (results["8-ep8"], results["8-tp2-ep4"]))
+    assert ep["moe_layers.w_down"][1] == "ep" and ep["moe_layers.q_norm"] == [None, None]
+    assert tp["moe_layers.q_norm"] == tp["moe_layers.k_norm"] == [None, "tp"] and tp["moe_layers.w_down"][1] == "ep"
 
 
 def test_published_config_counts_transformers_parameters():

@@ -129,10 +129,11 @@ def _glm4_tensors(cfg: ModelConfig) -> list[Tensor]:
         if cfg.attention_bias:
             t.append(Tensor(f"{p}bqkv", "attention", (n, hkv, cfg.num_heads // hkv + 2, d),
                             ("layers", "kv_heads", "qkv", "head_dim"), False))
-        if cfg.qk_norm:  # over a head, or over all heads at once (MiniMax-M2)
-            heads = (cfg.num_heads, hkv) if cfg.glm4.qk_norm_whole else (1, 1)
-            t += [Tensor(f"{p}{k}", "attention", (n, d * h), ("layers", "norm"), False)
-                  for k, h in zip(("q_norm", "k_norm"), heads)]
+        if cfg.qk_norm:  # over a head, or over all heads at once (MiniMax-M2: split with the heads)
+            whole = cfg.glm4.qk_norm_whole
+            t += [Tensor(f"{p}{k}", "attention", (n, d * h), ("layers", axis if whole else "norm"), False)
+                  for k, h, axis in (("q_norm", cfg.num_heads if whole else 1, "q_heads"),
+                                     ("k_norm", hkv if whole else 1, "kv_heads"))]
         if kind == "dense":
             width = cfg.intermediate_size
             t += [Tensor(f"{p}w_gate_up", "shared", (n, e, 2, width), ("layers", "embed", "gate_up", "mlp")),
@@ -438,8 +439,9 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     widths = {cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size}
     if cfg.llama4 is not None or cfg.glm4 is not None:  # its dense layers too
         widths.add(cfg.intermediate_size)
-    if cfg.glm4 is not None and cfg.glm4.qk_norm_whole and mc.rule("q_heads") and sizes["tp"] > 1:
-        raise ValueError(f"tp={sizes['tp']} would split {cfg.architecture}'s q/k norms, which span every head")
+    if cfg.glm4 is not None and cfg.glm4.qk_norm_whole and repeat > 1:
+        raise ValueError(f"tp={tp} exceeds {cfg.architecture}'s {cfg.num_kv_heads} kv heads, whose k norm spans "
+                         "every kv head")
     if cfg.glm4 is not None and sizes["pp"] > 1:
         raise ValueError(f"pipeline parallelism is not supported for {cfg.architecture} (the DeepSeek-V3 family's MoE)")
     problem = linear_layers_problem(cfg, mc)

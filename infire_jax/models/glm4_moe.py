@@ -12,9 +12,10 @@ models/deepseek.py's, the KV pool's layer index running across both; q/k/v are o
 head as models/llama.py's.
 
 On a mesh (models/parallel.py) tp splits the heads and the MLP widths, ep the experts; pipeline
-parallelism is refused (sharding/plan.py), as for the DeepSeek-V3 family, and so is tp for MiniMax-M2,
-whose q/k norms span every head. Quantized or compressed
-weights, LoRA and EAGLE-3 aux states are refused with a ConfigError.
+parallelism is refused (sharding/plan.py), as for the DeepSeek-V3 family. MiniMax-M2's norms over every
+head are split with the heads, their mean squares summed over tp (`qk_norm`); tp beyond its kv heads
+(which would repeat them) is refused. Quantized or compressed weights, LoRA and EAGLE-3 aux states are
+refused with a ConfigError.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 import functools
 from typing import Mapping
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -55,10 +57,13 @@ class Glm4Layers(LayerStacks):
         self.wqkv = param((n, e, hkv, g + 2, d), ("layers", "embed", "kv_heads", "qkv", "head_dim"), dtype)
         if cfg.attention_bias:
             self.bqkv = param((n, hkv, g + 2, d), ("layers", "kv_heads", "qkv", "head_dim"), dtype, init="zeros")
-        if cfg.qk_norm:  # over a head, or over all heads at once
-            whole = cfg.glm4.qk_norm_whole
-            self.q_norm = param((n, d * (cfg.num_heads if whole else 1)), ("layers", "norm"), dtype, init="ones")
-            self.k_norm = param((n, d * (hkv if whole else 1)), ("layers", "norm"), dtype, init="ones")
+        if cfg.qk_norm:  # over a head, or over all heads at once (then split over tp with the heads)
+            if cfg.glm4.qk_norm_whole:
+                self.q_norm = param((n, d * cfg.num_heads), ("layers", "q_heads"), dtype, init="ones")
+                self.k_norm = param((n, d * hkv), ("layers", "kv_heads"), dtype, init="ones")
+            else:
+                self.q_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
+                self.k_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
         self.wo = param((n, cfg.num_heads, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
         self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
         if not moe:
@@ -75,10 +80,20 @@ def partial_rope(x: Float[Array, "T H D"], cos: Float[Array, "T R"], sin: Float[
     return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
 
 
-def qk_norm(x: Float[Array, "T H D"], weight: Array, eps: float, whole: bool) -> Float[Array, "T H D"]:
+def qk_norm(x: Float[Array, "T H D"], weight: Array, eps: float, whole: bool, axes: tuple[str, ...] = ()
+            ) -> Float[Array, "T H D"]:
     """RMSNorm over each head, or over all of a token's heads at once (`whole`; head h at [h*D, h*D + D)
-    of the weight, as HF's flat projection)."""
-    return rms_norm(x.reshape(x.shape[0], -1), weight, eps).reshape(x.shape) if whole else rms_norm(x, weight, eps)
+    of the weight, as HF's flat projection). With tp (`axes`: the heads and the weight split over them),
+    the sums of squares of each device's heads are added over the devices (one [T, 1] all-reduce each)."""
+    if not whole:
+        return rms_norm(x, weight, eps)
+    if not axes:
+        return rms_norm(x.reshape(x.shape[0], -1), weight, eps).reshape(x.shape)
+    xf = x.reshape(x.shape[0], -1).astype(jnp.float32)
+    total = jax.lax.psum(jnp.sum(xf * xf, axis=-1, keepdims=True), axes)
+    width = jax.lax.psum(xf.shape[-1], axes)
+    xf = xf * jax.lax.rsqrt(total / width + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype).reshape(x.shape)
 
 
 def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: AttentionMetadata, attn_impl: str,
@@ -94,7 +109,8 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
         lp = kernel_weights(lp, in_place, idx - first, h.shape[0], cpu=False)
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], eps), cfg.attention_bias)
         if cfg.qk_norm:
-            q, k = (qk_norm(x, lp[name], eps, cfg.glm4.qk_norm_whole) for x, name in ((q, "q_norm"), (k, "k_norm")))
+            q, k = (qk_norm(x, lp[name], eps, cfg.glm4.qk_norm_whole, red.attn)
+                    for x, name in ((q, "q_norm"), (k, "k_norm")))
         o, k_pages, v_pages = paged_attention(partial_rope(q, cos, sin), partial_rope(k, cos, sin), v, k_pages,
                                               v_pages, idx, meta, scale=cfg.head_dim ** -0.5, impl=attn_impl,
                                               cpu_kernel=one_device)
