@@ -114,7 +114,8 @@ def test_llama4_counts_its_vision_tower_and_image_pool_on_every_device():
 def test_qwen3_5_plans_its_stacks_its_attention_layers_kv_and_each_slots_linear_state(name):
     """Qwen3.5 (dense and MoE): the planned weights are the engine's model's parameters in bf16, the KV per
     token is its attention layers' alone (a quarter of them), and each request slot (64 and the dummy one)
-    holds its linear layers' state as the runner allocates it (runner/device_memory.py)."""
+    holds its linear layers' state as the runner allocates it (runner/device_memory.py), and so does each of
+    the prefix cache's 16 snapshots."""
     import math
 
     import jax.numpy as jnp
@@ -131,7 +132,7 @@ def test_qwen3_5_plans_its_stacks_its_attention_layers_kv_and_each_slots_linear_
     assert p.weight_bytes == 2 * params
     assert p.kv_bytes_per_token == cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     per_slot = sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in linear_state_shapes(cfg, 1, jnp.bfloat16))
-    assert p.slot_state == 65 * per_slot > 3 * GiB
+    assert p.slot_state == (65 + 16) * per_slot > 3 * GiB  # the slots, the dummy one, the prefix cache's 16
     tp8 = _plan(f"dummy:{name}", "8.yaml", "80GB", max_num_seqs=64)  # each device: its heads' weights and state
     assert tp8.slot_state == p.slot_state / 8
     # an eighth, but for the repeated kv heads (4 to 8) and the replicated norms

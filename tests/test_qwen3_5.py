@@ -84,7 +84,7 @@ def test_generate_matches_hf(checkpoint, attn_impl):
     try:
         engine = llm.engine
         assert engine.model_config.architecture == "qwen3_5" and engine.model_config.num_kv_layers == 2
-        assert not engine.kv.enable_prefix_caching  # no state is kept per cached page
+        assert engine.kv.enable_prefix_caching and engine.states.num_snapshots == 4  # min(16, max_num_seqs)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True,
                                                     logprobs=1))
         assert engine.scheduler.num_preemptions > 0
@@ -94,6 +94,40 @@ def test_generate_matches_hf(checkpoint, attn_impl):
     finally:
         llm.engine.close()
     _assert_as_hf(want, outs)
+
+
+def test_prefix_cache_resumes_from_kept_states(checkpoint):
+    """Prompts sharing a 42-token prefix, one after another and two at once, with 2 snapshots of the linear
+    state: a hit resumes from the deepest block whose state is kept (none at first: the first branch point
+    is saved), identical prompts in one step cannot use a state that step has yet to write, evicted states
+    cut a hit back. Every output is HF's (tokens, logprobs within 1e-3)."""
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.engine.setup import EngineConfig, linear_state_snapshots
+
+    hf, path = checkpoint
+    shared = [(7 * i + 3) % 250 for i in range(42)]  # 10 blocks of 4, and 2 tokens of the 11th
+    a, b, c, d = ([shared + tail] for tail in ([5, 6, 7], [9, 10, 11, 12], [20, 21], [30, 31, 32, 33, 34]))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    llm = LLM(model=str(path), attn_impl="reference", **{**ENGINE, "num_kv_pages": 96}, linear_state_snapshots=2)
+    try:
+        outs = [llm.generate(p, params)[0] for p in (a, b, c)] + llm.generate(d * 2, params) \
+            + [llm.generate(p, params)[0] for p in (d, b)]
+        states = llm.engine.states
+    finally:
+        llm.engine.close()
+    # a saves its end (44); b: a's KV up to block 10, but no state there (saves 40, its branch, and its
+    # end, evicting a's); c: from b's branch state (its end is that block: nothing saved); the two d's: from
+    # it too (d's end is saved by the first, in their step, evicting b's end); d again: from its end; b
+    # again: from the branch, saving its end once more.
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 40, 40, 40, 44, 40]
+    assert states.saves == 5 and len(states.by_hash) == 2
+    for prompt, out in zip(a + b + c + d * 2 + d + b, outs):
+        want, logprobs = hf_greedy(hf, prompt, 6)
+        assert out.outputs[0].token_ids == want
+        np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, want)], logprobs, atol=1e-3)
+    cfg = config_from_hf(dict(TINY, model_type="qwen3_5_text"))
+    assert linear_state_snapshots(EngineConfig(max_num_seqs=64), cfg) == 16
+    assert linear_state_snapshots(EngineConfig(enable_prefix_caching=False), cfg) == 0
 
 
 _WARM = """

@@ -219,8 +219,9 @@ class KVCacheManager(PoolAccounting):
         return max(0, self.pages_needed(req.num_computed_tokens + num_new_tokens) - len(req.pages))
 
     def can_allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = (), reserve: int = 0) -> bool:
-        """Whether the pages fit while leaving `reserve` pages free."""
-        needed = self.new_pages(req, num_new_tokens)
+        """Whether the pages fit while leaving `reserve` pages free (a prefix hit's pages are not new ones:
+        those no one holds only leave the free queue, as hybrid_kv_cache.py counts them)."""
+        needed = self.new_pages(req, num_new_tokens) - len(cached_pages)
         reclaimed = sum(1 for p in cached_pages if self.ref_cnt[p] == 0)
         return needed <= self.num_free_pages - reclaimed - reserve
 

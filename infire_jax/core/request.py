@@ -71,6 +71,7 @@ class Request:
         self.group_start: list[int] = []
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, grown lazily
         self.num_registered_blocks = 0  # full blocks already published to the prefix cache
+        self.state_saves: list[int] = []  # positions whose linear state is to be kept (core/state_cache.py)
         self.slot: int | None = None  # row of the device-side per-request state
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -19,6 +19,11 @@ become a decode burst: each row takes up to `num_decode_steps` decode steps in o
 (`ScheduledSeq.num_steps`), its pages allocated for all of them, so the host plans, launches and
 reads back once for several tokens.
 
+With a linear-state cache (core/state_cache.py: models with linear-attention layers), a prefix hit is
+cut back to the deepest block whose state is kept, which the admitted row restores into its slot
+(`ScheduledSeq.state_restore`), and prompt chunks end at the request's save points, where the row's
+state is then kept (`ScheduledSeq.state_save`).
+
 A request that speculates waits instead (`spec_wait`): its proposals need its last token. Its
 proposed tokens (`spec_drafts`) ride in its row after its last known token; they are not part of
 the request until the step accepts them, so only the known token counts as computed on commit.
@@ -34,6 +39,7 @@ from typing import Protocol
 from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
 from infire_jax.core.kv_cache import KVCacheManager
 from infire_jax.core.request import Request, Status
+from infire_jax.core.state_cache import LinearStateCache
 
 # Admission control (after SGLang's new_token_ratio): a running request is expected to generate
 # GROWTH_RATIO of the tokens it may still generate. Each preemption raises the ratio, each step
@@ -67,6 +73,8 @@ class ScheduledSeq:
     gen_index: int  # tokens generated before this step's sample (the seed's draw index)
     drafts: list[int] = dataclasses.field(default_factory=list)  # proposed tokens to verify, after the known ones
     num_steps: int = 1  # decode steps the row takes in this step (> 1: a decode burst)
+    state_restore: int | None = None  # the linear-state snapshot the admitted row starts from (None: zeros)
+    state_save: int | None = None  # the snapshot that keeps the row's linear state after this step
 
 
 @dataclasses.dataclass
@@ -85,9 +93,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager | HybridKVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_decode_steps: int = 1, gate: AdmissionGate | None = None):
+                 num_decode_steps: int = 1, gate: AdmissionGate | None = None,
+                 states: LinearStateCache | None = None):
         self.kv = kv
         self.gate = gate
+        self.states = states
         self.num_decode_steps = num_decode_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -140,15 +150,28 @@ class Scheduler:
             return 0
         return req.num_tokens - req.num_computed_tokens + len(req.spec_drafts)
 
-    def _plan(self, req: Request, n: int, reset: bool) -> ScheduledSeq:
+    @staticmethod
+    def _to_save_point(req: Request, start: int, n: int) -> int:
+        """`n` tokens from `start`, cut so the chunk ends at the request's next linear-state save point."""
+        for point in req.state_saves:
+            if point > start:
+                return min(n, point - start)
+        return n
+
+    def _plan(self, req: Request, n: int, reset: bool, restore: int | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
         drafts, req.spec_drafts = req.spec_drafts, []
+        save = None
+        if req.state_saves and start + n == req.state_saves[0]:
+            save = self.states.claim(req.block_hashes[(start + n) // self.kv.page_size - 1])
+            req.state_saves.pop(0)
         return ScheduledSeq(
             req=req, start=start, num_tokens=n, drafts=drafts,
             samples=start + n - len(drafts) == req.num_tokens and not req.prefill_only,
             from_device=start >= len(req.prompt_token_ids) + len(req.output_token_ids),
             reset_slot=reset,
             gen_index=len(req.output_token_ids) + req.num_pending_tokens,
+            state_restore=restore, state_save=save,
         )
 
     def _expected_pages(self, req: Request, num_pages_held: int) -> int:
@@ -178,7 +201,7 @@ class Scheduler:
             if req.spec_wait and req.num_pending_tokens:  # its proposals wait for its last token
                 i += 1
                 continue
-            n = min(self._wants_tokens(req), budget)
+            n = self._to_save_point(req, req.num_computed_tokens, min(self._wants_tokens(req), budget))
             if req.spec_drafts and (n < 1 + len(req.spec_drafts) or not self.kv.can_allocate(req, n)):
                 req.spec_drafts = []  # never preempt anyone, or split a row, for proposed tokens
                 n = min(self._wants_tokens(req), budget)
@@ -217,8 +240,13 @@ class Scheduler:
                 continue
             if reserve is None:
                 reserve = sum(self._expected_pages(r, self.kv.held_pages(r)) for r in self.running)
-            cached = self.kv.find_cached_prefix(req)
-            n = min(req.num_tokens - len(cached) * self.kv.page_size, budget)
+            cached, restore = self.kv.find_cached_prefix(req), None
+            if self.states is not None:  # a hit needs the linear state after it: cut to the deepest kept one
+                blocks, restore = self.states.lookup(req, len(cached))
+                req.state_saves = self.states.save_points(req, len(cached), blocks)
+                cached = cached[:blocks]
+            start = len(cached) * self.kv.page_size
+            n = self._to_save_point(req, start, min(req.num_tokens - start, budget))
             own = self._expected_pages(req, self.kv.seq_pages(len(cached) * self.kv.page_size + n))
             if self.gate is not None and not self.gate.acquire(req):
                 j += 1  # its adapter has no device slot free: it waits, others may still fit
@@ -235,7 +263,7 @@ class Scheduler:
             req.status = Status.RUNNING
             req.slot = self._free_slots.pop()
             self.running.append(req)
-            seqs.append(self._plan(req, n, reset=True))
+            seqs.append(self._plan(req, n, reset=True, restore=restore))
             budget -= n
         if self.num_decode_steps > 1 and not preempted:
             self._plan_burst(seqs)
@@ -265,7 +293,10 @@ class Scheduler:
             sq.num_steps = n
 
     def commit(self, out: SchedulerOutput) -> None:
-        """Records that the planned step was dispatched: its tokens are (about to be) cached."""
+        """Records that the planned step was dispatched: its tokens are (about to be) cached, and so are
+        the linear states it keeps."""
+        if self.states is not None:
+            self.states.publish()
         for s in out.seqs:
             if s.req.wants_prompt_logprobs:  # the step computes these positions' logits (prompt_logprobs.py)
                 s.req.prompt_logprobs_next = max(s.req.prompt_logprobs_next, s.start + s.num_tokens)

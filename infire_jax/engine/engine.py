@@ -40,6 +40,7 @@ from infire_jax.runner.image_pool import ImagePool
 from infire_jax.runner.model_runner import PendingStep
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.core.scheduler import Scheduler, SchedulerOutput
+from infire_jax.core.state_cache import LinearStateCache
 from infire_jax.speculative.setup import build_speculation
 from infire_jax.structured.backend import CompiledGrammar, GrammarBackend
 
@@ -82,9 +83,11 @@ class Engine:
             self.runner.cache = self.runner.cache._replace(images=pool.warmup(self.runner.cache.images))
             self.images = ImageInputs(pool, self.runner, self.tokenizer, ec.images_per_prompt)
         self._images: dict[str, PreparedImages] = {}  # request id -> its images (pool rows, tiles not yet encoded)
+        # Linear-attention layers (Qwen3.5): a prefix hit resumes from a kept state (core/state_cache.py).
+        self.states = LinearStateCache(rc.linear_snapshots, ec.page_size) if rc.linear_snapshots else None
         self.scheduler = Scheduler(self.kv, max_num_seqs=ec.max_num_seqs,
                                    max_num_batched_tokens=s.max_num_batched_tokens, num_decode_steps=rc.decode_steps,
-                                   gate=self.lora)
+                                   gate=self.lora, states=self.states)
         self.spec, self.draft = None, None
         if self.spec_config:
             self.spec, self.draft = build_speculation(self.spec_config, self.eagle_head, self.model_config,
@@ -237,8 +240,13 @@ class Engine:
         KV afresh. False, and nothing dropped, while requests hold pages."""
         if self.has_unfinished():
             return False
-        self.kv.drop_cached()
+        self._drop_cached()
         return True
+
+    def _drop_cached(self) -> None:
+        self.kv.drop_cached()
+        if self.states is not None:
+            self.states.clear()
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
@@ -464,7 +472,7 @@ class Engine:
         if self.draft is not None:
             raise ConfigError("a model with a draft model or EAGLE-3 head cannot leave the device (hot standby) yet")
         nbytes = self.runner.offload()
-        self.kv.drop_cached()
+        self._drop_cached()
         if self.lora is not None:
             self.lora.drop_device()
         return nbytes

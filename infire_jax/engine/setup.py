@@ -80,6 +80,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes per device; default: sized by gpu_memory_utilization, 1 GiB on CPU
     gpu_memory_utilization: float = 0.90  # of each GPU: weights + activations + KV pool (kv_pool.py)
     enable_prefix_caching: bool = True
+    # Models with linear-attention layers (Qwen3.5): copies of a slot's state kept on the device for the
+    # prefix cache (core/state_cache.py), each as large as a request slot's state. None: min(16, max_num_seqs);
+    # 0 turns the prefix cache off for such models.
+    linear_state_snapshots: int | None = None
     attn_impl: str = "auto"
     # The KV pool's dtype: "auto" (the model's), bfloat16, float32 or float8_e4m3 (aliases fp8, fp8_e4m3):
     # fp8 pages with per-(layer, kv head) scales hold twice the tokens of bfloat16 (kv_scales.py).
@@ -256,7 +260,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                       max_prompt_logprobs=ec.max_prompt_logprobs,
                       image_pool=None if vision is None else (
                           pool_rows(vision, IMAGE_POOL_PROMPTS * ec.images_per_prompt), vision.text_hidden_size),
-                      pooling=pooler is not None)
+                      pooling=pooler is not None, linear_snapshots=linear_state_snapshots(ec, cfg))
     return Settings(dtype, kv_dtype, cfg, plan, placed, max_model_len, budget,
                     spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales, vision, pooler)
 
@@ -302,11 +306,23 @@ def _check_linear_state(ec: EngineConfig) -> None:
                           "jax.distributed processes")
 
 
+def linear_state_snapshots(ec: EngineConfig, cfg: ModelConfig) -> int:
+    """Linear-state snapshots the device keeps for the prefix cache: none without linear-attention layers
+    or prefix caching, else as asked (default min(16, max_num_seqs))."""
+    if cfg.gated_delta is None or not ec.enable_prefix_caching:
+        return 0
+    n = min(16, ec.max_num_seqs) if ec.linear_state_snapshots is None else ec.linear_state_snapshots
+    if n < 0:
+        raise ConfigError(f"linear_state_snapshots must be 0 or more, got {n}")
+    return n
+
+
 def prefix_caching(ec: EngineConfig, cfg: ModelConfig) -> bool:
-    """Whether the prefix cache runs: as asked, except for a model with linear-attention layers, whose state
-    at a cached page's end is not kept (vLLM also turned it off for such models at first)."""
-    if ec.enable_prefix_caching and cfg.gated_delta is not None:
-        log.info("prefix caching is off: %s's linear-attention layers keep no state per cached page", cfg.architecture)
+    """Whether the prefix cache runs: as asked; for a model with linear-attention layers, only with
+    snapshots of their state to resume a hit from (core/state_cache.py)."""
+    if ec.enable_prefix_caching and cfg.gated_delta is not None and not linear_state_snapshots(ec, cfg):
+        log.info("prefix caching is off: %s keeps no linear-attention state for cached pages "
+                 "(linear_state_snapshots=0)", cfg.architecture)
         return False
     return ec.enable_prefix_caching
 

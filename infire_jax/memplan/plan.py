@@ -170,7 +170,8 @@ class MemoryPlan:
                   f"dequantization workspace {g(self.workspace)}",
                   f"logits and sampling {g(self.logits)}",
                   *([f"image encoder (largest call) {g(self.encoder)}"] if self.encoder else []),
-                  *([f"request slots' linear-attention state {g(self.slot_state)}"] if self.slot_state else []),
+                  *([f"request slots' linear-attention state, and its prefix-cache snapshots {g(self.slot_state)}"]
+                    if self.slot_state else []),
                   f"KV room per device: {self.kv_room / GiB:.2f} GiB",
                   f"KV room in all: {self.num_devices} x {self.kv_room / GiB:.2f} GiB = "
                   f"{self.num_devices * self.kv_room / GiB:.2f} GiB",
@@ -240,8 +241,10 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
                       kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity,
                       encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4,
-                      # the engine's slots and its dummy one; tp splits the state by head (models/gated_delta.py)
-                      slot_state=(max_num_seqs + 1) * model.slot_state_bytes * heads / model.num_heads)
+                      # the engine's slots, its dummy one and the prefix cache's snapshots (engine/setup.py's
+                      # default min(16, max_num_seqs)); tp splits the state by head (models/gated_delta.py)
+                      slot_state=(max_num_seqs + 1 + min(16, max_num_seqs)) * model.slot_state_bytes * heads
+                      / model.num_heads)
 
 
 def shipped_meshes(num_devices: int) -> list[MeshConfig]:

@@ -66,6 +66,9 @@ class CompiledSteps:
                                     out_shardings=plan.replicated if plan else None)
                      for shape in rc.buckets.shapes} if rc.pooling else {}
         self.history = jax.jit(programs.load_history, donate_argnums=(0,))
+        self.linear_state = {name: jax.jit(fn, donate_argnums=(0,), out_shardings=cache_shardings if plan else None)
+                             for name, fn in (("save_state", programs.save_linear_state),
+                                              ("restore_state", programs.restore_linear_state))}
         self.read_pages = jax.jit(programs.read_pages)
         self.write_pages = jax.jit(programs.write_pages, donate_argnums=(0,),
                                    out_shardings=cache_shardings if plan else None)
@@ -77,7 +80,8 @@ class CompiledSteps:
         self.compiled_bursts: dict[tuple[StepShape, str], jax.stages.Compiled] = {}
         self.compiled_prompt_rows: dict[StepShape, jax.stages.Compiled] = {}  # prompt logprobs' block gathers
         self.compiled_pool: dict[StepShape, jax.stages.Compiled] = {}  # embeddings (rc.pooling)
-        # history, read_pages, write_pages, prompt_logprobs (the head over a block of prompt positions)
+        # history, read_pages, write_pages, prompt_logprobs (the head over a block of prompt positions),
+        # save_state and restore_state (the linear state's snapshots)
         self.compiled_small: dict[str, jax.stages.Compiled] = {}
         # Warm starts load the step programs without tracing them (executable_cache.py).
         self.executables = executable_cache.for_runner(repr((m.cfg, rc, str(jnp.dtype(m.dtype)), plan, graphdef)),
@@ -146,6 +150,9 @@ class CompiledSteps:
                 "read_pages": (self.read_pages, (c.k_pages, c.v_pages, pages)),
                 "write_pages": (self.write_pages, (c, pages, *chunk)),
                 "prompt_logprobs": self.prompt_block_spec()[1:]}
+        if c.linear_snapshots is not None:
+            index = jax.ShapeDtypeStruct((), jnp.int32)
+            args.update({name: (jitted, (c, index, index)) for name, jitted in self.linear_state.items()})
         specs = {("small", name): (name, jitted, a) for name, (jitted, a) in args.items()}
         block = jax.ShapeDtypeStruct((m.rc.prompt_logprobs_block,), jnp.int32)
         for shape in m.rc.buckets.shapes:

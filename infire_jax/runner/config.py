@@ -36,6 +36,7 @@ class RunnerConfig:
     max_prompt_logprobs: int = 20  # top alternatives a prompt position may ask for (prompt_logprobs.py)
     image_pool: tuple[int, int] | None = None  # (rows, width) of the images' encoder outputs (image_pool.py)
     pooling: bool = False  # embeddings: a pooling program per bucket (step_programs.pool_rows)
+    linear_snapshots: int = 0  # linear-attention state snapshots for the prefix cache (core/state_cache.py)
 
     @property
     def pages_per_seq(self) -> int:

@@ -93,13 +93,15 @@ class DeviceMemory:
         # LoRA adapters' device slots (lora/layout.py): empty until an adapter is paged in.
         lora = None if rc.lora is None else stack_layout(c, rc.lora)
         linear = linear_state_shapes(c, rc.num_slots, self.dtype)
+        snapshots = linear_state_shapes(c, rc.linear_snapshots, self.dtype) if rc.linear_snapshots else None
+        linear_shardings = None if linear is None else LinearState(*(
+            plan.sharding(axes) if plan else None for axes in LINEAR_STATE_AXES))
         shardings = DeviceCache(pool, pool, replicated, replicated, replicated,
                                 None if self.kv_scales is None else replicated,
                                 None if lora is None else {k: plan.sharding(axes) if plan else None
                                                            for k, (_, axes) in lora.items()},
                                 None if rc.image_pool is None else replicated,
-                                None if linear is None else LinearState(*(
-                                    plan.sharding(axes) if plan else None for axes in LINEAR_STATE_AXES)))
+                                linear_shardings, None if snapshots is None else linear_shardings)
         dtype = self.dtype
 
         def new_cache(scales):
@@ -107,7 +109,9 @@ class DeviceMemory:
             images = None if rc.image_pool is None else jnp.zeros(rc.image_pool, dtype)
             return DeviceCache(*(jnp.zeros(shape, dt) for shape, dt in shapes[:5]), kv_scales=scales, lora=stacks,
                                images=images, linear=None if linear is None else LinearState(
-                                   *(jnp.zeros(shape, dt) for shape, dt in linear)))
+                                   *(jnp.zeros(shape, dt) for shape, dt in linear)),
+                               linear_snapshots=None if snapshots is None else LinearState(
+                                   *(jnp.zeros(shape, dt) for shape, dt in snapshots)))
 
         # Kept, so a model coming back to the device (restore) allocates its pool without compiling;
         # an fp8 pool's scales come from their host copy (set_kv_scales).
@@ -122,7 +126,9 @@ class DeviceMemory:
             images=None if rc.image_pool is None else jax.ShapeDtypeStruct(rc.image_pool, dtype,
                                                                           sharding=shardings.images),
             linear=None if linear is None else LinearState(*(jax.ShapeDtypeStruct(shape, dt, sharding=s)
-                                                             for (shape, dt), s in zip(linear, shardings.linear))))
+                                                             for (shape, dt), s in zip(linear, shardings.linear))),
+            linear_snapshots=None if snapshots is None else LinearState(*(
+                jax.ShapeDtypeStruct(shape, dt, sharding=s) for (shape, dt), s in zip(snapshots, shardings.linear))))
 
     def set_kv_scales(self, scales: np.ndarray) -> None:
         """An fp8 pool's scales, [layers, 2, kv heads] float32 (k, v); only before any page is written."""

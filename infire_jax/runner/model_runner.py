@@ -157,6 +157,8 @@ class ModelRunner(DeviceMemory):
         for sq in work.seqs:
             if sq.reset_slot and sq.start > 0 and _uses_penalties(sq.req.params):
                 self._restore_history(sq.req, sq.start)
+            if sq.state_restore is not None:  # a prefix hit's linear state (core/state_cache.py)
+                self._copy_state("restore_state", sq.state_restore, sq.req.slot)
         shape = self.rc.buckets.shape_for(work.num_tokens, len(work.seqs))
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
         if work.is_burst:  # no grammar, no proposals, no observer (the scheduler and the engine check)
@@ -177,6 +179,9 @@ class ModelRunner(DeviceMemory):
             if multihost.is_multiprocess():
                 multihost.send(multihost.STEP, self._command(shape, variant), batch)
             fwd, out = self._run(shape, batch, variant, mask)
+        for sq in work.seqs:  # the states the step ended at save points (one process only: setup refuses more)
+            if sq.state_save is not None:
+                self._copy_state("save_state", sq.req.slot, sq.state_save)
         drafts = self.observer(work, batch, fwd, out) if self.observer is not None else None
         return PendingStep(work, out, want_lp, drafts, self._launch_prompt_logprobs(work, shape, fwd.hidden),
                            self._launch_pooling(work, shape, fwd.hidden))
@@ -241,6 +246,10 @@ class ModelRunner(DeviceMemory):
         if multihost.is_multiprocess():
             multihost.send(multihost.HISTORY, req.slot, (prompt, output))
         self._load(req.slot, prompt, output)
+
+    def _copy_state(self, name: str, src: int, dst: int) -> None:
+        """A slot's linear state to a snapshot, or back (runner/step_programs.py save_/restore_linear_state)."""
+        self.cache = self.steps.compiled_small[name](self.cache, np.int32(src), np.int32(dst))
 
     def _load(self, slot: int, prompt: np.ndarray, output: np.ndarray) -> None:
         history = self.steps.compiled_small.get("history", self.steps.history)

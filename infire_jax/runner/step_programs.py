@@ -46,6 +46,7 @@ class DeviceCache(NamedTuple):
     lora: dict[str, Array] | None = None  # LoRA adapters' device slots (lora/layout.py), written between steps
     images: Float[Array, "P E"] | None = None  # images' encoder outputs awaiting prefill (runner/image_pool.py)
     linear: LinearState | None = None  # linear-attention layers' state per request slot (models/gated_delta.py)
+    linear_snapshots: LinearState | None = None  # kept copies of a slot's, for the prefix cache (core/state_cache.py)
 
 
 def matmul_precision(dtype) -> str:
@@ -283,6 +284,18 @@ def read_pages(k_pages: Array, v_pages: Array, pages: Int[Array, "P"]) -> tuple[
 def write_pages(cache: DeviceCache, pages: Int[Array, "P"], k: Array, v: Array) -> DeviceCache:
     return cache._replace(k_pages=cache.k_pages.at[:, pages].set(to_storage(k, cache.k_pages.dtype)),
                           v_pages=cache.v_pages.at[:, pages].set(to_storage(v, cache.v_pages.dtype)))
+
+
+def save_linear_state(cache: DeviceCache, slot: Int[Array, ""], snapshot: Int[Array, ""]) -> DeviceCache:
+    """Keeps a slot's linear-attention state, after a step, as snapshot `snapshot` (core/state_cache.py)."""
+    return cache._replace(linear_snapshots=LinearState(*(
+        s.at[:, snapshot].set(a[:, slot]) for a, s in zip(cache.linear, cache.linear_snapshots))))
+
+
+def restore_linear_state(cache: DeviceCache, snapshot: Int[Array, ""], slot: Int[Array, ""]) -> DeviceCache:
+    """Starts a slot, before a step, from snapshot `snapshot`: a prefix hit's state."""
+    return cache._replace(linear=LinearState(*(
+        a.at[:, slot].set(s[:, snapshot]) for a, s in zip(cache.linear, cache.linear_snapshots))))
 
 
 def load_history(cache: DeviceCache, slot: Int[Array, ""], prompt_ids: Int[Array, "M"],
