@@ -147,6 +147,9 @@ def test_token_buckets_flag_sets_the_compiled_step_sizes():
     args = build_parser().parse_args(["serve", "--model", "dummy:smollm2-135m", "--max-num-seqs", "4",
                                       "--max-model-len", "64", "--token-buckets", "4", "32"])
     ec = engine_config(args, args.model[0])
+    assert ec.enable_prefix_caching and ec.linear_state_snapshots is None
+    off = build_parser().parse_args(["serve", "--no-enable-prefix-caching", "--linear-state-snapshots", "4"])
+    assert (engine_config(off).enable_prefix_caching, engine_config(off).linear_state_snapshots) == (False, 4)
     settings = resolve_settings(ec, None)
     assert settings.max_num_batched_tokens == 32
     assert settings.runner_config.buckets.token_buckets == (4, 32)

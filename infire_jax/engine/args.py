@@ -62,6 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--calibrate-kv-scales", action="store_true",
                    help="fp8 KV cache: calibrate the scales even when the checkpoint carries k_scale / v_scale")
     p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of equal prompt prefixes across requests (vLLM's flag; on by default)")
+    p.add_argument("--linear-state-snapshots", type=int, default=None, metavar="N",
+                   help="models with linear-attention layers (Qwen3.5): copies of a sequence's state the prefix "
+                        "cache keeps on the device (default min(16, --max-num-seqs); 0 turns prefix caching off)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of each GPU's memory for weights, activations and the KV pool (default 0.90)")
     p.add_argument("--attention", default="auto", dest="attn_impl",
@@ -122,6 +127,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        linear_state_snapshots=args.linear_state_snapshots,
                         attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype,
                         calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,
                         weights_compression=args.weights_compression,
