@@ -32,7 +32,6 @@ class LinearStateCache:
         self._lru: OrderedDict[int, bytes | None] = OrderedDict((i, None) for i in range(num_snapshots))
         self._pending: dict[int, bytes] = {}  # snapshots claimed in the step being planned, not written yet
         self.saves = 0  # snapshots taken
-        self.restores = 0  # hits served from one
 
     def clear(self) -> None:
         """Forgets every snapshot (the KV pages they belong to are gone)."""
@@ -47,7 +46,6 @@ class LinearStateCache:
             snapshot = self.by_hash.get(req.block_hashes[i])
             if snapshot is not None:
                 self._lru.move_to_end(snapshot)
-                self.restores += 1
                 return i + 1, snapshot
         return 0, None
 

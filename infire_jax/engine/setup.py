@@ -36,6 +36,7 @@ from infire_jax.loaders.pooler import declared_pooler
 from infire_jax.loaders.weights import Placed
 from infire_jax.lora.config import LoRAConfig
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.gated_delta import default_snapshots
 from infire_jax.models.registry import abstract_state
 from infire_jax.pooling.config import PoolerConfig
 from infire_jax.runner.model_runner import ModelRunner
@@ -311,7 +312,7 @@ def linear_state_snapshots(ec: EngineConfig, cfg: ModelConfig) -> int:
     or prefix caching, else as asked (default min(16, max_num_seqs))."""
     if cfg.gated_delta is None or not ec.enable_prefix_caching:
         return 0
-    n = min(16, ec.max_num_seqs) if ec.linear_state_snapshots is None else ec.linear_state_snapshots
+    n = default_snapshots(ec.max_num_seqs) if ec.linear_state_snapshots is None else ec.linear_state_snapshots
     if n < 0:
         raise ConfigError(f"linear_state_snapshots must be 0 or more, got {n}")
     return n

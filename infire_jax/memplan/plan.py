@@ -20,6 +20,7 @@ import re
 from typing import Callable
 
 from infire_jax.core.kv_groups import KVCapacity, KVGroupLayout
+from infire_jax.models.gated_delta import default_snapshots
 from infire_jax.memplan.model import FORMAT_BYTES, KINDS, PlanModel, Tensor
 from infire_jax.quant.mxfp4 import BLOCK as MXFP4_BLOCK
 from sharding.mesh import CONFIG_DIR, MeshConfig
@@ -241,9 +242,9 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
                       kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity,
                       encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4,
-                      # the engine's slots, its dummy one and the prefix cache's snapshots (engine/setup.py's
-                      # default min(16, max_num_seqs)); tp splits the state by head (models/gated_delta.py)
-                      slot_state=(max_num_seqs + 1 + min(16, max_num_seqs)) * model.slot_state_bytes * heads
+                      # the engine's slots, its dummy one and the prefix cache's default snapshots
+                      # (models/gated_delta.py); tp splits the state by head (models/gated_delta.py)
+                      slot_state=(max_num_seqs + 1 + default_snapshots(max_num_seqs)) * model.slot_state_bytes * heads
                       / model.num_heads)
 
 

@@ -73,6 +73,12 @@ def linear_state_shapes(cfg: ModelConfig, num_slots: int, dtype) -> LinearState 
                        ((n, num_slots, g.num_v_heads, g.k_head_dim, g.v_head_dim), jnp.dtype(jnp.float32)))
 
 
+def default_snapshots(max_num_seqs: int) -> int:
+    """Copies of a slot's state the prefix cache keeps (core/state_cache.py) unless asked otherwise: the
+    engine allocates them (engine/setup.py), `infire-jax plan` counts them."""
+    return min(16, max_num_seqs)
+
+
 class LinearStep(NamedTuple):
     """The state and which slot each token of the step updates (the dummy slot: none)."""
 
