@@ -264,7 +264,9 @@ def test_summary_and_goodput():
 
 # ---- end to end on CPU ------------------------------------------------------------------------------
 
-def _check_latency(data: dict, batches: list[int], input_len: int, output_len: int, iters: int) -> None:
+def _check_latency(data: dict, batches: list[int], input_len: int, output_len: int, iters: int,
+                   cached: list[int] | None = None) -> None:
+    """`cached`: the tokens each request of the run finds cached (none without it)."""
     from infire_jax.bench.roofline import forward_flops
 
     cfg_name = data["engine"]["model"]
@@ -283,7 +285,8 @@ def _check_latency(data: dict, batches: list[int], input_len: int, output_len: i
             spec = cfg_name.split(":", 1)[1]
             hf = CONFIGS[spec.partition(",")[0]]
             cfg = config_from_hf(with_layers(hf, spec) if "," in spec else hf)
-            assert r["prefill_flops"] == b * forward_flops(cfg, input_len, 0)
+            hits = cached or [0] * (b * iters)
+            assert r["prefill_flops"] == pytest.approx(sum(forward_flops(cfg, input_len - c, c) for c in hits) / iters)
 
 
 def _check_throughput(data: dict, sweep: list[int], num: int, input_len: int, output_len: int) -> None:
@@ -329,10 +332,14 @@ def test_throughput_dataset(tmp_path):
 
 
 def test_latency_llama_1b(tmp_path):
-    data = _run(tmp_path, "latency_1b", "latency", "--model", "dummy:llama-3.2-1b,layers=2", "--input-len", "16",
-                "--output-len", "8", "--batch-size", "2", "--num-iters", "1", "--num-iters-warmup", "0", *SMALL)
+    """With a 32-token prefix every prompt shares: the first request computes it (its first chunk of 32
+    tokens, the step budget), every later one finds both of its pages cached."""
+    data = _run(tmp_path, "latency_1b", "latency", "--model", "dummy:llama-3.2-1b,layers=2", "--input-len", "40",
+                "--output-len", "8", "--batch-size", "2", "--num-iters", "2", "--num-iters-warmup", "0",
+                "--prefix-len", "32", *SMALL)
     assert data["engine"]["model"] == "dummy:llama-3.2-1b,layers=2" and data["engine"]["max_num_seqs"] == 2
-    _check_latency(data, [2], 16, 8, 1)
+    _check_latency(data, [2], 40, 8, 2, cached=[0, 32, 32, 32])
+    assert data["results"][0]["prefix_len"] == 32 and data["results"][0]["mean_cached_tokens"] == 24
 
 
 def test_throughput_llama_1b(tmp_path):

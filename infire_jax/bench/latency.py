@@ -10,6 +10,11 @@ device (scheduling, building and launching steps, detokenizing), over the timed 
 --lora N the same runs follow on N random LoRA adapters, one per row round-robin (bench/lora.py),
 each figure with its ratio to the base model's.
 
+--prefix-len N gives every prompt of the run the same first N tokens (drawn once, under one tenant),
+so after the first iterations the prefix cache serves them: TTFT then measures a shared system prompt's
+hit (a model with linear-attention layers resumes from the state kept at the branch, which the second
+iteration saves).
+
 --import-context measures decode at contexts whose prefill this machine cannot afford (Llama 4
 Scout's layers at 32k tokens on a CPU, a batch of 32 of them): each prompt's KV, but for its last
 page, is written into the prefix cache with random values (`Engine.import_prompt_kv`, as a decode
@@ -40,6 +45,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import-context", action="store_true",
                    help="import each prompt's KV but its last page (random values) instead of prefilling it: "
                         "decode at long contexts without the prefill's cost (TTFT then covers the last page)")
+    p.add_argument("--prefix-len", type=int_at_least(0), default=0,
+                   help="tokens every prompt shares at its start, for the prefix cache to serve (0: none)")
     p.add_argument("--images-per-request", type=int_at_least(0), default=0,
                    help="random-pixel images after each prompt's text (a model with a vision tower, e.g. "
                         "dummy:llama-4-scout); TTFT then includes encoding them")
@@ -97,10 +104,11 @@ def import_contexts(engine, prompts: list[list[int]], tenant: str, seed, loras: 
 
 def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters: int, warmup: int,
             seed: int, bar=None, loras: list[str] | None = None, import_context: bool = False,
-            images_per_request: int = 0, image_size: int = 1024) -> dict:
+            images_per_request: int = 0, image_size: int = 1024, prefix_len: int = 0) -> dict:
     """Times `warmup + iters` runs of one batch (row i on LoRA adapter loras[i % N] if given; with
     `import_context`, each prompt's KV but its last page imported, `import_contexts`; each prompt
-    followed by `images_per_request` random images); returns the figures of the timed runs."""
+    followed by `images_per_request` random images; every prompt starting with the same `prefix_len`
+    tokens); returns the figures of the timed runs."""
     import numpy as np
 
     from infire_jax.bench import driver, roofline
@@ -111,16 +119,21 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
     images, image_ids = request_images(engine, images_per_request, image_size, seed) if images_per_request \
         else (None, [])
     reserved = set(image_ids)
+    if prefix_len >= input_len:
+        raise BenchError(f"--prefix-len {prefix_len} leaves no token of the {input_len}-token prompts to compute")
+    shared = np.random.default_rng((seed, prefix_len)).integers(0, cfg.vocab_size, prefix_len).tolist()
     ttfts, e2es, decode_s, decode_bytes, prefill_s, prefill_flops, added = [], [], 0.0, 0.0, 0.0, 0, []
+    cached_tokens = 0
     kv_read = local_kv_read = 0
     decode_steps = output_tokens = 0
     step_s0 = wait_s0 = 0.0
     for it in range(warmup + iters):
         if it == warmup:
             step_s0, wait_s0 = engine.stats.step_seconds, engine.stats.device_wait_seconds
-        prompts = [[t if t not in reserved else 0 for t in p.prompt] + image_ids  # no stray <|patch|> in the text
+        prompts = [[t if t not in reserved else 0 for t in shared + p.prompt[prefix_len:]] + image_ids
                    for p in random_prompts(batch, input_len, output_len, cfg.vocab_size, seed=(seed, batch, it))]
-        tenant, rows = f"bench-latency-{batch}-{it}", [loras[i % len(loras)] for i in range(batch)] if loras else None
+        tenant = "bench-latency-shared" if prefix_len else f"bench-latency-{batch}-{it}"
+        rows = [loras[i % len(loras)] for i in range(batch)] if loras else None
         imported = import_contexts(engine, prompts, tenant, (seed, batch, it), rows or [None] * batch) \
             if import_context else None
         trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch, tenant=tenant, loras=rows,
@@ -135,6 +148,7 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
             continue
         timings = [r.timing() for r in trace.requests]
         ttfts += [t.ttft for t in timings]
+        cached_tokens += sum(r.num_cached_tokens for r in trace.requests)
         added += [r.added for r in trace.requests]
         e2es.append(trace.duration)
         output_tokens += sum(t.output_tokens for t in timings)
@@ -156,7 +170,8 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
     host_share = (engine_s - (engine.stats.device_wait_seconds - wait_s0)) / engine_s
     e2e_ms = np.asarray(e2es) * 1000
     return dict(
-        label=f"bs={batch}", batch_size=batch, input_len=input_len, output_len=output_len,
+        label=f"bs={batch}", batch_size=batch, input_len=input_len, output_len=output_len, prefix_len=prefix_len,
+        mean_cached_tokens=cached_tokens / (batch * iters),
         images_per_request=images_per_request, image_size=image_size if images_per_request else None,
         mean_add_ms=float(np.mean(added) * 1000),
         num_iters=iters, num_requests=batch * iters, total_output_tokens=output_tokens,
@@ -180,7 +195,8 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
 
 COLUMNS = [
     ("batch_size", "batch", "{}"), ("input_len", "in", "{}"), ("output_len", "out", "{}"),
-    ("mean_ttft_ms", "TTFT ms", "{:.1f}"), ("mean_add_ms", "of it adding", "{:.1f}"),
+    ("mean_cached_tokens", "cached", "{:.0f}"), ("mean_ttft_ms", "TTFT ms", "{:.1f}"),
+    ("mean_add_ms", "of it adding", "{:.1f}"),
     ("decode_ms_per_token", "decode ms/tok", "{:.2f}"),
     ("decode_tokens_per_s", "decode tok/s", "{:.1f}"), ("mean_e2e_ms", "E2E ms", "{:.0f}"),
     ("host_share", "host share", "{:.1%}"), ("decode_kv_mb_per_step", "KV MB/step", "{:.1f}"),
@@ -211,7 +227,7 @@ def run(args: argparse.Namespace):
                 r = measure(engine, peaks, batch=batch, input_len=args.input_len, output_len=args.output_len,
                             iters=args.num_iters, warmup=args.num_iters_warmup, seed=args.seed, bar=bar, loras=loras,
                             import_context=args.import_context, images_per_request=args.images_per_request,
-                            image_size=args.image_size)
+                            image_size=args.image_size, prefix_len=args.prefix_len)
                 results.append({**r, "variant": variant})
             name = engine.model_name
     results = lora.with_ratios(results, ("decode_ms_per_token", "mean_ttft_ms"))
