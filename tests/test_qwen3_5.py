@@ -383,7 +383,8 @@ def test_moe_generates_as_hf_and_loads_experts_either_way(tmp_path, kind):
         np.testing.assert_array_equal(one_by_one.weights[name], w)
 
 
-@pytest.mark.parametrize("name, params", [("qwen3.5-27b", 26_895_998_464), ("qwen3.5-35b-a3b", 34_660_610_688)])
+@pytest.mark.parametrize("name, params", [("qwen3.5-0.8b", 752_393_024), ("qwen3.5-27b", 26_895_998_464),
+                                          ("qwen3.5-35b-a3b", 34_660_610_688)])
 def test_published_config_builds_transformers_model(name, params):
     """The `dummy:` configs (the published text configs) parse as transformers reads them, and the model the
     engine builds (abstractly) counts the parameters of transformers' model (on the meta device)."""
