@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Mapping, NamedTuple
 
 import jax
@@ -40,8 +41,9 @@ from infire_jax.models.layers import param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.moe import route_for, routed_mlp, router_logits
 from infire_jax.models.llama import InPlace, linear
 from infire_jax.models.parallel import Reductions, psum, run_sharded
-from infire_jax.models.quant_kernels import LayerExperts, layer_stacks
+from infire_jax.models.quant_kernels import EXPERT_INPUTS, LayerExperts, layer_stacks
 from infire_jax.quant.weight_parts import LayerStacks
+from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
@@ -207,21 +209,31 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 
 
 class _InPlace(NamedTuple):
-    """A stack's weights a GPU kernel reads in place (name -> (the stack as read, one layer's shape)):
-    layer i's as models/llama.py's `InPlace` for the dense matmul, `LayerExperts` for the grouped one."""
+    """A stack's weights a kernel reads in place (name -> (the stack as read, one layer's shape)): layer i's
+    as models/llama.py's `InPlace` for a dense matmul, `LayerExperts` for the grouped one."""
 
     stacks: dict
 
     def __call__(self, layer: Int[Array, ""]) -> dict[str, InPlace | LayerExperts]:
-        return {name: LayerExperts(kw, layer) if kw.experts else InPlace(kw, layer, shape)
+        return {name: LayerExperts(kw, layer) if getattr(kw, "experts", False) else InPlace(kw, layer, shape)
                 for name, (kw, shape) in self.stacks.items()}
 
 
 def _in_place(weights: dict[str, Array], tokens: int, cfg: ModelConfig, one_device: bool) -> _InPlace:
-    """What the GPU's kernels read in place in a step of `tokens` tokens (nothing off a GPU; on a mesh, each
-    device its shards): the plain projections in decode-sized steps (quant_kernels.MAX_PLAIN_ROWS), a MoE
-    stack's experts always."""
-    return _InPlace(layer_stacks(weights, tokens, DENSE_INPUTS, cfg.is_moe, one_device=one_device))
+    """What kernels read in place in a step of `tokens` tokens. On a GPU (on a mesh, each device its
+    shards): the plain projections in decode-sized steps (quant_kernels.MAX_PLAIN_ROWS), a MoE stack's
+    experts always. On one CPU: the dense projections its matmul kernel takes (`cpu_matmul.applies`, as
+    models/llama.py's), each viewed as [L, inputs, outputs]; scanned slices were copied out every layer,
+    so a decode step moved its weights three times (0.8b's decode: 18% of the copy bandwidth)."""
+    stacks = layer_stacks(weights, tokens, DENSE_INPUTS, cfg.is_moe, one_device=one_device)
+    for name, inputs in DENSE_INPUTS.items() if one_device else ():
+        w = weights.get(name)
+        if name in stacks or not isinstance(w, jax.Array) or (cfg.is_moe and name in EXPERT_INPUTS):
+            continue
+        view = w.reshape(w.shape[0], math.prod(w.shape[1:1 + inputs]), math.prod(w.shape[1 + inputs:]))
+        if cpu_matmul.applies(tokens, view):
+            stacks[name] = (view, tuple(w.shape[1:]))
+    return _InPlace(stacks)
 
 
 class Qwen3_5(DecoderModel):
