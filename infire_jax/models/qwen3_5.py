@@ -176,15 +176,16 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     """Scans the groups (models/parallel.py's StackFn, with the linear state after the pool; on a mesh, inside
     its shard_map with this device's heads, state and experts): each group's linear layers, unrolled over the
     group's slice of the linear stack, then its attention layer. The pool and the linear state ride in the
-    carry, each layer updating its own rows in place. Never unrolled over the groups (models/layers.py `layer_loop`'s GPU decode form): compiled for
-    an H100, the 27b's unrolled decode burst copied its attention layers' weights out of their stacks, 21 GB
-    a step, and peaked at 95 GB (`bench gpu-compile`, docs/PERFORMANCE.md)."""
+    carry, each layer updating its own rows in place. Never unrolled over the groups (models/layers.py
+    `layer_loop`'s GPU decode form): compiled for an H100, the 27b's unrolled decode burst copied its
+    attention layers' weights out of their stacks, 21 GB a step, and peaked at 95 GB (`bench gpu-compile`,
+    docs/PERFORMANCE.md)."""
     tokens, groups, per_group = h.shape[0], cfg.num_kv_layers, cfg.gated_delta.interval - 1
     eps, one_device = cfg.rms_norm_eps, red == Reductions()
     linear, attention = weights["linear_layers"], weights["attention_layers"]
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     rows = step_rows(meta, token_slots, state.conv.shape[1] - 1)
-    # A GPU reads decode-sized steps' weights, and any step's experts, in place from the whole stack.
+    # Kernels read decode-sized steps' weights (a GPU: any step's experts too) in place from the whole stack.
     lin_in_place, attn_in_place = (_in_place(w, tokens, cfg, one_device) for w in (linear, attention))
 
     def group(carry, xs):
