@@ -217,10 +217,10 @@ def test_qwen3_5_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path
     """Qwen3.5-MoE's shapes, one group of its layers (three Gated DeltaNets and a gated attention layer), on
     one H100 and on two (tp): the decode burst reads every projection, expert and the shared expert (the
     dense models' MLP path) in place, cuBLAS only for the head and the routers, and writes nothing of a
-    weight's size but each linear layer's new states (64 rows of [32, 128, 128] float32, a transpose fusion
-    each): no step copies the whole linear state (as it did while each layer's rows were read in several
-    fused places: the convolution's, and on the mesh the delta rule's). The 64-token prompt program (the
-    chunked delta rule) compiles without such a copy either."""
+    weight's size but each linear layer's new states (64 rows of [32, 128, 128] float32 over the devices, a
+    fusion each): no step copies the whole linear state, as it did while each layer's rows were read in
+    several fused places (the convolution's: only the one-card case catches that one; the delta rule's:
+    only the mesh). The 64-token prompt program (the chunked delta rule) compiles without such a copy either."""
     from infire_jax.bench import gpu_target, program_stats
     from infire_jax.engine.setup import EngineConfig
 
@@ -232,7 +232,7 @@ def test_qwen3_5_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path
     programs = {p.name: p for p in target.programs(str(tmp_path), ("burst-greedy", "forward"))}
     burst = programs["burst-greedy 64 tokens"]
     st = program_stats.read_dump(burst.dump_dir, shapes, layers)
-    new_states = 64 * 32 // devices * 128 * 128 * 4  # bytes: each row's [heads, 128, 128] float32, this device's heads
+    new_states = 64 * 32 // devices * 128 * 128 * 4  # bytes: each row's state of this device's heads
     assert "copy" not in [op.rstrip("0123456789.") for op in st.weight_copy_ops], st.weight_copy_ops
     assert st.weight_copies == 3 * burst.steps and st.weight_copy_bytes == st.weight_copies * new_states, st
     assert st.custom_calls.get("__cublas$lt$matmul", 0) == burst.steps * (1 + 4), st.custom_calls  # head, routers
