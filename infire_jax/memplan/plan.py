@@ -242,8 +242,8 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
                       kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity,
                       encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4,
-                      # the engine's slots, its dummy one and the prefix cache's default snapshots
-                      # (models/gated_delta.py); tp splits the state by head (models/gated_delta.py)
+                      # the engine's slots, its dummy one and the prefix cache's default snapshots, tp splitting
+                      # each by head (models/gated_delta.py)
                       slot_state=(max_num_seqs + 1 + default_snapshots(max_num_seqs)) * model.slot_state_bytes * heads
                       / model.num_heads)
 

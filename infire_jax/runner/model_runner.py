@@ -154,10 +154,11 @@ class ModelRunner(DeviceMemory):
     # ---- launching --------------------------------------------------------------------------------
     def dispatch(self, work: SchedulerOutput) -> PendingStep:
         """Enqueues one step on the device and returns without waiting for it."""
+        states = self.rc.linear_snapshots > 0  # the prefix cache keeps linear states (core/state_cache.py)
         for sq in work.seqs:
             if sq.reset_slot and sq.start > 0 and _uses_penalties(sq.req.params):
                 self._restore_history(sq.req, sq.start)
-            if sq.state_restore is not None:  # a prefix hit's linear state (core/state_cache.py)
+            if states and sq.state_restore is not None:  # a prefix hit's linear state
                 self._copy_state("restore_state", sq.state_restore, sq.req.slot)
         shape = self.rc.buckets.shape_for(work.num_tokens, len(work.seqs))
         want_lp = any(s.samples and s.req.params.logprobs is not None for s in work.seqs)
@@ -179,7 +180,7 @@ class ModelRunner(DeviceMemory):
             if multihost.is_multiprocess():
                 multihost.send(multihost.STEP, self._command(shape, variant), batch)
             fwd, out = self._run(shape, batch, variant, mask)
-        for sq in work.seqs:  # the states the step ended at save points (one process only: setup refuses more)
+        for sq in work.seqs if states else ():  # the states kept at save points (one process: setup refuses more)
             if sq.state_save is not None:
                 self._copy_state("save_state", sq.req.slot, sq.state_save)
         drafts = self.observer(work, batch, fwd, out) if self.observer is not None else None
