@@ -94,10 +94,10 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_kept_parts_dequantize_to_the_load_time_weights(name, checkpoints):
     from infire_jax.loaders.hf import load_hf_dir
-    from infire_jax.loaders.llama_quant import load_gptq_awq_kept
+    from infire_jax.loaders.llama_quant import load_llama_kept
     from infire_jax.quant.resident import dequantize_layer
 
-    kept, layouts = load_gptq_awq_kept(checkpoints[name][0])
+    kept, layouts = load_llama_kept(checkpoints[name][0])
     floats = load_hf_dir(checkpoints[name][0]).weights
     assert set(layouts) == set(FUSED)
     _, group, _, act_order, _, _ = CASES[name]
@@ -261,12 +261,12 @@ def test_kept_refuses_undeclared_act_order_and_partly_quantized_weights(checkpoi
     from safetensors.numpy import load_file
 
     from infire_jax.loaders.hf import load_hf_dir
-    from infire_jax.loaders.llama_quant import load_gptq_awq_kept
+    from infire_jax.loaders.llama_quant import load_llama_kept
 
     # a permuted g_idx where desc_act says the groups are consecutive: no kept layout fits it
     undeclared = _copy(checkpoints["gptq-act-order-g32"][0], tmp_path / "undeclared", desc_act=False)
     with pytest.raises(ConfigError, match=r"model\.layers\.\d\.[a-z_.]+\.g_idx: its groups are not runs"):
-        load_gptq_awq_kept(undeclared)
+        load_llama_kept(undeclared)
     # v_proj of layer 1 left in float (as `modules_to_not_convert` would): q/k/v is kept whole or not at all
     src, twin = checkpoints["awq-g32"]
     tensors = load_file(f"{src}/model.safetensors")
@@ -275,6 +275,6 @@ def test_kept_refuses_undeclared_act_order_and_partly_quantized_weights(checkpoi
     tensors[f"{name}.weight"] = load_file(f"{twin}/model.safetensors")[f"{name}.weight"]
     partly = _copy(src, tmp_path / "partly", tensors)
     with pytest.raises(UnsupportedModelError, match=rf"{name}\.weight is not quantized but other parts of layers"):
-        load_gptq_awq_kept(partly)
+        load_llama_kept(partly)
     for path in (undeclared, partly):  # dequantized at load both serve
         assert load_hf_dir(path).weights["layers.wqkv"].dtype == np.float32

@@ -102,7 +102,7 @@ def test_mismatched_parts_name_the_module():
     ({"quant_method": "bitsandbytes"}, "quant_method"),
     ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "fmt"),
-    (dict(INT4_CONFIG, format="int-quantized", config_groups={"g": {"weights": {}}}), "format"),
+    (dict(INT4_CONFIG, format="naive-quantized", config_groups={"g": {"weights": {}}}), "format"),
     (dict(INT4_CONFIG, config_groups={"g": {"format": "pack-quantized", "weights": dict(
         INT4_CONFIG["config_groups"]["group_0"]["weights"], symmetric=False)}}), "symmetric"),
     (dict(INT4_CONFIG, config_groups={"g": {"format": "pack-quantized", "weights": dict(

@@ -14,7 +14,7 @@ import pytest
 from conftest import cpu_env
 from gptq_awq_models import quantization_config, write_checkpoint, write_float_twin
 from infire_jax.memplan.model import (
-    formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, int4_layouts, placed_config)
+    formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, kept_layouts, placed_config)
 from infire_jax.memplan.plan import GiB, layers_per_device, memory_plan, parse_bytes, tensor_bytes
 from infire_jax.memplan.source import plan_source
 from infire_jax.models.hf_config import config_from_hf
@@ -235,7 +235,7 @@ def _mesh(name: str) -> MeshConfig:
 def _int4_plan(qc: dict, mesh: str):
     """The plan of the dense model quantized as `qc` describes, on `mesh`."""
     mc, cfg = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, mesh)), config_from_hf(MODELS["dense"])
-    layouts = int4_layouts(dict(MODELS["dense"], quantization_config=qc), cfg)
+    layouts = kept_layouts(dict(MODELS["dense"], quantization_config=qc), cfg)
     return memory_plan(from_model_config(placed_config(cfg, mc), "bfloat16", int4=layouts), mc, GiB)
 
 
@@ -244,9 +244,9 @@ def _int4_plan(qc: dict, mesh: str):
     (lambda: from_hf_config({"kv_lora_rank": 512, "hidden_size": 64}), "num_hidden_layers"),
     (lambda: formats_from_hf({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
                              "bfloat16"), "weight_block_size"),
-    (lambda: int4_layouts(dict(MODELS["moe"], quantization_config=quantization_config("awq", 32)),
-                          config_from_hf(MODELS["moe"])), "int4 weights are kept .and planned. for dense"),
-    (lambda: int4_layouts(dict(MODELS["dense"], quantization_config=dict(quantization_config("gptq", 32), bits=3)),
+    (lambda: kept_layouts(dict(MODELS["moe"], quantization_config=quantization_config("awq", 32)),
+                          config_from_hf(MODELS["moe"])), "its weights are kept .and planned. for dense"),
+    (lambda: kept_layouts(dict(MODELS["dense"], quantization_config=dict(quantization_config("gptq", 32), bits=3)),
                           config_from_hf(MODELS["dense"])), "quantization_config.bits = 3"),
     (lambda: from_hf_config(dict(TINY_MLA, quantization_config=quantization_config("gptq", 32))), "not MLA ones"),
     (lambda: _int4_plan(quantization_config("gptq", 32), "8.yaml"), "w_down.zero: 4 entries cannot be split 8"),

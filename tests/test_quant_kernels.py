@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from channel_models import write_checkpoints as channel_checkpoints
 from deepseek_models import hf_model, quantize_checkpoint, save
 from gptq_awq_models import write_checkpoint
 from test_step_program import forward_jaxpr, kernel_names
@@ -93,7 +94,10 @@ def gptq_dirs(tmp_path_factory) -> dict[str, str]:
              "gptq-act-order": ("gptq", 32, False, True)}
     for name, (method, group, sym, act_order) in cases.items():
         write_checkpoint(base / name, method, group, sym=sym, act_order=act_order)
-    return {name: str(base / name) for name in cases}
+    paths = {name: str(base / name) for name in cases}
+    for name in ("fp8-static", "w8a8-int8"):  # 8-bit values, a scale per row (or per tensor, repeated)
+        paths[name] = channel_checkpoints(base, name)[0]
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +146,8 @@ def test_plain_weights_of_a_gpu_decode_step_are_read_in_place(tokens, monkeypatc
     assert kernel_read() == {}
 
 
-@pytest.mark.parametrize("source", ["gguf", "int8", "int4-g128", "int4-g32", "awq-g32", "gptq-sym-per-channel"])
+@pytest.mark.parametrize("source", ["gguf", "int8", "int4-g128", "int4-g32", "awq-g32", "gptq-sym-per-channel",
+                                    "fp8-static", "w8a8-int8"])
 def test_llama_kept_weights_read_in_place_equal_the_layer_body_dequantization(source, request, monkeypatch):
     _use(monkeypatch, KERNELS)
     if source.startswith("int4-g"):
@@ -150,9 +155,9 @@ def test_llama_kept_weights_read_in_place_equal_the_layer_body_dequantization(so
     elif source in ("gguf", "int8"):
         weights = request.getfixturevalue(f"{source}_kept")
     else:
-        from infire_jax.loaders.llama_quant import load_gptq_awq_kept
+        from infire_jax.loaders.llama_quant import load_llama_kept
 
-        weights = load_gptq_awq_kept(request.getfixturevalue("gptq_dirs")[source])[0].weights
+        weights = load_llama_kept(request.getfixturevalue("gptq_dirs")[source])[0].weights
     stacks = _dense_layers(weights, "layers.", INPUT_AXES)
     from infire_jax.models.config import ModelConfig
 
@@ -173,11 +178,11 @@ def test_llama_kept_weights_read_in_place_equal_the_layer_body_dequantization(so
 
 def test_act_order_gptq_stays_in_the_layer_body(gptq_dirs, monkeypatch):
     """Act-order's per-input group index is a gather the kernel does not do."""
-    from infire_jax.loaders.llama_quant import load_gptq_awq_kept
+    from infire_jax.loaders.llama_quant import load_llama_kept
     from infire_jax.models.quant_kernels import kernel_stacks
 
     _use(monkeypatch, KERNELS)
-    weights = load_gptq_awq_kept(gptq_dirs["gptq-act-order"])[0].weights
+    weights = load_llama_kept(gptq_dirs["gptq-act-order"])[0].weights
     assert kernel_stacks(_dense_layers(weights, "layers.", INPUT_AXES), 4, INPUT_AXES) == {}
 
 

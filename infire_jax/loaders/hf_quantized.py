@@ -8,8 +8,20 @@
 - `fp8` with `weight_block_size` [B, B] and `fmt: e4m3` (DeepSeek-V3): a float8_e4m3fn `weight`
   and its `weight_scale_inv` become the `weight`.
 
-and the two int4 schemes Llama / Qwen / Mistral checkpoints are most often served in
-(quant/gptq_awq.py has the formats):
+the 8-bit schemes Llama / Qwen / Mistral checkpoints for vLLM are most often published in, each
+an `[out, in]` 8-bit `weight` and a `weight_scale` per output channel or per tensor (a tensor's
+scale is repeated on its rows; `w = float32(q) * scale[o]`):
+
+- `compressed-tensors` with `format: float-quantized` (llm-compressor's FP8 and FP8-dynamic) or
+  `int-quantized` (its W8A8 int8): symmetric 8-bit weights, `strategy` channel or tensor;
+- `fp8` without `weight_block_size` (AutoFP8, vLLM's own fp8 serialization): one scale a tensor;
+- `fbgemm_fp8` (Meta's Llama 3.1 FP8): one scale a channel.
+
+Their activation scales (`input_scale`, `input_scale_ub`, `input_zero_point`) are dropped: the
+engine multiplies the serving dtype's activations by the 8-bit weights (weight-only, W8A16), so
+its outputs stay nearer the float model's than a W8A8 kernel's.
+
+and the two int4 schemes of the same families (quant/gptq_awq.py has the formats):
 
 - `gptq`, 4-bit: a module's `qweight`, `qzeros`, `scales` and `g_idx` (act-order too), any group
   size tiling the inputs or -1, symmetric or not, `checkpoint_format` gptq (v1) or gptq_v2.
@@ -38,20 +50,25 @@ import numpy as np
 
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.quant import gptq_awq
-from infire_jax.quant.formats import Fp8Block, Int4Group, dequantize
+from infire_jax.quant.formats import Fp8Block, Fp8Channel, Int4Group, Int8Channel, dequantize
 
 # Each scheme's tensors of one quantized module
 PARTS = {"int4": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale_inv"),
+         "channel": ("weight", "weight_scale"),
          "gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
+# An 8-bit scheme's activation tensors, dropped (weight-only: see the module doc)
+ACTIVATION_PARTS = ("input_scale", "input_scale_ub", "input_zero_point")
+CHANNEL_VALUES = {"float": ml_dtypes.float8_e4m3fn, "int": np.int8}  # compressed-tensors' weight types
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantScheme:
-    kind: str  # "int4" (compressed-tensors pack-quantized), "fp8" (block scales), "gptq" or "awq"
+    kind: str  # "int4" (compressed-tensors pack-quantized), "fp8" (block scales), "channel", "gptq" or "awq"
     group: int = 0  # int4, gptq, awq: inputs per scale (gptq, awq: -1 for one group per row)
     block: int = 0  # fp8: rows and columns per scale
     zero_offset: int = 0  # gptq v1 stores each zero minus this
     act_order: bool = False  # gptq desc_act with groups: any input may be in any group (kept with its g_idx)
+    values: Any = None  # channel: the weight's dtype (float8_e4m3fn or int8)
 
 
 def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
@@ -65,6 +82,8 @@ def quant_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "fbgemm_fp8" or (method == "fp8" and qc.get("weight_block_size") is None):
+        return QuantScheme("channel", values=ml_dtypes.float8_e4m3fn)
     if method == "fp8":
         block = qc.get("weight_block_size")
         if not (isinstance(block, (list, tuple)) and len(block) == 2 and block[0] == block[1] and block[0] > 0):
@@ -83,8 +102,11 @@ def quant_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
             raise _bad("config_groups", list(groups), "exactly one quantization group is supported")
         name, group = next(iter(groups.items()))
         fmt = group.get("format") or qc.get("format")
+        if fmt in ("float-quantized", "int-quantized"):
+            return _channel_scheme(name, group, fmt)
         if fmt != "pack-quantized":
-            raise _bad(f"config_groups.{name}.format", fmt, "only pack-quantized is supported")
+            raise _bad(f"config_groups.{name}.format", fmt,
+                       "supported: pack-quantized, float-quantized, int-quantized")
         w = group.get("weights") or {}
         want = dict(num_bits=4, type="int", symmetric=True, strategy="group")
         for key, value in want.items():
@@ -99,8 +121,24 @@ def quant_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
         return QuantScheme("int4", group=size)
     if method in ("gptq", "awq"):
         return _int4_zero_scheme(method, qc)
-    raise _bad("quant_method", method, "supported: compressed-tensors (pack-quantized int4), fp8 (block scales), "
-               "gptq (4-bit), awq (4-bit gemm)")
+    raise _bad("quant_method", method, "supported: compressed-tensors (pack-quantized int4, float- or "
+               "int-quantized 8-bit), fp8, fbgemm_fp8, gptq (4-bit), awq (4-bit gemm)")
+
+
+def _channel_scheme(name: str, group: Mapping[str, Any], fmt: str) -> QuantScheme:
+    """A compressed-tensors 8-bit group (see the module doc); what would decode differently is refused
+    by its field."""
+    w = group.get("weights") or {}
+    kind = "float" if fmt == "float-quantized" else "int"
+    for key, want in dict(num_bits=8, type=kind, symmetric=True).items():
+        if w.get(key) != want:
+            raise _bad(f"config_groups.{name}.weights.{key}", w.get(key), f"{fmt} weights: supported {want!r}")
+    if w.get("strategy") not in ("channel", "tensor"):
+        raise _bad(f"config_groups.{name}.weights.strategy", w.get("strategy"),
+                   f"{fmt} weights: supported 'channel', 'tensor'")
+    if w.get("dynamic"):
+        raise _bad(f"config_groups.{name}.weights.dynamic", True, "weights must carry their scales")
+    return QuantScheme("channel", values=CHANNEL_VALUES[kind])
 
 
 def _int4_zero_scheme(method: str, qc: Mapping[str, Any]) -> QuantScheme:
@@ -150,9 +188,30 @@ def unpack_module(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme
         raise UnsupportedModelError(f"{module}: {e}") from e
 
 
+def channel_parts(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) -> Int8Channel | Fp8Channel:
+    """An 8-bit module's weight and its scale per output channel `[O, 1]` (a tensor's one scale repeated
+    on every row), checked; UnsupportedModelError naming the tensor."""
+    weight, scale = parts["weight"], np.asarray(parts["weight_scale"])
+    out = weight.shape[0] if weight.ndim == 2 else -1
+    if scale.size == 1:
+        scale = np.full((out, 1), scale.reshape(()), scale.dtype)
+    elif scale.shape in ((out,), (out, 1)):
+        scale = scale.reshape(out, 1)
+    else:
+        raise UnsupportedModelError(f"{module}.weight_scale has shape {scale.shape}: expected one scale a tensor "
+                                    f"or one a row ({out}) of weight {weight.shape}")
+    try:
+        form = Fp8Channel if scheme.values == ml_dtypes.float8_e4m3fn else Int8Channel
+        return form(weight, scale)
+    except (ValueError, TypeError) as e:
+        raise UnsupportedModelError(f"{module}: {e}") from e
+
+
 def dequantize_module(module: str, parts: dict[str, np.ndarray], scheme: QuantScheme) -> np.ndarray:
     if scheme.kind in ("gptq", "awq"):
         return gptq_awq.dequantize(unpack_module(module, parts, scheme))
+    if scheme.kind == "channel":
+        return _to_host(channel_parts(module, parts, scheme))
     try:
         if scheme.kind == "int4":
             shape = tuple(int(n) for n in np.asarray(parts["weight_shape"]).reshape(-1))
@@ -184,11 +243,15 @@ def grouped(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme
     tensor the scheme leaves alone, (module, {part: array}) once all of a module's parts are read
     (they may arrive in any order, across files)."""
     names = PARTS[scheme.kind]
+    # fp8 and 8-bit: only weights of the quantized dtype are (norms, the router, the embedding and the
+    # modules the config leaves out stay as they are)
+    values = {"fp8": ml_dtypes.float8_e4m3fn, "channel": scheme.values}.get(scheme.kind)
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, w in tensors:
+        if scheme.kind == "channel" and name.rpartition(".")[2] in ACTIVATION_PARTS:
+            continue
         split = _split(name, names)
-        # fp8: only float8 weights are quantized (norms, the router and the embedding stay as they are)
-        if split is None or (scheme.kind == "fp8" and split[1] == "weight" and w.dtype != ml_dtypes.float8_e4m3fn):
+        if split is None or (values is not None and split[1] == "weight" and w.dtype != values):
             yield name, w
             continue
         module, part = split

@@ -1,7 +1,11 @@
-"""A GPTQ / AWQ checkpoint of a dense Llama-architecture model placed with its int4 layer weights kept.
+"""A GPTQ / AWQ or 8-bit checkpoint of a dense Llama-architecture model placed with its layer weights kept.
 
 `weights_quantization="checkpoint"` on a Llama / Qwen / Mistral checkpoint whose
-`quantization_config` is gptq or awq: q/k/v, o, gate/up and down stay 4-bit on the device
+`quantization_config` is an 8-bit scheme (loaders/hf_quantized.py: llm-compressor's FP8 or int8,
+AutoFP8, fbgemm_fp8): q/k/v, o, gate/up and down stay 8-bit on the device, fp8 or int8 values with
+a float32 scale per output channel (a per-tensor scale repeated on the rows; wo's repeated for
+each head, as the model's `[Hq, D, E]` layout keeps one per head), moved into the model's layout as
+the float weights are. Or gptq or awq: q/k/v, o, gate/up and down stay 4-bit on the device
 (quant/gptq_awq.py `kept_parts`: values packed along the input axis, GPTQ's words as they are and
 AWQ's output-packed ones unpacked and packed again, with each group's scale and zero point) and
 are dequantized one layer at a time inside the layer scan (quant/resident.py). The parts take the
@@ -32,7 +36,8 @@ from flax import nnx
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, layer_weight, llama_weights, read_hf_config
-from infire_jax.loaders.hf_quantized import dequantize_module, grouped, quant_scheme, unpack_module
+from infire_jax.loaders.hf_quantized import QuantScheme, channel_parts, dequantize_module, grouped, quant_scheme, \
+    unpack_module
 from infire_jax.loaders.weights import LoadedModel, Placed, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model
@@ -45,23 +50,33 @@ _FUSED_OF = {short: fused for fused, members in FUSED.items() for short in membe
 _DEQUANTIZE = "load without weights_quantization to dequantize it"
 
 
-def is_gptq_awq(path: str | None) -> bool:
-    """Whether `path` is an HF directory whose quantization_config is gptq or awq."""
+KEPT_KINDS = ("gptq", "awq", "channel")  # the schemes kept here (hf_quantized.QuantScheme.kind)
+
+
+def keeps(path: str | None) -> bool:
+    """Whether `path` is an HF directory whose quantization_config this module keeps (gptq, awq, 8-bit)."""
     cfg_path = os.path.join(path or "", "config.json")
     if not os.path.isfile(cfg_path):
         return False
     with open(cfg_path) as f:
         scheme = quant_scheme(json.load(f))
-    return scheme is not None and scheme.kind in ("gptq", "awq")
+    return scheme is not None and scheme.kind in KEPT_KINDS
 
 
-def load_gptq_awq_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
-    """The model with each kept fused weight as parts ("layers.wqkv.q4", ".zero", ".scale") in the
-    model's layout, and their layouts; every other weight as the float loader gives it."""
+def _llama_family(cfg: ModelConfig) -> bool:
+    """Whether the float loader reads `cfg`'s checkpoint as a dense Llama (hf.py `llama_weights`)."""
+    others = (cfg.mla, cfg.glm4, cfg.gpt_oss, cfg.llama4, cfg.gemma3, cfg.gated_delta)
+    return not cfg.is_moe and all(o is None for o in others)
+
+
+def load_llama_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
+    """The model with each kept fused weight as parts ("layers.wqkv.q4", ".zero", ".scale"; 8-bit:
+    "layers.wqkv.fp8" or ".int8", ".scale") in the model's layout, and their layouts; every other
+    weight as the float loader gives it."""
     with open(os.path.join(path, "config.json")) as f:
         scheme = quant_scheme(json.load(f))
     cfg = read_hf_config(path)
-    if cfg.mla is not None or cfg.is_moe:
+    if not _llama_family(cfg):
         raise ConfigError(f"weights_quantization='checkpoint' keeps {scheme.kind} weights of dense Llama-architecture "
                           f"models, not {cfg.architecture}; {_DEQUANTIZE}")
     plain, parts, kept, formats = [], {}, {}, {}
@@ -71,23 +86,12 @@ def load_gptq_awq_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
             plain.append((f"{name}.weight", dequantize_module(name, w, scheme)) if isinstance(w, dict) else (name, w))
             continue
         layer, short = where
-        unpacked = unpack_module(name, w, scheme)
-        if unpacked.act_order and not scheme.act_order:
-            raise ConfigError(f"{name}.g_idx: its groups are not runs of consecutive inputs but "
-                              f"quantization_config.desc_act is not set; {_DEQUANTIZE}")
-        if short == "wo" and cfg.head_dim % 8:
-            raise ConfigError(f"{name}: head_dim {cfg.head_dim} splits its 8-input words between heads; {_DEQUANTIZE}")
-        size = unpacked.q.shape[1] // unpacked.scale.shape[1]
-        if scheme.act_order:
-            per_group, kept_form = size, kept_parts_act_order(unpacked)
-        else:
-            per_group = kept_group(size, cfg.head_dim if short == "wo" else None)
-            kept_form = kept_parts(unpacked, per_group)
+        kept_form, layout = (_channel_form if scheme.kind == "channel" else _int4_form)(name, w, short, scheme, cfg)
         for part, a in kept_form.items():
-            laid = _layout(short, part, a, unpacked.q.shape[0], scheme.act_order, cfg)
+            laid = _layout(short, part, a, scheme, cfg)
             parts.setdefault(part, {}).setdefault(short, [None] * cfg.num_layers)[layer] = laid
         kept[(layer, short)] = name
-        formats.setdefault(_FUSED_OF[short], set()).add((per_group, unpacked.scale.dtype))
+        formats.setdefault(_FUSED_OF[short], set()).add(layout)
     _check_whole(kept, plain, cfg)
     weights = llama_weights(plain, cfg)
     for part, per_layer in parts.items():
@@ -95,22 +99,51 @@ def load_gptq_awq_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
     layouts = {}
     for fused, found in formats.items():
         if len(found) != 1:
-            raise UnsupportedModelError(f"layers.{fused}: its tensors have different groups or scale dtypes "
-                                        f"{sorted((g, str(d)) for g, d in found)}; {_DEQUANTIZE}")
-        per_group, scale_dtype = next(iter(found))
-        layouts[fused] = QuantLayout("int4", per_group, jnp.dtype(scale_dtype), scheme.act_order)
+            raise UnsupportedModelError(f"layers.{fused}: its tensors are kept in different forms "
+                                        f"{sorted(map(str, found))}; {_DEQUANTIZE}")
+        layouts[fused] = next(iter(found))
     loaded = LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path), name=os.path.basename(os.path.normpath(path)),
                          weights=weights)
     return loaded, layouts
 
 
-def _layout(short: str, part: str, a: np.ndarray, out: int, act_order: bool, cfg: ModelConfig) -> np.ndarray:
-    """A kept part in the model's layout, moved as `part_to_layout` moves `[O, n]` parts. An act-order
-    g_idx `[I]` (the same for every output) becomes the weight's layout with its last axis 1, and wo's
-    whole zero / scale tables `[E, G]` become `[1, G, E]` (any head's input may be in any group)."""
+def _channel_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
+                  ) -> tuple[dict[str, np.ndarray], QuantLayout]:
+    """An 8-bit module's parts `[O, I]` and `[O, 1]` (float32 scales), and its layout."""
+    form = channel_parts(name, w, scheme)
+    kind = "fp8" if form.weight.dtype != np.int8 else "int8"
+    return {kind: form.weight, "scale": np.asarray(form.weight_scale, np.float32)}, QuantLayout(kind)
+
+
+def _int4_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
+               ) -> tuple[dict[str, np.ndarray], QuantLayout]:
+    """A GPTQ / AWQ module's kept parts in HF's `[O, n]` layout, and its layout (see the module doc)."""
+    unpacked = unpack_module(name, w, scheme)
+    if unpacked.act_order and not scheme.act_order:
+        raise ConfigError(f"{name}.g_idx: its groups are not runs of consecutive inputs but "
+                          f"quantization_config.desc_act is not set; {_DEQUANTIZE}")
+    if short == "wo" and cfg.head_dim % 8:
+        raise ConfigError(f"{name}: head_dim {cfg.head_dim} splits its 8-input words between heads; {_DEQUANTIZE}")
+    size = unpacked.q.shape[1] // unpacked.scale.shape[1]
+    if scheme.act_order:
+        per_group, kept_form = size, kept_parts_act_order(unpacked)
+        kept_form["g_idx"] = np.broadcast_to(kept_form["g_idx"], (unpacked.q.shape[0], kept_form["g_idx"].size))
+    else:
+        per_group = kept_group(size, cfg.head_dim if short == "wo" else None)
+        kept_form = kept_parts(unpacked, per_group)
+    return kept_form, QuantLayout("int4", per_group, jnp.dtype(unpacked.scale.dtype), scheme.act_order)
+
+
+def _layout(short: str, part: str, a: np.ndarray, scheme: QuantScheme, cfg: ModelConfig) -> np.ndarray:
+    """A kept part `[O, n]` in the model's layout, moved as `part_to_layout` moves it. An act-order
+    g_idx (the same for every output) becomes the weight's layout with its last axis 1, and wo's
+    whole zero / scale tables `[E, G]` become `[1, G, E]` (any head's input may be in any group). An
+    8-bit wo's scales `[E, 1]` are repeated for each head, `[Hq, 1, E]`."""
     if part == "g_idx":
-        return np.ascontiguousarray(part_to_layout(short, np.broadcast_to(a, (out, a.size)), cfg)[..., :1])
-    if act_order and short == "wo" and part != "q4":
+        return np.ascontiguousarray(part_to_layout(short, a, cfg)[..., :1])
+    if short == "wo" and part == "scale" and scheme.kind == "channel":
+        return np.ascontiguousarray(np.broadcast_to(a.T[None], (cfg.num_heads, 1, a.shape[0])))
+    if scheme.act_order and short == "wo" and part != "q4":
         return a.T[None]
     return part_to_layout(short, a, cfg)
 
@@ -130,6 +163,8 @@ def check_mesh(layouts: dict[str, QuantLayout], cfg: ModelConfig, plan: ShardPla
     flat = nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.float32), nnx.Param))
     shapes = {".".join(map(str, p)): (tuple(v.shape), v.axes) for p, v in flat}
     for fused, layout in layouts.items():
+        if layout.kind != "int4":  # 8-bit values split anywhere, their scales with the outputs
+            continue
         for name in [n for n in shapes if n.count(".") == 1 and n.partition(".")[2] == fused]:  # every stack's
             shape, axes = shapes[name]
             axis = len(shape) + INPUT_AXIS[fused]
@@ -145,8 +180,8 @@ def check_mesh(layouts: dict[str, QuantLayout], cfg: ModelConfig, plan: ShardPla
 
 
 def load_kept_placed(path: str, dtype, plan: ShardPlan | None) -> Placed:
-    """The checkpoint placed with its int4 layer weights kept (see the module doc)."""
-    loaded, layouts = load_gptq_awq_kept(path)
+    """The checkpoint placed with its layer weights kept (see the module doc)."""
+    loaded, layouts = load_llama_kept(path)
     if plan is not None:
         check_mesh(layouts, loaded.config, plan)
     return place_parts(loaded, dict(loaded.weights), layouts, dtype, plan)

@@ -15,6 +15,7 @@ import re
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+import numpy as np
 
 from infire_jax.loaders.hf_quantized import quant_scheme
 from infire_jax.models.config import ModelConfig
@@ -32,8 +33,9 @@ FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int4-g32": 0.5
                 "fp8-block128": 1 + 4 / 128 ** 2, "int8-channel": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32,
                 "mxfp4": 0.5 + 1 / 32,
                 "int32": 4.0, "int16": 2.0, "uint8": 1.0,  # kept GPTQ / AWQ parts
+                "int8": 1.0, "float8_e4m3fn": 1.0,  # kept 8-bit parts (their float32 scales: "float32")
                 "float8_e4m3": 1.0}  # an fp8 KV cache (its per-head scales are a few bytes)
-INT4_METHODS = ("gptq", "awq")  # planned as kept int4 parts (`int4_layouts`), not as a kind's format
+INT4_METHODS = ("gptq", "awq")  # planned as kept int4 parts (`kept_layouts`), not as a kind's format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Tensor:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     matrix: bool = True  # a projection (takes the kind's format); norms, biases and routers keep the dtype
-    store: str | None = None  # a kept int4 part's own storage (a FORMAT_BYTES key), whatever the kind's format
+    store: str | None = None  # a kept part's own storage (a FORMAT_BYTES key), whatever the kind's format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +236,7 @@ def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
 def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats: Mapping[str, str] | None = None,
                       int4: Mapping[str, QuantLayout] | None = None) -> PlanModel:
     """The plan of one of our models as the engine places it (`cfg`: the plan's effective config);
-    `int4` names the layer weights kept as int4 parts (`int4_layouts`), planned part by part."""
+    `int4` names the layer weights kept as parts (`kept_layouts`; int4 or 8-bit), planned part by part."""
     width = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
     if cfg.llama4 is not None:  # the routed experts and the shared expert, or a dense layer's MLP
         width = max(width + cfg.moe_intermediate_size, cfg.intermediate_size)
@@ -290,17 +292,21 @@ def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
                                encoder_elements=(elements, tiles * vcfg.num_heads * tokens ** 2))
 
 
-def int4_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:
-    """A GPTQ / AWQ config's layer weights as `weights_quantization="checkpoint"` keeps them
+def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:
+    """A GPTQ / AWQ or 8-bit config's layer weights as `weights_quantization="checkpoint"` keeps them
     (loaders/llama_quant.py): int4 words, uint8 zeros and fp16 scales (the formats' scale dtype) per
     group, wo's groups cut at head boundaries, or with act-order (`desc_act`) whole tables and an int16
-    index of each input's group; {} for any other config, ValueError naming a field it cannot plan."""
-    if (hf.get("quantization_config") or {}).get("quant_method") not in INT4_METHODS:
+    index of each input's group; 8-bit values (fp8 or int8) with a float32 scale per output channel.
+    {} for any other config, ValueError naming a field it cannot plan."""
+    scheme = _kept_scheme(hf)
+    if scheme is None:
         return {}
-    scheme = quant_scheme(hf)
     if cfg.is_moe:
-        raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: int4 weights are kept (and planned) "
+        raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: its weights are kept (and planned) "
                          f"for dense Llama-architecture models, not {cfg.architecture}")
+    if scheme.kind == "channel":
+        kind = "int8" if scheme.values == np.int8 else "fp8"
+        return {short: QuantLayout(kind) for short in ("wqkv", "wo", "w_gate_up", "w_down")}
     inputs = {"wqkv": cfg.hidden_size, "wo": cfg.num_heads * cfg.head_dim, "w_gate_up": cfg.hidden_size,
               "w_down": cfg.intermediate_size}
     layouts = {}
@@ -309,6 +315,16 @@ def int4_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
         group = size if scheme.act_order else kept_group(size, cfg.head_dim if short == "wo" else None)
         layouts[short] = QuantLayout("int4", group, jnp.float16, scheme.act_order)
     return layouts
+
+
+def _kept_scheme(hf: Mapping[str, Any]):
+    """The config's scheme where its layer weights are planned as kept parts (GPTQ / AWQ int4, 8-bit
+    channels: hf_quantized.QuantScheme), else None."""
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method is None or method == "mxfp4":
+        return None
+    scheme = quant_scheme(hf)
+    return scheme if scheme is not None and scheme.kind in ("gptq", "awq", "channel") else None
 
 
 def int4_at_load_layouts(cfg: ModelConfig, group: int) -> dict[str, QuantLayout]:
@@ -328,14 +344,14 @@ def _field(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:
 
 def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
     """Each kind's storage from `quantization_config`: compressed-tensors int4 group 32 (Kimi) or fp8
-    128 x 128 blocks (DeepSeek-V3); kinds an `ignore` pattern covers keep `dtype`. GPTQ / AWQ leave
-    every kind at `dtype`: their layer weights are planned as int4 parts (`int4_layouts`). MXFP4
+    128 x 128 blocks (DeepSeek-V3); kinds an `ignore` pattern covers keep `dtype`. GPTQ / AWQ and the
+    8-bit schemes leave every kind at `dtype`: their layer weights are planned as parts (`kept_layouts`). MXFP4
     (gpt-oss) quantizes the routed experts alone, as transformers does, unless `modules_to_not_convert`
     names them."""
     formats = {k: dtype for k in KINDS}
     q = hf.get("quantization_config")
     method = (q or {}).get("quant_method")
-    if not q or method in INT4_METHODS:
+    if not q or _kept_scheme(hf) is not None:
         return formats
     if method == "mxfp4":
         if not _hf_skips("model.layers.1.mlp.experts", list(q.get("modules_to_not_convert") or [])):

@@ -103,10 +103,10 @@ def check_fits(model: PlanModel, mc: MeshConfig) -> str | None:
         return f"vocabulary {model.vocab_size} is not divisible by {vocab_split}"
     if model.num_layers < sizes["pp"]:
         return f"{model.num_layers} layers cannot fill {sizes['pp']} pipeline stages"
-    for t in model.tensors:  # a kept int4 part splits only into whole words and groups (llama_quant.check_mesh)
+    for t in model.tensors:  # a kept part splits only into whole words and groups (llama_quant.check_mesh)
         uneven = [(n, k) for n, k in zip(t.shape, _splits(t, mc)) if t.store and n % k]
         if uneven:
-            return f"kept int4 part {t.name}: {uneven[0][0]} entries cannot be split {uneven[0][1]} ways"
+            return f"kept part {t.name}: {uneven[0][0]} entries cannot be split {uneven[0][1]} ways"
         if t.matrix and model.formats[t.kind] == "mxfp4" and t.axes[1:2] == ("experts",):
             inputs, ways = t.shape[2], _splits(t, mc)[2]  # an expert weight's input axis: after layers, experts
             if inputs % (MXFP4_BLOCK * ways):

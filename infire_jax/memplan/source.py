@@ -7,7 +7,7 @@ import os
 from typing import Callable
 
 from infire_jax.memplan.model import (
-    PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, int4_layouts, placed_config,
+    PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, kept_layouts, placed_config,
     with_vision)
 from infire_jax.models.hf_config import config_from_hf
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, INT4_GROUPS
@@ -55,7 +55,7 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
             model = from_hf_config(hf, dtype, name=spec or path)
             return lambda mc: model
         cfg, formats = config_from_hf(hf), formats_from_hf(hf, dtype)
-        int4 = int4_at_load_layouts(cfg, group) if weights_quantization else int4_layouts(hf, cfg)
+        int4 = int4_at_load_layouts(cfg, group) if weights_quantization else kept_layouts(hf, cfg)
         return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, int4),
                                   vision, weights_quantization)
     from infire_jax.loaders.dummy import dummy_hf_config

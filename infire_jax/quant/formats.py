@@ -12,6 +12,8 @@ dequantization is the matmul's prologue:
 - `Fp8Block`: DeepSeek-V3's fp8: `weight` float8_e4m3fn `[out, in]`, `weight_scale_inv` float32
   `[ceil(out / 128), ceil(in / 128)]`, `w = float32(weight) * scale_inv[o // 128, i // 128]`.
 - `Int8Channel`: `weight` int8 `[out, in]`, `weight_scale` `[out, 1]`, `w = q * scale[o]`.
+- `Fp8Channel`: `weight` float8_e4m3fn `[out, in]`, `weight_scale` `[out, 1]`, `w = float32(q) *
+  scale[o]` (llm-compressor's FP8 channel scheme, fbgemm_fp8; a per-tensor scale repeated on each row).
 
 Dequantized values are computed in float32 (for int4 and int8 the product is exact there; for fp8
 it is the definition's float32 product) and cast to the requested dtype last.
@@ -93,7 +95,20 @@ class Int8Channel:
         _check("weight_scale", self.weight_scale, (self.weight.shape[0], 1), _SCALE_DTYPES)
 
 
-QuantizedWeight = Int4Group | Fp8Block | Int8Channel
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Channel:
+    """float8_e4m3fn weights with one scale per output channel (row)."""
+
+    weight: Shaped[Array, "O I"]
+    weight_scale: Shaped[Array, "O 1"]
+
+    def __post_init__(self):
+        _check("weight", self.weight, self.weight.shape, (jnp.float8_e4m3fn,))
+        _check("weight_scale", self.weight_scale, (self.weight.shape[0], 1), _SCALE_DTYPES)
+
+
+QuantizedWeight = Int4Group | Fp8Block | Int8Channel | Fp8Channel
 
 
 def unpack_int4(packed: Int32[Array, "... W"]) -> Int32[Array, "... V"]:
@@ -112,7 +127,7 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> Shaped[Array, "O I"]:
         out, inp = w.weight.shape
         scale = jnp.repeat(jnp.repeat(w.weight_scale_inv, w.block, axis=0), w.block, axis=1)[:out, :inp]
         full = w.weight.astype(jnp.float32) * scale
-    elif isinstance(w, Int8Channel):
+    elif isinstance(w, (Int8Channel, Fp8Channel)):
         full = w.weight.astype(jnp.float32) * w.weight_scale.astype(jnp.float32)
     else:
         raise TypeError(f"not a quantized weight: {type(w).__name__}")

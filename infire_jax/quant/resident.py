@@ -1,9 +1,10 @@
 """Quantized stacked weights kept in device memory and dequantized one layer at a time in the scan.
 
-Four sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), any
+Five sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), any
 float model quantized at load to int8 with one scale per output channel (`quantize_int8`) or to
-int4 groups with zero points (quant/int4_rtn.py), or a GPTQ / AWQ checkpoint's int4 groups with
-zero points (loaders/llama_quant.py, quant/gptq_awq.py).
+int4 groups with zero points (quant/int4_rtn.py), a GPTQ / AWQ checkpoint's int4 groups with
+zero points (loaders/llama_quant.py, quant/gptq_awq.py), or an 8-bit checkpoint's fp8 or int8
+weights with a scale per output channel (llm-compressor, AutoFP8, fbgemm_fp8; loaders/llama_quant.py).
 
 Like palette compression (compression/resident.py), a quantized stacked weight is a module of
 parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, with the input
@@ -36,6 +37,7 @@ QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: quant/int4_
 # w_down [(X,) F, E], and a shared expert's (Llama 4) like a dense MLP's.
 INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2}
 SHARED_EXPERT = ("w_shared_gate_up", "w_shared_down")  # Llama 4's MoE layers only
+CHANNEL_VALUES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # 8-bit kinds: their values' part and dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,7 @@ class QuantLayout:
     points in groups of `group` inputs, consecutive or, with `act_order`, any); the parts' shapes
     and logical axes follow from the weight's."""
 
-    kind: str  # "Q4_1", "Q8_0", "int8" or "int4"
+    kind: str  # "Q4_1", "Q8_0", "int8", "fp8" (e4m3; a float32 scale per output channel, as int8) or "int4"
     group: int = 0  # int4: inputs per scale and zero (the whole input axis for one group per row)
     scale_dtype: Any = jnp.float16  # int4: the checkpoint's
     act_order: bool = False  # int4: groups are sets of inputs named by a per-input index (GPTQ desc_act)
@@ -62,8 +64,8 @@ class QuantLayout:
             part = tuple(n if i == axis else s for i, s in enumerate(shape))
             return part, dtype, tuple(None if i == axis and n == 1 else a for i, a in enumerate(axes))
 
-        if self.kind == "int8":  # one float32 scale per output channel: the input axis reduced to 1
-            return {"int8": (shape, jnp.int8, axes), "scale": along(1, jnp.float32)}
+        if self.kind in CHANNEL_VALUES:  # one float32 scale per output channel: the input axis reduced to 1
+            return {self.kind: (shape, CHANNEL_VALUES[self.kind], axes), "scale": along(1, jnp.float32)}
         if self.kind == "int4":
             return self._int4_specs(short, shape, axes, axis, along)
         if shape[axis] % QK:
@@ -114,14 +116,15 @@ class QuantParams(WeightParts):
 
 
 def is_quantized(value: Any) -> bool:
-    return isinstance(value, Mapping) and any(p in value for p in (*QUANT_PART.values(), "int8", "q4"))
+    return isinstance(value, Mapping) and any(p in value for p in (*QUANT_PART.values(), *CHANNEL_VALUES, "q4"))
 
 
 def _dequantize(parts: Mapping[str, Array], short: str, dtype) -> Array:
     if "q4" in parts:
         return dequantize_parts(parts, INPUT_AXIS[short], dtype)
-    if "int8" in parts:
-        return (parts["int8"].astype(jnp.float32) * parts["scale"]).astype(dtype)
+    for kind in CHANNEL_VALUES:
+        if kind in parts:
+            return (parts[kind].astype(jnp.float32) * parts["scale"]).astype(dtype)
     return dequantize_blocks(parts, INPUT_AXIS[short], dtype)
 
 

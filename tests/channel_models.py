@@ -1,0 +1,105 @@
+"""Tiny random Llama / Qwen2 checkpoints in the 8-bit schemes with a scale per output channel or per
+tensor (loaders/hf_quantized.py's module doc lists them), and each one's float twin.
+
+Written from the schemes' definitions, independent of infire_jax: the weights are quantized here
+(absmax to the format's largest value, per row or per tensor), stored as each scheme stores them
+(the scale's shape and dtype, the activation tensors beside), and the twin holds `float64(q) *
+scale[o]` element by element, in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import ml_dtypes
+import numpy as np
+
+from deepseek_models import VOCAB, _save_tokenizer
+from gptq_awq_models import CONFIG, FAMILIES, LINEARS
+
+FUSED_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+FP8, INT8 = ml_dtypes.float8_e4m3fn, np.int8
+
+
+def _compressed(values: str, strategy: str, activations: dict | None) -> dict:
+    weights = dict(num_bits=8, type=values, symmetric=True, strategy=strategy, dynamic=False, group_size=None)
+    group = dict(targets=["Linear"], weights=weights, input_activations=activations, output_activations=None)
+    return dict(quant_method="compressed-tensors", format=f"{values}-quantized", ignore=["lm_head"],
+                config_groups={"group_0": group}, quantization_status="compressed")
+
+
+DYNAMIC = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+# name: (quantization_config, values, scale per "channel" or "tensor", scale's stored shape and dtype,
+#        activation tensors written beside each weight, family)
+CASES = {
+    "fp8-dynamic": (_compressed("float", "channel", DYNAMIC), FP8, "channel", "[O, 1]", ml_dtypes.bfloat16, {},
+                    "llama"),
+    "fp8-static": (_compressed("float", "tensor", dict(DYNAMIC, strategy="tensor", dynamic=False)), FP8, "tensor",
+                   "[1]", np.float32, {"input_scale": np.ones(1, np.float32)}, "qwen2"),
+    "autofp8": (dict(quant_method="fp8", activation_scheme="static"), FP8, "tensor", "[]", np.float32,
+                {"input_scale": np.ones((), np.float32)}, "llama"),
+    "fbgemm-fp8": (dict(quant_method="fbgemm_fp8", activation_scale_ub=1200.0, modules_to_not_convert=["lm_head"]),
+                   FP8, "channel", "[O, 1]", np.float32, {"input_scale_ub": np.full(1, 1200.0, np.float32)}, "llama"),
+    "w8a8-int8": (_compressed("int", "channel", dict(DYNAMIC, type="int")), INT8, "channel", "[O]", np.float16, {},
+                  "llama"),
+}
+
+
+def _quantize(w: np.ndarray, values, strategy: str, scale_dtype) -> tuple[np.ndarray, np.ndarray]:
+    """`w [O, I]` as 8-bit values and the stored scale (per row [O, 1], or one): absmax to the format's top."""
+    top = 448.0 if values is FP8 else 127.0
+    amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max()
+    scale = np.asarray(amax / top).astype(scale_dtype)
+    x = w / scale.astype(np.float64)
+    q = x.astype(FP8) if values is FP8 else np.clip(np.rint(x), -127, 127).astype(INT8)
+    return q, scale
+
+
+def _stored(scale: np.ndarray, form: str, out: int) -> np.ndarray:
+    shapes = {"[O, 1]": (out, 1), "[O]": (out,), "[1]": (1,), "[]": ()}
+    return scale.reshape(shapes[form])
+
+
+def write_checkpoints(base: pathlib.Path, name: str, seed: int = 0) -> tuple[str, str]:
+    """The quantized checkpoint `name` and its float twin (the weights the scheme defines, in float32)."""
+    from safetensors.numpy import save_file
+
+    config, values, strategy, form, scale_dtype, activations, family = CASES[name]
+    rng = np.random.default_rng(seed)
+    e = CONFIG["hidden_size"]
+    common = {"model.embed_tokens.weight": rng.standard_normal((VOCAB, e)).astype(np.float32),
+              "lm_head.weight": (rng.standard_normal((VOCAB, e)) * 0.1).astype(np.float32),
+              "model.norm.weight": (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)}
+    quantized, twin = dict(common), dict(common)
+    for layer in range(CONFIG["num_hidden_layers"]):
+        pre = f"model.layers.{layer}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            quantized[f"{pre}.{norm}.weight"] = twin[f"{pre}.{norm}.weight"] = \
+                (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
+        for module, (out, inp) in LINEARS.items():
+            q, scale = _quantize(rng.standard_normal((out, inp)) / np.sqrt(inp), values, strategy, scale_dtype)
+            quantized[f"{pre}.{module}.weight"] = q
+            quantized[f"{pre}.{module}.weight_scale"] = _stored(scale, form, out)
+            quantized.update({f"{pre}.{module}.{k}": v for k, v in activations.items()})
+            # the definition, element by element in float64: each row times its scale (or the tensor's)
+            rows = scale.astype(np.float64).reshape(-1)
+            twin[f"{pre}.{module}.weight"] = np.stack(
+                [q[o].astype(np.float64) * rows[o if rows.size > 1 else 0] for o in range(out)]).astype(np.float32)
+            if family == "qwen2" and module in FUSED_QKV:
+                quantized[f"{pre}.{module}.bias"] = twin[f"{pre}.{module}.bias"] = \
+                    (0.1 * rng.standard_normal(out)).astype(np.float32)
+    paths = []
+    for label, tensors, quant in (("", quantized, config), ("-float", twin, None)):
+        path = base / f"{name}{label}"
+        path.mkdir(parents=True)
+        save_file(tensors, str(path / "model.safetensors"))
+        hf = dict(CONFIG, **FAMILIES[family], torch_dtype="float32")
+        if quant is not None:
+            hf["quantization_config"] = quant
+        (path / "config.json").write_text(json.dumps(hf))
+        _save_tokenizer(path)
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
