@@ -11,10 +11,12 @@ import pytest
 
 # The suite is mostly XLA compilation (every engine compiles its buckets): XLA CPU's legacy fusion
 # emitters compile the suite's programs two to three times faster than its new MLIR ones, and the
-# programs run within ~10% as fast. Set before jax starts a backend; subprocesses take it through `cpu_env`.
-# Not on a GPU machine, whose GPU test files run as users run them. XLA aborts on a flag it does not
-# know, so a jax without it gets none (probed once per run, in a subprocess).
-_CANDIDATE_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "")
+# programs run within ~10% as fast; LLVM at -O0 (`--xla_backend_optimization_level=0`) took test_llama4
+# from 128 to 92 s (docs/PERFORMANCE.md). Set before jax starts a backend; subprocesses take it through
+# `cpu_env`. Not on a GPU machine, whose GPU test files run as users run them. XLA aborts on a flag it does
+# not know, so a jax without one gets the next set (probed once per run, in a subprocess).
+_CANDIDATE_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
+                        "--xla_cpu_use_fusion_emitters=false", "")
 
 
 def _test_xla_flags() -> str:

@@ -188,7 +188,7 @@ def test_microbatches_see_earlier_microbatches_as_context():
 # ---- sharded runs on 8 virtual devices ----------------------------------------------------------
 
 PROMPTS = ["The capital of France is", "Once upon a time, " * 5, "def add(a, b):"]
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, token_buckets=[4, 32], num_kv_pages=64)
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, token_buckets=[32], num_kv_pages=64)
 
 
 def _hf_dir(path, family: str, tokenizer) -> str:
