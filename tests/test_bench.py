@@ -342,14 +342,6 @@ def test_latency_llama_1b(tmp_path):
     assert data["results"][0]["prefix_len"] == 32 and data["results"][0]["mean_cached_tokens"] == 24
 
 
-def test_throughput_llama_1b(tmp_path):
-    data = _run(tmp_path, "throughput_1b", "throughput", "--model", "dummy:llama-3.2-1b,layers=2", "--input-len", "16",
-                "--output-len", "8", "--num-prompts", "2", "--max-concurrency", "2", "--num-warmup-prompts", "0",
-                *SMALL)
-    assert data["engine"]["model"] == "dummy:llama-3.2-1b,layers=2"
-    _check_throughput(data, [2], 2, 16, 8)
-
-
 def test_suite_default_model(tmp_path):
     data = _run(tmp_path, "suite", "suite", "--model", "", "--latency-input-len", "16", "--latency-output-len", "4",
                 "--num-iters", "1", "--input-len", "16", "--output-len", "4", "--max-concurrency", "2", "4",
