@@ -73,11 +73,13 @@ def test_engine_on_the_checkpoint_equals_its_float_twin_kept_or_not(name, checkp
 
     quantized, twin = checkpoints[name]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    want = LLM(model=twin, **ENGINE).generate(PROMPTS, params)
+    engines = {"float": LLM(model=twin, **ENGINE), "dequantized": LLM(model=quantized, **ENGINE),
+               "kept": LLM(model=quantized, weights_quantization="checkpoint", **ENGINE)}
+    want = engines["float"].generate(PROMPTS, params)
     assert len(set(want[0].token_ids)) > 2  # not a degenerate repetition
-    deq = LLM(model=quantized, **ENGINE).generate(PROMPTS, params)
+    deq = engines["dequantized"].generate(PROMPTS, params)
     _assert_same(deq, want)
-    kept = LLM(model=quantized, weights_quantization="checkpoint", **ENGINE)
+    kept = engines["kept"]
     placed = _placed(kept)
     values = "fp8" if CASES[name][1] is FP8 else "int8"
     for t, members in FUSED.items():  # the 8-bit values and a float32 scale a row; no full-precision copy
@@ -86,17 +88,20 @@ def test_engine_on_the_checkpoint_equals_its_float_twin_kept_or_not(name, checkp
         v, scale = placed[f"layers.{t}.{values}"], placed[f"layers.{t}.scale"]
         assert v.dtype == (jnp.float8_e4m3fn if values == "fp8" else jnp.int8) and scale.dtype == jnp.float32
         assert v.size == CONFIG["num_hidden_layers"] * sum(np.prod(LINEARS[m]) for m in members), t
-    ratio = kept.engine.runner.weight_bytes / LLM(model=twin, **ENGINE).engine.runner.weight_bytes
+    ratio = kept.engine.runner.weight_bytes / engines["float"].engine.runner.weight_bytes
     assert ratio < 0.65, ratio  # float32 embedding and LM head dominate this tiny model
     _assert_same(kept.generate(PROMPTS, params), deq)
     monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")  # read in place (test_quant_kernels.py checks it)
-    _assert_same(LLM(model=quantized, weights_quantization="checkpoint", **ENGINE).generate(PROMPTS, params), deq,
-                 atol=1e-4)
+    engines["kernel"] = LLM(model=quantized, weights_quantization="checkpoint", **ENGINE)
+    _assert_same(engines["kernel"].generate(PROMPTS, params), deq, atol=1e-4)
+    for llm in engines.values():
+        llm.engine.close()
 
 
 def test_kept_on_a_tp_mesh_equals_one_device(checkpoints, tmp_path):
-    """fp8 kept on tp=4 (4 CPU devices, kv heads repeated): the values and the row scales split with the
-    outputs (wo and down along their inputs, the scales whole there), same tokens as one device."""
+    """fp8 kept on tp=4 (4 CPU devices, kv heads repeated): the values split as the weights (wo and down
+    along their inputs), the row scales with the outputs (wo's, one a head, with its heads); the same
+    tokens as one device."""
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
     path = checkpoints["fp8-dynamic"][0]
@@ -162,6 +167,9 @@ def test_the_memory_plan_counts_the_kept_8bit_weights(checkpoints):
                                                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
                      + heads * LINEARS["self_attn.o_proj"][0])
     assert plain - kept == weights * 4 - (weights + rows * 4)
-    engine = {p: LLM(model=p, weights_quantization=q, **ENGINE).engine.runner.weight_bytes
-              for p, q in ((quantized, "checkpoint"), (twin, None))}
+    engine = {}
+    for path, mode in ((quantized, "checkpoint"), (twin, None)):
+        llm = LLM(model=path, weights_quantization=mode, **ENGINE)
+        engine[path] = llm.engine.runner.weight_bytes
+        llm.engine.close()
     assert engine[twin] - engine[quantized] == plain - kept
