@@ -288,8 +288,8 @@ def test_meshes_match_one_device(tmp_path):
     heads repeated): a whole expert a device with its biases (kept: blocks and scales together); on ep 8 also
     by the GPU's grouped kernels (interpret mode) reading each device's kept experts in place. Pipelines of 2
     stages, each a windowed and a full layer. Each gives one device's greedy tokens, and its logprobs within
-    float32 rounding (the reductions' order; 7e-5 seen, 1.2e-4 with the suite's LLVM -O0); tp 8 over the experts' widths would split w_down's
-    2 blocks of 32 and is refused naming it."""
+    float32 rounding (the reductions' order; 7e-5 seen, 1.2e-4 with the suite's LLVM -O0); tp 8 over the
+    experts' widths would split w_down's 2 blocks of 32 and is refused naming it."""
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
     path = tmp_path / "float"

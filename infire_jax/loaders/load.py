@@ -147,7 +147,8 @@ def load_quantized_placed(spec: str | None, dtype, plan: ShardPlan | None, mode:
     blocks; "int8" quantizes any model's float layer weights at load, per output channel, "int4" with
     zero points in groups of `int4_group_size` inputs (default 128; a `dummy:` model's are drawn);
     "checkpoint" keeps a quantized HF checkpoint's own format: GPTQ / AWQ int4, 8-bit fp8 or int8
-    channels, DeepSeek-V3's fp8, Kimi's int4, gpt-oss's MXFP4 experts). Checkpoints of the placed weights are bypassed."""
+    channels, DeepSeek-V3's fp8, Kimi's int4, gpt-oss's MXFP4 experts). Checkpoints of the placed
+    weights are bypassed."""
     if mode not in QUANTIZATION_MODES:
         raise ConfigError(f"unknown weights_quantization {mode!r}; choose from {list(QUANTIZATION_MODES)}")
     if int4_group_size is not None and mode != "int4":
