@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -82,30 +83,33 @@ class Fp8Block:
                (math.ceil(out / self.block), math.ceil(inp / self.block)), (jnp.float32,))
 
 
+@dataclasses.dataclass(frozen=True)
+class _RowScaled:
+    """8-bit weights (`VALUES`, a subclass's) with one scale per output channel (row)."""
+
+    weight: Shaped[Array, "O I"]
+    weight_scale: Shaped[Array, "O 1"]
+    VALUES: ClassVar[tuple] = ()
+
+    def __post_init__(self):
+        _check("weight", self.weight, self.weight.shape, self.VALUES)
+        _check("weight_scale", self.weight_scale, (self.weight.shape[0], 1), _SCALE_DTYPES)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Int8Channel:
+class Int8Channel(_RowScaled):
     """int8 weights with one scale per output channel (row)."""
 
-    weight: Shaped[Array, "O I"]
-    weight_scale: Shaped[Array, "O 1"]
-
-    def __post_init__(self):
-        _check("weight", self.weight, self.weight.shape, (jnp.int8,))
-        _check("weight_scale", self.weight_scale, (self.weight.shape[0], 1), _SCALE_DTYPES)
+    VALUES: ClassVar[tuple] = (jnp.int8,)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Fp8Channel:
+class Fp8Channel(_RowScaled):
     """float8_e4m3fn weights with one scale per output channel (row)."""
 
-    weight: Shaped[Array, "O I"]
-    weight_scale: Shaped[Array, "O 1"]
-
-    def __post_init__(self):
-        _check("weight", self.weight, self.weight.shape, (jnp.float8_e4m3fn,))
-        _check("weight_scale", self.weight_scale, (self.weight.shape[0], 1), _SCALE_DTYPES)
+    VALUES: ClassVar[tuple] = (jnp.float8_e4m3fn,)
 
 
 QuantizedWeight = Int4Group | Fp8Block | Int8Channel | Fp8Channel
@@ -127,7 +131,7 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> Shaped[Array, "O I"]:
         out, inp = w.weight.shape
         scale = jnp.repeat(jnp.repeat(w.weight_scale_inv, w.block, axis=0), w.block, axis=1)[:out, :inp]
         full = w.weight.astype(jnp.float32) * scale
-    elif isinstance(w, (Int8Channel, Fp8Channel)):
+    elif isinstance(w, _RowScaled):
         full = w.weight.astype(jnp.float32) * w.weight_scale.astype(jnp.float32)
     else:
         raise TypeError(f"not a quantized weight: {type(w).__name__}")
