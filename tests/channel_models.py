@@ -1,10 +1,10 @@
-"""Tiny random Llama / Qwen2 checkpoints in the 8-bit schemes with a scale per output channel or per
-tensor (loaders/hf_quantized.py's module doc lists them), and each one's float twin.
+"""Tiny random Llama / Qwen2 checkpoints in the 8-bit schemes with a scale per output channel, per
+tensor or per block (loaders/hf_quantized.py's module doc lists them), and each one's float twin.
 
 Written from the schemes' definitions, independent of infire_jax: the weights are quantized here
-(absmax to the format's largest value, per row or per tensor), stored as each scheme stores them
-(the scale's shape and dtype, the activation tensors beside), and the twin holds `float64(q) *
-scale[o]` element by element, in float32.
+(absmax to the format's largest value, per row, block or tensor), stored as each scheme stores them
+(the scale's shape, name and dtype, the activation tensors beside), and the twin holds `float64(q) *
+scale` element by element, in float32.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ def _compressed(values: str, strategy: str, activations: dict | None) -> dict:
 
 
 DYNAMIC = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
-# name: (quantization_config, values, scale per "channel" or "tensor", scale's stored shape and dtype,
-#        activation tensors written beside each weight, family)
+# fp8 blocks (Qwen3's FP8 releases: 128): 64 here, so that a block of o_proj's inputs spans two heads of 32
+BLOCK = 64
+# name: (quantization_config, values, scale per "channel", "tensor" or "block", scale's stored shape and
+#        dtype, activation tensors written beside each weight, family)
 CASES = {
     "fp8-dynamic": (_compressed("float", "channel", DYNAMIC), FP8, "channel", "[O, 1]", ml_dtypes.bfloat16, {},
                     "llama"),
@@ -43,21 +45,32 @@ CASES = {
                    FP8, "channel", "[O, 1]", np.float32, {"input_scale_ub": np.full(1, 1200.0, np.float32)}, "llama"),
     "w8a8-int8": (_compressed("int", "channel", dict(DYNAMIC, type="int")), INT8, "channel", "[O]", np.float16, {},
                   "llama"),
+    "fp8-block": (dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[BLOCK, BLOCK]),
+                  FP8, "block", "[O / B, I / B]", np.float32, {}, "qwen2"),
 }
 
 
-def _quantize(w: np.ndarray, values, strategy: str, scale_dtype) -> tuple[np.ndarray, np.ndarray]:
-    """`w [O, I]` as 8-bit values and the stored scale (per row [O, 1], or one): absmax to the format's top."""
+def _quantize(w: np.ndarray, values, strategy: str, scale_dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`w [O, I]` as 8-bit values, the stored scale (per row [O, 1], per block [O / B, I / B], or one),
+    and each weight's scale in float64 [O, I]: absmax to the format's top."""
     top = 448.0 if values is FP8 else 127.0
-    amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max()
+    o, i = w.shape
+    if strategy == "block":
+        amax = np.abs(w).reshape(o // BLOCK, BLOCK, i // BLOCK, BLOCK).max(axis=(1, 3))
+    else:
+        amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max()
     scale = np.asarray(amax / top).astype(scale_dtype)
-    x = w / scale.astype(np.float64)
+    wide = scale.astype(np.float64)
+    if strategy == "block":
+        wide = np.repeat(np.repeat(wide, BLOCK, axis=0), BLOCK, axis=1)
+    each = np.broadcast_to(wide, w.shape)
+    x = w / each
     q = x.astype(FP8) if values is FP8 else np.clip(np.rint(x), -127, 127).astype(INT8)
-    return q, scale
+    return q, scale, each
 
 
 def _stored(scale: np.ndarray, form: str, out: int) -> np.ndarray:
-    shapes = {"[O, 1]": (out, 1), "[O]": (out,), "[1]": (1,), "[]": ()}
+    shapes = {"[O, 1]": (out, 1), "[O]": (out,), "[1]": (1,), "[]": (), "[O / B, I / B]": scale.shape}
     return scale.reshape(shapes[form])
 
 
@@ -78,14 +91,14 @@ def write_checkpoints(base: pathlib.Path, name: str, seed: int = 0) -> tuple[str
             quantized[f"{pre}.{norm}.weight"] = twin[f"{pre}.{norm}.weight"] = \
                 (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
         for module, (out, inp) in LINEARS.items():
-            q, scale = _quantize(rng.standard_normal((out, inp)) / np.sqrt(inp), values, strategy, scale_dtype)
+            q, scale, each = _quantize(rng.standard_normal((out, inp)) / np.sqrt(inp), values, strategy, scale_dtype)
             quantized[f"{pre}.{module}.weight"] = q
-            quantized[f"{pre}.{module}.weight_scale"] = _stored(scale, form, out)
+            scale_name = "weight_scale_inv" if strategy == "block" else "weight_scale"
+            quantized[f"{pre}.{module}.{scale_name}"] = _stored(scale, form, out)
             quantized.update({f"{pre}.{module}.{k}": v for k, v in activations.items()})
-            # the definition, element by element in float64: each row times its scale (or the tensor's)
-            rows = scale.astype(np.float64).reshape(-1)
-            twin[f"{pre}.{module}.weight"] = np.stack(
-                [q[o].astype(np.float64) * rows[o if rows.size > 1 else 0] for o in range(out)]).astype(np.float32)
+            # the definition, element by element in float64: each weight times its row's, block's or the
+            # tensor's scale
+            twin[f"{pre}.{module}.weight"] = (q.astype(np.float64) * each).astype(np.float32)
             if family == "qwen2" and module in FUSED_QKV:
                 quantized[f"{pre}.{module}.bias"] = twin[f"{pre}.{module}.bias"] = \
                     (0.1 * rng.standard_normal(out)).astype(np.float32)

@@ -4,7 +4,7 @@ per device (for test_memplan.py).
 
 Usage: python memplan_worker.py JOB.json   (JOB: {"runs": [{"config": HF dict, "mesh": path}, ...]}; a run
 with "checkpoint": a GPTQ / AWQ directory places it as `weights_quantization="checkpoint"` does; with
-"checkpoint" and "at_load": GROUP, a float directory as `weights_quantization="int4"` does)
+"checkpoint" and "at_load": [MODE, GROUP], a float directory as `weights_quantization=MODE` does)
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def main() -> None:
         mc = MeshConfig.from_yaml(run["mesh"])
         cfg = read_hf_config(run["checkpoint"]) if "checkpoint" in run else config_from_hf(run["config"])
         plan = ShardPlan.create(cfg, mc)
-        if "at_load" in run:  # a float checkpoint quantized at load to int4 in groups of run["at_load"]
-            state = load_quantized_placed(run["checkpoint"], jnp.float32, plan, "int4", run["at_load"]).state
+        if "at_load" in run:  # a float checkpoint quantized at load (int4: in groups of the run's GROUP)
+            state = load_quantized_placed(run["checkpoint"], jnp.float32, plan, *run["at_load"]).state
         elif "checkpoint" in run:
             state = load_quantized_placed(run["checkpoint"], jnp.float32, plan, "checkpoint").state
         else:  # zeros through the checkpoint path (prepared for the plan, then put on its devices), as a

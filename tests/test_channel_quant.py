@@ -1,6 +1,7 @@
-"""8-bit checkpoints with a scale per output channel or per tensor (loaders/hf_quantized.py,
-loaders/llama_quant.py): llm-compressor's compressed-tensors FP8 and int8, AutoFP8's `fp8` and
-`fbgemm_fp8`, the forms vLLM users most often serve Llama / Qwen checkpoints in.
+"""8-bit checkpoints with a scale per output channel, per tensor or per block (loaders/hf_quantized.py,
+loaders/llama_quant.py): llm-compressor's compressed-tensors FP8 and int8, AutoFP8's `fp8`,
+`fbgemm_fp8` and block-scaled `fp8` (Qwen3's FP8 releases), the forms vLLM users most often serve
+Llama / Qwen checkpoints in.
 
 Tiny random Llama / Qwen2 checkpoints are written here in each scheme's layout, quantized from
 float weights, and each weight the scheme defines (`float64(q) * scale[o]`, the scale per row or
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from channel_models import CASES, FP8, write_checkpoints
+from channel_models import BLOCK, CASES, FP8, write_checkpoints
 from gptq_awq_models import CONFIG, LINEARS
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.hf_quantized import quant_scheme
@@ -64,11 +65,11 @@ def _assert_same(outs, want, atol=1e-5) -> None:
                                    [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["fp8-dynamic", "w8a8-int8"])
+@pytest.mark.parametrize("name", ["fp8-dynamic", "w8a8-int8", "fp8-block"])
 def test_engine_on_the_checkpoint_equals_its_float_twin_kept_or_not(name, checkpoints, monkeypatch):
     """Dequantized at load against the twin; kept 8-bit against dequantized, through the layer scan's
     dequantization and through the GPU's quantized matmul kernel (interpret mode), which reads the
-    values and their row scales in place in decode steps."""
+    values and their row (and block) scales in place in decode steps."""
     from infire_jax import LLM, SamplingParams
 
     quantized, twin = checkpoints[name]
@@ -98,13 +99,14 @@ def test_engine_on_the_checkpoint_equals_its_float_twin_kept_or_not(name, checkp
         llm.engine.close()
 
 
-def test_kept_on_a_tp_mesh_equals_one_device(checkpoints, tmp_path):
+@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-block"])
+def test_kept_on_a_tp_mesh_equals_one_device(name, checkpoints, tmp_path):
     """fp8 kept on tp=4 (4 CPU devices, kv heads repeated): the values split as the weights (wo and down
-    along their inputs), the row scales with the outputs (wo's, one a head, with its heads); the same
-    tokens as one device."""
+    along their inputs), the row scales with the outputs (wo's, one a head, with its heads; a block's
+    with its inputs); the same tokens as one device."""
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
-    path = checkpoints["fp8-dynamic"][0]
+    path = checkpoints[name][0]
     mesh = {m: os.path.join(ROOT, "sharding", "configs", f"{m}.yaml") for m in ("1", "4")}
     job = {"runs": [{"model": path, "mesh": mesh["1"]},
                     {"model": path, "mesh": mesh["4"], "weights_quantization": "checkpoint"}],
@@ -149,24 +151,31 @@ def test_malformed_scales_name_the_tensor(checkpoints, tmp_path):
         load_hf_dir(str(tmp_path / "bad"))
 
 
-def test_the_memory_plan_counts_the_kept_8bit_weights(checkpoints):
+@pytest.mark.parametrize("name", ["fp8-static", "fp8-block"])
+def test_the_memory_plan_counts_the_kept_8bit_weights(name, checkpoints):
     """`infire-jax plan` of an 8-bit checkpoint counts its layer weights as kept (one byte a weight, a
-    float32 scale a row; wo's a row of each head) where its float twin counts four in float32, and the
-    engine's kept weights save exactly those bytes."""
+    float32 scale a row, or a row's block of inputs; wo's a row of each head, or of each head's piece of
+    a block) where its float twin counts four in float32, and the engine's kept weights save exactly
+    those bytes."""
     from infire_jax import LLM
     from infire_jax.memplan.plan import memory_plan
     from infire_jax.memplan.source import plan_source
     from sharding.mesh import CONFIG_DIR, MeshConfig
 
     mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "1.yaml"))
-    quantized, twin = checkpoints["fp8-static"]
+    quantized, twin = checkpoints[name]
     kept, plain = (memory_plan(plan_source(p, "float32")(mc), mc, 1 << 30).weight_bytes for p in (quantized, twin))
     layers, heads = CONFIG["num_hidden_layers"], CONFIG["num_attention_heads"]
+    head_dim = CONFIG["hidden_size"] // heads
     weights = layers * sum(np.prod(shape) for shape in LINEARS.values())
-    rows = layers * (sum(LINEARS[m][0] for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-                     + heads * LINEARS["self_attn.o_proj"][0])
-    assert plain - kept == weights * 4 - (weights + rows * 4)
+    if name == "fp8-block":  # o_proj's blocks span two heads: a scale a row for each head's piece
+        scales = layers * sum(out * inp // (head_dim if m == "self_attn.o_proj" else BLOCK)
+                              for m, (out, inp) in LINEARS.items())
+    else:
+        scales = layers * (sum(LINEARS[m][0] for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+                           + heads * LINEARS["self_attn.o_proj"][0])
+    assert plain - kept == weights * 4 - (weights + scales * 4)
     engine = {}
     for path, mode in ((quantized, "checkpoint"), (twin, None)):
         llm = LLM(model=path, weights_quantization=mode, **ENGINE)

@@ -325,7 +325,7 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
 # ---- tiny models: int8 / int4 base weights with n-gram / draft-model speculation, a mixture of experts
 
 def _int8_round_trip(model) -> None:
-    """The HF model's layer weights as our int8 keeps them (quant/resident.py's quantize_int8, redone in
+    """The HF model's layer weights as our int8 keeps them (quant/resident.py's quantize_channels, redone in
     HF's layout): one scale per output row (o_proj: per output row and head), absmax / 127, rint."""
     heads = model.config.num_attention_heads
     with torch.no_grad():

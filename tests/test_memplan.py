@@ -1,6 +1,7 @@
 """`infire-jax plan`: per-device bytes against what the engine places on 8 virtual CPU devices (GPTQ /
-AWQ checkpoints as `weights_quantization="checkpoint"` keeps them, a float one as `"int4"` quantizes
-it at load), the flagship configs' figures against hand arithmetic, and errors that name the field."""
+AWQ checkpoints as `weights_quantization="checkpoint"` keeps them, a float one as `"int4"`, `"int8"`
+or `"fp8"` quantizes it at load), the flagship configs' figures against hand arithmetic, and errors that
+name the field."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from conftest import cpu_env
 from gptq_awq_models import quantization_config, write_checkpoint, write_float_twin
 from infire_jax.memplan.model import (
-    formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, kept_layouts, placed_config)
+    at_load_layouts, formats_from_hf, from_hf_config, from_model_config, kept_layouts, placed_config)
 from infire_jax.memplan.plan import GiB, layers_per_device, memory_plan, parse_bytes, tensor_bytes
 from infire_jax.memplan.source import plan_source
 from infire_jax.models.hf_config import config_from_hf
@@ -35,8 +36,9 @@ RUNS = [("dense", "8.yaml"), ("dense", "8-tp4-pp2.yaml"), ("moe", "8-ep8.yaml"),
 # tests/gptq_awq_models.py's tiny Llama (4 heads over 2 kv heads, 2 layers): (method, group, act-order), mesh
 INT4 = {"gptq-act-order-g32": (("gptq", 32, True), "8-tp4-pp2.yaml"), "awq-g32": (("awq", 32, False), "4.yaml"),
         "gptq-per-channel": (("gptq", -1, False), "8-tp4-pp2.yaml")}
-# the same model's float twin quantized at load (`weights_quantization="int4"`): group size, mesh
-AT_LOAD = {"at-load-g32": (32, "8-tp4-pp2.yaml"), "at-load-g128": (128, "2.yaml")}
+# the same model's float twin quantized at load (`weights_quantization` int4, int8 or fp8): mode, int4 group, mesh
+AT_LOAD = {"at-load-g32": ("int4", 32, "8-tp4-pp2.yaml"), "at-load-g128": ("int4", 128, "2.yaml"),
+           "at-load-fp8": ("fp8", None, "8-tp4-pp2.yaml"), "at-load-int8": ("int8", None, "4.yaml")}
 
 
 def test_plan_matches_the_bytes_placed_per_device(tmp_path):
@@ -50,8 +52,8 @@ def test_plan_matches_the_bytes_placed_per_device(tmp_path):
         defined[name] = write_checkpoint(tmp_path / name, method, group, act_order=act_order)
         runs.append({"name": name, "checkpoint": str(tmp_path / name), "mesh": os.path.join(CONFIG_DIR, mesh)})
     write_float_twin(tmp_path / "float", tmp_path / "awq-g32", defined["awq-g32"])
-    for name, (group, mesh) in AT_LOAD.items():
-        runs.append({"name": name, "checkpoint": str(tmp_path / "float"), "at_load": group,
+    for name, (mode, group, mesh) in AT_LOAD.items():
+        runs.append({"name": name, "checkpoint": str(tmp_path / "float"), "at_load": [mode, group],
                      "mesh": os.path.join(CONFIG_DIR, mesh)})
     path = tmp_path / "job.json"
     path.write_text(json.dumps({"runs": runs}))
@@ -66,7 +68,7 @@ def test_plan_matches_the_bytes_placed_per_device(tmp_path):
         if r["name"] in INT4:
             model = plan_source(str(tmp_path / r["name"]), "float32")(mc)
         elif r["name"] in AT_LOAD:
-            model = plan_source(str(tmp_path / "float"), "float32", "int4", AT_LOAD[r["name"]][0])(mc)
+            model = plan_source(str(tmp_path / "float"), "float32", *AT_LOAD[r["name"]][:2])(mc)
         else:
             model = from_model_config(placed_config(config_from_hf(MODELS[r["name"]]), mc), "float32")
         tensors = {t.name: t for t in model.tensors}
@@ -77,7 +79,9 @@ def test_plan_matches_the_bytes_placed_per_device(tmp_path):
         plan = memory_plan(model, mc, 80 * GiB, dtype="float32")
         assert sum(plan.weights.values()) == sum(b[0] for b in r["bytes"].values())
         assert plan.kv_bytes_per_token == r["kv_per_token"], r["mesh"]
-        if r["name"] in INT4 or r["name"] in AT_LOAD:
+        if r["name"] in AT_LOAD and AT_LOAD[r["name"]][0] != "int4":  # 8-bit values, a float32 scale a row
+            assert f"wqkv.{AT_LOAD[r['name']][0]}" in r["bytes"] and "wqkv.scale" in r["bytes"]
+        elif r["name"] in INT4 or r["name"] in AT_LOAD:
             words = sum(b[0] for k, b in r["bytes"].items() if k.endswith(".q4"))
             assert plan.workspace == words * 8 / layers_per_device(model.num_layers, mc), r["name"]
             assert ("wo.g_idx" in r["bytes"]) == (r["name"] in INT4 and INT4[r["name"]][0][2])
@@ -236,13 +240,14 @@ def _int4_plan(qc: dict, mesh: str):
     """The plan of the dense model quantized as `qc` describes, on `mesh`."""
     mc, cfg = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, mesh)), config_from_hf(MODELS["dense"])
     layouts = kept_layouts(dict(MODELS["dense"], quantization_config=qc), cfg)
-    return memory_plan(from_model_config(placed_config(cfg, mc), "bfloat16", int4=layouts), mc, GiB)
+    return memory_plan(from_model_config(placed_config(cfg, mc), "bfloat16", quantized=layouts), mc, GiB)
 
 
 @pytest.mark.parametrize("call, field", [
     (lambda: parse_bytes("80 parsecs"), "--device-memory"),
     (lambda: from_hf_config({"kv_lora_rank": 512, "hidden_size": 64}), "num_hidden_layers"),
-    (lambda: formats_from_hf({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+    (lambda: formats_from_hf({"kv_lora_rank": 512, "quantization_config": {"quant_method": "fp8",
+                                                                             "weight_block_size": [64, 64]}},
                              "bfloat16"), "weight_block_size"),
     (lambda: kept_layouts(dict(MODELS["moe"], quantization_config=quantization_config("awq", 32)),
                           config_from_hf(MODELS["moe"])), "its weights are kept .and planned. for dense"),
@@ -250,13 +255,13 @@ def _int4_plan(qc: dict, mesh: str):
                           config_from_hf(MODELS["dense"])), "quantization_config.bits = 3"),
     (lambda: from_hf_config(dict(TINY_MLA, quantization_config=quantization_config("gptq", 32))), "not MLA ones"),
     (lambda: _int4_plan(quantization_config("gptq", 32), "8.yaml"), "w_down.zero: 4 entries cannot be split 8"),
-    (lambda: memory_plan(from_model_config(placed_config(config_from_hf(MODELS["dense"]), _mesh("8.yaml")),
-                                           "bfloat16", int4=int4_at_load_layouts(config_from_hf(MODELS["dense"]), 32)),
+    (lambda: memory_plan(from_model_config(placed_config(config_from_hf(MODELS["dense"]), _mesh("8.yaml")), "bfloat16",
+                                           quantized=at_load_layouts(config_from_hf(MODELS["dense"]), "int4", 32)),
                          _mesh("8.yaml"), GiB), "w_down.zero: 4 entries cannot be split 8"),
-    (lambda: int4_at_load_layouts(config_from_hf(dict(MODELS["dense"], head_dim=12)), 32),
+    (lambda: at_load_layouts(config_from_hf(dict(MODELS["dense"], head_dim=12)), "int4", 32),
      r"layers\.wo: int4 groups of 32 over its 96 inputs \(heads of 12\)"),
     (lambda: plan_source("deepseek-v3", "bfloat16", "int4"), "not MLA ones"),
-    (lambda: plan_source(None, "bfloat16", "int8"), "weights_quantization 'int8' is not planned at load"),
+    (lambda: plan_source(None, "bfloat16", "gguf"), "weights_quantization 'gguf' is not planned at load"),
     (lambda: plan_source(None, "bfloat16", "int4", 64), r"int4_group_size 64: choose from \[32, 128\]"),
     (lambda: memory_plan(from_hf_config(dict(TINY_MLA, num_attention_heads=6)),
                          MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "8.yaml")), GiB), "6 attention heads"),

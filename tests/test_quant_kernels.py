@@ -2,8 +2,9 @@
 (models/quant_kernels.py), run here in Pallas interpret mode by choosing the kernels explicitly.
 
 - Each real loader's kept form, viewed as the kernel reads it, gives the weights the layer-body
-  dequantizer gives, bit for bit: the default GGUF's Q4_1, int8 and int4 at load, GPTQ / AWQ, and DeepSeek /
-  Kimi int4 and fp8 dense weights and routed experts (act-order GPTQ stays in the layer body).
+  dequantizer gives, bit for bit: the default GGUF's Q4_1, int8, fp8 and int4 at load, GPTQ / AWQ,
+  8-bit and fp8-block checkpoints, and DeepSeek / Kimi int4 and fp8 dense weights and routed experts (act-order GPTQ
+  stays in the layer body).
 - Engines with the kernels chosen produce the tokens of engines without them, with logprobs within
   float32 rounding, and their forward runs the kernels (tests/test_step_program.py checks that the
   GPU forward with them holds nothing the host waits for).
@@ -72,10 +73,11 @@ def float_layers(default_gguf):
 
 
 @pytest.fixture(scope="module")
-def int8_kept(float_layers):
-    from infire_jax.quant.resident import quantize_int8
+def channels_kept(float_layers):
+    """int8 and fp8 at load, a scale per output channel (quant/resident.py)."""
+    from infire_jax.quant.resident import quantize_channels
 
-    return quantize_int8(float_layers)[0]
+    return {kind: quantize_channels(float_layers, kind)[0] for kind in ("int8", "fp8")}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def gptq_dirs(tmp_path_factory) -> dict[str, str]:
     for name, (method, group, sym, act_order) in cases.items():
         write_checkpoint(base / name, method, group, sym=sym, act_order=act_order)
     paths = {name: str(base / name) for name in cases}
-    for name in ("fp8-static", "w8a8-int8"):  # 8-bit values, a scale per row (or per tensor, repeated)
+    for name in ("fp8-static", "w8a8-int8", "fp8-block"):  # 8-bit values, a scale per row (or tensor, or block)
         paths[name] = channel_checkpoints(base, name)[0]
     return paths
 
@@ -146,14 +148,16 @@ def test_plain_weights_of_a_gpu_decode_step_are_read_in_place(tokens, monkeypatc
     assert kernel_read() == {}
 
 
-@pytest.mark.parametrize("source", ["gguf", "int8", "int4-g128", "int4-g32", "awq-g32", "gptq-sym-per-channel",
-                                    "fp8-static", "w8a8-int8"])
+@pytest.mark.parametrize("source", ["gguf", "int8", "fp8", "int4-g128", "int4-g32", "awq-g32",
+                                    "gptq-sym-per-channel", "fp8-static", "w8a8-int8", "fp8-block"])
 def test_llama_kept_weights_read_in_place_equal_the_layer_body_dequantization(source, request, monkeypatch):
     _use(monkeypatch, KERNELS)
     if source.startswith("int4-g"):
         weights = request.getfixturevalue("int4_kept")[int(source[6:])]
-    elif source in ("gguf", "int8"):
-        weights = request.getfixturevalue(f"{source}_kept")
+    elif source in ("int8", "fp8"):
+        weights = request.getfixturevalue("channels_kept")[source]
+    elif source == "gguf":
+        weights = request.getfixturevalue("gguf_kept")
     else:
         from infire_jax.loaders.llama_quant import load_llama_kept
 

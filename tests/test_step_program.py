@@ -21,7 +21,7 @@ from flax import nnx
 from infire_jax.runner.buckets import Buckets
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state, drawn_weights
-from infire_jax.quant.resident import quantize_int8
+from infire_jax.quant.resident import quantize_channels
 from infire_jax.runner.model_runner import ModelRunner
 from infire_jax.runner.config import RunnerConfig
 from infire_jax.sample.sampler import BRANCH_FREE_VARIANTS, BRANCHING
@@ -41,7 +41,7 @@ def _no_cpu_kernel(monkeypatch):
 
 def make_runner(cfg: ModelConfig, attn_impl: str, variants=BRANCH_FREE_VARIANTS, dtype=jnp.float32,
                 compress: tuple[str, ...] = (), decode_steps: int = 1, int8: bool = False) -> ModelRunner:
-    weights, layouts = quantize_int8(drawn_weights(cfg, dtype)) if int8 else (None, None)
+    weights, layouts = quantize_channels(drawn_weights(cfg, dtype), "int8") if int8 else (None, None)
     graphdef, state = build_state(cfg, weights, dtype, seed=0, compress=compress, quantized=layouts)
     rc = RunnerConfig(page_size=8, num_pages=24, max_model_len=64, max_num_seqs=4, buckets=Buckets((4, 32), 4),
                       attn_impl=attn_impl, sampler_variants=variants, decode_steps=decode_steps)

@@ -103,6 +103,10 @@ CHECKS = (
                                "--weights-quantization", "int8")),
     Check("int4-kernel", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
                                "--weights-quantization", "int4")),
+    # fp8 e4m3 weights with a scale per output channel (vLLM's --quantization fp8; the kept form of FP8 and
+    # W8A8 checkpoints): the same kernel as int8, H100's fp8-to-bf16 conversion on chip; never run on a GPU.
+    Check("fp8-kernel", 150, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1", "64",
+                              "--weights-quantization", "fp8")),
     Check("moe-grouped-kernel", 240, ("infire_jax.bench", "latency", *MOE)),
     # Issue 49: gpt-oss-120b whole on one GPU, its experts kept in MXFP4 (61 GB; drawn at random), with
     # attention sinks in the Pallas kernels and 128-token windows on the hybrid KV cache.

@@ -143,7 +143,7 @@ class CompiledProgram:
 
 def _quantized(ec, cfg) -> dict | None:
     """The quantized weights' layouts of `ec`'s model as the engine would place them, from shapes
-    alone: a `dummy:` model's drawn int4 / int8 parts (a checkpoint's own come from its files)."""
+    alone: a `dummy:` model's drawn int4 / int8 / fp8 parts (a checkpoint's own come from its files)."""
     if not ec.weights_quantization:
         return None
     from infire_jax.loaders import gpt_oss_quant
@@ -151,9 +151,9 @@ def _quantized(ec, cfg) -> dict | None:
     if ec.weights_quantization == "checkpoint" and gpt_oss_quant.is_gpt_oss(ec.model) and \
             ec.model.startswith("dummy:"):
         return gpt_oss_quant.kept_layouts()  # its MXFP4 experts, as a dummy draws them
-    if not (ec.model or "").startswith("dummy:") or ec.weights_quantization not in ("int4", "int8"):
+    if not (ec.model or "").startswith("dummy:") or ec.weights_quantization not in ("int4", "int8", "fp8"):
         raise ConfigError(f"a GPU target builds the quantized weights of a dummy: model (--weights-quantization "
-                          f"int4 or int8, or checkpoint for gpt-oss) from their shapes; got {ec.model!r} with "
+                          f"int4, int8 or fp8, or checkpoint for gpt-oss) from their shapes; got {ec.model!r} with "
                           f"{ec.weights_quantization!r}")
     from infire_jax.loaders.gguf_quant import DEFAULT_INT4_GROUP, dummy_layouts
 

@@ -95,9 +95,10 @@ class EngineConfig:
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sample/sampler.py), off on CPU
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
-    # Kept quantized on the device (quant/): "gguf" (a GGUF's Q4_1/Q8_0 blocks), "int8" (any model, at load),
-    # "int4" (any Llama-family model at load, round to nearest in the AWQ / GPTQ form; a dummy: model's drawn)
-    # or "checkpoint" (a published GPTQ / AWQ / DeepSeek-V3 / Kimi checkpoint's own int4 / fp8 weights)
+    # Kept quantized on the device (quant/): "gguf" (a GGUF's Q4_1/Q8_0 blocks), "int8" or "fp8" (any model,
+    # at load, a scale per output channel), "int4" (any Llama-family model at load, round to nearest in the
+    # AWQ / GPTQ form; a dummy: model's drawn) or "checkpoint" (a published GPTQ / AWQ / 8-bit / DeepSeek-V3 /
+    # Kimi / gpt-oss checkpoint's own int4, fp8, int8 or MXFP4 weights)
     weights_quantization: str | None = None
     # "int4": inputs per scale and zero point, 32 or 128 (None: 128); refused with any other mode.
     int4_group_size: int | None = None

@@ -6,11 +6,11 @@ are dequantized per layer inside the scan (quant/resident.py). The embedding, LM
 are dequantized at load as usual. A fused group (q/k/v, gate/up) stays quantized only if all its
 tensors in every layer share one supported type; anything else is dequantized, so any GGUF loads.
 Checkpoints of the placed weights are bypassed: the GGUF file is the compact form.
-`place_quantized_at_load` serves `weights_quantization="int8"` and `"int4"` (any Llama-family
-model, quantized at load by quant/resident.py `quantize_int8` or, round to nearest in a GPTQ / AWQ
-checkpoint's kept form, quant/int4_rtn.py `quantize_int4`) and a `dummy:` model's drawn "int8" /
-"int4" parts; the GGUF's kept blocks, int8 rows and int4 groups (at load or a GPTQ / AWQ
-checkpoint's, loaders/llama_quant.py) are placed alike (loaders/fused_parts.py). loaders/load.py
+`place_quantized_at_load` serves `weights_quantization="int8"`, `"fp8"` and `"int4"` (any
+Llama-family model, quantized at load by quant/resident.py `quantize_channels` or, round to nearest
+in a GPTQ / AWQ checkpoint's kept form, quant/int4_rtn.py `quantize_int4`) and a `dummy:` model's
+drawn "int8" / "fp8" / "int4" parts; the GGUF's kept blocks, 8-bit rows and int4 groups (at load or
+a checkpoint's, loaders/llama_quant.py) are placed alike (loaders/fused_parts.py). loaders/load.py
 picks the loader for each mode.
 """
 
@@ -35,7 +35,7 @@ from infire_jax.models.registry import build_state
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, quantize_int4
-from infire_jax.quant.resident import INPUT_AXIS, SHARED_EXPERT, QuantLayout, quantize_int8
+from infire_jax.quant.resident import CHANNEL_VALUES, INPUT_AXIS, SHARED_EXPERT, QuantLayout, quantize_channels
 from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 from sharding.plan import ShardPlan
 
@@ -110,11 +110,12 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
 
 
 def dummy_layout(mode: str, cfg, group: int = DEFAULT_INT4_GROUP) -> QuantLayout:
-    """A dummy model's quantized layout: int8 per output channel, or int4 in the AWQ / GPTQ form (uint8
-    zeros, float16 scales) in groups of `group` inputs, fewer where a weight's input axis (wo's: head_dim)
-    is not a multiple of it. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi K2's.)"""
-    if mode == "int8":
-        return QuantLayout("int8")
+    """A dummy model's quantized layout: int8 or fp8 per output channel, or int4 in the AWQ / GPTQ form
+    (uint8 zeros, float16 scales) in groups of `group` inputs, fewer where a weight's input axis (wo's:
+    head_dim) is not a multiple of it. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi
+    K2's.)"""
+    if mode in CHANNEL_VALUES:
+        return QuantLayout(mode)
     return QuantLayout("int4", group=math.gcd(group, cfg.hidden_size, cfg.intermediate_size,
                                              cfg.moe_intermediate_size, cfg.head_dim))
 
@@ -147,8 +148,8 @@ def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:
 
 def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPlan | None,
                             int4_group: int = DEFAULT_INT4_GROUP) -> Placed:
-    """`loaded` placed with its layer weights quantized at load: "int8" quantizes a model's float
-    layer weights per output channel, "int4" in groups of `int4_group` inputs with zero points (the
+    """`loaded` placed with its layer weights quantized at load: "int8" and "fp8" quantize a model's
+    float layer weights per output channel, "int4" in groups of `int4_group` inputs with zero points (the
     GPTQ / AWQ kept form; the mesh must split no group); a `dummy:` model's parts are drawn on the
     device(s) ("int4": AWQ / GPTQ form, Kimi K2's for a DeepSeek-V3-family one's routed experts)."""
     if loaded.weights is None:  # dummy: random parts drawn on the device(s), as its float weights are
@@ -158,8 +159,8 @@ def place_quantized_at_load(loaded: LoadedModel, mode: str, dtype, plan: ShardPl
     if loaded.config.mla is not None:
         raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; the DeepSeek-V3 "
                           "family keeps a published quantized checkpoint's weights with 'checkpoint'")
-    if mode == "int8":
-        weights, layouts = quantize_int8(loaded.weights)
+    if mode in CHANNEL_VALUES:
+        weights, layouts = quantize_channels(loaded.weights, mode)
         return place_parts(loaded, weights, layouts, dtype, plan)
     try:
         weights, layouts = quantize_int4(loaded.weights, int4_group)

@@ -1,11 +1,14 @@
-"""A GPTQ / AWQ or 8-bit checkpoint of a dense Llama-architecture model placed with its layer weights kept.
+"""A GPTQ / AWQ, 8-bit or fp8-block checkpoint of a dense Llama-family model, its layer weights kept.
 
 `weights_quantization="checkpoint"` on a Llama / Qwen / Mistral checkpoint whose
 `quantization_config` is an 8-bit scheme (loaders/hf_quantized.py: llm-compressor's FP8 or int8,
 AutoFP8, fbgemm_fp8): q/k/v, o, gate/up and down stay 8-bit on the device, fp8 or int8 values with
 a float32 scale per output channel (a per-tensor scale repeated on the rows; wo's repeated for
 each head, as the model's `[Hq, D, E]` layout keeps one per head), moved into the model's layout as
-the float weights are. Or gptq or awq: q/k/v, o, gate/up and down stay 4-bit on the device
+the float weights are. Or `fp8` with `weight_block_size` (Qwen3's and Qwen2.5's official FP8
+releases, DeepSeek-V3's form on a GQA model): the fp8 values as published and a float32 scale per
+output channel and block of inputs, each block's scale repeated on its rows (quant/grouped.py's
+form) and, for wo where a block spans heads, on each head's piece. Or gptq or awq: q/k/v, o, gate/up and down stay 4-bit on the device
 (quant/gptq_awq.py `kept_parts`: values packed along the input axis, GPTQ's words as they are and
 AWQ's output-packed ones unpacked and packed again, with each group's scale and zero point) and
 are dequantized one layer at a time inside the layer scan (quant/resident.py). The parts take the
@@ -38,6 +41,7 @@ from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, layer_weight, llama_weights, read_hf_config
 from infire_jax.loaders.hf_quantized import QuantScheme, channel_parts, dequantize_module, grouped, quant_scheme, \
     unpack_module
+from infire_jax.loaders.hf_quantized import kept_parts as block_parts  # gptq_awq has its own kept_parts
 from infire_jax.loaders.weights import LoadedModel, Placed, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model
@@ -50,17 +54,20 @@ _FUSED_OF = {short: fused for fused, members in FUSED.items() for short in membe
 _DEQUANTIZE = "load without weights_quantization to dequantize it"
 
 
-KEPT_KINDS = ("gptq", "awq", "channel")  # the schemes kept here (hf_quantized.QuantScheme.kind)
+KEPT_KINDS = ("gptq", "awq", "channel", "fp8")  # the schemes kept here (hf_quantized.QuantScheme.kind)
 
 
 def keeps(path: str | None) -> bool:
-    """Whether `path` is an HF directory whose quantization_config this module keeps (gptq, awq, 8-bit)."""
+    """Whether `path` is an HF directory whose quantization_config this module keeps (gptq, awq, 8-bit,
+    and fp8 blocks but for the DeepSeek-V3 family's MLA models, which loaders/deepseek_quant.py keeps)."""
     cfg_path = os.path.join(path or "", "config.json")
     if not os.path.isfile(cfg_path):
         return False
     with open(cfg_path) as f:
-        scheme = quant_scheme(json.load(f))
-    return scheme is not None and scheme.kind in KEPT_KINDS
+        hf = json.load(f)
+    scheme = quant_scheme(hf)
+    mla = bool((hf.get("text_config") or hf).get("kv_lora_rank"))
+    return scheme is not None and scheme.kind in KEPT_KINDS and not (scheme.kind == "fp8" and mla)
 
 
 def _llama_family(cfg: ModelConfig) -> bool:
@@ -86,7 +93,8 @@ def load_llama_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
             plain.append((f"{name}.weight", dequantize_module(name, w, scheme)) if isinstance(w, dict) else (name, w))
             continue
         layer, short = where
-        kept_form, layout = (_channel_form if scheme.kind == "channel" else _int4_form)(name, w, short, scheme, cfg)
+        form = {"channel": _channel_form, "fp8": _block_form}.get(scheme.kind, _int4_form)
+        kept_form, layout = form(name, w, short, scheme, cfg)
         for part, a in kept_form.items():
             laid = _layout(short, part, a, scheme, cfg)
             parts.setdefault(part, {}).setdefault(short, [None] * cfg.num_layers)[layer] = laid
@@ -113,6 +121,19 @@ def _channel_form(name: str, w: dict[str, np.ndarray], short: str, scheme: Quant
     form = channel_parts(name, w, scheme)
     kind = "fp8" if form.weight.dtype != np.int8 else "int8"
     return {kind: form.weight, "scale": np.asarray(form.weight_scale, np.float32)}, QuantLayout(kind)
+
+
+def _block_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
+                ) -> tuple[dict[str, np.ndarray], QuantLayout]:
+    """A block-scaled fp8 module's values `[O, I]` and float32 scales `[O, I / group]`: each block's scale
+    repeated on its rows and, for wo where a block spans heads, on each head's piece."""
+    values, scale = block_parts(name, w, scheme)
+    if values.shape[1] % scheme.block:
+        raise ConfigError(f"{name}: fp8 blocks of {scheme.block} do not tile its {values.shape[1]} inputs; "
+                          f"{_DEQUANTIZE}")
+    group = kept_group(scheme.block, cfg.head_dim if short == "wo" else None)
+    scale = np.repeat(np.asarray(scale, np.float32), scheme.block // group, axis=1)
+    return {"fp8": values, "scale": scale}, QuantLayout("fp8", group, jnp.float32)
 
 
 def _int4_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
@@ -163,7 +184,7 @@ def check_mesh(layouts: dict[str, QuantLayout], cfg: ModelConfig, plan: ShardPla
     flat = nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.float32), nnx.Param))
     shapes = {".".join(map(str, p)): (tuple(v.shape), v.axes) for p, v in flat}
     for fused, layout in layouts.items():
-        if layout.kind != "int4":  # 8-bit values split anywhere, their scales with the outputs
+        if layout.kind != "int4" and not layout.group:  # 8-bit values split anywhere, their scales with the outputs
             continue
         for name in [n for n in shapes if n.count(".") == 1 and n.partition(".")[2] == fused]:  # every stack's
             shape, axes = shapes[name]
@@ -173,8 +194,8 @@ def check_mesh(layouts: dict[str, QuantLayout], cfg: ModelConfig, plan: ShardPla
             mesh_axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
             shards = math.prod(plan.sizes[a] for a in mesh_axes)
             split_groups = groups > 1 and groups % shards and not layout.act_order  # act-order: whole tables
-            if split_groups or (shape[axis] // 8) % shards:
-                raise ConfigError(f"{name}: its {groups} int4 groups of {layout.group} inputs cannot be split "
+            if split_groups or (layout.kind == "int4" and (shape[axis] // 8) % shards):
+                raise ConfigError(f"{name}: its {groups} {layout.kind} groups of {layout.group} inputs cannot be split "
                                   f"{shards} ways over {'x'.join(mesh_axes)}; use a mesh that splits it less, or "
                                   f"{_DEQUANTIZE}")
 

@@ -144,7 +144,7 @@ def load_resident_placed(spec: str | None, dtype, plan: ShardPlan | None, weight
 def load_quantized_placed(spec: str | None, dtype, plan: ShardPlan | None, mode: str,
                           int4_group_size: int | None = None) -> Placed:
     """The model placed with its layer weights kept quantized (`mode`: "gguf" keeps a GGUF file's
-    blocks; "int8" quantizes any model's float layer weights at load, per output channel, "int4" with
+    blocks; "int8" and "fp8" quantize any model's float layer weights at load, per output channel, "int4" with
     zero points in groups of `int4_group_size` inputs (default 128; a `dummy:` model's are drawn);
     "checkpoint" keeps a quantized HF checkpoint's own format: GPTQ / AWQ int4, 8-bit fp8 or int8
     channels, DeepSeek-V3's fp8, Kimi's int4, gpt-oss's MXFP4 experts). Checkpoints of the placed

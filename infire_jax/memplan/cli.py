@@ -27,9 +27,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens a KV page holds, as the engine's page_size (default 16): a hybrid KV cache's "
                         "chunked / window layers hold whole pages")
-    p.add_argument("--weights-quantization", default=None, choices=["int4"],
-                   help="int4: the layer weights as the engine's --weights-quantization int4 quantizes them at load "
-                        "(GPTQ / AWQ, DeepSeek-V3 and Kimi configs are planned as their checkpoints are kept)")
+    p.add_argument("--weights-quantization", default=None, choices=["int8", "fp8", "int4"],
+                   help="the layer weights as the engine's --weights-quantization int8, fp8 or int4 quantizes them at "
+                        "load (GPTQ / AWQ, 8-bit, DeepSeek-V3 and Kimi configs are planned as their checkpoints are "
+                        "kept)")
     p.add_argument("--int4-group-size", type=int, default=None, choices=[32, 128],
                    help="with --weights-quantization int4: inputs per scale and zero point (default 128)")
     p.add_argument("--dequant", default="per-layer", choices=["per-layer", "fused"],

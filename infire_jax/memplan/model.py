@@ -22,7 +22,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
 from infire_jax.quant.int4_rtn import at_load_group
-from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
+from infire_jax.quant.resident import CHANNEL_VALUES, INPUT_AXIS, QuantLayout
 
 KINDS = ("attention", "experts", "shared", "embeddings", "vision")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
@@ -234,9 +234,10 @@ def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
 
 
 def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats: Mapping[str, str] | None = None,
-                      int4: Mapping[str, QuantLayout] | None = None) -> PlanModel:
+                      quantized: Mapping[str, QuantLayout] | None = None) -> PlanModel:
     """The plan of one of our models as the engine places it (`cfg`: the plan's effective config);
-    `int4` names the layer weights kept as parts (`kept_layouts`; int4 or 8-bit), planned part by part."""
+    `quantized` names the layer weights kept as parts (`kept_layouts`, `at_load_layouts`; int4 or
+    8-bit), planned part by part."""
     width = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
     if cfg.llama4 is not None:  # the routed experts and the shared expert, or a dense layer's MLP
         width = max(width + cfg.moe_intermediate_size, cfg.intermediate_size)
@@ -246,7 +247,7 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
         width += cfg.gated_delta.shared_expert_size
     tensors, kept = [], []
     for t in _gqa_tensors(cfg):
-        layout = (int4 or {}).get(t.name)
+        layout = (quantized or {}).get(t.name)
         if layout is None:
             tensors.append(t)
             continue
@@ -293,10 +294,11 @@ def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
 
 
 def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:
-    """A GPTQ / AWQ or 8-bit config's layer weights as `weights_quantization="checkpoint"` keeps them
-    (loaders/llama_quant.py): int4 words, uint8 zeros and fp16 scales (the formats' scale dtype) per
-    group, wo's groups cut at head boundaries, or with act-order (`desc_act`) whole tables and an int16
-    index of each input's group; 8-bit values (fp8 or int8) with a float32 scale per output channel.
+    """A GPTQ / AWQ, 8-bit or fp8-block config's layer weights as `weights_quantization="checkpoint"`
+    keeps them (loaders/llama_quant.py): int4 words, uint8 zeros and fp16 scales (the formats' scale
+    dtype) per group, wo's groups cut at head boundaries, or with act-order (`desc_act`) whole tables and
+    an int16 index of each input's group; 8-bit values (fp8 or int8) with a float32 scale per output
+    channel (fp8 blocks: and block of inputs, wo's within a head).
     {} for any other config, ValueError naming a field it cannot plan."""
     scheme = _kept_scheme(hf)
     if scheme is None:
@@ -307,6 +309,9 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
     if scheme.kind == "channel":
         kind = "int8" if scheme.values == np.int8 else "fp8"
         return {short: QuantLayout(kind) for short in ("wqkv", "wo", "w_gate_up", "w_down")}
+    if scheme.kind == "fp8":  # blocks: a scale per output channel and block (wo's: and head)
+        return {short: QuantLayout("fp8", kept_group(scheme.block, cfg.head_dim if short == "wo" else None),
+                                   jnp.float32) for short in ("wqkv", "wo", "w_gate_up", "w_down")}
     inputs = {"wqkv": cfg.hidden_size, "wo": cfg.num_heads * cfg.head_dim, "w_gate_up": cfg.hidden_size,
               "w_down": cfg.intermediate_size}
     layouts = {}
@@ -319,18 +324,22 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
 
 def _kept_scheme(hf: Mapping[str, Any]):
     """The config's scheme where its layer weights are planned as kept parts (GPTQ / AWQ int4, 8-bit
-    channels: hf_quantized.QuantScheme), else None."""
+    channels, fp8 blocks but for MLA models, whose are a kind's format: hf_quantized.QuantScheme), else
+    None."""
     method = (hf.get("quantization_config") or {}).get("quant_method")
-    if method is None or method == "mxfp4":
+    if method is None or method == "mxfp4" or (method == "fp8" and hf.get("kv_lora_rank")):
         return None
     scheme = quant_scheme(hf)
-    return scheme if scheme is not None and scheme.kind in ("gptq", "awq", "channel") else None
+    return scheme if scheme is not None and scheme.kind in ("gptq", "awq", "channel", "fp8") else None
 
 
-def int4_at_load_layouts(cfg: ModelConfig, group: int) -> dict[str, QuantLayout]:
-    """A float model's layer weights as `weights_quantization="int4"` keeps them (quant/int4_rtn.py):
-    int4 words, uint8 zeros and fp16 scales per piece of each `group`-input group; ValueError naming a
-    weight that cannot be kept so."""
+def at_load_layouts(cfg: ModelConfig, mode: str, group: int) -> dict[str, QuantLayout]:
+    """A float model's layer weights as `weights_quantization=mode` keeps them: "int8" / "fp8" 8-bit
+    values and a float32 scale per output channel (quant/resident.py `quantize_channels`), "int4" int4
+    words, uint8 zeros and fp16 scales per piece of each `group`-input group (quant/int4_rtn.py);
+    ValueError naming a weight that cannot be kept so."""
+    if mode in CHANNEL_VALUES:
+        return {t.name: QuantLayout(mode) for t in _gqa_tensors(cfg) if t.name in INPUT_AXIS}
     return {t.name: QuantLayout("int4", at_load_group(t.name, t.shape[1:], group), jnp.float16)
             for t in _gqa_tensors(cfg) if t.name in INPUT_AXIS}
 

@@ -7,14 +7,15 @@ import os
 from typing import Callable
 
 from infire_jax.memplan.model import (
-    PlanModel, formats_from_hf, from_hf_config, from_model_config, int4_at_load_layouts, kept_layouts, placed_config,
+    PlanModel, formats_from_hf, from_hf_config, from_model_config, at_load_layouts, kept_layouts, placed_config,
     with_vision)
 from infire_jax.models.hf_config import config_from_hf
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, INT4_GROUPS
 from sharding.mesh import MeshConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
-_NOT_MLA = "weights_quantization int4 quantizes Llama-architecture models at load, not MLA ones"
+_NOT_MLA = "weights_quantization {} quantizes Llama-architecture models at load, not MLA ones"
+AT_LOAD = ("int8", "fp8", "int4")  # the weights_quantization modes that quantize a float model at load
 
 
 def shipped_configs() -> list[str]:
@@ -25,11 +26,11 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
                 int4_group_size: int | None = None) -> Callable[[MeshConfig], PlanModel]:
     """`kimi-k2.5` / `dummy:kimi-k2.5` (a shipped config), a config.json file or a directory holding
     one, or any model spec the engine loads (its config only: no weight is read). `weights_quantization`
-    "int4": the layer weights as quantized at load in groups of `int4_group_size` (default 128);
-    ValueError for any other mode or a model it does not cover."""
-    if weights_quantization not in (None, "int4"):
-        raise ValueError(f"weights_quantization {weights_quantization!r} is not planned at load (int4; a GPTQ / "
-                         "AWQ, DeepSeek-V3 or Kimi config is planned as its checkpoint is kept)")
+    "int8" / "fp8" / "int4": the layer weights as quantized at load (int4 in groups of `int4_group_size`,
+    default 128); ValueError for any other mode or a model it does not cover."""
+    if weights_quantization not in (None, *AT_LOAD):
+        raise ValueError(f"weights_quantization {weights_quantization!r} is not planned at load ({', '.join(AT_LOAD)}"
+                         "; a GPTQ / AWQ, 8-bit, DeepSeek-V3 or Kimi config is planned as its checkpoint is kept)")
     if int4_group_size is not None and weights_quantization != "int4":
         raise ValueError("int4_group_size sets the groups of weights_quantization int4")
     if int4_group_size not in (None, *INT4_GROUPS):
@@ -51,12 +52,12 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
         hf = dict(hf.get("text_config") or hf)
         if hf.get("kv_lora_rank"):  # MLA: the layout does not depend on the mesh
             if weights_quantization:
-                raise ValueError(_NOT_MLA)
+                raise ValueError(_NOT_MLA.format(weights_quantization))
             model = from_hf_config(hf, dtype, name=spec or path)
             return lambda mc: model
         cfg, formats = config_from_hf(hf), formats_from_hf(hf, dtype)
-        int4 = int4_at_load_layouts(cfg, group) if weights_quantization else kept_layouts(hf, cfg)
-        return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, int4),
+        kept = at_load_layouts(cfg, weights_quantization, group) if weights_quantization else kept_layouts(hf, cfg)
+        return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, kept),
                                   vision, weights_quantization)
     from infire_jax.loaders.dummy import dummy_hf_config
     from infire_jax.loaders.load import load_config
@@ -64,13 +65,13 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
 
     cfg = load_config(spec)
     if weights_quantization and cfg.mla is not None:
-        raise ValueError(_NOT_MLA)
-    int4 = int4_at_load_layouts(cfg, group) if weights_quantization else {}
+        raise ValueError(_NOT_MLA.format(weights_quantization))
+    kept = at_load_layouts(cfg, weights_quantization, group) if weights_quantization else {}
     vision = vision_hf_config(spec) if spec else None
     # a dummy's formats are its published config's (gpt-oss: the experts in MXFP4)
     formats = formats_from_hf(dummy_hf_config(name), dtype) if spec and spec.startswith("dummy:") else None
     return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or "default model", formats,
-                                                int4), vision, weights_quantization)
+                                                kept), vision, weights_quantization)
 
 
 def _served(model: PlanModel, vision_hf: dict | None, weights_quantization: str | None) -> PlanModel:

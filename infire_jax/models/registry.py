@@ -79,6 +79,10 @@ def weight_draw(shape: tuple[int, ...], dtype, init: str, sharding, slot_mask: t
             return jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8), -127)
         if init == "int8-scale":  # uniform values times this have the normal draw's spread, 0.02
             return jnp.full(shape, 0.02 * 3 ** 0.5 / 127, jnp.float32)
+        if init == "fp8":  # uniform over e4m3's finite range, rounded to its values by the cast
+            return jax.random.uniform(key, shape, jnp.float32, -448.0, 448.0)
+        if init == "fp8-scale":
+            return jnp.full(shape, 0.02 * 3 ** 0.5 / 448, jnp.float32)
         if init == "uint8-bits":  # two random FP4 values a byte (MXFP4)
             return jax.random.bits(key, shape, jnp.uint8)
         if init == "mxfp4-scale":  # e8m0 127 - 7: 2^-7 (quant/grouped.py DUMMY_INIT)

@@ -1,7 +1,8 @@
 """Quantized stacked weights kept in device memory and dequantized one layer at a time in the scan.
 
 Five sources: a GGUF file's Q4_1 / Q8_0 blocks kept as they are (loaders/gguf_quant.py), any
-float model quantized at load to int8 with one scale per output channel (`quantize_int8`) or to
+float model quantized at load to int8 or fp8 (e4m3) with one scale per output channel
+(`quantize_channels`; vLLM's `--quantization fp8`, per channel rather than per tensor) or to
 int4 groups with zero points (quant/int4_rtn.py), a GPTQ / AWQ checkpoint's int4 groups with
 zero points (loaders/llama_quant.py, quant/gptq_awq.py), or an 8-bit checkpoint's fp8 or int8
 weights with a scale per output channel (llm-compressor, AutoFP8, fbgemm_fp8; loaders/llama_quant.py).
@@ -31,13 +32,15 @@ from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 from infire_jax.quant.gptq_awq import dequantize_parts
 from infire_jax.quant.weight_parts import WeightParts
 
-QUANTIZATION_MODES = ("gguf", "int8", "int4", "checkpoint")  # int4: quant/int4_rtn.py; "checkpoint": quant/grouped.py
+# int8 / fp8: `quantize_channels`; int4: quant/int4_rtn.py; "checkpoint": quant/grouped.py, loaders/llama_quant.py
+QUANTIZATION_MODES = ("gguf", "int8", "fp8", "int4", "checkpoint")
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
 # w_down [(X,) F, E], and a shared expert's (Llama 4) like a dense MLP's.
 INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2}
 SHARED_EXPERT = ("w_shared_gate_up", "w_shared_down")  # Llama 4's MoE layers only
 CHANNEL_VALUES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # 8-bit kinds: their values' part and dtype
+CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}  # the largest value each keeps (symmetric; e4m3's finite maximum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +50,9 @@ class QuantLayout:
     and logical axes follow from the weight's."""
 
     kind: str  # "Q4_1", "Q8_0", "int8", "fp8" (e4m3; a float32 scale per output channel, as int8) or "int4"
-    group: int = 0  # int4: inputs per scale and zero (the whole input axis for one group per row)
+    # int4: inputs per scale and zero (the whole input axis for one group per row); fp8: inputs per scale
+    # (a block-scaled checkpoint's, 0 for one scale per output channel)
+    group: int = 0
     scale_dtype: Any = jnp.float16  # int4: the checkpoint's
     act_order: bool = False  # int4: groups are sets of inputs named by a per-input index (GPTQ desc_act)
 
@@ -64,8 +69,12 @@ class QuantLayout:
             part = tuple(n if i == axis else s for i, s in enumerate(shape))
             return part, dtype, tuple(None if i == axis and n == 1 else a for i, a in enumerate(axes))
 
-        if self.kind in CHANNEL_VALUES:  # one float32 scale per output channel: the input axis reduced to 1
-            return {self.kind: (shape, CHANNEL_VALUES[self.kind], axes), "scale": along(1, jnp.float32)}
+        if self.kind in CHANNEL_VALUES:  # a float32 scale per output channel (and group of inputs)
+            if self.group and shape[axis] % self.group:
+                raise ValueError(f"{short}: {self.kind} groups of {self.group} inputs do not tile its input axis "
+                                 f"of {shape[axis]}")
+            groups = shape[axis] // self.group if self.group else 1
+            return {self.kind: (shape, CHANNEL_VALUES[self.kind], axes), "scale": along(groups, jnp.float32)}
         if self.kind == "int4":
             return self._int4_specs(short, shape, axes, axis, along)
         if shape[axis] % QK:
@@ -102,7 +111,7 @@ class QuantLayout:
 # How a `dummy:` model draws quantized parts (models/registry.py), per layout kind: values uniform over
 # the format's range (int8's symmetric one; int4 words of random nibbles, zero point 8), and a scale that
 # gives them the spread of a float dummy's weights.
-DUMMY_INIT = {"int8": {"int8": "int8", "scale": "int8-scale"},
+DUMMY_INIT = {"int8": {"int8": "int8", "scale": "int8-scale"}, "fp8": {"fp8": "fp8", "scale": "fp8-scale"},
               "int4": {"q4": "int4-words", "zero": "int4-zero", "scale": "int4-scale"}}
 
 
@@ -122,9 +131,12 @@ def is_quantized(value: Any) -> bool:
 def _dequantize(parts: Mapping[str, Array], short: str, dtype) -> Array:
     if "q4" in parts:
         return dequantize_parts(parts, INPUT_AXIS[short], dtype)
-    for kind in CHANNEL_VALUES:
+    for kind in CHANNEL_VALUES:  # each group of inputs (one per row: the whole axis) times its scale
         if kind in parts:
-            return (parts[kind].astype(jnp.float32) * parts["scale"]).astype(dtype)
+            q, scale = parts[kind].astype(jnp.float32), parts["scale"]
+            a = q.ndim + INPUT_AXIS[short]
+            groups = q.reshape(*q.shape[:a], scale.shape[a], -1, *q.shape[a + 1:])
+            return (groups * jnp.expand_dims(scale, a + 1)).reshape(q.shape).astype(dtype)
     return dequantize_blocks(parts, INPUT_AXIS[short], dtype)
 
 
@@ -134,19 +146,23 @@ def dequantize_layer(lp: Mapping[str, Any], dtype) -> dict[str, Any]:
     return {k: _dequantize(v, k, dtype) if is_quantized(v) else v for k, v in lp.items()}
 
 
-def quantize_int8(weights: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, QuantLayout]]:
-    """Host weights with every quantizable stacked layer weight of every stack replaced by int8 parts
-    ("layers.wqkv.int8", "layers.wqkv.scale"; Llama 4: "moe_layers.wqkv.int8", ...): symmetric, one scale
-    per output channel (absmax / 127 over the input axis), round to nearest. The layouts are by weight
-    name (`wqkv`), as the models take them."""
+def quantize_channels(weights: Mapping[str, np.ndarray], kind: str
+                      ) -> tuple[dict[str, np.ndarray], dict[str, QuantLayout]]:
+    """Host weights with every quantizable stacked layer weight of every stack replaced by 8-bit parts
+    of `kind` ("int8" or "fp8": "layers.wqkv.int8", "layers.wqkv.scale"; Llama 4: "moe_layers.wqkv.fp8",
+    ...): symmetric, one float32 scale per output channel (absmax over the input axis, over the kind's
+    largest value), rounded to the nearest value the kind holds. The layouts are by weight name
+    (`wqkv`), as the models take them."""
+    top = CHANNEL_MAX[kind]
     out, layouts = dict(weights), {}
     for name in [k for k in weights if k.count(".") == 1 and k.partition(".")[2] in INPUT_AXIS]:
         short = name.partition(".")[2]
         rel = INPUT_AXIS[short]
         w = np.asarray(out.pop(name), np.float32)
-        scale = np.abs(w).max(axis=w.ndim + rel, keepdims=True) / 127
+        scale = np.abs(w).max(axis=w.ndim + rel, keepdims=True) / top
         scale = np.where(scale == 0, 1, scale).astype(np.float32)
-        out[f"{name}.int8"] = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        q = np.clip(w / scale, -top, top)
+        out[f"{name}.{kind}"] = np.rint(q).astype(np.int8) if kind == "int8" else q.astype(CHANNEL_VALUES[kind])
         out[f"{name}.scale"] = scale
-        layouts[short] = QuantLayout("int8")
+        layouts[short] = QuantLayout(kind)
     return out, layouts
