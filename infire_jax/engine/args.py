@@ -40,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                         "experts as Kimi's int4); checkpoint keeps a published GPTQ/AWQ/FP8/W8A8/DeepSeek-V3/Kimi/"
                         "gpt-oss checkpoint's own int4, 8-bit or MXFP4 weights (routed experts dequantized one expert at a time in "
                         "the grouped matmul)")
+    p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="vLLM's flag: the checkpoint's own method (awq, gptq, fp8, compressed-tensors, fbgemm_fp8, "
+                        "mxfp4; awq_marlin and gptq_marlin alike) keeps its weights quantized (--weights-quantization "
+                        "checkpoint); fp8 on a float model quantizes it at load; gguf keeps a GGUF file's blocks")
     p.add_argument("--int4-group-size", type=int, default=None, choices=[32, 128],
                    help="with --weights-quantization int4: inputs per scale and zero point (default 128; a last "
                         "group is shorter where it does not divide a weight's inputs, as GPTQ's)")
@@ -133,7 +137,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype,
                         calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,
                         weights_compression=args.weights_compression,
-                        weights_quantization=args.weights_quantization, int4_group_size=args.int4_group_size,
+                        weights_quantization=args.weights_quantization, quantization=args.quantization,
+                        int4_group_size=args.int4_group_size,
                         speculative_config=args.speculative_config,
                         grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

@@ -47,6 +47,7 @@ from infire_jax.speculative.eagle3 import Eagle3Head
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.loaders.vision import vision_hf_config
+from infire_jax.loaders.vllm_quantization import weights_quantization_of
 from infire_jax.vision.config import VisionConfig, vision_config
 from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, device_bytes, pool_rows
 from pallas_kernels.attention import choose_impl, resolve_impl
@@ -100,6 +101,9 @@ class EngineConfig:
     # AWQ / GPTQ form; a dummy: model's drawn) or "checkpoint" (a published GPTQ / AWQ / 8-bit / DeepSeek-V3 /
     # Kimi / gpt-oss checkpoint's own int4, fp8, int8 or MXFP4 weights)
     weights_quantization: str | None = None
+    # vLLM's `quantization` (the checkpoint's method, "fp8" at load on a float model, "gguf"): sets
+    # weights_quantization from the model's config at construction (loaders/vllm_quantization.py).
+    quantization: str | None = None
     # "int4": inputs per scale and zero point, 32 or 128 (None: 128); refused with any other mode.
     int4_group_size: int | None = None
     # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
@@ -135,6 +139,15 @@ class EngineConfig:
     # (core/kv_groups.py, core/hybrid_kv_cache.py); False keeps every page of every layer in one group (the
     # kernels mask the same way): for comparisons and tests.
     hybrid_kv_cache: bool = True
+
+    def __post_init__(self):
+        if self.quantization is None:
+            return
+        mode = weights_quantization_of(self.model, self.quantization)
+        if self.weights_quantization not in (None, mode):
+            raise ConfigError(f"quantization={self.quantization!r} means weights_quantization={mode!r} for "
+                              f"{self.model or 'the default model'}, not {self.weights_quantization!r}; set one")
+        self.weights_quantization = mode
 
     @property
     def images_per_prompt(self) -> int:
