@@ -81,6 +81,22 @@ def test_runners_of_other_settings_share_the_programs_they_both_lower(tmp_path):
     np.testing.assert_allclose(np.asarray(twice(x, w)), 2 * reference(x, w), rtol=1e-5, atol=1e-4)
 
 
+def test_programs_differing_only_in_arguments_they_do_not_read_share_nothing(tmp_path, caplog):
+    """jax leaves an unread argument out of the lowered text (a kept-quantized model's program that reads
+    only the embedding lowers as a dequantized one's does), but an executable loads only for the
+    arguments it was compiled with: the second program compiles under its own file, and the first's
+    stays, neither rebuilt."""
+    jitted = jax.jit(lambda x, unread: x * 2)
+    ints = (jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.int8))
+    floats = (ints[0], jax.ShapeDtypeStruct((8,), jnp.float8_e4m3fn))
+    assert jitted.lower(*ints).as_text() == jitted.lower(*floats).as_text()
+    for context, args in (("int8", ints), ("fp8", floats), ("int8 again", ints)):
+        cache = executable_cache.ExecutableCache(str(tmp_path), context)
+        cache.get("f", args, lambda: jitted.lower(*args))
+        assert (cache.compiled, cache.shared) == ((1, 0) if context != "int8 again" else (0, 1)), context
+    assert "rebuilding" not in caplog.text
+
+
 def test_key_covers_the_source_of_every_package_that_builds_programs(monkeypatch):
     """The model, sampler and speculation code (infire_jax/models, sample, speculative...) builds the
     step programs as much as the runner does: a change to any of it must be a new key. (The source

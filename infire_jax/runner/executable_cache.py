@@ -227,11 +227,16 @@ class ExecutableCache:
         return compiled
 
     def _shared_path(self, lowered: jax.stages.Lowered, args: Any) -> str:
-        """The file of a program by its lowered text and the devices of its arguments."""
-        devices = sorted({d.id for a in jax.tree.leaves(args)
+        """The file of a program by its lowered text and its arguments' shapes, dtypes and devices. The
+        text alone is not enough: it leaves out the arguments a program does not read, and an
+        executable loads only for the arguments it was compiled with (`_load`), so two programs
+        differing there (a kept-quantized model's and a dequantized one's) would overwrite each other."""
+        leaves = jax.tree.leaves(args)
+        devices = sorted({d.id for a in leaves
                           for d in (a.sharding.device_set if getattr(a, "sharding", None) is not None
                                     else (jax.devices()[0],))})
-        h = hashlib.sha256((self._runtime + repr(devices)).encode())
+        shapes = [(tuple(a.shape), str(a.dtype)) for a in leaves]
+        h = hashlib.sha256((self._runtime + repr(devices) + repr(shapes)).encode())
         h.update(lowered.as_text().encode())
         return os.path.join(self.directory, "hlo-" + h.hexdigest()[:40] + ".exe")
 
