@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 checkpoints in the 8-bit schemes with a scale per output channel, per
+"""Tiny random Llama / Qwen2 / Mixtral / Qwen3-MoE checkpoints in the 8-bit schemes with a scale per output channel, per
 tensor or per block (loaders/hf_quantized.py's module doc lists them), and each one's float twin.
 
 Written from the schemes' definitions, independent of infire_jax: the weights are quantized here
@@ -32,6 +32,7 @@ def _compressed(values: str, strategy: str, activations: dict | None) -> dict:
 DYNAMIC = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
 # fp8 blocks (Qwen3's FP8 releases: 128): 64 here, so that a block of o_proj's inputs spans two heads of 32
 BLOCK = 64
+FP8_BLOCKS = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[BLOCK, BLOCK])
 # name: (quantization_config, values, scale per "channel", "tensor" or "block", scale's stored shape and
 #        dtype, activation tensors written beside each weight, family)
 CASES = {
@@ -45,9 +46,20 @@ CASES = {
                    FP8, "channel", "[O, 1]", np.float32, {"input_scale_ub": np.full(1, 1200.0, np.float32)}, "llama"),
     "w8a8-int8": (_compressed("int", "channel", dict(DYNAMIC, type="int")), INT8, "channel", "[O]", np.float16, {},
                   "llama"),
-    "fp8-block": (dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[BLOCK, BLOCK]),
-                  FP8, "block", "[O / B, I / B]", np.float32, {}, "qwen2"),
+    "fp8-block": (FP8_BLOCKS, FP8, "block", "[O / B, I / B]", np.float32, {}, "qwen2"),
+    "fp8-block-moe": (FP8_BLOCKS, FP8, "block", "[O / B, I / B]", np.float32, {}, "mixtral"),
+    "fp8-block-qwen3-moe": (FP8_BLOCKS, FP8, "block", "[O / B, I / B]", np.float32, {}, "qwen3_moe"),
 }
+# The MoE families' MLP: 4 experts (2 a token) of the dense MLP's shapes, each expert's gate, up and down
+# quantized (Mixtral's w1, w3, w2), a float router; Qwen3-MoE's q / k norms are float as well.
+EXPERTS = 4
+MOE = {"mixtral": (dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=EXPERTS,
+                        num_experts_per_tok=2), "block_sparse_moe",
+                   {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+       "qwen3_moe": (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=EXPERTS,
+                          num_experts_per_tok=2, moe_intermediate_size=CONFIG["intermediate_size"], norm_topk_prob=True,
+                          head_dim=CONFIG["hidden_size"] // CONFIG["num_attention_heads"]), "mlp",
+                     {p: p for p in ("gate_proj", "up_proj", "down_proj")})}
 
 
 def _quantize(w: np.ndarray, values, strategy: str, scale_dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,7 +102,19 @@ def write_checkpoints(base: pathlib.Path, name: str, seed: int = 0) -> tuple[str
         for norm in ("input_layernorm", "post_attention_layernorm"):
             quantized[f"{pre}.{norm}.weight"] = twin[f"{pre}.{norm}.weight"] = \
                 (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
-        for module, (out, inp) in LINEARS.items():
+        linears = LINEARS
+        if family in MOE:
+            _, block, names = MOE[family]
+            linears = {m: shape for m, shape in LINEARS.items() if m.startswith("self_attn.")}
+            linears |= {f"{block}.experts.{j}.{w}": LINEARS[f"mlp.{proj}"] for j in range(EXPERTS)
+                        for w, proj in names.items()}
+            quantized[f"{pre}.{block}.gate.weight"] = twin[f"{pre}.{block}.gate.weight"] = \
+                rng.standard_normal((EXPERTS, e)).astype(np.float32)
+        if family == "qwen3_moe":
+            for norm in ("q_norm", "k_norm"):
+                quantized[f"{pre}.self_attn.{norm}.weight"] = twin[f"{pre}.self_attn.{norm}.weight"] = \
+                    (1 + 0.1 * rng.standard_normal(MOE[family][0]["head_dim"])).astype(np.float32)
+        for module, (out, inp) in linears.items():
             q, scale, each = _quantize(rng.standard_normal((out, inp)) / np.sqrt(inp), values, strategy, scale_dtype)
             quantized[f"{pre}.{module}.weight"] = q
             scale_name = "weight_scale_inv" if strategy == "block" else "weight_scale"
@@ -107,7 +131,7 @@ def write_checkpoints(base: pathlib.Path, name: str, seed: int = 0) -> tuple[str
         path = base / f"{name}{label}"
         path.mkdir(parents=True)
         save_file(tensors, str(path / "model.safetensors"))
-        hf = dict(CONFIG, **FAMILIES[family], torch_dtype="float32")
+        hf = dict(CONFIG, **(MOE[family][0] if family in MOE else FAMILIES[family]), torch_dtype="float32")
         if quant is not None:
             hf["quantization_config"] = quant
         (path / "config.json").write_text(json.dumps(hf))

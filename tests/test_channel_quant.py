@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from channel_models import BLOCK, CASES, FP8, write_checkpoints
+from channel_models import BLOCK, CASES, EXPERTS, FP8, write_checkpoints
 from gptq_awq_models import CONFIG, LINEARS
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.hf_quantized import quant_scheme
@@ -65,11 +65,12 @@ def _assert_same(outs, want, atol=1e-5) -> None:
                                    [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["fp8-dynamic", "w8a8-int8", "fp8-block"])
+@pytest.mark.parametrize("name", ["fp8-dynamic", "w8a8-int8", "fp8-block", "fp8-block-moe", "fp8-block-qwen3-moe"])
 def test_engine_on_the_checkpoint_equals_its_float_twin_kept_or_not(name, checkpoints, monkeypatch):
     """Dequantized at load against the twin; kept 8-bit against dequantized, through the layer scan's
-    dequantization and through the GPU's quantized matmul kernel (interpret mode), which reads the
-    values and their row (and block) scales in place in decode steps."""
+    dequantization and through the GPU's quantized matmul kernels (interpret mode), which read the
+    values and their row (and block) scales in place: dense weights in decode steps, a Mixtral's or
+    Qwen3-MoE's experts (kept too) at every step."""
     from infire_jax import LLM, SamplingParams
 
     quantized, twin = checkpoints[name]
@@ -88,18 +89,20 @@ def test_engine_on_the_checkpoint_equals_its_float_twin_kept_or_not(name, checkp
                                                                               f"layers.{t}.scale"], t
         v, scale = placed[f"layers.{t}.{values}"], placed[f"layers.{t}.scale"]
         assert v.dtype == (jnp.float8_e4m3fn if values == "fp8" else jnp.int8) and scale.dtype == jnp.float32
-        assert v.size == CONFIG["num_hidden_layers"] * sum(np.prod(LINEARS[m]) for m in members), t
+        experts = EXPERTS if name.endswith("moe") and t.startswith("w_") else 1
+        assert v.size == CONFIG["num_hidden_layers"] * experts * sum(np.prod(LINEARS[m]) for m in members), t
     ratio = kept.engine.runner.weight_bytes / engines["float"].engine.runner.weight_bytes
     assert ratio < 0.65, ratio  # float32 embedding and LM head dominate this tiny model
     _assert_same(kept.generate(PROMPTS, params), deq)
     monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")  # read in place (test_quant_kernels.py checks it)
+    monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
     engines["kernel"] = LLM(model=quantized, weights_quantization="checkpoint", **ENGINE)
     _assert_same(engines["kernel"].generate(PROMPTS, params), deq, atol=1e-4)
     for llm in engines.values():
         llm.engine.close()
 
 
-@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-block"])
+@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-block", "fp8-block-moe"])
 def test_kept_on_a_tp_mesh_equals_one_device(name, checkpoints, tmp_path):
     """fp8 kept on tp=4 (4 CPU devices, kv heads repeated): the values split as the weights (wo and down
     along their inputs), the row scales with the outputs (wo's, one a head, with its heads; a block's
@@ -151,7 +154,7 @@ def test_malformed_scales_name_the_tensor(checkpoints, tmp_path):
         load_hf_dir(str(tmp_path / "bad"))
 
 
-@pytest.mark.parametrize("name", ["fp8-static", "fp8-block"])
+@pytest.mark.parametrize("name", ["fp8-static", "fp8-block", "fp8-block-moe"])
 def test_the_memory_plan_counts_the_kept_8bit_weights(name, checkpoints):
     """`infire-jax plan` of an 8-bit checkpoint counts its layer weights as kept (one byte a weight, a
     float32 scale a row, or a row's block of inputs; wo's a row of each head, or of each head's piece of
@@ -167,9 +170,10 @@ def test_the_memory_plan_counts_the_kept_8bit_weights(name, checkpoints):
     kept, plain = (memory_plan(plan_source(p, "float32")(mc), mc, 1 << 30).weight_bytes for p in (quantized, twin))
     layers, heads = CONFIG["num_hidden_layers"], CONFIG["num_attention_heads"]
     head_dim = CONFIG["hidden_size"] // heads
-    weights = layers * sum(np.prod(shape) for shape in LINEARS.values())
-    if name == "fp8-block":  # o_proj's blocks span two heads: a scale a row for each head's piece
-        scales = layers * sum(out * inp // (head_dim if m == "self_attn.o_proj" else BLOCK)
+    copies = {m: EXPERTS if name.endswith("moe") and m.startswith("mlp.") else 1 for m in LINEARS}  # experts
+    weights = layers * sum(np.prod(shape) * copies[m] for m, shape in LINEARS.items())
+    if name.startswith("fp8-block"):  # o_proj's blocks span two heads: a scale a row for each head's piece
+        scales = layers * sum(out * inp // (head_dim if m == "self_attn.o_proj" else BLOCK) * copies[m]
                               for m, (out, inp) in LINEARS.items())
     else:
         scales = layers * (sum(LINEARS[m][0] for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",

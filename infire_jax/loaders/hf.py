@@ -137,6 +137,15 @@ def layer_weight(name: str, cfg: ModelConfig) -> tuple[int, str] | None:
     return (int(m.group(1)), short) if short else None
 
 
+def expert_weight(name: str, cfg: ModelConfig) -> tuple[int, int, str] | None:
+    """(layer, expert, model weight name) of a MoE layer's expert tensor ("model.layers.3.mlp.experts.7
+    .up_proj.weight" -> (3, 7, "w_up"); Mixtral's w1 / w3 / w2 alike); None for any other tensor."""
+    m = _LAYER.fullmatch(name)
+    em = _EXPERT.fullmatch(m.group(2)) if m and cfg.is_moe else None
+    short = _EXPERT_NAMES.get(em.group(2)) if em else None
+    return (int(m.group(1)), int(em.group(1)), short) if short else None
+
+
 def _fused_rows(name: str, cfg: ModelConfig) -> list[int]:
     """Where each member of a fused Phi-3 weight ends, in rows (HF's (out, in) layout)."""
     if name == "mlp.gate_up_proj.weight":

@@ -1,4 +1,4 @@
-"""A GPTQ / AWQ, 8-bit or fp8-block checkpoint of a dense Llama-family model, its layer weights kept.
+"""A GPTQ / AWQ, 8-bit or fp8-block checkpoint of a Llama-family model, its layer weights kept.
 
 `weights_quantization="checkpoint"` on a Llama / Qwen / Mistral checkpoint whose
 `quantization_config` is an 8-bit scheme (loaders/hf_quantized.py: llm-compressor's FP8 or int8,
@@ -8,10 +8,12 @@ each head, as the model's `[Hq, D, E]` layout keeps one per head), moved into th
 the float weights are. Or `fp8` with `weight_block_size` (Qwen3's and Qwen2.5's official FP8
 releases, DeepSeek-V3's form on a GQA model): the fp8 values as published and a float32 scale per
 output channel and block of inputs, each block's scale repeated on its rows (quant/grouped.py's
-form) and, for wo where a block spans heads, on each head's piece. Or gptq or awq: q/k/v, o, gate/up and down stay 4-bit on the device
-(quant/gptq_awq.py `kept_parts`: values packed along the input axis, GPTQ's words as they are and
-AWQ's output-packed ones unpacked and packed again, with each group's scale and zero point) and
-are dequantized one layer at a time inside the layer scan (quant/resident.py). The parts take the
+form) and, for wo where a block spans heads, on each head's piece. With these 8-bit schemes a
+Mixtral or Qwen3-MoE checkpoint keeps its experts too, stacked `[X, in, out]` a layer as the float
+loader stacks them. Or gptq or awq (dense models): q/k/v, o, gate/up and down stay 4-bit on the
+device (quant/gptq_awq.py `kept_parts`: values packed along the input axis, GPTQ's words as they
+are and AWQ's output-packed ones unpacked and packed again, with each group's scale and zero point)
+and are dequantized one layer at a time inside the layer scan (quant/resident.py). The parts take the
 weight's own path into the model's fused layout, along output axes only, as a GGUF file's blocks
 do (fused_parts.py). wo's groups are cut at head boundaries (a group's scale and zero repeated on
 each piece), so the model's `[Hq, D, E]` layout splits none. With act-order (`desc_act`: a
@@ -19,11 +21,11 @@ group is any set of inputs, `g_idx`) each weight keeps its whole zero / scale ta
 over the devices, and an int16 index of each input's group, split along the inputs as the weight
 is (`kept_parts_act_order`); the scan gathers each input's zero and scale with it. Permuting the
 inputs instead is no option: q/k/v and gate/up share their input, the hidden state, with
-different `g_idx`. Everything else (embedding, LM head, norms, biases) is what the float loader
-gives, dequantized at load if quantized. Refused, naming the tensor or weight: a permuted `g_idx`
-in a checkpoint whose `desc_act` is not set, a fused weight only partly quantized, MoE and MLA
-models, and a mesh whose shards would split a group or a word; all of these load dequantized
-without `weights_quantization`.
+different `g_idx`. Everything else (embedding, LM head, norms, biases, routers) is what the float
+loader gives, dequantized at load if quantized. Refused, naming the tensor or weight: a permuted
+`g_idx` in a checkpoint whose `desc_act` is not set, a fused weight (or a layer's experts) only
+partly quantized, GPTQ / AWQ MoE models, MLA models, and a mesh whose shards would split a group or
+a word; all of these load dequantized without `weights_quantization`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from flax import nnx
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
-from infire_jax.loaders.hf import checkpoint_tensors, layer_weight, llama_weights, read_hf_config
+from infire_jax.loaders.hf import checkpoint_tensors, expert_weight, layer_weight, llama_weights, read_hf_config
 from infire_jax.loaders.hf_quantized import QuantScheme, channel_parts, dequantize_module, grouped, quant_scheme, \
     unpack_module
 from infire_jax.loaders.hf_quantized import kept_parts as block_parts  # gptq_awq has its own kept_parts
@@ -70,10 +72,15 @@ def keeps(path: str | None) -> bool:
     return scheme is not None and scheme.kind in KEPT_KINDS and not (scheme.kind == "fp8" and mla)
 
 
-def _llama_family(cfg: ModelConfig) -> bool:
-    """Whether the float loader reads `cfg`'s checkpoint as a dense Llama (hf.py `llama_weights`)."""
+# The schemes whose MoE experts (Mixtral, Qwen3-MoE) are kept as well: 8-bit values a scale a row (and block).
+EXPERT_KINDS = ("channel", "fp8")
+
+
+def _llama_family(cfg: ModelConfig, scheme: QuantScheme) -> bool:
+    """Whether the float loader reads `cfg`'s checkpoint as a Llama (hf.py `llama_weights`), dense or,
+    for an 8-bit scheme, with Mixtral's or Qwen3-MoE's experts."""
     others = (cfg.mla, cfg.glm4, cfg.gpt_oss, cfg.llama4, cfg.gemma3, cfg.gated_delta)
-    return not cfg.is_moe and all(o is None for o in others)
+    return (not cfg.is_moe or scheme.kind in EXPERT_KINDS) and all(o is None for o in others)
 
 
 def load_llama_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
@@ -83,26 +90,39 @@ def load_llama_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
     with open(os.path.join(path, "config.json")) as f:
         scheme = quant_scheme(json.load(f))
     cfg = read_hf_config(path)
-    if not _llama_family(cfg):
-        raise ConfigError(f"weights_quantization='checkpoint' keeps {scheme.kind} weights of dense Llama-architecture "
-                          f"models, not {cfg.architecture}; {_DEQUANTIZE}")
+    if not _llama_family(cfg, scheme):
+        what = "Llama-architecture models (and Mixtral / Qwen3-MoE for 8-bit schemes)"
+        raise ConfigError(f"weights_quantization='checkpoint' keeps {scheme.kind} weights of {what}, not "
+                          f"{cfg.architecture}; {_DEQUANTIZE}")
     plain, parts, kept, formats = [], {}, {}, {}
+    form = {"channel": _channel_form, "fp8": _block_form}.get(scheme.kind, _int4_form)
     for name, w in grouped(checkpoint_tensors(path), scheme):
-        where = layer_weight(f"{name}.weight", cfg) if isinstance(w, dict) else None
-        if where is None or where[1] not in _FUSED_OF:  # a plain tensor, or a quantized one outside the layers
+        where = _kept_weight(f"{name}.weight", cfg) if isinstance(w, dict) else None
+        if where is None:  # a plain tensor, or a quantized one outside the layers
             plain.append((f"{name}.weight", dequantize_module(name, w, scheme)) if isinstance(w, dict) else (name, w))
             continue
-        layer, short = where
-        form = {"channel": _channel_form, "fp8": _block_form}.get(scheme.kind, _int4_form)
+        layer, expert, short = where
         kept_form, layout = form(name, w, short, scheme, cfg)
         for part, a in kept_form.items():
             laid = _layout(short, part, a, scheme, cfg)
-            parts.setdefault(part, {}).setdefault(short, [None] * cfg.num_layers)[layer] = laid
+            per_layer = parts.setdefault(part, {}).setdefault(short, [None] * cfg.num_layers)
+            if expert is None:
+                per_layer[layer] = laid
+            else:  # [X, in, out] a layer, as the float loader stacks an expert's weight
+                per_layer[layer] = per_layer[layer] or [None] * cfg.num_experts
+                per_layer[layer][expert] = laid
         kept[(layer, short)] = name
         formats.setdefault(_FUSED_OF[short], set()).add(layout)
     _check_whole(kept, plain, cfg)
     weights = llama_weights(plain, cfg)
     for part, per_layer in parts.items():
+        for short, layers in per_layer.items():
+            for i, layer in enumerate(layers):
+                if isinstance(layer, list):
+                    if any(e is None for e in layer):
+                        raise UnsupportedModelError(f"layer {i}'s {short} experts are quantized in part only; "
+                                                    f"{_DEQUANTIZE}")
+                    layers[i] = np.stack(layer)
         weights.update({f"{k}.{part}": v for k, v in stack_layers(per_layer, cfg).items()})
     layouts = {}
     for fused, found in formats.items():
@@ -169,13 +189,21 @@ def _layout(short: str, part: str, a: np.ndarray, scheme: QuantScheme, cfg: Mode
     return part_to_layout(short, a, cfg)
 
 
+def _kept_weight(name: str, cfg: ModelConfig) -> tuple[int, int | None, str] | None:
+    """(layer, expert or None, model weight name) of a layer tensor a fused weight is kept from."""
+    where = layer_weight(name, cfg)
+    if where is not None:
+        return (where[0], None, where[1]) if where[1] in _FUSED_OF else None
+    return expert_weight(name, cfg)
+
+
 def _check_whole(kept: dict[tuple[int, str], str], plain: list, cfg: ModelConfig) -> None:
     """UnsupportedModelError naming the tensor if a fused weight is quantized in part only."""
     quantized = {_FUSED_OF[short] for _, short in kept}
     for name, _ in plain:
-        where = layer_weight(name, cfg)
-        if where and _FUSED_OF.get(where[1]) in quantized:
-            raise UnsupportedModelError(f"{name} is not quantized but other parts of layers.{_FUSED_OF[where[1]]} "
+        where = _kept_weight(name, cfg)
+        if where and _FUSED_OF[where[2]] in quantized:
+            raise UnsupportedModelError(f"{name} is not quantized but other parts of layers.{_FUSED_OF[where[2]]} "
                                         f"are; a weight is kept quantized whole ({_DEQUANTIZE})")
 
 

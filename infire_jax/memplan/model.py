@@ -303,7 +303,7 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
     scheme = _kept_scheme(hf)
     if scheme is None:
         return {}
-    if cfg.is_moe:
+    if cfg.is_moe and scheme.kind not in ("channel", "fp8"):  # llama_quant.EXPERT_KINDS
         raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: its weights are kept (and planned) "
                          f"for dense Llama-architecture models, not {cfg.architecture}")
     if scheme.kind == "channel":
