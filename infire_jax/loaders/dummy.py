@@ -93,6 +93,12 @@ CONFIGS: dict[str, dict] = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
         moe_intermediate_size=768, norm_topk_prob=True, bos_token_id=151643, eos_token_id=151645),
+    # Qwen3-235B-A22B (and its FP8 release's shapes): 94 MoE layers of 128 experts, 8 a token
+    "qwen3-235b-a22b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=1536, norm_topk_prob=True, bos_token_id=151643, eos_token_id=151645),
     "mixtral-8x7b": dict(
         model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
