@@ -79,6 +79,12 @@ CHECKS = (
           env=(("INFIRE_JAX_LAYER_LOOP", "scan"),)),
     Check("profile-b1", 150, ("infire_jax.bench", "profile", *LLAMA, "--batch-size", "1", "--input-len", "2048",
                               "--steps", "32")),
+    # A prompt chunk's plain weights go to cuBLAS, and jax 0.10.2's compiler copies each layer's slice out of
+    # the stacks first (14 GB a step of the 8B; about 8 ms beside a 2048-token chunk's ~43 ms of matmuls,
+    # against issue 29's 45 ms TTFT). XLA's dynamic-slice fusion lets cuBLAS read the slice in place; on 0.10.2
+    # compiling with it fails ("BufferAllocation::Slice not assigned"): this asks 0.11 (TTFT, tokens as usual).
+    Check("prefill-2k-slice-fusion", 120, ("infire_jax.bench", "latency", *LLAMA, *LONG, "--batch-size", "1"),
+          env=(("XLA_FLAGS", "--xla_gpu_enable_dynamic_slice_fusion=true"),)),
     # Issue 46, item 8: the 8B's step programs compiled on this machine without its GPU (a process under
     # JAX_PLATFORMS=cpu, `infire-jax precompile`), then a boot that should load all of them (`loaded`),
     # compile none of them, and be ready with its compile time gone; and a warm boot beside it.
