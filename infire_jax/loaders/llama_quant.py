@@ -119,9 +119,9 @@ def load_llama_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
         for short, layers in per_layer.items():
             for i, layer in enumerate(layers):
                 if isinstance(layer, list):
-                    if any(e is None for e in layer):
-                        raise UnsupportedModelError(f"layer {i}'s {short} experts are quantized in part only; "
-                                                    f"{_DEQUANTIZE}")
+                    missing = [j for j, e in enumerate(layer) if e is None]
+                    if missing:
+                        raise UnsupportedModelError(f"layer {i}: the checkpoint has no {short} of experts {missing}")
                     layers[i] = np.stack(layer)
         weights.update({f"{k}.{part}": v for k, v in stack_layers(per_layer, cfg).items()})
     layouts = {}

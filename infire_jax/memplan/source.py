@@ -7,7 +7,7 @@ import os
 from typing import Callable
 
 from infire_jax.memplan.model import (
-    PlanModel, formats_from_hf, from_hf_config, from_model_config, at_load_layouts, kept_layouts, placed_config,
+    PlanModel, at_load_layouts, formats_from_hf, from_hf_config, from_model_config, kept_layouts, placed_config,
     with_vision)
 from infire_jax.models.hf_config import config_from_hf
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, INT4_GROUPS

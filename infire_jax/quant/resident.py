@@ -5,7 +5,8 @@ float model quantized at load to int8 or fp8 (e4m3) with one scale per output ch
 (`quantize_channels`; vLLM's `--quantization fp8`, per channel rather than per tensor) or to
 int4 groups with zero points (quant/int4_rtn.py), a GPTQ / AWQ checkpoint's int4 groups with
 zero points (loaders/llama_quant.py, quant/gptq_awq.py), or an 8-bit checkpoint's fp8 or int8
-weights with a scale per output channel (llm-compressor, AutoFP8, fbgemm_fp8; loaders/llama_quant.py).
+weights with a scale per output channel (llm-compressor, AutoFP8, fbgemm_fp8), or per output channel
+and block of inputs (Qwen3's FP8 releases; loaders/llama_quant.py).
 
 Like palette compression (compression/resident.py), a quantized stacked weight is a module of
 parts in place of its `nnx.Param`. Each part keeps the weight's logical axes, with the input
