@@ -3,8 +3,8 @@
 
 - Each real loader's kept form, viewed as the kernel reads it, gives the weights the layer-body
   dequantizer gives, bit for bit: the default GGUF's Q4_1, int8, fp8 and int4 at load, GPTQ / AWQ,
-  8-bit and fp8-block checkpoints, and DeepSeek / Kimi int4 and fp8 dense weights and routed experts (act-order GPTQ
-  stays in the layer body).
+  8-bit and fp8-block checkpoints, and DeepSeek / Kimi int4 and fp8 dense weights and routed
+  experts (act-order GPTQ stays in the layer body).
 - Engines with the kernels chosen produce the tokens of engines without them, with logprobs within
   float32 rounding, and their forward runs the kernels (tests/test_step_program.py checks that the
   GPU forward with them holds nothing the host waits for).
