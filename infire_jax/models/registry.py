@@ -50,6 +50,10 @@ def _place(w: np.ndarray, dtype, sharding: jax.sharding.Sharding | None) -> jax.
     return jax.make_array_from_callback(w.shape, sharding, lambda idx: np.asarray(w[idx], dtype=dtype))
 
 
+# A dummy's fp8 values are random bytes, the two NaN codes made 0 (a float draw cast to e4m3 is slow to
+# compile and run on CPU); their root mean square, over the codes, scales them to the float draw's spread.
+_FP8_CODES = np.where((np.arange(256) & 0x7F) == 0x7F, 0, np.arange(256)).astype(np.uint8)
+FP8_CODE_RMS = float(np.sqrt(np.mean(np.square(_FP8_CODES.view(jnp.float8_e4m3fn).astype(np.float64)))))
 DRAW_CHUNK_ELEMENTS = 1 << 28  # a random draw's temporaries take ~24 bytes an element (XLA CPU): ~6 GiB a chunk
 
 
@@ -79,10 +83,12 @@ def weight_draw(shape: tuple[int, ...], dtype, init: str, sharding, slot_mask: t
             return jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8), -127)
         if init == "int8-scale":  # uniform values times this have the normal draw's spread, 0.02
             return jnp.full(shape, 0.02 * 3 ** 0.5 / 127, jnp.float32)
-        if init == "fp8":  # uniform over e4m3's finite range, rounded to its values by the cast
-            return jax.random.uniform(key, shape, jnp.float32, -448.0, 448.0)
+        if init == "fp8":  # every e4m3 value alike: random bytes, NaN codes 0
+            bits = jax.random.bits(key, shape, jnp.uint8)
+            return jax.lax.bitcast_convert_type(jnp.where(bits & 0x7F == 0x7F, 0, bits).astype(jnp.uint8),
+                                                jnp.float8_e4m3fn)
         if init == "fp8-scale":
-            return jnp.full(shape, 0.02 * 3 ** 0.5 / 448, jnp.float32)
+            return jnp.full(shape, 0.02 / FP8_CODE_RMS, jnp.float32)
         if init == "uint8-bits":  # two random FP4 values a byte (MXFP4)
             return jax.random.bits(key, shape, jnp.uint8)
         if init == "mxfp4-scale":  # e8m0 127 - 7: 2^-7 (quant/grouped.py DUMMY_INIT)

@@ -110,8 +110,8 @@ class QuantLayout:
 
 
 # How a `dummy:` model draws quantized parts (models/registry.py), per layout kind: values uniform over
-# the format's range (int8's symmetric one; int4 words of random nibbles, zero point 8), and a scale that
-# gives them the spread of a float dummy's weights.
+# the format's range (int8's symmetric one; fp8: every e4m3 value alike; int4 words of random nibbles,
+# zero point 8), and a scale that gives them the spread of a float dummy's weights.
 DUMMY_INIT = {"int8": {"int8": "int8", "scale": "int8-scale"}, "fp8": {"fp8": "fp8", "scale": "fp8-scale"},
               "int4": {"q4": "int4-words", "zero": "int4-zero", "scale": "int4-scale"}}
 
