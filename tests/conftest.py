@@ -108,6 +108,20 @@ def release_memory_after_each_module(request):
         _memory.update(peak_gib=peak, peak_module=request.module.__name__)
 
 
+# The slowest files of a full run (junit, two workers, 2026-12-01), slowest first. They are collected
+# first, so that xdist's `--dist loadfile` (a file to whichever worker is free, in collection order) ends
+# the run with short files on both workers; in alphabetical order test_speculative (300 s) came near the
+# end, and one worker sat idle while the other ran it.
+SLOWEST_FILES = ("test_speculative.py", "test_gpu_compile.py", "test_quant.py", "test_bench_boot.py", "test_bench.py",
+                 "test_server.py", "test_executable_cache.py", "test_llama4.py", "test_sharding.py", "test_qwen3_5.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest files first (SLOWEST_FILES), every other file after them in its own order."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Under pytest-xdist each worker is a test process of its own: it hands its peak to the controller."""
     workeroutput = getattr(session.config, "workeroutput", None)
