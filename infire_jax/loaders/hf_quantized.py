@@ -75,10 +75,34 @@ def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"quantization_config.{field} = {value!r}: {why}")
 
 
+def quantization_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json's `quantization_config` (Kimi K2.5 may nest it in `text_config`); {} for a float one."""
+    return dict(hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config") or {})
+
+
+# The schemes loaders/llama_quant.py keeps on a Llama-family model, and those whose MoE experts
+# (Mixtral, Qwen3-MoE) it keeps too: 8-bit values a scale a row (and block).
+GQA_KEPT_KINDS = ("gptq", "awq", "channel", "fp8")
+GQA_EXPERT_KINDS = ("channel", "fp8")
+
+
+def gqa_kept_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
+    """The scheme of a config whose layer weights loaders/llama_quant.py keeps (GPTQ / AWQ, 8-bit
+    channels, fp8 blocks but on the DeepSeek-V3 family's MLA models, which loaders/deepseek_quant.py
+    keeps); None for any other (gpt-oss's MXFP4 included)."""
+    if quantization_config(hf).get("quant_method") in (None, "mxfp4"):
+        return None
+    scheme = quant_scheme(hf)
+    mla = bool((hf.get("text_config") or hf).get("kv_lora_rank"))
+    if scheme is None or scheme.kind not in GQA_KEPT_KINDS or (scheme.kind == "fp8" and mla):
+        return None
+    return scheme
+
+
 def quant_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
-    """The scheme of a config.json (Kimi K2.5 may nest it in `text_config`); None for a float
-    checkpoint, UnsupportedModelError naming the field for one this loader cannot read."""
-    qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    """The scheme of a config.json (`quantization_config`); None for a float checkpoint,
+    UnsupportedModelError naming the field for one this loader cannot read."""
+    qc = quantization_config(hf)
     if not qc:
         return None
     method = qc.get("quant_method")

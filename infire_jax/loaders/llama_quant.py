@@ -41,8 +41,8 @@ from flax import nnx
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, expert_weight, layer_weight, llama_weights, read_hf_config
-from infire_jax.loaders.hf_quantized import QuantScheme, channel_parts, dequantize_module, grouped, quant_scheme, \
-    unpack_module
+from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, QuantScheme, channel_parts, dequantize_module, \
+    gqa_kept_scheme, grouped, quant_scheme, unpack_module
 from infire_jax.loaders.hf_quantized import kept_parts as block_parts  # gptq_awq has its own kept_parts
 from infire_jax.loaders.weights import LoadedModel, Placed, stack_layers
 from infire_jax.models.config import ModelConfig
@@ -56,31 +56,21 @@ _FUSED_OF = {short: fused for fused, members in FUSED.items() for short in membe
 _DEQUANTIZE = "load without weights_quantization to dequantize it"
 
 
-KEPT_KINDS = ("gptq", "awq", "channel", "fp8")  # the schemes kept here (hf_quantized.QuantScheme.kind)
-
-
 def keeps(path: str | None) -> bool:
-    """Whether `path` is an HF directory whose quantization_config this module keeps (gptq, awq, 8-bit,
-    and fp8 blocks but for the DeepSeek-V3 family's MLA models, which loaders/deepseek_quant.py keeps)."""
+    """Whether `path` is an HF directory whose quantization_config this module keeps
+    (hf_quantized.gqa_kept_scheme)."""
     cfg_path = os.path.join(path or "", "config.json")
     if not os.path.isfile(cfg_path):
         return False
     with open(cfg_path) as f:
-        hf = json.load(f)
-    scheme = quant_scheme(hf)
-    mla = bool((hf.get("text_config") or hf).get("kv_lora_rank"))
-    return scheme is not None and scheme.kind in KEPT_KINDS and not (scheme.kind == "fp8" and mla)
-
-
-# The schemes whose MoE experts (Mixtral, Qwen3-MoE) are kept as well: 8-bit values a scale a row (and block).
-EXPERT_KINDS = ("channel", "fp8")
+        return gqa_kept_scheme(json.load(f)) is not None
 
 
 def _llama_family(cfg: ModelConfig, scheme: QuantScheme) -> bool:
     """Whether the float loader reads `cfg`'s checkpoint as a Llama (hf.py `llama_weights`), dense or,
     for an 8-bit scheme, with Mixtral's or Qwen3-MoE's experts."""
     others = (cfg.mla, cfg.glm4, cfg.gpt_oss, cfg.llama4, cfg.gemma3, cfg.gated_delta)
-    return (not cfg.is_moe or scheme.kind in EXPERT_KINDS) and all(o is None for o in others)
+    return (not cfg.is_moe or scheme.kind in GQA_EXPERT_KINDS) and all(o is None for o in others)
 
 
 def load_llama_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:

@@ -14,6 +14,7 @@ import os
 
 from infire_jax.errors import ConfigError
 from infire_jax.loaders.dummy import dummy_hf_config
+from infire_jax.loaders.hf_quantized import quantization_config
 
 # vLLM's method names for the checkpoint formats kept here, by the quant_method a config.json carries
 # (vLLM's marlin / machete kernels are its own choice of kernel, not another format).
@@ -33,8 +34,7 @@ def _quant_method(spec: str | None) -> str | None:
             hf = json.load(f)
     else:
         return None
-    qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config") or {}
-    return qc.get("quant_method")
+    return quantization_config(hf).get("quant_method")
 
 
 def weights_quantization_of(spec: str | None, quantization: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from infire_jax.loaders.hf_quantized import quant_scheme
+from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, gqa_kept_scheme
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
@@ -300,18 +300,19 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
     an int16 index of each input's group; 8-bit values (fp8 or int8) with a float32 scale per output
     channel (fp8 blocks: and block of inputs, wo's within a head).
     {} for any other config, ValueError naming a field it cannot plan."""
-    scheme = _kept_scheme(hf)
+    scheme = gqa_kept_scheme(hf)
     if scheme is None:
         return {}
-    if cfg.is_moe and scheme.kind not in ("channel", "fp8"):  # llama_quant.EXPERT_KINDS
+    if cfg.is_moe and scheme.kind not in GQA_EXPERT_KINDS:
         raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: its weights are kept (and planned) "
                          f"for dense Llama-architecture models, not {cfg.architecture}")
+    shorts = ("wqkv", "wo", "w_gate_up", "w_down")
     if scheme.kind == "channel":
         kind = "int8" if scheme.values == np.int8 else "fp8"
-        return {short: QuantLayout(kind) for short in ("wqkv", "wo", "w_gate_up", "w_down")}
+        return {short: QuantLayout(kind) for short in shorts}
     if scheme.kind == "fp8":  # blocks: a scale per output channel and block (wo's: and head)
         return {short: QuantLayout("fp8", kept_group(scheme.block, cfg.head_dim if short == "wo" else None),
-                                   jnp.float32) for short in ("wqkv", "wo", "w_gate_up", "w_down")}
+                                   jnp.float32) for short in shorts}
     inputs = {"wqkv": cfg.hidden_size, "wo": cfg.num_heads * cfg.head_dim, "w_gate_up": cfg.hidden_size,
               "w_down": cfg.intermediate_size}
     layouts = {}
@@ -320,17 +321,6 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
         group = size if scheme.act_order else kept_group(size, cfg.head_dim if short == "wo" else None)
         layouts[short] = QuantLayout("int4", group, jnp.float16, scheme.act_order)
     return layouts
-
-
-def _kept_scheme(hf: Mapping[str, Any]):
-    """The config's scheme where its layer weights are planned as kept parts (GPTQ / AWQ int4, 8-bit
-    channels, fp8 blocks but for MLA models, whose are a kind's format: hf_quantized.QuantScheme), else
-    None."""
-    method = (hf.get("quantization_config") or {}).get("quant_method")
-    if method is None or method == "mxfp4" or (method == "fp8" and hf.get("kv_lora_rank")):
-        return None
-    scheme = quant_scheme(hf)
-    return scheme if scheme is not None and scheme.kind in ("gptq", "awq", "channel", "fp8") else None
 
 
 def at_load_layouts(cfg: ModelConfig, mode: str, group: int) -> dict[str, QuantLayout]:
@@ -360,7 +350,7 @@ def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
     formats = {k: dtype for k in KINDS}
     q = hf.get("quantization_config")
     method = (q or {}).get("quant_method")
-    if not q or _kept_scheme(hf) is not None:
+    if not q or gqa_kept_scheme(hf) is not None:
         return formats
     if method == "mxfp4":
         if not _hf_skips("model.layers.1.mlp.experts", list(q.get("modules_to_not_convert") or [])):
