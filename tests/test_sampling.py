@@ -468,3 +468,54 @@ def test_argmax_is_jnp_argmax():
     got = np.asarray(jax.jit(sampler.argmax)(jnp.asarray(x)))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     assert got.dtype == np.int32 and list(got[1:]) == [7, 0, 40, 0, 49151]
+
+
+def reference_kept(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The tokens a row's top-k then top-p keep, in float64 and by sorting (ties included): top-k
+    the k-th largest logit and up; top-p, on the renormalised rest, the smallest top set whose mass
+    reaches top_p and every token as likely as its last."""
+    x = x.astype(np.float64)
+    keep = np.isfinite(x)
+    if 0 < top_k < len(x):
+        keep &= x >= np.sort(x)[::-1][top_k - 1]
+    if top_p < 1.0:
+        p = np.where(keep, np.exp(x - x[keep].max()), 0.0)
+        p /= p.sum()
+        desc = np.sort(p)[::-1]
+        keep &= p >= desc[np.argmax(np.cumsum(desc) >= top_p)]
+    return keep
+
+
+def test_truncation_from_candidates_keeps_what_sorting_keeps(monkeypatch):
+    """The CPU sampler's top-k/top-p, read from each row's top 256 logits, against a float64 sort. A
+    batch cut within the candidates (ties at both cuts, masked tokens) takes that path alone: with the
+    bisections replaced by a no-op it still cuts as the sort does. A batch with one row cut deeper,
+    by a top-k of 300 or by a nucleus of ~900 tokens, takes the bisections."""
+    vocab, c = 1000, sampler._CANDIDATES
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 3.0, (8, vocab)).astype(np.float32)
+    x[2] = np.round(x[2] * 2) / 2  # ties around both cuts
+    x[3, rng.choice(vocab, 400, replace=False)] = -np.inf  # masked (a grammar's, a bias's)
+    near = [dict(top_k=5), dict(top_k=c), dict(top_k=37, top_p=0.9), dict(top_k=9, top_p=0.7),
+            dict(top_p=0.95), dict(top_p=0.5), dict(top_k=0), dict(top_k=vocab, top_p=0.9)]
+    flat = rng.normal(0, 0.1, (1, vocab)).astype(np.float32)
+    within, *deeper = [(x, near), (x, near[:7] + [dict(top_k=300)]),
+                       (np.concatenate([x[:7], flat]), near[:7] + [dict(top_p=0.95)])]
+
+    def cut(logits, rows):
+        s = make_inputs([dict(temperature=1.0, **r) for r in rows])
+        traced_now = jax.jit(lambda *a: sampler.truncate_from_candidates(*a))  # not a trace from before a patch
+        return np.isfinite(np.asarray(traced_now(jnp.asarray(logits), s)))
+
+    def sorted_cut(logits, rows):
+        return np.stack([reference_kept(row, r.get("top_k", 0), r.get("top_p", 1.0)) for row, r in zip(logits, rows)])
+
+    for (logits, rows), past in [(within, False), *[(d, True) for d in deeper]]:
+        want = sorted_cut(logits, rows)
+        assert (want[-1].sum() > c) == past and (want[:-1].sum(axis=1)[:6] <= c).all()  # the cases are what they say
+        np.testing.assert_array_equal(cut(logits, rows), want)
+    with monkeypatch.context() as m:
+        m.setattr(sampler, "truncate", lambda logits, s: logits)
+        np.testing.assert_array_equal(cut(*within), sorted_cut(*within))
+        for logits, rows in deeper:
+            np.testing.assert_array_equal(cut(logits, rows), np.isfinite(logits))

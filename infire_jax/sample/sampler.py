@@ -135,6 +135,32 @@ def truncate(logits, s: SamplingInputs):
     return jnp.where(probs < floor[:, None], -jnp.inf, logits)
 
 
+_CANDIDATES = 256  # the top logits a CPU row is truncated from; a row cut deeper takes the bisections
+
+
+def truncate_from_candidates(logits, s: SamplingInputs):
+    """`truncate`, read from each row's top `_CANDIDATES` logits: XLA's TopK sorts them in one pass over
+    the vocabulary (40 rows of 49k in 7 ms on 2 cores, against 21 ms for the bisections' 64 passes).
+    The same cut, in logits: top-k keeps the k-th largest and up, top-p the smallest top set whose
+    mass reaches top_p, ties included. A batch with a row whose cut reaches past the candidates (a
+    top-k above them, a nucleus wider than them) takes the bisections. On CPU, where a conditional is
+    free (the `branching` sampler)."""
+    v = logits.shape[-1]
+    c = min(_CANDIDATES, v)
+    top = jax.lax.top_k(logits, c)[0]  # [S, c], descending
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, v), v)
+    kth = jnp.take_along_axis(top, jnp.minimum(k, c)[:, None] - 1, axis=-1)
+    kth = jnp.where(k[:, None] < v, kth, -jnp.inf)
+    kept = jnp.where(logits < kth, -jnp.inf, logits)
+    top = jnp.where(top < kth, -jnp.inf, top)
+    mass = jnp.cumsum(jnp.exp(top - jax.nn.logsumexp(kept, axis=-1, keepdims=True)), axis=-1)
+    reached = mass >= s.top_p[:, None]  # monotone: the nucleus ends at the first row entry reaching it
+    last = jnp.minimum(jnp.sum(~reached, axis=-1, keepdims=True), c - 1)
+    floor = jnp.where(s.top_p[:, None] < 1.0, jnp.take_along_axis(top, last, axis=-1), -jnp.inf)
+    fits = jnp.all(((k <= c) | (k == v)) & ((s.top_p >= 1.0) | reached[:, -1]))
+    return jax.lax.cond(fits, lambda: jnp.where(kept < floor, -jnp.inf, kept), lambda: truncate(logits, s))
+
+
 def draw_key(seed: Int[Array, "2"], step: Int[Array, ""]) -> Array:
     """The key of one row's draw: from (seed, step) alone, so it is independent of batch composition."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
@@ -158,8 +184,8 @@ def sampling_logits(logits, s: SamplingInputs, truncation: bool | None):
     floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30))
     logits = jnp.where((s.min_p[:, None] > 0) & (logits < floor), -jnp.inf, logits)
     if truncation is None:
-        needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
-        return jax.lax.cond(needs_sort, truncate, lambda x, _: x, logits, s)
+        needs_cut = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
+        return jax.lax.cond(needs_cut, truncate_from_candidates, lambda x, _: x, logits, s)
     return truncate(logits, s) if truncation else logits
 
 
