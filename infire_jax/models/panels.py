@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array
 
+from infire_jax.models.xla_options import ONCE_OVER_WEIGHTS
 from pallas_kernels import cpu_matmul
 
 # The stacked dense weights that can be repacked, with the leading axes of one layer's weight that
@@ -73,7 +74,7 @@ def stack_view_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] 
     return shape[0], int(np.prod(shape[1:split])), int(np.prod(shape[split:]))
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(jax.jit, static_argnums=1, compiler_options=ONCE_OVER_WEIGHTS)
 def pack(w: Array, view: tuple[int, int, int]) -> Array:
     """A stack viewed as [L, K, N] (`view`), as panels."""
     return cpu_matmul.pack_panels(w.reshape(view))

@@ -14,6 +14,7 @@ from flax import nnx
 from infire_jax.compression.resident import ResidentLayout, compress_resident
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.xla_options import ONCE_OVER_WEIGHTS
 from infire_jax.models.deepseek import DeepseekV3
 from infire_jax.models.gemma3 import Gemma3
 from infire_jax.models.glm4_moe import Glm4Moe
@@ -112,7 +113,7 @@ def weight_draw(shape: tuple[int, ...], dtype, init: str, sharding, slot_mask: t
             w = jnp.where(np.array(slot_mask).reshape(-1, *[1] * (len(shape) - 1)), w, jnp.zeros((), dtype))
         return w
 
-    return jax.jit(draw, out_shardings=sharding)
+    return jax.jit(draw, out_shardings=sharding, compiler_options=ONCE_OVER_WEIGHTS)
 
 
 def draw_chunks(num_elements: int, limit: int | None = None) -> int:
