@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata, first_visible
 from pallas_kernels.paged_block import attend_block, initial_state, layer_scalars, load_key_block, local_mask
-from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
+from pallas_kernels.triton_backend import compiler_params, dot_precision, lowered_once, next_power_of_2, pipeline_stages
 
 BLOCK_K = 128  # keys per inner step
 MIN_GROUP_ROWS = 16  # Triton's smallest dot tile
@@ -109,6 +109,7 @@ def combine_splits(acc: Float[Array, "K S Hkv Gp D"], row_max: Float[Array, "K S
     return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
+@lowered_once("scale", "block_k", "num_splits", "interpret")
 def decode_attention(
     q: Float[Array, "T Hq D"],
     k_pages: Float[Array, "L N ps Hkv D"],

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.triton_backend import compiler_params
+from pallas_kernels.triton_backend import compiler_params, lowered_once
 
 # Tokens per program: enough rows per store to keep the memory system busy, few enough to leave
 # programs for every SM when T is small.
@@ -44,6 +44,7 @@ def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, k_pages_alias, v_pages_alia
     v_pages_ref[layer, page, offset, kv_head, :] = v_ref[tokens, kv_head, :].astype(v_pages_ref.dtype)
 
 
+@lowered_once("interpret")
 def write_kv_pages(
     k_pages: Float[Array, "L N ps Hkv D"],
     v_pages: Float[Array, "L N ps Hkv D"],

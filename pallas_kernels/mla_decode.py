@@ -26,8 +26,8 @@ from pallas_kernels.decode_attention import choose_num_splits, combine_splits, d
 from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata, require_global
 from pallas_kernels.paged_block import initial_state
-from pallas_kernels.triton_backend import (MASK_VALUE, compiler_params, dot_precision, is_power_of_2, next_power_of_2,
-                                           pipeline_stages)
+from pallas_kernels.triton_backend import (MASK_VALUE, compiler_params, dot_precision, is_power_of_2, lowered_once,
+                                           next_power_of_2, pipeline_stages)
 
 BLOCK_K = 64  # keys per inner step: a [64, 512] latent tile
 BLOCK_H = 16  # query heads per program (Triton's smallest dot tile)
@@ -81,6 +81,7 @@ def _mla_decode_kernel(layer_ref, kv_lens_ref, page_table_ref, q_lat_ref, q_pe_r
     total_ref[...] = state.total
 
 
+@lowered_once("scale", "block_k", "num_splits", "interpret")
 def mla_decode_attention(
     q_lat: Float[Array, "T H R"],
     q_pe: Float[Array, "T H Dr"],

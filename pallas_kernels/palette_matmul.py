@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int32, UInt8
 
-from pallas_kernels.triton_backend import compiler_params, next_power_of_2
+from pallas_kernels.triton_backend import compiler_params, lowered_once, next_power_of_2
 
 TILE_N = 64  # output columns per program: one escape row's width
 HALF = TILE_N // 2
@@ -105,6 +105,7 @@ def _stacked(codes, sm, palette, esc_rows, esc_exp, block_k: int) -> tuple[Array
     return parts
 
 
+@lowered_once("block_k", "interpret")
 def palette_matmul(x: Float[Array, "T K"], codes: UInt8[Array, "*L K N2"], sm: UInt8[Array, "*L K N"],
                    palette: UInt8[Array, "*L 16"], esc_rows: Int32[Array, "*L Kb Nb C"],
                    esc_exp: UInt8[Array, "*L Kb Nb C 64"], layer: Int32[Array, ""] | int = 0, *, block_k: int = 64,

@@ -35,7 +35,7 @@ from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata, first_visible
 from pallas_kernels.paged_block import (SoftmaxState, attend_block, initial_state, layer_scalars, load_key_block,
                                         local_mask)
-from pallas_kernels.triton_backend import compiler_params, dot_precision, next_power_of_2, pipeline_stages
+from pallas_kernels.triton_backend import compiler_params, dot_precision, lowered_once, next_power_of_2, pipeline_stages
 
 TILE_ROWS = 128  # block_q * Gp: query rows of one program
 BLOCK_K = 64  # keys per inner step
@@ -150,6 +150,7 @@ def fold_sinks(state: SoftmaxState, sinks: Float[Array, "M"]) -> SoftmaxState:
     return SoftmaxState(state.acc * rescale[:, None], row_max, state.total * rescale + jnp.exp(sinks - row_max))
 
 
+@lowered_once("scale", "tile_rows", "block_k", "interpret")
 def prefill_attention(
     q: Float[Array, "T Hq D"],
     k_pages: Float[Array, "L N ps Hkv D"],

@@ -47,7 +47,7 @@ from pallas_kernels.quant_blocks import (BLOCK_PACKINGS, GEMV_MAX_ROWS, INPUTS_P
 # The register form keeps a row's products [items, tile_n] unsummed across K steps (one sum at the
 # end) when they fit in this many floats, 32 registers a thread at 4 warps; else it sums each piece.
 GEMV_ACC_ELEMENTS = 4096
-from pallas_kernels.triton_backend import compiler_params, dot_precision, is_power_of_2, next_power_of_2
+from pallas_kernels.triton_backend import compiler_params, dot_precision, is_power_of_2, lowered_once, next_power_of_2
 
 
 @jax.tree_util.register_dataclass
@@ -288,6 +288,7 @@ def _fold(products: Array, ndim: int) -> Array:
     return jnp.sum(products, axis=0) if ndim == 1 else products
 
 
+@lowered_once("rows", "blocks", "interpret", "dtype")
 def _tiles_call(x: Array, stack: QuantStack, index: Array, start: Array, k_blocks: Array, rows: int,
                 blocks: Blocks, interpret: bool, dtype=None) -> Float[Array, "P T R N"]:
     """Each tile t's `rows` rows of x from `start[t]` times W[index[t]], over its first `k_blocks[t]`

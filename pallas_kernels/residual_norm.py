@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.triton_backend import compiler_params
+from pallas_kernels.triton_backend import compiler_params, lowered_once
 
 MAX_CHUNK = 1024
 
@@ -60,6 +60,7 @@ def _kernel(layer_ref, h_ref, parts_ref, weight_ref, h_out_ref, x_out_ref, *, ep
     lax.fori_loop(0, width // chunk, second, 0)
 
 
+@lowered_once("eps", "interpret")
 def residual_rms_norm(h: Float[Array, "M E"], parts: Float[Array, "P R E"], weight: Float[Array, "L E"],
                       layer: Int[Array, ""] | int, eps: float, *, interpret: bool = False
                       ) -> tuple[Float[Array, "M E"], Float[Array, "M E"]]:

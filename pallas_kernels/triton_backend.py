@@ -13,6 +13,8 @@ rule Triton imposes (every tensor a kernel forms has power-of-two dimensions).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,15 @@ from jax import lax
 
 # Logit of a masked key: finite, so a row with no visible key yet never computes inf - inf.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def lowered_once(*static_argnames: str):
+    """Decorates a kernel's entry point (the function that makes its `pallas_call`): jitted with these
+    arguments static, so that its calls of one shape within a program (every layer of an unrolled
+    decode step) are traced and lowered once and share that lowering. Each `pallas_call` is otherwise
+    lowered to Triton on its own, in Python: about 40 ms a call, and the 8B's unrolled 64-token forward
+    makes 256 of them (docs/PERFORMANCE.md). XLA inlines the shared call: the program is the same."""
+    return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
 def compiler_params(*, num_warps: int, num_stages: int):
