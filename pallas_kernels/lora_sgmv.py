@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.triton_backend import compiler_params, is_power_of_2
+from pallas_kernels.triton_backend import compiler_params, is_power_of_2, lowered_once
 
 MAX_ROWS = 8  # tokens of one slot per tile
 TILE_WIDTHS = (64, 32, 16)  # output columns per expand program, the widest that fits
@@ -137,16 +137,25 @@ def lora_sgmv(x: Float[Array, "T K"], a: Float[Array, "L S CR K"], b: Float[Arra
     if not applies(a, b, members):
         raise ValueError(f"lora_sgmv cannot tile stacks a {a.shape} {a.dtype}, b {b.shape} {b.dtype} (a power-of-two "
                          "rank, K with a power-of-two factor >= 16, N in blocks of >= 16 columns of one member)")
+    if a.shape[3] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} inputs, the A stack {a.shape[3]}")
+    return _shrink_and_expand(x, a, b, slots, jnp.asarray(layer, jnp.int32).reshape(1),
+                              members=tuple(np.asarray(members).tolist()), interpret=interpret)
+
+
+@lowered_once("members", "interpret")
+def _shrink_and_expand(x: Float[Array, "T K"], a: Float[Array, "L S CR K"], b: Float[Array, "L S R N"],
+                       slots: Int[Array, "T"], layer: Int[Array, "1"], *, members: tuple[int, ...],
+                       interpret: bool) -> Float[Array, "T N"]:
+    """`lora_sgmv`'s two launches, `members` a tuple (a static argument must hash)."""
+    members = np.asarray(members)
     t, k = x.shape
     num_slots, cr, rank, n = a.shape[1], a.shape[2], b.shape[2], b.shape[3]
-    if a.shape[3] != k:
-        raise ValueError(f"x has {k} inputs, the A stack {a.shape[3]}")
     block_k, tile_n = _block_k(k, rank), _tile_n(members)
     chunk = min(rank, max(1, REGISTER_ELEMENTS // tile_n))
     rows = tile_rows(t, num_slots)
     tile_slot, steps, tokens, out_row, adapted = _tiles(slots, num_slots, rows, k // block_k)
     trips = tile_slot.shape[0]
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     whole = pl.BlockSpec()
     u = pl.pallas_call(
         functools.partial(_shrink_kernel, rank=rank, block_k=block_k),
