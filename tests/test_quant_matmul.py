@@ -221,6 +221,25 @@ def test_lowers_to_triton_for_cuda(fmt):
         assert launches(compiled_kernels(lowered), "quant_matmul"), fn.__name__  # sm_90a code
 
 
+
+def test_a_kernel_shape_is_lowered_once_a_program():
+    """Four layers' matmuls of one shape, unrolled as a decode step runs them, share one Triton lowering
+    (`triton_backend.lowered_once`): the kernel is in the program once, called four times. Lowered one
+    by one, each took ~40 ms of Python (docs/PERFORMANCE.md)."""
+    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
+        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
+                    "pins jaxlib 0.10.2, which does not)")
+    stack, _ = make_stack("plain_bf16")
+    sd = jax.ShapeDtypeStruct
+    abstract = jax.tree.map(lambda a: sd(a.shape, a.dtype), stack)
+
+    def layers(x, stack):
+        return sum(quant_matmul(x, stack, layer) for layer in range(4))
+
+    hlo = jax.jit(layers).trace(sd((8, K), jnp.bfloat16), abstract).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count('name = "quant_matmul"') == 1
+    assert hlo.count("call @_tiles_call") == 4
+
 def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
     """Every benchmark case's chosen tiling, and every candidate a sweep tries for an int4 batch-1
     step, lowers through Pallas' Triton rules (so a GPU sweep meets no lowering error)."""
