@@ -202,14 +202,20 @@ def _jaxlib_version() -> tuple[int, ...]:
     return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
 
 
+# jaxlib <= 0.10.2 emits a kernel's Triton IR without compiling it, so CUDA lowering runs on CPU; later
+# jaxlibs compile it while lowering, which needs a GPU. The dev extra pins 0.10.2: CI runs these.
+lowers_triton_here = pytest.mark.skipif(
+    jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2),
+    reason="this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra pins jaxlib "
+           "0.10.2, which does not)")
+
+
+@lowers_triton_here
 @pytest.mark.parametrize("fmt", ["gptq32", "ct_int4", "q4_1", "q8_0", "fp8", "plain_bf16"])
 def test_lowers_to_triton_for_cuda(fmt):
     """Both entry points lower through Pallas' Triton rules (jaxlib <= 0.10.2 emits the Triton IR
     without compiling it, so this runs on CPU; later jaxlibs compile while lowering, which needs a GPU),
     and compile for an H100 (tests/h100.py)."""
-    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
-                    "pins jaxlib 0.10.2, which does not)")
     stack, _ = make_stack(fmt)
     sd = jax.ShapeDtypeStruct
     abstract = jax.tree.map(lambda a: sd(a.shape, a.dtype), stack)
@@ -221,14 +227,11 @@ def test_lowers_to_triton_for_cuda(fmt):
         assert launches(compiled_kernels(lowered), "quant_matmul"), fn.__name__  # sm_90a code
 
 
-
+@lowers_triton_here
 def test_a_kernel_shape_is_lowered_once_a_program():
     """Four layers' matmuls of one shape, unrolled as a decode step runs them, share one Triton lowering
     (`triton_backend.lowered_once`): the kernel is in the program once, called four times. Lowered one
     by one, each took ~40 ms of Python (docs/PERFORMANCE.md)."""
-    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
-                    "pins jaxlib 0.10.2, which does not)")
     stack, _ = make_stack("plain_bf16")
     sd = jax.ShapeDtypeStruct
     abstract = jax.tree.map(lambda a: sd(a.shape, a.dtype), stack)
@@ -240,12 +243,11 @@ def test_a_kernel_shape_is_lowered_once_a_program():
     assert hlo.count('name = "quant_matmul"') == 1
     assert hlo.count("call @_tiles_call") == 4
 
+
+@lowers_triton_here
 def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
     """Every benchmark case's chosen tiling, and every candidate a sweep tries for an int4 batch-1
     step, lowers through Pallas' Triton rules (so a GPU sweep meets no lowering error)."""
-    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
-                    "pins jaxlib 0.10.2, which does not)")
     from pallas_kernels import quant_bench
 
     sd = jax.ShapeDtypeStruct
