@@ -6,11 +6,26 @@ here, as it would on the GPU (bench/gpu_target.py). On a GPU machine they compil
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import os
 import re
 import tempfile
 
 import jax
+import pytest
+
+
+def jaxlib_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
+
+
+# jaxlib <= 0.10.2 emits a kernel's Triton IR without compiling it, so CUDA lowering runs on CPU; later
+# jaxlibs compile it while lowering, which needs a GPU. The dev extra pins 0.10.2: CI runs these.
+LOWERS_TRITON_HERE = jax.default_backend() == "gpu" or jaxlib_version() <= (0, 10, 2)
+lowers_triton_here = pytest.mark.skipif(
+    not LOWERS_TRITON_HERE,
+    reason="this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra pins jaxlib "
+           "0.10.2, which does not)")
 
 _KERNEL = re.compile(r"^\s*\d+: kCustomKernel\s+\[[^\]]*\]\s+(\S+) grid:", re.M)
 

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from h100 import compiled_kernels, gpu_lowered, launches
+from h100 import compiled_kernels, gpu_lowered, launches, lowers_triton_here
 
 from pallas_kernels import cpu_attention, cpu_kernels, decode_attention, prefill_attention, ragged_attention, reference
 from pallas_kernels.metadata import AttentionMetadata, LocalMask
 from pallas_kernels.triton_backend import MASK_VALUE
-from test_kernels import LAYER, _jaxlib_version, assert_close, device, device_meta
+from test_kernels import LAYER, assert_close, device, device_meta
 from test_local_attention import (ON_GPU, SHAPES, LocalCase, _fp8_case, _pool_after_write, case_args, kind_id,
                                   make_case, oracle, real_tokens)
 
@@ -175,8 +175,7 @@ def test_fp8_pool_with_sinks(impl):
     assert_heads_close(np.asarray(out)[real], want[real], tol)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2),
-                    reason="this jaxlib compiles Triton kernels while lowering, which needs a GPU")
+@lowers_triton_here
 @pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_gpu_lowering_with_sinks(pool_dtype):
     """The Pallas path with sinks on gpt-oss-120b's attention shapes (64 query heads, 8 kv heads,

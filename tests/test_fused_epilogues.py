@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from h100 import compiled_kernels, gpu_lowered, launches
-from test_quant_matmul import _jaxlib_version, make_stack
+from h100 import compiled_kernels, gpu_lowered, launches, lowers_triton_here
+from test_quant_matmul import make_stack
 
 from pallas_kernels.quant_matmul import QuantStack, quant_matmul, quant_matmul_parts, sum_parts
 from pallas_kernels.residual_norm import residual_rms_norm
@@ -95,11 +95,7 @@ def test_swiglu_input_must_be_twice_the_down_projections_inputs():
         quant_matmul_parts(jnp.zeros((1, 4, 256)), down, 0, interpret=True, swiglu_dtype=jnp.bfloat16)
 
 
-# As tests/test_quant_matmul.py's lowering tests: the dev extra pins jaxlib 0.10.2, whose lowering runs here;
-# a later jaxlib compiles Triton while lowering, which needs a GPU (device-checks runs this file on one).
-@pytest.mark.skipif(jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2),
-                    reason="this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
-                           "pins jaxlib 0.10.2, which does not)")
+@lowers_triton_here
 def test_both_compile_for_an_h100_at_the_8b_decode_shapes():
     """Llama 3.1 8B's decode step of 64 rows: the residual norm over 4096 columns from the o projection's
     five K splits, and the down projection [14336, 4096] reading gate/up partials in bfloat16 (its

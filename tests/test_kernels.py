@@ -10,7 +10,6 @@ The oracle never looks at the pages: it attends over each sequence's full key/va
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import re
 from typing import NamedTuple
 
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from h100 import compiled_kernels, gpu_lowered, launches
+from h100 import LOWERS_TRITON_HERE, compiled_kernels, gpu_lowered, launches, lowers_triton_here
 
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
@@ -527,10 +526,6 @@ def test_num_splits_fill_the_gpu_without_empty_splits():
     assert choose_num_splits(num_rows=16, num_kv_heads=8, max_blocks=64) == 3
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
-
-
 def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16, *, local: bool = False) -> str:
     """The whole Pallas path (KV write and both attention kernels) lowered for CUDA, as StableHLO
     text, and compiled for an H100 (tests/h100.py); an fp8 pool takes its per-(layer, kv head) scales
@@ -540,9 +535,8 @@ def lower_pallas_step_for_cuda(pool_dtype=jnp.bfloat16, *, local: bool = False) 
     jaxlib <= 0.10.2 emits the Triton IR into the HLO without compiling it, so this runs on CPU too;
     later jaxlibs compile to PTX while lowering, which needs a GPU.
     """
-    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
-                    "pins jaxlib 0.10.2, which does not)")
+    if not LOWERS_TRITON_HERE:
+        pytest.skip(lowers_triton_here.kwargs["reason"])
     t, s, hq, hkv, d, ps = 64, 16, 32, 8, 128, 16
     sd, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
     scales = sd((2, 2, hkv), jnp.float32) if jnp.dtype(pool_dtype) == jnp.float8_e4m3fn else None

@@ -7,14 +7,12 @@ dispatch on a GPU; and the lowering to Triton for CUDA."""
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from h100 import compiled_kernels, gpu_lowered, launches
+from h100 import compiled_kernels, gpu_lowered, launches, lowers_triton_here
 
 from infire_jax.lora.batched import lora_delta
 from infire_jax.lora.layout import MEMBERS, column_members
@@ -129,18 +127,12 @@ def test_a_gpu_step_takes_the_kernels_on_one_device_only(monkeypatch):
     assert gpu_lora.tile_rows(1, SLOTS) == 1 and gpu_lora.tile_rows(37, SLOTS) == 8
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
-
-
+@lowers_triton_here
 @pytest.mark.parametrize("name,in_shape,out", [WEIGHTS[0], WEIGHTS[2]])
 def test_lowers_to_triton_for_cuda(name, in_shape, out):
     """Both calls lower through Pallas' Triton rules (jaxlib <= 0.10.2 emits the Triton IR without
     compiling it, so this runs on CPU; later jaxlibs compile while lowering, which needs a GPU), and
     compile for an H100 (tests/h100.py)."""
-    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
-                    "pins jaxlib 0.10.2, which does not)")
     sd = jax.ShapeDtypeStruct
     k, n, c = int(np.prod(in_shape)), int(np.prod(out)), len(MEMBERS[name])
     members = column_members(name, out)

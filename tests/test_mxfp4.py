@@ -5,14 +5,13 @@ compilation for an H100, the MoE paths that take kept experts, and the memory pl
 
 from __future__ import annotations
 
-import importlib.metadata
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from h100 import compiled_kernels, gpu_lowered, launches
+from h100 import compiled_kernels, gpu_lowered, launches, lowers_triton_here
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from infire_jax.memplan.model import FORMAT_BYTES, formats_from_hf, from_model_config, placed_config
@@ -194,17 +193,11 @@ def test_moe_paths_take_kept_experts():
     np.testing.assert_array_equal(np.asarray(tiled), np.asarray(moe.expert_mlp(d, floats, "tiled")))
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
-
-
+@lowers_triton_here
 def test_kernels_compile_for_an_h100():
     """Both entry points lower through Pallas' Triton rules and compile to sm_90a (tests/h100.py), at
     gpt-oss-20b's gate/up expert shape (K 2880 = 90 blocks: K steps of at most 64; N 5760), for a decode
     row, a batch-1 MoE step (register form) and a prefill chunk (64-row tiles: dots on strided x)."""
-    if jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2):
-        pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra "
-                    "pins jaxlib 0.10.2, which does not)")
     sd = jax.ShapeDtypeStruct
     stack = QuantStack(sd((32, 1440, 5760), jnp.uint8), sd((32, 90, 5760), jnp.uint8), packing="mxfp4")
     for fn, args in ((quant_matmul, (sd((1, 2880), jnp.bfloat16), stack, sd((), jnp.int32))),

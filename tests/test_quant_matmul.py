@@ -6,7 +6,6 @@ Triton for CUDA."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import quant_reference as ref
-from h100 import compiled_kernels, gpu_lowered, launches
+from h100 import compiled_kernels, gpu_lowered, jaxlib_version, launches, lowers_triton_here
 
 from pallas_kernels import quant_blocks
 from pallas_kernels.quant_blocks import Blocks
@@ -198,18 +197,6 @@ def test_parts_that_do_not_fit_are_named():
         QuantStack(jnp.zeros((1, 24, 100), jnp.int8), jnp.zeros((1, 1, 100))).check()
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
-
-
-# jaxlib <= 0.10.2 emits a kernel's Triton IR without compiling it, so CUDA lowering runs on CPU; later
-# jaxlibs compile it while lowering, which needs a GPU. The dev extra pins 0.10.2: CI runs these.
-lowers_triton_here = pytest.mark.skipif(
-    jax.default_backend() != "gpu" and _jaxlib_version() > (0, 10, 2),
-    reason="this jaxlib compiles Triton kernels while lowering, which needs a GPU (the dev extra pins jaxlib "
-           "0.10.2, which does not)")
-
-
 @lowers_triton_here
 @pytest.mark.parametrize("fmt", ["gptq32", "ct_int4", "q4_1", "q8_0", "fp8", "plain_bf16"])
 def test_lowers_to_triton_for_cuda(fmt):
@@ -277,7 +264,7 @@ def test_chosen_and_swept_tilings_lower_to_triton_for_cuda():
         lower(case)
     case = next(c for c in cases if c.name == "int4_o_m1")
     swept = quant_blocks.candidates(1, case.k, case.n, "int4") + [Blocks(64, 64, gemv=g) for g in (0, 1)]
-    if _jaxlib_version() <= (0, 10, 2):
+    if jaxlib_version() <= (0, 10, 2):
         # This jaxlib's lowering emits the Triton IR uncompiled, the warps an attribute of the call beside
         # it: candidates that differ in warps alone lower to the same IR, so one of each is lowered (later
         # jaxlibs compile while lowering, warps included, and lower every candidate).
