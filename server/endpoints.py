@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import uuid
 from typing import AsyncIterator, Callable
 
@@ -257,11 +258,41 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+# Where a body may hold a lone surrogate: a \uD800-\uDFFF escape, or its bytes (json.loads reads them).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 async def read_json(request: web.Request):
+    raw = await request.read()
     try:
-        return json.loads(await request.read(), parse_constant=_no_constant)
-    except ValueError as e:  # also UnicodeDecodeError and JSONDecodeError
-        raise bad(f"We could not parse the JSON body of your request ({e}). The body must be a JSON object.") from e
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # also UnicodeDecodeError, JSONDecodeError and deep nesting
+        reason = "it is nested too deeply" if isinstance(e, RecursionError) else e
+        raise bad(f"We could not parse the JSON body of your request ({reason}). The body must be a JSON "
+                  "object.") from e
+    if _SURROGATE.search(raw):
+        _check_unicode(body)
+    return body
+
+
+def _check_unicode(body) -> None:
+    """400 naming a string of `body` that holds a lone UTF-16 surrogate: JSON lets a body escape one, but
+    it is no character, and no tokenizer, template or grammar takes it."""
+    stack = [(body, None)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"{path or 'the request body'} is not valid Unicode text: it holds a lone surrogate "
+                          f"(U+{ord(value[e.start]):04X}) at character {e.start}", param=path) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path))
+                stack.append((item, key if path is None else f"{path}.{key}"))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path or ''}[{i}]") for i, item in enumerate(value))
 
 
 def _truncated(m: ServedModel, req: GenerationRequest, prompts: list[list[int]]) -> list[list[int]]:

@@ -36,7 +36,10 @@ _COMMON = frozenset({
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs", "reasoning_effort",
-                   "add_generation_prompt", "continue_final_message", "echo"}
+                   "add_generation_prompt", "continue_final_message", "echo",
+                   # OpenAI's, accepted where their value changes nothing here (`_neutral_chat_fields`)
+                   "metadata", "service_tier", "modalities", "audio", "prediction", "safety_identifier",
+                   "prompt_cache_key", "functions", "function_call"}
 REASONING_EFFORTS = ("low", "medium", "high")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Arguments the server gives the chat template itself: chat_template_kwargs may not replace them.
@@ -89,13 +92,20 @@ class ChatRequest(GenerationRequest):
 class Body:
     """Typed, range-checked access to the fields of a JSON object. A null field is an absent one."""
 
-    def __init__(self, data: Any, allowed: frozenset[str]):
+    def __init__(self, data: Any, allowed: frozenset[str], path: str | None = None):
+        """`path`: where a nested object sits in the request (`stream_options`), for its errors' names."""
+        self.path = path
         if not isinstance(data, dict):
-            raise bad("the request body must be a JSON object")
+            if path is None:
+                raise bad("the request body must be a JSON object")
+            raise bad(f"Invalid type for '{path}': expected an object, but got {json_type(data)} instead.", path)
         unknown = sorted(k for k in data if k not in allowed)
         if unknown:
-            raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+            raise bad(f"Unrecognized request argument supplied: {self._name(unknown[0])}", self._name(unknown[0]))
         self.data = data
+
+    def _name(self, field: str) -> str:
+        return field if self.path is None else f"{self.path}.{field}"
 
     def present(self, name: str) -> bool:
         return self.data.get(name) is not None
@@ -103,21 +113,22 @@ class Body:
     def _typed(self, name: str, ok: Callable[[Any], bool], kind: str) -> Any:
         v = self.data.get(name)
         if v is not None and not ok(v):
-            raise bad(f"Invalid type for '{name}': expected {kind}, but got {json_type(v)} instead.", name)
+            where = self._name(name)
+            raise bad(f"Invalid type for '{where}': expected {kind}, but got {json_type(v)} instead.", where)
         return v
 
     def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
         v = self._typed(name, _is_int, "an integer")
         if v is None:
             return default
-        _check_range(name, v, lo, hi)
+        _check_range(self._name(name), v, lo, hi)
         return v
 
     def number(self, name: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
         v = self._typed(name, lambda x: _is_int(x) or isinstance(x, float), "a number")
         if v is None:
             return default
-        _check_range(name, v, lo, hi)
+        _check_range(self._name(name), v, lo, hi)
         return float(v)
 
     def boolean(self, name: str, default: bool) -> bool:
@@ -127,11 +138,16 @@ class Body:
     def string(self, name: str) -> str | None:
         return self._typed(name, lambda x: isinstance(x, str), "a string")
 
+    def string_map(self, name: str) -> dict[str, str]:
+        """An object of strings (OpenAI's `metadata`); {} when absent."""
+        ok = lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values())  # noqa: E731
+        return self._typed(name, ok, "an object of strings") or {}
+
     def neutral(self, name: str, ok: Callable[[Any], bool], why: str) -> None:
         """Accepts a field only with a value that changes nothing here."""
         v = self.data.get(name)
         if v is not None and not ok(v):
-            raise bad(f"'{name}' is not supported by this server: {why}", name)
+            raise bad(f"'{self._name(name)}' is not supported by this server: {why}", self._name(name))
 
 
 def _is_int(v: Any) -> bool:
@@ -164,7 +180,8 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
     if b.present("stream_options"):
         if not stream:
             raise bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
-        include_usage = Body(b.data["stream_options"], frozenset({"include_usage"})).boolean("include_usage", False)
+        include_usage = Body(b.data["stream_options"], frozenset({"include_usage"}), "stream_options").boolean(
+            "include_usage", False)
     b.string("user")
     stop = b.data.get("stop")
     if stop is not None:
@@ -334,7 +351,7 @@ def parse_chat(data: Any) -> ChatRequest:
         max_tokens = b.integer("max_tokens", None, lo=1)
     fmt = structured.response_format(b.data.get("response_format"))
     tools = structured.tools(b.data.get("tools"), b.data.get("tool_choice"), b.boolean("parallel_tool_calls", True))
-    b.neutral("store", lambda v: v is False, "completions are not stored")
+    _neutral_chat_fields(b)
     top = (top_logprobs or 0) if want_logprobs else None
     common = _common(b, max_tokens=max_tokens, logprobs=top, constraint=fmt)
     if tools is not None and tools.forced and common.params.structured_outputs is not None:
@@ -379,6 +396,22 @@ def template_kwargs(raw: Any, effort: str | None = None) -> dict[str, Any]:
     return raw if effort is None else raw | {"reasoning_effort": effort}
 
 
+def _neutral_chat_fields(b: Body) -> None:
+    """OpenAI's chat fields that clients send as they are (often null or the default): accepted where
+    they change nothing here, refused by name where they would."""
+    b.neutral("store", lambda v: v is False, "completions are not stored")
+    b.string_map("metadata")  # kept with a stored completion, and none is stored
+    b.neutral("service_tier", lambda v: v in ("auto", "default"), "there is one service tier")
+    b.neutral("modalities", lambda v: v == ["text"], "the output is text")
+    b.neutral("audio", lambda v: False, "the output is text")
+    b.neutral("prediction", lambda v: False, "predicted outputs are not supported")
+    b.string("safety_identifier")
+    b.string("prompt_cache_key")  # the prefix cache finds shared prompts without a key
+    b.neutral("functions", lambda v: v == [], "the deprecated function calling is not supported; give 'tools'")
+    b.neutral("function_call", lambda v: v == "none", "the deprecated function calling is not supported; give "
+              "'tool_choice'")
+
+
 def parse_messages(raw: Any, images: list[tuple[str, str]] | None = None) -> list[dict]:
     """Validated messages with text content (an image part: its `<|image|>` marker, its URL appended
     to `images`; None: images are refused); `developer` is rendered as `system`. Tool results and an
@@ -390,12 +423,19 @@ def parse_messages(raw: Any, images: list[tuple[str, str]] | None = None) -> lis
         p = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"Invalid type for '{p}': expected an object, but got {json_type(m)} instead.", p)
-        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", *_REASONING_FIELDS})
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", "refusal",
+                                 *_REASONING_FIELDS, *_NULL_MESSAGE_FIELDS})
+        extra += sorted(k for k in _NULL_MESSAGE_FIELDS if m.get(k) not in (None, []))
         if extra:
             raise bad(f"Unrecognized or unsupported message field: {p}.{extra[0]}", f"{p}.{extra[0]}")
         role = m.get("role")
         if role not in _ROLES:
             raise bad(f"Invalid value for '{p}.role': expected one of {sorted(_ROLES)}, got {role!r}", f"{p}.role")
+        refusal = m.get("refusal")
+        if refusal is not None:  # an earlier answer that refused: its text is what the assistant said
+            if role != "assistant" or not isinstance(refusal, str) or m.get("content") is not None:
+                raise bad(f"'{p}.refusal' must be a string on an assistant message without content", f"{p}.refusal")
+            m = {k: v for k, v in m.items() if k != "refusal"} | {"content": refusal}
         calls = structured.tool_message(m, p)
         content = None if calls.get("tool_calls") and m.get("content") is None else \
             _content(m.get("content"), f"{p}.content", images)
@@ -409,6 +449,9 @@ def parse_messages(raw: Any, images: list[tuple[str, str]] | None = None) -> lis
     return out
 
 
+# Fields of OpenAI's assistant messages that a client replaying a response sends back as null (or []):
+# accepted so, refused with a value (audio, the deprecated function call, web search annotations).
+_NULL_MESSAGE_FIELDS = ("audio", "function_call", "annotations")
 # An earlier turn's reasoning: vLLM's names, old and new.
 _REASONING_FIELDS = ("reasoning_content", "reasoning")
 

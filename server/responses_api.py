@@ -208,9 +208,7 @@ def parse_request(data: Any, store: ResponseStore, tenant: str | None) -> Respon
                            code="previous_response_not_found")
         items = stored.items + stored.response["output"] + items
     instructions = b.string("instructions")
-    metadata = b.data.get("metadata") or {}
-    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise bad("'metadata' must be an object of strings", "metadata")
+    metadata = b.string_map("metadata")
     system = [{"role": "system", "content": instructions}] if instructions is not None else []
     chat: dict[str, Any] = {k: b.data[k] for k in _SAME if k in b.data}
     chat["messages"] = system + _messages(items)

@@ -61,8 +61,9 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CMPL, {"echo": True, "max_tokens": -1}, 400, "max_tokens"),
     (CMPL, {"best_of": 3}, 400, "best_of"),
     (CMPL, {"stream_options": {"include_usage": True}}, 400, "stream_options"),
-    (CMPL, {"stream": True, "stream_options": {"include_usage": "yes"}}, 400, "include_usage"),
-    (CMPL, {"stream": True, "stream_options": {"bogus": 1}}, 400, "bogus"),
+    (CMPL, {"stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
+    (CMPL, {"stream": True, "stream_options": {"bogus": 1}}, 400, "stream_options.bogus"),
+    (CMPL, {"stream": True, "stream_options": [1]}, 400, "stream_options"),
     (CHAT, {"messages": DROP}, 400, "messages"),
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
@@ -94,4 +95,16 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CMPL, {"return_tokens_as_token_ids": 1}, 400, "return_tokens_as_token_ids"),
     (CMPL, {"bad_words": "Berlin"}, 400, "bad_words"),
     (CHAT, {"bad_words": ["ok", " "]}, 400, "bad_words"),
+    # OpenAI's fields with a value that would change something here (null or the default is accepted)
+    (CHAT, {"service_tier": "flex"}, 400, "service_tier"),
+    (CHAT, {"modalities": ["text", "audio"]}, 400, "modalities"),
+    (CHAT, {"metadata": {"k": 1}}, 400, "metadata"),
+    (CHAT, {"functions": [{"name": "f"}]}, 400, "functions"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, 400, "messages[0].refusal"),
+    (CHAT, {"messages": [{"role": "assistant", "content": "hi", "audio": {"id": "a1"}}]}, 400, "messages[0].audio"),
+    # a lone UTF-16 surrogate (json.dumps escapes it): no character, and no tokenizer takes it
+    (CHAT, {"bad_words": ["ok", "\ud800"]}, 400, "bad_words[1]"),
+    (CMPL, {"prompt": "hi \udfff"}, 400, "prompt"),
+    (CMPL, {"prompt": ["hi", "\ud800"]}, 400, "prompt[1]"),
+    (CHAT, {"messages": [{"role": "user", "content": "x\ud83d"}]}, 400, "messages[0].content"),
 ]

@@ -56,6 +56,8 @@ class ScriptedEngine:
     def add_request(self, prompt, params, *, request_id, **options):
         if any(t >= VOCAB for t in prompt):
             raise InvalidRequestError("token outside the vocabulary", param="prompt")
+        if any(t < 0 for t in prompt):
+            raise TypeError("a fault of the engine's, not of the request")
         self.seqs[request_id] = [[i, 0, params.max_tokens or 8] for i in range(params.n)]
         self.added.append(request_id)
         return request_id, prompt
@@ -155,8 +157,25 @@ def test_admission_error_is_raised_and_rolls_back_the_other_prompts():
         return ae.num_in_flight, ae.healthy
 
     assert run_with(engine, scenario) == (0, True)
-    assert engine.aborted == ["bad-0"] and engine.seqs == {}
+    assert engine.aborted == ["bad-0", "bad-1"] and engine.seqs == {}
     assert engine.closed  # shutdown closes the engine on its own thread
+
+
+def test_an_unexpected_admission_error_fails_the_request_not_the_engine():
+    """An exception other than InvalidRequestError while admitting (a tokenizer's TypeError, say) goes
+    to that request's caller, its prompts are rolled back, and the engine thread keeps serving."""
+    engine = ScriptedEngine()
+
+    async def scenario(ae):
+        with pytest.raises(TypeError, match="a fault of the engine's"):
+            async with ae.generate([[1], [-1]], SamplingParams(), request_id="odd"):
+                pass
+        async with ae.generate([[1]], SamplingParams(max_tokens=2), request_id="ok") as s:
+            assert await collect(s) == {(0, 0): [1, 2]}
+        return ae.num_in_flight, ae.healthy
+
+    assert run_with(engine, scenario) == (0, True)
+    assert engine.aborted == ["odd-0", "odd-1"] and engine.seqs == {}
 
 
 def test_leaving_or_cancelling_a_stream_aborts_it():

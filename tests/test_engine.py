@@ -128,6 +128,10 @@ def test_bad_prompts_are_rejected_and_engine_still_serves(smol_llm):
         smol_llm.generate([too_long])
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         smol_llm.generate([[1] * 1000], SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match=r"lone surrogate \(U\+D800\) at character 3"):
+        smol_llm.generate(["Hi \ud800"])
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):
+        smol_llm.generate(["Hi"], SamplingParams(bad_words=["\udc00"]))
     # A bad prompt in a batch leaves the engine untouched; good requests still complete.
     with pytest.raises(InvalidRequestError):
         smol_llm.generate(["fine", ""])

@@ -308,6 +308,12 @@ def test_stop_string_and_stop_token(smol_llm):
     by_id = smol_llm.chat(CHAT, SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[tok]))[0]
     assert by_id.token_ids == base.token_ids[:first + 1]
     assert by_id.outputs[0].stop_reason == tok
+    # as vLLM: the stop token's text is left out of the output, unless include_stop_str_in_output
+    with_it = smol_llm.chat(CHAT, SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[tok],
+                                                 include_stop_str_in_output=True))[0]
+    assert with_it.token_ids == by_id.token_ids
+    assert text.startswith(with_it.text) and with_it.text.startswith(by_id.text)
+    assert len(with_it.text) > len(by_id.text)
 
 
 def test_eos_min_tokens_and_ignore_eos(smol_llm):
@@ -319,6 +325,12 @@ def test_eos_min_tokens_and_ignore_eos(smol_llm):
     assert 2 not in longer.token_ids[:n + 5]
     forced = smol_llm.chat(CHAT, SamplingParams(max_tokens=n + 10, temperature=0, ignore_eos=True))[0]
     assert len(forced.token_ids) == n + 10 and forced.outputs[0].finish_reason == "length"
+    # the end-of-sequence token's text, shown with skip_special_tokens off, only with include_stop_str_in_output
+    special = smol_llm.chat(CHAT, SamplingParams(max_tokens=200, temperature=0, skip_special_tokens=False))[0]
+    kept = smol_llm.chat(CHAT, SamplingParams(max_tokens=200, temperature=0, skip_special_tokens=False,
+                                              include_stop_str_in_output=True))[0]
+    assert special.token_ids == kept.token_ids == base.token_ids
+    assert (special.text, kept.text) == (base.text, base.text + "<|im_end|>")
 
 
 def test_logit_bias_on_the_real_model(smol_llm):

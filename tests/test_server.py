@@ -562,6 +562,8 @@ def test_bad_input_gets_4xx_error_objects_and_server_keeps_serving(main, small, 
         (main, "POST", CMPL, auth, b"", 400, None),
         (main, "POST", CMPL, auth, plain.replace(b'"max_tokens": 4', b'"temperature": NaN'), 400, None),
         (main, "POST", CMPL, auth, b'{"prompt": "\xff"}', 400, None),  # not UTF-8
+        (main, "POST", CMPL, auth, plain.replace(b'"hi"', b'"\xed\xa0\x80"'), 400, "prompt"),  # a surrogate's bytes
+        (main, "POST", CMPL, auth, plain.replace(b'"hi"', b"[" * 100_000 + b"]" * 100_000), 400, None),  # too deep
         (main, "POST", CMPL, {}, plain, 401, None),
         (main, "POST", CMPL, {"Authorization": "Bearer sk-nope"}, plain, 401, None),
         (main, "POST", CMPL, {**auth, "x-prefix-tokens": "many"}, plain, 400, None),
@@ -596,6 +598,24 @@ def test_bad_input_gets_4xx_error_objects_and_server_keeps_serving(main, small, 
         with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
             assert r.status == 200
     assert client.completions.create(prompt="Hi", max_tokens=3, **greedy()).usage.completion_tokens == 3
+
+
+def test_openai_fields_that_change_nothing_are_accepted():
+    """What clients send as they are (the official ones, or a stored response replayed): null fields,
+    OpenAI's defaults, keys the server has no use for; an earlier refusal is what the assistant said."""
+    from server.protocol import parse_chat
+
+    replayed = {"role": "assistant", "content": "Hello!", "refusal": None, "audio": None, "function_call": None,
+                "annotations": []}
+    req = parse_chat({**BASE["/v1/chat/completions"], "metadata": {"run": "7"}, "service_tier": "auto",
+                      "modalities": ["text"], "audio": None, "prediction": None, "safety_identifier": "u-1",
+                      "prompt_cache_key": "k", "functions": None, "function_call": "none", "store": False,
+                      "messages": [{"role": "user", "content": "hi"}, replayed,
+                                   {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+                                   {"role": "user", "content": "ok"}]})
+    assert req.messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+                            {"role": "assistant", "content": "I can't help with that."},
+                            {"role": "user", "content": "ok"}]
 
 
 # ---- cache retention ---------------------------------------------------------------------------------

@@ -413,15 +413,15 @@ class AsyncEngine:
             return
         if not cmd.stream.active:
             return  # its consumer left before it was admitted
-        added: list[str] = []
-        error: InvalidRequestError | None = None
+        error: Exception | None = None
         try:
             for eid, prompt in zip(cmd.stream.engine_ids, cmd.prompts):
                 self.engine.add_request(prompt, cmd.params, request_id=eid, **cmd.options)
-                added.append(eid)
-        except InvalidRequestError as e:
+        except Exception as e:  # noqa: BLE001 - the request fails, not the engine
+            if not isinstance(e, InvalidRequestError):
+                log.exception("admitting a request failed")
             error = e
-            for eid in added:  # a request's prompts are admitted together or not at all
+            for eid in cmd.stream.engine_ids:  # a request's prompts are admitted together or not at all
                 self.engine.abort(eid)
             if isinstance(e, ImagePoolFull) and self.engine.has_unfinished():
                 self._image_waiting.append(cmd)  # the running requests' images free rows as they finish

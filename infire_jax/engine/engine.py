@@ -184,8 +184,6 @@ class Engine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         adapter = resolve_lora(self.lora, lora_request)
-        for _ in range(params.n if adapter else 0):
-            self.lora.add_user(adapter)
         children = []
         for i in range(params.n):
             seed = (params.seed + i) & (2 ** 64 - 1) if params.seed is not None else self._rng.getrandbits(64)
@@ -204,6 +202,8 @@ class Engine:
             if pooling is not None:
                 req.pooling, req.pooling_type = pooling, self.pooler.pooling_type
             children.append(req)
+        for _ in children if adapter else ():
+            self.lora.add_user(adapter)
         self._requests[request_id] = children
         for req in children:
             self.scheduler.add(req)
@@ -385,13 +385,15 @@ class Engine:
         grammar_done = Engine._grammar_ends(req, tok)
         n_out = len(req.output_token_ids)
         check = n_out >= req.params.min_tokens
+        eos = check and tok in req.eos_token_ids
+        by_id = check and not eos and tok in req.params.stop_token_ids
+        if (eos or by_id) and not req.params.include_stop_str_in_output:  # as vLLM, its text is left out
+            return "", Status.FINISHED_STOPPED, tok if by_id else None
         text, stop_str = req.detok.add(tok, check_stop=check)
         if stop_str is not None:
             return text, Status.FINISHED_STOPPED, stop_str
-        if check and tok in req.eos_token_ids:
-            return text, Status.FINISHED_STOPPED, None
-        if check and tok in req.params.stop_token_ids:
-            return text, Status.FINISHED_STOPPED, tok
+        if eos or by_id:
+            return text, Status.FINISHED_STOPPED, tok if by_id else None
         if grammar_done:
             return text, Status.FINISHED_STOPPED, None
         if n_out >= req.max_tokens:

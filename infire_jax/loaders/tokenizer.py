@@ -157,7 +157,17 @@ class Tokenizer:
         return tid if added is not None and added.special else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # tokenizers' word for a str it cannot take as UTF-8 (a lone surrogate)
+            if not isinstance(text, str):
+                raise
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(f"the text is not valid Unicode: it holds a lone surrogate "
+                                          f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
