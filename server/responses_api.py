@@ -57,7 +57,7 @@ _RENAMES = ((re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
             (re.compile(r"\bresponse_format(\.json_schema)?"), "text.format"),
             (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
             (re.compile(r"\b(tools\[\d+\])\.function\b"), r"\1"),
-            (re.compile(r"\bmessages\b"), "input"),
+            (re.compile(r"(?<!chat_template_kwargs\.)\bmessages\b"), "input"),
             (re.compile(r"(?<!\.)\breasoning_effort\b"), "reasoning.effort"))
 
 

@@ -95,6 +95,7 @@ BAD_BODIES = [  # (path, changes to the base body, status, param)
     (CMPL, {"return_tokens_as_token_ids": 1}, 400, "return_tokens_as_token_ids"),
     (CMPL, {"bad_words": "Berlin"}, 400, "bad_words"),
     (CHAT, {"bad_words": ["ok", " "]}, 400, "bad_words"),
+    (CMPL, {"structured_outputs": {"json_object": "yes"}}, 400, "structured_outputs.json_object"),
     # OpenAI's fields with a value that would change something here (null or the default is accepted)
     (CHAT, {"service_tier": "flex"}, 400, "service_tier"),
     (CHAT, {"modalities": ["text", "audio"]}, 400, "modalities"),

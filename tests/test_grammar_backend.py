@@ -329,6 +329,19 @@ def test_forced_pythonic_calls_are_python_literals_of_the_schema(backend, tokeni
                   "[get_weather(city='Paris', unit='celsius', code='France')]",
                   "[get_weather(city='Paris', unit='celsius', opts={'tags': []})]", "[other()]"):
         assert not _accepts(backend, tokenizer, spec, wrong)[0], wrong
+    # item counts, a Pydantic v1 allOf, and only the escapes Python reads
+    bounded = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+        "loc": {"allOf": [{"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}],
+                "description": "where"}, "path": {"type": "string"}}}
+    spec = tool_call_constraint(fmt, [{"name": "f", "parameters": bounded}], parallel=False)
+    for text, ok in (("[f(tags=[1])]", True), ("[f(tags=[1, 2, 3])]", True), ("[f(tags=[])]", False),
+                     ("[f(tags=[1, 2, 3, 4])]", False), ("[f(loc={'city': 'Rome'})]", True), ("[f(loc='Rome')]", False),
+                     ("[f(loc={})]", False), ("[f(path='C:\\\\x\\t\\u00e9')]", True), ("[f(path='C:\\Users')]", False),
+                     ("[f(path='\\x4')]", False), ("[f(path='\\N{DASH}')]", False)):
+        assert _accepts(backend, tokenizer, spec, text) == (ok, ok), text
+        if ok:
+            jsonschema.validate(json.loads(parse_tool_calls(text, fmt)[1][0].arguments), bounded)
 
 
 def test_reasoning_markers_that_are_special_tokens_are_those_tokens(backend, tokenizer):
@@ -354,3 +367,49 @@ def test_reasoning_markers_that_are_special_tokens_are_those_tokens(backend, tok
     assert takes(qwen3, ids(tokenizer, "\n") + [start, end] + answer) == (True, True)
     assert takes(qwen3, answer) == (True, True)
     assert not takes(qwen3, ids(tokenizer, "<think>hmm</think>") + answer)[0]  # the opener is the token
+
+
+# A Pydantic model as a parameter: `{"$ref": "#/$defs/..."}`, the definitions at the parameters' root.
+PYDANTIC = {"type": "object", "required": ["loc"], "properties": {"loc": {"$ref": "#/$defs/Loc"}},
+            "$defs": {"Loc": {"type": "object", "required": ["city"], "additionalProperties": False,
+                              "properties": {"city": {"type": "string"}}}}}
+TREE = {"type": "object", "required": ["root"], "properties": {"root": {"$ref": "#/$defs/Node"}},
+        "$defs": {"Node": {"type": "object", "required": ["v"], "additionalProperties": False, "properties": {
+            "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}}}
+# (format, a call of f with these arguments written in it)
+CALL_TEXT = {
+    "hermes": lambda args: f'<tool_call>\n{{"name": "f", "arguments": {json.dumps(args)}}}\n</tool_call>',
+    "llama3_json": lambda args: f'{{"name": "f", "parameters": {json.dumps(args)}}}',
+    "mistral": lambda args: f'[TOOL_CALLS][{{"name": "f", "arguments": {json.dumps(args)}}}]',
+    "qwen3_coder": lambda args: "<tool_call>\n<function=f>\n" + "".join(
+        f"<parameter={k}>\n{json.dumps(v)}\n</parameter>\n" for k, v in args.items()) + "</function>\n</tool_call>",
+    "pythonic": lambda args: "[f(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")]",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(CALL_TEXT))
+def test_forced_calls_follow_the_parameters_refs(backend, tokenizer, fmt):
+    """A parameter typed by `$ref` (as Pydantic writes a model) holds wherever the forced grammar puts the
+    schema: nested in the call's JSON (pointers relocated, recursion kept) or one parameter at a time
+    (references inlined; a recursive schema is refused there by name)."""
+    from infire_jax.structured import parse_tool_calls
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+
+    other = {"name": "g", "parameters": {"type": "object", "properties": {}}}
+    for functions in ([{"name": "f", "parameters": PYDANTIC}], [other, {"name": "f", "parameters": PYDANTIC}]):
+        spec = tool_call_constraint(fmt, functions, parallel=False)
+        good = CALL_TEXT[fmt]({"loc": {"city": "Paris"}})
+        assert _accepts(backend, tokenizer, spec, good) == (True, True), good
+        for wrong in ({"loc": "Paris"}, {"loc": {"town": "Paris"}}, {"loc": {"city": 3}}):
+            assert not all(_accepts(backend, tokenizer, spec, CALL_TEXT[fmt](wrong))), wrong
+        tools = [{"type": "function", "function": f} for f in functions]
+        _, (call,) = parse_tool_calls(good, fmt, tools=tools)
+        assert (call.name, json.loads(call.arguments)) == ("f", {"loc": {"city": "Paris"}})
+    if fmt in ("qwen3_coder", "pythonic"):
+        with pytest.raises(InvalidRequestError, match="'f' refer to themselves"):
+            tool_call_constraint(fmt, [{"name": "f", "parameters": TREE}], parallel=False)
+        return
+    spec = tool_call_constraint(fmt, [other, {"name": "f", "parameters": TREE}], parallel=False)
+    tree = {"root": {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]}}
+    assert _accepts(backend, tokenizer, spec, CALL_TEXT[fmt](tree)) == (True, True)
+    assert not _accepts(backend, tokenizer, spec, CALL_TEXT[fmt]({"root": {"v": 1, "kids": [{"v": "x"}]}}))[0]

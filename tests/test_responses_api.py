@@ -374,6 +374,7 @@ BAD = [  # (changes to a body, param)
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text.format.schema"),
     ({"background": True}, "background"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),  # the client's own key
     ({"frequency": 1}, "frequency"),
 ]
 

@@ -241,6 +241,24 @@ SURFACE_CASES = [
     ("glm45", "<tool_call>\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>",
      "<tool_call>\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>", [], None),  # no name
 ]
+# An argument's string holding the block's closer (a forced call's grammar lets it): the call ends at the
+# closer after which its body reads, and a body that never reads still ends at its first closer.
+CODE = {"code": "print('</tool_call>')"}
+CLOSER_CASES = [
+    ("hermes", f'<tool_call>\n{{"name": "f", "arguments": {json.dumps(CODE)}}}\n</tool_call>\nDone.', "\nDone.",
+     [("f", CODE)], None),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": </tool_call> ok</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"a": </tool_call> ok</tool_call>', [], None),
+    ("qwen3_coder", coder("run", ("cmd", "x</tool_call>y"), ("tag", "1")), "",
+     [("run", {"cmd": "x</tool_call>y", "tag": "1"})], RUN_TOOLS),
+    ("glm45", glm("run", ("cmd", "echo '</tool_call>'")), "", [("run", {"cmd": "echo '</tool_call>'"})], RUN_TOOLS),
+    ("minimax_m2", minimax(("run", (("cmd", "a</minimax:tool_call>b"),))), "",
+     [("run", {"cmd": "a</minimax:tool_call>b"})], RUN_TOOLS),
+    # arguments under "parameters" (Llama 3's key) are arguments; a number past a double's range is no JSON
+    ("hermes", '<tool_call>{"name": "f", "parameters": {"a": 7}}</tool_call>', "", [("f", {"a": 7})], None),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1e400}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"a": 1e400}}</tool_call>', [], None),
+]
 SHORT_CASES = [  # every split point of these, and of some of the cases above
     ("kimi_k2", f"Hi{KIMI_SB}{kimi('functions.f:0', '{}')}{KIMI_SE}", "Hi", [("f", {})], None),
     ("deepseek_v31", f"Hi{DS_SB}{ds31('f', '{}')}{DS_SE}", "Hi", [("f", {})], None),
@@ -263,14 +281,14 @@ def random_split(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
-@pytest.mark.parametrize("parser,text,content,calls,tools", SURFACE_CASES + SHORT_CASES)
+@pytest.mark.parametrize("parser,text,content,calls,tools", SURFACE_CASES + SHORT_CASES + CLOSER_CASES)
 def test_every_parser_whole(parser, text, content, calls, tools):
     got_content, got_calls = parse_tool_calls(text, parser, tools)
     assert (got_content, plain(got_calls)) == (content, calls)
     assert all(isinstance(json.loads(c.arguments), dict) and c.id for c in got_calls)
 
 
-@pytest.mark.parametrize("parser,text,content,calls,tools", SURFACE_CASES + SHORT_CASES)
+@pytest.mark.parametrize("parser,text,content,calls,tools", SURFACE_CASES + SHORT_CASES + CLOSER_CASES)
 def test_every_split_gives_the_same(parser, text, content, calls, tools):
     rng = random.Random(f"{parser}:{text}")
     splits = [random_split(text, rng) for _ in range(60)] + [list(text)]

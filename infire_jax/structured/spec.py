@@ -36,6 +36,8 @@ class StructuredOutputs:
         if len(set_kinds) != 1:
             raise InvalidRequestError(
                 f"structured outputs need exactly one of {', '.join(KINDS)}; got {set_kinds or 'none'}", self.param)
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("'json_object' must be a boolean", self.field_param)
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", json.loads(self.json))

@@ -13,6 +13,7 @@ from typing import Any
 
 from infire_jax.structured import harmony
 from infire_jax.structured.backend import inline_json
+from infire_jax.structured.schema_refs import inlined, relocated
 from infire_jax.structured.spec import StructuredOutputs
 from infire_jax.structured.tool_formats import glm45_grammar, minimax_m2_grammar
 from infire_jax.structured.tool_formats.pythonic_grammar import pythonic_calls
@@ -37,10 +38,11 @@ MARKERS = {MISTRAL: (MISTRAL_MARKER,), DEEPSEEK_V3: _DEEPSEEK_MARKERS, DEEPSEEK_
            OPENAI: harmony.SPECIAL_TOKENS, GLM45: glm45_grammar.MARKERS, MINIMAX_M2: minimax_m2_grammar.MARKERS}
 
 
-def _call_schema(fmt: str, function: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(fmt: str, function: dict[str, Any], at: str) -> dict[str, Any]:
+    """A call's JSON object, placed at pointer `at` of the whole schema (its parameters' `$ref`s follow)."""
     args_key = "parameters" if fmt == LLAMA3_JSON else "arguments"
-    return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             args_key: function.get("parameters") or EMPTY_PARAMETERS},
+    parameters = relocated(function.get("parameters") or EMPTY_PARAMETERS, f"{at}/properties/{args_key}")
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, args_key: parameters},
             "required": ["name", args_key], "additionalProperties": False}
 
 
@@ -65,6 +67,8 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
         return _section_constraint(fmt, functions, parallel, mark)
     if fmt == OPENAI:  # harmony: one call a turn (its <|call|> ends the output), after any reasoning
         return StructuredOutputs(grammar=harmony.call_grammar(functions, ids), param="tool_choice")
+    if fmt in (PYTHONIC, LLAMA4_PYTHONIC, MINIMAX_M2, QWEN3_CODER, GLM45):  # each parameter on its own
+        functions = [f | {"parameters": inlined(f.get("parameters") or {}, f["name"])} for f in functions]
     if fmt in (PYTHONIC, LLAMA4_PYTHONIC):  # Python literals (tool_formats/pythonic_grammar.py)
         return StructuredOutputs(grammar=pythonic_calls(functions, parallel), param="tool_choice")
     if fmt == MINIMAX_M2:  # one block of <invoke>s, raw-text parameters (tool_formats/minimax_m2_grammar.py)
@@ -77,8 +81,9 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
         rules = (f"start: call{_more(NEWLINE) if parallel else ''}\n"
                  f"call: {' | '.join(f'call{i}' for i in range(len(functions)))}\n" + "\n".join(calls) + "\n")
         return StructuredOutputs(grammar=rules, param="tool_choice")
-    one = {"anyOf": [_call_schema(fmt, f) for f in functions]} if len(functions) > 1 \
-        else _call_schema(fmt, functions[0])
+    top = "/items" if fmt == MISTRAL else ""
+    one = {"anyOf": [_call_schema(fmt, f, f"{top}/anyOf/{i}") for i, f in enumerate(functions)]} \
+        if len(functions) > 1 else _call_schema(fmt, functions[0], top)
     if fmt == HERMES:
         call = f"{json.dumps(HERMES_OPEN + NEWLINE)} {inline_json(one)} {json.dumps(NEWLINE + HERMES_CLOSE)}"
         rules = f"start: call{_more(NEWLINE) if parallel else ''}\ncall: {call}\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -64,21 +65,40 @@ class Format:
 
 
 def closed_block(text: str, start: int, opener: str, closer: str, final: bool,
-                 parse: Callable[[str], list[ToolCall] | None]) -> Block | None:
-    """A block from `opener` to `closer`; an output that ends inside one is read to its end."""
+                 parse: Callable[[str], list[ToolCall] | None],
+                 closed: Callable[[str], list[ToolCall] | None] | None = None) -> Block | None:
+    """A block from `opener` to the first `closer` whose body reads as calls (`closed`, default `parse`):
+    an argument's string may hold the closer's text (a forced call's grammar lets it), so a body that
+    does not read may end at a later one. Once the output is final, a block that never reads ends at
+    its first closer (`parse`), or with none, at the end of the output."""
     body = start + len(opener)
-    at = text.find(closer, body)
-    if at >= 0:
-        return Block(at + len(closer), parse(text[body:at]))
-    return Block(len(text), parse(text[body:])) if final else None
+    first = at = text.find(closer, body)
+    while at >= 0:
+        calls = (closed or parse)(text[body:at])
+        if calls is not None:
+            return Block(at + len(closer), calls)
+        at = text.find(closer, at + len(closer))
+    if not final:
+        return None  # a later closer may still end it
+    if first >= 0:
+        return Block(first + len(closer), parse(text[body:first]))
+    return Block(len(text), parse(text[body:]))
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-# Python's decoder takes NaN and Infinity, which would make `arguments` that are not JSON.
-JSON_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} overflows a double")
+    return value
+
+
+# Python's decoder takes NaN and Infinity, and reads 1e400 as inf, which would make `arguments` that are
+# not JSON.
+JSON_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
 def json_object(text: str) -> dict[str, Any] | None:
@@ -96,10 +116,12 @@ def dumps(args: dict[str, Any]) -> str:
 
 def call_from_json(obj: object, args_key: str) -> ToolCall | None:
     """A call from one decoded `{"name", args_key: {...}}` object, or None when not shaped like one.
-    The arguments may also be JSON text of an object (some models double-encode them)."""
+    The arguments may also be JSON text of an object (some models double-encode them), and may come
+    under the other of `arguments` and `parameters`."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get(args_key, obj.get("arguments", {}))
+    other = "parameters" if args_key == "arguments" else "arguments"  # models write either
+    args = obj.get(args_key, obj.get(other, {}))
     if isinstance(args, str):
         args = json_object(args)
     if not isinstance(args, dict):

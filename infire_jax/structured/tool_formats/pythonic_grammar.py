@@ -21,8 +21,9 @@ from infire_jax.structured.tool_formats.qwen3_coder_grammar import pattern_regex
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _SEP = '", "'
-# A Python string literal in single quotes (what repr writes), and any literal at all.
-_ANY = ["PY_STR: /'([^'\\\\\\n]|\\\\.)*'/",
+# A Python string literal in single quotes (what repr writes; \x, \u and \U escapes whole, no \N{...}, so
+# that `ast` reads every one), and any literal at all.
+_ANY = ["PY_STR: /'([^'\\\\\\n]|\\\\[^xuUN\\n]|\\\\x[0-9a-fA-F]{2}|\\\\u[0-9a-fA-F]{4}|\\\\U00(0[0-9a-fA-F]|10)[0-9a-fA-F]{4})*'/",
         "py_any: PY_STR | %json {\"type\": \"number\"} | \"True\" | \"False\" | \"None\" "
         f"| \"[\" (py_any ({_SEP} py_any)*)? \"]\" "
         f"| \"{{\" (PY_STR \": \" py_any ({_SEP} PY_STR \": \" py_any)*)? \"}}\""]
@@ -44,6 +45,8 @@ class _Rules:
         return rule
 
     def _body(self, schema: dict[str, Any], rule: str) -> str:
+        if "allOf" in schema:
+            schema = _all_of(schema)
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if choices is not None:
             return " | ".join(json.dumps(_literal(c)) for c in choices)
@@ -69,7 +72,13 @@ class _Rules:
             return '"None"'
         if kind == "array":
             item = self.value(schema.get("items", {}))
-            return f'"[" ({item} ({_SEP} {item})*)? "]"'
+            low, high = schema.get("minItems", 0), schema.get("maxItems")
+            if high == 0:
+                return '"[" "]"'
+            more = f"({_SEP} {item})"
+            rest = f"{more}{{{max(low - 1, 0)},{high - 1}}}" if high is not None else \
+                f"{more}{{{low - 1},{low - 1}}} {more}*" if low > 1 else f"{more}*"
+            return f'"[" {item} {rest} "]"' if low else f'"[" ({item} {rest})? "]"'
         if kind == "object":
             members = [(name, json.dumps(repr(name) + ": "), self.value(sub))
                        for name, sub in (schema.get("properties") or {}).items()]
@@ -87,6 +96,24 @@ class _Rules:
             parts.append(pattern_regex(schema["pattern"]))
         self.lines.append(f"{rule.upper()}_TEXT: {' & '.join(parts)}")
         return f"\"'\" {rule.upper()}_TEXT \"'\""
+
+
+def _all_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema with its `allOf` merged in (Pydantic v1 wraps a described model reference in one): the
+    properties and required names of every part together, any other keyword the last part's."""
+    out = {k: v for k, v in schema.items() if k != "allOf"}
+    for part in schema["allOf"]:
+        part = _all_of(part) if isinstance(part, dict) and "allOf" in part else part
+        if not isinstance(part, dict):
+            continue
+        merged = {**out.get("properties", {}), **part.get("properties", {})}
+        required = list(dict.fromkeys([*out.get("required", []), *part.get("required", [])]))
+        out |= part
+        if merged:
+            out["properties"] = merged
+        if required:
+            out["required"] = required
+    return out
 
 
 def _literal(value: Any) -> str:

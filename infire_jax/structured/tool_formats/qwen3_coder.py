@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from infire_jax.errors import InvalidRequestError
+from infire_jax.structured.schema_refs import inlined
 from infire_jax.structured.tool_formats.base import JSON_DECODER, Block, Format, ToolCall, closed_block, dumps
 from infire_jax.structured.tool_formats.json_calls import HERMES_CLOSE, HERMES_OPEN
 
@@ -82,7 +84,12 @@ def tool_properties(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
     for tool in tools:
         function = tool.get("function", tool)
         if function.get("name") == name:
-            return (function.get("parameters") or {}).get("properties") or {}
+            parameters = function.get("parameters") or {}
+            try:  # as the forced grammar wrote them (tool_grammar.py)
+                parameters = inlined(parameters, name)
+            except InvalidRequestError:
+                pass  # recursive: such a parameter is read as JSON where it is JSON
+            return parameters.get("properties") or {}
     return {}
 
 
@@ -90,7 +97,12 @@ class Qwen3Coder(Format):
     markers = (HERMES_OPEN,)
 
     def block(self, text: str, start: int, final: bool) -> Block | None:
-        return closed_block(text, start, HERMES_OPEN, HERMES_CLOSE, final, self.parse)
+        return closed_block(text, start, HERMES_OPEN, HERMES_CLOSE, final, self.parse, self._closed)
+
+    def _closed(self, body: str) -> list[ToolCall] | None:
+        """A body a `</tool_call>` ended: whole only with its `</function>` (else the marker is part of a
+        parameter's raw text, and the call ends at a later one)."""
+        return self.parse(body) if body.rstrip().endswith("</function>") else None
 
     def parse(self, body: str) -> list[ToolCall] | None:
         """One `<function=…>` with its `<parameter=…>` elements; any other text in it means no call."""
