@@ -71,8 +71,8 @@ async def respond(request: web.Request, m, lora: str | None, req: GenerationRequ
             c.add(d)
         return web.json_response(fmt.response(choices, usage))
     sse = SSEWriter(request)
-    await sse.start()
     try:
+        await sse.start()
         await sse.send(fmt.head_chunks(len(deltas)))
         await sse.send([chunk for i, d in enumerate(deltas) for chunk in fmt.chunks(i, d)])
         if req.include_usage:

@@ -396,8 +396,8 @@ async def _stream(request: web.Request, req: GenerationRequest, stream: RequestS
                   num_prompts: int) -> web.StreamResponse:
     n = req.params.n
     sse = SSEWriter(request)
-    await sse.start()
     try:
+        await sse.start()  # the client may already have gone
         try:
             await sse.send(fmt.head_chunks(num_prompts * n))
             async for batch in stream:

@@ -151,8 +151,8 @@ async def _stream(request: web.Request, stream: RequestStream, out: ResponseOutp
     """The response as events: created and in progress, its items' events, then completed (or
     incomplete); a failure after the start is an `error` event."""
     sse = SSEWriter(request)
-    await sse.start()
     try:
+        await sse.start()  # the client may already have gone
         try:
             await sse.send_typed([out.event("response.created", response=response),
                                   out.event("response.in_progress", response=response)])

@@ -7,6 +7,7 @@ that lands before admission, and the idle engine thread sleeping instead of spin
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -347,3 +348,44 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+def test_a_client_gone_before_the_stream_starts_is_no_server_error(monkeypatch, caplog):
+    """A streaming client that resets its connection before the response's headers go out (aiohttp then
+    raises ConnectionResetError from `prepare`) is a quiet disconnect, as one mid-stream is: no
+    "unhandled error" logged, no 500 attempted, the request aborted and the engine serving."""
+    from infire_jax.loaders.dummy import CONFIGS, dummy_tokenizer
+    from infire_jax.models.hf_config import config_from_hf
+    from server import streaming
+    from server.app import build_app
+    from server.listen import make_runner
+
+    engine = ScriptedEngine(step_seconds=0.01)
+    engine.tokenizer = dummy_tokenizer(config_from_hf(CONFIGS["smollm2-135m"]))
+    body = {"model": "scripted", "prompt": "hi", "max_tokens": 50}
+
+    async def gone(self):
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    async def scenario():
+        runner = make_runner(build_app(engine))
+        await runner.setup()
+        sock = socket.create_server(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                with monkeypatch.context() as m:
+                    m.setattr(streaming.SSEWriter, "start", gone)
+                    async with s.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+                        await r.read()
+                await wait_for(lambda: engine.aborted)
+                async with s.post(url + "/v1/completions", json={**body, "max_tokens": 2}) as r:
+                    return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.ERROR):
+        status, after = asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert len(engine.aborted) == 1 and (status, after["usage"]["completion_tokens"]) == (200, 2)
