@@ -46,6 +46,10 @@ async def respond(request: web.Request, m, lora: str | None, req: GenerationRequ
     if req.params.structured_outputs is not None:  # a forced tool_choice's grammar, or response_format
         raise bad("a constrained output (response_format, a forced tool_choice) cannot be used with "
                   "'use_beam_search'", "use_beam_search")
+    beams = len(prompts) * req.params.n  # the live beams of a step, each a sequence of the engine's
+    if beams > m.engine.capacity:
+        raise bad(f"the request asks for {beams} beams (prompts x n); this server runs at most "
+                  f"{m.engine.capacity} sequences at once", "n")
     tok = m.tokenizer
     search = BeamSearch(prompts, _params(req, prompts, m.max_model_len),
                         tok.token_to_id(tok.eos_token) if tok.eos_token else None)

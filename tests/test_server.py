@@ -594,6 +594,12 @@ def test_bad_input_gets_4xx_error_objects_and_server_keeps_serving(main, small, 
     assert e.value.param == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    # a beam search wider than the server (2 prompts x 7 beams, of 12 sequences) is refused before a step runs
+    before = small.metrics()["infire:prompt_tokens_total"]
+    with pytest.raises(openai.BadRequestError) as e:
+        openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0).completions.create(
+            model=MODEL, prompt=["a", "b"], n=7, max_tokens=4, extra_body={"use_beam_search": True})
+    assert e.value.param == "n" and small.metrics()["infire:prompt_tokens_total"] == before
     for server in (main, small):  # still healthy and serving
         with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
             assert r.status == 200
