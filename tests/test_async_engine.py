@@ -7,6 +7,7 @@ that lands before admission, and the idle engine thread sleeping instead of spin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -300,24 +301,38 @@ def test_call_runs_between_steps_on_the_engine_thread_and_reports_errors():
     assert isinstance(pending.exception(), EngineDeadError)
 
 
-def test_http_engine_crash_gives_500_then_503_and_unhealthy():
+def scripted_http_engine() -> ScriptedEngine:
     from infire_jax.loaders.dummy import CONFIGS, dummy_tokenizer
     from infire_jax.models.hf_config import config_from_hf
-    from server.app import build_app
-    from server.listen import make_runner
 
     engine = ScriptedEngine(step_seconds=0.01)
     engine.tokenizer = dummy_tokenizer(config_from_hf(CONFIGS["smollm2-135m"]))
+    return engine
+
+
+@contextlib.asynccontextmanager
+async def served(engine: ScriptedEngine):
+    """The HTTP server on `engine`, with the server's own runner and socket handling; yields its URL."""
+    from server.app import build_app
+    from server.listen import make_runner
+
+    runner = make_runner(build_app(engine))
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def test_http_engine_crash_gives_500_then_503_and_unhealthy():
+    engine = scripted_http_engine()
     engine.fail_at_step = 20
     body = {"model": "scripted", "prompt": "hi", "max_tokens": 50}
 
     async def scenario():
-        runner = make_runner(build_app(engine))  # the server's own runner and socket handling
-        await runner.setup()
-        sock = socket.create_server(("127.0.0.1", 0))
-        await web.SockSite(runner, sock).start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        try:
+        async with served(engine) as url:
             async with aiohttp.ClientSession() as s:
                 async def plain():
                     async with s.post(url + "/v1/completions", json=body) as r:
@@ -333,8 +348,6 @@ def test_http_engine_crash_gives_500_then_503_and_unhealthy():
                 async with s.post(url + "/v1/completions", json=body) as r:
                     after = r.status, await r.json()
             return st1, b1, st2, text, health, after
-        finally:
-            await runner.cleanup()
 
     st1, b1, st2, text, health, after = asyncio.run(scenario())
     assert (st1, b1["error"]["type"], b1["error"]["code"]) == (500, "server_error", "engine_dead")
@@ -354,26 +367,16 @@ def test_a_client_gone_before_the_stream_starts_is_no_server_error(monkeypatch, 
     """A streaming client that resets its connection before the response's headers go out (aiohttp then
     raises ConnectionResetError from `prepare`) is a quiet disconnect, as one mid-stream is: no
     "unhandled error" logged, no 500 attempted, the request aborted and the engine serving."""
-    from infire_jax.loaders.dummy import CONFIGS, dummy_tokenizer
-    from infire_jax.models.hf_config import config_from_hf
     from server import streaming
-    from server.app import build_app
-    from server.listen import make_runner
 
-    engine = ScriptedEngine(step_seconds=0.01)
-    engine.tokenizer = dummy_tokenizer(config_from_hf(CONFIGS["smollm2-135m"]))
+    engine = scripted_http_engine()
     body = {"model": "scripted", "prompt": "hi", "max_tokens": 50}
 
     async def gone(self):
         raise ConnectionResetError("Cannot write to closing transport")
 
     async def scenario():
-        runner = make_runner(build_app(engine))
-        await runner.setup()
-        sock = socket.create_server(("127.0.0.1", 0))
-        await web.SockSite(runner, sock).start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        try:
+        async with served(engine) as url:
             async with aiohttp.ClientSession() as s:
                 with monkeypatch.context() as m:
                     m.setattr(streaming.SSEWriter, "start", gone)
@@ -382,8 +385,6 @@ def test_a_client_gone_before_the_stream_starts_is_no_server_error(monkeypatch, 
                 await wait_for(lambda: engine.aborted)
                 async with s.post(url + "/v1/completions", json={**body, "max_tokens": 2}) as r:
                     return r.status, await r.json()
-        finally:
-            await runner.cleanup()
 
     with caplog.at_level(logging.ERROR):
         status, after = asyncio.run(scenario())
