@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 from PIL import Image
 
 from infire_jax.engine.engine import Engine, EngineConfig
@@ -26,9 +27,18 @@ Prompt = str | list[int] | dict[str, Any]
 Messages = list[dict[str, Any]]
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
 def _split(prompt: Prompt) -> tuple[str | list[int], list | None]:
     """(text or token ids, the images or None) of a prompt in any of its forms."""
+    if isinstance(prompt, (list, tuple)):  # numpy's integers are token ids too
+        return [int(t) if isinstance(t, np.integer) else t for t in prompt], None
     if not isinstance(prompt, dict):
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"a prompt is a text, token ids or a prompt dict, got {prompt!r:.80}",
+                                      param="prompt")
         return prompt, None
     unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
     if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
@@ -57,11 +67,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates for every prompt (text or token ids); returns outputs in prompt order.
 
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model);
-        the engine needs `enable_lora=True`."""
+        the engine needs `enable_lora=True`. `use_tqdm` is vLLM's: accepted, and no progress bar is drawn."""
         return self._run(prompts, sampling_params, SamplingParams, lora_request)[0]
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams, *,
@@ -93,9 +104,10 @@ class LLM:
         return results
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
-        """Each prompt's embedding (vLLM's `LLM.embed`), in prompt order; the engine needs runner="pooling"."""
+        """Each prompt's embedding (vLLM's `LLM.embed`; `use_tqdm` accepted, no bar drawn), in prompt order;
+        the engine needs runner="pooling"."""
         outputs, embeddings = self._run(prompts, pooling_params, PoolingParams, lora_request)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(embeddings[o.request_id]))
                 for o in outputs]
@@ -116,15 +128,19 @@ class LLM:
 
     def _run(self, prompts, params, kind: type, lora_request) -> tuple[list[RequestOutput], dict[str, list[float]]]:
         """Runs every prompt to its end: the outputs in prompt order, and the embeddings by request id."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and _number(prompts[0])):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError(f"prompts must be a text, token ids, a prompt dict or a non-empty list of them, "
+                                      f"got {prompts!r:.80}", param="prompt")
         prompts = list(prompts)
-        if not prompts:
-            raise InvalidRequestError("no prompts given", param="prompt")
         if params is None or isinstance(params, kind):
             params_list = [params or kind()] * len(prompts)
         else:
-            params_list = list(params)
+            params_list = list(params) if isinstance(params, (list, tuple)) else [params]
+            if not all(isinstance(p, kind) for p in params_list):
+                raise InvalidRequestError(f"the parameters must be a {kind.__name__} or a list of them, got "
+                                          f"{params!r:.80}", param="sampling_params")
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(f"{len(params_list)} {kind.__name__} for {len(prompts)} prompts")
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -173,14 +189,32 @@ class LLM:
         return [results[rid] for rid in order], embeddings
 
     def chat(self, messages: Messages | Sequence[Messages],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             **template_kwargs) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates. A message's content
-        may be a list of parts: text ({"type": "text", "text": ...}) and images ({"type": "image",
-        "image": a PIL image} or {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}),
-        each image where it stands (vision/prompt.py)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self._chat_prompt(conv, template_kwargs) for conv in conversations], sampling_params)
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates (vLLM's `LLM.chat`;
+        `use_tqdm` is accepted, and no progress bar is drawn). A message's content may be a list of
+        parts: text ({"type": "text", "text": ...}) and images ({"type": "image", "image": a PIL image} or
+        {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}), each image where it
+        stands (vision/prompt.py). `continue_final_message`: the last message (the assistant's) is
+        continued rather than a new one begun; `tools` and `chat_template_kwargs` go to the template."""
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message continues the last message: it cannot be combined "
+                                      "with add_generation_prompt", param="continue_final_message")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise InvalidRequestError("messages must be a conversation (a list of {'role', 'content'} dicts) or a "
+                                      "list of them", param="messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {}),
+                    "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        for conv in conversations:
+            if not (isinstance(conv, Sequence) and conv and all(isinstance(m, dict) for m in conv)):
+                raise InvalidRequestError("each conversation must be a non-empty list of {'role', 'content'} dicts",
+                                          param="messages")
+        return self.generate([self._chat_prompt(conv, template) for conv in conversations], sampling_params,
+                             lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the prefix cache, as vLLM's `LLM.reset_prefix_cache` (False while requests run)."""
@@ -191,7 +225,7 @@ class LLM:
         flat = [{**m, "content": _text_of(m["content"], images)} if _has_images(m.get("content")) else m
                 for m in conversation]
         tk = self.engine.tokenizer
-        text = tk.apply_chat_template(flat, add_generation_prompt=True, **template_kwargs)
+        text = tk.apply_chat_template(flat, **template_kwargs)
         if not images:
             return tk.encode(text, add_special_tokens=False)
         inputs = self.engine.images

@@ -58,7 +58,7 @@ def lora_model(models: dict[str, ServedModel]) -> ServedModel:
 
 
 def _next_id(m: ServedModel) -> int:
-    return max((r.lora_int_id for r in m.adapters.values()), default=0) + 1
+    return max((*(r.lora_int_id for r in m.adapters.values()), *m.loading.values()), default=0) + 1
 
 
 def add_static(m: ServedModel, modules: list[tuple[str, str]]) -> None:
@@ -88,15 +88,18 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
     name, path = _name(body), _name(body, "lora_path")
     m = lora_model(st.models)
-    if name in st.models or any(name in x.adapters for x in st.models.values()):
+    if name in st.models or any(name in x.adapters or name in x.loading for x in st.models.values()):
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     lora_request = LoRARequest(name, _next_id(m), path)
+    m.loading[name] = lora_request.lora_int_id  # taken before any await: loads running together differ
     engine = m.engine.engine
     try:
         adapter = await asyncio.get_running_loop().run_in_executor(None, engine.lora.read, lora_request)
+        await m.engine.call(lambda e: e.lora.register(lora_request, adapter))
     except AdapterNotFoundError as e:
         raise APIError(404, str(e), param="lora_path", code="lora_not_found") from e
-    await m.engine.call(lambda e: e.lora.register(lora_request, adapter))
+    finally:
+        del m.loading[name]
     m.adapters[name] = lora_request
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from infire_jax import LLM, SamplingParams
+from infire_jax.lora.request import LoRARequest
 from infire_jax.runner.compile_guard import RecompileError, forbid_compiles
 from infire_jax.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from pallas_kernels.metadata import AttentionMetadata
@@ -108,6 +109,12 @@ def test_compile_guard_detects_compilation():
     (dict(min_p=2.0), "min_p"),
     (dict(logprobs=21), "logprobs"),
     (dict(n=0), "n"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(top_p=None), "top_p"),
+    (dict(repetition_penalty="x"), "repetition_penalty"),
+    (dict(presence_penalty=True), "presence_penalty"),
+    (dict(stop=5), "stop"),
+    (dict(stop_token_ids=7), "stop_token_ids"),
 ])
 def test_bad_sampling_params_are_rejected(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
@@ -132,12 +139,44 @@ def test_bad_prompts_are_rejected_and_engine_still_serves(smol_llm):
         smol_llm.generate(["Hi \ud800"])
     with pytest.raises(InvalidRequestError, match="lone surrogate"):
         smol_llm.generate(["Hi"], SamplingParams(bad_words=["\udc00"]))
+    for prompts in (None, 5, ["a", None], [1.5, 2.0]):  # the offline API's wrong types, named
+        with pytest.raises(InvalidRequestError, match="prompt"):
+            smol_llm.generate(prompts)
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        smol_llm.generate("Hi", {"max_tokens": 3})
+    with pytest.raises(InvalidRequestError, match="messages"):
+        smol_llm.chat("hello")
     # A bad prompt in a batch leaves the engine untouched; good requests still complete.
     with pytest.raises(InvalidRequestError):
         smol_llm.generate(["fine", ""])
     assert not smol_llm.engine.has_unfinished()
     assert smol_llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
     assert smol_llm.engine.kv.usage == 0.0
+
+
+def test_chat_takes_vllms_keywords(smol_llm, monkeypatch):
+    """LLM.chat as vLLM's: numpy token ids and use_tqdm are taken; continue_final_message continues a
+    prefilled answer (not with add_generation_prompt); lora_request reaches the engine (which serves
+    none here); chat_template_kwargs and tools reach the template."""
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    ids = smol_llm.generate("Hi", greedy)[0].prompt_token_ids
+    assert smol_llm.generate([np.asarray(ids)[i] for i in range(len(ids))], greedy, use_tqdm=False)[0].token_ids == \
+        smol_llm.generate([ids], greedy)[0].token_ids
+    prefilled = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    out = smol_llm.chat(prefilled, greedy, add_generation_prompt=False, continue_final_message=True)[0]
+    text = smol_llm.tokenizer.decode(out.prompt_token_ids)
+    assert text.endswith("Name a color.\nassistant\nThe color is")  # no end of turn, no new turn
+    with pytest.raises(InvalidRequestError, match="continue_final_message"):
+        smol_llm.chat(prefilled, greedy, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="serves no LoRA adapters"):
+        smol_llm.chat(prefilled[:1], greedy, lora_request=LoRARequest("a", 1, "/nowhere"))
+    tk, seen = smol_llm.engine.tokenizer, []
+    render = tk.apply_chat_template
+    monkeypatch.setattr(tk, "apply_chat_template", lambda messages, **kw: seen.append(kw) or render(messages, **kw))
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    smol_llm.chat(prefilled[:1], greedy, tools=tools, chat_template_kwargs={"enable_thinking": False})
+    assert seen == [{"enable_thinking": False, "tools": tools, "add_generation_prompt": True,
+                     "continue_final_message": False}]
 
 
 def test_token_buckets_flag_sets_the_compiled_step_sizes():

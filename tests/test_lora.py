@@ -294,6 +294,10 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
                 got["after unload"] = await completion("r64")
                 got["unload again"] = await post("/v1/unload_lora_adapter", {"lora_name": "r64"})
                 got["base"] = await completion(engine.model_name, 4)
+                got["together"] = await asyncio.gather(*(  # loads running at once each take an id of their own
+                    post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": requests[r].lora_path})
+                    for name, r in (("t1", "r8"), ("t2", "r64"), ("t3", "r8"))))
+                got["t2"] = await completion("t2")
                 async with s.get(url + "/health") as r:
                     got["health"] = r.status
         finally:
@@ -319,6 +323,8 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
         assert status == 400 and message in body["error"]["message"], (case, body)
     assert got["after unload"][0] == 404 and got["unload again"][0] == 404
     assert got["base"][0] == 200 and got["health"] == 200
+    assert [status for status, _ in got["together"]] == [200, 200, 200], got["together"]
+    assert got["t2"][1]["choices"][0]["text"] == llm.tokenizer.decode(want["r64"])
     assert engine.compiles_since_warmup == compiles
 
 

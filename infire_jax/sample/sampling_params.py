@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from infire_jax.errors import InvalidRequestError
 from infire_jax.structured.spec import StructuredOutputs
@@ -52,6 +53,11 @@ class SamplingParams:
     bad_words: list[str] | None = None
 
     def __post_init__(self):
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, list, tuple) if name == "stop" else (list, tuple)):
+                raise InvalidRequestError(f"{name} must be {'a string or ' if name == 'stop' else ''}a list, got "
+                                          f"{value!r}", param=name)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -75,6 +81,10 @@ class SamplingParams:
             bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                bad(f"{name} must be a number, got {value!r}", name)
         if not self.temperature >= 0:
             bad(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
         if not 0 < self.top_p <= 1:
