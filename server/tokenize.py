@@ -11,20 +11,21 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.endpoints import STATE, ServedModel, read_json
+from server.endpoints import STATE, ServedModel, read_json, served_model
 from server.protocol import bad
 
 
 def _served(request: web.Request, name: str | None) -> ServedModel:
-    """The model named, or the only one served."""
+    """The model named (a LoRA adapter's name: the model it runs on, whose tokenizer it shares), or the
+    only one served; 404 as on /v1 for a name not served."""
     models = request.app[STATE].models
     if name is None:
         if len(models) != 1:
             raise bad(f"this server serves {len(models)} models: name one in 'model'", "model")
         return next(iter(models.values()))
-    if not isinstance(name, str) or name not in models:
-        raise bad(f"the model {name!r} is not served here; it serves {', '.join(models)}", "model")
-    return models[name]
+    if not isinstance(name, str):
+        raise bad("'model' must be a string", "model")
+    return served_model(request.app[STATE], name)[0]
 
 
 def _object(body, allowed: set[str]) -> dict:
@@ -37,17 +38,19 @@ def _object(body, allowed: set[str]) -> dict:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """{"prompt": text, "add_special_tokens": true} -> {"tokens": [...], "count": n, "max_model_len": m}."""
-    body = _object(await read_json(request), {"model", "prompt", "add_special_tokens"})
+    """{"prompt": text, "add_special_tokens": true, "return_token_strs": false} -> {"tokens": [...], "count": n,
+    "max_model_len": m, "token_strs": each token's string, or null}."""
+    body = _object(await read_json(request), {"model", "prompt", "add_special_tokens", "return_token_strs"})
     m = _served(request, body.get("model"))
-    prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+    prompt, special, strs = body.get("prompt"), body.get("add_special_tokens", True), body.get("return_token_strs")
     if not isinstance(prompt, str):
         raise bad("'prompt' must be a string", "prompt")
-    if not isinstance(special, bool):
-        raise bad("'add_special_tokens' must be a boolean", "add_special_tokens")
-    ids = m.tokenizer.encode(prompt, add_special_tokens=special)
+    for name, value in (("add_special_tokens", special), ("return_token_strs", strs)):
+        if value is not None and not isinstance(value, bool):
+            raise bad(f"'{name}' must be a boolean", name)
+    ids = m.tokenizer.encode(prompt, add_special_tokens=special is not False)
     return web.json_response({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids,
-                              "token_strs": None})
+                              "token_strs": [m.tokenizer.tk.id_to_token(i) for i in ids] if strs else None})
 
 
 async def detokenize(request: web.Request) -> web.Response:

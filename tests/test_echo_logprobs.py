@@ -199,8 +199,12 @@ def test_tokenizer_endpoints(smol_server, tok):
     with urllib.request.urlopen(smol_server + "/tokenizer_info", timeout=30) as r:
         info = json.load(r)
     assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    status, out = post(smol_server, "/tokenize", {"prompt": TEXT, "return_token_strs": True})
+    assert status == 200 and out["token_strs"] == [tok.tk.id_to_token(i) for i in tok.encode(TEXT)]
     for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"text": "hi"}, "text"),
                               ("/detokenize", {"tokens": [10 ** 7]}, "tokens"),
-                              ("/tokenize", {"model": "gpt-4o", "prompt": "hi"}, "model")]:
+                              ("/tokenize", {"prompt": "hi", "return_token_strs": 1}, "return_token_strs")]:
         status, out = post(smol_server, path, body)
         assert status == 400 and out["error"]["param"] == param
+    status, out = post(smol_server, "/tokenize", {"model": "gpt-4o", "prompt": "hi"})  # as on /v1
+    assert (status, out["error"]["code"], out["error"]["param"]) == (404, "model_not_found", "model")

@@ -298,6 +298,7 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
                     post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": requests[r].lora_path})
                     for name, r in (("t1", "r8"), ("t2", "r64"), ("t3", "r8"))))
                 got["t2"] = await completion("t2")
+                got["tokenize"] = await post("/tokenize", {"model": "t2", "prompt": "hi"})  # the base's tokenizer
                 async with s.get(url + "/health") as r:
                     got["health"] = r.status
         finally:
@@ -325,6 +326,9 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
     assert got["base"][0] == 200 and got["health"] == 200
     assert [status for status, _ in got["together"]] == [200, 200, 200], got["together"]
     assert got["t2"][1]["choices"][0]["text"] == llm.tokenizer.decode(want["r64"])
+    ids = llm.tokenizer.encode("hi")
+    assert got["tokenize"] == (200, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                                     "token_strs": None})
     assert engine.compiles_since_warmup == compiles
 
 
