@@ -14,6 +14,16 @@ from infire_jax.structured.tool_parsers import TOOL_PARSER_NAMES
 from sharding.distributed import DistributedConfigError
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is an integer in [0, 65535], got {text!r}")
+    return port
+
+
 def _make_llm(args):
     """An LLM on process 0; on follower processes, runs process 0's steps and exits."""
     from infire_jax.engine.engine import Engine
@@ -118,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several models: at most this many on the device at once, the others in host memory "
                         "(default: all)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    s.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
     s.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
                    help="require this bearer key (repeatable); KEY:TENANT also names the key's cache tenant")
     s.add_argument("--max-queue", type=int, default=1024,

@@ -200,6 +200,12 @@ def test_token_buckets_flag_sets_the_compiled_step_sizes():
         resolve_settings(dataclasses.replace(ec, token_buckets=(32, 4)), None)
     with pytest.raises(ConfigError, match=r"largest token bucket must equal max_num_batched_tokens \(64\)"):
         resolve_settings(dataclasses.replace(ec, max_num_batched_tokens=64), None)
+    for field, value in (("max_model_len", 0), ("max_model_len", -5), ("num_kv_pages", 0)):
+        with pytest.raises(ConfigError, match=f"{field} must be a positive integer, got {value}"):
+            resolve_settings(dataclasses.replace(ec, **{field: value}), None)
+    with pytest.raises(SystemExit) as e:  # as argparse refuses any bad flag, before anything loads
+        build_parser().parse_args(["serve", "--port", "99999"])
+    assert e.value.code == 2
 
 
 def test_unknown_model_path_is_rejected(tmp_path):

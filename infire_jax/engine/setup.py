@@ -284,6 +284,10 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
     """Everything that can be checked from the config alone, before any weight is read."""
     if ec.max_num_seqs < 1 or ec.page_size < 1 or ec.num_decode_steps < 1:
         raise ConfigError("max_num_seqs, page_size and num_decode_steps must be positive")
+    for name in ("max_model_len", "max_num_batched_tokens", "num_kv_pages"):
+        value = getattr(ec, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if ec.max_prompt_logprobs < 0:
         raise ConfigError(f"max_prompt_logprobs must be >= 0, got {ec.max_prompt_logprobs}")
     if not 0.0 < ec.gpu_memory_utilization <= 1.0:
