@@ -53,15 +53,21 @@ async def respond(request: web.Request, m, lora: str | None, req: GenerationRequ
     tok = m.tokenizer
     search = BeamSearch(prompts, _params(req, prompts, m.max_model_len),
                         tok.token_to_id(tok.eos_token) if tok.eos_token else None)
-    while not search.done:
-        tops: list[dict[int, float]] = [{} for _ in search.step_prompts()]
-        step = m.engine.generate(search.step_prompts(), search.step_params(), request_id=uuid.uuid4().hex,
-                                 priority=req.priority, tenant=request.get(TENANT), lora_request=lora)
-        async with step:
-            async for batch in step:
-                for pi, d in batch:
-                    tops[pi] = d.logprobs[0] if d.logprobs else tops[pi]
-        search.advance(tops)
+    # the adapter is held for the whole search: unloading it meanwhile lets the search finish on it
+    adapter = None if lora is None else await m.engine.call(lambda e: e.lora.hold(lora))
+    try:
+        while not search.done:
+            tops: list[dict[int, float]] = [{} for _ in search.step_prompts()]
+            step = m.engine.generate(search.step_prompts(), search.step_params(), request_id=uuid.uuid4().hex,
+                                     priority=req.priority, tenant=request.get(TENANT), lora_request=adapter)
+            async with step:
+                async for batch in step:
+                    for pi, d in batch:
+                        tops[pi] = d.logprobs[0] if d.logprobs else tops[pi]
+            search.advance(tops)
+    finally:
+        if adapter is not None:
+            await m.engine.call(lambda e: e.lora.let_go(adapter))
     deltas = [Delta("", j, seq.tokens[len(p):], tok.decode(seq.tokens[len(p):], req.params.skip_special_tokens),
                     seq.logprobs, seq.finish_reason, seq.stop_reason)
               for p, out in zip(prompts, search.results()) for j, seq in enumerate(out.sequences)]

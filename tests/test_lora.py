@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import socket
+from unittest import mock
 
 import aiohttp
 import numpy as np
@@ -23,9 +24,10 @@ from aiohttp import web
 from conftest import SMALL_ENGINE
 from test_parity import PROMPTS as TEXTS
 
-from infire_jax import LLM, SamplingParams
+from infire_jax import LLM, BeamSearchParams, SamplingParams
 from infire_jax.errors import InvalidRequestError
 from infire_jax.lora import LoRARequest
+from infire_jax.sample.beam_search import BeamSearch
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -256,6 +258,8 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
     prompt = _prompts(llm)[0]
     want = {name: llm.generate([prompt], _greedy(16), lora_request=requests[name])[0].token_ids
             for name in ("r8", "r64")}
+    beams = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4), lora_request=requests["r64"])
+    want_beams = [llm.tokenizer.decode(b.tokens[len(prompt):]) for b in beams[0].sequences]
     compiles = engine.compiles_since_warmup
 
     async def scenario():
@@ -299,6 +303,18 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
                     for name, r in (("t1", "r8"), ("t2", "r64"), ("t3", "r8"))))
                 got["t2"] = await completion("t2")
                 got["tokenize"] = await post("/tokenize", {"model": "t2", "prompt": "hi"})  # the base's tokenizer
+                first_step, advance = asyncio.Event(), BeamSearch.advance
+
+                def advanced(self, tops):
+                    advance(self, tops)
+                    first_step.set()
+
+                with mock.patch.object(BeamSearch, "advance", advanced):  # t2 unloaded after the search's first step
+                    search = asyncio.ensure_future(post("/v1/completions", {
+                        "model": "t2", "prompt": prompt, "max_tokens": 4, "n": 2, "use_beam_search": True}))
+                    await first_step.wait()
+                    got["unload t2"] = await post("/v1/unload_lora_adapter", {"lora_name": "t2"})
+                    got["beams"] = await search
                 async with s.get(url + "/health") as r:
                     got["health"] = r.status
         finally:
@@ -326,6 +342,8 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
     assert got["base"][0] == 200 and got["health"] == 200
     assert [status for status, _ in got["together"]] == [200, 200, 200], got["together"]
     assert got["t2"][1]["choices"][0]["text"] == llm.tokenizer.decode(want["r64"])
+    assert got["unload t2"][0] == 200 and got["beams"][0] == 200, got["beams"]  # the search finished on t2
+    assert [c["text"] for c in got["beams"][1]["choices"]] == want_beams
     ids = llm.tokenizer.encode("hi")
     assert got["tokenize"] == (200, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                                      "token_strs": None})

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from infire_jax.engine.engine import Engine
 from infire_jax.errors import DeviceMemoryError, InvalidRequestError
+from infire_jax.lora.adapters import Adapter
 from infire_jax.outputs import Delta
 from infire_jax.runner.image_pool import ImagePoolFull
 from infire_jax.sample.sampling_params import SamplingParams
@@ -230,10 +231,10 @@ class AsyncEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, request_id: str, priority: int = 0,
                  tenant: str | None = None, prefix_hint_tokens: int = 0,
                  session_id: str | None = None, grammar: CompiledGrammar | None = None,
-                 lora_request: str | None = None, images: list | None = None) -> RequestStream:
+                 lora_request: str | Adapter | None = None, images: list | None = None) -> RequestStream:
         """A stream of the deltas of `prompts` (token ids); use it as `async with ... as stream`.
         `grammar`: `params.structured_outputs`, compiled off the engine thread (GrammarBackend);
-        `lora_request`: the name of a loaded LoRA adapter; `images`: the prompt's images (their tiles,
+        `lora_request`: the name of a loaded LoRA adapter, or one held (`Adapters.hold`); `images`: the prompt's images (their tiles,
         engine/images.py), its image placeholders expanded already."""
         options = dict(priority=priority, tenant=tenant, prefix_hint_tokens=prefix_hint_tokens,
                        session_id=session_id, grammar=grammar, lora_request=lora_request, images=images)

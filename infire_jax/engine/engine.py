@@ -27,7 +27,7 @@ from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.pages import export_pages, import_pages
 from infire_jax.loaders import LoadedModel
 from infire_jax.loaders.vision import load_vision_weights
-from infire_jax.lora.adapters import Adapters, cache_salt, resolve_lora
+from infire_jax.lora.adapters import Adapter, Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.outputs import Delta
@@ -130,13 +130,14 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, tenant: str | None = None,
                     prefix_hint_tokens: int = 0, session_id: str | None = None,
                     grammar: CompiledGrammar | None = None,
-                    lora_request: LoRARequest | str | None = None,
+                    lora_request: LoRARequest | str | Adapter | None = None,
                     images: Sequence[Any] | None = None) -> tuple[str, list[int]]:
         """Queues a prompt (text or token ids) for `params.n` samples; returns (request id, prompt ids).
 
         `grammar` is `params.structured_outputs` compiled already (the server compiles off this
         thread); without it the constraint is compiled here. `lora_request`: the LoRA adapter it
-        runs with, a loaded adapter's name or vLLM's LoRARequest (loaded on first use). `images`:
+        runs with, a loaded adapter's name, vLLM's LoRARequest (loaded on first use) or an adapter held
+        across requests (`Adapters.hold`). `images`:
         PIL images or encoded ones, one per `<|image|>` of a text prompt (engine/images.py).
         PoolingParams ask for the prompt's embedding instead (runner="pooling"): its one delta has it."""
         params = params or SamplingParams()

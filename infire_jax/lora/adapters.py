@@ -110,8 +110,11 @@ class Adapters:
         if entry.users == 0:
             self._free(entry)
 
-    def resolve(self, lora: LoRARequest | str) -> Adapter:
-        """The adapter a request names: a loaded name, or a LoRARequest (registered on first use)."""
+    def resolve(self, lora: LoRARequest | str | Adapter) -> Adapter:
+        """The adapter a request names: a loaded name, a LoRARequest (registered on first use), or an
+        adapter held (`hold`) across several requests, unloaded since or not."""
+        if isinstance(lora, Adapter):
+            return lora
         if isinstance(lora, str):
             entry = self.by_name.get(lora)
             if entry is None:
@@ -131,6 +134,19 @@ class Adapters:
             self._host[entry] = self._slot_arrays(adapter)
         self._host.move_to_end(entry)
         entry.users += 1
+        self._trim()
+
+    def hold(self, lora: LoRARequest | str) -> Adapter:
+        """The adapter `lora` names, kept for a run of requests (a beam search's steps) until `let_go`:
+        unloading it meanwhile drops its name only, as for a running request."""
+        entry = self.resolve(lora)
+        self.add_user(entry)
+        return entry
+
+    def let_go(self, entry: Adapter) -> None:
+        entry.users -= 1
+        if entry.users == 0 and not entry.registered:
+            self._free(entry)
         self._trim()
 
     def acquire(self, req) -> bool:
@@ -155,12 +171,8 @@ class Adapters:
         if req.lora_slot:
             self.slots.release(req.lora_slot)
             req.lora_slot = 0
-        entry = req.lora
-        if finished and entry is not None:
-            entry.users -= 1
-            if entry.users == 0 and not entry.registered:
-                self._free(entry)
-            self._trim()
+        if finished and req.lora is not None:
+            self.let_go(req.lora)
 
     def drop_device(self) -> None:
         """The device's copies are gone (the model left the device): every slot is empty."""
@@ -185,7 +197,7 @@ class Adapters:
         self._host.pop(entry, None)
 
 
-def resolve_lora(adapters: Adapters | None, lora: LoRARequest | str | None) -> Adapter | None:
+def resolve_lora(adapters: Adapters | None, lora: LoRARequest | str | Adapter | None) -> Adapter | None:
     """The adapter a request asks for (None: the base model); refused when the engine has no LoRA."""
     if lora is None:
         return None
