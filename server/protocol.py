@@ -140,7 +140,9 @@ class Body:
 
     def string_map(self, name: str) -> dict[str, str]:
         """An object of strings (OpenAI's `metadata`); {} when absent."""
-        ok = lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values())  # noqa: E731
+        def ok(x: Any) -> bool:
+            return isinstance(x, dict) and all(isinstance(v, str) for v in x.values())
+
         return self._typed(name, ok, "an object of strings") or {}
 
     def neutral(self, name: str, ok: Callable[[Any], bool], why: str) -> None:
