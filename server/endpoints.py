@@ -59,7 +59,7 @@ class ServedModel:
     max_model_len: int
     # LoRA adapters served over it, by name (server/lora.py); changed on the event loop only.
     adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
-    loading: dict[str, int] = dataclasses.field(default_factory=dict)  # adapters being loaded: their ids
+    loading: set[str] = dataclasses.field(default_factory=set)  # names of adapters being loaded
     tool_parser: str = HERMES  # the call format of its outputs (--tool-call-parser, else its chat template's)
     reasoning_parser: str | None = None  # --reasoning-parser; None: its outputs are all answer
 

@@ -57,10 +57,6 @@ def lora_model(models: dict[str, ServedModel]) -> ServedModel:
     raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora", param="lora_name")
 
 
-def _next_id(m: ServedModel) -> int:
-    return max((*(r.lora_int_id for r in m.adapters.values()), *m.loading.values()), default=0) + 1
-
-
 def add_static(m: ServedModel, modules: list[tuple[str, str]]) -> None:
     """Loads `--lora-modules` before the engine thread starts (so on this thread); raises naming the
     first adapter that cannot be served."""
@@ -68,7 +64,7 @@ def add_static(m: ServedModel, modules: list[tuple[str, str]]) -> None:
     for name, path in modules:
         if name == m.name:
             raise ValueError(f"the LoRA adapter name {name!r} is the served model's own name")
-        request = LoRARequest(name, _next_id(m), path)
+        request = LoRARequest(name, lora.free_id(), path)
         lora.register(request)
         m.adapters[name] = request
 
@@ -90,17 +86,17 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     m = lora_model(st.models)
     if name in st.models or any(name in x.adapters or name in x.loading for x in st.models.values()):
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-    lora_request = LoRARequest(name, _next_id(m), path)
-    m.loading[name] = lora_request.lora_int_id  # taken before any await: loads running together differ
+    m.loading.add(name)  # taken before any await: a load of the same name meanwhile is refused
     engine = m.engine.engine
     try:
-        adapter = await asyncio.get_running_loop().run_in_executor(None, engine.lora.read, lora_request)
-        await m.engine.call(lambda e: e.lora.register(lora_request, adapter))
+        adapter = await asyncio.get_running_loop().run_in_executor(None, engine.lora.read_path, path)
+        # its id is taken on the engine thread, which registers one adapter at a time
+        entry = await m.engine.call(lambda e: e.lora.register(LoRARequest(name, e.lora.free_id(), path), adapter))
     except AdapterNotFoundError as e:
         raise APIError(404, str(e), param="lora_path", code="lora_not_found") from e
     finally:
-        del m.loading[name]
-    m.adapters[name] = lora_request
+        m.loading.discard(name)
+    m.adapters[name] = entry.request
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 

@@ -312,7 +312,8 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
                 with mock.patch.object(BeamSearch, "advance", advanced):  # t2 unloaded after the search's first step
                     search = asyncio.ensure_future(post("/v1/completions", {
                         "model": "t2", "prompt": prompt, "max_tokens": 4, "n": 2, "use_beam_search": True}))
-                    await first_step.wait()
+                    await asyncio.wait([search, asyncio.ensure_future(first_step.wait())], timeout=120,
+                                       return_when=asyncio.FIRST_COMPLETED)  # a search that fails at once ends it
                     got["unload t2"] = await post("/v1/unload_lora_adapter", {"lora_name": "t2"})
                     got["beams"] = await search
                 async with s.get(url + "/health") as r:

@@ -80,14 +80,22 @@ class Adapters:
     # ---- the registry --------------------------------------------------------------------------
     def read(self, request: LoRARequest) -> PeftAdapter:
         """Reads and checks an adapter's files (host only: any thread may call it)."""
-        return read_adapter(request.lora_path, self.model_config, self.config.max_lora_rank)
+        return self.read_path(request.lora_path)
+
+    def read_path(self, path: str) -> PeftAdapter:
+        return read_adapter(path, self.model_config, self.config.max_lora_rank)
+
+    def free_id(self) -> int:
+        """An id no registered adapter has (the largest one's next)."""
+        return max((e.request.lora_int_id for e in self.by_name.values()), default=0) + 1
 
     def register(self, request: LoRARequest, adapter: PeftAdapter | None = None) -> Adapter:
         """Adds an adapter under its name (read from its path unless `adapter` is given). The same
-        request again is a no-op; a name or id already used otherwise is refused."""
+        name and path again is a no-op (the known adapter, whatever id was asked); a name or id already
+        used otherwise is refused."""
         known = self.by_name.get(request.lora_name)
         if known is not None:
-            if known.request == request:
+            if known.request.lora_path == request.lora_path:
                 return known
             raise InvalidRequestError(f"the LoRA adapter {request.lora_name!r} has already been loaded "
                                       f"(id {known.request.lora_int_id}, {known.request.lora_path})", param="lora_name")
