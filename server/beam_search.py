@@ -83,8 +83,16 @@ async def respond(request: web.Request, m, lora: str | None, req: GenerationRequ
     sse = SSEWriter(request)
     try:
         await sse.start()
-        await sse.send(fmt.head_chunks(len(deltas)))
-        await sse.send([chunk for i, d in enumerate(deltas) for chunk in fmt.chunks(i, d)])
+        head, body = fmt.head_chunks(len(deltas)), [fmt.chunks(i, d) for i, d in enumerate(deltas)]
+        if req.continuous_usage:  # the opening chunks count no tokens yet; each choice's, all of its own
+            opened = Usage([len(p) for p in prompts])
+            for i, chunk in enumerate(head):
+                chunk["usage"] = opened.choice_dict(i // req.params.n, i % req.params.n)
+            for i, chunks in enumerate(body):
+                for chunk in chunks:
+                    chunk["usage"] = usage.choice_dict(i // req.params.n, i % req.params.n)
+        await sse.send(head)
+        await sse.send([chunk for chunks in body for chunk in chunks])
         if req.include_usage:
             await sse.send([fmt.usage_chunk(usage)])
         await sse.done()

@@ -400,12 +400,20 @@ async def _stream(request: web.Request, req: GenerationRequest, stream: RequestS
     try:
         await sse.start()  # the client may already have gone
         try:
-            await sse.send(fmt.head_chunks(num_prompts * n))
+            head = fmt.head_chunks(num_prompts * n)
+            if req.continuous_usage:
+                for i, chunk in enumerate(head):
+                    chunk["usage"] = usage.choice_dict(i // n, i % n)
+            await sse.send(head)
             async for batch in stream:
                 chunks = []
                 for pi, d in batch:
                     usage.add(pi, d)
-                    chunks += fmt.chunks(pi * n + d.index, d)
+                    new = fmt.chunks(pi * n + d.index, d)
+                    if req.continuous_usage:
+                        for chunk in new:
+                            chunk["usage"] = usage.choice_dict(pi, d.index)
+                    chunks += new
                 await sse.send(chunks)
             if req.include_usage:
                 await sse.send([fmt.usage_chunk(usage)])

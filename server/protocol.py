@@ -58,6 +58,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: each chunk has its choice's usage
     priority: int
     kv_transfer: dict | None  # kv_transfer_params that ask for a transfer; None: none asked
     # vLLM's: keep the prompt's last k tokens (-1: the model's context length); None: the whole prompt
@@ -178,12 +179,14 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
     if model is None:
         raise bad("you must provide a model parameter", "model")
     stream = b.boolean("stream", False)
-    include_usage = False
+    include_usage = continuous_usage = False
     if b.present("stream_options"):
         if not stream:
             raise bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
-        include_usage = Body(b.data["stream_options"], frozenset({"include_usage"}), "stream_options").boolean(
-            "include_usage", False)
+        options = Body(b.data["stream_options"], frozenset({"include_usage", "continuous_usage_stats"}),
+                       "stream_options")
+        include_usage = options.boolean("include_usage", False)
+        continuous_usage = include_usage and options.boolean("continuous_usage_stats", False)  # as vLLM: both
     b.string("user")
     stop = b.data.get("stop")
     if stop is not None:
@@ -225,6 +228,7 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
         raise bad("'truncate_prompt_tokens' must be -1 (the model's context length) or at least 1",
                   "truncate_prompt_tokens")
     return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,
+                             continuous_usage=continuous_usage,
                              priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1),
                              kv_transfer=_transfer_params(b.data.get("kv_transfer_params")),
                              truncate_prompt_tokens=truncate,

@@ -23,12 +23,21 @@ class Usage:
     def __init__(self, prompt_lens: list[int]):
         self.prompt_tokens = sum(prompt_lens)
         self.completion_tokens = 0
+        self._prompt_lens = prompt_lens
         self._cached = [0] * len(prompt_lens)
+        self._choice_tokens: dict[tuple[int, int], int] = {}  # (prompt, choice of it): tokens so far
 
     def add(self, prompt_index: int, d: Delta) -> None:
         self.completion_tokens += len(d.token_ids)
+        key = (prompt_index, d.index)
+        self._choice_tokens[key] = self._choice_tokens.get(key, 0) + len(d.token_ids)
         if d.index == 0:
             self._cached[prompt_index] = d.num_cached_tokens
+
+    def choice_dict(self, prompt_index: int, index: int) -> dict[str, int]:
+        """vLLM's continuous usage stats: a chunk's usage is its prompt's and its choice's tokens so far."""
+        prompt, completion = self._prompt_lens[prompt_index], self._choice_tokens.get((prompt_index, index), 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

@@ -99,11 +99,15 @@ def test_completions_use_beam_search_returns_the_offline_beams(smol_server, offl
         assert np.isclose(sum(c.logprobs.token_logprobs), score, atol=1e-4)
     assert r.usage.completion_tokens == 60
     texts: dict[int, str] = {}
-    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=10, stream=True,
-                                           extra_body=extra):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=10, stream=True,
+                                            stream_options=options, extra_body=extra))
+    for chunk in chunks[:-1]:
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
+            assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (lens[c.index // 3], 10)
     assert [texts[i] for i in range(6)] == [c.text for c in got]
+    assert chunks[-1].usage.completion_tokens == 60
 
 
 def _tokenizer():

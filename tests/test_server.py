@@ -164,6 +164,35 @@ def test_completion_streaming_n2_usage(client):
     assert sampled.choices[0].text != sampled.choices[1].text  # each sample has its own seed
 
 
+def test_continuous_usage_stats(client, tokenizer):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far;
+    the final usage chunk is the request's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = greedy(prompt=["Once upon a time", "The sea is"], max_tokens=6, n=2, logprobs=0)
+    chunks = list(client.completions.create(stream=True, stream_options=options, **kw))
+    lens = [len(tokenizer.encode(p)) for p in kw["prompt"]]
+    counts = [0] * 4
+    for c in chunks[:-1]:
+        i = c.choices[0].index
+        counts[i] += len(c.choices[0].logprobs.tokens)  # a chunk holds the tokens of a decode burst
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (lens[i // 2], counts[i]), (i, c.usage)
+        assert c.usage.total_tokens == lens[i // 2] + counts[i]
+    assert counts == [6] * 4
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == sum(lens)
+    chat = list(client.chat.completions.create(
+        stream=True, stream_options=options, **greedy(messages=[{"role": "user", "content": "Hi"}], max_tokens=4)))
+    prompt = len(chat_ids(tokenizer, "Hi"))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert [c.usage.prompt_tokens for c in chat] == [prompt] * len(chat)
+    done = [c.usage.completion_tokens for c in chat[:-1]]
+    assert done == sorted(done) and done[-1] == chat[-1].usage.completion_tokens == 4
+    # without include_usage the option asks for nothing, as in vLLM
+    plain = list(client.completions.create(stream=True, stream_options={"continuous_usage_stats": True},
+                                           **greedy(prompt="Hi", max_tokens=2)))
+    assert all(c.usage is None for c in plain)
+
+
 def test_stop_strings(client):
     kw = greedy(prompt="Here is a list of fruits: apple, banana, cherry,", max_tokens=24)
     full = client.completions.create(**kw).choices[0].text
