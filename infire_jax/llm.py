@@ -72,8 +72,16 @@ class LLM:
         """Generates for every prompt (text or token ids); returns outputs in prompt order.
 
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model);
-        the engine needs `enable_lora=True`. `use_tqdm` is vLLM's: accepted, and no progress bar is drawn."""
+        the engine needs `enable_lora=True`. `use_tqdm` is vLLM's: accepted, and no progress bar is drawn.
+        No `sampling_params`: `get_default_sampling_params()`."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         return self._run(prompts, sampling_params, SamplingParams, lora_request)[0]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams() with the model's generation config laid over it (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; sample/generation_config.py)."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams, *,
                     lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:

@@ -89,7 +89,8 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
             tokenizer = tokenizer.with_chat_template(chat_template)
         models[name] = ServedModel(async_engine, tokenizer, TokenText(engine.tokenizer), name, engine.max_model_len,
                                    tool_parser=tool_call_parser or detect_format(tokenizer.chat_template),
-                                   reasoning_parser=reasoning_parser or _default_reasoning(tokenizer.chat_template))
+                                   reasoning_parser=reasoning_parser or _default_reasoning(tokenizer.chat_template),
+                                   sampling_defaults=engine.sampling_defaults)
     if residency is not None:
         metrics.track_residency(residency, host_to_device_bytes_per_second)
     handoff = None

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from aiohttp import web
 
@@ -62,6 +62,8 @@ class ServedModel:
     loading: set[str] = dataclasses.field(default_factory=set)  # names of adapters being loaded
     tool_parser: str = HERMES  # the call format of its outputs (--tool-call-parser, else its chat template's)
     reasoning_parser: str | None = None  # --reasoning-parser; None: its outputs are all answer
+    # its generation config's sampling defaults (vLLM's --generation-config; sample/generation_config.py)
+    sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -92,7 +94,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
-    req = parse_completion(body)
+    req = parse_completion(body, sampling_defaults(st, body))
     m, lora = served_model(st, req.model)
     given = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     if any(not ids for ids in given):
@@ -114,7 +116,7 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
 
 
 async def _chat_completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
-    req = parse_chat(body)
+    req = parse_chat(body, sampling_defaults(st, body))
     m, lora = served_model(st, req.model)
     tiles = await image_tiles(st, m, req) if req.images else None
     prompts = await chat_prompt(m, req, "messages", tiles)
@@ -238,6 +240,16 @@ async def _compile(m: ServedModel, spec: StructuredOutputs) -> CompiledGrammar:
 
 
 # ---- shared steps ---------------------------------------------------------------------------------
+def sampling_defaults(st: ServerState, body: Any) -> Mapping[str, Any]:
+    """The sampling defaults of the model a body names (an adapter's: its base model's); none for a
+    name not served, which `served_model` refuses once the body is read."""
+    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(name, str):
+        return {}
+    m = st.models.get(name) or next((x for x in st.models.values() if name in x.adapters), None)
+    return m.sampling_defaults if m is not None else {}
+
+
 def served_model(st: ServerState, model: str) -> tuple[ServedModel, str | None]:
     """The requested model, if it is served and its engine runs, and the LoRA adapter the name
     selects (None: the model itself)."""

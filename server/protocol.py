@@ -10,7 +10,7 @@ too. Structured-output and tool fields are checked in server/structured.py.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from infire_jax.errors import InvalidRequestError
 from infire_jax.sample.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -173,8 +173,12 @@ def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> Non
 
 
 def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-            constraint: StructuredOutputs | None = None) -> GenerationRequest:
-    """Fields both endpoints share, and the SamplingParams they define."""
+            constraint: StructuredOutputs | None = None, defaults: Mapping[str, Any]) -> GenerationRequest:
+    """Fields both endpoints share, and the SamplingParams they define. `defaults`: the served model's
+    generation-config values (sample/generation_config.py) for sampling fields the body leaves unset;
+    its max_tokens caps the body's, as vLLM's does."""
+    if defaults.get("max_tokens") is not None:
+        max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
     model = b.string("model")
     if model is None:
         raise bad("you must provide a model parameter", "model")
@@ -200,7 +204,7 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
     if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(
             _is_int(t) and 0 <= t < _INT32 for t in stop_token_ids)):
         raise bad("'stop_token_ids' must be an array of token ids (integers >= 0)", "stop_token_ids")
-    top_k = b.integer("top_k", 0, lo=-1, hi=_INT32 - 1)
+    top_k = b.integer("top_k", defaults.get("top_k", 0), lo=-1, hi=_INT32 - 1)
     asked = b.integer("prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if asked is not None and stream:
         raise bad("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
@@ -209,9 +213,10 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
     try:
         params = SamplingParams(
             n=b.integer("n", 1, lo=1, hi=_MAX_N), max_tokens=max_tokens, min_tokens=b.integer("min_tokens", 0, lo=0),
-            temperature=b.number("temperature", 1.0, lo=0, hi=2), top_p=b.number("top_p", 1.0, lo=0, hi=1),
-            top_k=top_k, min_p=b.number("min_p", 0.0, lo=0, hi=1),
-            repetition_penalty=b.number("repetition_penalty", 1.0, lo=0),
+            temperature=b.number("temperature", defaults.get("temperature", 1.0), lo=0, hi=2),
+            top_p=b.number("top_p", defaults.get("top_p", 1.0), lo=0, hi=1),
+            top_k=top_k, min_p=b.number("min_p", defaults.get("min_p", 0.0), lo=0, hi=1),
+            repetition_penalty=b.number("repetition_penalty", defaults.get("repetition_penalty", 1.0), lo=0),
             presence_penalty=b.number("presence_penalty", 0.0, lo=-2, hi=2),
             frequency_penalty=b.number("frequency_penalty", 0.0, lo=-2, hi=2),
             seed=b.integer("seed", None, lo=-_INT64, hi=_INT64 - 1), stop=stop, stop_token_ids=stop_token_ids,
@@ -306,7 +311,8 @@ def _transfer_params(raw: Any) -> dict | None:
     return raw if raw.get("do_remote_decode") or raw.get("do_remote_prefill") else None
 
 
-def parse_completion(data: Any) -> CompletionRequest:
+def parse_completion(data: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
+    """`defaults`: as `_common` takes them (none: OpenAI's)."""
     b = Body(data, _COMPLETION)
     if not b.present("prompt"):
         raise bad("you must provide a prompt parameter", "prompt")
@@ -320,7 +326,7 @@ def parse_completion(data: Any) -> CompletionRequest:
     b.neutral("suffix", lambda v: v == "", "insertion (suffix) is not implemented")
     # echo with logprobs: the prompt's tokens come back with their logprobs too (prompt logprobs)
     common = _common(b, max_tokens=max_tokens, logprobs=logprobs,
-                     prompt_logprobs=logprobs if echo else None)
+                     prompt_logprobs=logprobs if echo else None, defaults=defaults or {})
     b.neutral("best_of", lambda v: v == common.params.n, "best_of must be null or equal to n")
     if common.beam_search and echo:
         raise bad("'echo' cannot be used with 'use_beam_search'", "echo")
@@ -342,7 +348,8 @@ def _prompts(raw: Any) -> list[str | list[int]]:
               "non-empty token-id arrays", "prompt")
 
 
-def parse_chat(data: Any) -> ChatRequest:
+def parse_chat(data: Any, defaults: Mapping[str, Any] | None = None) -> ChatRequest:
+    """`defaults`: as `_common` takes them (none: OpenAI's)."""
     b = Body(data, _CHAT)
     if not b.present("messages"):
         raise bad("you must provide a messages parameter", "messages")
@@ -359,7 +366,7 @@ def parse_chat(data: Any) -> ChatRequest:
     tools = structured.tools(b.data.get("tools"), b.data.get("tool_choice"), b.boolean("parallel_tool_calls", True))
     _neutral_chat_fields(b)
     top = (top_logprobs or 0) if want_logprobs else None
-    common = _common(b, max_tokens=max_tokens, logprobs=top, constraint=fmt)
+    common = _common(b, max_tokens=max_tokens, logprobs=top, constraint=fmt, defaults=defaults or {})
     if tools is not None and tools.forced and common.params.structured_outputs is not None:
         raise bad("a forced 'tool_choice' cannot be combined with 'response_format' or 'structured_outputs'",
                   "tool_choice")

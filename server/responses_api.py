@@ -18,14 +18,14 @@ import contextlib
 import dataclasses
 import re
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from aiohttp import web
 
 from infire_jax.engine.async_engine import RequestStream
 from infire_jax.errors import InvalidRequestError
 from server.auth import TENANT
-from server.endpoints import STATE, admitted, chat_prompt, image_tiles, read_json, served_model
+from server.endpoints import STATE, admitted, chat_prompt, image_tiles, read_json, sampling_defaults, served_model
 from server.errors import APIError, to_api_error
 from server.kv_handoff import RequestHandoff
 from server.protocol import Body, ChatRequest, bad, json_type, parse_chat
@@ -102,7 +102,8 @@ class ResponsesRequest:
 # ---- handlers -------------------------------------------------------------------------------------
 async def create(request: web.Request) -> web.StreamResponse:
     st, store, tenant = request.app[STATE], request.app[STORE], request.get(TENANT)
-    r = parse_request(await read_json(request), store, tenant)
+    body = await read_json(request)
+    r = parse_request(body, store, tenant, sampling_defaults(st, body))
     m, lora = served_model(st, r.chat.model)
     tools = r.chat.tools
     out = ResponseOutput(ChoiceParser(m.tool_parser if tools else None, tools.tools if tools else None,
@@ -189,9 +190,11 @@ async def retrieve(request: web.Request) -> web.Response:
 
 
 # ---- the request ----------------------------------------------------------------------------------
-def parse_request(data: Any, store: ResponseStore, tenant: str | None) -> ResponsesRequest:
+def parse_request(data: Any, store: ResponseStore, tenant: str | None,
+                  defaults: Mapping[str, Any] | None = None) -> ResponsesRequest:
     """The Responses API body as a chat request, the conversation it continues, and what the
-    response repeats. `store`: the stored responses `previous_response_id` may name."""
+    response repeats. `store`: the stored responses `previous_response_id` may name; `defaults`:
+    the model's sampling defaults (parse_chat's)."""
     b = Body(data, _FIELDS)
     b.neutral("background", lambda v: v is False, "responses run in the foreground only")
     b.neutral("include", lambda v: v == [], "no extra output data (reasoning.encrypted_content, logprobs) is served")
@@ -225,7 +228,7 @@ def parse_request(data: Any, store: ResponseStore, tenant: str | None) -> Respon
     if text["format"]["type"] != "text":
         chat["response_format"] = _response_format(text["format"])
     with _responses_names():
-        req = parse_chat(chat)
+        req = parse_chat(chat, defaults)
     echo = {"instructions": instructions, "max_output_tokens": b.data.get("max_output_tokens"), "metadata": metadata,
             "model": req.model, "parallel_tool_calls": b.boolean("parallel_tool_calls", True),
             "previous_response_id": previous,

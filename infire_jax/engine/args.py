@@ -87,6 +87,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                         "bool, \"matryoshka_dimensions\": [sizes] or true} over what the checkpoint declares "
                         "(sentence-transformers files); default LAST, normalized")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="vLLM's flag: the sampling defaults (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty; max_new_tokens caps max_tokens) a request that leaves them unset "
+                        "gets: auto, the model folder's generation_config.json; vllm, none; or a folder's")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="vLLM's flag: fields laid over the generation config, e.g. '{\"temperature\": 0.5}'")
     p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile; longer is a 400 (default 10)")
     p.add_argument("--mesh", default=None,
@@ -140,6 +146,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         int4_group_size=args.int4_group_size,
                         speculative_config=args.speculative_config,
                         grammar_compile_timeout=args.grammar_compile_timeout, num_decode_steps=args.num_decode_steps,
+                        generation_config=args.generation_config,
+                        override_generation_config=args.override_generation_config,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras,
                         max_prompt_logprobs=args.max_prompt_logprobs, limit_mm_per_prompt=args.limit_mm_per_prompt,

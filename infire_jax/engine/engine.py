@@ -38,6 +38,7 @@ from infire_jax.structured import harmony
 from infire_jax.core.request import Request, Status
 from infire_jax.runner.image_pool import ImagePool
 from infire_jax.runner.model_runner import PendingStep
+from infire_jax.sample.generation_config import sampling_defaults
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.core.scheduler import Scheduler, SchedulerOutput
 from infire_jax.core.state_cache import LinearStateCache
@@ -54,6 +55,8 @@ class Engine:
         (engine_setup.py); then the host side: KV pages, scheduler, grammars, speculation."""
         ec = self.config = config or EngineConfig()
         s = resolve_settings(ec, loaded)
+        # what a request that leaves a sampling field unset gets (vLLM's --generation-config)
+        self.sampling_defaults = sampling_defaults(ec.model, ec.generation_config, ec.override_generation_config)
         self.dtype, self.kv_dtype, self.plan, self.max_model_len = s.dtype, s.kv_dtype, s.plan, s.max_model_len
         self.spec_config, self.eagle_head, self.pool, self.pooler = s.spec_config, s.eagle_head, s.pool, s.pooler
         t0, events, cached = time.monotonic(), compile_count(), cache_hit_count()

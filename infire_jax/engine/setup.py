@@ -109,6 +109,11 @@ class EngineConfig:
     # Speculative decoding, vLLM's `speculative_config`: a SpeculativeConfig, a dict or a JSON string.
     speculative_config: SpeculativeConfig | dict | str | None = None
     grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
+    # vLLM's sampling defaults from the model's generation_config.json (sample/generation_config.py):
+    # "auto" (the model folder's), "vllm" (none) or a folder; override_generation_config (a dict or its
+    # JSON) is laid over them.
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
     # Decode bursts: up to this many decode steps in one device launch when a step is decodes alone
     # and nobody waiting could join (scheduler.py); 1 turns them off. Not with speculative decoding.
     num_decode_steps: int = 4
