@@ -17,8 +17,10 @@ def worker_unavailable(url: str, why: str, status: int = 503) -> APIError:
     return APIError(status, f"worker {url} {why}", type="server_error", code="worker_unavailable")
 
 
-def no_healthy_worker(pool: str) -> APIError:
-    return APIError(503, f"no healthy {pool} worker", type="server_error", code="no_healthy_worker")
+def no_healthy_worker(pool: str | None) -> APIError:
+    """`pool`: the role the request needed, where the fleet has workers of several roles."""
+    return APIError(503, f"no healthy {pool + ' ' if pool else ''}worker", type="server_error",
+                    code="no_healthy_worker")
 
 
 @web.middleware

@@ -44,7 +44,9 @@ _RELEASE_HEADERS = ("authorization", TENANT_HEADER)  # a hold is released only f
 _RELEASE_TIMEOUT_S = 5.0  # past this, the hold is left to expire
 _ABANDON_GRACE_S = 0.25  # how long a prefill whose client left may take to answer (its answer may be on its way)
 DECODE_ROLES = ("decode", "both")
-_PREFILL_DROPS = ("max_completion_tokens", "min_tokens", "stream_options")
+# What the prefill's one-token, one-choice run leaves out of the client's body (best_of == n is valid only
+# with the client's n).
+_PREFILL_DROPS = ("max_completion_tokens", "min_tokens", "stream_options", "best_of")
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -97,7 +99,7 @@ async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
     pool = [w for w in st.workers if w.healthy]
     if not pool:
-        raise _no_worker(st, "")
+        raise _no_worker(st, None)
     worker = pool[0]
     try:
         with InFlight(worker, 0) as flight:
@@ -120,7 +122,7 @@ async def _generate(request: web.Request, kind: str, path: str) -> web.StreamRes
     key = route_key(kind, body, tenant=tenant, session=request.headers.get(SESSION_HEADER))
     pool = st.healthy(DECODE_ROLES)
     if not pool:
-        raise _no_worker(st, "decode")
+        raise _no_worker(st, "decode" if any(w.role == "decode" for w in st.workers) else None)
     choice = st.policy.choose(pool, key)
     if choice.affinity_hit is not None:
         st.metrics.affinity(choice.affinity_hit)
@@ -132,6 +134,7 @@ async def _generate(request: web.Request, kind: str, path: str) -> web.StreamRes
     if target.role == "both":
         route[PREFILL_HEADER] = target.url
     elif (kind in ("completions", "chat") and key.prompts == 1 and uncached >= st.disagg_min_tokens
+          and not body.get("use_beam_search")  # a search runs its beams as prompts of their own
           and (prefills := st.healthy(("prefill",)))):
         prefill = st.policy.choose_prefill(prefills)
         kv = await _prefill(st, prefill, path, body, headers, key.tokens, route)
@@ -156,7 +159,7 @@ def _parse(raw: bytes) -> dict:
         raise APIError(400, f"We could not parse the JSON body of your request ({e}). "
                             "The body must be a JSON object.") from e
     if not isinstance(body, dict):
-        raise APIError(400, "The body of your request must be a JSON object.")
+        raise APIError(400, "the request body must be a JSON object")
     return body
 
 
@@ -174,6 +177,10 @@ async def _prefill(st: RouterState, worker: Worker, path: str, body: dict, heade
         return None
     if up.status >= 500:
         _prefill_failed(st, worker, f"http_{up.status}", f"prefill answered {up.status}: {data[:200]!r}")
+        return None
+    if up.status == 429:  # the prefill worker is full: no fault of the client's, and the worker is up
+        log.info("prefill worker %s is at capacity; the decode worker prefills locally", worker.url)
+        st.metrics.error(worker.url, "prefill_busy")
         return None
     if up.status >= 400:  # the client's own fault (a bad field, a wrong key): it gets the worker's answer
         return web.Response(status=up.status, body=data, headers=_response_headers(up, {PREFILL_HEADER: worker.url}))
@@ -398,7 +405,7 @@ def _upstream_error(st: RouterState, worker: Worker, e: BaseException) -> APIErr
     return worker_unavailable(worker.url, detail, 504 if code == "timeout" else 502)
 
 
-def _no_worker(st: RouterState, pool: str) -> APIError:
+def _no_worker(st: RouterState, pool: str | None) -> APIError:
     st.metrics.error("", "no_healthy_worker")
     return no_healthy_worker(pool)
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-import jax
-
 
 class DistributedConfigError(ValueError):
     pass
@@ -30,5 +28,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     n, pid = int(n), int(pid)
     if n < 1 or not 0 <= pid < n:
         raise DistributedConfigError(f"process id {pid} is not in [0, {n})")
+    import jax  # here: the commands that import this module's error (the router among them) need no jax
+
     jax.distributed.initialize(coordinator_address=address, num_processes=n, process_id=pid)
     return True

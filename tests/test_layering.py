@@ -244,3 +244,16 @@ def test_the_checks_see_planted_violations(graph, tmp_path):
         "infire_jax.core.scheduler reaches ['infire_jax.engine.engine']"]
     assert extra_top_level(fake) == ["infire_jax.helpers"]
     assert unplaced({"tools.stray": None, **mods}, table) == ["tools.stray"]
+
+
+def test_the_router_command_imports_no_jax():
+    """`infire-jax router` is a light process: importing the CLI and the router brings no jax, through
+    package __init__ files too (which the import graph above does not follow)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, infire_jax.cli, router.app, router.fleet; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -38,6 +38,7 @@ class FakePrefill:
         self.released = asyncio.Event()
         self.on_prefill = None  # awaited before answering a prefill
         self.answer = None  # when set, answers the prefill in its place
+        self.bodies: list[dict] = []  # the prefill requests' bodies
         self.app = web.Application()
         self.app.router.add_get("/health", _health("prefill"))
         self.app.router.add_post("/v1/completions", self._prefill)
@@ -47,6 +48,7 @@ class FakePrefill:
         if self.answer is not None:
             return await self.answer(request)
         body = await request.json()
+        self.bodies.append(body)
         assert body["max_tokens"] == 1 and body["kv_transfer_params"] == {"do_remote_decode": True}
         self.prefills += 1
         transfer_id = f"hold-{self.prefills}"
@@ -72,6 +74,7 @@ class FakeDecode:
     def __init__(self, prefill: FakePrefill):
         self.mode = "imported"
         self.received = asyncio.Event()
+        self.local = 0  # requests that came without a transfer: prefilled here
         self.runner: web.AppRunner | None = None
         self._prefill = prefill
         self.app = web.Application()
@@ -80,6 +83,9 @@ class FakeDecode:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if "kv_transfer_params" not in body:
+            self.local += 1
+            return web.json_response({"choices": [{"text": "local"}]})
         params = body["kv_transfer_params"]
         assert params["do_remote_prefill"]
         self.received.set()
@@ -261,5 +267,42 @@ def test_a_client_that_leaves_during_a_long_prefill_stops_it():
             client.cancel()
             await asyncio.wait_for(stopped.wait(), 2)
             assert prefill.release_calls == 0
+
+    asyncio.run(main())
+
+
+def test_what_the_prefill_is_sent_and_what_is_never_disaggregated():
+    """The prefill runs one token of one choice: best_of (valid only as the client's n) is left out;
+    a beam search is never disaggregated (its beams are prompts of their own)."""
+    async def main() -> None:
+        async with _fleet() as (router, prefill, decode):
+            status, _, _ = await _post(router, {**BODY, "n": 2, "best_of": 2, "min_tokens": 2})
+            assert status == 200 and decode.local == 0
+            (sent,) = prefill.bodies
+            assert (sent["n"], sent["max_tokens"]) == (1, 1) and "best_of" not in sent and "min_tokens" not in sent
+            status, raw, _ = await _post(router, {**BODY, "n": 2, "use_beam_search": True})
+            assert (status, json.loads(raw)["choices"][0]["text"], decode.local) == (200, "local", 1)
+            assert len(prefill.bodies) == 1
+
+    asyncio.run(main())
+
+
+def test_a_full_prefill_worker_leaves_the_prefill_to_the_decode_worker():
+    """429 from the prefill worker is a capacity signal, not the client's fault: the decode worker
+    prefills locally, and the prefill worker stays up."""
+    async def main() -> None:
+        async with _fleet() as (router, prefill, decode):
+            async def full(request: web.Request) -> web.Response:
+                await request.read()
+                return web.json_response({"error": {"message": "the server is at capacity", "type": "rate_limit_error",
+                                                    "param": None, "code": "queue_full"}}, status=429)
+
+            prefill.answer = full
+            status, raw, _ = await _post(router)
+            assert (status, json.loads(raw)["choices"][0]["text"], decode.local) == (200, "local", 1)
+            async with aiohttp.ClientSession() as s:
+                async with s.get(router + "/health") as r:
+                    health = await r.json()
+            assert all(w["healthy"] for w in health["workers"]), health
 
     asyncio.run(main())
