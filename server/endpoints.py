@@ -107,7 +107,7 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
                 for p, full, ids in zip(req.prompts, given, prompts)] if req.echo else None
         echo_logprobs = req.echo and req.params.logprobs is not None
         return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, m.token_text, echo_texts=echo,
-                                   echo_ids=prompts if echo_logprobs else None, echo_top=req.params.logprobs or 0,
+                                   echo_ids=prompts if echo_logprobs else None, top=req.params.logprobs or 0,
                                    n=req.params.n,
                                    want_logprobs=req.params.logprobs is not None, include_usage=req.include_usage,
                                    tokens_as_ids=req.tokens_as_ids, prompt_logprobs=req.prompt_logprobs)

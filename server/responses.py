@@ -147,12 +147,12 @@ class CompletionFormatter(Formatter):
     full_object = chunk_object = "text_completion"
 
     def __init__(self, *args, echo_texts: list[str] | None, n: int, echo_ids: list[list[int]] | None = None,
-                 echo_top: int = 0, **kwargs):
-        """`echo_top`: with `echo_ids`, the alternatives each echoed prompt token lists (`logprobs`)."""
+                 top: int = 0, **kwargs):
+        """`top`: the alternatives each token lists (`logprobs`), echoed prompt tokens (`echo_ids`) too."""
         super().__init__(*args, **kwargs)
         self._echo = echo_texts
         self._echo_ids = echo_ids
-        self._echo_top = echo_top
+        self._top = top
         self._n = n
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
 
@@ -177,7 +177,7 @@ class CompletionFormatter(Formatter):
         top: list[dict[str, float] | None] = [None]
         for e in entries[1:]:
             alternatives: dict[str, float] = {}
-            for i, lp in top_ranked(e, self._echo_top):
+            for i, lp in top_ranked(e, self._top):
                 alternatives.setdefault(self.token_name(i), lp.logprob)  # two ids of one text: the likelier
             top.append(alternatives)
         return {"tokens": [self.token_name(t) for t in ids],
@@ -198,8 +198,11 @@ class CompletionFormatter(Formatter):
             offset += len(self.token_text(t))
         self._offsets[index] = offset
         name = self.token_name
+        # an entry: the top alternatives by rank, then its token if not among them; a beam search's holds
+        # more (and one past a beam that ended at EOS, whose token is left out): the top k and the token
         return {"tokens": [name(t) for t in token_ids], "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{name(i): lp for i, lp in e.items()} for e in entries], "text_offset": offsets}
+                "top_logprobs": [{name(i): lp for i, lp in [*list(e.items())[:self._top], (t, e[t])]}
+                                 for t, e in zip(token_ids, entries)], "text_offset": offsets}
 
     def chunks(self, index: int, d: Delta) -> list[dict[str, Any]]:
         text = d.text

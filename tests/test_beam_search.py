@@ -110,6 +110,22 @@ def test_completions_use_beam_search_returns_the_offline_beams(smol_server, offl
     assert chunks[-1].usage.completion_tokens == 60
 
 
+def test_completions_beam_logprobs_cover_the_returned_tokens(smol_server):
+    """A beam that ends at EOS leaves the EOS token out, and its logprobs entry with it; each token
+    lists `logprobs` alternatives and itself, not the search's 2 x beam width."""
+    import openai
+
+    client = openai.OpenAI(base_url=smol_server + "/v1", api_key="none", max_retries=0, timeout=300)
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", n=2, max_tokens=6, logprobs=1,
+                                  extra_body={"use_beam_search": True})
+    assert "stop" in [c.finish_reason for c in r.choices]  # a beam ended at EOS
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert 1 <= len(top) <= 2 and top[token] == logprob
+
+
 def _tokenizer():
     from infire_jax.loaders.gguf import PlainGGUFReader, read_metadata
     from infire_jax.loaders.paths import default_model_path
