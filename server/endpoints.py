@@ -194,9 +194,9 @@ def _reasoning(m: ServedModel, req: ChatRequest) -> None:
     markers = reasoning_markers(m.reasoning_parser, req.chat_template_kwargs) if m.reasoning_parser else ()
     if not markers:
         return
-    ids = {marker: m.tokenizer.special_token_id(marker) for marker in markers}
+    ids = {marker: m.tokenizer.added_token_id(marker) for marker in markers}  # the grammar names these by id
     changes = {}
-    if any(i is not None for i in ids.values()):
+    if any(m.tokenizer.special_token_id(marker) is not None for marker in markers):
         changes["skip_special_tokens"] = False
     so = req.params.structured_outputs
     if m.reasoning_parser == harmony.REASONING_PARSER:  # a forced call's grammar lets the analysis through itself
@@ -227,7 +227,7 @@ async def _force_tool_calls(m: ServedModel, req: ChatRequest, tool_format: str) 
     if req.tools.forced:
         changes["structured_outputs"] = tool_call_constraint(
             tool_format, req.tools.forced_functions(), parallel=req.tools.forced_many,
-            special_token_ids={mark: m.tokenizer.special_token_id(mark) for mark in MARKERS.get(tool_format, ())})
+            special_token_ids={mark: m.tokenizer.added_token_id(mark) for mark in MARKERS.get(tool_format, ())})
     req.params = dataclasses.replace(req.params, **changes)
 
 

@@ -413,3 +413,85 @@ def test_forced_calls_follow_the_parameters_refs(backend, tokenizer, fmt):
     tree = {"root": {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]}}
     assert _accepts(backend, tokenizer, spec, CALL_TEXT[fmt](tree)) == (True, True)
     assert not _accepts(backend, tokenizer, spec, CALL_TEXT[fmt]({"root": {"v": 1, "kids": [{"v": "x"}]}}))[0]
+
+
+# Qwen2.5's and Qwen3's tokenizers add these whole and not special (a decode keeps their text).
+QWEN_ADDED = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def qwen_like(tokenizer):
+    """SmolLM2's tokenizer with Qwen's markers added as Qwen adds them, and a backend over it."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from infire_jax.loaders.tokenizer import Tokenizer
+
+    tk = HFTokenizer.from_str(tokenizer.tk.to_str())
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_ADDED])
+    tok = Tokenizer(tk, bos_token=None, eos_token="<|im_end|>", chat_template=None)
+    b = GrammarBackend(tk.to_str(), tok.vocab_size, (2,), timeout=10.0)
+    yield tok, b
+    b.close()
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder"])
+def test_forced_calls_name_markers_the_tokenizer_added_by_their_ids(qwen_like, fmt):
+    """The model writes <tool_call> as the token its tokenizer added; llguidance never spells such a
+    token out of its text, so the grammar must name it by id, special or not."""
+    from infire_jax.structured import parse_tool_calls
+    from infire_jax.structured.tool_grammar import MARKERS, tool_call_constraint
+
+    tok, b = qwen_like
+    marks = {m: tok.added_token_id(m) for m in MARKERS[fmt]}
+    assert all(i is not None and tok.special_token_id(m) is None for m, i in marks.items())
+    assert tok.added_token_id("Hello") is None  # an ordinary token was not added
+    fn = {"name": "f", "parameters": {"type": "object", "required": ["city"],
+                                      "properties": {"city": {"type": "string"}}}}
+    text = CALL_TEXT["hermes"]({"city": "Paris"}) if fmt == "hermes" else \
+        "<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    toks = tok.encode(text, add_special_tokens=False)
+    assert marks["<tool_call>"] in toks  # the tokenizer writes the marker as its token
+    for parallel in (False, True):
+        m = b.compile(tool_call_constraint(fmt, [fn], parallel=parallel, special_token_ids=marks)).matcher()
+        assert m.accept_tokens(toks) == len(toks) and (parallel or m.is_terminated()), (fmt, parallel)
+    _, (call,) = parse_tool_calls(tok.decode(toks), fmt, tools=[{"type": "function", "function": fn}])
+    assert json.loads(call.arguments) == {"city": "Paris"}
+
+
+def test_reasoning_markers_the_tokenizer_added_are_those_tokens(qwen_like):
+    """Qwen3's <think> is an added, not special, token: a constrained answer may still think first."""
+    from infire_jax.structured.reasoning_parsers import reasoning_grammar
+
+    tok, b = qwen_like
+    ids = {m: tok.added_token_id(m) for m in ("<think>", "</think>")}
+    spec = StructuredOutputs(json=SCHEMA, after=reasoning_grammar("qwen3", None, ids))
+    toks = tok.encode('<think>\nhmm, a digit\n</think>{"a": 7}', add_special_tokens=False)
+    assert ids["<think>"] in toks and ids["</think>"] in toks
+    m = b.compile(spec).matcher()
+    assert m.accept_tokens(toks) == len(toks) and m.is_terminated()
+
+
+def test_a_forced_call_after_qwen3_reasoning_on_qwens_tokens(qwen_like):
+    """The server's glue (server/endpoints.py): a required tool call on a Qwen3-style tokenizer with
+    the qwen3 reasoning parser takes the model's think block and call as its tokenizer writes them."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from server.endpoints import _force_tool_calls, _reasoning
+    from server.protocol import parse_chat
+
+    tok, b = qwen_like
+    m = SimpleNamespace(tokenizer=tok, reasoning_parser="qwen3", engine=SimpleNamespace(engine=SimpleNamespace(
+        grammars=b)))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "tools": [tool],
+                      "tool_choice": "required", "parallel_tool_calls": False})
+    asyncio.run(_force_tool_calls(m, req, "hermes"))
+    _reasoning(m, req)
+    toks = tok.encode("<think>\nthe weather\n</think>" + CALL_TEXT["hermes"]({"city": "Paris"}),
+                      add_special_tokens=False)
+    matcher = b.compile(req.params.structured_outputs).matcher()
+    assert matcher.accept_tokens(toks) == len(toks) and matcher.is_terminated()
+    assert req.params.skip_special_tokens  # the markers are not special: a decode keeps them anyway

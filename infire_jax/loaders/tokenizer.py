@@ -156,6 +156,13 @@ class Tokenizer:
         added = self.tk.get_added_tokens_decoder().get(tid) if tid is not None else None
         return tid if added is not None and added.special else None
 
+    def added_token_id(self, token: str) -> int | None:
+        """The id of `token` if the tokenizer added it whole, special or not (Qwen's <tool_call> and
+        <think> are added and not special: a decode keeps their text), else None. A grammar must name
+        such a token by its id: llguidance, like the tokenizer, never spells it out of its text."""
+        tid = self.tk.token_to_id(token)
+        return tid if tid is not None and tid in self.tk.get_added_tokens_decoder() else None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             return self.tk.encode(text, add_special_tokens=add_special_tokens).ids

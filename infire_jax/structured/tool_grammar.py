@@ -31,11 +31,13 @@ NEWLINE = "\n"
 # The formats a forced call is written in: all of them.
 FORCEABLE_FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER, GLM45,
                      MINIMAX_M2, PYTHONIC, LLAMA4_PYTHONIC, OPENAI)
-# Each format's markers, for the caller to look up as special tokens (`special_token_ids`).
+# Each format's markers, for the caller to look up as tokens the tokenizer added whole, special or not
+# (`special_token_ids`: Qwen's <tool_call> is such a token, and not special).
 _DEEPSEEK_MARKERS = (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
 MARKERS = {MISTRAL: (MISTRAL_MARKER,), DEEPSEEK_V3: _DEEPSEEK_MARKERS, DEEPSEEK_V31: _DEEPSEEK_MARKERS,
            KIMI_K2: (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGS_BEGIN, KIMI_CALL_END),
-           OPENAI: harmony.SPECIAL_TOKENS, GLM45: glm45_grammar.MARKERS, MINIMAX_M2: minimax_m2_grammar.MARKERS}
+           OPENAI: harmony.SPECIAL_TOKENS, GLM45: glm45_grammar.MARKERS, MINIMAX_M2: minimax_m2_grammar.MARKERS,
+           HERMES: (HERMES_OPEN, HERMES_CLOSE), QWEN3_CODER: (HERMES_OPEN, HERMES_CLOSE)}
 
 
 def _call_schema(fmt: str, function: dict[str, Any], at: str) -> dict[str, Any]:
@@ -55,7 +57,8 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
                          special_token_ids: dict[str, int | None] | None = None) -> StructuredOutputs:
     """Calls to the given functions only (one, or one or more when `parallel`), in format `fmt`.
 
-    `special_token_ids`: the format's markers (`MARKERS`) that the tokenizer has as one token each."""
+    `special_token_ids`: the format's markers (`MARKERS`) that the tokenizer has as one token each
+    (added tokens, special or not: the grammar names them by id)."""
     if fmt not in FORCEABLE_FORMATS:
         raise ValueError(f"no forced-call grammar for the {fmt} format; forced calls exist for {FORCEABLE_FORMATS}")
     ids = special_token_ids or {}
@@ -76,7 +79,7 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
                                  param="tool_choice")
     if fmt in (QWEN3_CODER, GLM45):  # raw-text parameters typed by the schema (tool_formats/*_grammar.py)
         calls = [line for i, f in enumerate(functions) for line in (
-            qwen3_coder_call(f, i) if fmt == QWEN3_CODER else
+            qwen3_coder_call(f, i, mark) if fmt == QWEN3_CODER else
             glm45_grammar.glm45_call(f, i, mark, lambda marker: ids.get(marker) is not None))]
         rules = (f"start: call{_more(NEWLINE) if parallel else ''}\n"
                  f"call: {' | '.join(f'call{i}' for i in range(len(functions)))}\n" + "\n".join(calls) + "\n")
@@ -85,7 +88,7 @@ def tool_call_constraint(fmt: str, functions: list[dict[str, Any]], *, parallel:
     one = {"anyOf": [_call_schema(fmt, f, f"{top}/anyOf/{i}") for i, f in enumerate(functions)]} \
         if len(functions) > 1 else _call_schema(fmt, functions[0], top)
     if fmt == HERMES:
-        call = f"{json.dumps(HERMES_OPEN + NEWLINE)} {inline_json(one)} {json.dumps(NEWLINE + HERMES_CLOSE)}"
+        call = f"{mark(HERMES_OPEN)} {json.dumps(NEWLINE)} {inline_json(one)} {json.dumps(NEWLINE)} {mark(HERMES_CLOSE)}"
         rules = f"start: call{_more(NEWLINE) if parallel else ''}\ncall: {call}\n"
     elif fmt == LLAMA3_JSON:
         rules = f"start: call{_more('; ') if parallel else ''}\ncall: {inline_json(one)}\n"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from infire_jax.errors import InvalidRequestError
 from infire_jax.structured.backend import inline_json
@@ -61,8 +61,9 @@ def value_rules(schema: dict[str, Any], rule: str, close: str = json.dumps(_CLOS
     return [f"{rule}: {inline_json(schema)} {close}"]
 
 
-def qwen3_coder_call(function: dict[str, Any], index: int) -> list[str]:
-    """Lark lines defining `call{index}`: one call of `function`."""
+def qwen3_coder_call(function: dict[str, Any], index: int, mark: Callable[[str], str]) -> list[str]:
+    """Lark lines defining `call{index}`: one call of `function`. `mark`: <tool_call> and </tool_call>
+    in Lark, as their text or, where the tokenizer added them whole (Qwen3's), as those tokens."""
     parameters = function.get("parameters") or {}
     required = set(parameters.get("required", []))
     lines, params = [], []
@@ -74,5 +75,6 @@ def qwen3_coder_call(function: dict[str, Any], index: int) -> list[str]:
         lines += value_rules(schema if isinstance(schema, dict) else {}, rule)
         head = json.dumps(f"<parameter={name}>\n", ensure_ascii=False)
         params.append(f"({head} {rule})" + ("" if name in required else "?"))
-    head = json.dumps(f"<tool_call>\n<function={function['name']}>\n", ensure_ascii=False)
-    return [f"call{index}: {head} {' '.join(params)} \"</function>\\n</tool_call>\"", *lines]
+    head = json.dumps(f"\n<function={function['name']}>\n", ensure_ascii=False)
+    return [f"call{index}: {mark('<tool_call>')} {head} {' '.join(params)} \"</function>\\n\" {mark('</tool_call>')}",
+            *lines]
