@@ -104,3 +104,37 @@ def test_phi3_refuses_partial_rotation_and_longrope():
         config_from_hf({**base, "partial_rotary_factor": 0.75})
     with pytest.raises(UnsupportedModelError, match="longrope"):
         config_from_hf({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}})
+
+
+def test_broken_configs_are_refused_naming_the_field(mistral3, tmp_path):
+    """A field the parser needs and lacks, or has of the wrong type, an activation the MLP is not, a
+    config.json that is not JSON, head counts the weights do not have: UnsupportedModelError naming it,
+    not a KeyError from inside a parser or a reshape's ValueError."""
+    import json
+    import shutil
+
+    missing = {k: v for k, v in TEXT.items() if k != "num_attention_heads"}
+    with pytest.raises(UnsupportedModelError, match="mistral config has no field 'num_attention_heads'"):
+        config_from_hf(missing)
+    with pytest.raises(UnsupportedModelError, match="no field 'factor'"):
+        config_from_hf({**TEXT, "model_type": "llama", "rope_scaling": {"rope_type": "llama3"}})
+    with pytest.raises(UnsupportedModelError, match="wrong type"):
+        config_from_hf({**TEXT, "num_hidden_layers": "three"})
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3 config has no field"):
+        config_from_hf({**TEXT, "model_type": "deepseek_v3"})
+    for act in ("gelu", "relu"):  # transformers would run them; the SwiGLU MLP would not
+        with pytest.raises(UnsupportedModelError, match=f"hidden_act='{act}'"):
+            config_from_hf({**TEXT, "model_type": "qwen3", "hidden_act": act})
+    assert config_from_hf({**TEXT, "hidden_act": "swish"}).num_layers == 3  # silu's other name
+
+    _, path = mistral3
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(config)[:40])
+    with pytest.raises(UnsupportedModelError, match="config.json is not valid JSON"):
+        LLM(model=str(broken), **ENGINE)
+    config["text_config"]["num_key_value_heads"] = 4  # the weights hold 2
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="does not fit the config's 4 attention heads, 4 KV heads"):
+        LLM(model=str(broken), **ENGINE)

@@ -89,7 +89,13 @@ def read_hf_config(path: str) -> ModelConfig:
     if not os.path.isfile(cfg_path):
         raise ModelNotFoundError(f"{path} has no config.json")
     with open(cfg_path) as f:
-        cfg = config_from_hf(json.load(f))
+        try:
+            hf = json.load(f)
+        except ValueError as e:
+            raise UnsupportedModelError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise UnsupportedModelError(f"{cfg_path} must hold a JSON object")
+    cfg = config_from_hf(hf)
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
         with open(gen_path) as f:

@@ -100,6 +100,15 @@ def fuse_projections(w: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np
 
 def from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """One layer weight from HF's (out, in) layout to ours (the layout the model's einsums take)."""
+    try:
+        return _from_hf_layout(short, w, cfg)
+    except ValueError as e:  # a reshape the config's head counts do not fit
+        raise UnsupportedModelError(
+            f"weight {short!r} has shape {w.shape}, which does not fit the config's {cfg.num_heads} attention heads, "
+            f"{cfg.num_kv_heads} KV heads of {cfg.head_dim} and hidden size {cfg.hidden_size}") from e
+
+
+def _from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if short == "wq":
         return w.reshape(hq, d, e).transpose(2, 0, 1)

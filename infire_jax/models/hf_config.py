@@ -30,4 +30,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     parser = _PARSERS.get(model_type or "")
     if parser is None:
         raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: {sorted(_PARSERS)}")
-    return parser(hf)
+    try:
+        return parser(hf)
+    except KeyError as e:  # a field the parser needs, and no default stands in for it
+        raise UnsupportedModelError(f"the {model_type} config has no field {e.args[0]!r}, which it needs") from e
+    except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type (int("x"), a list for a dict)
+        raise UnsupportedModelError(f"the {model_type} config has a field of the wrong type or value: {e}") from e

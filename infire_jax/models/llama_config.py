@@ -118,6 +118,9 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"model_type {model_type!r} is not one of {sorted(MODEL_TYPES)}")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers' two names of one function; the MLP is SwiGLU
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only silu: a SwiGLU MLP)")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini's
         raise UnsupportedModelError(f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported "
                                     "(only a rotation of the whole head)")
