@@ -1,6 +1,7 @@
 """A float64 torch MTP module (DeepSeek-V3 paper, section 2.2; vLLM's deepseek_mtp.py), independent of infire_jax.
 
-transformers does not implement MTP, so this composes its `DeepseekV3DecoderLayer` with the MTP's own
+transformers does not implement MTP, so this composes its `DeepseekV3DecoderLayer` (GLM-4.5's:
+`Glm4MoeDecoderLayer`) with the MTP's own
 modules: enorm, hnorm, eh_proj over cat(embedding, hidden), the decoder layer over the whole sequence
 recomputed from scratch (eager attention, a causal mask, no cache, no pages), shared_head's norm and head.
 `tensors()` writes it as the checkpoint's layer `num_hidden_layers`, experts one by one as published.
@@ -14,27 +15,31 @@ from torch import nn
 
 
 class ReferenceMTP(nn.Module):
-    """The MTP layer of `config` (a DeepseekV3Config) with random weights drawn from `seed`; `embed` [V, E] is the
-    embedding it reads and `head` [V, E] its shared_head.head (the target's, as DeepSeek-V3 ships them)."""
+    """The MTP layer of `config` (a DeepseekV3Config or Glm4MoeConfig) with random weights drawn from `seed`;
+    `embed` [V, E] is the embedding it reads and `head` [V, E] its shared_head.head (the target's, as the
+    checkpoints ship them)."""
 
     def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, seed: int = 0):
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            DeepseekV3DecoderLayer, DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding)
+        import importlib
 
+        family = {"deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe"}[config.model_type]
+        modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+        DecoderLayer, RMSNorm, RotaryEmbedding = (getattr(modeling, f"{family}{name}")
+                                                  for name in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
         super().__init__()
         config._attn_implementation = config._experts_implementation = "eager"  # float64 runs
         e, self.index = config.hidden_size, config.num_hidden_layers
-        self.enorm, self.hnorm = DeepseekV3RMSNorm(e, config.rms_norm_eps), DeepseekV3RMSNorm(e, config.rms_norm_eps)
+        self.enorm, self.hnorm = RMSNorm(e, config.rms_norm_eps), RMSNorm(e, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * e, e, bias=False)
-        self.block = DeepseekV3DecoderLayer(config, self.index)
-        self.norm = DeepseekV3RMSNorm(e, config.rms_norm_eps)
-        self.rotary = DeepseekV3RotaryEmbedding(config)
+        self.block = DecoderLayer(config, self.index)
+        self.norm = RMSNorm(e, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith(("norm.weight", "layernorm.weight")):
+            for name, p in [*self.named_parameters(), *self.block.named_buffers(prefix="block")]:
+                if "norm" in name:
                     p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-                elif name.endswith("e_score_correction_bias"):
+                elif name.endswith("bias"):
                     p.copy_(0.2 * torch.randn(p.shape, generator=gen))
                 else:
                     p.copy_(0.1 * torch.randn(p.shape, generator=gen))

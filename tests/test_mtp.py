@@ -183,3 +183,34 @@ def test_checkpoints_without_an_mtp_layer_are_refused(checkpoint, tmp_path):
         LLM(**ENGINE, speculative_config=spec)
     with pytest.raises(ConfigError, match="method 'mtp' reads the target's own checkpoint"):
         LLM(model=path, **ENGINE, speculative_config=dict(spec, model="elsewhere"))
+
+
+def test_glm4_moe_drafts_match_the_reference(tmp_path):
+    """GLM-4.5's MTP layer (GQA with q/k norms, a partial rotation and biases, beside DeepSeek-V3's MoE) through
+    glm4_moe.py's layer: two rows' prefills, then k = 2 drafts each, against the reference."""
+    from deepseek_models import _save_tokenizer
+    from test_glm4_moe import hf_model as glm4_model
+
+    hf = glm4_model(use_qk_norm=True)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _save_tokenizer(tmp_path)
+    ref = ReferenceMTP(copy.deepcopy(hf.config), hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach(),
+                       seed=2)
+    file = str(tmp_path / "model.safetensors")
+    save_file({**load_file(file), **ref.tensors()}, file, metadata={"format": "pt"})
+    cfg = read_hf_config(str(tmp_path))
+    head = load_mtp(str(tmp_path), cfg, dtype=jnp.float32)
+    graphdef, state = nnx.split(head)
+    rng = np.random.default_rng(3)
+    lengths, pages = (13, 5), ([4, 1], [6])
+    tokens = rng.integers(0, 320, 32)
+    hidden = rng.standard_normal((32, 64)).astype(np.float32)
+    meta = make_meta([(list(range(n)), p) for n, p in zip(lengths, pages)], num_tokens=32, num_rows=3, width=2)
+    kv = (jnp.zeros((1, 8, PS, 2, 16)),) * 2
+    out = jax.jit(lambda state, *a: mtp_propose(nnx.merge(graphdef, state), *a, num_draft=2, attn_impl="reference"))(
+        state, hf.model.embed_tokens.weight.detach().numpy(), hf.lm_head.weight.detach().numpy(), kv,
+        jnp.asarray(tokens), jnp.asarray(hidden), meta, jnp.asarray([12, 17, 0]))
+    for r, (start, n) in enumerate(((0, 13), (13, 5))):
+        drafts, logits = ref.greedy_chain(tokens[start:start + n], hidden[start:start + n], 2)
+        assert np.asarray(out.token_ids[r]).tolist() == drafts
+        np.testing.assert_allclose(out.draft_logits[r], logits, rtol=1e-4, atol=1e-4)
