@@ -380,7 +380,7 @@ def test_engine_serves_eagle3_losslessly(smol_llm, tmp_path):
 def test_catch_up_tokens_follow_each_position():
     """The head's input after each token: the row's next token; at a sampling row's last accepted
     position the sampled token; at the end of a prompt chunk the next prompt token."""
-    from infire_jax.speculative.eagle3_proposer import catch_up_tokens
+    from infire_jax.speculative.head_proposer import catch_up_tokens
 
     # rows: a prompt's last chunk (samples 13), a chunk inside a prompt (next prompt token 77),
     # a verifying row [t, d1, d2, d3] that accepted d1 and then sampled 9; then padding.

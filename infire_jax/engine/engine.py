@@ -58,7 +58,7 @@ class Engine:
         # what a request that leaves a sampling field unset gets (vLLM's --generation-config)
         self.sampling_defaults = sampling_defaults(ec.model, ec.generation_config, ec.override_generation_config)
         self.dtype, self.kv_dtype, self.plan, self.max_model_len = s.dtype, s.kv_dtype, s.plan, s.max_model_len
-        self.spec_config, self.eagle_head, self.pool, self.pooler = s.spec_config, s.eagle_head, s.pool, s.pooler
+        self.spec_config, self.draft_head, self.pool, self.pooler = s.spec_config, s.draft_head, s.pool, s.pooler
         t0, events, cached = time.monotonic(), compile_count(), cache_hit_count()
         built = load_and_compile(ec, s, loaded, progress or (lambda stage, done, total: None))
         self.runner, self.loaded, self.pool_sizing = built.runner, built.placed.loaded, built.sizing
@@ -93,7 +93,7 @@ class Engine:
                                    gate=self.lora, states=self.states)
         self.spec, self.draft = None, None
         if self.spec_config:
-            self.spec, self.draft = build_speculation(self.spec_config, self.eagle_head, self.model_config,
+            self.spec, self.draft = build_speculation(self.spec_config, self.draft_head, self.model_config,
                                                       self.runner, self.kv, max_num_seqs=ec.max_num_seqs,
                                                       dtype=self.dtype, on_gpu=on_gpu())
         self.boot = BootTimeline(
@@ -476,7 +476,7 @@ class Engine:
         if self._inflight is not None or self.scheduler.running:
             raise RuntimeError("cannot take a model off the device while it runs requests")
         if self.draft is not None:
-            raise ConfigError("a model with a draft model or EAGLE-3 head cannot leave the device (hot standby) yet")
+            raise ConfigError("a model with a draft model or draft head cannot leave the device (hot standby) yet")
         nbytes = self.runner.offload()
         self._drop_cached()
         if self.lora is not None:

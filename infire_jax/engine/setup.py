@@ -43,7 +43,7 @@ from infire_jax.runner.model_runner import ModelRunner
 from infire_jax.runner.config import RunnerConfig
 from infire_jax.sample.sampler import BRANCH_FREE_VARIANTS, BRANCHING
 from infire_jax.speculative.config import SpeculativeConfig
-from infire_jax.speculative.eagle3 import Eagle3Head
+from infire_jax.speculative.head_proposer import DraftHead
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.loaders.vision import vision_hf_config
@@ -199,7 +199,7 @@ class Settings(NamedTuple):
     max_model_len: int
     max_num_batched_tokens: int  # the token budget of one step
     spec_config: SpeculativeConfig | None
-    eagle_head: Eagle3Head | None
+    draft_head: DraftHead | None  # EAGLE-3's or MTP's, on the device
     kv_groups: KVGroupLayout | None  # a hybrid KV cache's layer groups; None: one group, every page kept
     pool: PoolPlanner
     sizing: PoolSizing | None  # the pool's size where it is known before the weights are on the device
@@ -242,7 +242,7 @@ def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:
 
 def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     """Checks `ec` against the model's config and fixes everything the weights do not decide; switches
-    the compilation cache on before anything (an EAGLE-3 head's loading included) compiles."""
+    the compilation cache on before anything (a draft head's loading included) compiles."""
     dtype = resolve_dtype(ec.dtype)
     kv_dtype = resolve_kv_cache_dtype(ec.kv_cache_dtype, dtype)
     cfg = loaded.config if loaded else load_config(ec.model)
@@ -258,13 +258,13 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     layout = KVGroupLayout.of(placed.local_attention, placed.num_layers, hybrid=ec.hybrid_kv_cache,
                               stages=plan.num_stages if plan else 1)
     kv_groups = layout if layout.bounded else None
-    spec_config, eagle_head = parse_speculation(
-        ec.speculative_config, cfg, dtype=dtype, multiprocess=multihost.is_multiprocess(),
+    spec_config, draft_head = parse_speculation(
+        ec.speculative_config, cfg, model=ec.model, dtype=dtype, multiprocess=multihost.is_multiprocess(),
         one_plain_device=plan is None and not ec.weights_compression, quantized=bool(ec.weights_quantization),
         kv_groups=kv_groups)
     pool = PoolPlanner(
         PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
-                                  extra_page_bytes(spec_config, eagle_head, ec.page_size, dtype), kv_groups),
+                                  extra_page_bytes(spec_config, draft_head, ec.page_size, dtype), kv_groups),
         ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization,
         kv_groups, budget, plan.mesh_config.num_devices if plan else 1)
     sizing = pool.fixed()
@@ -274,7 +274,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                       buckets=_buckets(ec, budget), attn_impl=_attention(ec, cfg, dtype, kv_dtype),
                       sampler_variants=BRANCH_FREE_VARIANTS if branch_free else (BRANCHING,),
                       num_spec=spec_config.num_speculative_tokens if spec_config else 0,
-                      aux_layers=eagle_head.cfg.aux_layers(cfg.num_layers) if eagle_head else None,
+                      aux_layers=draft_head.aux_layers(cfg.num_layers) if draft_head else None,
                       decode_steps=1 if spec_config else ec.num_decode_steps,
                       kv_cache_dtype=kv_dtype.name, kv_groups=kv_groups, lora=ec.lora,
                       max_prompt_logprobs=ec.max_prompt_logprobs,
@@ -282,7 +282,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                           pool_rows(vision, IMAGE_POOL_PROMPTS * ec.images_per_prompt), vision.text_hidden_size),
                       pooling=pooler is not None, linear_snapshots=linear_state_snapshots(ec, cfg))
     return Settings(dtype, kv_dtype, cfg, plan, placed, max_model_len, budget,
-                    spec_config, eagle_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales, vision, pooler)
+                    spec_config, draft_head, kv_groups, pool, sizing, rc, checkpoint_kv_scales, vision, pooler)
 
 
 def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:

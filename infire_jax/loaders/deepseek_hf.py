@@ -3,7 +3,8 @@ and MiniMax-M2 (their MoE is DeepSeek-V3's, their attention GQA) -> the Glm4Moe 
 
 DeepSeek-V3 and Kimi K2 name their weights `model.layers.N...`; Kimi K2.5 prefixes its language
 model with `language_model.` and carries a vision tower and projector, which a text model skips.
-Multi-token-prediction layers (index >= num_hidden_layers, HF ignores them too) are skipped.
+Multi-token-prediction layers (index >= num_hidden_layers, HF ignores them too) are skipped; MTP
+speculative decoding reads its layer with `layer_weights` (speculative/mtp_loader.py).
 
 With `rope_interleave` (HF's default for this family) the rotary part of q and k_pe comes out of
 the projections in interleaved pairs (x0, x1), (x2, x3), ...; HF's rotation returns it as
@@ -136,6 +137,16 @@ def _finish(i: int, layer: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
         out["w_gate_up"] = np.stack([np.stack([got[j, "gate"], got[j, "up"]], axis=-2) for j in range(cfg.num_experts)])
         out["w_down"] = np.stack([got[j, "down"] for j in range(cfg.num_experts)])
     return fuse_projections(out, cfg)
+
+
+def layer_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, interleaved: bool,
+                  index: int) -> dict[str, np.ndarray]:
+    """One decoder layer's tensors (HF names inside the layer, `self_attn.*`, `mlp.*`, ...) as a layer of our
+    stacks, unstacked: the multi-token-prediction layer's (speculative/mtp_loader.py)."""
+    layer: dict = {}
+    for rest, w in tensors:
+        _convert(rest, w, cfg, interleaved, layer)
+    return _finish(index, layer, cfg)
 
 
 def deepseek_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig,

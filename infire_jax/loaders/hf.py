@@ -8,7 +8,7 @@ import glob
 import json
 import os
 import re
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import jax
 import ml_dtypes
@@ -57,13 +57,14 @@ _EXPERT_NAMES = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj":
                  "w2": "w_down", "down_proj": "w_down"}
 
 
-def _read_safetensors(path: str):
-    """Yields (name, array) from a safetensors file; bf16 comes back as ml_dtypes bfloat16. The
-    numpy and flax readers have no fp8 dtype, so fp8 tensors (DeepSeek-V3's weights) come from
-    safetensors' raw views, after the others."""
+def _read_safetensors(path: str, keep: Callable[[str], bool] | None = None):
+    """Yields (name, array) from a safetensors file (only the names `keep` accepts, if given); bf16
+    comes back as ml_dtypes bfloat16. The numpy and flax readers have no fp8 dtype, so fp8 tensors
+    (DeepSeek-V3's weights) come from safetensors' raw views, after the others."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]), safe_open(path, framework="flax") as f:
-        fp8 = {n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"}
-        for name in f.keys():
+        names = [n for n in f.keys() if keep is None or keep(n)]
+        fp8 = {n for n in names if f.get_slice(n).get_dtype() == "F8_E4M3"}
+        for name in names:
             if name not in fp8:
                 yield name, np.asarray(f.get_tensor(name))
     if fp8:
@@ -74,13 +75,13 @@ def _read_safetensors(path: str):
                 yield name, np.frombuffer(view["data"], ml_dtypes.float8_e4m3fn).reshape(view["shape"])
 
 
-def checkpoint_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of the directory's `*.safetensors` files, file by file."""
+def checkpoint_tensors(path: str, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of the directory's `*.safetensors` files (or those `keep` accepts), file by file."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors weights")
     for file in files:
-        yield from _read_safetensors(file)
+        yield from _read_safetensors(file, keep)
 
 
 def read_hf_config(path: str) -> ModelConfig:

@@ -167,6 +167,13 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                        make_layer_fn(cfg, moe, cos, sin, meta, attn_impl, red, in_place, first))
 
 
+def mla_rope(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T R"], Float[Array, "T R"]]:
+    """The rotary tables of the tokens' positions, YaRN's cos/sin factor applied (`decoder_stack`'s cos, sin)."""
+    cos, sin = rope_tables(inv_freq(cfg, cfg.mla.qk_rope_head_dim), positions)
+    factor = cos_sin_factor(cfg.rope_scaling)
+    return cos * factor, sin * factor
+
+
 class DeepseekV3(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping[str, GroupedLayout] | None = None):
         """`resident`: the checkpoint's quantized weights kept as such ("moe_layers.w_gate_up": layout)."""
@@ -194,9 +201,7 @@ class DeepseekV3(nnx.Module):
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None) -> tuple[Float[Array, "T E"], KVPages]:
         cfg = self.cfg
-        cos, sin = rope_tables(inv_freq(cfg, cfg.mla.qk_rope_head_dim), meta.positions)
-        factor = cos_sin_factor(cfg.rope_scaling)
-        cos, sin = cos * factor, sin * factor
+        cos, sin = mla_rope(cfg, meta.positions)
         weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
         stack = functools.partial(decoder_stack, cfg, attn_impl)
         if plan is None:

@@ -26,7 +26,7 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
@@ -135,6 +135,12 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                        make_layer_fn(cfg, moe, cos, sin, meta, attn_impl, red, in_place, first))
 
 
+def glm4_rope(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T R"], Float[Array, "T R"]]:
+    """The rotary tables of the tokens' positions over the first `rotary_dim` dimensions (`decoder_stack`'s)."""
+    rotary = dataclasses.replace(cfg, head_dim=cfg.glm4.rotary_dim)  # its frequencies span R dims
+    return rope_tables(rope_inv_freq(rotary), positions)
+
+
 class Glm4Moe(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
         if resident:
@@ -160,8 +166,7 @@ class Glm4Moe(DecoderModel):
         """Applies every decoder layer, on one device or (with a plan) across the mesh."""
         if aux_layers is not None:
             raise ConfigError(f"{self.cfg.architecture} runs without EAGLE-3 aux states")
-        rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.glm4.rotary_dim)  # its frequencies span R dims
-        cos, sin = rope_tables(rope_inv_freq(rotary), meta.positions)
+        cos, sin = glm4_rope(self.cfg, meta.positions)
         stacks = self._stacks()
         return self.run_stack(functools.partial(decoder_stack, self.cfg, attn_impl),
                               {kind: st.arrays() for kind, st in stacks.items()},

@@ -8,7 +8,9 @@ from typing import Any
 
 from infire_jax.errors import ConfigError
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# vLLM's older names of mtp, per family.
+ALIASES = {"deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +19,8 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # draft_model: a model this engine can load; eagle3: the head's directory
+    # draft_model: a model this engine can load; eagle3: the head's directory; mtp: none (the target's checkpoint)
+    model: str | None = None
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched against the request's earlier tokens
     prompt_lookup_max: int = 5  # ngram: longest
     # Speculation is turned off while more sequences than this run (decode is then compute-bound,
@@ -30,6 +33,8 @@ class SpeculativeConfig:
         def bad(field: str, msg: str):
             raise ConfigError(f"speculative_config.{field}: {msg}")
 
+        if isinstance(self.method, str):
+            object.__setattr__(self, "method", ALIASES.get(self.method, self.method))
         if self.method not in METHODS:
             bad("method", f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         k = self.num_speculative_tokens
@@ -39,7 +44,7 @@ class SpeculativeConfig:
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
                 bad("prompt_lookup_min", f"needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
-        elif not self.model:
+        elif self.method != "mtp" and not self.model:
             bad("model", f"method {self.method!r} needs a model")
         if self.disable_by_batch_size is not None and (
                 not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):

@@ -14,7 +14,6 @@ so the head needs no page bookkeeping beyond the target's.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +21,12 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig, RopeScaling
+from infire_jax.models.kv_entry import KVEntry, kv_entry
 from infire_jax.models.layers import head_logits, param, rms_norm, rope_inv_freq, rope_tables
 from infire_jax.models.llama import KVPages, dense_mlp, project_qkv
-from pallas_kernels.attention import decode_only_steps, paged_attention
-from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
+from infire_jax.speculative.chain import Proposal, chain_propose, draw_tokens
+from pallas_kernels.attention import paged_attention
+from pallas_kernels.metadata import AttentionMetadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,46 +113,27 @@ class Eagle3Head(nnx.Module):
         """Draft-vocabulary logits in float32 (`head_logits`: the head read once in its dtype)."""
         return head_logits(rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps), self.lm_head[...])
 
+    # What the engine's proposer (head_proposer.py) asks of a draft head.
+    def aux_layers(self, target_num_layers: int) -> tuple[int, ...]:
+        """The target states the head reads (`Eagle3Config.aux_layers`)."""
+        return self.cfg.aux_layers(target_num_layers)
 
-class Eagle3Proposal(NamedTuple):
-    token_ids: Int[Array, "S K"]  # drafts, in target ids
-    probs: Float[Array, "S K V"]  # the target-vocab distribution each draft was drawn from (one-hot if greedy)
-    draft_logits: Float[Array, "S K Vd"]  # the head's raw logits over the draft vocabulary
-    kv: KVPages
+    @property
+    def kv_entry(self) -> KVEntry:
+        """What a token stores in the head's one-layer pool."""
+        return kv_entry(self.cfg.layer_config)
 
-
-def chain_metadata(meta: AttentionMetadata, positions: Int[Array, "S"], page_size: int) -> AttentionMetadata:
-    """One token per row at `positions`, on the rows' own pages: a chained draft step.
-
-    A position past the row's page table, and every padding row, writes into the null page.
-    """
-    s, width = meta.page_table.shape
-    rows = jnp.arange(s, dtype=jnp.int32)
-    valid = rows < meta.num_seqs
-    page_idx = positions // page_size
-    page = meta.page_table[rows, jnp.clip(page_idx, 0, width - 1)]
-    page = jnp.where(valid & (page_idx < width), page, NULL_PAGE)
-    return AttentionMetadata(
-        positions=jnp.where(valid, positions, 0).astype(jnp.int32),
-        slot_mapping=(page * page_size + positions % page_size).astype(jnp.int32),
-        seq_ids=jnp.where(valid, rows, s), page_table=meta.page_table,
-        kv_lens=jnp.where(valid, positions + 1, 0).astype(meta.kv_lens.dtype),
-        cu_q_lens=jnp.minimum(jnp.arange(s + 1), meta.num_seqs).astype(meta.cu_q_lens.dtype),
-        num_seqs=meta.num_seqs)
+    def draft(self, target, kv: KVPages, tokens: Int[Array, "T"], states: Float[Array, "T N"],
+              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str) -> Proposal:
+        """Greedy drafts after a step of `target` (the model, for its embedding): `eagle3_propose`."""
+        return eagle3_propose(self, target.embed[...], kv, tokens, states, meta, last_index, num_draft=num_draft,
+                              attn_impl=attn_impl)
 
 
 def _draw(head: Eagle3Head, logits: Float[Array, "S Vd"], temperature: Float[Array, "S"] | None,
           key: Array | None) -> tuple[Int[Array, "S"], Float[Array, "S V"]]:
-    """A draft per row and the target-vocab distribution it was drawn from: argmax and a one-hot
-    (temperature None or 0), or a sample of softmax(logits / temperature)."""
-    greedy = jnp.argmax(logits, axis=-1)
-    q = jax.nn.one_hot(greedy, logits.shape[-1], dtype=jnp.float32)
-    token = greedy
-    if temperature is not None:
-        hot = (temperature > 0)[:, None]
-        scaled = logits / jnp.where(hot, temperature[:, None], 1.0)
-        token = jnp.where(hot[:, 0], jax.random.categorical(key, scaled), greedy)
-        q = jnp.where(hot, jax.nn.softmax(scaled, axis=-1), q)
+    """A draft per row in target ids, and the target-vocab distribution it was drawn from."""
+    token, q = draw_tokens(logits, temperature, key)
     d2t = head.d2t[...]
     target = jnp.arange(d2t.shape[0]) + d2t
     probs = jnp.zeros((logits.shape[0], head.cfg.vocab_size), jnp.float32).at[:, target].set(q)
@@ -171,26 +153,11 @@ def eagle3_propose(
     attn_impl: str,
     temperature: Float[Array, "S"] | None = None,
     key: Array | None = None,
-) -> Eagle3Proposal:
-    """Catch-up over the step's tokens, then `num_draft - 1` chained single-token steps (jit-able).
-
-    tokens[i] is the token AFTER the one the target processed at flat index i (the next token of
-    the row: the next prompt token, an accepted draft, or the newly sampled one) and hidden[i] the
-    target's aux states there, [T, 3 Et] (or already [T, E]); meta is the target's step metadata.
-    last_index[r] is row r's last valid catch-up index (its last accepted position q_r); its output
-    gives draft 1. Draft j >= 2 is the head's output at position q_r + j - 1 on input
-    (embed(draft j-1), the head's previous output state).
-
-    KV written: every catch-up token's position (meta.slot_mapping, including positions past q_r
-    whose tokens were rejected), then positions q_r + 1 .. q_r + num_draft - 1 on the rows' pages
-    (the null page where the page table ends, and for padding rows). The head's KV is therefore
-    exact for every position <= q_r; later slots are scratch that the next call's catch-up
-    overwrites before anything reads them, as long as that call starts at q_r + 1 (or earlier).
-    `embed` is the target's embedding table, used unless the head carries its own.
-    """
+) -> Proposal:
+    """`chain_propose` with this head (see there): hidden[i] is the target's aux states at flat index i,
+    [T, 3 Et] (or already fused, [T, E]). `embed` is the target's embedding table, used unless the head
+    carries its own."""
     cfg = head.cfg
-    if num_draft < 1:
-        raise ValueError(f"num_draft must be at least 1, got {num_draft}")
     if hasattr(head, "embed"):
         embed = head.embed[...]
     elif embed is None:
@@ -202,29 +169,14 @@ def eagle3_propose(
                          f"(3 x target hidden) or {cfg.hidden_size}")
     if (temperature is None) != (key is None):
         raise ValueError("sampled drafting needs both a temperature per row and a key")
-    keys = None if key is None else jax.random.split(key, num_draft)
     dtype = head.lm_head.dtype
-    h, kv = head.layer(embed[tokens].astype(dtype), hidden.astype(dtype), kv, meta, attn_impl=attn_impl)
-    h = h[last_index]
-    logits = head.logits(h)
-    token, probs = _draw(head, logits, temperature, None if keys is None else keys[0])
-    start = meta.positions[last_index]
-    page_size = kv[0].shape[2]
 
-    def step(carry, xs):
-        kv, h, token = carry
-        j, step_key = xs
-        step_meta = chain_metadata(meta, start + j, page_size)
-        h, kv = head.layer(embed[token].astype(dtype), h, kv, step_meta, attn_impl=attn_impl)
+    def layer(tokens, hidden, kv, meta):
+        return head.layer(embed[tokens].astype(dtype), hidden.astype(dtype), kv, meta, attn_impl=attn_impl)
+
+    def draw(h, key):
         logits = head.logits(h)
-        token, probs = _draw(head, logits, temperature, step_key)
-        return (kv, h, token), (token, probs, logits)
+        return *_draw(head, logits, temperature, key), logits
 
-    xs = (jnp.arange(1, num_draft), None if keys is None else keys[1:])
-    with decode_only_steps():  # chained steps: a token a row, no prefill kernel
-        (kv, _, _), (tokens_n, probs_n, logits_n) = jax.lax.scan(step, (kv, h, token), xs, length=num_draft - 1)
-
-    def stack(first, rest):
-        return jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
-
-    return Eagle3Proposal(stack(token, tokens_n), stack(probs, probs_n), stack(logits, logits_n), kv)
+    keys = None if key is None else jax.random.split(key, num_draft)
+    return chain_propose(layer, draw, kv, tokens, hidden, meta, last_index, num_draft=num_draft, keys=keys)

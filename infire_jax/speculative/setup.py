@@ -11,9 +11,9 @@ from infire_jax.runner.model_runner import ModelRunner
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.controller import NgramProposer, SpecController
 from infire_jax.speculative.draft_model import DraftModel, check_vocabulary
-from infire_jax.speculative.eagle3 import Eagle3Head
 from infire_jax.speculative.eagle3_loader import load_eagle3
-from infire_jax.speculative.eagle3_proposer import Eagle3Proposer
+from infire_jax.speculative.head_proposer import DraftHead, HeadProposer
+from infire_jax.speculative.mtp_loader import load_mtp
 
 # Speculation stops when more sequences than this run (SpeculativeConfig.disable_by_batch_size):
 # past it decode is compute-bound on this device, and checking proposals costs more than it saves.
@@ -21,14 +21,15 @@ MAX_BATCH_CPU = 4
 MAX_BATCH_GPU = 32
 
 
-def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, one_plain_device: bool,
-                      quantized: bool = False, kv_groups: KVGroupLayout | None = None
-                      ) -> tuple[SpeculativeConfig | None, Eagle3Head | None]:
-    """The engine's `speculative_config`, checked; an EAGLE-3 head is loaded now, since the target's
-    forward must be compiled to return the states it reads. `one_plain_device`: one device, weights
-    not palette-compressed; `quantized`: the target's layer weights kept quantized, which a draft
-    model (its own weights, reading only the target's tokens and page tables) does not mind;
-    `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
+def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, model: str | None = None,
+                      one_plain_device: bool, quantized: bool = False, kv_groups: KVGroupLayout | None = None
+                      ) -> tuple[SpeculativeConfig | None, DraftHead | None]:
+    """The engine's `speculative_config`, checked; a draft head (EAGLE-3's, or MTP's from the target's
+    checkpoint `model`) is loaded now: the target's forward must be compiled to return the states
+    EAGLE-3 reads, and the pool is sized with the head's weights on the device. `one_plain_device`:
+    one device, weights not palette-compressed; `quantized`: the target's layer weights kept quantized,
+    which a draft model (its own weights, reading only the target's tokens and page tables) does not
+    mind; `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
     sc = SpeculativeConfig.parse(value)
     if sc is None:
         return None, None
@@ -36,8 +37,8 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
         raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
-    if sc.method == "eagle3" and quantized:
-        raise ConfigError("speculative_config.method 'eagle3' runs with unquantized weights (drop "
+    if sc.method in ("eagle3", "mtp") and quantized:
+        raise ConfigError(f"speculative_config.method {sc.method!r} runs with unquantized weights (drop "
                           "weights_quantization); use ngram or draft_model")
     if sc.method != "ngram" and kv_groups is not None and kv_groups.groups[0].bounded:
         raise ConfigError(f"speculative_config.method {sc.method!r} keeps its KV on the pages of the target's global "
@@ -45,22 +46,29 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
                           "sliding-window, so no group keeps them: set hybrid_kv_cache=False, or use ngram")
     if sc.method == "draft_model":
         check_vocabulary(sc.model, target)
-    return sc, load_eagle3(sc.model, target, dtype=dtype) if sc.method == "eagle3" else None
+    if sc.method == "eagle3":
+        return sc, load_eagle3(sc.model, target, dtype=dtype)
+    if sc.method == "mtp":
+        if sc.model is not None and sc.model != model:
+            raise ConfigError(f"speculative_config.model: method 'mtp' reads the target's own checkpoint "
+                              f"({model!r}); drop model (got {sc.model!r})")
+        return sc, load_mtp(model, target, dtype=dtype)
+    return sc, None
 
 
-def extra_page_bytes(sc: SpeculativeConfig | None, head: Eagle3Head | None, page_size: int, dtype) -> int:
-    """What a draft model's or EAGLE-3 head's pool adds to each page of the target's."""
+def extra_page_bytes(sc: SpeculativeConfig | None, head: DraftHead | None, page_size: int, dtype) -> int:
+    """What a draft model's or draft head's pool adds to each page of the target's."""
     if sc is not None and sc.method == "draft_model":
         return DraftModel.page_bytes(sc.model, page_size, dtype)
     if head is not None:
-        return Eagle3Proposer.page_bytes(head, page_size, dtype)
+        return HeadProposer.page_bytes(head, page_size, dtype)
     return 0
 
 
-def build_speculation(sc: SpeculativeConfig, head: Eagle3Head | None, target: ModelConfig, runner: ModelRunner,
+def build_speculation(sc: SpeculativeConfig, head: DraftHead | None, target: ModelConfig, runner: ModelRunner,
                       kv: KVCacheManager, *, max_num_seqs: int, dtype,
-                      on_gpu: bool) -> tuple[SpecController, DraftModel | Eagle3Proposer | None]:
-    """The speculation policy and its proposer. A draft model or EAGLE-3 head gets a pool beside the
+                      on_gpu: bool) -> tuple[SpecController, DraftModel | HeadProposer | None]:
+    """The speculation policy and its proposer. A draft model or draft head gets a pool beside the
     target's, is compiled here, and watches every step of the runner from now on."""
     max_batch = sc.disable_by_batch_size or (MAX_BATCH_GPU if on_gpu else MAX_BATCH_CPU)
     if sc.method == "ngram":
@@ -71,7 +79,7 @@ def build_speculation(sc: SpeculativeConfig, head: Eagle3Head | None, target: Mo
         return kv.can_allocate(req, num_tokens) and kv.allocate(req, num_tokens)
 
     if head is not None:
-        draft = Eagle3Proposer(head, target, runner, runner.rc, dtype=dtype, k=sc.num_speculative_tokens)
+        draft = HeadProposer(head, target, runner, runner.rc, dtype=dtype, k=sc.num_speculative_tokens)
     else:
         draft = DraftModel(sc.model, runner.rc, dtype=dtype, k=sc.num_speculative_tokens,
                            max_rows=min(max_batch, max_num_seqs), reserve=reserve)

@@ -1,16 +1,18 @@
-"""The EAGLE-3 proposer in the engine: the head watches every target step and drafts for every row.
+"""A draft head's proposer in the engine (EAGLE-3's, MTP's): it watches every target step and drafts for
+every row.
 
-The target's forward also returns its low, middle and high residual-stream states
-(`RunnerConfig.aux_layers`). Once a step is launched, `observe` (one program per token bucket,
-for plain and for verifying steps) runs on the device:
+The head reads a state of the target per token: EAGLE-3 its low, middle and high residual-stream states,
+which the target's forward then also returns (`RunnerConfig.aux_layers`); MTP the last layer's output
+before the final norm (`StepForward.hidden`). Once a step is launched, `observe` (one program per token
+bucket, for plain and for verifying steps) runs on the device:
 
 * the head's catch-up input for each token of the step is the token after it: the next token of
   its row in the batch; at a sampling row's last accepted position, the token the step sampled
   (the bonus or the correction of a verifying row); at the end of a prompt chunk that does not
   finish the prompt, the next prompt token (from the host);
-* `eagle3_propose` writes the head's KV for every position the target computed (rejected ones
-  are scratch that the next catch-up overwrites) and drafts k tokens from each sampling row's
-  last accepted position.
+* the head's `draft` (chain.py's `chain_propose`) writes its KV for every position the target
+  computed (rejected ones are scratch that the next catch-up overwrites) and drafts k tokens from
+  each sampling row's last accepted position.
 
 The drafts come back with the step's tokens (`PendingStep.drafts`), so a request that speculates
 has its proposals without another program or read. Drafts are the head's argmax (one-hot), so
@@ -29,6 +31,7 @@ last cached position, computed with the earlier request's next token.
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +40,14 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.runner.batch import StepBatch
-from infire_jax.runner.device_memory import kv_bytes_per_page
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.kv_entry import KVEntry
 from infire_jax.core.request import Request
 from infire_jax.runner.config import RunnerConfig
 from infire_jax.runner.step_programs import StepForward, matmul_precision
 from infire_jax.sample.sampler import SamplerOutput
 from infire_jax.core.scheduler import SchedulerOutput
-from infire_jax.speculative.eagle3 import Eagle3Head, eagle3_propose
+from infire_jax.speculative.chain import KVPages, Proposal
 from infire_jax.speculative.verify import VerifyOutput
 from pallas_kernels.metadata import AttentionMetadata, group0_only
 
@@ -67,8 +70,23 @@ def catch_up_tokens(tokens: Int[Array, "T"], meta: AttentionMetadata, sample_row
     return shifted, jnp.clip(last, 0, t - 1)
 
 
+class DraftHead(Protocol):
+    """What the proposer asks of a head (an nnx module: eagle3.py's `Eagle3Head`, mtp.py's `MTPHead`)."""
+
+    @property
+    def kv_entry(self) -> KVEntry:
+        """What a token stores in the head's one-layer pool."""
+
+    def aux_layers(self, target_num_layers: int) -> tuple[int, ...] | None:
+        """The target's states the head reads (`RunnerConfig.aux_layers`); None: the last layer's output."""
+
+    def draft(self, target, kv: KVPages, tokens: Int[Array, "T"], states: Float[Array, "T N"],
+              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str) -> Proposal:
+        """Catch-up and greedy drafts (`chain_propose`); `target` is the target model, merged."""
+
+
 def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: int, head_state, target_state,
-             kv, tokens: Int[Array, "T"], aux: Float[Array, "T N"], meta: AttentionMetadata,
+             kv, tokens: Int[Array, "T"], states: Float[Array, "T N"], meta: AttentionMetadata,
              sample_rows: Bool[Array, "S"], next_tokens: Int[Array, "S"], num_drafts: Int[Array, "S"],
              out_tokens: Int[Array, "..."], out_num: Int[Array, "S"]) -> tuple[tuple[Array, Array], Int[Array, "S k"]]:
     """The head's catch-up over one target step and k drafts per row (see the module docstring)."""
@@ -80,23 +98,25 @@ def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: 
     meta = group0_only(meta)  # the head's KV is on group 0's pages
     with jax.default_matmul_precision(precision):
         head = nnx.merge(head_graphdef, head_state)
-        embed = nnx.merge(target_graphdef, target_state).embed[...]
-        prop = eagle3_propose(head, embed, kv, shifted, aux, meta, last, num_draft=k, attn_impl=attn_impl)
+        target = nnx.merge(target_graphdef, target_state)
+        prop = head.draft(target, kv, shifted, states, meta, last, num_draft=k, attn_impl=attn_impl)
     return prop.kv, prop.token_ids
 
 
-class Eagle3Proposer:
+class HeadProposer:
     """Holds the head and its one-layer pool (on the target's pages), and observes the runner's steps."""
 
-    def __init__(self, head: Eagle3Head, target: ModelConfig, runner, rc: RunnerConfig, *, dtype, k: int):
+    def __init__(self, head: DraftHead, target: ModelConfig, runner, rc: RunnerConfig, *, dtype, k: int):
         self.runner, self.k = runner, k
-        cfg = head.cfg
         head_graphdef, self.state = nnx.split(head)
-        shape = (1, rc.num_pages, rc.page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        entry = head.kv_entry
+        self.kv = tuple(jnp.zeros((1, rc.num_pages, rc.page_size, entry.heads, dim), dtype)
+                        for dim in (entry.k_dim, entry.v_dim))
         self._observe = jax.jit(functools.partial(_observe, head_graphdef, runner.graphdef, rc.attn_impl,
                                                   matmul_precision(dtype), k), donate_argnums=(2,))
-        self._aux_width = len(cfg.aux_layers(target.num_layers)) * target.hidden_size
+        aux = head.aux_layers(target.num_layers)
+        self._reads_aux = aux is not None
+        self._state_width = (len(aux) if aux else 1) * target.hidden_size
         self._dtype = dtype
         self._compiled: dict[tuple[int, bool], jax.stages.Compiled] = {}
 
@@ -108,12 +128,13 @@ class Eagle3Proposer:
                 out = np.zeros((s, self.k + 1) if verifying else s, np.int32)
                 self._compiled[t, verifying] = self._observe.lower(
                     self.state, self.runner.state, self.kv, b.token_ids,
-                    jax.ShapeDtypeStruct((t, self._aux_width), self._dtype), b.meta, b.sample_rows,
+                    jax.ShapeDtypeStruct((t, self._state_width), self._dtype), b.meta, b.sample_rows,
                     np.zeros(s, np.int32), np.zeros(s, np.int32), out, np.ones(s, np.int32)).compile()
 
     @staticmethod
-    def page_bytes(head: Eagle3Head, page_size: int, dtype) -> int:
-        return kv_bytes_per_page(head.cfg.layer_config, page_size, dtype)
+    def page_bytes(head: DraftHead, page_size: int, dtype) -> int:
+        """What the head's pool adds to a page of the target's."""
+        return head.kv_entry.bytes_per_page(1, page_size, dtype)
 
     def observe(self, work: SchedulerOutput, batch: StepBatch, fwd: StepForward,
                 out: SamplerOutput | VerifyOutput) -> Int[Array, "S k"]:
@@ -127,8 +148,8 @@ class Eagle3Proposer:
         verifying = isinstance(out, VerifyOutput)
         num = out.num_tokens if verifying else np.ones(batch.row_slots.shape[0], np.int32)
         self.kv, drafts = self._compiled[batch.token_ids.shape[0], verifying](
-            self.state, self.runner.state, self.kv, fwd.tokens, fwd.aux, batch.meta, batch.sample_rows, next_tokens,
-            num_drafts, out.tokens, num)
+            self.state, self.runner.state, self.kv, fwd.tokens, fwd.aux if self._reads_aux else fwd.hidden,
+            batch.meta, batch.sample_rows, next_tokens, num_drafts, out.tokens, num)
         return drafts
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:

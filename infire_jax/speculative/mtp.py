@@ -1,0 +1,112 @@
+"""The multi-token-prediction (MTP) head of DeepSeek-V3 (paper, section 2.2) and GLM-4.5, as vLLM's mtp runs it.
+
+The checkpoint carries it as decoder layer `num_hidden_layers`: at position p, with the target's last
+layer output h_p (before the final norm) and the token after it x_{p+1},
+u = eh_proj(cat(enorm(embed(x_{p+1})), hnorm(h_p))) goes through one MoE decoder layer of the family's
+own (KV on the target's page table, in a one-layer pool shaped as the target's pool entry), then
+shared_head.norm and shared_head.head give logits for x_{p+2}. Further drafts reuse the one layer,
+its output state standing in for h (vLLM's recursion; chain.py). The layer runs through the family's
+`decoder_stack` (deepseek.py's MLA, glm4_moe.py's GQA) over a one-layer MoE stack, so there is one
+implementation of each. The embedding and the head are the target's unless the checkpoint's differ.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from infire_jax.errors import ConfigError
+from infire_jax.models import deepseek, glm4_moe
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.kv_entry import KVEntry, kv_entry
+from infire_jax.models.layers import head_logits, param, rms_norm
+from infire_jax.models.parallel import Reductions
+from infire_jax.speculative.chain import KVPages, Proposal, chain_propose, draw_tokens
+from pallas_kernels.metadata import AttentionMetadata
+
+
+def check_family(cfg: ModelConfig) -> None:
+    """MTP runs the DeepSeek-V3 family's and GLM-4.5's layer; anything else is refused by name."""
+    if cfg.mla is None and cfg.architecture != "glm4_moe":
+        raise ConfigError(f"speculative_config.method 'mtp' serves the DeepSeek-V3 family and GLM-4.5, "
+                          f"not {cfg.architecture}")
+
+
+class MTPHead(nnx.Module):
+    """enorm, hnorm, eh_proj [2E, E], one MoE decoder layer (`layers`, a stack of one), shared_head.norm
+    (`norm`) and, where the checkpoint's differ from the target's, its own `head` [V, E] and `embed`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, own_head: bool = False, own_embed: bool = False):
+        check_family(cfg)
+        e = cfg.hidden_size
+        self.cfg = cfg
+        self.enorm = param((e,), ("norm",), dtype, init="ones")
+        self.hnorm = param((e,), ("norm",), dtype, init="ones")
+        self.eh_proj = param((2 * e, e), ("embed", "embed"), dtype)
+        self.layers = (deepseek.MLALayers(cfg, 1, True, dtype, {}) if cfg.mla is not None
+                       else glm4_moe.Glm4Layers(cfg, 1, True, dtype))
+        self.norm = param((e,), ("norm",), dtype, init="ones")
+        if own_head:
+            self.head = param((cfg.vocab_size, e), ("vocab", "embed"), dtype)
+        if own_embed:
+            self.embed = param((cfg.vocab_size, e), ("vocab", "embed"), dtype)
+
+    def layer(self, emb: Float[Array, "T E"], hidden: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *,
+              attn_impl: str) -> tuple[Float[Array, "T E"], KVPages]:
+        """Fuse, then the decoder layer; writes its KV at `meta.slot_mapping`, returns its (pre-norm) output."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        x = jnp.concatenate([rms_norm(emb, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], axis=-1)
+        u = jnp.einsum("tc,ce->te", x, self.eh_proj[...])
+        if cfg.mla is not None:
+            stack, (cos, sin) = deepseek.decoder_stack, deepseek.mla_rope(cfg, meta.positions)
+        else:
+            stack, (cos, sin) = glm4_moe.decoder_stack, glm4_moe.glm4_rope(cfg, meta.positions)
+        h, k_pages, v_pages = stack(cfg, attn_impl, Reductions(), {"moe": self.layers.arrays()}, u, *kv, meta,
+                                    cos, sin)
+        return h, (k_pages, v_pages)
+
+    def logits(self, h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Array, "S V"]:
+        """shared_head: its norm, then `head` (this head's own or the target's), float32 logits."""
+        return head_logits(rms_norm(h, self.norm[...], self.cfg.rms_norm_eps), head)
+
+    # What the engine's proposer (head_proposer.py) asks of a draft head.
+    @property
+    def kv_entry(self) -> KVEntry:
+        """The target's pool entry, for one layer."""
+        return kv_entry(self.cfg)
+
+    def aux_layers(self, target_num_layers: int) -> None:
+        """None: the head reads the target's last layer output (`StepForward.hidden`)."""
+        return None
+
+    def draft(self, target, kv: KVPages, tokens: Int[Array, "T"], states: Float[Array, "T E"],
+              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str) -> Proposal:
+        """Greedy drafts after a step of `target` (the model: its embedding and LM head unless this head has its
+        own): `mtp_propose`."""
+        embed = self.embed[...] if hasattr(self, "embed") else target.embed[...]
+        if hasattr(self, "head"):
+            head = self.head[...]
+        else:
+            head = target.embed[...] if target.cfg.tie_word_embeddings else target.lm_head[...]
+        return mtp_propose(self, embed, head, kv, tokens, states, meta, last_index, num_draft=num_draft,
+                           attn_impl=attn_impl)
+
+
+def mtp_propose(head: MTPHead, embed: Float[Array, "V E"], lm_head: Float[Array, "V E"], kv: KVPages,
+                tokens: Int[Array, "T"], hidden: Float[Array, "T E"], meta: AttentionMetadata,
+                last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str) -> Proposal:
+    """`chain_propose` with the MTP head, greedy (jit-able): hidden[i] is the target's last layer output at flat
+    index i, tokens[i] the token after it; `embed` and `lm_head` the tables the head reads."""
+    if hidden.shape[-1] != head.cfg.hidden_size:
+        raise ValueError(f"hidden states of width {hidden.shape[-1]}: expected {head.cfg.hidden_size}")
+    dtype = head.eh_proj.dtype
+
+    def layer(tokens, hidden, kv, meta):
+        return head.layer(embed[tokens].astype(dtype), hidden.astype(dtype), kv, meta, attn_impl=attn_impl)
+
+    def draw(h, key):
+        logits = head.logits(h, lm_head)
+        return *draw_tokens(logits, None, key), logits
+
+    return chain_propose(layer, draw, kv, tokens, hidden, meta, last_index, num_draft=num_draft)

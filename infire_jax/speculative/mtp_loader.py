@@ -1,0 +1,110 @@
+"""Reads the MTP layer from the target's own HF checkpoint (vLLM's mtp needs no other model).
+
+DeepSeek-V3 and GLM-4.5 ship it as `model.layers.{L}` with L = num_hidden_layers (config.json's
+`num_nextn_predict_layers` counts such layers; the first is read and reused for every draft, as vLLM
+does): `enorm`, `hnorm`, `eh_proj` [E, 2E], `shared_head.norm`, `shared_head.head` and a MoE decoder
+layer's tensors, named as the target's layers (loaders/deepseek_hf.py converts them), and often
+`embed_tokens`. Only that layer's tensors are read (and quantized ones dequantized, as the target's).
+`shared_head.head` and `embed_tokens` equal to the target's LM head and embedding (read from the same
+checkpoint to compare) are not held twice. A checkpoint without the layer is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+
+from infire_jax.errors import ConfigError
+from infire_jax.loaders.deepseek_hf import layer_weights, rope_interleaved
+from infire_jax.loaders.hf import checkpoint_tensors
+from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
+from infire_jax.models.config import ModelConfig
+from infire_jax.models.deepseek_config import text_config
+from infire_jax.speculative.mtp import MTPHead, check_family
+
+# The MTP layer's own tensors (inside `model.layers.{L}.`) -> the head's attributes.
+_OWN = {"enorm.weight": "enorm", "hnorm.weight": "hnorm", "eh_proj.weight": "eh_proj",
+        "shared_head.norm.weight": "norm", "shared_head.head.weight": "head", "embed_tokens.weight": "embed"}
+# Optional, and compared with the target's (by HF name): held only where they differ.
+_SHARED = {"head": "lm_head.weight", "embed": "model.embed_tokens.weight"}
+
+
+def _mtp_config(path: str | None) -> dict:
+    """config.json, once it is known to declare an MTP layer."""
+    cfg_path = os.path.join(path, "config.json") if path else ""
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"speculative_config.method 'mtp' reads the MTP layer from the target's HF checkpoint "
+                          f"directory; the model {path!r} is not one (no config.json)")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    n = text_config(raw).get("num_nextn_predict_layers")
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"speculative_config.method 'mtp': {path} has no MTP layer (config.json's "
+                          f"num_nextn_predict_layers is {n!r})")
+    return raw
+
+
+def load_mtp(path: str | None, target: ModelConfig, *, dtype) -> MTPHead:
+    """The MTP head for `target`, from its checkpoint directory `path`."""
+    check_family(target)
+    raw = _mtp_config(path)
+    index = target.num_layers
+    layer_name = re.compile(rf"(?:language_model\.)?model\.layers\.{index}\.(.+)")
+    scheme = quant_scheme(raw)
+    own, rest = {}, []
+    for name, w in dequantized(checkpoint_tensors(path, lambda n: bool(layer_name.fullmatch(n))), scheme):
+        inner = layer_name.fullmatch(name).group(1)
+        if inner in _OWN:
+            own[_OWN[inner]] = np.asarray(w)
+        elif not inner.endswith("rotary_emb.inv_freq"):
+            rest.append((inner, w))
+    missing = [f"model.layers.{index}.{hf}" for hf, ours in _OWN.items() if ours not in own and ours not in _SHARED]
+    if not rest:
+        missing.append(f"model.layers.{index}.self_attn.*, mlp.* (its decoder layer)")
+    if missing:
+        raise ConfigError(f"speculative_config.method 'mtp': {path} lacks the MTP layer's tensors {missing}")
+    for name, target_name in _SHARED.items():
+        if target.tie_word_embeddings and name == "head":
+            target_name = "model.embed_tokens.weight"
+        if name in own and _equals_checkpoint(path, scheme, target_name, own[name]):
+            del own[name]
+    interleaved = rope_interleaved(path) if target.mla is not None else False
+    return build_mtp_head(target, own, layer_weights(rest, target, interleaved, index), dtype=dtype)
+
+
+def _equals_checkpoint(path: str, scheme, name: str, w: np.ndarray) -> bool:
+    """Whether the checkpoint's tensor `name` (the target's, outside any language_model. prefix) equals `w`."""
+    def keep(n: str) -> bool:
+        return n.removeprefix("language_model.").startswith(name.removesuffix("weight"))
+
+    found = [t for n, t in dequantized(checkpoint_tensors(path, keep), scheme) if n.endswith(name)]
+    return len(found) == 1 and found[0].shape == w.shape and np.array_equal(np.asarray(found[0]), w)
+
+
+def build_mtp_head(cfg: ModelConfig, own: dict[str, np.ndarray], layer: dict[str, np.ndarray], *, dtype) -> MTPHead:
+    """Places the weights in a head on the default device: `own` by HF layout ((out, in) eh_proj), `layer` as
+    one layer of the family's stacks."""
+    weights = {name: (w.T if name == "eh_proj" else w) for name, w in own.items()}
+    weights.update({f"layers.{name}": w[None] for name, w in layer.items()})
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MTPHead(cfg, dtype=dtype, own_head="head" in own,
+                                                                  own_embed="embed" in own)))
+    placed, used = [], set()
+    for path, var in nnx.to_flat_state(abstract):
+        name = ".".join(map(str, path))
+        if name not in weights:
+            raise ConfigError(f"speculative_config.method 'mtp': the MTP layer has no {name!r}")
+        w = weights[name]
+        if tuple(w.shape) != tuple(var.shape):
+            raise ConfigError(f"speculative_config.method 'mtp': the MTP layer's {name!r} has shape "
+                              f"{tuple(w.shape)}, expected {tuple(var.shape)}")
+        used.add(name)
+        placed.append((path, var.replace(jax.device_put(np.asarray(w, dtype=var.dtype)))))
+    extra = sorted(set(weights) - used)
+    if extra:
+        raise ConfigError(f"speculative_config.method 'mtp': unexpected MTP layer weights {extra}")
+    return nnx.merge(graphdef, nnx.from_flat_state(placed))

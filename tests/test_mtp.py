@@ -1,0 +1,216 @@
+"""MTP speculative decoding (vLLM's `{"method": "mtp"}`) on a tiny random DeepSeek-V3 checkpoint whose MTP layer
+(model.layers.3) is written as DeepSeek-V3 ships it: the head's drafts against a float64 torch composition of
+HF's `DeepseekV3DecoderLayer` (tests/mtp_reference.py) through paged steps, the engine's greedy output against
+the engine without speculation, and checkpoints without an MTP layer refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.torch import load_file, save_file
+
+from deepseek_models import hf_model, save
+from infire_jax.errors import ConfigError
+from infire_jax.loaders.hf import read_hf_config
+from infire_jax.speculative.mtp import mtp_propose
+from infire_jax.speculative.mtp_loader import load_mtp
+from mtp_reference import ReferenceMTP
+from test_eagle3 import PS, hf_states, make_meta, record_proposals
+
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32), max_model_len=128,
+              num_kv_pages=96)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(the HF target, the reference MTP layer, the checkpoint's directory with both)."""
+    hf = hf_model("deepseek-v3")
+    path = save("deepseek-v3", hf, tmp_path_factory.mktemp("mtp"))
+    ref = ReferenceMTP(copy.deepcopy(hf.config), hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach(),
+                       seed=1)
+    with torch.no_grad():  # the block mostly passes hnorm(h_p) on, so that drafts often guess x_{p+2} = x_{p+1}
+        ref.eh_proj.weight.mul_(0.3)
+        ref.eh_proj.weight[:, 64:] += torch.eye(64, dtype=torch.float64)
+        for w in (ref.block.self_attn.o_proj.weight, ref.block.mlp.experts.down_proj,
+                  ref.block.mlp.shared_experts.down_proj.weight):
+            w.mul_(0.25)
+    file = os.path.join(path, "model.safetensors")
+    save_file({**load_file(file), **ref.tensors()}, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1
+    return hf, ref, path
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_drafts_match_the_reference_through_paged_steps(checkpoint, k):
+    """Two calls on two rows with pages spread over the pool: prefills, then a verification where only some
+    catch-up tokens were accepted (their KV slots are scratch). Each row's drafts (k = 2: the MTP layer reused on
+    its own output) are the reference's greedy chain over the accepted sequence, recomputed from scratch, and
+    the draft logits agree to float32 accuracy. The checkpoint's shared_head.head and embed_tokens equal the
+    target's, so the head holds neither."""
+    hf, ref, path = checkpoint
+    head = load_mtp(path, read_hf_config(path), dtype=jnp.float32)
+    assert not hasattr(head, "head") and not hasattr(head, "embed")
+    embed, lm_head = hf.model.embed_tokens.weight.detach().numpy(), hf.lm_head.weight.detach().numpy()
+    graphdef, state = nnx.split(head)
+    propose = jax.jit(lambda state, *a: mtp_propose(nnx.merge(graphdef, state), *a, num_draft=k,
+                                                    attn_impl="reference"))
+    rng = np.random.default_rng(k)
+    pages = {0: [5, 17, 3, 9], 1: [11, 2, 7]}
+    seqs = {r: ([], []) for r in pages}  # accepted (token, hidden state) per position
+    calls = [{0: (0, 19, 19), 1: (0, 6, 6)},  # per row: (first position, catch-up tokens, accepted)
+             {0: (19, 3, 1), 1: (6, 3, 3)}]
+    kv = (jnp.zeros((1, 20, PS, 1, 32)), jnp.zeros((1, 20, PS, 1, 8)))
+    for call in calls:
+        rows, tokens, hidden, last = [], [], [], []
+        for r, (start, n, accepted) in call.items():
+            toks, hid = rng.integers(0, 320, n), rng.standard_normal((n, 64)).astype(np.float32)
+            seqs[r][0].extend(toks[:accepted])
+            seqs[r][1].extend(hid[:accepted])
+            last.append(len(tokens) + accepted - 1)
+            rows.append((list(range(start, start + n)), pages[r]))
+            tokens.extend(toks)
+            hidden.extend(hid)
+        pad = 32 - len(tokens)
+        out = propose(state, jnp.asarray(embed), jnp.asarray(lm_head), kv,
+                      jnp.asarray(np.concatenate([tokens, np.zeros(pad, int)])),
+                      jnp.asarray(np.concatenate([np.stack(hidden), np.zeros((pad, 64), np.float32)])),
+                      make_meta(rows, num_tokens=32, num_rows=3, width=4), jnp.asarray(last + [0]))
+        kv = out.kv
+        for r in call:
+            drafts, logits = ref.greedy_chain(np.asarray(seqs[r][0]), np.stack(seqs[r][1]), k)
+            assert np.asarray(out.token_ids[r]).tolist() == drafts, (call, r)
+            np.testing.assert_allclose(out.draft_logits[r], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_loader_keeps_a_shared_head_that_differs(checkpoint, tmp_path):
+    """A shared_head.head that is not the target's LM head is the head's own."""
+    hf, ref, path = checkpoint
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(path, name), tmp_path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    head_name = "model.layers.3.shared_head.head.weight"
+    tensors[head_name] = tensors[head_name] * 2
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    head = load_mtp(str(tmp_path), read_hf_config(path), dtype=jnp.float32)
+    np.testing.assert_array_equal(head.head[...], tensors[head_name].numpy())
+    assert not hasattr(head, "embed")
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    from infire_jax import LLM
+
+    _, _, path = checkpoint
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8,
+            "acceptance_threshold": 0.0}  # every step drafts
+    return LLM(model=path, **ENGINE), LLM(model=path, **ENGINE, speculative_config=spec)
+
+
+def test_engine_serves_mtp_losslessly(checkpoint, engines):
+    """Greedy output equals the engine without speculation for several prompts in one batch, with n = 2 and a stop
+    string; drafts are proposed (and each proposal's first draft is the reference's on HF's states), nothing
+    compiles after warmup and every page comes back."""
+    from infire_jax import SamplingParams
+
+    hf, ref, _ = checkpoint
+    plain, spec = engines
+    e = spec.engine
+    assert spec.engine.spec_config.method == "mtp" and e.runner.rc.aux_layers is None
+    prompts = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31], list(range(60, 90))]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = plain.generate(prompts, params)
+    records = record_proposals(e)
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    s = e.spec.stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # proposed, and both accepted and rejected
+
+    finals = [p + o.outputs[0].token_ids for p, o in zip(prompts, got)]
+    cache, checked = {}, 0
+    for tokens, drafts in records:
+        if not drafts:
+            continue
+        final = next(f for f in finals if f[:len(tokens)] == tokens)
+        if tuple(final) not in cache:
+            cache[tuple(final)] = hf_states(hf, final, (3,))
+        n = len(tokens)
+        wanted, logits = ref.greedy_chain(np.asarray(final[1:n]), cache[tuple(final)][:n - 1], 1)
+        assert drafts[0] == wanted[0] or logits[0].max() - logits[0][drafts[0]] < 1e-4, (n, drafts, wanted)
+        checked += 1
+    assert checked >= 3 * 5
+
+    text = want[1].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, n=2, stop=[stop])
+    want = plain.generate(prompts, params)
+    assert want[1].outputs[0].finish_reason == "stop"
+    for w, g in zip(want, spec.generate(prompts, params)):
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
+        assert [o.text for o in g.outputs] == [o.text for o in w.outputs]
+    assert e.compiles_since_warmup == 0 and e.kv.num_free_pages == e.kv.num_usable_pages
+
+
+def test_checkpoints_without_an_mtp_layer_are_refused(checkpoint, tmp_path):
+    from infire_jax import LLM
+
+    _, _, path = checkpoint
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    tensors = {k: v for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+               if not k.startswith("model.layers.3.")}
+    for name, nextn in (("no_tensors", 1), ("no_layer", 0)):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(os.path.join(path, "tokenizer.json"), d)
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json")) as f:
+            config = dict(json.load(f), num_nextn_predict_layers=nextn)
+        (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"lacks the MTP layer's tensors \['model.layers.3.enorm.weight'"):
+        LLM(model=str(tmp_path / "no_tensors"), **ENGINE, speculative_config=spec)
+    with pytest.raises(ConfigError, match="has no MTP layer .*num_nextn_predict_layers is 0"):
+        LLM(model=str(tmp_path / "no_layer"), **ENGINE, speculative_config=spec)
+    with pytest.raises(ConfigError, match="serves the DeepSeek-V3 family and GLM-4.5, not llama"):
+        LLM(**ENGINE, speculative_config=spec)
+    with pytest.raises(ConfigError, match="method 'mtp' reads the target's own checkpoint"):
+        LLM(model=path, **ENGINE, speculative_config=dict(spec, model="elsewhere"))
+
+
+def test_glm4_moe_drafts_match_the_reference(tmp_path):
+    """GLM-4.5's MTP layer (GQA with q/k norms, a partial rotation and biases, beside DeepSeek-V3's MoE) through
+    glm4_moe.py's layer: two rows' prefills, then k = 2 drafts each, against the reference."""
+    from deepseek_models import _save_tokenizer
+    from test_glm4_moe import hf_model as glm4_model
+
+    hf = glm4_model(use_qk_norm=True)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _save_tokenizer(tmp_path)
+    ref = ReferenceMTP(copy.deepcopy(hf.config), hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach(),
+                       seed=2)
+    file = str(tmp_path / "model.safetensors")
+    save_file({**load_file(file), **ref.tensors()}, file, metadata={"format": "pt"})
+    cfg = read_hf_config(str(tmp_path))
+    head = load_mtp(str(tmp_path), cfg, dtype=jnp.float32)
+    graphdef, state = nnx.split(head)
+    rng = np.random.default_rng(3)
+    lengths, pages = (13, 5), ([4, 1], [6])
+    tokens = rng.integers(0, 320, 32)
+    hidden = rng.standard_normal((32, 64)).astype(np.float32)
+    meta = make_meta([(list(range(n)), p) for n, p in zip(lengths, pages)], num_tokens=32, num_rows=3, width=2)
+    kv = (jnp.zeros((1, 8, PS, 2, 16)),) * 2
+    out = jax.jit(lambda state, *a: mtp_propose(nnx.merge(graphdef, state), *a, num_draft=2, attn_impl="reference"))(
+        state, hf.model.embed_tokens.weight.detach().numpy(), hf.lm_head.weight.detach().numpy(), kv,
+        jnp.asarray(tokens), jnp.asarray(hidden), meta, jnp.asarray([12, 17, 0]))
+    for r, (start, n) in enumerate(((0, 13), (13, 5))):
+        drafts, logits = ref.greedy_chain(tokens[start:start + n], hidden[start:start + n], 2)
+        assert np.asarray(out.token_ids[r]).tolist() == drafts
+        np.testing.assert_allclose(out.draft_logits[r], logits, rtol=1e-4, atol=1e-4)
