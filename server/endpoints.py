@@ -96,7 +96,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _completions(request: web.Request, st: ServerState, body, kv: RequestHandoff) -> web.StreamResponse:
     req = parse_completion(body, sampling_defaults(st, body))
     m, lora = served_model(st, req.model)
-    given = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    given = [m.tokenizer.encode(p, req.add_special_tokens) if isinstance(p, str) else p for p in req.prompts]
     if any(not ids for ids in given):
         raise bad("the prompt is empty", "prompt")
     prompts = _truncated(m, req, given)

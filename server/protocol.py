@@ -30,10 +30,11 @@ _COMMON = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "priority", "structured_outputs", "allowed_token_ids", "truncate_prompt_tokens",
     "return_tokens_as_token_ids", "prompt_logprobs", "bad_words", "use_beam_search", "length_penalty", "early_stopping",
+    "spaces_between_special_tokens",
     # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
     "kv_transfer_params",
 }) | frozenset(structured.GUIDED_FIELDS)
-_COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+_COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format", "add_special_tokens"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs", "reasoning_effort",
                    "add_generation_prompt", "continue_final_message", "echo",
@@ -73,6 +74,7 @@ class GenerationRequest:
 class CompletionRequest(GenerationRequest):
     prompts: list[str | list[int]]
     echo: bool
+    add_special_tokens: bool  # vLLM's: text prompts are encoded with the tokenizer's special tokens (BOS)
 
 
 @dataclasses.dataclass
@@ -228,6 +230,8 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
             bad_words=b.data.get("bad_words"))
     except InvalidRequestError as e:  # SamplingParams' own checks
         raise bad(str(e), e.param) from e
+    # vLLM's; its fast-tokenizer detokenizer, as this server's, decodes special tokens without spaces either way
+    b.boolean("spaces_between_special_tokens", True)
     truncate = b.integer("truncate_prompt_tokens", None, lo=-1)
     if truncate == 0:
         raise bad("'truncate_prompt_tokens' must be -1 (the model's context length) or at least 1",
@@ -319,18 +323,20 @@ def parse_completion(data: Any, defaults: Mapping[str, Any] | None = None) -> Co
     prompts = _prompts(b.data["prompt"])
     logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
     echo = b.boolean("echo", False)
-    max_tokens = b.integer("max_tokens", 16, lo=0)
+    # absent: OpenAI's 16; null: the rest of the context, as vLLM reads it
+    max_tokens = b.integer("max_tokens", None if "max_tokens" in b.data else 16, lo=0)
     if max_tokens == 0 and not echo:
         raise bad("'max_tokens' may be 0 only with 'echo' (scoring the prompt); otherwise it must be at least 1",
                   "max_tokens")
     b.neutral("suffix", lambda v: v == "", "insertion (suffix) is not implemented")
     # echo with logprobs: the prompt's tokens come back with their logprobs too (prompt logprobs)
-    common = _common(b, max_tokens=max_tokens, logprobs=logprobs,
-                     prompt_logprobs=logprobs if echo else None, defaults=defaults or {})
+    common = _common(b, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                     constraint=structured.response_format(b.data.get("response_format")), defaults=defaults or {})
     b.neutral("best_of", lambda v: v == common.params.n, "best_of must be null or equal to n")
     if common.beam_search and echo:
         raise bad("'echo' cannot be used with 'use_beam_search'", "echo")
-    return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
+    return CompletionRequest(**vars(common), prompts=prompts, echo=echo,
+                             add_special_tokens=b.boolean("add_special_tokens", True))
 
 
 def _prompts(raw: Any) -> list[str | list[int]]:

@@ -193,6 +193,24 @@ def test_continuous_usage_stats(client, tokenizer):
     assert all(c.usage is None for c in plain)
 
 
+def test_completions_take_vllms_fields(client):
+    """vLLM's completions fields: response_format (as chat's), add_special_tokens, max_tokens null (the
+    rest of the context, where absent is OpenAI's 16), spaces_between_special_tokens (no effect)."""
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+    r = client.completions.create(prompt="Answer in JSON:", max_tokens=12, extra_body={"response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}, **greedy())
+    assert json.loads(r.choices[0].text)["a"] in (1, 2)
+    kw = greedy(prompt="The capital of France is")
+    short = client.completions.create(**kw)
+    assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (16, "length")
+    whole = client.completions.create(max_tokens=None, **kw)  # sent as null
+    assert whole.choices[0].finish_reason == "stop" and whole.usage.completion_tokens > 16
+    assert whole.choices[0].text.startswith(short.choices[0].text)
+    same = client.completions.create(extra_body={"add_special_tokens": False, "spaces_between_special_tokens": False},
+                                     **kw)
+    assert same.choices[0].text == short.choices[0].text  # SmolLM2's tokenizer adds no BOS
+
+
 def test_stop_strings(client):
     kw = greedy(prompt="Here is a list of fruits: apple, banana, cherry,", max_tokens=24)
     full = client.completions.create(**kw).choices[0].text

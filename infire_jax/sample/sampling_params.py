@@ -41,6 +41,8 @@ class SamplingParams:
     # alone); at most the engine's max_prompt_logprobs (engine.py checks it).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's; no effect here, as none in vLLM v1 with a fast tokenizer: special tokens decode without spaces
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # the output must match it (infire_jax/structured/)
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before penalties and
