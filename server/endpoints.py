@@ -157,6 +157,20 @@ async def chat_prompt(m: ServedModel, req: ChatRequest, param: str,
     """The prompt of a chat request (the chat API's and the Responses API's): its messages and tools
     through the chat template, as token ids, each image's marker expanded for its `tiles`; its tools'
     schemas checked and forced calls constrained. `param`: the field errors in the messages are named after."""
+    text = chat_text(m, req, param, tiles)
+    prompts = _truncated(m, req, [m.tokenizer.encode(text, add_special_tokens=False)])
+    _check_length(m, prompts, param)
+    if harmony.is_harmony(m.tokenizer.chat_template):
+        _harmony_stops(m, req)
+    if req.tools is not None:
+        await _force_tool_calls(m, req, m.tool_parser)
+    _reasoning(m, req)
+    return prompts
+
+
+def chat_text(m: ServedModel, req: ChatRequest, param: str, tiles: list[preprocess.Tiles] | None = None) -> str:
+    """A chat request's messages and tools through the chat template (each image's marker expanded for
+    its `tiles`); a template's error is a 400 naming `param`."""
     try:
         messages, extra = render_inputs(m.tokenizer.chat_template, req.messages,
                                         req.tools.tools if req.tools else None)
@@ -167,14 +181,7 @@ async def chat_prompt(m: ServedModel, req: ChatRequest, param: str,
             text = image_placeholders.expand(text, [t.grid for t in tiles], m.engine.engine.images.cfg.tokens_per_tile)
     except (InvalidRequestError, ValueError) as e:
         raise bad(str(e), param) from e
-    prompts = _truncated(m, req, [m.tokenizer.encode(text, add_special_tokens=False)])
-    _check_length(m, prompts, param)
-    if harmony.is_harmony(m.tokenizer.chat_template):
-        _harmony_stops(m, req)
-    if req.tools is not None:
-        await _force_tool_calls(m, req, m.tool_parser)
-    _reasoning(m, req)
-    return prompts
+    return text
 
 
 def _harmony_stops(m: ServedModel, req: ChatRequest) -> None:

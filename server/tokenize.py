@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.endpoints import STATE, ServedModel, read_json, served_model
-from server.protocol import bad
+from server.endpoints import STATE, ServedModel, chat_text, read_json, served_model
+from server.protocol import bad, parse_chat
 
 
 def _served(request: web.Request, name: str | None) -> ServedModel:
@@ -37,18 +37,39 @@ def _object(body, allowed: set[str]) -> dict:
     return body
 
 
+# vLLM's chat form of /tokenize: the messages as the chat endpoint renders them.
+_CHAT_FIELDS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"}
+
+
 async def tokenize(request: web.Request) -> web.Response:
     """{"prompt": text, "add_special_tokens": true, "return_token_strs": false} -> {"tokens": [...], "count": n,
-    "max_model_len": m, "token_strs": each token's string, or null}."""
-    body = _object(await read_json(request), {"model", "prompt", "add_special_tokens", "return_token_strs"})
+    "max_model_len": m, "token_strs": each token's string, or null}. Or vLLM's chat form: "messages" (with
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools") instead of "prompt",
+    rendered by the chat template as /v1/chat/completions renders them; "add_special_tokens" then defaults
+    to false (the template writes its own)."""
+    body = _object(await read_json(request), {"model", "prompt", "add_special_tokens", "return_token_strs",
+                                              *_CHAT_FIELDS})
     m = _served(request, body.get("model"))
-    prompt, special, strs = body.get("prompt"), body.get("add_special_tokens", True), body.get("return_token_strs")
-    if not isinstance(prompt, str):
-        raise bad("'prompt' must be a string", "prompt")
+    chat = "messages" in body
+    special, strs = body.get("add_special_tokens"), body.get("return_token_strs")
     for name, value in (("add_special_tokens", special), ("return_token_strs", strs)):
         if value is not None and not isinstance(value, bool):
             raise bad(f"'{name}' must be a boolean", name)
-    ids = m.tokenizer.encode(prompt, add_special_tokens=special is not False)
+    if chat:
+        if "prompt" in body:
+            raise bad("give 'prompt' or 'messages', not both", "prompt")
+        req = parse_chat({"model": m.name, **{k: body[k] for k in _CHAT_FIELDS if k in body}})
+        if req.images:
+            raise bad("/tokenize does not take images: their tokens depend on the image", "messages")
+        prompt = chat_text(m, req, "messages")
+    else:
+        unknown = sorted(_CHAT_FIELDS & set(body))
+        if unknown:
+            raise bad(f"'{unknown[0]}' goes with 'messages'", unknown[0])
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("'prompt' must be a string", "prompt")
+    ids = m.tokenizer.encode(prompt, add_special_tokens=not chat if special is None else special)
     return web.json_response({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids,
                               "token_strs": [m.tokenizer.tk.id_to_token(i) for i in ids] if strs else None})
 

@@ -208,3 +208,16 @@ def test_tokenizer_endpoints(smol_server, tok):
         assert status == 400 and out["error"]["param"] == param
     status, out = post(smol_server, "/tokenize", {"model": "gpt-4o", "prompt": "hi"})  # as on /v1
     assert (status, out["error"]["code"], out["error"]["param"]) == (404, "model_not_found", "model")
+    # vLLM's chat form: the messages as the chat endpoint renders them, so the count is its prompt_tokens
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    status, out = post(smol_server, "/tokenize", {"model": MODEL, "messages": messages})
+    want = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    assert status == 200 and out["tokens"] == want, out
+    status, chat = post(smol_server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1})
+    assert status == 200 and chat["usage"]["prompt_tokens"] == out["count"]
+    status, bare = post(smol_server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and bare["tokens"] == want[:len(bare["tokens"])] and bare["count"] < out["count"]
+    for body, param in [({"prompt": "hi", "messages": messages}, "prompt"), ({"prompt": "hi", "tools": []}, "tools"),
+                        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role")]:
+        status, err = post(smol_server, "/tokenize", body)
+        assert status == 400 and err["error"]["param"] == param, err
