@@ -12,12 +12,15 @@ import argparse
 import asyncio
 import dataclasses
 import sys
+from collections import OrderedDict
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
 from router.errors import error_middleware
+from router.passthrough import (OWNERS, create_response, detokenize, retrieve_response, tokenize,
+                                tokenizer_info)
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import POLICIES, Policy
 from router.proxy import (DECODE_ROLES, STATE, RouterState, chat_completions, completions, embeddings, models, rerank,
@@ -108,6 +111,12 @@ def build_router_app(config: RouterConfig) -> web.Application:
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.router.add_post(path, rerank)
     app.router.add_get("/v1/models", models)
+    app[OWNERS] = OrderedDict()
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.on_startup.append(_start)

@@ -121,6 +121,9 @@ def _listed(prompt) -> list:
 def estimate_prompt_tokens(kind: str, body: dict) -> int:
     """Token ids count themselves; text is ~4 characters a token; a chat message adds 4 (its template),
     an image part IMAGE_TOKENS."""
+    if kind == "responses":  # text, or items: ~4 characters a token of their JSON
+        item = body.get("input")
+        return math.ceil(len(item if isinstance(item, str) else json.dumps(item, ensure_ascii=False)) / 4)
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -133,7 +136,7 @@ def estimate_prompt_tokens(kind: str, body: dict) -> int:
 
 
 def num_prompts(kind: str, body: dict) -> int:
-    return 1 if kind == "chat" else len(_prompts(kind, body))
+    return 1 if kind in ("chat", "responses") else len(_prompts(kind, body))
 
 
 def prompt_of(kind: str, body: dict) -> str | list[int]:
@@ -143,6 +146,9 @@ def prompt_of(kind: str, body: dict) -> str | list[int]:
     """
     if kind == "chat":
         return json.dumps(body.get("messages"), sort_keys=True, ensure_ascii=False)
+    if kind == "responses":
+        item = body.get("input")
+        return item if isinstance(item, str) else json.dumps(item, sort_keys=True, ensure_ascii=False)
     prompt = _prompts(kind, body)[0]  # of a batch, the first: a batch's prompts usually share their prefix
     if isinstance(prompt, str) or _is_token_ids(prompt):
         return prompt
@@ -175,7 +181,7 @@ class RouteKey:
 
 
 def route_key(kind: str, body: dict, *, tenant: str = "", session: str | None = None) -> RouteKey:
-    """kind: "completions", "chat", "embeddings", "score" or "rerank"; tenant: whatever separates tenants (the auth and tenant headers)."""
+    """kind: "completions", "chat", "responses", "embeddings", "score" or "rerank"; tenant: whatever separates tenants (the auth and tenant headers)."""
     return RouteKey(prefix_chain(prompt_of(kind, body), tenant), estimate_prompt_tokens(kind, body),
                     num_prompts(kind, body), session)
 

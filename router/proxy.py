@@ -74,45 +74,58 @@ class _ClientGone(Exception):
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "completions", "/v1/completions")
+    return await generate(request, "completions", "/v1/completions")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "chat", "/v1/chat/completions")
+    return await generate(request, "chat", "/v1/chat/completions")
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
     """Workers started with `--runner pooling` serve them (and scores); prompts alone, never disaggregated."""
-    return await _generate(request, "embeddings", "/v1/embeddings")
+    return await generate(request, "embeddings", "/v1/embeddings")
 
 
 async def score(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "score", request.path)
+    return await generate(request, "score", request.path)
 
 
 async def rerank(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "rerank", request.path)
+    return await generate(request, "rerank", request.path)
 
 
 async def models(request: web.Request) -> web.Response:
     """The first healthy worker's model list."""
-    st = request.app[STATE]
+    return await call_one(request, any_worker(request.app[STATE]), "GET", "/v1/models")
+
+
+def any_worker(st: RouterState) -> Worker:
+    """The first healthy worker: for what every worker answers alike."""
     pool = [w for w in st.workers if w.healthy]
     if not pool:
         raise _no_worker(st, None)
-    worker = pool[0]
+    return pool[0]
+
+
+async def call_one(request: web.Request, worker: Worker, method: str, path: str,
+                   data: bytes | None = None) -> web.Response:
+    """One call to `worker`, its answer passed back whole."""
+    st = request.app[STATE]
     try:
         with InFlight(worker, 0) as flight:
             async with asyncio.timeout(st.request_timeout):
-                async with st.session.get(worker.url + "/v1/models", headers=_forward_headers(request)) as up:
+                async with st.session.request(method, worker.url + path, data=data,
+                                              headers=forward_headers(request)) as up:
                     flight.answering()
-                    data = await up.read()
+                    body = await up.read()
     except (WorkerDown, TimeoutError, aiohttp.ClientError) as e:
         raise _upstream_error(st, worker, e) from e
-    return web.Response(status=up.status, body=data, headers=_response_headers(up, {}))
+    return web.Response(status=up.status, body=body, headers=_response_headers(up, {}))
 
 
-async def _generate(request: web.Request, kind: str, path: str) -> web.StreamResponse:
+async def generate(request: web.Request, kind: str, path: str, *, owner: Worker | None = None) -> web.StreamResponse:
+    """A generation request routed, maybe prefilled remotely, forwarded. `owner`: the worker it must go to
+    while healthy (a Responses API continuation's, router/passthrough.py)."""
     st = request.app[STATE]
     raw = await request.read()
     body = _parse(raw)
@@ -123,13 +136,16 @@ async def _generate(request: web.Request, kind: str, path: str) -> web.StreamRes
     pool = st.healthy(DECODE_ROLES)
     if not pool:
         raise _no_worker(st, "decode" if any(w.role == "decode" for w in st.workers) else None)
-    choice = st.policy.choose(pool, key)
-    if choice.affinity_hit is not None:
-        st.metrics.affinity(choice.affinity_hit)
-    target = choice.worker
-    headers = _forward_headers(request)
+    if owner is not None and owner in pool:
+        target, cached = owner, 0
+    else:
+        choice = st.policy.choose(pool, key)
+        if choice.affinity_hit is not None:
+            st.metrics.affinity(choice.affinity_hit)
+        target, cached = choice.worker, choice.cached_tokens
+    headers = forward_headers(request)
     route = {DECODE_HEADER: target.url}
-    uncached = key.tokens - choice.cached_tokens  # what the target computes unless the KV comes to it
+    uncached = key.tokens - cached  # what the target computes unless the KV comes to it
     hold = None
     if target.role == "both":
         route[PREFILL_HEADER] = target.url
@@ -410,7 +426,7 @@ def _no_worker(st: RouterState, pool: str | None) -> APIError:
     return no_healthy_worker(pool)
 
 
-def _forward_headers(request: web.Request) -> dict[str, str]:
+def forward_headers(request: web.Request) -> dict[str, str]:
     """Authorization and every x-* header (tenant, session, prefix hint), as the client sent them."""
     headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization" or k.lower().startswith("x-")}
     headers["Content-Type"] = "application/json"
