@@ -131,7 +131,8 @@ async def generate(request: web.Request, kind: str, path: str, *, owner: Worker 
     body = _parse(raw)
     # The model (a LoRA adapter's name selects one) separates prompts too: adapters never share KV on a worker.
     headers = request.headers
-    tenant = f"{headers.get('Authorization', '')}\0{headers.get(TENANT_HEADER, '')}\0{body.get('model')}"
+    tenant = (f"{headers.get('Authorization', '')}\0{headers.get(TENANT_HEADER, '')}\0{body.get('model')}"
+              f"\0{body.get('cache_salt')}")  # vLLM's cache_salt separates prefixes as a tenant does
     key = route_key(kind, body, tenant=tenant, session=request.headers.get(SESSION_HEADER))
     pool = st.healthy(DECODE_ROLES)
     if not pool:
@@ -151,6 +152,7 @@ async def generate(request: web.Request, kind: str, path: str, *, owner: Worker 
         route[PREFILL_HEADER] = target.url
     elif (kind in ("completions", "chat") and key.prompts == 1 and uncached >= st.disagg_min_tokens
           and not body.get("use_beam_search")  # a search runs its beams as prompts of their own
+          and body.get("cache_salt") is None  # a salted prompt is computed where it runs
           and (prefills := st.healthy(("prefill",)))):
         prefill = st.policy.choose_prefill(prefills)
         kv = await _prefill(st, prefill, path, body, headers, key.tokens, route)

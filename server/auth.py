@@ -76,3 +76,8 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     if request.path.startswith("/v1/"):
         request[TENANT] = request.app[AUTH].tenant(request)
     return await handler(request)
+
+
+def salted_tenant(tenant: str | None, cache_salt: str | None) -> str | None:
+    """What separates a request's prefix-cache pages: its tenant and vLLM's `cache_salt` together."""
+    return tenant if cache_salt is None else f"{tenant or ''}\0salt\0{cache_salt}"

@@ -14,7 +14,7 @@ from aiohttp import web
 from infire_jax.errors import InvalidRequestError
 from infire_jax.outputs import Delta
 from infire_jax.sample.beam_search import BeamSearch, BeamSearchParams
-from server.auth import TENANT
+from server.auth import TENANT, salted_tenant
 from server.errors import APIError
 from server.protocol import GenerationRequest, bad
 from server.responses import Choice, Formatter, Usage
@@ -59,7 +59,8 @@ async def respond(request: web.Request, m, lora: str | None, req: GenerationRequ
         while not search.done:
             tops: list[dict[int, float]] = [{} for _ in search.step_prompts()]
             step = m.engine.generate(search.step_prompts(), search.step_params(), request_id=uuid.uuid4().hex,
-                                     priority=req.priority, tenant=request.get(TENANT), lora_request=adapter)
+                                     priority=req.priority, tenant=salted_tenant(request.get(TENANT), req.cache_salt),
+                                     lora_request=adapter)
             async with step:
                 async for batch in step:
                     for pi, d in batch:

@@ -35,7 +35,7 @@ from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.vision import preprocess
 from infire_jax.vision import prompt as image_placeholders
 from server import beam_search
-from server.auth import TENANT
+from server.auth import TENANT, salted_tenant
 from server.errors import APIError, to_api_error
 from server.kv_handoff import KVHandoff, RequestHandoff, request_handoff
 from server.media import MediaPolicy, image_bytes
@@ -354,12 +354,15 @@ async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lor
     handoff before it runs). Leaving the block early (a disconnect cancels the handler) aborts it."""
     hint, session = _headers(request, prompts)
     tenant = request.get(TENANT)
+    if req.cache_salt is not None and req.kv_transfer is not None:
+        raise bad("'cache_salt' cannot be used with 'kv_transfer_params' (a salted prompt is computed where it "
+                  "runs)", "cache_salt")
     await kv.before(req.kv_transfer, prompts, tenant, stream=req.stream, lora_name=lora,
                     image_digest=images_digest(images) if images else None)
     spec = req.params.structured_outputs
     grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
-                                tenant=tenant, prefix_hint_tokens=hint, session_id=session, grammar=grammar,
+                                tenant=salted_tenant(tenant, req.cache_salt), prefix_hint_tokens=hint, session_id=session, grammar=grammar,
                                 lora_request=lora, images=images)
     try:
         async with stream:

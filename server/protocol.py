@@ -30,7 +30,7 @@ _COMMON = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "priority", "structured_outputs", "allowed_token_ids", "truncate_prompt_tokens",
     "return_tokens_as_token_ids", "prompt_logprobs", "bad_words", "use_beam_search", "length_penalty", "early_stopping",
-    "spaces_between_special_tokens",
+    "spaces_between_special_tokens", "cache_salt",
     # vLLM's prefill/decode disaggregation (server/kv_handoff.py)
     "kv_transfer_params",
 }) | frozenset(structured.GUIDED_FIELDS)
@@ -67,6 +67,7 @@ class GenerationRequest:
     tokens_as_ids: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     prompt_logprobs: int | None  # vLLM's prompt_logprobs field: the response's list with this many alternatives
     beam_search: bool  # vLLM's use_beam_search: `n` beams (server/beam_search.py)
+    cache_salt: str | None  # vLLM's: only requests with the same salt (and tenant) share prefix-cache pages
     length_penalty: float  # a beam's score: cumulative logprob / length ** length_penalty
 
 
@@ -232,6 +233,9 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
         raise bad(str(e), e.param) from e
     # vLLM's; its fast-tokenizer detokenizer, as this server's, decodes special tokens without spaces either way
     b.boolean("spaces_between_special_tokens", True)
+    cache_salt = b.string("cache_salt")
+    if cache_salt is not None and not cache_salt:
+        raise bad("'cache_salt' must be a non-empty string", "cache_salt")
     truncate = b.integer("truncate_prompt_tokens", None, lo=-1)
     if truncate == 0:
         raise bad("'truncate_prompt_tokens' must be -1 (the model's context length) or at least 1",
@@ -242,6 +246,7 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
                              kv_transfer=_transfer_params(b.data.get("kv_transfer_params")),
                              truncate_prompt_tokens=truncate,
                              tokens_as_ids=b.boolean("return_tokens_as_token_ids", False), prompt_logprobs=asked,
+                             cache_salt=cache_salt,
                              **_beam_search(b, params, asked))
 
 

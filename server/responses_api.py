@@ -40,11 +40,11 @@ _FIELDS = frozenset({
     "parallel_tool_calls", "text", "stream", "store", "previous_response_id", "metadata", "user", "background",
     "include", "truncation", "service_tier", "reasoning",
     # vLLM's extensions, as in chat
-    "chat_template_kwargs", "top_k", "min_p", "repetition_penalty", "seed", "stop", "priority",
+    "chat_template_kwargs", "top_k", "min_p", "repetition_penalty", "seed", "stop", "priority", "cache_salt",
 })
 # Fields that mean the same in chat.
 _SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "stream", "chat_template_kwargs", "top_k",
-         "min_p", "repetition_penalty", "seed", "stop", "priority")
+         "min_p", "repetition_penalty", "seed", "stop", "priority", "cache_salt")
 _ROLES = ("user", "system", "developer", "assistant")
 _ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
               "function_call": {"type", "call_id", "name", "arguments", "id", "status"},

@@ -273,7 +273,7 @@ def test_a_client_that_leaves_during_a_long_prefill_stops_it():
 
 def test_what_the_prefill_is_sent_and_what_is_never_disaggregated():
     """The prefill runs one token of one choice: best_of (valid only as the client's n) is left out;
-    a beam search is never disaggregated (its beams are prompts of their own)."""
+    a beam search (its beams are prompts of their own) and a salted prompt are never disaggregated."""
     async def main() -> None:
         async with _fleet() as (router, prefill, decode):
             status, _, _ = await _post(router, {**BODY, "n": 2, "best_of": 2, "min_tokens": 2})
@@ -282,6 +282,8 @@ def test_what_the_prefill_is_sent_and_what_is_never_disaggregated():
             assert (sent["n"], sent["max_tokens"]) == (1, 1) and "best_of" not in sent and "min_tokens" not in sent
             status, raw, _ = await _post(router, {**BODY, "n": 2, "use_beam_search": True})
             assert (status, json.loads(raw)["choices"][0]["text"], decode.local) == (200, "local", 1)
+            status, raw, _ = await _post(router, {**BODY, "cache_salt": "s"})  # computed where it runs
+            assert (status, json.loads(raw)["choices"][0]["text"], decode.local) == (200, "local", 2)
             assert len(prefill.bodies) == 1
 
     asyncio.run(main())

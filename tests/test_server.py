@@ -419,6 +419,23 @@ def test_header_tenants(small, tokenizer):
     assert [cached("t1"), cached("t2"), cached(None), cached("t2"), cached("t1"), cached(None)] == \
         [0, 0, 0] + [cached_expected(n)] * 3
 
+    def salted(salt: str | None, tenant: str | None = None, path: str = "completions") -> int:
+        headers = {"x-tenant-id": tenant} if tenant else None
+        if path == "chat":
+            r = c.chat.completions.create(messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                          extra_body={"cache_salt": salt}, extra_headers=headers, **greedy())
+        else:
+            r = c.completions.create(prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt},
+                                     extra_headers=headers, **greedy())
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    # vLLM's cache_salt separates prefixes as a tenant does, within a tenant too
+    assert [salted("s1"), salted("s2"), salted("s1"), salted("s1", "t1"), salted("s2")] == \
+        [0, 0, cached_expected(n), 0, cached_expected(n)]
+    assert salted("s3", path="chat") == 0 and salted("s3", path="chat") > 0
+    status, body = post_json(small.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ""})
+    assert status == 400 and body["error"]["param"] == "cache_salt"
+
 
 # ---- load ----------------------------------------------------------------------------------------
 def test_64_concurrent_streams_equal_alone(main):
