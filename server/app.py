@@ -16,6 +16,7 @@ from typing import Sequence
 import jinja2
 from aiohttp import web
 
+from infire_jax import __version__
 from infire_jax.engine.async_engine import AsyncEngine
 from infire_jax.engine.detokenizer import TokenText
 from infire_jax.engine.engine import Engine
@@ -127,6 +128,9 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", _health)
+    for method in ("GET", "POST"):  # vLLM's (SageMaker's health check): /health's answer
+        app.router.add_route(method, "/ping", _health)
+    app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.on_response_prepare.append(_routing_headers)
     app.on_startup.append(_start_engine)
@@ -176,6 +180,11 @@ async def _models(request: web.Request) -> web.Response:
         {"id": m.name, "object": "model", "created": created, "owned_by": "infire-jax", "root": m.name,
          "parent": None, "max_model_len": m.max_model_len} for m in models] + [
         card for m in models for card in model_cards(m, created)]})
+
+
+async def _version(request: web.Request) -> web.Response:
+    """vLLM's `/version`: this engine's."""
+    return web.json_response({"version": __version__})
 
 
 async def _health(request: web.Request) -> web.Response:

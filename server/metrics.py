@@ -19,6 +19,9 @@ from infire_jax.engine.residency import Residency
 from infire_jax.speculative.controller import SpecStats
 
 PREFIX = "infire:"
+# Gauges also published under vLLM's own names, as autoscalers and inference gateways read them (KEDA
+# rules, the Gateway API inference extension's endpoint picker): they mean what vLLM's mean.
+VLLM_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -60,9 +63,10 @@ class _EngineCollector(Collector):
         for model, snapshot, pool in self._models:
             snap = snapshot()
             for cls, name, doc, value in (*self._pool_gauges(pool), *self._engine_values(snap)):
-                if name not in families:
-                    families[name] = cls(PREFIX + name, doc, labels=["model_name"])
-                families[name].add_metric([model], value)
+                for full in (PREFIX + name, *(("vllm:" + name,) if name in VLLM_GAUGES else ())):
+                    if full not in families:
+                        families[full] = cls(full, doc, labels=["model_name"])
+                    families[full].add_metric([model], value)
             if snap.spec is not None:
                 self._spec_values(families, model, snap.spec)
             if pool is not None and pool.capacity is not None:

@@ -85,9 +85,16 @@ def cached_expected(num_prompt_tokens: int) -> int:
 # ---- basics ---------------------------------------------------------------------------------------
 def test_models_health_and_auth(main, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    for path in ("/health", "/metrics"):  # operational endpoints need no key
+    for path in ("/health", "/metrics", "/ping", "/version"):  # operational endpoints need no key
         with urllib.request.urlopen(main.url + path, timeout=30) as r:
             assert r.status == 200
+    with urllib.request.urlopen(urllib.request.Request(main.url + "/ping", method="POST"), timeout=30) as r:
+        assert json.load(r)["status"] == "ok"  # vLLM's (SageMaker's) health check, GET or POST
+    with urllib.request.urlopen(main.url + "/version", timeout=30) as r:
+        assert json.load(r)["version"]
+    m = main.metrics()  # the gauges autoscalers read, under vLLM's names too
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert m["vllm:" + name] == m["infire:" + name]
     with pytest.raises(openai.AuthenticationError) as e:
         openai.OpenAI(base_url=main.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
