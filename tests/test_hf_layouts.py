@@ -138,3 +138,27 @@ def test_broken_configs_are_refused_naming_the_field(mistral3, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="does not fit the config's 4 attention heads, 4 KV heads"):
         LLM(model=str(broken), **ENGINE)
+
+
+def test_qwen3_with_yarn_matches_transformers(tmp_path):
+    """Qwen2.5's and Qwen3's long-context setting: YaRN over the Llama-family layers (its blended
+    frequencies and transformers' attention factor on cos and sin), past the original context."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    text = {k: v for k, v in TEXT.items() if k not in ("model_type", "sliding_window")}
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    torch.manual_seed(2)
+    config = Qwen3Config(**{**text, "max_position_embeddings": 128}, rope_parameters=rope, pad_token_id=0,
+                         eos_token_id=2, bos_token_id=1, initializer_range=0.3)
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    vocab = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=1,
+                        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(2,))
+    dummy_tokenizer(vocab).save(str(tmp_path))
+    llm = LLM(model=str(tmp_path), **ENGINE)
+    try:
+        rs = llm.engine.model_config.rope_scaling
+        assert (rs.kind, rs.factor, rs.original_max_position_embeddings) == ("yarn", 4.0, 32)
+        assert_parity(llm, model, [PROMPTS[1], PROMPTS[2]], 40)  # to position 80: past the original 32
+    finally:
+        llm.engine.close()

@@ -34,7 +34,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_table, param, rms_norm,
-                                      rope_inv_freq, rope_tables, with_local_mask)
+                                      rope_cos_sin, with_local_mask)
 from infire_jax.models.llama import in_place_weights, kernel_weights, linear, project_qkv
 from infire_jax.models.panels import PanelParams
 from infire_jax.models.parallel import Reductions, psum
@@ -78,7 +78,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata,
                   cos: Float[Array, "T D"], sin: Float[Array, "T D"]) -> tuple[Float[Array, "T E"], Array, Array]:
     """Scans the stacked layers (a pipeline stage's, inside the mesh's shard_map). `cos` and `sin` hold
-    the global layers' table, then the windowed layers' (`rope_cos_sin`); each layer's (chunk, window)
+    the global layers' table, then the windowed layers' (`gemma3_rope`); each layer's (chunk, window)
     row of `local_attention_table`, scanned beside its weights, picks its mask and its table."""
     tokens, n, one_device = h.shape[0], weights["attn_norm"].shape[0], red == Reductions()
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
@@ -107,11 +107,11 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     return layer_loop(layer, (h, k_pages, v_pages), xs, n, tokens)
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
+def gemma3_rope(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
     """cos and sin of the global layers' frequencies (rope_theta, rope_scaling), then of the windowed
     layers' (their own base, unscaled), side by side: per-token arrays the mesh's pipeline slices."""
     local = dataclasses.replace(cfg, rope_theta=cfg.gemma3.local_rope_theta, rope_scaling=None)
-    tables = [rope_tables(rope_inv_freq(c), positions) for c in (cfg, local)]
+    tables = [rope_cos_sin(c, positions) for c in (cfg, local)]
     return tuple(jnp.concatenate([g, w], axis=-1) for g, w in zip(*tables))
 
 
@@ -138,6 +138,6 @@ class Gemma3(DecoderModel):
         """Applies every decoder layer, on one device or (with a plan) across the mesh."""
         if aux_layers is not None:
             raise ConfigError("Gemma 3 runs without EAGLE-3 aux states")
-        cos, sin = rope_cos_sin(self.cfg, meta.positions)
+        cos, sin = gemma3_rope(self.cfg, meta.positions)
         return self.run_stack(functools.partial(decoder_stack, self.cfg, attn_impl), self.layers.arrays(),
                               self.layers.axes(), h, kv, meta, cos, sin, plan)

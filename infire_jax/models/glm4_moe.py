@@ -33,7 +33,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.deepseek import add_moe_params, scan_stacks
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
-from infire_jax.models.layers import apply_rope, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import apply_rope, param, rms_norm, rope_cos_sin
 from infire_jax.models.llama import dense_mlp, kernel_weights, linear, project_qkv
 from infire_jax.models.parallel import Reductions, psum
 from infire_jax.quant.weight_parts import LayerStacks
@@ -138,7 +138,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 def glm4_rope(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T R"], Float[Array, "T R"]]:
     """The rotary tables of the tokens' positions over the first `rotary_dim` dimensions (`decoder_stack`'s)."""
     rotary = dataclasses.replace(cfg, head_dim=cfg.glm4.rotary_dim)  # its frequencies span R dims
-    return rope_tables(rope_inv_freq(rotary), positions)
+    return rope_cos_sin(rotary, positions)
 
 
 class Glm4Moe(DecoderModel):

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
 from pallas_kernels import cpu_matmul
+from infire_jax.models import yarn
 from infire_jax.models.config import ModelConfig
 from pallas_kernels import placement
 from pallas_kernels.metadata import AttentionMetadata, LocalMask
@@ -110,8 +111,11 @@ def head_logits(h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Arra
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim/2], with linear or Llama-3 scaling applied."""
+    """Inverse RoPE frequencies [head_dim/2], with linear, Llama-3 or YaRN scaling applied (YaRN's factor
+    on cos and sin is `rope_cos_sin`'s)."""
     d = cfg.head_dim
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "yarn":
+        return yarn.inv_freq(cfg, d)
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if cfg.rope_freq_factors is not None:
         inv = inv / np.asarray(cfg.rope_freq_factors, np.float64)
@@ -130,6 +134,15 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
     return inv.astype(np.float32)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T half"], Float[Array, "T half"]]:
+    """A model's cos and sin tables over the whole head: `rope_tables` of its frequencies, times YaRN's
+    attention factor where it scales by YaRN (transformers' `attention_scaling`)."""
+    cos, sin = rope_tables(rope_inv_freq(cfg), positions)
+    factor = yarn.cos_sin_factor(cfg.rope_scaling) if cfg.rope_scaling is not None and \
+        cfg.rope_scaling.kind == "yarn" else 1.0
+    return (cos * factor, sin * factor) if factor != 1.0 else (cos, sin)
 
 
 def rope_tables(inv_freq: np.ndarray, positions: Int[Array, "T"]) -> tuple[Float[Array, "T half"], Float[Array, "T half"]]:

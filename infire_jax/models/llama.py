@@ -24,7 +24,7 @@ from infire_jax.lora.batched import LayerLoRA, LoRAStep, LoRAWeight, split_stack
 from infire_jax.lora.layout import stack_axes
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, local_attention_table, nope_table, param,
-                                      rms_norm, rope_inv_freq, rope_tables, swiglu, with_local_mask)
+                                      rms_norm, rope_cos_sin, swiglu, with_local_mask)
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
@@ -347,7 +347,7 @@ class Llama(nnx.Module):
         indices come back too, as [T, len(aux_layers) * E]: EAGLE-3's low/middle/high features.
         With `lora`, each token's LoRA adapter adds its delta to the projections it adapts.
         """
-        cos, sin = rope_tables(rope_inv_freq(self.cfg), meta.positions)
+        cos, sin = rope_cos_sin(self.cfg, meta.positions)
         weights, axes, slots = self.layers.arrays(), self.layers.axes(), None
         if lora is not None:  # split like the weights they adapt (lora/layout.py)
             weights, slots = {**weights, **lora.stacks}, lora.slots

@@ -49,7 +49,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.deepseek_moe import shared_mlp
 from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_table, param, rms_norm,
-                                      rope_inv_freq, rope_tables, stage_rows, with_local_mask)
+                                      rope_cos_sin, stage_rows, with_local_mask)
 from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_aux_layers, dense_mlp, kernel_weights,
                                      linear, project_qkv)
 from infire_jax.models.moe import Routing, routed_mlp
@@ -259,7 +259,7 @@ class Llama4(DecoderModel):
         """Applies every decoder layer, on one device or (with a plan) across the mesh. With `aux_layers`
         (static HF `hidden_states` indices, as models/llama.py's `run_layers`; one device only) the
         residual stream at those indices comes back too, [T, len(aux_layers) * E]: EAGLE-3's features."""
-        cos, sin = rope_tables(rope_inv_freq(self.cfg), meta.positions)
+        cos, sin = rope_cos_sin(self.cfg, meta.positions)
         weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
         stack = functools.partial(decoder_stack, self.cfg, attn_impl)
         if aux_layers is not None:

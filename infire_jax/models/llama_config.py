@@ -25,7 +25,10 @@ MODEL_TYPES = {
 _GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
+def rope_scaling_from_hf(raw: Mapping[str, Any] | None, max_position_embeddings: int | None = None
+                         ) -> RopeScaling | None:
+    """`max_position_embeddings`: the config's, YaRN's original context where the scaling names none;
+    None: YaRN is refused (the families checked against transformers with it pass theirs)."""
     if not raw:
         return None
     kind = raw.get("rope_type", raw.get("type", "default"))
@@ -41,7 +44,17 @@ def rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
             high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
         )
-    raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn" and max_position_embeddings is not None:  # Qwen2.5's and Qwen3's long context
+        if raw.get("attention_factor") is not None:
+            raise UnsupportedModelError("rope_scaling.attention_factor is not supported; give mscale/mscale_all_dim")
+        return RopeScaling("yarn", factor=float(raw["factor"]),
+                           original_max_position_embeddings=int(raw.get("original_max_position_embeddings")
+                                                                or max_position_embeddings),
+                           beta_fast=float(raw.get("beta_fast") or 32), beta_slow=float(raw.get("beta_slow") or 1),
+                           mscale=float(raw.get("mscale") or 0), mscale_all_dim=float(raw.get("mscale_all_dim") or 0),
+                           truncate=bool(raw.get("truncate", True)))
+    supported = "default, linear, llama3" + (", yarn" if max_position_embeddings is not None else "")
+    raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: {supported})")
 
 
 # transformers' defaults for a config.json without `sliding_window` (MistralConfig's and the Qwen configs' 4096,
@@ -147,7 +160,7 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
         head_dim=int(head_dim),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling_from_hf(rope_raw),
+        rope_scaling=rope_scaling_from_hf(rope_raw, int(hf.get("max_position_embeddings", 4096))),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),

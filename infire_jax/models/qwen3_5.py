@@ -37,7 +37,7 @@ from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.gated_delta import (LINEAR_STATE_AXES, LinearState, LinearStep, Rows, causal_conv,
                                            gated_delta_rule, step_rows)
 from infire_jax.models.glm4_moe import partial_rope
-from infire_jax.models.layers import param, rms_norm, rope_inv_freq, rope_tables, swiglu
+from infire_jax.models.layers import param, rms_norm, rope_cos_sin, swiglu
 from infire_jax.models.moe import route_for, routed_mlp, router_logits
 from infire_jax.models.llama import InPlace, linear
 from infire_jax.models.parallel import Reductions, psum, run_sharded
@@ -258,7 +258,7 @@ class Qwen3_5(DecoderModel):
         if aux_layers is not None or linear is None:
             raise ConfigError("Qwen3.5 runs with its linear state and without EAGLE-3 aux states")
         rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.gated_delta.rotary_dim)
-        cos, sin = rope_tables(rope_inv_freq(rotary), meta.positions)
+        cos, sin = rope_cos_sin(rotary, meta.positions)
         stack = functools.partial(decoder_stack, self.cfg, attn_impl)
         weights = {"linear_layers": self.linear_layers.arrays(), "attention_layers": self.attention_layers.arrays()}
         if plan is None:

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig, RopeScaling
 from infire_jax.models.kv_entry import KVEntry, kv_entry
-from infire_jax.models.layers import head_logits, param, rms_norm, rope_inv_freq, rope_tables
+from infire_jax.models.layers import head_logits, param, rms_norm, rope_cos_sin
 from infire_jax.models.llama import KVPages, dense_mlp, project_qkv
 from infire_jax.speculative.chain import Proposal, chain_propose, draw_tokens
 from pallas_kernels.attention import paged_attention
@@ -101,7 +101,7 @@ class Eagle3Head(nnx.Module):
         normed = rms_norm(hidden, self.hidden_norm[...], eps)
         residual = normed if cfg.norm_before_residual else hidden
         x = jnp.concatenate([rms_norm(emb, self.input_norm[...], eps), normed], axis=-1)
-        rope = rope_tables(rope_inv_freq(cfg.layer_config), meta.positions)
+        rope = rope_cos_sin(cfg.layer_config, meta.positions)
         q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False, rope)
         o, k_pages, v_pages = paged_attention(q, k, v, *kv, jnp.int32(0), meta, scale=cfg.head_dim ** -0.5,
                                               impl=attn_impl)
