@@ -105,7 +105,7 @@ class LLM:
         search = BeamSearch(ids, params, eos)
         while not search.done:
             outs = self._run(search.step_prompts(), search.step_params(), SamplingParams, lora_request)[0]
-            search.advance([o.outputs[0].logprobs[0] for o in outs])
+            search.advance([{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs])
         results = search.results()
         for seq in (s for r in results for s in r.sequences):
             seq.text = self.tokenizer.decode(seq.tokens)
@@ -163,6 +163,7 @@ class LLM:
             if images is None:
                 self.engine.tokenize_prompt(prompt)
         results: dict[str, RequestOutput] = {}
+        tops: dict[str, int] = {}  # each request's logprobs alternatives
         embeddings: dict[str, list[float]] = {}
         order = []
         pending = list(zip(split, params_list, loras))
@@ -178,11 +179,12 @@ class LLM:
                         break
                     pending.pop(0)
                     order.append(rid)
+                    tops[rid] = getattr(params, "logprobs", None) or 0
                     results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                                  [CompletionOutput(i) for i in range(params.n)])
                 for d in self.engine.step():
                     out = results[d.request_id]
-                    out.outputs[d.index].add(d)
+                    out.outputs[d.index].add(d, tops[d.request_id], self.engine.token_text)
                     out.num_cached_tokens = d.num_cached_tokens
                     if d.prompt_logprobs is not None and d.index == 0:
                         out.prompt_logprobs = d.prompt_logprobs

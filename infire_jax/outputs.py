@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
-from infire_jax.sample.prompt_logprobs import PromptLogprobs
+from infire_jax.sample.prompt_logprobs import Logprob, PromptLogprobs
 
 
 @dataclasses.dataclass
@@ -32,20 +33,30 @@ class Delta:
 
 @dataclasses.dataclass
 class CompletionOutput:
+    """One sample's output, as vLLM's: with `logprobs` asked for, each token's entry maps the top
+    alternatives (and the token itself) to their `Logprob`, and `cumulative_logprob` sums the tokens'."""
+
     index: int
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def add(self, d: Delta) -> None:
+    def add(self, d: Delta, top: int = 0, token_text: Callable[[int], str] | None = None) -> None:
+        """`top`: the alternatives asked for (an entry's first `top` are ranked 1.., the token after them,
+        where it is not among them, has no rank known); `token_text`: each entry's decoded_token."""
         self.text += d.text
         self.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(d.logprobs)
+                self.logprobs, self.cumulative_logprob = [], 0.0
+            for token, entry in zip(d.token_ids, d.logprobs):
+                self.logprobs.append({i: Logprob(lp, k + 1 if k < top else None,
+                                                 token_text(i) if token_text is not None else None)
+                                      for k, (i, lp) in enumerate(entry.items())})
+                self.cumulative_logprob += entry[token]
         if d.finished:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
@@ -73,7 +84,7 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
     @property
-    def logprobs(self) -> list[dict[int, float]] | None:
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
         return self.outputs[0].logprobs
 
 

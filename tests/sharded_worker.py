@@ -92,7 +92,7 @@ def main() -> None:
                       kv_groups=None if groups is None else groups.describe())
         llm.engine.close()
         result.update(fits=True, tokens=[o.token_ids for o in outs],
-                      logprobs=[[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+                      logprobs=[[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
         if params.prompt_logprobs is not None:  # each prompt token's (logprob, rank), and each position's top ids
             result["prompt_logprobs"] = [[(e[t].logprob, e[t].rank) for e, t in zip(o.prompt_logprobs[1:], p[1:])]
                                          for o, p in zip(outs, prompts)]

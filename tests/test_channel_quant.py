@@ -61,8 +61,8 @@ def _placed(llm) -> dict[str, jax.Array]:
 def _assert_same(outs, want, atol=1e-5) -> None:
     for q, f in zip(outs, want):
         assert q.token_ids == f.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(q.logprobs, q.token_ids)],
-                                   [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(q.logprobs, q.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["fp8-dynamic", "w8a8-int8", "fp8-block", "fp8-block-moe", "fp8-block-qwen3-moe"])

@@ -267,7 +267,7 @@ def generate(monkeypatch, **kwargs) -> list[tuple[list[int], list[float]]]:
     llm = LLM(**ENGINE, **kwargs)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1))
     llm.engine.close()
-    return [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
             for o in outs]
 
 

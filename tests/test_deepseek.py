@@ -39,7 +39,7 @@ def test_generate_matches_hf(name, pages, impl, tmp_path):
     for prompt, out in zip(PROMPTS, outs):
         want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
         assert out.token_ids == want
-        np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
         with torch.no_grad():  # prompt logprobs: HF's forward over the prompt
             ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None

@@ -109,8 +109,8 @@ def test_engine_keeps_the_checkpoint_quantized_and_equals_the_dequantized_engine
     ours, want = kept.generate(PROMPTS, params), floats.generate(PROMPTS, params)
     for q, f in zip(ours, want):
         assert q.token_ids == f.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(q.logprobs, q.token_ids)],
-                                   [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-5, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(q.logprobs, q.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-5, rtol=0)
     kept.engine.close()
     floats.engine.close()
 

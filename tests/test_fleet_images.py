@@ -129,7 +129,7 @@ def test_a_chat_image_through_prefill_and_decode_workers_equals_one_engine(fleet
         choice, tokens = got["choices"][0], out.outputs[0].token_ids
         assert choice["message"]["content"] == out.outputs[0].text
         np.testing.assert_allclose([e["logprob"] for e in choice["logprobs"]["content"]],
-                                   [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], rtol=0, atol=1e-4)
+                                   [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)], rtol=0, atol=1e-4)
     drained(fleet)
     assert [h.free_bytes for h in fleet.handoffs] == free
 

@@ -93,7 +93,7 @@ def test_generate_matches_hf(checkpoint, hf_tokens, attn_impl):
     assert kv_groups.bounded  # the windowed layers keep a bounded number of pages
     for (want, want_lp), got in zip(hf_tokens, outs):
         assert got.token_ids == want
-        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
 
 
 def _multimodal_checkpoint(hf, path) -> None:

@@ -86,7 +86,7 @@ def test_generate_matches_hf(checkpoint):
             want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
             got = out.outputs[0]
             assert got.token_ids == want
-            np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
     finally:
         llm.engine.close()
 

@@ -82,7 +82,7 @@ def test_generate_matches_hf(checkpoint, attn_impl):
         want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
         got = out.outputs[0]
         assert got.token_ids == want
-        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
     llm.engine.close()
 
 
@@ -244,13 +244,13 @@ def test_kept_mxfp4_experts_equal_the_dequantized_ones_and_hf(mxfp4_checkpoint, 
         llm.engine.close()
     for plain, kept in zip(*results):
         assert kept.token_ids == plain.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(kept.logprobs, kept.token_ids)],
-                                   [lp[t] for lp, t in zip(plain.logprobs, plain.token_ids)], atol=1e-4, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(kept.logprobs, kept.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(plain.logprobs, plain.token_ids)], atol=1e-4, rtol=0)
     hf = GptOssForCausalLM.from_pretrained(mxfp4_checkpoint).to(torch.float32).eval()
     for prompt, kept in zip(PROMPTS, results[1]):
         want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
         assert kept.token_ids == want
-        np.testing.assert_allclose([lp[t] for lp, t in zip(kept.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(kept.logprobs, want)], want_lp, atol=1e-3, rtol=0)
 
 
 def test_dummy_kept_mxfp4_experts_are_drawn_with_a_float_dummys_spread():

@@ -125,8 +125,8 @@ def _placed(llm) -> dict[str, jax.Array]:
 def _assert_same(outs, want) -> None:
     for q, f in zip(outs, want):
         assert q.token_ids == f.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(q.logprobs, q.token_ids)],
-                                   [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-5, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(q.logprobs, q.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(CASES))

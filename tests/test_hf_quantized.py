@@ -54,7 +54,7 @@ def test_quantized_checkpoint_matches_hf_on_the_weights_it_defines(name, scheme,
     for prompt, out in zip(PROMPTS, outs):
         want, want_lp = hf_greedy(hf, prompt, NUM_TOKENS)
         assert out.token_ids == want
-        np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(out.logprobs, want)], want_lp, atol=1e-3, rtol=0)
     llm.engine.close()
 
 

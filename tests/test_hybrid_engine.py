@@ -62,8 +62,8 @@ def assert_same(outs_a, outs_b) -> None:
     for a, b in zip(outs_a, outs_b):
         a, b = a.outputs[0], b.outputs[0]
         assert a.token_ids == b.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids)],
-                                   [lp[t] for lp, t in zip(b.logprobs, b.token_ids)], rtol=0, atol=1e-5)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)], rtol=0, atol=1e-5)
 
 
 def test_engine_builds_the_groups(llms):
@@ -205,7 +205,7 @@ def _greedy(engine: Engine, prompt: list[int], tenant: str) -> tuple[list[int], 
     while engine.has_unfinished():
         for d in engine.step():
             tokens += d.token_ids
-            lps += [lp[t] for lp, t in zip(d.logprobs, d.token_ids)]
+            lps += [lp[t].logprob for lp, t in zip(d.logprobs, d.token_ids)]
             cached = d.num_cached_tokens
     return tokens, lps, cached
 

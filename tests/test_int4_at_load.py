@@ -137,7 +137,7 @@ def test_engine_int4_at_load_follows_float32(smol_llm):
     quant.engine.close()
     assert ratio <= 1.42, ratio
     assert all(t in o.logprobs[0] for o, t in zip(ours, want))  # float32's token is in int4's top 20
-    shift = np.mean([abs(o.logprobs[0][t] - f.logprobs[0][t]) for o, f, t in zip(ours, floats, want)])
+    shift = np.mean([abs(o.logprobs[0][t].logprob - f.logprobs[0][t].logprob) for o, f, t in zip(ours, floats, want)])
     agree = sum(o.token_ids[0] == t for o, t in zip(ours, want))
     assert shift <= 1.0 and agree >= 0.4 * len(want), (shift, agree)
 

@@ -93,7 +93,7 @@ def test_greedy_tokens_follow_the_bfloat16_cache(engines):
         w, g = w.outputs[0], g.outputs[0]
         same = next((i for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b), NUM_TOKENS)
         agreed.append(same)
-        diffs += [abs(w.logprobs[i][t] - g.logprobs[i][t]) for i, t in enumerate(w.token_ids[:same])]
+        diffs += [abs(w.logprobs[i][t].logprob - g.logprobs[i][t].logprob) for i, t in enumerate(w.token_ids[:same])]
     full = sum(a == NUM_TOKENS for a in agreed)
     print(f"\nfp8 vs bfloat16 KV cache, {len(PROMPTS)} prompts x {NUM_TOKENS} greedy tokens: {full} agree on all; "
           f"first difference at {sorted(agreed)}; logprob difference on the agreed prefixes: median "

@@ -40,7 +40,7 @@ def _assert_matches(outs, hf, atol: float = 1e-3) -> None:
     for prompt, out in zip(PROMPTS, outs):
         want, want_lp = hf_greedy(text_model(hf), prompt, NUM_TOKENS)
         assert out.token_ids == want
-        np.testing.assert_allclose([lp[t] for lp, t in zip(out.logprobs, want)], want_lp, atol=atol, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(out.logprobs, want)], want_lp, atol=atol, rtol=0)
 
 
 # The causal model runs the CPU attention kernel and moe.py's loop over row tiles; the multimodal one
@@ -87,8 +87,8 @@ def test_hybrid_kv_cache_matches_every_page_kept(checkpoints):
     for a, b in zip(hybrid.generate(PROMPTS, params), kept.generate(PROMPTS, params)):
         a, b = a.outputs[0], b.outputs[0]
         assert a.token_ids == b.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids)],
-                                   [lp[t] for lp, t in zip(b.logprobs, b.token_ids)], atol=1e-5, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)], atol=1e-5, rtol=0)
     engine = hybrid.engine
     rid, _ = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
     req = engine._requests[rid][0]
@@ -277,7 +277,7 @@ def test_hot_standby_demotes_and_promotes_the_hybrid_cache(checkpoints):
             outs = LLM(engine=engines[name]).generate(PROMPTS, params)
         finally:
             residency.release(name)
-        return [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+        return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
                  o.num_cached_tokens) for o in outs]
 
     before = answer("a")

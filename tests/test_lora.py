@@ -60,7 +60,7 @@ def _peft_model(base, adapters: dict, path) -> object:
 
 
 def _logprobs(out) -> list[float]:
-    return [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+    return [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
 
 
 def _assert_matches_peft(model, adapter: str | None, prompt: list[int], tokens: list[int],

@@ -82,7 +82,7 @@ def test_deepseek_engine_with_fp8_latents_follows_the_bfloat16_cache(tmp_path):
     for w, g in zip(want, got):
         same = next((i for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b), NUM_TOKENS_GENERATED)
         agreed.append(same)
-        diffs += [abs(w.logprobs[i][t] - g.logprobs[i][t]) for i, t in enumerate(w.token_ids[:same])]
+        diffs += [abs(w.logprobs[i][t].logprob - g.logprobs[i][t].logprob) for i, t in enumerate(w.token_ids[:same])]
     print(f"\nDeepSeek-V3 tiny, fp8 vs bfloat16 latent cache, {len(PROMPTS)} prompts x {NUM_TOKENS_GENERATED} "
           f"greedy tokens: first difference at {sorted(agreed)} ({sum(agreed)} tokens agree before it); "
           f"logprob difference there: median {np.median(diffs):.4f}, largest {max(diffs):.4f}")

@@ -254,5 +254,5 @@ def test_generate_matches_hf(arch, grouped, tmp_path, monkeypatch):
         assert len(want) == NUM_TOKENS
         assert out.token_ids == want
         want_lp = [torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(ref.logits, want)]
-        got_lp = [lp[tok] for lp, tok in zip(out.logprobs, want)]
+        got_lp = [lp[tok].logprob for lp, tok in zip(out.logprobs, want)]
         np.testing.assert_allclose(got_lp, want_lp, atol=1e-3, rtol=0)

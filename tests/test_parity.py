@@ -39,7 +39,7 @@ def assert_parity(llm: LLM, hf_model, prompts_ids: list[list[int]], n: int) -> N
         assert len(out.token_ids) == n
         ref_tokens, ref_lps = hf_reference(hf_model, ids, out.token_ids)
         assert out.token_ids == ref_tokens
-        ours = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+        ours = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
         np.testing.assert_allclose(ours, ref_lps, atol=1e-3, rtol=0)
 
 

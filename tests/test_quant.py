@@ -155,8 +155,8 @@ def test_engine_keeps_gguf_quantized_and_agrees_with_float32(smol_llm):
     ours, floats = quant.generate(PROMPTS, params), smol_llm.generate(PROMPTS, params)
     for q, f in zip(ours, floats):
         assert q.token_ids == f.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(q.logprobs, q.token_ids)],
-                                   [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-4)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(q.logprobs, q.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-4)
     # the quality issue's bound: within 0.5% of the same blocks dequantized at load, in perplexity
     assert abs(short_text_perplexity(quant) / short_text_perplexity(smol_llm) - 1) <= 0.005
 

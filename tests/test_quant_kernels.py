@@ -227,8 +227,8 @@ def _generate(llm, prompts, tokens: int = 12):
 def _assert_same(ours, want, atol: float = 1e-5) -> None:
     for q, f in zip(ours, want):
         assert q.token_ids == f.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(q.logprobs, q.token_ids)],
-                                   [lp[t] for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(q.logprobs, q.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
 
 
 def _engines(monkeypatch, **kwargs):

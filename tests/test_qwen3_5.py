@@ -70,7 +70,7 @@ def _assert_as_hf(want: list, outs: list) -> None:
     for (tokens, logprobs), out in zip(want, outs):
         got = out.outputs[0]
         assert got.token_ids == tokens
-        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, tokens)], logprobs, atol=1e-3, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, tokens)], logprobs, atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("attn_impl", ["reference", "pallas_interpret"])
@@ -124,7 +124,7 @@ def test_prefix_cache_resumes_from_kept_states(checkpoint):
     for prompt, out in zip(a + b + c + d * 2 + d + b, outs):
         want, logprobs = hf_greedy(hf, prompt, 6)
         assert out.outputs[0].token_ids == want
-        np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, want)], logprobs, atol=1e-3)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, want)], logprobs, atol=1e-3)
     cfg = config_from_hf(dict(TINY, model_type="qwen3_5_text"))
     assert linear_state_snapshots(EngineConfig(max_num_seqs=64), cfg) == 16
     assert linear_state_snapshots(EngineConfig(enable_prefix_caching=False), cfg) == 0

@@ -340,12 +340,12 @@ def test_logit_bias_on_the_real_model(smol_llm):
     token. Ids outside the vocabulary are refused."""
     prompt = ["The capital of Italy is"]
     plain = smol_llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, logprobs=5))[0]
-    first = sorted(plain.logprobs[0].items(), key=lambda kv: -kv[1])
-    (top, top_lp), (third, third_lp) = first[0], first[2]
+    first = sorted(plain.logprobs[0].items(), key=lambda kv: -kv[1].logprob)
+    (top, top_lp), (third, third_lp) = [(t, lp.logprob) for t, lp in (first[0], first[2])]
     boosted = smol_llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=1,
                                                        logit_bias={third: top_lp - third_lp + 0.5}))[0]
     assert boosted.token_ids == [third]
-    np.testing.assert_allclose(boosted.logprobs[0][third], third_lp, atol=1e-4)
+    np.testing.assert_allclose(boosted.logprobs[0][third].logprob, third_lp, atol=1e-4)
     banned = smol_llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0,
                                                       logit_bias={t: -100 for t in plain.token_ids}))[0]
     assert len(banned.token_ids) == 8 and not set(banned.token_ids) & set(plain.token_ids)
@@ -366,7 +366,7 @@ def test_allowed_token_ids_on_the_real_model(smol_llm):
     (a choice) the answer is what both allow. Ids outside the vocabulary are refused."""
     prompt = "The capital of Italy is"
     plain = smol_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=5))[0]
-    ranked = [t for t, _ in sorted(plain.logprobs[0].items(), key=lambda kv: -kv[1])]
+    ranked = [t for t, _ in sorted(plain.logprobs[0].items(), key=lambda kv: -kv[1].logprob)]
     allowed = [ranked[3], ranked[1]]
     only = SamplingParams(max_tokens=6, temperature=0, allowed_token_ids=allowed)
     got, beside = smol_llm.generate([prompt, prompt], [only, SamplingParams(max_tokens=8, temperature=0)])
@@ -430,8 +430,15 @@ def test_logprobs_output_shape(smol_llm):
     assert len(out.logprobs) == len(out.token_ids)
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert tok in lp and 3 <= len(lp) <= 4
-        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
-        assert all(v <= 0 for v in lp.values())
+        assert lp[tok].logprob == max(v.logprob for v in lp.values())  # greedy picks the most likely token
+        assert all(v.logprob <= 0 for v in lp.values())
+        # vLLM's Logprob: the alternatives ranked 1, 2, 3 in order, each with its text
+        assert [v.rank for v in lp.values()][:3] == [1, 2, 3] and lp[tok].rank == 1
+        assert all(v.decoded_token == smol_llm.tokenizer.decode([t], skip_special_tokens=False) for t, v in lp.items())
+    total = sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs))
+    assert out.outputs[0].cumulative_logprob == pytest.approx(total)
+    plain = smol_llm.generate(["The capital of Italy is"], SamplingParams(max_tokens=2))[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None  # not asked for, as in vLLM
 
 
 @pytest.mark.parametrize("text", ["naïve café 😀 日本語のテキスト", "emoji 🧑‍🚀🚀 and ünïcödé"])

@@ -116,8 +116,8 @@ def test_tiny_sliding_window_models_match_transformers(family, tmp_path_factory)
         kept = LLM(model=path, **ENGINE, hybrid_kv_cache=False)
         for a, b in zip(llm.generate(_prompts(), params), kept.generate(_prompts(), params)):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            np.testing.assert_allclose([lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)],
-                                       [lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)],
+            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)],
+                                       [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)],
                                        rtol=0, atol=1e-5)
     kv = llm.engine.kv
     assert kv.num_free_pages == kv.num_usable_pages and llm.engine.compiles_since_warmup == 0

@@ -48,7 +48,7 @@ def _reference(engines, residency) -> dict[tuple[str, str], tuple[str, list[floa
         assert residency.acquire(name, timeout=60)
         for prompt, result in zip(PROMPTS, LLM(engine=engine).generate(PROMPTS, params)):
             c = result.outputs[0]
-            out[name, prompt] = c.text, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]
+            out[name, prompt] = c.text, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
         residency.release(name)
     return out
 

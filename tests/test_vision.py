@@ -300,7 +300,7 @@ def test_generate_with_images_equals_hf(multimodal, mm_llm):
     assert compile_count() == compiles  # the encoder's tile buckets were compiled with the engine
     for out, (tokens, lps) in zip(outs, want):
         assert out.outputs[0].token_ids == tokens
-        np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], lps, atol=1e-3, rtol=0)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)], lps, atol=1e-3, rtol=0)
     assert images.pool.free_rows == free == images.pool.num_rows
     # the image matters: the same prompt with another image answers otherwise
     other = Image.fromarray(RNG.integers(0, 256, (40, 40, 3), dtype=np.uint8))
