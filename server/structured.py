@@ -71,11 +71,72 @@ def response_format(raw: Any) -> StructuredOutputs | None:
 
 
 def structured_outputs(raw: Any) -> StructuredOutputs | None:
-    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar (Lark), json_object."""
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar (Lark), json_object; and
+    its options for a JSON one (`_json_options`)."""
     if raw is None:
         return None
-    v = _object(raw, "structured_outputs", set(_STRUCTURED_KEYS))
-    return _spec("structured_outputs", **{k: v[k] for k in _STRUCTURED_KEYS if v.get(k) is not None})
+    v = _object(raw, "structured_outputs", {*_STRUCTURED_KEYS, *_OPTIONS})
+    if v.get("structural_tag") is not None:
+        raise _bad("'structured_outputs.structural_tag' is not supported", "structured_outputs.structural_tag")
+    kinds = {k: v[k] for k in _STRUCTURED_KEYS if v.get(k) is not None}
+    layout, closed = _json_options(v)
+    if closed and isinstance(kinds.get("json"), dict):
+        kinds["json"] = _closed(kinds["json"])
+    return _spec("structured_outputs", json_layout=layout, **kinds)
+
+
+# vLLM's StructuredOutputsParams options: its fallback from one grammar engine to another has no
+# counterpart here (one engine, llguidance), so disable_fallback changes nothing.
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback", "whitespace_pattern",
+            "structural_tag")
+
+
+def _json_options(v: dict) -> tuple[dict[str, Any] | None, bool]:
+    """(the JSON layout over the default one, whether objects are closed): disable_any_whitespace, no
+    whitespace at all (',' and ':'); whitespace_pattern, the whitespace allowed between JSON tokens;
+    disable_additional_properties, no property an object's schema does not name."""
+    for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if v.get(name) is not None and not isinstance(v[name], bool):
+            raise _bad(f"'structured_outputs.{name}' must be a boolean", f"structured_outputs.{name}")
+    pattern = v.get("whitespace_pattern")
+    if pattern is not None and (not isinstance(pattern, str) or not pattern):
+        raise _bad("'structured_outputs.whitespace_pattern' must be a non-empty regex",
+                   "structured_outputs.whitespace_pattern")
+    if pattern is not None and v.get("disable_any_whitespace"):
+        raise _bad("give 'whitespace_pattern' or 'disable_any_whitespace', not both",
+                   "structured_outputs.whitespace_pattern")
+    layout = None
+    if v.get("disable_any_whitespace"):
+        layout = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    elif pattern is not None:
+        layout = {"whitespace_flexible": True, "whitespace_pattern": pattern, "item_separator": ",",
+                  "key_separator": ":"}
+    return layout, bool(v.get("disable_additional_properties"))
+
+
+# Where a JSON schema holds schemas: by name, in a list, or one.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with additionalProperties false on every object schema that does not set it."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _closed(s) for name, s in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [_closed(s) for s in schema[key]]
+    for key in _SCHEMA_ONE:
+        if key in schema:
+            out[key] = _closed(schema[key])
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 # vLLM's older request fields for the same constraints (deprecated there, still sent by many clients),

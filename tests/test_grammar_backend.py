@@ -495,3 +495,33 @@ def test_a_forced_call_after_qwen3_reasoning_on_qwens_tokens(qwen_like):
     matcher = b.compile(req.params.structured_outputs).matcher()
     assert matcher.accept_tokens(toks) == len(toks) and matcher.is_terminated()
     assert req.params.skip_special_tokens  # the markers are not special: a decode keeps them anyway
+
+
+def test_vllms_structured_outputs_options(backend, tokenizer):
+    """vLLM's StructuredOutputsParams options: disable_any_whitespace (',' and ':' alone),
+    whitespace_pattern (the whitespace allowed between JSON tokens), disable_additional_properties
+    (objects closed where their schema leaves them open, nested ones too); disable_fallback changes
+    nothing here; structural_tag and ill-typed options are refused by name."""
+    from server.errors import APIError
+    from server.structured import structured_outputs
+
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}, "o": {"type": "object", "properties": {
+        "b": {"type": "integer"}}}}, "required": ["a"]}
+
+    def takes(options: dict, text: str) -> bool:
+        return _accepts(backend, tokenizer, structured_outputs({"json": open_schema, **options}), text) == (True, True)
+
+    assert takes({}, '{"a": 1}') and not takes({}, '{"a":1}')  # the default layout: json.dumps's
+    assert takes({"disable_any_whitespace": True}, '{"a":1}') and not takes({"disable_any_whitespace": True}, '{"a": 1}')
+    spaced = {"whitespace_pattern": "[ ]{0,2}"}
+    assert takes(spaced, '{"a":1}') and takes(spaced, '{ "a" :  1 }') and not takes(spaced, '{"a":\n1}')
+    assert takes({}, '{"a": 1, "z": 2}') and takes({}, '{"a": 1, "o": {"b": 2, "z": 3}}')
+    closed = {"disable_additional_properties": True, "disable_fallback": True}
+    assert takes(closed, '{"a": 1, "o": {"b": 2}}')
+    assert not takes(closed, '{"a": 1, "z": 2}') and not takes(closed, '{"a": 1, "o": {"b": 2, "z": 3}}')
+    for options, param in [({"structural_tag": "{}"}, "structural_tag"), ({"disable_fallback": 1}, "disable_fallback"),
+                           ({"whitespace_pattern": ""}, "whitespace_pattern"),
+                           ({"whitespace_pattern": " ", "disable_any_whitespace": True}, "whitespace_pattern")]:
+        with pytest.raises(APIError) as e:
+            structured_outputs({"json": open_schema, **options})
+        assert e.value.param == f"structured_outputs.{param}", options

@@ -60,10 +60,11 @@ def to_grammar(spec: StructuredOutputs) -> str:
 
 def _constraint_grammar(spec: StructuredOutputs) -> str:
     kind = spec.kind
+    layout = JSON_LAYOUT | (spec.json_layout or {})
     if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_LAYOUT)
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=layout)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=layout)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":

@@ -30,6 +30,9 @@ class StructuredOutputs:
     # What the output holds before the constraint applies: a Lark grammar whose `start` rule ends in
     # `@answer`, the constraint (a reasoning block, `reasoning_parsers.reasoning_grammar`). None: from the start.
     after: str | None = None
+    # A JSON constraint's layout, over the backend's (llguidance's item_separator, key_separator,
+    # whitespace_flexible, whitespace_pattern): vLLM's disable_any_whitespace and whitespace_pattern.
+    json_layout: dict[str, Any] | None = None
 
     def __post_init__(self):
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -68,6 +71,8 @@ class StructuredOutputs:
         """Equal constraints share one compiled grammar (backend cache), whatever field they came in."""
         value: Any = getattr(self, self.kind)
         text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        if self.json_layout is not None:
+            text = f"{json.dumps(self.json_layout, sort_keys=True)}\0{text}"
         return self.kind, text if self.after is None else f"{self.after}\0{text}"
 
     def __eq__(self, other: object) -> bool:
