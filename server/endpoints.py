@@ -362,8 +362,8 @@ async def admitted(request: web.Request, kv: RequestHandoff, m: ServedModel, lor
     spec = req.params.structured_outputs
     grammar = await _compile(m, spec) if spec is not None else None
     stream = m.engine.generate(prompts, req.params, request_id=uuid.uuid4().hex, priority=req.priority,
-                                tenant=salted_tenant(tenant, req.cache_salt), prefix_hint_tokens=hint, session_id=session, grammar=grammar,
-                                lora_request=lora, images=images)
+                                tenant=salted_tenant(tenant, req.cache_salt), prefix_hint_tokens=hint,
+                                session_id=session, grammar=grammar, lora_request=lora, images=images)
     try:
         async with stream:
             yield stream
