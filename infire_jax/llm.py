@@ -17,6 +17,7 @@ from infire_jax.pooling.config import PoolingParams
 from infire_jax.pooling.scoring import cosine_scores, pairs
 from infire_jax.runner.image_pool import ImagePoolFull
 from infire_jax.sample.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from infire_jax.sample.prompt_logprobs import Logprob
 from infire_jax.sample.sampling_params import SamplingParams
 from infire_jax.vision import preprocess
 from infire_jax.vision import prompt as placeholders
@@ -109,6 +110,9 @@ class LLM:
         results = search.results()
         for seq in (s for r in results for s in r.sequences):
             seq.text = self.tokenizer.decode(seq.tokens)
+            text = self.engine.token_text  # each step's top 2 x beam_width, in rank order
+            seq.logprobs = [{t: Logprob(lp, rank, text(t)) for rank, (t, lp) in enumerate(e.items(), 1)}
+                            for e in seq.logprobs]
         return results
 
     def embed(self, prompts: Prompt | Sequence[Prompt],

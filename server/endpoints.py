@@ -158,7 +158,7 @@ async def chat_prompt(m: ServedModel, req: ChatRequest, param: str,
     through the chat template, as token ids, each image's marker expanded for its `tiles`; its tools'
     schemas checked and forced calls constrained. `param`: the field errors in the messages are named after."""
     text = chat_text(m, req, param, tiles)
-    prompts = _truncated(m, req, [m.tokenizer.encode(text, add_special_tokens=False)])
+    prompts = _truncated(m, req, [m.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)])
     _check_length(m, prompts, param)
     if harmony.is_harmony(m.tokenizer.chat_template):
         _harmony_stops(m, req)

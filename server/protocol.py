@@ -37,7 +37,7 @@ _COMMON = frozenset({
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format", "add_special_tokens"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls", "store", "chat_template_kwargs", "reasoning_effort",
-                   "add_generation_prompt", "continue_final_message", "echo",
+                   "add_generation_prompt", "continue_final_message", "echo", "add_special_tokens",
                    # OpenAI's, accepted where their value changes nothing here (`_neutral_chat_fields`)
                    "metadata", "service_tier", "modalities", "audio", "prediction", "safety_identifier",
                    "prompt_cache_key", "functions", "function_call"}
@@ -91,6 +91,7 @@ class ChatRequest(GenerationRequest):
     continue_final_message: bool = False  # vLLM's: the last message left open, for the model to continue
     # vLLM's echo: the last message's text, where it is the assistant's, opens the answer; None: no echo
     echo_text: str | None = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) over the template's own
 
 
 class Body:
@@ -395,7 +396,8 @@ def parse_chat(data: Any, defaults: Mapping[str, Any] | None = None) -> ChatRequ
     echo = b.boolean("echo", False) and last["role"] == "assistant"
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top, tools=tools, response_format=fmt,
                        chat_template_kwargs=kwargs, images=images, add_generation_prompt=generation_prompt,
-                       continue_final_message=continue_final, echo_text=(last["content"] or "") if echo else None)
+                       continue_final_message=continue_final, echo_text=(last["content"] or "") if echo else None,
+                       add_special_tokens=b.boolean("add_special_tokens", False))
 
 
 def template_kwargs(raw: Any, effort: str | None = None) -> dict[str, Any]:

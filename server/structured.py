@@ -80,8 +80,9 @@ def structured_outputs(raw: Any) -> StructuredOutputs | None:
         raise _bad("'structured_outputs.structural_tag' is not supported", "structured_outputs.structural_tag")
     kinds = {k: v[k] for k in _STRUCTURED_KEYS if v.get(k) is not None}
     layout, closed = _json_options(v)
-    if closed and isinstance(kinds.get("json"), dict):
-        kinds["json"] = _closed(kinds["json"])
+    if closed and kinds.get("json") is not None:
+        schema = _spec("structured_outputs", json=kinds["json"]).json  # a schema's JSON text parsed
+        kinds["json"] = _closed(schema) if isinstance(schema, dict) else schema
     return _spec("structured_outputs", json_layout=layout, **kinds)
 
 
@@ -143,7 +144,7 @@ def _closed(schema: Any) -> Any:
 # by the `structured_outputs` key each stands for.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # ... and the two that choose how: a backend (one constrains every output here, so any name is the
-# same output) and a whitespace pattern (which would change the JSON written: refused).
+# same output) and a whitespace pattern (structured_outputs' whitespace_pattern).
 GUIDED_FIELDS = (*_GUIDED, "guided_decoding_backend", "guided_whitespace_pattern")
 
 
@@ -152,13 +153,16 @@ def guided(data: dict[str, Any]) -> StructuredOutputs | None:
     backend = data.get("guided_decoding_backend")
     if backend is not None and not isinstance(backend, str):
         raise _bad("'guided_decoding_backend' must be a string", "guided_decoding_backend")
-    if data.get("guided_whitespace_pattern") is not None:
-        raise _bad("'guided_whitespace_pattern' is not supported by this server: JSON is written with the "
-                   "grammar backend's own whitespace", "guided_whitespace_pattern")
+    pattern = data.get("guided_whitespace_pattern")
+    if pattern is not None and (not isinstance(pattern, str) or not pattern):
+        raise _bad("'guided_whitespace_pattern' must be a non-empty regex", "guided_whitespace_pattern")
     given = sorted(k for k in _GUIDED if data.get(k) is not None)
     if len(given) > 1:
         raise _bad(f"give one of {', '.join(_GUIDED)}, not {' and '.join(given)}", given[1])
-    return _spec(given[0], **{_GUIDED[given[0]]: data[given[0]]}) if given else None
+    if not given:
+        return None
+    layout = _json_options({"whitespace_pattern": pattern})[0]
+    return _spec(given[0], json_layout=layout, **{_GUIDED[given[0]]: data[given[0]]})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,12 @@ def test_llm_beam_search_matches_transformers(smol_llm, hf_smol, offline):
                                                torch.tensor(seq.tokens[len(ids):])]
             assert abs(seq.cum_logprob - lp.sum().item()) < 1e-3
             assert seq.text == smol_llm.tokenizer.decode(seq.tokens) and seq.finish_reason == "length"
+            # vLLM's form: each step's alternatives as Logprob(logprob, rank, decoded_token), the beam's among them
+            chosen = [e[t] for e, t in zip(seq.logprobs, seq.tokens[len(ids):])]
+            assert abs(sum(c.logprob for c in chosen) - seq.cum_logprob) < 1e-4
+            assert all(c.rank >= 1 and c.decoded_token == smol_llm.engine.token_text(t)
+                       for c, t in zip(chosen, seq.tokens[len(ids):]))
+            assert all([v.rank for v in e.values()] == list(range(1, len(e) + 1)) for e in seq.logprobs)
     assert smol_llm.engine.kv.num_free_pages == smol_llm.engine.kv.num_usable_pages
 
 

@@ -215,6 +215,9 @@ def test_tokenizer_endpoints(smol_server, tok):
     assert status == 200 and out["tokens"] == want, out
     status, chat = post(smol_server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1})
     assert status == 200 and chat["usage"]["prompt_tokens"] == out["count"]
+    status, chat = post(smol_server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                              "add_special_tokens": True})  # vLLM's; no BOS here
+    assert status == 200 and chat["usage"]["prompt_tokens"] == out["count"]
     status, bare = post(smol_server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
     assert status == 200 and bare["tokens"] == want[:len(bare["tokens"])] and bare["count"] < out["count"]
     for body, param in [({"prompt": "hi", "messages": messages}, "prompt"), ({"prompt": "hi", "tools": []}, "tools"),

@@ -54,8 +54,9 @@ def test_a_bad_file_is_refused_by_name(tmp_path):
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(ConfigError, match="generation_config.json cannot be read"):
         sampling_defaults(str(tmp_path))
-    with pytest.raises(ConfigError, match="max_tokens"):
-        sampling_defaults(_folder(tmp_path, {"max_new_tokens": -1}))
+    for bad in (-1, 0, 2.5):  # 0 would end every request at once
+        with pytest.raises(ConfigError, match="max_new_tokens must be an integer >= 1"):
+            sampling_defaults(_folder(tmp_path, {"max_new_tokens": bad}))
 
 
 def test_the_flags(tmp_path):

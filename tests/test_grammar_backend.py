@@ -503,7 +503,7 @@ def test_vllms_structured_outputs_options(backend, tokenizer):
     (objects closed where their schema leaves them open, nested ones too); disable_fallback changes
     nothing here; structural_tag and ill-typed options are refused by name."""
     from server.errors import APIError
-    from server.structured import structured_outputs
+    from server.structured import guided, structured_outputs
 
     open_schema = {"type": "object", "properties": {"a": {"type": "integer"}, "o": {"type": "object", "properties": {
         "b": {"type": "integer"}}}}, "required": ["a"]}
@@ -515,6 +515,10 @@ def test_vllms_structured_outputs_options(backend, tokenizer):
     assert takes({"disable_any_whitespace": True}, '{"a":1}') and not takes({"disable_any_whitespace": True}, '{"a": 1}')
     spaced = {"whitespace_pattern": "[ ]{0,2}"}
     assert takes(spaced, '{"a":1}') and takes(spaced, '{ "a" :  1 }') and not takes(spaced, '{"a":\n1}')
+    old_form = guided({"guided_json": open_schema, "guided_whitespace_pattern": "[ ]{0,2}"})  # vLLM's older field
+    assert _accepts(backend, tokenizer, old_form, '{ "a" :  1 }') == (True, True)
+    as_text = structured_outputs({"json": json.dumps(open_schema), "disable_additional_properties": True})
+    assert not _accepts(backend, tokenizer, as_text, '{"a": 1, "z": 2}')[0]  # a schema's JSON text closed too
     assert takes({}, '{"a": 1, "z": 2}') and takes({}, '{"a": 1, "o": {"b": 2, "z": 3}}')
     closed = {"disable_additional_properties": True, "disable_fallback": True}
     assert takes(closed, '{"a": 1, "o": {"b": 2}}')

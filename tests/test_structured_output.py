@@ -258,7 +258,7 @@ BAD = [  # (changes to a chat body, param)
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_json": {}, "guided_regex": "a"}, "guided_regex"),
     ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "structured_outputs"),
-    ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"guided_regex": "a", "guided_whitespace_pattern": 5}, "guided_whitespace_pattern"),
     ({"guided_decoding_backend": 3}, "guided_decoding_backend"),
     ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad name!"}}]}, "tools[1].function.name"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from infire_jax.errors import InvalidRequestError
+from infire_jax.sample.prompt_logprobs import Logprob
 from infire_jax.sample.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a step asks for 2 x beam_width log-probabilities
@@ -49,10 +50,11 @@ class BeamSearchParams:
 @dataclasses.dataclass
 class BeamSearchSequence:
     """One beam (vLLM's): `tokens` hold the prompt's and the generated ones; `logprobs` each step's top
-    log-probabilities; `text` is set on the results (the whole sequence decoded)."""
+    log-probabilities (floats while searching; `LLM.beam_search` hands them out as vLLM's `Logprob`s);
+    `text` is set on the results (the whole sequence decoded)."""
 
     tokens: list[int]
-    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None

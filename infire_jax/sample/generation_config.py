@@ -69,6 +69,10 @@ def sampling_defaults(model: str | None, source: str = "auto",
     defaults = {FIELDS[k]: v for k, v in config.items() if k in FIELDS and v is not None}
     if isinstance(defaults.get("top_k"), float) and defaults["top_k"].is_integer():
         defaults["top_k"] = int(defaults["top_k"])
+    if defaults.get("max_tokens") is not None and not (isinstance(defaults["max_tokens"], int)
+                                                       and defaults["max_tokens"] >= 1):
+        raise ConfigError(f"the generation config's max_new_tokens must be an integer >= 1, got "
+                          f"{defaults['max_tokens']!r}")
     try:
         SamplingParams(**defaults)
     except (InvalidRequestError, TypeError) as e:
