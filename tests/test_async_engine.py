@@ -44,6 +44,7 @@ class ScriptedEngine:
         self.pool_sizing = PoolSizing(num_pages=8, page_bytes=1024, source="num_kv_pages")
         self.compiles_since_warmup = 0
         self.spec = None  # no speculative decoding
+        self.sampling_defaults = {}  # no generation config
         self.step_seconds = step_seconds
         self.seqs: dict[str, list[list[int]]] = {}  # request id -> [index, produced, max_tokens] per sample
         self.added: list[str] = []

@@ -463,7 +463,7 @@ def test_reasoning_markers_that_are_special_tokens_stay_in_the_decoded_text():
     from server.protocol import parse_chat
 
     def served(parser: str, special: dict[str, int]):
-        tokenizer = types.SimpleNamespace(special_token_id=special.get)
+        tokenizer = types.SimpleNamespace(special_token_id=special.get, added_token_id=special.get)
         return types.SimpleNamespace(reasoning_parser=parser, tokenizer=tokenizer)
 
     def request(**body):
