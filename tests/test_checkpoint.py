@@ -17,7 +17,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from conftest import cpu_env
-from infire_jax.loaders import checkpoint, load, load_model
+from infire_jax.loaders import checkpoint, load
+from infire_jax.loaders.load import load_model
 from infire_jax.loaders.dummy import dummy_tokenizer
 from infire_jax.loaders.weights import Placed
 from infire_jax.models.hf_config import config_from_hf
@@ -211,7 +212,8 @@ if job.get("process_id") is not None:
     initialize(job["address"], 2, job["process_id"])
 import jax, jax.numpy as jnp, numpy as np, orbax.checkpoint  # imported before any reads are counted
 from flax import nnx
-from infire_jax.loaders import load, load_model
+from infire_jax.loaders import load
+from infire_jax.loaders.load import load_model
 from sharding.mesh import load_mesh_config
 from sharding.plan import ShardPlan
 

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from eagle3_reference import ReferenceEagle3
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders import load_model
+from infire_jax.loaders.load import load_model
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import build_state
 from infire_jax.speculative.eagle3 import eagle3_propose

@@ -185,7 +185,7 @@ def test_aux_hidden_states_equal_hf_hidden_states(checkpoints):
     from flax import nnx
     from test_eagle3 import assert_aux_states, hf_states
 
-    from infire_jax.loaders import load_model
+    from infire_jax.loaders.load import load_model
     from infire_jax.models.registry import build_state
 
     hf, path = checkpoints["causal"]

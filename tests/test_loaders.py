@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from infire_jax.loaders import load_model
+from infire_jax.loaders.load import load_model
 from infire_jax.loaders.dummy import CONFIGS, load_dummy
 from infire_jax.loaders.weights import load_native, save_native
 from infire_jax.models.hf_config import config_from_hf

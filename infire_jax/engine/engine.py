@@ -25,7 +25,7 @@ from infire_jax.errors import ConfigError, InvalidRequestError
 from infire_jax.core.hybrid_kv_cache import kv_cache_manager
 from infire_jax.kv_transfer import KVBlocks, KVLayout
 from infire_jax.kv_transfer.pages import export_pages, import_pages
-from infire_jax.loaders import LoadedModel
+from infire_jax.loaders.weights import LoadedModel
 from infire_jax.loaders.vision import load_vision_weights
 from infire_jax.lora.adapters import Adapter, Adapters, cache_salt, resolve_lora
 from infire_jax.lora.request import LoRARequest

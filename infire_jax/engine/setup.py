@@ -28,7 +28,7 @@ from infire_jax.errors import ConfigError
 from infire_jax.core.kv_groups import KVGroupLayout
 from infire_jax.runner.kv_pool import PoolPlanner, PoolSizing
 from infire_jax.runner.kv_scales import CALIBRATION_TEXT, calibrate, resolve_kv_cache_dtype
-from infire_jax.loaders import LoadedModel
+from infire_jax.loaders.weights import LoadedModel
 from infire_jax.loaders.kv_scales_hf import read_kv_scales
 from infire_jax.loaders.load import load_config, load_placed, load_quantized_placed, load_resident_placed
 from infire_jax.loaders.paths import cache_dir
