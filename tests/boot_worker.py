@@ -28,7 +28,7 @@ def main() -> None:
     while engine.has_unfinished():
         for d in engine.step():
             tokens[d.request_id] += d.token_ids
-            logprobs[d.request_id] += [lp[t].logprob for lp, t in zip(d.logprobs or [], d.token_ids)]
+            logprobs[d.request_id] += [lp[t] for lp, t in zip(d.logprobs or [], d.token_ids)]
     print("RESULT " + json.dumps(dict(
         tokens=[tokens[i] for i in ids], logprobs=[logprobs[i] for i in ids], compiled=engine.boot.compiled,
         executables_loaded=engine.boot.executables_loaded,

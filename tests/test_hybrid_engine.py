@@ -205,7 +205,7 @@ def _greedy(engine: Engine, prompt: list[int], tenant: str) -> tuple[list[int], 
     while engine.has_unfinished():
         for d in engine.step():
             tokens += d.token_ids
-            lps += [lp[t].logprob for lp, t in zip(d.logprobs, d.token_ids)]
+            lps += [lp[t] for lp, t in zip(d.logprobs, d.token_ids)]
             cached = d.num_cached_tokens
     return tokens, lps, cached
 
