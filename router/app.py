@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from infire_jax import __version__
 from router.errors import error_middleware
 from router.passthrough import (OWNERS, create_response, detokenize, retrieve_response, tokenize,
                                 tokenizer_info)
@@ -118,6 +119,9 @@ def build_router_app(config: RouterConfig) -> web.Application:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", _health)
+    for method in ("GET", "POST"):  # vLLM's (SageMaker's health check): /health's answer
+        app.router.add_route(method, "/ping", _health)
+    app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
@@ -143,6 +147,11 @@ async def _health(request: web.Request) -> web.Response:
     ok = bool(st.healthy(DECODE_ROLES))
     workers = [{"url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight} for w in st.workers]
     return web.json_response({"status": "ok" if ok else "unhealthy", "workers": workers}, status=200 if ok else 503)
+
+
+async def _version(request: web.Request) -> web.Response:
+    """vLLM's `/version`: this engine's (the router's package, jax-free)."""
+    return web.json_response({"version": __version__})
 
 
 async def _metrics(request: web.Request) -> web.Response:

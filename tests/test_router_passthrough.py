@@ -83,5 +83,8 @@ def test_responses_follow_the_worker_that_stored_them():
                 assert status == 404 and err["error"]["code"] == "previous_response_not_found"
                 status, out = await post("/tokenize", {"prompt": "hi"})
                 assert status == 200 and out["asked"] == {"prompt": "hi"} and out["tokens"] == [1, 2]
+                async with s.post(router + "/ping") as r:  # vLLM's health check, as a worker answers it
+                    assert r.status == 200 and (await r.json())["status"] == "ok"
+                assert (await get("/version"))[1]["version"]
 
     asyncio.run(main())
