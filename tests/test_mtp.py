@@ -214,3 +214,19 @@ def test_glm4_moe_drafts_match_the_reference(tmp_path):
         drafts, logits = ref.greedy_chain(tokens[start:start + n], hidden[start:start + n], 2)
         assert np.asarray(out.token_ids[r]).tolist() == drafts
         np.testing.assert_allclose(out.draft_logits[r], logits, rtol=1e-4, atol=1e-4)
+
+    # through the engine: GLM-4.5's pool entry for the head, greedy output the engine's own without drafts
+    from infire_jax import LLM, SamplingParams
+
+    prompts, params = [[5, 77, 200, 13, 42], list(range(60, 90))], SamplingParams(max_tokens=12, temperature=0,
+                                                                                   ignore_eos=True)
+    plain = LLM(model=str(tmp_path), **ENGINE)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    plain.engine.close()
+    spec = LLM(model=str(tmp_path), **ENGINE, speculative_config={
+        "method": "glm4_moe_mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8, "acceptance_threshold": 0.0})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    e = spec.engine
+    assert e.spec.stats.num_draft_tokens > 0 and e.compiles_since_warmup == 0
+    assert e.kv.num_free_pages == e.kv.num_usable_pages
+    e.close()
