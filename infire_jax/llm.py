@@ -183,7 +183,7 @@ class LLM:
                         break
                     pending.pop(0)
                     order.append(rid)
-                    tops[rid] = getattr(params, "logprobs", None) or 0
+                    tops[rid] = (params.logprobs or 0) if isinstance(params, SamplingParams) else 0
                     results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                                  [CompletionOutput(i) for i in range(params.n)])
                 for d in self.engine.step():

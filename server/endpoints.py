@@ -251,19 +251,22 @@ def sampling_defaults(st: ServerState, body: Any) -> Mapping[str, Any]:
     """The sampling defaults of the model a body names (an adapter's: its base model's); none for a
     name not served, which `served_model` refuses once the body is read."""
     name = body.get("model") if isinstance(body, dict) else None
-    if not isinstance(name, str):
-        return {}
-    m = st.models.get(name) or next((x for x in st.models.values() if name in x.adapters), None)
+    m = _named(st, name)[0] if isinstance(name, str) else None
     return m.sampling_defaults if m is not None else {}
+
+
+def _named(st: ServerState, model: str) -> tuple[ServedModel | None, str | None]:
+    """The served model a name selects (None: none does), and the LoRA adapter it names (None: the model)."""
+    m = st.models.get(model)
+    if m is not None:
+        return m, None
+    return next((x for x in st.models.values() if model in x.adapters), None), model
 
 
 def served_model(st: ServerState, model: str) -> tuple[ServedModel, str | None]:
     """The requested model, if it is served and its engine runs, and the LoRA adapter the name
     selects (None: the model itself)."""
-    m, lora = st.models.get(model), None
-    if m is None:
-        m = next((x for x in st.models.values() if model in x.adapters), None)
-        lora = model
+    m, lora = _named(st, model)
     if m is None:
         names = ", ".join(f"`{n}`" for x in st.models.values() for n in (x.name, *x.adapters))
         raise APIError(404, f"The model `{model}` does not exist; this server serves {names}.",

@@ -31,6 +31,14 @@ ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_
 PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100)), [300, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31, 17, 90, 200]]
 
 
+def _save(model, path) -> None:
+    """The transformers model's checkpoint, with a tokenizer of its vocabulary (EOS 2)."""
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=1,
+                        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(2,))
+    dummy_tokenizer(vocab).save(str(path))
+
+
 @pytest.fixture(scope="module")
 def mistral3(tmp_path_factory):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
@@ -45,10 +53,7 @@ def mistral3(tmp_path_factory):
         for p in model.model.language_model.parameters():
             p.normal_(0, 0.3) if p.ndim > 1 else p.copy_(1 + 0.3 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("mistral3")
-    model.save_pretrained(path, safe_serialization=True)
-    vocab = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=1,
-                        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(2,))
-    dummy_tokenizer(vocab).save(str(path))
+    _save(model, path)
     return model, path
 
 
@@ -79,10 +84,7 @@ def test_phi3_matches_transformers(window, tmp_path):
     torch.manual_seed(1)
     model = Phi3ForCausalLM(Phi3Config(**text, sliding_window=window, pad_token_id=0, eos_token_id=2,
                                        bos_token_id=1, initializer_range=0.3)).to(torch.float32).eval()
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    vocab = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=1,
-                        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(2,))
-    dummy_tokenizer(vocab).save(str(tmp_path))
+    _save(model, tmp_path)
     llm = LLM(model=str(tmp_path), **ENGINE)
     try:
         assert llm.engine.model_config.local_attention == (((0, window),) * 3 if window else ())
@@ -151,10 +153,7 @@ def test_qwen3_with_yarn_matches_transformers(tmp_path):
     config = Qwen3Config(**{**text, "max_position_embeddings": 128}, rope_parameters=rope, pad_token_id=0,
                          eos_token_id=2, bos_token_id=1, initializer_range=0.3)
     model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    vocab = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=1,
-                        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(2,))
-    dummy_tokenizer(vocab).save(str(tmp_path))
+    _save(model, tmp_path)
     llm = LLM(model=str(tmp_path), **ENGINE)
     try:
         rs = llm.engine.model_config.rope_scaling
