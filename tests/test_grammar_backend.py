@@ -296,6 +296,48 @@ def test_forced_minimax_m2_calls_are_one_block_of_typed_invokes(backend, tokeniz
         assert not accepts(True, wrong)[0], wrong
 
 
+@pytest.mark.parametrize("fmt,special", [("qwen3_coder", False), ("glm45", False), ("glm45", True)],
+                         ids=["qwen3_coder", "glm45", "glm45-special-token-markers"])
+def test_raw_text_formats_type_a_union_by_the_branch_its_value_satisfies(backend, tokenizer, fmt, special):
+    """A parameter that may be a string or something else, in the raw-text formats: the grammar takes
+    either a string within the string branch's bounds or JSON of the other branches, and the parser
+    keeps a non-string reading only where it satisfies its branch. For an integer of at least 10 or a
+    string of at most 2, `5` is the string "5" and `100` the integer; `abc` fits neither."""
+    import re
+
+    from infire_jax.structured import parse_tool_calls
+    from infire_jax.structured.tool_formats.glm45_grammar import MARKERS
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+
+    fn = {"name": "f", "parameters": {"type": "object", "required": ["x", "y"], "properties": {
+        "x": {"anyOf": [{"type": "integer", "minimum": 10}, {"type": "string", "maxLength": 2}]},
+        "y": {"type": ["string", "number"], "maxLength": 1, "maximum": 5}}}}
+    marks = dict(zip(MARKERS, range(3, 9))) if special else {}
+    spec = tool_call_constraint(fmt, [fn], parallel=False, special_token_ids=marks)
+
+    def call(x: str, y: str) -> str:
+        if fmt == "qwen3_coder":
+            return f"<tool_call>\n<function=f>\n<parameter=x>\n{x}\n</parameter>\n<parameter=y>\n{y}\n" \
+                   "</parameter>\n</function>\n</tool_call>"
+        return f"<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>{x}</arg_value>\n<arg_key>y</arg_key>\n" \
+               f"<arg_value>{y}</arg_value>\n</tool_call>"
+
+    def accepts(text: str) -> tuple[bool, bool]:
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", text) if marks else [text]
+        toks = [t for p in pieces if p for t in ([marks[p]] if p in marks else ids(tokenizer, p))]
+        m = backend.compile(spec).matcher()
+        return m.accept_tokens(toks) == len(toks), m.is_terminated()
+
+    tools = [{"type": "function", "function": fn}]
+    for x, y, want in (("5", "7", {"x": "5", "y": "7"}), ("100", "4.5", {"x": 100, "y": 4.5}),
+                       ("12", "3", {"x": 12, "y": 3}), ("ab", "z", {"x": "ab", "y": "z"})):
+        assert accepts(call(x, y)) == (True, True), (x, y)
+        _, (got,) = parse_tool_calls(call(x, y), fmt, tools=tools)
+        assert json.loads(got.arguments) == want
+    for x, y in (("abc", "1"), ("5", "10"), ("9.5", "1")):
+        assert not accepts(call(x, y))[0], (x, y)
+
+
 @pytest.mark.parametrize("fmt", ["pythonic", "llama4_pythonic"])
 def test_forced_pythonic_calls_are_python_literals_of_the_schema(backend, tokenizer, fmt):
     """A forced pythonic call: keyword arguments in the schema's order (the optional ones may be left

@@ -5,7 +5,8 @@
 #   source infire_jax/bench/gpu_wheels.sh use     # there, in the repository root, before any bench
 #
 # The image (Python 3.12, jax 0.11 for CUDA 13) has no network and lacks
-#   * gguf, llguidance, constriction: `import infire_jax` needs them;
+#   * gguf, llguidance, constriction: `import infire_jax` needs them; jsonschema (with its own
+#     dependencies) in case the image lacks it: the server's tool-call parsers need it;
 #   * mooncake-transfer-engine-non-cuda (the KV transfer of prefill/decode workers; the one
 #     pyproject.toml names, TCP only, which is what workers sharing one GPU use) and the system
 #     libraries its engine.so needs beyond glibc: libibverbs.so.1 (with libnl-3, libnl-route-3)
@@ -17,7 +18,8 @@
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dir="$root/.whl"
-wheels=(gguf==0.19.0 llguidance==1.9.1 constriction==0.5.0 mooncake-transfer-engine-non-cuda==0.3.13.post1)
+wheels=(gguf==0.19.0 llguidance==1.9.1 constriction==0.5.0 mooncake-transfer-engine-non-cuda==0.3.13.post1
+        jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0)
 debs=(libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1)
 
 fetch() (

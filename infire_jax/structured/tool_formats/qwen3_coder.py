@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import jsonschema
+
 from infire_jax.errors import InvalidRequestError
 from infire_jax.structured.schema_refs import inlined
 from infire_jax.structured.tool_formats.base import JSON_DECODER, Block, Format, ToolCall, closed_block, dumps
@@ -55,26 +57,61 @@ def _as_type(text: str, kind: str) -> Any:
 
 def schema_types(schema: dict[str, Any]) -> list[str]:
     """The JSON types a parameter schema allows, in the order written (`type`, or `anyOf`/`oneOf`)."""
+    return [kind for kind, _ in _branches(schema)]
+
+
+def non_string_schema(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """What a parameter schema that allows strings allows besides them (None: nothing): its `type`
+    without "string", or its union's branches without their strings (a branch with no type kept)."""
+    kind = schema.get("type")
+    if isinstance(kind, (str, list)):
+        rest = [k for k in ([kind] if isinstance(kind, str) else kind) if k != "string"]
+        return {**schema, "type": rest} if rest else None
+    union = "anyOf" if "anyOf" in schema else "oneOf" if "oneOf" in schema else None
+    if union is None or not isinstance(schema[union], list):
+        return None
+    rest = [r for sub in schema[union] if isinstance(sub, dict)
+            for r in [non_string_schema(sub) if schema_types(sub) else sub] if r is not None]
+    return {**schema, union: rest} if rest else None
+
+
+def _branches(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Each JSON type a parameter schema allows, in the order written, with the (sub)schema that
+    allows it."""
     kind = schema.get("type")
     if isinstance(kind, str):
-        return [kind]
+        return [(kind, schema)]
     if isinstance(kind, list):
-        return [k for k in kind if isinstance(k, str)]
-    return [t for sub in schema.get("anyOf", schema.get("oneOf", [])) if isinstance(sub, dict)
-            for t in schema_types(sub)]
+        return [(k, schema) for k in kind if isinstance(k, str)]
+    return [b for sub in schema.get("anyOf", schema.get("oneOf", [])) if isinstance(sub, dict)
+            for b in _branches(sub)]
+
+
+def _valid(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether `value` satisfies `schema`. A schema the validator cannot apply (an unresolvable `$ref`, a
+    bound of the wrong type: an unforced call's tools are not compiled first) counts as satisfied."""
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(value)
+    except Exception:  # noqa: BLE001 - the validator raises many kinds for malformed schemas
+        return True
 
 
 def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
-    """A parameter's raw text as the value its schema asks for. Non-string types are tried first, so
-    `["string", "null"]` reads `null` as null; text that fits none of them stays a string unless the
-    schema has no type at all, when it is read as JSON if it is JSON."""
-    kinds = schema_types(schema or {})
-    for kind in [k for k in kinds if k != "string"]:
-        value = _as_type(text, kind)
-        if value is not _NOT_JSON:
+    """A parameter's raw text as the value its schema asks for. Non-string types are tried first, each
+    kept only where the value satisfies its branch of the schema, so `["string", "null"]` reads `null`
+    as null while an `anyOf` of an integer of at least 10 and a string reads `5` as "5". Text that fits
+    no branch stays a string where strings are allowed, else becomes the first type it converts to;
+    a schema with no type at all reads it as JSON where it is JSON."""
+    branches = _branches(schema or {})
+    converted = [(value, sub) for kind, sub in branches if kind != "string"
+                 for value in [_as_type(text, kind)] if value is not _NOT_JSON]
+    for value, sub in converted:
+        if _valid(value, sub):
             return value
-    if kinds:
+    if any(kind == "string" for kind, _ in branches) or (branches and not converted):
         return text
+    if converted:
+        return converted[0][0]
     value = _json(text.strip())
     return text if value is _NOT_JSON else value
 

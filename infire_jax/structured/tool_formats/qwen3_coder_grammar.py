@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from infire_jax.errors import InvalidRequestError
 from infire_jax.structured.backend import inline_json
-from infire_jax.structured.tool_formats.qwen3_coder import schema_types
+from infire_jax.structured.tool_formats.qwen3_coder import non_string_schema, schema_types
 
 _CLOSE = "\n</parameter>\n"
 
@@ -54,10 +54,14 @@ def value_rules(schema: dict[str, Any], rule: str, close: str = json.dumps(_CLOS
         string = next((s for s in branches if isinstance(s, dict) and "string" in schema_types(s)
                        and "anyOf" not in s and "oneOf" not in s), schema)
         text = f"{rule.upper()}_TEXT"
+        others = non_string_schema(schema)  # a union's other branches: their JSON, beside the raw text
+        json_alt = [] if others is None else [f"{rule}_json: {inline_json(others)} {close}"]
+        raw = rule if others is None else f"{rule}_raw"
+        alternatives = [] if others is None else [f"{rule}: {raw} | {rule}_json"]
         if not text_close:
-            return [f"{text}: {_string_terminal(string)}", f"{rule}: {text} {close}"]
-        return [f"{text}: {_string_terminal(string)}", f"{rule.upper()}: {text} {close}",
-                f"{rule}[lazy]: {rule.upper()}"]
+            return [f"{text}: {_string_terminal(string)}", f"{raw}: {text} {close}", *json_alt, *alternatives]
+        return [f"{text}: {_string_terminal(string)}", f"{raw.upper()}: {text} {close}",
+                f"{raw}[lazy]: {raw.upper()}", *json_alt, *alternatives]
     return [f"{rule}: {inline_json(schema)} {close}"]
 
 
