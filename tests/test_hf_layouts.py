@@ -100,12 +100,48 @@ def test_refuses_a_text_config_that_is_not_mistral():
         config_from_hf({"model_type": "mistral3"})
 
 
-def test_phi3_refuses_partial_rotation_and_longrope():
+@pytest.mark.parametrize("extended", [True, False], ids=["long-factors", "short-factors"])
+def test_phi4_mini_partial_rotation_and_longrope_match_transformers(extended, tmp_path):
+    """Phi-4-mini's layers: q and k rotate three quarters of each head, with LongRoPE (random short and
+    long factors, an original context of 32). A checkpoint extending it (to 128: an attention factor of
+    sqrt(1 + ln 4 / ln 32)) rotates every position by the long factors, as transformers rotates a
+    sequence longer than 32 (one forward over 44 and 53 tokens); one that does not, by the short
+    factors, as transformers rotates sequences within 32 (24 tokens)."""
+    import numpy as np
+
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    text = {k: v for k, v in TEXT.items() if k not in ("model_type", "head_dim", "sliding_window", "rope_theta")}
+    rng = np.random.default_rng(3)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": rng.uniform(1, 3, 6).round(3).tolist(), "long_factor": rng.uniform(2, 20, 6).round(3).tolist()}
+    torch.manual_seed(3)
+    config = Phi3Config(**{**text, "max_position_embeddings": 128 if extended else 32},
+                        original_max_position_embeddings=32, rope_parameters=rope, pad_token_id=0, eos_token_id=2,
+                        bos_token_id=1, initializer_range=0.3)
+    model = Phi3ForCausalLM(config).to(torch.float32).eval()
+    _save(model, tmp_path)
+    llm = LLM(model=str(tmp_path), **{**ENGINE, "max_model_len": 128 if extended else 32})
+    try:
+        cfg = llm.engine.model_config
+        rs = cfg.rope_scaling
+        assert (cfg.rotary_dim, rs.kind, rs.original_max_position_embeddings) == (12, "longrope", 32)
+        assert rs.freq_factors == tuple(rope["long_factor" if extended else "short_factor"])
+        assert_parity(llm, model, [PROMPTS[0], PROMPTS[2]] if extended else [PROMPTS[0]], 40 if extended else 20)
+    finally:
+        llm.engine.close()
+
+
+def test_phi3_refuses_rotations_its_factors_do_not_fit():
     base = {**TEXT, "model_type": "phi3"}
-    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
-        config_from_hf({**base, "partial_rotary_factor": 0.75})
-    with pytest.raises(UnsupportedModelError, match="longrope"):
-        config_from_hf({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.2 must rotate an even number"):
+        config_from_hf({**base, "partial_rotary_factor": 0.2})
+    longrope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    assert config_from_hf({**base, "rope_scaling": longrope}).rope_scaling.kind == "longrope"
+    with pytest.raises(UnsupportedModelError, match="factors have 8 entries; the 12 rotated dimensions have 6"):
+        config_from_hf({**base, "partial_rotary_factor": 0.75, "rope_scaling": longrope})
+    with pytest.raises(UnsupportedModelError, match="long_factor must be a list of positive numbers"):
+        config_from_hf({**base, "rope_scaling": {**longrope, "long_factor": [0.0] * 8}})
 
 
 def test_broken_configs_are_refused_naming_the_field(mistral3, tmp_path):

@@ -19,7 +19,8 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `kind` is "linear", "llama3" or "yarn" (DeepSeek-V3 family, gpt-oss)."""
+    """RoPE frequency scaling. `kind` is "linear", "llama3", "yarn" (DeepSeek-V3 family, gpt-oss) or
+    "longrope" (Phi-3.5, Phi-4-mini: `models/layers.rope_cos_sin`)."""
 
     kind: str
     factor: float = 1.0
@@ -32,6 +33,10 @@ class RopeScaling:
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
     truncate: bool = True  # YaRN's ramp bounds rounded to whole dimensions (gpt-oss: false)
+    # LongRoPE: each rotated frequency's divisor (the checkpoint's long_factor where it extends its
+    # original context, else its short_factor) and the factor on cos and sin
+    freq_factors: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +160,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     # Per-frequency divisors stored by GGUF files of Llama 3.x (`rope_freqs.weight`).
     rope_freq_factors: tuple[float, ...] | None = None
+    # q and k rotate their first `rotary_dim` dimensions, the rest pass (HF's partial_rotary_factor:
+    # Phi-4-mini's three quarters); 0: the whole head. Llama-family layers (models/llama.py).
+    rotary_dim: int = 0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -244,7 +252,8 @@ class ModelConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d)
         if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+            d["rope_scaling"] = RopeScaling(**{**d["rope_scaling"],
+                                               "freq_factors": tuple(d["rope_scaling"].get("freq_factors", ()))})
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         if d.get("rope_freq_factors") is not None:
             d["rope_freq_factors"] = tuple(d["rope_freq_factors"])

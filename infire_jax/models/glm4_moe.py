@@ -74,12 +74,6 @@ class Glm4Layers(LayerStacks):
         add_moe_params(self, cfg, n, dtype)
 
 
-def partial_rope(x: Float[Array, "T H D"], cos: Float[Array, "T R"], sin: Float[Array, "T R"]) -> Float[Array, "T H D"]:
-    """The first 2R dimensions of each head rotated ("rotate half" within them), the rest as they are."""
-    rot = 2 * cos.shape[-1]
-    return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
-
-
 def qk_norm(x: Float[Array, "T H D"], weight: Array, eps: float, whole: bool, axes: tuple[str, ...] = ()
             ) -> Float[Array, "T H D"]:
     """RMSNorm over each head, or over all of a token's heads at once (`whole`; head h at [h*D, h*D + D)
@@ -111,7 +105,7 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
         if cfg.qk_norm:
             q, k = (qk_norm(x, lp[name], eps, cfg.glm4.qk_norm_whole, red.attn)
                     for x, name in ((q, "q_norm"), (k, "k_norm")))
-        o, k_pages, v_pages = paged_attention(partial_rope(q, cos, sin), partial_rope(k, cos, sin), v, k_pages,
+        o, k_pages, v_pages = paged_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k_pages,
                                               v_pages, idx, meta, scale=cfg.head_dim ** -0.5, impl=attn_impl,
                                               cpu_kernel=one_device)
         h = h + psum(linear(o, lp["wo"], "thd,hde->te"), red.attn)

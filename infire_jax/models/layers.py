@@ -111,9 +111,9 @@ def head_logits(h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Arra
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim/2], with linear, Llama-3 or YaRN scaling applied (YaRN's factor
-    on cos and sin is `rope_cos_sin`'s)."""
-    d = cfg.head_dim
+    """Inverse RoPE frequencies [rotary dims / 2], with linear, Llama-3, YaRN or LongRoPE scaling applied
+    (YaRN's and LongRoPE's factor on cos and sin is `rope_cos_sin`'s)."""
+    d = cfg.rotary_dim or cfg.head_dim
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "yarn":
         return yarn.inv_freq(cfg, d)
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
@@ -122,6 +122,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     rs = cfg.rope_scaling
     if rs is not None and rs.kind == "linear":
         inv = inv / rs.factor
+    elif rs is not None and rs.kind == "longrope":
+        inv = inv / np.asarray(rs.freq_factors, np.float64)
     elif rs is not None and rs.kind == "llama3":
         old = rs.original_max_position_embeddings
         low_wavelen = old / rs.low_freq_factor
@@ -137,11 +139,12 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T half"], Float[Array, "T half"]]:
-    """A model's cos and sin tables over the whole head: `rope_tables` of its frequencies, times YaRN's
-    attention factor where it scales by YaRN (transformers' `attention_scaling`)."""
+    """A model's cos and sin tables over its rotary dimensions: `rope_tables` of its frequencies, times
+    YaRN's or LongRoPE's attention factor (transformers' `attention_scaling`)."""
     cos, sin = rope_tables(rope_inv_freq(cfg), positions)
-    factor = yarn.cos_sin_factor(cfg.rope_scaling) if cfg.rope_scaling is not None and \
-        cfg.rope_scaling.kind == "yarn" else 1.0
+    rs = cfg.rope_scaling
+    factor = 1.0 if rs is None else yarn.cos_sin_factor(rs) if rs.kind == "yarn" else \
+        rs.attention_factor if rs.kind == "longrope" else 1.0
     return (cos * factor, sin * factor) if factor != 1.0 else (cos, sin)
 
 
@@ -153,13 +156,15 @@ def rope_tables(inv_freq: np.ndarray, positions: Int[Array, "T"]) -> tuple[Float
 
 def apply_rope(x: Float[Array, "T *H D"], cos: Float[Array, "T half"],
                sin: Float[Array, "T half"]) -> Float[Array, "T *H D"]:
-    """Rotary embedding in the HF "rotate half" layout (GGUF's interleaved q/k are unpermuted at load)."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
+    """Rotary embedding in the HF "rotate half" layout (GGUF's interleaved q/k are unpermuted at load),
+    over the first 2 * half dimensions of each head; the rest pass unrotated (a partial rotation)."""
+    half = cos.shape[-1]
+    xf = x[..., :2 * half].astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
     heads = (1,) * (x.ndim - 2)  # [T, H, D], or [T, Hkv, G, D]
     c, s = cos.reshape(cos.shape[0], *heads, half), sin.reshape(sin.shape[0], *heads, half)
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    rotated = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    return rotated if 2 * half == x.shape[-1] else jnp.concatenate([rotated, x[..., 2 * half:]], axis=-1)
 
 
 def local_attention_table(cfg: ModelConfig, num_layers: int, stage_axis: str = "pp") -> Int[Array, "L 2"] | None:

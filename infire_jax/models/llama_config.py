@@ -4,6 +4,7 @@ from an HF `config.json` (models/hf_config.py picks this parser by model_type) o
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from infire_jax.errors import UnsupportedModelError
@@ -53,8 +54,35 @@ def rope_scaling_from_hf(raw: Mapping[str, Any] | None, max_position_embeddings:
                            beta_fast=float(raw.get("beta_fast") or 32), beta_slow=float(raw.get("beta_slow") or 1),
                            mscale=float(raw.get("mscale") or 0), mscale_all_dim=float(raw.get("mscale_all_dim") or 0),
                            truncate=bool(raw.get("truncate", True)))
-    supported = "default, linear, llama3" + (", yarn" if max_position_embeddings is not None else "")
+    if kind == "longrope" and max_position_embeddings is not None:  # Phi-3.5's and Phi-4-mini's
+        return _longrope(raw, max_position_embeddings)
+    supported = "default, linear, llama3" + (", yarn, longrope" if max_position_embeddings is not None else "")
     raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: {supported})")
+
+
+def _longrope(raw: Mapping[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """LongRoPE as transformers computes it (the context it extends: `original_max_position_embeddings`,
+    the config's own field first; the factor, else the extension's ratio; the attention factor, else
+    sqrt(1 + ln(factor) / ln(original context)) above a factor of 1), with one set of divisors for every
+    position, as vLLM: the long factors where the checkpoint extends its original context, else the
+    short ones. transformers instead rotates a sequence by the short factors until it outgrows the
+    original context and recomputes it then with the long ones, which a paged cache shared between
+    requests cannot do: a short sequence here is rotated as transformers rotates a long one."""
+    original = int(raw.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = float(raw.get("factor") or max_position_embeddings / original)
+    attention = raw.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    short, long = (raw.get(k) for k in ("short_factor", "long_factor"))
+    for name, f in (("short_factor", short), ("long_factor", long)):
+        if not isinstance(f, list) or not f or not all(isinstance(v, (int, float)) and v > 0 for v in f):
+            raise UnsupportedModelError(f"rope_scaling.{name} must be a list of positive numbers, got {f!r:.200}")
+    if len(short) != len(long):
+        raise UnsupportedModelError(f"rope_scaling's short_factor ({len(short)}) and long_factor ({len(long)}) "
+                                    "must have one entry per rotated frequency each")
+    chosen = long if max_position_embeddings > original else short
+    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
+                       freq_factors=tuple(map(float, chosen)), attention_factor=float(attention))
 
 
 # transformers' defaults for a config.json without `sliding_window` (MistralConfig's and the Qwen configs' 4096,
@@ -134,21 +162,31 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' two names of one function; the MLP is SwiGLU
         raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only silu: a SwiGLU MLP)")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini's
-        raise UnsupportedModelError(f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported "
-                                    "(only a rotation of the whole head)")
     rope_params = hf.get("rope_parameters") or {}
     rope_raw = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+    if model_type == "phi3" and rope_raw and rope_raw.get("rope_type", rope_raw.get("type")) in ("su", "yarn"):
+        rope_raw = {**rope_raw, "rope_type": "longrope"}  # Phi3Config's names of LongRoPE in early checkpoints
+    if model_type == "phi3" and rope_raw and "original_max_position_embeddings" in hf:
+        rope_raw = {**rope_raw, "original_max_position_embeddings": hf["original_max_position_embeddings"]}
     rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = hf.get("head_dim") or hidden // num_heads
+    partial = float(hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} must rotate an even number of the "
+                                    f"{head_dim} head dimensions")
     moe = arch in ("mixtral", "qwen3_moe")
     if arch == "qwen3_moe" and hf.get("mlp_only_layers"):
         raise UnsupportedModelError("qwen3_moe with mlp_only_layers is not supported")
     if arch == "qwen3_moe" and int(hf.get("decoder_sparse_step", 1)) != 1:
         raise UnsupportedModelError("qwen3_moe with decoder_sparse_step != 1 is not supported")
     num_layers = int(hf["num_hidden_layers"])
+    scaling = rope_scaling_from_hf(rope_raw, int(hf.get("max_position_embeddings", 4096)))
+    if scaling is not None and scaling.kind == "longrope" and len(scaling.freq_factors) != rotary_dim // 2:
+        raise UnsupportedModelError(f"rope_scaling's factors have {len(scaling.freq_factors)} entries; the "
+                                    f"{rotary_dim} rotated dimensions have {rotary_dim // 2} frequencies")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),
@@ -160,7 +198,8 @@ def config_from_llama_hf(hf: Mapping[str, Any]) -> ModelConfig:
         head_dim=int(head_dim),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling_from_hf(rope_raw, int(hf.get("max_position_embeddings", 4096))),
+        rope_scaling=scaling,
+        rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),

@@ -36,8 +36,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.gated_delta import (LINEAR_STATE_AXES, LinearState, LinearStep, Rows, causal_conv,
                                            gated_delta_rule, step_rows)
-from infire_jax.models.glm4_moe import partial_rope
-from infire_jax.models.layers import param, rms_norm, rope_cos_sin, swiglu
+from infire_jax.models.layers import apply_rope, param, rms_norm, rope_cos_sin, swiglu
 from infire_jax.models.moe import route_for, routed_mlp, router_logits
 from infire_jax.models.llama import InPlace, linear
 from infire_jax.models.parallel import Reductions, psum, run_sharded
@@ -142,8 +141,8 @@ def attention_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E
     """The gated attention of this device's heads: its output (a partial sum over the heads on a mesh)."""
     eps = cfg.rms_norm_eps
     qg = linear(x, lp["wq"], "te,ehcd->thcd")
-    q = partial_rope(rms_norm(qg[:, :, 0], lp["q_norm"], eps), cos, sin)
-    k = partial_rope(rms_norm(linear(x, lp["wk"], "te,ekd->tkd"), lp["k_norm"], eps), cos, sin)
+    q = apply_rope(rms_norm(qg[:, :, 0], lp["q_norm"], eps), cos, sin)
+    k = apply_rope(rms_norm(linear(x, lp["wk"], "te,ekd->tkd"), lp["k_norm"], eps), cos, sin)
     v = linear(x, lp["wv"], "te,ekd->tkd")
     o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, meta, scale=cfg.head_dim ** -0.5,
                                           impl=attn_impl, cpu_kernel=one_device)
