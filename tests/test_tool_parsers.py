@@ -323,7 +323,7 @@ def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*kimi_k2.*qwen3_coder"):
         parse_tool_calls("x", "nope")
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "kimi_k2",
-                                 "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "minimax_m2"}
+                                 "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "minimax_m2", "gemma4"}
 
 
 @pytest.mark.parametrize("template,fmt", [
