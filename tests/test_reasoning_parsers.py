@@ -97,8 +97,8 @@ def test_unknown_parser_names_the_known_ones():
 
 def test_random_marker_soup_splits_the_same_however_streamed():
     """Outputs made of pieces of every marker: never an exception, and the split never matters."""
-    atoms = ["<think>", "</think>", "◁think▷", "◁/think▷", "<", "</", "<th", "◁", "▷", "think", "\n", " ", "x",
-             "<|channel>", "<channel|>", "<|tool_call>", "thought\n", "thou", "<|"]
+    atoms = ["<think>", "</think>", "◁think▷", "◁/think▷", "<", "</", "<th", "◁", "▷", "think", "\n", " ",
+             "x", "<|channel>", "<channel|>", "<|tool_call>", "thought\n", "thou", "<|"]
     rng = random.Random(7)
     for _ in range(300):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 10)))

@@ -22,8 +22,8 @@ from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEG
                                                                DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_SEP,
                                                                KIMI_ARGS_BEGIN, KIMI_CALL_BEGIN, KIMI_CALL_END,
                                                                KIMI_SECTION_BEGIN, KIMI_SECTION_END)
-from infire_jax.structured.tool_parsers import (DEEPSEEK_V3, DEEPSEEK_V31, GEMMA4, GLM45, HERMES, HERMES_CLOSE, HERMES_OPEN,
-                                                KIMI_K2, LLAMA3_JSON, LLAMA4_PYTHONIC, MINIMAX_M2, MISTRAL,
+from infire_jax.structured.tool_parsers import (DEEPSEEK_V3, DEEPSEEK_V31, GEMMA4, GLM45, HERMES, HERMES_CLOSE,
+                                                HERMES_OPEN, KIMI_K2, LLAMA3_JSON, LLAMA4_PYTHONIC, MINIMAX_M2, MISTRAL,
                                                 MISTRAL_MARKER, OPENAI, PYTHONIC, QWEN3_CODER)
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}

@@ -3,8 +3,8 @@
 Models are trained on one way of writing a call; the chat template shows which (`detect_format`).
 The formats, under vLLM's `--tool-call-parser` names, are in tool_formats/: `hermes`,
 `llama3_json`, `mistral`, `pythonic`, `llama4_pythonic`, `kimi_k2`, `deepseek_v3`, `deepseek_v31`,
-`qwen3_coder`, `glm45`, `minimax_m2`, `gemma4`; and `openai`, gpt-oss's harmony, whose calls are messages of their own (harmony.py reads
-them with the rest of the output, so it is no `ToolCallStream` format).
+`qwen3_coder`, `glm45`, `minimax_m2`, `gemma4`; and `openai`, gpt-oss's harmony, whose calls are messages
+of their own (harmony.py reads them with the rest of the output, so it is no `ToolCallStream` format).
 
 `ToolCallStream` turns text deltas into content deltas and calls: text that may still turn out to
 be the start of a call is held back, and each call is handed out once its block is complete. Output
@@ -42,8 +42,8 @@ TOOL_PARSERS = FORMATS
 OPENAI = harmony.TOOL_PARSER
 TOOL_PARSER_NAMES = (*FORMATS, OPENAI)  # every --tool-call-parser name
 
-__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "GEMMA4", "GLM45", "HERMES", "HERMES_CLOSE", "HERMES_OPEN", "KIMI_K2",
-           "LLAMA3_JSON", "LLAMA4_PYTHONIC", "MINIMAX_M2", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC",
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "GEMMA4", "GLM45", "HERMES", "HERMES_CLOSE", "HERMES_OPEN",
+           "KIMI_K2", "LLAMA3_JSON", "LLAMA4_PYTHONIC", "MINIMAX_M2", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC",
            "PYTHON_TAG", "QWEN3_CODER", "TOOL_PARSERS", "TOOL_PARSER_NAMES", "ToolCall", "ToolCallStream",
            "detect_format", "parse_tool_calls", "stream_tool_calls"]
 

@@ -109,7 +109,8 @@ class _GemmaRules(_Rules):
         self.lines.append(f"{text}: {' & '.join(parts)}")
         if self.special:
             return f"{self.delim} {text} {self.delim}"
-        self.lines += [f"{rule.upper()}_STR: {text} {json.dumps(STRING_DELIM)}", f"{rule}_str[lazy]: {rule.upper()}_STR"]
+        lexeme = f"{rule.upper()}_STR"
+        self.lines += [f"{lexeme}: {text} {json.dumps(STRING_DELIM)}", f"{rule}_str[lazy]: {lexeme}"]
         return f"{self.delim} {rule}_str"
 
 
