@@ -254,6 +254,86 @@ def test_forced_glm45_calls_are_typed_by_the_schema(backend, tokenizer, special)
     assert accepts(two, whole + "\n" + call(city="Rome", unit="celsius"))[0]
 
 
+def gemma_value(v) -> str:
+    """A value as Gemma 4's chat template writes an argument (format_argument: keys bare, in dictsort
+    order; strings between <|"|>)."""
+    if isinstance(v, str):
+        return f'<|"|>{v}<|"|>'
+    if isinstance(v, bool) or v is None:
+        return json.dumps(v)
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{gemma_value(v[k])}" for k in sorted(v, key=str.lower)) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(gemma_value(x) for x in v) + "]"
+    return json.dumps(v)
+
+
+def gemma_call(name: str, args: dict) -> str:
+    return f"<|tool_call>call:{name}{gemma_value(args)}<tool_call|>"
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["text-markers", "special-token-markers"])
+def test_forced_gemma4_calls_are_typed_by_the_schema(backend, tokenizer, special):
+    """A forced gemma4 call, its markers and string delimiter as text or (as in Gemma 4's tokenizer)
+    as special tokens: SmolLM2 has none of Gemma's, so three of its special tokens stand in. The
+    arguments as the template writes them (sorted by name, the optional ones may be left out), strings
+    between delimiters within their bounds, numbers, booleans and null bare, objects and arrays of their
+    schemas, an enum as one of its values; the format's parser reads it back typed."""
+    import re
+
+    from infire_jax.structured import parse_tool_calls
+    from infire_jax.structured.tool_formats.gemma4_grammar import MARKERS
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+
+    fn = {"name": "get_weather", "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "unit": {"enum": ["celsius", "fahrenheit"]}, "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1}, "code": {"type": "string", "pattern": "^[A-Z]{2}$"},
+        "opts": {"type": "object", "properties": {"hourly": {"type": "boolean"}, "tags": {
+            "type": "array", "items": {"type": "string"}, "minItems": 1}}, "required": ["hourly"]},
+        "limit": {"type": ["number", "null"]}, "Zone": {"type": "string"}}}}
+    marks = dict(zip(MARKERS, (3, 4, 5))) if special else {}
+    assert all(tokenizer.special_token_id(tokenizer.tk.id_to_token(i)) == i for i in marks.values())
+    spec = tool_call_constraint("gemma4", [fn], parallel=False, special_token_ids=marks)
+
+    def accepts(s: StructuredOutputs, text: str) -> tuple[bool, bool]:
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", text) if marks else [text]
+        toks = [t for p in pieces if p for t in ([marks[p]] if p in marks else ids(tokenizer, p))]
+        m = backend.compile(s).matcher()
+        return m.accept_tokens(toks) == len(toks), m.is_terminated()
+
+    args = {"city": "Paris, {FR}: [x]", "unit": "celsius", "days": 3, "code": "FR", "limit": 2.5, "Zone": "CET",
+            "opts": {"hourly": True, "tags": ["a", "b,c"]}}
+    whole = gemma_call("get_weather", args)
+    assert whole.index("city:") < whole.index("code:") < whole.index("Zone:")  # the template's order
+    assert accepts(spec, whole) == (True, True)
+    _, (got,) = parse_tool_calls(whole, "gemma4")
+    assert json.loads(got.arguments) == args
+    for ok in ({"city": "Oslo", "unit": "fahrenheit"}, {"city": "", "unit": "celsius", "limit": None},
+               {"city": "x", "unit": "celsius", "opts": {"hourly": False}}):
+        assert accepts(spec, gemma_call("get_weather", ok)) == (True, True), ok
+    unsorted = whole.replace("city:", "@").replace("code:", "city:").replace("@", "code:")
+    for wrong in (gemma_call("get_weather", {"city": "Paris", "unit": "kelvin"}),
+                  gemma_call("get_weather", {"city": "x" * 21, "unit": "celsius"}),
+                  gemma_call("get_weather", {"city": "Paris", "unit": "celsius", "days": "three"}),
+                  gemma_call("get_weather", {"city": "Paris", "unit": "celsius", "days": 0}),
+                  gemma_call("get_weather", {"city": "Paris", "unit": "celsius", "code": "France"}),
+                  gemma_call("get_weather", {"city": 7, "unit": "celsius"}),
+                  gemma_call("get_weather", {"city": "Paris"}),
+                  gemma_call("get_weather", {"city": "Paris", "unit": "celsius", "opts": {}}),
+                  gemma_call("get_weather", {"city": "Paris", "unit": "celsius", "opts": {"hourly": 1}}),
+                  gemma_call("get_weather", {"city": "Paris", "unit": "celsius", "opts": {"hourly": True, "tags": []}}),
+                  gemma_call("get_weather", {"city": "Paris", "unit": "celsius", "extra": 1}),
+                  gemma_call("get_time", {}), unsorted,
+                  whole.replace('<|"|>Paris', '"Paris').replace('[x]<|"|>', '[x]"'),  # JSON's quotes
+                  "Sure. " + whole):
+        assert not accepts(spec, wrong)[0], wrong
+    two = tool_call_constraint("gemma4", [fn, {"name": "get_time"}], parallel=True, special_token_ids=marks)
+    both = whole + gemma_call("get_time", {})
+    assert accepts(two, both)[0]  # (more calls may follow)
+    assert [c.name for c in parse_tool_calls(both, "gemma4")[1]] == ["get_weather", "get_time"]
+    assert not accepts(spec, both)[0]  # one call unless parallel
+
+
 @pytest.mark.parametrize("special", [False, True], ids=["text-markers", "special-token-markers"])
 def test_forced_minimax_m2_calls_are_one_block_of_typed_invokes(backend, tokenizer, special):
     """A forced minimax_m2 block, its markers as text or as special tokens (two of SmolLM2's stand in):
@@ -426,6 +506,7 @@ CALL_TEXT = {
     "qwen3_coder": lambda args: "<tool_call>\n<function=f>\n" + "".join(
         f"<parameter={k}>\n{json.dumps(v)}\n</parameter>\n" for k, v in args.items()) + "</function>\n</tool_call>",
     "pythonic": lambda args: "[f(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")]",
+    "gemma4": lambda args: gemma_call("f", args),
 }
 
 
@@ -447,7 +528,7 @@ def test_forced_calls_follow_the_parameters_refs(backend, tokenizer, fmt):
         tools = [{"type": "function", "function": f} for f in functions]
         _, (call,) = parse_tool_calls(good, fmt, tools=tools)
         assert (call.name, json.loads(call.arguments)) == ("f", {"loc": {"city": "Paris"}})
-    if fmt in ("qwen3_coder", "pythonic"):
+    if fmt in ("qwen3_coder", "pythonic", "gemma4"):
         with pytest.raises(InvalidRequestError, match="'f' refer to themselves"):
             tool_call_constraint(fmt, [{"name": "f", "parameters": TREE}], parallel=False)
         return
@@ -571,3 +652,36 @@ def test_vllms_structured_outputs_options(backend, tokenizer):
         with pytest.raises(APIError) as e:
             structured_outputs({"json": open_schema, **options})
         assert e.value.param == f"structured_outputs.{param}", options
+
+
+def test_a_forced_gemma4_call_after_gemma4_reasoning(backend, tokenizer):
+    """With thinking on, a forced Gemma 4 call may follow a `<|channel>thought\\n…<channel|>` block
+    (its markers special tokens: five of SmolLM2's stand in for the channel's and the call's), and the
+    two parsers read the decoded text back as the reasoning and the call."""
+    import dataclasses
+
+    from infire_jax.structured import parse_reasoning, parse_tool_calls
+    from infire_jax.structured.reasoning_parsers import reasoning_grammar
+    from infire_jax.structured.tool_formats.gemma4_grammar import MARKERS
+    from infire_jax.structured.tool_grammar import tool_call_constraint
+
+    marks = dict(zip(MARKERS, (3, 4, 5)))
+    channel = {"<|channel>": 6, "<channel|>": 7}
+    fn = {"name": "f", "parameters": {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}}
+    forced = tool_call_constraint("gemma4", [fn], parallel=False, special_token_ids=marks)
+    spec = dataclasses.replace(forced, after=reasoning_grammar("gemma4", {"enable_thinking": True}, channel))
+    call = [3] + ids(tokenizer, "call:f{a:7}") + [4]
+    thought = [6] + ids(tokenizer, "thought\nI need f, say {a:1}.") + [7]
+
+    def takes(toks: list[int]) -> tuple[bool, bool]:
+        m = backend.compile(spec).matcher()
+        return m.accept_tokens(toks) == len(toks), m.is_terminated()
+
+    assert takes(thought + call) == (True, True)
+    assert takes(call) == (True, True)  # thinking is optional
+    assert not takes(thought + ids(tokenizer, "It is 7."))[0]  # the answer is the call
+    names = {i: t for t, i in {**marks, **channel}.items()}
+    text = "".join(names.get(t) or tokenizer.decode([t]) for t in thought + call)
+    reasoning, content = parse_reasoning(text, "gemma4", {"enable_thinking": True})
+    _, (got,) = parse_tool_calls(content, "gemma4")
+    assert (reasoning, got.name, json.loads(got.arguments)) == ("I need f, say {a:1}.", "f", {"a": 7})

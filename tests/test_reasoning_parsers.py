@@ -39,6 +39,24 @@ CASES = [
     ("deepseek_v3", THINKING, "Hmm.</think>Answer", "Hmm.", "Answer"),
     ("deepseek_v3", THINKING, "<think>Hmm.</think>Answer", "Hmm.", "Answer"),
     ("deepseek_v3", {"thinking": False}, "<think>Hmm.</think>Answer", "", "<think>Hmm.</think>Answer"),
+    # Gemma 4: vLLM's tests/reasoning/test_gemma4_reasoning_parser.py outputs, "" where vLLM says None
+    ("gemma4", None, "<|channel>thought\nActual reasoning here<channel|>Final answer", "Actual reasoning here",
+     "Final answer"),
+    ("gemma4", None, "<|channel>thought\nLine1\nLine2<channel|>Answer", "Line1\nLine2", "Answer"),
+    ("gemma4", None, "<|channel>thought\n<channel|>", "", ""),
+    ("gemma4", None, "<|channel>thousand reasons<channel|>Done", "thousand reasons", "Done"),  # not the label
+    ("gemma4", None, "<|channel>This\nThat<channel|>This is the rest\nThat", "This\nThat", "This is the rest\nThat"),
+    ("gemma4", None, "<|channel>This is a reasoning section", "This is a reasoning section", ""),
+    ("gemma4", None, "This is content", "", "This is content"),
+    ("gemma4", None, "<|tool_call>", "", "<|tool_call>"),  # a call is never reasoning
+    ("gemma4", None, "", "", ""),
+    # a call ends the reasoning, its marker staying for the tool parser; the label only where it begins
+    ("gemma4", None, "<|channel>thought\nLook it up.<|tool_call>call:f{a:1}<tool_call|>", "Look it up.",
+     "<|tool_call>call:f{a:1}<tool_call|>"),
+    ("gemma4", None, "<|channel>thought\nthought\nx<channel|>y", "thought\nx", "y"),
+    ("gemma4", None, "<|channel>thou", "thou", ""),
+    ("gemma4", OFF, "<|channel>thought\nhmm<channel|>Hi", "hmm", "Hi"),  # read whatever was asked, as vLLM
+    ("gemma4", None, "Hi <|channel>thought\nx<channel|>", "", "Hi <|channel>thought\nx<channel|>"),
 ]
 
 
@@ -73,12 +91,14 @@ def test_reasoning_streams_out_before_the_block_closes():
 def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2'.*deepseek_r1.*qwen3"):
         ReasoningStream("r2")
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "kimi_k2", "glm45", "deepseek_v3", "minimax_m2"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "kimi_k2", "glm45", "deepseek_v3", "minimax_m2",
+                                      "gemma4"}
 
 
 def test_random_marker_soup_splits_the_same_however_streamed():
     """Outputs made of pieces of every marker: never an exception, and the split never matters."""
-    atoms = ["<think>", "</think>", "◁think▷", "◁/think▷", "<", "</", "<th", "◁", "▷", "think", "\n", " ", "x"]
+    atoms = ["<think>", "</think>", "◁think▷", "◁/think▷", "<", "</", "<th", "◁", "▷", "think", "\n", " ",
+             "x", "<|channel>", "<channel|>", "<|tool_call>", "thought\n", "thou", "<|"]
     rng = random.Random(7)
     for _ in range(300):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 10)))
@@ -86,3 +106,26 @@ def test_random_marker_soup_splits_the_same_however_streamed():
             for kwargs in (None, OFF, THINKING):
                 whole = parse_reasoning(text, parser, kwargs)
                 assert stream_reasoning(random_split(text, rng), parser, kwargs) == whole, (parser, kwargs, text)
+
+
+def test_gemma4_reasoning_streams_out_once_the_label_is_told_apart():
+    """Gemma 4's `thought\\n` label is held only while the text may still be it; a call's marker ends
+    the reasoning and goes on as content."""
+    s = ReasoningStream("gemma4")
+    assert s.feed("<|chan") == ("", "")
+    assert s.feed("nel>thou") == ("", "")  # may still be the label
+    assert s.feed("ght\nPlan: look") == ("Plan: look", "")
+    assert s.feed(" it up<|tool") == (" it up", "")  # may be a call's marker
+    assert s.feed("_call>call:f{}") == ("", "<|tool_call>call:f{}")
+    assert s.finish() == ("", "")
+
+
+def test_gemma4_markers_and_grammar_follow_enable_thinking():
+    """Its markers (special tokens of Gemma 4's tokenizer) are always kept in the text, as vLLM keeps
+    them; a constrained answer may think first only when the request turned thinking on (Gemma 4's
+    template writes an empty channel in the prompt otherwise)."""
+    from infire_jax.structured.reasoning_parsers import reasoning_grammar, reasoning_markers
+
+    assert reasoning_markers("gemma4") == ("<|channel>", "<channel|>", "<|tool_call>")
+    assert reasoning_grammar("gemma4") is None and reasoning_grammar("gemma4", OFF) is None
+    assert '"<|channel>"' in reasoning_grammar("gemma4", {"enable_thinking": True})

@@ -162,7 +162,7 @@ class TestReasoning:
 
 
 @pytest.fixture(scope="class", params=["kimi_k2", "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "minimax_m2",
-                                                 "pythonic"])
+                                                 "gemma4", "pythonic"])
 def format_url(request, smol_llm):
     """The engine served with another model family's tool-call format (--tool-call-parser), until the class ends."""
     from server.app import build_app

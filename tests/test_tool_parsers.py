@@ -166,6 +166,19 @@ def minimax(*calls: tuple[str, tuple[tuple[str, str], ...]]) -> str:
 GLM_RUN = glm("run", ("cmd", "ls -la"), ("timeout", "30"), ("env", '{"A": "1"}'), ("verbose", "true"), ("tag", "007"))
 KIMI_TWO = (kimi("functions.get_weather:0", '{"city": "Lagos"}') + kimi("functions.get_time:1", '{"tz": "WAT"}'))
 KIMI_BAD = kimi("functions.f:2", '{"a": ')
+Q = '<|"|>'  # Gemma 4's string delimiter
+
+
+def gemma(name: str, args: str) -> str:
+    return f"<|tool_call>call:{name}{{{args}}}<tool_call|>"
+
+
+# vLLM's documented example (gemma4_tool_parser.py's docstring), and one with every kind of value
+GEMMA_DOC = gemma("get_weather", f"location:{Q}Tokyo{Q},num:42")
+GEMMA_ALL = gemma("run", f"cmd:{Q}ls -la, then {{x}}: [y]{Q},opts:{{deep:{{k:{Q}v{Q}}},on:true}},"
+                         f"xs:[1,-2.5e3,{Q}a,b{Q},[]],none:null,word:LA,flag:false")
+GEMMA_ALL_ARGS = {"cmd": "ls -la, then {x}: [y]", "opts": {"deep": {"k": "v"}, "on": True},
+                  "xs": [1, -2500.0, "a,b", []], "none": None, "word": "LA", "flag": False}
 
 # (parser, output, content, [(name, arguments)], tools)
 SURFACE_CASES = [
@@ -240,6 +253,19 @@ SURFACE_CASES = [
      None),  # a block with no call
     ("glm45", "<tool_call>\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>",
      "<tool_call>\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>", [], None),  # no name
+    ("gemma4", f"Let me check.\n{GEMMA_DOC}", "Let me check.\n", [("get_weather", {"location": "Tokyo", "num": 42})],
+     None),
+    ("gemma4", GEMMA_ALL + GEMMA_DOC + gemma("noop", ""), "",  # several calls, one after another
+     [("run", GEMMA_ALL_ARGS), ("get_weather", {"location": "Tokyo", "num": 42}), ("noop", {})], None),
+    ("gemma4", gemma("f", f"{Q}odd key{Q}:1, b : {Q}x{Q} ") + "\nDone.", "\nDone.", [("f", {"odd key": 1, "b": "x"})],
+     None),
+    ("gemma4", gemma("f", f"a:{Q}open"), gemma("f", f"a:{Q}open"), [], None),  # an unterminated string
+    ("gemma4", gemma("f", "a:1,,b:2"), gemma("f", "a:1,,b:2"), [], None),
+    ("gemma4", gemma("f", "a:1") + "}", "}", [("f", {"a": 1})], None),  # after the call, text goes on
+    ("gemma4", "<|tool_call>f{a:1}<tool_call|>", "<|tool_call>f{a:1}<tool_call|>", [], None),  # no call:
+    ("gemma4", "<|tool_call>call:f{a:1}", "", [("f", {"a": 1})], None),  # ended (a stop token) before its closer
+    ("gemma4", "<|tool_call>call:f{a:1", "<|tool_call>call:f{a:1", [], None),  # cut off inside
+    ("gemma4", "<tool_call>call:f{a:1}</tool_call>", "<tool_call>call:f{a:1}</tool_call>", [], None),  # Hermes'
 ]
 # An argument's string holding the block's closer (a forced call's grammar lets it): the call ends at the
 # closer after which its body reads, and a body that never reads still ends at its first closer.
@@ -254,6 +280,7 @@ CLOSER_CASES = [
     ("glm45", glm("run", ("cmd", "echo '</tool_call>'")), "", [("run", {"cmd": "echo '</tool_call>'"})], RUN_TOOLS),
     ("minimax_m2", minimax(("run", (("cmd", "a</minimax:tool_call>b"),))), "",
      [("run", {"cmd": "a</minimax:tool_call>b"})], RUN_TOOLS),
+    ("gemma4", gemma("run", f"cmd:{Q}echo '}}<tool_call|>'{Q}"), "", [("run", {"cmd": "echo '}<tool_call|>'"})], None),
     # arguments under "parameters" (Llama 3's key) are arguments; a number past a double's range is no JSON
     ("hermes", '<tool_call>{"name": "f", "parameters": {"a": 7}}</tool_call>', "", [("f", {"a": 7})], None),
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1e400}}</tool_call>',
@@ -269,6 +296,7 @@ SHORT_CASES = [  # every split point of these, and of some of the cases above
      [("f", {"a": 1})], None),
     ("minimax_m2", 'Hi<minimax:tool_call><invoke name="f"><parameter name="a">1</parameter></invoke>'
                    "</minimax:tool_call>", "Hi", [("f", {"a": 1})], None),
+    ("gemma4", f"Hi{gemma('f', f'a:1,b:{Q}x{Q}')}", "Hi", [("f", {"a": 1, "b": "x"})], None),
 ]
 
 
@@ -323,7 +351,7 @@ def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*kimi_k2.*qwen3_coder"):
         parse_tool_calls("x", "nope")
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "kimi_k2",
-                                 "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "minimax_m2"}
+                                 "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45", "minimax_m2", "gemma4"}
 
 
 @pytest.mark.parametrize("template,fmt", [
@@ -338,6 +366,8 @@ def test_unknown_parser_names_the_known_ones():
     ("<tool_call>\n<function={{ name }}>\n<parameter={{ p }}>", "qwen3_coder"),
     ("{{ '\\n<tool_call>' + tc.name }}{% for k, v in args.items() %}<arg_key>{{ k }}</arg_key>{% endfor %}", "glm45"),
     ('{{- "<minimax:tool_call>" }}{% for tc in m.tool_calls %}<invoke name="{{ tc.name }}">', "minimax_m2"),
+    # Gemma 4's (vLLM's examples/tool_chat_template_gemma4.jinja): <|tool_call>, not Hermes' <tool_call>
+    ("{%- for tool_call in message['tool_calls'] -%}{{- '<|tool_call>call:' + function['name'] + '{' -}}", "gemma4"),
 ])
 def test_new_formats_come_from_the_template(template, fmt):
     assert detect_format(template) == fmt
@@ -352,7 +382,7 @@ def test_random_marker_soup_parses_the_same_however_streamed():
              KIMI_CE, DS_SB, DS_SE, DS_CB, DS_SEP, DS_CE, "function", "```json", "```", "<function=f>", "</function>",
              "<parameter=p>", "</parameter>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "f\n",
              "<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="f">', "</invoke>", '<parameter name="a">',
-             "<|", "<"]
+             "<|", "<", "<|tool_call>", "<tool_call|>", "call:f{", Q, "a:", ",", "true"]
     rng = random.Random(11)
     for _ in range(300):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 14)))
@@ -374,3 +404,29 @@ def test_every_format_has_a_forced_call_grammar():
         assert tool_call_constraint(fmt, [{"name": "f"}], parallel=False).grammar
     with pytest.raises(ValueError, match="harmony"):
         tool_call_constraint("harmony", [{"name": "f", "parameters": {"type": "object"}}], parallel=False)
+
+
+GEMMA_REFERENCE_CASES = [  # outputs whose reading transformers' Gemma 4 response template agrees on
+    f"Sure.{GEMMA_DOC}",
+    GEMMA_ALL.replace(",word:LA", "") + gemma("noop", ""),
+    gemma("search", f"q:{Q}a:b, {{c}}{Q},filters:{{lang:[{Q}en{Q},{Q}fr{Q}],max:10,score:0.5}},exact:true"),
+    f"<|channel>thought\nThe user wants Paris.<channel|>{gemma('get_weather', f'city:{Q}Paris{Q}')}",
+    "<|channel>thought\nNothing to call.<channel|>It is 4.",
+]
+
+
+@pytest.mark.parametrize("text", GEMMA_REFERENCE_CASES)
+def test_gemma4_reads_as_transformers_reads_it(text):
+    """transformers' own reader of Gemma 4's output (its serving fallback response template, a
+    different implementation) finds the same reasoning, content and typed calls as our gemma4
+    reasoning parser followed by the gemma4 tool parser."""
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+    from transformers.utils.chat_parsing import parse_response
+
+    from infire_jax.structured import parse_reasoning
+
+    ref = parse_response(text, _RESPONSE_TEMPLATE_FALLBACKS[("gemma4",)], prefix="<|turn>model\n")
+    reasoning, rest = parse_reasoning(text, "gemma4")
+    content, calls = parse_tool_calls(rest, "gemma4")
+    assert (reasoning, content) == (ref.get("reasoning_content", ""), ref.get("content", ""))
+    assert plain(calls) == [(c["function"]["name"], c["function"]["arguments"]) for c in ref.get("tool_calls", [])]

@@ -9,6 +9,12 @@
 * `kimi_k2`: as qwen3, with `◁think▷…◁/think▷` as well as `<think>…</think>`.
 * `deepseek_v3`: V3.1+ thinks only when asked, `chat_template_kwargs={"thinking": True}`; then as
   deepseek_r1, else all content.
+* `gemma4`: Gemma 4's `<|channel>thought\n…<channel|>` opening the output, its `thought\n` label
+  dropped (vLLM's); `<|tool_call>` also ends the reasoning, staying in the content for the tool parser
+  (a call is never reasoning, as vLLM's `is_reasoning_end` says). The block is read whether or not the
+  request asked to think, as vLLM reads it; but only `chat_template_kwargs={"enable_thinking": True}`
+  lets a constrained answer think first: Gemma 4's template closes an empty channel in the prompt
+  otherwise (thinking is off by default).
 * `openai_gptoss`: gpt-oss's harmony channels, its `analysis` channel being the reasoning. They are
   no think block: harmony.py reads them (server/tool_calls.py picks it by this name).
 
@@ -30,12 +36,17 @@ from infire_jax.structured.tool_formats.base import held_back
 
 THINK = ("<think>", "</think>")
 KIMI_THINK = ("◁think▷", "◁/think▷")
+GEMMA4_CHANNEL = ("<|channel>", "<channel|>")
+GEMMA4_LABEL, GEMMA4_TOOL_CALL = "thought\n", "<|tool_call>"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Syntax:
     pairs: tuple[tuple[str, str], ...]  # (open, close) markers of a think block
     implicit: bool  # the output begins inside the block (its open marker was in the prompt)
+    label: str = ""  # dropped where it begins a block's reasoning (Gemma 4's channel name)
+    ends: tuple[str, ...] = ()  # markers that also end the block, kept in the content
+    grammar: bool = True  # a constrained answer may reason first (`reasoning_grammar`)
 
 
 _R1 = _Syntax((THINK,), implicit=True)
@@ -46,6 +57,11 @@ def _qwen3(kwargs: dict[str, Any]) -> _Syntax | None:
     return None if kwargs.get("enable_thinking", True) is False else _EXPLICIT
 
 
+def _gemma4(kwargs: dict[str, Any]) -> _Syntax:
+    return _Syntax((GEMMA4_CHANNEL,), implicit=False, label=GEMMA4_LABEL, ends=(GEMMA4_TOOL_CALL,),
+                   grammar=kwargs.get("enable_thinking") is True)
+
+
 REASONING_PARSERS: dict[str, Callable[[dict[str, Any]], _Syntax | None]] = {
     "deepseek_r1": lambda kwargs: _R1,
     "minimax_m2": lambda kwargs: _R1,  # its template opens <think> in the prompt
@@ -53,6 +69,7 @@ REASONING_PARSERS: dict[str, Callable[[dict[str, Any]], _Syntax | None]] = {
     "glm45": _qwen3,
     "kimi_k2": lambda kwargs: _Syntax((KIMI_THINK, THINK), implicit=False),
     "deepseek_v3": lambda kwargs: _R1 if kwargs.get("thinking") is True else None,
+    "gemma4": _gemma4,
 }
 
 # Every --reasoning-parser name: the think-block syntaxes, and harmony's channels.
@@ -68,7 +85,7 @@ def reasoning_markers(parser: str, chat_template_kwargs: dict[str, Any] | None =
     if parser == harmony.REASONING_PARSER:
         return harmony.SPECIAL_TOKENS
     syntax = _syntax(parser, chat_template_kwargs)
-    return () if syntax is None else tuple(m for pair in syntax.pairs for m in pair)
+    return () if syntax is None else (*(m for pair in syntax.pairs for m in pair), *syntax.ends)
 
 
 def _syntax(parser: str, chat_template_kwargs: dict[str, Any] | None) -> _Syntax | None:
@@ -91,7 +108,7 @@ def reasoning_grammar(parser: str, chat_template_kwargs: dict[str, Any] | None =
     `special_ids`: the markers that are special tokens of the tokenizer, by text, written as those
     tokens (a decode keeps them: `reasoning_markers`)."""
     syntax = _syntax(parser, chat_template_kwargs)
-    if syntax is None:
+    if syntax is None or not syntax.grammar:
         return None
     ids = special_ids or {}
 
@@ -128,6 +145,7 @@ class ReasoningStream:
         self._syntax = _syntax(parser, chat_template_kwargs)
         self._phase = _HEAD if self._syntax is not None else _CONTENT
         self._close = ""  # the marker that ends the open think block
+        self._label = ""  # a label that may still begin the block's reasoning
         self._buf = ""  # text not handed out yet
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -144,12 +162,19 @@ class ReasoningStream:
         if self._phase == _HEAD and not self._decide_head(final):
             return "", ""
         if self._phase == _REASONING:
-            at = self._buf.find(self._close)
-            if at < 0:
-                keep = 0 if final else held_back(self._buf, self._close)
+            if self._label:
+                if not final and self._label.startswith(self._buf):
+                    return "", ""  # it may still be the label
+                self._buf = self._buf.removeprefix(self._label)
+                self._label = ""
+            ends = [(at, m) for m in (self._close, *self._syntax.ends) for at in [self._buf.find(m)] if at >= 0]
+            if not ends:
+                keep = 0 if final else max(held_back(self._buf, m) for m in (self._close, *self._syntax.ends))
                 reasoning, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
                 return reasoning, ""
-            reasoning, self._buf = self._buf[:at], self._buf[at + len(self._close):]
+            at, marker = min(ends)
+            dropped = len(marker) if marker == self._close else 0  # an end of `ends` stays in the content
+            reasoning, self._buf = self._buf[:at], self._buf[at + dropped:]
             self._phase = _CONTENT
         content, self._buf = self._buf, ""
         return reasoning, content
@@ -161,6 +186,7 @@ class ReasoningStream:
         for opener, closer in self._syntax.pairs:
             if s.startswith(opener):
                 self._phase, self._close, self._buf = _REASONING, closer, s[len(opener):]
+                self._label = self._syntax.label
                 return True
         if not final and any(opener.startswith(s) for opener, _ in self._syntax.pairs):
             return False  # blank so far, or a part of an open marker

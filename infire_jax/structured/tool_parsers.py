@@ -3,8 +3,8 @@
 Models are trained on one way of writing a call; the chat template shows which (`detect_format`).
 The formats, under vLLM's `--tool-call-parser` names, are in tool_formats/: `hermes`,
 `llama3_json`, `mistral`, `pythonic`, `llama4_pythonic`, `kimi_k2`, `deepseek_v3`, `deepseek_v31`,
-`qwen3_coder`, `glm45`, `minimax_m2`; and `openai`, gpt-oss's harmony, whose calls are messages of their own (harmony.py reads
-them with the rest of the output, so it is no `ToolCallStream` format).
+`qwen3_coder`, `glm45`, `minimax_m2`, `gemma4`; and `openai`, gpt-oss's harmony, whose calls are messages
+of their own (harmony.py reads them with the rest of the output, so it is no `ToolCallStream` format).
 
 `ToolCallStream` turns text deltas into content deltas and calls: text that may still turn out to
 be the start of a call is held back, and each call is handed out once its block is complete. Output
@@ -25,6 +25,7 @@ from infire_jax.structured import harmony
 from infire_jax.structured.tool_formats import FORMATS as _FORMATS
 from infire_jax.structured.tool_formats import ToolCall
 from infire_jax.structured.tool_formats.base import held_back
+from infire_jax.structured.tool_formats.gemma4 import TOOL_CALL as GEMMA4_CALL
 from infire_jax.structured.tool_formats.glm45 import ARG_KEY
 from infire_jax.structured.tool_formats.minimax_m2 import OPEN as MINIMAX_OPEN
 from infire_jax.structured.tool_formats.json_calls import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARKER, PYTHON_TAG
@@ -35,14 +36,14 @@ from infire_jax.structured.tool_formats.special_tokens import (DEEPSEEK_CALL_BEG
 HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 PYTHONIC, LLAMA4_PYTHONIC, KIMI_K2 = "pythonic", "llama4_pythonic", "kimi_k2"
 DEEPSEEK_V3, DEEPSEEK_V31, QWEN3_CODER, GLM45 = "deepseek_v3", "deepseek_v31", "qwen3_coder", "glm45"
-MINIMAX_M2 = "minimax_m2"
+MINIMAX_M2, GEMMA4 = "minimax_m2", "gemma4"
 FORMATS = tuple(_FORMATS)
 TOOL_PARSERS = FORMATS
 OPENAI = harmony.TOOL_PARSER
 TOOL_PARSER_NAMES = (*FORMATS, OPENAI)  # every --tool-call-parser name
 
-__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "GLM45", "HERMES", "HERMES_CLOSE", "HERMES_OPEN", "KIMI_K2",
-           "LLAMA3_JSON", "LLAMA4_PYTHONIC", "MINIMAX_M2", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC",
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "FORMATS", "GEMMA4", "GLM45", "HERMES", "HERMES_CLOSE", "HERMES_OPEN",
+           "KIMI_K2", "LLAMA3_JSON", "LLAMA4_PYTHONIC", "MINIMAX_M2", "MISTRAL", "MISTRAL_MARKER", "OPENAI", "PYTHONIC",
            "PYTHON_TAG", "QWEN3_CODER", "TOOL_PARSERS", "TOOL_PARSER_NAMES", "ToolCall", "ToolCallStream",
            "detect_format", "parse_tool_calls", "stream_tool_calls"]
 
@@ -60,6 +61,8 @@ def detect_format(chat_template: str | None) -> str:
         return KIMI_K2
     if MINIMAX_OPEN in t:
         return MINIMAX_M2
+    if GEMMA4_CALL in t:  # Gemma 4's <|tool_call>, not Hermes' <tool_call>
+        return GEMMA4
     if DEEPSEEK_CALLS_BEGIN in t or DEEPSEEK_CALL_BEGIN in t:
         return DEEPSEEK_V3 if "```json" in t or "function" + DEEPSEEK_SEP in t else DEEPSEEK_V31
     if MISTRAL_MARKER in t:

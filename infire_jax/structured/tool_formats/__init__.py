@@ -7,6 +7,7 @@ output text into content and calls is the same for all (tool_parsers.ToolCallStr
 from __future__ import annotations
 
 from infire_jax.structured.tool_formats.base import Block, Format, ToolCall
+from infire_jax.structured.tool_formats.gemma4 import Gemma4
 from infire_jax.structured.tool_formats.glm45 import Glm45
 from infire_jax.structured.tool_formats.json_calls import Hermes, Llama3Json, Mistral
 from infire_jax.structured.tool_formats.minimax_m2 import MiniMaxM2
@@ -26,6 +27,7 @@ FORMATS: dict[str, type[Format]] = {
     "qwen3_coder": Qwen3Coder,
     "glm45": Glm45,
     "minimax_m2": MiniMaxM2,
+    "gemma4": Gemma4,
 }
 
 __all__ = ["FORMATS", "Block", "Format", "ToolCall"]

@@ -30,11 +30,17 @@ _ANY = ["PY_STR: /'([^'\\\\\\n]|\\\\[^xuUN\\n]|\\\\x[0-9a-fA-F]{2}|\\\\u[0-9a-fA
 
 
 class _Rules:
-    """Lark rules for the values of one set of tools, each schema its own rule."""
+    """Lark rules for the values of one set of tools, each schema its own rule. A format writing values
+    in another syntax (gemma4_grammar.py) overrides `choice`, `_typed` and the any-value rule."""
+    any_rule, any_lines = "py_any", _ANY
 
     def __init__(self):
         self.lines: list[str] = []
         self.uses_any = False
+
+    def choice(self, value: Any) -> str:
+        """A constant value (enum, const) as a Lark expression."""
+        return json.dumps(_literal(value))
 
     def value(self, schema: Any) -> str:
         """The name of a rule for a value of `schema`."""
@@ -49,14 +55,14 @@ class _Rules:
             schema = _all_of(schema)
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if choices is not None:
-            return " | ".join(json.dumps(_literal(c)) for c in choices)
+            return " | ".join(self.choice(c) for c in choices)
         branches = schema.get("anyOf", schema.get("oneOf"))
         if branches:
             return " | ".join(self.value(b) for b in branches)
         kinds = schema_types(schema)
         if not kinds:
             self.uses_any = True
-            return "py_any"
+            return self.any_rule
         return " | ".join(self._typed(kind, schema, rule) for kind in kinds)
 
     def _typed(self, kind: str, schema: dict[str, Any], rule: str) -> str:
@@ -82,7 +88,7 @@ class _Rules:
         if kind == "object":
             members = [(name, json.dumps(repr(name) + ": "), self.value(sub))
                        for name, sub in (schema.get("properties") or {}).items()]
-            return '"{" ' + _sequence(members, set(schema.get("required", []))) + ' "}"'
+            return '"{" ' + sequence(members, set(schema.get("required", []))) + ' "}"'
         raise InvalidRequestError(f"JSON schema type {kind!r} cannot be forced in the pythonic format", "tools")
 
     def _string(self, schema: dict[str, Any], rule: str) -> str:
@@ -127,14 +133,14 @@ def _literal(value: Any) -> str:
     return "{" + ", ".join(f"{k!r}: {_literal(v)}" for k, v in value.items()) + "}"
 
 
-def _sequence(items: list[tuple[str, str, str]], required: set[str]) -> str:
-    """Lark for `items` (name, head, value rule) in order, joined by ", ": the required ones always,
+def sequence(items: list[tuple[str, str, str]], required: set[str], sep: str = _SEP) -> str:
+    """Lark for `items` (name, head, value rule) in order, joined by `sep`: the required ones always,
     the others optionally (the separator goes before every item but the first one written)."""
     def rest(i: int) -> str:
         if i == len(items):
             return ""
         name, head, value = items[i]
-        one = f"{_SEP} {head} {value}"
+        one = f"{sep} {head} {value}"
         return (f"{one} " if name in required else f"({one})? ") + rest(i + 1)
 
     def first(i: int) -> str:
@@ -165,7 +171,7 @@ def pythonic_calls(functions: list[dict[str, Any]], parallel: bool) -> str:
                                           "identifier: it cannot be a keyword argument", "tools")
             args.append((name, json.dumps(name + "="), rules.value(schema)))
         calls.append(f"call{i}: {json.dumps(f['name'] + '(')} "
-                     f"{_sequence(args, set(parameters.get('required', [])))} \")\"")
+                     f"{sequence(args, set(parameters.get('required', [])))} \")\"")
     more = f" ({_SEP} call)*" if parallel else ""
     return "\n".join([f'start: "[" call{more} "]"', "call: " + " | ".join(f"call{i}" for i in range(len(functions))),
                       *calls, *rules.lines, *(_ANY if rules.uses_any else [])]) + "\n"
