@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from deepseek_models import VOCAB, _save_tokenizer
-from test_gemma3 import ENGINE, TINY, _randomize, hf_model
+from test_gemma3 import ENGINE, TINY, hf_model
 
 from infire_jax.vision import gemma3_inputs, towers
 
@@ -239,3 +239,16 @@ def test_chat_over_http_equals_offline(llm):
         servers.close()
     assert got["choices"][0]["message"]["content"] == want.outputs[0].text
     assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+
+
+def test_processor_configs_it_does_not_implement_are_refused(processor):
+    """transformers' own preprocessor config (the published defaults) is taken; pan-and-scan, another
+    normalization or size is refused naming the field."""
+    from infire_jax.errors import UnsupportedModelError
+
+    pp = processor.image_processor.to_dict()
+    gemma3_inputs.check_processor(pp, 56)
+    for field, value in [("do_pan_and_scan", True), ("image_mean", [0.48, 0.45, 0.4]), ("resample", 3),
+                         ("size", {"height": 896, "width": 896})]:
+        with pytest.raises(UnsupportedModelError, match=field):
+            gemma3_inputs.check_processor({**pp, field: value}, 56)

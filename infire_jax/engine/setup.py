@@ -46,10 +46,10 @@ from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.head_proposer import DraftHead
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
-from infire_jax.loaders.vision import vision_hf_config
+from infire_jax.loaders.vision import load_vision_config, vision_hf_config
 from infire_jax.loaders.vllm_quantization import weights_quantization_of
 from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS
-from infire_jax.vision.towers import TowerConfig, device_bytes, pool_rows, vision_config
+from infire_jax.vision.towers import TowerConfig, device_bytes, pool_rows
 from pallas_kernels.attention import choose_impl, resolve_impl
 from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels import placement
@@ -238,7 +238,7 @@ def _vision(ec: EngineConfig, plan: ShardPlan | None) -> TowerConfig | None:
         raise ConfigError(f"{ec.model}: images are not served on a mesh over several processes (the vision "
                           "tower runs where a request is added, on process 0 alone); "
                           "limit_mm_per_prompt={'image': 0} serves text")
-    return vision_config(hf)
+    return load_vision_config(ec.model, hf)
 
 
 def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:

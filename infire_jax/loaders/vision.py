@@ -22,6 +22,8 @@ from safetensors import safe_open
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.dummy import dummy_hf_config
 from infire_jax.vision.encoder import random_weights
+from infire_jax.vision.gemma3_encoder import Gemma3VisionConfig
+from infire_jax.vision.gemma3_inputs import check_processor
 from infire_jax.vision.towers import MODEL_TYPES, TowerConfig, prefixes, vision_config, weights_from_hf
 
 
@@ -37,6 +39,17 @@ def vision_hf_config(model: str) -> dict[str, Any] | None:
         with open(path) as f:
             hf = json.load(f)
     return hf if hf.get("model_type") in MODEL_TYPES and hf.get("vision_config") else None
+
+
+def load_vision_config(model: str, hf: dict[str, Any]) -> TowerConfig:
+    """The tower of `model` (its config.json `hf`); a Gemma 3 directory's preprocessor_config.json is
+    checked against what vision/gemma3_inputs.py implements."""
+    cfg = vision_config(hf)
+    path = os.path.join(model, "preprocessor_config.json")
+    if isinstance(cfg, Gemma3VisionConfig) and os.path.isfile(path):
+        with open(path) as f:
+            check_processor(json.load(f), cfg.image_size)
+    return cfg
 
 
 def has_vision(model: str) -> bool:

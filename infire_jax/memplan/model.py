@@ -276,7 +276,8 @@ def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
     from flax import nnx
 
     from infire_jax.vision.config import vision_config
-    from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, TILE_BUCKETS, VisionTower, pool_rows
+    from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, TILE_BUCKETS, VisionTower
+    from infire_jax.vision.towers import pool_rows
 
     vcfg = vision_config(hf)
     tower = nnx.eval_shape(lambda: VisionTower(vcfg))

@@ -77,7 +77,7 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
 def _served(model: PlanModel, vision_hf: dict | None, weights_quantization: str | None) -> PlanModel:
     """`model` with the vision tower and image pool where the engine serves images: a Llama 4 with a
     tower and plain weights, on one device or replicated on every device of a mesh (engine/setup.py
-    `_vision`)."""
-    if vision_hf is None or weights_quantization:
+    `_vision`). Gemma 3's tower (which the engine serves too) is not counted yet."""
+    if vision_hf is None or weights_quantization or vision_hf.get("model_type") != "llama4":
         return model
     return with_vision(model, vision_hf)

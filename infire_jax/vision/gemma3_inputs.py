@@ -16,10 +16,32 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
+from infire_jax.errors import UnsupportedModelError
 from infire_jax.vision.preprocess import Tiles
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 MARKER = BOI  # where an image goes in a text prompt
+
+
+# preprocessor_config.json's fields whose values `tiles` implements (the published files' and the
+# processor's defaults); a file that sets another value is refused naming the field.
+_PROCESSOR = {"do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "resample": 2,
+              "rescale_factor": 1 / 255, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": False}
+
+
+def check_processor(pp: dict, side: int) -> None:
+    """UnsupportedModelError naming a field of a checkpoint's preprocessor_config.json that `tiles` does
+    not honour (pan-and-scan among them); a field left out or null takes the default."""
+    for field, want in _PROCESSOR.items():
+        got = pp.get(field)
+        if got is not None and not (np.allclose(got, want) if field in ("image_mean", "image_std", "rescale_factor")
+                                    else bool(got) == want if isinstance(want, bool) else got == want):
+            raise UnsupportedModelError(f"Gemma 3 images: preprocessor_config.json {field}={got!r} is not "
+                                        f"implemented (only {want!r})")
+    size = pp.get("size") or {}
+    if (size.get("height", side), size.get("width", side)) != (side, side):
+        raise UnsupportedModelError(f"Gemma 3 images: preprocessor_config.json size={size!r}, the tower takes "
+                                    f"{side} x {side}")
 
 
 def tiles(image: Image.Image, side: int) -> Tiles:
