@@ -2,7 +2,7 @@
 Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil and Gemma3Processor, through the real engine.
 
 A tiny random multimodal checkpoint (test_gemma3.py's language model; a two-layer SigLIP tower of
-56-pixel images in 14-pixel patches, a 4 x 4 grid average-pooled 2 x 2 into 4 tokens; random norms and
+56-pixel images in 7-pixel patches, an 8 x 8 grid average-pooled 4 x 4 into 4 tokens; random norms and
 projector) is saved by transformers with a tokenizer whose `<start_of_image>`, `<end_of_image>` and
 `<image_soft_token>` are special tokens. The pixels, the tower's outputs and the expanded prompts must
 equal transformers'; greedy tokens and logprobs through the engine equal transformers' language model on
@@ -31,7 +31,7 @@ BOI, EOI, SOFT = VOCAB - 3, VOCAB - 2, VOCAB - 1
 SPECIAL = {gemma3_inputs.BOI: BOI, gemma3_inputs.EOI: EOI, gemma3_inputs.SOFT: SOFT}
 TOKENS = 4  # mm_tokens_per_image
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
-              patch_size=14, vision_use_head=False)
+              patch_size=7, vision_use_head=False)
 # Gemma's chat template's shape: a turn per message, an image part as <start_of_image>, text parts in a row.
 TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
             "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}"
@@ -124,7 +124,7 @@ def test_tower_and_projector_equal_get_image_features(checkpoint, processor):
 
     mm, _, path = checkpoint
     cfg, tensors = load_vision_tower(str(path))
-    assert isinstance(cfg, Gemma3VisionConfig) and (cfg.tokens_per_image, cfg.pool_kernel) == (TOKENS, 2)
+    assert isinstance(cfg, Gemma3VisionConfig) and (cfg.tokens_per_image, cfg.pool_kernel) == (TOKENS, 4)
     assert cfg.image_token_id == SOFT and cfg.text_hidden_size == TINY["hidden_size"]
     weights = weights_from_hf(cfg, tensors)
     published = {k.replace("vision_tower.", "vision_tower.vision_model."): v for k, v in tensors.items()}
