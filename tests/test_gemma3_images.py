@@ -6,7 +6,8 @@ A tiny random multimodal checkpoint (test_gemma3.py's language model; a two-laye
 projector) is saved by transformers with a tokenizer whose `<start_of_image>`, `<end_of_image>` and
 `<image_soft_token>` are special tokens. The pixels, the tower's outputs and the expanded prompts must
 equal transformers'; greedy tokens and logprobs through the engine equal transformers' language model on
-the same embeddings with its causal mask (what the engine serves, as vLLM does; docs/SERVER.md).
+the same embeddings with its causal mask (what the engine serves, as vLLM does; docs/SERVER.md); a chat
+over HTTP answers as offline; tp and pp meshes answer as one device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 
 import jax
 import numpy as np
@@ -252,3 +254,28 @@ def test_processor_configs_it_does_not_implement_are_refused(processor):
                          ("size", {"height": 896, "width": 896})]:
         with pytest.raises(UnsupportedModelError, match=field):
             gemma3_inputs.check_processor({**pp, field: value}, 56)
+
+
+def test_images_on_tp_and_pp_meshes_match_one_device(checkpoint, tmp_path):
+    """On 2 virtual CPU devices (tp 2, a pipeline of 2 stages) the tower and the pool are replicated, as
+    Llama 4's (tests/test_vision_mesh.py): one device's greedy tokens, its logprobs within 1e-4."""
+    from test_sharding import ROOT, _results, _run_worker
+
+    paths = []
+    for name, (h, w) in (("wide", (56, 112)), ("small", (40, 40))):
+        paths.append(str(tmp_path / f"{name}.png"))
+        _image(h, w).save(paths[-1])
+    prompts = [{"prompt": "what is in <start_of_image> here", "images": paths[:1]},
+               {"prompt": "a long text before the image crosses a 32-token step: <start_of_image>, then go on",
+                "images": paths[1:]}]
+    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=[32], page_size=4,
+                  num_kv_pages=240, num_decode_steps=1)
+    runs = [{"model": str(checkpoint[2]), "mesh": os.path.join(ROOT, "sharding", "configs", m)}
+            for m in ("1.yaml", "2.yaml", "2-pp2.yaml")]
+    job = {"runs": runs, "prompts": prompts, "max_tokens": 12, "engine": engine}
+    results = {os.path.basename(r["mesh"]): r for r in _results(_run_worker(job, 2, tmp_path, "gemma3_images"))}
+    single = results.pop("1.yaml")
+    assert len(single["tokens"]) == 2 and all(len(t) == 12 for t in single["tokens"])
+    for name, r in results.items():
+        assert r["fits"] and r["tokens"] == single["tokens"], (name, json.dumps(r)[:500])
+        np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4)
