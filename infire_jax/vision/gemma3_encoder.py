@@ -53,7 +53,6 @@ class Gemma3VisionConfig:
     layer_norm_eps: float = 1e-6
     num_channels: int = 3
     image_token_id: int = 262144  # <image_soft_token>: the tokens the projector's outputs replace
-    max_patches: int = 1  # an image is one tile (no pan-and-scan)
 
     @property
     def head_dim(self) -> int:
