@@ -141,6 +141,8 @@ def test_tower_and_projector_equal_get_image_features(checkpoint, processor):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     one = np.asarray(towers.encode_padded(cfg, weights, pixels[1:2]))  # the engine's jitted call, one image
     np.testing.assert_allclose(one[0], want[1], atol=2e-5, rtol=1e-5)
+    # the bytes the engine leaves the tower when it sizes the KV pool from device memory: every weight's
+    assert towers.device_bytes(cfg, np.float32)[0] == sum(a.nbytes for a in jax.tree.leaves(weights))
 
 
 def _hf_greedy(mm, lm, ids: list[int], pixels: np.ndarray, num_tokens: int):
