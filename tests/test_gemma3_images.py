@@ -36,8 +36,8 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
               patch_size=7, vision_use_head=False)
 # Gemma's chat template's shape: a turn per message, an image part as <start_of_image>, text parts in a row.
 TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}"
-            "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>"
+            "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
             "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
@@ -155,7 +155,8 @@ def _hf_greedy(mm, lm, ids: list[int], pixels: np.ndarray, num_tokens: int):
         features = mm.get_image_features(torch.from_numpy(pixels), return_dict=True).pooler_output
         ids_t = torch.tensor([ids])
         embeds = lm.get_input_embeddings()(ids_t)
-        embeds = embeds.masked_scatter((ids_t == SOFT)[..., None].expand_as(embeds), features.reshape(-1, TINY["hidden_size"]))
+        images = (ids_t == SOFT)[..., None].expand_as(embeds)
+        embeds = embeds.masked_scatter(images, features.reshape(-1, TINY["hidden_size"]))
         out = lm.generate(inputs_embeds=embeds, max_new_tokens=num_tokens, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, pad_token_id=0)
         causal = mm(input_ids=ids_t, pixel_values=torch.from_numpy(pixels)).logits[0, -1]
@@ -202,7 +203,8 @@ def test_chat_prompt_equals_the_processors(processor, llm):
     from infire_jax.errors import InvalidRequestError
 
     image = _image(64, 48)
-    ours = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "image", "image": image}]}]
+    ours = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image", "image": image}]}]
     theirs = [ours[0], {"role": "user", "content": [{"type": "image"}]}]
     text = processor.apply_chat_template(theirs, add_generation_prompt=True, tokenize=False)
     want = processor(text=text, images=[image], return_tensors="np")["input_ids"][0].tolist()

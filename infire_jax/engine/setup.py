@@ -129,8 +129,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
 
-    # Images (Llama 4 and Gemma 3 checkpoints with a vision tower): vLLM's limit_mm_per_prompt, {"image": N} images a
-    # prompt may carry (None: 1; 0 leaves the tower unloaded). The device holds the encoder outputs of
+    # Images (Llama 4 and Gemma 3 checkpoints with a vision tower): vLLM's limit_mm_per_prompt, {"image": N}
+    # images a prompt may carry (None: 1; 0 leaves the tower unloaded). The device holds the encoder outputs of
     # IMAGE_POOL_PROMPTS such prompts' images at once (runner/image_pool.py).
     limit_mm_per_prompt: dict[str, int] | None = None
 

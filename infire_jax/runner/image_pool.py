@@ -1,8 +1,8 @@
 """Images on the device: the vision tower, and the pool where its outputs wait for their prompt.
 
 A request's images get rows of the pool, a [rows, E] array of the device cache
-(`DeviceCache.images`), when it is added; an image is encoded into its rows (vision/encoder.py,
-jitted per tile bucket; the checkpoint's tower, vision/towers.py) only when a step first computes one of its <|patch|> tokens
+(`DeviceCache.images`), when it is added; an image is encoded into its rows (the checkpoint's tower,
+vision/towers.py, jitted per tile bucket) only when a step first computes one of its image tokens
 (engine/images.py), so one whose tokens' KV is cached or was imported is never encoded. Each
 prompt token that is an image patch carries its pool row (`StepBatch.image_rows`), and the forward
 takes the embedding from there instead of the token table, whichever step (chunk) prefills it. The
