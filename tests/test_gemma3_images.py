@@ -262,8 +262,13 @@ def test_processor_configs_it_does_not_implement_are_refused(processor):
 
 def test_images_on_tp_and_pp_meshes_match_one_device(checkpoint, tmp_path):
     """On 2 virtual CPU devices (tp 2, a pipeline of 2 stages) the tower and the pool are replicated, as
-    Llama 4's (tests/test_vision_mesh.py): one device's greedy tokens, its logprobs within 1e-4."""
+    Llama 4's (tests/test_vision_mesh.py), each device holding the bytes `infire-jax plan` counts: one
+    device's greedy tokens, its logprobs within 1e-4."""
     from test_sharding import ROOT, _results, _run_worker
+
+    from infire_jax.memplan.plan import memory_plan, parse_bytes
+    from infire_jax.memplan.source import plan_source
+    from sharding.mesh import MeshConfig
 
     paths = []
     for name, (h, w) in (("wide", (56, 112)), ("small", (40, 40))):
@@ -278,6 +283,11 @@ def test_images_on_tp_and_pp_meshes_match_one_device(checkpoint, tmp_path):
             for m in ("1.yaml", "2.yaml", "2-pp2.yaml")]
     job = {"runs": runs, "prompts": prompts, "max_tokens": 12, "engine": engine}
     results = {os.path.basename(r["mesh"]): r for r in _results(_run_worker(job, 2, tmp_path, "gemma3_images"))}
+    for name, r in results.items():
+        mc = MeshConfig.from_yaml(os.path.join(ROOT, "sharding", "configs", name))
+        planned = memory_plan(plan_source(str(checkpoint[2]), "float32")(mc), mc, parse_bytes("1GB"), dtype="float32")
+        assert planned.weights["vision"] > 0 and planned.encoder > 0
+        assert r["vision_bytes"] == {str(d): planned.weights["vision"] for d in range(mc.num_devices)}, name
     single = results.pop("1.yaml")
     assert len(single["tokens"]) == 2 and all(len(t) == 12 for t in single["tokens"])
     for name, r in results.items():

@@ -146,7 +146,7 @@ def encode_padded(cfg: Gemma3VisionConfig, weights: dict, pixels: Float[Array, "
     return _encode_bucket(cfg, weights, jax.device_put(pixels, sharding))
 
 
-def _shapes(cfg: Gemma3VisionConfig) -> dict:
+def weight_shapes(cfg: Gemma3VisionConfig) -> dict:
     """Each weight's shape, in `encode_images`'s pytree layout."""
     h, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     layer = {"attn_norm_scale": (h,), "attn_norm_bias": (h,), "wq": (h, h), "bq": (h,), "wk": (h, h), "bk": (h,),
@@ -161,7 +161,7 @@ def _shapes(cfg: Gemma3VisionConfig) -> dict:
 def device_bytes(cfg: Gemma3VisionConfig, dtype, sharding: jax.sharding.Sharding | None = None) -> tuple[int, int]:
     """(the tower's weights, an encoder call's temporaries) on one device, from shapes alone (as
     vision/encoder.py's `device_bytes`: the engine sizes the KV pool leaving room for them)."""
-    weights = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=sharding), _shapes(cfg),
+    weights = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=sharding), weight_shapes(cfg),
                            is_leaf=lambda x: isinstance(x, tuple))
     side = cfg.image_size
     pixels = jax.ShapeDtypeStruct((TILE_BUCKETS[-1], cfg.num_channels, side, side), jnp.float32, sharding=sharding)
@@ -205,7 +205,7 @@ def weights_from_hf(cfg: Gemma3VisionConfig, tensors: dict[str, np.ndarray], dty
          "post_norm": {"scale": t(f"{v}post_layernorm.weight"), "bias": t(f"{v}post_layernorm.bias")},
          "soft_emb_norm": t("multi_modal_projector.mm_soft_emb_norm.weight"),
          "projector": t("multi_modal_projector.mm_input_projection_weight")}  # already [vision, text]
-    shapes = jax.tree.leaves(_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.leaves(weight_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     for got, want in zip(jax.tree.leaves(w), shapes):
         if got.shape != want:
             raise UnsupportedModelError(f"Gemma 3 vision tower: a weight of shape {got.shape}, the config's {want}")
