@@ -247,7 +247,7 @@ class LLM:
             raise InvalidRequestError(f"{self.engine.model_name} takes no images", param="messages")
         tiles = [inputs.tiles(preprocess.decode(im) if isinstance(im, bytes) else im) for im in images]
         try:  # a template that drops a message drops its markers
-            text = placeholders.expand(text, [t.grid for t in tiles], inputs.cfg.tokens_per_tile)
+            text = inputs.expand(text, tiles, at=placeholders.IMAGE)
         except ValueError as e:
             raise InvalidRequestError(f"the chat template's text: {e}", param="messages") from e
         return {"prompt_token_ids": tk.encode(text, add_special_tokens=False), "multi_modal_data": {"image": tiles}}

@@ -137,7 +137,7 @@ async def image_tiles(st: ServerState, m: ServedModel, req: ChatRequest) -> list
     event loop; a 400 naming the part for any that cannot be, or where the model takes no images."""
     images = m.engine.engine.images
     if images is None:
-        raise bad(f"the model {req.model!r} takes no images (a Llama 4 checkpoint with a vision tower does)",
+        raise bad(f"the model {req.model!r} takes no images (a Llama 4 or Gemma 3 checkpoint with a vision tower does)",
                   req.images[0][1])
     if len(req.images) > images.limit:
         raise bad(f"{len(req.images)} images in one request; at most {images.limit} (--limit-mm-per-prompt)",
@@ -178,7 +178,7 @@ def chat_text(m: ServedModel, req: ChatRequest, param: str, tiles: list[preproce
                                                continue_final_message=req.continue_final_message,
                                                **req.chat_template_kwargs, **extra)
         if tiles:
-            text = image_placeholders.expand(text, [t.grid for t in tiles], m.engine.engine.images.cfg.tokens_per_tile)
+            text = m.engine.engine.images.expand(text, tiles, at=image_placeholders.IMAGE)
     except (InvalidRequestError, ValueError) as e:
         raise bad(str(e), param) from e
     return text

@@ -62,15 +62,14 @@ def request_images(engine, count: int, side: int, seed) -> tuple[list, list[int]
     from PIL import Image
 
     from infire_jax.bench.common import BenchError
-    from infire_jax.vision import prompt as placeholders
+    from infire_jax.vision import towers
 
     if engine.images is None:
         raise BenchError(f"{engine.model_name} takes no images (--images-per-request needs a vision tower, "
                          "e.g. dummy:llama-4-scout)")
     rng = np.random.default_rng(seed)
     images = [Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(count)]
-    tokens = [t for im in images for t in placeholders.image_tokens(engine.images.tiles(im).grid,
-                                                                      engine.images.cfg.tokens_per_tile)]
+    tokens = [t for im in images for t in towers.image_tokens(engine.images.cfg, engine.images.tiles(im).grid)]
     return images, engine.tokenizer.encode("".join(tokens), add_special_tokens=False)
 
 

@@ -76,7 +76,8 @@ class Engine:
                                    enable_prefix_caching=prefix_caching(ec, self.model_config))
         # LoRA adapters (lora/adapters.py): admission pins a request's adapter into a device slot.
         self.lora = Adapters(ec.lora, self.model_config, self.runner, dtype=self.dtype) if ec.lora else None
-        # Images (engine/images.py): a Llama 4 checkpoint's vision tower and the device's image pool.
+        # Images (engine/images.py): a Llama 4 or Gemma 3 checkpoint's vision tower and the device's
+        # image pool.
         self.images = None
         if s.vision is not None:
             # On a mesh the tower and the pool's rows are replicated (ImagePool).
@@ -141,15 +142,17 @@ class Engine:
         thread); without it the constraint is compiled here. `lora_request`: the LoRA adapter it
         runs with, a loaded adapter's name, vLLM's LoRARequest (loaded on first use) or an adapter held
         across requests (`Adapters.hold`). `images`:
-        PIL images or encoded ones, one per `<|image|>` of a text prompt (engine/images.py).
+        PIL images or encoded ones, one per image marker of a text prompt (`<|image|>`, Gemma 3's
+        `<start_of_image>`: engine/images.py).
         PoolingParams ask for the prompt's embedding instead (runner="pooling"): its one delta has it."""
         params = params or SamplingParams()
         if images is None:
             return self._add_request(prompt, params, request_id, priority, tenant, prefix_hint_tokens, session_id,
                                      grammar, lora_request, None)
         if self.images is None:
-            raise InvalidRequestError(f"{self.model_name} takes no images (a Llama 4 checkpoint with a vision "
-                                      "tower does, unless limit_mm_per_prompt is 0)", param="multi_modal_data")
+            raise InvalidRequestError(f"{self.model_name} takes no images (a Llama 4 or Gemma 3 checkpoint "
+                                      "with a vision tower does, unless limit_mm_per_prompt is 0)",
+                                      param="multi_modal_data")
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         prepared = self.images.prepare(prompt, images)

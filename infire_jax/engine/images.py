@@ -1,9 +1,10 @@
 """A request's images, from the caller's PIL images (or encoded bytes) to rows of the device's
 image pool that its prompt's <|patch|> tokens read (runner/image_pool.py).
 
-The prompt is text with one `<|image|>` marker per image, which becomes the image's placeholder
-(vision/prompt.py), or token ids with the placeholders already in them (as HF's processor makes
-them); either way its <|patch|> tokens must be exactly the images' tiles' tokens, in order. The
+The prompt is text with one marker per image (Llama 4's `<|image|>`, Gemma 3's `<start_of_image>`),
+which becomes the image's placeholder (vision/towers.py), or token ids with the placeholders already in
+them (as HF's processor makes them); either way its image tokens (Llama 4's <|patch|>, Gemma 3's
+<image_soft_token>) must be exactly the images' tiles' tokens, in order. The
 images' pool rows are reserved as the request is added, and freed when it ends.
 
 An image is encoded only when a step is about to compute one of its <|patch|> tokens (`encode`, as
@@ -27,7 +28,7 @@ from infire_jax.errors import InvalidRequestError
 from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.runner.image_pool import ImagePool
 from infire_jax.runner.model_runner import ModelRunner
-from infire_jax.vision import preprocess, prompt as placeholders
+from infire_jax.vision import preprocess, towers
 
 
 def images_digest(tiles: Sequence[preprocess.Tiles]) -> str:
@@ -75,7 +76,11 @@ class ImageInputs:
 
     def tiles(self, image: Image.Image) -> preprocess.Tiles:
         """An image's tiles for this tower (a server makes them off the engine's thread)."""
-        return preprocess.tiles(image, self.cfg.image_size, self.cfg.max_patches)
+        return towers.tiles(self.cfg, image)
+
+    def expand(self, text: str, tiles: Sequence[preprocess.Tiles], at: str | None = None) -> str:
+        """`text` with each image's marker (`at`, default the tower's own) replaced by its placeholder."""
+        return towers.expand(self.cfg, text, [t.grid for t in tiles], at)
 
     def _image(self, image: Any) -> Image.Image:
         if isinstance(image, Image.Image):
@@ -95,7 +100,7 @@ class ImageInputs:
         per_tile = self.cfg.tokens_per_tile
         if isinstance(prompt, str):
             try:
-                text = placeholders.expand(prompt, [t.grid for t in tiles], per_tile)
+                text = self.expand(prompt, tiles)
             except ValueError as e:
                 raise InvalidRequestError(str(e), param="prompt") from e
             ids = self.tokenizer.encode(text)

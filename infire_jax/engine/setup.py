@@ -46,10 +46,10 @@ from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.head_proposer import DraftHead
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
 from infire_jax.loaders.tokenizer import Tokenizer
-from infire_jax.loaders.vision import vision_hf_config
+from infire_jax.loaders.vision import load_vision_config, vision_hf_config
 from infire_jax.loaders.vllm_quantization import weights_quantization_of
-from infire_jax.vision.config import VisionConfig, vision_config
-from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, device_bytes, pool_rows
+from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS
+from infire_jax.vision.towers import TowerConfig, device_bytes, pool_rows
 from pallas_kernels.attention import choose_impl, resolve_impl
 from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels import placement
@@ -129,8 +129,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
 
-    # Images (Llama 4 checkpoints with a vision tower): vLLM's limit_mm_per_prompt, {"image": N} images a
-    # prompt may carry (None: 1; 0 leaves the tower unloaded). The device holds the encoder outputs of
+    # Images (Llama 4 and Gemma 3 checkpoints with a vision tower): vLLM's limit_mm_per_prompt, {"image": N}
+    # images a prompt may carry (None: 1; 0 leaves the tower unloaded). The device holds the encoder outputs of
     # IMAGE_POOL_PROMPTS such prompts' images at once (runner/image_pool.py).
     limit_mm_per_prompt: dict[str, int] | None = None
 
@@ -205,7 +205,7 @@ class Settings(NamedTuple):
     sizing: PoolSizing | None  # the pool's size where it is known before the weights are on the device
     runner_config: RunnerConfig  # the pool at its final size if `sizing`, else at its least
     checkpoint_kv_scales: np.ndarray | None  # an fp8 pool's scales as the checkpoint carries them
-    vision: VisionConfig | None = None  # the checkpoint's vision tower, served (None: text only)
+    vision: TowerConfig | None = None  # the checkpoint's vision tower, served (None: text only)
     pooler: PoolerConfig | None = None  # how embeddings are pooled (None: the engine serves none)
 
 
@@ -223,10 +223,11 @@ def _pooler(ec: EngineConfig) -> PoolerConfig | None:
     return PoolerConfig.parse(ec.pooler_config, declared_pooler(ec.model))
 
 
-def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:
-    """The vision tower to serve: a Llama 4 HF directory's or dummy's, unless images are limited to 0. On
-    a mesh the tower and the image pool are replicated (engine.py). Not across processes: an image is
-    encoded where its request is added, on process 0 alone, and the others would not join the program."""
+def _vision(ec: EngineConfig, plan: ShardPlan | None) -> TowerConfig | None:
+    """The vision tower to serve: a Llama 4 HF directory's or dummy's, or a Gemma 3 HF directory's
+    (vision/towers.py), unless images are limited to 0. On a mesh the tower and the image pool are
+    replicated (engine.py). Not across processes: an image is encoded where its request is added, on
+    process 0 alone, and the others would not join the program."""
     hf = vision_hf_config(ec.model) if ec.images_per_prompt and ec.model else None
     if hf is None:
         return None
@@ -237,7 +238,7 @@ def _vision(ec: EngineConfig, plan: ShardPlan | None) -> VisionConfig | None:
         raise ConfigError(f"{ec.model}: images are not served on a mesh over several processes (the vision "
                           "tower runs where a request is added, on process 0 alone); "
                           "limit_mm_per_prompt={'image': 0} serves text")
-    return vision_config(hf)
+    return load_vision_config(ec.model, hf)
 
 
 def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:

@@ -2,7 +2,7 @@
 
 Text checkpoints (`Gemma3ForCausalLM`: `model.layers.*`) and the multimodal ones' language model
 (`Gemma3ForConditionalGeneration`: loaders/weights.py `language_model_name`). The vision tower and its
-projector are skipped: images are not served.
+projector are skipped here: the engine reads them apart to serve images (loaders/vision.py).
 Every norm weight is stored as 1 + w, the factor Gemma's RMSNorm multiplies by (models/gemma3.py).
 """
 

@@ -1,9 +1,11 @@
-"""A Llama 4 checkpoint's vision tower and projector, read apart from the text model (a `dummy:`
-Llama 4's drawn at random).
+"""A Llama 4 or Gemma 3 checkpoint's vision tower and projector, read apart from the text model (a
+`dummy:` Llama 4's drawn at random).
 
 `Llama4ForConditionalGeneration` keeps them as `vision_model.*` and `multi_modal_projector.*` beside
-the text weights (loaders/llama4_hf.py skips them). Only those tensors are read here, by name from
-each safetensors file's index, so the text weights (200 GB for Scout) are not read a second time.
+the text weights (loaders/llama4_hf.py skips them), `Gemma3ForConditionalGeneration` as `vision_tower.*`
+and `multi_modal_projector.*` (transformers 4.5x: under `model.`; loaders/gemma3_hf.py skips them). Only
+those tensors are read here, by name from each safetensors file's index, so the text weights (200 GB for
+Scout) are not read a second time.
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ from safetensors import safe_open
 
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.dummy import dummy_hf_config
-from infire_jax.vision.config import VisionConfig, vision_config
-from infire_jax.vision.encoder import random_weights, weights_from_hf
-
-VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
+from infire_jax.vision.encoder import random_weights
+from infire_jax.vision.gemma3_encoder import Gemma3VisionConfig
+from infire_jax.vision.gemma3_inputs import check_processor
+from infire_jax.vision.towers import MODEL_TYPES, TowerConfig, prefixes, vision_config, weights_from_hf
 
 
 def vision_hf_config(model: str) -> dict[str, Any] | None:
-    """The config.json of `model` (an HF directory or a `dummy:` name) if it is a Llama 4 model with a
-    vision tower, else None."""
+    """The config.json of `model` (an HF directory or a `dummy:` name) if it is a Llama 4 or Gemma 3
+    model with a vision tower, else None."""
     if model.startswith("dummy:"):
         hf = dummy_hf_config(model[len("dummy:"):])
     else:
@@ -36,18 +38,29 @@ def vision_hf_config(model: str) -> dict[str, Any] | None:
             return None
         with open(path) as f:
             hf = json.load(f)
-    return hf if hf.get("model_type") == "llama4" and hf.get("vision_config") else None
+    return hf if hf.get("model_type") in MODEL_TYPES and hf.get("vision_config") else None
+
+
+def load_vision_config(model: str, hf: dict[str, Any]) -> TowerConfig:
+    """The tower of `model` (its config.json `hf`); a Gemma 3 directory's preprocessor_config.json is
+    checked against what vision/gemma3_inputs.py implements."""
+    cfg = vision_config(hf)
+    path = os.path.join(model, "preprocessor_config.json")
+    if isinstance(cfg, Gemma3VisionConfig) and os.path.isfile(path):
+        with open(path) as f:
+            check_processor(json.load(f), cfg.image_size)
+    return cfg
 
 
 def has_vision(model: str) -> bool:
     return vision_hf_config(model) is not None
 
 
-def load_vision_weights(model: str, cfg: VisionConfig, dtype, seed: int = 0,
+def load_vision_weights(model: str, cfg: TowerConfig, dtype, seed: int = 0,
                         sharding: jax.sharding.Sharding | None = None) -> dict:
     """The tower's weights on the device (the pytree `vision.encoder.encode` takes): a checkpoint's, or a
     `dummy:` model's drawn at random; placed on `sharding` (a mesh's replicated one: the same values
-    as on one device)."""
+    as on one device). Only Llama 4's dummies have a tower (`dummy:gemma-3-*` are text configs)."""
     if model.startswith("dummy:"):
         weights = random_weights(cfg, dtype, seed)
     else:
@@ -55,7 +68,7 @@ def load_vision_weights(model: str, cfg: VisionConfig, dtype, seed: int = 0,
     return weights if sharding is None else jax.device_put(weights, sharding)
 
 
-def load_vision_tower(path: str) -> tuple[VisionConfig, dict[str, np.ndarray]]:
+def load_vision_tower(path: str) -> tuple[TowerConfig, dict[str, np.ndarray]]:
     """(the tower's config, its tensors by HF name as float32 numpy arrays) of an HF directory."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = vision_config(json.load(f))
@@ -67,9 +80,9 @@ def load_vision_tower(path: str) -> tuple[VisionConfig, dict[str, np.ndarray]]:
         for file in files:
             with safe_open(file, framework="flax") as f:
                 for name in f.keys():
-                    if name.startswith(VISION_PREFIXES):
+                    if name.startswith(prefixes(cfg)):
                         tensors[name] = np.asarray(f.get_tensor(name), np.float32)
     if not tensors:
         raise UnsupportedModelError(f"{path}: the config has a vision tower but the weights have no "
-                                    f"{' or '.join(VISION_PREFIXES)} tensors")
+                                    f"{' or '.join(prefixes(cfg))} tensors")
     return cfg, tensors

@@ -271,23 +271,32 @@ def _slot_state_bytes(cfg: ModelConfig, dtype: str) -> float:
 
 
 def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
-    """`model` with a Llama 4 config's vision tower and the engine's image pool (the default one image a
-    prompt), each held whole on every device (replicated on a mesh, as engine/setup.py `_vision` places them)."""
+    """`model` with a Llama 4 or Gemma 3 config's vision tower and the engine's image pool (the default one
+    image a prompt), each held whole on every device (replicated on a mesh, as engine/setup.py `_vision`
+    places them)."""
+    import jax
     from flax import nnx
 
-    from infire_jax.vision.config import vision_config
-    from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, TILE_BUCKETS, VisionTower, pool_rows
+    from infire_jax.vision.encoder import IMAGE_POOL_PROMPTS, VisionTower
+    from infire_jax.vision.gemma3_encoder import Gemma3VisionConfig, weight_shapes
+    from infire_jax.vision.towers import pool_rows, tile_buckets, vision_config
 
     vcfg = vision_config(hf)
-    tower = nnx.eval_shape(lambda: VisionTower(vcfg))
-    tensors = [Tensor(f"vision.{k}", "vision", tuple(p.shape), (None,) * len(p.shape), False)
-               for k, p in sorted(vars(tower).items()) if isinstance(p, nnx.Param)]
+    if isinstance(vcfg, Gemma3VisionConfig):
+        leaves, _ = jax.tree_util.tree_flatten_with_path(weight_shapes(vcfg), is_leaf=lambda x: isinstance(x, tuple))
+        named = [(".".join(str(k.key) for k in path), shape) for path, shape in leaves]
+        tokens = vcfg.patches_per_side ** 2  # an image's patches
+    else:
+        tower = nnx.eval_shape(lambda: VisionTower(vcfg))
+        named = [(k, tuple(p.shape)) for k, p in sorted(vars(tower).items()) if isinstance(p, nnx.Param)]
+        tokens = vcfg.patches_per_side ** 2 + 1  # a tile's patches and class token
+    tensors = [Tensor(f"vision.{k}", "vision", shape, (None,) * len(shape), False) for k, shape in named]
     tensors.append(Tensor("image_pool", "vision", (pool_rows(vcfg, IMAGE_POOL_PROMPTS), vcfg.text_hidden_size),
                           (None, None), False))
-    # An estimate, as the text step's: over the largest tile bucket's tokens (each tile's patches and
-    # class token), the residual stream and its temporaries (8 x hidden), q/k/v (3 x hidden) and the
-    # MLP's inner width, and one layer's attention scores in float32.
-    tiles, tokens = TILE_BUCKETS[-1], vcfg.patches_per_side ** 2 + 1
+    # An estimate, as the text step's: over the largest tile bucket's tokens, the residual stream and its
+    # temporaries (8 x hidden), q/k/v (3 x hidden) and the MLP's inner width, and one layer's attention
+    # scores in float32.
+    tiles = tile_buckets(vcfg)[-1]
     elements = tiles * tokens * (11 * vcfg.hidden_size + vcfg.intermediate_size)
     return dataclasses.replace(model, tensors=model.tensors + tuple(tensors),
                                encoder_elements=(elements, tiles * vcfg.num_heads * tokens ** 2))

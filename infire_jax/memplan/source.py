@@ -48,7 +48,7 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
     if path is not None:
         with open(path) as f:
             hf = json.load(f)
-        vision = hf if hf.get("model_type") == "llama4" and hf.get("vision_config") else None
+        vision = hf if hf.get("model_type") in ("llama4", "gemma3") and hf.get("vision_config") else None
         hf = dict(hf.get("text_config") or hf)
         if hf.get("kv_lora_rank"):  # MLA: the layout does not depend on the mesh
             if weights_quantization:
@@ -75,9 +75,9 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
 
 
 def _served(model: PlanModel, vision_hf: dict | None, weights_quantization: str | None) -> PlanModel:
-    """`model` with the vision tower and image pool where the engine serves images: a Llama 4 with a
-    tower and plain weights, on one device or replicated on every device of a mesh (engine/setup.py
-    `_vision`)."""
+    """`model` with the vision tower and image pool where the engine serves images: a Llama 4 or Gemma 3
+    with a tower and plain weights, on one device or replicated on every device of a mesh
+    (engine/setup.py `_vision`)."""
     if vision_hf is None or weights_quantization:
         return model
     return with_vision(model, vision_hf)

@@ -6,8 +6,8 @@ Every field is read as transformers' Gemma3TextConfig reads it, in its 4.x layou
 by layer type, `layer_types`), with its defaults: the published multimodal checkpoints leave most
 fields out. A field inference never reads is ignored (llama4_config.INERT_FIELDS); any other field,
 and any value models/gemma3.py does not implement (soft-capping: Gemma 2's; bidirectional attention:
-EmbeddingGemma's), is refused naming it. Of a `gemma3` checkpoint only the language model is served:
-its vision tower is not loaded, and the model takes text.
+EmbeddingGemma's), is refused naming it. Of a `gemma3` checkpoint this is the language model; its
+vision tower is read apart (vision/gemma3_encoder.py) to serve images.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _FIELDS = {
     "rope_parameters", "attention_bias", "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
     "_sliding_window_pattern", "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
     "use_bidirectional_attention"}
-# A multimodal `gemma3` config's own fields beside its text_config (the vision tower's are not read).
+# A multimodal `gemma3` config's own fields beside its text_config (its vision_config: vision/gemma3_encoder.py).
 _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "mm_tokens_per_image", "boi_token_index",
                    "eoi_token_index", "image_token_index", "image_token_id", "boi_token_id", "eoi_token_id",
                    "eos_token_id", "bos_token_id", "tie_word_embeddings"}

@@ -1,8 +1,8 @@
 """Images on the device: the vision tower, and the pool where its outputs wait for their prompt.
 
 A request's images get rows of the pool, a [rows, E] array of the device cache
-(`DeviceCache.images`), when it is added; an image is encoded into its rows (vision/encoder.py,
-jitted per tile bucket) only when a step first computes one of its <|patch|> tokens
+(`DeviceCache.images`), when it is added; an image is encoded into its rows (the checkpoint's tower,
+vision/towers.py, jitted per tile bucket) only when a step first computes one of its image tokens
 (engine/images.py), so one whose tokens' KV is cached or was imported is never encoded. Each
 prompt token that is an image patch carries its pool row (`StepBatch.image_rows`), and the forward
 takes the embedding from there instead of the token table, whichever step (chunk) prefills it. The
@@ -20,8 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from infire_jax.errors import InvalidRequestError
-from infire_jax.vision.config import VisionConfig
-from infire_jax.vision.encoder import TILE_BUCKETS, encode_padded, tile_bucket
+from infire_jax.vision.towers import TowerConfig, encode_padded, tile_bucket, tile_buckets
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -38,7 +37,7 @@ class ImagePool:
     On a mesh both are replicated (`sharding`: the weights' placement, where pixels go too): every
     device encodes an image and holds the rows, so the sharded forward reads them where it runs."""
 
-    def __init__(self, cfg: VisionConfig, weights: dict, num_rows: int,
+    def __init__(self, cfg: TowerConfig, weights: dict, num_rows: int,
                  sharding: jax.sharding.Sharding | None = None):
         self.cfg, self.num_rows, self.weights, self.sharding = cfg, num_rows, weights, sharding
         self._free: list[tuple[int, int]] = [(0, num_rows)]  # (start, rows), sorted by start
@@ -86,7 +85,7 @@ class ImagePool:
         tiles into the pool's first rows (free, and overwritten when reserved): serving an image
         compiles nothing. Returns the pool (donated)."""
         side = self.cfg.image_size
-        for bucket in TILE_BUCKETS:
+        for bucket in tile_buckets(self.cfg):
             blank = np.zeros((bucket, self.cfg.num_channels, side, side), np.float32)
             encoded = encode_padded(self.cfg, self.weights, blank, self.sharding)
             pool = _write(pool, encoded.reshape(-1, pool.shape[1]), jnp.int32(0))
@@ -102,4 +101,4 @@ class ImagePool:
 
     def rows_for(self, tiles: int) -> int:
         """The rows an image of `tiles` tiles takes: its tile bucket's tokens."""
-        return tile_bucket(tiles) * self.cfg.tokens_per_tile
+        return tile_bucket(self.cfg, tiles) * self.cfg.tokens_per_tile

@@ -34,11 +34,6 @@ TILE_BUCKETS = (1, 4, 8, 17)
 IMAGE_POOL_PROMPTS = 4
 
 
-def pool_rows(cfg: VisionConfig, images: int) -> int:
-    """Rows a pool needs to hold `images` images of the most tiles at once."""
-    return images * TILE_BUCKETS[-1] * cfg.tokens_per_tile
-
-
 class VisionTower(nnx.Module):
     """The encoder's and projector's weights, each a parameter with logical axes (as the text
     model's), built abstractly and filled by `weights_from_hf`; `weights()` is the pytree `encode`

@@ -32,10 +32,13 @@ def image_tokens(grid: tuple[int, int], tokens_per_tile: int) -> list[str]:
 def expand(text: str, grids: list[tuple[int, int]], tokens_per_tile: int) -> str:
     """`text` with its i-th `<|image|>` replaced by image i's placeholder; ValueError unless the
     counts match."""
-    parts = text.split(IMAGE)
-    if len(parts) - 1 != len(grids):
-        raise ValueError(f"the prompt has {len(parts) - 1} {IMAGE} markers for {len(grids)} images")
-    out = parts[0]
-    for grid, rest in zip(grids, parts[1:]):
-        out += "".join(image_tokens(grid, tokens_per_tile)) + rest
-    return out
+    return replace_markers(text, IMAGE, ["".join(image_tokens(g, tokens_per_tile)) for g in grids])
+
+
+def replace_markers(text: str, marker: str, placeholders: list[str]) -> str:
+    """`text` with its i-th `marker` replaced by `placeholders[i]`; ValueError unless the counts match
+    (any tower's prompt: vision/towers.py)."""
+    parts = text.split(marker)
+    if len(parts) - 1 != len(placeholders):
+        raise ValueError(f"the prompt has {len(parts) - 1} {marker} markers for {len(placeholders)} images")
+    return parts[0] + "".join(p + rest for p, rest in zip(placeholders, parts[1:]))
