@@ -35,7 +35,7 @@ def _layout(mc: MeshConfig):
 
 
 @pytest.mark.parametrize("flags, shipped", [
-    ("-tp 2", "2.yaml"), ("--tensor-parallel-size 8", "8.yaml"), ("-pp 2", "2-pp2.yaml"),
+    ("-tp 1", "1.yaml"), ("-tp 1 -pp 1 --enable-expert-parallel", "1.yaml"), ("-tp 2", "2.yaml"), ("--tensor-parallel-size 8", "8.yaml"), ("-pp 2", "2-pp2.yaml"),
     ("-pp 8", "8-pp8.yaml"), ("-tp 4 -pp 2", "8-tp4-pp2.yaml"), ("-tp 8 --enable-expert-parallel", "8-tp8-ep.yaml")])
 def test_parallel_flags_build_the_shipped_mesh(flags, shipped):
     mesh = engine_config(_serve_args(f"/models/m {flags}"), "/models/m").mesh
@@ -43,13 +43,13 @@ def test_parallel_flags_build_the_shipped_mesh(flags, shipped):
     assert _layout(mesh) == _layout(MeshConfig.from_yaml(os.path.join(CONFIG_DIR, shipped)))
 
 
-def test_parallel_sizes_of_one_leave_the_mesh_alone():
-    assert engine_config(_serve_args("m -tp 1 -pp 1 -dp 1")).mesh is None
-    assert engine_config(_serve_args("m --mesh x.yaml -tp 1")).mesh == "x.yaml"
+def test_without_parallel_flags_the_mesh_is_the_default_or_mesh_file():
+    assert engine_config(_serve_args("m -dp 1")).mesh is None  # the shipped file for the device count
+    assert engine_config(_serve_args("m --mesh x.yaml")).mesh == "x.yaml"
 
 
 @pytest.mark.parametrize("line, message", [
-    ("m -tp 2 --mesh x.yaml", "--mesh and --tensor-parallel-size"),
+    ("m -tp 2 --mesh x.yaml", "--mesh and --tensor-parallel-size"), ("m -tp 1 --mesh x.yaml", "--mesh and"),
     ("m -dp 2", r"--data-parallel-size 2: .*infire-jax router.*docs/FLEET.md"),
     ("m -tp 3", None)])  # a mesh the shipped rules cannot split: ConfigError at engine_config, not later
 def test_parallel_flags_refused(line, message):
@@ -154,7 +154,8 @@ def test_a_server_started_from_a_vllm_command_line(tmp_path, default_gguf):
                             "--tensor-parallel-size", "1", "--root-path", "/llm", "--allowed-origins",
                             json.dumps([origin]), "--max-logprobs", "2", "--max-prompt-logprobs", "20",
                             "--response-role", "model", "--return-tokens-as-token-ids", "--enable-log-requests",
-                            "--ssl-keyfile", key, "--ssl-certfile", cert, "--disable-log-stats"])
+                            "--ssl-keyfile", key, "--ssl-certfile", cert, "--disable-log-stats",
+                            "--uvicorn-log-level", "info"])
     try:
         server.wait_ready()
         assert server.url.startswith("https://")
@@ -173,6 +174,7 @@ def test_a_server_started_from_a_vllm_command_line(tmp_path, default_gguf):
         assert status == 200 and headers["Access-Control-Allow-Headers"] == "authorization"
         status, headers, out = _call(server.url + "/v1/models", headers={"Origin": "https://other.example"})
         assert status == 200 and out["data"][0]["id"] == "smol" and "Access-Control-Allow-Origin" not in headers
-        assert "POST /llm/v1/chat/completions" in server.log_tail()
+        log = server.log_tail(1 << 20)
+        assert "POST /llm/v1/chat/completions" in log and "INFO infire_jax.engine" in log
     finally:
         server.stop()

@@ -42,10 +42,11 @@ class _Refuse(argparse.Action):
 def add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
     """vLLM's engine flags we lack otherwise: parallelism (a mesh as the shipped YAML files build it,
     sharding/configs), logprobs and the KV page size."""
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                    help="vLLM's flag: split attention heads, MLPs and the vocabulary over N devices (the mesh of "
-                        "sharding/configs/N.yaml); not with --mesh")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                        "sharding/configs/N.yaml; 1: one device, unsharded); not with --mesh. Without -tp, -pp "
+                        "or --mesh: every device, as the shipped file for their number")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="N",
                    help="vLLM's flag: split the layers into N stages (as 2-pp2.yaml); times -tp devices in all")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="vLLM's flag: a MoE's routed experts split whole over the -tp devices (as 8-tp8-ep.yaml)")
@@ -60,8 +61,8 @@ def add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def parallel_mesh(args: argparse.Namespace):
-    """--mesh's file, or the MeshConfig of -tp/-pp/--enable-expert-parallel, or None (one device, or
-    the shipped file for the device count); ConfigError naming the flags that conflict."""
+    """--mesh's file, or the MeshConfig of -tp/-pp/--enable-expert-parallel (-tp 1: one device, as vLLM's),
+    or None (the shipped file for the device count); ConfigError naming the flags that conflict."""
     from infire_jax.errors import ConfigError
     from sharding.mesh import MeshConfigError, parallel_config
 
@@ -69,12 +70,12 @@ def parallel_mesh(args: argparse.Namespace):
     if dp != 1:
         raise ConfigError(f"--data-parallel-size {dp}: one server is one replica; run {dp} servers behind "
                           "`infire-jax router` (or `infire-jax fleet`, docs/FLEET.md)")
-    if tp == 1 and pp == 1:
+    if tp is None and pp is None:
         return args.mesh
     if args.mesh is not None:
         raise ConfigError("--mesh and --tensor-parallel-size/--pipeline-parallel-size both say the mesh; give one")
     try:
-        return parallel_config(tp, pp, args.enable_expert_parallel)
+        return parallel_config(tp or 1, pp or 1, args.enable_expert_parallel)
     except MeshConfigError as e:
         raise ConfigError(str(e)) from e
 
