@@ -35,8 +35,9 @@ def _layout(mc: MeshConfig):
 
 
 @pytest.mark.parametrize("flags, shipped", [
-    ("-tp 1", "1.yaml"), ("-tp 1 -pp 1 --enable-expert-parallel", "1.yaml"), ("-tp 2", "2.yaml"), ("--tensor-parallel-size 8", "8.yaml"), ("-pp 2", "2-pp2.yaml"),
-    ("-pp 8", "8-pp8.yaml"), ("-tp 4 -pp 2", "8-tp4-pp2.yaml"), ("-tp 8 --enable-expert-parallel", "8-tp8-ep.yaml")])
+    ("-tp 1", "1.yaml"), ("-tp 1 -pp 1 --enable-expert-parallel", "1.yaml"), ("-tp 2", "2.yaml"),
+    ("--tensor-parallel-size 8", "8.yaml"), ("-pp 2", "2-pp2.yaml"), ("-pp 8", "8-pp8.yaml"),
+    ("-tp 4 -pp 2", "8-tp4-pp2.yaml"), ("-tp 8 --enable-expert-parallel", "8-tp8-ep.yaml")])
 def test_parallel_flags_build_the_shipped_mesh(flags, shipped):
     mesh = engine_config(_serve_args(f"/models/m {flags}"), "/models/m").mesh
     assert isinstance(mesh, MeshConfig)
@@ -169,8 +170,9 @@ def test_a_server_started_from_a_vllm_command_line(tmp_path, default_gguf):
         assert tokens and all(t["token"].startswith("token_id:") for t in tokens)
         status, _, out = _call(server.url + "/v1/chat/completions", "POST", {**chat, "top_logprobs": 3})
         assert status == 400 and "--max-logprobs" in out["error"]["message"]
-        status, headers, _ = _call(server.url + "/llm/v1/models", "OPTIONS", headers={
-            "Origin": origin, "Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "authorization"})
+        preflight = {"Origin": origin, "Access-Control-Request-Method": "GET",
+                     "Access-Control-Request-Headers": "authorization"}
+        status, headers, _ = _call(server.url + "/llm/v1/models", "OPTIONS", headers=preflight)
         assert status == 200 and headers["Access-Control-Allow-Headers"] == "authorization"
         status, headers, out = _call(server.url + "/v1/models", headers={"Origin": "https://other.example"})
         assert status == 200 and out["data"][0]["id"] == "smol" and "Access-Control-Allow-Origin" not in headers
