@@ -18,8 +18,10 @@ from infire_jax.engine.args import engine_config
 from infire_jax.engine.vllm_args import expand_config_file, resolve_serve_args
 from infire_jax.errors import ConfigError
 from sharding.mesh import ALIASES, ALLOWED_RULES, CONFIG_DIR, MeshConfig
-from tests.conftest import engine_flags
-from tests.server_utils import ServerProcess
+from conftest import cpu_env, engine_flags
+from server_utils import ServerProcess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _serve_args(line: str):
@@ -42,6 +44,43 @@ def test_parallel_flags_build_the_shipped_mesh(flags, shipped):
     mesh = engine_config(_serve_args(f"/models/m {flags}"), "/models/m").mesh
     assert isinstance(mesh, MeshConfig)
     assert _layout(mesh) == _layout(MeshConfig.from_yaml(os.path.join(CONFIG_DIR, shipped)))
+
+
+# Each model placed (shapes and shardings, no weights) on 8 CPU devices by the flags' mesh and the file's.
+_PLACEMENT = """
+import json, sys
+import jax
+from infire_jax.cli import build_parser
+from infire_jax.engine.args import engine_config
+from infire_jax.loaders.load import load_config
+from infire_jax.models.registry import abstract_state
+from sharding.mesh import load_mesh_config
+from sharding.plan import ShardPlan
+
+def placement(model, flags):
+    cfg = load_config(model)
+    plan = ShardPlan.create(cfg, load_mesh_config(engine_config(build_parser().parse_args(
+        ["serve", "--model", model, *flags]), model).mesh, 8))
+    _, state = abstract_state(cfg, "float32", plan)
+    specs = [str(a.sharding.spec) for a in jax.tree.leaves(state)]
+    return [dict(plan.mesh.shape), plan.kv_repeat, plan.stage_layers, specs]
+
+out = []
+for model, flags, shipped in json.loads(sys.argv[1]):
+    out.append(placement(model, flags) == placement(model, ["--mesh", shipped]))
+print(json.dumps(out))
+"""
+
+
+def test_parallel_flags_place_a_model_as_the_shipped_file_does():
+    cases = [("dummy:qwen3-0.6b", ["-tp", "2"], "2.yaml"), ("dummy:qwen3-0.6b", ["-pp", "2"], "2-pp2.yaml"),
+             ("dummy:qwen3-0.6b", ["-tp", "4", "-pp", "2"], "8-tp4-pp2.yaml"),
+             ("dummy:qwen3-30b-a3b,layers=2", ["-tp", "8", "--enable-expert-parallel"], "8-tp8-ep.yaml")]
+    cases = [(m, f, os.path.join(CONFIG_DIR, y)) for m, f, y in cases]
+    out = subprocess.run([sys.executable, "-c", _PLACEMENT, json.dumps(cases)], capture_output=True, text=True,
+                         env=cpu_env(8, PYTHONPATH=ROOT), cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == [True] * len(cases)
 
 
 def test_without_parallel_flags_the_mesh_is_the_default_or_mesh_file():
