@@ -107,11 +107,13 @@ def test_a_vllm_command_line_becomes_our_config(tmp_path):
         f"{model} --tensor-parallel-size 2 --max-model-len 8192 --gpu-memory-utilization 0.95 --enable-prefix-caching "
         "--max-num-seqs 128 --max-num-batched-tokens 4096 --kv-cache-dtype fp8 --served-model-name llama "
         "--api-key sk-x --trust-remote-code --disable-log-requests --disable-log-stats --enable-chunked-prefill "
-        "--port 8001 --host 0.0.0.0 --max-logprobs 5 --block-size 32 --seed 7 --tokenizer " + model)
+        "--port 8001 --host 0.0.0.0 --max-logprobs 5 --block-size 32 --seed 7 --num-gpu-blocks-override 300 "
+        "--kv-cache-memory-bytes 1073741824 --tokenizer-mode auto --enable-prompt-tokens-details --tokenizer " + model)
     ec = engine_config(args, args.model[0])
     assert (ec.model, ec.max_model_len, ec.gpu_memory_utilization, ec.max_num_seqs, ec.max_num_batched_tokens,
             ec.kv_cache_dtype, ec.page_size, ec.seed) == (model, 8192, 0.95, 128, 4096, "fp8", 32, 7)
     assert (ec.max_logprobs, ec.max_prompt_logprobs, ec.mesh.sizes["tp"]) == (5, 5, 2)
+    assert (ec.num_kv_pages, ec.kv_cache_memory) == (300, 1 << 30)
     assert (args.served_model_name, args.api_key, args.port, args.host) == (["llama"], ["sk-x"], 8001, "0.0.0.0")
 
 
@@ -133,6 +135,7 @@ def test_model_positional_or_flag_not_both(capsys):
 
 @pytest.mark.parametrize("line, message", [
     ("m --load-format pt", "--load-format pt"), ("m --tokenizer other", "--tokenizer other"),
+    ("m --tokenizer-mode mistral", "--tokenizer-mode mistral"),
     ("m --ssl-keyfile k.pem", "--ssl-keyfile and --ssl-certfile"), ("m --root-path llm/", "--root-path")])
 def test_vllm_flags_we_cannot_honour_as_asked(line, message):
     with pytest.raises(ConfigError, match=message):

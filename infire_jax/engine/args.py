@@ -67,7 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                         "scales are an HF checkpoint's k_scale / v_scale where it has them, else calibrated")
     p.add_argument("--calibrate-kv-scales", action="store_true",
                    help="fp8 KV cache: calibrate the scales even when the checkpoint carries k_scale / v_scale")
-    p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
+    p.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=int, default=None,
+                   help="size of the KV pool in pages (overrides memory; vLLM's --num-gpu-blocks-override)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of equal prompt prefixes across requests (vLLM's flag; on by default)")
     p.add_argument("--linear-state-snapshots", type=int, default=None, metavar="N",
@@ -141,7 +142,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
     return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
-                        num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
+                        num_kv_pages=args.num_kv_pages, kv_cache_memory=args.kv_cache_memory_bytes,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching,
                         linear_state_snapshots=args.linear_state_snapshots,
                         attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype,

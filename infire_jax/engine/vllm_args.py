@@ -58,6 +58,9 @@ def add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
                         "sets --max-prompt-logprobs unless given (default 20)")
     p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128),
                    help="vLLM's flag: tokens per KV-cache page (default 16)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
+                   help="vLLM's flag: the KV pool's bytes per device, instead of sizing it by "
+                        "--gpu-memory-utilization (--num-kv-pages overrides it)")
 
 
 def parallel_mesh(args: argparse.Namespace):
@@ -89,6 +92,8 @@ def add_vllm_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="vLLM's flag: only the model itself; the tokenizer is the model's (a GGUF's vocabulary, "
                         "an HF directory's tokenizer.json)")
+    s.add_argument("--tokenizer-mode", default="auto", metavar="MODE",
+                   help="vLLM's flag: only auto, the model's tokenizer.json / GGUF vocabulary through HF tokenizers")
     s.add_argument("--load-format", default="auto", metavar="FORMAT",
                    help="vLLM's flag: auto, safetensors and gguf read the model by its files; dummy serves random "
                         "weights of a dummy: config (MODEL is its name, e.g. llama-3.1-8b)")
@@ -106,6 +111,8 @@ def add_vllm_serve_args(s: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM's command lines: there are no /docs pages")
     s.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="accepted for vLLM's command lines: HTTP and the engine share one process")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM's command lines: usage always carries prompt_tokens_details.cached_tokens")
     s.add_argument("--enable-log-requests", action="store_true",
                    help="vLLM's flag: log a line per request (method, path, status, time) at INFO")
     s.add_argument("--uvicorn-log-level", default=None, choices=_LOG_LEVELS,
@@ -166,6 +173,9 @@ def resolve_serve_args(args: argparse.Namespace) -> None:
                                                                            for m in args.model or []]:
         raise ConfigError(f"--tokenizer {args.tokenizer}: the tokenizer is the model's own; a separate one is "
                           "not supported")
+    if args.tokenizer_mode != "auto":
+        raise ConfigError(f"--tokenizer-mode {args.tokenizer_mode}: only auto (the model's own tokenizer, through "
+                          "HF tokenizers)")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
     if args.root_path is not None and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
