@@ -211,10 +211,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
     try:
         if argv[:1] == ["serve"]:
-            argv = expand_config_file(argv)
-        args = build_parser().parse_args(argv)
+            argv = expand_config_file(argv, parser)
+        args = parser.parse_args(argv)
         return args.func(args)
     except (InfireError, DistributedConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

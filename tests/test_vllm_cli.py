@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _serve_args(line: str):
     """A `vllm serve ...` line, as `infire-jax serve` parses and resolves it."""
-    args = build_parser().parse_args(expand_config_file(["serve", *line.split()]))
+    parser = build_parser()
+    args = parser.parse_args(expand_config_file(["serve", *line.split()], parser))
     resolve_serve_args(args)
     return args
 
@@ -160,12 +161,24 @@ def test_an_unknown_flag_fails_without_a_traceback():
 def test_config_file_gives_flags_the_command_line_overrides(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("model: /models/a\ntensor_parallel_size: 2\nmax_num_seqs: 7\ntrust_remote_code: true\n"
-                    "port: 9001\nspeculative_config: {method: ngram, num_speculative_tokens: 3}\n")
+                    "port: 9001\nspeculative_config: {method: ngram, num_speculative_tokens: 3}\n"
+                    "enable_prefix_caching: false\nenable_lora: false\n")
     args = _serve_args(f"--config {path} --max-num-seqs 9")
     ec = engine_config(args, args.model[0])
     assert (args.model, ec.mesh.sizes["tp"], ec.max_num_seqs, args.trust_remote_code, args.port) == \
            (["/models/a"], 2, 9, True, 9001)
     assert json.loads(ec.speculative_config) == {"method": "ngram", "num_speculative_tokens": 3}
+    assert not ec.enable_prefix_caching and not ec.enable_lora
+
+
+def test_config_file_flags_are_refused_or_missing_files_named(tmp_path, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_text("enable_chunked_prefill: false\n")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--config", str(path)])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --no-enable-chunked-prefill: ")
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert f"--config {tmp_path / 'missing.yaml'}" in capsys.readouterr().err
 
 
 def _self_signed(tmp_path) -> tuple[str, str]:

@@ -182,9 +182,11 @@ def resolve_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--root-path {args.root_path!r}: a path such as /llm (a leading /, no trailing /)")
 
 
-def expand_config_file(argv: list[str]) -> list[str]:
+def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """`--config FILE.yaml`'s flags inserted before the command line's (so that those win), as vLLM does:
-    `key: value` is --key value, `key: true` is --key, a list repeats its values after one --key."""
+    `key: value` is --key value, `key: true` is --key, `key: false` --no-key where `parser`'s command
+    has it (--no-enable-prefix-caching) and nothing otherwise (a switch left off), a list repeats its
+    values after one --key."""
     from infire_jax.errors import ConfigError
 
     for i, arg in enumerate(argv):
@@ -212,7 +214,10 @@ def expand_config_file(argv: list[str]) -> list[str]:
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             flags.append(flag)
-        elif value is False or value is None:
+        elif value is False:
+            negated = "--no-" + flag[2:]
+            flags += [negated] if not parser.parse_known_args([argv[0], negated])[1] else []
+        elif value is None:
             continue
         elif isinstance(value, dict):  # e.g. speculative_config: a JSON flag
             flags += [flag, json.dumps(value)]
