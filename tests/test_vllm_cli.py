@@ -24,6 +24,10 @@ from server_utils import ServerProcess
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Were a refusal broken, `main` would serve: on a port of ours, a model that fails to load at once.
+_NO_SERVER = ["--port", "18951", "--host", "127.0.0.1"]
+
+
 def _serve_args(line: str):
     """A `vllm serve ...` line, as `infire-jax serve` parses and resolves it."""
     parser = build_parser()
@@ -129,7 +133,7 @@ def test_model_positional_or_flag_not_both(capsys):
     assert _serve_args("/models/a").model == ["/models/a"]
     assert _serve_args("--model /models/a").model == ["/models/a"]
     assert _serve_args("--load-format dummy llama-3.2-1b").model == ["dummy:llama-3.2-1b"]
-    assert main(["serve", "/models/a", "--model", "/models/b"]) == 2
+    assert main(["serve", "/models/a", "--model", "/models/b", *_NO_SERVER]) == 2
     err = capsys.readouterr().err
     assert "MODEL (/models/a) and --model (/models/b)" in err and "Traceback" not in err
 
@@ -147,7 +151,7 @@ def test_vllm_flags_we_cannot_honour_as_asked(line, message):
                                    ["--swap-space", "4"], ["--no-enable-chunked-prefill"]])
 def test_refused_flags_say_why_in_one_line(flags, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["serve", "m", *flags])
+        main(["serve", "m", *flags, *_NO_SERVER])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(f"error: {flags[0]}: ") and err.count("\n") == 1
 
@@ -175,9 +179,9 @@ def test_config_file_flags_are_refused_or_missing_files_named(tmp_path, capsys):
     path = tmp_path / "serve.yaml"
     path.write_text("enable_chunked_prefill: false\n")
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--config", str(path)])
+        main(["serve", "--config", str(path), "--model", "/models/missing", *_NO_SERVER])
     assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --no-enable-chunked-prefill: ")
-    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml"), *_NO_SERVER]) == 2
     assert f"--config {tmp_path / 'missing.yaml'}" in capsys.readouterr().err
 
 
