@@ -8,6 +8,7 @@ import sys
 
 from infire_jax.engine.args import (add_engine_args, add_sampling_args, engine_config, init_distributed, progress_bar,
                                     sampling_params)
+from infire_jax.engine.vllm_args import add_vllm_serve_args, expand_config_file, resolve_serve_args
 from infire_jax.errors import InfireError
 from infire_jax.structured.reasoning_parsers import REASONING_PARSER_NAMES
 from infire_jax.structured.tool_parsers import TOOL_PARSER_NAMES
@@ -72,6 +73,7 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from server.app import serve
 
+    resolve_serve_args(args)
     return serve(args)
 
 
@@ -122,8 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", usage="infire-jax serve [MODEL] [flags]",
+                       description="Serve the OpenAI-compatible HTTP API. vLLM's `vllm serve` flags are taken where "
+                                   "we can honour them (docs/SERVER.md).")
     add_engine_args(s, several_models=True)
+    add_vllm_serve_args(s)
     s.add_argument("--max-resident", type=int, default=None,
                    help="several models: at most this many on the device at once, the others in host memory "
                         "(default: all)")
@@ -206,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
+        if argv[:1] == ["serve"]:
+            argv = expand_config_file(argv, parser)
+        args = parser.parse_args(argv)
         return args.func(args)
     except (InfireError, DistributedConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import ssl
 import sys
 import time
 from typing import Sequence
@@ -29,6 +31,7 @@ from server import responses_api
 from server.embeddings import embeddings
 from server.scoring import rerank, score
 from server.auth import AUTH, Auth, auth_middleware, parse_api_keys
+from server.cors import CORS, CorsPolicy, cors_headers, cors_middleware
 from server.endpoints import (SESSION_HEADER, STATE, ServedModel, ServerState, chat_completions, completions,
                               release_kv)
 from server.errors import error_middleware
@@ -54,12 +57,15 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
               residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0,
               lora_modules: Sequence[tuple[str, str]] = (), tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, chat_template: str | None = None,
-              media: MediaPolicy | None = None) -> web.Application:
+              media: MediaPolicy | None = None, root_path: str | None = None, cors: CorsPolicy | None = None,
+              response_role: str = "assistant", tokens_as_ids: bool = False) -> web.Application:
     """The app over warmed-up engines (one per served model); their threads start with the app.
     `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
     `tool_call_parser` and `reasoning_parser` (vLLM's names) read every model's outputs (default: the
     call format its chat template shows, and no reasoning unless it writes harmony); `chat_template`
     (Jinja text) replaces every model's own. `media` says where chat images may come from (server/media.py).
+    vLLM's server flags: `root_path` (every route also under it), `cors` (browsers on other origins),
+    `response_role` (chat answers' role) and `tokens_as_ids` (every request's return_tokens_as_token_ids).
 
     Several engines share the device through `residency` (hot standby, infire_jax/engine/residency.py).
     A prefill or decode worker (`role`) serves one model and also runs a Mooncake transfer engine
@@ -106,8 +112,11 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
             raise ValueError("LoRA modules need exactly one served model with LoRA enabled (--enable-lora)")
         add_static(lora_engines[0], list(lora_modules))
 
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=_MAX_BODY)
-    app[STATE] = ServerState(models=models, role=role, handoff=handoff, media=media or MediaPolicy())
+    app = web.Application(middlewares=[cors_middleware, error_middleware, auth_middleware], client_max_size=_MAX_BODY)
+    app[STATE] = ServerState(models=models, role=role, handoff=handoff, media=media or MediaPolicy(),
+                             response_role=response_role, tokens_as_ids=tokens_as_ids)
+    if cors is not None:
+        app[CORS] = cors
     app[AUTH] = Auth(api_keys or {})
     app[METRICS] = metrics
     app[responses_api.STORE] = responses_api.ResponseStore()
@@ -132,7 +141,11 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
         app.router.add_route(method, "/ping", _health)
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
+    if root_path:  # vLLM's --root-path: a proxy that keeps the prefix reaches the same routes
+        for route in list(app.router.routes()):
+            app.router.add_route(route.method, root_path + route.resource.canonical, route.handler)
     app.on_response_prepare.append(_routing_headers)
+    app.on_response_prepare.append(cors_headers)
     app.on_startup.append(_start_engine)
     app.on_cleanup.append(_stop_engine)
     return app
@@ -235,6 +248,18 @@ def _read_chat_template(path: str | None) -> str | None:
     return text
 
 
+def _ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """--ssl-certfile/--ssl-keyfile's server context, read before any model loads."""
+    if args.ssl_certfile is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: {e}") from e
+    return context
+
+
 def _check_flags(args: argparse.Namespace) -> tuple[dict[str, str], list[tuple[str | None, str | None]]]:
     """The API keys and the served models, or ValueError naming the bad flag."""
     if args.max_queue < 0:
@@ -260,9 +285,13 @@ def serve(args: argparse.Namespace) -> int:
     try:
         keys, models = _check_flags(args)
         chat_template = _read_chat_template(args.chat_template)
+        ssl_context = _ssl_context(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.uvicorn_log_level is not None:
+        level = args.uvicorn_log_level.upper()
+        logging.getLogger().setLevel(logging.DEBUG if level == "TRACE" else level)
     if init_distributed(args):  # a multi-host follower: run process 0's steps, serve nothing
         Engine(engine_config(args, models[0][1])).follow()
         return 0
@@ -295,10 +324,16 @@ def serve(args: argparse.Namespace) -> int:
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         chat_template=chat_template,
                         media=MediaPolicy(args.allowed_local_media_path,
-                                          tuple(args.allowed_media_domains) if args.allowed_media_domains else None))
+                                          tuple(args.allowed_media_domains) if args.allowed_media_domains else None),
+                        root_path=args.root_path, response_role=args.response_role,
+                        tokens_as_ids=args.return_tokens_as_token_ids,
+                        cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                                        tuple(args.allowed_headers), args.allow_credentials)
+                        if args.allowed_origins else None)
         print(f"boot: ready to serve {time.monotonic() - _process_start():.2f} s after the process started",
               file=sys.stderr, flush=True)
-        asyncio.run(serve_until_signal(app, sock, args.host))
+        asyncio.run(serve_until_signal(app, sock, args.host, ssl_context=ssl_context,
+                                       access_log=args.enable_log_requests))
     return 0
 
 

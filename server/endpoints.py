@@ -74,6 +74,8 @@ class ServerState:
     role: str = "both"  # prefill, decode or both (server/kv_handoff.py)
     handoff: KVHandoff | None = None  # the KV transfer of a prefill or decode worker
     media: MediaPolicy = MediaPolicy()  # where chat images may come from (server/media.py)
+    response_role: str = "assistant"  # vLLM's --response-role: chat answers' role after a generation prompt
+    tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: every request's default
 
 
 STATE = web.AppKey("state", ServerState)
@@ -110,7 +112,8 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
                                    echo_ids=prompts if echo_logprobs else None, top=req.params.logprobs or 0,
                                    n=req.params.n,
                                    want_logprobs=req.params.logprobs is not None, include_usage=req.include_usage,
-                                   tokens_as_ids=req.tokens_as_ids, prompt_logprobs=req.prompt_logprobs)
+                                   tokens_as_ids=req.tokens_as_ids or st.tokens_as_ids,
+                                   prompt_logprobs=req.prompt_logprobs)
 
     return await _run(request, kv, m, lora, req, prompts, formatter, "prompt")
 
@@ -126,8 +129,10 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
                              include_usage=req.include_usage, tool_format=m.tool_parser if req.tools else None,
                              tools=req.tools.tools if req.tools else None, reasoning_parser=m.reasoning_parser,
-                             chat_template_kwargs=req.chat_template_kwargs, tokens_as_ids=req.tokens_as_ids,
-                             prompt_logprobs=req.prompt_logprobs, echo_text=req.echo_text)
+                             chat_template_kwargs=req.chat_template_kwargs,
+                             tokens_as_ids=req.tokens_as_ids or st.tokens_as_ids, prompt_logprobs=req.prompt_logprobs,
+                             echo_text=req.echo_text,
+                             role=st.response_role if req.add_generation_prompt else "assistant")
 
     return await _run(request, kv, m, lora, req, prompts, formatter, "messages", tiles)
 

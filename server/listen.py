@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
+import ssl
 
 from aiohttp import web
 
@@ -21,17 +23,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_runner(app: web.Application) -> web.AppRunner:
-    """Handler cancellation on: a client that disconnects cancels its handler, which aborts its request."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+def make_runner(app: web.Application, access_log: bool = False) -> web.AppRunner:
+    """Handler cancellation on: a client that disconnects cancels its handler, which aborts its request.
+    `access_log`: a line per request on the aiohttp.access logger, at INFO."""
+    log = logging.getLogger("aiohttp.access") if access_log else None
+    if log is not None:
+        log.setLevel(logging.INFO)
+    return web.AppRunner(app, handler_cancellation=True, access_log=log)
 
 
-async def serve_until_signal(app: web.Application, sock: socket.socket, host: str) -> None:
-    """Listens on `sock`, prints the `ready: URL` line, and serves until SIGINT or SIGTERM."""
-    runner = make_runner(app)
+async def serve_until_signal(app: web.Application, sock: socket.socket, host: str, *,
+                             ssl_context: ssl.SSLContext | None = None, access_log: bool = False) -> None:
+    """Listens on `sock` (HTTPS with `ssl_context`), prints the `ready: URL` line, and serves until
+    SIGINT or SIGTERM."""
+    runner = make_runner(app, access_log)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
-    print(f"ready: http://{host}:{sock.getsockname()[1]}", flush=True)
+    await web.SockSite(runner, sock, ssl_context=ssl_context).start()
+    print(f"ready: http{'s' if ssl_context else ''}://{host}:{sock.getsockname()[1]}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -234,12 +234,15 @@ class ChatFormatter(Formatter):
 
     def __init__(self, *args, top_logprobs: int, tool_format: str | None = None,
                  tools: list[dict[str, Any]] | None = None, reasoning_parser: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, echo_text: str | None = None, **kwargs):
+                 chat_template_kwargs: dict[str, Any] | None = None, echo_text: str | None = None,
+                 role: str = "assistant", **kwargs):
         """`tool_format`: the model's tool-call format when the request offers `tools`;
         `reasoning_parser`: the server's, if any (tool_calls.py); `echo_text`: what opens each answer's
-        content (vLLM's echo of the last, assistant's, message; streamed in the opening chunk)."""
+        content (vLLM's echo of the last, assistant's, message; streamed in the opening chunk); `role`:
+        the answers' (vLLM's --response-role)."""
         super().__init__(*args, **kwargs)
         self._echo = echo_text
+        self._role = role
         self._top = top_logprobs
         self._parser_args = (tool_format, tools, reasoning_parser, chat_template_kwargs)
         self._parses = tool_format is not None or reasoning_parser is not None
@@ -252,7 +255,7 @@ class ChatFormatter(Formatter):
         return out
 
     def head_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        opening = {"role": "assistant", "content": self._echo or ""}
+        opening = {"role": self._role, "content": self._echo or ""}
         return [self._chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}])
                 for i in range(num_choices)]
 
@@ -284,10 +287,11 @@ class ChatFormatter(Formatter):
 
     def _full_choice(self, index: int, c: Choice) -> dict[str, Any]:
         lp = self._logprobs(c.token_ids, c.logprobs) if self.want_logprobs else None
-        msg, reason = {"role": "assistant", "content": "".join(c.text)}, c.finish_reason
+        msg, reason = {"role": self._role, "content": "".join(c.text)}, c.finish_reason
         if self._parses:
             msg, reason = tool_calls.message(tool_calls.ChoiceParser(*self._parser_args), "".join(c.text),
                                              c.finish_reason, with_reasoning=self._parser_args[2] is not None)
+            msg["role"] = self._role
         if self._echo is not None:
             msg["content"] = self._echo + (msg["content"] or "")
         return {"index": index, "message": msg, "logprobs": lp, "finish_reason": reason,

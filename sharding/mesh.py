@@ -137,8 +137,23 @@ def shipped_config_path(num_devices: int) -> str:
     return path
 
 
-def load_mesh_config(path: str | None, num_devices: int) -> MeshConfig:
-    """`path`, or the shipped file for `num_devices` devices, validated against the device count."""
-    mc = MeshConfig.from_yaml(path or shipped_config_path(num_devices))
+def parallel_config(tp: int, pp: int, expert_parallel: bool) -> MeshConfig:
+    """vLLM's -tp/-pp/--enable-expert-parallel as a mesh: the rules of the shipped files (2.yaml,
+    2-pp2.yaml, 8-tp4-pp2.yaml, 8-tp8-ep.yaml) for these sizes; experts over tp as vLLM's EP (each whole)."""
+    rules: dict[str, str] = {}
+    if tp > 1:
+        rules.update(vocab="tp", q_heads="tp", kv_heads="tp", mlp="tp")
+        if expert_parallel:
+            rules["experts"] = "tp"
+    if pp > 1:
+        rules["layers"] = "pp"
+    name = f"-tp {tp} -pp {pp}" + (" --enable-expert-parallel" if expert_parallel else "")
+    return MeshConfig.parse({"mesh": {"tp": tp, "pp": pp}, "rules": rules}, name)
+
+
+def load_mesh_config(mesh: str | MeshConfig | None, num_devices: int) -> MeshConfig:
+    """`mesh` (a file, or a config built from flags), or the shipped file for `num_devices` devices,
+    validated against the device count."""
+    mc = mesh if isinstance(mesh, MeshConfig) else MeshConfig.from_yaml(mesh or shipped_config_path(num_devices))
     mc.check_devices(num_devices)
     return mc

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 from conftest import cpu_env
 from infire_jax.loaders import checkpoint, load
 from infire_jax.loaders.load import load_model
+from infire_jax.loaders.paths import DEFAULT_MODEL_NAME
 from infire_jax.loaders.dummy import dummy_tokenizer
 from infire_jax.loaders.weights import Placed
 from infire_jax.models.hf_config import config_from_hf
@@ -186,6 +187,13 @@ def test_damaged_checkpoint_is_rebuilt(tiny, cache, damage, reason):
     assert len(os.listdir(cache)) == 1
 
 
+def test_the_default_model_keeps_its_name_over_its_files_checkpoint(cache, default_gguf):
+    """`serve PATH` and `serve` share the default GGUF's checkpoint; only the former is named by the file."""
+    assert load.load_placed(default_gguf, jnp.float32, None).loaded.name != DEFAULT_MODEL_NAME
+    restored = load.load_placed(None, jnp.float32, None)
+    assert restored.built_because is None and restored.loaded.name == DEFAULT_MODEL_NAME
+
+
 def test_stale_checkpoint_is_rebuilt_in_place(tiny, cache, monkeypatch):
     source = load_model(tiny)
     load.load_placed(tiny, jnp.float32, None)
@@ -214,6 +222,7 @@ import jax, jax.numpy as jnp, numpy as np, orbax.checkpoint  # imported before a
 from flax import nnx
 from infire_jax.loaders import load
 from infire_jax.loaders.load import load_model
+from infire_jax.loaders.paths import DEFAULT_MODEL_NAME
 from sharding.mesh import load_mesh_config
 from sharding.plan import ShardPlan
 

@@ -72,15 +72,15 @@ def here() -> Target:
     return TARGETS["h200" if "H200" in kind else "h100"]
 
 
-def device_count(requested: int | None, mesh: str | None) -> int:
-    """The GPUs to compile for: as requested, else the mesh file's devices, else one."""
+def device_count(requested: int | None, mesh) -> int:
+    """The GPUs to compile for: as requested, else the mesh's (a file's or -tp/-pp's) devices, else one."""
     if requested is not None:
         return requested
     if mesh is None:
         return 1
     from sharding.mesh import MeshConfig
 
-    return MeshConfig.from_yaml(mesh).num_devices
+    return (mesh if isinstance(mesh, MeshConfig) else MeshConfig.from_yaml(mesh)).num_devices
 
 
 def devices(t: Target, count: int = 1, here: bool = False) -> list:

@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from infire_jax.engine.vllm_args import add_vllm_engine_args, parallel_mesh
+
 if TYPE_CHECKING:
     from infire_jax.engine.engine import EngineConfig
     from infire_jax.sample.sampling_params import SamplingParams
@@ -65,7 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                         "scales are an HF checkpoint's k_scale / v_scale where it has them, else calibrated")
     p.add_argument("--calibrate-kv-scales", action="store_true",
                    help="fp8 KV cache: calibrate the scales even when the checkpoint carries k_scale / v_scale")
-    p.add_argument("--num-kv-pages", type=int, default=None, help="size of the KV pool in pages (overrides memory)")
+    p.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=int, default=None,
+                   help="size of the KV pool in pages (overrides memory; vLLM's --num-gpu-blocks-override)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of equal prompt prefixes across requests (vLLM's flag; on by default)")
     p.add_argument("--linear-state-snapshots", type=int, default=None, metavar="N",
@@ -76,9 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--attention", default="auto", dest="attn_impl",
                    help="attention implementation: auto (pallas on GPU, else reference), reference, pallas, "
                         "or pallas_interpret (the Pallas kernels in interpret mode, for checking on CPU)")
-    p.add_argument("--max-prompt-logprobs", type=int, default=20,
+    p.add_argument("--max-prompt-logprobs", type=int, default=None,
                    help="most top alternatives a prompt token's logprobs may ask for (prompt_logprobs; on "
-                        "/v1/completions, logprobs with echo); more is a 400 (default 20)")
+                        "/v1/completions, logprobs with echo); more is a 400 (default --max-logprobs, else 20)")
     p.add_argument("--runner", default="generate", choices=("generate", "pooling"),
                    help="vLLM's flag: pooling also serves embeddings (POST /v1/embeddings, LLM.embed), a prompt's "
                         "final hidden states pooled; the model still generates (default generate)")
@@ -96,7 +99,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a structured-output grammar may take to compile; longer is a 400 (default 10)")
     p.add_argument("--mesh", default=None,
-                   help="mesh-config YAML (default: the shipped file for the number of devices)")
+                   help="mesh-config YAML (default: -tp/-pp's mesh, else the shipped file for the number of devices)")
+    add_vllm_engine_args(p)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (PEFT format) over the model, many in one batch (infire_jax/lora/)")
     p.add_argument("--max-loras", type=int, default=1,
@@ -132,15 +136,19 @@ def _mm_limits(text: str) -> dict[str, int]:
 def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
     """The engine settings of the flags, for `model` when given (else --model)."""
     from infire_jax.engine.engine import EngineConfig
+    from infire_jax.sample.sampling_params import MAX_LOGPROBS
 
+    max_logprobs = MAX_LOGPROBS if args.max_logprobs is None else args.max_logprobs
     return EngineConfig(model=model or args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
-                        num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
+                        num_kv_pages=args.num_kv_pages, kv_cache_memory=args.kv_cache_memory_bytes,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching,
                         linear_state_snapshots=args.linear_state_snapshots,
                         attn_impl=args.attn_impl, kv_cache_dtype=args.kv_cache_dtype,
-                        calibrate_kv_scales=args.calibrate_kv_scales, mesh=args.mesh, seed=args.seed,
+                        calibrate_kv_scales=args.calibrate_kv_scales, mesh=parallel_mesh(args), seed=args.seed,
+                        page_size=args.block_size,
                         weights_compression=args.weights_compression,
                         weights_quantization=args.weights_quantization, quantization=args.quantization,
                         int4_group_size=args.int4_group_size,
@@ -150,7 +158,9 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
                         override_generation_config=args.override_generation_config,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras,
-                        max_prompt_logprobs=args.max_prompt_logprobs, limit_mm_per_prompt=args.limit_mm_per_prompt,
+                        max_prompt_logprobs=max_logprobs if args.max_prompt_logprobs is None
+                        else args.max_prompt_logprobs, max_logprobs=min(max_logprobs, MAX_LOGPROBS),
+                        limit_mm_per_prompt=args.limit_mm_per_prompt,
                         runner=args.runner, pooler_config=args.pooler_config)
 
 

@@ -175,6 +175,9 @@ class Engine:
             grammar = self._grammar(params, grammar)
         if params.prompt_logprobs is not None:
             self._check_prompt_logprobs(params.prompt_logprobs)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise InvalidRequestError(f"logprobs must be at most {self.config.max_logprobs} (--max-logprobs), "
+                                      f"got {params.logprobs}", param="logprobs")
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError(

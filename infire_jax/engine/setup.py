@@ -42,6 +42,7 @@ from infire_jax.pooling.config import PoolerConfig
 from infire_jax.runner.model_runner import ModelRunner
 from infire_jax.runner.config import RunnerConfig
 from infire_jax.sample.sampler import BRANCH_FREE_VARIANTS, BRANCHING
+from infire_jax.sample.sampling_params import MAX_LOGPROBS
 from infire_jax.speculative.config import SpeculativeConfig
 from infire_jax.speculative.head_proposer import DraftHead
 from infire_jax.speculative.setup import extra_page_bytes, parse_speculation
@@ -55,7 +56,7 @@ from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels import placement
 from pallas_kernels.mla import choose_mla_impl
 from pallas_kernels.triton_backend import check_fp8_device
-from sharding.mesh import load_mesh_config
+from sharding.mesh import MeshConfig, load_mesh_config
 from sharding.plan import ShardPlan
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # An fp8 pool's scales are the checkpoint's `k_scale` / `v_scale` where it has them; True calibrates anyway.
     calibrate_kv_scales: bool = False
-    mesh: str | None = None  # mesh-config YAML; default: the shipped file for jax.device_count()
+    # A mesh-config YAML, or a MeshConfig (vLLM's -tp/-pp flags, mesh.parallel_config); default: the shipped
+    # file for jax.device_count()
+    mesh: str | MeshConfig | None = None
     seed: int = 0
     branch_free_sampler: bool | None = None  # default: on GPU (see sample/sampler.py), off on CPU
     weights_compression: str | None = None  # "palette[:mlp,attn]": kept compressed on the device (compression/)
@@ -119,6 +122,9 @@ class EngineConfig:
     num_decode_steps: int = 4
     # Prompt logprobs: the most top alternatives a prompt position may ask for (vLLM's max_logprobs).
     max_prompt_logprobs: int = 20
+    # Sampled logprobs: the most a request may ask for (vLLM's max_logprobs; never above MAX_LOGPROBS, the
+    # top-k the sampler computes).
+    max_logprobs: int = 20
     # Hot standby (residency.py): the weight bytes a pool sized from device memory leaves room for,
     # when more than the model's own (the heaviest models that may be resident with it).
     pool_weight_bytes: int = 0
@@ -296,6 +302,9 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if ec.max_prompt_logprobs < 0:
         raise ConfigError(f"max_prompt_logprobs must be >= 0, got {ec.max_prompt_logprobs}")
+    if not 0 <= ec.max_logprobs <= MAX_LOGPROBS:
+        raise ConfigError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the sampler's top-{MAX_LOGPROBS}), "
+                          f"got {ec.max_logprobs}")
     if not 0.0 < ec.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {ec.gpu_memory_utilization}")
     if ec.int4_group_size is not None and ec.weights_quantization != "int4":

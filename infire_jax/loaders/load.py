@@ -115,7 +115,10 @@ def load_placed(spec: str | None, dtype, plan: ShardPlan | None, *, loaded: Load
         loaded = loaded or load_model(spec)
         return Placed(loaded, *build_state(loaded.config, loaded.weights, dtype, plan=plan, seed=loaded.random_seed,
                                            compress=compress), "checkpoints bypassed")
-    return checkpoint.restore_or_build(spec, load_config(spec), dtype, plan, lambda: load_model(spec), compress)
+    placed = checkpoint.restore_or_build(spec, load_config(spec), dtype, plan, lambda: load_model(spec), compress)
+    if not spec:  # the default model's checkpoint is its file's, perhaps written by a load by path (the GGUF's name)
+        placed.loaded.name = DEFAULT_MODEL_NAME
+    return placed
 
 
 def checkpoint_path(spec: str | None, dtype, plan: ShardPlan | None, compress: tuple[str, ...] = ()) -> str:
