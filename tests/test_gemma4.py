@@ -5,7 +5,8 @@ Two tiny random checkpoints, each 6 layers in blocks of two windowed layers and 
 contrast: windowed layers 4 kv heads of 16, full layers 1 kv head of 32 (so the full layers fill half
 the pool's slot and write each head twice), RoPE on a quarter of the full layers' head ("proportional").
 "dense" has the full layers' values from the k projection (attention_k_eq_v, as both published models);
-"moe" a v projection and a MoE block of 4 experts, top 2, beside the dense MLP. Norm weights, the
+"moe" a v projection (so full layers keep 4 kv heads, as transformers reads the config: the windowed layers
+then fill half the slot) and a MoE block of 4 experts, top 2, beside the dense MLP. Norm weights, the
 layer scalars and the router's scales are random, so a formula that drops or misplaces one fails.
 Decoded greedily with chunked prefill on the hybrid KV cache: tokens equal HF's `generate`, logprobs
 within 1e-3 (float32). The multimodal checkpoint's language model (Gemma4ForConditionalGeneration) gives
@@ -39,6 +40,11 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
 MODELS = {"dense": TINY,
           "moe": dict(TINY, attention_k_eq_v=False, enable_moe_block=True, num_experts=4, top_k_experts=2,
                       moe_intermediate_size=24)}
+# The pool's slot per token, (heads, head_dim), and the full layers' head_dim: "dense" holds the windowed
+# layers' 4 x 16, its full layers' 1 x 32 written twice; "moe" (without k_eq_v transformers keeps the
+# windowed kv head count for full layers too) holds the full layers' 4 x 32 as 8 x 16, the windowed layers'
+# heads written twice.
+POOL_HEADS = {"dense": (4, 16, 32), "moe": (8, 16, 32)}
 NUM_TOKENS = 24  # the prompts and outputs run well past the window
 PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100)), [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31, 17, 90, 200]]
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
@@ -106,7 +112,7 @@ def test_generate_matches_hf(checkpoints, kind, attn_impl):
     _, path, hf_tokens = checkpoints(kind)
     cfg, kv_groups, outs = _generate(path, attn_impl=attn_impl)
     assert cfg.architecture == "gemma4" and cfg.local_attention == ((0, WINDOW), (0, WINDOW), (0, 0)) * 2
-    assert (cfg.num_kv_heads, cfg.head_dim, cfg.gemma4.global_head_dim) == (4, 16, 32)  # full layers: 2 x 32 views
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.gemma4.global_head_dim) == POOL_HEADS[kind]
     assert cfg.is_moe == (kind == "moe") and kv_groups.bounded
     _check(hf_tokens, outs)
 
