@@ -8,8 +8,8 @@ the pool's slot and write each head twice), RoPE on a quarter of the full layers
 "moe" a v projection (so full layers keep 4 kv heads, as transformers reads the config: the windowed layers
 then fill half the slot) and a MoE block of 4 experts, top 2, beside the dense MLP. Norm weights, the
 layer scalars and the router's scales are random, so a formula that drops or misplaces one fails.
-Decoded greedily with chunked prefill on the hybrid KV cache: tokens equal HF's `generate`, logprobs
-within 1e-3 (float32). The multimodal checkpoint's language model (Gemma4ForConditionalGeneration) gives
+Decoded greedily with chunked prefill on the hybrid KV cache (test_gemma3's prompts and engine): tokens
+equal HF's `generate`, logprobs within 1e-3 (float32). The multimodal checkpoint's language model (Gemma4ForConditionalGeneration) gives
 the same tokens. Then: the published configs' parameter counts against transformers' own model, and
 what is refused.
 """
@@ -25,12 +25,11 @@ import pytest
 import torch
 
 from deepseek_models import VOCAB, _save_tokenizer, hf_greedy
+from test_gemma3 import ENGINE, NUM_TOKENS, PROMPTS, SHARPEN, WINDOW, _generate
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.models.hf_config import config_from_hf
 
-WINDOW = 8
-SHARPEN = 4.0  # the embedding (the tied head) scaled up, so greedy decoding has no near-ties between engines
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=8,
             num_key_value_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
@@ -45,10 +44,6 @@ MODELS = {"dense": TINY,
 # windowed kv head count for full layers too) holds the full layers' 4 x 32 as 8 x 16, the windowed layers'
 # heads written twice.
 POOL_HEADS = {"dense": (4, 16, 32), "moe": (8, 16, 32)}
-NUM_TOKENS = 24  # the prompts and outputs run well past the window
-PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100)), [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31, 17, 90, 200]]
-ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128,
-              page_size=4, num_kv_pages=240)
 
 
 def _randomize(model) -> None:
@@ -87,23 +82,6 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _generate(path: str, **engine) -> tuple:
-    from infire_jax import LLM, SamplingParams
-
-    llm = LLM(model=path, **{**ENGINE, **engine})
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
-        return llm.engine.model_config, llm.engine.runner.rc.kv_groups, [o.outputs[0] for o in outs]
-    finally:
-        llm.engine.close()
-
-
-def _check(hf_tokens, outs) -> None:
-    for (want, want_lp), got in zip(hf_tokens, outs):
-        assert got.token_ids == want
-        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
-
-
 @pytest.mark.parametrize("kind,attn_impl", [("dense", "reference"), ("dense", "pallas_interpret"),
                                             ("moe", "reference")])
 def test_generate_matches_hf(checkpoints, kind, attn_impl):
@@ -114,7 +92,9 @@ def test_generate_matches_hf(checkpoints, kind, attn_impl):
     assert cfg.architecture == "gemma4" and cfg.local_attention == ((0, WINDOW), (0, WINDOW), (0, 0)) * 2
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.gemma4.global_head_dim) == POOL_HEADS[kind]
     assert cfg.is_moe == (kind == "moe") and kv_groups.bounded
-    _check(hf_tokens, outs)
+    for (want, want_lp), got in zip(hf_tokens, outs):
+        assert got.token_ids == want
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
 
 
 def test_multimodal_checkpoint_serves_its_language_model(checkpoints, tmp_path):
@@ -154,7 +134,8 @@ def test_published_configs_build_transformers_model(name):
     cfg = config_from_hf(hf)
     theirs = Gemma4TextConfig(**{k: v for k, v in hf.items() if k != "model_type"})
     assert [w > 0 for _, w in cfg.local_attention] == [t == "sliding_attention" for t in theirs.layer_types]
-    full, local = (theirs.per_layer_config[theirs.layer_types.index(t)] for t in ("full_attention", "sliding_attention"))
+    full, local = (theirs.per_layer_config[theirs.layer_types.index(t)]
+                   for t in ("full_attention", "sliding_attention"))
     assert (cfg.gemma4.global_head_dim, cfg.gemma4.global_kv_heads) == (full.head_dim, full.num_key_value_heads)
     assert (cfg.head_dim, cfg.gemma4.sliding_kv_heads) == (local.head_dim, local.num_key_value_heads)
     with torch.device("meta"):

@@ -25,7 +25,8 @@ _SKIPPED = ("model.embed_vision.", "model.embed_audio.", "model.audio_tower.", "
             "embed_audio.")
 _PER_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "post_attn_norm",
               "pre_feedforward_layernorm.weight": "mlp_norm", "post_feedforward_layernorm.weight": "post_mlp_norm",
-              "post_feedforward_layernorm_1.weight": "post_mlp_norm_1", "pre_feedforward_layernorm_2.weight": "moe_norm",
+              "post_feedforward_layernorm_1.weight": "post_mlp_norm_1",
+              "pre_feedforward_layernorm_2.weight": "moe_norm",
               "post_feedforward_layernorm_2.weight": "post_moe_norm", "layer_scalar": "layer_scalar",
               "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
               "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",

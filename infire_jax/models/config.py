@@ -311,7 +311,8 @@ class ModelConfig:
             return _qwen3_5_param_count(self)
         if self.gemma4 is not None:  # its stacks' shapes as the model builds them, plus the layer scalars
             stacks = sum(math.prod(t.shape) for ts in gemma4_stacks(self).values() for t in ts)
-            return stacks + self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+            embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+            return stacks + embeddings + self.hidden_size
         e, hd = self.hidden_size, self.head_dim
         attn = e * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
@@ -452,6 +453,7 @@ def gemma4_stacks(cfg: ModelConfig) -> dict[str, tuple[StackTensor, ...]]:
                   StackTensor("w_experts_gate_up", (n, x, e, 2, fm), ("layers", "experts", "embed", "gate_up", "mlp"),
                               "experts", True),
                   StackTensor("w_experts_down", (n, x, fm, e), ("layers", "experts", "mlp", "embed"), "experts", True)]
-            t += [StackTensor(k, (n, e), norm, "shared", False) for k in ("post_mlp_norm_1", "moe_norm", "post_moe_norm")]
+            t += [StackTensor(k, (n, e), norm, "shared", False)
+                  for k in ("post_mlp_norm_1", "moe_norm", "post_moe_norm")]
         out[kind] = tuple(t)
     return out

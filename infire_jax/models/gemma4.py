@@ -39,8 +39,10 @@ from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.gemma3 import gelu_glu, scaled_embedding
 from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_table, param, rms_norm, rope_tables,
                                       with_local_mask)
-from infire_jax.models.llama import linear
+from infire_jax.models.llama import kernel_weights, linear
 from infire_jax.models.moe import combine, dispatch_local, route, tiled_experts
+from infire_jax.models.panels import INPUT_AXES
+from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -100,11 +102,13 @@ def experts_block(cfg: ModelConfig, lp: dict[str, Array], h: Float[Array, "T E"]
     return combine(tiled_experts(d.x, d.group_sizes, expert), d, routing, h.dtype)
 
 
-def layer_step(cfg: ModelConfig, kind: str, rope: dict, metas: dict, attn_impl: str, carry, lp: dict,
-               layer: Array, row: Int[Array, "2"]):
+def layer_step(cfg: ModelConfig, kind: str, rope: dict, metas: dict, attn_impl: str, in_place: dict, carry,
+               lp: dict, stack_index: Array, layer: Array, row: Int[Array, "2"]):
     """One layer of `kind`: (h, k_pages, v_pages) -> the same; `layer` is its index in the pool (all
-    layers in order), `row` its (chunk, window) row."""
+    layers in order), `stack_index` in its stack (for the weights the kernels read in place, `in_place`),
+    `row` its (chunk, window) row."""
     h, k_pages, v_pages = carry
+    lp = kernel_weights(lp, in_place[kind], stack_index, h.shape[0], cpu=True)
     eps, (hkv, d) = cfg.rms_norm_eps, kind_shape(cfg, kind)
     qkv = linear(rms_norm(h, lp["attn_norm"], eps), lp["wqkv"], "te,ekgd->tkgd")
     g = cfg.num_heads // hkv
@@ -135,19 +139,22 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, dict[str,
     p, tokens = cfg.gemma4.period, h.shape[0]
     blocks = cfg.num_layers // p
     slot = k_pages.shape[3] * k_pages.shape[4]
-    metas = {kind: plan_step(meta, attn_impl, tokens, cfg.num_heads * kind_shape(cfg, kind)[1] // slot)
-             for kind in KINDS}
-    step = functools.partial(layer_step, cfg, rope=rope, metas=metas, attn_impl=attn_impl)
+    metas = {kind: plan_step(meta, attn_impl, tokens, cfg.num_heads * kind_shape(cfg, kind)[1] // slot,
+                             kind_shape(cfg, kind)[1]) for kind in KINDS}
+    # On a GPU, steps of up to 64 tokens multiply the dense stacks in place (models/quant_kernels.py), unscanned.
+    in_place = {kind: layer_stacks(w, tokens, INPUT_AXES, False, one_device=True) for kind, w in weights.items()}
+    scanned = {kind: {n: a for n, a in w.items() if n not in in_place[kind]} for kind, w in weights.items()}
+    step = functools.partial(layer_step, cfg, rope=rope, metas=metas, attn_impl=attn_impl, in_place=in_place)
 
     def block(carry, xs):
         sliding, full, s, rows = xs
         for j in range(p - 1):
-            carry = step("sliding", carry=carry, lp=jax.tree.map(lambda a: a[j], sliding), layer=s * p + j,
-                         row=rows[j])
-        return step("full", carry=carry, lp=full, layer=s * p + p - 1, row=rows[p - 1]), None
+            carry = step("sliding", carry=carry, lp=jax.tree.map(lambda a: a[j], sliding),
+                         stack_index=s * (p - 1) + j, layer=s * p + j, row=rows[j])
+        return step("full", carry=carry, lp=full, stack_index=s, layer=s * p + p - 1, row=rows[p - 1]), None
 
-    sliding = jax.tree.map(lambda a: a.reshape(blocks, p - 1, *a.shape[1:]), weights["sliding"])
-    xs = (sliding, weights["full"], np.arange(blocks, dtype=np.int32),
+    sliding = jax.tree.map(lambda a: a.reshape(blocks, p - 1, *a.shape[1:]), scanned["sliding"])
+    xs = (sliding, scanned["full"], np.arange(blocks, dtype=np.int32),
           local_attention_table(cfg, cfg.num_layers).reshape(blocks, p, 2))
     return layer_loop(block, (h, k_pages, v_pages), xs, blocks, tokens)
 

@@ -33,7 +33,7 @@ _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "audio_config",
                    "video_token_id", "vision_soft_tokens_per_image", "eos_token_id", "bos_token_id",
                    "tie_word_embeddings"}
 # (field, transformers' default, the values models/gemma4.py takes, why others are refused).
-_LIMITS = (("hidden_size_per_layer_input", 256, (0, None), "per-layer embeddings (Gemma 4 E2B / E4B) are not supported"),
+_LIMITS = (("hidden_size_per_layer_input", 256, (0, None), "per-layer embeddings (E2B / E4B) are not supported"),
            ("num_kv_shared_layers", 0, (0, None), "layers sharing another layer's KV are not supported"),
            ("use_double_wide_mlp", False, (False, None), "the double-wide MLP is not supported"),
            ("use_bidirectional_attention", None, (None, "vision"), "text attends causally (\"all\": not supported)"),
@@ -125,6 +125,7 @@ def config_from_gemma4_hf(hf: Mapping[str, Any]) -> ModelConfig:
     moe = bool(c.get("enable_moe_block", False))
     local_theta, theta, fraction, factor = _rope(f)
     softcap = c.get("final_logit_softcapping")
+    softcap = None if softcap is None else f.number("final_logit_softcapping", 0)
     return ModelConfig(
         architecture="gemma4",
         vocab_size=f.int("vocab_size", 262_144),
@@ -147,5 +148,5 @@ def config_from_gemma4_hf(hf: Mapping[str, Any]) -> ModelConfig:
         local_attention=local,
         gemma4=Gemma4Config(period=period, sliding_kv_heads=hs, global_kv_heads=hg, global_head_dim=dg, k_eq_v=k_eq_v,
                             local_rope_theta=local_theta, global_rotary_fraction=fraction, global_rope_factor=factor,
-                            final_logit_softcapping=None if softcap is None else f.number("final_logit_softcapping", 0)),
+                            final_logit_softcapping=softcap),
     )
