@@ -40,9 +40,9 @@ from infire_jax.models.gemma3 import gelu_glu, scaled_embedding
 from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_table, param, rms_norm, rope_tables,
                                       with_local_mask)
 from infire_jax.models.llama import kernel_weights, linear
-from infire_jax.models.moe import combine, dispatch_local, route, tiled_experts
+from infire_jax.models.moe import combine, dispatch_local, expert_mlp, route
 from infire_jax.models.panels import INPUT_AXES
-from infire_jax.models.quant_kernels import layer_stacks
+from infire_jax.models.quant_kernels import default_grouped_impl, kernel_stacks
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -50,6 +50,7 @@ from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
 KINDS = ("sliding", "full")
+EXPERT_INPUTS = {"w_experts_gate_up": 1, "w_experts_down": 1}  # input axes of one expert's weights
 
 
 class Gemma4Layers(LayerStacks):
@@ -92,14 +93,9 @@ def experts_block(cfg: ModelConfig, lp: dict[str, Array], h: Float[Array, "T E"]
     routing = route(linear(x, lp["router"], "te,ex->tx"), cfg.num_experts_per_tok, renormalize=True,
                     weight_dtype=jnp.float32)
     routing = routing._replace(weights=routing.weights * lp["expert_scale"][routing.experts].astype(jnp.float32))
-    gate_up, down = lp["w_experts_gate_up"], lp["w_experts_down"]
-    d, routing = dispatch_local(rms_norm(h, lp["moe_norm"], cfg.rms_norm_eps), routing, gate_up, None)
-
-    def expert(rows: Float[Array, "B E"], g: Int[Array, ""]) -> Float[Array, "B E"]:
-        gu = jnp.einsum("me,ecf->mcf", rows, gate_up[g])
-        return gelu_glu(gu[:, 0], gu[:, 1]) @ down[g]
-
-    return combine(tiled_experts(d.x, d.group_sizes, expert), d, routing, h.dtype)
+    experts = {"w_gate_up": lp["w_experts_gate_up"], "w_down": lp["w_experts_down"]}  # LayerExperts on a GPU
+    d, routing = dispatch_local(rms_norm(h, lp["moe_norm"], cfg.rms_norm_eps), routing, experts["w_gate_up"], None)
+    return combine(expert_mlp(d, experts, default_grouped_impl(), gelu_glu), d, routing, h.dtype)
 
 
 def layer_step(cfg: ModelConfig, kind: str, rope: dict, metas: dict, attn_impl: str, in_place: dict, carry,
@@ -141,8 +137,11 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, weights: dict[str, dict[str,
     slot = k_pages.shape[3] * k_pages.shape[4]
     metas = {kind: plan_step(meta, attn_impl, tokens, cfg.num_heads * kind_shape(cfg, kind)[1] // slot,
                              kind_shape(cfg, kind)[1]) for kind in KINDS}
-    # On a GPU, steps of up to 64 tokens multiply the dense stacks in place (models/quant_kernels.py), unscanned.
-    in_place = {kind: layer_stacks(w, tokens, INPUT_AXES, False, one_device=True) for kind, w in weights.items()}
+    # On a GPU the kernels read these stacks in place (models/quant_kernels.py), unscanned: the dense ones in
+    # steps of up to 64 tokens, the experts (the grouped matmul) in every step.
+    experts = EXPERT_INPUTS if cfg.is_moe and default_grouped_impl() == "pallas" else None
+    in_place = {kind: {name: (kw, kw.shape) for name, kw in kernel_stacks(w, tokens, INPUT_AXES, experts).items()}
+                for kind, w in weights.items()}
     scanned = {kind: {n: a for n, a in w.items() if n not in in_place[kind]} for kind, w in weights.items()}
     step = functools.partial(layer_step, cfg, rope=rope, metas=metas, attn_impl=attn_impl, in_place=in_place)
 
