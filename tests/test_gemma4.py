@@ -97,6 +97,32 @@ def test_generate_matches_hf(checkpoints, kind, attn_impl):
         np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, want)], want_lp, atol=1e-3, rtol=0)
 
 
+def test_prefix_hits_and_preemption_keep_hf_tokens(checkpoints):
+    """The engine's paging with the pool viewed per layer kind: a prompt sharing 41 tokens with an earlier
+    one reuses its pages (prefix cache), and requests preempted when a small pool runs out resume; both
+    give HF's greedy tokens."""
+    from infire_jax import LLM, SamplingParams
+
+    hf, path, _ = checkpoints("dense")
+    shared = PROMPTS[1] + [3]
+    rng = np.random.default_rng(0)
+    # 90 tokens each: 4 x 30 pages > 63; no token 0, which HF's generate masks as padding
+    crowd = [rng.integers(1, 256, n).tolist() for n in (30, 25, 28, 20)]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    llm = LLM(model=path, **{**ENGINE, "num_kv_pages": 64})
+    try:
+        llm.generate([shared + [7]], params)
+        out = llm.generate([shared + [9, 10, 11]], params)[0]
+        assert out.num_cached_tokens > 0
+        assert out.outputs[0].token_ids == hf_greedy(hf, shared + [9, 10, 11], NUM_TOKENS)[0]
+        llm.engine.scheduler.growth_ratio = 0.1  # admit optimistically: the pool must run out
+        outs = llm.generate(crowd, SamplingParams(max_tokens=90, temperature=0, ignore_eos=True))
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 90)[0] for p in crowd]
+    finally:
+        llm.engine.close()
+
+
 def test_multimodal_checkpoint_serves_its_language_model(checkpoints, tmp_path):
     """A `gemma4` config (text_config inside), its vision tower and embedder skipped: the text model's tokens."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
