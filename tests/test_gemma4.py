@@ -187,11 +187,12 @@ def test_config_refuses_what_it_cannot_honour(field, value, match):
 
 
 def test_refuses_what_its_layers_do_not_take(checkpoints):
-    """LoRA and weight quantization are refused naming Gemma 4, before any step runs."""
+    """LoRA, weight quantization and an fp8 KV cache are refused naming Gemma 4, before any step runs."""
     from infire_jax import LLM
 
     _, path, _ = checkpoints("dense")
     for extra, match in ((dict(enable_lora=True), "not on Gemma 4"),
-                         (dict(weights_quantization="int8"), "Gemma 4 runs with plain weights")):
+                         (dict(weights_quantization="int8"), "Gemma 4 runs with plain weights"),
+                         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype fp8 is not supported")):
         with pytest.raises(ConfigError, match=match):
             LLM(model=path, **ENGINE, **extra)
