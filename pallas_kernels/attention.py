@@ -59,12 +59,14 @@ def choose_impl(impl: str, *, head_dim: int, num_q_heads: int, num_kv_heads: int
     return chosen
 
 
-def plan_step(meta: AttentionMetadata, impl: str, num_tokens: int, group: int) -> AttentionMetadata:
+def plan_step(meta: AttentionMetadata, impl: str, num_tokens: int, group: int,
+              head_dim: int | None = None) -> AttentionMetadata:
     """The step's metadata as a layer loop hands it to every layer: with the Pallas prefill kernel's
-    work items built once, before the loop (`group`: query heads a kv head), where that kernel runs."""
+    work items built once, before the loop (`group`: query heads a kv head; `head_dim` where it is
+    wider than 256, which sets smaller tiles), where that kernel runs."""
     if impl not in ("pallas", "pallas_interpret") or _DECODE_ONLY.value:
         return meta
-    return prefill_attention.plan_step(meta, num_tokens, group)
+    return prefill_attention.plan_step(meta, num_tokens, group, head_dim)
 
 
 def paged_attention(

@@ -31,6 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.kv_quant import compute_dtype
 from pallas_kernels.metadata import AttentionMetadata, first_visible
+from pallas_kernels.prefill_attention import for_head_dim
 from pallas_kernels.paged_block import attend_block, initial_state, layer_scalars, load_key_block, local_mask
 from pallas_kernels.triton_backend import compiler_params, dot_precision, lowered_once, next_power_of_2, pipeline_stages
 
@@ -118,7 +119,7 @@ def decode_attention(
     meta: AttentionMetadata,
     *,
     scale: float,
-    block_k: int = BLOCK_K,
+    block_k: int | None = None,
     num_splits: int | None = None,
     sinks: Float[Array, "Hq"] | None = None,
     interpret: bool = False,
@@ -127,9 +128,12 @@ def decode_attention(
     visible key on for a local layer (`meta.local`). `sinks`: a logit per query head (scaled like the
     scores) that joins each row's softmax and is dropped (gpt-oss); None: plain softmax.
 
+    `block_k`: BLOCK_K for the head's width (prefill_attention.for_head_dim) unless given.
+
     Returns the outputs and which tokens they cover; other tokens' outputs are 0.
     """
     t, hq, d = q.shape
+    block_k = block_k or for_head_dim(BLOCK_K, d)
     hkv, page_size = k_pages.shape[3], k_pages.shape[2]
     s, width = meta.page_table.shape
     g = hq // hkv

@@ -37,8 +37,9 @@ from pallas_kernels.paged_block import (SoftmaxState, attend_block, initial_stat
                                         local_mask)
 from pallas_kernels.triton_backend import compiler_params, dot_precision, lowered_once, next_power_of_2, pipeline_stages
 
-TILE_ROWS = 128  # block_q * Gp: query rows of one program
-BLOCK_K = 64  # keys per inner step
+TILE_ROWS = 128  # block_q * Gp: query rows of one program (for a head of up to WIDE_HEAD dims)
+BLOCK_K = 64  # keys per inner step (likewise)
+WIDE_HEAD = 256  # wider heads (Gemma 4's full layers: 512) get proportionally fewer rows and keys
 
 # Columns of the work-item table.
 ITEM_SEQ, ITEM_Q_START, ITEM_NUM_Q, ITEM_FIRST_POS = range(4)
@@ -55,15 +56,22 @@ class WorkItems:
     block_q: int  # tokens of a query block (static)
 
 
+def for_head_dim(size: int, head_dim: int | None) -> int:
+    """A tile size set for heads of WIDE_HEAD dims, scaled down for a wider head so that the program's
+    q tile, accumulator and key block keep their bytes (an H100 has 227 KiB of shared memory a block)."""
+    return max(1, size * WIDE_HEAD // max(head_dim or WIDE_HEAD, WIDE_HEAD))
+
+
 def block_q_of(group: int, tile_rows: int = TILE_ROWS) -> int:
     """Tokens of a query block when a kv head serves `group` query heads (padded to a power of two)."""
     return max(1, tile_rows // next_power_of_2(group))
 
 
-def plan_step(meta: AttentionMetadata, num_tokens: int, group: int) -> AttentionMetadata:
+def plan_step(meta: AttentionMetadata, num_tokens: int, group: int, head_dim: int | None = None) -> AttentionMetadata:
     """`meta` with this step's work items, for a layer loop to build once rather than in every layer
     (they depend on the step alone; XLA keeps them inside the loop otherwise: bench gpu-compile)."""
-    return meta._replace(prefill_items=work_items(meta, num_tokens, block_q_of(group)))
+    return meta._replace(prefill_items=work_items(meta, num_tokens,
+                                                  block_q_of(group, for_head_dim(TILE_ROWS, head_dim))))
 
 
 def prefill_rows(meta: AttentionMetadata) -> Bool[Array, "S"]:
@@ -159,19 +167,20 @@ def prefill_attention(
     meta: AttentionMetadata,
     *,
     scale: float,
-    tile_rows: int = TILE_ROWS,
-    block_k: int = BLOCK_K,
+    tile_rows: int | None = None,
+    block_k: int | None = None,
     sinks: Float[Array, "Hq"] | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T Hq D"], Bool[Array, "T"]]:
     """Causal attention of every token of multi-token rows over its pages (written already), from
     each token's first visible key on for a local layer (`meta.local`). `sinks`: a logit per query
     head (scaled like the scores) that joins each row's softmax and is dropped (gpt-oss); None: plain
-    softmax.
+    softmax. `tile_rows`, `block_k`: TILE_ROWS and BLOCK_K for the head's width unless given.
 
     Returns the outputs and which tokens they cover; other tokens' outputs are 0.
     """
     t, hq, d = q.shape
+    tile_rows, block_k = tile_rows or for_head_dim(TILE_ROWS, d), block_k or for_head_dim(BLOCK_K, d)
     hkv, page_size = k_pages.shape[3], k_pages.shape[2]
     g = hq // hkv
     gp = next_power_of_2(g)

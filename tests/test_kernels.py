@@ -27,7 +27,8 @@ from pallas_kernels.attention import IMPLS, decode_only_steps, paged_attention, 
 from pallas_kernels.decode_attention import choose_num_splits, decode_attention
 from pallas_kernels.kv_write import write_kv_pages
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata, LocalMask
-from pallas_kernels.prefill_attention import max_work_items, prefill_attention, work_items
+from pallas_kernels.prefill_attention import (BLOCK_K, TILE_ROWS, block_q_of, for_head_dim, max_work_items,
+                                              prefill_attention, work_items)
 
 # (tokens cached before the step, tokens in the step), one row per sequence: prefill chunks with and
 # without a cached prefix, decodes over short and long contexts, a one-token prompt. No length is a
@@ -325,6 +326,24 @@ def test_pallas_path_matches_numpy_with_poisoned_pool(shapes):
     assert not np.asarray(out)[~real].any()
     for pages, expected in zip((k_pages, v_pages), pool_after_write(case)):
         np.testing.assert_array_equal(np.asarray(pages.astype(jnp.float32))[:, 1:], expected[:, 1:])
+
+
+def test_wide_heads_take_smaller_tiles():
+    """A 512-wide head (Gemma 4's full layers) halves a program's query rows and keys, so its tiles keep
+    the bytes of a 256-wide one's (an H100's shared memory); the items planned for it are the ones the
+    kernel uses, and the dispatcher's output is numpy's."""
+    assert [for_head_dim(TILE_ROWS, d) for d in (64, 256, 512)] == [TILE_ROWS, TILE_ROWS, TILE_ROWS // 2]
+    assert for_head_dim(BLOCK_K, 512) == BLOCK_K // 2
+    shapes = Shapes(page_size=8, head_dim=512, num_q_heads=8, num_kv_heads=2)
+    case = make_case(shapes, seed=5, poison=True)
+    planned = plan_step(device_meta(case.meta), "pallas_interpret", NUM_TOKENS, 4, head_dim=512)
+    assert planned.prefill_items.block_q == block_q_of(4, TILE_ROWS // 2)
+    out, _, _ = paged_attention(
+        device(case.q, shapes), device(case.k, shapes), device(case.v, shapes), device(case.k_pages, shapes),
+        device(case.v_pages, shapes), jnp.int32(LAYER), planned, scale=shapes.head_dim ** -0.5,
+        impl="pallas_interpret")
+    real = np.arange(NUM_TOKENS) < case.meta.cu_q_lens[case.meta.num_seqs]
+    assert_close(np.asarray(out)[real], numpy_attention(case, shapes.num_q_heads)[real], shapes.tol)
 
 
 @pytest.mark.parametrize("shapes", [SHAPES[1], SHAPES[4]], ids=str)

@@ -52,6 +52,17 @@ _GEMMA3 = dict(model_type="gemma3_text", vocab_size=262208, head_dim=256, query_
                sliding_window=1024, max_position_embeddings=131072, rope_scaling={"rope_type": "linear", "factor": 8.0},
                rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=[1, 106])
 
+# Gemma 4's language models (models/gemma4.py): five windowed layers (head_dim 256) to one full layer
+# (head_dim 512, keys and values from one projection), soft-capped logits; the 26B-A4B adds a MoE block
+# (128 experts, top 8) beside each layer's dense MLP. From public copies of the published configs.
+_GEMMA4 = dict(model_type="gemma4_text", vocab_size=262144, head_dim=256, global_head_dim=512, sliding_window=1024,
+               max_position_embeddings=262144, final_logit_softcapping=30.0, attention_k_eq_v=True,
+               hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, rms_norm_eps=1e-6,
+               hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1000000.0}})
+
 # GLM-4.5 (models/glm4_moe.py): GQA rotating half of each head, DeepSeek-V3's MoE with one shared expert
 # after the first dense layer(s); Air without q/k norms. Their multi-token-prediction layer is not served.
 _GLM45 = dict(model_type="glm4_moe", vocab_size=151552, head_dim=128, num_attention_heads=96, num_key_value_heads=8,
@@ -162,6 +173,11 @@ CONFIGS: dict[str, dict] = {
                             shared_expert_intermediate_size=512),
     "gemma-3-27b": dict(_GEMMA3, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
                         num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
+    "gemma-4-31b": dict(_GEMMA4, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                        num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4),
+    "gemma-4-26b-a4b": dict(_GEMMA4, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                            num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                            enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704),
     "glm-4.5-air": dict(_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
                         num_hidden_layers=46, n_routed_experts=128, first_k_dense_replace=1, use_qk_norm=False,
                         routed_scaling_factor=1.0),

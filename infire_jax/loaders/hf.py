@@ -19,6 +19,7 @@ from safetensors import safe_open
 from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
 from infire_jax.loaders.deepseek_hf import deepseek_weights, rope_interleaved
 from infire_jax.loaders.gemma3_hf import gemma3_weights
+from infire_jax.loaders.gemma4_hf import gemma4_weights
 from infire_jax.loaders.qwen3_5_hf import qwen3_5_weights
 from infire_jax.loaders.gpt_oss_hf import gpt_oss_weights
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
@@ -126,6 +127,8 @@ def load_hf_dir(path: str) -> LoadedModel:
         weights = llama4_weights(tensors, cfg)
     elif cfg.gemma3 is not None:
         weights = gemma3_weights(tensors, cfg)
+    elif cfg.gemma4 is not None:
+        weights = gemma4_weights(tensors, cfg)
     elif cfg.gated_delta is not None:
         weights = qwen3_5_weights(tensors, cfg)
     else:

@@ -69,7 +69,7 @@ def keeps(path: str | None) -> bool:
 def _llama_family(cfg: ModelConfig, scheme: QuantScheme) -> bool:
     """Whether the float loader reads `cfg`'s checkpoint as a Llama (hf.py `llama_weights`), dense or,
     for an 8-bit scheme, with Mixtral's or Qwen3-MoE's experts."""
-    others = (cfg.mla, cfg.glm4, cfg.gpt_oss, cfg.llama4, cfg.gemma3, cfg.gated_delta)
+    others = (cfg.mla, cfg.glm4, cfg.gpt_oss, cfg.llama4, cfg.gemma3, cfg.gemma4, cfg.gated_delta)
     return (not cfg.is_moe or scheme.kind in GQA_EXPERT_KINDS) and all(o is None for o in others)
 
 

@@ -39,7 +39,7 @@ class LoRAConfig:
                               f"{cfg.architecture} (latent attention)")
         own_layers = (("Llama 4", cfg.llama4, "llama4"), ("gpt-oss", cfg.gpt_oss, "gpt_oss"),
                       (cfg.architecture, cfg.glm4, "glm4_moe"), ("Gemma 3", cfg.gemma3, "gemma3"),
-                      ("Qwen3.5", cfg.gated_delta, "qwen3_5"))
+                      ("Gemma 4", cfg.gemma4, "gemma4"), ("Qwen3.5", cfg.gated_delta, "qwen3_5"))
         for name, family, module in own_layers:
             if family is not None:
                 raise ConfigError(f"LoRA adapters are supported on the Llama family (dense and MoE), not on {name} "

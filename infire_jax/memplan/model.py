@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, gqa_kept_scheme
-from infire_jax.models.config import ModelConfig
+from infire_jax.models.config import ModelConfig, gemma4_stacks
 from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
 from infire_jax.quant.int4_rtn import at_load_group
@@ -204,6 +204,9 @@ def _gqa_tensors(cfg: ModelConfig) -> list[Tensor]:
         return _glm4_tensors(cfg)
     if cfg.gated_delta is not None:
         return _qwen3_5_tensors(cfg)
+    if cfg.gemma4 is not None:  # models/gemma4.py's two stacks, as config.gemma4_stacks gives them
+        return [Tensor(f"{kind}_layers.{t.name}", t.kind, t.shape, t.axes, t.matrix)
+                for kind, ts in gemma4_stacks(cfg).items() for t in ts] + _head_tensors(cfg)
     n, e, hkv, d, hq = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
     g = hq // hkv
     t = _attention_tensors(cfg, n)
@@ -245,6 +248,8 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
         width = max(width + cfg.moe_intermediate_size * cfg.deepseek_moe.num_shared_experts, cfg.intermediate_size)
     if cfg.gated_delta is not None:  # the routed experts and the shared one
         width += cfg.gated_delta.shared_expert_size
+    if cfg.gemma4 is not None and cfg.is_moe:  # the MoE block beside the dense MLP
+        width += cfg.intermediate_size
     tensors, kept = [], []
     for t in _gqa_tensors(cfg):
         layout = (quantized or {}).get(t.name)

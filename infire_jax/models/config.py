@@ -8,13 +8,14 @@ picks the parser for an HF `config.json` by its model_type.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import math
+from typing import Any, Mapping, NamedTuple
 
 from infire_jax.errors import UnsupportedModelError
 
 # The architecture families a ModelConfig may name (models/registry.py builds each).
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss", "gemma3",
-                 "glm4_moe", "minimax_m2", "qwen3_5")
+                 "gemma4", "glm4_moe", "minimax_m2", "qwen3_5")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,30 @@ class Gemma3Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gemma4Config:
+    """What sets Gemma 4's decoder apart (models/gemma4_config.py parses it, models/gemma4.py runs it).
+
+    Layers come in blocks of `period`: period - 1 windowed ("sliding") layers, then one full layer.
+    ModelConfig.head_dim and num_kv_heads describe the KV pool's per-token slot (models/gemma4.py):
+    the windowed layers' head_dim, and as many heads as the wider kind needs. The windowed layers have
+    `sliding_kv_heads` kv heads; full layers `global_kv_heads` of `global_head_dim`, with no v_proj
+    when `k_eq_v` (values are the raw k projection). RoPE: windowed layers rotate every dimension with
+    base `local_rope_theta`; full layers ("proportional") rotate the first
+    `global_rotary_fraction` of each half with ModelConfig.rope_theta, the frequencies over the whole
+    global_head_dim. ModelConfig.num_experts > 0: each layer's MoE block beside its dense MLP."""
+
+    period: int
+    sliding_kv_heads: int
+    global_kv_heads: int
+    global_head_dim: int
+    k_eq_v: bool
+    local_rope_theta: float = 10000.0
+    global_rotary_fraction: float = 0.25
+    global_rope_factor: float = 1.0
+    final_logit_softcapping: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Glm4Config:
     """What sets GLM-4.5's and MiniMax-M2's decoder apart (models/glm4_config.py and
     models/minimax_m2_config.py parse it, models/glm4_moe.py runs it): q and k rotate only their first
@@ -183,6 +208,8 @@ class ModelConfig:
     gpt_oss: GptOssConfig | None = None
     # Gemma 3 (architecture "gemma3"; models/gemma3_config.py parses and checks it).
     gemma3: Gemma3Config | None = None
+    # Gemma 4 (architecture "gemma4"; models/gemma4_config.py parses and checks it).
+    gemma4: Gemma4Config | None = None
     # GLM-4.5 / 4.6 (architecture "glm4_moe", models/glm4_config.py) and MiniMax-M2 ("minimax_m2",
     # models/minimax_m2_config.py): GQA with a partial rotation beside DeepSeek-V3's MoE.
     glm4: Glm4Config | None = None
@@ -230,6 +257,8 @@ class ModelConfig:
             raise UnsupportedModelError("a gpt_oss config needs its GptOssConfig, and only it has one")
         if (self.gemma3 is not None) != (self.architecture == "gemma3"):
             raise UnsupportedModelError("a gemma3 config needs its Gemma3Config, and only it has one")
+        if (self.gemma4 is not None) != (self.architecture == "gemma4"):
+            raise UnsupportedModelError("a gemma4 config needs its Gemma4Config, and only it has one")
         if (self.glm4 is not None) != (self.architecture in ("glm4_moe", "minimax_m2")):
             raise UnsupportedModelError("glm4_moe and minimax_m2 configs need their Glm4Config, and only they have one")
         if (self.gated_delta is not None) != (self.architecture == "qwen3_5") or (
@@ -269,6 +298,8 @@ class ModelConfig:
             d["gpt_oss"] = GptOssConfig(**d["gpt_oss"])
         if d.get("gemma3") is not None:
             d["gemma3"] = Gemma3Config(**d["gemma3"])
+        if d.get("gemma4") is not None:
+            d["gemma4"] = Gemma4Config(**d["gemma4"])
         if d.get("glm4") is not None:
             d["glm4"] = Glm4Config(**d["glm4"])
         if d.get("gated_delta") is not None:
@@ -287,6 +318,10 @@ class ModelConfig:
             return _glm4_param_count(self)
         if self.gated_delta is not None:
             return _qwen3_5_param_count(self)
+        if self.gemma4 is not None:  # its stacks' shapes as the model builds them, plus the layer scalars
+            stacks = sum(math.prod(t.shape) for ts in gemma4_stacks(self).values() for t in ts)
+            embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+            return stacks + embeddings + self.hidden_size
         e, hd = self.hidden_size, self.head_dim
         attn = e * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
@@ -384,3 +419,50 @@ def eos_ids(raw: Any) -> tuple[int, ...]:
     if isinstance(raw, (list, tuple)):
         return tuple(int(x) for x in raw)
     return (int(raw),)
+
+
+class StackTensor(NamedTuple):
+    """One stacked layer weight: its shape and logical axes, the memory plan's kind, and whether it is a
+    projection (norms, scalars and routers keep the serving dtype)."""
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    kind: str
+    matrix: bool
+
+
+def gemma4_stacks(cfg: ModelConfig) -> dict[str, tuple[StackTensor, ...]]:
+    """Gemma 4's two stacks (models/gemma4.py builds them, the memory plan counts them): "sliding" and
+    "full" layers, each with its own kv heads and head_dim; q/k/v fused per kv head as models/llama.py's
+    (a full layer with k_eq_v has q and k only), q/k norms, four sandwich norms and the layer scalar, the
+    dense GELU MLP, and with experts the router (its scale over the hidden size and each expert's
+    scale), the experts and the MoE block's three norms."""
+    g4, e, hq, f = cfg.gemma4, cfg.hidden_size, cfg.num_heads, cfg.intermediate_size
+    blocks = cfg.num_layers // g4.period
+    out = {}
+    for kind, n, hkv, d, parts in (("sliding", blocks * (g4.period - 1), g4.sliding_kv_heads, cfg.head_dim, 2),
+                                   ("full", blocks, g4.global_kv_heads, g4.global_head_dim, 1 if g4.k_eq_v else 2)):
+        norm = ("layers", "norm")
+        t = [StackTensor("wqkv", (n, e, hkv, hq // hkv + parts, d), ("layers", "embed", "kv_heads", "qkv", "head_dim"),
+                         "attention", True),
+             StackTensor("wo", (n, hq, d, e), ("layers", "q_heads", "head_dim", "embed"), "attention", True),
+             StackTensor("q_norm", (n, d), norm, "attention", False),
+             StackTensor("k_norm", (n, d), norm, "attention", False),
+             StackTensor("w_gate_up", (n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), "shared", True),
+             StackTensor("w_down", (n, f, e), ("layers", "mlp", "embed"), "shared", True),
+             StackTensor("layer_scalar", (n, 1), norm, "shared", False)]
+        t += [StackTensor(k, (n, e), norm, "attention" if "attn" in k else "shared", False)
+              for k in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")]
+        if cfg.is_moe:
+            x, fm = cfg.num_experts, cfg.moe_intermediate_size
+            t += [StackTensor("router", (n, e, x), ("layers", "embed", "router"), "shared", False),
+                  StackTensor("router_scale", (n, e), norm, "shared", False),
+                  StackTensor("expert_scale", (n, x), ("layers", "router"), "shared", False),
+                  StackTensor("w_experts_gate_up", (n, x, e, 2, fm), ("layers", "experts", "embed", "gate_up", "mlp"),
+                              "experts", True),
+                  StackTensor("w_experts_down", (n, x, fm, e), ("layers", "experts", "mlp", "embed"), "experts", True)]
+            t += [StackTensor(k, (n, e), norm, "shared", False)
+                  for k in ("post_mlp_norm_1", "moe_norm", "post_moe_norm")]
+        out[kind] = tuple(t)
+    return out

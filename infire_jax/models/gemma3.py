@@ -74,6 +74,11 @@ def gelu_glu(gate: Float[Array, "... F"], up: Float[Array, "... F"]) -> Float[Ar
     return (jax.nn.gelu(gate.astype(f32), approximate=True) * up.astype(f32)).astype(gate.dtype)
 
 
+def scaled_embedding(table: Float[Array, "V E"], tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
+    """The embedding rows times sqrt(hidden), the factor rounded to the weights' dtype as HF's (Gemma 3, 4)."""
+    return table[tokens] * jnp.asarray(math.sqrt(table.shape[1]), jnp.float32).astype(table.dtype)
+
+
 def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, Array],
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata,
                   cos: Float[Array, "T D"], sin: Float[Array, "T D"]) -> tuple[Float[Array, "T E"], Array, Array]:
@@ -128,9 +133,7 @@ class Gemma3(DecoderModel):
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
 
     def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:
-        """The embedding rows times sqrt(hidden), the factor rounded to the weights' dtype as HF's."""
-        table = self.embed[...]
-        return table[tokens] * jnp.asarray(math.sqrt(self.cfg.hidden_size), jnp.float32).astype(table.dtype)
+        return scaled_embedding(self.embed[...], tokens)
 
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.models import (deepseek_config, gemma3_config, glm4_config, gpt_oss_config, llama4_config, llama_config,
-                               minimax_m2_config, qwen3_5_config)
+from infire_jax.models import (deepseek_config, gemma3_config, gemma4_config, glm4_config, gpt_oss_config,
+                               llama4_config, llama_config, minimax_m2_config, qwen3_5_config)
 from infire_jax.models.config import ModelConfig
 
 _PARSERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
@@ -18,6 +18,7 @@ _PARSERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
     **dict.fromkeys(llama4_config.MODEL_TYPES, llama4_config.config_from_llama4_hf),
     **dict.fromkeys(gpt_oss_config.MODEL_TYPES, gpt_oss_config.config_from_gpt_oss_hf),
     **dict.fromkeys(gemma3_config.MODEL_TYPES, gemma3_config.config_from_gemma3_hf),
+    **dict.fromkeys(gemma4_config.MODEL_TYPES, gemma4_config.config_from_gemma4_hf),
     **dict.fromkeys(glm4_config.MODEL_TYPES, glm4_config.config_from_glm4_hf),
     **dict.fromkeys(minimax_m2_config.MODEL_TYPES, minimax_m2_config.config_from_minimax_m2_hf),
     **dict.fromkeys(qwen3_5_config.MODEL_TYPES, qwen3_5_config.config_from_qwen3_5_hf),

@@ -129,9 +129,13 @@ def max_tiles(num_rows: int, num_experts: int, b: int) -> int:
     return (num_rows + min(num_experts, num_rows) * (b - 1)) // b
 
 
-def _swiglu(x: Array, w_gate_up: Float[Array, "E 2 F"], w_down: Float[Array, "F E"]) -> Array:
+# gate, up -> the activation an expert's down projection takes (SwiGLU; Gemma 4's GELU-tanh GLU).
+Glu = Callable[[Array, Array], Array]
+
+
+def _swiglu(x: Array, w_gate_up: Float[Array, "E 2 F"], w_down: Float[Array, "F E"], glu: Glu = swiglu) -> Array:
     gate_up = jnp.einsum("me,ecf->mcf", x, w_gate_up)
-    return swiglu(gate_up[:, 0], gate_up[:, 1]) @ w_down
+    return glu(gate_up[:, 0], gate_up[:, 1]) @ w_down
 
 
 def tiled_experts(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"],
@@ -170,33 +174,34 @@ def tiled_experts(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"],
 
 
 def _tiled_swiglu(xs: Float[Array, "M E"], group_sizes: Int[Array, "X"], w_gate_up: ExpertStack,
-                  w_down: ExpertStack) -> Float[Array, "M E"]:
+                  w_down: ExpertStack, glu: Glu) -> Float[Array, "M E"]:
     """The grouped SwiGLU by `tiled_experts`; each trip takes its expert's weights [X E 2 F] / [X F E]
     by `expert_weight` (kept parts: just that expert dequantized, in the activations' dtype)."""
     return tiled_experts(xs, group_sizes, lambda xt, g: _swiglu(
-        xt, expert_weight(w_gate_up, g, "w_gate_up", xs.dtype), expert_weight(w_down, g, "w_down", xs.dtype)))
+        xt, expert_weight(w_gate_up, g, "w_gate_up", xs.dtype), expert_weight(w_down, g, "w_down", xs.dtype), glu))
 
 
-def _kernel_swiglu(d: Dispatch, w_gate_up: LayerExperts, w_down: LayerExperts) -> Float[Array, "M E"]:
+def _kernel_swiglu(d: Dispatch, w_gate_up: LayerExperts, w_down: LayerExperts, glu: Glu) -> Float[Array, "M E"]:
     """The grouped SwiGLU as two grouped-kernel calls over the layer's experts, read in place."""
     gate_up = w_gate_up.grouped(d.x, d.group_sizes).astype(d.x.dtype)
     f = gate_up.shape[1] // 2
-    return w_down.grouped(swiglu(gate_up[:, :f], gate_up[:, f:]), d.group_sizes).astype(d.x.dtype)
+    return w_down.grouped(glu(gate_up[:, :f], gate_up[:, f:]), d.group_sizes).astype(d.x.dtype)
 
 
-def expert_mlp(d: Dispatch, lp: dict[str, Array], impl: str) -> Float[Array, "M E"]:
-    """Each sorted row through its own expert's SwiGLU (silu(x Wg) * (x Wu)) Wd: the grouped kernel
-    when the layer body hands over its experts in place (`LayerExperts`), else `impl`'s way."""
+def expert_mlp(d: Dispatch, lp: dict[str, Array], impl: str, glu: Glu = swiglu) -> Float[Array, "M E"]:
+    """Each sorted row through its own expert's SwiGLU (silu(x Wg) * (x Wu)) Wd, or another `glu` of
+    gate and up: the grouped kernel when the layer body hands over its experts in place
+    (`LayerExperts`), else `impl`'s way."""
     if isinstance(lp["w_gate_up"], LayerExperts):
-        return _kernel_swiglu(d, lp["w_gate_up"], lp["w_down"])
+        return _kernel_swiglu(d, lp["w_gate_up"], lp["w_down"], glu)
     if impl == "ragged_dot":  # whole-layer weights: kept experts are dequantized here, all of them
         lp = dequantize_kept({k: lp[k] for k in ("w_gate_up", "w_down")}, d.x.dtype)
         x, e, _, f = lp["w_gate_up"].shape
         gate_up = jax.lax.ragged_dot(d.x, lp["w_gate_up"].reshape(x, e, 2 * f), d.group_sizes)
-        return jax.lax.ragged_dot(swiglu(gate_up[:, :f], gate_up[:, f:]), lp["w_down"], d.group_sizes)
+        return jax.lax.ragged_dot(glu(gate_up[:, :f], gate_up[:, f:]), lp["w_down"], d.group_sizes)
     if impl not in GROUPED_IMPLS:
         raise ConfigError(f"unknown grouped matmul {impl!r}; choose one of {GROUPED_IMPLS}")
-    return _tiled_swiglu(d.x, d.group_sizes, lp["w_gate_up"], lp["w_down"])
+    return _tiled_swiglu(d.x, d.group_sizes, lp["w_gate_up"], lp["w_down"], glu)
 
 
 def combine(ys: Float[Array, "M E"], d: Dispatch, routing: Routing, dtype) -> Float[Array, "T E"]:

@@ -17,6 +17,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.xla_options import ONCE_OVER_WEIGHTS
 from infire_jax.models.deepseek import DeepseekV3
 from infire_jax.models.gemma3 import Gemma3
+from infire_jax.models.gemma4 import Gemma4
 from infire_jax.models.glm4_moe import Glm4Moe
 from infire_jax.models.gpt_oss import GptOss
 from infire_jax.models.llama import Llama
@@ -32,6 +33,7 @@ MODEL_CLASSES = {"llama": Llama, "qwen2": Llama, "qwen3": Llama, "mixtral": Llam
                  "llama4": Llama4,  # chunked / NoPE attention, interleaved dense and MoE layers (models/llama4.py)
                  "gpt_oss": GptOss,  # attention sinks, windowed and full layers, clamped-SwiGLU experts (models/gpt_oss.py)
                  "gemma3": Gemma3,  # windowed and global layers, sandwich norms, GELU MLP (models/gemma3.py)
+                 "gemma4": Gemma4,  # Gemma 3's traits, two layer shapes, an optional MoE block (models/gemma4.py)
                  "glm4_moe": Glm4Moe,  # GQA with a partial rotation, DeepSeek-V3's MoE (models/glm4_moe.py)
                  "minimax_m2": Glm4Moe,  # the same, q/k normed over all heads, a MoE every layer
                  "qwen3_5": Qwen3_5}  # Gated DeltaNet layers, a gated attention layer closing each group
