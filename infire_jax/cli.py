@@ -162,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for vLLM's command lines: tool_choice \"auto\" is always served")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file that replaces the model's own")
+    s.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
+                   help="vLLM's flag: what the chat template takes as a message's content when it comes as "
+                        "parts: openai, the parts ({type: text}, {type: image}); string, their texts joined by "
+                        "newlines, each image a marker; auto (default): openai where the template loops over a "
+                        "message's content, as vLLM detects it")
     s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="chat images may be file: URLs under this directory (default: none)")
     s.add_argument("--allowed-media-domains", nargs="*", default=None, metavar="HOST",

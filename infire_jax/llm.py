@@ -10,6 +10,7 @@ from PIL import Image
 
 from infire_jax.engine.engine import Engine, EngineConfig
 from infire_jax.errors import InvalidRequestError
+from infire_jax.loaders import chat_content
 from infire_jax.lora.request import LoRARequest
 from infire_jax.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                 ScoringRequestOutput)
@@ -236,7 +237,7 @@ class LLM:
 
     def _chat_prompt(self, conversation: Messages, template_kwargs: dict) -> Prompt:
         images: list = []
-        flat = [{**m, "content": _text_of(m["content"], images)} if _has_images(m.get("content")) else m
+        flat = [_with_parts(m, _parts_of(m["content"], images)) if isinstance(m.get("content"), list) else m
                 for m in conversation]
         tk = self.engine.tokenizer
         text = tk.apply_chat_template(flat, **template_kwargs)
@@ -246,35 +247,36 @@ class LLM:
         if inputs is None:
             raise InvalidRequestError(f"{self.engine.model_name} takes no images", param="messages")
         tiles = [inputs.tiles(preprocess.decode(im) if isinstance(im, bytes) else im) for im in images]
-        try:  # a template that drops a message drops its markers
-            text = inputs.expand(text, tiles, at=placeholders.IMAGE)
+        try:  # a template that drops a message drops its markers; one taking parts writes the model's own
+            text = inputs.expand(text, tiles, at=placeholders.IMAGE if tk.content_format == "string" else None)
         except ValueError as e:
             raise InvalidRequestError(f"the chat template's text: {e}", param="messages") from e
         return {"prompt_token_ids": tk.encode(text, add_special_tokens=False), "multi_modal_data": {"image": tiles}}
 
 
-def _has_images(content: Any) -> bool:
-    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("image", "image_url")
-                                             for p in content)
+def _with_parts(message: dict, parts: list[dict[str, str]]) -> dict:
+    """`message` with its content as text and as parts, for the template to take either
+    (loaders/chat_content.py)."""
+    return {**message, "content": chat_content.joined(parts), chat_content.PARTS: parts}
 
 
-def _text_of(parts: list, images: list) -> str:
-    """A message's parts as text, each image an <|image|> marker and appended to `images` (a PIL image,
-    or a data URL's bytes)."""
-    texts = []
+def _parts_of(parts: list, images: list) -> list[dict[str, str]]:
+    """A message's parts as text and {"type": "image"} parts, each image appended to `images` (a PIL
+    image, or a data URL's bytes)."""
+    out = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            out.append({"type": "text", "text": part["text"]})
         elif kind == "image" and isinstance(part.get("image"), Image.Image):
-            texts.append(placeholders.IMAGE)
+            out.append({"type": "image"})
             images.append(part["image"])
         elif kind == "image_url":
             ref = part.get("image_url")
             url = ref.get("url") if isinstance(ref, dict) else ref
-            texts.append(placeholders.IMAGE)
+            out.append({"type": "image"})
             images.append(preprocess.data_url_bytes(url if isinstance(url, str) else ""))
         else:
             raise InvalidRequestError(f"content part {j}: text, image (a PIL image) or image_url (a data URL) "
                                       f"parts only, got {part!r:.80}", param="messages")
-    return "\n".join(texts)
+    return out

@@ -56,14 +56,15 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
               kv_buffer_bytes: int = 512 << 20, kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0,
               residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0,
               lora_modules: Sequence[tuple[str, str]] = (), tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, chat_template: str | None = None,
+              reasoning_parser: str | None = None, chat_template: str | None = None, content_format: str = "auto",
               media: MediaPolicy | None = None, root_path: str | None = None, cors: CorsPolicy | None = None,
               response_role: str = "assistant", tokens_as_ids: bool = False) -> web.Application:
     """The app over warmed-up engines (one per served model); their threads start with the app.
     `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
     `tool_call_parser` and `reasoning_parser` (vLLM's names) read every model's outputs (default: the
     call format its chat template shows, and no reasoning unless it writes harmony); `chat_template`
-    (Jinja text) replaces every model's own. `media` says where chat images may come from (server/media.py).
+    (Jinja text) replaces every model's own; `content_format` is what it takes as a message's content
+    (loaders/chat_content.py). `media` says where chat images may come from (server/media.py).
     vLLM's server flags: `root_path` (every route also under it), `cors` (browsers on other origins),
     `response_role` (chat answers' role) and `tokens_as_ids` (every request's return_tokens_as_token_ids).
 
@@ -92,8 +93,8 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
                                    name=name)
         metrics.track_engine(name, lambda a=async_engine: a.snapshot, engine.pool_sizing)
         tokenizer = engine.tokenizer
-        if chat_template is not None:  # the server's own copy: the engine's offline chat keeps the model's
-            tokenizer = tokenizer.with_chat_template(chat_template)
+        if chat_template is not None or content_format != "auto":  # the server's copy; offline keeps the model's
+            tokenizer = tokenizer.with_chat_template(chat_template, content_format)
         models[name] = ServedModel(async_engine, tokenizer, TokenText(engine.tokenizer), name, engine.max_model_len,
                                    tool_parser=tool_call_parser or detect_format(tokenizer.chat_template),
                                    reasoning_parser=reasoning_parser or _default_reasoning(tokenizer.chat_template),
@@ -322,7 +323,7 @@ def serve(args: argparse.Namespace) -> int:
                         host_to_device_bytes_per_second=bandwidth,
                         lora_modules=parse_lora_modules(args.lora_modules or []),
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        chat_template=chat_template,
+                        chat_template=chat_template, content_format=args.chat_template_content_format,
                         media=MediaPolicy(args.allowed_local_media_path,
                                           tuple(args.allowed_media_domains) if args.allowed_media_domains else None),
                         root_path=args.root_path, response_role=args.response_role,

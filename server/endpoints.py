@@ -182,8 +182,9 @@ def chat_text(m: ServedModel, req: ChatRequest, param: str, tiles: list[preproce
         text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                continue_final_message=req.continue_final_message,
                                                **req.chat_template_kwargs, **extra)
-        if tiles:
-            text = m.engine.engine.images.expand(text, tiles, at=image_placeholders.IMAGE)
+        if tiles:  # string content carries our marker; a template taking parts writes the model's own
+            at = image_placeholders.IMAGE if m.tokenizer.content_format == "string" else None
+            text = m.engine.engine.images.expand(text, tiles, at=at)
     except (InvalidRequestError, ValueError) as e:
         raise bad(str(e), param) from e
     return text

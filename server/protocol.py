@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 from infire_jax.errors import InvalidRequestError
+from infire_jax.loaders import chat_content
 from infire_jax.sample.sampling_params import MAX_LOGPROBS, SamplingParams
 from infire_jax.structured import StructuredOutputs
 from server import structured
@@ -463,9 +464,12 @@ def parse_messages(raw: Any, images: list[tuple[str, str]] | None = None) -> lis
                 raise bad(f"'{p}.refusal' must be a string on an assistant message without content", f"{p}.refusal")
             m = {k: v for k, v in m.items() if k != "refusal"} | {"content": refusal}
         calls = structured.tool_message(m, p)
-        content = None if calls.get("tool_calls") and m.get("content") is None else \
-            _content(m.get("content"), f"{p}.content", images)
+        parts = None if calls.get("tool_calls") and m.get("content") is None else \
+            _parts(m.get("content"), f"{p}.content", images)
+        content = parts if parts is None or isinstance(parts, str) else chat_content.joined(parts)
         msg = {"role": _ROLES[role], "content": content} | calls | _reasoning(m, p)
+        if isinstance(parts, list):  # the template may take them as they are (loaders/chat_content.py)
+            msg[chat_content.PARTS] = parts
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -497,7 +501,6 @@ def _reasoning(m: dict, p: str) -> dict[str, str]:
 
 # Content parts that carry an image (OpenAI's chat `image_url`, the Responses API's `input_image`).
 _IMAGE_PARTS = ("image_url", "input_image", "image")
-IMAGE_MARKER = "<|image|>"  # where an image goes in the text; the engine's model expands it (vision/prompt.py)
 
 
 def images_of(part: dict, p: str, images: list[tuple[str, str]] | None) -> None:
@@ -516,21 +519,23 @@ def images_of(part: dict, p: str, images: list[tuple[str, str]] | None) -> None:
     images.append((url, p))
 
 
-def _content(content: Any, p: str, images: list[tuple[str, str]] | None = None) -> str:
+def _parts(content: Any, p: str, images: list[tuple[str, str]] | None = None) -> str | list[dict[str, str]]:
+    """A message's content: its text, or its parts ({"type": "text", "text": ...} and {"type": "image"},
+    each image's URL appended to `images`)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        parts = []
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:  # never dropped: said so
-                texts.append(IMAGE_MARKER)
+                parts.append({"type": "image"})
                 images_of(part, f"{p}[{j}]", images)
                 continue
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                     and set(part) == {"type", "text"}):
                 raise bad(f"'{p}[{j}]': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
                           f"{p}[{j}]")
-            texts.append(part["text"])
-        return "\n".join(texts)
+            parts.append({"type": "text", "text": part["text"]})
+        return parts
     raise bad(f"Invalid type for '{p}': expected a string or an array of text parts, but got "
               f"{json_type(content)} instead.", p)

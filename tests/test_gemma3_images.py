@@ -197,15 +197,18 @@ def test_generate_with_images_equals_transformers(checkpoint, processor, llm):
 
 
 def test_chat_prompt_equals_the_processors(processor, llm):
-    """LLM.chat with an image part renders and expands as Gemma3Processor's apply_chat_template, and a
-    prompt whose markers and images disagree is refused by name."""
+    """LLM.chat with text and image parts renders and expands as Gemma3Processor's apply_chat_template
+    (the template takes the parts: loaders/chat_content.py), and a prompt whose markers and images
+    disagree is refused by name."""
     from infire_jax import SamplingParams
     from infire_jax.errors import InvalidRequestError
 
     image = _image(64, 48)
     ours = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "image", "image": image}]}]
-    theirs = [ours[0], {"role": "user", "content": [{"type": "image"}]}]
+            {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "image": image},
+                                         {"type": "text", "text": "what is it?"}]}]
+    theirs = [ours[0], {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
+                                                    {"type": "text", "text": "what is it?"}]}]
     text = processor.apply_chat_template(theirs, add_generation_prompt=True, tokenize=False)
     want = processor(text=text, images=[image], return_tensors="np")["input_ids"][0].tolist()
     out = llm.chat(ours, SamplingParams(max_tokens=1))[0]
@@ -216,7 +219,9 @@ def test_chat_prompt_equals_the_processors(processor, llm):
 
 
 def test_chat_over_http_equals_offline(llm):
-    """A chat message with a PNG data URL answers as the offline engine on the same expanded prompt."""
+    """A chat message with a PNG data URL answers as the offline engine on the same expanded prompt (the
+    template takes the message's parts: the text and the image's marker in a row, as transformers renders
+    them)."""
     import urllib.request
 
     from server_utils import AppThread
@@ -228,7 +233,7 @@ def test_chat_over_http_equals_offline(llm):
     png = io.BytesIO()
     image.save(png, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-    prompt = "<start_of_turn>user\nlook:\n<start_of_image><end_of_turn>\n<start_of_turn>model\n"
+    prompt = "<start_of_turn>user\nlook:<start_of_image><end_of_turn>\n<start_of_turn>model\n"
     want = llm.generate({"prompt": prompt, "multi_modal_data": {"image": Image.open(png)}},
                         SamplingParams(max_tokens=8, temperature=0))[0]
     servers = AppThread()

@@ -127,6 +127,13 @@ CHECKS = (
     Check("gemma3-27b", 240, ("infire_jax.bench", "latency", "--model", "dummy:gemma-3-27b", "--dtype", "bfloat16",
                               "--input-len", "4096", "--output-len", "128", "--max-model-len", "4352",
                               "--batch-size", "1", "32")),
+    # Gemma 4 31B and 26B-A4B (the published shapes as third-party sources quote them, random weights): five
+    # windowed layers to one full layer with 512-wide heads viewing the pool as 8 x 512, blocks of six layers;
+    # 26B-A4B's experts beside a dense MLP through the grouped kernel; never run on a GPU yet.
+    *(Check(f"gemma4-{size}", 240, ("infire_jax.bench", "latency", "--model", f"dummy:gemma-4-{size}", "--dtype",
+                                    "bfloat16", "--input-len", "4096", "--output-len", "128", "--max-model-len",
+                                    "4352", "--batch-size", "1", "32"))
+      for size in ("31b", "26b-a4b")),
     # GLM-4.5-Air's shapes, 12 of its 46 layers in bfloat16 (53 GB; the whole model's 214 GB needs a mesh):
     # half-rotated GQA heads and DeepSeek-V3's MoE through the grouped kernel; never run on a GPU yet.
     Check("glm45-air-12-layers", 240, ("infire_jax.bench", "latency", "--model", "dummy:glm-4.5-air,layers=12",

@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from infire_jax.errors import InvalidRequestError, UnsupportedModelError
+from infire_jax.loaders.chat_content import for_template, template_content_format
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +87,13 @@ class Tokenizer:
     """Encode/decode plus the model's chat template. Wraps a `tokenizers.Tokenizer`."""
 
     def __init__(self, tk: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
-                 chat_template: str | None, model_type: str | None = None):
+                 chat_template: str | None, model_type: str | None = None, content_format: str = "auto"):
         self.tk = tk
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
+        # what the template takes as a message's content (chat_content.py; vLLM's --chat-template-content-format)
+        self.content_format = template_content_format(chat_template) if content_format == "auto" else content_format
         self.model_type = model_type  # config.json's, where the tokenizer came with one: its chat format's family
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -128,10 +131,12 @@ class Tokenizer:
         return cls(tk, bos_token=token_str(conf.get("bos_token")), eos_token=token_str(conf.get("eos_token")),
                    chat_template=template, model_type=model_type)
 
-    def with_chat_template(self, chat_template: str) -> "Tokenizer":
-        """The same tokenizer rendering chats with `chat_template` instead."""
-        return Tokenizer(self.tk, bos_token=self.bos_token, eos_token=self.eos_token, chat_template=chat_template,
-                         model_type=self.model_type)
+    def with_chat_template(self, chat_template: str | None = None, content_format: str = "auto") -> "Tokenizer":
+        """The same tokenizer rendering chats with `chat_template` instead (None: its own), taking a
+        message's content as `content_format` says (auto: as the template shows)."""
+        return Tokenizer(self.tk, bos_token=self.bos_token, eos_token=self.eos_token,
+                         chat_template=self.chat_template if chat_template is None else chat_template,
+                         model_type=self.model_type, content_format=content_format)
 
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
@@ -186,12 +191,13 @@ class Tokenizer:
         model continues that message (a prefilled answer), as transformers and vLLM do."""
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; use the completions API", param="messages")
+        messages, final = for_template(messages, self.content_format)
         try:
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template error: {e}", param="messages") from e
-        return open_final_message(text, messages[-1].get("content") or "") if continue_final_message else text
+        return open_final_message(text, final) if continue_final_message else text
 
 
 def open_final_message(text: str, final: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from infire_jax.loaders.chat_content import PARTS
 from infire_jax.structured.tool_parsers import HERMES_CLOSE, HERMES_OPEN
 
 _TOOLS_PROMPT = (
@@ -61,12 +62,15 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
             else:
                 out.append({"role": "user", "content": block, "_tool_results": True})
             continue
+        kept = ("role", "name")
         if m.get("tool_calls"):
             blocks = [f"{HERMES_OPEN}\n" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)},
                                                       ensure_ascii=False) + f"\n{HERMES_CLOSE}"
                       for c in m["tool_calls"]]
             content = "\n".join(([content] if content else []) + blocks)
-        out.append({k: v for k, v in m.items() if k in ("role", "name")} | {"content": content})
+        else:
+            kept += (PARTS,)  # the content's parts, which a template may take instead (loaders/chat_content.py)
+        out.append({k: v for k, v in m.items() if k in kept} | {"content": content})
     for m in out:
         m.pop("_tool_results", None)
     if tools:
