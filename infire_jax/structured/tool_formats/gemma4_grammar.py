@@ -37,6 +37,8 @@ def _ordered(names) -> list[str]:
 class _GemmaRules(_Rules):
     """Value rules in Gemma 4's syntax; `mark(marker)` is a marker as a Lark expression, `special`
     whether the string delimiter is one token."""
+    sep = _SEP
+    constants = {"boolean": '"true" | "false"', "null": '"null"'}
 
     def __init__(self, mark: Callable[[str], str], special: bool):
         super().__init__()
@@ -80,24 +82,11 @@ class _GemmaRules(_Rules):
     def _typed(self, kind: str, schema: dict[str, Any], rule: str) -> str:
         if kind == "string":
             return self._string(schema, rule)
-        if kind == "boolean":
-            return '"true" | "false"'
-        if kind == "null":
-            return '"null"'
-        if kind == "array":
-            item = self.value(schema.get("items", {}))
-            low, high = schema.get("minItems", 0), schema.get("maxItems")
-            if high == 0:
-                return '"[" "]"'
-            more = f"({_SEP} {item})"
-            rest = f"{more}{{{max(low - 1, 0)},{high - 1}}}" if high is not None else \
-                f"{more}{{{low - 1},{low - 1}}} {more}*" if low > 1 else f"{more}*"
-            return f'"[" {item} {rest} "]"' if low else f'"[" ({item} {rest})? "]"'
         if kind == "object":
             properties = schema.get("properties") or {}
             members = [(n, self.key(n), self.value(properties[n])) for n in _ordered(properties)]
             return '"{" ' + sequence(members, set(schema.get("required", [])), _SEP) + ' "}"'
-        return super()._typed(kind, schema, rule)  # numbers: JSON's syntax is Gemma's
+        return super()._typed(kind, schema, rule)  # numbers and arrays in JSON's syntax, which is Gemma's
 
     def _string(self, schema: dict[str, Any], rule: str) -> str:
         """Between delimiters, within its bounds; a textual delimiter ends it at its first occurrence."""

@@ -31,8 +31,11 @@ _ANY = ["PY_STR: /'([^'\\\\\\n]|\\\\[^xuUN\\n]|\\\\x[0-9a-fA-F]{2}|\\\\u[0-9a-fA
 
 class _Rules:
     """Lark rules for the values of one set of tools, each schema its own rule. A format writing values
-    in another syntax (gemma4_grammar.py) overrides `choice`, `_typed` and the any-value rule."""
+    in another syntax (gemma4_grammar.py) sets its separator and constants, and overrides `choice`,
+    strings, objects and the any-value rule."""
     any_rule, any_lines = "py_any", _ANY
+    sep = _SEP  # between an array's items and an object's members
+    constants = {"boolean": '"True" | "False"', "null": '"None"'}  # the literals of these types
 
     def __init__(self):
         self.lines: list[str] = []
@@ -72,16 +75,14 @@ class _Rules:
             bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                                              "multipleOf") if k in schema}
             return inline_json({"type": kind, **bounds})
-        if kind == "boolean":
-            return '"True" | "False"'
-        if kind == "null":
-            return '"None"'
+        if kind in self.constants:
+            return self.constants[kind]
         if kind == "array":
             item = self.value(schema.get("items", {}))
             low, high = schema.get("minItems", 0), schema.get("maxItems")
             if high == 0:
                 return '"[" "]"'
-            more = f"({_SEP} {item})"
+            more = f"({self.sep} {item})"
             rest = f"{more}{{{max(low - 1, 0)},{high - 1}}}" if high is not None else \
                 f"{more}{{{low - 1},{low - 1}}} {more}*" if low > 1 else f"{more}*"
             return f'"[" {item} {rest} "]"' if low else f'"[" ({item} {rest})? "]"'
