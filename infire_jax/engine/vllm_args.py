@@ -29,6 +29,17 @@ _REFUSED = {
     "--no-enable-chunked-prefill": "prompts are always prefilled in chunks within the step's token budget",
 }
 _REFUSED_SWITCHES = ("--enforce-eager", "--no-enable-chunked-prefill")
+# vLLM switches whose behaviour ours already is: why each changes nothing.
+_ACCEPTED = {
+    "--trust-remote-code": "no checkpoint code is ever run, every model is ours",
+    "--enable-chunked-prefill": "prompts are always prefilled in chunks",
+    "--disable-log-stats": "no periodic stats are logged (see /metrics)",
+    "--disable-log-requests": "requests are not logged unless --enable-log-requests",
+    "--disable-uvicorn-access-log": "no access log unless --enable-log-requests",
+    "--disable-fastapi-docs": "there are no /docs pages",
+    "--disable-frontend-multiprocessing": "HTTP and the engine share one process",
+    "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
+}
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -97,22 +108,8 @@ def add_vllm_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--load-format", default="auto", metavar="FORMAT",
                    help="vLLM's flag: auto, safetensors and gguf read the model by its files; dummy serves random "
                         "weights of a dummy: config (MODEL is its name, e.g. llama-3.1-8b)")
-    s.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for vLLM's command lines: no checkpoint code is ever run, every model is ours")
-    s.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="accepted for vLLM's command lines: prompts are always prefilled in chunks")
-    s.add_argument("--disable-log-stats", action="store_true",
-                   help="accepted for vLLM's command lines: no periodic stats are logged (see /metrics)")
-    s.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted for vLLM's command lines: requests are not logged unless --enable-log-requests")
-    s.add_argument("--disable-uvicorn-access-log", action="store_true",
-                   help="accepted for vLLM's command lines: no access log unless --enable-log-requests")
-    s.add_argument("--disable-fastapi-docs", action="store_true",
-                   help="accepted for vLLM's command lines: there are no /docs pages")
-    s.add_argument("--disable-frontend-multiprocessing", action="store_true",
-                   help="accepted for vLLM's command lines: HTTP and the engine share one process")
-    s.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="accepted for vLLM's command lines: usage always carries prompt_tokens_details.cached_tokens")
+    for flag, why in _ACCEPTED.items():
+        s.add_argument(flag, action="store_true", help=f"accepted for vLLM's command lines: {why}")
     s.add_argument("--enable-log-requests", action="store_true",
                    help="vLLM's flag: log a line per request (method, path, status, time) at INFO")
     s.add_argument("--uvicorn-log-level", default=None, choices=_LOG_LEVELS,
