@@ -122,6 +122,43 @@ def test_a_vllm_command_line_becomes_our_config(tmp_path):
     assert (args.served_model_name, args.api_key, args.port, args.host) == (["llama"], ["sk-x"], 8001, "0.0.0.0")
 
 
+@pytest.mark.parametrize("text, tokens", [("4096", 4096), ("1k", 1000), ("1K", 1024), ("25.6k", 25600),
+                                          ("2m", 2_000_000), ("2M", 2 << 20), ("1g", 10**9), ("1G", 1 << 30),
+                                          ("0.5K", 512)])
+def test_sizes_read_as_vllm_reads_them(text, tokens):
+    """Lower case decimal, upper case binary; a fraction that comes out whole."""
+    args = _serve_args(f"m --max-model-len {text} --max-num-batched-tokens {text}")
+    assert (args.max_model_len, args.max_num_batched_tokens) == (tokens, tokens)
+
+
+@pytest.mark.parametrize("flag, text", [("--max-model-len", "1.0001k"), ("--max-model-len", "0.3K"),
+                                        ("--max-model-len", "4x"), ("--max-model-len", "0"),
+                                        ("--max-model-len", "-2"), ("--max-num-batched-tokens", "auto"),
+                                        ("--max-num-batched-tokens", "-1"), ("--max-model-len", "k")])
+def test_bad_sizes_are_argparse_errors(flag, text, capsys):
+    with pytest.raises(SystemExit) as e:
+        _serve_args(f"m {flag} {text}")
+    assert e.value.code == 2
+    assert f"argument {flag}: expected a positive whole number" in capsys.readouterr().err
+
+
+def test_max_model_len_auto_is_the_models_context_as_much_as_the_pool_holds():
+    """auto and -1 (vLLM's): the model's whole context (past the default's 8192 cap), cut to what one
+    sequence has of a pool sized in advance (8 usable pages of 16: 128 tokens)."""
+    from infire_jax.engine.setup import resolve_settings
+    from infire_jax.loaders.load import load_config
+
+    model = "dummy:llama-3.2-1b,layers=2"
+    context = load_config(model).max_position_embeddings
+    assert context > 8192
+    assert _serve_args("m --max-model-len auto").max_model_len == _serve_args("m --max-model-len -1").max_model_len
+    for line, expected in ((f"{model} --max-model-len auto --max-num-seqs 4 --num-kv-pages 9", 128),
+                           (f"{model} --max-model-len -1 --max-num-seqs 4 --num-kv-pages 9000", context),
+                           (f"{model} --max-num-seqs 4", min(context, 8192))):
+        args = _serve_args(line)
+        assert resolve_settings(engine_config(args, args.model[0]), None).max_model_len == expected, line
+
+
 def test_max_logprobs_caps_what_the_sampler_has():
     ec = engine_config(_serve_args("m --max-logprobs 50"))
     assert (ec.max_logprobs, ec.max_prompt_logprobs) == (20, 50)  # sampled: the sampler's top-20

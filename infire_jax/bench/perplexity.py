@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from infire_jax.bench.common import BenchError, add_bench_engine_args, positive_int
 from infire_jax.bench.report import Result, table
-from infire_jax.engine.args import add_engine_args, engine_config, progress_bar
+from infire_jax.engine.args import AUTO_MODEL_LEN, add_engine_args, engine_config, progress_bar
 
 if TYPE_CHECKING:
     from infire_jax.llm import LLM
@@ -136,7 +136,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
     from infire_jax.engine.engine import Engine
     from infire_jax.llm import LLM
 
-    if args.max_model_len is not None and args.max_model_len <= args.window:
+    if args.max_model_len not in (None, AUTO_MODEL_LEN) and args.max_model_len <= args.window:
         raise BenchError(f"--max-model-len {args.max_model_len} must exceed --window {args.window}")
     config = engine_config(args)
     config.max_num_seqs = args.max_num_seqs or 16

@@ -9,7 +9,9 @@ all three, so that none of them imports another to get them. Building a parser i
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from infire_jax.engine.vllm_args import add_vllm_engine_args, parallel_mesh
@@ -18,6 +20,9 @@ if TYPE_CHECKING:
     from infire_jax.engine.engine import EngineConfig
     from infire_jax.sample.sampling_params import SamplingParams
 
+# --max-model-len auto or -1, as vLLM reads them: EngineConfig's max_model_len -1 (the model's context, as
+# much of it as a pool sized in advance holds).
+AUTO_MODEL_LEN = -1
 # The names `kv_scales.resolve_kv_cache_dtype` takes (kept here: building the parser imports no jax).
 KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float8_e4m3", "fp8", "fp8_e4m3")
 
@@ -51,9 +56,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    p.add_argument("--max-model-len", type=_model_len, default=None, metavar="N|auto",
+                   help="longest prompt + output, in tokens, as vLLM reads it: 4096, 1k (1000), 1K (1024), 25.6k, "
+                        "2m, 2M; auto or -1: the model's own context, capped where the KV pool is sized in "
+                        "advance (--num-kv-pages, --kv-cache-memory-bytes, CPU) to what it holds for one "
+                        "sequence (default: the model's context, at most 8192)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-num-batched-tokens", type=size, default=None, metavar="N",
+                   help="token budget of one step (1k, 2K as --max-model-len)")
     p.add_argument("--token-buckets", type=int, nargs="+", default=None, metavar="N",
                    help="the step sizes compiled, in tokens: increasing, the last = --max-num-batched-tokens; "
                         "each step is padded to the smallest that holds it. Fewer compile faster at start-up, "
@@ -117,6 +127,26 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                    help="multi-host: host:port of process 0's coordinator (env INFIRE_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def size(text: str) -> int:
+    """vLLM's human-readable sizes: `1k` 1000 and `1K` 1024 (lower case decimal, upper case binary; m/M,
+    g/G alike), `25.6k` 25600; a positive whole number of tokens."""
+    match = _SIZE.fullmatch(text.strip())
+    value = Fraction(match[1]) * _SIZE_UNITS[match[2]] if match else Fraction(0)
+    if value.denominator != 1 or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number such as 4096, 1k (1000), 1K (1024) "
+                                         f"or 25.6k, got {text!r}")
+    return int(value)
+
+
+def _model_len(text: str) -> int:
+    """--max-model-len: a size, or auto / -1 (AUTO_MODEL_LEN)."""
+    return AUTO_MODEL_LEN if text.strip() in ("auto", "-1") else size(text)
 
 
 def _mm_limits(text: str) -> dict[str, int]:

@@ -73,7 +73,9 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
-    max_model_len: int | None = None  # default: min(model's context, 8192)
+    # default: min(model's context, 8192); -1 or "auto" (vLLM's): the model's context, capped to what one
+    # sequence has of a pool sized in advance (num_kv_pages, kv_cache_memory, CPU's default budget)
+    max_model_len: int | str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # token budget of one step; default the last bucket, else 512 on
     # CPU, 8192 on GPU
@@ -194,6 +196,10 @@ def resolve_dtype(name: str):
     return _DTYPES[name]
 
 
+# max_model_len's spellings of "the model's context, as much as fits" (vLLM's -1 and auto).
+AUTO_MODEL_LEN = (-1, "auto")
+
+
 class Settings(NamedTuple):
     """What an EngineConfig comes to for its model, all known before any weight is read."""
 
@@ -262,7 +268,9 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     checkpoint_kv_scales = (read_kv_scales(ec.model, cfg) if is_fp8(kv_dtype) and not ec.calibrate_kv_scales
                             else None)
     enable_compilation_cache()
-    max_model_len = ec.max_model_len or min(cfg.max_position_embeddings, 8192)
+    auto_len = ec.max_model_len in AUTO_MODEL_LEN
+    max_model_len = cfg.max_position_embeddings if auto_len else ec.max_model_len or min(cfg.max_position_embeddings,
+                                                                                         8192)
     budget = ec.max_num_batched_tokens or (ec.token_buckets[-1] if ec.token_buckets else 8192 if on_gpu() else 512)
     branch_free = ec.branch_free_sampler if ec.branch_free_sampler is not None else on_gpu()
     placed = plan.effective_config(cfg) if plan else cfg  # on a pipeline: the stacked slots, stage by stage
@@ -278,6 +286,9 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
                                   extra_page_bytes(spec_config, draft_head, ec.page_size, dtype), kv_groups),
         ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization,
         kv_groups, budget, plan.mesh_config.num_devices if plan else 1)
+    if auto_len:
+        pool = pool.fitted()
+        max_model_len = pool.max_model_len
     sizing = pool.fixed()
     vision, pooler = _vision(ec, plan), _pooler(ec)
     rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else pool.min_pages,
@@ -302,6 +313,8 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
         raise ConfigError("max_num_seqs, page_size and num_decode_steps must be positive")
     for name in ("max_model_len", "max_num_batched_tokens", "num_kv_pages"):
         value = getattr(ec, name)
+        if name == "max_model_len" and value in AUTO_MODEL_LEN:
+            continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if ec.max_prompt_logprobs < 0:

@@ -160,6 +160,16 @@ class PoolPlanner:
                               f"sequence of max_model_len={self.max_model_len}")
         return self._with_capacity(sizing)
 
+    def fitted(self) -> PoolPlanner:
+        """max_model_len "auto": the planner with max_model_len cut to what one sequence can hold of a
+        pool fixed in advance; as it is where the pool fills the device (sized only after the weights
+        are on it: a longer context than fits is refused then, naming max_model_len)."""
+        sizing = dataclasses.replace(self, max_model_len=1).fixed()
+        tokens = None if sizing is None else sizing.capacity.context_tokens(1)
+        if tokens is None or tokens >= self.max_model_len:
+            return self
+        return dataclasses.replace(self, max_model_len=tokens)
+
     def from_device_memory(self, weights: Any, minimal_pool: Any, activation_bytes: int,
                            reserved_weight_bytes: int = 0, later_weight_bytes: int = 0) -> PoolSizing:
         """Measured with the weights and a minimal pool on the devices (the pool is not counted as in
