@@ -100,34 +100,52 @@ def test_refuses_a_text_config_that_is_not_mistral():
         config_from_hf({"model_type": "mistral3"})
 
 
-@pytest.mark.parametrize("extended", [True, False], ids=["long-factors", "short-factors"])
-def test_phi4_mini_partial_rotation_and_longrope_match_transformers(extended, tmp_path):
+@pytest.mark.parametrize("checkpoint_len, served_len", [(128, 128), (32, 32), (128, 32)],
+                         ids=["long-factors", "short-factors", "extended-served-short"])
+def test_phi4_mini_partial_rotation_and_longrope_match_transformers(checkpoint_len, served_len, tmp_path):
     """Phi-4-mini's layers: q and k rotate three quarters of each head, with LongRoPE (random short and
     long factors, an original context of 32). A checkpoint extending it (to 128: an attention factor of
-    sqrt(1 + ln 4 / ln 32)) rotates every position by the long factors, as transformers rotates a
-    sequence longer than 32 (one forward over 44 and 53 tokens); one that does not, by the short
-    factors, as transformers rotates sequences within 32 (24 tokens)."""
+    sqrt(1 + ln 4 / ln 32)) served at 128 rotates every position by the long factors, as transformers
+    rotates a sequence longer than 32 (one forward over 44 and 53 tokens); one that does not, by the
+    short factors, as transformers rotates sequences within 32 (24 tokens); the extending one served at
+    32 (vLLM's choice by max_model_len) by the short factors with its attention factor, as transformers
+    rotates that checkpoint's sequences within 32."""
+    import math
+
     import numpy as np
 
     from transformers import Phi3Config, Phi3ForCausalLM
+
+    extended = served_len > 32
 
     text = {k: v for k, v in TEXT.items() if k not in ("model_type", "head_dim", "sliding_window", "rope_theta")}
     rng = np.random.default_rng(3)
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "short_factor": rng.uniform(1, 3, 6).round(3).tolist(), "long_factor": rng.uniform(2, 20, 6).round(3).tolist()}
     torch.manual_seed(3)
-    config = Phi3Config(**{**text, "max_position_embeddings": 128 if extended else 32},
+    config = Phi3Config(**{**text, "max_position_embeddings": checkpoint_len},
                         original_max_position_embeddings=32, rope_parameters=rope, pad_token_id=0, eos_token_id=2,
                         bos_token_id=1, initializer_range=0.3)
     model = Phi3ForCausalLM(config).to(torch.float32).eval()
     _save(model, tmp_path)
-    llm = LLM(model=str(tmp_path), **{**ENGINE, "max_model_len": 128 if extended else 32})
+    llm = LLM(model=str(tmp_path), **{**ENGINE, "max_model_len": served_len})
     try:
         cfg = llm.engine.model_config
         rs = cfg.rope_scaling
         assert (cfg.rotary_dim, rs.kind, rs.original_max_position_embeddings) == (12, "longrope", 32)
         assert rs.freq_factors == tuple(rope["long_factor" if extended else "short_factor"])
+        attention = 1.0 if checkpoint_len == 32 else math.sqrt(1 + math.log(4) / math.log(32))
+        assert rs.attention_factor == pytest.approx(attention)
         assert_parity(llm, model, [PROMPTS[0], PROMPTS[2]] if extended else [PROMPTS[0]], 40 if extended else 20)
+        if checkpoint_len != served_len:  # the loader's modules too (what a GPU's runner, built after them, runs)
+            import jax.numpy as jnp
+            from flax import nnx
+
+            from infire_jax.loaders.load import load_placed
+            from infire_jax.loaders.weights import rotating_as
+
+            placed = rotating_as(load_placed(str(tmp_path), jnp.float32, None), rs)
+            assert nnx.merge(placed.graphdef, placed.state).cfg.rope_scaling == rs
     finally:
         llm.engine.close()
 

@@ -33,9 +33,9 @@ from infire_jax.loaders.kv_scales_hf import read_kv_scales
 from infire_jax.loaders.load import load_config, load_placed, load_quantized_placed, load_resident_placed
 from infire_jax.loaders.paths import cache_dir
 from infire_jax.loaders.pooler import declared_pooler
-from infire_jax.loaders.weights import Placed
+from infire_jax.loaders.weights import Placed, rotating_as
 from infire_jax.lora.config import LoRAConfig
-from infire_jax.models.config import ModelConfig
+from infire_jax.models.config import ModelConfig, served_rope
 from infire_jax.models.gated_delta import default_snapshots
 from infire_jax.models.registry import abstract_state
 from infire_jax.pooling.config import PoolerConfig
@@ -289,6 +289,8 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     if auto_len:
         pool = pool.fitted()
         max_model_len = pool.max_model_len
+    cfg = served_rope(cfg, max_model_len)  # LongRoPE's factors for this context (the pool's pages do not care)
+    placed = plan.effective_config(cfg) if plan else cfg
     sizing = pool.fixed()
     vision, pooler = _vision(ec, plan), _pooler(ec)
     rc = RunnerConfig(page_size=ec.page_size, num_pages=sizing.num_pages if sizing else pool.min_pages,
@@ -444,7 +446,7 @@ def load_and_compile(ec: EngineConfig, s: Settings, loaded: LoadedModel | None, 
     report("load", 0, 1)
     t_load = time.monotonic()
     try:
-        placed = _load_placed(ec, s.dtype, s.plan, loaded)
+        placed = rotating_as(_load_placed(ec, s.dtype, s.plan, loaded), s.model_config.rope_scaling)
     finally:
         weights_read.set()
     jax.block_until_ready(placed.state)

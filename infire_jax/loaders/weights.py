@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from infire_jax.errors import UnsupportedModelError
-from infire_jax.models.config import ModelConfig
+from infire_jax.models.config import ModelConfig, RopeScaling
 from infire_jax.loaders.tokenizer import Tokenizer
 
 NATIVE_FORMAT_VERSION = 2  # 2: fused q/k/v and gate/up, LM head [V, E]
@@ -51,6 +51,22 @@ class Placed(NamedTuple):
 _LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
                    ("language_model.lm_head.", "lm_head."))
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def rotating_as(placed: Placed, rope_scaling: RopeScaling | None) -> Placed:
+    """`placed` rotating q and k by `rope_scaling` (LongRoPE's factors as the served context chooses
+    them, config.served_rope) in its config and its modules' (the RoPE tables are computed from those
+    in the step); the weights do not depend on it."""
+    if placed.loaded.config.rope_scaling == rope_scaling:
+        return placed
+    model = nnx.merge(placed.graphdef, placed.state)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and isinstance(getattr(node, "cfg", None), ModelConfig):
+            node.cfg = dataclasses.replace(node.cfg, rope_scaling=rope_scaling)
+    graphdef, state = nnx.split(model)
+    loaded = dataclasses.replace(placed.loaded, config=dataclasses.replace(placed.loaded.config,
+                                                                           rope_scaling=rope_scaling))
+    return placed._replace(loaded=loaded, graphdef=graphdef, state=state)
 
 
 def language_model_name(name: str) -> str | None:

@@ -35,9 +35,12 @@ class RopeScaling:
     mscale_all_dim: float = 0.0
     truncate: bool = True  # YaRN's ramp bounds rounded to whole dimensions (gpt-oss: false)
     # LongRoPE: each rotated frequency's divisor (the checkpoint's long_factor where it extends its
-    # original context, else its short_factor) and the factor on cos and sin
+    # original context, else its short_factor) and the factor on cos and sin; an extending checkpoint's
+    # short_factor too, which an engine serving no more than the original context rotates by instead
+    # (`served_rope`)
     freq_factors: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    short_factors: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +284,8 @@ class ModelConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d)
         if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**{**d["rope_scaling"],
-                                               "freq_factors": tuple(d["rope_scaling"].get("freq_factors", ()))})
+            d["rope_scaling"] = RopeScaling(**{**d["rope_scaling"], **{
+                k: tuple(d["rope_scaling"].get(k, ())) for k in ("freq_factors", "short_factors")}})
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         if d.get("rope_freq_factors") is not None:
             d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
@@ -410,6 +413,17 @@ def gpt_oss_param_count(cfg: ModelConfig, active: bool = False) -> int:
     layer = attn + e * cfg.num_experts + cfg.num_experts + experts * expert + 2 * e
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * e
     return cfg.num_layers * layer + (0 if active else cfg.vocab_size * e) + head + e
+
+
+def served_rope(cfg: ModelConfig, max_model_len: int) -> ModelConfig:
+    """`cfg` as an engine serving `max_model_len` tokens rotates, as vLLM chooses: LongRoPE's short
+    factors (its attention factor kept) where no sequence outgrows the original context, else the
+    long ones; any other RoPE as it is."""
+    rs = cfg.rope_scaling
+    if rs is None or not rs.short_factors or max_model_len > rs.original_max_position_embeddings:
+        return cfg
+    return dataclasses.replace(cfg, rope_scaling=dataclasses.replace(rs, freq_factors=rs.short_factors,
+                                                                     short_factors=()))
 
 
 def eos_ids(raw: Any) -> tuple[int, ...]:

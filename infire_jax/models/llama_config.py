@@ -65,7 +65,8 @@ def _longrope(raw: Mapping[str, Any], max_position_embeddings: int) -> RopeScali
     the config's own field first; the factor, else the extension's ratio; the attention factor, else
     sqrt(1 + ln(factor) / ln(original context)) above a factor of 1), with one set of divisors for every
     position, as vLLM: the long factors where the checkpoint extends its original context, else the
-    short ones. transformers instead rotates a sequence by the short factors until it outgrows the
+    short ones (an engine serving no more than the original context takes the short ones:
+    config.served_rope). transformers instead rotates a sequence by the short factors until it outgrows the
     original context and recomputes it then with the long ones, which a paged cache shared between
     requests cannot do: a short sequence here is rotated as transformers rotates a long one."""
     original = int(raw.get("original_max_position_embeddings") or max_position_embeddings)
@@ -80,9 +81,10 @@ def _longrope(raw: Mapping[str, Any], max_position_embeddings: int) -> RopeScali
     if len(short) != len(long):
         raise UnsupportedModelError(f"rope_scaling's short_factor ({len(short)}) and long_factor ({len(long)}) "
                                     "must have one entry per rotated frequency each")
-    chosen = long if max_position_embeddings > original else short
+    extends = max_position_embeddings > original
     return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
-                       freq_factors=tuple(map(float, chosen)), attention_factor=float(attention))
+                       freq_factors=tuple(map(float, long if extends else short)), attention_factor=float(attention),
+                       short_factors=tuple(map(float, short)) if extends else ())
 
 
 # transformers' defaults for a config.json without `sliding_window` (MistralConfig's and the Qwen configs' 4096,
