@@ -138,8 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require this bearer key (repeatable); KEY:TENANT also names the key's cache tenant")
     s.add_argument("--max-queue", type=int, default=1024,
                    help="sequences allowed to wait beyond a full batch; past it requests get 429")
-    s.add_argument("--served-model-name", default=None, action="append",
-                   help="model name of the API (default: the model's name); one per --model, in order")
+    s.add_argument("--served-model-name", default=None, action="append", nargs="+", metavar="NAME",
+                   help="the model's names in the API, as vLLM's: requests may name any, responses carry the first "
+                        "(default: the model's name); with several --model, one --served-model-name per --model, "
+                        "in order, each with that model's names")
     s.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
                    help="fleet role: prefill workers hand their prompts' KV to decode workers (docs/FLEET.md)")
     s.add_argument("--kv-buffer-mb", type=int, default=512,

@@ -13,7 +13,7 @@ import os
 import ssl
 import sys
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jinja2
 from aiohttp import web
@@ -52,7 +52,7 @@ def _default_reasoning(chat_template: str | None) -> str | None:
 
 
 def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] | None = None,
-              api_keys: dict[str, str] | None = None, max_queue: int = 1024, role: str = "both",
+              aliases: Mapping[str, Sequence[str]] | None = None, api_keys: dict[str, str] | None = None, max_queue: int = 1024, role: str = "both",
               kv_buffer_bytes: int = 512 << 20, kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0,
               residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0,
               lora_modules: Sequence[tuple[str, str]] = (), tool_call_parser: str | None = None,
@@ -60,6 +60,7 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
               media: MediaPolicy | None = None, root_path: str | None = None, cors: CorsPolicy | None = None,
               response_role: str = "assistant", tokens_as_ids: bool = False) -> web.Application:
     """The app over warmed-up engines (one per served model); their threads start with the app.
+    `aliases`: a model's other names by its name (requests may name any; responses carry its name).
     `lora_modules` (name, path) are LoRA adapters loaded now over the engine that has LoRA enabled.
     `tool_call_parser` and `reasoning_parser` (vLLM's names) read every model's outputs (default: the
     call format its chat template shows, and no reasoning unless it writes harmony); `chat_template`
@@ -76,8 +77,10 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
     names = list(model_names or [e.model_name for e in engines])
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    if len(names) != len(engines) or len(set(names)) != len(names):
-        raise ValueError(f"each engine needs its own served model name, got {names}")
+    aliases = {name: tuple(aliases.get(name, ())) for name in names} if aliases else {}
+    every = [*names, *(a for more in aliases.values() for a in more)]
+    if len(names) != len(engines) or len(set(every)) != len(every):
+        raise ValueError(f"each engine needs its own served model names, got {names} and aliases {aliases}")
     if role != "both" and len(engines) > 1:
         raise ValueError("a prefill or decode worker serves one model")
     if len(engines) > 1 and residency is None:
@@ -96,6 +99,7 @@ def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] 
         if chat_template is not None or content_format != "auto":  # the server's copy; offline keeps the model's
             tokenizer = tokenizer.with_chat_template(chat_template, content_format)
         models[name] = ServedModel(async_engine, tokenizer, TokenText(engine.tokenizer), name, engine.max_model_len,
+                                   aliases=aliases.get(name, ()),
                                    tool_parser=tool_call_parser or detect_format(tokenizer.chat_template),
                                    reasoning_parser=reasoning_parser or _default_reasoning(tokenizer.chat_template),
                                    sampling_defaults=engine.sampling_defaults)
@@ -187,12 +191,13 @@ async def _routing_headers(request: web.Request, response: web.StreamResponse) -
 
 
 async def _models(request: web.Request) -> web.Response:
-    """The served models, then each one's LoRA adapters (`parent`: the model)."""
+    """The served models, each of its names (`root`: its first, the name responses carry), then each
+    one's LoRA adapters (`parent`: the model)."""
     created = int(time.time())
     models = request.app[STATE].models.values()
     return web.json_response({"object": "list", "data": [
-        {"id": m.name, "object": "model", "created": created, "owned_by": "infire-jax", "root": m.name,
-         "parent": None, "max_model_len": m.max_model_len} for m in models] + [
+        {"id": name, "object": "model", "created": created, "owned_by": "infire-jax", "root": m.name,
+         "parent": None, "max_model_len": m.max_model_len} for m in models for name in (m.name, *m.aliases)] + [
         card for m in models for card in model_cards(m, created)]})
 
 
@@ -221,16 +226,23 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def _served_models(args: argparse.Namespace) -> list[tuple[str | None, str | None]]:
-    """(served name, model spec) pairs from --model (repeatable) and --served-model-name (one per
-    model; a None name: the model's own)."""
+def _served_models(args: argparse.Namespace) -> list[tuple[tuple[str, ...], str | None]]:
+    """(served names, model spec) pairs from --model (repeatable) and --served-model-name: one model
+    has every name given (vLLM's --served-model-name NAME [NAME ...], the first the name responses
+    carry); several have one --served-model-name each, in order, with that model's names. No names:
+    the model's own."""
     specs = args.model or [None]
-    names = args.served_model_name or [None] * len(specs)
-    if len(names) != len(specs):
-        raise ValueError(f"give one --served-model-name per --model ({len(specs)} models, {len(names)} names)")
-    keys = [name or spec for name, spec in zip(names, specs)]
+    groups = [tuple(g) for g in args.served_model_name or []]
+    if len(specs) == 1:
+        groups = [tuple(n for g in groups for n in g)]
+    elif groups and len(groups) != len(specs):
+        raise ValueError(f"with several --model, give one --served-model-name per --model, in order ({len(specs)} "
+                         f"models, {len(groups)} --served-model-name)")
+    names = groups or [()] * len(specs)
+    keys = [n for group, spec in zip(names, specs) for n in group or (spec,)]
     if len(set(keys)) != len(keys):  # the same name, or the same model unnamed: caught before any load
-        raise ValueError("two models would be served under the same name; give each its own --served-model-name")
+        raise ValueError("a served model name is given twice, or two models would be served under the same "
+                         "name; give each its own --served-model-name")
     return list(zip(names, specs))
 
 
@@ -261,7 +273,7 @@ def _ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     return context
 
 
-def _check_flags(args: argparse.Namespace) -> tuple[dict[str, str], list[tuple[str | None, str | None]]]:
+def _check_flags(args: argparse.Namespace) -> tuple[dict[str, str], list[tuple[tuple[str, ...], str | None]]]:
     """The API keys and the served models, or ValueError naming the bad flag."""
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
@@ -311,13 +323,15 @@ def serve(args: argparse.Namespace) -> int:
             return engine
 
         max_resident = args.max_resident or len(models)
-        engines, residency = start_engines([(name, engine_config(args, spec)) for name, spec in models],
-                                           max_resident, make)
+        engines, residency = start_engines([(names[0] if names else None, engine_config(args, spec))
+                                            for names, spec in models], max_resident, make)
         bandwidth = host_to_device_bandwidth() if len(engines) > 1 else 0.0
         if len(engines) > 1:
             print(f"hot standby: {min(max_resident, len(engines))} of {len(engines)} models on the device; "
                   f"host-to-device copies at {bandwidth / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
-        app = build_app(list(engines.values()), model_names=list(engines), api_keys=keys, max_queue=args.max_queue,
+        app = build_app(list(engines.values()), model_names=list(engines),
+                        aliases={names[0]: names[1:] for names, _ in models if names}, api_keys=keys,
+                        max_queue=args.max_queue,
                         role=args.role, kv_buffer_bytes=args.kv_buffer_mb << 20, kv_host=args.kv_host,
                         kv_hold_seconds=args.kv_hold_seconds, residency=residency if len(engines) > 1 else None,
                         host_to_device_bytes_per_second=bandwidth,

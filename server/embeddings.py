@@ -24,7 +24,7 @@ from infire_jax.errors import InvalidRequestError
 from infire_jax.pooling.config import REMOVED_NORMALIZE, PoolingParams
 from infire_jax.structured.tool_prompt import render_inputs
 from server.auth import TENANT
-from server.endpoints import STATE, ServedModel, read_json, served_model
+from server.endpoints import STATE, ServedModel, read_json, response_model, served_model
 from server.protocol import bad, parse_messages, template_kwargs
 
 _FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "embed_dtype", "endianness",
@@ -210,7 +210,8 @@ async def embeddings(request: web.Request) -> web.Response:
     vectors = await embed(request, m, lora, prompts, req.params, req.priority, "input")
     tokens = sum(len(p) for p in prompts)
     return web.json_response({
-        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": req.model,
+        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": response_model(m, lora),
         "data": [{"index": i, "object": "embedding", "embedding": _encoded(v, req)}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

@@ -55,8 +55,9 @@ class ServedModel:
     engine: AsyncEngine
     tokenizer: Tokenizer
     token_text: TokenText
-    name: str
+    name: str  # the first of its served names: responses carry it
     max_model_len: int
+    aliases: tuple[str, ...] = ()  # its other served names (--served-model-name NAME NAME ...), accepted alike
     # LoRA adapters served over it, by name (server/lora.py); changed on the event loop only.
     adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
     loading: set[str] = dataclasses.field(default_factory=set)  # names of adapters being loaded
@@ -108,7 +109,7 @@ async def _completions(request: web.Request, st: ServerState, body, kv: RequestH
         echo = [p if isinstance(p, str) and len(ids) == len(full) else m.tokenizer.decode(ids)
                 for p, full, ids in zip(req.prompts, given, prompts)] if req.echo else None
         echo_logprobs = req.echo and req.params.logprobs is not None
-        return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, m.token_text, echo_texts=echo,
+        return CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", response_model(m, lora), m.token_text, echo_texts=echo,
                                    echo_ids=prompts if echo_logprobs else None, top=req.params.logprobs or 0,
                                    n=req.params.n,
                                    want_logprobs=req.params.logprobs is not None, include_usage=req.include_usage,
@@ -125,7 +126,7 @@ async def _chat_completions(request: web.Request, st: ServerState, body, kv: Req
     prompts = await chat_prompt(m, req, "messages", tiles)
 
     def formatter() -> ChatFormatter:
-        return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, m.token_text,
+        return ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", response_model(m, lora), m.token_text,
                              top_logprobs=req.top_logprobs or 0, want_logprobs=req.top_logprobs is not None,
                              include_usage=req.include_usage, tool_format=m.tool_parser if req.tools else None,
                              tools=req.tools.tools if req.tools else None, reasoning_parser=m.reasoning_parser,
@@ -263,7 +264,7 @@ def sampling_defaults(st: ServerState, body: Any) -> Mapping[str, Any]:
 
 def _named(st: ServerState, model: str) -> tuple[ServedModel | None, str | None]:
     """The served model a name selects (None: none does), and the LoRA adapter it names (None: the model)."""
-    m = st.models.get(model)
+    m = st.models.get(model) or next((x for x in st.models.values() if model in x.aliases), None)
     if m is not None:
         return m, None
     return next((x for x in st.models.values() if model in x.adapters), None), model
@@ -274,13 +275,19 @@ def served_model(st: ServerState, model: str) -> tuple[ServedModel, str | None]:
     selects (None: the model itself)."""
     m, lora = _named(st, model)
     if m is None:
-        names = ", ".join(f"`{n}`" for x in st.models.values() for n in (x.name, *x.adapters))
+        names = ", ".join(f"`{n}`" for x in st.models.values() for n in (x.name, *x.aliases, *x.adapters))
         raise APIError(404, f"The model `{model}` does not exist; this server serves {names}.",
                        param="model", code="model_not_found")
     if not m.engine.healthy:
         raise APIError(503, "the engine is not running; the server cannot generate", type="server_error",
                        code="engine_unavailable")
     return m, lora
+
+
+def response_model(m: ServedModel, lora: str | None) -> str:
+    """The model a response names: the adapter asked for, else the model's first served name (as vLLM
+    answers a request naming any of them)."""
+    return lora or m.name
 
 
 def _no_constant(name: str):

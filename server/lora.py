@@ -62,8 +62,8 @@ def add_static(m: ServedModel, modules: list[tuple[str, str]]) -> None:
     first adapter that cannot be served."""
     lora = m.engine.engine.lora
     for name, path in modules:
-        if name == m.name:
-            raise ValueError(f"the LoRA adapter name {name!r} is the served model's own name")
+        if name in (m.name, *m.aliases):
+            raise ValueError(f"the LoRA adapter name {name!r} is a served model's name")
         request = LoRARequest(name, lora.free_id(), path)
         lora.register(request)
         m.adapters[name] = request
@@ -84,7 +84,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
     name, path = _name(body), _name(body, "lora_path")
     m = lora_model(st.models)
-    if name in st.models or any(name in x.adapters or name in x.loading for x in st.models.values()):
+    if any(name in (x.name, *x.aliases, *x.adapters) or name in x.loading for x in st.models.values()):
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     m.loading.add(name)  # taken before any await: a load of the same name meanwhile is refused
     engine = m.engine.engine

@@ -25,7 +25,8 @@ from aiohttp import web
 from infire_jax.engine.async_engine import RequestStream
 from infire_jax.errors import InvalidRequestError
 from server.auth import TENANT
-from server.endpoints import STATE, admitted, chat_prompt, image_tiles, read_json, sampling_defaults, served_model
+from server.endpoints import (STATE, admitted, chat_prompt, image_tiles, read_json, response_model, sampling_defaults,
+                              served_model)
 from server.errors import APIError, to_api_error
 from server.kv_handoff import RequestHandoff
 from server.protocol import Body, ChatRequest, bad, json_type, parse_chat
@@ -109,7 +110,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     out = ResponseOutput(ChoiceParser(m.tool_parser if tools else None, tools.tools if tools else None,
                                       m.reasoning_parser, r.chat.chat_template_kwargs))
     response = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": IN_PROGRESS,
-                "background": False, "error": None, "incomplete_details": None, "output": [], "usage": None} | r.echo
+                "background": False, "error": None, "incomplete_details": None, "output": [], "usage": None} | r.echo | {"model": response_model(m, lora)}
 
     def finished(status: str) -> dict[str, Any]:
         """The response once its output ended with `status` (its items closed), stored if asked."""

@@ -16,7 +16,7 @@ from infire_jax.errors import InvalidRequestError
 from infire_jax.pooling.config import PoolingParams
 from infire_jax.pooling.scoring import cosine_scores, pairs
 from server.embeddings import checked_priority, checked_prompts, embed
-from server.endpoints import STATE, read_json, served_model
+from server.endpoints import STATE, read_json, response_model, served_model
 from server.protocol import bad
 
 _COMMON = frozenset({"model", "user", "truncate_prompt_tokens", "priority", "use_activation", "add_special_tokens"})
@@ -51,12 +51,14 @@ def _common(body, allowed: frozenset[str]) -> dict:
                 special=body.get("add_special_tokens", True))
 
 
-async def _embed_texts(request: web.Request, c: dict, texts: list[str], param: str) -> tuple[list[np.ndarray], int]:
-    """Every text's embedding and the tokens they took."""
+async def _embed_texts(request: web.Request, c: dict, texts: list[str],
+                       param: str) -> tuple[list[np.ndarray], int, str]:
+    """Every text's embedding, the tokens they took, and the model the response names."""
     m, lora = served_model(request.app[STATE], c["model"])
     prompts = checked_prompts(m, [m.tokenizer.encode(t, add_special_tokens=c["special"]) for t in texts],
                               c["truncate"], param)
-    return await embed(request, m, lora, prompts, PoolingParams(), c["priority"], param), sum(map(len, prompts))
+    vectors = await embed(request, m, lora, prompts, PoolingParams(), c["priority"], param)
+    return vectors, sum(map(len, prompts)), response_model(m, lora)
 
 
 async def score(request: web.Request) -> web.Response:
@@ -71,10 +73,10 @@ async def score(request: web.Request) -> web.Response:
         pairs(len(first), len(second), (a, b))
     except InvalidRequestError as e:
         raise bad(str(e), e.param) from e
-    vectors, tokens = await _embed_texts(request, c, first + second, a)
+    vectors, tokens, model = await _embed_texts(request, c, first + second, a)
     scores = cosine_scores(vectors[:len(first)], vectors[len(first):])
     return web.json_response({
-        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": c["model"],
+        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
@@ -88,10 +90,10 @@ async def rerank(request: web.Request) -> web.Response:
     top_n = body.get("top_n", 0)
     if type(top_n) is not int or top_n < 0:
         raise bad(f"top_n must be a non-negative integer (0: every document), got {top_n!r}", "top_n")
-    vectors, tokens = await _embed_texts(request, c, [body["query"], *documents], "documents")
+    vectors, tokens, model = await _embed_texts(request, c, [body["query"], *documents], "documents")
     scores = cosine_scores(vectors[:1], vectors[1:])
     order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n or None]
     return web.json_response({
-        "id": f"rerank-{uuid.uuid4().hex}", "model": c["model"],
+        "id": f"rerank-{uuid.uuid4().hex}", "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "results": [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]} for i in order]})

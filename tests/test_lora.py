@@ -351,6 +351,67 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
     assert engine.compiles_since_warmup == compiles
 
 
+def test_served_model_aliases(smol):
+    """--served-model-name NAME ALIAS (vLLM's): /v1/models lists both, a request may name either and is
+    answered as NAME's, the same text; an adapter may not take an alias; /tokenize takes it; /metrics
+    labels the model once, by NAME. Nothing compiles."""
+    from server.app import build_app
+    from server.listen import make_runner
+
+    llm, _, requests = smol
+    engine = llm.engine
+    prompt = _prompts(llm)[0]
+    compiles = engine.compiles_since_warmup
+
+    async def scenario():
+        app = build_app(engine, model_names=["smol"], aliases={"smol": ["smol-alias"]},
+                        lora_modules=[("r8", requests["r8"].lora_path)])
+        runner = make_runner(app)
+        await runner.setup()
+        sock = socket.create_server(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        got = {}
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def post(path, body):
+                    async with s.post(url + path, json=body) as r:
+                        return r.status, await r.json()
+
+                async with s.get(url + "/v1/models") as r:
+                    got["models"] = (await r.json())["data"]
+                for model in ("smol", "smol-alias", "r8"):
+                    got[model] = await post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 6,
+                                                                "temperature": 0})
+                got["chat"] = await post("/v1/chat/completions", {"model": "smol-alias", "max_tokens": 2,
+                                                                  "messages": [{"role": "user", "content": "Hi"}]})
+                got["embed"] = await post("/v1/embeddings", {"model": "smol-alias", "input": "Hi"})
+                got["tokenize"] = await post("/tokenize", {"model": "smol-alias", "prompt": "hi"})
+                got["load alias"] = await post("/v1/load_lora_adapter", {"lora_name": "smol-alias",
+                                                                         "lora_path": requests["r64"].lora_path})
+                got["unknown"] = await post("/v1/completions", {"model": "other", "prompt": "Hi"})
+                async with s.get(url + "/metrics") as r:
+                    got["metrics"] = await r.text()
+        finally:
+            await runner.cleanup()
+        return got
+
+    got = asyncio.run(scenario())
+    assert [(m["id"], m["root"], m["parent"]) for m in got["models"]] == [
+        ("smol", "smol", None), ("smol-alias", "smol", None), ("r8", requests["r8"].lora_path, "smol")]
+    for name, answered in (("smol", "smol"), ("smol-alias", "smol"), ("r8", "r8"), ("chat", "smol"),
+                           ("embed", "smol")):
+        assert got[name][0] == 200 and got[name][1]["model"] == answered, (name, got[name])
+    assert got["smol-alias"][1]["choices"][0]["text"] == got["smol"][1]["choices"][0]["text"]
+    assert got["r8"][1]["choices"][0]["text"] != got["smol"][1]["choices"][0]["text"]
+    assert got["tokenize"] == (200, {"count": len(llm.tokenizer.encode("hi")), "max_model_len": engine.max_model_len,
+                                     "tokens": llm.tokenizer.encode("hi"), "token_strs": None})
+    assert got["load alias"][0] == 400 and "already been loaded" in got["load alias"][1]["error"]["message"]
+    assert got["unknown"][0] == 404 and "`smol`, `smol-alias`, `r8`" in got["unknown"][1]["error"]["message"]
+    assert 'model_name="smol"' in got["metrics"] and "smol-alias" not in got["metrics"]
+    assert engine.compiles_since_warmup == compiles
+
+
 # ---- tiny models: int8 / int4 base weights with n-gram / draft-model speculation, a mixture of experts
 
 def _int8_round_trip(model) -> None:

@@ -133,7 +133,8 @@ def test_a_model_that_cannot_start_is_named():
 
 @pytest.mark.parametrize("flags, message", [
     (["--model", DUMMY, "--model", DUMMY], "same name"),
-    (["--model", DUMMY, "--served-model-name", "x", "--served-model-name", "y"], "one --served-model-name per"),
+    (["--model", DUMMY, "--model", "dummy:llama-3.2-1b", "--served-model-name", "x"], "one --served-model-name per"),
+    (["--model", DUMMY, "--served-model-name", "x", "y", "x"], "given twice"),
     (["--max-resident", "0"], "--max-resident must be >= 1"),
     (["--model", DUMMY, "--model", DUMMY, "--role", "prefill"], "--role both"),
 ])

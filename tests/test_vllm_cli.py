@@ -119,7 +119,7 @@ def test_a_vllm_command_line_becomes_our_config(tmp_path):
             ec.kv_cache_dtype, ec.page_size, ec.seed) == (model, 8192, 0.95, 128, 4096, "fp8", 32, 7)
     assert (ec.max_logprobs, ec.max_prompt_logprobs, ec.mesh.sizes["tp"]) == (5, 5, 2)
     assert (ec.num_kv_pages, ec.kv_cache_memory) == (300, 1 << 30)
-    assert (args.served_model_name, args.api_key, args.port, args.host) == (["llama"], ["sk-x"], 8001, "0.0.0.0")
+    assert (args.served_model_name, args.api_key, args.port, args.host) == ([["llama"]], ["sk-x"], 8001, "0.0.0.0")
 
 
 @pytest.mark.parametrize("text, tokens", [("4096", 4096), ("1k", 1000), ("1K", 1024), ("25.6k", 25600),
@@ -157,6 +157,32 @@ def test_max_model_len_auto_is_the_models_context_as_much_as_the_pool_holds():
                            (f"{model} --max-num-seqs 4", min(context, 8192))):
         args = _serve_args(line)
         assert resolve_settings(engine_config(args, args.model[0]), None).max_model_len == expected, line
+
+
+@pytest.mark.parametrize("line, served", [
+    ("m", [((), "m")]),
+    ("m --served-model-name a b c", [(("a", "b", "c"), "m")]),  # vLLM's: a, and b and c as its aliases
+    ("m --served-model-name a --served-model-name b", [(("a", "b"), "m")]),  # one model: every name its own
+    ("--model m --model n --served-model-name a --served-model-name b c", [(("a",), "m"), (("b", "c"), "n")]),
+    ("--model m --model n", [((), "m"), ((), "n")]),
+])
+def test_served_model_names_one_models_aliases_or_one_flag_per_model(line, served):
+    from server.app import _served_models
+
+    assert _served_models(_serve_args(line)) == served
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--model m --model n --served-model-name a b", "one --served-model-name per --model"),
+    ("--model m --model n --served-model-name a --served-model-name a", "given twice"),
+    ("--model m --model n --served-model-name a --served-model-name b a", "given twice"),
+    ("--model m --model m", "given twice"),
+])
+def test_served_model_names_refused_when_ambiguous(line, message):
+    from server.app import _served_models
+
+    with pytest.raises(ValueError, match=message):
+        _served_models(_serve_args(line))
 
 
 def test_max_logprobs_caps_what_the_sampler_has():
