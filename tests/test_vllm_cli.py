@@ -145,7 +145,7 @@ def test_bad_sizes_are_argparse_errors(flag, text, capsys):
 def test_max_model_len_auto_is_the_models_context_as_much_as_the_pool_holds():
     """auto and -1 (vLLM's): the model's whole context (past the default's 8192 cap), cut to what one
     sequence has of a pool sized in advance (8 usable pages of 16: 128 tokens)."""
-    from infire_jax.engine.setup import resolve_settings
+    from infire_jax.engine.setup import EngineConfig, resolve_settings
     from infire_jax.loaders.load import load_config
 
     model = "dummy:llama-3.2-1b,layers=2"
@@ -157,6 +157,8 @@ def test_max_model_len_auto_is_the_models_context_as_much_as_the_pool_holds():
                            (f"{model} --max-num-seqs 4", min(context, 8192))):
         args = _serve_args(line)
         assert resolve_settings(engine_config(args, args.model[0]), None).max_model_len == expected, line
+    offline = EngineConfig(model=model, max_model_len="auto", max_num_seqs=4, num_kv_pages=9)  # LLM(max_model_len=...)
+    assert resolve_settings(offline, None).max_model_len == 128
 
 
 @pytest.mark.parametrize("line, served", [
