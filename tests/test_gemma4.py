@@ -211,6 +211,40 @@ def test_published_configs_build_transformers_model(name):
     assert cfg.num_kv_heads == cfg.gemma4.sliding_kv_heads
 
 
+# Each shipped mesh's fit for the published models: None where it fits (the full layers' kv heads repeated
+# to tp where fewer), else the refusal's words.
+PUBLISHED_MESHES = {
+    "gemma-4-31b": {"2": None, "2-pp2": None, "4": None, "8": None, "8-tp4-pp2": None,
+                    "8-pp8": "10 blocks of 6 layers .* cannot be split evenly over 8", "8-ep8": "mixture-of-experts"},
+    "gemma-4-26b-a4b": {"2": None, "4": None, "8-ep8": None, "8-tp2-ep4": None,
+                        "8-tp4-pp2": "5 blocks of 6 layers .* cannot be split evenly over 2",
+                        "8": "tp=8 must divide the KV slot of a token, 8 heads of 256 .* 4 of 512"}}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_MESHES))
+def test_published_models_on_shipped_meshes(name):
+    """Shapes only (the plan's checks, no device): which meshes take `dummy:gemma-4-*`, the kv heads as placed
+    (the engine's plan and the memory plan's alike), and the refusals by name."""
+    import jax
+
+    from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.memplan.model import placed_config
+    from sharding.mesh import CONFIG_DIR, MeshConfig, MeshConfigError
+    from sharding.plan import ShardPlan
+
+    cfg = config_from_hf(CONFIGS[name])
+    for mesh, refusal in PUBLISHED_MESHES[name].items():
+        mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, f"{mesh}.yaml"))
+        if refusal:
+            with pytest.raises(MeshConfigError, match=f"does not fit the model: .*{refusal}"):
+                ShardPlan.create(cfg, mc, [jax.devices()[0]] * 8)
+            continue
+        placed = ShardPlan.create(cfg, mc, [jax.devices()[0]] * 8).effective_config(cfg)
+        assert placed == placed_config(cfg, mc) and placed.num_kv_heads == cfg.num_kv_heads, mesh
+        tp = mc.sizes["tp"]
+        assert placed.gemma4.global_kv_heads == max(cfg.gemma4.global_kv_heads, tp), mesh
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("hidden_size_per_layer_input", 256, "per-layer embeddings"), ("num_kv_shared_layers", 2, "num_kv_shared_layers"),
     ("use_double_wide_mlp", True, "use_double_wide_mlp"), ("use_bidirectional_attention", "all", "causally"),
