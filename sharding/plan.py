@@ -64,6 +64,9 @@ def stage_split(cfg, num_stages: int) -> tuple[int, ...]:
     """Real layers per pipeline stage (`plan_stages`). The Llama 4 family's stages hold whole super-layers
     (models/llama4.py scans P - 1 dense layers and a MoE layer as one), so its split is of super-layers;
     dense layers after its last MoE layer (L % P) cannot be placed on a pipeline."""
+    g4 = getattr(cfg, "gemma4", None)
+    if g4 is not None and num_stages > 1:
+        return gemma4_stages(cfg.num_layers, g4.period, num_stages)
     l4 = getattr(cfg, "llama4", None)
     if l4 is None or num_stages == 1:
         return plan_stages(cfg.num_layers, num_stages)  # MeshConfigError for fewer layers than stages
@@ -79,9 +82,25 @@ def stage_split(cfg, num_stages: int) -> tuple[int, ...]:
     return tuple(n * p for n in plan_stages(supers, num_stages))
 
 
+def gemma4_stages(num_layers: int, period: int, num_stages: int) -> tuple[int, ...]:
+    """Gemma 4's stages: the same number of whole blocks (`period` - 1 windowed layers and a full one,
+    models/gemma4.py) each, as its layers are no identities with zero weights (a zero layer scalar
+    zeroes the residual), so no stage can be padded."""
+    blocks = num_layers // period
+    if blocks % num_stages:
+        raise MeshConfigError(f"Gemma 4's {blocks} blocks of {period} layers (windowed, then full) cannot be split "
+                              f"evenly over {num_stages} pipeline stages")
+    return (num_layers // num_stages,) * num_stages
+
+
 def stage_stacks(cfg, stage_layers: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Each stack of layer weights (their names' prefix) with its entries in each stage: the one
-    `layers` stack, or Llama 4's `dense_layers` and `moe_layers` (a stage of n layers holds n / P MoE ones)."""
+    `layers` stack, Llama 4's `dense_layers` and `moe_layers` (a stage of n layers holds n / P MoE ones),
+    or Gemma 4's `sliding_layers` and `full_layers` (n / P full ones)."""
+    g4 = getattr(cfg, "gemma4", None)
+    if g4 is not None:
+        full = tuple(n // g4.period for n in stage_layers)
+        return (("sliding_layers", tuple(n - f for n, f in zip(stage_layers, full))), ("full_layers", full))
     l4 = getattr(cfg, "llama4", None)
     if l4 is None:
         return (("layers", tuple(stage_layers)),)
@@ -102,17 +121,62 @@ def spread_config(cfg, stage_layers: Sequence[int]):
                                llama4=l4, nope_layers=nope)
 
 
-def repeat_kv_heads(w: np.ndarray, r: int) -> np.ndarray:
-    """A fused q/k/v weight [..., Hkv, G + 2, D] as [..., Hkv * r, G / r + 2, D].
+def repeat_kv_heads(w: np.ndarray, r: int, kv_parts: int = 2) -> np.ndarray:
+    """A fused q/k/v weight [..., Hkv, G + 2, D] as [..., Hkv * r, G / r + 2, D] (`kv_parts` 1: q and k
+    only, [..., G + 1, D], as Gemma 4's full layers with k_eq_v).
 
     Copy i of kv head j keeps j's k and v and the i-th r-th of its G query heads, so query head
     order (j * G + i) is unchanged and each of the tp devices gets one kv head and its queries.
     """
     *lead, hkv, g2, d = w.shape
-    g = g2 - 2
+    g = g2 - kv_parts
     q = w[..., :g, :].reshape(*lead, hkv, r, g // r, d)
-    kv = np.broadcast_to(w[..., None, g:, :], (*lead, hkv, r, 2, d))
-    return np.concatenate([q, kv], axis=-2).reshape(*lead, hkv * r, g // r + 2, d)
+    kv = np.broadcast_to(w[..., None, g:, :], (*lead, hkv, r, kv_parts, d))
+    return np.concatenate([q, kv], axis=-2).reshape(*lead, hkv * r, g // r + kv_parts, d)
+
+
+def gemma4_problem(cfg, mc: MeshConfig) -> str | None:
+    """Why mesh `mc` cannot split Gemma 4's layers, or None. Its pool holds a token's KV as
+    cfg.num_kv_heads heads of head_dim, which the full layers view as fewer heads of their own head_dim
+    (models/gemma4.py): tp must split both views into whole heads, so each device's share of the pool is
+    a valid view for either kind. A kind with fewer kv heads than tp has them repeated (`gemma4_kv_repeats`)."""
+    g4 = getattr(cfg, "gemma4", None)
+    if g4 is None:
+        return None
+    tp = mc.sizes["tp"] if mc.rule("q_heads") else 1
+    full_view = cfg.num_kv_heads * cfg.head_dim // g4.global_head_dim
+    if cfg.num_kv_heads % tp or full_view % tp:
+        return (f"tp={tp} must divide the KV slot of a token, {cfg.num_kv_heads} heads of {cfg.head_dim} for the "
+                f"windowed layers and {full_view} of {g4.global_head_dim} for the full layers")
+    for kind, heads in (("windowed", g4.sliding_kv_heads), ("full", g4.global_kv_heads)):
+        if heads % tp and tp % heads:
+            return f"the {kind} layers' {heads} kv heads neither divide nor are divisible by tp={tp}"
+    if mc.rule("mlp") and cfg.intermediate_size % mc.sizes["tp"]:
+        return f"dense MLP width {cfg.intermediate_size} is not divisible by tp={mc.sizes['tp']}"
+    return None
+
+
+def gemma4_kv_repeats(cfg, tp: int) -> tuple[tuple[str, int, int], ...]:
+    """Gemma 4's stacks whose kv heads are fewer than tp, each as (stack, copies of a kv head, kv parts of
+    its fused q/k/v: 1 for full layers with k_eq_v), for `repeat_kv_heads`; () for other models."""
+    g4 = getattr(cfg, "gemma4", None)
+    if g4 is None:
+        return ()
+    kinds = (("sliding_layers", g4.sliding_kv_heads, 2), ("full_layers", g4.global_kv_heads, 1 if g4.k_eq_v else 2))
+    return tuple((stack, tp // heads, parts) for stack, heads, parts in kinds if heads < tp)
+
+
+def repeated_config(cfg, kv_repeat: int, stack_repeats: tuple[tuple[str, int, int], ...]):
+    """`cfg` with its kv heads as placed: the pool's repeated `kv_repeat` times, Gemma 4's layer kinds' by
+    `stack_repeats` (`gemma4_kv_repeats`)."""
+    cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv_repeat)
+    if not stack_repeats:
+        return cfg
+    r = {stack: copies for stack, copies, _ in stack_repeats}
+    g4 = cfg.gemma4
+    return dataclasses.replace(cfg, gemma4=dataclasses.replace(
+        g4, sliding_kv_heads=g4.sliding_kv_heads * r.get("sliding_layers", 1),
+        global_kv_heads=g4.global_kv_heads * r.get("full_layers", 1)))
 
 
 def linear_layers_problem(cfg, mc: MeshConfig) -> str | None:
@@ -144,6 +208,7 @@ class ShardPlan:
     stage_layers: tuple[int, ...]  # real layers per pipeline stage
     padded_layers: int  # layers per stage slot (the stacked axis holds pp * padded_layers)
     stacks: tuple[tuple[str, tuple[int, ...]], ...]  # each layer stack's entries per stage (`stage_stacks`)
+    stack_kv_repeats: tuple[tuple[str, int, int], ...] = ()  # Gemma 4's kinds' kv heads (`gemma4_kv_repeats`)
 
     # ---- construction and validation ----------------------------------------------------------
     @classmethod
@@ -187,7 +252,7 @@ class ShardPlan:
                     "kv head (a repeated head would count twice); use tp up to the kv heads, with ep for the experts")
             if mc.rule("mlp") and cfg.intermediate_size % tp:
                 bad(f"dense MLP width {cfg.intermediate_size} is not divisible by tp={tp}")
-        problem = linear_layers_problem(cfg, mc)
+        problem = linear_layers_problem(cfg, mc) or gemma4_problem(cfg, mc)
         if problem:
             bad(problem)
         try:
@@ -195,7 +260,8 @@ class ShardPlan:
         except MeshConfigError as e:
             bad(str(e))
         mesh = Mesh(np.asarray(devices[:mc.num_devices]).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
-        return cls(mc, mesh, kv_repeat, stages, max(stages), stage_stacks(cfg, stages))
+        tp = sizes["tp"] if mc.rule("q_heads") else 1
+        return cls(mc, mesh, kv_repeat, stages, max(stages), stage_stacks(cfg, stages), gemma4_kv_repeats(cfg, tp))
 
     @classmethod
     def single_device(cls, cfg, device: jax.Device | None = None) -> "ShardPlan":
@@ -218,7 +284,7 @@ class ShardPlan:
         """The config the placed model has: kv heads repeated, layers padded to whole stages (and their
         per-layer kinds spread over the stage slots, `spread_config`)."""
         spread = spread_config(cfg, self.stage_layers)
-        return dataclasses.replace(spread, num_kv_heads=cfg.num_kv_heads * self.kv_repeat)
+        return repeated_config(spread, self.kv_repeat, self.stack_kv_repeats)
 
     def spec(self, logical_axes: Sequence[str | None]) -> P:
         """A mesh axis splits the first dimension that asks for it; later ones stay whole (experts split
@@ -278,6 +344,8 @@ class ShardPlan:
             for name in SEPARATE_KV:  # copy i of kv head j beside j's others, as the fused weight's
                 if name in out:
                     out[name] = np.repeat(out[name], self.kv_repeat, axis=2)
+        for stack, copies, parts in self.stack_kv_repeats:
+            out[f"{stack}.wqkv"] = repeat_kv_heads(out[f"{stack}.wqkv"], copies, parts)
         if self.num_stages > 1:
             for stack, counts in self.stacks:
                 starts, slots = np.cumsum((0,) + counts[:-1]), max(counts)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -144,6 +145,43 @@ def test_multimodal_checkpoint_serves_its_language_model(checkpoints, tmp_path):
     assert [o.token_ids for o in outs] == [want for want, _ in hf_tokens]
 
 
+def test_meshes_match_hf(checkpoints, tmp_path):
+    """Both checkpoints on meshes, in one process with 8 virtual devices: "dense" on tp 2 (its full layers'
+    one kv head repeated to 2, each device's half of the pool's slot one 32-wide head), "moe" on tp 2 x pp 2
+    x ep 2 (2 experts a device, a block a stage with its window rows). Each run gives HF's greedy tokens and
+    logprobs, as one device does (test_generate_matches_hf). tp 4 on "dense" is refused by name: the slot's
+    2 full-layer heads of 32 cannot be split over 4."""
+    from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
+
+    every = tmp_path / "tp2-pp2-ep2.yaml"
+    every.write_text("mesh: {dp: 1, pp: 2, tp: 2, ep: 2}\n"
+                     "rules: {vocab: tp, q_heads: tp, kv_heads: tp, mlp: tp, experts: ep, layers: pp}\n")
+    configs = os.path.join(ROOT, "sharding", "configs")
+    runs = [{"model": checkpoints(kind)[1], "mesh": mesh, "tag": f"{kind} {os.path.basename(mesh)[:-5]}"}
+            for kind, mesh in (("dense", f"{configs}/4.yaml"), ("dense", f"{configs}/2.yaml"), ("moe", str(every)))]
+    engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32], "num_decode_steps": 1}
+    job = {"runs": runs, "prompts": PROMPTS, "max_tokens": NUM_TOKENS, "engine": engine}
+    results = {r["tag"]: r for r in _results(_run_worker(job, 8, tmp_path, "gemma4"))}
+    refused = results.pop("dense 4")
+    assert not refused["fits"] and "does not fit the model" in refused["error"] and "tp=4" in refused["error"]
+    for tag, r in results.items():
+        kind, mesh = tag.split()
+        assert r["fits"], (tag, r.get("error"))
+        for (want, want_lp), got, got_lp in zip(checkpoints(kind)[2], r["tokens"], r["logprobs"]):
+            assert got == want, tag
+            np.testing.assert_allclose(got_lp, want_lp, atol=1e-3, rtol=0)
+        _assert_each_device_holds_its_shard(r)
+        specs, sizes = {k: v["spec"] for k, v in r["params"].items()}, r["mesh_sizes"]
+        for stack in ("sliding_layers", "full_layers"):
+            assert specs[f"{stack}.wqkv"][2] == specs[f"{stack}.wo"][1] == "tp"
+            assert specs[f"{stack}.layer_scalar"][0] == ("pp" if sizes["pp"] > 1 else None)
+        if sizes["ep"] > 1:
+            assert specs["sliding_layers.w_experts_down"][1] == "ep"
+    # "dense"'s full layers hold their one kv head twice on tp 2: [layers, E, 2, G / 2 + 1 (q and k), D] float32
+    assert results["dense 2"]["params"]["full_layers.wqkv"]["global"] == (
+        2 * TINY["hidden_size"] * 2 * (TINY["num_attention_heads"] // 2 + 1) * TINY["global_head_dim"] * 4)
+
+
 @pytest.mark.parametrize("name", ["gemma-4-31b", "gemma-4-26b-a4b"])
 def test_published_configs_build_transformers_model(name):
     """`dummy:gemma-4-*` parse as transformers' Gemma4TextConfig reads them (layer kinds, per-layer shapes),
@@ -171,6 +209,40 @@ def test_published_configs_build_transformers_model(name):
     assert sum(math.prod(t.shape) for t in from_model_config(cfg, "bfloat16").tensors) == built
     # The pool's slot is the windowed layers' (16 x 256 or 8 x 256): the full layers' 4 x 512 / 2 x 512 fill half.
     assert cfg.num_kv_heads == cfg.gemma4.sliding_kv_heads
+
+
+# Each shipped mesh's fit for the published models: None where it fits (the full layers' kv heads repeated
+# to tp where fewer), else the refusal's words.
+PUBLISHED_MESHES = {
+    "gemma-4-31b": {"2": None, "2-pp2": None, "4": None, "8": None, "8-tp4-pp2": None,
+                    "8-pp8": "10 blocks of 6 layers .* cannot be split evenly over 8", "8-ep8": "mixture-of-experts"},
+    "gemma-4-26b-a4b": {"2": None, "4": None, "8-ep8": None, "8-tp2-ep4": None,
+                        "8-tp4-pp2": "5 blocks of 6 layers .* cannot be split evenly over 2",
+                        "8": "tp=8 must divide the KV slot of a token, 8 heads of 256 .* 4 of 512"}}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_MESHES))
+def test_published_models_on_shipped_meshes(name):
+    """Shapes only (the plan's checks, no device): which meshes take `dummy:gemma-4-*`, the kv heads as placed
+    (the engine's plan and the memory plan's alike), and the refusals by name."""
+    import jax
+
+    from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.memplan.model import placed_config
+    from sharding.mesh import CONFIG_DIR, MeshConfig, MeshConfigError
+    from sharding.plan import ShardPlan
+
+    cfg = config_from_hf(CONFIGS[name])
+    for mesh, refusal in PUBLISHED_MESHES[name].items():
+        mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, f"{mesh}.yaml"))
+        if refusal:
+            with pytest.raises(MeshConfigError, match=f"does not fit the model: .*{refusal}"):
+                ShardPlan.create(cfg, mc, [jax.devices()[0]] * 8)
+            continue
+        placed = ShardPlan.create(cfg, mc, [jax.devices()[0]] * 8).effective_config(cfg)
+        assert placed == placed_config(cfg, mc) and placed.num_kv_heads == cfg.num_kv_heads, mesh
+        tp = mc.sizes["tp"]
+        assert placed.gemma4.global_kv_heads == max(cfg.gemma4.global_kv_heads, tp), mesh
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -260,10 +260,9 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     kv_dtype = resolve_kv_cache_dtype(ec.kv_cache_dtype, dtype)
     cfg = loaded.config if loaded else load_config(ec.model)
     plan = _check_settings(ec, cfg)
-    if cfg.gemma4 is not None and (plan is not None or is_fp8(kv_dtype)):  # its layers view the pool two ways
-        raise ConfigError("Gemma 4 runs on one device with a bfloat16 or float32 KV cache; "
-                          f"{'a mesh' if plan is not None else 'kv_cache_dtype ' + ec.kv_cache_dtype} is not "
-                          "supported for it yet")
+    if cfg.gemma4 is not None and is_fp8(kv_dtype):  # its layers view the pool two ways
+        raise ConfigError(f"Gemma 4 runs with a bfloat16 or float32 KV cache; kv_cache_dtype {ec.kv_cache_dtype} "
+                          "is not supported for it yet")
     # Read before the weights, so that malformed scales fail fast (loaders/kv_scales_hf.py).
     checkpoint_kv_scales = (read_kv_scales(ec.model, cfg) if is_fp8(kv_dtype) and not ec.calibrate_kv_scales
                             else None)

@@ -457,7 +457,8 @@ def from_hf_config(hf: Mapping[str, Any], dtype: str = "bfloat16", name: str = "
 def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
     """The config the engine places on mesh `mc` (ShardPlan.effective_config without devices): kv heads
     repeated up to tp, layers padded to whole pipeline stages; ValueError if the mesh cannot split it."""
-    from sharding.plan import linear_layers_problem, spread_config, stage_split
+    from sharding.plan import (gemma4_kv_repeats, gemma4_problem, linear_layers_problem, repeated_config,
+                               spread_config, stage_split)
 
     sizes, repeat = mc.sizes, 1
     tp = sizes["tp"] if mc.rule("q_heads") else 1
@@ -473,13 +474,12 @@ def placed_config(cfg: ModelConfig, mc) -> ModelConfig:
                          "every kv head")
     if cfg.glm4 is not None and sizes["pp"] > 1:
         raise ValueError(f"pipeline parallelism is not supported for {cfg.architecture} (the DeepSeek-V3 family's MoE)")
-    problem = linear_layers_problem(cfg, mc)
+    problem = linear_layers_problem(cfg, mc) or gemma4_problem(cfg, mc)
     if problem:
         raise ValueError(problem)
     for width in sorted(widths):
         if mc.rule("mlp") and width % sizes["tp"]:
             raise ValueError(f"MLP width {width} is not divisible by tp={sizes['tp']}")
-    if sizes["pp"] == 1:
-        return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeat)
-    stages = stage_split(cfg, sizes["pp"])  # a Llama 4 stage: whole super-layers
-    return dataclasses.replace(spread_config(cfg, stages), num_kv_heads=cfg.num_kv_heads * repeat)
+    if sizes["pp"] > 1:
+        cfg = spread_config(cfg, stage_split(cfg, sizes["pp"]))  # a Llama 4 stage: whole super-layers
+    return repeated_config(cfg, repeat, gemma4_kv_repeats(cfg, tp))
