@@ -108,12 +108,13 @@ def release_memory_after_each_module(request):
         _memory.update(peak_gib=peak, peak_module=request.module.__name__)
 
 
-# The slowest files of a full run (junit, two workers, 2026-12-01), slowest first. They are collected
-# first, so that xdist's `--dist loadfile` (a file to whichever worker is free, in collection order) ends
-# the run with short files on both workers; in alphabetical order test_speculative (300 s) came near the
-# end, and one worker sat idle while the other ran it.
-SLOWEST_FILES = ("test_speculative.py", "test_gpu_compile.py", "test_quant.py", "test_bench_boot.py", "test_bench.py",
-                 "test_server.py", "test_executable_cache.py", "test_llama4.py", "test_sharding.py", "test_qwen3_5.py")
+# The slowest files of a full run (junit, two workers, 2026-12-01, with test_gemma4's meshes), slowest first.
+# They are collected first, so that xdist's `--dist loadfile` (a file to whichever worker is free, in
+# collection order) ends the run with short files on both workers; in alphabetical order test_speculative
+# (300 s) came near the end, and one worker sat idle while the other ran it.
+SLOWEST_FILES = ("test_gpu_compile.py", "test_speculative.py", "test_quant.py", "test_server.py", "test_sharding.py",
+                 "test_llama4.py", "test_gemma4.py", "test_bench.py", "test_bench_boot.py", "test_responses_api.py",
+                 "test_qwen3_5.py")
 
 
 def pytest_collection_modifyitems(config, items):
