@@ -52,7 +52,8 @@ def _default_reasoning(chat_template: str | None) -> str | None:
 
 
 def build_app(engines: Engine | Sequence[Engine], *, model_names: Sequence[str] | None = None,
-              aliases: Mapping[str, Sequence[str]] | None = None, api_keys: dict[str, str] | None = None, max_queue: int = 1024, role: str = "both",
+              aliases: Mapping[str, Sequence[str]] | None = None, api_keys: dict[str, str] | None = None,
+              max_queue: int = 1024, role: str = "both",
               kv_buffer_bytes: int = 512 << 20, kv_host: str = "127.0.0.1", kv_hold_seconds: float = 30.0,
               residency: Residency | None = None, host_to_device_bytes_per_second: float = 0.0,
               lora_modules: Sequence[tuple[str, str]] = (), tool_call_parser: str | None = None,
@@ -331,8 +332,8 @@ def serve(args: argparse.Namespace) -> int:
                   f"host-to-device copies at {bandwidth / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
         app = build_app(list(engines.values()), model_names=list(engines),
                         aliases={names[0]: names[1:] for names, _ in models if names}, api_keys=keys,
-                        max_queue=args.max_queue,
-                        role=args.role, kv_buffer_bytes=args.kv_buffer_mb << 20, kv_host=args.kv_host,
+                        max_queue=args.max_queue, role=args.role, kv_buffer_bytes=args.kv_buffer_mb << 20,
+                        kv_host=args.kv_host,
                         kv_hold_seconds=args.kv_hold_seconds, residency=residency if len(engines) > 1 else None,
                         host_to_device_bytes_per_second=bandwidth,
                         lora_modules=parse_lora_modules(args.lora_modules or []),

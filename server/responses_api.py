@@ -110,7 +110,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     out = ResponseOutput(ChoiceParser(m.tool_parser if tools else None, tools.tools if tools else None,
                                       m.reasoning_parser, r.chat.chat_template_kwargs))
     response = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": IN_PROGRESS,
-                "background": False, "error": None, "incomplete_details": None, "output": [], "usage": None} | r.echo | {"model": response_model(m, lora)}
+                "background": False, "error": None, "incomplete_details": None, "output": [], "usage": None,
+                **r.echo, "model": response_model(m, lora)}
 
     def finished(status: str) -> dict[str, Any]:
         """The response once its output ended with `status` (its items closed), stored if asked."""

@@ -47,7 +47,7 @@ def test_checkpoint_kv_scales_take_the_pools_layout():
 
     layers, hkv, g, d = 5, 2, 4, 3
     plan = types.SimpleNamespace(kv_repeat=2, num_stages=2, padded_layers=3, stage_layers=(3, 2),
-                                 stacks=(("layers", (3, 2)),))
+                                 stacks=(("layers", (3, 2)),), stack_kv_repeats=())
     wqkv = np.zeros((layers, 1, hkv, g + 2, d), np.float32)
     wqkv[..., g, :] = (np.arange(layers)[:, None, None] * 10 + np.arange(hkv)[None, :, None] + 1)[:, None]
     placed = ShardPlan.prepare_weights(plan, {"layers.wqkv": wqkv})["layers.wqkv"][:, 0, :, -2, 0]  # [slots, heads]
