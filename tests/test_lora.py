@@ -246,11 +246,21 @@ def _bad_adapters(base, requests) -> dict[str, str]:
     return out
 
 
+async def _listen(app: web.Application) -> tuple[web.AppRunner, str]:
+    """`app` listening on a free local port: its runner (to clean up) and its URL."""
+    from server.listen import make_runner
+
+    runner = make_runner(app)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    return runner, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
     """--lora-modules, /v1/models, `model` selecting an adapter, loading one while a request runs, unloading,
     and bad input (400 / 404) with the server still up. Nothing compiles."""
     from server.app import build_app
-    from server.listen import make_runner
 
     llm, _, requests = smol
     engine = llm.engine
@@ -263,12 +273,7 @@ def test_server_serves_loads_and_unloads_adapters(smol, tmp_path):
     compiles = engine.compiles_since_warmup
 
     async def scenario():
-        app = build_app(engine, lora_modules=[("r8", requests["r8"].lora_path)])
-        runner = make_runner(app)
-        await runner.setup()
-        sock = socket.create_server(("127.0.0.1", 0))
-        await web.SockSite(runner, sock).start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        runner, url = await _listen(build_app(engine, lora_modules=[("r8", requests["r8"].lora_path)]))
         got = {}
         try:
             async with aiohttp.ClientSession() as s:
@@ -356,7 +361,6 @@ def test_served_model_aliases(smol):
     answered as NAME's, the same text; an adapter may not take an alias; /tokenize takes it; /metrics
     labels the model once, by NAME. Nothing compiles."""
     from server.app import build_app
-    from server.listen import make_runner
 
     llm, _, requests = smol
     engine = llm.engine
@@ -364,13 +368,8 @@ def test_served_model_aliases(smol):
     compiles = engine.compiles_since_warmup
 
     async def scenario():
-        app = build_app(engine, model_names=["smol"], aliases={"smol": ["smol-alias"]},
-                        lora_modules=[("r8", requests["r8"].lora_path)])
-        runner = make_runner(app)
-        await runner.setup()
-        sock = socket.create_server(("127.0.0.1", 0))
-        await web.SockSite(runner, sock).start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        runner, url = await _listen(build_app(engine, model_names=["smol"], aliases={"smol": ["smol-alias"]},
+                                              lora_modules=[("r8", requests["r8"].lora_path)]))
         got = {}
         try:
             async with aiohttp.ClientSession() as s:
