@@ -2,14 +2,13 @@
 
 `cpu_matmul` (the layer weights' and LM head's matmuls, palette-compressed and GGUF Q4_1 ones included),
 `cpu_attention` (decode-step paged attention) and `cpu_lora` (LoRA adapters' deltas, a slot per token)
-are calls into one library. Its sources are
-compiled with the system's C++ compiler (`CXX`, else `c++`) and `-march=native` into the
-infire_jax cache, keyed by the sources, the jax version and the host CPU. Without a compiler, or
-with `INFIRE_JAX_NO_CPU_KERNELS=1`, `available()` is False and the models keep XLA's ops (the
-pure-`jnp` path). The decode-step layer matmul and the attention run on any CPU (`chosen()`); the
-kernels on 16-float register tiles (panels, the LM head) only where it was built for AVX-512
-(`wide_chosen()`). `cpu_onednn`'s call (`csrc/onednn/`) is built the same way (`build`) into a library
-of its own, linked to oneDNN.
+are calls into one library. Its sources are compiled with the system's C++ compiler (`CXX`, else
+`c++`) and `-march=native` into the infire_jax cache (or `INFIRE_JAX_KERNEL_CACHE`), keyed by the
+sources, the jax version and the host CPU. Without a compiler, or with `INFIRE_JAX_NO_CPU_KERNELS=1`,
+`available()` is False and the models keep XLA's ops (the pure-`jnp` path). The decode-step layer
+matmul and the attention run on any CPU (`chosen()`); the kernels on 16-float register tiles (panels,
+the LM head) only where it was built for AVX-512 (`wide_chosen()`). `cpu_onednn`'s call
+(`csrc/onednn/`) is built the same way (`build`) into a library of its own, linked to oneDNN.
 """
 
 from __future__ import annotations
@@ -42,6 +41,10 @@ TARGETS = {"infire_skinny_matmul": "InfireSkinnyMatmul", "infire_skinny_matmul_n
 
 
 def _cache_dir() -> str:
+    """`INFIRE_JAX_KERNEL_CACHE`, else the infire_jax cache's `cpu_kernels/`: a process given a fresh cache
+    of its own (a cold-boot measurement, the tests' subprocesses) may still share the built library."""
+    if os.environ.get("INFIRE_JAX_KERNEL_CACHE"):
+        return os.environ["INFIRE_JAX_KERNEL_CACHE"]
     base = os.environ.get("INFIRE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "infire_jax"))
     return os.path.join(base, "cpu_kernels")
 

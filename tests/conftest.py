@@ -43,6 +43,11 @@ if not shutil.which("nvidia-smi"):
 # in tests/test_cpu_onednn.py, which forces it on. Subprocesses inherit it.
 os.environ.setdefault("INFIRE_JAX_NO_ONEDNN", "1")
 
+# The C++ kernels' library is built once per run (26 s on 2 cores), in the cache this process uses, and
+# shared with every subprocess, also those given a fresh INFIRE_JAX_CACHE of their own (cold boots).
+os.environ.setdefault("INFIRE_JAX_KERNEL_CACHE", os.path.join(
+    os.environ.get("INFIRE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "infire_jax")), "cpu_kernels"))
+
 TEST_XLA_FLAGS = _test_xla_flags()
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once, though imported as `tests.conftest` too
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()

@@ -333,10 +333,12 @@ def test_throughput_dataset(tmp_path):
 
 def test_latency_llama_1b(tmp_path):
     """With a 32-token prefix every prompt shares: the first request computes it (its first chunk of 32
-    tokens, the step budget), every later one finds both of its pages cached."""
+    tokens, the step budget), every later one finds both of its pages cached. Sampled, as vLLM's
+    bench latency samples (its length does not depend on what is drawn: EOS is ignored)."""
     data = _run(tmp_path, "latency_1b", "latency", "--model", "dummy:llama-3.2-1b,layers=2", "--input-len", "40",
                 "--output-len", "8", "--batch-size", "2", "--num-iters", "2", "--num-iters-warmup", "0",
-                "--prefix-len", "32", *SMALL)
+                "--prefix-len", "32", "--temperature", "1.0", *SMALL)
+    assert data["settings"]["temperature"] == 1.0
     assert data["engine"]["model"] == "dummy:llama-3.2-1b,layers=2" and data["engine"]["max_num_seqs"] == 2
     _check_latency(data, [2], 40, 8, 2, cached=[0, 32, 32, 32])
     assert data["results"][0]["prefix_len"] == 32 and data["results"][0]["mean_cached_tokens"] == 24

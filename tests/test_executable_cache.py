@@ -191,22 +191,10 @@ def _boot(cache: str, **env: str) -> dict:
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
 
 
-def _with_cpu_kernels(cache: str) -> None:
-    """This process's build of the CPU kernels' library, copied into an empty cache dir: a process
-    started on it would otherwise build the same library again with g++ (~50 s of CPU)."""
-    from pallas_kernels import cpu_kernels
-
-    lib = cpu_kernels.library()
-    if lib is not None:
-        os.makedirs(os.path.join(cache, "cpu_kernels"))
-        shutil.copy2(lib._name, os.path.join(cache, "cpu_kernels"))
-
-
 @pytest.fixture(scope="module")
 def plain_boot(tmp_path_factory) -> tuple[str, dict]:
     """A start without the executable cache (XLA's persistent cache filled), and its cache dir."""
     cache = str(tmp_path_factory.mktemp("boots"))
-    _with_cpu_kernels(cache)
     plain = _boot(cache, INFIRE_JAX_NO_EXECUTABLE_CACHE="1")
     assert plain["executables_loaded"] == 0 and plain["compiled"] > 0
     return cache, plain
@@ -234,7 +222,6 @@ def test_a_precompiled_cache_is_what_the_next_start_loads(tmp_path, plain_boot):
     from tests.boot_worker import ENGINE
 
     cache = str(tmp_path)
-    _with_cpu_kernels(cache)
     flags = [f for name, value in ENGINE.items()
              for f in (f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, tuple) else (value,)))]
     proc = subprocess.run([sys.executable, "-m", "infire_jax", "precompile", *flags, "--mesh",

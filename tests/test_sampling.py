@@ -489,6 +489,31 @@ def test_argmax_is_jnp_argmax():
     assert got.dtype == np.int32 and list(got[1:]) == [7, 0, 40, 0, 49151]
 
 
+def test_draw_from_weights_is_the_float64_inverse_cdf():
+    """The two-level inverse-CDF draw: for each u, the drawn token's stretch of the running sum (in
+    float64) holds u times the total, at a vocabulary that fills its blocks and one that does not, and
+    a token of weight 0 is never drawn, not even at u = 0 or at the largest uniform below 1."""
+    rng = np.random.default_rng(3)
+    top = np.nextafter(np.float32(1), np.float32(0))
+    us = np.concatenate([[0.0, top, 0.5], rng.random(197)]).astype(np.float32)
+    for vocab in (49152, 32001):
+        w = (rng.exponential(1.0, (6, vocab)) ** 4).astype(np.float32)
+        w[1, :30000] = 0  # a masked run across blocks
+        w[2, 5:] = 0  # mass in the first block only
+        w[3, np.setdiff1d(np.arange(vocab), [17, 300, vocab - 1])] = 0  # three tokens, one the last
+        w[4, 100::2] = 0
+        w[5, -1] = 1e6  # one token holds nearly all
+        got = np.asarray(jax.jit(jax.vmap(sampler.draw_from_weights, in_axes=(None, 0)))(
+            jnp.asarray(w), jnp.asarray(np.repeat(us[:, None], 6, axis=1))))
+        cdf = np.cumsum(w.astype(np.float64), axis=-1)
+        for r in range(6):
+            t = us * cdf[r, -1]
+            lo = np.where(got[:, r] > 0, cdf[r, got[:, r] - 1], 0.0)
+            tol = 1e-5 * cdf[r, -1]
+            assert np.all(w[r, got[:, r]] > 0), f"vocab {vocab}, row {r}: a token of weight 0 was drawn"
+            assert np.all((lo - tol <= t) & (t <= cdf[r, got[:, r]] + tol)), f"vocab {vocab}, row {r}"
+
+
 def reference_kept(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     """The tokens a row's top-k then top-p keep, in float64 and by sorting (ties included): top-k
     the k-th largest logit and up; top-p, on the renormalised rest, the smallest top set whose mass

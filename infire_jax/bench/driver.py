@@ -76,10 +76,11 @@ class RunTrace:
 
 def run(engine: Engine, prompts: Sequence[list[int]], max_tokens: Sequence[int], *, concurrency: int,
         tenant: str, on_done: Callable[[], None] | None = None, loras: Sequence[str | None] | None = None,
-        images: Sequence[Sequence[Any]] | None = None) -> RunTrace:
-    """Runs every prompt to exactly its `max_tokens` (greedy, EOS ignored), `concurrency` at a time;
-    prompt i with the LoRA adapter named loras[i] and the images images[i] if given. A request's time
-    to its first token counts from before it is added: its images' encoding is in it.
+        images: Sequence[Sequence[Any]] | None = None, temperature: float = 0.0) -> RunTrace:
+    """Runs every prompt to exactly its `max_tokens` (EOS ignored; greedy unless `temperature`),
+    `concurrency` at a time; prompt i with the LoRA adapter named loras[i] and the images images[i] if
+    given. A request's time to its first token counts from before it is added: its images' encoding is
+    in it.
 
     `tenant` salts the prefix cache, so earlier runs over the same prompts cannot serve this one.
     """
@@ -93,7 +94,7 @@ def run(engine: Engine, prompts: Sequence[list[int]], max_tokens: Sequence[int],
     def admit() -> None:
         while waiting and len(active) < concurrency:
             i = waiting.popleft()
-            params = SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens[i], temperature=temperature, ignore_eos=True)
             sent = time.perf_counter()
             rid, ids = engine.add_request(prompts[i], params, tenant=tenant, lora_request=loras[i] if loras else None,
                                           images=images[i] if images else None)

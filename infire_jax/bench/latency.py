@@ -42,6 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters-warmup", type=int_at_least(0), default=1,
                    help="untimed iterations per batch size before the timed ones")
     p.add_argument("--num-iters", type=positive_int, default=3, help="timed iterations per batch size")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's sampling temperature (0: greedy; vLLM's bench latency samples at 1.0)")
     p.add_argument("--import-context", action="store_true",
                    help="import each prompt's KV but its last page (random values) instead of prefilling it: "
                         "decode at long contexts without the prefill's cost (TTFT then covers the last page)")
@@ -103,11 +105,12 @@ def import_contexts(engine, prompts: list[list[int]], tenant: str, seed, loras: 
 
 def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters: int, warmup: int,
             seed: int, bar=None, loras: list[str] | None = None, import_context: bool = False,
-            images_per_request: int = 0, image_size: int = 1024, prefix_len: int = 0) -> dict:
+            images_per_request: int = 0, image_size: int = 1024, prefix_len: int = 0,
+            temperature: float = 0.0) -> dict:
     """Times `warmup + iters` runs of one batch (row i on LoRA adapter loras[i % N] if given; with
     `import_context`, each prompt's KV but its last page imported, `import_contexts`; each prompt
     followed by `images_per_request` random images; every prompt starting with the same `prefix_len`
-    tokens); returns the figures of the timed runs."""
+    tokens; sampled at `temperature`); returns the figures of the timed runs."""
     import numpy as np
 
     from infire_jax.bench import driver, roofline
@@ -136,7 +139,7 @@ def measure(engine, peaks, *, batch: int, input_len: int, output_len: int, iters
         imported = import_contexts(engine, prompts, tenant, (seed, batch, it), rows or [None] * batch) \
             if import_context else None
         trace = driver.run(engine, prompts, [output_len] * batch, concurrency=batch, tenant=tenant, loras=rows,
-                           images=[images] * batch if images else None)
+                           images=[images] * batch if images else None, temperature=temperature)
         if imported is not None and [r.num_cached_tokens for r in trace.requests] != imported:
             raise BenchError(f"the imported contexts were not all found cached ({sum(imported)} tokens imported, "
                              f"{sum(r.num_cached_tokens for r in trace.requests)} hit): prefix caching is off, or the KV "
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace):
                 r = measure(engine, peaks, batch=batch, input_len=args.input_len, output_len=args.output_len,
                             iters=args.num_iters, warmup=args.num_iters_warmup, seed=args.seed, bar=bar, loras=loras,
                             import_context=args.import_context, images_per_request=args.images_per_request,
-                            image_size=args.image_size, prefix_len=args.prefix_len)
+                            image_size=args.image_size, prefix_len=args.prefix_len, temperature=args.temperature)
                 results.append({**r, "variant": variant})
             name = engine.model_name
     results = lora.with_ratios(results, ("decode_ms_per_token", "mean_ttft_ms"))

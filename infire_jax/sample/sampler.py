@@ -161,18 +161,48 @@ def truncate_from_candidates(logits, s: SamplingInputs):
     return jax.lax.cond(fits, lambda: jnp.where(kept < floor, -jnp.inf, kept), lambda: truncate(logits, s))
 
 
+_BLOCK = 256  # tokens per block of `draw_from_weights`
+
+
+def _first_past(cdf: Float[Array, "S N"], target: Float[Array, "S"]) -> Int[Array, "S"]:
+    """The first index whose running sum passes `target`; where rounding leaves none (target at the
+    total), the last index whose weight moved the sum, so that nothing of weight 0 is drawn."""
+    count = jnp.sum(cdf <= target[:, None], axis=-1).astype(jnp.int32)
+    return jnp.minimum(count, argmax(cdf))
+
+
+def draw_from_weights(weights: Float[Array, "S V"], u: Float[Array, "S"]) -> Int[Array, "S"]:
+    """Index i of each row, drawn with probability weights[i] / sum(weights) by the inverse CDF at
+    u in [0, 1). In two levels, the block of `_BLOCK` tokens and then the token in it, so that the
+    running sums cover V / _BLOCK block masses and one block. One random number a row, where a
+    Gumbel-max draw takes one a token: 8 rows of a 49k vocabulary took 0.37 ms against 6.4 ms on 2 CPU
+    cores (docs/PERFORMANCE.md). Each chance is exact to u's resolution, 2^-23."""
+    rows, v = weights.shape
+    nb = -(-v // _BLOCK)
+    blocks = jnp.pad(weights, ((0, 0), (0, nb * _BLOCK - v))).reshape(rows, nb, _BLOCK)
+    ends = jnp.cumsum(jnp.sum(blocks, axis=-1), axis=-1)  # [S, nb]
+    target = u * ends[:, -1]
+    block = _first_past(ends, target)
+    start = jnp.take_along_axis(ends, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0]
+    rest = target - jnp.where(block > 0, start, 0.0)
+    inside = jnp.cumsum(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0], axis=-1)
+    return block * _BLOCK + _first_past(inside, rest)
+
+
 def draw_key(seed: Int[Array, "2"], step: Int[Array, ""]) -> Array:
     """The key of one row's draw: from (seed, step) alone, so it is independent of batch composition."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
 
 
+def draw_uniforms(seed: Int[Array, "S 2"], step: Int[Array, "S"]) -> Float[Array, "S"]:
+    """Each row's uniform in [0, 1) for its draw at `step` (`draw_key`)."""
+    return jax.vmap(lambda a, b: jax.random.uniform(draw_key(a, b)))(seed.astype(jnp.uint32), step)
+
+
 def _draw(logits, s: SamplingInputs):
-    """Gumbel-max with a key per row from (seed, step)."""
-
-    def one(seed, step, row):
-        return jnp.argmax(row + jax.random.gumbel(draw_key(seed, step), row.shape, row.dtype)).astype(jnp.int32)
-
-    return jax.vmap(one)(s.seed.astype(jnp.uint32), s.step, logits)
+    """A token per row from softmax(logits), with the row's (seed, step) uniform."""
+    weights = jnp.exp((logits - jnp.max(logits, axis=-1, keepdims=True)).astype(jnp.float32))
+    return draw_from_weights(weights, draw_uniforms(s.seed, s.step))
 
 
 def sampling_logits(logits, s: SamplingInputs, truncation: bool | None):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from infire_jax.sample.sampler import draw_from_weights
 from pallas_kernels.attention import decode_only_steps
 from pallas_kernels.metadata import NULL_PAGE, AttentionMetadata
 
@@ -64,8 +65,9 @@ def draw_tokens(logits: Float[Array, "S V"], temperature: Float[Array, "S"] | No
         return greedy, q
     hot = (temperature > 0)[:, None]
     scaled = logits / jnp.where(hot, temperature[:, None], 1.0)
-    token = jnp.where(hot[:, 0], jax.random.categorical(key, scaled), greedy)
-    return token, jnp.where(hot, jax.nn.softmax(scaled, axis=-1), q)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    token = jnp.where(hot[:, 0], draw_from_weights(probs, jax.random.uniform(key, logits.shape[:1])), greedy)
+    return token, jnp.where(hot, probs, q)
 
 
 def chain_propose(layer: LayerFn, draw: DrawFn, kv: KVPages, tokens: Int[Array, "T"], hidden: Float[Array, "T E"],

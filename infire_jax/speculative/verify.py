@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.sample.sampler import (SamplingInputs, apply_penalties, argmax, draw_key, grammar_masked, logprobs_of,
-                                biased, no_logprobs, sampling_logits, suppress)
+from infire_jax.sample.sampler import (SamplingInputs, apply_penalties, argmax, biased, draw_from_weights, draw_key,
+                                       draw_uniforms, grammar_masked, logprobs_of, no_logprobs, sampling_logits,
+                                       suppress)
 
 
 class VerifyOutput(NamedTuple):
@@ -86,12 +87,7 @@ def _decide(x, ps: SamplingInputs, s: SamplingInputs, drafts, num_drafts, draft_
         q_a = jax.nn.one_hot(drafts[r, at], v, dtype=p_a.dtype) if draft_probs is None else draft_probs[r, at]
         residual = jnp.where((accepted < num_drafts)[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_a)
-
-        def draw(seed, step, row):
-            g = jax.random.gumbel(draw_key(seed, step), row.shape, row.dtype)
-            return jnp.argmax(jnp.log(row) + g).astype(jnp.int32)
-
-        drawn = jax.vmap(draw)(s.seed.astype(jnp.uint32), s.step + accepted, residual)
+        drawn = draw_from_weights(residual, draw_uniforms(s.seed, s.step + accepted))
         final = jnp.where(s.temperature > 0, drawn, final)
     return accepted, final
 
