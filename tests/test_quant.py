@@ -239,7 +239,7 @@ def test_dummy_models_draw_8_bit_parts_on_the_device(mode, top):
     from infire_jax import LLM, SamplingParams
     from infire_jax.quant.resident import CHANNEL_VALUES
 
-    llm = LLM(model="dummy:smollm2-135m", weights_quantization=mode, dtype="float32", max_num_seqs=2,
+    llm = LLM(model="dummy:smollm2-135m,layers=2", weights_quantization=mode, dtype="float32", max_num_seqs=2,
               max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=64, num_kv_pages=16)
     placed = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.state)}
     for short in ("wqkv", "wo", "w_gate_up", "w_down"):

@@ -335,10 +335,11 @@ def test_metrics_report_spec_decode_counters_under_vllm_names():
         assert line in text
 
 
-@pytest.mark.parametrize("draft", ["default", "dummy:smollm2-135m"])
+@pytest.mark.parametrize("draft", ["default", "dummy:smollm2-135m,layers=2"])
 def test_draft_model_output_is_token_identical_and_frees_everything(smol_llm, default_gguf, draft):
     """The default model drafting for itself (nearly every proposal accepted) and a random-weight
-    draft with its vocabulary (nearly none accepted): greedy output equals decoding without one."""
+    draft with its vocabulary and 2 of its 30 layers (nearly none accepted): greedy output equals
+    decoding without one."""
     llm = LLM(**SMALL_ENGINE, speculative_config={
         "method": "draft_model", "model": default_gguf if draft == "default" else draft,
         "num_speculative_tokens": 3, "disable_by_batch_size": 8})
