@@ -248,7 +248,8 @@ def test_micro_benchmark_runs(capsys):
     """`python -m infire_jax.bench.cpu_matmul` (the figures in docs/PERFORMANCE.md) end to end."""
     from infire_jax.bench import cpu_matmul as cpu_matmul_bench
 
-    assert cpu_matmul_bench.main(["--rows", "1", "64", "--dtype", "bfloat16", "float32", "--iters", "1"]) == 0
+    assert cpu_matmul_bench.main(["--rows", "1", "64", "--dtype", "bfloat16", "float32", "--iters", "1",
+                                  "--layers", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:2] == ["dtype", "T"] and [ln.split()[:2] for ln in lines[1:]] == [
         ["bfloat16", "1"], ["bfloat16", "64"], ["float32", "1"], ["float32", "64"]]

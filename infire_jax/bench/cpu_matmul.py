@@ -1,6 +1,6 @@
 """CPU micro-benchmark of the skinny matmul (`cpu_matmul`) against XLA's dot, in the model's layer scan.
 
-    python -m infire_jax.bench.cpu_matmul [--dtype float32 bfloat16] [--rows 1 4 8 16 64 512]
+    python -m infire_jax.bench.cpu_matmul [--dtype float32 bfloat16] [--rows 1 4 8 16 64 512] [--layers 30]
 
 A stack of random dense layers shaped like the default model's (SmolLM2-135M: 30 layers, hidden
 576, MLP 1536, 9 q heads and 3 kv heads of 64) multiplies T tokens through its four weights per
@@ -37,9 +37,9 @@ CFG = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=EMBED, int
                   num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
-def _stack(dtype) -> dict[str, jax.Array]:
+def _stack(dtype, layers: int) -> dict[str, jax.Array]:
     rng = np.random.default_rng(0)
-    n, e, f, hkv, d = LAYERS, EMBED, MLP, KV_HEADS, HEAD_DIM
+    n, e, f, hkv, d = layers, EMBED, MLP, KV_HEADS, HEAD_DIM
     shapes = {"wqkv": (n, e, hkv, HEADS // hkv + 2, d), "wo": (n, HEADS, d, e), "w_gate_up": (n, e, 2, f),
               "w_down": (n, f, e)}
     return {k: jnp.asarray(0.02 * rng.standard_normal(s, np.float32)).astype(dtype) for k, s in shapes.items()}
@@ -50,11 +50,11 @@ def _panels(weights: dict[str, jax.Array]) -> dict[str, PanelWeight]:
             for k, w in weights.items()}
 
 
-def _q4_1_stack() -> dict[str, dict[str, jax.Array]]:
+def _q4_1_stack(layers: int) -> dict[str, dict[str, jax.Array]]:
     """The stack's weights as random Q4_1 parts in the model's layout (quant/resident.py)."""
     rng = np.random.default_rng(1)
     out = {}
-    for name, w in _stack(jnp.float32).items():
+    for name, w in _stack(jnp.float32, layers).items():
         specs = QuantLayout("Q4_1").part_specs(name, tuple(w.shape), (None,) * w.ndim)
         out[name] = {part: jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8)) if dtype == jnp.uint8
                      else jnp.asarray((0.002 * rng.standard_normal(shape)).astype(np.float16))
@@ -73,7 +73,8 @@ def _pass(use_kernel: bool, x: jax.Array, weights: dict[str, jax.Array]) -> jax.
         h = h + llama.linear(q, lp["wo"], "thd,hde->te")
         return h + 0.01 * llama.dense_mlp(lp, h), None
 
-    return jax.lax.scan(layer, x, (scanned, jnp.arange(LAYERS, dtype=jnp.int32)))[0]
+    layers = len(jax.tree.leaves(weights)[0])
+    return jax.lax.scan(layer, x, (scanned, jnp.arange(layers, dtype=jnp.int32)))[0]
 
 
 def best_seconds(fn, *args, iters: int) -> float:
@@ -94,15 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16], help="tokens per step")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--layers", type=int, default=LAYERS, help="layers in the stack (the default model's 30)")
     args = p.parse_args(argv)
     if jax.default_backend() != "cpu" or not cpu_kernels.available():
         p.error("needs the CPU backend and a C++ compiler (see pallas_kernels/cpu_matmul.py)")
     print(f"{'dtype':>8} {'T':>4} {'XLA ms':>8} {'GB/s':>6} {'kernel ms':>10} {'GB/s':>6} {'panels ms':>10} "
           f"{'GB/s':>6} {'speed-up':>8} {'Q4_1 ms':>8} {'GB/s':>6}")
     for dtype in args.dtype:
-        weights = _stack(jnp.dtype(dtype))
+        weights = _stack(jnp.dtype(dtype), args.layers)
         panels = _panels(weights) if cpu_matmul.panel_kernel(jnp.dtype(dtype)) else None
-        quant = _q4_1_stack() if dtype == "float32" and cpu_matmul.q4_1_kernel() else None
+        quant = _q4_1_stack(args.layers) if dtype == "float32" and cpu_matmul.q4_1_kernel() else None
         nbytes = sum(w.nbytes for w in weights.values())
         for rows in args.rows:
             x = jnp.full((rows, EMBED), 0.01, jnp.dtype(dtype))
