@@ -176,6 +176,19 @@ def smol_llm():
     return LLM(**SMALL_ENGINE)
 
 
+@pytest.fixture(scope="session")
+def smol_greedy_64(smol_llm) -> tuple[list[list[int]], list[list[int]]]:
+    """test_parity's prompts as token ids, and `smol_llm`'s greedy 64 tokens after each (EOS ignored):
+    the teacher-forcing contexts of the lossy weight options' tests, computed once."""
+    from test_parity import PROMPTS
+
+    from infire_jax import SamplingParams
+
+    prompts = [smol_llm.tokenizer.encode(p) for p in PROMPTS]
+    out = smol_llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    return prompts, [o.token_ids for o in out]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def references_read_gguf_through_a_plain_view():
     """transformers reads a GGUF (config, tokenizer and weights, each a pass over its ~250k metadata

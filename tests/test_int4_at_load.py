@@ -103,7 +103,7 @@ def test_edge_case_groups_equal_the_reference_quantizer():
 
 # ---- (b) the default model served quantized --------------------------------------------------------
 
-def test_engine_int4_at_load_follows_float32(smol_llm):
+def test_engine_int4_at_load_follows_float32(smol_llm, smol_greedy_64):
     """The default model with its layer weights int4 at load (groups of 128), under teacher forcing on
     the float32 engine's greedy continuations (4 prompts x 8 positions): the logprob of float32's token
     moves by 0.59 on average (measured; 32-groups 0.52, int8 at load 0.03) and its top-1 token agrees at
@@ -113,7 +113,6 @@ def test_engine_int4_at_load_follows_float32(smol_llm):
     ~0.32 of the float32 engine's bytes (the float32 embedding, shared with the head, is most of it)."""
     from conftest import SMALL_ENGINE
     from flax import nnx
-    from test_parity import PROMPTS
 
     from infire_jax import LLM, SamplingParams
 
@@ -123,9 +122,7 @@ def test_engine_int4_at_load_follows_float32(smol_llm):
         assert sorted(k for k in placed if k.startswith(f"layers.{short}")) == \
             [f"layers.{short}.{p}" for p in ("q4", "scale", "zero")], short
     assert quant.engine.boot.weight_bytes < 0.35 * smol_llm.engine.boot.weight_bytes
-    prompts = [smol_llm.tokenizer.encode(p) for p in PROMPTS]
-    ref = [o.token_ids for o in smol_llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0,
-                                                                          ignore_eos=True))]
+    prompts, ref = smol_greedy_64
     forced = [p + r[:k] for p, r in zip(prompts, ref) for k in range(0, 64, 8)]
     want = [r[k] for r in ref for k in range(0, 64, 8)]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)

@@ -204,23 +204,20 @@ def test_fp8_per_channel_parts_round_to_the_nearest_e4m3():
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
-def test_engine_quantized_at_load_agrees_with_float32_under_teacher_forcing(smol_llm, mode):
+def test_engine_quantized_at_load_agrees_with_float32_under_teacher_forcing(smol_llm, smol_greedy_64, mode):
     """Any model quantized to int8 or fp8 per output channel at load: given the float32 engine's greedy
     continuation as context, the quantized engine picks the same next token at >= 90% of the positions
     (both: 32 of 32 measured), and its perplexity is at most 1% above float32's (int8 -0.4%, fp8
     +0.4%); free-running greedy text drifts apart after a near-tie (int8: first divergence after 4 to
     27+ tokens), so it is not compared."""
     from conftest import SMALL_ENGINE
-    from test_parity import PROMPTS
 
     from infire_jax import LLM, SamplingParams
 
     # steps of 256 tokens: a quarter of the steps, each dequantizing every layer (e4m3 converts slowly at -O0)
     quant = LLM(weights_quantization=mode, **{**SMALL_ENGINE, "max_num_batched_tokens": 256, "token_buckets": (8, 256)})
     assert quant.engine.boot.weight_bytes < 0.45 * smol_llm.engine.boot.weight_bytes
-    prompts = [smol_llm.tokenizer.encode(p) for p in PROMPTS]
-    ref = [o.token_ids for o in smol_llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0,
-                                                                          ignore_eos=True))]
+    prompts, ref = smol_greedy_64
     forced = [p + r[:k] for p, r in zip(prompts, ref) for k in range(0, 64, 8)]
     want = [r[k] for r in ref for k in range(0, 64, 8)]
     got = [o.token_ids[0] for o in quant.generate(forced, SamplingParams(max_tokens=1, temperature=0))]
