@@ -39,7 +39,7 @@ _INT32 = 2 ** 31
 
 @dataclasses.dataclass
 class EmbeddingRequest:
-    model: str
+    model: str | None  # None: the served model (endpoints.served_model)
     inputs: list[str | list[int]]  # none in the chat form
     messages: list[list[dict]] | None  # vLLM's chat form: conversations, each through the chat template
     template_flags: dict  # the chat form's: add_generation_prompt, continue_final_message, chat_template_kwargs
@@ -75,8 +75,8 @@ def parse_embedding(body) -> EmbeddingRequest:
         raise bad(f"unknown field(s) {', '.join(unknown)}; /v1/embeddings takes {', '.join(sorted(_FIELDS))}",
                   unknown[0])
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model is required (a served model's name)", "model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string (a served model's name)", "model")
     inputs, messages, flags = _chat_form(body) if "messages" in body else (_inputs(body), None, {})
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):

@@ -143,7 +143,7 @@ async def image_tiles(st: ServerState, m: ServedModel, req: ChatRequest) -> list
     event loop; a 400 naming the part for any that cannot be, or where the model takes no images."""
     images = m.engine.engine.images
     if images is None:
-        raise bad(f"the model {req.model!r} takes no images (a Llama 4 or Gemma 3 checkpoint with a vision tower does)",
+        raise bad(f"the model {m.name!r} takes no images (a Llama 4 or Gemma 3 checkpoint with a vision tower does)",
                   req.images[0][1])
     if len(req.images) > images.limit:
         raise bad(f"{len(req.images)} images in one request; at most {images.limit} (--limit-mm-per-prompt)",
@@ -255,25 +255,31 @@ async def _compile(m: ServedModel, spec: StructuredOutputs) -> CompiledGrammar:
 
 # ---- shared steps ---------------------------------------------------------------------------------
 def sampling_defaults(st: ServerState, body: Any) -> Mapping[str, Any]:
-    """The sampling defaults of the model a body names (an adapter's: its base model's); none for a
-    name not served, which `served_model` refuses once the body is read."""
+    """The sampling defaults of the model a body names (an adapter's: its base model's; no name: the
+    only model served); none for a name not served, which `served_model` refuses once the body is read."""
     name = body.get("model") if isinstance(body, dict) else None
-    m = _named(st, name)[0] if isinstance(name, str) else None
+    m = _named(st, name)[0] if isinstance(name, str) or (name is None and len(st.models) == 1) else None
     return m.sampling_defaults if m is not None else {}
 
 
-def _named(st: ServerState, model: str) -> tuple[ServedModel | None, str | None]:
-    """The served model a name selects (None: none does), and the LoRA adapter it names (None: the model)."""
+def _named(st: ServerState, model: str | None) -> tuple[ServedModel | None, str | None]:
+    """The served model a name selects (None: none does), and the LoRA adapter it names (None: the model).
+    No name (None or ""), as vLLM takes it, selects the served model, where there is only one."""
+    if not model:
+        return (next(iter(st.models.values())) if len(st.models) == 1 else None), None
     m = st.models.get(model) or next((x for x in st.models.values() if model in x.aliases), None)
     if m is not None:
         return m, None
     return next((x for x in st.models.values() if model in x.adapters), None), model
 
 
-def served_model(st: ServerState, model: str) -> tuple[ServedModel, str | None]:
+def served_model(st: ServerState, model: str | None) -> tuple[ServedModel, str | None]:
     """The requested model, if it is served and its engine runs, and the LoRA adapter the name
-    selects (None: the model itself)."""
+    selects (None: the model itself). A request naming none gets the only model served, as on vLLM
+    (whose server serves one); a server of several asks it to name one."""
     m, lora = _named(st, model)
+    if m is None and not model:
+        raise bad(f"this server serves {len(st.models)} models: name one in 'model'", "model")
     if m is None:
         names = ", ".join(f"`{n}`" for x in st.models.values() for n in (x.name, *x.aliases, *x.adapters))
         raise APIError(404, f"The model `{model}` does not exist; this server serves {names}.",

@@ -56,7 +56,7 @@ def bad(message: str, param: str | None = None) -> APIError:
 class GenerationRequest:
     """What both endpoints share once validated."""
 
-    model: str
+    model: str | None  # None: the body named none (the served model: endpoints.served_model)
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -184,9 +184,7 @@ def _common(b: Body, *, max_tokens: int | None, logprobs: int | None, prompt_log
     its max_tokens caps the body's, as vLLM's does."""
     if defaults.get("max_tokens") is not None:
         max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
-    model = b.string("model")
-    if model is None:
-        raise bad("you must provide a model parameter", "model")
+    model = b.string("model") or None  # as vLLM: a body without one asks for the served model
     stream = b.boolean("stream", False)
     include_usage = continuous_usage = False
     if b.present("stream_options"):

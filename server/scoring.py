@@ -39,15 +39,15 @@ def _common(body, allowed: frozenset[str]) -> dict:
     unknown = sorted(set(body) - _COMMON - allowed)
     if unknown:
         raise bad(f"unknown field(s) {', '.join(unknown)}", unknown[0])
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise bad("model is required (a served model's name)", "model")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise bad("'model' must be a string (a served model's name)", "model")
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and (type(truncate) is not int or not (truncate == -1 or truncate >= 1)):
         raise bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {truncate!r}", "truncate_prompt_tokens")
     for name in ("use_activation", "add_special_tokens"):
         if not isinstance(body.get(name, True), bool):
             raise bad(f"{name} must be true or false", name)
-    return dict(model=body["model"], truncate=truncate, priority=checked_priority(body),
+    return dict(model=body.get("model"), truncate=truncate, priority=checked_priority(body),
                 special=body.get("add_special_tokens", True))
 
 

@@ -189,6 +189,34 @@ def test_bad_echo_requests_get_400s(smol_server, smol_llm):
     assert ok == 200 and field["error"]["param"] == "prompt_logprobs"
 
 
+def _answer(out: dict) -> list:
+    """What a response says, without its ids and times: texts, messages' contents or embeddings."""
+    if "data" in out:
+        return [d["embedding"] for d in out["data"]]
+    if "output" in out:  # the Responses API
+        return [c["text"] for item in out["output"] for c in item.get("content", [])]
+    return [c["text"] if "text" in c else c["message"]["content"] for c in out["choices"]]
+
+
+def test_a_body_without_a_model_asks_for_the_served_model(smol_server):
+    """As on vLLM: a body without `model`, or with an empty one, asks for the served model; the answer is
+    the one naming it gets, and names it. A `model` that is not a string is still a 400."""
+    chat = [{"role": "user", "content": "Name a colour."}]
+    for path, body in [("/v1/completions", {"prompt": TEXT, "max_tokens": 6, "temperature": 0}),
+                       ("/v1/chat/completions", {"messages": chat, "max_tokens": 6, "temperature": 0}),
+                       ("/v1/responses", {"input": "Name a colour.", "max_output_tokens": 6, "temperature": 0}),
+                       ("/v1/embeddings", {"input": TEXT}), ("/score", {"text_1": TEXT, "text_2": OTHER})]:
+        status, want = post(smol_server, path, {"model": MODEL, **body})
+        assert status == 200 and want["model"] == MODEL, (path, want)
+        for unnamed in ({}, {"model": ""}):
+            status, got = post(smol_server, path, {**body, **unnamed})
+            assert status == 200 and got["model"] == MODEL, (path, unnamed, got)
+            assert (_answer(got) if path != "/score" else got["data"]) == \
+                (_answer(want) if path != "/score" else want["data"]), path
+        status, out = post(smol_server, path, {**body, "model": 7})
+        assert status == 400 and out["error"]["param"] == "model", (path, out)
+
+
 def test_tokenizer_endpoints(smol_server, tok):
     status, out = post(smol_server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False})
     assert status == 200 and out["tokens"] == tok.encode(TEXT, add_special_tokens=False)

@@ -94,6 +94,8 @@ def test_two_models_alternating_answer_as_each_alone(standby):
             listed = [m["id"] for m in (await r.json())["data"]]
         async with session.post("/v1/completions", json={"model": "nope", "prompt": "hi"}) as r:
             unknown = r.status, (await r.json())["error"]
+        async with session.post("/v1/completions", json={"prompt": "hi"}) as r:  # which of the two?
+            unnamed = r.status, (await r.json())["error"]
         alternating = [(m, p, await _complete(session, m, p)) for p in PROMPTS for m in (a, b)]
         started = time.monotonic()  # both models at once: one waits for the other to drain, none fails
         together = await asyncio.gather(*(_complete(session, m, p) for p in PROMPTS for m in (a, b)))
@@ -103,13 +105,14 @@ def test_two_models_alternating_answer_as_each_alone(standby):
             metrics = await r.text()
         async with session.get("/health") as r:
             health = await r.json()
-        return listed, unknown, alternating, concurrent, elapsed, metrics, health
+        return listed, unknown, unnamed, alternating, concurrent, elapsed, metrics, health
 
     app = build_app([engine_a, engine_b], residency=residency, host_to_device_bytes_per_second=1e9)
-    listed, unknown, alternating, concurrent, elapsed, metrics, health = asyncio.run(_serve(app, scenario))
+    listed, unknown, unnamed, alternating, concurrent, elapsed, metrics, health = asyncio.run(_serve(app, scenario))
 
     assert listed == [a, b]
     assert unknown[0] == 404 and unknown[1]["code"] == "model_not_found" and a in unknown[1]["message"]
+    assert unnamed[0] == 400 and unnamed[1]["param"] == "model" and "serves 2 models" in unnamed[1]["message"]
     for model, prompt, (text, logprobs) in alternating + concurrent:
         want_text, want_logprobs = reference[model, prompt]
         assert text == want_text, (model, prompt)
