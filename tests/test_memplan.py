@@ -279,3 +279,14 @@ def test_plan_command_picks_a_shipped_mesh(capsys):
     assert "KV room per device: " in out and "mesh 8" in out and "experts" in out
     assert main(["plan", "--model", "kimi-k2.5", "--devices", "3", "--device-memory", "80GiB"]) == 2
     assert "no shipped mesh for 3 devices" in capsys.readouterr().err
+    # --max-num-batched-tokens reads sizes as serve's does (vLLM's): 8K is 8192, the default
+    base = ["plan", "--model", "dummy:llama-3.1-8b", "--devices", "1", "--device-memory", "80GiB"]
+    outs = []
+    for tokens in ("8192", "8K", "16k"):
+        assert main([*base, "--max-num-batched-tokens", tokens]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] != outs[2]
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--max-num-batched-tokens", "8.5"])
+    assert e.value.code == 2 and "argument --max-num-batched-tokens: expected a positive whole number" in \
+        capsys.readouterr().err

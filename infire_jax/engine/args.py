@@ -9,12 +9,11 @@ all three, so that none of them imports another to get them. Building a parser i
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from infire_jax.engine.vllm_args import add_vllm_engine_args, parallel_mesh
+from infire_jax.memplan.sizes import size
 
 if TYPE_CHECKING:
     from infire_jax.engine.engine import EngineConfig
@@ -127,21 +126,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
                    help="multi-host: host:port of process 0's coordinator (env INFIRE_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
-
-
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def size(text: str) -> int:
-    """vLLM's human-readable sizes: `1k` 1000 and `1K` 1024 (lower case decimal, upper case binary; m/M,
-    g/G alike), `25.6k` 25600; a positive whole number of tokens."""
-    match = _SIZE.fullmatch(text.strip())
-    value = Fraction(match[1]) * _SIZE_UNITS[match[2]] if match else Fraction(0)
-    if value.denominator != 1 or value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number such as 4096, 1k (1000), 1K (1024) "
-                                         f"or 25.6k, got {text!r}")
-    return int(value)
 
 
 def _model_len(text: str) -> int:

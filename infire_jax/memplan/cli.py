@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from infire_jax.memplan.sizes import size
+
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     from infire_jax.memplan.source import shipped_configs
@@ -21,8 +23,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache dtype (default: --dtype); fp8 and fp8_e4m3 mean float8_e4m3")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of each device for weights, activations and KV, as the engine's (default 0.90)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="tokens of the largest step, for the activation estimate (the GPU default, 8192)")
+    p.add_argument("--max-num-batched-tokens", type=size, default=8192, metavar="N",
+                   help="tokens of the largest step, for the activation estimate (the GPU default, 8192; "
+                        "as serve's: 8k is 8000, 8K 8192)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="rows sampled per step (logits estimate)")
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens a KV page holds, as the engine's page_size (default 16): a hybrid KV cache's "
