@@ -20,8 +20,10 @@ from pallas_kernels.metadata import AttentionMetadata
 PROMPT = "A short story about a lighthouse keeper who finds a message in a bottle:"
 
 
-def full_recompute_next_token(llm: LLM, ids: list[int]) -> int:
-    """Next greedy token from one fresh forward over the whole sequence (no cached KV)."""
+def full_recompute_next_tokens(llm: LLM, ids: list[int], positions: range) -> list[int]:
+    """The greedy token after each prefix `ids[:p + 1]`, p in `positions`, from one fresh forward over
+    the whole sequence (no cached KV, nothing paged before it): attention is causal, so position p's
+    logits see exactly the prefix up to p, as a forward over that prefix alone would."""
     model = llm.engine.runner.model()
     t, ps = len(ids), llm.engine.config.page_size
     n_pages = -(-t // ps)
@@ -32,17 +34,17 @@ def full_recompute_next_token(llm: LLM, ids: list[int]) -> int:
     meta = AttentionMetadata(pos, table[0][pos // ps] * ps + pos % ps, np.zeros(t, np.int32), table,
                              np.array([t], np.int32), np.array([0, t], np.int32), np.int32(1))
     meta = jax.tree.map(jnp.asarray, meta)
-    logits, _ = model(jnp.asarray(ids), pages, meta, jnp.array([t - 1]), attn_impl="reference")
-    return int(jnp.argmax(logits[0]))
+    logits, _ = model(jnp.asarray(ids), pages, meta, jnp.asarray(list(positions)), attn_impl="reference")
+    return np.asarray(jnp.argmax(logits, axis=-1)).tolist()
 
 
 def test_paged_decode_equals_full_recompute(smol_llm):
     ids = smol_llm.tokenizer.encode(PROMPT)
     out = smol_llm.generate([ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
-    seq = list(ids)
-    for tok in out.token_ids:
-        assert full_recompute_next_token(smol_llm, seq) == tok
-        seq.append(tok)
+    assert len(out.token_ids) == 24
+    # the token after the prompt, and after each of its first 23 generated tokens
+    assert full_recompute_next_tokens(smol_llm, ids + out.token_ids, range(len(ids) - 1, len(ids) + 23)) == \
+        out.token_ids
 
 
 def test_results_do_not_depend_on_batch_or_padding(smol_llm):
