@@ -258,7 +258,7 @@ def sampling_defaults(st: ServerState, body: Any) -> Mapping[str, Any]:
     """The sampling defaults of the model a body names (an adapter's: its base model's; no name: the
     only model served); none for a name not served, which `served_model` refuses once the body is read."""
     name = body.get("model") if isinstance(body, dict) else None
-    m = _named(st, name)[0] if isinstance(name, str) or (name is None and len(st.models) == 1) else None
+    m = _named(st, name)[0] if name is None or isinstance(name, str) else None
     return m.sampling_defaults if m is not None else {}
 
 
