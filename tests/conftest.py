@@ -108,9 +108,9 @@ def release_memory_after_each_module(request):
     What survives a collection (imports, session fixtures, jax's caches: 0.6 to 2.6 million objects)
     is then frozen out of the collector's sight (`gc.freeze`): the collections after each module
     took 0.4 to 14 s, 268 s of a full run's test time, and Python's own full collections went over
-    the same objects again while tests ran. Every
-    FULL_COLLECTION_EVERY modules they are unfrozen first, so that a cycle among them that has since
-    become garbage (an engine a cache let go) is still freed."""
+    the same objects again while tests ran. Every FULL_COLLECTION_EVERY modules they are unfrozen
+    first, so that a cycle among them that has since become garbage (an engine a cache let go) is
+    still freed."""
     yield
     import ctypes
     import gc
