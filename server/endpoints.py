@@ -273,10 +273,13 @@ def _named(st: ServerState, model: str | None) -> tuple[ServedModel | None, str 
     return next((x for x in st.models.values() if model in x.adapters), None), model
 
 
-def served_model(st: ServerState, model: str | None) -> tuple[ServedModel, str | None]:
+def served_model(st: ServerState, model: object) -> tuple[ServedModel, str | None]:
     """The requested model, if it is served and its engine runs, and the LoRA adapter the name
     selects (None: the model itself). A request naming none gets the only model served, as on vLLM
-    (whose server serves one); a server of several asks it to name one."""
+    (whose server serves one); a server of several asks it to name one. Every endpoint's `model`
+    is checked here: a value that is not a string is a 400."""
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string (a served model's name)", "model")
     m, lora = _named(st, model)
     if m is None and not model:
         raise bad(f"this server serves {len(st.models)} models: name one in 'model'", "model")

@@ -39,8 +39,6 @@ def _common(body, allowed: frozenset[str]) -> dict:
     unknown = sorted(set(body) - _COMMON - allowed)
     if unknown:
         raise bad(f"unknown field(s) {', '.join(unknown)}", unknown[0])
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise bad("'model' must be a string (a served model's name)", "model")
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and (type(truncate) is not int or not (truncate == -1 or truncate >= 1)):
         raise bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {truncate!r}", "truncate_prompt_tokens")

@@ -18,8 +18,6 @@ from server.protocol import bad, parse_chat
 def _served(request: web.Request, name: str | None) -> ServedModel:
     """The model named (a LoRA adapter's name: the model it runs on, whose tokenizer it shares), or the
     only one served; 404 as on /v1 for a name not served."""
-    if name is not None and not isinstance(name, str):
-        raise bad("'model' must be a string", "model")
     return served_model(request.app[STATE], name)[0]
 
 

@@ -84,7 +84,7 @@ def engine_flags(**overrides) -> list[str]:
 # it. The run prints each worker's peak at its end, and says when one passed the aim (a cold run at
 # 01960a8: 10.1 and 10.0 GiB, in test_lora and test_parity).
 RSS_AIM_GIB = 12.0
-_memory: dict[str, object] = {"peak_gib": 0.0, "peak_module": "no test module"}
+_memory: dict[str, object] = {"peak_gib": 0.0, "peak_module": "no test module", "modules_done": 0}
 
 
 def _peak_rss_gib() -> float:
@@ -95,7 +95,6 @@ def _peak_rss_gib() -> float:
 
 # Every this many modules, a test process's collector looks at all its objects again (below).
 FULL_COLLECTION_EVERY = 8
-_modules_done = [0]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -115,8 +114,8 @@ def release_memory_after_each_module(request):
     import ctypes
     import gc
 
-    _modules_done[0] += 1
-    if _modules_done[0] % FULL_COLLECTION_EVERY == 0:
+    _memory["modules_done"] += 1
+    if _memory["modules_done"] % FULL_COLLECTION_EVERY == 0:
         gc.unfreeze()
     gc.collect()
     try:
