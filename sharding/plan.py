@@ -344,8 +344,9 @@ class ShardPlan:
             for name in SEPARATE_KV:  # copy i of kv head j beside j's others, as the fused weight's
                 if name in out:
                     out[name] = np.repeat(out[name], self.kv_repeat, axis=2)
-        for stack, copies, parts in self.stack_kv_repeats:
-            out[f"{stack}.wqkv"] = repeat_kv_heads(out[f"{stack}.wqkv"], copies, parts)
+        for stack, copies, parts in self.stack_kv_repeats:  # the weight, or each of its quantized parts
+            for name in [k for k in out if k == f"{stack}.wqkv" or k.startswith(f"{stack}.wqkv.")]:
+                out[name] = repeat_kv_heads(out[name], copies, parts)
         if self.num_stages > 1:
             for stack, counts in self.stacks:
                 starts, slots = np.cumsum((0,) + counts[:-1]), max(counts)

@@ -199,15 +199,50 @@ def test_config_refuses_what_it_cannot_honour(field, value, match):
         config_from_hf({**TINY, "model_type": "gemma3_text", field: value})
 
 
+def test_int4_at_load_equals_its_float_twin(tmp_path):
+    """`weights_quantization="int4"` in groups of 32 (wo's kept in pieces of a 16-wide head): the engine
+    holds the layer weights' int4 parts alone and gives the tokens and logprobs of the float engine on a
+    twin checkpoint whose projections are the values decoded from the format's definition
+    (tests/quant_twins.py)."""
+    from flax import nnx
+
+    from infire_jax import LLM, SamplingParams
+    from quant_twins import quantize_twin
+
+    hf = hf_model()
+    hf.save_pretrained(tmp_path / "float", safe_serialization=True)
+    _save_tokenizer(tmp_path / "float")
+    quantize_twin(hf, "int4", lambda name: TINY["head_dim"], group=32)
+    hf.save_pretrained(tmp_path / "twin", safe_serialization=True)
+    _save_tokenizer(tmp_path / "twin")
+    engine = dict(ENGINE, token_buckets=(32,))
+    want = _generate(str(tmp_path / "twin"), **engine)[2]
+    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
+    llm = LLM(model=str(tmp_path / "float"), weights_quantization="int4", int4_group_size=32, **engine)
+    try:
+        placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            assert {f"layers.{name}.{part}" for part in ("q4", "zero", "scale")} <= placed, name
+            assert f"layers.{name}" not in placed, name
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
+    finally:
+        llm.engine.close()
+    for got, f in zip(outs, want):
+        assert got.outputs[0].token_ids == f.token_ids
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-5, rtol=0)
+
+
 def test_refuses_what_its_layers_do_not_take(checkpoint):
-    """LoRA, weight quantization and EAGLE-3 are refused naming Gemma 3, before any step runs."""
+    """LoRA and palette-compressed weights are refused naming Gemma 3, before any step runs."""
     from infire_jax import LLM
 
     _, path = checkpoint
     for extra, match in ((dict(enable_lora=True), "not on Gemma 3"),
-                         (dict(weights_quantization="int8"), "Gemma 3 runs with plain weights")):
+                         (dict(weights_compression="palette", dtype="bfloat16"),
+                          "weights_compression is not supported for Gemma 3")):
         with pytest.raises(ConfigError, match=match):
-            LLM(model=path, **ENGINE, **extra)
+            LLM(model=path, **{**ENGINE, **extra})
 
 
 def test_meshes_match_one_device(checkpoint, tmp_path):

@@ -56,13 +56,19 @@ def _randomize(model) -> None:
         model.get_input_embeddings().weight.mul_(SHARPEN)
 
 
-def _hf_model(kind: str):
+def _hf_model(kind: str, **changes):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(0)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**MODELS[kind])).to(torch.float32).eval()
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**{**MODELS[kind], **changes})).to(torch.float32).eval()
     _randomize(model)
     return model
+
+
+def _saved(model, path) -> str:
+    model.save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +151,63 @@ def test_multimodal_checkpoint_serves_its_language_model(checkpoints, tmp_path):
     assert [o.token_ids for o in outs] == [want for want, _ in hf_tokens]
 
 
+# (kind, weights_quantization, config changes): int4 on heads of 32 and 64, so that groups of 32 fit both kinds'.
+QUANTIZED = {"dense int8": ("dense", "int8", {}), "moe fp8": ("moe", "fp8", {}),
+             "dense int4": ("dense", "int4", dict(head_dim=32, global_head_dim=64))}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+def test_weights_quantized_at_load_equal_their_float_twin(case, tmp_path, monkeypatch):
+    """`weights_quantization` int8 / fp8 (a float32 scale per output channel, wo's per head too) and int4
+    (groups of 32) on both layer kinds' projections and the MoE experts: the engine holds their quantized
+    parts alone and gives the tokens and logprobs of the float engine on a twin checkpoint, whose
+    projections are the kept values decoded from the formats' definitions (tests/quant_twins.py). The MoE's
+    also through the GPU's kernels (interpret mode), which read the parts in place: the dense quantized
+    matmul, and the grouped one for the experts."""
+    from flax import nnx
+
+    from infire_jax import LLM, SamplingParams
+    from quant_twins import quantize_twin
+
+    kind, mode, changes = QUANTIZED[case]
+    hf = _hf_model(kind, **changes)
+    path = _saved(hf, tmp_path / "float")
+    dims = {"sliding_attention": changes.get("head_dim", TINY["head_dim"]),
+            "full_attention": changes.get("global_head_dim", TINY["global_head_dim"])}
+    quantize_twin(hf, mode, lambda name: dims[LAYER_TYPES[int(name.split(".")[2])]], group=32)
+    engine = dict(ENGINE, token_buckets=(32,))
+    want = _generate(_saved(hf, tmp_path / "twin"), **engine)[2]
+    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
+    quantized = dict(engine, weights_quantization=mode, int4_group_size=32 if mode == "int4" else None)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+
+    def assert_same(llm, atol):
+        for got, f in zip(llm.generate(PROMPTS, params), want):
+            assert got.outputs[0].token_ids == f.token_ids
+            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
+                                       [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
+
+    llm = LLM(model=path, **quantized)
+    try:
+        placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
+        values = {"int8": "int8", "fp8": "fp8", "int4": "q4"}[mode]
+        names = ["wqkv", "wo", "w_gate_up", "w_down", *(["w_experts_gate_up", "w_experts_down"] if kind == "moe" else [])]
+        for stack in ("sliding_layers", "full_layers"):
+            for name in names:
+                assert f"{stack}.{name}.{values}" in placed and f"{stack}.{name}" not in placed, (stack, name)
+        assert_same(llm, 1e-5)
+    finally:
+        llm.engine.close()
+    if kind == "moe":
+        monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
+        monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
+        llm = LLM(model=path, **quantized)
+        try:
+            assert_same(llm, 1e-4)
+        finally:
+            llm.engine.close()
+
+
 def test_meshes_match_hf(checkpoints, tmp_path):
     """Both checkpoints on meshes, in one process with 8 virtual devices: "dense" on tp 2 (its full layers'
     one kv head repeated to 2, each device's half of the pool's slot one 32-wide head), "moe" on tp 2 x pp 2
@@ -159,10 +222,18 @@ def test_meshes_match_hf(checkpoints, tmp_path):
     configs = os.path.join(ROOT, "sharding", "configs")
     runs = [{"model": checkpoints(kind)[1], "mesh": mesh, "tag": f"{kind} {os.path.basename(mesh)[:-5]}"}
             for kind, mesh in (("dense", f"{configs}/4.yaml"), ("dense", f"{configs}/2.yaml"), ("moe", str(every)))]
+    # int8 at load on tp 2 (the full layers' one kv head repeated in the kept values and scales) as on one device
+    runs += [{"model": checkpoints("dense")[1], "mesh": f"{configs}/{mesh}.yaml", "tag": f"int8 {mesh}",
+              "weights_quantization": "int8"} for mesh in ("1", "2")]
     engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32], "num_decode_steps": 1}
     job = {"runs": runs, "prompts": PROMPTS, "max_tokens": NUM_TOKENS, "engine": engine}
     results = {r["tag"]: r for r in _results(_run_worker(job, 8, tmp_path, "gemma4"))}
     refused = results.pop("dense 4")
+    int8 = [results.pop(f"int8 {mesh}") for mesh in ("1", "2")]
+    assert all(r["fits"] for r in int8), [r.get("error") for r in int8]
+    assert int8[1]["tokens"] == int8[0]["tokens"]
+    np.testing.assert_allclose(int8[1]["logprobs"], int8[0]["logprobs"], atol=1e-4, rtol=0)
+    assert int8[1]["params"]["full_layers.wqkv.int8"]["spec"][2] == "tp"
     assert not refused["fits"] and "does not fit the model" in refused["error"] and "tp=4" in refused["error"]
     for tag, r in results.items():
         kind, mesh = tag.split()
@@ -259,12 +330,13 @@ def test_config_refuses_what_it_cannot_honour(field, value, match):
 
 
 def test_refuses_what_its_layers_do_not_take(checkpoints):
-    """LoRA, weight quantization and an fp8 KV cache are refused naming Gemma 4, before any step runs."""
+    """LoRA, palette-compressed weights and an fp8 KV cache are refused naming Gemma 4, before any step runs."""
     from infire_jax import LLM
 
     _, path, _ = checkpoints("dense")
     for extra, match in ((dict(enable_lora=True), "not on Gemma 4"),
-                         (dict(weights_quantization="int8"), "Gemma 4 runs with plain weights"),
+                         (dict(weights_compression="palette", dtype="bfloat16"),
+                          "weights_compression covers .* this model has none of them"),
                          (dict(kv_cache_dtype="fp8"), "kv_cache_dtype fp8 is not supported")):
         with pytest.raises(ConfigError, match=match):
-            LLM(model=path, **ENGINE, **extra)
+            LLM(model=path, **{**ENGINE, **extra})

@@ -217,6 +217,31 @@ def test_llama4_scout_on_two_h200s_counts_the_hybrid_cache(capsys):
     assert f"KV tokens that fit, 64 sequences: {p.context_tokens(64)} each" in out
 
 
+@pytest.mark.parametrize("name,modes", [("llama-4-scout", ("int8", "int4")), ("gemma-4-26b-a4b", ("fp8",)),
+                                        ("gemma-4-31b", ("int8", "int4"))])
+def test_models_of_two_stacks_quantized_at_load_plan_their_kept_parts(name, modes):
+    """Llama 4's and Gemma 4's layer weights sit in two stacks ("moe_layers.wqkv", "full_layers.wo", ...): the
+    plan keeps each of them as the layout its name in the stack takes (8-bit values and scales, int4 parts,
+    Gemma 4's experts too), as the engine's model holds them: the abstract model's bytes, well under bf16's."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.loaders.gguf_quant import dummy_layouts
+    from infire_jax.models.registry import abstract_model
+
+    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "1.yaml"))
+    cfg = config_from_hf(CONFIGS[name])
+    plain = plan_source(f"dummy:{name}", "bfloat16")(mc)
+    for mode in modes:
+        model = plan_source(f"dummy:{name}", "bfloat16", mode)(mc)
+        state = nnx.state(abstract_model(cfg, jnp.bfloat16, dummy_layouts(cfg, mode)))
+        built = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize for _, v in nnx.to_flat_state(state))
+        planned = sum(tensor_bytes(t, model, mc, "bfloat16") for t in model.tensors)
+        assert planned == built < sum(tensor_bytes(t, plain, mc, "bfloat16") for t in plain.tensors) * 0.6, mode
+
+
 def test_quantization_configs_choose_each_kinds_format():
     with open(os.path.join(ROOT, "infire_jax", "memplan", "configs", "kimi-k2.5.json")) as f:
         kimi = json.load(f)

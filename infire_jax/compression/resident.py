@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array
 
-from infire_jax.compression import as_bf16, parse_kinds, selected
+from infire_jax.compression import KINDS, as_bf16, parse_kinds, selected
 from infire_jax.compression.palette import PALETTE_SIZE, ROW, PaletteTensor, decode_palette_block, encode_palette
+from infire_jax.errors import ConfigError
 from infire_jax.quant.weight_parts import WeightParts
 
 RESIDENT_FORMATS = ("palette",)
@@ -82,9 +83,13 @@ def compress_resident(weights: Mapping[str, np.ndarray], axes: Mapping[str, tupl
     `kernel_coding(short name, weight)` codes a weight for a matmul kernel that decodes it itself
     and names that kernel, or gives None (models/palette_kernels.py); other weights are coded in
     their own layout, to be decoded in the layer body."""
+    names = selected(list(weights), kinds)
+    if not names:
+        raise ConfigError(f"weights_compression covers {sorted(n for k in kinds for n in KINDS[k])}, and this "
+                          "model has none of them (its layer stacks are not models/llama.py's)")
     out = dict(weights)
     layouts = {}
-    for name in selected(list(weights), kinds):
+    for name in names:
         short = name.split(".", 1)[1]
         w = as_bf16(out.pop(name))
         coded = kernel_coding(short, w) if kernel_coding is not None else None

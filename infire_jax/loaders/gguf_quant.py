@@ -35,7 +35,8 @@ from infire_jax.models.registry import build_state
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, quantize_int4
-from infire_jax.quant.resident import CHANNEL_VALUES, INPUT_AXIS, SHARED_EXPERT, QuantLayout, quantize_channels
+from infire_jax.quant.resident import (CHANNEL_VALUES, GEMMA4_EXPERTS, INPUT_AXIS, SHARED_EXPERT, QuantLayout,
+                                      quantize_channels)
 from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 from sharding.plan import ShardPlan
 
@@ -130,7 +131,8 @@ def dummy_layouts(cfg, mode: str, int4_group: int = DEFAULT_INT4_GROUP) -> dict:
     if cfg.mla is not None:
         raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; a DeepSeek-V3-family "
                           "dummy draws its routed experts in int4")
-    shorts = [s for s in INPUT_AXIS if cfg.llama4 is not None or s not in SHARED_EXPERT]
+    shorts = [s for s in INPUT_AXIS if (cfg.llama4 is not None or s not in SHARED_EXPERT)
+              and (cfg.gemma4 is not None or s not in GEMMA4_EXPERTS)]
     return {short: dummy_layout(mode, cfg, int4_group) for short in shorts}
 
 

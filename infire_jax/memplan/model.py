@@ -252,13 +252,14 @@ def from_model_config(cfg: ModelConfig, dtype: str, name: str = "model", formats
         width += cfg.intermediate_size
     tensors, kept = [], []
     for t in _gqa_tensors(cfg):
-        layout = (quantized or {}).get(t.name)
+        short = _short(t.name)
+        layout = (quantized or {}).get(short)
         if layout is None:
             tensors.append(t)
             continue
         kept.append(t)
         tensors += [Tensor(f"{t.name}.{part}", t.kind, shape, axes, False, jnp.dtype(store).name)
-                    for part, (shape, store, axes) in layout.part_specs(t.name, t.shape, t.axes).items()]
+                    for part, (shape, store, axes) in layout.part_specs(short, t.shape, t.axes).items()]
     return PlanModel(name=name, tensors=tuple(tensors), formats={k: dtype for k in KINDS} | dict(formats or {}),
                      num_layers=cfg.num_layers, kv_per_token_layer=(
                          # the layers with KV (Qwen3.5: its attention layers alone), over every layer
@@ -342,10 +343,22 @@ def at_load_layouts(cfg: ModelConfig, mode: str, group: int) -> dict[str, QuantL
     values and a float32 scale per output channel (quant/resident.py `quantize_channels`), "int4" int4
     words, uint8 zeros and fp16 scales per piece of each `group`-input group (quant/int4_rtn.py);
     ValueError naming a weight that cannot be kept so."""
-    if mode in CHANNEL_VALUES:
-        return {t.name: QuantLayout(mode) for t in _gqa_tensors(cfg) if t.name in INPUT_AXIS}
-    return {t.name: QuantLayout("int4", at_load_group(t.name, t.shape[1:], group), jnp.float16)
-            for t in _gqa_tensors(cfg) if t.name in INPUT_AXIS}
+    layouts = {}
+    for t in _gqa_tensors(cfg):
+        short = _short(t.name)
+        if short not in INPUT_AXIS:
+            continue
+        layout = (QuantLayout(mode) if mode in CHANNEL_VALUES else
+                  QuantLayout("int4", at_load_group(short, t.shape[1:], group, t.name), jnp.float16))
+        if layouts.setdefault(short, layout) != layout:  # as quant/int4_rtn.py `quantize_int4` refuses it
+            raise ValueError(f"{t.name} would be kept in int4 pieces of {layout.group} inputs and another stack's "
+                             f"{short} in pieces of {layouts[short].group}; one layout serves both stacks")
+    return layouts
+
+
+def _short(name: str) -> str:
+    """A layer weight's name in its stack ("moe_layers.wqkv" -> "wqkv"): what models take layouts by."""
+    return name.rpartition(".")[2]
 
 
 def _field(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:

@@ -15,7 +15,9 @@ Weights are stacked over layers and scanned as models/llama.py's, with its CPU m
 and q/k/v as one weight grouped by kv head. Each step computes both RoPE tables once; a layer picks
 its own by its row of `local_attention_table`. On a mesh the stack runs in models/parallel.py's
 shard_map (tp splits the heads and the MLP width; pp stages hold their layers' window rows).
-Quantized or compressed weights, LoRA and EAGLE-3 aux states are refused with a ConfigError.
+Layer weights may be kept quantized (int8 / fp8 per output channel, int4 groups: quant/resident.py), each
+layer's dequantized in the scan as models/llama.py's, or read in place by the GPU's quantized matmul.
+Palette-compressed weights, LoRA and EAGLE-3 aux states are refused with a ConfigError.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_ta
 from infire_jax.models.llama import in_place_weights, kernel_weights, linear, project_qkv
 from infire_jax.models.panels import PanelParams
 from infire_jax.models.parallel import Reductions, psum
+from infire_jax.quant.resident import QuantLayout, dequantize_layer, keep_quantized, quant_layouts
 from infire_jax.quant.weight_parts import LayerStacks, WeightParts
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -53,7 +56,7 @@ class Gemma3Layers(LayerStacks):
     takes_panels = True  # the layer body reads repacked weights (models/panels.py)
     PARTS = (WeightParts, PanelParams)
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, resident: Mapping[str, QuantLayout]):
         n, e, hkv, d, f = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         g = cfg.num_heads // hkv
         self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
@@ -66,6 +69,7 @@ class Gemma3Layers(LayerStacks):
         self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
         self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
         self.post_mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
+        keep_quantized(self, resident)
 
 
 def gelu_glu(gate: Float[Array, "... F"], up: Float[Array, "... F"]) -> Float[Array, "... F"]:
@@ -94,7 +98,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     def layer(carry, xs):
         h, k_pages, v_pages = carry
         lp, idx, local = xs
-        lp = kernel_weights(lp, in_place, idx, tokens, cpu=one_device)
+        lp = kernel_weights(dequantize_layer(lp, h.dtype), in_place, idx, tokens, cpu=one_device)
         windowed = False if local is None else local[1] > 0
         c, s = (jnp.where(windowed, t[:, half:], t[:, :half]) for t in (cos, sin))
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], eps), False)
@@ -122,12 +126,10 @@ def gemma3_rope(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Arr
 
 class Gemma3(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
-        if resident:
-            raise ConfigError("Gemma 3 runs with plain weights; weights_quantization and weights_compression "
-                              "are not supported for it yet")
+        """`resident`: layer weights kept quantized, by weight name (`wqkv`, `w_gate_up`, ...)."""
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = Gemma3Layers(cfg, dtype)
+        self.layers = Gemma3Layers(cfg, dtype, quant_layouts("Gemma 3", resident))
         self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)

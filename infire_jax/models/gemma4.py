@@ -50,6 +50,7 @@ from infire_jax.models.moe import combine, dispatch_local, expert_mlp, route
 from infire_jax.models.panels import INPUT_AXES
 from infire_jax.models.parallel import Reductions, psum
 from infire_jax.models.quant_kernels import default_grouped_impl, kernel_stacks
+from infire_jax.quant.resident import QuantLayout, dequantize_layer, keep_quantized, quant_layouts
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -63,10 +64,11 @@ EXPERT_INPUTS = {"w_experts_gate_up": 1, "w_experts_down": 1}  # input axes of o
 class Gemma4Layers(LayerStacks):
     """One kind's stacked layers (`gemma4_stacks`): projections drawn normal, norms and scales ones."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, dtype):
+    def __init__(self, cfg: ModelConfig, kind: str, dtype, resident: Mapping[str, QuantLayout]):
         for t in gemma4_stacks(cfg)[kind]:
             setattr(self, t.name, param(t.shape, t.axes, dtype, init="normal" if t.matrix or t.name == "router"
                                         else "ones"))
+        keep_quantized(self, resident)
 
 
 def unit_norm(x: Float[Array, "... D"], eps: float) -> Float[Array, "... D"]:
@@ -111,7 +113,7 @@ def layer_step(cfg: ModelConfig, kind: str, red: Reductions, rope: tuple[Array, 
     place, `in_place`), `row` its (chunk, window) row. Head counts are the weights' (a tp device's share)."""
     h, k_pages, v_pages = carry
     one_device = red == Reductions()
-    lp = kernel_weights(lp, in_place[kind], stack_index, h.shape[0], cpu=one_device)
+    lp = kernel_weights(dequantize_layer(lp, h.dtype), in_place[kind], stack_index, h.shape[0], cpu=one_device)
     eps = cfg.rms_norm_eps
     qkv = linear(rms_norm(h, lp["attn_norm"], eps), lp["wqkv"], "te,ekgd->tkgd")
     hkv, d = qkv.shape[1], qkv.shape[3]
@@ -147,8 +149,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     blocks = weights["full"]["layer_scalar"].shape[0]
     slot = k_pages.shape[3] * k_pages.shape[4]
     dims = {"sliding": cfg.head_dim, "full": cfg.gemma4.global_head_dim}
-    metas = {kind: plan_step(meta, attn_impl, tokens, weights[kind]["wo"].shape[1] * dims[kind] // slot, dims[kind])
-             for kind in KINDS}
+    q_heads = {kind: jax.tree.leaves(weights[kind]["wo"])[0].shape[1] for kind in KINDS}  # wo's, or its parts
+    metas = {kind: plan_step(meta, attn_impl, tokens, q_heads[kind] * dims[kind] // slot, dims[kind]) for kind in KINDS}
     # On a GPU the kernels read these stacks in place (models/quant_kernels.py), unscanned: the dense ones in
     # steps of up to 64 tokens, the experts (the grouped matmul) in every step.
     experts = EXPERT_INPUTS if cfg.is_moe and default_grouped_impl() == "pallas" else None
@@ -174,13 +176,13 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 
 class Gemma4(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
-        if resident:
-            raise ConfigError("Gemma 4 runs with plain weights; weights_quantization and weights_compression "
-                              "are not supported for it yet")
+        """`resident`: layer weights kept quantized, by weight name (`wqkv`, `w_experts_gate_up`, ...: in
+        both stacks)."""
+        resident = quant_layouts("Gemma 4", resident)
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.sliding_layers = Gemma4Layers(cfg, "sliding", dtype)
-        self.full_layers = Gemma4Layers(cfg, "full", dtype)
+        self.sliding_layers = Gemma4Layers(cfg, "sliding", dtype, resident)
+        self.full_layers = Gemma4Layers(cfg, "full", dtype, resident)
         self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)

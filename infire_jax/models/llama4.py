@@ -41,7 +41,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from infire_jax.errors import ConfigError
@@ -55,7 +54,7 @@ from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_
 from infire_jax.models.moe import Routing, routed_mlp
 from infire_jax.models.parallel import Reductions, psum
 from infire_jax.models.quant_kernels import layer_stacks
-from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
+from infire_jax.quant.resident import QuantLayout, dequantize_layer, keep_quantized, quant_layouts
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -103,10 +102,7 @@ class Llama4Layers(LayerStacks):
             f = cfg.intermediate_size
             self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
             self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
-        for short, layout in resident.items():
-            plain = getattr(self, short, None)
-            if isinstance(plain, nnx.Param):
-                setattr(self, short, QuantParams(short, tuple(plain.shape), plain.axes, layout))
+        keep_quantized(self, resident)
 
 
 
@@ -235,10 +231,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
 class Llama4(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: dict[str, QuantLayout] | None = None):
         """`resident`: layer weights kept quantized, by weight name (`wqkv`, `w_gate_up`, ...: in every stack)."""
-        resident = dict(resident or {})
-        if not all(isinstance(layout, QuantLayout) for layout in resident.values()):
-            raise ConfigError("weights_compression is not supported for the Llama 4 family; weights_quantization "
-                              "int8 / int4 keeps its layer weights quantized")
+        resident = quant_layouts("the Llama 4 family", resident)
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         sizes = cfg.llama4.stack_sizes

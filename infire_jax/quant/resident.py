@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array
 
+from infire_jax.errors import ConfigError
 from infire_jax.quant.gguf_blocks import QK, QUANT_PART, dequantize_blocks
 from infire_jax.quant.gptq_awq import dequantize_parts
 from infire_jax.quant.weight_parts import WeightParts
@@ -38,8 +39,11 @@ QUANTIZATION_MODES = ("gguf", "int8", "fp8", "int4", "checkpoint")
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
 # w_down [(X,) F, E], and a shared expert's (Llama 4) like a dense MLP's.
-INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2}
+# Gemma 4's MoE block, beside its dense MLP: w_experts_gate_up [X, E, 2, F], w_experts_down [X, F, E].
+INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2,
+              "w_experts_gate_up": -3, "w_experts_down": -2}
 SHARED_EXPERT = ("w_shared_gate_up", "w_shared_down")  # Llama 4's MoE layers only
+GEMMA4_EXPERTS = ("w_experts_gate_up", "w_experts_down")  # Gemma 4 MoE's only
 CHANNEL_VALUES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # 8-bit kinds: their values' part and dtype
 CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}  # the largest value each keeps (symmetric; e4m3's finite maximum)
 
@@ -123,6 +127,25 @@ class QuantParams(WeightParts):
         for part, (part_shape, dtype, part_axes) in layout.part_specs(short, shape, axes).items():
             init = DUMMY_INIT.get(layout.kind, {}).get(part, "zeros")
             setattr(self, part, nnx.Param(jnp.zeros(part_shape, dtype), axes=part_axes, init=init))
+
+
+def keep_quantized(stack: nnx.Module, resident: Mapping[str, QuantLayout]) -> None:
+    """Replaces each of `stack`'s weights that `resident` names by its quantized parts (`QuantParams`);
+    a name the stack lacks (another stack's weight, as Llama 4's shared expert in its dense stack) is skipped."""
+    for short, layout in resident.items():
+        plain = getattr(stack, short, None)
+        if isinstance(plain, nnx.Param):
+            setattr(stack, short, QuantParams(short, tuple(plain.shape), plain.axes, layout))
+
+
+def quant_layouts(model: str, resident: Mapping[str, Any] | None) -> dict[str, QuantLayout]:
+    """A model's `resident` layouts, which must all be quantized ones: ConfigError naming `model` for
+    palette-compressed weights (weights_compression), which its layers do not decode."""
+    resident = dict(resident or {})
+    if not all(isinstance(layout, QuantLayout) for layout in resident.values()):
+        raise ConfigError(f"weights_compression is not supported for {model}; weights_quantization int8 / fp8 / "
+                          "int4 keeps its layer weights quantized")
+    return resident
 
 
 def is_quantized(value: Any) -> bool:

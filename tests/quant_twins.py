@@ -1,0 +1,66 @@
+"""Float twins of a transformers model as `weights_quantization` int8 / fp8 / int4 keeps its layer weights:
+each projection replaced, in place, by the values its kept form decodes to, computed here from the
+formats' definitions (quant/resident.py `quantize_channels`, quant/int4_rtn.py's module doc), not by the
+engine's code. An engine quantizing at load must then give the float engine's output on the twin.
+
+Every projection is [..., out, in] in HF's layout (experts' [X, out, in] too); a kept scale spans an output
+row's inputs (8-bit), or `group` consecutive ones of them (int4), except o_proj's 8-bit scale, which spans
+one head's inputs: the model keeps wo as [Hq, D, E] with D its input axis.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+               "up_proj.weight", "down_proj.weight", "experts.gate_up_proj", "experts.down_proj")
+CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def _channel(w: np.ndarray, kind: str) -> np.ndarray:
+    """8-bit, symmetric, a float32 scale per row of the last axis: absmax / the kind's largest value (1 for
+    an all-zero row), the values rounded to the kind (int8: to nearest; fp8: e4m3's nearest, ml_dtypes)."""
+    top = np.float32(CHANNEL_MAX[kind])
+    scale = np.abs(w).max(axis=-1, keepdims=True) / top
+    scale = np.where(scale == 0, np.float32(1), scale).astype(np.float32)
+    x = np.clip(w / scale, -top, top)
+    q = np.rint(x) if kind == "int8" else x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return q * scale
+
+
+def _int4(w: np.ndarray, group: int) -> np.ndarray:
+    """Asymmetric round to nearest in float64 over `group` consecutive inputs of a row (the last group
+    shorter): lo = min(min, 0), hi = max(max, 0) (-1, 1 for a zero group), scale = float16((hi - lo) / 15)
+    (at least 2^-24), zero = round(-lo / scale), q = clip(round(x / scale) + zero, 0, 15) -> (q - zero) * scale."""
+    x = w.astype(np.float64).reshape(-1, w.shape[-1])
+    out = np.empty_like(x)
+    for start in range(0, x.shape[1], group):
+        g = x[:, start:start + group]
+        lo, hi = np.minimum(g.min(axis=1, keepdims=True), 0), np.maximum(g.max(axis=1, keepdims=True), 0)
+        flat = (lo == 0) & (hi == 0)
+        lo, hi = np.where(flat, -1.0, lo), np.where(flat, 1.0, hi)
+        scale = np.maximum(((hi - lo) / 15).astype(np.float16), np.float16(2.0 ** -24)).astype(np.float64)
+        zero = np.clip(np.rint(-lo / scale), 0, 15)
+        q = np.clip(np.rint(g / scale) + zero, 0, 15)
+        out[:, start:start + group] = (q - zero) * scale
+    return out.reshape(w.shape).astype(np.float32)
+
+
+def quantize_twin(model: torch.nn.Module, mode: str, head_dim, group: int = 128) -> None:
+    """Replaces `model`'s projections by their `mode` ("int8", "fp8", "int4" in groups of `group`) twins;
+    `head_dim(name)`: the head width of the layer holding o_proj `name`."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith(PROJECTIONS):
+                continue
+            w = p.detach().numpy().astype(np.float32)
+            if mode == "int4":
+                twin = _int4(w, group)
+            elif name.endswith("o_proj.weight"):  # one scale per output and head
+                d = head_dim(name)
+                twin = _channel(w.reshape(w.shape[0], -1, d), mode).reshape(w.shape)
+            else:
+                twin = _channel(w, mode)
+            p.copy_(torch.from_numpy(twin))
