@@ -122,6 +122,48 @@ def test_meshes_match_one_device(checkpoint, tmp_path):
             assert specs["moe_layers.wqkv"][2] == "tp"
 
 
+def test_fp8_at_load_equals_its_float_twin(tmp_path, monkeypatch):
+    """`weights_quantization="fp8"` (e4m3, a float32 scale per output channel; wo's per head): both stacks'
+    attention and MLPs, the routed and the shared experts are held as their fp8 parts alone, and the engine
+    gives the tokens and logprobs of the float engine on a twin checkpoint whose projections are the
+    format's decoded values (tests/quant_twins.py); also through the GPU's kernels (interpret mode), which
+    read the parts in place (the dense quantized matmul, the grouped one for the experts)."""
+    from flax import nnx
+
+    from infire_jax import LLM, SamplingParams
+    from quant_twins import quantize_twin
+
+    hf = hf_model()
+    path = _save(hf, tmp_path / "float")
+    quantize_twin(hf, "fp8", lambda name: TINY["head_dim"])
+    engine = dict(ENGINE, token_buckets=(32,))
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    twin = LLM(model=_save(hf, tmp_path / "twin"), **engine)
+    try:
+        want = [o.outputs[0] for o in twin.generate(PROMPTS, params)]
+    finally:
+        twin.engine.close()
+    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
+    for kernels in (False, True):
+        if kernels:
+            monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
+            monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
+        llm = LLM(model=path, weights_quantization="fp8", **engine)
+        try:
+            placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
+            kept = [f"dense_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down")] + [
+                f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")]
+            assert all(f"{w}.fp8" in placed and w not in placed for w in kept), sorted(placed)
+            outs = llm.generate(PROMPTS, params)
+        finally:
+            llm.engine.close()
+        for got, f in zip(outs, want):
+            assert got.outputs[0].token_ids == f.token_ids, kernels
+            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
+                                       [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)],
+                                       atol=1e-4 if kernels else 1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["glm-4.5-air", "glm-4.5"])
 def test_published_configs_count_transformers_parameters(name):
     """`dummy:glm-4.5-air` and `dummy:glm-4.5` (the published configs): the model the engine builds

@@ -493,10 +493,9 @@ def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
     from infire_jax.loaders.dummy import load_dummy
-    from infire_jax.loaders.gguf_quant import dummy_layout
+    from infire_jax.loaders.gguf_quant import dummy_layouts
     from infire_jax.memplan.model import from_model_config, placed_config
     from infire_jax.models.registry import abstract_model
-    from infire_jax.quant.resident import INPUT_AXIS
     from sharding.mesh import CONFIG_DIR, MeshConfig
 
     cfg = load_dummy(name).config
@@ -516,7 +515,7 @@ def test_dummy_configs_have_the_published_shapes(name, experts, moe_layers):
     plan = from_model_config(cfg, "bfloat16")
     assert sum(math.prod(t.shape) for t in plan.tensors) == ours
     # `weights_quantization="int4"` draws a dummy's layer weights as int4 parts, groups of 128 inputs
-    int4 = abstract_model(cfg, jnp.bfloat16, {s: dummy_layout("int4", cfg) for s in INPUT_AXIS})
+    int4 = abstract_model(cfg, jnp.bfloat16, dummy_layouts(cfg, "int4"))
     parts = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(nnx.state(int4, nnx.Param))}
     assert parts["moe_layers.w_gate_up.q4"] == (moe_layers, experts, 5120 // 8, 2, 8192)
     assert parts["moe_layers.w_shared_down.scale"] == (moe_layers, 8192 // 128, 5120)

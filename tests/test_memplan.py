@@ -217,12 +217,13 @@ def test_llama4_scout_on_two_h200s_counts_the_hybrid_cache(capsys):
     assert f"KV tokens that fit, 64 sequences: {p.context_tokens(64)} each" in out
 
 
-@pytest.mark.parametrize("name,modes", [("llama-4-scout", ("int8", "int4")), ("gemma-4-26b-a4b", ("fp8",)),
-                                        ("gemma-4-31b", ("int8", "int4"))])
+@pytest.mark.parametrize("name,modes", [("llama-4-scout", ("int8", "int4")), ("gemma-4-26b-a4b", ("fp8", "int4")),
+                                        ("gemma-4-31b", ("int8",)), ("glm-4.5-air", ("fp8", "int4"))])
 def test_models_of_two_stacks_quantized_at_load_plan_their_kept_parts(name, modes):
-    """Llama 4's and Gemma 4's layer weights sit in two stacks ("moe_layers.wqkv", "full_layers.wo", ...): the
-    plan keeps each of them as the layout its name in the stack takes (8-bit values and scales, int4 parts,
-    Gemma 4's experts too), as the engine's model holds them: the abstract model's bytes, well under bf16's."""
+    """Llama 4's, Gemma 4's and GLM-4.5's layer weights sit in two stacks ("moe_layers.wqkv", "full_layers.wo",
+    ...): the plan keeps each of them as the layout its name in the stack takes (8-bit values and scales, int4
+    parts in pieces that divide both stacks' groups: GLM-4.5-Air's dense and MoE w_down differ in width; Gemma
+    4's experts too), as the engine's model holds them: the abstract model's bytes, well under bf16's."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx

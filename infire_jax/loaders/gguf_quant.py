@@ -16,11 +16,11 @@ picks the loader for each mode.
 
 from __future__ import annotations
 
-import math
 import os
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from gguf.quants import dequantize
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
@@ -31,12 +31,11 @@ from infire_jax.loaders.llama_quant import check_mesh
 from infire_jax.loaders.paths import DEFAULT_MODEL_NAME, default_model_path
 from infire_jax.loaders.weights import LoadedModel, Placed, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
-from infire_jax.models.registry import build_state
+from infire_jax.models.registry import abstract_model, build_state
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
-from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, quantize_int4
-from infire_jax.quant.resident import (CHANNEL_VALUES, GEMMA4_EXPERTS, INPUT_AXIS, SHARED_EXPERT, QuantLayout,
-                                      quantize_channels)
+from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, int4_layouts, quantize_int4
+from infire_jax.quant.resident import CHANNEL_VALUES, INPUT_AXIS, QuantLayout, quantize_channels
 from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 from sharding.plan import ShardPlan
 
@@ -110,30 +109,22 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
     return model, layouts
 
 
-def dummy_layout(mode: str, cfg, group: int = DEFAULT_INT4_GROUP) -> QuantLayout:
-    """A dummy model's quantized layout: int8 or fp8 per output channel, or int4 in the AWQ / GPTQ form
-    (uint8 zeros, float16 scales) in groups of `group` inputs, fewer where a weight's input axis (wo's:
-    head_dim) is not a multiple of it. (A DeepSeek-V3-family dummy's int4 is its routed experts, as Kimi
-    K2's.)"""
-    if mode in CHANNEL_VALUES:
-        return QuantLayout(mode)
-    return QuantLayout("int4", group=math.gcd(group, cfg.hidden_size, cfg.intermediate_size,
-                                             cfg.moe_intermediate_size, cfg.head_dim))
-
-
 def dummy_layouts(cfg, mode: str, int4_group: int = DEFAULT_INT4_GROUP) -> dict:
     """A `dummy:` model's quantized weights and their layouts under `weights_quantization=mode`, what
     `build_state` (or `models.registry.abstract_state`, for shapes alone) takes: a DeepSeek-V3-family
-    one's routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales), a Llama-architecture one's
-    layer weights by `dummy_layout`."""
+    one's routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales); another's quantizable layer
+    weights, every stack's, as a float model's are quantized at load: int8 or fp8 per output channel, or
+    int4 in the AWQ / GPTQ form in groups of `int4_group` inputs (quant/int4_rtn.py `int4_layouts`)."""
     if cfg.mla is not None and mode == "int4":
         return {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
     if cfg.mla is not None:
         raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; a DeepSeek-V3-family "
                           "dummy draws its routed experts in int4")
-    shorts = [s for s in INPUT_AXIS if (cfg.llama4 is not None or s not in SHARED_EXPERT)
-              and (cfg.gemma4 is not None or s not in GEMMA4_EXPERTS)]
-    return {short: dummy_layout(mode, cfg, int4_group) for short in shorts}
+    state = nnx.state(abstract_model(cfg, jnp.float32), nnx.Param)
+    stacks = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(state) if len(p) == 2}
+    if mode in CHANNEL_VALUES:
+        return {name.rpartition(".")[2]: QuantLayout(mode) for name in stacks if name.rpartition(".")[2] in INPUT_AXIS}
+    return int4_layouts(stacks, int4_group)
 
 
 def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:

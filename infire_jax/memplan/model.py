@@ -21,7 +21,7 @@ from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, gqa_kept_scheme
 from infire_jax.models.config import ModelConfig, gemma4_stacks
 from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
-from infire_jax.quant.int4_rtn import at_load_group
+from infire_jax.quant.int4_rtn import int4_layouts
 from infire_jax.quant.resident import CHANNEL_VALUES, INPUT_AXIS, QuantLayout
 
 KINDS = ("attention", "experts", "shared", "embeddings", "vision")
@@ -343,17 +343,9 @@ def at_load_layouts(cfg: ModelConfig, mode: str, group: int) -> dict[str, QuantL
     values and a float32 scale per output channel (quant/resident.py `quantize_channels`), "int4" int4
     words, uint8 zeros and fp16 scales per piece of each `group`-input group (quant/int4_rtn.py);
     ValueError naming a weight that cannot be kept so."""
-    layouts = {}
-    for t in _gqa_tensors(cfg):
-        short = _short(t.name)
-        if short not in INPUT_AXIS:
-            continue
-        layout = (QuantLayout(mode) if mode in CHANNEL_VALUES else
-                  QuantLayout("int4", at_load_group(short, t.shape[1:], group, t.name), jnp.float16))
-        if layouts.setdefault(short, layout) != layout:  # as quant/int4_rtn.py `quantize_int4` refuses it
-            raise ValueError(f"{t.name} would be kept in int4 pieces of {layout.group} inputs and another stack's "
-                             f"{short} in pieces of {layouts[short].group}; one layout serves both stacks")
-    return layouts
+    if mode in CHANNEL_VALUES:
+        return {_short(t.name): QuantLayout(mode) for t in _gqa_tensors(cfg) if _short(t.name) in INPUT_AXIS}
+    return int4_layouts({t.name if "." in t.name else f"layers.{t.name}": t.shape for t in _gqa_tensors(cfg)}, group)
 
 
 def _short(name: str) -> str:

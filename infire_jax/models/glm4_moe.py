@@ -14,8 +14,10 @@ head as models/llama.py's.
 On a mesh (models/parallel.py) tp splits the heads and the MLP widths, ep the experts; pipeline
 parallelism is refused (sharding/plan.py), as for the DeepSeek-V3 family. MiniMax-M2's norms over every
 head are split with the heads, their mean squares summed over tp (`qk_norm`); tp beyond its kv heads
-(which would repeat them) is refused. Quantized or compressed weights, LoRA and EAGLE-3 aux states are
-refused with a ConfigError.
+(which would repeat them) is refused. Layer weights may be kept quantized at load (int8 / fp8 / int4,
+quant/resident.py: attention, MLPs, routed and shared experts), each layer's dequantized in the scan, or read
+in place by the GPU's quantized matmuls. Palette-compressed weights, LoRA and EAGLE-3 aux states are refused
+with a ConfigError.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from infire_jax.models.deepseek_moe import deepseek_moe_mlp
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_cos_sin
 from infire_jax.models.llama import dense_mlp, kernel_weights, linear, project_qkv
 from infire_jax.models.parallel import Reductions, psum
+from infire_jax.quant.resident import QuantLayout, dequantize_layer, keep_quantized, quant_layouts
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
@@ -50,7 +53,7 @@ class Glm4Layers(LayerStacks):
     """`n` stacked layers of one kind: GQA attention, and a dense MLP or DeepSeek-V3's MoE. The router's
     bias is kept in float32, as HF keeps it."""
 
-    def __init__(self, cfg: ModelConfig, n: int, moe: bool, dtype):
+    def __init__(self, cfg: ModelConfig, n: int, moe: bool, dtype, resident: Mapping[str, QuantLayout]):
         e, hkv, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
         g = cfg.num_heads // hkv
         self.attn_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
@@ -70,8 +73,9 @@ class Glm4Layers(LayerStacks):
             f = cfg.intermediate_size
             self.w_gate_up = param((n, e, 2, f), ("layers", "embed", "gate_up", "mlp"), dtype)
             self.w_down = param((n, f, e), ("layers", "mlp", "embed"), dtype)
-            return
-        add_moe_params(self, cfg, n, dtype)
+        else:
+            add_moe_params(self, cfg, n, dtype)
+        keep_quantized(self, resident)
 
 
 def qk_norm(x: Float[Array, "T H D"], weight: Array, eps: float, whole: bool, axes: tuple[str, ...] = ()
@@ -100,7 +104,7 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
     def layer(carry, xs):
         h, k_pages, v_pages = carry
         lp, idx = xs
-        lp = kernel_weights(lp, in_place, idx - first, h.shape[0], cpu=False)
+        lp = kernel_weights(dequantize_layer(lp, h.dtype), in_place, idx - first, h.shape[0], cpu=False)
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], eps), cfg.attention_bias)
         if cfg.qk_norm:
             q, k = (qk_norm(x, lp[name], eps, cfg.glm4.qk_norm_whole, red.attn)
@@ -137,16 +141,15 @@ def glm4_rope(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array
 
 class Glm4Moe(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
-        if resident:
-            raise ConfigError(f"{cfg.architecture} runs with plain weights; weights_quantization and "
-                              "weights_compression are not supported for it yet")
+        """`resident`: layer weights kept quantized, by weight name (`wqkv`, `w_gate_up`, ...: in both stacks)."""
+        resident = quant_layouts(cfg.architecture, resident)
         self.cfg = cfg
         dense = cfg.deepseek_moe.first_k_dense_replace
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         if dense:
-            self.dense_layers = Glm4Layers(cfg, dense, False, dtype)
+            self.dense_layers = Glm4Layers(cfg, dense, False, dtype, resident)
         if cfg.num_layers > dense:
-            self.moe_layers = Glm4Layers(cfg, cfg.num_layers - dense, True, dtype)
+            self.moe_layers = Glm4Layers(cfg, cfg.num_layers - dense, True, dtype, resident)
         self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)

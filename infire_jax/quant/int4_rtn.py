@@ -105,16 +105,14 @@ def quantize_int4(weights: Mapping[str, np.ndarray], group: int = DEFAULT_INT4_G
     """Host weights with every quantizable stacked layer weight of every stack ("layers.wqkv" [L, ...];
     Llama 4: "dense_layers.wqkv", "moe_layers.wqkv", ...) replaced by its kept int4 parts
     ("layers.wqkv.q4", ".zero", ".scale"), and their layouts by weight name, as the models take them
-    (one for a name in every stack); other weights as they are. ValueError naming the weight where it
-    cannot be kept, or where two stacks would keep one name in different pieces."""
-    out, layouts, first = dict(weights), {}, {}
-    for name in [k for k in weights if k.count(".") == 1 and k.partition(".")[2] in INPUT_AXIS]:
+    (one for a name in every stack: pieces that divide each stack's groups); other weights as they are.
+    ValueError naming the weight where it cannot be kept."""
+    out = dict(weights)
+    names = [k for k in weights if k.count(".") == 1 and k.partition(".")[2] in INPUT_AXIS]
+    layouts = int4_layouts({name: weights[name].shape for name in names}, group)
+    for name in names:
         short = name.partition(".")[2]
-        w = out.pop(name)
-        kept = at_load_group(short, w.shape[1:], group, name)
-        if short in layouts and layouts[short].group != kept:
-            raise ValueError(f"{name} would be kept in int4 pieces of {kept} inputs and {first[short]} in pieces "
-                             f"of {layouts[short].group}; one layout serves both stacks")
+        w, kept = out.pop(name), layouts[short].group
         per_layer = []
         for i in range(w.shape[0]):
             try:
@@ -122,5 +120,17 @@ def quantize_int4(weights: Mapping[str, np.ndarray], group: int = DEFAULT_INT4_G
             except ValueError as e:
                 raise ValueError(f"{name} (layer {i}): {e}") from e
         out.update({f"{name}.{p}": np.stack([lp[p] for lp in per_layer]) for p in ("q4", "zero", "scale")})
-        layouts[short], first[short] = QuantLayout("int4", kept, jnp.float16), name
     return out, layouts
+
+
+def int4_layouts(stacks: Mapping[str, tuple[int, ...]], group: int = DEFAULT_INT4_GROUP) -> dict[str, QuantLayout]:
+    """The int4 layout of each quantizable weight name among `stacks` (path -> stacked shape [L, ...],
+    "moe_layers.w_down"), by the name in its stack as the models take them: groups of `group` inputs kept
+    in pieces that divide every stack's groups of that name (Llama 4's, GLM-4.5's dense and MoE w_down
+    differ in width). ValueError naming a weight that cannot be kept in whole 8-input words."""
+    pieces: dict[str, int] = {}
+    for name, shape in stacks.items():
+        short = name.rpartition(".")[2]
+        if short in INPUT_AXIS:
+            pieces[short] = math.gcd(pieces.get(short, 0), at_load_group(short, tuple(shape[1:]), group, name))
+    return {short: QuantLayout("int4", kept, jnp.float16) for short, kept in pieces.items()}

@@ -39,11 +39,10 @@ QUANTIZATION_MODES = ("gguf", "int8", "fp8", "int4", "checkpoint")
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
 # w_down [(X,) F, E], and a shared expert's (Llama 4) like a dense MLP's.
-# Gemma 4's MoE block, beside its dense MLP: w_experts_gate_up [X, E, 2, F], w_experts_down [X, F, E].
+# w_shared_*: a shared expert's (Llama 4's, GLM-4.5's); w_experts_*: Gemma 4's MoE block, beside its dense MLP,
+# [X, E, 2, F] and [X, F, E].
 INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2,
               "w_experts_gate_up": -3, "w_experts_down": -2}
-SHARED_EXPERT = ("w_shared_gate_up", "w_shared_down")  # Llama 4's MoE layers only
-GEMMA4_EXPERTS = ("w_experts_gate_up", "w_experts_down")  # Gemma 4 MoE's only
 CHANNEL_VALUES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # 8-bit kinds: their values' part and dtype
 CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}  # the largest value each keeps (symmetric; e4m3's finite maximum)
 
@@ -181,12 +180,16 @@ def quantize_channels(weights: Mapping[str, np.ndarray], kind: str
     out, layouts = dict(weights), {}
     for name in [k for k in weights if k.count(".") == 1 and k.partition(".")[2] in INPUT_AXIS]:
         short = name.partition(".")[2]
-        rel = INPUT_AXIS[short]
-        w = np.asarray(out.pop(name), np.float32)
-        scale = np.abs(w).max(axis=w.ndim + rel, keepdims=True) / top
-        scale = np.where(scale == 0, 1, scale).astype(np.float32)
-        q = np.clip(w / scale, -top, top)
-        out[f"{name}.{kind}"] = np.rint(q).astype(np.int8) if kind == "int8" else q.astype(CHANNEL_VALUES[kind])
-        out[f"{name}.scale"] = scale
+        stack = out.pop(name)
+        axis = stack.ndim - 1 + INPUT_AXIS[short]  # in one layer's weight
+        values = np.empty(stack.shape, CHANNEL_VALUES[kind])
+        scales = np.empty(tuple(1 if i == axis + 1 else n for i, n in enumerate(stack.shape)), np.float32)
+        for i in range(stack.shape[0]):  # a layer at a time: one layer's float32 copy at most, not the stack's
+            w = np.asarray(stack[i], np.float32)
+            scale = np.abs(w).max(axis=axis, keepdims=True) / top
+            scales[i] = np.where(scale == 0, 1, scale)
+            q = np.clip(w / scales[i], -top, top)
+            values[i] = np.rint(q) if kind == "int8" else q
+        out[f"{name}.{kind}"], out[f"{name}.scale"] = values, scales
         layouts[short] = QuantLayout(kind)
     return out, layouts
