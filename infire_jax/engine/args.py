@@ -39,12 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
     p.add_argument("--weights-quantization", default=None, choices=["gguf", "int8", "fp8", "int4", "checkpoint"],
                    help="keep the layer weights quantized on the device, dequantized per layer inside the layer "
                         "scan (embedding and head stay dense): gguf keeps a GGUF model's Q4_1/Q8_0 blocks; int8 and "
-                        "fp8 (e4m3, vLLM's --quantization fp8) quantize a Llama-family, Llama 4, Gemma 3/4, GLM-4.5 or "
-                        "MiniMax-M2 model at load, one scale per output channel; int4 quantizes one at load to AWQ/GPTQ-form "
-                        "int4 (round to nearest, a float16 scale and a zero point per group of --int4-group-size "
-                        "inputs; a dummy: model's drawn, a DeepSeek/Kimi dummy's routed experts as Kimi's int4); "
-                        "checkpoint keeps a "
-                        "published GPTQ/AWQ/FP8/W8A8/DeepSeek-V3/Kimi/gpt-oss checkpoint's own int4, 8-bit or MXFP4 "
+                        "fp8 (e4m3, vLLM's --quantization fp8) quantize a Llama-family, Llama 4, Gemma 3/4, "
+                        "GLM-4.5 or MiniMax-M2 model at load, one scale per output channel; int4 quantizes one at "
+                        "load to AWQ/GPTQ-form int4 (round to nearest, a float16 scale and a zero point per group of "
+                        "--int4-group-size inputs; a dummy: model's drawn, a DeepSeek/Kimi dummy's routed experts as "
+                        "Kimi's int4); checkpoint keeps a published GPTQ/AWQ/FP8/W8A8/DeepSeek-V3/Kimi/gpt-oss "
+                        "checkpoint's own int4, 8-bit or MXFP4 "
                         "weights (routed experts dequantized one expert at a time in the grouped matmul)")
     p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
                    help="vLLM's flag: the checkpoint's own method (awq, gptq, fp8, compressed-tensors, fbgemm_fp8, "
