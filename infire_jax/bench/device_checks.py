@@ -134,6 +134,16 @@ CHECKS = (
                                     "bfloat16", "--input-len", "4096", "--output-len", "128", "--max-model-len",
                                     "4352", "--batch-size", "1", "32"))
       for size in ("31b", "26b-a4b")),
+    # Gemma 4 31B with its layer weights in fp8 at load (32 GB where bf16 takes 62): both kinds' projections
+    # read in place by the quantized matmul in decode; never run on a GPU.
+    Check("gemma4-31b-fp8", 240, ("infire_jax.bench", "latency", "--model", "dummy:gemma-4-31b", "--dtype",
+                                  "bfloat16", "--weights-quantization", "fp8", "--input-len", "4096",
+                                  "--output-len", "128", "--max-model-len", "4352", "--batch-size", "1", "32")),
+    # GLM-4.5-Air whole on one H200 in fp8 at load (108 GB): routed and shared experts through the grouped
+    # and dense quantized kernels; never run on a GPU.
+    Check("glm45-air-fp8", 300, ("infire_jax.bench", "latency", "--model", "dummy:glm-4.5-air", "--dtype", "bfloat16",
+                                 "--weights-quantization", "fp8", "--input-len", "2048", "--output-len", "128",
+                                 "--batch-size", "1", "32")),
     # GLM-4.5-Air's shapes, 12 of its 46 layers in bfloat16 (53 GB; the whole model's 214 GB needs a mesh):
     # half-rotated GQA heads and DeepSeek-V3's MoE through the grouped kernel; never run on a GPU yet.
     Check("glm45-air-12-layers", 240, ("infire_jax.bench", "latency", "--model", "dummy:glm-4.5-air,layers=12",
