@@ -14,6 +14,7 @@ import random
 import re
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import jsonschema
@@ -184,11 +185,15 @@ class TestForcedCallsInSpecialTokenFormats:
         fmt, url = format_url
         client = client_of(url)
         fn = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            # One call (greedy SmolLM2 would repeat calls while the grammar lets it, to the token limit).
-            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[fn],
-                                               tool_choice=choice, max_tokens=200, temperature=0,
-                                               parallel_tool_calls=False)
+
+        def ask(choice):  # one call (greedy SmolLM2 would repeat calls while the grammar lets it, to the token limit)
+            return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[fn],
+                                                  tool_choice=choice, max_tokens=200, temperature=0,
+                                                  parallel_tool_calls=False)
+
+        with ThreadPoolExecutor(2) as pool:  # both in one batch
+            answers = list(pool.map(ask, ("required", {"type": "function", "function": {"name": "get_weather"}})))
+        for r in answers:
             calls = r.choices[0].message.tool_calls
             assert calls and r.choices[0].finish_reason == "tool_calls", (fmt, r.choices[0].message.content)
             (call,) = calls
