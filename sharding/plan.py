@@ -341,9 +341,9 @@ class ShardPlan:
         if self.kv_repeat > 1:  # every stack's fused q/k/v ("layers.wqkv", or Llama 4's "moe_layers.wqkv")
             for name in [k for k in out if k.endswith((".wqkv", ".bqkv"))]:
                 out[name] = repeat_kv_heads(out[name], self.kv_repeat)
-            for name in SEPARATE_KV:  # copy i of kv head j beside j's others, as the fused weight's
-                if name in out:
-                    out[name] = np.repeat(out[name], self.kv_repeat, axis=2)
+            # copy i of kv head j beside j's others, as the fused weight's (the weight, or its quantized parts)
+            for name in [k for k in out if k in SEPARATE_KV or k.rpartition(".")[0] in SEPARATE_KV]:
+                out[name] = np.repeat(out[name], self.kv_repeat, axis=2)
         for stack, copies, parts in self.stack_kv_repeats:  # the weight, or each of its quantized parts
             for name in [k for k in out if k == f"{stack}.wqkv" or k.startswith(f"{stack}.wqkv.")]:
                 out[name] = repeat_kv_heads(out[name], copies, parts)

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-               "up_proj.weight", "down_proj.weight", "experts.gate_up_proj", "experts.down_proj")
+               "up_proj.weight", "down_proj.weight", "experts.gate_up_proj", "experts.down_proj",
+               "in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")  # the last three: Qwen3.5's DeltaNet
 CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}
 
 

@@ -422,7 +422,7 @@ def test_config_refusals():
 
 @pytest.mark.parametrize("setting, match", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
-    (dict(weights_quantization="int8"), "weights_quantization"),
+    (dict(weights_quantization="gguf"), "weights_quantization"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(enable_lora=True), "LoRA adapters are supported on the Llama family"),
 ])
@@ -433,6 +433,50 @@ def test_engine_refusals(checkpoint, setting, match):
     _, path = checkpoint
     with pytest.raises(ConfigError, match=match):
         LLM(model=str(path), **{**ENGINE, **setting})
+
+
+def test_int8_at_load_equals_its_float_twin(tmp_path, monkeypatch):
+    """`weights_quantization="int8"` (a float32 scale per output channel; wo's per head): the DeltaNet's
+    in_proj_qkv, in_proj_z and out_proj, the attention's q (with its gate), k, v and o, and the MLPs are held as
+    their int8 parts alone, and the engine gives the tokens and logprobs of the float engine on a twin checkpoint
+    whose projections are the format's decoded values (tests/quant_twins.py); also through the GPU's quantized
+    matmul (interpret mode), which reads the parts in place in decode steps."""
+    from flax import nnx
+
+    from infire_jax import LLM, SamplingParams
+    from quant_twins import quantize_twin
+
+    hf = hf_model()
+    for name in ("float", "twin"):
+        if name == "twin":
+            quantize_twin(hf, "int8", lambda _: TINY["head_dim"])
+        hf.save_pretrained(tmp_path / name, safe_serialization=True)
+        _save_tokenizer(tmp_path / name)
+    engine = dict(ENGINE, token_buckets=(32,))
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    twin = LLM(model=str(tmp_path / "twin"), **engine)
+    try:
+        want = [o.outputs[0] for o in twin.generate(PROMPTS, params)]
+    finally:
+        twin.engine.close()
+    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
+    for kernels in (False, True):
+        if kernels:
+            monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
+        llm = LLM(model=str(tmp_path / "float"), weights_quantization="int8", **engine)
+        try:
+            placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
+            kept = [f"linear_layers.{w}" for w in ("w_qkv", "w_z", "w_out", "w_gate_up", "w_down")] + [
+                f"attention_layers.{w}" for w in ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")]
+            assert all(f"{w}.int8" in placed and w not in placed for w in kept), sorted(placed)
+            outs = llm.generate(PROMPTS, params)
+        finally:
+            llm.engine.close()
+        for got, f in zip(outs, want):
+            assert got.outputs[0].token_ids == f.token_ids, kernels
+            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
+                                       [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)],
+                                       atol=1e-4 if kernels else 1e-5, rtol=0)
 
 
 def test_meshes_match_hf(checkpoint, tmp_path):

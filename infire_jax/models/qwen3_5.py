@@ -16,7 +16,9 @@ The layers are stacked in two stacks, the linear layers' and the attention layer
 group: the group's linear layers, then its attention layer (decoder_stack). On a mesh the stack runs in
 models/parallel.py's shard_map: tp splits the attention heads, the DeltaNets' heads (their weights and
 their state, sharding/mesh.py ALIASES) and the MLP widths, ep or tp the routed experts; no pipeline.
-Quantized or compressed weights, LoRA and EAGLE-3 are refused.
+Layer weights may be kept quantized at load (int8 / fp8 / int4, quant/resident.py: the DeltaNets' and the
+attention's projections, the MLPs and experts; in_proj_b / _a stay as they are), each layer's dequantized in
+the scan, or read in place by the GPU's quantized matmuls. Compressed weights, LoRA and EAGLE-3 are refused.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from infire_jax.models.moe import route_for, routed_mlp, router_logits
 from infire_jax.models.llama import InPlace, linear
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import EXPERT_INPUTS, LayerExperts, layer_stacks
+from infire_jax.quant.resident import QuantLayout, dequantize_layer, keep_quantized, quant_layouts
 from infire_jax.quant.weight_parts import LayerStacks
 from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention, plan_step
@@ -76,7 +79,7 @@ def _mlp_params(layers: LayerStacks, cfg: ModelConfig, n: int, dtype) -> None:
 class AttentionLayers(LayerStacks):
     """The attention layers' weights: q with its gate [E, H, 2, D], k and v [E, Hkv, D], o [H, D, E]."""
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, resident: Mapping[str, QuantLayout]):
         n, e, h, hkv, d = cfg.num_kv_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         _mlp_params(self, cfg, n, dtype)
         self.wq = param((n, e, h, 2, d), ("layers", "embed", "q_heads", "qkv", "head_dim"), dtype)
@@ -85,13 +88,14 @@ class AttentionLayers(LayerStacks):
         self.q_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
         self.k_norm = param((n, d), ("layers", "norm"), dtype, init="ones")
         self.wo = param((n, h, d, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
+        keep_quantized(self, resident)
 
 
 class LinearLayers(LayerStacks):
     """The Gated DeltaNet layers' weights (HF's names: in_proj_qkv as w_qkv [E, C], in_proj_z, _b, _a,
     conv1d [K, C], dt_bias, A_log, norm [Dv], out_proj [Hv * Dv, E])."""
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, resident: Mapping[str, QuantLayout]):
         g, n, e = cfg.gated_delta, cfg.num_linear_layers, cfg.hidden_size
         value = g.num_v_heads * g.v_head_dim
         _mlp_params(self, cfg, n, dtype)
@@ -104,6 +108,7 @@ class LinearLayers(LayerStacks):
         self.a_log = param((n, g.num_v_heads), ("layers", "linear_heads"), dtype, init="zeros")
         self.norm = param((n, g.v_head_dim), ("layers", "norm"), dtype, init="ones")
         self.w_out = param((n, value, e), ("layers", "linear_value", "embed"), dtype)
+        keep_quantized(self, resident)
 
 
 def gated_rms_norm(x: Float[Array, "T H D"], z: Float[Array, "T H D"], weight: Float[Array, "D"],
@@ -192,17 +197,18 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
         lin, lp, idx = xs
         for j in range(per_group):
             layer = idx * per_group + j
-            lj = {**{name: w[j] for name, w in lin.items()}, **lin_in_place(layer)}
+            lj = {**dequantize_layer({name: jax.tree.map(lambda a: a[j], w) for name, w in lin.items()}, h.dtype),
+                  **lin_in_place(layer)}
             y, state = linear_mixer(cfg, lj, rms_norm(h, lj["attn_norm"], eps), state, layer, rows, token_slots)
             h = _mlp(cfg, red, lj, h + psum(y, red.attn))
-        lp = {**lp, **attn_in_place(idx)}
+        lp = {**dequantize_layer(lp, h.dtype), **attn_in_place(idx)}
         y, k_pages, v_pages = attention_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), k_pages, v_pages, idx,
                                               meta, cos, sin, attn_impl, one_device)
         return (_mlp(cfg, red, lp, h + psum(y, red.attn)), k_pages, v_pages, state), None
 
     linear = {name: w for name, w in linear.items() if name not in lin_in_place.stacks}
     attention = {name: w for name, w in attention.items() if name not in attn_in_place.stacks}
-    by_group = {name: w.reshape(groups, per_group, *w.shape[1:]) for name, w in linear.items()}
+    by_group = jax.tree.map(lambda w: w.reshape(groups, per_group, *w.shape[1:]), linear)
     xs = (by_group, attention, np.arange(groups, dtype=np.int32))
     (h, k_pages, v_pages, state), _ = jax.lax.scan(group, (h, k_pages, v_pages, state), xs)
     return h, k_pages, v_pages, state
@@ -238,13 +244,12 @@ def _in_place(weights: dict[str, Array], tokens: int, cfg: ModelConfig, one_devi
 
 class Qwen3_5(DecoderModel):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, resident: Mapping | None = None):
-        if resident:
-            raise ConfigError("Qwen3.5 runs with plain weights; weights_quantization and weights_compression "
-                              "are not supported for it yet")
+        """`resident`: layer weights kept quantized, by weight name (`w_qkv`, `wq`, `w_gate_up`, ...)."""
+        resident = quant_layouts("Qwen3.5", resident)
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.linear_layers = LinearLayers(cfg, dtype)
-        self.attention_layers = AttentionLayers(cfg, dtype)
+        self.linear_layers = LinearLayers(cfg, dtype, resident)
+        self.attention_layers = AttentionLayers(cfg, dtype, resident)
         self.final_norm = param((cfg.hidden_size,), ("norm",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)

@@ -39,10 +39,12 @@ QUANTIZATION_MODES = ("gguf", "int8", "fp8", "int4", "checkpoint")
 # The input axis of each quantizable layer weight, counted from the end (dense and MoE alike):
 # wqkv [E, Hkv, G+2, D], wo [Hq, D, E] (blocks run along D within a head), w_gate_up [(X,) E, 2, F],
 # w_down [(X,) F, E], and a shared expert's (Llama 4) like a dense MLP's.
-# w_shared_*: a shared expert's (Llama 4's, GLM-4.5's); w_experts_*: Gemma 4's MoE block, beside its dense MLP,
-# [X, E, 2, F] and [X, F, E].
+# w_shared_*: a shared expert's (Llama 4's, GLM-4.5's, Qwen3.5's); w_experts_*: Gemma 4's MoE block, beside its
+# dense MLP, [X, E, 2, F] and [X, F, E]; Qwen3.5's attention (wq [E, H, 2, D] with its gate, wk and wv
+# [E, Hkv, D]) and Gated DeltaNet projections (w_qkv [E, C], w_z [E, V], w_out [V, E]).
 INPUT_AXIS = {"wqkv": -4, "wo": -2, "w_gate_up": -3, "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2,
-              "w_experts_gate_up": -3, "w_experts_down": -2}
+              "w_experts_gate_up": -3, "w_experts_down": -2, "wq": -4, "wk": -3, "wv": -3, "w_qkv": -2,
+              "w_z": -2, "w_out": -2}
 CHANNEL_VALUES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # 8-bit kinds: their values' part and dtype
 CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}  # the largest value each keeps (symmetric; e4m3's finite maximum)
 
