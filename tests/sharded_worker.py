@@ -79,7 +79,8 @@ def main() -> None:
         outs = llm.generate(prompts, params, lora_request=LoRARequest(*lora) if lora else None)
         kv, groups = llm.engine.kv, llm.engine.runner.rc.kv_groups
         linear = llm.engine.runner.cache.linear
-        if linear is not None:  # a Qwen3.5's linear state: each array's split and its bytes on each device
+        if linear is not None and llm.engine.plan is not None:  # a Qwen3.5's linear state on a mesh: each array's
+            # split and its bytes on each device
             result["linear_state"] = {name: {"spec": [a for a in arr.sharding.spec], "global": int(arr.nbytes),
                                              "per_device": [int(s.data.nbytes) for s in arr.addressable_shards]}
                                       for name, arr in linear._asdict().items()}

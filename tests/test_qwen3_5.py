@@ -503,6 +503,9 @@ def test_meshes_match_hf(checkpoint, tmp_path):
             {"model": paths["moe"], "mesh": str(tp_ep), "tag": "tp2-ep2"},
             {"model": paths["dense"], "mesh": shipped["4"], "tag": "tp4"},
             {"model": paths["dense"], "mesh": shipped["2-pp2"], "tag": "pp2"}]
+    # int8 at load on tp 2 (the one kv head's k and v parts repeated to each device) as on one device
+    runs += [{"model": paths["dense"], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
+              "tag": f"int8 {m}", "weights_quantization": "int8"} for m in ("1", "2")]
     engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32]}  # one bucket compiled
     proc = _run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": NUM_TOKENS, "engine": engine}, 4, tmp_path,
                        "qwen3_5")
@@ -511,6 +514,11 @@ def test_meshes_match_hf(checkpoint, tmp_path):
     results = {r["tag"]: r for r in _results(proc)}
     assert not results["tp4"]["fits"] and "2 linear-attention k heads are not divisible by tp=4" in results["tp4"]["error"]
     assert not results["pp2"]["fits"] and "pipeline parallelism is not supported" in results["pp2"]["error"]
+    int8 = [results[f"int8 {m}"] for m in ("1", "2")]
+    assert all(r["fits"] for r in int8), [r.get("error") for r in int8]
+    assert int8[1]["tokens"] == int8[0]["tokens"]
+    np.testing.assert_allclose(int8[1]["logprobs"], int8[0]["logprobs"], atol=1e-4, rtol=0)
+    assert int8[1]["params"]["attention_layers.wk.int8"]["spec"][2] == "tp"
     for tag, expected in want.items():
         r = results[tag]
         assert r["fits"], r.get("error")
