@@ -65,3 +65,39 @@ def quantize_twin(model: torch.nn.Module, mode: str, head_dim, group: int = 128)
             else:
                 twin = _channel(w, mode)
             p.copy_(torch.from_numpy(twin))
+
+
+def twin_outputs(path: str, engine: dict, prompts: list, params) -> list:
+    """The float engine's outputs (each request's first completion) on the twin checkpoint at `path`."""
+    from infire_jax import LLM
+
+    llm = LLM(model=path, **engine)
+    try:
+        want = [o.outputs[0] for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.close()
+    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
+    return want
+
+
+def assert_kept_and_follows_twin(path: str, engine: dict, kept: list[str], part: str, prompts: list, params,
+                                 want: list, atol: float) -> None:
+    """The engine on the float checkpoint at `path` (`engine` names its weights_quantization) holds each
+    weight of `kept` ("moe_layers.wqkv") as its quantized parts alone (`part`: "int8", "fp8", "q4"), and
+    gives the twin's greedy tokens (`want`), their logprobs within `atol`."""
+    from flax import nnx
+
+    from infire_jax import LLM
+
+    llm = LLM(model=path, **engine)
+    try:
+        placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
+        missing = [w for w in kept if f"{w}.{part}" not in placed or w in placed]
+        assert not missing, (missing, sorted(placed))
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.engine.close()
+    for got, f in zip(outs, want):
+        assert got.outputs[0].token_ids == f.token_ids
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)

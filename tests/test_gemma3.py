@@ -204,33 +204,21 @@ def test_int4_at_load_equals_its_float_twin(tmp_path):
     holds the layer weights' int4 parts alone and gives the tokens and logprobs of the float engine on a
     twin checkpoint whose projections are the values decoded from the format's definition
     (tests/quant_twins.py)."""
-    from flax import nnx
-
-    from infire_jax import LLM, SamplingParams
-    from quant_twins import quantize_twin
+    from infire_jax import SamplingParams
+    from quant_twins import assert_kept_and_follows_twin, quantize_twin, twin_outputs
 
     hf = hf_model()
-    hf.save_pretrained(tmp_path / "float", safe_serialization=True)
-    _save_tokenizer(tmp_path / "float")
-    quantize_twin(hf, "int4", lambda name: TINY["head_dim"], group=32)
-    hf.save_pretrained(tmp_path / "twin", safe_serialization=True)
-    _save_tokenizer(tmp_path / "twin")
+    for name in ("float", "twin"):
+        if name == "twin":
+            quantize_twin(hf, "int4", lambda _: TINY["head_dim"], group=32)
+        hf.save_pretrained(tmp_path / name, safe_serialization=True)
+        _save_tokenizer(tmp_path / name)
     engine = dict(ENGINE, token_buckets=(32,))
-    want = _generate(str(tmp_path / "twin"), **engine)[2]
-    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
-    llm = LLM(model=str(tmp_path / "float"), weights_quantization="int4", int4_group_size=32, **engine)
-    try:
-        placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
-        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-            assert {f"layers.{name}.{part}" for part in ("q4", "zero", "scale")} <= placed, name
-            assert f"layers.{name}" not in placed, name
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1))
-    finally:
-        llm.engine.close()
-    for got, f in zip(outs, want):
-        assert got.outputs[0].token_ids == f.token_ids
-        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
-                                   [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=1e-5, rtol=0)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    want = twin_outputs(str(tmp_path / "twin"), engine, PROMPTS, params)
+    kept = [f"layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down")]
+    assert_kept_and_follows_twin(str(tmp_path / "float"), dict(engine, weights_quantization="int4", int4_group_size=32),
+                                 kept, "q4", PROMPTS, params, want, 1e-5)
 
 
 def test_refuses_what_its_layers_do_not_take(checkpoint):

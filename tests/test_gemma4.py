@@ -164,10 +164,8 @@ def test_weights_quantized_at_load_equal_their_float_twin(case, tmp_path, monkey
     projections are the kept values decoded from the formats' definitions (tests/quant_twins.py). The MoE's
     also through the GPU's kernels (interpret mode), which read the parts in place: the dense quantized
     matmul, and the grouped one for the experts."""
-    from flax import nnx
-
-    from infire_jax import LLM, SamplingParams
-    from quant_twins import quantize_twin
+    from infire_jax import SamplingParams
+    from quant_twins import assert_kept_and_follows_twin, quantize_twin, twin_outputs
 
     kind, mode, changes = QUANTIZED[case]
     hf = _hf_model(kind, **changes)
@@ -176,36 +174,17 @@ def test_weights_quantized_at_load_equal_their_float_twin(case, tmp_path, monkey
             "full_attention": changes.get("global_head_dim", TINY["global_head_dim"])}
     quantize_twin(hf, mode, lambda name: dims[LAYER_TYPES[int(name.split(".")[2])]], group=32)
     engine = dict(ENGINE, token_buckets=(32,))
-    want = _generate(_saved(hf, tmp_path / "twin"), **engine)[2]
-    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
-    quantized = dict(engine, weights_quantization=mode, int4_group_size=32 if mode == "int4" else None)
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-
-    def assert_same(llm, atol):
-        for got, f in zip(llm.generate(PROMPTS, params), want):
-            assert got.outputs[0].token_ids == f.token_ids
-            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
-                                       [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
-
-    llm = LLM(model=path, **quantized)
-    try:
-        placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
-        values = {"int8": "int8", "fp8": "fp8", "int4": "q4"}[mode]
-        names = ["wqkv", "wo", "w_gate_up", "w_down", *(["w_experts_gate_up", "w_experts_down"] if kind == "moe" else [])]
-        for stack in ("sliding_layers", "full_layers"):
-            for name in names:
-                assert f"{stack}.{name}.{values}" in placed and f"{stack}.{name}" not in placed, (stack, name)
-        assert_same(llm, 1e-5)
-    finally:
-        llm.engine.close()
+    want = twin_outputs(_saved(hf, tmp_path / "twin"), engine, PROMPTS, params)
+    quantized = dict(engine, weights_quantization=mode, int4_group_size=32 if mode == "int4" else None)
+    names = ["wqkv", "wo", "w_gate_up", "w_down", *(["w_experts_gate_up", "w_experts_down"] if kind == "moe" else [])]
+    kept = [f"{stack}.{name}" for stack in ("sliding_layers", "full_layers") for name in names]
+    part = {"int8": "int8", "fp8": "fp8", "int4": "q4"}[mode]
+    assert_kept_and_follows_twin(path, quantized, kept, part, PROMPTS, params, want, 1e-5)
     if kind == "moe":
         monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
         monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
-        llm = LLM(model=path, **quantized)
-        try:
-            assert_same(llm, 1e-4)
-        finally:
-            llm.engine.close()
+        assert_kept_and_follows_twin(path, quantized, kept, part, PROMPTS, params, want, 1e-4)
 
 
 def test_meshes_match_hf(checkpoints, tmp_path):

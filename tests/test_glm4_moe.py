@@ -128,40 +128,22 @@ def test_fp8_at_load_equals_its_float_twin(tmp_path, monkeypatch):
     gives the tokens and logprobs of the float engine on a twin checkpoint whose projections are the
     format's decoded values (tests/quant_twins.py); also through the GPU's kernels (interpret mode), which
     read the parts in place (the dense quantized matmul, the grouped one for the experts)."""
-    from flax import nnx
-
-    from infire_jax import LLM, SamplingParams
-    from quant_twins import quantize_twin
+    from infire_jax import SamplingParams
+    from quant_twins import assert_kept_and_follows_twin, quantize_twin, twin_outputs
 
     hf = hf_model()
     path = _save(hf, tmp_path / "float")
     quantize_twin(hf, "fp8", lambda name: TINY["head_dim"])
     engine = dict(ENGINE, token_buckets=(32,))
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    twin = LLM(model=_save(hf, tmp_path / "twin"), **engine)
-    try:
-        want = [o.outputs[0] for o in twin.generate(PROMPTS, params)]
-    finally:
-        twin.engine.close()
-    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
-    for kernels in (False, True):
-        if kernels:
-            monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
-            monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
-        llm = LLM(model=path, weights_quantization="fp8", **engine)
-        try:
-            placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
-            kept = [f"dense_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down")] + [
-                f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")]
-            assert all(f"{w}.fp8" in placed and w not in placed for w in kept), sorted(placed)
-            outs = llm.generate(PROMPTS, params)
-        finally:
-            llm.engine.close()
-        for got, f in zip(outs, want):
-            assert got.outputs[0].token_ids == f.token_ids, kernels
-            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
-                                       [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)],
-                                       atol=1e-4 if kernels else 1e-5, rtol=0)
+    want = twin_outputs(_save(hf, tmp_path / "twin"), engine, PROMPTS, params)
+    kept = [f"dense_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down")] + [
+        f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")]
+    quantized = dict(engine, weights_quantization="fp8")
+    assert_kept_and_follows_twin(path, quantized, kept, "fp8", PROMPTS, params, want, 1e-5)
+    monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
+    monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
+    assert_kept_and_follows_twin(path, quantized, kept, "fp8", PROMPTS, params, want, 1e-4)
 
 
 @pytest.mark.parametrize("name", ["glm-4.5-air", "glm-4.5"])

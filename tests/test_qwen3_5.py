@@ -441,10 +441,8 @@ def test_int8_at_load_equals_its_float_twin(tmp_path, monkeypatch):
     their int8 parts alone, and the engine gives the tokens and logprobs of the float engine on a twin checkpoint
     whose projections are the format's decoded values (tests/quant_twins.py); also through the GPU's quantized
     matmul (interpret mode), which reads the parts in place in decode steps."""
-    from flax import nnx
-
-    from infire_jax import LLM, SamplingParams
-    from quant_twins import quantize_twin
+    from infire_jax import SamplingParams
+    from quant_twins import assert_kept_and_follows_twin, quantize_twin, twin_outputs
 
     hf = hf_model()
     for name in ("float", "twin"):
@@ -454,29 +452,13 @@ def test_int8_at_load_equals_its_float_twin(tmp_path, monkeypatch):
         _save_tokenizer(tmp_path / name)
     engine = dict(ENGINE, token_buckets=(32,))
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    twin = LLM(model=str(tmp_path / "twin"), **engine)
-    try:
-        want = [o.outputs[0] for o in twin.generate(PROMPTS, params)]
-    finally:
-        twin.engine.close()
-    assert len(set(want[0].token_ids)) > 3  # not a degenerate repetition
-    for kernels in (False, True):
-        if kernels:
-            monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
-        llm = LLM(model=str(tmp_path / "float"), weights_quantization="int8", **engine)
-        try:
-            placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
-            kept = [f"linear_layers.{w}" for w in ("w_qkv", "w_z", "w_out", "w_gate_up", "w_down")] + [
-                f"attention_layers.{w}" for w in ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")]
-            assert all(f"{w}.int8" in placed and w not in placed for w in kept), sorted(placed)
-            outs = llm.generate(PROMPTS, params)
-        finally:
-            llm.engine.close()
-        for got, f in zip(outs, want):
-            assert got.outputs[0].token_ids == f.token_ids, kernels
-            np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
-                                       [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)],
-                                       atol=1e-4 if kernels else 1e-5, rtol=0)
+    want = twin_outputs(str(tmp_path / "twin"), engine, PROMPTS, params)
+    kept = [f"linear_layers.{w}" for w in ("w_qkv", "w_z", "w_out", "w_gate_up", "w_down")] + [
+        f"attention_layers.{w}" for w in ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")]
+    quantized = dict(engine, weights_quantization="int8")
+    assert_kept_and_follows_twin(str(tmp_path / "float"), quantized, kept, "int8", PROMPTS, params, want, 1e-5)
+    monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
+    assert_kept_and_follows_twin(str(tmp_path / "float"), quantized, kept, "int8", PROMPTS, params, want, 1e-4)
 
 
 def test_meshes_match_hf(checkpoint, tmp_path):

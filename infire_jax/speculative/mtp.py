@@ -45,7 +45,7 @@ class MTPHead(nnx.Module):
         self.hnorm = param((e,), ("norm",), dtype, init="ones")
         self.eh_proj = param((2 * e, e), ("embed", "embed"), dtype)
         self.layers = (deepseek.MLALayers(cfg, 1, True, dtype, {}) if cfg.mla is not None
-                       else glm4_moe.Glm4Layers(cfg, 1, True, dtype))
+                       else glm4_moe.Glm4Layers(cfg, 1, True, dtype, {}))
         self.norm = param((e,), ("norm",), dtype, init="ones")
         if own_head:
             self.head = param((cfg.vocab_size, e), ("vocab", "embed"), dtype)
