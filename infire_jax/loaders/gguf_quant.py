@@ -34,8 +34,8 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model, build_state
 from infire_jax.quant.gguf_blocks import BLOCK_BYTES, QK, split_blocks
 from infire_jax.quant.grouped import GroupedLayout
-from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, int4_layouts, quantize_int4
-from infire_jax.quant.resident import CHANNEL_VALUES, INPUT_AXIS, QuantLayout, quantize_channels
+from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, layouts_at_load, quantize_int4
+from infire_jax.quant.resident import CHANNEL_VALUES, QuantLayout, quantize_channels
 from infire_jax.loaders.tokenizer import tokenizer_from_gguf
 from sharding.plan import ShardPlan
 
@@ -114,17 +114,15 @@ def dummy_layouts(cfg, mode: str, int4_group: int = DEFAULT_INT4_GROUP) -> dict:
     `build_state` (or `models.registry.abstract_state`, for shapes alone) takes: a DeepSeek-V3-family
     one's routed experts in Kimi K2's int4 (groups of 32, bfloat16 scales); another's quantizable layer
     weights, every stack's, as a float model's are quantized at load: int8 or fp8 per output channel, or
-    int4 in the AWQ / GPTQ form in groups of `int4_group` inputs (quant/int4_rtn.py `int4_layouts`)."""
+    int4 in the AWQ / GPTQ form in groups of `int4_group` inputs (quant/int4_rtn.py `layouts_at_load`)."""
     if cfg.mla is not None and mode == "int4":
         return {f"moe_layers.{w}": GroupedLayout("int4", 32, jnp.bfloat16) for w in ("w_gate_up", "w_down")}
     if cfg.mla is not None:
         raise ConfigError(f"weights_quantization={mode!r} covers Llama-architecture models; a DeepSeek-V3-family "
                           "dummy draws its routed experts in int4")
     state = nnx.state(abstract_model(cfg, jnp.float32), nnx.Param)
-    stacks = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(state) if len(p) == 2}
-    if mode in CHANNEL_VALUES:
-        return {name.rpartition(".")[2]: QuantLayout(mode) for name in stacks if name.rpartition(".")[2] in INPUT_AXIS}
-    return int4_layouts(stacks, int4_group)
+    return layouts_at_load({".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(state) if len(p) == 2},
+                           mode, int4_group)
 
 
 def load_gguf_placed(spec: str | None, dtype, plan: ShardPlan | None) -> Placed:

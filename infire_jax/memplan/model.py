@@ -21,8 +21,8 @@ from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, gqa_kept_scheme
 from infire_jax.models.config import ModelConfig, gemma4_stacks
 from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
-from infire_jax.quant.int4_rtn import int4_layouts
-from infire_jax.quant.resident import CHANNEL_VALUES, INPUT_AXIS, QuantLayout
+from infire_jax.quant.int4_rtn import layouts_at_load
+from infire_jax.quant.resident import QuantLayout
 
 KINDS = ("attention", "experts", "shared", "embeddings", "vision")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
@@ -343,9 +343,8 @@ def at_load_layouts(cfg: ModelConfig, mode: str, group: int) -> dict[str, QuantL
     values and a float32 scale per output channel (quant/resident.py `quantize_channels`), "int4" int4
     words, uint8 zeros and fp16 scales per piece of each `group`-input group (quant/int4_rtn.py);
     ValueError naming a weight that cannot be kept so."""
-    if mode in CHANNEL_VALUES:
-        return {_short(t.name): QuantLayout(mode) for t in _gqa_tensors(cfg) if _short(t.name) in INPUT_AXIS}
-    return int4_layouts({t.name if "." in t.name else f"layers.{t.name}": t.shape for t in _gqa_tensors(cfg)}, group)
+    return layouts_at_load({t.name if "." in t.name else f"layers.{t.name}": t.shape for t in _gqa_tensors(cfg)},
+                           mode, group)
 
 
 def _short(name: str) -> str:

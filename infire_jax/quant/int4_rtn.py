@@ -32,7 +32,7 @@ import numpy as np
 from jaxtyping import Float, Shaped, UInt8
 
 from infire_jax.quant.gptq_awq import pack_words
-from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
+from infire_jax.quant.resident import CHANNEL_VALUES, INPUT_AXIS, QuantLayout
 
 INT4_GROUPS = (32, 128)  # group sizes offered: AWQ's / GPTQ's usual ones
 DEFAULT_INT4_GROUP = 128
@@ -121,6 +121,16 @@ def quantize_int4(weights: Mapping[str, np.ndarray], group: int = DEFAULT_INT4_G
                 raise ValueError(f"{name} (layer {i}): {e}") from e
         out.update({f"{name}.{p}": np.stack([lp[p] for lp in per_layer]) for p in ("q4", "zero", "scale")})
     return out, layouts
+
+
+def layouts_at_load(stacks: Mapping[str, tuple[int, ...]], mode: str, group: int = DEFAULT_INT4_GROUP
+                    ) -> dict[str, QuantLayout]:
+    """The layout of each quantizable weight name among `stacks` (path -> stacked shape) as
+    `weights_quantization=mode` quantizes it at load: "int8" / "fp8" per output channel, "int4" by
+    `int4_layouts`."""
+    if mode in CHANNEL_VALUES:
+        return {name.rpartition(".")[2]: QuantLayout(mode) for name in stacks if name.rpartition(".")[2] in INPUT_AXIS}
+    return int4_layouts(stacks, group)
 
 
 def int4_layouts(stacks: Mapping[str, tuple[int, ...]], group: int = DEFAULT_INT4_GROUP) -> dict[str, QuantLayout]:
