@@ -10,6 +10,11 @@ one head's inputs: the model keeps wo as [Hq, D, E] with D its input axis.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+
 import ml_dtypes
 import numpy as np
 import torch
@@ -18,6 +23,10 @@ PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight
                "up_proj.weight", "down_proj.weight", "experts.gate_up_proj", "experts.down_proj",
                "in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")  # the last three: Qwen3.5's DeltaNet
 CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}
+# A layer's projections in an HF checkpoint (GQA attention, MLPs, shared experts, Mixtral-named experts);
+# not a MoE's router (`mlp.gate`)
+LAYER_LINEAR = re.compile(r"model\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)"
+                          r"\.weight")
 
 
 def _channel(w: np.ndarray, kind: str) -> np.ndarray:
@@ -81,10 +90,10 @@ def twin_outputs(path: str, engine: dict, prompts: list, params) -> list:
 
 
 def assert_kept_and_follows_twin(path: str, engine: dict, kept: list[str], part: str, prompts: list, params,
-                                 want: list, atol: float) -> None:
+                                 want: list, atol: float) -> int:
     """The engine on the float checkpoint at `path` (`engine` names its weights_quantization) holds each
     weight of `kept` ("moe_layers.wqkv") as its quantized parts alone (`part`: "int8", "fp8", "q4"), and
-    gives the twin's greedy tokens (`want`), their logprobs within `atol`."""
+    gives the twin's greedy tokens (`want`), their logprobs within `atol`. Returns its weights' bytes."""
     from flax import nnx
 
     from infire_jax import LLM
@@ -95,9 +104,57 @@ def assert_kept_and_follows_twin(path: str, engine: dict, kept: list[str], part:
         missing = [w for w in kept if f"{w}.{part}" not in placed or w in placed]
         assert not missing, (missing, sorted(placed))
         outs = llm.generate(prompts, params)
+        weight_bytes = llm.engine.runner.weight_bytes
     finally:
         llm.engine.close()
     for got, f in zip(outs, want):
         assert got.outputs[0].token_ids == f.token_ids
         np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, f.token_ids)],
                                    [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
+    return weight_bytes
+
+
+def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0) -> None:
+    """The float HF checkpoint at `src` written twice: at `dst` with every layer projection (LAYER_LINEAR) in
+    `scheme`, and at `twin` as the float checkpoint of the values those decode to (float64 products, in
+    float32). "fp8-block": e4m3 values and a float32 `weight_scale_inv` per `block` x `block` block (absmax
+    / 448), with MiniMax-M2's published quantization_config; "fp8-channel": llm-compressor's FP8-dynamic
+    (compressed-tensors, a bfloat16 `weight_scale` per row, the activations' token-wise scales dynamic)."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    quantized, floats = {}, {}
+    for name, w in tensors.items():
+        if not LAYER_LINEAR.fullmatch(name):
+            quantized[name] = floats[name] = w
+            continue
+        o, i = w.shape
+        if scheme == "fp8-block":
+            assert o % block == 0 and i % block == 0, (name, w.shape, block)
+            amax = np.abs(w).reshape(o // block, block, i // block, block).max(axis=(1, 3))
+            stored = (amax / 448.0).astype(np.float32)
+            each = np.repeat(np.repeat(stored.astype(np.float64), block, axis=0), block, axis=1)
+            quantized[f"{name}_scale_inv"] = stored
+        else:
+            stored = (np.abs(w).max(axis=1, keepdims=True) / 448.0).astype(ml_dtypes.bfloat16)
+            each = np.broadcast_to(stored.astype(np.float64), w.shape)
+            quantized[f"{name}_scale"] = stored
+        q = (w / each).astype(ml_dtypes.float8_e4m3fn)
+        quantized[name] = q
+        floats[name] = (q.astype(np.float64) * each).astype(np.float32)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if scheme == "fp8-block":
+        config["quantization_config"] = dict(quant_method="fp8", fmt="float8_e4m3fn", activation_scheme="dynamic",
+                                             weight_block_size=[block, block],
+                                             modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
+    else:
+        from channel_models import DYNAMIC, _compressed
+
+        config["quantization_config"] = _compressed("float", "channel", DYNAMIC)
+    for path, weights, cfg in ((dst, quantized, config), (twin, floats, None)):
+        shutil.copytree(src, path)
+        save_file(weights, os.path.join(path, "model.safetensors"))
+        if cfg is not None:
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(cfg, f)

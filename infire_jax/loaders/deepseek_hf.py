@@ -100,7 +100,8 @@ def _convert_mla(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, 
         raise UnsupportedModelError(f"unexpected weight {rest!r} in a DeepSeek-V3 layer")
 
 
-_LINEAR = {"self_attn.q_a_proj": ("wq_a",), "self_attn.q_b_proj": ("wq_b",),
+_LINEAR = {"self_attn.q_proj": ("wqkv",), "self_attn.k_proj": ("wqkv",), "self_attn.v_proj": ("wqkv",),  # GQA's
+           "self_attn.q_a_proj": ("wq_a",), "self_attn.q_b_proj": ("wq_b",),
            "self_attn.kv_a_proj_with_mqa": ("wkv_a",), "self_attn.kv_b_proj": ("w_uk", "w_uv"),
            "self_attn.o_proj": ("wo",), "mlp.gate_proj": ("w_gate_up",), "mlp.up_proj": ("w_gate_up",),
            "mlp.down_proj": ("w_down",), "mlp.shared_experts.gate_proj": ("w_shared_gate_up",),
@@ -115,7 +116,7 @@ def linear_targets(module: str, cfg: ModelConfig) -> tuple[str, ...]:
         return ()
     stack = "dense_layers" if int(m.group(1)) < cfg.deepseek_moe.first_k_dense_replace else "moe_layers"
     em = _EXPERT.fullmatch(m.group(2))
-    shorts = (("w_down" if em.group(2) == "down_proj" else "w_gate_up",) if em
+    shorts = (("w_down" if _MLP[em.group(2)] == "down" else "w_gate_up",) if em
               else _LINEAR.get(m.group(2).removesuffix(".weight"), ()))
     return tuple(f"{stack}.{s}" for s in shorts)
 

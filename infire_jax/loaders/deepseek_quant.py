@@ -32,7 +32,7 @@ from infire_jax.loaders.tokenizer import Tokenizer
 from sharding.plan import ShardPlan
 
 
-def _scheme(path: str) -> QuantScheme:
+def kept_scheme(path: str) -> QuantScheme:
     """The checkpoint's scheme; ConfigError unless `path` is a quantized HF checkpoint directory."""
     if not (path and os.path.isfile(os.path.join(path, "config.json"))):
         raise ConfigError(f"weights_quantization='checkpoint' keeps a quantized HF checkpoint's weights: model "
@@ -54,7 +54,7 @@ def _model_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[st
 def load_kept(path: str) -> tuple[LoadedModel, dict[str, GroupedLayout]]:
     """The model with each kept weight as parts ("moe_layers.w_gate_up.packed", "....scale") in the
     model's layout, and their layouts; every other weight as the float loader gives it."""
-    scheme = _scheme(path)
+    scheme = kept_scheme(path)
     cfg = read_hf_config(path)
     if cfg.mla is None:
         raise ConfigError(f"weights_quantization='checkpoint' covers the DeepSeek-V3 family and GPTQ / AWQ "
@@ -71,12 +71,7 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, GroupedLayout]]:
         values.append((f"{name}.weight", v))
         scales.append((f"{name}.weight", s))
         kept.update((t, name) for t in targets)
-    for name, _ in plain:
-        partly = set(linear_targets(name.removesuffix(".weight"), cfg)) & set(kept)
-        if partly:
-            t = sorted(partly)[0]
-            raise UnsupportedModelError(f"{t}: {name} is not quantized but {kept[t]} is; a weight is kept "
-                                        "quantized whole (load without weights_quantization to dequantize it)")
+    check_whole(plain, kept, cfg)
     shapes = _model_shapes(cfg)
     for t in sorted(kept):
         try:  # before the conversion reshapes the parts by heads
@@ -94,6 +89,17 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, GroupedLayout]]:
     loaded = LoadedModel(config=cfg, tokenizer=Tokenizer.from_dir(path), name=os.path.basename(os.path.normpath(path)),
                          weights=weights)
     return loaded, layouts
+
+
+def check_whole(plain: list[tuple[str, object]], kept: dict[str, str], cfg: ModelConfig) -> None:
+    """UnsupportedModelError naming the weight if a plain tensor is part of a kept stacked weight
+    (`kept`: stacked weight -> a quantized module of it)."""
+    for name, _ in plain:
+        partly = set(linear_targets(name.removesuffix(".weight"), cfg)) & set(kept)
+        if partly:
+            t = sorted(partly)[0]
+            raise UnsupportedModelError(f"{t}: {name} is not quantized but {kept[t]} is; a weight is kept "
+                                        "quantized whole (load without weights_quantization to dequantize it)")
 
 
 def check_mesh(layouts: dict[str, GroupedLayout], cfg: ModelConfig, plan: ShardPlan) -> None:

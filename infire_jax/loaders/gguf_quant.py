@@ -24,7 +24,7 @@ from flax import nnx
 from gguf.quants import dequantize
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
+from infire_jax.loaders.fused_parts import FUSED, place_parts
 from infire_jax.loaders.gguf import (_BLOCK, _LAYER_MAP, _PERMUTED_QK, PlainGGUFReader, _config, read_metadata,
                                      unpermute_qk)
 from infire_jax.loaders.llama_quant import check_mesh
@@ -95,7 +95,7 @@ def load_gguf_quantized(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]
         if short in kept_short:
             row_len = int(t.shape[0])  # GGUF shapes list the input (row) length first
             for part, a in split_blocks(np.asarray(t.data), t.tensor_type.name, row_len).items():
-                laid = part_to_layout(short, unpermute(short, a), cfg)
+                laid = from_hf_layout(short, unpermute(short, a), cfg)
                 parts.setdefault(part, {}).setdefault(short, [None] * cfg.num_layers)[layer] = laid
         else:
             w = unpermute(short, np.asarray(dequantize(t.data, t.tensor_type), np.float32))

@@ -5,8 +5,8 @@
 - `compressed-tensors` with `format: pack-quantized`, 4-bit symmetric integer weights, one scale
   per `group_size` inputs (Kimi K2 / K2.5's routed experts): a module's `weight_packed`,
   `weight_scale` and `weight_shape` become its `weight`.
-- `fp8` with `weight_block_size` [B, B] and `fmt: e4m3` (DeepSeek-V3): a float8_e4m3fn `weight`
-  and its `weight_scale_inv` become the `weight`.
+- `fp8` with `weight_block_size` [B, B] and `fmt: e4m3` (DeepSeek-V3; MiniMax-M2 writes
+  `float8_e4m3fn`): a float8_e4m3fn `weight` and its `weight_scale_inv` become the `weight`.
 
 the 8-bit schemes Llama / Qwen / Mistral checkpoints for vLLM are most often published in, each
 an `[out, in]` 8-bit `weight` and a `weight_scale` per output channel or per tensor (a tensor's
@@ -59,6 +59,7 @@ PARTS = {"int4": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("wei
 # An 8-bit scheme's activation tensors, dropped (weight-only: see the module doc)
 ACTIVATION_PARTS = ("input_scale", "input_scale_ub", "input_zero_point")
 CHANNEL_VALUES = {"float": ml_dtypes.float8_e4m3fn, "int": np.int8}  # compressed-tensors' weight types
+E4M3_NAMES = ("e4m3", "float8_e4m3fn")  # an fp8 config's `fmt` for e4m3 weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,7 @@ def quant_scheme(hf: Mapping[str, Any]) -> QuantScheme | None:
         block = qc.get("weight_block_size")
         if not (isinstance(block, (list, tuple)) and len(block) == 2 and block[0] == block[1] and block[0] > 0):
             raise _bad("weight_block_size", block, "square [B, B] block scales are supported")
-        if qc.get("fmt", "e4m3") != "e4m3":
+        if qc.get("fmt", "e4m3") not in E4M3_NAMES:  # DeepSeek-V3 writes "e4m3", MiniMax-M2 the torch dtype's name
             raise _bad("fmt", qc.get("fmt"), "only e4m3 fp8 weights are supported")
         return QuantScheme("fp8", block=int(block[0]))
     if method == "compressed-tensors":

@@ -39,12 +39,12 @@ import numpy as np
 from flax import nnx
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders.fused_parts import FUSED, part_to_layout, place_parts
+from infire_jax.loaders.fused_parts import FUSED, place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, expert_weight, layer_weight, llama_weights, read_hf_config
 from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, QuantScheme, channel_parts, dequantize_module, \
     gqa_kept_scheme, grouped, quant_scheme, unpack_module
 from infire_jax.loaders.hf_quantized import kept_parts as block_parts  # gptq_awq has its own kept_parts
-from infire_jax.loaders.weights import LoadedModel, Placed, stack_layers
+from infire_jax.loaders.weights import LoadedModel, Placed, from_hf_layout, stack_layers
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.registry import abstract_model
 from infire_jax.quant.gptq_awq import kept_group, kept_parts, kept_parts_act_order
@@ -85,7 +85,7 @@ def load_llama_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
         raise ConfigError(f"weights_quantization='checkpoint' keeps {scheme.kind} weights of {what}, not "
                           f"{cfg.architecture}; {_DEQUANTIZE}")
     plain, parts, kept, formats = [], {}, {}, {}
-    form = {"channel": _channel_form, "fp8": _block_form}.get(scheme.kind, _int4_form)
+    form = {"channel": channel_form, "fp8": block_form}.get(scheme.kind, _int4_form)
     for name, w in grouped(checkpoint_tensors(path), scheme):
         where = _kept_weight(f"{name}.weight", cfg) if isinstance(w, dict) else None
         if where is None:  # a plain tensor, or a quantized one outside the layers
@@ -125,7 +125,7 @@ def load_llama_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
     return loaded, layouts
 
 
-def _channel_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
+def channel_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
                   ) -> tuple[dict[str, np.ndarray], QuantLayout]:
     """An 8-bit module's parts `[O, I]` and `[O, 1]` (float32 scales), and its layout."""
     form = channel_parts(name, w, scheme)
@@ -133,7 +133,7 @@ def _channel_form(name: str, w: dict[str, np.ndarray], short: str, scheme: Quant
     return {kind: form.weight, "scale": np.asarray(form.weight_scale, np.float32)}, QuantLayout(kind)
 
 
-def _block_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
+def block_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
                 ) -> tuple[dict[str, np.ndarray], QuantLayout]:
     """A block-scaled fp8 module's values `[O, I]` and float32 scales `[O, I / group]`: each block's scale
     repeated on its rows and, for wo where a block spans heads, on each head's piece."""
@@ -166,17 +166,17 @@ def _int4_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantSch
 
 
 def _layout(short: str, part: str, a: np.ndarray, scheme: QuantScheme, cfg: ModelConfig) -> np.ndarray:
-    """A kept part `[O, n]` in the model's layout, moved as `part_to_layout` moves it. An act-order
+    """A kept part `[O, n]` in the model's layout, moved as `from_hf_layout` moves it. An act-order
     g_idx (the same for every output) becomes the weight's layout with its last axis 1, and wo's
     whole zero / scale tables `[E, G]` become `[1, G, E]` (any head's input may be in any group). An
     8-bit wo's scales `[E, 1]` are repeated for each head, `[Hq, 1, E]`."""
     if part == "g_idx":
-        return np.ascontiguousarray(part_to_layout(short, a, cfg)[..., :1])
+        return np.ascontiguousarray(from_hf_layout(short, a, cfg)[..., :1])
     if short == "wo" and part == "scale" and scheme.kind == "channel":
         return np.ascontiguousarray(np.broadcast_to(a.T[None], (cfg.num_heads, 1, a.shape[0])))
     if scheme.act_order and short == "wo" and part != "q4":
         return a.T[None]
-    return part_to_layout(short, a, cfg)
+    return from_hf_layout(short, a, cfg)
 
 
 def _kept_weight(name: str, cfg: ModelConfig) -> tuple[int, int | None, str] | None:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from infire_jax.compression.resident import parse_resident
 from infire_jax.errors import ConfigError, ModelNotFoundError
-from infire_jax.loaders import checkpoint, deepseek_quant, gguf_quant, gpt_oss_quant, llama_quant
+from infire_jax.loaders import checkpoint, deepseek_quant, glm4_quant, gguf_quant, gpt_oss_quant, llama_quant
 from infire_jax.loaders.compressed import is_compressed_dir, load_compressed, read_compressed_config
 from infire_jax.loaders.dummy import load_dummy
 from infire_jax.loaders.gguf import load_gguf, read_gguf_config
@@ -150,7 +150,8 @@ def load_quantized_placed(spec: str | None, dtype, plan: ShardPlan | None, mode:
     blocks; "int8" and "fp8" quantize any model's float layer weights at load, per output channel, "int4" with
     zero points in groups of `int4_group_size` inputs (default 128; a `dummy:` model's are drawn);
     "checkpoint" keeps a quantized HF checkpoint's own format: GPTQ / AWQ int4, 8-bit fp8 or int8
-    channels, DeepSeek-V3's fp8, Kimi's int4, gpt-oss's MXFP4 experts). Checkpoints of the placed
+    channels, fp8 blocks (Qwen3's, MiniMax-M2's and DeepSeek-V3's releases), Kimi's int4, gpt-oss's MXFP4
+    experts). Checkpoints of the placed
     weights are bypassed."""
     if mode not in QUANTIZATION_MODES:
         raise ConfigError(f"unknown weights_quantization {mode!r}; choose from {list(QUANTIZATION_MODES)}")
@@ -161,6 +162,8 @@ def load_quantized_placed(spec: str | None, dtype, plan: ShardPlan | None, mode:
     if mode == "checkpoint":
         if gpt_oss_quant.is_gpt_oss(spec):
             return gpt_oss_quant.load_kept_placed(spec, dtype, plan)
+        if glm4_quant.keeps(spec):
+            return glm4_quant.load_kept_placed(spec, dtype, plan)
         if llama_quant.keeps(spec):
             return llama_quant.load_kept_placed(spec, dtype, plan)
         return deepseek_quant.load_kept_placed(spec, dtype, plan)

@@ -115,7 +115,10 @@ def fuse_projections(w: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np
 
 
 def from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """One layer weight from HF's (out, in) layout to ours (the layout the model's einsums take)."""
+    """One layer weight from HF's (out, in) layout to ours (the layout the model's einsums take). Only
+    output axes are split, never the input axis, so a quantized weight's parts `[out, n]` (n: its input
+    axis in packed words, blocks or groups) take the same path as the weight itself; a wrong input
+    width shows at placement (models/registry.py `build_state`)."""
     try:
         return _from_hf_layout(short, w, cfg)
     except ValueError as e:  # a reshape the config's head counts do not fit
@@ -127,11 +130,11 @@ def from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 def _from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if short == "wq":
-        return w.reshape(hq, d, e).transpose(2, 0, 1)
+        return w.reshape(hq, d, -1).transpose(2, 0, 1)
     if short in ("wk", "wv"):
-        return w.reshape(hkv, d, e).transpose(2, 0, 1)
-    if short == "wo":
-        return w.reshape(e, hq, d).transpose(1, 2, 0)
+        return w.reshape(hkv, d, -1).transpose(2, 0, 1)
+    if short == "wo":  # [E, Hq * n] -> [Hq, n, E]: a part's blocks never cross a head (its loader checks)
+        return w.reshape(e, hq, -1).transpose(1, 2, 0)
     if short == "bq":
         return w.reshape(hq, d)
     if short in ("bk", "bv"):

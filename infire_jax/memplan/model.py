@@ -310,7 +310,7 @@ def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
 
 def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:
     """A GPTQ / AWQ, 8-bit or fp8-block config's layer weights as `weights_quantization="checkpoint"`
-    keeps them (loaders/llama_quant.py): int4 words, uint8 zeros and fp16 scales (the formats' scale
+    keeps them (loaders/llama_quant.py; GLM-4.5's and MiniMax-M2's 8-bit ones loaders/glm4_quant.py): int4 words, uint8 zeros and fp16 scales (the formats' scale
     dtype) per group, wo's groups cut at head boundaries, or with act-order (`desc_act`) whole tables and
     an int16 index of each input's group; 8-bit values (fp8 or int8) with a float32 scale per output
     channel (fp8 blocks: and block of inputs, wo's within a head).
@@ -321,7 +321,7 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
     if cfg.is_moe and scheme.kind not in GQA_EXPERT_KINDS:
         raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: its weights are kept (and planned) "
                          f"for dense Llama-architecture models, not {cfg.architecture}")
-    shorts = ("wqkv", "wo", "w_gate_up", "w_down")
+    shorts = ("wqkv", "wo", "w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")  # GLM-4.5's shared experts
     if scheme.kind == "channel":
         kind = "int8" if scheme.values == np.int8 else "fp8"
         return {short: QuantLayout(kind) for short in shorts}

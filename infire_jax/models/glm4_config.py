@@ -25,7 +25,8 @@ _FIELDS = {
     "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "attention_bias", "moe_intermediate_size",
     "num_experts_per_tok", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group", "topk_group",
     "first_k_dense_replace", "norm_topk_prob", "use_qk_norm", "bos_token_id", "eos_token_id",
-    "num_nextn_predict_layers", "num_mtp_layers"}
+    "num_nextn_predict_layers", "num_mtp_layers",
+    "quantization_config"}  # a published fp8 checkpoint's: dequantized as read, or kept (loaders/glm4_quant.py)
 
 
 def config_from_glm4_hf(c: Mapping[str, Any]) -> ModelConfig:

@@ -1,0 +1,170 @@
+"""Published 8-bit GLM-4.5 and MiniMax-M2 checkpoints (loaders/glm4_quant.py): read dequantized, or kept.
+
+MiniMax-M2 is published in fp8 only: e4m3 values and a float32 `weight_scale_inv` per 128 x 128 block,
+under a quantization_config whose `fmt` is "float8_e4m3fn". GLM-4.5's FP8 releases are llm-compressor's
+compressed-tensors FP8 (a scale a row). Tiny random checkpoints of both families (test_minimax_m2.py's;
+test_glm4_moe.py's, with a dense first layer, a shared expert, q/k/v biases and an MTP layer) are written in
+those forms by tests/quant_twins.py `write_8bit` (blocks of 32 here, so that a block of o_proj's inputs
+spans two heads of 16), beside a float twin holding the values they decode to. Read dequantized, the
+weights equal the twin's exactly. Kept (`weights_quantization="checkpoint"`), every projection is held as
+its fp8 parts alone, the engine gives the twin engine's greedy tokens and logprobs (1e-5; through the GPU
+kernels in interpret mode, 1e-4), and the memory plan counts the bytes the engine saves. On a tp or tp x ep
+mesh the kept weights give one device's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+# name: (family, scheme, block)
+CASES = {"minimax-fp8-block": ("minimax", "fp8-block", 32), "glm-fp8-channel": ("glm", "fp8-channel", 0)}
+PUBLISHED_FP8 = dict(activation_scheme="dynamic", fmt="float8_e4m3fn", quant_method="fp8",
+                     weight_block_size=[128, 128], modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
+
+
+def _float_checkpoint(family: str, path: pathlib.Path) -> str:
+    if family == "glm":
+        from test_glm4_moe import _save, hf_model
+
+        return _save(hf_model(use_qk_norm=True), path)
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    from deepseek_models import _save_tokenizer
+    from test_minimax_m2 import SHARPEN, TINY
+
+    torch.manual_seed(0)
+    hf = MiniMaxM2ForCausalLM(MiniMaxM2Config(**TINY)).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in [*hf.named_parameters(), *hf.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn_like(p) * 0.3)
+            elif "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        hf.lm_head.weight.mul_(SHARPEN)
+    hf.save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """Each case's quantized checkpoint and its float twin."""
+    from quant_twins import write_8bit
+
+    out = {}
+    for name, (family, scheme, block) in CASES.items():
+        base = tmp_path_factory.mktemp(name)
+        src = _float_checkpoint(family, base / "float")
+        write_8bit(src, str(base / "quantized"), str(base / "twin"), scheme, block)
+        out[name] = (str(base / "quantized"), str(base / "twin"))
+    return out
+
+
+def test_the_published_minimax_m2_config_is_read():
+    """The release's config.json, quantization_config and all, is a MiniMax-M2 in fp8 blocks of 128."""
+    from infire_jax.loaders.dummy import CONFIGS
+    from infire_jax.loaders.hf_quantized import quant_scheme
+    from infire_jax.models.hf_config import config_from_hf
+
+    hf = dict(CONFIGS["minimax-m2"], quantization_config=PUBLISHED_FP8, use_mtp=True, num_mtp_modules=3,
+              mtp_transformer_layers=1)
+    assert config_from_hf(hf).architecture == "minimax_m2"
+    scheme = quant_scheme(hf)
+    assert (scheme.kind, scheme.block) == ("fp8", 128)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_dequantized_weights_equal_the_twin(name, checkpoints):
+    from infire_jax.loaders.hf import load_hf_dir
+
+    quantized, twin = (load_hf_dir(p).weights for p in checkpoints[name])
+    assert sorted(quantized) == sorted(twin)
+    for k, w in twin.items():
+        np.testing.assert_array_equal(np.asarray(quantized[k], np.float32), np.asarray(w, np.float32), err_msg=k)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, monkeypatch):
+    from flax import nnx
+
+    from infire_jax import SamplingParams
+    from infire_jax.loaders.hf import read_hf_config
+    from infire_jax.memplan.plan import memory_plan
+    from infire_jax.memplan.source import plan_source
+    from infire_jax.models.registry import abstract_model
+    from quant_twins import assert_kept_and_follows_twin, twin_outputs
+    from sharding.mesh import CONFIG_DIR, MeshConfig
+    from test_glm4_moe import ENGINE, NUM_TOKENS, PROMPTS
+
+    quantized, twin = checkpoints[name]
+    engine = dict(ENGINE, token_buckets=(32,))
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    want = twin_outputs(twin, engine, PROMPTS, params)
+    stacks = ["moe_layers"] + (["dense_layers"] if name.startswith("glm") else [])
+    kept = [f"{s}.{w}" for s in stacks for w in ("wqkv", "wo", "w_gate_up", "w_down")]
+    kept += ["moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"] if name.startswith("glm") else []
+    kept_engine = dict(engine, weights_quantization="checkpoint")
+    kept_bytes = assert_kept_and_follows_twin(quantized, kept_engine, kept, "fp8", PROMPTS, params, want, 1e-5)
+
+    # the plan saves what the engine saves against the float model (the twin's weights: these shapes in float32)
+    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "1.yaml"))
+    kept_plan, float_plan = (memory_plan(plan_source(p, "float32")(mc), mc, 1 << 30).weight_bytes
+                             for p in (quantized, twin))
+    state = nnx.state(abstract_model(read_hf_config(twin), jnp.float32), nnx.Param)
+    float_bytes = sum(int(np.prod(v.shape)) * 4 for _, v in nnx.to_flat_state(state))
+    assert float_plan - kept_plan == float_bytes - kept_bytes > 0
+
+    monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
+    monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
+    assert_kept_and_follows_twin(quantized, kept_engine, kept, "fp8", PROMPTS, params, want, 1e-4)
+
+
+def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
+    """GLM-4.5's row-scaled fp8 on tp 4 (its 2 kv heads repeated, parts and all; wo's scales split with its
+    heads, the dense MLP's inputs 4 ways) and MiniMax-M2's blocks on tp 2 x ep 4 (a block's scales with its
+    inputs): one device's greedy tokens, logprobs within float32 rounding."""
+    from test_glm4_moe import ENGINE, PROMPTS
+    from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
+
+    meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4"}
+    runs = [{"model": checkpoints[name][0], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
+             "weights_quantization": "checkpoint", "tag": f"{name}@{m}"}
+            for name, mesh in meshes.items() for m in ("1", mesh)]
+    engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32], "num_decode_steps": 1}
+    job = {"runs": runs, "prompts": PROMPTS, "max_tokens": 16, "engine": engine}
+    results = {r["tag"]: r for r in _results(_run_worker(job, 8, tmp_path, "glm4-fp8"))}
+    for name, mesh in meshes.items():
+        single, r = results[f"{name}@1"], results[f"{name}@{mesh}"]
+        assert single["fits"] and r["fits"] and r["tokens"] == single["tokens"], (name, r.get("error"))
+        np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
+        _assert_each_device_holds_its_shard(r)
+        specs = {k: str(v["spec"]) for k, v in r["params"].items()}
+        assert "moe_layers.wqkv" not in specs and "tp" in specs["moe_layers.wo.fp8"], specs
+        assert "tp" in specs["moe_layers.wo.scale"]
+
+
+def test_a_weight_quantized_in_some_layers_only_is_refused(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from infire_jax.errors import UnsupportedModelError
+    from infire_jax.loaders.glm4_quant import load_kept
+    from infire_jax.loaders.hf import checkpoint_tensors
+
+    quantized, twin = checkpoints["minimax-fp8-block"]
+    bad = tmp_path / "partly"
+    shutil.copytree(quantized, bad)
+    tensors = dict(checkpoint_tensors(quantized))  # (safetensors.numpy cannot read fp8)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors[name] = load_file(os.path.join(twin, "model.safetensors"))[name]
+    del tensors[f"{name}_scale_inv"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=f"moe_layers.wqkv: {name} is not quantized"):
+        load_kept(str(bad))
