@@ -25,8 +25,8 @@ PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight
 CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}
 # A layer's projections in an HF checkpoint (GQA attention, MLPs, shared experts, Mixtral-named experts);
 # not a MoE's router (`mlp.gate`)
-LAYER_LINEAR = re.compile(r"model\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)"
-                          r"\.weight")
+LAYER_LINEAR = re.compile(r"(?:language_model\.)?model\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj"
+                          r"|down_proj|w1|w2|w3)\.weight")
 
 
 def _channel(w: np.ndarray, kind: str) -> np.ndarray:
@@ -114,18 +114,19 @@ def assert_kept_and_follows_twin(path: str, engine: dict, kept: list[str], part:
     return weight_bytes
 
 
-def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0) -> None:
+def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0, ignore: str | None = None) -> None:
     """The float HF checkpoint at `src` written twice: at `dst` with every layer projection (LAYER_LINEAR) in
     `scheme`, and at `twin` as the float checkpoint of the values those decode to (float64 products, in
     float32). "fp8-block": e4m3 values and a float32 `weight_scale_inv` per `block` x `block` block (absmax
     / 448), with MiniMax-M2's published quantization_config; "fp8-channel": llm-compressor's FP8-dynamic
-    (compressed-tensors, a bfloat16 `weight_scale` per row, the activations' token-wise scales dynamic)."""
+    (compressed-tensors, a bfloat16 `weight_scale` per row, the activations' token-wise scales dynamic),
+    the modules `ignore` matches (a regex, as its config's "re:" entries) left float."""
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(os.path.join(src, "model.safetensors"))
     quantized, floats = {}, {}
     for name, w in tensors.items():
-        if not LAYER_LINEAR.fullmatch(name):
+        if not LAYER_LINEAR.fullmatch(name) or (ignore and re.match(ignore, name.removesuffix(".weight"))):
             quantized[name] = floats[name] = w
             continue
         o, i = w.shape
@@ -152,9 +153,35 @@ def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0) -> No
         from channel_models import DYNAMIC, _compressed
 
         config["quantization_config"] = _compressed("float", "channel", DYNAMIC)
+        config["quantization_config"]["ignore"] += [f"re:{ignore}"] if ignore else []
     for path, weights, cfg in ((dst, quantized, config), (twin, floats, None)):
         shutil.copytree(src, path)
         save_file(weights, os.path.join(path, "model.safetensors"))
         if cfg is not None:
             with open(os.path.join(path, "config.json"), "w") as f:
                 json.dump(cfg, f)
+
+
+def unfuse_llama4_experts(src: str, dst: str) -> None:
+    """The Llama 4 checkpoint at `src` with each layer's fused experts (`experts.gate_up_proj` [X, E, 2F],
+    `experts.down_proj` [X, F, E]) written as one linear module per expert in HF's `[out, in]` layout
+    (`experts.N.gate_proj.weight` [F, E], `up_proj` [F, E], `down_proj` [E, F]), as Maverick's FP8
+    release holds them."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out = {}
+    for name, w in tensors.items():
+        prefix, _, part = name.rpartition(".")
+        if not prefix.endswith("feed_forward.experts"):
+            out[name] = w
+            continue
+        for j, e in enumerate(w):
+            if part == "gate_up_proj":
+                f = e.shape[1] // 2
+                out[f"{prefix}.{j}.gate_proj.weight"] = np.ascontiguousarray(e[:, :f].T)
+                out[f"{prefix}.{j}.up_proj.weight"] = np.ascontiguousarray(e[:, f:].T)
+            else:
+                out[f"{prefix}.{j}.down_proj.weight"] = np.ascontiguousarray(e.T)
+    shutil.copytree(src, dst)
+    save_file(out, os.path.join(dst, "model.safetensors"))

@@ -469,7 +469,6 @@ def test_multimodal_wrapper_fields_are_checked():
     wrapper = {"model_type": "llama4", "text_config": _raw(), "vision_config": {}, "image_token_index": 200092}
     assert config_from_hf(wrapper).architecture == "llama4"
     for bad, field in (({"video_config": {}}, "video_config"), ({"text_config": None}, "text_config"),
-                       ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
                        ({"text_config": _raw(layer_types=["chunked_attention"] * 4, attention_chunk_size=None)},
                         "layer_types")):
         with pytest.raises(UnsupportedModelError, match=field):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Callable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -71,7 +72,7 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, GroupedLayout]]:
         values.append((f"{name}.weight", v))
         scales.append((f"{name}.weight", s))
         kept.update((t, name) for t in targets)
-    check_whole(plain, kept, cfg)
+    check_whole(plain, kept, linear_targets, cfg)
     shapes = _model_shapes(cfg)
     for t in sorted(kept):
         try:  # before the conversion reshapes the parts by heads
@@ -91,11 +92,12 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, GroupedLayout]]:
     return loaded, layouts
 
 
-def check_whole(plain: list[tuple[str, object]], kept: dict[str, str], cfg: ModelConfig) -> None:
+def check_whole(plain: list[tuple[str, object]], kept: dict[str, str], targets: Callable, cfg: ModelConfig) -> None:
     """UnsupportedModelError naming the weight if a plain tensor is part of a kept stacked weight
-    (`kept`: stacked weight -> a quantized module of it)."""
+    (`kept`: stacked weight -> a quantized module of it; `targets(module, cfg)`: the family's
+    `linear_targets`)."""
     for name, _ in plain:
-        partly = set(linear_targets(name.removesuffix(".weight"), cfg)) & set(kept)
+        partly = set(targets(name.removesuffix(".weight"), cfg)) & set(kept)
         if partly:
             t = sorted(partly)[0]
             raise UnsupportedModelError(f"{t}: {name} is not quantized but {kept[t]} is; a weight is kept "

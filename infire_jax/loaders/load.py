@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from infire_jax.compression.resident import parse_resident
 from infire_jax.errors import ConfigError, ModelNotFoundError
-from infire_jax.loaders import checkpoint, deepseek_quant, glm4_quant, gguf_quant, gpt_oss_quant, llama_quant
+from infire_jax.loaders import checkpoint, deepseek_quant, gguf_quant, gpt_oss_quant, kept_8bit, llama_quant
 from infire_jax.loaders.compressed import is_compressed_dir, load_compressed, read_compressed_config
 from infire_jax.loaders.dummy import load_dummy
 from infire_jax.loaders.gguf import load_gguf, read_gguf_config
@@ -162,8 +162,8 @@ def load_quantized_placed(spec: str | None, dtype, plan: ShardPlan | None, mode:
     if mode == "checkpoint":
         if gpt_oss_quant.is_gpt_oss(spec):
             return gpt_oss_quant.load_kept_placed(spec, dtype, plan)
-        if glm4_quant.keeps(spec):
-            return glm4_quant.load_kept_placed(spec, dtype, plan)
+        if kept_8bit.keeps(spec):
+            return kept_8bit.load_kept_placed(spec, dtype, plan)
         if llama_quant.keeps(spec):
             return llama_quant.load_kept_placed(spec, dtype, plan)
         return deepseek_quant.load_kept_placed(spec, dtype, plan)

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, gqa_kept_scheme
+from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, gqa_kept_scheme, quantization_config
 from infire_jax.models.config import ModelConfig, gemma4_stacks
 from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
@@ -310,7 +310,7 @@ def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:
 
 def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:
     """A GPTQ / AWQ, 8-bit or fp8-block config's layer weights as `weights_quantization="checkpoint"`
-    keeps them (loaders/llama_quant.py; GLM-4.5's and MiniMax-M2's 8-bit ones loaders/glm4_quant.py): int4 words, uint8 zeros and fp16 scales (the formats' scale
+    keeps them (loaders/llama_quant.py; GLM-4.5's, MiniMax-M2's and Llama 4's 8-bit ones loaders/kept_8bit.py): int4 words, uint8 zeros and fp16 scales (the formats' scale
     dtype) per group, wo's groups cut at head boundaries, or with act-order (`desc_act`) whole tables and
     an int16 index of each input's group; 8-bit values (fp8 or int8) with a float32 scale per output
     channel (fp8 blocks: and block of inputs, wo's within a head).
@@ -322,6 +322,8 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
         raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: its weights are kept (and planned) "
                          f"for dense Llama-architecture models, not {cfg.architecture}")
     shorts = ("wqkv", "wo", "w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")  # GLM-4.5's shared experts
+    if _attention_ignored(quantization_config(hf)):  # as Llama 4 Maverick's FP8 release: bfloat16 attention
+        shorts = shorts[2:]
     if scheme.kind == "channel":
         kind = "int8" if scheme.values == np.int8 else "fp8"
         return {short: QuantLayout(kind) for short in shorts}
@@ -336,6 +338,14 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
         group = size if scheme.act_order else kept_group(size, cfg.head_dim if short == "wo" else None)
         layouts[short] = QuantLayout("int4", group, jnp.float16, scheme.act_order)
     return layouts
+
+
+def _attention_ignored(q: Mapping[str, Any]) -> bool:
+    """Whether a quantization config leaves the attention's projections unquantized: its `ignore`
+    (compressed-tensors: names, or "re:" patterns) or `modules_to_not_convert` covers them."""
+    patterns = list(q.get("ignore") or []) + list(q.get("modules_to_not_convert") or [])
+    probes = [f"{top}model.layers.0.self_attn.{m}" for top in ("", "language_model.") for m in ("q_proj", "o_proj")]
+    return any(re.match(p[3:], m) if p.startswith("re:") else _hf_skips(m, [p]) for p in patterns for m in probes)
 
 
 def at_load_layouts(cfg: ModelConfig, mode: str, group: int) -> dict[str, QuantLayout]:

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Callable
 
+from infire_jax.loaders.hf_quantized import quantization_config
 from infire_jax.memplan.model import (
     PlanModel, at_load_layouts, formats_from_hf, from_hf_config, from_model_config, kept_layouts, placed_config,
     with_vision)
@@ -49,7 +50,8 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
         with open(path) as f:
             hf = json.load(f)
         vision = hf if hf.get("model_type") in ("llama4", "gemma3") and hf.get("vision_config") else None
-        hf = dict(hf.get("text_config") or hf)
+        quant = quantization_config(hf)  # a multimodal wrapper's, beside its text_config
+        hf = {**({"quantization_config": quant} if quant else {}), **(hf.get("text_config") or hf)}
         if hf.get("kv_lora_rank"):  # MLA: the layout does not depend on the mesh
             if weights_quantization:
                 raise ValueError(_NOT_MLA.format(weights_quantization))

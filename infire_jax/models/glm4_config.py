@@ -26,7 +26,7 @@ _FIELDS = {
     "num_experts_per_tok", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group", "topk_group",
     "first_k_dense_replace", "norm_topk_prob", "use_qk_norm", "bos_token_id", "eos_token_id",
     "num_nextn_predict_layers", "num_mtp_layers",
-    "quantization_config"}  # a published fp8 checkpoint's: dequantized as read, or kept (loaders/glm4_quant.py)
+    "quantization_config"}  # a published fp8 checkpoint's: dequantized as read, or kept (loaders/kept_8bit.py)
 
 
 def config_from_glm4_hf(c: Mapping[str, Any]) -> ModelConfig:

@@ -24,7 +24,8 @@ _TEXT_FIELDS = {
     "rms_norm_eps", "bos_token_id", "eos_token_id", "tie_word_embeddings", "num_experts_per_tok",
     "num_local_experts", "moe_layers", "interleave_moe_layer_step", "use_qk_norm", "rope_theta", "rope_scaling",
     "rope_parameters", "no_rope_layers", "no_rope_layer_interval", "attention_chunk_size", "layer_types",
-    "attn_temperature_tuning", "floor_scale", "attn_scale", "attention_bias"}
+    "attn_temperature_tuning", "floor_scale", "attn_scale", "attention_bias",
+    "quantization_config"}  # a published 8-bit checkpoint's: dequantized as read, or kept (loaders/kept_8bit.py)
 # Fields that inference does not read: training (dropout, router losses and jitter), initialisation,
 # caching hints, and what every transformers config carries (generation defaults, labels, bookkeeping).
 INERT_FIELDS = {
@@ -42,7 +43,7 @@ INERT_FIELDS = {
     "task_specific_params", "problem_type"}
 # The multimodal wrapper's own fields; its vision tower is read apart (loaders/vision.py, vision/config.py).
 _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "boi_token_index", "eoi_token_index",
-                   "image_token_index", "tie_word_embeddings"}
+                   "image_token_index", "tie_word_embeddings", "quantization_config"}
 _LAYER_TYPES = ("chunked_attention", "full_attention")
 
 
@@ -53,10 +54,6 @@ def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
 def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
     """The text model's config: `text_config` of a `llama4` (multimodal) config, or a `llama4_text` one
     itself. Fields of neither kind are refused, naming them."""
-    if "quantization_config" in hf:
-        raise _bad("quantization_config", (hf["quantization_config"] or {}).get("quant_method"),
-                   "quantized Llama 4 checkpoints are not supported; load a bfloat16 one (weights_quantization "
-                   "int8 quantizes it at load)")
     if hf.get("model_type") == "llama4_text":
         return hf
     unknown = sorted(set(hf) - _WRAPPER_FIELDS - INERT_FIELDS)
@@ -65,8 +62,6 @@ def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
     text = hf.get("text_config")
     if not isinstance(text, Mapping):
         raise _bad("text_config", text, "a llama4 config needs its text model's config")
-    if "quantization_config" in text:
-        return text_config(text)
     return text
 
 

@@ -28,7 +28,7 @@ _FIELDS = {
     "num_local_experts", "bos_token_id", "eos_token_id", "use_qk_norm", "qk_norm_type", "scoring_func",
     "use_routing_bias", "routed_scaling_factor", "shared_intermediate_size", "attn_type_list",
     "layernorm_full_attention_beta", "layernorm_linear_attention_beta", "layernorm_mlp_beta",
-    "quantization_config"}  # the published fp8 checkpoint's: dequantized as read, or kept (loaders/glm4_quant.py)
+    "quantization_config"}  # the published fp8 checkpoint's: dequantized as read, or kept (loaders/kept_8bit.py)
 # The published config's fields that inference does not read: its multi-token-prediction modules, a
 # width of earlier MiniMax models, vLLM's and remote code's settings.
 _UNREAD = {"use_mtp", "num_mtp_modules", "mtp_transformer_layers", "mlp_intermediate_size", "max_model_len",

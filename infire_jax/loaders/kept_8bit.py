@@ -1,28 +1,32 @@
-"""A published 8-bit GLM-4.5 or MiniMax-M2 checkpoint placed with its layer weights kept.
+"""A published 8-bit checkpoint of GLM-4.5, MiniMax-M2 or Llama 4 placed with its layer weights kept.
 
-`weights_quantization="checkpoint"` on a `glm4_moe` or `minimax_m2` checkpoint whose
+`weights_quantization="checkpoint"` on a `glm4_moe`, `minimax_m2` or `llama4` checkpoint whose
 `quantization_config` is fp8 with square `weight_block_size` blocks (MiniMax-M2's release: 128) or
-an 8-bit scheme with a scale per output channel or tensor (llm-compressor's FP8 and FP8-dynamic,
-AutoFP8, int8 W8A8; loaders/hf_quantized.py): q/k/v, o, the dense and shared MLPs and every routed
-expert stay 8-bit on the device, in the form `--weights-quantization fp8` keeps a float model in
-(quant/resident.py): the values as published and a float32 scale per output channel, or, for fp8
-blocks, per output channel and block of inputs (each block's scale repeated on its rows and, on o_proj
-where a block spans heads, on each head's piece; loaders/llama_quant.py `block_form`). The parts take
-the float weights' own path into the model's layout (deepseek_hf.py moves output axes only). The
-embedding, LM head, norms, biases and the router stay as the float loader gives them. Refused, naming
-the tensor or weight: other schemes (GPTQ / AWQ load dequantized), a stacked weight only partly
-quantized, blocks that do not tile a weight's inputs, and a mesh whose shards would split a block.
+an 8-bit scheme with a scale per output channel or tensor (llm-compressor's FP8 and FP8-dynamic, as
+GLM-4.5's and Llama 4 Maverick's FP8 releases are; AutoFP8; int8 W8A8; loaders/hf_quantized.py): the
+projections it quantizes (q/k/v, o, the dense and shared MLPs, every routed expert) stay 8-bit on the
+device, in the form `--weights-quantization fp8` keeps a float model in (quant/resident.py): the values
+as published and a float32 scale per output channel, or, for fp8 blocks, per output channel and block
+of inputs (each block's scale repeated on its rows and, on o_proj where a block spans heads, on each
+head's piece; loaders/llama_quant.py `block_form`). The parts take the float weights' own path into
+the model's layout: the family's converter moves output axes only, so it is run once over the values
+(with the tensors left alone) and once over the scales. What the checkpoint leaves unquantized (the
+embedding, LM head, norms, biases, routers, and whatever its ignore list names, as Maverick's
+attention) stays as the float loader gives it. Refused, naming the tensor or weight: other schemes
+(GPTQ / AWQ load dequantized), a stacked weight only partly quantized, blocks that do not tile a
+weight's inputs, and a mesh whose shards would split a block.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 import numpy as np
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders.deepseek_hf import deepseek_weights, linear_targets
+from infire_jax.loaders import deepseek_hf, llama4_hf
 from infire_jax.loaders.deepseek_quant import check_whole, kept_scheme
 from infire_jax.loaders.fused_parts import place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
@@ -35,12 +39,23 @@ from infire_jax.quant.resident import QuantLayout
 from sharding.plan import ShardPlan
 
 
+def _glm4_weights(tensors, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    return deepseek_hf.deepseek_weights(tensors, cfg, False)
+
+
+# model_type -> (HF tensors -> our stacked weights, an HF linear module -> the stacked weights it is part of)
+FAMILIES: dict[str, tuple[Callable, Callable]] = {
+    "glm4_moe": (_glm4_weights, deepseek_hf.linear_targets), "minimax_m2": (_glm4_weights, deepseek_hf.linear_targets),
+    "llama4": (llama4_hf.llama4_weights, llama4_hf.linear_targets),
+    "llama4_text": (llama4_hf.llama4_weights, llama4_hf.linear_targets)}
+
+
 def keeps(path: str | None) -> bool:
-    """Whether `path` is an HF directory of a GLM-4.5 or MiniMax-M2 checkpoint (models/glm4_moe.py)."""
+    """Whether `path` is an HF directory of a checkpoint of one of `FAMILIES`."""
     if not (path and os.path.isfile(os.path.join(path, "config.json"))):
         return False
     with open(os.path.join(path, "config.json")) as f:
-        return json.load(f).get("model_type") in ("glm4_moe", "minimax_m2")
+        return json.load(f).get("model_type") in FAMILIES
 
 
 def _kept_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
@@ -60,6 +75,8 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
     gives it."""
     scheme = kept_scheme(path)
     cfg = read_hf_config(path)
+    with open(os.path.join(path, "config.json")) as f:
+        convert, linear_targets = FAMILIES[json.load(f)["model_type"]]
     if scheme.kind not in GQA_EXPERT_KINDS:
         raise ConfigError(f"weights_quantization='checkpoint' keeps fp8 and 8-bit weights of {cfg.architecture} "
                           f"checkpoints, not {scheme.kind}; load without weights_quantization to dequantize it")
@@ -77,9 +94,9 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
         values.append((f"{name}.weight", v))
         scales.append((f"{name}.weight", s))
         kept.update((t, name) for t in targets)
-    check_whole(plain, kept, cfg)
-    weights = deepseek_weights(plain + values, cfg, False)
-    parts = deepseek_weights(scales, cfg, False)
+    check_whole(plain, kept, linear_targets, cfg)
+    weights = convert(plain + values, cfg)
+    parts = convert(scales, cfg)
     for t in sorted(kept):
         short = t.rpartition(".")[2]
         weights[f"{t}.{layouts[short].kind}"] = weights.pop(t)

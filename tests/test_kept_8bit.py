@@ -1,15 +1,19 @@
-"""Published 8-bit GLM-4.5 and MiniMax-M2 checkpoints (loaders/glm4_quant.py): read dequantized, or kept.
+"""Published 8-bit checkpoints of GLM-4.5, MiniMax-M2 and Llama 4 (loaders/kept_8bit.py): read dequantized,
+or kept.
 
 MiniMax-M2 is published in fp8 only: e4m3 values and a float32 `weight_scale_inv` per 128 x 128 block,
-under a quantization_config whose `fmt` is "float8_e4m3fn". GLM-4.5's FP8 releases are llm-compressor's
-compressed-tensors FP8 (a scale a row). Tiny random checkpoints of both families (test_minimax_m2.py's;
-test_glm4_moe.py's, with a dense first layer, a shared expert, q/k/v biases and an MTP layer) are written in
-those forms by tests/quant_twins.py `write_8bit` (blocks of 32 here, so that a block of o_proj's inputs
-spans two heads of 16), beside a float twin holding the values they decode to. Read dequantized, the
-weights equal the twin's exactly. Kept (`weights_quantization="checkpoint"`), every projection is held as
-its fp8 parts alone, the engine gives the twin engine's greedy tokens and logprobs (1e-5; through the GPU
-kernels in interpret mode, 1e-4), and the memory plan counts the bytes the engine saves. On a tp or tp x ep
-mesh the kept weights give one device's tokens.
+under a quantization_config whose `fmt` is "float8_e4m3fn". GLM-4.5's FP8 releases and Llama 4
+Maverick's are llm-compressor's compressed-tensors FP8 (a scale a row); Maverick's holds each routed
+expert as its own linear modules and leaves the attention in bfloat16 (`ignore`). Tiny random checkpoints
+of the three families (test_minimax_m2.py's; test_glm4_moe.py's, with a dense first layer, a shared
+expert, q/k/v biases and an MTP layer; tests/llama4_models.py's multimodal one, dense and MoE layers
+interleaved, its experts unfused) are written in those forms by tests/quant_twins.py `write_8bit` (blocks
+of 32 here, so that a block of o_proj's inputs spans two heads of 16), beside a float twin holding the
+values they decode to. Read dequantized, the weights equal the twin's exactly (and Llama 4's unfused
+experts equal the fused checkpoint's). Kept (`weights_quantization="checkpoint"`), every quantized
+projection is held as its fp8 parts alone, the engine gives the twin engine's greedy tokens and logprobs
+(1e-5; through the GPU kernels in interpret mode, 1e-4), and the memory plan counts the bytes the engine
+saves. On a tp or tp x ep mesh the kept weights give one device's tokens.
 """
 
 from __future__ import annotations
@@ -22,13 +26,28 @@ import numpy as np
 import pytest
 import torch
 
-# name: (family, scheme, block)
-CASES = {"minimax-fp8-block": ("minimax", "fp8-block", 32), "glm-fp8-channel": ("glm", "fp8-channel", 0)}
+# name: (family, scheme, block, modules left float)
+CASES = {"minimax-fp8-block": ("minimax", "fp8-block", 32, None), "glm-fp8-channel": ("glm", "fp8-channel", 0, None),
+         "llama4-fp8-channel": ("llama4", "fp8-channel", 0, r".*self_attn")}
+# Each case's kept stacked weights
+KEPT = {"minimax-fp8-block": [f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down")],
+        "glm-fp8-channel": [f"{s}.{w}" for s in ("dense_layers", "moe_layers") for w in ("wqkv", "wo", "w_gate_up",
+                                                                                         "w_down")]
+        + ["moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"],
+        "llama4-fp8-channel": ["dense_layers.w_gate_up", "dense_layers.w_down", "moe_layers.w_gate_up",
+                               "moe_layers.w_down", "moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"]}
 PUBLISHED_FP8 = dict(activation_scheme="dynamic", fmt="float8_e4m3fn", quant_method="fp8",
                      weight_block_size=[128, 128], modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
 
 
 def _float_checkpoint(family: str, path: pathlib.Path) -> str:
+    if family == "llama4":
+        from llama4_models import hf_model, save
+        from quant_twins import unfuse_llama4_experts
+
+        fused = save(hf_model("multimodal"), path.parent / "fused")
+        unfuse_llama4_experts(fused, str(path))
+        return str(path)
     if family == "glm":
         from test_glm4_moe import _save, hf_model
 
@@ -58,10 +77,10 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
     from quant_twins import write_8bit
 
     out = {}
-    for name, (family, scheme, block) in CASES.items():
+    for name, (family, scheme, block, ignore) in CASES.items():
         base = tmp_path_factory.mktemp(name)
         src = _float_checkpoint(family, base / "float")
-        write_8bit(src, str(base / "quantized"), str(base / "twin"), scheme, block)
+        write_8bit(src, str(base / "quantized"), str(base / "twin"), scheme, block, ignore)
         out[name] = (str(base / "quantized"), str(base / "twin"))
     return out
 
@@ -77,6 +96,16 @@ def test_the_published_minimax_m2_config_is_read():
     assert config_from_hf(hf).architecture == "minimax_m2"
     scheme = quant_scheme(hf)
     assert (scheme.kind, scheme.block) == ("fp8", 128)
+
+
+def test_llama4_experts_one_by_one_equal_the_fused_ones(checkpoints):
+    from infire_jax.loaders.hf import load_hf_dir
+
+    unfused = os.path.join(os.path.dirname(checkpoints["llama4-fp8-channel"][0]), "float")
+    fused, ours = (load_hf_dir(os.path.join(os.path.dirname(unfused), p)).weights for p in ("fused", "float"))
+    assert sorted(fused) == sorted(ours)
+    for k, w in fused.items():
+        np.testing.assert_array_equal(ours[k], w, err_msg=k)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -106,11 +135,8 @@ def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, monkeypa
     engine = dict(ENGINE, token_buckets=(32,))
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     want = twin_outputs(twin, engine, PROMPTS, params)
-    stacks = ["moe_layers"] + (["dense_layers"] if name.startswith("glm") else [])
-    kept = [f"{s}.{w}" for s in stacks for w in ("wqkv", "wo", "w_gate_up", "w_down")]
-    kept += ["moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"] if name.startswith("glm") else []
     kept_engine = dict(engine, weights_quantization="checkpoint")
-    kept_bytes = assert_kept_and_follows_twin(quantized, kept_engine, kept, "fp8", PROMPTS, params, want, 1e-5)
+    kept_bytes = assert_kept_and_follows_twin(quantized, kept_engine, KEPT[name], "fp8", PROMPTS, params, want, 1e-5)
 
     # the plan saves what the engine saves against the float model (the twin's weights: these shapes in float32)
     mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "1.yaml"))
@@ -122,17 +148,18 @@ def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, monkeypa
 
     monkeypatch.setenv("INFIRE_JAX_QUANT_MATMUL", "pallas")
     monkeypatch.setenv("INFIRE_JAX_MOE_GROUPED", "pallas")
-    assert_kept_and_follows_twin(quantized, kept_engine, kept, "fp8", PROMPTS, params, want, 1e-4)
+    assert_kept_and_follows_twin(quantized, kept_engine, KEPT[name], "fp8", PROMPTS, params, want, 1e-4)
 
 
 def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
     """GLM-4.5's row-scaled fp8 on tp 4 (its 2 kv heads repeated, parts and all; wo's scales split with its
-    heads, the dense MLP's inputs 4 ways) and MiniMax-M2's blocks on tp 2 x ep 4 (a block's scales with its
-    inputs): one device's greedy tokens, logprobs within float32 rounding."""
+    heads, the dense MLP's inputs 4 ways), MiniMax-M2's blocks on tp 2 x ep 4 (a block's scales with its
+    inputs) and Llama 4's kept MLPs and experts beside its bfloat16 attention on tp 2: one device's greedy
+    tokens, logprobs within float32 rounding."""
     from test_glm4_moe import ENGINE, PROMPTS
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
-    meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4"}
+    meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4", "llama4-fp8-channel": "2"}
     runs = [{"model": checkpoints[name][0], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
              "weights_quantization": "checkpoint", "tag": f"{name}@{m}"}
             for name, mesh in meshes.items() for m in ("1", mesh)]
@@ -145,8 +172,8 @@ def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
         np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
         _assert_each_device_holds_its_shard(r)
         specs = {k: str(v["spec"]) for k, v in r["params"].items()}
-        assert "moe_layers.wqkv" not in specs and "tp" in specs["moe_layers.wo.fp8"], specs
-        assert "tp" in specs["moe_layers.wo.scale"]
+        kept = "moe_layers.w_shared_gate_up" if name.startswith("llama4") else "moe_layers.wo"
+        assert kept not in specs and "tp" in specs[f"{kept}.fp8"] and "tp" in specs[f"{kept}.scale"], specs
 
 
 def test_a_weight_quantized_in_some_layers_only_is_refused(checkpoints, tmp_path):
@@ -155,7 +182,7 @@ def test_a_weight_quantized_in_some_layers_only_is_refused(checkpoints, tmp_path
     from safetensors.numpy import load_file, save_file
 
     from infire_jax.errors import UnsupportedModelError
-    from infire_jax.loaders.glm4_quant import load_kept
+    from infire_jax.loaders.kept_8bit import load_kept
     from infire_jax.loaders.hf import checkpoint_tensors
 
     quantized, twin = checkpoints["minimax-fp8-block"]
