@@ -28,14 +28,16 @@ import torch
 
 # name: (family, scheme, block, modules left float)
 CASES = {"minimax-fp8-block": ("minimax", "fp8-block", 32, None), "glm-fp8-channel": ("glm", "fp8-channel", 0, None),
-         "llama4-fp8-channel": ("llama4", "fp8-channel", 0, r".*self_attn")}
+         "llama4-fp8-channel": ("llama4", "fp8-channel", 0, r".*self_attn"),
+         "gemma3-fp8-channel": ("gemma3", "fp8-channel", 0, None)}
 # Each case's kept stacked weights
 KEPT = {"minimax-fp8-block": [f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down")],
         "glm-fp8-channel": [f"{s}.{w}" for s in ("dense_layers", "moe_layers") for w in ("wqkv", "wo", "w_gate_up",
                                                                                          "w_down")]
         + ["moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"],
         "llama4-fp8-channel": ["dense_layers.w_gate_up", "dense_layers.w_down", "moe_layers.w_gate_up",
-                               "moe_layers.w_down", "moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"]}
+                               "moe_layers.w_down", "moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"],
+        "gemma3-fp8-channel": ["layers.wqkv", "layers.wo", "layers.w_gate_up", "layers.w_down"]}
 PUBLISHED_FP8 = dict(activation_scheme="dynamic", fmt="float8_e4m3fn", quant_method="fp8",
                      weight_block_size=[128, 128], modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
 
@@ -47,6 +49,13 @@ def _float_checkpoint(family: str, path: pathlib.Path) -> str:
 
         fused = save(hf_model("multimodal"), path.parent / "fused")
         unfuse_llama4_experts(fused, str(path))
+        return str(path)
+    if family == "gemma3":
+        from deepseek_models import _save_tokenizer
+        from test_gemma3 import hf_model
+
+        hf_model().save_pretrained(path, safe_serialization=True)
+        _save_tokenizer(path)
         return str(path)
     if family == "glm":
         from test_glm4_moe import _save, hf_model
@@ -154,12 +163,13 @@ def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, monkeypa
 def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
     """GLM-4.5's row-scaled fp8 on tp 4 (its 2 kv heads repeated, parts and all; wo's scales split with its
     heads, the dense MLP's inputs 4 ways), MiniMax-M2's blocks on tp 2 x ep 4 (a block's scales with its
-    inputs) and Llama 4's kept MLPs and experts beside its bfloat16 attention on tp 2: one device's greedy
-    tokens, logprobs within float32 rounding."""
+    inputs), Llama 4's kept MLPs and experts beside its bfloat16 attention, and Gemma 3, on tp 2: one
+    device's greedy tokens, logprobs within float32 rounding."""
     from test_glm4_moe import ENGINE, PROMPTS
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
-    meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4", "llama4-fp8-channel": "2"}
+    meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4", "llama4-fp8-channel": "2",
+              "gemma3-fp8-channel": "2"}
     runs = [{"model": checkpoints[name][0], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
              "weights_quantization": "checkpoint", "tag": f"{name}@{m}"}
             for name, mesh in meshes.items() for m in ("1", mesh)]
@@ -172,7 +182,8 @@ def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
         np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
         _assert_each_device_holds_its_shard(r)
         specs = {k: str(v["spec"]) for k, v in r["params"].items()}
-        kept = "moe_layers.w_shared_gate_up" if name.startswith("llama4") else "moe_layers.wo"
+        kept = {"llama4": "moe_layers.w_shared_gate_up", "gemma3": "layers.wo"}.get(name.partition("-")[0],
+                                                                                    "moe_layers.wo")
         assert kept not in specs and "tp" in specs[f"{kept}.fp8"] and "tp" in specs[f"{kept}.scale"], specs
 
 
@@ -195,3 +206,26 @@ def test_a_weight_quantized_in_some_layers_only_is_refused(checkpoints, tmp_path
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match=f"moe_layers.wqkv: {name} is not quantized"):
         load_kept(str(bad))
+
+
+def test_gemma4_reads_an_8bit_checkpoint_dequantized_and_names_what_it_does_not_keep(tmp_path):
+    """Gemma 4's FP8-dynamic form (its experts' fused tensors float, as compressed-tensors quantizes linear
+    modules only): the weights equal the twin's; kept, it is refused naming the architecture."""
+    import jax.numpy as jnp
+
+    from deepseek_models import _save_tokenizer
+    from infire_jax.errors import ConfigError
+    from infire_jax.loaders.hf import load_hf_dir
+    from infire_jax.loaders.load import load_quantized_placed
+    from quant_twins import write_8bit
+    from test_gemma4 import _hf_model
+
+    _hf_model("moe").save_pretrained(tmp_path / "float", safe_serialization=True)
+    _save_tokenizer(tmp_path / "float")
+    write_8bit(str(tmp_path / "float"), str(tmp_path / "quantized"), str(tmp_path / "twin"), "fp8-channel")
+    quantized, twin = (load_hf_dir(str(tmp_path / p)).weights for p in ("quantized", "twin"))
+    assert sorted(quantized) == sorted(twin)
+    for k, w in twin.items():
+        np.testing.assert_array_equal(np.asarray(quantized[k], np.float32), np.asarray(w, np.float32), err_msg=k)
+    with pytest.raises(ConfigError, match="not gemma4"):
+        load_quantized_placed(str(tmp_path / "quantized"), jnp.float32, None, "checkpoint")

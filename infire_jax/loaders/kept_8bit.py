@@ -1,10 +1,10 @@
-"""A published 8-bit checkpoint of GLM-4.5, MiniMax-M2 or Llama 4 placed with its layer weights kept.
+"""A published 8-bit checkpoint of GLM-4.5, MiniMax-M2, Llama 4 or Gemma 3 placed with its layer weights kept.
 
-`weights_quantization="checkpoint"` on a `glm4_moe`, `minimax_m2` or `llama4` checkpoint whose
-`quantization_config` is fp8 with square `weight_block_size` blocks (MiniMax-M2's release: 128) or
-an 8-bit scheme with a scale per output channel or tensor (llm-compressor's FP8 and FP8-dynamic, as
-GLM-4.5's and Llama 4 Maverick's FP8 releases are; AutoFP8; int8 W8A8; loaders/hf_quantized.py): the
-projections it quantizes (q/k/v, o, the dense and shared MLPs, every routed expert) stay 8-bit on the
+`weights_quantization="checkpoint"` on a `glm4_moe`, `minimax_m2`, `llama4` or `gemma3` checkpoint
+whose `quantization_config` is fp8 with square `weight_block_size` blocks (MiniMax-M2's release: 128)
+or an 8-bit scheme with a scale per output channel or tensor (llm-compressor's FP8 and FP8-dynamic, as
+GLM-4.5's and Llama 4 Maverick's FP8 releases and Gemma 3's FP8-dynamic ones are; AutoFP8; int8 W8A8;
+loaders/hf_quantized.py): the projections it quantizes (q/k/v, o, the dense and shared MLPs, every routed expert) stay 8-bit on the
 device, in the form `--weights-quantization fp8` keeps a float model in (quant/resident.py): the values
 as published and a float32 scale per output channel, or, for fp8 blocks, per output channel and block
 of inputs (each block's scale repeated on its rows and, on o_proj where a block spans heads, on each
@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders import deepseek_hf, llama4_hf
+from infire_jax.loaders import deepseek_hf, gemma3_hf, llama4_hf
 from infire_jax.loaders.deepseek_quant import check_whole, kept_scheme
 from infire_jax.loaders.fused_parts import place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
@@ -47,7 +47,9 @@ def _glm4_weights(tensors, cfg: ModelConfig) -> dict[str, np.ndarray]:
 FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "glm4_moe": (_glm4_weights, deepseek_hf.linear_targets), "minimax_m2": (_glm4_weights, deepseek_hf.linear_targets),
     "llama4": (llama4_hf.llama4_weights, llama4_hf.linear_targets),
-    "llama4_text": (llama4_hf.llama4_weights, llama4_hf.linear_targets)}
+    "llama4_text": (llama4_hf.llama4_weights, llama4_hf.linear_targets),
+    "gemma3": (gemma3_hf.gemma3_weights, gemma3_hf.linear_targets),
+    "gemma3_text": (gemma3_hf.gemma3_weights, gemma3_hf.linear_targets)}
 
 
 def keeps(path: str | None) -> bool:

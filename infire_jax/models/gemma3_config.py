@@ -27,11 +27,12 @@ _FIELDS = {
     "bos_token_id", "eos_token_id", "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_local_base_freq",
     "rope_parameters", "attention_bias", "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
     "_sliding_window_pattern", "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
-    "use_bidirectional_attention"}
+    "use_bidirectional_attention",
+    "quantization_config"}  # a published 8-bit checkpoint's: dequantized as read, or kept (loaders/kept_8bit.py)
 # A multimodal `gemma3` config's own fields beside its text_config (its vision_config: vision/gemma3_encoder.py).
 _WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "mm_tokens_per_image", "boi_token_index",
                    "eoi_token_index", "image_token_index", "image_token_id", "boi_token_id", "eoi_token_id",
-                   "eos_token_id", "bos_token_id", "tie_word_embeddings"}
+                   "eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config"}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 F = "Gemma 3"  # the family refusals name
 

@@ -27,8 +27,9 @@ _FIELDS = {
     "layer_types", "final_logit_softcapping", "use_bidirectional_attention", "vocab_size_per_layer_input",
     "hidden_size_per_layer_input", "attention_k_eq_v", "num_kv_shared_layers", "enable_moe_block",
     "use_double_wide_mlp", "num_experts", "top_k_experts", "moe_intermediate_size", "global_head_dim",
-    "num_global_key_value_heads", "per_layer_config"}
-_WRAPPER_FIELDS = {"model_type", "text_config", "vision_config", "audio_config", "audio_token_id", "boa_token_id",
+    "num_global_key_value_heads", "per_layer_config",
+    "quantization_config"}  # a published quantized checkpoint's: dequantized as read (loaders/hf_quantized.py)
+_WRAPPER_FIELDS = {"quantization_config", "model_type", "text_config", "vision_config", "audio_config", "audio_token_id", "boa_token_id",
                    "boi_token_id", "eoa_token_index", "eoa_token_id", "eoi_token_id", "image_token_id",
                    "video_token_id", "vision_soft_tokens_per_image", "eos_token_id", "bos_token_id",
                    "tie_word_embeddings"}
