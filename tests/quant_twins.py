@@ -26,7 +26,7 @@ CHANNEL_MAX = {"int8": 127.0, "fp8": 448.0}
 # A layer's projections in an HF checkpoint (GQA attention, MLPs, shared experts, Mixtral-named experts);
 # not a MoE's router (`mlp.gate`)
 LAYER_LINEAR = re.compile(r"(?:language_model\.)?model\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj"
-                          r"|down_proj|w1|w2|w3)\.weight")
+                          r"|down_proj|w1|w2|w3|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight")
 
 
 def _channel(w: np.ndarray, kind: str) -> np.ndarray:
@@ -118,7 +118,8 @@ def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0, ignor
     """The float HF checkpoint at `src` written twice: at `dst` with every layer projection (LAYER_LINEAR) in
     `scheme`, and at `twin` as the float checkpoint of the values those decode to (float64 products, in
     float32). "fp8-block": e4m3 values and a float32 `weight_scale_inv` per `block` x `block` block (absmax
-    / 448), with MiniMax-M2's published quantization_config; "fp8-channel": llm-compressor's FP8-dynamic
+    / 448; the last ones partial where `block` does not tile a side), with MiniMax-M2's published
+    quantization_config; "fp8-channel": llm-compressor's FP8-dynamic
     (compressed-tensors, a bfloat16 `weight_scale` per row, the activations' token-wise scales dynamic),
     the modules `ignore` matches (a regex, as its config's "re:" entries) left float."""
     from safetensors.numpy import load_file, save_file
@@ -130,11 +131,12 @@ def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0, ignor
             quantized[name] = floats[name] = w
             continue
         o, i = w.shape
-        if scheme == "fp8-block":
-            assert o % block == 0 and i % block == 0, (name, w.shape, block)
-            amax = np.abs(w).reshape(o // block, block, i // block, block).max(axis=(1, 3))
-            stored = (amax / 448.0).astype(np.float32)
-            each = np.repeat(np.repeat(stored.astype(np.float64), block, axis=0), block, axis=1)
+        if scheme == "fp8-block":  # the last row and column blocks may be partial
+            rows, cols = -(-o // block), -(-i // block)
+            padded = np.zeros((rows * block, cols * block), np.float32)
+            padded[:o, :i] = np.abs(w)
+            stored = (padded.reshape(rows, block, cols, block).max(axis=(1, 3)) / 448.0).astype(np.float32)
+            each = np.repeat(np.repeat(stored.astype(np.float64), block, axis=0), block, axis=1)[:o, :i]
             quantized[f"{name}_scale_inv"] = stored
         else:
             stored = (np.abs(w).max(axis=1, keepdims=True) / 448.0).astype(ml_dtypes.bfloat16)
@@ -162,26 +164,29 @@ def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0, ignor
                 json.dump(cfg, f)
 
 
-def unfuse_llama4_experts(src: str, dst: str) -> None:
-    """The Llama 4 checkpoint at `src` with each layer's fused experts (`experts.gate_up_proj` [X, E, 2F],
-    `experts.down_proj` [X, F, E]) written as one linear module per expert in HF's `[out, in]` layout
-    (`experts.N.gate_proj.weight` [F, E], `up_proj` [F, E], `down_proj` [E, F]), as Maverick's FP8
-    release holds them."""
+def unfuse_experts(src: str, dst: str) -> None:
+    """The checkpoint at `src` with each layer's fused experts written as one linear module per expert in
+    HF's `[out, in]` layout (`experts.N.gate_proj.weight` [F, E], `up_proj` [F, E], `down_proj` [E, F]), as
+    8-bit releases hold them (Llama 4 Maverick's FP8, Qwen3.5-MoE's). Fused, Llama 4 keeps `gate_up_proj`
+    [X, E, 2F] and `down_proj` [X, F, E] ([in, out]), transformers' Qwen3.5-MoE [X, 2F, E] and [X, E, F]."""
     from safetensors.numpy import load_file, save_file
 
+    with open(os.path.join(src, "config.json")) as f:
+        llama4 = json.load(f)["model_type"].startswith("llama4")
     tensors = load_file(os.path.join(src, "model.safetensors"))
     out = {}
     for name, w in tensors.items():
         prefix, _, part = name.rpartition(".")
-        if not prefix.endswith("feed_forward.experts"):
+        if not prefix.endswith(".experts") or part not in ("gate_up_proj", "down_proj"):
             out[name] = w
             continue
         for j, e in enumerate(w):
+            e = e.T if llama4 else e  # [out, in]
             if part == "gate_up_proj":
-                f = e.shape[1] // 2
-                out[f"{prefix}.{j}.gate_proj.weight"] = np.ascontiguousarray(e[:, :f].T)
-                out[f"{prefix}.{j}.up_proj.weight"] = np.ascontiguousarray(e[:, f:].T)
+                f = e.shape[0] // 2
+                out[f"{prefix}.{j}.gate_proj.weight"] = np.ascontiguousarray(e[:f])
+                out[f"{prefix}.{j}.up_proj.weight"] = np.ascontiguousarray(e[f:])
             else:
-                out[f"{prefix}.{j}.down_proj.weight"] = np.ascontiguousarray(e.T)
+                out[f"{prefix}.{j}.down_proj.weight"] = np.ascontiguousarray(e)
     shutil.copytree(src, dst)
     save_file(out, os.path.join(dst, "model.safetensors"))

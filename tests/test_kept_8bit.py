@@ -29,7 +29,8 @@ import torch
 # name: (family, scheme, block, modules left float)
 CASES = {"minimax-fp8-block": ("minimax", "fp8-block", 32, None), "glm-fp8-channel": ("glm", "fp8-channel", 0, None),
          "llama4-fp8-channel": ("llama4", "fp8-channel", 0, r".*self_attn"),
-         "gemma3-fp8-channel": ("gemma3", "fp8-channel", 0, None)}
+         "gemma3-fp8-channel": ("gemma3", "fp8-channel", 0, None),
+         "qwen3_5-moe-fp8-block": ("qwen3_5", "fp8-block", 8, None)}
 # Each case's kept stacked weights
 KEPT = {"minimax-fp8-block": [f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down")],
         "glm-fp8-channel": [f"{s}.{w}" for s in ("dense_layers", "moe_layers") for w in ("wqkv", "wo", "w_gate_up",
@@ -37,18 +38,30 @@ KEPT = {"minimax-fp8-block": [f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_
         + ["moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"],
         "llama4-fp8-channel": ["dense_layers.w_gate_up", "dense_layers.w_down", "moe_layers.w_gate_up",
                                "moe_layers.w_down", "moe_layers.w_shared_gate_up", "moe_layers.w_shared_down"],
-        "gemma3-fp8-channel": ["layers.wqkv", "layers.wo", "layers.w_gate_up", "layers.w_down"]}
+        "gemma3-fp8-channel": ["layers.wqkv", "layers.wo", "layers.w_gate_up", "layers.w_down"],
+        "qwen3_5-moe-fp8-block": [f"attention_layers.{w}" for w in ("wq", "wk", "wv", "wo")]
+        + [f"linear_layers.{w}" for w in ("w_qkv", "w_z", "w_out")]
+        + [f"{s}.{w}" for s in ("attention_layers", "linear_layers")
+           for w in ("w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")]}
 PUBLISHED_FP8 = dict(activation_scheme="dynamic", fmt="float8_e4m3fn", quant_method="fp8",
                      weight_block_size=[128, 128], modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
 
 
 def _float_checkpoint(family: str, path: pathlib.Path) -> str:
+    from quant_twins import unfuse_experts
+
     if family == "llama4":
         from llama4_models import hf_model, save
-        from quant_twins import unfuse_llama4_experts
 
-        fused = save(hf_model("multimodal"), path.parent / "fused")
-        unfuse_llama4_experts(fused, str(path))
+        unfuse_experts(save(hf_model("multimodal"), path.parent / "fused"), str(path))
+        return str(path)
+    if family == "qwen3_5":
+        from deepseek_models import _save_tokenizer
+        from test_qwen3_5 import hf_moe_model
+
+        hf_moe_model("qwen3_5_moe").save_pretrained(path.parent / "fused", safe_serialization=True)
+        _save_tokenizer(path.parent / "fused")
+        unfuse_experts(str(path.parent / "fused"), str(path))
         return str(path)
     if family == "gemma3":
         from deepseek_models import _save_tokenizer
@@ -107,11 +120,12 @@ def test_the_published_minimax_m2_config_is_read():
     assert (scheme.kind, scheme.block) == ("fp8", 128)
 
 
-def test_llama4_experts_one_by_one_equal_the_fused_ones(checkpoints):
+@pytest.mark.parametrize("name", ["llama4-fp8-channel", "qwen3_5-moe-fp8-block"])
+def test_experts_one_by_one_equal_the_fused_ones(name, checkpoints):
     from infire_jax.loaders.hf import load_hf_dir
 
-    unfused = os.path.join(os.path.dirname(checkpoints["llama4-fp8-channel"][0]), "float")
-    fused, ours = (load_hf_dir(os.path.join(os.path.dirname(unfused), p)).weights for p in ("fused", "float"))
+    base = os.path.dirname(checkpoints[name][0])
+    fused, ours = (load_hf_dir(os.path.join(base, p)).weights for p in ("fused", "float"))
     assert sorted(fused) == sorted(ours)
     for k, w in fused.items():
         np.testing.assert_array_equal(ours[k], w, err_msg=k)
@@ -163,13 +177,13 @@ def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, monkeypa
 def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
     """GLM-4.5's row-scaled fp8 on tp 4 (its 2 kv heads repeated, parts and all; wo's scales split with its
     heads, the dense MLP's inputs 4 ways), MiniMax-M2's blocks on tp 2 x ep 4 (a block's scales with its
-    inputs), Llama 4's kept MLPs and experts beside its bfloat16 attention, and Gemma 3, on tp 2: one
-    device's greedy tokens, logprobs within float32 rounding."""
+    inputs), Llama 4's kept MLPs and experts beside its bfloat16 attention, Gemma 3 and Qwen3.5-MoE's blocks
+    (the DeltaNets' too), on tp 2: one device's greedy tokens, logprobs within float32 rounding."""
     from test_glm4_moe import ENGINE, PROMPTS
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
     meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4", "llama4-fp8-channel": "2",
-              "gemma3-fp8-channel": "2"}
+              "gemma3-fp8-channel": "2", "qwen3_5-moe-fp8-block": "2"}
     runs = [{"model": checkpoints[name][0], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
              "weights_quantization": "checkpoint", "tag": f"{name}@{m}"}
             for name, mesh in meshes.items() for m in ("1", mesh)]
@@ -182,8 +196,8 @@ def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
         np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
         _assert_each_device_holds_its_shard(r)
         specs = {k: str(v["spec"]) for k, v in r["params"].items()}
-        kept = {"llama4": "moe_layers.w_shared_gate_up", "gemma3": "layers.wo"}.get(name.partition("-")[0],
-                                                                                    "moe_layers.wo")
+        kept = {"llama4": "moe_layers.w_shared_gate_up", "gemma3": "layers.wo",
+                "qwen3_5": "attention_layers.wo"}.get(name.partition("-")[0], "moe_layers.wo")
         assert kept not in specs and "tp" in specs[f"{kept}.fp8"] and "tp" in specs[f"{kept}.scale"], specs
 
 

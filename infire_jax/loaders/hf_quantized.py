@@ -291,11 +291,20 @@ def grouped(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme
                                     f"({len(pending)} quantized weights incomplete)")
 
 
+def not_float8(name: str, w: np.ndarray) -> np.ndarray:
+    """`w`, unless it is float8: what the scheme dequantizes has none left, so such a tensor lacks the scales
+    that would (UnsupportedModelError naming it)."""
+    if w.dtype.name.startswith("float8"):
+        raise UnsupportedModelError(f"{name!r} is float8 without the block scales this loader dequantizes "
+                                    "(`weight_scale_inv` beside a `.weight`)")
+    return w
+
+
 def dequantized(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme | None
                 ) -> Iterator[tuple[str, np.ndarray]]:
     """The checkpoint's tensors with every quantized module's parts replaced by its float32 `weight`."""
-    if scheme is None:
-        yield from tensors
-        return
-    for name, w in grouped(tensors, scheme):
-        yield (f"{name}.weight", dequantize_module(name, w, scheme)) if isinstance(w, dict) else (name, w)
+    for name, w in tensors if scheme is None else grouped(tensors, scheme):
+        if isinstance(w, dict):
+            yield f"{name}.weight", dequantize_module(name, w, scheme)
+        else:
+            yield name, not_float8(name, w)

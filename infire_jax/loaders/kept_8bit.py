@@ -1,20 +1,23 @@
-"""A published 8-bit checkpoint of GLM-4.5, MiniMax-M2, Llama 4 or Gemma 3 placed with its layer weights kept.
+"""A published 8-bit checkpoint of GLM-4.5, MiniMax-M2, Llama 4, Gemma 3 or Qwen3.5 placed with its layer
+weights kept.
 
-`weights_quantization="checkpoint"` on a `glm4_moe`, `minimax_m2`, `llama4` or `gemma3` checkpoint
-whose `quantization_config` is fp8 with square `weight_block_size` blocks (MiniMax-M2's release: 128)
-or an 8-bit scheme with a scale per output channel or tensor (llm-compressor's FP8 and FP8-dynamic, as
-GLM-4.5's and Llama 4 Maverick's FP8 releases and Gemma 3's FP8-dynamic ones are; AutoFP8; int8 W8A8;
-loaders/hf_quantized.py): the projections it quantizes (q/k/v, o, the dense and shared MLPs, every routed expert) stay 8-bit on the
-device, in the form `--weights-quantization fp8` keeps a float model in (quant/resident.py): the values
-as published and a float32 scale per output channel, or, for fp8 blocks, per output channel and block
-of inputs (each block's scale repeated on its rows and, on o_proj where a block spans heads, on each
-head's piece; loaders/llama_quant.py `block_form`). The parts take the float weights' own path into
-the model's layout: the family's converter moves output axes only, so it is run once over the values
-(with the tensors left alone) and once over the scales. What the checkpoint leaves unquantized (the
-embedding, LM head, norms, biases, routers, and whatever its ignore list names, as Maverick's
-attention) stays as the float loader gives it. Refused, naming the tensor or weight: other schemes
-(GPTQ / AWQ load dequantized), a stacked weight only partly quantized, blocks that do not tile a
-weight's inputs, and a mesh whose shards would split a block.
+`weights_quantization="checkpoint"` on a `glm4_moe`, `minimax_m2`, `llama4`, `gemma3` or `qwen3_5` (and
+Qwen3-Next) checkpoint whose `quantization_config` is fp8 with square `weight_block_size` blocks
+(MiniMax-M2's and Qwen3.5's releases: 128) or an 8-bit scheme with a scale per output channel or tensor
+(llm-compressor's FP8 and FP8-dynamic, as GLM-4.5's and Llama 4 Maverick's FP8 releases and Gemma 3's
+FP8-dynamic ones are; AutoFP8; int8 W8A8; loaders/hf_quantized.py). The projections it quantizes and
+the family's `linear_targets` names (q/k/v, o, the DeltaNets' projections, the dense and shared MLPs,
+every routed expert) stay 8-bit on the device, in the form `--weights-quantization fp8` keeps a float
+model in (quant/resident.py): the values as published and a float32 scale per output channel, or, for
+fp8 blocks, per output channel and block of inputs (each block's scale repeated on its rows and, on
+o_proj where a block spans heads, on each head's piece; loaders/llama_quant.py `block_form`); any other
+quantized module is dequantized. The parts take the float weights' own path into the model's layout:
+the family's converter moves output axes only, so it is run once over the values (with the tensors
+left alone) and once over the scales. What the checkpoint leaves unquantized (the embedding, LM head,
+norms, biases, routers, and whatever its ignore list names, as Maverick's attention) stays as the float
+loader gives it. Refused, naming the tensor or weight: other schemes (GPTQ / AWQ load dequantized), a
+stacked weight only partly quantized, blocks that do not tile a weight's inputs, and a mesh whose shards
+would split a block.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from typing import Callable
 import numpy as np
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders import deepseek_hf, gemma3_hf, llama4_hf
+from infire_jax.loaders import deepseek_hf, gemma3_hf, llama4_hf, qwen3_5_hf
 from infire_jax.loaders.deepseek_quant import check_whole, kept_scheme
 from infire_jax.loaders.fused_parts import place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
-from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, QuantScheme, dequantize_module, grouped
+from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, QuantScheme, dequantize_module, grouped, not_float8
 from infire_jax.loaders.llama_quant import block_form, channel_form, check_mesh
 from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.loaders.weights import LoadedModel, Placed
@@ -49,7 +52,9 @@ FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "llama4": (llama4_hf.llama4_weights, llama4_hf.linear_targets),
     "llama4_text": (llama4_hf.llama4_weights, llama4_hf.linear_targets),
     "gemma3": (gemma3_hf.gemma3_weights, gemma3_hf.linear_targets),
-    "gemma3_text": (gemma3_hf.gemma3_weights, gemma3_hf.linear_targets)}
+    "gemma3_text": (gemma3_hf.gemma3_weights, gemma3_hf.linear_targets),
+    **{t: (qwen3_5_hf.qwen3_5_weights, qwen3_5_hf.linear_targets)
+       for t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")}}
 
 
 def keeps(path: str | None) -> bool:
@@ -86,7 +91,8 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
     for name, w in grouped(checkpoint_tensors(path), scheme):
         targets = linear_targets(name, cfg) if isinstance(w, dict) else ()
         if not targets:  # a tensor the scheme leaves alone, or a quantized one outside the layers
-            plain.append((f"{name}.weight", dequantize_module(name, w, scheme)) if isinstance(w, dict) else (name, w))
+            plain.append((f"{name}.weight", dequantize_module(name, w, scheme)) if isinstance(w, dict)
+                         else (name, not_float8(name, w)))
             continue
         short = targets[0].rpartition(".")[2]
         v, s, layout = _kept_form(name, w, short, scheme, cfg)

@@ -43,26 +43,34 @@ _LINEAR = {"linear_attn.in_proj_qkv.weight": "w_qkv", "linear_attn.in_proj_z.wei
            "linear_attn.norm.weight": "norm", "linear_attn.out_proj.weight": "w_out",
            # Qwen3-Next's: q, k, v and z (and b and a) in one projection, grouped by k head (`_split_grouped`)
            "linear_attn.in_proj_qkvz.weight": "qkvz", "linear_attn.in_proj_ba.weight": "ba"}
+# A linear module's stacked weight in its stack (`linear_targets`): Qwen3-Next's in_proj_qkvz and in_proj_ba,
+# split between weights, and the small in_proj_b / in_proj_a load dequantized.
+_KEPT = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
+         "linear_attn.in_proj_qkv": "w_qkv", "linear_attn.in_proj_z": "w_z", "linear_attn.out_proj": "w_out",
+         "mlp.gate_proj": "w_gate_up", "mlp.up_proj": "w_gate_up", "mlp.down_proj": "w_down",
+         "mlp.shared_expert.gate_proj": "w_shared_gate_up", "mlp.shared_expert.up_proj": "w_shared_gate_up",
+         "mlp.shared_expert.down_proj": "w_shared_down"}
 _ONE_PLUS_W = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
 
 
 def _layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """One layer weight from HF's (out, in) layout to the model's."""
+    """One layer weight from HF's (out, in) layout to the model's; only output axes are split, so a kept
+    8-bit projection's scales `[out, in / group]` take the same path (loaders/kept_8bit.py)."""
     e, h, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if short in _ONE_PLUS_W:
         return gemma_norm(w)
     if short == "wq":  # per head: D rows of q, then D of its gate
-        return w.reshape(h, 2, d, e).transpose(3, 0, 1, 2)
+        return w.reshape(h, 2, d, -1).transpose(3, 0, 1, 2)
     if short in ("wk", "wv"):
-        return w.reshape(hkv, d, e).transpose(2, 0, 1)
+        return w.reshape(hkv, d, -1).transpose(2, 0, 1)
     if short == "wo":
-        return w.reshape(e, h, d).transpose(1, 2, 0)
+        return w.reshape(e, h, -1).transpose(1, 2, 0)
     if short == "conv":  # [C, 1, K] -> [K, C], the channels grouped by k head
         return w[:, 0, :].T[:, qkv_order(cfg)]
     if short == "w_qkv":  # [C, E] -> [E, C], likewise
         return w.T[:, qkv_order(cfg)]
     if short == "w_gate_up" and w.ndim == 3:  # experts [X, 2F, E] -> [X, E, 2, F]
-        return w.reshape(w.shape[0], 2, -1, e).transpose(0, 3, 1, 2)
+        return w.reshape(w.shape[0], 2, -1, w.shape[-1]).transpose(0, 3, 1, 2)
     if short == "w_down" and w.ndim == 3:  # experts [X, E, F] -> [X, F, E]
         return w.transpose(0, 2, 1)
     if short == "shared_gate":  # [1, E] -> [E]
@@ -72,12 +80,26 @@ def _layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return w
 
 
+def linear_targets(module: str, cfg: ModelConfig) -> tuple[str, ...]:
+    """The stacked weight ("linear_layers.w_qkv", ...) that HF linear module `module` (no `.weight`) is part
+    of; () for anything else (the router, the head, the vision tower, the MTP layer)."""
+    name = language_model_name(f"{module}.weight") if not module.startswith(_SKIPPED) else None
+    m = _LAYER.fullmatch(name or "")
+    if m is None or int(m.group(1)) >= cfg.num_layers:
+        return ()
+    stack = "attention_layers" if (int(m.group(1)) + 1) % cfg.gated_delta.interval == 0 else "linear_layers"
+    expert = _EXPERT.fullmatch(m.group(2))
+    short = ("w_down" if expert.group(2) == "down_proj" else "w_gate_up") if expert else \
+        _KEPT.get(m.group(2).removesuffix(".weight"))
+    return (f"{stack}.{short}",) if short else ()
+
+
 def _split_grouped(short: str, w: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Qwen3-Next's fused projections as Qwen3.5's ([out, in] each): `in_proj_qkvz` holds, for each k head,
     its q and k rows, then the v and z rows of its v heads; `in_proj_ba` its v heads' b rows, then their a
     rows (transformers' `fix_query_key_value_ordering`). Qwen3.5's `in_proj_qkv` is every head's q, then
     every k, then every v."""
-    g, e = cfg.gated_delta, cfg.hidden_size
+    g, e = cfg.gated_delta, w.shape[-1]
     per = g.num_v_heads // g.num_k_heads
     grouped = w.reshape(g.num_k_heads, -1, e)
     if short == "ba":
@@ -98,9 +120,6 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
     for raw, w in tensors:
         if raw.startswith(_SKIPPED):
             continue
-        if w.dtype.name.startswith("float8"):  # what loaders/hf_quantized.py dequantized has no float8 left
-            raise UnsupportedModelError(f"{raw!r} is float8 without the block scales this loader dequantizes "
-                                        "(`weight_scale_inv` beside a `.weight`)")
         name = language_model_name(raw)
         m = _LAYER.fullmatch(name or "")
         expert = _EXPERT.fullmatch(m.group(2)) if m else None

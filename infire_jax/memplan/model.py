@@ -22,7 +22,7 @@ from infire_jax.models.config import ModelConfig, gemma4_stacks
 from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
 from infire_jax.quant.int4_rtn import layouts_at_load
-from infire_jax.quant.resident import QuantLayout
+from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
 
 KINDS = ("attention", "experts", "shared", "embeddings", "vision")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
@@ -321,9 +321,9 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
     if cfg.is_moe and scheme.kind not in GQA_EXPERT_KINDS:
         raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: its weights are kept (and planned) "
                          f"for dense Llama-architecture models, not {cfg.architecture}")
-    shorts = ("wqkv", "wo", "w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")  # GLM-4.5's shared experts
+    shorts = tuple(INPUT_AXIS)  # every family's projections (an absent one is never looked up)
     if _attention_ignored(quantization_config(hf)):  # as Llama 4 Maverick's FP8 release: bfloat16 attention
-        shorts = shorts[2:]
+        shorts = tuple(s for s in shorts if s not in ("wqkv", "wo", "wq", "wk", "wv"))
     if scheme.kind == "channel":
         kind = "int8" if scheme.values == np.int8 else "fp8"
         return {short: QuantLayout(kind) for short in shorts}
