@@ -30,6 +30,14 @@ def _compressed(values: str, strategy: str, activations: dict | None) -> dict:
 
 
 DYNAMIC = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+
+
+def _compressed_blocks(block: int) -> dict:
+    """llm-compressor's FP8_BLOCK: fp8 weights in `block` x `block` blocks, activations in dynamic groups."""
+    config = _compressed("float", "block", dict(DYNAMIC, strategy="group", group_size=block))
+    config["config_groups"]["group_0"]["weights"]["block_structure"] = [block, block]
+    return config
+
 # fp8 blocks (Qwen3's FP8 releases: 128): 64 here, so that a block of o_proj's inputs spans two heads of 32
 BLOCK = 64
 FP8_BLOCKS = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[BLOCK, BLOCK])
@@ -47,6 +55,8 @@ CASES = {
     "w8a8-int8": (_compressed("int", "channel", dict(DYNAMIC, type="int")), INT8, "channel", "[O]", np.float16, {},
                   "llama"),
     "fp8-block": (FP8_BLOCKS, FP8, "block", "[O / B, I / B]", np.float32, {}, "qwen2"),
+    "fp8-block-compressed": (_compressed_blocks(BLOCK), FP8, "block", "[O / B, I / B]", ml_dtypes.bfloat16, {},
+                             "llama"),
     "fp8-block-moe": (FP8_BLOCKS, FP8, "block", "[O / B, I / B]", np.float32, {}, "mixtral"),
     "fp8-block-qwen3-moe": (FP8_BLOCKS, FP8, "block", "[O / B, I / B]", np.float32, {}, "qwen3_moe"),
 }
@@ -117,7 +127,9 @@ def write_checkpoints(base: pathlib.Path, name: str, seed: int = 0) -> tuple[str
         for module, (out, inp) in linears.items():
             q, scale, each = _quantize(rng.standard_normal((out, inp)) / np.sqrt(inp), values, strategy, scale_dtype)
             quantized[f"{pre}.{module}.weight"] = q
-            scale_name = "weight_scale_inv" if strategy == "block" else "weight_scale"
+            # DeepSeek-V3's name for a block scale; compressed-tensors names every scale `weight_scale`
+            scale_name = "weight_scale_inv" if strategy == "block" and config["quant_method"] == "fp8" else \
+                "weight_scale"
             quantized[f"{pre}.{module}.{scale_name}"] = _stored(scale, form, out)
             quantized.update({f"{pre}.{module}.{k}": v for k, v in activations.items()})
             # the definition, element by element in float64: each weight times its row's, block's or the

@@ -1,6 +1,6 @@
 """8-bit checkpoints with a scale per output channel, per tensor or per block (loaders/hf_quantized.py,
-loaders/llama_quant.py): llm-compressor's compressed-tensors FP8 and int8, AutoFP8's `fp8`,
-`fbgemm_fp8` and block-scaled `fp8` (Qwen3's FP8 releases), the forms vLLM users most often serve
+loaders/llama_quant.py): llm-compressor's compressed-tensors FP8 and int8 (and its FP8_BLOCK), AutoFP8's
+`fp8`, `fbgemm_fp8` and block-scaled `fp8` (Qwen3's FP8 releases), the forms vLLM users most often serve
 Llama / Qwen checkpoints in.
 
 Tiny random Llama / Qwen2 checkpoints are written here in each scheme's layout, quantized from
@@ -65,7 +65,8 @@ def _assert_same(outs, want, atol=1e-5) -> None:
                                    [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["fp8-dynamic", "w8a8-int8", "fp8-block", "fp8-block-moe", "fp8-block-qwen3-moe"])
+@pytest.mark.parametrize("name", ["fp8-dynamic", "w8a8-int8", "fp8-block", "fp8-block-moe", "fp8-block-qwen3-moe",
+                                  "fp8-block-compressed"])
 def test_engine_on_the_checkpoint_equals_its_float_twin_kept_or_not(name, checkpoints, monkeypatch):
     """Dequantized at load against the twin; kept 8-bit against dequantized, through the layer scan's
     dequantization and through the GPU's quantized matmul kernels (interpret mode), which read the
@@ -129,6 +130,7 @@ def test_kept_on_a_tp_mesh_equals_one_device(name, checkpoints, tmp_path):
     ({"weights": {"strategy": "group", "group_size": 128}}, "weights.strategy = 'group'"),
     ({"weights": {"dynamic": True}}, "weights.dynamic = True"),
     ({"weights": {"type": "int"}}, "weights.type = 'int'"),
+    ({"weights": {"strategy": "block", "block_structure": [128, 64]}}, r"weights.block_structure = \[128, 64\]"),
 ])
 def test_unsupported_8bit_configs_name_the_field(change, field):
     config = json.loads(json.dumps(CASES["fp8-dynamic"][0]))

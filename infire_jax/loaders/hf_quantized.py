@@ -13,7 +13,9 @@ an `[out, in]` 8-bit `weight` and a `weight_scale` per output channel or per ten
 scale is repeated on its rows; `w = float32(q) * scale[o]`):
 
 - `compressed-tensors` with `format: float-quantized` (llm-compressor's FP8 and FP8-dynamic) or
-  `int-quantized` (its W8A8 int8): symmetric 8-bit weights, `strategy` channel or tensor;
+  `int-quantized` (its W8A8 int8): symmetric 8-bit weights, `strategy` channel or tensor; or its
+  FP8_BLOCK, `strategy: block` with a square `block_structure`: DeepSeek-V3's fp8 blocks, the scale
+  named `weight_scale`;
 - `fp8` without `weight_block_size` (AutoFP8, vLLM's own fp8 serialization): one scale a tensor;
 - `fbgemm_fp8` (Meta's Llama 3.1 FP8): one scale a channel.
 
@@ -70,6 +72,7 @@ class QuantScheme:
     zero_offset: int = 0  # gptq v1 stores each zero minus this
     act_order: bool = False  # gptq desc_act with groups: any input may be in any group (kept with its g_idx)
     values: Any = None  # channel: the weight's dtype (float8_e4m3fn or int8)
+    block_scale: str = "weight_scale_inv"  # fp8: the checkpoint's name of the block scales (compressed-tensors')
 
 
 def _bad(field: str, value: Any, why: str) -> UnsupportedModelError:
@@ -158,11 +161,18 @@ def _channel_scheme(name: str, group: Mapping[str, Any], fmt: str) -> QuantSchem
     for key, want in dict(num_bits=8, type=kind, symmetric=True).items():
         if w.get(key) != want:
             raise _bad(f"config_groups.{name}.weights.{key}", w.get(key), f"{fmt} weights: supported {want!r}")
-    if w.get("strategy") not in ("channel", "tensor"):
+    strategies = ("channel", "tensor", "block") if kind == "float" else ("channel", "tensor")
+    if w.get("strategy") not in strategies:
         raise _bad(f"config_groups.{name}.weights.strategy", w.get("strategy"),
-                   f"{fmt} weights: supported 'channel', 'tensor'")
+                   f"{fmt} weights: supported {', '.join(map(repr, strategies))}")
     if w.get("dynamic"):
         raise _bad(f"config_groups.{name}.weights.dynamic", True, "weights must carry their scales")
+    if w["strategy"] == "block":  # llm-compressor's FP8_BLOCK: DeepSeek-V3's blocks, the scale as `weight_scale`
+        block = w.get("block_structure")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and block[0] == block[1]
+                and isinstance(block[0], int) and block[0] > 0):
+            raise _bad(f"config_groups.{name}.weights.block_structure", block, "square [B, B] blocks are supported")
+        return QuantScheme("fp8", block=block[0], block_scale="weight_scale")
     return QuantScheme("channel", values=CHANNEL_VALUES[kind])
 
 
@@ -268,25 +278,28 @@ def grouped(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme
     tensor the scheme leaves alone, (module, {part: array}) once all of a module's parts are read
     (they may arrive in any order, across files)."""
     names = PARTS[scheme.kind]
+    # the checkpoint's names of the parts (fp8 blocks: compressed-tensors calls the scale `weight_scale`)
+    stored = {"weight_scale_inv": scheme.block_scale} if scheme.kind == "fp8" else {}
+    as_stored = tuple(stored.get(n, n) for n in names)
     # fp8 and 8-bit: only weights of the quantized dtype are (norms, the router, the embedding and the
     # modules the config leaves out stay as they are)
     values = {"fp8": ml_dtypes.float8_e4m3fn, "channel": scheme.values}.get(scheme.kind)
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, w in tensors:
-        if scheme.kind == "channel" and name.rpartition(".")[2] in ACTIVATION_PARTS:
+        if scheme.kind in ("channel", "fp8") and name.rpartition(".")[2] in ACTIVATION_PARTS:
             continue
-        split = _split(name, names)
+        split = _split(name, as_stored)
         if split is None or (values is not None and split[1] == "weight" and w.dtype != values):
             yield name, w
             continue
         module, part = split
         parts = pending.setdefault(module, {})
-        parts[part] = w
+        parts[names[as_stored.index(part)]] = w
         if len(parts) == len(names):
             yield module, pending.pop(module)
     if pending:
         module, parts = next(iter(pending.items()))
-        missing = sorted(set(names) - set(parts))
+        missing = sorted(stored.get(n, n) for n in set(names) - set(parts))
         raise UnsupportedModelError(f"{module} has {sorted(parts)} but no {missing} "
                                     f"({len(pending)} quantized weights incomplete)")
 
