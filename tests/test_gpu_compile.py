@@ -218,6 +218,29 @@ def test_glm4_decode_compiles_and_reads_its_experts_in_place(tmp_path):
     assert sorted(programs) == ["burst-greedy 64 tokens", "forward 2048 tokens"]
 
 
+def test_minimax_m2_decode_reads_its_published_fp8_blocks_in_place(tmp_path):
+    """MiniMax-M2 as published (fp8 in 128 x 128 blocks, kept: loaders/kept_8bit.py), 2 of its layers on one
+    H100: the decode burst reads q/k/v, o and every expert in place through the Triton kernels (attention,
+    the quantized matmul and the grouped one: 6 a layer), copies no weight, and holds a layer's weights in
+    about half the bytes of bfloat16 (the float32 block scales beside them)."""
+    from infire_jax.bench import gpu_target, program_stats
+    from infire_jax.engine.setup import EngineConfig
+
+    sizes = {}
+    for quantization in (None, "checkpoint"):
+        ec = EngineConfig(model="dummy:minimax-m2,layers=2", dtype="bfloat16", weights_quantization=quantization,
+                          token_buckets=(64,), max_num_seqs=64, max_model_len=8192, num_kv_pages=4096,
+                          num_decode_steps=2)
+        target = gpu_target.TargetEngine(ec, gpu_target.target("h100"))
+        shapes, layers, sizes[quantization] = target.weights_per_device()
+    (program,) = target.programs(str(tmp_path), ("burst-greedy",))
+    st = program_stats.read_dump(program.dump_dir, shapes, layers)
+    assert st.weight_copies == 0 and st.loops_in_layer == 0, st.weight_copy_ops
+    assert st.custom_calls.get("__gpu$xla.gpu.triton", 0) == 2 * program.steps * 6, st.custom_calls
+    embeddings = 2 * 200064 * 3072 * 2  # the embedding and the LM head, bfloat16 in both
+    assert 0.5 < (sizes["checkpoint"] - embeddings) / (sizes[None] - embeddings) < 0.52, sizes
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_qwen3_5_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path, devices):
     """Qwen3.5-MoE's shapes, one group of its layers (three Gated DeltaNets and a gated attention layer), on

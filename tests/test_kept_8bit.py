@@ -249,3 +249,38 @@ def test_gemma4_reads_an_8bit_checkpoint_dequantized_and_names_what_it_does_not_
         np.testing.assert_array_equal(np.asarray(quantized[k], np.float32), np.asarray(w, np.float32), err_msg=k)
     with pytest.raises(ConfigError, match="not gemma4"):
         load_quantized_placed(str(tmp_path / "quantized"), jnp.float32, None, "checkpoint")
+
+
+def test_a_dummy_draws_its_published_8bit_form(monkeypatch):
+    """A `dummy:` model whose published config is fp8 (MiniMax-M2's; here test_minimax_m2.py's tiny shapes in
+    blocks of 32) keeps every projection as drawn fp8 parts in the checkpoint's layouts (the plan's), and the
+    engine serves them: finite logprobs, the same tokens twice (its draw is seeded). bench/gpu_target.py
+    compiles the published model so (test_gpu_compile.py)."""
+    from flax import nnx
+
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.loaders import dummy
+    from infire_jax.loaders.kept_8bit import dummy_layouts
+    from test_glm4_moe import ENGINE, PROMPTS
+    from test_minimax_m2 import TINY
+
+    published = dict(dummy.CONFIGS["minimax-m2"]["quantization_config"], weight_block_size=[32, 32])
+    monkeypatch.setitem(dummy.CONFIGS, "minimax-tiny", dict(TINY, model_type="minimax_m2",
+                                                              quantization_config=published))
+    layouts = dummy_layouts("dummy:minimax-tiny")
+    assert layouts["wo"].group == 16 and layouts["w_gate_up"].group == 32  # wo's blocks cut at its 16-wide heads
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model="dummy:minimax-tiny", weights_quantization="checkpoint", **dict(ENGINE, token_buckets=(32,)))
+        try:
+            placed = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.state)}
+            runs.append([o.outputs[0] for o in llm.generate(PROMPTS, params)])
+        finally:
+            llm.engine.close()
+    for w in ("wqkv", "wo", "w_gate_up", "w_down"):
+        values, scale = placed[f"moe_layers.{w}.fp8"], placed[f"moe_layers.{w}.scale"]
+        assert f"moe_layers.{w}" not in placed and values.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32
+        assert 0 < float(jnp.min(scale)) and np.isfinite(np.asarray(values, np.float32)).all(), w
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert all(np.isfinite(lp[t].logprob) for o in runs[0] for lp, t in zip(o.logprobs, o.token_ids))

@@ -144,6 +144,11 @@ CHECKS = (
     Check("glm45-air-fp8", 300, ("infire_jax.bench", "latency", "--model", "dummy:glm-4.5-air", "--dtype", "bfloat16",
                                  "--weights-quantization", "fp8", "--input-len", "2048", "--output-len", "128",
                                  "--batch-size", "1", "32")),
+    # MiniMax-M2 as published (fp8, 128 x 128 blocks kept: 3.6 GB a layer), 24 of its 62 layers on one H200
+    # (88 GB): every projection and expert read in place with its block scales; never run on a GPU.
+    Check("minimax-m2-fp8-24-layers", 300, ("infire_jax.bench", "latency", "--model", "dummy:minimax-m2,layers=24",
+                                            "--dtype", "bfloat16", "--weights-quantization", "checkpoint",
+                                            "--input-len", "2048", "--output-len", "128", "--batch-size", "1", "32")),
     # GLM-4.5-Air's shapes, 12 of its 46 layers in bfloat16 (53 GB; the whole model's 214 GB needs a mesh):
     # half-rotated GQA heads and DeepSeek-V3's MoE through the grouped kernel; never run on a GPU yet.
     Check("glm45-air-12-layers", 240, ("infire_jax.bench", "latency", "--model", "dummy:glm-4.5-air,layers=12",

@@ -146,15 +146,17 @@ def _quantized(ec, cfg) -> dict | None:
     alone: a `dummy:` model's drawn int4 / int8 / fp8 parts (a checkpoint's own come from its files)."""
     if not ec.weights_quantization:
         return None
-    from infire_jax.loaders import gpt_oss_quant
+    from infire_jax.loaders import gpt_oss_quant, kept_8bit
 
-    if ec.weights_quantization == "checkpoint" and gpt_oss_quant.is_gpt_oss(ec.model) and \
-            ec.model.startswith("dummy:"):
+    dummy = (ec.model or "").startswith("dummy:")
+    if ec.weights_quantization == "checkpoint" and dummy and gpt_oss_quant.is_gpt_oss(ec.model):
         return gpt_oss_quant.kept_layouts()  # its MXFP4 experts, as a dummy draws them
-    if not (ec.model or "").startswith("dummy:") or ec.weights_quantization not in ("int4", "int8", "fp8"):
+    if ec.weights_quantization == "checkpoint" and dummy and kept_8bit.keeps(ec.model):
+        return kept_8bit.dummy_layouts(ec.model)  # its published 8-bit form (MiniMax-M2's fp8 blocks)
+    if not dummy or ec.weights_quantization not in ("int4", "int8", "fp8"):
         raise ConfigError(f"a GPU target builds the quantized weights of a dummy: model (--weights-quantization "
-                          f"int4, int8 or fp8, or checkpoint for gpt-oss) from their shapes; got {ec.model!r} with "
-                          f"{ec.weights_quantization!r}")
+                          f"int4, int8 or fp8, or checkpoint for gpt-oss and MiniMax-M2) from their shapes; got "
+                          f"{ec.model!r} with {ec.weights_quantization!r}")
     from infire_jax.loaders.gguf_quant import DEFAULT_INT4_GROUP, dummy_layouts
 
     return dummy_layouts(cfg, ec.weights_quantization, ec.int4_group_size or DEFAULT_INT4_GROUP)

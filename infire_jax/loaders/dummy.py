@@ -189,7 +189,11 @@ CONFIGS: dict[str, dict] = {
                        rotary_dim=64, num_local_experts=256, num_experts_per_tok=8, rope_theta=5000000,
                        rms_norm_eps=1e-6, max_position_embeddings=196608, use_qk_norm=True, qk_norm_type="per_layer",
                        scoring_func="sigmoid", use_routing_bias=True, tie_word_embeddings=False,
-                       bos_token_id=200034, eos_token_id=200020),
+                       bos_token_id=200034, eos_token_id=200020,
+                       # published in fp8 only (drawn plain; `--weights-quantization checkpoint` draws the blocks)
+                       quantization_config=dict(quant_method="fp8", fmt="float8_e4m3fn", activation_scheme="dynamic",
+                                                weight_block_size=[128, 128],
+                                                modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])),
     "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }

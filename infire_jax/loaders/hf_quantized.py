@@ -44,6 +44,7 @@ layers on the scheme's ignore list or `modules_to_not_convert`) pass through.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Iterable, Iterator, Mapping
 
 import jax
@@ -302,6 +303,14 @@ def grouped(tensors: Iterable[tuple[str, np.ndarray]], scheme: QuantScheme
         missing = sorted(stored.get(n, n) for n in set(names) - set(parts))
         raise UnsupportedModelError(f"{module} has {sorted(parts)} but no {missing} "
                                     f"({len(pending)} quantized weights incomplete)")
+
+
+def hf_skips(module: str, patterns: list[str]) -> bool:
+    """Whether transformers leaves `module` unquantized for `modules_to_not_convert` (its
+    `should_convert_module`): a pattern matching from the start up to a module boundary, as a
+    regex ("model.layers.*.self_attn"), or as a suffix."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
 
 
 def not_float8(name: str, w: np.ndarray) -> np.ndarray:

@@ -24,21 +24,28 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+import re
+from typing import Any, Callable, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders import deepseek_hf, gemma3_hf, llama4_hf, qwen3_5_hf
 from infire_jax.loaders.deepseek_quant import check_whole, kept_scheme
+from infire_jax.loaders.dummy import dummy_hf_config, load_dummy
 from infire_jax.loaders.fused_parts import place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
-from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, QuantScheme, dequantize_module, grouped, not_float8
+from infire_jax.loaders.hf_quantized import (
+    GQA_EXPERT_KINDS, QuantScheme, dequantize_module, grouped, hf_skips, not_float8, quant_scheme, quantization_config)
 from infire_jax.loaders.llama_quant import block_form, channel_form, check_mesh
 from infire_jax.loaders.tokenizer import Tokenizer
 from infire_jax.loaders.weights import LoadedModel, Placed
 from infire_jax.models.config import ModelConfig
-from infire_jax.quant.resident import QuantLayout
+from infire_jax.models.hf_config import config_from_hf
+from infire_jax.models.registry import build_state
+from infire_jax.quant.gptq_awq import kept_group
+from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
 from sharding.plan import ShardPlan
 
 
@@ -57,12 +64,47 @@ FAMILIES: dict[str, tuple[Callable, Callable]] = {
        for t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")}}
 
 
-def keeps(path: str | None) -> bool:
-    """Whether `path` is an HF directory of a checkpoint of one of `FAMILIES`."""
-    if not (path and os.path.isfile(os.path.join(path, "config.json"))):
+def _hf_config(spec: str | None) -> dict | None:
+    """The HF config.json of an HF directory or a `dummy:` model; None for any other spec."""
+    if spec and spec.startswith("dummy:"):
+        return dummy_hf_config(spec[len("dummy:"):])
+    if not (spec and os.path.isfile(os.path.join(spec, "config.json"))):
+        return None
+    with open(os.path.join(spec, "config.json")) as f:
+        return json.load(f)
+
+
+def keeps(spec: str | None) -> bool:
+    """Whether `spec` is a checkpoint of one of `FAMILIES` (an HF directory), or a `dummy:` one whose
+    published config is quantized (MiniMax-M2's fp8 blocks: its parts are drawn so)."""
+    hf = _hf_config(spec)
+    if hf is None or hf.get("model_type") not in FAMILIES:
         return False
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f).get("model_type") in FAMILIES
+    return not spec.startswith("dummy:") or bool(quantization_config(hf))
+
+
+def layouts(scheme: QuantScheme, quantization: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayout]:
+    """The kept projections' layouts by name in their stack (every family's names: one a model lacks is never
+    looked up) for an 8-bit `scheme`: fp8 or int8 values and a float32 scale per output channel, or for fp8
+    blocks per output channel and block of inputs (wo's within a head). The attention's are left out where
+    the config's ignore list keeps it unquantized, as Llama 4 Maverick's FP8 release does."""
+    shorts = tuple(INPUT_AXIS)
+    if attention_ignored(quantization):
+        shorts = tuple(s for s in shorts if s not in ("wqkv", "wo", "wq", "wk", "wv"))
+    if scheme.kind == "channel":
+        kind = "int8" if scheme.values == np.int8 else "fp8"
+        return {short: QuantLayout(kind) for short in shorts}
+    return {short: QuantLayout("fp8", kept_group(scheme.block, cfg.head_dim if short == "wo" else None), jnp.float32)
+            for short in shorts}
+
+
+def attention_ignored(q: Mapping[str, Any]) -> bool:
+    """Whether a quantization config leaves the attention's projections unquantized: its `ignore`
+    (compressed-tensors: names, or "re:" patterns) or `modules_to_not_convert` (transformers' patterns)
+    covers them."""
+    patterns = list(q.get("ignore") or []) + list(q.get("modules_to_not_convert") or [])
+    probes = [f"{top}model.layers.0.self_attn.{m}" for top in ("", "language_model.") for m in ("q_proj", "o_proj")]
+    return any(re.match(p[3:], m) if p.startswith("re:") else hf_skips(m, [p]) for p in patterns for m in probes)
 
 
 def _kept_form(name: str, w: dict[str, np.ndarray], short: str, scheme: QuantScheme, cfg: ModelConfig
@@ -119,9 +161,26 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
     return loaded, layouts
 
 
-def load_kept_placed(path: str, dtype, plan: ShardPlan | None) -> Placed:
-    """The checkpoint placed with its 8-bit layer weights kept (see the module doc)."""
-    loaded, layouts = load_kept(path)
+def load_kept_placed(spec: str, dtype, plan: ShardPlan | None) -> Placed:
+    """The checkpoint placed with its 8-bit layer weights kept (see the module doc); a `dummy:` model's
+    drawn as its published config's scheme keeps them."""
+    if spec.startswith("dummy:"):
+        loaded = load_dummy(spec[len("dummy:"):])
+        parts = dummy_layouts(spec)
+        if plan is not None:
+            check_mesh(parts, loaded.config, plan)
+        graphdef, state = build_state(loaded.config, None, dtype, plan=plan, seed=loaded.random_seed, quantized=parts)
+        return Placed(loaded, graphdef, state, "quantized weights: checkpoints bypassed")
+    loaded, parts = load_kept(spec)
     if plan is not None:
-        check_mesh(layouts, loaded.config, plan)
-    return place_parts(loaded, dict(loaded.weights), layouts, dtype, plan)
+        check_mesh(parts, loaded.config, plan)
+    return place_parts(loaded, dict(loaded.weights), parts, dtype, plan)
+
+
+def dummy_layouts(spec: str) -> dict[str, QuantLayout]:
+    """A `dummy:` model's kept layouts, from its published config (bench/gpu_target.py builds them too)."""
+    hf = _hf_config(spec)
+    scheme = quant_scheme(hf)
+    if scheme is None or scheme.kind not in GQA_EXPERT_KINDS:
+        raise ConfigError(f"weights_quantization='checkpoint': {spec}'s published config keeps no 8-bit weights")
+    return layouts(scheme, quantization_config(hf), config_from_hf(hf))

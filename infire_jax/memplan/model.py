@@ -15,14 +15,14 @@ import re
 from typing import Any, Mapping
 
 import jax.numpy as jnp
-import numpy as np
 
-from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, gqa_kept_scheme, quantization_config
+from infire_jax.loaders import kept_8bit
+from infire_jax.loaders.hf_quantized import GQA_EXPERT_KINDS, gqa_kept_scheme, hf_skips, quantization_config
 from infire_jax.models.config import ModelConfig, gemma4_stacks
 from infire_jax.models.gated_delta import linear_state_shapes
 from infire_jax.quant.gptq_awq import kept_group
 from infire_jax.quant.int4_rtn import layouts_at_load
-from infire_jax.quant.resident import INPUT_AXIS, QuantLayout
+from infire_jax.quant.resident import QuantLayout
 
 KINDS = ("attention", "experts", "shared", "embeddings", "vision")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
@@ -321,15 +321,8 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
     if cfg.is_moe and scheme.kind not in GQA_EXPERT_KINDS:
         raise ValueError(f"quantization_config.quant_method {scheme.kind!r}: its weights are kept (and planned) "
                          f"for dense Llama-architecture models, not {cfg.architecture}")
-    shorts = tuple(INPUT_AXIS)  # every family's projections (an absent one is never looked up)
-    if _attention_ignored(quantization_config(hf)):  # as Llama 4 Maverick's FP8 release: bfloat16 attention
-        shorts = tuple(s for s in shorts if s not in ("wqkv", "wo", "wq", "wk", "wv"))
-    if scheme.kind == "channel":
-        kind = "int8" if scheme.values == np.int8 else "fp8"
-        return {short: QuantLayout(kind) for short in shorts}
-    if scheme.kind == "fp8":  # blocks: a scale per output channel and block (wo's: and head)
-        return {short: QuantLayout("fp8", kept_group(scheme.block, cfg.head_dim if short == "wo" else None),
-                                   jnp.float32) for short in shorts}
+    if scheme.kind in GQA_EXPERT_KINDS:
+        return kept_8bit.layouts(scheme, quantization_config(hf), cfg)
     inputs = {"wqkv": cfg.hidden_size, "wo": cfg.num_heads * cfg.head_dim, "w_gate_up": cfg.hidden_size,
               "w_down": cfg.intermediate_size}
     layouts = {}
@@ -338,14 +331,6 @@ def kept_layouts(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, QuantLayo
         group = size if scheme.act_order else kept_group(size, cfg.head_dim if short == "wo" else None)
         layouts[short] = QuantLayout("int4", group, jnp.float16, scheme.act_order)
     return layouts
-
-
-def _attention_ignored(q: Mapping[str, Any]) -> bool:
-    """Whether a quantization config leaves the attention's projections unquantized: its `ignore`
-    (compressed-tensors: names, or "re:" patterns) or `modules_to_not_convert` covers them."""
-    patterns = list(q.get("ignore") or []) + list(q.get("modules_to_not_convert") or [])
-    probes = [f"{top}model.layers.0.self_attn.{m}" for top in ("", "language_model.") for m in ("q_proj", "o_proj")]
-    return any(re.match(p[3:], m) if p.startswith("re:") else _hf_skips(m, [p]) for p in patterns for m in probes)
 
 
 def at_load_layouts(cfg: ModelConfig, mode: str, group: int) -> dict[str, QuantLayout]:
@@ -381,7 +366,7 @@ def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
     if not q or gqa_kept_scheme(hf) is not None:
         return formats
     if method == "mxfp4":
-        if not _hf_skips("model.layers.1.mlp.experts", list(q.get("modules_to_not_convert") or [])):
+        if not hf_skips("model.layers.1.mlp.experts", list(q.get("modules_to_not_convert") or [])):
             formats["experts"] = "mxfp4"
         return formats
     if method == "fp8":
@@ -407,14 +392,6 @@ def formats_from_hf(hf: Mapping[str, Any], dtype: str) -> dict[str, str]:
         if kind not in ignored and not (kind == "shared" and "dense" in ignored):
             formats[kind] = fmt
     return formats  # embeddings and the LM head are never quantized here
-
-
-def _hf_skips(module: str, patterns: list[str]) -> bool:
-    """Whether transformers leaves `module` unquantized for `modules_to_not_convert` (its
-    `should_convert_module`): a pattern matching from the start up to a module boundary, as a
-    regex ("model.layers.*.self_attn"), or as a suffix."""
-    boundary = r"(?:(?<=\.)|(?=\.|$))"
-    return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
 
 
 def from_hf_config(hf: Mapping[str, Any], dtype: str = "bfloat16", name: str = "model") -> PlanModel:
