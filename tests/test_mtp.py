@@ -230,3 +230,55 @@ def test_glm4_moe_drafts_match_the_reference(tmp_path):
     assert e.spec.stats.num_draft_tokens > 0 and e.compiles_since_warmup == 0
     assert e.kv.num_free_pages == e.kv.num_usable_pages
     e.close()
+
+    # beside a target kept in fp8 as GLM-4.5's FP8 releases are (compressed-tensors, a scale a row; the MTP
+    # layer's projections too, dequantized for the head): the tokens and every draft of the float engine on
+    # the twin of the decoded values (which is lossless, as above)
+    from quant_twins import write_8bit
+
+    quantized, twin = (str(tmp_path.parent / f"{tmp_path.name}-{k}") for k in ("fp8", "twin"))
+    write_8bit(str(tmp_path), quantized, twin, "fp8-channel")
+    runs = []
+    for path, mode in ((twin, None), (quantized, "checkpoint")):
+        llm = LLM(model=path, weights_quantization=mode, **ENGINE, speculative_config={
+            "method": "glm4_moe_mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8,
+            "acceptance_threshold": 0.0})
+        records = record_proposals(llm.engine)
+        runs.append(([o.outputs[0].token_ids for o in llm.generate(prompts, params)], records))
+        llm.engine.close()
+    assert runs[0] == runs[1] and runs[0][1]
+
+
+def test_mtp_beside_a_target_kept_quantized(checkpoint, engines, tmp_path):
+    """DeepSeek-V3 as it is released: every linear weight in fp8 blocks (of 16 here), the MTP layer's too,
+    the target's kept so on the device (`weights_quantization="checkpoint"`), the MTP layer dequantized:
+    greedy output equals the kept engine's without speculation, drafts are accepted as often as over the
+    float target (their head and its hidden states are within fp8 rounding of those), nothing compiles after
+    warmup and every page comes back."""
+    from deepseek_models import quantize_checkpoint
+    from infire_jax import LLM, SamplingParams
+
+    _, _, path = checkpoint
+    quantized = tmp_path / "fp8"
+    shutil.copytree(path, quantized)
+    quantize_checkpoint(str(quantized), "fp8", 16)
+    prompts = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31], list(range(60, 90))]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8, "acceptance_threshold": 0.0}
+    plain = LLM(model=str(quantized), weights_quantization="checkpoint", **ENGINE)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    plain.engine.close()
+    kept = LLM(model=str(quantized), weights_quantization="checkpoint", **ENGINE, speculative_config=spec)
+    try:
+        assert [o.outputs[0].token_ids for o in kept.generate(prompts, params)] == want
+        e = kept.engine
+        assert "moe_layers.w_gate_up.fp8" in {".".join(map(str, p)) for p, _ in nnx.to_flat_state(e.runner.state)}
+        accepted = e.spec.stats.num_accepted_tokens / e.spec.stats.num_draft_tokens
+        before = engines[1].engine.spec.stats  # the float target's, over the same prompts
+        drafted, took = before.num_draft_tokens, before.num_accepted_tokens
+        engines[1].generate(prompts, params)
+        after = engines[1].engine.spec.stats
+        assert accepted > 0.5 * (after.num_accepted_tokens - took) / (after.num_draft_tokens - drafted) > 0
+        assert e.compiles_since_warmup == 0 and e.kv.num_free_pages == e.kv.num_usable_pages
+    finally:
+        kept.engine.close()

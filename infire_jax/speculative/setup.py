@@ -28,8 +28,8 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
     checkpoint `model`) is loaded now: the target's forward must be compiled to return the states
     EAGLE-3 reads, and the pool is sized with the head's weights on the device. `one_plain_device`:
     one device, weights not palette-compressed; `quantized`: the target's layer weights kept quantized,
-    which a draft model (its own weights, reading only the target's tokens and page tables) does not
-    mind; `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
+    which a draft model (its own weights, reading only the target's tokens and page tables) and MTP (its
+    layer read dequantized, fed the target's last hidden state) do not mind; `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
     sc = SpeculativeConfig.parse(value)
     if sc is None:
         return None, None
@@ -37,9 +37,9 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
         raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
-    if sc.method in ("eagle3", "mtp") and quantized:
+    if sc.method == "eagle3" and quantized:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs with unquantized weights (drop "
-                          "weights_quantization); use ngram or draft_model")
+                          "weights_quantization); use ngram, draft_model or, where the checkpoint has it, mtp")
     if sc.method != "ngram" and kv_groups is not None and kv_groups.groups[0].bounded:
         raise ConfigError(f"speculative_config.method {sc.method!r} keeps its KV on the pages of the target's global "
                           "layers (a group that keeps every page); every layer of this model is chunked or "
