@@ -377,6 +377,35 @@ def test_engine_serves_eagle3_losslessly(smol_llm, tmp_path):
     assert e.kv.num_free_pages == e.kv.num_usable_pages
 
 
+def test_eagle3_drafts_for_a_target_kept_quantized(tmp_path):
+    """The default model served as its file keeps it (`weights_quantization="gguf"`: Q4_1 / Q8_0 blocks
+    dequantized in the layer scan): the head reads that target's hidden states, and greedy output equals
+    the same target's without speculation, with drafts both accepted and rejected."""
+    from conftest import SMALL_ENGINE
+
+    from infire_jax import LLM
+    from infire_jax.sample.sampling_params import SamplingParams
+
+    engine = dict(SMALL_ENGINE, max_num_seqs=4, token_buckets=(4, 64), weights_quantization="gguf")
+    plain = LLM(**engine)
+    prompts = ["1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1,", "List the numbers from 1 to 30 separated by commas:"]
+    params = SamplingParams(max_tokens=30, temperature=0)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    draft_ids = sorted(set(plain.tokenizer.encode(" 1, 1,")))
+    plain.engine.close()
+    path = write_checkpoint(tmp_path, random_checkpoint(3, draft_ids=draft_ids),
+                            dict(HEAD_CONFIG, draft_vocab_size=len(draft_ids)))
+    llm = LLM(**engine, speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": 3,
+                                            "disable_by_batch_size": 8})
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+        s = llm.engine.spec.stats
+        assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+        assert llm.engine.compiles_since_warmup == 0 and llm.engine.kv.num_free_pages == llm.engine.kv.num_usable_pages
+    finally:
+        llm.engine.close()
+
+
 def test_catch_up_tokens_follow_each_position():
     """The head's input after each token: the row's next token; at a sampling row's last accepted
     position the sampled token; at the end of a prompt chunk the next prompt token."""

@@ -394,19 +394,6 @@ def test_draft_model_and_eagle3_need_a_kv_group_that_keeps_every_page():
     assert parse_speculation(spec, target, kv_groups=mixed, **check)[0].method == "draft_model"
 
 
-def test_quantized_targets_take_a_draft_model_not_an_eagle3_head(smol_llm):
-    """A draft model reads only the target's tokens and page tables (test_lora.py runs one over an
-    int4 target); an EAGLE-3 head over quantized weights is refused before it is read."""
-    from infire_jax.speculative.setup import parse_speculation
-
-    kw = dict(dtype=jnp.float32, multiprocess=False, one_plain_device=True, quantized=True)
-    draft = {"method": "draft_model", "model": "dummy:smollm2-135m", "num_speculative_tokens": 2}
-    assert parse_speculation(draft, smol_llm.engine.model_config, **kw)[0].method == "draft_model"
-    with pytest.raises(ConfigError, match="eagle3' runs with unquantized weights"):
-        parse_speculation({"method": "eagle3", "model": "/nonexistent/eagle3", "num_speculative_tokens": 2},
-                          smol_llm.engine.model_config, **kw)
-
-
 def test_constrained_requests_speculate_within_their_grammar(smol_llm, spec_llm):
     """JSON-schema and regex outputs with n-gram proposals: the proposals are cut to what the
     grammar allows, each verified position is masked by the grammar after the proposals before it,

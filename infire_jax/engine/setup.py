@@ -278,8 +278,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     kv_groups = layout if layout.bounded else None
     spec_config, draft_head = parse_speculation(
         ec.speculative_config, cfg, model=ec.model, dtype=dtype, multiprocess=multihost.is_multiprocess(),
-        one_plain_device=plan is None and not ec.weights_compression, quantized=bool(ec.weights_quantization),
-        kv_groups=kv_groups)
+        one_plain_device=plan is None and not ec.weights_compression, kv_groups=kv_groups)
     pool = PoolPlanner(
         PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
                                   extra_page_bytes(spec_config, draft_head, ec.page_size, dtype), kv_groups),

@@ -22,14 +22,14 @@ MAX_BATCH_GPU = 32
 
 
 def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, model: str | None = None,
-                      one_plain_device: bool, quantized: bool = False, kv_groups: KVGroupLayout | None = None
+                      one_plain_device: bool, kv_groups: KVGroupLayout | None = None
                       ) -> tuple[SpeculativeConfig | None, DraftHead | None]:
     """The engine's `speculative_config`, checked; a draft head (EAGLE-3's, or MTP's from the target's
     checkpoint `model`) is loaded now: the target's forward must be compiled to return the states
     EAGLE-3 reads, and the pool is sized with the head's weights on the device. `one_plain_device`:
-    one device, weights not palette-compressed; `quantized`: the target's layer weights kept quantized,
-    which a draft model (its own weights, reading only the target's tokens and page tables) and MTP (its
-    layer read dequantized, fed the target's last hidden state) do not mind; `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
+    one device, weights not palette-compressed (weights kept quantized serve every method: a draft model
+    has its own weights, an EAGLE-3 head and MTP read the target's hidden states, whatever form its
+    layer weights are kept in); `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
     sc = SpeculativeConfig.parse(value)
     if sc is None:
         return None, None
@@ -37,9 +37,6 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
         raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
     if sc.method != "ngram" and not one_plain_device:
         raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
-    if sc.method == "eagle3" and quantized:
-        raise ConfigError(f"speculative_config.method {sc.method!r} runs with unquantized weights (drop "
-                          "weights_quantization); use ngram, draft_model or, where the checkpoint has it, mtp")
     if sc.method != "ngram" and kv_groups is not None and kv_groups.groups[0].bounded:
         raise ConfigError(f"speculative_config.method {sc.method!r} keeps its KV on the pages of the target's global "
                           "layers (a group that keeps every page); every layer of this model is chunked or "
