@@ -1,4 +1,4 @@
-"""Published 8-bit checkpoints of GLM-4.5, MiniMax-M2, Llama 4, Gemma 3 and Qwen3.5 (loaders/kept_8bit.py):
+"""Published 8-bit checkpoints of GLM-4.5, MiniMax-M2, Llama 4, Gemma 3 / 4 and Qwen3.5 (loaders/kept_8bit.py):
 read dequantized, or kept.
 
 MiniMax-M2 is published in fp8 only: e4m3 values and a float32 `weight_scale_inv` per 128 x 128 block,
@@ -15,7 +15,8 @@ each equal the fused checkpoint's). Kept (`weights_quantization="checkpoint"`), 
 held as its fp8 parts alone, the engine gives the twin engine's greedy tokens and logprobs (1e-5; through
 the GPU kernels in interpret mode, 1e-4, for blocks and for experts one module each), and the memory plan
 counts the bytes the engine saves. On tp or tp x ep meshes the kept weights give one device's tokens.
-Gemma 4's FP8 form loads dequantized; kept, it is refused by name.
+Gemma 4 (its windowed and full layers' heads of 16 and 32, the full layers' values from the k projection)
+in blocks of 16.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import torch
 CASES = {"minimax-fp8-block": ("minimax", "fp8-block", 32, None), "glm-fp8-channel": ("glm", "fp8-channel", 0, None),
          "llama4-fp8-channel": ("llama4", "fp8-channel", 0, r".*self_attn"),
          "gemma3-fp8-channel": ("gemma3", "fp8-channel", 0, None),
-         "qwen3_5-moe-fp8-block": ("qwen3_5", "fp8-block", 8, None)}
+         "qwen3_5-moe-fp8-block": ("qwen3_5", "fp8-block", 8, None),
+         "gemma4-fp8-block": ("gemma4", "fp8-block", 16, None)}
 # Each case's kept stacked weights
 KEPT = {"minimax-fp8-block": [f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_up", "w_down")],
         "glm-fp8-channel": [f"{s}.{w}" for s in ("dense_layers", "moe_layers") for w in ("wqkv", "wo", "w_gate_up",
@@ -44,7 +46,9 @@ KEPT = {"minimax-fp8-block": [f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_
         "qwen3_5-moe-fp8-block": [f"attention_layers.{w}" for w in ("wq", "wk", "wv", "wo")]
         + [f"linear_layers.{w}" for w in ("w_qkv", "w_z", "w_out")]
         + [f"{s}.{w}" for s in ("attention_layers", "linear_layers")
-           for w in ("w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")]}
+           for w in ("w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")],
+        "gemma4-fp8-block": [f"{s}.{w}" for s in ("sliding_layers", "full_layers")
+                             for w in ("wqkv", "wo", "w_gate_up", "w_down")]}
 # The cases also run through the GPU's kernels (interpret mode): blocks, and experts kept one module each (the
 # row-scaled dense projections take the kernels as weights quantized at load do: test_glm4_moe, test_gemma3)
 KERNELS = ("minimax-fp8-block", "llama4-fp8-channel", "qwen3_5-moe-fp8-block")
@@ -67,6 +71,13 @@ def _float_checkpoint(family: str, path: pathlib.Path) -> str:
         hf_moe_model("qwen3_5_moe").save_pretrained(path.parent / "fused", safe_serialization=True)
         _save_tokenizer(path.parent / "fused")
         unfuse_experts(str(path.parent / "fused"), str(path))
+        return str(path)
+    if family == "gemma4":
+        from deepseek_models import _save_tokenizer
+        from test_gemma4 import _hf_model
+
+        _hf_model("dense").save_pretrained(path, safe_serialization=True)
+        _save_tokenizer(path)
         return str(path)
     if family == "gemma3":
         from deepseek_models import _save_tokenizer
@@ -183,13 +194,14 @@ def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, monkeypa
 def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
     """GLM-4.5's row-scaled fp8 on tp 4 (its 2 kv heads repeated, parts and all; wo's scales split with its
     heads, the dense MLP's inputs 4 ways), MiniMax-M2's blocks on tp 2 x ep 4 (a block's scales with its
-    inputs), Llama 4's kept MLPs and experts beside its bfloat16 attention, Gemma 3 and Qwen3.5-MoE's blocks
-    (the DeltaNets' too), on tp 2: one device's greedy tokens, logprobs within float32 rounding."""
+    inputs), Llama 4's kept MLPs and experts beside its bfloat16 attention, Gemma 3, Qwen3.5-MoE's blocks
+    (the DeltaNets' too) and Gemma 4's (its full layers' one kv head repeated, parts and all), on tp 2: one
+    device's greedy tokens, logprobs within float32 rounding."""
     from test_glm4_moe import ENGINE, PROMPTS
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
     meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4", "llama4-fp8-channel": "2",
-              "gemma3-fp8-channel": "2", "qwen3_5-moe-fp8-block": "2"}
+              "gemma3-fp8-channel": "2", "qwen3_5-moe-fp8-block": "2", "gemma4-fp8-block": "2"}
     runs = [{"model": checkpoints[name][0], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
              "weights_quantization": "checkpoint", "tag": f"{name}@{m}"}
             for name, mesh in meshes.items() for m in ("1", mesh)]
@@ -202,8 +214,8 @@ def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
         np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
         _assert_each_device_holds_its_shard(r)
         specs = {k: str(v["spec"]) for k, v in r["params"].items()}
-        kept = {"llama4": "moe_layers.w_shared_gate_up", "gemma3": "layers.wo",
-                "qwen3_5": "attention_layers.wo"}.get(name.partition("-")[0], "moe_layers.wo")
+        kept = {"llama4": "moe_layers.w_shared_gate_up", "gemma3": "layers.wo", "qwen3_5": "attention_layers.wo",
+                "gemma4": "full_layers.wo"}.get(name.partition("-")[0], "moe_layers.wo")
         assert kept not in specs and "tp" in specs[f"{kept}.fp8"] and "tp" in specs[f"{kept}.scale"], specs
 
 
@@ -226,29 +238,6 @@ def test_a_weight_quantized_in_some_layers_only_is_refused(checkpoints, tmp_path
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match=f"moe_layers.wqkv: {name} is not quantized"):
         load_kept(str(bad))
-
-
-def test_gemma4_reads_an_8bit_checkpoint_dequantized_and_names_what_it_does_not_keep(tmp_path):
-    """Gemma 4's FP8-dynamic form (its experts' fused tensors float, as compressed-tensors quantizes linear
-    modules only): the weights equal the twin's; kept, it is refused naming the architecture."""
-    import jax.numpy as jnp
-
-    from deepseek_models import _save_tokenizer
-    from infire_jax.errors import ConfigError
-    from infire_jax.loaders.hf import load_hf_dir
-    from infire_jax.loaders.load import load_quantized_placed
-    from quant_twins import write_8bit
-    from test_gemma4 import _hf_model
-
-    _hf_model("moe").save_pretrained(tmp_path / "float", safe_serialization=True)
-    _save_tokenizer(tmp_path / "float")
-    write_8bit(str(tmp_path / "float"), str(tmp_path / "quantized"), str(tmp_path / "twin"), "fp8-channel")
-    quantized, twin = (load_hf_dir(str(tmp_path / p)).weights for p in ("quantized", "twin"))
-    assert sorted(quantized) == sorted(twin)
-    for k, w in twin.items():
-        np.testing.assert_array_equal(np.asarray(quantized[k], np.float32), np.asarray(w, np.float32), err_msg=k)
-    with pytest.raises(ConfigError, match="not gemma4"):
-        load_quantized_placed(str(tmp_path / "quantized"), jnp.float32, None, "checkpoint")
 
 
 def test_a_dummy_draws_its_published_8bit_form(monkeypatch):

@@ -1,8 +1,8 @@
-"""A published 8-bit checkpoint of GLM-4.5, MiniMax-M2, Llama 4, Gemma 3 or Qwen3.5 placed with its layer
+"""A published 8-bit checkpoint of GLM-4.5, MiniMax-M2, Llama 4, Gemma 3 / 4 or Qwen3.5 placed with its layer
 weights kept.
 
-`weights_quantization="checkpoint"` on a `glm4_moe`, `minimax_m2`, `llama4`, `gemma3` or `qwen3_5` (and
-Qwen3-Next) checkpoint whose `quantization_config` is fp8 with square `weight_block_size` blocks
+`weights_quantization="checkpoint"` on a `glm4_moe`, `minimax_m2`, `llama4`, `gemma3`, `gemma4` or `qwen3_5`
+(and Qwen3-Next) checkpoint whose `quantization_config` is fp8 with square `weight_block_size` blocks
 (MiniMax-M2's and Qwen3.5's releases: 128) or an 8-bit scheme with a scale per output channel or tensor
 (llm-compressor's FP8 and FP8-dynamic, as GLM-4.5's and Llama 4 Maverick's FP8 releases and Gemma 3's
 FP8-dynamic ones are; AutoFP8; int8 W8A8; loaders/hf_quantized.py). The projections it quantizes and
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infire_jax.errors import ConfigError, UnsupportedModelError
-from infire_jax.loaders import deepseek_hf, gemma3_hf, llama4_hf, qwen3_5_hf
+from infire_jax.loaders import deepseek_hf, gemma3_hf, gemma4_hf, llama4_hf, qwen3_5_hf
 from infire_jax.loaders.deepseek_quant import check_whole, kept_scheme
 from infire_jax.loaders.dummy import dummy_hf_config, load_dummy
 from infire_jax.loaders.fused_parts import place_parts
@@ -53,15 +53,21 @@ def _glm4_weights(tensors, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return deepseek_hf.deepseek_weights(tensors, cfg, False)
 
 
-# model_type -> (HF tensors -> our stacked weights, an HF linear module -> the stacked weights it is part of)
-FAMILIES: dict[str, tuple[Callable, Callable]] = {
+def _gemma4_scales(tensors, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    return gemma4_hf.gemma4_weights(tensors, cfg, parts=True)
+
+
+# model_type -> (HF tensors -> our stacked weights, an HF linear module -> the stacked weights it is part of,
+# and the scales' converter where it is not the weights')
+FAMILIES: dict[str, tuple[Callable, ...]] = {
     "glm4_moe": (_glm4_weights, deepseek_hf.linear_targets), "minimax_m2": (_glm4_weights, deepseek_hf.linear_targets),
     "llama4": (llama4_hf.llama4_weights, llama4_hf.linear_targets),
     "llama4_text": (llama4_hf.llama4_weights, llama4_hf.linear_targets),
     "gemma3": (gemma3_hf.gemma3_weights, gemma3_hf.linear_targets),
     "gemma3_text": (gemma3_hf.gemma3_weights, gemma3_hf.linear_targets),
     **{t: (qwen3_5_hf.qwen3_5_weights, qwen3_5_hf.linear_targets)
-       for t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")}}
+       for t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")},
+    **{t: (gemma4_hf.gemma4_weights, gemma4_hf.linear_targets, _gemma4_scales) for t in ("gemma4", "gemma4_text")}}
 
 
 def _hf_config(spec: str | None) -> dict | None:
@@ -125,7 +131,7 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
     scheme = kept_scheme(path)
     cfg = read_hf_config(path)
     with open(os.path.join(path, "config.json")) as f:
-        convert, linear_targets = FAMILIES[json.load(f)["model_type"]]
+        convert, linear_targets, *scale_convert = FAMILIES[json.load(f)["model_type"]]
     if scheme.kind not in GQA_EXPERT_KINDS:
         raise ConfigError(f"weights_quantization='checkpoint' keeps fp8 and 8-bit weights of {cfg.architecture} "
                           f"checkpoints, not {scheme.kind}; load without weights_quantization to dequantize it")
@@ -146,7 +152,7 @@ def load_kept(path: str) -> tuple[LoadedModel, dict[str, QuantLayout]]:
         kept.update((t, name) for t in targets)
     check_whole(plain, kept, linear_targets, cfg)
     weights = convert(plain + values, cfg)
-    parts = convert(scales, cfg)
+    parts = (scale_convert[0] if scale_convert else convert)(scales, cfg)
     for t in sorted(kept):
         short = t.rpartition(".")[2]
         weights[f"{t}.{layouts[short].kind}"] = weights.pop(t)
