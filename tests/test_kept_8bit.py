@@ -14,7 +14,7 @@ the values they decode to. Read dequantized, the weights equal the twin's exactl
 each equal the fused checkpoint's). Kept (`weights_quantization="checkpoint"`), every kept projection is
 held as its fp8 parts alone, the engine gives the twin engine's greedy tokens and logprobs (1e-5; through
 the GPU kernels in interpret mode, 1e-4, for blocks and for experts one module each), and the memory plan
-counts the bytes the engine saves. On tp or tp x ep meshes the kept weights give one device's tokens.
+counts the bytes the engine saves. On tp or tp x ep meshes the kept weights give the twin's tokens.
 Gemma 4 (its windowed and full layers' heads of 16 and 32, the full layers' values from the k projection)
 in blocks of 16.
 """
@@ -27,7 +27,6 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 # name: (family, scheme, block, modules left float)
 CASES = {"minimax-fp8-block": ("minimax", "fp8-block", 32, None), "glm-fp8-channel": ("glm", "fp8-channel", 0, None),
@@ -49,63 +48,50 @@ KEPT = {"minimax-fp8-block": [f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_
            for w in ("w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")],
         "gemma4-fp8-block": [f"{s}.{w}" for s in ("sliding_layers", "full_layers")
                              for w in ("wqkv", "wo", "w_gate_up", "w_down")]}
-# The cases also run through the GPU's kernels (interpret mode): blocks, and experts kept one module each (the
-# row-scaled dense projections take the kernels as weights quantized at load do: test_glm4_moe, test_gemma3)
-KERNELS = ("minimax-fp8-block", "llama4-fp8-channel", "qwen3_5-moe-fp8-block")
+# The cases also run through the GPU's kernels (interpret mode): blocks on dense, DeltaNet and expert weights,
+# and experts kept one module each (row-scaled projections take them as weights quantized at load do, test_glm4_moe;
+# blocks spanning heads as the Llama family's, test_channel_quant)
+KERNELS = ("llama4-fp8-channel", "qwen3_5-moe-fp8-block")
 PUBLISHED_FP8 = dict(activation_scheme="dynamic", fmt="float8_e4m3fn", quant_method="fp8",
                      weight_block_size=[128, 128], modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
 
 
-def _float_checkpoint(family: str, path: pathlib.Path) -> str:
-    from quant_twins import unfuse_experts
-
+def _hf_model(family: str):
+    """The family's tiny random HF model (its test file's)."""
     if family == "llama4":
-        from llama4_models import hf_model, save
+        from llama4_models import hf_model
 
-        unfuse_experts(save(hf_model("multimodal"), path.parent / "fused"), str(path))
-        return str(path)
+        return hf_model("multimodal")
     if family == "qwen3_5":
-        from deepseek_models import _save_tokenizer
         from test_qwen3_5 import hf_moe_model
 
-        hf_moe_model("qwen3_5_moe").save_pretrained(path.parent / "fused", safe_serialization=True)
-        _save_tokenizer(path.parent / "fused")
-        unfuse_experts(str(path.parent / "fused"), str(path))
-        return str(path)
+        return hf_moe_model("qwen3_5_moe")
     if family == "gemma4":
-        from deepseek_models import _save_tokenizer
-        from test_gemma4 import _hf_model
+        from test_gemma4 import _hf_model as gemma4_model
 
-        _hf_model("dense").save_pretrained(path, safe_serialization=True)
-        _save_tokenizer(path)
-        return str(path)
-    if family == "gemma3":
-        from deepseek_models import _save_tokenizer
-        from test_gemma3 import hf_model
+        return gemma4_model("dense")
+    from test_gemma3 import hf_model as gemma3_model
+    from test_minimax_m2 import hf_model as minimax_model
 
-        hf_model().save_pretrained(path, safe_serialization=True)
-        _save_tokenizer(path)
-        return str(path)
+    return {"gemma3": gemma3_model, "minimax": minimax_model}[family]()
+
+
+def _float_checkpoint(family: str, path: pathlib.Path) -> str:
+    """The family's float checkpoint at `path`: GLM-4.5's with its MTP layer; Llama 4's and Qwen3.5-MoE's with
+    their experts one module each, as their 8-bit releases hold them."""
+    from deepseek_models import _save_tokenizer
+    from quant_twins import unfuse_experts
+
     if family == "glm":
         from test_glm4_moe import _save, hf_model
 
         return _save(hf_model(use_qk_norm=True), path)
-    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
-
-    from deepseek_models import _save_tokenizer
-    from test_minimax_m2 import SHARPEN, TINY
-
-    torch.manual_seed(0)
-    hf = MiniMaxM2ForCausalLM(MiniMaxM2Config(**TINY)).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in [*hf.named_parameters(), *hf.named_buffers()]:
-            if name.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn_like(p) * 0.3)
-            elif "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-        hf.lm_head.weight.mul_(SHARPEN)
-    hf.save_pretrained(path, safe_serialization=True)
-    _save_tokenizer(path)
+    unfused = family in ("llama4", "qwen3_5")
+    saved = path.parent / "fused" if unfused else path
+    _hf_model(family).save_pretrained(saved, safe_serialization=True)
+    _save_tokenizer(saved)
+    if unfused:
+        unfuse_experts(str(saved), str(path))
     return str(path)
 
 
@@ -157,24 +143,42 @@ def test_dequantized_weights_equal_the_twin(name, checkpoints):
         np.testing.assert_array_equal(np.asarray(quantized[k], np.float32), np.asarray(w, np.float32), err_msg=k)
 
 
+def _greedy():
+    from infire_jax import SamplingParams
+    from test_glm4_moe import NUM_TOKENS
+
+    return SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def twins(checkpoints) -> dict:
+    """Each case's float engine on its twin: greedy outputs, computed on first use."""
+    from quant_twins import twin_outputs
+    from test_glm4_moe import ENGINE, PROMPTS
+
+    class Outputs(dict):
+        def __missing__(self, name):
+            self[name] = twin_outputs(checkpoints[name][1], dict(ENGINE, token_buckets=(32,)), PROMPTS, _greedy())
+            return self[name]
+
+    return Outputs()
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, monkeypatch):
+def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, twins, monkeypatch):
     from flax import nnx
 
-    from infire_jax import SamplingParams
     from infire_jax.loaders.hf import read_hf_config
     from infire_jax.memplan.plan import memory_plan
     from infire_jax.memplan.source import plan_source
     from infire_jax.models.registry import abstract_model
-    from quant_twins import assert_kept_and_follows_twin, twin_outputs
+    from quant_twins import assert_kept_and_follows_twin
     from sharding.mesh import CONFIG_DIR, MeshConfig
-    from test_glm4_moe import ENGINE, NUM_TOKENS, PROMPTS
+    from test_glm4_moe import ENGINE, PROMPTS
 
     quantized, twin = checkpoints[name]
-    engine = dict(ENGINE, token_buckets=(32,))
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    want = twin_outputs(twin, engine, PROMPTS, params)
-    kept_engine = dict(engine, weights_quantization="checkpoint")
+    params, want = _greedy(), twins[name]
+    kept_engine = dict(ENGINE, token_buckets=(32,), weights_quantization="checkpoint")
     kept_bytes = assert_kept_and_follows_twin(quantized, kept_engine, KEPT[name], "fp8", PROMPTS, params, want, 1e-5)
 
     # the plan saves what the engine saves against the float model (the twin's weights: these shapes in float32)
@@ -191,31 +195,30 @@ def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, monkeypa
         assert_kept_and_follows_twin(quantized, kept_engine, KEPT[name], "fp8", PROMPTS, params, want, 1e-4)
 
 
-def test_kept_on_meshes_equals_one_device(checkpoints, tmp_path):
+def test_kept_on_meshes_equals_the_twin(checkpoints, twins, tmp_path):
     """GLM-4.5's row-scaled fp8 on tp 4 (its 2 kv heads repeated, parts and all; wo's scales split with its
     heads, the dense MLP's inputs 4 ways), MiniMax-M2's blocks on tp 2 x ep 4 (a block's scales with its
-    inputs), Llama 4's kept MLPs and experts beside its bfloat16 attention, Gemma 3, Qwen3.5-MoE's blocks
-    (the DeltaNets' too) and Gemma 4's (its full layers' one kv head repeated, parts and all), on tp 2: one
-    device's greedy tokens, logprobs within float32 rounding."""
-    from test_glm4_moe import ENGINE, PROMPTS
+    inputs), Qwen3.5-MoE's blocks (the DeltaNets' too) and Gemma 4's (its full layers' one kv head repeated,
+    parts and all) on tp 2: the float twin's greedy tokens on one device, logprobs within float32 rounding."""
+    from test_glm4_moe import ENGINE, NUM_TOKENS, PROMPTS
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
 
-    meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4", "llama4-fp8-channel": "2",
-              "gemma3-fp8-channel": "2", "qwen3_5-moe-fp8-block": "2", "gemma4-fp8-block": "2"}
-    runs = [{"model": checkpoints[name][0], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
-             "weights_quantization": "checkpoint", "tag": f"{name}@{m}"}
-            for name, mesh in meshes.items() for m in ("1", mesh)]
+    meshes = {"glm-fp8-channel": "4", "minimax-fp8-block": "8-tp2-ep4", "qwen3_5-moe-fp8-block": "2",
+              "gemma4-fp8-block": "2"}
+    runs = [{"model": checkpoints[name][0], "mesh": os.path.join(ROOT, "sharding", "configs", f"{mesh}.yaml"),
+             "weights_quantization": "checkpoint", "tag": name} for name, mesh in meshes.items()]
     engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32], "num_decode_steps": 1}
-    job = {"runs": runs, "prompts": PROMPTS, "max_tokens": 16, "engine": engine}
-    results = {r["tag"]: r for r in _results(_run_worker(job, 8, tmp_path, "glm4-fp8"))}
-    for name, mesh in meshes.items():
-        single, r = results[f"{name}@1"], results[f"{name}@{mesh}"]
-        assert single["fits"] and r["fits"] and r["tokens"] == single["tokens"], (name, r.get("error"))
-        np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4, rtol=0)
+    job = {"runs": runs, "prompts": PROMPTS, "max_tokens": NUM_TOKENS, "engine": engine}
+    results = {r["tag"]: r for r in _results(_run_worker(job, 8, tmp_path, "kept-8bit"))}
+    for name in meshes:
+        r, want = results[name], twins[name]
+        assert r["fits"] and r["tokens"] == [o.token_ids for o in want], (name, r.get("error"))
+        np.testing.assert_allclose(r["logprobs"], [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+                                                   for o in want], atol=1e-4, rtol=0)
         _assert_each_device_holds_its_shard(r)
         specs = {k: str(v["spec"]) for k, v in r["params"].items()}
-        kept = {"llama4": "moe_layers.w_shared_gate_up", "gemma3": "layers.wo", "qwen3_5": "attention_layers.wo",
-                "gemma4": "full_layers.wo"}.get(name.partition("-")[0], "moe_layers.wo")
+        kept = {"qwen3_5": "attention_layers.wo", "gemma4": "full_layers.wo"}.get(name.partition("-")[0],
+                                                                                  "moe_layers.wo")
         assert kept not in specs and "tp" in specs[f"{kept}.fp8"] and "tp" in specs[f"{kept}.scale"], specs
 
 

@@ -33,8 +33,8 @@ ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_
               page_size=4, num_kv_pages=160)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def hf_model():
+    """The tiny random MiniMax-M2 in float32, its LM head sharpened."""
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
     torch.manual_seed(0)
@@ -46,6 +46,12 @@ def checkpoint(tmp_path_factory):
             elif "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
         hf.lm_head.weight.mul_(SHARPEN)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf = hf_model()
     path = tmp_path_factory.mktemp("minimax_m2")
     hf.save_pretrained(path, safe_serialization=True)
     _save_tokenizer(path)

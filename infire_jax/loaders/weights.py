@@ -129,6 +129,9 @@ def from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 def _from_hf_layout(short: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rows = {"wq": hq * d, "wk": hkv * d, "wv": hkv * d, "wo": e}.get(short)
+    if rows is not None and w.shape[0] != rows:  # the output axis, whole in a part too
+        raise ValueError(f"{w.shape[0]} output rows, not {rows}")
     if short == "wq":
         return w.reshape(hq, d, -1).transpose(2, 0, 1)
     if short in ("wk", "wv"):
