@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -237,6 +240,17 @@ def dummy_hf_config(spec: str) -> dict:
     if name not in CONFIGS:
         raise ModelNotFoundError(f"unknown dummy model {name!r}; known: {sorted(CONFIGS)}")
     return with_layers(CONFIGS[name], spec) if "," in spec else CONFIGS[name]
+
+
+def spec_hf_config(spec: str | None) -> dict | None:
+    """The HF config.json of a model spec: a `dummy:` model's published one, an HF directory's; None for any
+    other spec (a GGUF file, the default model)."""
+    if spec and spec.startswith("dummy:"):
+        return dummy_hf_config(spec[len("dummy:"):])
+    if not (spec and os.path.isfile(os.path.join(spec, "config.json"))):
+        return None
+    with open(os.path.join(spec, "config.json")) as f:
+        return json.load(f)
 
 
 def with_layers(hf: dict, spec: str) -> dict:

@@ -33,7 +33,7 @@ import numpy as np
 from infire_jax.errors import ConfigError, UnsupportedModelError
 from infire_jax.loaders import deepseek_hf, gemma3_hf, gemma4_hf, llama4_hf, qwen3_5_hf
 from infire_jax.loaders.deepseek_quant import check_whole, kept_scheme
-from infire_jax.loaders.dummy import dummy_hf_config, load_dummy
+from infire_jax.loaders.dummy import load_dummy, spec_hf_config
 from infire_jax.loaders.fused_parts import place_parts
 from infire_jax.loaders.hf import checkpoint_tensors, read_hf_config
 from infire_jax.loaders.hf_quantized import (
@@ -70,20 +70,10 @@ FAMILIES: dict[str, tuple[Callable, ...]] = {
     **{t: (gemma4_hf.gemma4_weights, gemma4_hf.linear_targets, _gemma4_scales) for t in ("gemma4", "gemma4_text")}}
 
 
-def _hf_config(spec: str | None) -> dict | None:
-    """The HF config.json of an HF directory or a `dummy:` model; None for any other spec."""
-    if spec and spec.startswith("dummy:"):
-        return dummy_hf_config(spec[len("dummy:"):])
-    if not (spec and os.path.isfile(os.path.join(spec, "config.json"))):
-        return None
-    with open(os.path.join(spec, "config.json")) as f:
-        return json.load(f)
-
-
 def keeps(spec: str | None) -> bool:
     """Whether `spec` is a checkpoint of one of `FAMILIES` (an HF directory), or a `dummy:` one whose
     published config is quantized (MiniMax-M2's fp8 blocks: its parts are drawn so)."""
-    hf = _hf_config(spec)
+    hf = spec_hf_config(spec)
     if hf is None or hf.get("model_type") not in FAMILIES:
         return False
     return not spec.startswith("dummy:") or bool(quantization_config(hf))
@@ -185,7 +175,7 @@ def load_kept_placed(spec: str, dtype, plan: ShardPlan | None) -> Placed:
 
 def dummy_layouts(spec: str) -> dict[str, QuantLayout]:
     """A `dummy:` model's kept layouts, from its published config (bench/gpu_target.py builds them too)."""
-    hf = _hf_config(spec)
+    hf = spec_hf_config(spec)
     scheme = quant_scheme(hf)
     if scheme is None or scheme.kind not in GQA_EXPERT_KINDS:
         raise ConfigError(f"weights_quantization='checkpoint': {spec}'s published config keeps no 8-bit weights")

@@ -9,11 +9,8 @@ does not match is refused naming both, as vLLM refuses it, before any weight is 
 
 from __future__ import annotations
 
-import json
-import os
-
 from infire_jax.errors import ConfigError
-from infire_jax.loaders.dummy import dummy_hf_config
+from infire_jax.loaders.dummy import spec_hf_config
 from infire_jax.loaders.hf_quantized import quantization_config
 
 # vLLM's method names for the checkpoint formats kept here, by the quant_method a config.json carries
@@ -27,14 +24,8 @@ NAMES = (*CHECKPOINT_METHODS, "gguf")
 def _quant_method(spec: str | None) -> str | None:
     """The model's `quantization_config.quant_method` (Kimi K2.5's may sit in `text_config`); None for a
     float model, a GGUF file or the default model."""
-    if spec and spec.startswith("dummy:"):
-        hf = dummy_hf_config(spec[len("dummy:"):])
-    elif spec and os.path.isfile(os.path.join(spec, "config.json")):
-        with open(os.path.join(spec, "config.json")) as f:
-            hf = json.load(f)
-    else:
-        return None
-    return quantization_config(hf).get("quant_method")
+    hf = spec_hf_config(spec)
+    return None if hf is None else quantization_config(hf).get("quant_method")
 
 
 def weights_quantization_of(spec: str | None, quantization: str) -> str:
