@@ -114,10 +114,32 @@ def assert_kept_and_follows_twin(path: str, engine: dict, kept: list[str], part:
     return weight_bytes
 
 
-def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0, ignore: str | None = None) -> None:
-    """The float HF checkpoint at `src` written twice: at `dst` with every layer projection (LAYER_LINEAR) in
-    `scheme`, and at `twin` as the float checkpoint of the values those decode to (float64 products, in
-    float32). "fp8-block": e4m3 values and a float32 `weight_scale_inv` per `block` x `block` block (absmax
+def placed_and_greedy(engine: dict, prompt, num_tokens: int) -> tuple[set[str], object]:
+    """An engine's placed weights' names and its greedy completion of `prompt` (logprobs of each token)."""
+    from flax import nnx
+
+    from infire_jax import LLM, SamplingParams
+
+    llm = LLM(**engine)
+    try:
+        placed = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(llm.engine.runner.state)}
+        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=1)
+        return placed, llm.generate(prompt, params)[0].outputs[0]
+    finally:
+        llm.engine.close()
+
+
+def assert_greedy(out, tokens: list[int], logprobs: list[float], atol: float) -> None:
+    """A completion's tokens are `tokens`, their logprobs `logprobs` within `atol`."""
+    assert out.token_ids == tokens
+    np.testing.assert_allclose([lp[t].logprob for lp, t in zip(out.logprobs, tokens)], logprobs, atol=atol, rtol=0)
+
+
+def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0, ignore: str | None = None,
+               linear: re.Pattern = LAYER_LINEAR) -> None:
+    """The float HF checkpoint at `src` written twice: at `dst` with every projection `linear` matches (by
+    default the layers', LAYER_LINEAR) in `scheme`, and at `twin` as the float checkpoint of the values
+    those decode to (float64 products, in float32). "fp8-block": e4m3 values and a float32 `weight_scale_inv` per `block` x `block` block (absmax
     / 448; the last ones partial where `block` does not tile a side), with MiniMax-M2's published
     quantization_config; "fp8-channel": llm-compressor's FP8-dynamic
     (compressed-tensors, a bfloat16 `weight_scale` per row, the activations' token-wise scales dynamic),
@@ -127,7 +149,7 @@ def write_8bit(src: str, dst: str, twin: str, scheme: str, block: int = 0, ignor
     tensors = load_file(os.path.join(src, "model.safetensors"))
     quantized, floats = {}, {}
     for name, w in tensors.items():
-        if not LAYER_LINEAR.fullmatch(name) or (ignore and re.match(ignore, name.removesuffix(".weight"))):
+        if not linear.fullmatch(name) or (ignore and re.match(ignore, name.removesuffix(".weight"))):
             quantized[name] = floats[name] = w
             continue
         o, i = w.shape

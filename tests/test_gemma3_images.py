@@ -298,3 +298,37 @@ def test_images_on_tp_and_pp_meshes_match_one_device(checkpoint, tmp_path):
     for name, r in results.items():
         assert r["fits"] and r["tokens"] == single["tokens"], (name, json.dumps(r)[:500])
         np.testing.assert_allclose(r["logprobs"], single["logprobs"], atol=1e-4)
+
+
+def test_images_with_int8_weights_at_load_equal_transformers_on_their_values(checkpoint, processor, tmp_path):
+    """`weights_quantization="int8"` keeps the language model's projections int8 and serves images with the
+    tower as read: greedy tokens and logprobs equal transformers' causal run on the twin (the projections
+    replaced by the values their int8 decodes to, tests/quant_twins.py) within 1e-3; `infire-jax plan`
+    counts the tower and the image pool as for float weights."""
+    import copy
+
+    from infire_jax.memplan.plan import memory_plan, parse_bytes
+    from infire_jax.memplan.source import plan_source
+    from quant_twins import assert_greedy, placed_and_greedy, quantize_twin
+    from sharding.mesh import CONFIG_DIR, MeshConfig
+
+    mm, lm, path = checkpoint
+    twin_mm, twin_lm = copy.deepcopy(mm), copy.deepcopy(lm)
+    quantize_twin(twin_lm, "int8", lambda _: TINY["head_dim"])
+    twin_mm.model.language_model.load_state_dict(twin_lm.model.state_dict())
+    text = "x" * 25 + "<start_of_image>and<start_of_image>?"
+    images = [_image(56, 112), _image(90, 30)]
+    theirs = processor(text=text, images=images, return_tensors="np")
+    tokens, lps = _hf_greedy(twin_mm, twin_lm, theirs["input_ids"][0].tolist(),
+                             theirs["pixel_values"].astype(np.float32), 12)
+
+    placed, out = placed_and_greedy(dict(ENGINE, model=str(path), token_buckets=(32,), weights_quantization="int8",
+                                         limit_mm_per_prompt={"image": 2}),
+                                    {"prompt": text, "multi_modal_data": {"image": images}}, 12)
+    assert {"layers.wqkv.int8", "layers.w_down.int8"} <= placed and "layers.wqkv" not in placed
+    assert_greedy(out, tokens, lps, 1e-3)
+
+    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "1.yaml"))
+    plain, int8 = (memory_plan(plan_source(str(path), "float32", q)(mc), mc, parse_bytes("1GB"), dtype="float32")
+                   for q in (None, "int8"))
+    assert int8.weights["vision"] == plain.weights["vision"] > 0 and int8.encoder == plain.encoder > 0

@@ -52,6 +52,8 @@ KEPT = {"minimax-fp8-block": [f"moe_layers.{w}" for w in ("wqkv", "wo", "w_gate_
 # projections take them as weights quantized at load do, test_glm4_moe and test_qwen3_5; blocks, the Llama family's,
 # test_channel_quant)
 KERNELS = ("llama4-fp8-channel",)
+# The engines serve text (Llama 4's tower, which images through kept weights use, test_vision.py)
+TEXT = dict(token_buckets=(32,), limit_mm_per_prompt={"image": 0})
 PUBLISHED_FP8 = dict(activation_scheme="dynamic", fmt="float8_e4m3fn", quant_method="fp8",
                      weight_block_size=[128, 128], modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
 
@@ -158,7 +160,7 @@ def twins(checkpoints) -> dict:
 
     class Outputs(dict):
         def __missing__(self, name):
-            self[name] = twin_outputs(checkpoints[name][1], dict(ENGINE, token_buckets=(32,)), PROMPTS, _greedy())
+            self[name] = twin_outputs(checkpoints[name][1], dict(ENGINE, **TEXT), PROMPTS, _greedy())
             return self[name]
 
     return Outputs()
@@ -178,7 +180,7 @@ def test_kept_equals_the_twin_and_the_plan_counts_it(name, checkpoints, twins, m
 
     quantized, twin = checkpoints[name]
     params, want = _greedy(), twins[name]
-    kept_engine = dict(ENGINE, token_buckets=(32,), weights_quantization="checkpoint")
+    kept_engine = dict(ENGINE, **TEXT, weights_quantization="checkpoint")
     kept_bytes = assert_kept_and_follows_twin(quantized, kept_engine, KEPT[name], "fp8", PROMPTS, params, want, 1e-5)
 
     # the plan saves what the engine saves against the float model (the twin's weights: these shapes in float32)

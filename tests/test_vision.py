@@ -558,3 +558,31 @@ def test_offline_chat_takes_image_parts(mm_llm):
         mm_llm.chat([{"role": "user", "content": [{"type": "image", "image": image}, {"type": "video"}]}], params)
     pool = mm_llm.engine.images.pool
     assert pool.free_rows == pool.num_rows
+
+
+def test_images_with_fp8_weights_kept_equal_hf_on_the_values_they_decode_to(multimodal, tmp_path):
+    """Llama 4 Maverick's FP8 form (compressed-tensors, a scale a row, the text attention left float by
+    `ignore`; here the routed experts, fused, and so the dense MLPs left float too: test_kept_8bit.py has
+    them all), with the tower's and the projector's linears in fp8: kept (`weights_quantization=
+    "checkpoint"`), the shared experts are held as fp8 parts, the tower is read dequantized, and greedy tokens with images (two tiles and the thumbnail) equal HF's on the twin
+    checkpoint of the values the fp8 decodes to, logprobs within 1e-3."""
+    from transformers import Llama4ForConditionalGeneration
+
+    from quant_twins import LAYER_LINEAR, assert_greedy, placed_and_greedy, write_8bit
+
+    tower = r"vision_model\..*\.(q_proj|k_proj|v_proj|o_proj|fc1|fc2)\.weight|multi_modal_projector\.linear_1\.weight"
+    quantized, twin = str(tmp_path / "fp8"), str(tmp_path / "twin")
+    write_8bit(multimodal[1], quantized, twin, "fp8-channel", ignore=r"language_model\..*(self_attn|\d\.feed_forward\.[a-z]+_proj)",
+               linear=re.compile(f"{LAYER_LINEAR.pattern}|{tower}"))
+    ref = Llama4ForConditionalGeneration.from_pretrained(twin, torch_dtype=torch.float32).eval()
+    wide = Image.fromarray(RNG.integers(0, 256, (56, 112, 3), dtype=np.uint8))
+    tiles = preprocess.tiles(wide, 56)
+    ids = [7, 41] + _placeholder_ids(tiles.grid, 4) + [13]
+    tokens, lps = _hf_greedy_with_images(ref, ids, tiles.pixels, 12)
+
+    engine = dict(model=quantized, weights_quantization="checkpoint", dtype="float32", max_num_seqs=2,
+                  max_num_batched_tokens=32, token_buckets=(32,), max_model_len=128, num_kv_pages=40)
+    placed, out = placed_and_greedy(engine, {"prompt_token_ids": ids, "multi_modal_data": {"image": wide}}, 12)
+    assert {"moe_layers.w_shared_gate_up.fp8", "moe_layers.w_shared_down.fp8"} <= placed
+    assert "moe_layers.w_shared_gate_up" not in placed and "dense_layers.w_gate_up" in placed
+    assert_greedy(out, tokens, lps, 1e-3)

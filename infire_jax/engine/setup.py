@@ -237,14 +237,12 @@ def _pooler(ec: EngineConfig) -> PoolerConfig | None:
 
 def _vision(ec: EngineConfig, plan: ShardPlan | None) -> TowerConfig | None:
     """The vision tower to serve: a Llama 4 HF directory's or dummy's, or a Gemma 3 HF directory's
-    (vision/towers.py), unless images are limited to 0. On a mesh the tower and the image pool are
-    replicated (engine.py). Not across processes: an image is encoded where its request is added, on
-    process 0 alone, and the others would not join the program."""
+    (vision/towers.py), unless images are limited to 0, whatever form the text weights are kept in (the
+    tower is read apart, dequantized where the checkpoint quantized it: loaders/vision.py). On a mesh the
+    tower and the image pool are replicated (engine.py). Not across processes: an image is encoded where
+    its request is added, on process 0 alone, and the others would not join the program."""
     hf = vision_hf_config(ec.model) if ec.images_per_prompt and ec.model else None
     if hf is None:
-        return None
-    if ec.weights_quantization or ec.weights_compression:
-        log.warning("%s: images are served with plain weights only yet; serving text", ec.model)
         return None
     if multihost.is_multiprocess():
         raise ConfigError(f"{ec.model}: images are not served on a mesh over several processes (the vision "
@@ -278,7 +276,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
     kv_groups = layout if layout.bounded else None
     spec_config, draft_head = parse_speculation(
         ec.speculative_config, cfg, model=ec.model, dtype=dtype, multiprocess=multihost.is_multiprocess(),
-        one_plain_device=plan is None and not ec.weights_compression, kv_groups=kv_groups)
+        plan=plan, compressed=bool(ec.weights_compression), kv_groups=kv_groups)
     pool = PoolPlanner(
         PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
                                   extra_page_bytes(spec_config, draft_head, ec.page_size, dtype), kv_groups),

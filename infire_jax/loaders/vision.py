@@ -10,17 +10,16 @@ Scout) are not read a second time.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any
 
 import jax
 import numpy as np
-from safetensors import safe_open
-
-from infire_jax.errors import ModelNotFoundError, UnsupportedModelError
+from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.dummy import dummy_hf_config
+from infire_jax.loaders.hf import checkpoint_tensors
+from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.vision.encoder import random_weights
 from infire_jax.vision.gemma3_encoder import Gemma3VisionConfig
 from infire_jax.vision.gemma3_inputs import check_processor
@@ -69,19 +68,14 @@ def load_vision_weights(model: str, cfg: TowerConfig, dtype, seed: int = 0,
 
 
 def load_vision_tower(path: str) -> tuple[TowerConfig, dict[str, np.ndarray]]:
-    """(the tower's config, its tensors by HF name as float32 numpy arrays) of an HF directory."""
+    """(the tower's config, its tensors by HF name as float32 numpy arrays) of an HF directory; a tower the
+    checkpoint quantized (its `quantization_config` not leaving it out) is dequantized as read, as the text
+    weights are (loaders/hf_quantized.py), whatever form the text weights are then kept in."""
     with open(os.path.join(path, "config.json")) as f:
-        cfg = vision_config(json.load(f))
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ModelNotFoundError(f"{path} has no *.safetensors weights")
-    tensors = {}
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        for file in files:
-            with safe_open(file, framework="flax") as f:
-                for name in f.keys():
-                    if name.startswith(prefixes(cfg)):
-                        tensors[name] = np.asarray(f.get_tensor(name), np.float32)
+        hf = json.load(f)
+    cfg = vision_config(hf)
+    read = checkpoint_tensors(path, lambda name: name.startswith(prefixes(cfg)))
+    tensors = {name: np.asarray(w, np.float32) for name, w in dequantized(read, quant_scheme(hf))}
     if not tensors:
         raise UnsupportedModelError(f"{path}: the config has a vision tower but the weights have no "
                                     f"{' or '.join(prefixes(cfg))} tensors")
