@@ -36,6 +36,19 @@ def _prompt(p, tokenizer):
     return p if isinstance(p, list) else tokenizer.encode(p)
 
 
+def _record_drafts(engine) -> list:
+    """Every proposal the engine's draft proposer hands out, as (the request's tokens then, the drafts)."""
+    records, propose = [], engine.draft.propose
+
+    def recording(reqs, ks):
+        out = propose(reqs, ks)
+        records.extend((list(r.all_token_ids), list(d)) for r, d in zip(reqs, out))
+        return out
+
+    engine.draft.propose = recording
+    return records
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
@@ -60,7 +73,8 @@ def main() -> None:
                 llm = LLM(model=run["model"], mesh=run["mesh"], dtype=run.get("dtype", "float32"),
                           weights_compression=run.get("weights_compression"),
                           weights_quantization=run.get("weights_quantization"),
-                          int4_group_size=run.get("int4_group_size"), **job["engine"])
+                          int4_group_size=run.get("int4_group_size"),
+                          speculative_config=run.get("speculative_config"), **job["engine"])
                 if run.get("env"):  # the Pallas kernels of the smallest bucket's forward, traced under it
                     from test_step_program import forward_jaxpr, kernel_names
 
@@ -76,7 +90,18 @@ def main() -> None:
             continue
         prompts = [_prompt(p, llm.tokenizer) for p in job["prompts"]]
         lora = job.get("lora")  # [name, id, path]: every prompt with that LoRA adapter
+        drafts = _record_drafts(llm.engine) if llm.engine.draft is not None else None
         outs = llm.generate(prompts, params, lora_request=LoRARequest(*lora) if lora else None)
+        if llm.engine.spec is not None:  # speculation: its counters, and a draft head's proposals in order
+            stats = llm.engine.spec.stats
+            result["spec"] = {"drafted": stats.num_draft_tokens, "accepted": stats.num_accepted_tokens,
+                              "proposals": drafts, "compiles": llm.engine.compiles_since_warmup}
+            if hasattr(llm.engine.draft, "state"):  # a draft head's weights: each one's bytes, on each device
+                from flax import nnx
+
+                result["spec"]["params"] = {".".join(map(str, path)): [
+                    int(v.get_value().nbytes), [int(s.data.nbytes) for s in v.get_value().addressable_shards]]
+                    for path, v in nnx.to_flat_state(llm.engine.draft.state)}
         kv, groups = llm.engine.kv, llm.engine.runner.rc.kv_groups
         linear = llm.engine.runner.cache.linear
         if linear is not None and llm.engine.plan is not None:  # a Qwen3.5's linear state on a mesh: each array's

@@ -5,6 +5,8 @@ a greedy speculative loop on the real model that must reproduce plain greedy dec
 from __future__ import annotations
 
 import json
+import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,20 @@ def random_checkpoint(seed: int = 0, *, draft_ids: list[int] | None = None,
             "midlayer.mlp.up_proj.weight": mat(f, e), "midlayer.mlp.down_proj.weight": mat(e, f),
             "norm.weight": norm(), "lm_head.weight": mat(draft_vocab, e, std=0.05),
             "d2t": (target - np.arange(draft_vocab)).astype(np.int64), "t2d": t2d}
+
+
+def head_over_frequent_tokens(want: list[list[int]], path, **config) -> tuple[dict, dict, dict]:
+    """A random head (HEAD_CONFIG with `config`, `attentive`) drafting over the two tokens most frequent in the
+    target's continuations `want`, written at `path`: (its speculative_config, drafting on every step; its
+    tensors; its config)."""
+    from collections import Counter
+
+    draft_ids = sorted(t for t, _ in Counter(sum(want, [])).most_common(2))
+    config = dict(HEAD_CONFIG, draft_vocab_size=len(draft_ids), **config)
+    tensors = attentive(random_checkpoint(6, draft_ids=draft_ids, config=config))
+    spec = {"method": "eagle3", "model": write_checkpoint(path, tensors, config), "num_speculative_tokens": 3,
+            "acceptance_threshold": 0.0}  # no back-off: every step drafts
+    return spec, tensors, config
 
 
 def write_checkpoint(path, tensors: dict[str, np.ndarray], config: dict) -> str:
@@ -114,11 +130,52 @@ def checkpoint(tmp_path_factory):
     return tensors, write_checkpoint(tmp_path_factory.mktemp("eagle3"), tensors, HEAD_CONFIG)
 
 
+def write_speculators(path, tensors: dict[str, np.ndarray], config: dict, layer: str = "llama",
+                      **flags) -> tuple[dict, str, dict]:
+    """The head in vLLM's speculators layout (Red Hat's `*-speculator.eagle3`): `layers.0.` names, the decoder
+    layer's fields in `transformer_layer_config` (a `layer` one: Qwen3's adds q/k norms), 3 speculative tokens
+    by default; `flags` its norm variants, with random weights for the norms they add. (tensors by EAGLE's
+    names, the directory, the flat config)."""
+    rng = np.random.default_rng(9)
+    et = config["hidden_size"]
+    tensors = dict(tensors)
+    config = dict(config, model_type=layer)
+    if layer == "qwen3":
+        tensors.update({f"midlayer.self_attn.{n}.weight": (1 + 0.3 * rng.standard_normal(config["head_dim"])
+                                                           ).astype(np.float32) for n in ("q_norm", "k_norm")})
+    if flags.get("norm_before_fc"):
+        tensors["input_norm.weight"] = (1 + 0.3 * rng.standard_normal(3 * et)).astype(np.float32)
+    if flags.get("fc_norm"):
+        tensors.update({f"fc_norm.{i}.weight": (1 + 0.3 * rng.standard_normal(et)).astype(np.float32)
+                        for i in range(3)})
+    own = ("architectures", "draft_vocab_size", "eagle_config")
+    raw = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+           "transformer_layer_config": {k: v for k, v in config.items() if k not in own},
+           "draft_vocab_size": config["draft_vocab_size"], "norm_before_residual": False, **flags,
+           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                  "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": "target"}}}
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(raw))
+    return tensors, str(path), {**config, **flags}
+
+
+@pytest.fixture(scope="module")
+def heads(checkpoint, tmp_path_factory) -> dict[str, tuple[dict, str, dict]]:
+    """The random head as published: EAGLE's layout, and speculators' with each of its norm variants."""
+    tensors, path = checkpoint
+    out = {"eagle": (tensors, path, HEAD_CONFIG)}
+    for name, flags in (("speculators", {}), ("norm_before_fc+norm_output", dict(norm_before_fc=True, norm_output=True)),
+                        ("fc_norm", dict(fc_norm=True)), ("qwen3", dict(layer="qwen3"))):
+        out[name] = write_speculators(tmp_path_factory.mktemp(name), tensors, HEAD_CONFIG, **flags)
+    return out
+
+
 def assert_aux_states(model, cfg, prompts: list[list[int]], layers: tuple[int, ...], want_states, *,
                       num_tokens: int, num_rows: int, width: int, bad_layers: tuple[int, ...]) -> None:
     """A target's forward with `aux_layers=layers` over `prompts` in one step: its logits and pool are the
     plain forward's, each prompt's states are `want_states(ids)` [len(ids), len(layers) * E] within 1e-4
-    (float32), and `bad_layers` and a mesh are refused."""
+    (float32), and `bad_layers` and pipeline stages are refused."""
     rows, pages = [], iter(range(1, 100))
     for ids in prompts:
         rows.append((list(range(len(ids))), [next(pages) for _ in range(-(-len(ids) // PS))]))
@@ -139,8 +196,8 @@ def assert_aux_states(model, cfg, prompts: list[list[int]], layers: tuple[int, .
         off += len(ids)
     with pytest.raises(ConfigError, match="strictly increasing"):
         model(tokens, kv, meta, last, attn_impl="reference", aux_layers=bad_layers)
-    with pytest.raises(ConfigError, match="one device"):
-        model(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers, plan=object())
+    with pytest.raises(ConfigError, match="not across stages"):  # (tp / ep meshes: test_eagle3_on_a_tp_mesh_...)
+        model(tokens, kv, meta, last, attn_impl="reference", aux_layers=layers, plan=SimpleNamespace(num_stages=2))
 
 
 def test_aux_hidden_states_equal_hf_hidden_states(smol, target, hf_smol):
@@ -157,16 +214,19 @@ def test_aux_hidden_states_equal_hf_hidden_states(smol, target, hf_smol):
     assert_aux_states(target, cfg, prompts, layers, want, num_tokens=32, num_rows=3, width=4, bad_layers=(15, 2, 27))
 
 
-def test_head_matches_float64_reference_through_paged_steps(checkpoint):
+@pytest.mark.parametrize("layout", ["eagle", "norm_before_fc+norm_output", "fc_norm", "qwen3"])
+def test_head_matches_float64_reference_through_paged_steps(heads, layout):
     """Three calls on three rows with pages spread over the pool: prefills, a verification where
     only some catch-up tokens were accepted (their KV slots are scratch), a page boundary, and a row
     whose chain runs past its pages. Every draft equals the reference's greedy chain over the
-    accepted sequence, recomputed from scratch, and the logits agree to float32 accuracy."""
-    tensors, path = checkpoint
+    accepted sequence, recomputed from scratch, and the logits agree to float32 accuracy. Also in the
+    speculators layout with a norm before fc (over the three states, or over each) and the normed state
+    passed between drafts, and with a Qwen3 decoder layer (q/k norms)."""
+    tensors, path, config = heads[layout]
     head = load_eagle3(path, SMOL)
     rng = np.random.default_rng(1)
     embed = (0.5 * rng.standard_normal((49152, 576))).astype(np.float32)
-    ref = ReferenceEagle3(tensors, HEAD_CONFIG, embed)
+    ref = ReferenceEagle3(tensors, config, embed)
     k = 4
     pages = {0: [5, 17, 3, 9], 1: [11, 2], 2: [30]}
     seqs = {r: ([], []) for r in pages}  # accepted (token, aux hidden) per position
@@ -249,7 +309,9 @@ def test_pallas_kernels_draft_as_the_reference_does(checkpoint):
     assert pallas_kernel_names(jaxpr) == kernels + kernels[:2]  # the chained steps: a token a row, no prefill
 
 
-def test_loader_reads_variants_and_names_what_is_wrong(checkpoint, tmp_path):
+def test_loader_reads_variants_and_names_what_is_wrong(checkpoint, heads, tmp_path):
+    from infire_jax.speculative.config import SpeculativeConfig
+
     tensors, path = checkpoint
     head = load_eagle3(path, SMOL)
     np.testing.assert_array_equal(head.d2t[...], tensors["d2t"])
@@ -278,6 +340,47 @@ def test_loader_reads_variants_and_names_what_is_wrong(checkpoint, tmp_path):
     refused(tensors, HEAD_CONFIG, "hidden_size", target=ModelConfig("llama", 49152, 960, 2560, 32, 15, 5, 64))
     refused(dict(tensors, d2t=np.zeros(8192, np.int64) + 5 * (np.arange(8192) % 2)), HEAD_CONFIG, "one-to-one")
     refused(tensors, dict(HEAD_CONFIG, num_hidden_layers=2), "num_hidden_layers=2")
+
+    # speculators' layout: the same head; its method and draft count from its config unless given
+    plain, same = (load_eagle3(p, SMOL) for p in (path, heads["speculators"][1]))
+    for (name, a), (_, b) in zip(nnx.to_flat_state(nnx.state(plain)), nnx.to_flat_state(nnx.state(same))):
+        np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(name))
+    # `infire-jax plan` places the head (whole, its d2t table too) and its pool per token as the engine does
+    from infire_jax.memplan.plan import memory_plan, parse_bytes
+    from infire_jax.memplan.source import plan_source
+    from infire_jax.speculative.plan import draft_head_for
+    from infire_jax.speculative.head_proposer import HeadProposer
+    from sharding.mesh import CONFIG_DIR, MeshConfig
+
+    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "1.yaml"))
+    spec = {"method": "eagle3", "model": path, "num_speculative_tokens": 3}
+    without, planned = (memory_plan(plan_source(None, "float32", draft_head=sc and draft_head_for(sc, "float32"))(mc), mc, parse_bytes("1GB"),
+                                    dtype="float32") for sc in (None, spec))
+    assert planned.weights["speculation"] == sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(plain)))
+    assert (planned.kv_bytes_per_token - without.kv_bytes_per_token) * PS == HeadProposer.page_bytes(plain, PS,
+                                                                                                     np.float32)
+    with pytest.raises(ValueError, match="'draft_model' is not planned"):
+        draft_head_for(dict(spec, method="draft_model"), "float32")
+
+    sc = SpeculativeConfig.parse({"model": heads["speculators"][1]})
+    assert (sc.method, sc.num_speculative_tokens) == ("eagle3", 3)
+    assert SpeculativeConfig.parse({"model": heads["speculators"][1], "num_speculative_tokens": 5}).num_speculative_tokens == 5
+    with pytest.raises(ConfigError, match="method is required"):
+        SpeculativeConfig.parse({"model": path, "num_speculative_tokens": 3})  # EAGLE's layout names none
+    with open(os.path.join(heads["fc_norm"][1], "config.json")) as f:
+        raw = json.load(f)
+    for change, match in ((dict(speculators_model_type="mlp"), "speculators_model_type 'mlp'"),
+                          (dict(transformer_layer_config=dict(raw["transformer_layer_config"], model_type="mistral")),
+                           "model_type 'mistral'"),
+                          (dict(transformer_layer_config=dict(raw["transformer_layer_config"], use_sliding_window=True)),
+                           "sliding-window"), (dict(norm_before_fc=True), "exclude each other")):
+        d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(raw, **change)))
+        save_file({k.replace("midlayer.", "layers.0."): v for k, v in heads["fc_norm"][0].items()},
+                  str(d / "model.safetensors"))
+        with pytest.raises(UnsupportedModelError, match=match):
+            load_eagle3(str(d), SMOL)
 
 
 def test_greedy_speculation_reproduces_greedy_decoding(smol, target, tmp_path):
@@ -535,3 +638,38 @@ def test_engine_serves_eagle3_beside_sliding_window_layers(family, tmp_path_fact
                                            lambda seq: hf_states(hf, seq, e.runner.rc.aux_layers))
     assert e.compiles_since_warmup == 0 and e.kv.num_free_pages == e.kv.num_usable_pages
     e.close()
+
+
+def test_eagle3_on_a_tp_mesh_drafts_as_one_device(smol_llm, tmp_path):
+    """On a tp 3 mesh (the default model: 9 heads over 3 kv heads) the target's states come out of its
+    shard_map whole and the head and its pool are replicated on every device: greedy tokens and logprobs equal
+    one device's with the same head, and so does every proposal, accepted and rejected; nothing compiles after
+    warmup (tp x ep: tests/test_llama4.py's Llama 4, tests/test_mtp.py). A pipeline mesh, whose stages hold
+    different layers' states, and a draft model on a mesh are refused by name."""
+    from test_sharding import CONFIG_DIR, ENGINE, _results, _run_worker
+
+    tk = smol_llm.tokenizer
+    draft_ids = sorted(set(tk.encode(" 1, 1,")))
+    smol_head = write_checkpoint(tmp_path, random_checkpoint(3, draft_ids=draft_ids),
+                                 dict(HEAD_CONFIG, draft_vocab_size=len(draft_ids)))
+    tp3 = tmp_path / "3.yaml"
+    tp3.write_text(json.dumps({"mesh": {"dp": 1, "pp": 1, "tp": 3, "ep": 1}, "rules": {
+        "vocab": "tp", "q_heads": "tp", "kv_heads": "tp", "mlp": "tp", "experts": None, "layers": None}}))
+
+    def run(model, mesh, tag, head=smol_head, method="eagle3"):
+        return {"model": model, "mesh": mesh if os.path.isabs(mesh) else os.path.join(CONFIG_DIR, f"{mesh}.yaml"),
+                "tag": tag, "speculative_config": {"method": method, "model": head, "num_speculative_tokens": 3}}
+
+    runs = [run(None, "1", "smol-1"), run(None, str(tp3), "smol-3"), run(None, "2-pp2", "pp"),
+            run(None, str(tp3), "draft-model", smol_llm.engine.model_name, "draft_model")]
+    prompts = ["1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1,", "List the numbers from 1 to 30 separated by commas:"]
+    results = {r["tag"]: r for r in _results(_run_worker({"runs": runs, "prompts": prompts, "max_tokens": 24,
+                                                          "engine": ENGINE}, 8, tmp_path, "eagle3-mesh"))}
+    assert not results["pp"]["fits"] and "pp=2" in results["pp"]["error"]
+    assert not results["draft-model"]["fits"] and "'draft_model' runs on one device" in results["draft-model"]["error"]
+    ref, r = results["smol-1"], results["smol-3"]
+    assert r["fits"] and ref["fits"], (r.get("error"), ref.get("error"))
+    assert r["tokens"] == ref["tokens"]
+    np.testing.assert_allclose(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+    assert r["spec"]["proposals"] == ref["spec"]["proposals"] and r["spec"]["compiles"] == 0
+    assert 0 < r["spec"]["accepted"] < r["spec"]["drafted"]

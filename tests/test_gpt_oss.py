@@ -280,6 +280,42 @@ def test_dummy_kept_mxfp4_experts_are_drawn_with_a_float_dummys_spread():
 
 # ---- 8 virtual devices: tp, ep and pp meshes equal one device -------------------------------------------
 
+def test_eagle3_drafts_for_gpt_oss_on_its_hybrid_kv_cache(checkpoint, tmp_path):
+    """An EAGLE-3 head (as SpecForge's and NVIDIA's for gpt-oss-120b: a Llama layer over three layers' outputs,
+    here aux ids 0, 1, 3: a windowed layer's, a full layer's and the last one's; its RoPE YaRN-scaled as NVIDIA's
+    heads carry it, from 64 positions, which the sequences pass) over the model on the hybrid KV cache (the head's KV on the full layers' pages): greedy tokens equal HF's,
+    drafts over the two tokens most frequent in HF's continuations are accepted and rejected, each proposal's
+    first draft is the float64 reference head's on HF's states; every page comes back and nothing compiles after
+    warmup."""
+    from test_eagle3 import assert_first_drafts_are_the_references, head_over_frequent_tokens, hf_states, \
+        record_proposals
+
+    from infire_jax import LLM, SamplingParams
+
+    hf, path = checkpoint
+    want = [hf_greedy(hf, p, NUM_TOKENS)[0] for p in PROMPTS]
+    spec, tensors, config = head_over_frequent_tokens(
+        want, tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=VOCAB, rope_theta=150000.0, max_position_embeddings=2048,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64,
+                      "beta_fast": 32.0, "beta_slow": 1.0},
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})
+    llm = LLM(model=path, **ENGINE, speculative_config=spec)
+    e = llm.engine
+    try:
+        assert e.runner.rc.aux_layers == (1, 2, 4) and e.runner.rc.kv_groups.bounded
+        records = record_proposals(e)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert 0 < e.spec.stats.num_accepted_tokens < e.spec.stats.num_draft_tokens
+        embed = hf.model.embed_tokens.weight.detach().numpy()
+        assert_first_drafts_are_the_references(records, [p + w for p, w in zip(PROMPTS, want)], tensors, config,
+                                               embed, lambda seq: hf_states(hf, seq, (1, 2, 4)))
+        assert e.compiles_since_warmup == 0 and e.kv.num_free_pages == e.kv.num_usable_pages
+    finally:
+        e.close()
+
+
 def test_meshes_match_one_device(tmp_path):
     """The tiny model with an expert width of 64 (two MXFP4 blocks) in MXFP4, its experts dequantized at load
     (float) and kept, in one process with 8 virtual devices. tp 2: the heads with their sinks and q/k/v

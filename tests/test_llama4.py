@@ -197,31 +197,35 @@ def test_aux_hidden_states_equal_hf_hidden_states(checkpoints):
                       num_rows=4, width=5, bad_layers=(3, 2))
 
 
+def _eagle3_head(hf, path) -> tuple[dict, list[list[int]], dict, dict]:
+    """An EAGLE-3 head for the causal model written at `path`, aux ids 1, 2, 4 (a MoE layer's, the NoPE layer's
+    and the last layer's outputs), drafting over the two tokens most frequent in HF's greedy continuations of
+    PROMPTS: (its speculative_config, those continuations, its tensors, its config)."""
+    from test_eagle3 import head_over_frequent_tokens
+
+    from deepseek_models import VOCAB
+
+    want = [hf_greedy(hf, p, NUM_TOKENS)[0] for p in PROMPTS]
+    spec, tensors, config = head_over_frequent_tokens(
+        want, path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        vocab_size=VOCAB, rope_theta=10000.0, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 4]})
+    return spec, want, tensors, config
+
+
 def test_eagle3_on_the_hybrid_kv_cache_is_token_identical(checkpoints, tmp_path):
     """An EAGLE-3 head over the causal model on the hybrid KV cache (its KV on the global group's pages):
     aux ids 1, 2, 4 (a MoE layer's, the NoPE layer's and the last layer's outputs). Greedy tokens equal
     HF's past several chunks; drafts (over the two tokens most frequent in HF's continuations) are accepted and
     rejected; each proposal's first draft is the float64 reference head's (tests/eagle3_reference.py) on
     HF's states; every page comes back, nothing compiles after warmup."""
-    from collections import Counter
+    from test_eagle3 import assert_first_drafts_are_the_references, hf_states, record_proposals
 
-    from test_eagle3 import (HEAD_CONFIG, assert_first_drafts_are_the_references, attentive, hf_states,
-                             random_checkpoint, record_proposals, write_checkpoint)
-
-    from deepseek_models import VOCAB
     from infire_jax import LLM, SamplingParams
     from infire_jax.core.hybrid_kv_cache import HybridKVCacheManager
 
     hf, path = checkpoints["causal"]
-    want = [hf_greedy(hf, p, NUM_TOKENS)[0] for p in PROMPTS]
-    draft_ids = sorted(t for t, _ in Counter(sum(want, [])).most_common(2))
-    config = dict(HEAD_CONFIG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=96, vocab_size=VOCAB, draft_vocab_size=len(draft_ids), rope_theta=10000.0,
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 4]})
-    tensors = attentive(random_checkpoint(6, draft_ids=draft_ids, config=config))
-    llm = LLM(model=path, **ENGINE, speculative_config={
-        "method": "eagle3", "model": write_checkpoint(tmp_path, tensors, config), "num_speculative_tokens": 3,
-        "acceptance_threshold": 0.0})  # no back-off: every step drafts
+    spec, want, tensors, config = _eagle3_head(hf, tmp_path)
+    llm = LLM(model=path, **ENGINE, speculative_config=spec)
     e = llm.engine
     assert isinstance(e.kv, HybridKVCacheManager) and e.runner.rc.kv_groups.num_groups > 1
     assert e.runner.rc.aux_layers == (2, 3, 5)
@@ -317,7 +321,9 @@ def test_tp_ep_and_pp_meshes_match_one_device(checkpoints, tmp_path):
     pipelines of 2 stages (alone, and with tp 4 in each) it gives one device's tokens. A stage holds
     whole super-layers: its three go 1 and 2, the first stage's padded with a zero (identity)
     super-layer, and each stage reads its own layers' RoPE / NoPE and chunked / global rows. The
-    causal model's dense layer after its last MoE layer, and 8 stages for 3 super-layers, are refused."""
+    causal model's dense layer after its last MoE layer, and 8 stages for 3 super-layers, are refused. The causal
+    model with an EAGLE-3 head on tp 2 x ep 4 (the super-layer scans' states out of the shard_map whole, the head
+    replicated) gives HF's tokens and one device's proposals, accepted and rejected."""
     import json
     import os
 
@@ -337,7 +343,17 @@ def test_tp_ep_and_pp_meshes_match_one_device(checkpoints, tmp_path):
     runs.append({"model": checkpoints["causal"][1], "mesh": mesh("2-pp2.yaml"), "tag": "tail"})
     job = {"runs": runs, "prompts": ["Hello, Llama 4", "x" * 40, "the chunks of a long prompt cross"], "max_tokens": 24,
            "engine": engine}
+    spec, eagle3_tokens, _, _ = _eagle3_head(checkpoints["causal"][0], tmp_path)
+    eagle3_job = {"runs": [{"model": checkpoints["causal"][1], "mesh": mesh(m), "tag": f"eagle3-{m}",
+                            "speculative_config": spec} for m in ("1.yaml", "8-tp2-ep4.yaml")],
+                  "prompts": PROMPTS, "max_tokens": NUM_TOKENS, "engine": dict(engine, max_model_len=256)}
     results = {r["tag"] or os.path.basename(r["mesh"]): r for r in _results(_run_worker(job, 8, tmp_path, "llama4"))}
+    eagle3 = {r["tag"]: r for r in _results(_run_worker(eagle3_job, 8, tmp_path, "llama4-eagle3"))}
+    one, sharded = eagle3["eagle3-1.yaml"], eagle3["eagle3-8-tp2-ep4.yaml"]
+    assert sharded["fits"] and one["fits"], sharded.get("error")
+    assert sharded["tokens"] == one["tokens"] == eagle3_tokens
+    assert sharded["spec"]["proposals"] == one["spec"]["proposals"]
+    assert 0 < sharded["spec"]["accepted"] < sharded["spec"]["drafted"] and sharded["spec"]["compiles"] == 0
     assert "3 Llama 4 super-layers (2 layers each: dense then MoE) cannot fill 8 pipeline stages" in \
         results.pop("8-pp8.yaml")["error"]
     assert "the 1 dense layer(s) after the last MoE layer of 5 cannot be placed" in results.pop("tail")["error"]

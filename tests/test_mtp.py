@@ -282,3 +282,53 @@ def test_mtp_beside_a_target_kept_quantized(checkpoint, engines, tmp_path):
         assert e.compiles_since_warmup == 0 and e.kv.num_free_pages == e.kv.num_usable_pages
     finally:
         kept.engine.close()
+
+
+def test_mtp_on_a_tp_ep_mesh_drafts_as_one_device(checkpoint, tmp_path):
+    """On tp 2 x ep 4 (the MLA heads split over tp, the latent pool replicated, the experts split over ep), the MTP
+    head's decoder layer is split as the target's layers (an eighth of its experts a device: over ep, their
+    widths over tp; half of its heads' projections) and run in the mesh's shard_map; its norms, eh_proj and one-layer pool are
+    whole on every device, reading the target's last states and its vocabulary-split embedding and head: greedy
+    tokens and logprobs equal one device's with the head, and so does every proposal, accepted and rejected;
+    nothing compiles after warmup. `infire-jax plan` counts the head's bytes on each device and its pool's per
+    token, and refuses a pipeline mesh."""
+    from test_sharding import CONFIG_DIR, _results, _run_worker
+
+    from infire_jax.memplan.source import plan_source
+    from infire_jax.speculative.plan import draft_head_for
+
+    _, _, path = checkpoint
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8, "acceptance_threshold": 0.0}
+    runs = [{"model": path, "mesh": os.path.join(CONFIG_DIR, f"{mesh}.yaml"), "tag": mesh, "speculative_config": spec}
+            for mesh in ("1", "8-tp2-ep4")]
+    engine = {k: v for k, v in ENGINE.items() if k != "dtype"}
+    prompts = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31]]
+    results = {r["tag"]: r for r in _results(_run_worker({"runs": runs, "prompts": prompts, "max_tokens": 24,
+                                                          "engine": engine}, 8, tmp_path, "mtp-mesh"))}
+    ref = results["1"]
+    assert ref["fits"] and 0 < ref["spec"]["accepted"] < ref["spec"]["drafted"], ref.get("error")
+    r = results["8-tp2-ep4"]
+    assert r["fits"], r.get("error")
+    assert r["tokens"] == ref["tokens"]
+    np.testing.assert_allclose(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+    assert r["spec"]["proposals"] == ref["spec"]["proposals"] and r["spec"]["compiles"] == 0
+    params = r["spec"]["params"]
+    for name in ("layers.w_gate_up", "layers.w_down"):  # the routed experts over ep, their widths over tp
+        assert params[name][1] == [params[name][0] // 8] * 8, (name, params[name])
+    assert params["layers.w_uk"][1] == [params["layers.w_uk"][0] // 2] * 8  # its heads over tp
+    assert params["eh_proj"][1] == [params["eh_proj"][0]] * 8  # whole on every device
+
+    # `infire-jax plan --speculative-config` counts the head's bytes on each device, and its pool's per token
+    from infire_jax.memplan.plan import memory_plan, parse_bytes
+    from infire_jax.models.kv_entry import kv_entry
+    from sharding.mesh import MeshConfig
+
+    mc = MeshConfig.from_yaml(runs[1]["mesh"])
+    plain, planned = (memory_plan(plan_source(path, "float32", draft_head=sc and draft_head_for(sc, "float32"))(mc), mc, parse_bytes("1GB"),
+                                  dtype="float32") for sc in (None, spec))
+    assert planned.weights["speculation"] == sum(per_device[0] for _, per_device in params.values())
+    assert planned.kv_bytes_per_token - plain.kv_bytes_per_token == kv_entry(read_hf_config(path)).bytes_per_page(
+        1, 1, np.float32)
+    with pytest.raises(ValueError, match="pp=2"):
+        plan_source(path, "float32", draft_head=draft_head_for(spec, "float32"))(MeshConfig.from_yaml(os.path.join(CONFIG_DIR,
+                                                                                                "2-pp2.yaml")))

@@ -384,7 +384,7 @@ def test_draft_model_and_eagle3_need_a_kv_group_that_keeps_every_page():
     target = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=2, num_kv_heads=1, head_dim=16, local_attention=windows)
     spec = {"method": "draft_model", "model": "dummy:smollm2-135m", "num_speculative_tokens": 2}  # its vocabulary
-    check = dict(dtype="float32", multiprocess=False, one_plain_device=True)
+    check = dict(dtype="float32", multiprocess=False)
     for method in ("draft_model", "eagle3"):
         with pytest.raises(ConfigError, match=f"method '{method}' keeps its KV on the pages of the target's global "
                                               "layers .* no group keeps them: set hybrid_kv_cache=False"):

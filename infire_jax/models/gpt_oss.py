@@ -21,8 +21,8 @@ On a mesh the stack runs in models/parallel.py's shard_map as Llama 4's: tp spli
 sinks and q/k/v biases, `wo`'s partial sums are reduced before the o bias is added (once), and the
 experts' widths split with their gate/up biases, the down bias added on the first tp shard only;
 ep (or tp, 8-tp8-ep.yaml) holds whole experts with their biases, kept MXFP4 parts too; pp stages hold
-their layers' window rows. Other quantization, compressed weights, LoRA and EAGLE-3 aux states are
-refused with a ConfigError.
+their layers' window rows. Other quantization, compressed weights and LoRA are refused with a
+ConfigError; EAGLE-3's states ride the layer scan as models/llama.py's do.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from infire_jax.models import yarn
 from infire_jax.models.config import GptOssConfig, ModelConfig
 from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.layers import layer_loop, local_attention_table, param, rms_norm, rope_tables, with_local_mask
-from infire_jax.models.llama import kernel_weights, linear, project_qkv
+from infire_jax.models.llama import kernel_weights, linear, project_qkv, run_aux_stack, slots_last
 from infire_jax.models.moe import Dispatch, Routing, combine, dispatch_local, tiled_experts
 from infire_jax.models.panels import INPUT_AXES
 from infire_jax.models.parallel import Reductions, psum
@@ -141,10 +141,13 @@ def moe(lp: dict[str, Array], x: Float[Array, "T E"], cfg: ModelConfig, red: Red
 
 def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, Array],
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
-                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+                  sin: Array, aux: tuple[Float[Array, "N1 T E"], np.ndarray] | None = None
+                  ) -> tuple[Float[Array, "T E"], Array, Array] | tuple[Float[Array, "T E"], Array, Array, Array]:
     """Scans the stacked layers (a pipeline stage's, inside the mesh's shard_map); the KV pool is a loop
     carry, each layer's (chunk, window) row of `local_attention_table` scanned beside its weights (None:
-    every layer global). `red`: the mesh's reductions (none on one device)."""
+    every layer global). `red`: the mesh's reductions (none on one device). With `aux` (EAGLE-3's states:
+    models/llama.py's `aux_slots`, the slots and each layer's slot; no pipeline stages) the slots are
+    carried too, each layer writing its output into its slot, and come back as a fourth element."""
     tokens, n, one_device = h.shape[0], weights["attn_norm"].shape[0], red == Reductions()
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     # On a GPU, the stacks the Pallas matmuls read in place: the experts, and in decode-sized steps
@@ -153,8 +156,8 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                             one_device=one_device)
 
     def layer(carry, xs):
-        h, k_pages, v_pages = carry
-        lp, idx, local = xs
+        h, k_pages, v_pages, *slots = carry
+        lp, idx, local, *slot = xs
         lp = kernel_weights(lp, in_place, idx, tokens, cpu=False)
         q, k, v = project_qkv(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), True, (cos, sin))
         o, k_pages, v_pages = paged_attention(q, k, v, k_pages, v_pages, idx, with_local_mask(meta, local),
@@ -162,11 +165,16 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
                                               sinks=lp["sinks"])
         h = h + (psum(linear(o, lp["wo"], "thd,hde->te"), red.attn) + lp["bo"])
         h = h + psum(moe(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), cfg, red), red.mlp)
+        if slots:
+            return (h, k_pages, v_pages, jax.lax.dynamic_update_index_in_dim(slots[0], h, slot[0], 0)), None
         return (h, k_pages, v_pages), None
 
     scanned = {name: w for name, w in weights.items() if name not in in_place}
     xs = (scanned, np.arange(n, dtype=np.int32), local_attention_table(cfg, n))
-    return layer_loop(layer, (h, k_pages, v_pages), xs, n, tokens)
+    carry = (h, k_pages, v_pages)
+    if aux is not None:
+        carry, xs = (*carry, aux[0]), (*xs, aux[1])
+    return layer_loop(layer, carry, xs, n, tokens)
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T half"], Float[Array, "T half"]]:
@@ -194,9 +202,13 @@ class GptOss(DecoderModel):
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
                    ) -> tuple[Float[Array, "T E"], KVPages]:
-        """Applies every decoder layer, on one device or (with a plan) across the mesh."""
-        if aux_layers is not None:
-            raise ConfigError("gpt-oss runs without EAGLE-3 aux states")
+        """Applies every decoder layer, on one device or (with a plan) across the mesh; with `aux_layers`
+        (EAGLE-3's, as models/llama.py's `run_layers`; no pipeline stages) the residual stream at those
+        indices comes back too, [T, len(aux_layers) * E]."""
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
-        return self.run_stack(functools.partial(decoder_stack, self.cfg, attn_impl), self.layers.arrays(),
-                              self.layers.axes(), h, kv, meta, cos, sin, plan)
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
+        weights, axes = self.layers.arrays(), self.layers.axes()
+        if aux_layers is not None:
+            return run_aux_stack(slots_last(stack), aux_layers, self.cfg.num_layers, plan, weights, axes, h, kv,
+                                 meta, cos, sin)
+        return self.run_stack(stack, weights, axes, h, kv, meta, cos, sin, plan)

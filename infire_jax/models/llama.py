@@ -28,7 +28,7 @@ from infire_jax.models.layers import (apply_rope, final_logits, layer_loop, loca
 from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
-from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.parallel import Reductions, StackFn, psum, run_sharded
 from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, layer_stacks, residual_norm, swiglu_mlp
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from infire_jax.quant.weight_parts import LayerStacks, WeightParts
@@ -266,23 +266,23 @@ def check_aux_layers(aux_layers: tuple[int, ...], num_layers: int) -> None:
                           f"(i: the input of layer i, {num_layers}: the last layer's output); got {aux_layers}")
 
 
-def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, ...], weights: dict[str, Array],
-                      h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
-                      sin: Array, lora_slots: Int[Array, "T"] | None = None
-                      ) -> tuple[Float[Array, "T E"], Array, Array, Float[Array, "T N"]]:
-    """`decoder_stack` that also keeps the residual stream at `aux_layers` (HF `hidden_states` indices).
+def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, slot_of_output: np.ndarray, red: Reductions,
+                      weights: dict[str, Array], h: Float[Array, "T E"], k_pages: Array, v_pages: Array,
+                      meta: AttentionMetadata, cos: Array, sin: Array, aux: Float[Array, "N1 T E"],
+                      lora_slots: Int[Array, "T"] | None = None
+                      ) -> tuple[Float[Array, "T E"], Array, Array, Float[Array, "N1 T E"]]:
+    """`decoder_stack` that also keeps the residual stream in `aux`, the slots `aux_slots` made (a
+    StackFn with state, models/parallel.py: on a mesh the slots ride the shard_map replicated, as h).
 
     The scan carries one [T, E] slot per requested state plus a scratch slot: layer i writes its
-    output in place (one dynamic-update-slice of T x E) into the slot of index i + 1, or into the
-    scratch slot, so no layer's states but the requested ones are ever kept. Returns them
-    concatenated along the features, [T, len(aux_layers) * E], in `aux_layers` order.
+    output in place (one dynamic-update-slice of T x E) into the slot `slot_of_output[i]` (of index
+    i + 1, or the scratch slot), so no layer's states but the requested ones are ever kept.
     """
-    weights, lora = split_stacks(weights, lora_slots, kernel=True)
-    in_place = in_place_weights(cfg, weights, h.shape[0], Reductions())
+    weights, lora = split_stacks(weights, lora_slots, kernel=red == Reductions())
+    in_place = in_place_weights(cfg, weights, h.shape[0], red)
     meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
     n = cfg.num_layers
-    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, Reductions(), in_place, lora, nope_table(cfg, n))
-    aux, slot_of_output = aux_slots(aux_layers, n, h)
+    layer = make_layer_fn(cfg, cos, sin, meta, attn_impl, red, in_place, lora, nope_table(cfg, n))
 
     def body(carry, xs):
         lp, idx, local, slot = xs
@@ -291,8 +291,39 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, aux_layers: tuple[int, .
 
     scanned = {name: w for name, w in weights.items() if name not in in_place}
     xs = (scanned, np.arange(n, dtype=np.int32), local_attention_table(cfg, n), slot_of_output)
-    h, k_pages, v_pages, aux = layer_loop(body, (h, k_pages, v_pages, aux), xs, n, h.shape[0])
-    return h, k_pages, v_pages, aux_features(aux, len(aux_layers))
+    return layer_loop(body, (h, k_pages, v_pages, aux), xs, n, h.shape[0])
+
+
+def run_aux_stack(stack_of: Callable[[np.ndarray], StackFn], aux_layers: tuple[int, ...], num_layers: int,
+                  plan: ShardPlan | None, weights: dict, axes: dict, h: Float[Array, "T E"], kv: KVPages,
+                  meta: AttentionMetadata, cos: Array, sin: Array, token_args: tuple[Array, ...] = ()
+                  ) -> tuple[Float[Array, "T E"], KVPages, Float[Array, "T N"]]:
+    """A stack that keeps the residual stream at `aux_layers` (`stack_of(slot_of_output)`, a StackFn whose
+    state is `aux_slots`' slots), on one device or inside a tp / ep mesh's shard_map, where the slots ride
+    replicated as h does: (h, the pool, the states [T, len(aux_layers) * E]). Not across pipeline stages,
+    whose layers' states would live on different devices."""
+    check_aux_layers(aux_layers, num_layers)
+    aux, slot_of_output = aux_slots(aux_layers, num_layers, h)
+    stack = stack_of(slot_of_output)
+    if plan is None:
+        h, k_pages, v_pages, aux = stack(Reductions(), weights, h, *kv, meta, cos, sin, aux, *token_args)
+    elif plan.num_stages > 1:
+        raise ConfigError("aux hidden states (EAGLE-3) are kept on one device or a mesh without pipeline stages "
+                          "(tp, ep), not across stages")
+    else:
+        h, (k_pages, v_pages), aux = run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin,
+                                                 token_args=token_args, state=aux, state_axes=(None, None, None))
+    return h, (k_pages, v_pages), aux_features(aux, len(aux_layers))
+
+
+def slots_last(stack: Callable) -> Callable[[np.ndarray], StackFn]:
+    """For `run_aux_stack`: a stack that takes `aux=(slots, slot_of_output)` after its StackFn arguments (Llama 4's,
+    gpt-oss's), as a StackFn whose state is the slots."""
+    def stack_of(slot_of_output: np.ndarray) -> StackFn:
+        return lambda red, weights, h, k, v, meta, cos, sin, slots: stack(red, weights, h, k, v, meta, cos, sin,
+                                                                           (slots, slot_of_output))
+
+    return stack_of
 
 
 def aux_slots(aux_layers: tuple[int, ...], num_layers: int, h: Float[Array, "T E"]
@@ -352,19 +383,16 @@ class Llama(nnx.Module):
         if lora is not None:  # split like the weights they adapt (lora/layout.py)
             weights, slots = {**weights, **lora.stacks}, lora.slots
             axes = {**axes, **{k: stack_axes(k) for k in lora.stacks}}
+        token_args = () if slots is None else (slots,)
         if aux_layers is not None:
-            check_aux_layers(aux_layers, self.cfg.num_layers)
-            if plan is not None:
-                raise ConfigError("aux hidden states (EAGLE-3) are implemented on one device only, not on a mesh")
-            h, k_pages, v_pages, aux = decoder_stack_aux(self.cfg, attn_impl, aux_layers, weights, h, *kv, meta,
-                                                         cos, sin, slots)
-            return h, (k_pages, v_pages), aux
+            return run_aux_stack(functools.partial(functools.partial, decoder_stack_aux, self.cfg, attn_impl),
+                                 aux_layers, self.cfg.num_layers, plan, weights, axes, h, kv, meta, cos, sin,
+                                 token_args)
         stack = functools.partial(decoder_stack, self.cfg, attn_impl)
         if plan is None:
-            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin, slots)
+            h, k_pages, v_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin, *token_args)
             return h, (k_pages, v_pages)
-        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin,
-                           token_args=() if slots is None else (slots,))
+        return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, token_args=token_args)
 
     def logits(self, h: Float[Array, "S E"], plan: ShardPlan | None = None) -> Float[Array, "S V"]:
         head = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]

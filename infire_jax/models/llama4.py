@@ -24,7 +24,8 @@ global (NoPE) layers every page.
 
 EAGLE-3's features (`aux_layers`, HF `hidden_states` indices) ride the same scans, as models/llama.py's
 `decoder_stack_aux`: the carry adds one [T, E] slot per requested state and a scratch slot, and each
-layer writes its output into the slot of its place among all layers (one device only).
+layer writes its output into the slot of its place among all layers (one device, or a mesh without pipeline
+stages: `run_aux_stack`).
 
 On a mesh (models/parallel.py) heads and MLP widths split over tp, experts over ep; the shared
 expert and dense MLPs are replicated over ep. A pipeline stage holds whole super-layers
@@ -43,14 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.deepseek_moe import shared_mlp
 from infire_jax.models.layers import (apply_rope, layer_loop, local_attention_table, param, rms_norm,
                                       rope_cos_sin, stage_rows, with_local_mask)
-from infire_jax.models.llama import (KernelView, aux_features, aux_slots, check_aux_layers, dense_mlp, kernel_weights,
-                                     linear, project_qkv)
+from infire_jax.models.llama import (KernelView, dense_mlp, kernel_weights, linear, project_qkv, run_aux_stack,
+                                     slots_last)
 from infire_jax.models.moe import Routing, routed_mlp
 from infire_jax.models.parallel import Reductions, psum
 from infire_jax.models.quant_kernels import layer_stacks
@@ -186,7 +186,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     """Scans the super-layers (P - 1 dense layers and a MoE layer each), then the dense layers left
     over; the KV pool is a loop carry, indexed by the layer's place among all layers (of its pipeline
     stage: the stacks and the pool hold that stage's share, and a stage has no dense layers left over).
-    With `aux` (models/llama.py's `aux_slots`: the slots and each layer's slot; one device) the slots
+    With `aux` (models/llama.py's `aux_slots`: the slots and each layer's slot; no pipeline stages) the slots
     are carried too, each layer writing its output into its slot, and come back as a fourth element."""
     p = cfg.llama4.moe_step
     supers = weights["moe"]["attn_norm"].shape[0] if "moe" in weights else 0
@@ -250,17 +250,13 @@ class Llama4(DecoderModel):
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
                    ) -> tuple[Float[Array, "T E"], KVPages] | tuple[Float[Array, "T E"], KVPages, Float[Array, "T N"]]:
         """Applies every decoder layer, on one device or (with a plan) across the mesh. With `aux_layers`
-        (static HF `hidden_states` indices, as models/llama.py's `run_layers`; one device only) the
+        (static HF `hidden_states` indices, as models/llama.py's `run_layers`; no pipeline stages) the
         residual stream at those indices comes back too, [T, len(aux_layers) * E]: EAGLE-3's features."""
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
         stack = functools.partial(decoder_stack, self.cfg, attn_impl)
-        if aux_layers is not None:
-            check_aux_layers(aux_layers, self.cfg.num_layers)
-            if plan is not None:
-                raise ConfigError("aux hidden states (EAGLE-3) are implemented on one device only, not on a mesh")
-            h, k_pages, v_pages, aux = stack(Reductions(), weights, h, *kv, meta, cos, sin,
-                                             aux_slots(aux_layers, self.cfg.num_layers, h))
-            return h, (k_pages, v_pages), aux_features(aux, len(aux_layers))
         axes = {kind: st.axes() for kind, st in self._stacks().items()}
+        if aux_layers is not None:
+            return run_aux_stack(slots_last(stack), aux_layers, self.cfg.num_layers, plan, weights, axes, h, kv,
+                                 meta, cos, sin)
         return self.run_stack(stack, weights, axes, h, kv, meta, cos, sin, plan)

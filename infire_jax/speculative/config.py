@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 from infire_jax.errors import ConfigError
@@ -68,7 +69,28 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - names)
         if unknown:
             raise ConfigError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        if isinstance(value.get("model"), str):  # a speculators head names its own method and draft count
+            value = {**(speculators_defaults(value["model"]) or {}), **value}
         for field in ("method", "num_speculative_tokens"):
             if field not in value:
                 raise ConfigError(f"speculative_config.{field} is required")
         return cls(**value)
+
+
+def speculators_defaults(path: str) -> dict[str, Any] | None:
+    """vLLM's defaults from a speculators head directory: its method and, from its default proposal method,
+    num_speculative_tokens (None: not a speculators head)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or "speculators_model_type" not in raw:
+        return None
+    sc = raw.get("speculators_config") if isinstance(raw.get("speculators_config"), dict) else {}
+    methods = {m.get("proposal_type"): m for m in sc.get("proposal_methods") or [] if isinstance(m, dict)}
+    chosen = methods.get(sc.get("default_proposal_method")) or next(iter(methods.values()), {})
+    out = {"method": sc.get("algorithm") or raw["speculators_model_type"]}
+    if isinstance(chosen.get("speculative_tokens"), int):
+        out["num_speculative_tokens"] = chosen["speculative_tokens"]
+    return out

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from infire_jax.models.config import ModelConfig, RopeScaling
 from infire_jax.models.kv_entry import KVEntry, kv_entry
-from infire_jax.models.layers import head_logits, param, rms_norm, rope_cos_sin
+from infire_jax.models.layers import apply_rope, head_logits, param, rms_norm, rope_cos_sin
 from infire_jax.models.llama import KVPages, dense_mlp, project_qkv
 from infire_jax.speculative.chain import Proposal, chain_propose, draw_tokens
 from pallas_kernels.attention import paged_attention
@@ -47,6 +47,12 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...] | None = None
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of hidden
     has_embed: bool = False  # the checkpoint carries its own embed_tokens (else the target's is used)
+    # speculators' variants: an RMSNorm before fc over the three states together ("concat": norm_before_fc,
+    # gpt-oss style) or over each ("each": fc_norm); norm_output: the state a draft feeds the next one is the
+    # layer's output after the final norm (Eagle 3.1)
+    fc_norm: str = "none"
+    norm_output: bool = False
+    qk_norm: bool = False  # a Qwen3 decoder layer (speculators' default): q and k RMS-normed per head before RoPE
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -81,6 +87,9 @@ class Eagle3Head(nnx.Module):
         self.wqkv = param((2 * e, hkv, g + 2, d), ("embed", "kv_heads", "qkv", "head_dim"), dtype)
         self.wo = param((cfg.num_heads, d, e), ("q_heads", "head_dim", "embed"), dtype)
         self.mlp_norm = param((e,), ("norm",), dtype, init="ones")
+        if cfg.qk_norm:
+            self.q_norm = param((d,), ("norm",), dtype, init="ones")
+            self.k_norm = param((d,), ("norm",), dtype, init="ones")
         self.w_gate_up = param((e, 2, cfg.intermediate_size), ("embed", "gate_up", "mlp"), dtype)
         self.w_down = param((cfg.intermediate_size, e), ("mlp", "embed"), dtype)
         self.final_norm = param((e,), ("norm",), dtype, init="ones")
@@ -88,10 +97,22 @@ class Eagle3Head(nnx.Module):
         self.d2t = IdMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
         if cfg.has_embed:
             self.embed = param((cfg.vocab_size, e), ("vocab", "embed"), dtype)
+        et = cfg.target_hidden_size
+        if cfg.fc_norm == "concat":
+            self.fc_input_norm = param((3 * et,), ("norm",), dtype, init="ones")
+        elif cfg.fc_norm == "each":
+            self.fc_input_norms = param((3, et), (None, "norm"), dtype, init="ones")
 
     def fuse(self, aux: Float[Array, "T N"]) -> Float[Array, "T E"]:
-        """The target's low/middle/high states [T, 3 Et] -> the head's input width E."""
-        return jnp.einsum("tc,ce->te", aux.astype(self.fc.dtype), self.fc[...])
+        """The target's low/middle/high states [T, 3 Et] -> the head's input width E (normed first where the
+        head was trained so)."""
+        x, eps = aux.astype(self.fc.dtype), self.cfg.rms_norm_eps
+        if self.cfg.fc_norm == "concat":
+            x = rms_norm(x, self.fc_input_norm[...], eps)
+        elif self.cfg.fc_norm == "each":
+            parts = x.reshape(x.shape[0], 3, -1)
+            x = rms_norm(parts, self.fc_input_norms[...], eps).reshape(x.shape)
+        return jnp.einsum("tc,ce->te", x, self.fc[...])
 
     def layer(self, emb: Float[Array, "T E"], hidden: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *,
               attn_impl: str) -> tuple[Float[Array, "T E"], KVPages]:
@@ -102,16 +123,26 @@ class Eagle3Head(nnx.Module):
         residual = normed if cfg.norm_before_residual else hidden
         x = jnp.concatenate([rms_norm(emb, self.input_norm[...], eps), normed], axis=-1)
         rope = rope_cos_sin(cfg.layer_config, meta.positions)
-        q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False, rope)
+        if cfg.qk_norm:
+            q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False)
+            q, k = (apply_rope(rms_norm(a, w[...], eps), *rope) for a, w in ((q, self.q_norm), (k, self.k_norm)))
+        else:
+            q, k, v = project_qkv({"wqkv": self.wqkv[...]}, x, False, rope)
         o, k_pages, v_pages = paged_attention(q, k, v, *kv, jnp.int32(0), meta, scale=cfg.head_dim ** -0.5,
                                               impl=attn_impl)
         h = residual + jnp.einsum("thd,hde->te", o, self.wo[...])
         mlp = {"w_gate_up": self.w_gate_up[...], "w_down": self.w_down[...]}
         return h + dense_mlp(mlp, rms_norm(h, self.mlp_norm[...], eps)), (k_pages, v_pages)
 
+    def output(self, h: Float[Array, "T E"]) -> Float[Array, "T E"]:
+        """The state a draft passes on: the layer's output, or with `norm_output` that after the final norm."""
+        return rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps) if self.cfg.norm_output else h
+
     def logits(self, h: Float[Array, "S E"]) -> Float[Array, "S Vd"]:
-        """Draft-vocabulary logits in float32 (`head_logits`: the head read once in its dtype)."""
-        return head_logits(rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps), self.lm_head[...])
+        """Draft-vocabulary logits in float32 (`head_logits`: the head read once in its dtype) of `output`'s
+        states (normed here unless already)."""
+        normed = h if self.cfg.norm_output else rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        return head_logits(normed, self.lm_head[...])
 
     # What the engine's proposer (head_proposer.py) asks of a draft head.
     def aux_layers(self, target_num_layers: int) -> tuple[int, ...]:
@@ -124,8 +155,10 @@ class Eagle3Head(nnx.Module):
         return kv_entry(self.cfg.layer_config)
 
     def draft(self, target, kv: KVPages, tokens: Int[Array, "T"], states: Float[Array, "T N"],
-              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str) -> Proposal:
-        """Greedy drafts after a step of `target` (the model, for its embedding): `eagle3_propose`."""
+              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str,
+              plan=None) -> Proposal:
+        """Greedy drafts after a step of `target` (the model, for its embedding): `eagle3_propose` (on a mesh,
+        `plan`, replicated whole: GSPMD)."""
         return eagle3_propose(self, target.embed[...], kv, tokens, states, meta, last_index, num_draft=num_draft,
                               attn_impl=attn_impl)
 
@@ -172,7 +205,8 @@ def eagle3_propose(
     dtype = head.lm_head.dtype
 
     def layer(tokens, hidden, kv, meta):
-        return head.layer(embed[tokens].astype(dtype), hidden.astype(dtype), kv, meta, attn_impl=attn_impl)
+        h, kv = head.layer(embed[tokens].astype(dtype), hidden.astype(dtype), kv, meta, attn_impl=attn_impl)
+        return head.output(h), kv
 
     def draw(h, key):
         logits = head.logits(h)

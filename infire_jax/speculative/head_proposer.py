@@ -50,6 +50,7 @@ from infire_jax.core.scheduler import SchedulerOutput
 from infire_jax.speculative.chain import KVPages, Proposal
 from infire_jax.speculative.verify import VerifyOutput
 from pallas_kernels.metadata import AttentionMetadata, group0_only
+from sharding.plan import ShardPlan
 
 
 def catch_up_tokens(tokens: Int[Array, "T"], meta: AttentionMetadata, sample_rows: Bool[Array, "S"],
@@ -81,11 +82,14 @@ class DraftHead(Protocol):
         """The target's states the head reads (`RunnerConfig.aux_layers`); None: the last layer's output."""
 
     def draft(self, target, kv: KVPages, tokens: Int[Array, "T"], states: Float[Array, "T N"],
-              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str) -> Proposal:
-        """Catch-up and greedy drafts (`chain_propose`); `target` is the target model, merged."""
+              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str,
+              plan: ShardPlan | None = None) -> Proposal:
+        """Catch-up and greedy drafts (`chain_propose`); `target` is the target model, merged; `plan` the
+        target's mesh (a head split over it runs there: MTP's MLA layer)."""
 
 
-def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: int, head_state, target_state,
+def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: int, plan: ShardPlan | None,
+             head_state, target_state,
              kv, tokens: Int[Array, "T"], states: Float[Array, "T N"], meta: AttentionMetadata,
              sample_rows: Bool[Array, "S"], next_tokens: Int[Array, "S"], num_drafts: Int[Array, "S"],
              out_tokens: Int[Array, "..."], out_num: Int[Array, "S"]) -> tuple[tuple[Array, Array], Int[Array, "S k"]]:
@@ -99,21 +103,27 @@ def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: 
     with jax.default_matmul_precision(precision):
         head = nnx.merge(head_graphdef, head_state)
         target = nnx.merge(target_graphdef, target_state)
-        prop = head.draft(target, kv, shifted, states, meta, last, num_draft=k, attn_impl=attn_impl)
+        prop = head.draft(target, kv, shifted, states, meta, last, num_draft=k, attn_impl=attn_impl, plan=plan)
     return prop.kv, prop.token_ids
 
 
 class HeadProposer:
-    """Holds the head and its one-layer pool (on the target's pages), and observes the runner's steps."""
+    """Holds the head and its one-layer pool (on the target's pages), and observes the runner's steps. On a
+    mesh the head's pool is whole on every device, and so is the head (placed so by its loader), but for
+    MTP's MLA layer, split as the target's layers and run in the mesh's shard_map: the head's program reads
+    the target's replicated states and its vocabulary-split embedding and head as GSPMD places them, and
+    its pool and drafts stay replicated."""
 
     def __init__(self, head: DraftHead, target: ModelConfig, runner, rc: RunnerConfig, *, dtype, k: int):
         self.runner, self.k = runner, k
         head_graphdef, self.state = nnx.split(head)
         entry = head.kv_entry
-        self.kv = tuple(jnp.zeros((1, rc.num_pages, rc.page_size, entry.heads, dim), dtype)
+        self._placed = None if runner.plan is None else runner.plan.replicated
+        self.kv = tuple(jnp.zeros((1, rc.num_pages, rc.page_size, entry.heads, dim), dtype, device=self._placed)
                         for dim in (entry.k_dim, entry.v_dim))
         self._observe = jax.jit(functools.partial(_observe, head_graphdef, runner.graphdef, rc.attn_impl,
-                                                  matmul_precision(dtype), k), donate_argnums=(2,))
+                                                  matmul_precision(dtype), k, runner.plan), donate_argnums=(2,),
+                                out_shardings=None if self._placed is None else self._placed)
         aux = head.aux_layers(target.num_layers)
         self._reads_aux = aux is not None
         self._state_width = (len(aux) if aux else 1) * target.hidden_size
@@ -128,7 +138,8 @@ class HeadProposer:
                 out = np.zeros((s, self.k + 1) if verifying else s, np.int32)
                 self._compiled[t, verifying] = self._observe.lower(
                     self.state, self.runner.state, self.kv, b.token_ids,
-                    jax.ShapeDtypeStruct((t, self._state_width), self._dtype), b.meta, b.sample_rows,
+                    jax.ShapeDtypeStruct((t, self._state_width), self._dtype, sharding=self._placed), b.meta,
+                    b.sample_rows,
                     np.zeros(s, np.int32), np.zeros(s, np.int32), out, np.ones(s, np.int32)).compile()
 
     @staticmethod

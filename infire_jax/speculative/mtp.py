@@ -12,6 +12,8 @@ implementation of each. The embedding and the head are the target's unless the c
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -21,9 +23,17 @@ from infire_jax.models import deepseek, glm4_moe
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.kv_entry import KVEntry, kv_entry
 from infire_jax.models.layers import head_logits, param, rms_norm
-from infire_jax.models.parallel import Reductions
+from infire_jax.models.parallel import Reductions, run_sharded
 from infire_jax.speculative.chain import KVPages, Proposal, chain_propose, draw_tokens
 from pallas_kernels.metadata import AttentionMetadata
+from sharding.plan import ShardPlan
+
+
+def split_on(cfg: ModelConfig, plan: ShardPlan | None) -> bool:
+    """Whether the head's decoder layer is split over the mesh as the target's layers are (its experts over
+    ep, its heads over tp): an MLA layer, whose one-layer pool (the latent) is whole on every device anyway.
+    Otherwise (GLM-4.5's GQA layer, whose kv heads the target may repeat over tp) it is replicated."""
+    return plan is not None and cfg.mla is not None
 
 
 def check_family(cfg: ModelConfig) -> None:
@@ -53,8 +63,9 @@ class MTPHead(nnx.Module):
             self.embed = param((cfg.vocab_size, e), ("vocab", "embed"), dtype)
 
     def layer(self, emb: Float[Array, "T E"], hidden: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *,
-              attn_impl: str) -> tuple[Float[Array, "T E"], KVPages]:
-        """Fuse, then the decoder layer; writes its KV at `meta.slot_mapping`, returns its (pre-norm) output."""
+              attn_impl: str, plan: ShardPlan | None = None) -> tuple[Float[Array, "T E"], KVPages]:
+        """Fuse, then the decoder layer; writes its KV at `meta.slot_mapping`, returns its (pre-norm) output. With
+        `plan` (an MLA layer placed split, `split_on`), the layer runs in the mesh's shard_map as the target's."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = jnp.concatenate([rms_norm(emb, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], axis=-1)
         u = jnp.einsum("tc,ce->te", x, self.eh_proj[...])
@@ -62,8 +73,13 @@ class MTPHead(nnx.Module):
             stack, (cos, sin) = deepseek.decoder_stack, deepseek.mla_rope(cfg, meta.positions)
         else:
             stack, (cos, sin) = glm4_moe.decoder_stack, glm4_moe.glm4_rope(cfg, meta.positions)
-        h, k_pages, v_pages = stack(cfg, attn_impl, Reductions(), {"moe": self.layers.arrays()}, u, *kv, meta,
-                                    cos, sin)
+        stack = functools.partial(stack, cfg, attn_impl)
+        weights = {"moe": self.layers.arrays()}
+        if plan is not None and split_on(cfg, plan):
+            h, kv = run_sharded(stack, plan, weights, {"moe": self.layers.axes()}, u, kv, meta, cos, sin,
+                                kv_axes=kv_entry(cfg).pool_axes)
+            return h, kv
+        h, k_pages, v_pages = stack(Reductions(), weights, u, *kv, meta, cos, sin)
         return h, (k_pages, v_pages)
 
     def logits(self, h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Array, "S V"]:
@@ -81,7 +97,8 @@ class MTPHead(nnx.Module):
         return None
 
     def draft(self, target, kv: KVPages, tokens: Int[Array, "T"], states: Float[Array, "T E"],
-              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str) -> Proposal:
+              meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str,
+              plan: ShardPlan | None = None) -> Proposal:
         """Greedy drafts after a step of `target` (the model: its embedding and LM head unless this head has its
         own): `mtp_propose`."""
         embed = self.embed[...] if hasattr(self, "embed") else target.embed[...]
@@ -90,12 +107,13 @@ class MTPHead(nnx.Module):
         else:
             head = target.embed[...] if target.cfg.tie_word_embeddings else target.lm_head[...]
         return mtp_propose(self, embed, head, kv, tokens, states, meta, last_index, num_draft=num_draft,
-                           attn_impl=attn_impl)
+                           attn_impl=attn_impl, plan=plan)
 
 
 def mtp_propose(head: MTPHead, embed: Float[Array, "V E"], lm_head: Float[Array, "V E"], kv: KVPages,
                 tokens: Int[Array, "T"], hidden: Float[Array, "T E"], meta: AttentionMetadata,
-                last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str) -> Proposal:
+                last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str,
+                plan: ShardPlan | None = None) -> Proposal:
     """`chain_propose` with the MTP head, greedy (jit-able): hidden[i] is the target's last layer output at flat
     index i, tokens[i] the token after it; `embed` and `lm_head` the tables the head reads."""
     if hidden.shape[-1] != head.cfg.hidden_size:
@@ -103,7 +121,8 @@ def mtp_propose(head: MTPHead, embed: Float[Array, "V E"], lm_head: Float[Array,
     dtype = head.eh_proj.dtype
 
     def layer(tokens, hidden, kv, meta):
-        return head.layer(embed[tokens].astype(dtype), hidden.astype(dtype), kv, meta, attn_impl=attn_impl)
+        return head.layer(embed[tokens].astype(dtype), hidden.astype(dtype), kv, meta, attn_impl=attn_impl,
+                          plan=plan)
 
     def draw(h, key):
         logits = head.logits(h, lm_head)

@@ -25,7 +25,8 @@ from infire_jax.loaders.hf import checkpoint_tensors
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_config import text_config
-from infire_jax.speculative.mtp import MTPHead, check_family
+from infire_jax.speculative.mtp import MTPHead, check_family, split_on
+from sharding.plan import ShardPlan
 
 # The MTP layer's own tensors (inside `model.layers.{L}.`) -> the head's attributes.
 _OWN = {"enorm.weight": "enorm", "hnorm.weight": "hnorm", "eh_proj.weight": "eh_proj",
@@ -49,8 +50,9 @@ def _mtp_config(path: str | None) -> dict:
     return raw
 
 
-def load_mtp(path: str | None, target: ModelConfig, *, dtype) -> MTPHead:
-    """The MTP head for `target`, from its checkpoint directory `path`."""
+def load_mtp(path: str | None, target: ModelConfig, *, dtype, plan: ShardPlan | None = None) -> MTPHead:
+    """The MTP head for `target`, from its checkpoint directory `path`, placed on `plan`'s mesh (`build_mtp_head`)
+    or the default device."""
     check_family(target)
     raw = _mtp_config(path)
     index = target.num_layers
@@ -74,7 +76,7 @@ def load_mtp(path: str | None, target: ModelConfig, *, dtype) -> MTPHead:
         if name in own and _equals_checkpoint(path, scheme, target_name, own[name]):
             del own[name]
     interleaved = rope_interleaved(path) if target.mla is not None else False
-    return build_mtp_head(target, own, layer_weights(rest, target, interleaved, index), dtype=dtype)
+    return build_mtp_head(target, own, layer_weights(rest, target, interleaved, index), dtype=dtype, plan=plan)
 
 
 def _equals_checkpoint(path: str, scheme, name: str, w: np.ndarray) -> bool:
@@ -86,13 +88,22 @@ def _equals_checkpoint(path: str, scheme, name: str, w: np.ndarray) -> bool:
     return len(found) == 1 and found[0].shape == w.shape and np.array_equal(np.asarray(found[0]), w)
 
 
-def build_mtp_head(cfg: ModelConfig, own: dict[str, np.ndarray], layer: dict[str, np.ndarray], *, dtype) -> MTPHead:
-    """Places the weights in a head on the default device: `own` by HF layout ((out, in) eh_proj), `layer` as
-    one layer of the family's stacks."""
+def build_mtp_head(cfg: ModelConfig, own: dict[str, np.ndarray], layer: dict[str, np.ndarray], *, dtype,
+                   plan: ShardPlan | None = None) -> MTPHead:
+    """Places the weights in a head: `own` by HF layout ((out, in) eh_proj), `layer` as one layer of the family's
+    stacks. On `plan`'s mesh an MLA layer is split as the target's layers (`split_on`: DeepSeek-V3's is 11.6B
+    parameters), the rest is whole on every device; without a plan, on the default device."""
     weights = {name: (w.T if name == "eh_proj" else w) for name, w in own.items()}
     weights.update({f"layers.{name}": w[None] for name, w in layer.items()})
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MTPHead(cfg, dtype=dtype, own_head="head" in own,
-                                                                  own_embed="embed" in own)))
+    shape = nnx.eval_shape(lambda: MTPHead(cfg, dtype=dtype, own_head="head" in own, own_embed="embed" in own))
+    layer_axes = shape.layers.axes()
+    graphdef, abstract = nnx.split(shape)
+
+    def placement(path: tuple) -> jax.sharding.Sharding | None:
+        if plan is None:
+            return None
+        return plan.sharding(layer_axes[path[1]]) if split_on(cfg, plan) and path[0] == "layers" else plan.replicated
+
     placed, used = [], set()
     for path, var in nnx.to_flat_state(abstract):
         name = ".".join(map(str, path))
@@ -103,7 +114,7 @@ def build_mtp_head(cfg: ModelConfig, own: dict[str, np.ndarray], layer: dict[str
             raise ConfigError(f"speculative_config.method 'mtp': the MTP layer's {name!r} has shape "
                               f"{tuple(w.shape)}, expected {tuple(var.shape)}")
         used.add(name)
-        placed.append((path, var.replace(jax.device_put(np.asarray(w, dtype=var.dtype)))))
+        placed.append((path, var.replace(jax.device_put(np.asarray(w, dtype=var.dtype), placement(path)))))
     extra = sorted(set(weights) - used)
     if extra:
         raise ConfigError(f"speculative_config.method 'mtp': unexpected MTP layer weights {extra}")

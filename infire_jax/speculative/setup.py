@@ -14,6 +14,7 @@ from infire_jax.speculative.draft_model import DraftModel, check_vocabulary
 from infire_jax.speculative.eagle3_loader import load_eagle3
 from infire_jax.speculative.head_proposer import DraftHead, HeadProposer
 from infire_jax.speculative.mtp_loader import load_mtp
+from sharding.plan import ShardPlan
 
 # Speculation stops when more sequences than this run (SpeculativeConfig.disable_by_batch_size):
 # past it decode is compute-bound on this device, and checking proposals costs more than it saves.
@@ -22,21 +23,32 @@ MAX_BATCH_GPU = 32
 
 
 def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, model: str | None = None,
-                      one_plain_device: bool, kv_groups: KVGroupLayout | None = None
-                      ) -> tuple[SpeculativeConfig | None, DraftHead | None]:
+                      plan: ShardPlan | None = None, compressed: bool = False,
+                      kv_groups: KVGroupLayout | None = None) -> tuple[SpeculativeConfig | None, DraftHead | None]:
     """The engine's `speculative_config`, checked; a draft head (EAGLE-3's, or MTP's from the target's
     checkpoint `model`) is loaded now: the target's forward must be compiled to return the states
-    EAGLE-3 reads, and the pool is sized with the head's weights on the device. `one_plain_device`:
-    one device, weights not palette-compressed (weights kept quantized serve every method: a draft model
-    has its own weights, an EAGLE-3 head and MTP read the target's hidden states, whatever form its
-    layer weights are kept in); `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
+    EAGLE-3 reads, and the pool is sized with the head's weights on the device. On a mesh (`plan`) a head
+    is replicated on every device (but MTP's MLA layer, split as the target's: mtp.py `split_on`), its
+    one-layer pool too, and runs beside the target's program (head_proposer.py), on the states the
+    target's tp / ep shard_map returns whole (not across pipeline stages, whose layers' states live on
+    different devices). A draft model runs on one device. `compressed`: palette-compressed weights, which only
+    n-grams serve (weights kept quantized serve every method: a draft model has its own weights, an EAGLE-3
+    head and MTP read the target's hidden states, whatever form its layer weights are kept in);
+    `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
     sc = SpeculativeConfig.parse(value)
     if sc is None:
         return None, None
     if multiprocess:
         raise ConfigError("speculative decoding runs in one process; drop speculative_config for multi-host")
-    if sc.method != "ngram" and not one_plain_device:
-        raise ConfigError(f"speculative_config.method {sc.method!r} runs on one device with uncompressed weights")
+    if sc.method != "ngram" and compressed:
+        raise ConfigError(f"speculative_config.method {sc.method!r} runs with uncompressed weights (n-grams serve "
+                          "palette-compressed ones)")
+    if sc.method == "draft_model" and plan is not None:
+        raise ConfigError("speculative_config.method 'draft_model' runs on one device; on a mesh use eagle3, mtp "
+                          "or ngram")
+    if sc.method in ("eagle3", "mtp") and plan is not None and plan.num_stages > 1:
+        raise ConfigError(f"speculative_config.method {sc.method!r} reads the target's states on one device or a "
+                          f"mesh without pipeline stages (tp, ep); this mesh has pp={plan.num_stages}")
     if sc.method != "ngram" and kv_groups is not None and kv_groups.groups[0].bounded:
         raise ConfigError(f"speculative_config.method {sc.method!r} keeps its KV on the pages of the target's global "
                           "layers (a group that keeps every page); every layer of this model is chunked or "
@@ -44,12 +56,12 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
     if sc.method == "draft_model":
         check_vocabulary(sc.model, target)
     if sc.method == "eagle3":
-        return sc, load_eagle3(sc.model, target, dtype=dtype)
+        return sc, load_eagle3(sc.model, target, dtype=dtype, sharding=None if plan is None else plan.replicated)
     if sc.method == "mtp":
         if sc.model is not None and sc.model != model:
             raise ConfigError(f"speculative_config.model: method 'mtp' reads the target's own checkpoint "
                               f"({model!r}); drop model (got {sc.model!r})")
-        return sc, load_mtp(model, target, dtype=dtype)
+        return sc, load_mtp(model, target, dtype=dtype, plan=plan)
     return sc, None
 
 
