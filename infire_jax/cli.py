@@ -95,6 +95,14 @@ def cmd_compress(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """`infire-jax plan`, a draft head (--speculative-config) counted by the speculation layer."""
+    from infire_jax.memplan.cli import run_plan
+    from infire_jax.speculative.plan import draft_head_for
+
+    return run_plan(args, draft_head_for)
+
+
 def cmd_router(args) -> int:
     from router.app import run_router
 
@@ -185,10 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     z.set_defaults(func=cmd_compress)
 
     m = sub.add_parser("plan", help="per-device memory plan: weights by kind, activations, KV room and tokens")
-    from infire_jax.memplan.cli import add_plan_args, run_plan
+    from infire_jax.memplan.cli import add_plan_args
 
     add_plan_args(m)
-    m.set_defaults(func=run_plan)
+    m.set_defaults(func=cmd_plan)
 
     pc = sub.add_parser("precompile", help="compile the step programs into the executable cache before the first "
                                            "start (--target: a GPU's, on a machine without one)")

@@ -217,7 +217,7 @@ def test_plan_counts_mxfp4_experts_at_4_25_bits():
                                                              "model.embed_tokens", "lm_head"]}
     formats = formats_from_hf({"quantization_config": q}, "bfloat16")
     assert formats == {"attention": "bfloat16", "experts": "mxfp4", "shared": "bfloat16", "embeddings": "bfloat16",
-                       "vision": "bfloat16"}
+                       "vision": "bfloat16", "speculation": "bfloat16"}
     for skip in (["model.layers.*.mlp.experts"], ["experts"], ["model.layers.*.mlp"]):
         q = {"quant_method": "mxfp4", "modules_to_not_convert": skip}
         assert formats_from_hf({"quantization_config": q}, "bfloat16")["experts"] == "bfloat16", skip

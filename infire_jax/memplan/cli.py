@@ -36,6 +36,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "kept)")
     p.add_argument("--int4-group-size", type=int, default=None, choices=[32, 128],
                    help="with --weights-quantization int4: inputs per scale and zero point (default 128)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative_config, as serve's: an EAGLE-3 head (its directory's config) or the "
+                        "model's MTP layer, placed as the engine places it, and its one-layer pool")
     p.add_argument("--dequant", default="per-layer", choices=["per-layer", "fused"],
                    help="per-layer: the layer scan dequantizes one layer's dense weights, the grouped matmul one "
                         "routed expert at a time (the XLA path: a workspace of one layer's dense weights and one "
@@ -43,7 +46,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "weights in decode-sized steps: a workspace of one layer's dense weights)")
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace, draft_head_for) -> int:
+    """`draft_head_for(speculative_config, dtype)`: the speculation layer's (speculative/plan.py), which the
+    command passes in (this layer sits below it)."""
     from infire_jax.errors import ConfigError
     from infire_jax.memplan.plan import best_plan, memory_plan, parse_bytes
     from infire_jax.memplan.source import plan_source
@@ -57,7 +62,8 @@ def run_plan(args: argparse.Namespace) -> int:
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         memory = parse_bytes(args.device_memory)
-        model_for = plan_source(args.model, args.dtype, args.weights_quantization, args.int4_group_size)
+        draft = draft_head_for(args.speculative_config, args.dtype) if args.speculative_config else None
+        model_for = plan_source(args.model, args.dtype, args.weights_quantization, args.int4_group_size, draft)
         kv_dtype = "float8_e4m3" if args.kv_cache_dtype in ("fp8", "fp8_e4m3") else args.kv_cache_dtype
         kw = dict(dtype=args.dtype, kv_dtype=kv_dtype, utilization=args.gpu_memory_utilization,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

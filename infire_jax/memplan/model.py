@@ -24,7 +24,7 @@ from infire_jax.quant.gptq_awq import kept_group
 from infire_jax.quant.int4_rtn import layouts_at_load
 from infire_jax.quant.resident import QuantLayout
 
-KINDS = ("attention", "experts", "shared", "embeddings", "vision")
+KINDS = ("attention", "experts", "shared", "embeddings", "vision", "speculation")
 # Bytes per stored weight of each format (scales included): int4 with a bf16 scale per 32 weights
 # (compressed-tensors pack-quantized), fp8 with a float32 scale per 128 x 128 block (DeepSeek-V3),
 # GGUF blocks (Q4_1: 20 bytes, Q8_0: 34 bytes per 32 weights), MXFP4 (gpt-oss's experts: two e2m1
@@ -70,6 +70,8 @@ class PlanModel:
     # serving dtype and its float32 attention scores' (`with_vision`); (0, 0) without a tower.
     encoder_elements: tuple[int, int] = (0, 0)
     slot_state_bytes: float = 0.0  # per request slot, beside its pages (Qwen3.5's linear state)
+    # A draft head's one-layer pool (EAGLE-3's, MTP's), whole on every device: elements a token, in the dtype
+    draft_kv_per_token: int = 0
 
 
 def _attention_tensors(cfg: ModelConfig, n: int, prefix: str = "") -> list[Tensor]:
@@ -274,6 +276,24 @@ def _slot_state_bytes(cfg: ModelConfig, dtype: str) -> float:
     inputs in `dtype`, the delta rule's matrices in float32; runner/device_memory.py)."""
     shapes = linear_state_shapes(cfg, 1, jnp.dtype(dtype))
     return 0.0 if shapes is None else float(sum(math.prod(shape) * dt.itemsize for shape, dt in shapes))
+
+
+def with_draft_head(model: PlanModel, head, split: Mapping[str, tuple[str | None, ...]], dtype: str) -> PlanModel:
+    """`model` with a draft head (an abstract EAGLE-3 or MTP head: nnx.eval_shape) in the serving dtype, as
+    speculative/setup.py places it: whole on every device but the weights named in `split` (MTP's MLA layer,
+    by its logical axes, the stack's one-layer axis left whole), and its one-layer pool per token."""
+    from flax import nnx
+
+    tensors = []
+    for path, var in nnx.to_flat_state(nnx.state(head)):  # its weights, and EAGLE-3's d2t table (int32)
+        name = ".".join(map(str, path))
+        axes = split.get(name, (None,) * len(var.shape))
+        store = dtype if jnp.issubdtype(var.dtype, jnp.floating) else jnp.dtype(var.dtype).name
+        tensors.append(Tensor(f"draft.{name}", "speculation", tuple(var.shape), (None, *axes[1:]) if name in split
+                              else axes, store=store))
+    entry = head.kv_entry
+    return dataclasses.replace(model, tensors=model.tensors + tuple(tensors),
+                               draft_kv_per_token=entry.heads * (entry.k_dim + entry.v_dim))
 
 
 def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:

@@ -240,7 +240,9 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
     return MemoryPlan(model=model.name, mesh=mc.name, num_devices=mc.num_devices, device_memory=device_memory,
                       utilization=utilization, weights=weights, activations=activations,
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
-                      kv_bytes_per_token=layers * kv_items * kv_itemsize, kv_note=note, kv_capacity=capacity,
+                      kv_bytes_per_token=layers * kv_items * kv_itemsize + model.draft_kv_per_token * itemsize,
+                      kv_note=note + (f"; a draft head's layer, {model.draft_kv_per_token} values, {dtype}"
+                                      if model.draft_kv_per_token else ""), kv_capacity=capacity,
                       encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4,
                       # the engine's slots, its dummy one and the prefix cache's default snapshots, tp splitting
                       # each by head (models/gated_delta.py)

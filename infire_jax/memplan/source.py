@@ -9,7 +9,8 @@ from typing import Callable
 from infire_jax.loaders.hf_quantized import quantization_config
 from infire_jax.memplan.model import (
     PlanModel, at_load_layouts, formats_from_hf, from_hf_config, from_model_config, kept_layouts, placed_config,
-    with_vision)
+    with_draft_head, with_vision)
+from infire_jax.models.config import ModelConfig
 from infire_jax.models.hf_config import config_from_hf
 from infire_jax.quant.int4_rtn import DEFAULT_INT4_GROUP, INT4_GROUPS
 from sharding.mesh import MeshConfig
@@ -24,11 +25,32 @@ def shipped_configs() -> list[str]:
 
 
 def plan_source(spec: str | None, dtype: str, weights_quantization: str | None = None,
-                int4_group_size: int | None = None) -> Callable[[MeshConfig], PlanModel]:
+                int4_group_size: int | None = None,
+                draft_head: Callable[[ModelConfig], tuple[object, dict] | None] | None = None
+                ) -> Callable[[MeshConfig], PlanModel]:
     """`kimi-k2.5` / `dummy:kimi-k2.5` (a shipped config), a config.json file or a directory holding
     one, or any model spec the engine loads (its config only: no weight is read). `weights_quantization`
     "int8" / "fp8" / "int4": the layer weights as quantized at load (int4 in groups of `int4_group_size`,
-    default 128); ValueError for any other mode or a model it does not cover."""
+    default 128); `draft_head(config)`: a speculative draft head beside the model (the speculation layer's
+    `speculative/plan.py`: the abstract head and the weights split over the mesh, or None), placed by
+    `with_draft_head`. ValueError for any other mode or a model it does not cover."""
+    target, cfg = _target(spec, dtype, weights_quantization, int4_group_size)
+    draft = draft_head(cfg) if draft_head is not None else None
+    if draft is None:
+        return target
+
+    def placed(mc: MeshConfig) -> PlanModel:
+        if mc.sizes["pp"] > 1:  # as speculative/setup.py refuses it
+            raise ValueError(f"a draft head reads the target's states on one device or a mesh without pipeline "
+                             f"stages; this mesh has pp={mc.sizes['pp']}")
+        return with_draft_head(target(mc), *draft, dtype)
+
+    return placed
+
+
+def _target(spec: str | None, dtype: str, weights_quantization: str | None,
+            int4_group_size: int | None) -> tuple[Callable[[MeshConfig], PlanModel], ModelConfig]:
+    """`plan_source`'s model without a draft head, and its config."""
     if weights_quantization not in (None, *AT_LOAD):
         raise ValueError(f"weights_quantization {weights_quantization!r} is not planned at load ({', '.join(AT_LOAD)}"
                          "; a GPTQ / AWQ, 8-bit, DeepSeek-V3 or Kimi config is planned as its checkpoint is kept)")
@@ -56,11 +78,11 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
             if weights_quantization:
                 raise ValueError(_NOT_MLA.format(weights_quantization))
             model = from_hf_config(hf, dtype, name=spec or path)
-            return lambda mc: model
+            return (lambda mc: model), config_from_hf(hf)
         cfg, formats = config_from_hf(hf), formats_from_hf(hf, dtype)
         kept = at_load_layouts(cfg, weights_quantization, group) if weights_quantization else kept_layouts(hf, cfg)
-        return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, kept),
-                                  vision, weights_quantization)
+        return (lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or path, formats, kept),
+                                   vision)), cfg
     from infire_jax.loaders.dummy import dummy_hf_config
     from infire_jax.loaders.load import load_config
     from infire_jax.loaders.vision import vision_hf_config
@@ -72,14 +94,12 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
     vision = vision_hf_config(spec) if spec else None
     # a dummy's formats are its published config's (gpt-oss: the experts in MXFP4)
     formats = formats_from_hf(dummy_hf_config(name), dtype) if spec and spec.startswith("dummy:") else None
-    return lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or "default model", formats,
-                                                kept), vision, weights_quantization)
+    return (lambda mc: _served(from_model_config(placed_config(cfg, mc), dtype, spec or "default model", formats,
+                                                 kept), vision)), cfg
 
 
-def _served(model: PlanModel, vision_hf: dict | None, weights_quantization: str | None) -> PlanModel:
+def _served(model: PlanModel, vision_hf: dict | None) -> PlanModel:
     """`model` with the vision tower and image pool where the engine serves images: a Llama 4 or Gemma 3
-    with a tower and plain weights, on one device or replicated on every device of a mesh
-    (engine/setup.py `_vision`)."""
-    if vision_hf is None or weights_quantization:
-        return model
-    return with_vision(model, vision_hf)
+    with a tower, whatever form its text weights are kept in, on one device or replicated on every device
+    of a mesh (engine/setup.py `_vision`)."""
+    return model if vision_hf is None else with_vision(model, vision_hf)
