@@ -128,13 +128,13 @@ def release_memory_after_each_module(request):
         _memory.update(peak_gib=peak, peak_module=request.module.__name__)
 
 
-# The slowest files of a full run (junit, two workers, 2026-12-01, with test_gemma4's meshes), slowest first.
+# The slowest files of a full run (junit, two workers, 2026-12-02, with the speculation mesh tests), slowest first.
 # They are collected first, so that xdist's `--dist loadfile` (a file to whichever worker is free, in
 # collection order) ends the run with short files on both workers; in alphabetical order test_speculative
 # (300 s) came near the end, and one worker sat idle while the other ran it.
-SLOWEST_FILES = ("test_gpu_compile.py", "test_speculative.py", "test_quant.py", "test_server.py", "test_sharding.py",
-                 "test_llama4.py", "test_gemma4.py", "test_bench.py", "test_bench_boot.py", "test_responses_api.py",
-                 "test_qwen3_5.py")
+SLOWEST_FILES = ("test_gpu_compile.py", "test_speculative.py", "test_eagle3.py", "test_qwen3_5.py", "test_quant.py",
+                 "test_mtp.py", "test_llama4.py", "test_sharding.py", "test_server.py", "test_bench.py", "test_gemma4.py",
+                 "test_gpt_oss.py", "test_kept_8bit.py", "test_kv_fp8.py")
 
 
 def pytest_collection_modifyitems(config, items):
