@@ -102,6 +102,12 @@ def main() -> None:
                 result["spec"]["params"] = {".".join(map(str, path)): [
                     int(v.get_value().nbytes), [int(s.data.nbytes) for s in v.get_value().addressable_shards]]
                     for path, v in nnx.to_flat_state(llm.engine.draft.state)}
+                # its one-layer pool: bytes on each device, and the tokens it holds
+                pool = llm.engine.draft.kv
+                result["spec"]["pool"] = [sum(int(s.data.nbytes) for a in pool for s in a.addressable_shards
+                                              if s.device == d)
+                                          for d in sorted(pool[0].sharding.device_set, key=lambda d: d.id)]
+                result["spec"]["pool_tokens"] = int(pool[0].shape[1] * pool[0].shape[2])
         kv, groups = llm.engine.kv, llm.engine.runner.rc.kv_groups
         linear = llm.engine.runner.cache.linear
         if linear is not None and llm.engine.plan is not None:  # a Qwen3.5's linear state on a mesh: each array's

@@ -37,17 +37,38 @@ def checkpoint(tmp_path_factory):
     path = save("deepseek-v3", hf, tmp_path_factory.mktemp("mtp"))
     ref = ReferenceMTP(copy.deepcopy(hf.config), hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach(),
                        seed=1)
-    with torch.no_grad():  # the block mostly passes hnorm(h_p) on, so that drafts often guess x_{p+2} = x_{p+1}
-        ref.eh_proj.weight.mul_(0.3)
-        ref.eh_proj.weight[:, 64:] += torch.eye(64, dtype=torch.float64)
-        for w in (ref.block.self_attn.o_proj.weight, ref.block.mlp.experts.down_proj,
-                  ref.block.mlp.shared_experts.down_proj.weight):
-            w.mul_(0.25)
+    _passes_states_on(ref)
     file = os.path.join(path, "model.safetensors")
     save_file({**load_file(file), **ref.tensors()}, file, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["num_nextn_predict_layers"] == 1
     return hf, ref, path
+
+
+def _passes_states_on(ref: ReferenceMTP) -> None:
+    """The block mostly passes hnorm(h_p) on, so that drafts often guess x_{p+2} = x_{p+1} (some are accepted)."""
+    with torch.no_grad():
+        ref.eh_proj.weight.mul_(0.3)
+        ref.eh_proj.weight[:, 64:] += torch.eye(64, dtype=torch.float64)
+        for w in (ref.block.self_attn.o_proj.weight, ref.block.mlp.experts.down_proj,
+                  ref.block.mlp.shared_experts.down_proj.weight):
+            w.mul_(0.25)
+
+
+@pytest.fixture(scope="module")
+def glm4_checkpoint(tmp_path_factory):
+    """(the HF GLM-4.5 target with q/k norms, its reference MTP layer, the checkpoint's directory with both)."""
+    from deepseek_models import _save_tokenizer
+    from test_glm4_moe import hf_model as glm4_model
+
+    hf, path = glm4_model(use_qk_norm=True), tmp_path_factory.mktemp("glm4-mtp")
+    hf.save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path)
+    ref = ReferenceMTP(copy.deepcopy(hf.config), hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach(),
+                       seed=2)
+    file = str(path / "model.safetensors")
+    save_file({**load_file(file), **ref.tensors()}, file, metadata={"format": "pt"})
+    return hf, ref, str(path)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -185,21 +206,12 @@ def test_checkpoints_without_an_mtp_layer_are_refused(checkpoint, tmp_path):
         LLM(model=path, **ENGINE, speculative_config=dict(spec, model="elsewhere"))
 
 
-def test_glm4_moe_drafts_match_the_reference(tmp_path):
+def test_glm4_moe_drafts_match_the_reference(glm4_checkpoint, tmp_path):
     """GLM-4.5's MTP layer (GQA with q/k norms, a partial rotation and biases, beside DeepSeek-V3's MoE) through
     glm4_moe.py's layer: two rows' prefills, then k = 2 drafts each, against the reference."""
-    from deepseek_models import _save_tokenizer
-    from test_glm4_moe import hf_model as glm4_model
-
-    hf = glm4_model(use_qk_norm=True)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    _save_tokenizer(tmp_path)
-    ref = ReferenceMTP(copy.deepcopy(hf.config), hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach(),
-                       seed=2)
-    file = str(tmp_path / "model.safetensors")
-    save_file({**load_file(file), **ref.tensors()}, file, metadata={"format": "pt"})
-    cfg = read_hf_config(str(tmp_path))
-    head = load_mtp(str(tmp_path), cfg, dtype=jnp.float32)
+    hf, ref, path = glm4_checkpoint
+    cfg = read_hf_config(path)
+    head = load_mtp(path, cfg, dtype=jnp.float32)
     graphdef, state = nnx.split(head)
     rng = np.random.default_rng(3)
     lengths, pages = (13, 5), ([4, 1], [6])
@@ -220,10 +232,10 @@ def test_glm4_moe_drafts_match_the_reference(tmp_path):
 
     prompts, params = [[5, 77, 200, 13, 42], list(range(60, 90))], SamplingParams(max_tokens=12, temperature=0,
                                                                                    ignore_eos=True)
-    plain = LLM(model=str(tmp_path), **ENGINE)
+    plain = LLM(model=path, **ENGINE)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     plain.engine.close()
-    spec = LLM(model=str(tmp_path), **ENGINE, speculative_config={
+    spec = LLM(model=path, **ENGINE, speculative_config={
         "method": "glm4_moe_mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8, "acceptance_threshold": 0.0})
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
     e = spec.engine
@@ -236,8 +248,8 @@ def test_glm4_moe_drafts_match_the_reference(tmp_path):
     # the twin of the decoded values (which is lossless, as above)
     from quant_twins import write_8bit
 
-    quantized, twin = (str(tmp_path.parent / f"{tmp_path.name}-{k}") for k in ("fp8", "twin"))
-    write_8bit(str(tmp_path), quantized, twin, "fp8-channel")
+    quantized, twin = (str(tmp_path / k) for k in ("fp8", "twin"))
+    write_8bit(path, quantized, twin, "fp8-channel")
     runs = []
     for path, mode in ((twin, None), (quantized, "checkpoint")):
         llm = LLM(model=path, weights_quantization=mode, **ENGINE, speculative_config={
@@ -332,3 +344,51 @@ def test_mtp_on_a_tp_ep_mesh_drafts_as_one_device(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="pp=2"):
         plan_source(path, "float32", draft_head=draft_head_for(spec, "float32"))(MeshConfig.from_yaml(os.path.join(CONFIG_DIR,
                                                                                                 "2-pp2.yaml")))
+
+
+def test_glm4_mtp_on_meshes_drafts_as_one_device(glm4_checkpoint, tmp_path):
+    """GLM-4.5's MTP layer on tp 4 (its 2 kv heads repeated to 4, as the target's) and on tp 2 x ep 4: the layer
+    split as the target's layers and run in the mesh's shard_map, its one-layer pool split by kv head as the
+    target's pool: greedy tokens, logprobs and every proposal equal one device's; nothing compiles after
+    warmup. `infire-jax plan` counts each device's share of the head and of its pool."""
+    from test_sharding import CONFIG_DIR, _results, _run_worker
+
+    from infire_jax.memplan.plan import memory_plan, parse_bytes
+    from infire_jax.memplan.source import plan_source
+    from infire_jax.speculative.plan import draft_head_for
+    from sharding.mesh import MeshConfig
+
+    _, _, path = glm4_checkpoint
+    spec = {"method": "glm4_moe_mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8,
+            "acceptance_threshold": 0.0}
+    runs = [{"model": path, "mesh": os.path.join(CONFIG_DIR, f"{mesh}.yaml"), "tag": mesh, "speculative_config": spec}
+            for mesh in ("1", "4", "8-tp2-ep4")]
+    engine = {k: v for k, v in ENGINE.items() if k != "dtype"}
+    prompts = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31]]
+    results = {r["tag"]: r for r in _results(_run_worker({"runs": runs, "prompts": prompts, "max_tokens": 24,
+                                                          "engine": engine}, 8, tmp_path, "glm4-mtp-mesh"))}
+    ref = results.pop("1")
+    assert ref["fits"] and ref["spec"]["drafted"] > 0, ref.get("error")  # rejected, each but the next token
+    e, heads, d = 64, 8, 16
+    for mesh, r in results.items():
+        assert r["fits"], (mesh, r.get("error"))
+        assert r["tokens"] == ref["tokens"], mesh
+        np.testing.assert_allclose(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+        assert r["spec"]["proposals"] == ref["spec"]["proposals"] and r["spec"]["compiles"] == 0, mesh
+        params, n = r["spec"]["params"], len(r["spec"]["pool"])
+        kv_heads = 2 * (2 if mesh == "4" else 1)  # repeated up to tp
+        assert params["layers.wqkv"][0] == e * (heads + 2 * kv_heads) * d * 4, mesh
+        tp = 4 if mesh == "4" else 2
+        assert params["layers.wqkv"][1] == [params["layers.wqkv"][0] // tp] * n, mesh  # its heads over tp
+        assert params["eh_proj"][1] == [params["eh_proj"][0]] * n  # whole on every device
+        assert r["spec"]["pool"] == [kv_heads // tp * 2 * d * 4 * r["spec"]["pool_tokens"]] * n, mesh
+        # the plan: each device's share of the head, and of its pool per token
+        mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, f"{mesh}.yaml"))
+        plain, planned = (memory_plan(plan_source(path, "float32", draft_head=sc and draft_head_for(sc, "float32"))(mc),
+                                      mc, parse_bytes("1GB"), dtype="float32") for sc in (None, spec))
+        assert planned.weights["speculation"] == sum(per_device[0] for _, per_device in params.values()), mesh
+        assert (planned.kv_bytes_per_token - plain.kv_bytes_per_token) * r["spec"]["pool_tokens"] == \
+            r["spec"]["pool"][0], mesh
+    experts = results["8-tp2-ep4"]["spec"]["params"]
+    for name in ("layers.w_gate_up", "layers.w_down"):  # the routed experts over ep, their widths over tp
+        assert experts[name][1] == [experts[name][0] // 8] * 8, (name, experts[name])

@@ -279,7 +279,7 @@ def resolve_settings(ec: EngineConfig, loaded: LoadedModel | None) -> Settings:
         plan=plan, compressed=bool(ec.weights_compression), kv_groups=kv_groups)
     pool = PoolPlanner(
         PoolPlanner.page_bytes_of(cfg, plan, ec.page_size, kv_dtype,
-                                  extra_page_bytes(spec_config, draft_head, ec.page_size, dtype), kv_groups),
+                                  extra_page_bytes(spec_config, draft_head, ec.page_size, dtype, plan), kv_groups),
         ec.page_size, max_model_len, ec.num_kv_pages, ec.kv_cache_memory, ec.gpu_memory_utilization,
         kv_groups, budget, plan.mesh_config.num_devices if plan else 1)
     if auto_len:

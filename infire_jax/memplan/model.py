@@ -70,8 +70,10 @@ class PlanModel:
     # serving dtype and its float32 attention scores' (`with_vision`); (0, 0) without a tower.
     encoder_elements: tuple[int, int] = (0, 0)
     slot_state_bytes: float = 0.0  # per request slot, beside its pages (Qwen3.5's linear state)
-    # A draft head's one-layer pool (EAGLE-3's, MTP's), whole on every device: elements a token, in the dtype
+    # A draft head's one-layer pool (EAGLE-3's, MTP's): elements a token, in the dtype, and the logical axis
+    # that splits it over the mesh (MTP's GQA pool, by kv head, as the target's; None: whole on every device)
     draft_kv_per_token: int = 0
+    draft_kv_axis: str | None = None
 
 
 def _attention_tensors(cfg: ModelConfig, n: int, prefix: str = "") -> list[Tensor]:
@@ -279,9 +281,10 @@ def _slot_state_bytes(cfg: ModelConfig, dtype: str) -> float:
 
 
 def with_draft_head(model: PlanModel, head, split: Mapping[str, tuple[str | None, ...]], dtype: str) -> PlanModel:
-    """`model` with a draft head (an abstract EAGLE-3 or MTP head: nnx.eval_shape) in the serving dtype, as
-    speculative/setup.py places it: whole on every device but the weights named in `split` (MTP's MLA layer,
-    by its logical axes, the stack's one-layer axis left whole), and its one-layer pool per token."""
+    """`model` with a draft head (an abstract EAGLE-3 or MTP head: nnx.eval_shape, of the placed config) in the
+    serving dtype, as speculative/setup.py places it: whole on every device but the weights named in `split`
+    (MTP's decoder layer, by its logical axes, the stack's one-layer axis left whole), and its one-layer pool
+    per token (MTP's split as the target's pool: head_proposer.py `pool_sharding`)."""
     from flax import nnx
 
     tensors = []
@@ -292,8 +295,10 @@ def with_draft_head(model: PlanModel, head, split: Mapping[str, tuple[str | None
         tensors.append(Tensor(f"draft.{name}", "speculation", tuple(var.shape), (None, *axes[1:]) if name in split
                               else axes, store=store))
     entry = head.kv_entry
+    split_pool = bool(split) and entry.split_heads  # MTP's layer is split, and so is a GQA pool
     return dataclasses.replace(model, tensors=model.tensors + tuple(tensors),
-                               draft_kv_per_token=entry.heads * (entry.k_dim + entry.v_dim))
+                               draft_kv_per_token=entry.heads * (entry.k_dim + entry.v_dim),
+                               draft_kv_axis="kv_heads" if split_pool else None)
 
 
 def with_vision(model: PlanModel, hf: Mapping[str, Any]) -> PlanModel:

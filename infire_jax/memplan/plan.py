@@ -225,6 +225,8 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
     layers = layers_per_device(model.num_layers, mc)
     kv_items = sum(n / (mc.sizes[mc.rule(axis)] if axis and mc.rule(axis) else 1) for n, axis in model.kv_per_token_layer)
     kv_itemsize = FORMAT_BYTES[kv_dtype or dtype]
+    draft_axis = model.draft_kv_axis and mc.rule(model.draft_kv_axis)
+    draft_items = model.draft_kv_per_token / (mc.sizes[draft_axis] if draft_axis else 1)
     tokens = max_num_batched_tokens
     heads = model.num_heads / (mc.sizes["tp"] if mc.rule("q_heads") else 1)
     mlp_axis = mc.rule("mlp")
@@ -240,8 +242,8 @@ def memory_plan(model: PlanModel, mc: MeshConfig, device_memory: int, *, dtype: 
     return MemoryPlan(model=model.name, mesh=mc.name, num_devices=mc.num_devices, device_memory=device_memory,
                       utilization=utilization, weights=weights, activations=activations,
                       workspace=dense_workspace + (expert_workspace if dequant == "per-layer" else 0.0), logits=2 * max_num_seqs * model.vocab_size * 4,
-                      kv_bytes_per_token=layers * kv_items * kv_itemsize + model.draft_kv_per_token * itemsize,
-                      kv_note=note + (f"; a draft head's layer, {model.draft_kv_per_token} values, {dtype}"
+                      kv_bytes_per_token=layers * kv_items * kv_itemsize + draft_items * itemsize,
+                      kv_note=note + (f"; a draft head's layer, {draft_items:g} values, {dtype}"
                                       if model.draft_kv_per_token else ""), kv_capacity=capacity,
                       encoder=model.encoder_elements[0] * itemsize + model.encoder_elements[1] * 4,
                       # the engine's slots, its dummy one and the prefix cache's default snapshots, tp splitting

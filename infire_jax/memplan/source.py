@@ -32,18 +32,18 @@ def plan_source(spec: str | None, dtype: str, weights_quantization: str | None =
     one, or any model spec the engine loads (its config only: no weight is read). `weights_quantization`
     "int8" / "fp8" / "int4": the layer weights as quantized at load (int4 in groups of `int4_group_size`,
     default 128); `draft_head(config)`: a speculative draft head beside the model (the speculation layer's
-    `speculative/plan.py`: the abstract head and the weights split over the mesh, or None), placed by
-    `with_draft_head`. ValueError for any other mode or a model it does not cover."""
+    `speculative/plan.py`: the abstract head of the placed config and the weights split over the mesh, or
+    None), placed by `with_draft_head`. ValueError for any other mode or a model it does not cover."""
     target, cfg = _target(spec, dtype, weights_quantization, int4_group_size)
-    draft = draft_head(cfg) if draft_head is not None else None
-    if draft is None:
+    if draft_head is None or draft_head(cfg) is None:  # no speculation, or n-grams
         return target
 
     def placed(mc: MeshConfig) -> PlanModel:
         if mc.sizes["pp"] > 1:  # as speculative/setup.py refuses it
             raise ValueError(f"a draft head reads the target's states on one device or a mesh without pipeline "
                              f"stages; this mesh has pp={mc.sizes['pp']}")
-        return with_draft_head(target(mc), *draft, dtype)
+        model = target(mc)  # checks that the mesh splits the target, before the head is placed as it
+        return with_draft_head(model, *draft_head(placed_config(cfg, mc)), dtype)
 
     return placed
 

@@ -154,6 +154,10 @@ class Eagle3Head(nnx.Module):
         """What a token stores in the head's one-layer pool."""
         return kv_entry(self.cfg.layer_config)
 
+    def pool_sharding(self, plan) -> jax.sharding.Sharding:
+        """The one-layer pool on a mesh: whole on every device, as the head."""
+        return plan.replicated
+
     def draft(self, target, kv: KVPages, tokens: Int[Array, "T"], states: Float[Array, "T N"],
               meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str,
               plan=None) -> Proposal:

@@ -78,6 +78,9 @@ class DraftHead(Protocol):
     def kv_entry(self) -> KVEntry:
         """What a token stores in the head's one-layer pool."""
 
+    def pool_sharding(self, plan: ShardPlan) -> jax.sharding.Sharding:
+        """Where the one-layer pool lies on the target's mesh."""
+
     def aux_layers(self, target_num_layers: int) -> tuple[int, ...] | None:
         """The target's states the head reads (`RunnerConfig.aux_layers`); None: the last layer's output."""
 
@@ -85,7 +88,7 @@ class DraftHead(Protocol):
               meta: AttentionMetadata, last_index: Int[Array, "S"], *, num_draft: int, attn_impl: str,
               plan: ShardPlan | None = None) -> Proposal:
         """Catch-up and greedy drafts (`chain_propose`); `target` is the target model, merged; `plan` the
-        target's mesh (a head split over it runs there: MTP's MLA layer)."""
+        target's mesh (a head split over it runs there: MTP's decoder layer)."""
 
 
 def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: int, plan: ShardPlan | None,
@@ -109,21 +112,23 @@ def _observe(head_graphdef, target_graphdef, attn_impl: str, precision: str, k: 
 
 class HeadProposer:
     """Holds the head and its one-layer pool (on the target's pages), and observes the runner's steps. On a
-    mesh the head's pool is whole on every device, and so is the head (placed so by its loader), but for
-    MTP's MLA layer, split as the target's layers and run in the mesh's shard_map: the head's program reads
-    the target's replicated states and its vocabulary-split embedding and head as GSPMD places them, and
-    its pool and drafts stay replicated."""
+    mesh the head is whole on every device (placed so by its loader), but for MTP's decoder layer, split as
+    the target's layers and run in the mesh's shard_map, its pool split as the target's (`pool_sharding`):
+    the head's program reads the target's replicated states and its vocabulary-split embedding and head as
+    GSPMD places them, and its drafts stay replicated."""
 
     def __init__(self, head: DraftHead, target: ModelConfig, runner, rc: RunnerConfig, *, dtype, k: int):
         self.runner, self.k = runner, k
         head_graphdef, self.state = nnx.split(head)
         entry = head.kv_entry
-        self._placed = None if runner.plan is None else runner.plan.replicated
-        self.kv = tuple(jnp.zeros((1, rc.num_pages, rc.page_size, entry.heads, dim), dtype, device=self._placed)
+        plan = runner.plan
+        self._placed = None if plan is None else plan.replicated
+        pool = None if plan is None else head.pool_sharding(plan)
+        self.kv = tuple(jnp.zeros((1, rc.num_pages, rc.page_size, entry.heads, dim), dtype, device=pool)
                         for dim in (entry.k_dim, entry.v_dim))
         self._observe = jax.jit(functools.partial(_observe, head_graphdef, runner.graphdef, rc.attn_impl,
-                                                  matmul_precision(dtype), k, runner.plan), donate_argnums=(2,),
-                                out_shardings=None if self._placed is None else self._placed)
+                                                  matmul_precision(dtype), k, plan), donate_argnums=(2,),
+                                out_shardings=None if plan is None else ((pool, pool), self._placed))
         aux = head.aux_layers(target.num_layers)
         self._reads_aux = aux is not None
         self._state_width = (len(aux) if aux else 1) * target.hidden_size
@@ -143,9 +148,14 @@ class HeadProposer:
                     np.zeros(s, np.int32), np.zeros(s, np.int32), out, np.ones(s, np.int32)).compile()
 
     @staticmethod
-    def page_bytes(head: DraftHead, page_size: int, dtype) -> int:
-        """What the head's pool adds to a page of the target's."""
-        return head.kv_entry.bytes_per_page(1, page_size, dtype)
+    def page_bytes(head: DraftHead, page_size: int, dtype, plan: ShardPlan | None = None) -> int:
+        """What the head's pool adds to a page of the target's, on each device of `plan`."""
+        entry = head.kv_entry
+        if plan is None:
+            return entry.bytes_per_page(1, page_size, dtype)
+        sharding = head.pool_sharding(plan)
+        return sum(int(np.prod(sharding.shard_shape((1, 1, page_size, entry.heads, dim)))) * np.dtype(dtype).itemsize
+                   for dim in (entry.k_dim, entry.v_dim))
 
     def observe(self, work: SchedulerOutput, batch: StepBatch, fwd: StepForward,
                 out: SamplerOutput | VerifyOutput) -> Int[Array, "S k"]:

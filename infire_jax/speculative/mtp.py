@@ -8,12 +8,16 @@ shared_head.norm and shared_head.head give logits for x_{p+2}. Further drafts re
 its output state standing in for h (vLLM's recursion; chain.py). The layer runs through the family's
 `decoder_stack` (deepseek.py's MLA, glm4_moe.py's GQA) over a one-layer MoE stack, so there is one
 implementation of each. The embedding and the head are the target's unless the checkpoint's differ.
+On a mesh the layer is split as the target's layers are (its experts over ep, its heads over tp: GLM-4.5's
+kv heads repeated up to tp as the target's, its one-layer pool split by kv head as the target's pool; an
+MLA latent pool whole on every device) and runs in the mesh's shard_map; the rest is whole on every device.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -29,13 +33,6 @@ from pallas_kernels.metadata import AttentionMetadata
 from sharding.plan import ShardPlan
 
 
-def split_on(cfg: ModelConfig, plan: ShardPlan | None) -> bool:
-    """Whether the head's decoder layer is split over the mesh as the target's layers are (its experts over
-    ep, its heads over tp): an MLA layer, whose one-layer pool (the latent) is whole on every device anyway.
-    Otherwise (GLM-4.5's GQA layer, whose kv heads the target may repeat over tp) it is replicated."""
-    return plan is not None and cfg.mla is not None
-
-
 def check_family(cfg: ModelConfig) -> None:
     """MTP runs the DeepSeek-V3 family's and GLM-4.5's layer; anything else is refused by name."""
     if cfg.mla is None and cfg.architecture != "glm4_moe":
@@ -45,7 +42,8 @@ def check_family(cfg: ModelConfig) -> None:
 
 class MTPHead(nnx.Module):
     """enorm, hnorm, eh_proj [2E, E], one MoE decoder layer (`layers`, a stack of one), shared_head.norm
-    (`norm`) and, where the checkpoint's differ from the target's, its own `head` [V, E] and `embed`."""
+    (`norm`) and, where the checkpoint's differ from the target's, its own `head` [V, E] and `embed`. On a
+    mesh `cfg` is the placed one (ShardPlan.effective_config: kv heads repeated up to tp)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, own_head: bool = False, own_embed: bool = False):
         check_family(cfg)
@@ -65,7 +63,8 @@ class MTPHead(nnx.Module):
     def layer(self, emb: Float[Array, "T E"], hidden: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *,
               attn_impl: str, plan: ShardPlan | None = None) -> tuple[Float[Array, "T E"], KVPages]:
         """Fuse, then the decoder layer; writes its KV at `meta.slot_mapping`, returns its (pre-norm) output. With
-        `plan` (an MLA layer placed split, `split_on`), the layer runs in the mesh's shard_map as the target's."""
+        `plan` (the layer placed split, mtp_loader.py `build_mtp_head`), it runs in the mesh's shard_map as the
+        target's."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = jnp.concatenate([rms_norm(emb, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], axis=-1)
         u = jnp.einsum("tc,ce->te", x, self.eh_proj[...])
@@ -75,7 +74,7 @@ class MTPHead(nnx.Module):
             stack, (cos, sin) = glm4_moe.decoder_stack, glm4_moe.glm4_rope(cfg, meta.positions)
         stack = functools.partial(stack, cfg, attn_impl)
         weights = {"moe": self.layers.arrays()}
-        if plan is not None and split_on(cfg, plan):
+        if plan is not None:
             h, kv = run_sharded(stack, plan, weights, {"moe": self.layers.axes()}, u, kv, meta, cos, sin,
                                 kv_axes=kv_entry(cfg).pool_axes)
             return h, kv
@@ -91,6 +90,10 @@ class MTPHead(nnx.Module):
     def kv_entry(self) -> KVEntry:
         """The target's pool entry, for one layer."""
         return kv_entry(self.cfg)
+
+    def pool_sharding(self, plan: ShardPlan) -> jax.sharding.Sharding:
+        """The one-layer pool on the mesh: as the target's pool (a GQA one split by kv head over tp)."""
+        return plan.sharding(self.kv_entry.pool_axes)
 
     def aux_layers(self, target_num_layers: int) -> None:
         """None: the head reads the target's last layer output (`StepForward.hidden`)."""

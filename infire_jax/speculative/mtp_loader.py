@@ -25,7 +25,7 @@ from infire_jax.loaders.hf import checkpoint_tensors
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_config import text_config
-from infire_jax.speculative.mtp import MTPHead, check_family, split_on
+from infire_jax.speculative.mtp import MTPHead, check_family
 from sharding.plan import ShardPlan
 
 # The MTP layer's own tensors (inside `model.layers.{L}.`) -> the head's attributes.
@@ -91,18 +91,21 @@ def _equals_checkpoint(path: str, scheme, name: str, w: np.ndarray) -> bool:
 def build_mtp_head(cfg: ModelConfig, own: dict[str, np.ndarray], layer: dict[str, np.ndarray], *, dtype,
                    plan: ShardPlan | None = None) -> MTPHead:
     """Places the weights in a head: `own` by HF layout ((out, in) eh_proj), `layer` as one layer of the family's
-    stacks. On `plan`'s mesh an MLA layer is split as the target's layers (`split_on`: DeepSeek-V3's is 11.6B
-    parameters), the rest is whole on every device; without a plan, on the default device."""
+    stacks. On `plan`'s mesh the layer is split as the target's layers (DeepSeek-V3's is 11.6B parameters;
+    GLM-4.5's kv heads repeated up to tp, as ShardPlan.prepare_weights repeats the target's), the rest is whole
+    on every device; without a plan, on the default device."""
     weights = {name: (w.T if name == "eh_proj" else w) for name, w in own.items()}
-    weights.update({f"layers.{name}": w[None] for name, w in layer.items()})
-    shape = nnx.eval_shape(lambda: MTPHead(cfg, dtype=dtype, own_head="head" in own, own_embed="embed" in own))
+    stacked = {f"layers.{name}": w[None] for name, w in layer.items()}
+    weights.update(plan.prepare_weights(stacked) if plan is not None else stacked)
+    placed_cfg = plan.effective_config(cfg) if plan is not None else cfg
+    shape = nnx.eval_shape(lambda: MTPHead(placed_cfg, dtype=dtype, own_head="head" in own, own_embed="embed" in own))
     layer_axes = shape.layers.axes()
     graphdef, abstract = nnx.split(shape)
 
     def placement(path: tuple) -> jax.sharding.Sharding | None:
         if plan is None:
             return None
-        return plan.sharding(layer_axes[path[1]]) if split_on(cfg, plan) and path[0] == "layers" else plan.replicated
+        return plan.sharding(layer_axes[path[1]]) if path[0] == "layers" else plan.replicated
 
     placed, used = [], set()
     for path, var in nnx.to_flat_state(abstract):

@@ -12,11 +12,12 @@ from infire_jax.speculative.config import SpeculativeConfig
 
 
 def draft_head_for(value, dtype: str) -> Callable[[ModelConfig], tuple[object, dict]] | None:
-    """For a `speculative_config` (vLLM's, as serve's): the function from the target's config to (the abstract
-    head, its weights split over the mesh by logical axes), as speculative/setup.py places it: an EAGLE-3 head
-    (read from its config and safetensors headers) or the target's MTP layer (sharing the target's embedding
-    and head, as published DeepSeek-V3 and GLM-4.5 checkpoints do; an MLA layer split as the target's layers);
-    None for none or n-grams. A draft model is refused (ValueError): it runs on one device beside the target."""
+    """For a `speculative_config` (vLLM's, as serve's): the function from the target's placed config to (the
+    abstract head, its weights split over the mesh by logical axes), as speculative/setup.py places it: an
+    EAGLE-3 head (read from its config and safetensors headers) or the target's MTP layer (sharing the
+    target's embedding and head, as published DeepSeek-V3 and GLM-4.5 checkpoints do; its decoder layer split
+    as the target's layers, and its pool as the target's pool); None for none or n-grams. A draft model is
+    refused (ValueError): it runs on one device beside the target."""
     sc = SpeculativeConfig.parse(value)
     if sc is None or sc.method == "ngram":
         return None
@@ -35,6 +36,6 @@ def draft_head_for(value, dtype: str) -> Callable[[ModelConfig], tuple[object, d
 
         check_family(cfg)
         mtp = nnx.eval_shape(lambda: MTPHead(cfg, dtype=jnp.dtype(dtype)))
-        return mtp, {f"layers.{k}": v for k, v in mtp.layers.axes().items()} if cfg.mla is not None else {}
+        return mtp, {f"layers.{k}": v for k, v in mtp.layers.axes().items()}
 
     return head

@@ -28,12 +28,13 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
     """The engine's `speculative_config`, checked; a draft head (EAGLE-3's, or MTP's from the target's
     checkpoint `model`) is loaded now: the target's forward must be compiled to return the states
     EAGLE-3 reads, and the pool is sized with the head's weights on the device. On a mesh (`plan`) a head
-    is replicated on every device (but MTP's MLA layer, split as the target's: mtp.py `split_on`), its
-    one-layer pool too, and runs beside the target's program (head_proposer.py), on the states the
-    target's tp / ep shard_map returns whole (not across pipeline stages, whose layers' states live on
-    different devices). A draft model runs on one device. `compressed`: palette-compressed weights, which only
-    n-grams serve (weights kept quantized serve every method: a draft model has its own weights, an EAGLE-3
-    head and MTP read the target's hidden states, whatever form its layer weights are kept in);
+    is replicated on every device, its one-layer pool too (but MTP's decoder layer and pool, split as the
+    target's: mtp_loader.py `build_mtp_head`), and runs beside the target's program (head_proposer.py), on
+    the states the target's tp / ep shard_map returns whole (not across pipeline stages, whose layers'
+    states live on different devices). A draft model runs on one device. `compressed`: palette-compressed
+    weights, which only n-grams serve (weights kept quantized serve every method: a draft model has its own
+    weights, an EAGLE-3 head and MTP read the target's hidden states, whatever form its layer weights are
+    kept in);
     `kv_groups`: the target's hybrid KV cache (None: one group, every page kept)."""
     sc = SpeculativeConfig.parse(value)
     if sc is None:
@@ -65,12 +66,13 @@ def parse_speculation(value, target: ModelConfig, *, dtype, multiprocess: bool, 
     return sc, None
 
 
-def extra_page_bytes(sc: SpeculativeConfig | None, head: DraftHead | None, page_size: int, dtype) -> int:
-    """What a draft model's or draft head's pool adds to each page of the target's."""
+def extra_page_bytes(sc: SpeculativeConfig | None, head: DraftHead | None, page_size: int, dtype,
+                     plan: ShardPlan | None = None) -> int:
+    """What a draft model's or draft head's pool adds to each page of the target's, on each device of `plan`."""
     if sc is not None and sc.method == "draft_model":
         return DraftModel.page_bytes(sc.model, page_size, dtype)
     if head is not None:
-        return HeadProposer.page_bytes(head, page_size, dtype)
+        return HeadProposer.page_bytes(head, page_size, dtype, plan)
     return 0
 
 
