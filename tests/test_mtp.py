@@ -303,20 +303,36 @@ def test_mtp_on_a_tp_ep_mesh_drafts_as_one_device(checkpoint, tmp_path):
     whole on every device, reading the target's last states and its vocabulary-split embedding and head: greedy
     tokens and logprobs equal one device's with the head, and so does every proposal, accepted and rejected;
     nothing compiles after warmup. `infire-jax plan` counts the head's bytes on each device and its pool's per
-    token, and refuses a pipeline mesh."""
+    token, and refuses a pipeline mesh. An EAGLE-3 head drafts there as on one device too (the states it
+    reads kept across the dense and MoE stacks inside the shard_map)."""
     from test_sharding import CONFIG_DIR, _results, _run_worker
 
     from infire_jax.memplan.source import plan_source
     from infire_jax.speculative.plan import draft_head_for
 
+    from deepseek_models import VOCAB
+    from test_eagle3 import head_over_frequent_tokens
+
     _, _, path = checkpoint
     spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8, "acceptance_threshold": 0.0}
-    runs = [{"model": path, "mesh": os.path.join(CONFIG_DIR, f"{mesh}.yaml"), "tag": mesh, "speculative_config": spec}
+    # and an EAGLE-3 head, whose states the MLA stacks keep inside the mesh's shard_map
+    eagle3, _, _ = head_over_frequent_tokens(
+        [[5, 77, 77, 200]], tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=512,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    runs = [{"model": path, "mesh": os.path.join(CONFIG_DIR, f"{mesh}.yaml"), "tag": f"{method}-{mesh}",
+             "speculative_config": sc} for method, sc in (("mtp", spec), ("eagle3", eagle3))
             for mesh in ("1", "8-tp2-ep4")]
     engine = {k: v for k, v in ENGINE.items() if k != "dtype"}
     prompts = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31]]
     results = {r["tag"]: r for r in _results(_run_worker({"runs": runs, "prompts": prompts, "max_tokens": 24,
                                                           "engine": engine}, 8, tmp_path, "mtp-mesh"))}
+    ref, r = results["eagle3-1"], results["eagle3-8-tp2-ep4"]
+    assert ref["fits"] and r["fits"] and ref["spec"]["drafted"] > 0, (ref.get("error"), r.get("error"))
+    assert r["tokens"] == ref["tokens"] and r["spec"]["proposals"] == ref["spec"]["proposals"]
+    np.testing.assert_allclose(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+    assert r["spec"]["compiles"] == 0
+    results = {tag.removeprefix("mtp-"): r for tag, r in results.items() if tag.startswith("mtp-")}
     ref = results["1"]
     assert ref["fits"] and 0 < ref["spec"]["accepted"] < ref["spec"]["drafted"], ref.get("error")
     r = results["8-tp2-ep4"]
@@ -392,3 +408,39 @@ def test_glm4_mtp_on_meshes_drafts_as_one_device(glm4_checkpoint, tmp_path):
     experts = results["8-tp2-ep4"]["spec"]["params"]
     for name in ("layers.w_gate_up", "layers.w_down"):  # the routed experts over ep, their widths over tp
         assert experts[name][1] == [experts[name][0] // 8] * 8, (name, experts[name])
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "glm4_moe"])
+def test_eagle3_drafts_for_the_deepseek_and_glm_families(family, request, tmp_path):
+    """EAGLE-3 (Kimi K2's speculation: it ships no MTP layer) over a target of two stacks, a dense first layer
+    then MoE layers: the states it reads are kept across both stacks' scans (aux ids 0, 1 and the last: the
+    dense layer's output, the first MoE layer's and the last one's). Greedy tokens equal HF's; drafts over
+    the two tokens most frequent in HF's continuations are accepted and rejected; each proposal's first draft
+    is the float64 reference head's on HF's states; nothing compiles after warmup, every page comes back."""
+    from deepseek_models import VOCAB, hf_greedy
+    from test_eagle3 import assert_first_drafts_are_the_references, head_over_frequent_tokens, hf_states
+
+    from infire_jax import LLM, SamplingParams
+
+    hf, _, path = request.getfixturevalue("checkpoint" if family == "deepseek-v3" else "glm4_checkpoint")
+    n = hf.config.num_hidden_layers
+    prompts = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31], list(range(60, 90))]
+    want = [hf_greedy(hf, p, 16)[0] for p in prompts]
+    spec, tensors, config = head_over_frequent_tokens(
+        want, tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=512,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, n - 1]})
+    llm = LLM(model=path, **ENGINE, speculative_config=spec)
+    e = llm.engine
+    try:
+        assert e.runner.rc.aux_layers == (1, 2, n)
+        records = record_proposals(e)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert 0 < e.spec.stats.num_accepted_tokens < e.spec.stats.num_draft_tokens
+        assert_first_drafts_are_the_references(records, [p + w for p, w in zip(prompts, want)], tensors, config,
+                                               hf.model.embed_tokens.weight.detach().numpy(),
+                                               lambda seq: hf_states(hf, seq, (1, 2, n)))
+        assert e.compiles_since_warmup == 0 and e.kv.num_free_pages == e.kv.num_usable_pages
+    finally:
+        e.close()

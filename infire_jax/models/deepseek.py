@@ -34,7 +34,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
 from infire_jax.models.kv_entry import kv_entry
 from infire_jax.models.layers import apply_rope, head_logits, layer_loop, param, rms_norm, rope_tables
-from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear
+from infire_jax.models.llama import KernelView, dense_mlp, kernel_weights, linear, run_aux_stack, slots_last
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import layer_stacks
 from infire_jax.models.yarn import cos_sin_factor, inv_freq, softmax_scale
@@ -142,29 +142,48 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
 
 
 def scan_stacks(weights: dict[str, dict[str, Array]], carry: tuple, dense_inputs: dict[str, int], red: Reductions,
-                make_layer: Callable[[bool, dict, int], Callable]) -> tuple:
+                make_layer: Callable[[bool, dict, int], Callable],
+                aux: tuple[Float[Array, "N1 T E"], np.ndarray] | None = None) -> tuple:
     """Scans the dense stack, then the MoE stack (this family's and GLM-4.5's layout); the pool is in the
     loop carry (its first entry the residual stream), indexed across both. `make_layer(moe, in_place,
-    first)`: the scan body of a stack whose first layer is pool layer `first`."""
+    first)`: the scan body of a stack whose first layer is pool layer `first`. With `aux` (EAGLE-3's states:
+    models/llama.py's `aux_slots`, the slots and each layer's slot) the slots ride the carry too, each layer
+    writing its output into its slot, and come back as its last entry."""
     start, tokens = 0, carry[0].shape[0]
+    if aux is not None:
+        carry = (*carry, aux[0])
     for kind in ("dense", "moe"):
         if kind not in weights:
             continue
         n = jax.tree.leaves(weights[kind])[0].shape[0]
         in_place = layer_stacks(weights[kind], tokens, dense_inputs, kind == "moe", one_device=red == Reductions())
         scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
-        carry = layer_loop(make_layer(kind == "moe", in_place, start), carry,
-                           (scanned, start + np.arange(n, dtype=np.int32)), n, tokens)
+        body, xs = make_layer(kind == "moe", in_place, start), (scanned, start + np.arange(n, dtype=np.int32))
+        if aux is not None:
+            body, xs = _writing_slot(body), (*xs, aux[1][start:start + n])
+        carry = layer_loop(body, carry, xs, n, tokens)
         start += n
     return carry
 
 
+def _writing_slot(layer: Callable) -> Callable:
+    """A scan body that also writes the layer's output (its carry's first entry) into the layer's slot of the
+    slots (the carry's last entry; the slot the xs' last entry)."""
+    def body(carry, xs):
+        (*inner, slots), (*inner_xs, slot) = carry, xs
+        out, _ = layer(tuple(inner), tuple(inner_xs))
+        return (*out, jax.lax.dynamic_update_index_in_dim(slots, out[0], slot, 0)), None
+
+    return body
+
+
 def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
                   h: Float[Array, "T E"], latent_pages: Array, rope_pages: Array, meta: AttentionMetadata, cos: Array,
-                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
-    """Scans the dense stack, then the MoE stack (`scan_stacks`)."""
+                  sin: Array, aux: tuple[Float[Array, "N1 T E"], np.ndarray] | None = None) -> tuple:
+    """Scans the dense stack, then the MoE stack (`scan_stacks`): (h, latent pages, rope pages), and with
+    `aux` the slots."""
     return scan_stacks(weights, (h, latent_pages, rope_pages), DENSE_INPUTS, red, lambda moe, in_place, first:
-                       make_layer_fn(cfg, moe, cos, sin, meta, attn_impl, red, in_place, first))
+                       make_layer_fn(cfg, moe, cos, sin, meta, attn_impl, red, in_place, first), aux)
 
 
 def mla_rope(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T R"], Float[Array, "T R"]]:
@@ -199,15 +218,22 @@ class DeepseekV3(nnx.Module):
         return {kind: getattr(self, f"{kind}_layers") for kind in ("dense", "moe") if hasattr(self, f"{kind}_layers")}
 
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
-                   plan: ShardPlan | None = None) -> tuple[Float[Array, "T E"], KVPages]:
+                   plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
+                   ) -> tuple[Float[Array, "T E"], KVPages]:
+        """Applies every decoder layer, on one device or (with a plan) across the mesh; with `aux_layers`
+        (EAGLE-3's, models/llama.py `run_aux_stack`) the residual stream at those hidden-state indices
+        comes back too, [T, len(aux_layers) * E]."""
         cfg = self.cfg
         cos, sin = mla_rope(cfg, meta.positions)
         weights = {kind: stack.arrays() for kind, stack in self._stacks().items()}
+        axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
         stack = functools.partial(decoder_stack, cfg, attn_impl)
+        if aux_layers is not None:
+            return run_aux_stack(slots_last(stack), aux_layers, cfg.num_layers, plan, weights, axes, h, kv, meta,
+                                 cos, sin, kv_axes=kv_entry(cfg).pool_axes)
         if plan is None:
             h, latent_pages, rope_pages = stack(Reductions(), weights, h, *kv, meta, cos, sin)
             return h, (latent_pages, rope_pages)
-        axes = {kind: stack.axes() for kind, stack in self._stacks().items()}
         return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, kv_axes=kv_entry(cfg).pool_axes)
 
     def embed_tokens(self, tokens: Int[Array, "T"]) -> Float[Array, "T E"]:

@@ -16,8 +16,8 @@ parallelism is refused (sharding/plan.py), as for the DeepSeek-V3 family. MiniMa
 head are split with the heads, their mean squares summed over tp (`qk_norm`); tp beyond its kv heads
 (which would repeat them) is refused. Layer weights may be kept quantized at load (int8 / fp8 / int4,
 quant/resident.py: attention, MLPs, routed and shared experts), each layer's dequantized in the scan, or read
-in place by the GPU's quantized matmuls. Palette-compressed weights, LoRA and EAGLE-3 aux states are refused
-with a ConfigError.
+in place by the GPU's quantized matmuls. EAGLE-3's states ride both stacks' scans (models/deepseek.py
+`scan_stacks`). Palette-compressed weights and LoRA are refused with a ConfigError.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.deepseek import add_moe_params, scan_stacks
 from infire_jax.models.deepseek_moe import deepseek_moe_mlp
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_cos_sin
-from infire_jax.models.llama import dense_mlp, kernel_weights, linear, project_qkv
+from infire_jax.models.llama import dense_mlp, kernel_weights, linear, project_qkv, run_aux_stack, slots_last
 from infire_jax.models.parallel import Reductions, psum
 from infire_jax.quant.resident import QuantLayout, dequantize_layer, keep_quantized, quant_layouts
 from infire_jax.quant.weight_parts import LayerStacks
@@ -126,11 +126,12 @@ def make_layer_fn(cfg: ModelConfig, moe: bool, cos: Array, sin: Array, meta: Att
 
 def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
                   h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
-                  sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
-    """Scans the dense stack, then the MoE stack (models/deepseek.py `scan_stacks`)."""
+                  sin: Array, aux: tuple[Float[Array, "N1 T E"], np.ndarray] | None = None) -> tuple:
+    """Scans the dense stack, then the MoE stack (models/deepseek.py `scan_stacks`): (h, the pool), and with
+    `aux` (EAGLE-3's slots) the slots."""
     meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
     return scan_stacks(weights, (h, k_pages, v_pages), DENSE_INPUTS, red, lambda moe, in_place, first:
-                       make_layer_fn(cfg, moe, cos, sin, meta, attn_impl, red, in_place, first))
+                       make_layer_fn(cfg, moe, cos, sin, meta, attn_impl, red, in_place, first), aux)
 
 
 def glm4_rope(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Float[Array, "T R"], Float[Array, "T R"]]:
@@ -160,11 +161,15 @@ class Glm4Moe(DecoderModel):
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None
                    ) -> tuple[Float[Array, "T E"], KVPages]:
-        """Applies every decoder layer, on one device or (with a plan) across the mesh."""
-        if aux_layers is not None:
-            raise ConfigError(f"{self.cfg.architecture} runs without EAGLE-3 aux states")
+        """Applies every decoder layer, on one device or (with a plan) across the mesh; with `aux_layers`
+        (EAGLE-3's, models/llama.py `run_aux_stack`) the residual stream at those hidden-state indices
+        comes back too, [T, len(aux_layers) * E]."""
         cos, sin = glm4_rope(self.cfg, meta.positions)
         stacks = self._stacks()
-        return self.run_stack(functools.partial(decoder_stack, self.cfg, attn_impl),
-                              {kind: st.arrays() for kind, st in stacks.items()},
-                              {kind: st.axes() for kind, st in stacks.items()}, h, kv, meta, cos, sin, plan)
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
+        weights = {kind: st.arrays() for kind, st in stacks.items()}
+        axes = {kind: st.axes() for kind, st in stacks.items()}
+        if aux_layers is not None:
+            return run_aux_stack(slots_last(stack), aux_layers, self.cfg.num_layers, plan, weights, axes, h, kv,
+                                 meta, cos, sin)
+        return self.run_stack(stack, weights, axes, h, kv, meta, cos, sin, plan)

@@ -35,7 +35,7 @@ from infire_jax.quant.weight_parts import LayerStacks, WeightParts
 from pallas_kernels import cpu_matmul
 from pallas_kernels.attention import paged_attention, plan_step
 from pallas_kernels.metadata import AttentionMetadata
-from sharding.plan import ShardPlan
+from sharding.plan import KV_POOL_AXES, ShardPlan
 
 KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
 
@@ -296,12 +296,14 @@ def decoder_stack_aux(cfg: ModelConfig, attn_impl: str, slot_of_output: np.ndarr
 
 def run_aux_stack(stack_of: Callable[[np.ndarray], StackFn], aux_layers: tuple[int, ...], num_layers: int,
                   plan: ShardPlan | None, weights: dict, axes: dict, h: Float[Array, "T E"], kv: KVPages,
-                  meta: AttentionMetadata, cos: Array, sin: Array, token_args: tuple[Array, ...] = ()
+                  meta: AttentionMetadata, cos: Array, sin: Array, token_args: tuple[Array, ...] = (),
+                  kv_axes: tuple[str | None, ...] = KV_POOL_AXES
                   ) -> tuple[Float[Array, "T E"], KVPages, Float[Array, "T N"]]:
     """A stack that keeps the residual stream at `aux_layers` (`stack_of(slot_of_output)`, a StackFn whose
     state is `aux_slots`' slots), on one device or inside a tp / ep mesh's shard_map, where the slots ride
-    replicated as h does: (h, the pool, the states [T, len(aux_layers) * E]). Not across pipeline stages,
-    whose layers' states would live on different devices."""
+    replicated as h does: (h, the pool, the states [T, len(aux_layers) * E]); `kv_axes` the pool's logical
+    axes (models/kv_entry.py). Not across pipeline stages, whose layers' states would live on different
+    devices."""
     check_aux_layers(aux_layers, num_layers)
     aux, slot_of_output = aux_slots(aux_layers, num_layers, h)
     stack = stack_of(slot_of_output)
@@ -311,7 +313,7 @@ def run_aux_stack(stack_of: Callable[[np.ndarray], StackFn], aux_layers: tuple[i
         raise ConfigError("aux hidden states (EAGLE-3) are kept on one device or a mesh without pipeline stages "
                           "(tp, ep), not across stages")
     else:
-        h, (k_pages, v_pages), aux = run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin,
+        h, (k_pages, v_pages), aux = run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, kv_axes=kv_axes,
                                                  token_args=token_args, state=aux, state_axes=(None, None, None))
     return h, (k_pages, v_pages), aux_features(aux, len(aux_layers))
 
