@@ -296,50 +296,71 @@ def test_mtp_beside_a_target_kept_quantized(checkpoint, engines, tmp_path):
         kept.engine.close()
 
 
+def _mesh_results(path: str, specs: dict[str, dict], meshes: tuple[str, ...], tmp_path) -> dict[str, dict]:
+    """sharded_worker.py's results (8 virtual CPU devices) for the target at `path` with each speculative_config
+    of `specs` on each mesh, by "{name in specs}-{mesh}": two prompts, 24 greedy tokens each."""
+    from test_sharding import CONFIG_DIR, _results, _run_worker
+
+    runs = [{"model": path, "mesh": os.path.join(CONFIG_DIR, f"{mesh}.yaml"), "tag": f"{name}-{mesh}",
+             "speculative_config": sc} for name, sc in specs.items() for mesh in meshes]
+    job = {"runs": runs, "prompts": [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31]],
+           "max_tokens": 24, "engine": {k: v for k, v in ENGINE.items() if k != "dtype"}}
+    return {r["tag"]: r for r in _results(_run_worker(job, 8, tmp_path, "mtp-mesh"))}
+
+
+def _assert_as_one_device(r: dict, ref: dict) -> None:
+    """A mesh's run gives one device's tokens, logprobs (within float32 reductions' order) and every proposal,
+    and compiles nothing after warmup."""
+    assert ref["fits"] and ref["spec"]["drafted"] > 0, ref.get("error")
+    assert r["fits"], r.get("error")
+    assert r["tokens"] == ref["tokens"] and r["spec"]["proposals"] == ref["spec"]["proposals"]
+    np.testing.assert_allclose(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+    assert r["spec"]["compiles"] == 0
+
+
+def _planned(path: str, spec: dict, mesh: str):
+    """`infire-jax plan`'s plans of the target at `path` on `mesh`, without and with `spec`'s draft head."""
+    from test_sharding import CONFIG_DIR
+
+    from infire_jax.memplan.plan import memory_plan, parse_bytes
+    from infire_jax.memplan.source import plan_source
+    from infire_jax.speculative.plan import draft_head_for
+    from sharding.mesh import MeshConfig
+
+    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, f"{mesh}.yaml"))
+    return tuple(memory_plan(plan_source(path, "float32", draft_head=sc and draft_head_for(sc, "float32"))(mc), mc,
+                             parse_bytes("1GB"), dtype="float32") for sc in (None, spec))
+
+
 def test_mtp_on_a_tp_ep_mesh_drafts_as_one_device(checkpoint, tmp_path):
     """On tp 2 x ep 4 (the MLA heads split over tp, the latent pool replicated, the experts split over ep), the MTP
     head's decoder layer is split as the target's layers (an eighth of its experts a device: over ep, their
-    widths over tp; half of its heads' projections) and run in the mesh's shard_map; its norms, eh_proj and one-layer pool are
-    whole on every device, reading the target's last states and its vocabulary-split embedding and head: greedy
-    tokens and logprobs equal one device's with the head, and so does every proposal, accepted and rejected;
-    nothing compiles after warmup. `infire-jax plan` counts the head's bytes on each device and its pool's per
-    token, and refuses a pipeline mesh. An EAGLE-3 head drafts there as on one device too (the states it
-    reads kept across the dense and MoE stacks inside the shard_map)."""
-    from test_sharding import CONFIG_DIR, _results, _run_worker
-
-    from infire_jax.memplan.source import plan_source
-    from infire_jax.speculative.plan import draft_head_for
-
+    widths over tp; half of its heads' projections) and run in the mesh's shard_map; its norms, eh_proj and
+    one-layer pool are whole on every device, reading the target's last states and its vocabulary-split
+    embedding and head: greedy tokens and logprobs equal one device's with the head, and so does every
+    proposal, accepted and rejected; nothing compiles after warmup. `infire-jax plan` counts the head's bytes
+    on each device and its pool's per token, and refuses a pipeline mesh. An EAGLE-3 head drafts there as on
+    one device too (the states it reads kept across the dense and MoE stacks inside the shard_map)."""
     from deepseek_models import VOCAB
     from test_eagle3 import head_over_frequent_tokens
+    from test_sharding import CONFIG_DIR
+
+    from infire_jax.memplan.source import plan_source
+    from infire_jax.models.kv_entry import kv_entry
+    from infire_jax.speculative.plan import draft_head_for
+    from sharding.mesh import MeshConfig
 
     _, _, path = checkpoint
     spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8, "acceptance_threshold": 0.0}
-    # and an EAGLE-3 head, whose states the MLA stacks keep inside the mesh's shard_map
     eagle3, _, _ = head_over_frequent_tokens(
         [[5, 77, 77, 200]], tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=512,
         eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
-    runs = [{"model": path, "mesh": os.path.join(CONFIG_DIR, f"{mesh}.yaml"), "tag": f"{method}-{mesh}",
-             "speculative_config": sc} for method, sc in (("mtp", spec), ("eagle3", eagle3))
-            for mesh in ("1", "8-tp2-ep4")]
-    engine = {k: v for k, v in ENGINE.items() if k != "dtype"}
-    prompts = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31]]
-    results = {r["tag"]: r for r in _results(_run_worker({"runs": runs, "prompts": prompts, "max_tokens": 24,
-                                                          "engine": engine}, 8, tmp_path, "mtp-mesh"))}
-    ref, r = results["eagle3-1"], results["eagle3-8-tp2-ep4"]
-    assert ref["fits"] and r["fits"] and ref["spec"]["drafted"] > 0, (ref.get("error"), r.get("error"))
-    assert r["tokens"] == ref["tokens"] and r["spec"]["proposals"] == ref["spec"]["proposals"]
-    np.testing.assert_allclose(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
-    assert r["spec"]["compiles"] == 0
-    results = {tag.removeprefix("mtp-"): r for tag, r in results.items() if tag.startswith("mtp-")}
-    ref = results["1"]
-    assert ref["fits"] and 0 < ref["spec"]["accepted"] < ref["spec"]["drafted"], ref.get("error")
-    r = results["8-tp2-ep4"]
-    assert r["fits"], r.get("error")
-    assert r["tokens"] == ref["tokens"]
-    np.testing.assert_allclose(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
-    assert r["spec"]["proposals"] == ref["spec"]["proposals"] and r["spec"]["compiles"] == 0
+    results = _mesh_results(path, {"mtp": spec, "eagle3": eagle3}, ("1", "8-tp2-ep4"), tmp_path)
+    _assert_as_one_device(results["eagle3-8-tp2-ep4"], results["eagle3-1"])
+    ref, r = results["mtp-1"], results["mtp-8-tp2-ep4"]
+    _assert_as_one_device(r, ref)
+    assert 0 < ref["spec"]["accepted"] < ref["spec"]["drafted"]
     params = r["spec"]["params"]
     for name in ("layers.w_gate_up", "layers.w_down"):  # the routed experts over ep, their widths over tp
         assert params[name][1] == [params[name][0] // 8] * 8, (name, params[name])
@@ -347,19 +368,13 @@ def test_mtp_on_a_tp_ep_mesh_drafts_as_one_device(checkpoint, tmp_path):
     assert params["eh_proj"][1] == [params["eh_proj"][0]] * 8  # whole on every device
 
     # `infire-jax plan --speculative-config` counts the head's bytes on each device, and its pool's per token
-    from infire_jax.memplan.plan import memory_plan, parse_bytes
-    from infire_jax.models.kv_entry import kv_entry
-    from sharding.mesh import MeshConfig
-
-    mc = MeshConfig.from_yaml(runs[1]["mesh"])
-    plain, planned = (memory_plan(plan_source(path, "float32", draft_head=sc and draft_head_for(sc, "float32"))(mc), mc, parse_bytes("1GB"),
-                                  dtype="float32") for sc in (None, spec))
+    plain, planned = _planned(path, spec, "8-tp2-ep4")
     assert planned.weights["speculation"] == sum(per_device[0] for _, per_device in params.values())
     assert planned.kv_bytes_per_token - plain.kv_bytes_per_token == kv_entry(read_hf_config(path)).bytes_per_page(
         1, 1, np.float32)
     with pytest.raises(ValueError, match="pp=2"):
-        plan_source(path, "float32", draft_head=draft_head_for(spec, "float32"))(MeshConfig.from_yaml(os.path.join(CONFIG_DIR,
-                                                                                                "2-pp2.yaml")))
+        plan_source(path, "float32", draft_head=draft_head_for(spec, "float32"))(MeshConfig.from_yaml(
+            os.path.join(CONFIG_DIR, "2-pp2.yaml")))
 
 
 def test_glm4_mtp_on_meshes_drafts_as_one_device(glm4_checkpoint, tmp_path):
@@ -368,28 +383,12 @@ def test_glm4_mtp_on_meshes_drafts_as_one_device(glm4_checkpoint, tmp_path):
     greedy tokens, logprobs and every proposal equal one device's; nothing compiles after warmup. `infire-jax
     plan` counts each device's share of the head and of its pool. (The experts split over ep as DeepSeek-V3's
     MTP layer's, above.)"""
-    from test_sharding import CONFIG_DIR, _results, _run_worker
-
-    from infire_jax.memplan.plan import memory_plan, parse_bytes
-    from infire_jax.memplan.source import plan_source
-    from infire_jax.speculative.plan import draft_head_for
-    from sharding.mesh import MeshConfig
-
     _, _, path = glm4_checkpoint
     spec = {"method": "glm4_moe_mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 8,
             "acceptance_threshold": 0.0}
-    runs = [{"model": path, "mesh": os.path.join(CONFIG_DIR, f"{mesh}.yaml"), "tag": mesh, "speculative_config": spec}
-            for mesh in ("1", "4")]
-    engine = {k: v for k, v in ENGINE.items() if k != "dtype"}
-    prompts = [[5, 77, 200, 13, 42], [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31]]
-    results = {r["tag"]: r for r in _results(_run_worker({"runs": runs, "prompts": prompts, "max_tokens": 24,
-                                                          "engine": engine}, 8, tmp_path, "glm4-mtp-mesh"))}
-    ref, r = results["1"], results["4"]
-    assert ref["fits"] and ref["spec"]["drafted"] > 0, ref.get("error")  # rejected, each but the next token
-    assert r["fits"], r.get("error")
-    assert r["tokens"] == ref["tokens"]
-    np.testing.assert_allclose(r["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
-    assert r["spec"]["proposals"] == ref["spec"]["proposals"] and r["spec"]["compiles"] == 0
+    results = _mesh_results(path, {"mtp": spec}, ("1", "4"), tmp_path)
+    r = results["mtp-4"]
+    _assert_as_one_device(r, results["mtp-1"])  # its drafts rejected, each but the next token
     params, pool, tokens = r["spec"]["params"], r["spec"]["pool"], r["spec"]["pool_tokens"]
     e, heads, d, kv_heads, tp = 64, 8, 16, 4, 4  # 2 kv heads repeated up to tp
     assert params["layers.wqkv"][0] == e * (heads + 2 * kv_heads) * d * 4
@@ -397,9 +396,7 @@ def test_glm4_mtp_on_meshes_drafts_as_one_device(glm4_checkpoint, tmp_path):
     assert params["eh_proj"][1] == [params["eh_proj"][0]] * tp  # whole on every device
     assert pool == [kv_heads // tp * 2 * d * 4 * tokens] * tp  # one (repeated) kv head a device
     # the plan: each device's share of the head, and of its pool per token
-    mc = MeshConfig.from_yaml(os.path.join(CONFIG_DIR, "4.yaml"))
-    plain, planned = (memory_plan(plan_source(path, "float32", draft_head=sc and draft_head_for(sc, "float32"))(mc),
-                                  mc, parse_bytes("1GB"), dtype="float32") for sc in (None, spec))
+    plain, planned = _planned(path, spec, "4")
     assert planned.weights["speculation"] == sum(per_device[0] for _, per_device in params.values())
     assert (planned.kv_bytes_per_token - plain.kv_bytes_per_token) * tokens == pool[0]
 
