@@ -26,17 +26,18 @@ def shipped_configs() -> list[str]:
 
 def plan_source(spec: str | None, dtype: str, weights_quantization: str | None = None,
                 int4_group_size: int | None = None,
-                draft_head: Callable[[ModelConfig], tuple[object, dict] | None] | None = None
+                draft_head: Callable[[ModelConfig], tuple[object, dict]] | None = None
                 ) -> Callable[[MeshConfig], PlanModel]:
     """`kimi-k2.5` / `dummy:kimi-k2.5` (a shipped config), a config.json file or a directory holding
     one, or any model spec the engine loads (its config only: no weight is read). `weights_quantization`
     "int8" / "fp8" / "int4": the layer weights as quantized at load (int4 in groups of `int4_group_size`,
     default 128); `draft_head(config)`: a speculative draft head beside the model (the speculation layer's
-    `speculative/plan.py`: the abstract head of the placed config and the weights split over the mesh, or
-    None), placed by `with_draft_head`. ValueError for any other mode or a model it does not cover."""
+    `speculative/plan.py`: the abstract head of the placed config and the weights split over the mesh),
+    placed by `with_draft_head`. ValueError for any other mode or a model it does not cover."""
     target, cfg = _target(spec, dtype, weights_quantization, int4_group_size)
-    if draft_head is None or draft_head(cfg) is None:  # no speculation, or n-grams
+    if draft_head is None:  # no speculation, or n-grams
         return target
+    draft_head(cfg)  # a head the target cannot take is refused here, before any mesh is tried
 
     def placed(mc: MeshConfig) -> PlanModel:
         if mc.sizes["pp"] > 1:  # as speculative/setup.py refuses it
