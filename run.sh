@@ -42,9 +42,10 @@ command -v nvidia-smi >/dev/null 2>&1 || export JAX_PLATFORMS="${JAX_PLATFORMS:-
 case "$cmd" in
   # The whole suite runs on INFIRE_TEST_WORKERS pytest-xdist workers (default 2, one per core of CI's
   # machine), a test file to a worker: one process left a core idle for a third of the run, and each
-  # worker stays under 12 GiB (docs/PERFORMANCE.md). With arguments, pytest runs as given.
+  # worker stays under 12 GiB (docs/PERFORMANCE.md). The files go out in conftest's order (the slowest
+  # first), not xdist's default of the most tests first. With arguments, pytest runs as given.
   test) workers=${INFIRE_TEST_WORKERS:-2}
-        if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadfile; fi
+        if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadfile --no-loadscope-reorder; fi
         exec "$venv/bin/python" -m pytest "$@" ;;
   bench) exec "$venv/bin/python" -m infire_jax.bench "$@" ;;
   *) exec "$venv/bin/infire-jax" "$cmd" "$@" ;;

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -59,6 +61,18 @@ def cpu_env(devices: int, **extra: str) -> dict[str, str]:
                 JAX_PLATFORMS="cpu", **extra)
 
 
+# Resolved here, so that a forked child only calls it; Linux only (elsewhere a child may outlive its parent).
+_PR_SET_PDEATHSIG, _prctl = 1, getattr(ctypes.CDLL(None), "prctl", None)
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of the tests' long-lived subprocesses (servers, routers, mesh workers): the kernel kills
+    the child when the test process that started it dies. A test process killed for memory (an xdist
+    worker) otherwise left its servers running, holding their memory, beside the worker that replaced it."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 # Small enough to compile quickly on 2 CPU cores, big enough for batches and chunked prefill. Three
 # buckets, not the default seven: each is compiled (with its decode burst) by every engine a test builds.
 # 512 pages hold all 8 sequences at max_model_len; a CPU engine's default pool is 1 GiB (1,455 pages).
@@ -109,14 +123,20 @@ def release_memory_after_each_module(request):
     took 0.4 to 14 s, 268 s of a full run's test time, and Python's own full collections went over
     the same objects again while tests ran. Every FULL_COLLECTION_EVERY modules they are unfrozen
     first, so that a cycle among them that has since become garbage (an engine a cache let go) is
-    still freed."""
+    still freed.
+
+    jax's own caches (traces, lowerings, the executables of every jitted function a module called) are
+    cleared first: engines hold their programs themselves, and XLA's persistent cache reloads the rest.
+    Six model modules in one process ended at 2.5 GiB with it and 3.7 GiB without, in the same time."""
     yield
-    import ctypes
     import gc
+
+    import jax
 
     _memory["modules_done"] += 1
     if _memory["modules_done"] % FULL_COLLECTION_EVERY == 0:
         gc.unfreeze()
+    jax.clear_caches()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -128,13 +148,15 @@ def release_memory_after_each_module(request):
         _memory.update(peak_gib=peak, peak_module=request.module.__name__)
 
 
-# The slowest files of a full run (junit, two workers, 2026-12-02, with the speculation mesh tests), slowest first.
-# They are collected first, so that xdist's `--dist loadfile` (a file to whichever worker is free, in
-# collection order) ends the run with short files on both workers; in alphabetical order test_speculative
-# (300 s) came near the end, and one worker sat idle while the other ran it.
-SLOWEST_FILES = ("test_gpu_compile.py", "test_speculative.py", "test_eagle3.py", "test_qwen3_5.py", "test_quant.py",
-                 "test_mtp.py", "test_llama4.py", "test_sharding.py", "test_server.py", "test_bench.py", "test_gemma4.py",
-                 "test_gpt_oss.py", "test_kept_8bit.py", "test_kv_fp8.py")
+# The slowest files of a full run (per-file wall time, two workers, 2026-12-02 at 93826e2), slowest first. They
+# are collected first, and run.sh has xdist hand files out in that order (`--dist loadfile
+# --no-loadscope-reorder`): a worker then runs its heaviest files while its memory is fresh, and the run ends
+# with short files on both workers. xdist's default order (the most tests first) put test_eagle3 and test_mtp
+# last on a worker that had grown to 10.7 GiB.
+SLOWEST_FILES = ("test_gpu_compile.py", "test_mtp.py", "test_speculative.py", "test_llama4.py", "test_qwen3_5.py",
+                 "test_eagle3.py", "test_sharding.py", "test_quant.py", "test_server.py", "test_bench.py",
+                 "test_gpt_oss.py", "test_kept_8bit.py", "test_gemma4.py", "test_lora.py", "test_quant_kernels.py",
+                 "test_sampling.py", "test_fleet.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,6 +17,7 @@ import urllib.request
 from typing import Callable
 
 from aiohttp import web
+from conftest import die_with_parent
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -42,7 +43,8 @@ class ServerProcess:
         engine_args = ["--dtype", "float32"] if command == "serve" else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infire_jax", command, "--host", "127.0.0.1", "--port", "0", *engine_args, *args],
-            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=die_with_parent)
         self.url = ""
 
     def wait_ready(self) -> None:
