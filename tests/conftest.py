@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -61,16 +60,16 @@ def cpu_env(devices: int, **extra: str) -> dict[str, str]:
                 JAX_PLATFORMS="cpu", **extra)
 
 
-# Resolved here, so that a forked child only calls it; Linux only (elsewhere a child may outlive its parent).
-_PR_SET_PDEATHSIG, _prctl = 1, getattr(ctypes.CDLL(None), "prctl", None)
+_SETPRIV = shutil.which("setpriv")
 
 
-def die_with_parent() -> None:
-    """`preexec_fn` of the tests' long-lived subprocesses (servers, routers, mesh workers): the kernel kills
-    the child when the test process that started it dies. A test process killed for memory (an xdist
-    worker) otherwise left its servers running, holding their memory, beside the worker that replaced it."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def dying_with_parent(command: list[str]) -> list[str]:
+    """`command` for the tests' long-lived subprocesses (servers, routers, mesh workers), started so that the
+    kernel kills it when the test process that started it dies (util-linux's `setpriv --pdeathsig`, which
+    then execs it; unchanged where setpriv is missing). A test process killed for memory (an xdist worker)
+    otherwise left its servers running, holding their memory, beside the worker that replaced it. A
+    `preexec_fn` would do the same from Python, but makes subprocess fork the multithreaded test process."""
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *command] if _SETPRIV else command
 
 
 # Small enough to compile quickly on 2 CPU cores, big enough for batches and chunked prefill. Three

@@ -17,7 +17,7 @@ import urllib.request
 from typing import Callable
 
 from aiohttp import web
-from conftest import die_with_parent
+from conftest import dying_with_parent
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -41,10 +41,9 @@ class ServerProcess:
     def __init__(self, args: list[str], command: str = "serve"):
         self._log = tempfile.NamedTemporaryFile(prefix=f"infire-{command}-", suffix=".log", delete=False)
         engine_args = ["--dtype", "float32"] if command == "serve" else []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infire_jax", command, "--host", "127.0.0.1", "--port", "0", *engine_args, *args],
-            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(dying_with_parent(
+            [sys.executable, "-m", "infire_jax", command, "--host", "127.0.0.1", "--port", "0", *engine_args, *args]),
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = ""
 
     def wait_ready(self) -> None:

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from conftest import cpu_env, die_with_parent
+from conftest import cpu_env, dying_with_parent
 from infire_jax.loaders import checkpoint, load
 from infire_jax.loaders.load import load_model
 from infire_jax.loaders.paths import DEFAULT_MODEL_NAME
@@ -248,8 +248,8 @@ print("RESULT " + json.dumps(out), flush=True)
 
 def _mesh_workers(jobs: list[dict], devices: int, cache_root: str) -> list[dict]:
     env = cpu_env(devices, PYTHONPATH=ROOT, INFIRE_JAX_CACHE=cache_root, INFIRE_JAX_NO_COMPILE_CACHE="1")
-    procs = [subprocess.Popen([sys.executable, "-c", _MESH_WORKER, json.dumps(job)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=die_with_parent) for job in jobs]
+    procs = [subprocess.Popen(dying_with_parent([sys.executable, "-c", _MESH_WORKER, json.dumps(job)]), env=env,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for job in jobs]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)

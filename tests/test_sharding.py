@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import cpu_env, die_with_parent
+from conftest import cpu_env, dying_with_parent
 from infire_jax.models.hf_config import config_from_hf
 from pallas_kernels.metadata import AttentionMetadata, slice_tokens
 from pallas_kernels.reference import ragged_paged_attention
@@ -214,8 +214,9 @@ def _run_worker(job: dict, env_devices: int, tmp_path, name: str, distributed: d
     # No placed-weights checkpoints (test_checkpoint's, on meshes and two processes too): a tmp model's would be
     # written for nothing, and orbax's writes compile a program per shard layout (a mesh engine's: tens)
     env = cpu_env(env_devices, PYTHONPATH=ROOT, INFIRE_JAX_NO_CHECKPOINT="1")
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sharded_worker.py"), str(path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    command = [sys.executable, os.path.join(ROOT, "tests", "sharded_worker.py"), str(path)]
+    return subprocess.Popen(dying_with_parent(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def _results(proc) -> list[dict]:
