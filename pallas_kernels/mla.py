@@ -4,8 +4,10 @@ Implementations: the jnp reference (mla_reference.py), or (`attn_impl="pallas"`,
 explicitly) the Pallas decode kernel (mla_decode.py) for single-token rows with the reference for
 prompt chunks.
 
-Absorbed (every step by default): W_uk [R, H, Dn] is folded into the query before attention and
-W_uv [R, H, Dv] applied after it, so attention runs over the cached latents and rotary keys only.
+Absorbed (every step by default): W_uk [H, Dn, R] is folded into the query before attention and
+W_uv [H, R, Dv] applied after it, so attention runs over the cached latents and rotary keys only.
+Either may come as a layer of its stack that a kernel reads in place (models/quant_kernels.py
+`LayerHeads`, a decode-sized step on a GPU): anything with `matmul(x [T, H, K]) -> [T, H, N]`.
 Expanded (`INFIRE_JAX_MLA_PREFILL=expanded`, steps of at least EXPANDED_MIN_TOKENS tokens): the
 step's own tokens attend each other through per-head keys and values expanded from their latents,
 fewer FLOPs per pair for long prompt chunks; cached positions stay absorbed (mla_reference.py).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -56,13 +59,19 @@ def _without_decode_context(meta: AttentionMetadata) -> AttentionMetadata:
     return meta._replace(kv_lens=jnp.where(decode_rows(meta), q_lens, meta.kv_lens).astype(meta.kv_lens.dtype))
 
 
+def _per_head(x: Float[Array, "T H K"], w, spec: str) -> Float[Array, "T H N"]:
+    """Each head's rows times its matrix: the einsum `spec` on a layer's array, or the weight's own
+    in-place kernel, in x's dtype."""
+    return jnp.einsum(spec, x, w) if isinstance(w, jax.Array) else w.matmul(x).astype(x.dtype)
+
+
 def mla_attention(
     q_nope: Float[Array, "T H Dn"],
     q_pe: Float[Array, "T H Dr"],
     latent: Float[Array, "T R"],
     k_pe: Float[Array, "T Dr"],
-    w_uk: Float[Array, "R H Dn"],
-    w_uv: Float[Array, "R H Dv"],
+    w_uk: Float[Array, "H Dn R"],
+    w_uv: Float[Array, "H R Dv"],
     latent_pages: Float[Array, "L N ps 1 R"],
     rope_pages: Float[Array, "L N ps 1 Dr"],
     layer: Int[Array, ""],
@@ -83,7 +92,7 @@ def mla_attention(
         raise ValueError(f"unresolved attention implementation {impl!r}; call choose_mla_impl first")
     if form not in FORMS:
         raise ValueError(f"unknown MLA form {form!r}; choose one of {FORMS}")
-    q_lat = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+    q_lat = _per_head(q_nope, w_uk, "thd,hdr->thr")
     kv_scale = None if meta.kv_scales is None else meta.kv_scales[layer]
     ref_meta = meta if impl == "reference" else _without_decode_context(meta)
     if form == "expanded":
@@ -93,9 +102,9 @@ def mla_attention(
     else:
         o_lat, latent_pages, rope_pages = mla_reference.mla_paged_attention(
             q_lat, q_pe, latent, k_pe, latent_pages, rope_pages, layer, ref_meta, scale=scale, kv_scale=kv_scale)
-        out = jnp.einsum("thr,rhv->thv", o_lat, w_uv)
+        out = _per_head(o_lat, w_uv, "thr,hrv->thv")
     if impl != "reference":
         decoded, covered = mla_decode_attention(q_lat, q_pe, latent_pages, rope_pages, layer, meta, scale=scale,
                                                 interpret=impl == "pallas_interpret", kv_scale=kv_scale)
-        out = jnp.where(covered[:, None, None], jnp.einsum("thr,rhv->thv", decoded, w_uv), out)
+        out = jnp.where(covered[:, None, None], _per_head(decoded, w_uv, "thr,hrv->thv"), out)
     return out, latent_pages, rope_pages

@@ -135,8 +135,8 @@ def mla_paged_attention_expanded(
     q_pe: Float[Array, "T H Dr"],
     latent: Float[Array, "T R"],
     k_pe: Float[Array, "T Dr"],
-    w_uk: Float[Array, "R H Dn"],
-    w_uv: Float[Array, "R H Dv"],
+    w_uk: Float[Array, "H Dn R"],
+    w_uv: Float[Array, "H R Dv"],
     latent_pages: Float[Array, "L N ps 1 R"],
     rope_pages: Float[Array, "L N ps 1 Dr"],
     layer: Int[Array, ""],
@@ -161,15 +161,15 @@ def mla_paged_attention_expanded(
     qr = q_pe.astype(jnp.float32) * scale
     c = c * c_scale
     w_uk, w_uv = w_uk.astype(jnp.float32), w_uv.astype(jnp.float32)
-    k_nope = jnp.einsum("ur,rhd->uhd", c, w_uk, precision=precision)
+    k_nope = jnp.einsum("ur,hdr->uhd", c, w_uk, precision=precision)
     s_b = (jnp.einsum("thd,uhd->thu", qn, k_nope, precision=precision)
            + jnp.einsum("thd,ud->thu", qr, kp * rope_scale, precision=precision))
     m_b, l_b, p = _softmax_part(s_b, mask)
-    acc_b = jnp.einsum("thu,uhv->thv", p, jnp.einsum("ur,rhv->uhv", c, w_uv, precision=precision),
+    acc_b = jnp.einsum("thu,uhv->thv", p, jnp.einsum("ur,hrv->uhv", c, w_uv, precision=precision),
                        precision=precision)
-    ql = jnp.einsum("thd,rhd->thr", qn, w_uk, precision=precision) * c_scale
+    ql = jnp.einsum("thd,hdr->thr", qn, w_uk, precision=precision) * c_scale
     m, l_sum, acc_lat = _attend_cached(ql, qr * rope_scale, (m_b, l_b, jnp.zeros(ql.shape, jnp.float32)),
                                        latent_pages, rope_pages, layer, meta, valid, precision)
-    acc = acc_b * jnp.exp(m_b - m)[..., None] + jnp.einsum("thr,rhv->thv", acc_lat * c_scale, w_uv,
+    acc = acc_b * jnp.exp(m_b - m)[..., None] + jnp.einsum("thr,hrv->thv", acc_lat * c_scale, w_uv,
                                                            precision=precision)
     return (acc / l_sum[..., None]).astype(q_nope.dtype), latent_pages, rope_pages

@@ -26,8 +26,10 @@ outside, one small XLA reduction, or by the next kernel: `quant_matmul_parts` ke
 a down projection reads its gate/up projection's parts, forming silu(gate) * up as it loads them).
 `grouped_matmul(x, group_sizes, stack, first)` multiplies rows sorted by group by
 W[first + group] (a MoE layer's experts): tiles of rows never straddle two groups, so each tile
-reads its expert's weights once. Either way the stack index is data the kernel reads, so a layer
-scan hands over the whole stack, and no weight is ever copied out or dequantized in HBM.
+reads its expert's weights once. `head_matmul(x, stack, first)` is its static case: every head's
+rows times the head's matrix (MLA's per-head W_uk and W_uv). Either way the stack index is data
+the kernel reads, so a layer scan hands over the whole stack, and no weight is ever copied out or
+dequantized in HBM.
 """
 
 from __future__ import annotations
@@ -288,9 +290,9 @@ def _fold(products: Array, ndim: int) -> Array:
     return jnp.sum(products, axis=0) if ndim == 1 else products
 
 
-@lowered_once("rows", "blocks", "interpret", "dtype")
+@lowered_once("rows", "blocks", "interpret", "dtype", "name")
 def _tiles_call(x: Array, stack: QuantStack, index: Array, start: Array, k_blocks: Array, rows: int,
-                blocks: Blocks, interpret: bool, dtype=None) -> Float[Array, "P T R N"]:
+                blocks: Blocks, interpret: bool, dtype=None, name: str = "quant_matmul") -> Float[Array, "P T R N"]:
     """Each tile t's `rows` rows of x from `start[t]` times W[index[t]], over its first `k_blocks[t]`
     K steps of `blocks.block_k` (0: none); [splits, tiles, rows, N] partial sums in float32. Given a
     `dtype`, x is a gate/up projection's float32 partials [S, R, 2K] and the rows multiplied are
@@ -314,7 +316,7 @@ def _tiles_call(x: Array, stack: QuantStack, index: Array, start: Array, k_block
         out_shape=jax.ShapeDtypeStruct((splits, tiles, rows, n), jnp.float32),
         compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
-        name="quant_matmul",
+        name=name,
     )(index.astype(jnp.int32), start.astype(jnp.int32), k_blocks.astype(jnp.int32), x, *present)
 
 
@@ -355,6 +357,25 @@ def quant_matmul(x: Float[Array, "M K"], stack: QuantStack, index: Int[Array, ""
     """x @ W[index] in float32 (x's dtype into the dot), W dequantized tile by tile on chip; `blocks`
     replaces the chosen tiling (quant_blocks.py)."""
     return sum_parts(quant_matmul_parts(x, stack, index, blocks=blocks, interpret=interpret), x.shape[0])
+
+
+def head_matmul(x: Float[Array, "T H K"], stack: QuantStack, first: Int[Array, ""] | int = 0, *,
+                blocks: Blocks | None = None, interpret: bool = False) -> Float[Array, "T H N"]:
+    """Head h's rows x[:, h] times W[first + h], in float32: a layer's per-head matrices (MLA's W_uk
+    and W_uv, stacked [L * H, K, N]) read in place, where XLA's batched GEMM on the layer's slice
+    copies it out of the stack first. Every head has the step's T rows, so the tiles are static."""
+    stack.check()
+    t, h, k = x.shape
+    blocks = _fitted(choose(min(t, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group),
+                     stack)
+    rows = _tile_rows(t, blocks)
+    per_head = -(-t // rows)
+    xs = jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, per_head * rows - t), (0, 0))).reshape(-1, k)
+    tile = jnp.arange(h * per_head, dtype=jnp.int32)
+    out = _tiles_call(xs, stack, first + tile // per_head, tile * rows, jnp.full(tile.shape, k // blocks.block_k),
+                      rows, blocks, interpret, name="head_matmul")
+    out = out[0] if out.shape[0] == 1 else out.sum(axis=0)
+    return out.reshape(h, per_head * rows, -1)[:, :t].transpose(1, 0, 2)
 
 
 def group_tile_rows(num_rows: int, num_groups: int, blocks: Blocks) -> int:

@@ -31,8 +31,8 @@ class MLACase(NamedTuple):
     q_pe: np.ndarray  # [T, H, Dr]
     latent: np.ndarray  # [T, R], this step's
     k_pe: np.ndarray  # [T, Dr]
-    w_uk: np.ndarray  # [R, H, Dn]
-    w_uv: np.ndarray  # [R, H, Dv]
+    w_uk: np.ndarray  # [H, Dn, R]
+    w_uv: np.ndarray  # [H, R, Dv]
     latent_pages: np.ndarray  # [L, N, ps, 1, R]
     rope_pages: np.ndarray  # [L, N, ps, 1, Dr]
     meta: AttentionMetadata
@@ -62,7 +62,7 @@ def make_case(page_size: int, seed: int, h: int = 4) -> MLACase:
         latent[meta.cu_q_lens[i]:meta.cu_q_lens[i + 1]] = c[ctx:]
         k_pe[meta.cu_q_lens[i]:meta.cu_q_lens[i + 1]] = kr[ctx:]
         history.append((c, kr))
-    w = [(rng.standard_normal(s) / np.sqrt(R)).astype(np.float32) for s in ((R, h, DN), (R, h, DV))]
+    w = [(rng.standard_normal(s) / np.sqrt(R)).astype(np.float32) for s in ((h, DN, R), (h, R, DV))]
     q_nope = rng.standard_normal((NUM_TOKENS, h, DN)).astype(np.float32)
     q_pe = rng.standard_normal((NUM_TOKENS, h, DR)).astype(np.float32)
     return MLACase(q_nope, q_pe, latent, k_pe, *w, latent_pages, rope_pages, meta, history)
@@ -70,14 +70,14 @@ def make_case(page_size: int, seed: int, h: int = 4) -> MLACase:
 
 def expanded_float64(case: MLACase) -> np.ndarray:
     """Per-head keys and values expanded from the latents, causal attention over each sequence."""
-    h = case.w_uk.shape[1]
+    h = case.w_uk.shape[0]
     out = np.full((NUM_TOKENS, h, DV), np.nan)
     w_uk, w_uv = case.w_uk.astype(np.float64), case.w_uv.astype(np.float64)
     for i, (ctx, n) in enumerate(ROWS):
         rows = slice(case.meta.cu_q_lens[i], case.meta.cu_q_lens[i + 1])
         c, kr = (x.astype(np.float64) for x in case.history[i])
-        keys = np.concatenate([np.einsum("mr,rhd->mhd", c, w_uk), np.repeat(kr[:, None], h, axis=1)], axis=-1)
-        values = np.einsum("mr,rhv->mhv", c, w_uv)
+        keys = np.concatenate([np.einsum("mr,hdr->mhd", c, w_uk), np.repeat(kr[:, None], h, axis=1)], axis=-1)
+        values = np.einsum("mr,hrv->mhv", c, w_uv)
         q = np.concatenate([case.q_nope[rows], case.q_pe[rows]], axis=-1).astype(np.float64)
         scores = np.einsum("nhd,mhd->hnm", q, keys) * SCALE
         causal = np.arange(ctx + n)[None, :] <= (ctx + np.arange(n))[:, None]
@@ -122,7 +122,7 @@ def test_pallas_decode_kernel_matches_float64(page_size, heads, splits):
     head blocks, 3 splits exercise the flash-decoding combine."""
     case = make_case(page_size, seed=heads, h=heads)
     _, latent_pages, rope_pages = run(case)  # the pages after this step's write
-    q_lat = jnp.einsum("thd,rhd->thr", case.q_nope, case.w_uk)
+    q_lat = jnp.einsum("thd,hdr->thr", case.q_nope, case.w_uk)
     out_lat, covered = jax.jit(lambda *a: mla_decode_attention(*a, scale=SCALE, num_splits=splits, interpret=True))(
         q_lat, jnp.asarray(case.q_pe), latent_pages, rope_pages, jnp.int32(LAYER), device_meta(case.meta))
     covered = np.asarray(covered)
@@ -130,7 +130,7 @@ def test_pallas_decode_kernel_matches_float64(page_size, heads, splits):
     for i, (_, n) in enumerate(ROWS):
         decodes[case.meta.cu_q_lens[i]:case.meta.cu_q_lens[i + 1]] = n == 1
     np.testing.assert_array_equal(covered, decodes)
-    out = np.einsum("thr,rhv->thv", np.asarray(out_lat, np.float64), case.w_uv.astype(np.float64))
+    out = np.einsum("thr,hrv->thv", np.asarray(out_lat, np.float64), case.w_uv.astype(np.float64))
     want = expanded_float64(case)
     err = np.max(np.abs(out[covered] - want[covered])) / np.max(np.abs(want[covered]))
     assert err < 2e-5, err

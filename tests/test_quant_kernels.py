@@ -231,12 +231,12 @@ def _assert_same(ours, want, atol: float = 1e-5) -> None:
                                    [lp[t].logprob for lp, t in zip(f.logprobs, f.token_ids)], atol=atol, rtol=0)
 
 
-def _engines(monkeypatch, **kwargs):
+def _engines(monkeypatch, kernels: dict[str, str] = KERNELS, **kwargs):
     """(an engine without the kernels, one with them) on the same model."""
     from infire_jax import LLM
 
     engines = []
-    for env in (WITHOUT, KERNELS):
+    for env in (WITHOUT, kernels):
         _use(monkeypatch, env)
         engines.append(LLM(**kwargs))
     return engines
@@ -272,6 +272,21 @@ def test_engine_with_kept_deepseek_in_the_kernels_equals_the_engine_without(deep
     jaxpr = forward_jaxpr(kernel.engine.runner, 4)
     # wq_a, wq_b, wo of both stacks, the dense MLP's two, the shared MLP's two, and the experts' two
     assert kernel_names(jaxpr).count("quant_matmul") == 12, kernel_names(jaxpr)
+    _assert_same(_generate(kernel, PROMPTS), _generate(plain, PROMPTS))
+    for llm in (plain, kernel):
+        llm.engine.close()
+
+
+def test_engine_reading_mla_heads_in_place_equals_the_engine_without(deepseek_dirs, monkeypatch):
+    """Kimi K2.5 (int4 experts kept, the rest plain) with a decode-sized step's plain layer weights read in
+    place as on a GPU: MLA's per-head W_uk and W_uv through `head_matmul` (XLA's batched GEMM would copy each
+    layer's out of the stack: tests/test_gpu_compile.py), the dense ones through the quantized matmul."""
+    plain, kernel = _engines(monkeypatch, {**KERNELS, "INFIRE_JAX_DENSE_MATMUL": "pallas"},
+                             model=deepseek_dirs["kimi-k2.5"], weights_quantization="checkpoint", **ENGINE)
+    names = kernel_names(forward_jaxpr(kernel.engine.runner, 4))
+    assert names.count("head_matmul") == 4, names  # W_uk and W_uv in the dense stack's body and the MoE one's
+    _use(monkeypatch, {**WITHOUT, "INFIRE_JAX_DENSE_MATMUL": "xla"})
+    assert "head_matmul" not in kernel_names(forward_jaxpr(plain.engine.runner, 4))
     _assert_same(_generate(kernel, PROMPTS), _generate(plain, PROMPTS))
     for llm in (plain, kernel):
         llm.engine.close()

@@ -17,7 +17,7 @@ from h100 import compiled_kernels, gpu_lowered, jaxlib_version, launches, lowers
 
 from pallas_kernels import quant_blocks
 from pallas_kernels.quant_blocks import Blocks
-from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul
+from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, head_matmul, quant_matmul
 
 RNG = np.random.default_rng(7)
 S, K, N = 3, 256, 128  # three matrices of [K, N]
@@ -132,6 +132,21 @@ def test_grouped_rows_take_their_groups_matrix(fmt):
     got = np.asarray(grouped_matmul(jnp.asarray(x[:22]), jnp.asarray(sizes[1:]), stack, 1, interpret=True))
     for r, g in enumerate(group):
         within_f32_bound(got[r:r + 1], x[r:r + 1], w[g].astype(np.float32))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 70])
+def test_each_head_takes_its_layers_matrix(tokens):
+    """`head_matmul` (MLA's W_uk, W_uv read in place): head h's rows times W[first + h] of a stack of
+    layers x heads [L * H, K, N], plain bfloat16 as served; a step of one row, a ragged tile, one whole
+    tile and two tiles a head (64-row tiles)."""
+    layers, heads, k, n = 3, 4, 128, 64
+    w = RNG.standard_normal((layers * heads, k, n)).astype(ml_dtypes.bfloat16)
+    x = RNG.standard_normal((tokens, heads, k)).astype(ml_dtypes.bfloat16)
+    stack = QuantStack(jnp.asarray(w))
+    got = jax.jit(lambda x, first: head_matmul(x, stack, first, interpret=True))(jnp.asarray(x), jnp.int32(heads))
+    assert got.shape == (tokens, heads, n) and got.dtype == jnp.float32
+    for h in range(heads):  # layer 1's matrices
+        within_f32_bound(np.asarray(got[:, h]), x[:, h].astype(np.float32), w[heads + h].astype(np.float32))
 
 
 @pytest.mark.parametrize("fmt", ["gptq32", "gptq128", "ct_int4", "q4_1", "q8_0", "int8", "fp8"])

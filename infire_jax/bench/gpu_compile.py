@@ -25,7 +25,8 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 COLUMNS = [
     ("program", "program", "{}"), ("launches_per_step", "launches a step", "{:.0f}"),
     ("launches_per_layer", "a layer", "{}"), ("weight_copies_per_step", "weight copies a step", "{:.0f}"),
-    ("weight_copy_gb_per_step", "GB copied a step", "{:.2f}"), ("float32_weights", "f32 weights", "{}"),
+    ("weight_copy_gb_per_step", "GB copied a step", "{:.2f}"),
+    ("slice_copies_per_step", "weight slices copied a step", "{:.0f}"), ("float32_weights", "f32 weights", "{}"),
     ("calls", "custom calls a step", "{}"), ("peak_gb", "peak GB", "{:.1f}"), ("of_card", "of card", "{:.2f}"),
     ("compile_s", "compile s", "{:.1f}"),
 ]
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace):
                 launches_per_layer=st.launches_per_layer, loops_in_layer=st.loops_in_layer,
                 weight_copies_per_step=st.weight_copies / p.steps,
                 weight_copy_gb_per_step=st.weight_copy_bytes / p.steps / 1e9, weight_copy_ops=st.weight_copy_ops,
+                slice_copies_per_step=st.slice_copies / p.steps, slice_copy_ops=st.slice_copy_ops,
                 float32_weights=len(st.float32_weights), float32_weight_buffers=st.float32_weights,
                 f32_weight_bytes=st.float32_weight_bytes // p.steps,
                 calls=", ".join(f"{_SHORT.get(k, k)} {v / p.steps:.0f}" for k, v in sorted(st.custom_calls.items())),

@@ -5,7 +5,10 @@
   HLO, matched through `*.thunk_metadata.txt`);
 - copies of weight size: buffers the program writes by copying (a `copy`, `slice`, `dynamic-slice`
   or `transpose`, alone or as a fusion's root) at least as large as the smallest layer weight matrix
-  of a million elements or more;
+  of a million elements or more (an activation as large as a weight, such as a query's transpose,
+  counts too);
+- copies out of a weight: the same copies, of any size, that read an array shaped as a layer's
+  weight matrix or a stack of them (a per-device shard of a small weight counts, an activation not);
 - float32 tensors shaped like a weight (a float32 copy of a bfloat16 weight doubles its bytes);
 - the custom calls (cuBLAS, cuDNN, Pallas / Triton kernels) by target.
 
@@ -83,6 +86,8 @@ class ProgramStats:
     float32_weights: list[str]  # float32 buffers shaped like a weight
     float32_weight_bytes: int  # theirs, each counted as often as it is written a run
     custom_calls: dict[str, int]  # target -> launches a run
+    slice_copies: int = 0  # copies out of a weight or its stack, any size, a run
+    slice_copy_ops: list[str] = dataclasses.field(default_factory=list)
 
 
 def _multipliers(comps: dict[str, list[Instruction]]) -> tuple[dict[str, int], set[str], dict[str, int]]:
@@ -116,31 +121,48 @@ def _root(comp: list[Instruction]) -> Instruction | None:
 
 
 def hlo_facts(comps: dict[str, list[Instruction]], weight_shapes: list[tuple[int, ...]]
-              ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
-    """(copies of weight size, float32 buffers shaped like a weight matrix), each as (op or buffer
-    name, bytes, runs a program run), in the optimized HLO (`parse_hlo`); `weight_shapes` are one
-    layer's weights (and the unstacked ones)."""
+              ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """(copies of weight size, float32 buffers shaped like a weight matrix, copies out of a weight),
+    each as (op or buffer name, bytes, runs a program run), in the optimized HLO (`parse_hlo`);
+    `weight_shapes` are one layer's weights (and the unstacked ones)."""
     runs, fused, _ = _multipliers(comps)
     matrices = [tuple(sorted(d for d in s if d > 1)) for s in weight_shapes]
     matrices = {m for m in matrices if len(m) >= 2}
     # Weight-sized: at least the smallest weight matrix of a million elements or more (a router's or
     # a norm's copy is not what this looks for).
     smallest = min((math.prod(m) for m in matrices if math.prod(m) >= WEIGHT_ELEMENTS), default=1 << 62)
-    copies, f32 = [], []
+
+    def weight_shaped(dims: tuple[int, ...]) -> bool:
+        """A layer's weight, or a stack of them (its leading axis the layers)."""
+        return any(tuple(sorted(d for d in ds if d > 1)) in matrices for ds in (dims, dims[1:]))
+
+    copies, f32, slices = [], [], []
     for name, comp in comps.items():
         if name in fused:
             continue
+        local = {i.name: i for i in comp}
         for ins in comp:
             if ins.opcode in _NOT_BUFFERS or ins.dtype is None:
                 continue
-            root = _root(comps.get(_callee(ins), [])) if ins.opcode == "fusion" else None
+            body = comps.get(_callee(ins), []) if ins.opcode == "fusion" else []
+            root = _root(body)
             op = root.opcode if root is not None else ins.opcode
-            elements = math.prod(ins.dims)
-            if op in _COPY_OPS and elements >= smallest:
-                copies.append((_op_name(root or ins, ins), ins.nbytes, runs.get(name, 1)))
+            # what the copy reads: a fusion's parameters, else its operands
+            sources = ([i for i in body if i.opcode == "parameter"] if ins.opcode == "fusion"
+                       else [local[n] for n in _operands(ins) if n in local])
+            found = (_op_name(root or ins, ins), ins.nbytes, runs.get(name, 1))
+            if op in _COPY_OPS and math.prod(ins.dims) >= smallest:
+                copies.append(found)
+            if op in _COPY_OPS and any(weight_shaped(src.dims) for src in sources if src.dtype):
+                slices.append(found)
             if ins.dtype == "f32" and tuple(sorted(d for d in ins.dims if d > 1)) in matrices:
                 f32.append((f"{ins.name} f32{list(ins.dims)}", ins.nbytes, runs.get(name, 1)))
-    return copies, f32
+    return copies, f32, slices
+
+
+def _operands(ins: Instruction) -> list[str]:
+    """The names of an instruction's operands (printed before the closing parenthesis)."""
+    return re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
 
 
 def _callee(ins: Instruction) -> str:
@@ -228,7 +250,7 @@ def read_dump(dump_dir: str, weight_shapes: list[tuple[int, ...]], num_layers: i
     runs, _, trips = _multipliers(comps)
     total, per_layer, loops, _ = thunk_launches(one("*.thunk_sequence.txt"), one("*.thunk_metadata.txt"), trips,
                                                 num_layers, layer_scopes(comps))
-    copies, f32 = hlo_facts(comps, weight_shapes)
+    copies, f32, slices = hlo_facts(comps, weight_shapes)
     calls: collections.Counter = collections.Counter()
     for name, comp in comps.items():
         for ins in comp:
@@ -237,4 +259,5 @@ def read_dump(dump_dir: str, weight_shapes: list[tuple[int, ...]], num_layers: i
                 calls[target.group(1)] += runs.get(name, 1)
     return ProgramStats(total, per_layer, loops, sum(r for _, _, r in copies), sum(b * r for _, b, r in copies),
                         sorted({n for n, _, _ in copies}), sorted({n for n, _, _ in f32}),
-                        sum(b * r for _, b, r in f32), dict(calls))
+                        sum(b * r for _, b, r in f32), dict(calls), sum(r for _, _, r in slices),
+                        sorted({n for n, _, _ in slices}))

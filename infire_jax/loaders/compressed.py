@@ -35,7 +35,7 @@ from infire_jax.models.config import ModelConfig
 from infire_jax.loaders.tokenizer import Tokenizer
 
 FORMAT = "infire-jax-compressed"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: MLA's W_uk [H, Dn, R], W_uv [H, R, Dv] (loaders/weights.py NATIVE_FORMAT_VERSION)
 MANIFEST = "compressed_manifest.json"
 WEIGHTS = "weights.safetensors"
 _SEP = "::"

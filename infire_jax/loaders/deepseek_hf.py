@@ -92,8 +92,8 @@ def _convert_mla(rest: str, w: np.ndarray, cfg: ModelConfig, interleaved: bool, 
         layer["wkv_a"] = np.concatenate([w[:m.kv_lora_rank], w[m.kv_lora_rank:][rope]]).T
     elif rest == "self_attn.kv_b_proj.weight":
         kv = w.reshape(h, m.qk_nope_head_dim + m.v_head_dim, -1)
-        layer["w_uk"] = kv[:, :m.qk_nope_head_dim].transpose(2, 0, 1)
-        layer["w_uv"] = kv[:, m.qk_nope_head_dim:].transpose(2, 0, 1)
+        layer["w_uk"] = kv[:, :m.qk_nope_head_dim]
+        layer["w_uv"] = kv[:, m.qk_nope_head_dim:].transpose(0, 2, 1)
     elif rest == "self_attn.o_proj.weight":
         layer["wo"] = w.reshape(w.shape[0], h, -1).transpose(1, 2, 0)
     else:

@@ -20,7 +20,7 @@ from infire_jax.errors import UnsupportedModelError
 from infire_jax.models.config import ModelConfig, RopeScaling
 from infire_jax.loaders.tokenizer import Tokenizer
 
-NATIVE_FORMAT_VERSION = 2  # 2: fused q/k/v and gate/up, LM head [V, E]
+NATIVE_FORMAT_VERSION = 3  # 2: fused q/k/v and gate/up, LM head [V, E]; 3: MLA's W_uk [H, Dn, R], W_uv [H, R, Dv]
 _WEIGHTS_FILE = "model.safetensors"
 _CONFIG_FILE = "infire_config.json"
 

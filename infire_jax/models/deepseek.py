@@ -46,17 +46,20 @@ from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]  # (latent pages [L, N, ps, 1, R], rotary-key pages [L, N, ps, 1, Dr])
 # The layer weights that are plain matmuls, with how many leading axes of one layer's weight are inputs
-# (W_uk and W_uv are not: the absorbed attention contracts them per head).
+# (W_uk and W_uv are not: the absorbed attention contracts them per head, HEAD_INPUTS).
 DENSE_INPUTS = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1,
                 "w_shared_down": 1}
+HEAD_INPUTS = {"w_uk": 1, "w_uv": 1}
 
 
 class MLALayers(LayerStacks):
     """`n` stacked decoder layers of one kind: MLA attention and a dense or a DeepSeek MoE MLP.
 
-    The kv_b projection is held as its two halves, W_uk [R, H, Dn] and W_uv [R, H, Dv], the
-    operands of the absorbed form. The router's bias is kept in float32, as HF keeps it. `kept`
-    names the weights held quantized (`GroupedParams`), by the stack's weight name.
+    The kv_b projection is held as its two halves, W_uk [H, Dn, R] and W_uv [H, R, Dv], the
+    operands of the absorbed form, each head's matrix contiguous and laid out as its product reads it
+    (q_lat = q_nope W_uk, o = o_lat W_uv), so a kernel reads a layer's heads in place from the stack.
+    The router's bias is kept in float32, as HF keeps it. `kept` names the weights held quantized
+    (`GroupedParams`), by the stack's weight name.
     """
 
     def __init__(self, cfg: ModelConfig, n: int, moe: bool, dtype, kept: Mapping[str, GroupedLayout]):
@@ -68,9 +71,9 @@ class MLALayers(LayerStacks):
         self.wq_b = param((n, m.q_lora_rank, h, qk), ("layers", "latent", "q_heads", "head_dim"), dtype)
         self.wkv_a = param((n, e, m.kv_lora_rank + m.qk_rope_head_dim), ("layers", "embed", "latent"), dtype)
         self.kv_a_norm = param((n, m.kv_lora_rank), ("layers", "norm"), dtype, init="ones")
-        head_axes = ("layers", "latent", "q_heads", "head_dim")
-        self.w_uk = param((n, m.kv_lora_rank, h, m.qk_nope_head_dim), head_axes, dtype)
-        self.w_uv = param((n, m.kv_lora_rank, h, m.v_head_dim), head_axes, dtype)
+        self.w_uk = param((n, h, m.qk_nope_head_dim, m.kv_lora_rank), ("layers", "q_heads", "head_dim", "latent"),
+                          dtype)
+        self.w_uv = param((n, h, m.kv_lora_rank, m.v_head_dim), ("layers", "q_heads", "latent", "head_dim"), dtype)
         self.wo = param((n, h, m.v_head_dim, e), ("layers", "q_heads", "head_dim", "embed"), dtype)
         self.mlp_norm = param((n, e), ("layers", "norm"), dtype, init="ones")
         if moe:
@@ -156,7 +159,8 @@ def scan_stacks(weights: dict[str, dict[str, Array]], carry: tuple, dense_inputs
         if kind not in weights:
             continue
         n = jax.tree.leaves(weights[kind])[0].shape[0]
-        in_place = layer_stacks(weights[kind], tokens, dense_inputs, kind == "moe", one_device=red == Reductions())
+        in_place = layer_stacks(weights[kind], tokens, dense_inputs, kind == "moe", one_device=red == Reductions(),
+                                head_inputs=HEAD_INPUTS)
         scanned = {name: w for name, w in weights[kind].items() if name not in in_place}
         body, xs = make_layer(kind == "moe", in_place, start), (scanned, start + np.arange(n, dtype=np.int32))
         if aux is not None:

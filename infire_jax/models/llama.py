@@ -29,7 +29,8 @@ from infire_jax.models.moe import moe_mlp
 from infire_jax.models.palette_kernels import KernelPaletteParams, KernelPaletteWeight
 from infire_jax.models.panels import INPUT_AXES, PanelParams, PanelWeight, stack_view_shape
 from infire_jax.models.parallel import Reductions, StackFn, psum, run_sharded
-from infire_jax.models.quant_kernels import KernelQuantWeight, LayerExperts, layer_stacks, residual_norm, swiglu_mlp
+from infire_jax.models.quant_kernels import (KernelQuantWeight, LayerExperts, LayerHeads, layer_stacks, residual_norm,
+                                             swiglu_mlp)
 from infire_jax.quant.resident import QuantLayout, QuantParams, dequantize_layer
 from infire_jax.quant.weight_parts import LayerStacks, WeightParts
 from pallas_kernels import cpu_matmul
@@ -141,15 +142,16 @@ def in_place_weights(cfg: ModelConfig, weights: dict[str, Array], tokens: int, r
 def kernel_weights(lp: dict, in_place: dict[str, tuple[KernelView, tuple]], layer: Array, tokens: int,
                    cpu: bool) -> dict:
     """One layer's weights with the kernels' ones as `InPlace` (a MoE layer's experts as
-    `LayerExperts`): the stacked ones read in place, and, for the CPU kernel (`cpu`), ones decoded
-    in the layer body (compressed or quantized) as a stack of one, so a step computes the same sums
-    whether its weights were stored plain or compressed. Panels the kernel does not take this step
-    are unpacked to the plain weight."""
+    `LayerExperts`, per-head stacks as `LayerHeads`): the stacked ones read in place, and, for the CPU
+    kernel (`cpu`), ones decoded in the layer body (compressed or quantized) as a stack of one, so a
+    step computes the same sums whether its weights were stored plain or compressed. Panels the kernel
+    does not take this step are unpacked to the plain weight."""
     lp = {k: v.plain() if isinstance(v, (PanelWeight, KernelPaletteWeight)) else v for k, v in lp.items()}
     out = dict(lp)
     for name, (view, shape) in in_place.items():
-        expert = isinstance(view, KernelQuantWeight) and view.experts
-        out[name] = LayerExperts(view, layer) if expert else InPlace(view, layer, shape)
+        grouped = isinstance(view, KernelQuantWeight) and view.experts
+        out[name] = (LayerHeads(view, layer) if grouped and view.heads else LayerExperts(view, layer) if grouped
+                     else InPlace(view, layer, shape))
     for name in INPUT_AXES if cpu else ():
         if name not in in_place and name in lp:
             view = _kernel_view(name, lp[name][None], tokens)

@@ -32,7 +32,8 @@ from jaxtyping import Array, Float, Int
 from infire_jax.errors import ConfigError
 from pallas_kernels import cpu_kernels, cpu_matmul, placement
 from pallas_kernels.quant_blocks import MAX_TILE_ROWS
-from pallas_kernels.quant_matmul import QuantStack, grouped_matmul, quant_matmul, quant_matmul_parts, sum_parts, supported
+from pallas_kernels.quant_matmul import (QuantStack, grouped_matmul, head_matmul, quant_matmul, quant_matmul_parts,
+                                         sum_parts, supported)
 from pallas_kernels.residual_norm import residual_rms_norm
 
 MAX_DENSE_ROWS = 256
@@ -87,8 +88,9 @@ class KernelQuantWeight:
 
     stack: QuantStack
     shape: tuple[int, ...]
-    experts: int = 0  # experts a layer (0: a dense stack)
+    experts: int = 0  # experts (or heads) a layer (0: a dense stack)
     kernel: str = "pallas"  # or "cpu" (Q4_1 dense stacks)
+    heads: bool = False  # a stack of per-head matrices [L * H, K, N] (MLA's W_uk, W_uv)
 
     def matmul(self, x: Float[Array, "M K"], layer: Int[Array, ""]) -> Float[Array, "M N"]:
         """x @ W[layer] in float32."""
@@ -108,7 +110,8 @@ class KernelQuantWeight:
         return self.kernel == "pallas" and not self.experts
 
 
-jax.tree_util.register_dataclass(KernelQuantWeight, data_fields=["stack"], meta_fields=["shape", "experts", "kernel"])
+jax.tree_util.register_dataclass(KernelQuantWeight, data_fields=["stack"],
+                                 meta_fields=["shape", "experts", "kernel", "heads"])
 
 
 def residual_norm(h: Float[Array, "T E"], x: Float[Array, "T K"], w: KernelQuantWeight, layer: Int[Array, ""],
@@ -144,6 +147,22 @@ class LayerExperts:
 
 
 jax.tree_util.register_dataclass(LayerExperts, data_fields=["weight", "layer"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerHeads:
+    """A layer's per-head matrices for `head_matmul`: the whole stack [L * H, K, N] and this layer's index."""
+
+    weight: KernelQuantWeight
+    layer: Int[Array, ""]
+
+    def matmul(self, x: Float[Array, "T H K"]) -> Float[Array, "T H N"]:
+        """Head h's rows times its matrix of this layer, float32."""
+        heads = self.weight.experts
+        return head_matmul(x, self.weight.stack, self.layer * heads, interpret=_interpret())
+
+
+jax.tree_util.register_dataclass(LayerHeads, data_fields=["weight", "layer"], meta_fields=[])
 
 
 def _stack(value: Array | Mapping[str, Array], lead: int, inputs: int, plain: bool) -> QuantStack | None:
@@ -195,8 +214,8 @@ def _cpu_reads(stack: QuantStack) -> bool:
 
 
 def kernel_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping[str, int],
-                  expert_inputs: Mapping[str, int] | None = None, one_device: bool = True
-                  ) -> dict[str, KernelQuantWeight]:
+                  expert_inputs: Mapping[str, int] | None = None, one_device: bool = True,
+                  head_inputs: Mapping[str, int] | None = None) -> dict[str, KernelQuantWeight]:
     """The stacks of `weights` ([L, ...] each) that the kernels take for a step of `tokens` tokens.
 
     `dense_inputs[name]`: how many leading axes of one layer's dense weight are inputs (K), for the
@@ -205,7 +224,8 @@ def kernel_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping
     most MAX_PLAIN_ROWS tokens where `plain_impl` is pallas. `expert_inputs` likewise for a MoE
     layer's expert stacks [L, X, ...], plain or quantized, given when the grouped matmul is the
     kernel (moe.py); they are taken together or not at all (palette-coded experts stay with the loop
-    over row tiles).
+    over row tiles). `head_inputs` likewise for plain per-head stacks [L, H, ...] (`head_matmul`),
+    taken where the plain dense ones are.
     """
     impl, out = dense_impl(), {}
     plain = tokens <= MAX_PLAIN_ROWS and plain_impl() == "pallas"
@@ -218,6 +238,11 @@ def kernel_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping
             out[name] = KernelQuantWeight(stack, _plain_shape(value, 1, inputs, stack))
         elif impl == "cpu" and one_device and tokens <= cpu_matmul.MAX_ROWS and _cpu_reads(stack):
             out[name] = KernelQuantWeight(stack, _plain_shape(value, 1, inputs, stack), kernel="cpu")
+    for name, inputs in (head_inputs or {}).items() if plain else ():
+        value = weights.get(name)
+        stack = None if value is None or isinstance(value, Mapping) else _stack(value, 2, inputs, plain=True)
+        if stack is not None and supported(stack):
+            out[name] = KernelQuantWeight(stack, _plain_shape(value, 2, inputs, stack), value.shape[1], heads=True)
     experts = {}
     for name, inputs in (expert_inputs or {}).items():
         value = weights[name]
@@ -230,12 +255,13 @@ def kernel_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping
 
 
 def layer_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping[str, int], moe: bool,
-                 one_device: bool) -> dict[str, tuple[KernelQuantWeight, tuple[int, ...]]]:
+                 one_device: bool, head_inputs: Mapping[str, int] | None = None
+                 ) -> dict[str, tuple[KernelQuantWeight, tuple[int, ...]]]:
     """A decoder stack's weights that the kernels read in place for a step of `tokens` tokens, as
     (the stack as read, one layer's weight shape): its quantized dense weights (`dense_inputs`, the
-    expert weights left out in a MoE stack) and, where the grouped matmul is the kernel, a MoE
-    stack's experts."""
+    expert weights left out in a MoE stack), its plain per-head ones (`head_inputs`) and, where the
+    grouped matmul is the kernel, a MoE stack's experts."""
     dense = {k: v for k, v in dense_inputs.items() if not (moe and k in EXPERT_INPUTS)}
     experts = EXPERT_INPUTS if moe and default_grouped_impl() == "pallas" else None
-    stacks = kernel_stacks(weights, tokens, dense, experts, one_device=one_device)
+    stacks = kernel_stacks(weights, tokens, dense, experts, one_device=one_device, head_inputs=head_inputs)
     return {name: (kw, kw.shape) for name, kw in stacks.items()}

@@ -43,9 +43,10 @@ from infire_jax.quant.weight_parts import WeightParts
 from pallas_kernels import placement
 
 # The input axis of each DeepSeek layer weight that a checkpoint may quantize, counted from the end:
-# wq_a [E, Rq], wq_b [Rq, H, Dq], wkv_a [E, R + Dr], w_uk/w_uv [R, H, D] (kv_b's input is the latent),
-# wo [H, Dv, E] (groups within a head), w_gate_up [(X,) E, 2, F], w_down [(X,) F, E], and the shared ones.
-INPUT_AXIS = {"wq_a": -2, "wq_b": -3, "wkv_a": -2, "w_uk": -3, "w_uv": -3, "wo": -2, "w_gate_up": -3,
+# wq_a [E, Rq], wq_b [Rq, H, Dq], wkv_a [E, R + Dr], w_uk [H, Dn, R] and w_uv [H, R, Dv] (kv_b's input
+# is the latent), wo [H, Dv, E] (groups within a head), w_gate_up [(X,) E, 2, F], w_down [(X,) F, E], and
+# the shared ones.
+INPUT_AXIS = {"wq_a": -2, "wq_b": -3, "wkv_a": -2, "w_uk": -1, "w_uv": -2, "wo": -2, "w_gate_up": -3,
               "w_down": -2, "w_shared_gate_up": -3, "w_shared_down": -2}
 VALUE_PART = {"int4": "packed", "fp8": "fp8", "mxfp4": "fp4"}
 ROUTED_EXPERTS = ("w_gate_up", "w_down")  # in a MoE layer, dequantized one expert at a time
