@@ -133,7 +133,7 @@ def test_forward_copies_only_past_a_row_tile_and_plans_once(compiled):
     step's attention planning in every layer."""
     _, small = compiled["forward 64 tokens"]
     _, large = compiled["forward 8192 tokens"]
-    assert small.weight_copies == 0 and small.float32_weights == []
+    assert small.weight_copies == small.slice_copies == 0 and small.float32_weights == []
     # The prefill kernel's work items (a search over the rows) are built once, before the layer loop.
     assert small.loops_in_layer == 0 and large.loops_in_layer == 0
     assert large.weight_copy_bytes >= LAYER_WEIGHT_BYTES * LAYERS and large.float32_weights == []
@@ -158,7 +158,7 @@ def test_a_pool_filling_the_card_costs_the_prompt_chunk_nothing(tmp_path, compil
 def test_gpt_oss_decode_reads_its_mxfp4_experts_and_attention_in_place(tmp_path, devices):
     """gpt-oss with its experts kept in MXFP4 (a dummy's drawn so), 2 of its layers, on one H100 and on
     two (tp 2: each card half of every expert's width, whole blocks): the decode burst copies no weight
-    (the experts through the grouped Pallas kernel, q/k/v and o through the dense one) and runs no loop
+    (the experts through the grouped Pallas kernel, q/k/v, o and the router through the dense one) and runs no loop
     inside a layer (the grouped kernel's tile schedule is one comparison, not a binary search's loop:
     4532 launches a step of the whole 120b before, 1472 after)."""
     from infire_jax.bench import gpu_target, program_stats
@@ -172,7 +172,7 @@ def test_gpt_oss_decode_reads_its_mxfp4_experts_and_attention_in_place(tmp_path,
     shapes, layers, _ = target.weights_per_device()
     (program,) = target.programs(str(tmp_path), ("burst-greedy",))
     st = program_stats.read_dump(program.dump_dir, shapes, layers)
-    assert st.weight_copies == 0 and st.float32_weights == [], st.weight_copy_ops
+    assert st.weight_copies == st.slice_copies == 0 and st.float32_weights == [], st.slice_copy_ops
     assert st.loops_in_layer == 0 and 0 < st.launches_per_layer <= 40, st.launches_per_layer
     assert st.custom_calls.get("__gpu$xla.gpu.triton", 0) >= 2 * program.steps * 5  # qkv, o, 2 experts, attention
 
@@ -195,7 +195,7 @@ def test_gemma_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path, 
     shapes, layers, _ = target.weights_per_device()
     programs = {p.name: p for p in target.programs(str(tmp_path), ("burst-greedy", "forward 2048"))}
     st = program_stats.read_dump(programs["burst-greedy 64 tokens"].dump_dir, shapes, layers)
-    assert st.weight_copies == 0 and st.float32_weights == [], st.weight_copy_ops
+    assert st.weight_copies == st.slice_copies == 0 and st.float32_weights == [], st.slice_copy_ops
     assert st.loops_in_layer == 0 and 0 < st.launches_per_layer <= 40 * trip_layers, st.launches_per_layer
     assert program_stats.read_dump(programs["forward 2048 tokens"].dump_dir, shapes, layers).launches_per_layer > 0
 
@@ -213,7 +213,7 @@ def test_glm4_decode_compiles_and_reads_its_experts_in_place(tmp_path):
     shapes, layers, _ = target.weights_per_device()
     programs = {p.name: p for p in target.programs(str(tmp_path), ("burst-greedy", "forward 2048"))}
     st = program_stats.read_dump(programs["burst-greedy 64 tokens"].dump_dir, shapes, layers)
-    assert st.weight_copies == 0, st.weight_copy_ops
+    assert st.weight_copies == st.slice_copies == 0, st.slice_copy_ops
     # only the router [E, X] is converted: its logits are float32 as HF's (models/deepseek_moe.py), 1 MB a layer
     assert st.float32_weights and all(w.endswith("[4096, 128]") for w in st.float32_weights), st.float32_weights
     assert st.loops_in_layer == 0, st.loops_in_layer
@@ -237,7 +237,7 @@ def test_minimax_m2_decode_reads_its_published_fp8_blocks_in_place(tmp_path):
         shapes, layers, sizes[quantization] = target.weights_per_device()
     (program,) = target.programs(str(tmp_path), ("burst-greedy",))
     st = program_stats.read_dump(program.dump_dir, shapes, layers)
-    assert st.weight_copies == 0 and st.loops_in_layer == 0, st.weight_copy_ops
+    assert st.weight_copies == st.slice_copies == 0 and st.loops_in_layer == 0, st.slice_copy_ops
     assert st.custom_calls.get("__gpu$xla.gpu.triton", 0) == 2 * program.steps * 6, st.custom_calls
     embeddings = 2 * 200064 * 3072 * 2  # the embedding and the LM head, bfloat16 in both
     assert 0.5 < (sizes["checkpoint"] - embeddings) / (sizes[None] - embeddings) < 0.52, sizes
@@ -247,7 +247,7 @@ def test_minimax_m2_decode_reads_its_published_fp8_blocks_in_place(tmp_path):
 def test_qwen3_5_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path, devices):
     """Qwen3.5-MoE's shapes, one group of its layers (three Gated DeltaNets and a gated attention layer), on
     one H100 and on two (tp): the decode burst reads every projection, expert and the shared expert (the
-    dense models' MLP path) in place, cuBLAS only for the head and the routers, and writes nothing of a
+    dense models' MLP path) and the routers in place, cuBLAS only for the head, and writes nothing of a
     weight's size but each linear layer's new states (64 rows of [32, 128, 128] float32 over the devices, a
     fusion each): no step copies the whole linear state, as it did while each layer's rows were read in
     several fused places (the convolution's: only the one-card case catches that one; the delta rule's:
@@ -266,7 +266,8 @@ def test_qwen3_5_decode_reads_its_weights_in_place_and_prefill_compiles(tmp_path
     new_states = 64 * 32 // devices * 128 * 128 * 4  # bytes: each row's state of this device's heads
     assert "copy" not in [op.rstrip("0123456789.") for op in st.weight_copy_ops], st.weight_copy_ops
     assert st.weight_copies == 3 * burst.steps and st.weight_copy_bytes == st.weight_copies * new_states, st
-    assert st.custom_calls.get("__cublas$lt$matmul", 0) == burst.steps * (1 + 4), st.custom_calls  # head, routers
+    assert st.custom_calls.get("__cublas$lt$matmul", 0) == burst.steps, st.custom_calls  # the head
+    assert st.slice_copies == 0, st.slice_copy_ops
     forward = program_stats.read_dump(programs["forward 64 tokens"].dump_dir, shapes, layers)
     assert forward.launches > 0 and "copy" not in [op.rstrip("0123456789.") for op in forward.weight_copy_ops], \
         forward.weight_copy_ops
@@ -350,7 +351,8 @@ def test_llama4_scout_fits_two_h200s_with_the_seeds_kv_pool(tmp_path):
     cut = gpu_target.TargetEngine(dataclasses.replace(ec, model="dummy:llama-4-scout,layers=4"), h200, 2)
     shapes, cut_layers, cut_weights = cut.weights_per_device()
     burst = next(cut.programs(str(tmp_path), ("burst-greedy",)))
-    assert program_stats.read_dump(burst.dump_dir, shapes, cut_layers).weight_copies == 0
+    st = program_stats.read_dump(burst.dump_dir, shapes, cut_layers)
+    assert st.weight_copies == st.slice_copies == 0, st.slice_copy_ops  # the routers' too
     peak = gpu_target.peak_bytes(burst.compiled) - cut_weights - cut.kv_pool_bytes_per_device() + \
         weights + engine.kv_pool_bytes_per_device()
     assert weights < peak < h200.memory_bytes, peak

@@ -39,6 +39,7 @@ _THUNK = re.compile(r"^(\s*)(\d+): (k\w+)")
 # Thunks that hold others rather than launch anything themselves.
 _CONTAINERS = {"kWhile", "kConditional", "kSequential", "kCommandBuffer", "kDynamicSliceFusion"}
 _COPY_OPS = {"copy", "slice", "dynamic-slice", "transpose"}
+_PASS_THROUGH = {"bitcast", "reshape", "convert", "broadcast"}  # data moved, not combined with another operand
 WEIGHT_ELEMENTS = 1 << 20
 _NOT_BUFFERS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "while", "call", "conditional",
                 "after-all", "partition-id", "replica-id"}
@@ -147,22 +148,31 @@ def hlo_facts(comps: dict[str, list[Instruction]], weight_shapes: list[tuple[int
             body = comps.get(_callee(ins), []) if ins.opcode == "fusion" else []
             root = _root(body)
             op = root.opcode if root is not None else ins.opcode
-            # what the copy reads: a fusion's parameters, else its operands
-            sources = ([i for i in body if i.opcode == "parameter"] if ins.opcode == "fusion"
-                       else [local[n] for n in _operands(ins) if n in local])
             found = (_op_name(root or ins, ins), ins.nbytes, runs.get(name, 1))
             if op in _COPY_OPS and math.prod(ins.dims) >= smallest:
                 copies.append(found)
-            if op in _COPY_OPS and any(weight_shaped(src.dims) for src in sources if src.dtype):
+            source = _copied(root, body) if root is not None else _first_operand(ins, local)
+            if op in _COPY_OPS and source is not None and source.dtype and weight_shaped(source.dims):
                 slices.append(found)
             if ins.dtype == "f32" and tuple(sorted(d for d in ins.dims if d > 1)) in matrices:
                 f32.append((f"{ins.name} f32{list(ins.dims)}", ins.nbytes, runs.get(name, 1)))
     return copies, f32, slices
 
 
-def _operands(ins: Instruction) -> list[str]:
-    """The names of an instruction's operands (printed before the closing parenthesis)."""
-    return re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
+def _first_operand(ins: Instruction, local: dict[str, Instruction]) -> Instruction | None:
+    """An instruction's first operand (by the names printed before the closing parenthesis)."""
+    names = re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
+    return local.get(names[0]) if names else None
+
+
+def _copied(root: Instruction, body: list[Instruction]) -> Instruction | None:
+    """The fusion parameter whose data a copy-rooted fusion moves: from the root, back through copies,
+    reshapes and conversions of one operand (not through arithmetic with other operands)."""
+    local = {i.name: i for i in body}
+    ins: Instruction | None = root
+    while ins is not None and ins.opcode in _COPY_OPS | _PASS_THROUGH:
+        ins = _first_operand(ins, local)
+    return ins if ins is not None and ins.opcode == "parameter" else None
 
 
 def _callee(ins: Instruction) -> str:

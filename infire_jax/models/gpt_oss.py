@@ -114,7 +114,7 @@ def grouped_experts(lp: dict[str, Array | LayerExperts], d: Dispatch, gc: GptOss
 def route(lp: dict[str, Array], x: Float[Array, "T E"], k: int) -> Routing:
     """GptOssTopKRouter: logits with the bias, in the activations' dtype; top-k of them; a softmax over
     the k chosen (in float32, cast back as HF's softmax in the logits' dtype)."""
-    logits = jnp.einsum("te,ex->tx", x, lp["router"]) + lp["router_bias"]
+    logits = linear(x, lp["router"], "te,ex->tx") + lp["router_bias"]
     top, experts = jax.lax.top_k(logits, k)
     weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype)
     return Routing(weights, experts.astype(jnp.int32))
@@ -151,8 +151,9 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     tokens, n, one_device = h.shape[0], weights["attn_norm"].shape[0], red == Reductions()
     meta = plan_step(meta, attn_impl, tokens, cfg.num_heads // cfg.num_kv_heads)
     # On a GPU, the stacks the Pallas matmuls read in place: the experts, and in decode-sized steps
-    # q/k/v and o (XLA's GEMM would copy each layer's slice out of the stack first: docs/PERFORMANCE.md).
-    in_place = layer_stacks(weights, tokens, {k: INPUT_AXES[k] for k in ("wqkv", "wo")}, True,
+    # q/k/v, o and the router (XLA's GEMM would copy each layer's slice out of the stack first:
+    # docs/PERFORMANCE.md).
+    in_place = layer_stacks(weights, tokens, {"wqkv": INPUT_AXES["wqkv"], "wo": INPUT_AXES["wo"], "router": 1}, True,
                             one_device=one_device)
 
     def layer(carry, xs):

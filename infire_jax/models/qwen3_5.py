@@ -39,7 +39,7 @@ from infire_jax.models.decoder import DecoderModel
 from infire_jax.models.gated_delta import (LINEAR_STATE_AXES, LinearState, LinearStep, Rows, causal_conv,
                                            gated_delta_rule, step_rows)
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_cos_sin, swiglu
-from infire_jax.models.moe import route_for, routed_mlp, router_logits
+from infire_jax.models.moe import route_for, routed_mlp
 from infire_jax.models.llama import InPlace, linear
 from infire_jax.models.parallel import Reductions, psum, run_sharded
 from infire_jax.models.quant_kernels import EXPERT_INPUTS, LayerExperts, layer_stacks
@@ -54,6 +54,9 @@ KVPages = tuple[Array, Array]
 # Each projection's input axes (models/quant_kernels.py `layer_stacks`): what the in-place kernels read.
 DENSE_INPUTS = {"w_qkv": 1, "w_z": 1, "w_b": 1, "w_a": 1, "w_out": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 2,
                 "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1}
+# Read in place by the GPU's kernels only (a decode step's slice would be copied out for cuBLAS; the CPU's
+# summation stays XLA's, so routing on a CPU is what it was).
+GPU_INPUTS = {**DENSE_INPUTS, "router": 1}
 
 
 def _mlp_params(layers: LayerStacks, cfg: ModelConfig, n: int, dtype) -> None:
@@ -167,7 +170,7 @@ def _mlp(cfg: ModelConfig, red: Reductions, lp: dict[str, Array], h: Float[Array
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     if not cfg.is_moe:
         return h + psum(_swiglu_mlp(x, lp["w_gate_up"], lp["w_down"]), red.dense)
-    routed = routed_mlp(lp, x, route_for(cfg, router_logits(lp, x)), expert_axis=red.expert_axis)
+    routed = routed_mlp(lp, x, route_for(cfg, linear(x, lp["router"], "te,ex->tx")), expert_axis=red.expert_axis)
     shared = _swiglu_mlp(x, lp["w_shared_gate_up"], lp["w_shared_down"])
     gate = jax.nn.sigmoid((x @ lp["shared_gate"][:, None]).astype(jnp.float32)).astype(x.dtype)
     return h + psum(routed, red.mlp) + psum(gate * shared, red.dense)
@@ -231,7 +234,7 @@ def _in_place(weights: dict[str, Array], tokens: int, cfg: ModelConfig, one_devi
     experts always. On one CPU: the dense projections its matmul kernel takes (`cpu_matmul.applies`, as
     models/llama.py's), each viewed as [L, inputs, outputs]; scanned slices were copied out every layer,
     so a decode step moved its weights three times (0.8b's decode: 18% of the copy bandwidth)."""
-    stacks = layer_stacks(weights, tokens, DENSE_INPUTS, cfg.is_moe, one_device=one_device)
+    stacks = layer_stacks(weights, tokens, GPU_INPUTS, cfg.is_moe, one_device=one_device)
     for name, inputs in DENSE_INPUTS.items() if one_device else ():
         w = weights.get(name)
         if name in stacks or not isinstance(w, jax.Array) or (cfg.is_moe and name in EXPERT_INPUTS):
