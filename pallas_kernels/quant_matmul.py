@@ -335,7 +335,7 @@ def quant_matmul_parts(x: Float[Array, "M K"] | Float[Array, "S M K2"], stack: Q
     rounded to that dtype, computed as each tile loads them (no launch of their own)."""
     stack.check()
     m, k = x.shape[-2], stack.num_inputs
-    x_bytes = 2 * 4 * x.shape[0] if swiglu_dtype is not None else 2
+    x_bytes = 2 * 4 * x.shape[0] if swiglu_dtype is not None else x.dtype.itemsize
     blocks = _fitted(choose(min(m, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group, x_bytes),
                      stack)
     rows = _tile_rows(m, blocks)
@@ -366,8 +366,8 @@ def head_matmul(x: Float[Array, "T H K"], stack: QuantStack, first: Int[Array, "
     copies it out of the stack first. Every head has the step's T rows, so the tiles are static."""
     stack.check()
     t, h, k = x.shape
-    blocks = _fitted(choose(min(t, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group),
-                     stack)
+    blocks = _fitted(choose(min(t, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group,
+                            x.dtype.itemsize), stack)
     rows = _tile_rows(t, blocks)
     per_head = -(-t // rows)
     xs = jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, per_head * rows - t), (0, 0))).reshape(-1, k)
@@ -393,8 +393,8 @@ def grouped_matmul(x: Float[Array, "M K"], group_sizes: Int[Array, "G"], stack: 
     m, k = x.shape
     num_groups = group_sizes.shape[0]
     mean = max(1, m // num_groups)
-    blocks = _fitted(choose(min(mean, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group),
-                     stack)
+    blocks = _fitted(choose(min(mean, MAX_TILE_ROWS), k, stack.num_outputs, stack.packing, blocks, stack.group,
+                            x.dtype.itemsize), stack)
     rows = group_tile_rows(m, num_groups, blocks)
     if not is_power_of_2(rows):
         raise ValueError(f"tile rows {rows} is not a power of two")
