@@ -221,6 +221,23 @@ def test_glm4_decode_compiles_and_reads_its_experts_in_place(tmp_path):
     assert sorted(programs) == ["burst-greedy 64 tokens", "forward 2048 tokens"]
 
 
+def test_qwen3_moe_decode_reads_its_router_in_place(tmp_path):
+    """Qwen3-30B-A3B's shapes, 2 layers, on one H100 (models/llama.py's MoE path): the decode burst reads
+    every layer weight, the experts and the router in place; cuBLAS only for the LM head (each layer's
+    router slice was copied out for a cuBLAS call of its own)."""
+    from infire_jax.bench import gpu_target, program_stats
+    from infire_jax.engine.setup import EngineConfig
+
+    ec = EngineConfig(model="dummy:qwen3-30b-a3b,layers=2", dtype="bfloat16", token_buckets=(64,), max_num_seqs=64,
+                      max_model_len=8192, num_kv_pages=1024, num_decode_steps=2)
+    target = gpu_target.TargetEngine(ec, gpu_target.target("h100"))
+    shapes, layers, _ = target.weights_per_device()
+    (program,) = target.programs(str(tmp_path), ("burst-greedy",))
+    st = program_stats.read_dump(program.dump_dir, shapes, layers)
+    assert st.weight_copies == st.slice_copies == 0, st.slice_copy_ops
+    assert st.custom_calls.get("__cublas$lt$matmul", 0) == program.steps, st.custom_calls
+
+
 def test_minimax_m2_decode_reads_its_published_fp8_blocks_in_place(tmp_path):
     """MiniMax-M2 as published (fp8 in 128 x 128 blocks, kept: loaders/kept_8bit.py), 2 of its layers on one
     H100: the decode burst reads q/k/v, o, the router and every expert in place through the Triton kernels

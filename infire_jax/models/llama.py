@@ -90,6 +90,10 @@ class DecoderLayers(LayerStacks):
                 setattr(self, short, PaletteParams(tuple(plain.shape), plain.axes, layout))
 
 
+# What the GPU's kernels read in place: the dense weights and a MoE layer's router (whose slice XLA's GEMM
+# copied out of the stack every decode step). The CPU's kernels take INPUT_AXES only, so CPU routing is XLA's.
+GPU_INPUTS = {**INPUT_AXES, "router": 1}
+
 
 @dataclasses.dataclass(frozen=True)
 class InPlace:
@@ -126,7 +130,7 @@ def in_place_weights(cfg: ModelConfig, weights: dict[str, Array], tokens: int, r
     layer of the stack, as (the stack as the kernel reads it, one layer's shape): quantized ones and
     MoE experts with the quantized matmul kernels (models/quant_kernels.py; the GPU's on a mesh too,
     per shard), and off a mesh the dense ones the CPU matmul kernel takes (`cpu_matmul.applies`)."""
-    out = layer_stacks(weights, tokens, INPUT_AXES, cfg.is_moe, one_device=red == Reductions())
+    out = layer_stacks(weights, tokens, GPU_INPUTS, cfg.is_moe, one_device=red == Reductions())
     if red != Reductions():
         return out
     if "wo" in out and out["wo"][0].fuses and "mlp_norm" in weights:  # read in place by the fused residual norm
@@ -213,7 +217,10 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
     flagged in `nope` (`nope_table`, SmolLM3's NoPE layers) rotates by nothing: cos 1, sin 0.
     """
     scale = cfg.head_dim ** -0.5
-    mlp = functools.partial(moe_mlp, cfg=cfg, expert_axis=red.expert_axis) if cfg.is_moe else dense_mlp
+    def mlp(lp: dict, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
+        if not cfg.is_moe:
+            return dense_mlp(lp, x)
+        return moe_mlp(lp, x, cfg=cfg, expert_axis=red.expert_axis, logits=linear(x, lp["router"], "te,ex->tx"))
 
     def layer(carry, xs):
         h, k_pages, v_pages = carry

@@ -219,14 +219,16 @@ def combine(ys: Float[Array, "M E"], d: Dispatch, routing: Routing, dtype) -> Fl
 
 
 def moe_mlp(lp: dict[str, Array], x: Float[Array, "T E"], *, cfg: ModelConfig, impl: str | None = None,
-            expert_axis: str | None = None) -> Float[Array, "T E"]:
-    """The sparse MLP of one decoder layer.
+            expert_axis: str | None = None, logits: Float[Array, "T X"] | None = None) -> Float[Array, "T E"]:
+    """The sparse MLP of one decoder layer; `logits` are the router's where the caller computed them (a
+    router stack a kernel reads in place: models/llama.py), else `router_logits`.
 
     With `expert_axis` (inside shard_map), the weights hold only this device's experts: rows routed
     elsewhere go to a trailing group that is never computed, and the result is this device's
     partial sum, which the caller reduces over the axis.
     """
-    return routed_mlp(lp, x, route_for(cfg, router_logits(lp, x)), impl=impl, expert_axis=expert_axis)
+    logits = router_logits(lp, x) if logits is None else logits
+    return routed_mlp(lp, x, route_for(cfg, logits), impl=impl, expert_axis=expert_axis)
 
 
 def routed_mlp(lp: dict[str, Array], x: Float[Array, "T E"], routing: Routing, *, impl: str | None = None,
