@@ -217,6 +217,7 @@ def make_layer_fn(cfg: ModelConfig, cos: Array, sin: Array, meta: AttentionMetad
     flagged in `nope` (`nope_table`, SmolLM3's NoPE layers) rotates by nothing: cos 1, sin 0.
     """
     scale = cfg.head_dim ** -0.5
+
     def mlp(lp: dict, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
         if not cfg.is_moe:
             return dense_mlp(lp, x)
