@@ -48,7 +48,7 @@ KVPages = tuple[Array, Array]  # (latent pages [L, N, ps, 1, R], rotary-key page
 # The layer weights that are plain matmuls, with how many leading axes of one layer's weight are inputs
 # (W_uk and W_uv are not: the absorbed attention contracts them per head, HEAD_INPUTS).
 DENSE_INPUTS = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1,
-                "w_shared_down": 1, "router": 1}
+                "w_shared_down": 1}
 HEAD_INPUTS = {"w_uk": 1, "w_uv": 1}
 
 

@@ -46,8 +46,7 @@ from sharding.plan import ShardPlan
 
 KVPages = tuple[Array, Array]  # (k_pages, v_pages), each [L, num_pages, page_size, kv_heads, head_dim]
 # The layer weights that are plain matmuls, with how many leading axes of one layer's weight are inputs.
-DENSE_INPUTS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1,
-                "router": 1}
+DENSE_INPUTS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1}
 
 
 class Glm4Layers(LayerStacks):

@@ -153,7 +153,7 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     # On a GPU, the stacks the Pallas matmuls read in place: the experts, and in decode-sized steps
     # q/k/v, o and the router (XLA's GEMM would copy each layer's slice out of the stack first:
     # docs/PERFORMANCE.md).
-    in_place = layer_stacks(weights, tokens, {"wqkv": INPUT_AXES["wqkv"], "wo": INPUT_AXES["wo"], "router": 1}, True,
+    in_place = layer_stacks(weights, tokens, {k: INPUT_AXES[k] for k in ("wqkv", "wo")}, True,
                             one_device=one_device)
 
     def layer(carry, xs):

@@ -90,11 +90,6 @@ class DecoderLayers(LayerStacks):
                 setattr(self, short, PaletteParams(tuple(plain.shape), plain.axes, layout))
 
 
-# What the GPU's kernels read in place: the dense weights and a MoE layer's router (whose slice XLA's GEMM
-# copied out of the stack every decode step). The CPU's kernels take INPUT_AXES only, so CPU routing is XLA's.
-GPU_INPUTS = {**INPUT_AXES, "router": 1}
-
-
 @dataclasses.dataclass(frozen=True)
 class InPlace:
     """A layer's weight as the whole stack plus the layer index, so a matmul kernel reads the
@@ -130,7 +125,7 @@ def in_place_weights(cfg: ModelConfig, weights: dict[str, Array], tokens: int, r
     layer of the stack, as (the stack as the kernel reads it, one layer's shape): quantized ones and
     MoE experts with the quantized matmul kernels (models/quant_kernels.py; the GPU's on a mesh too,
     per shard), and off a mesh the dense ones the CPU matmul kernel takes (`cpu_matmul.applies`)."""
-    out = layer_stacks(weights, tokens, GPU_INPUTS, cfg.is_moe, one_device=red == Reductions())
+    out = layer_stacks(weights, tokens, INPUT_AXES, cfg.is_moe, one_device=red == Reductions())
     if red != Reductions():
         return out
     if "wo" in out and out["wo"][0].fuses and "mlp_norm" in weights:  # read in place by the fused residual norm

@@ -259,9 +259,12 @@ def layer_stacks(weights: Mapping[str, Any], tokens: int, dense_inputs: Mapping[
                  ) -> dict[str, tuple[KernelQuantWeight, tuple[int, ...]]]:
     """A decoder stack's weights that the kernels read in place for a step of `tokens` tokens, as
     (the stack as read, one layer's weight shape): its quantized dense weights (`dense_inputs`, the
-    expert weights left out in a MoE stack), its plain per-head ones (`head_inputs`) and, where the
-    grouped matmul is the kernel, a MoE stack's experts."""
+    expert weights left out in a MoE stack, its router added: XLA's GEMM copied the router's slice out
+    of the stack every decode step), its plain per-head ones (`head_inputs`) and, where the grouped
+    matmul is the kernel, a MoE stack's experts."""
     dense = {k: v for k, v in dense_inputs.items() if not (moe and k in EXPERT_INPUTS)}
+    if moe:
+        dense["router"] = 1
     experts = EXPERT_INPUTS if moe and default_grouped_impl() == "pallas" else None
     stacks = kernel_stacks(weights, tokens, dense, experts, one_device=one_device, head_inputs=head_inputs)
     return {name: (kw, kw.shape) for name, kw in stacks.items()}

@@ -54,9 +54,6 @@ KVPages = tuple[Array, Array]
 # Each projection's input axes (models/quant_kernels.py `layer_stacks`): what the in-place kernels read.
 DENSE_INPUTS = {"w_qkv": 1, "w_z": 1, "w_b": 1, "w_a": 1, "w_out": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 2,
                 "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1}
-# Read in place by the GPU's kernels only (a decode step's slice would be copied out for cuBLAS; the CPU's
-# summation stays XLA's, so routing on a CPU is what it was).
-GPU_INPUTS = {**DENSE_INPUTS, "router": 1}
 
 
 def _mlp_params(layers: LayerStacks, cfg: ModelConfig, n: int, dtype) -> None:
@@ -234,7 +231,7 @@ def _in_place(weights: dict[str, Array], tokens: int, cfg: ModelConfig, one_devi
     experts always. On one CPU: the dense projections its matmul kernel takes (`cpu_matmul.applies`, as
     models/llama.py's), each viewed as [L, inputs, outputs]; scanned slices were copied out every layer,
     so a decode step moved its weights three times (0.8b's decode: 18% of the copy bandwidth)."""
-    stacks = layer_stacks(weights, tokens, GPU_INPUTS, cfg.is_moe, one_device=one_device)
+    stacks = layer_stacks(weights, tokens, DENSE_INPUTS, cfg.is_moe, one_device=one_device)
     for name, inputs in DENSE_INPUTS.items() if one_device else ():
         w = weights.get(name)
         if name in stacks or not isinstance(w, jax.Array) or (cfg.is_moe and name in EXPERT_INPUTS):
