@@ -182,22 +182,10 @@ def quantize_like_int4(model, group: int) -> None:
 
 
 def fp8_kv(model, kv_scales, monkeypatch) -> None:
-    """Makes the text model attend to its keys and values as an fp8 pool holds them
-    (pallas_kernels/kv_quant.py): each (layer, kv head)'s `x / scale`, saturated to +-448 and rounded to
-    e4m3, times the scale. `kv_scales` [L, 2, Hkv]: the engine's calibrated [k_scale, v_scale]."""
-    import torch
+    """Makes the text model attend to its keys and values as an fp8 pool holds them (quant_reference.py
+    `attend_to_e4m3`). `kv_scales` [L, 2, Hkv]: the engine's calibrated [k_scale, v_scale]."""
     from transformers.models.llama4 import modeling_llama4
 
-    scales = torch.from_numpy(np.asarray(kv_scales, np.float32))
-    eager = modeling_llama4.eager_attention_forward
+    from quant_reference import attend_to_e4m3
 
-    def e4m3(x, scale):
-        s = scale[None, :, None, None]
-        return torch.clamp(x / s, -448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * s
-
-    def attention(module, query, key, value, *args, **kwargs):
-        k_scale, v_scale = scales[module.layer_idx]
-        return eager(module, query, e4m3(key, k_scale), e4m3(value, v_scale), *args, **kwargs)
-
-    monkeypatch.setattr(modeling_llama4, "eager_attention_forward", attention)
-    text_model(model).config._attn_implementation = "eager"
+    attend_to_e4m3(modeling_llama4, text_model(model).config, kv_scales, monkeypatch)

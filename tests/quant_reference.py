@@ -55,3 +55,25 @@ def reference_rtn(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np
         q[:, cols] = np.clip(np.round(x / s.astype(np.float64)[:, None]) + z[:, None], 0, 15)
         zero[:, cols], scale[:, cols] = z[:, None], s[:, None]
     return q, zero, scale
+
+
+def attend_to_e4m3(modeling, config, kv_scales, monkeypatch, pool_layer=lambda layer: layer) -> None:
+    """Makes an HF model (its `modeling` module, its attention's `config`) attend to its keys and values as
+    an fp8 pool holds them (pallas_kernels/kv_quant.py): each (layer, kv head)'s `x / scale`, saturated to
+    +-448 and rounded to e4m3, times the scale. `kv_scales` [pool layers, 2, Hkv]: the engine's
+    [k_scale, v_scale]; `pool_layer`: an HF layer's index in the pool."""
+    import torch
+
+    scales = torch.from_numpy(np.asarray(kv_scales, np.float32))
+    eager = modeling.eager_attention_forward
+
+    def e4m3(x, scale):
+        s = scale[None, :, None, None]
+        return torch.clamp(x / s, -448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * s
+
+    def attention(module, query, key, value, *args, **kwargs):
+        k_scale, v_scale = scales[pool_layer(module.layer_idx)]
+        return eager(module, query, e4m3(key, k_scale), e4m3(value, v_scale), *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", attention)
+    config._attn_implementation = "eager"

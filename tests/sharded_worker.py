@@ -74,7 +74,8 @@ def main() -> None:
                           weights_compression=run.get("weights_compression"),
                           weights_quantization=run.get("weights_quantization"),
                           int4_group_size=run.get("int4_group_size"),
-                          speculative_config=run.get("speculative_config"), **job["engine"])
+                          speculative_config=run.get("speculative_config"),
+                          **{**job["engine"], **run.get("engine", {})})  # a run's own engine settings win
                 if run.get("env"):  # the Pallas kernels of the smallest bucket's forward, traced under it
                     from test_step_program import forward_jaxpr, kernel_names
 

@@ -30,6 +30,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
             bos_token_id=256, eos_token_id=257, pad_token_id=0,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25})
 NUM_TOKENS = 24
+TINY_INTERVAL = 4  # a group: three Gated DeltaNets, then an attention layer
 PROMPTS = [[5, 77, 200, 13, 42], list(range(60, 100)), [258, 3, 3, 190, 64, 99, 120, 7, 250, 11, 31, 17, 90, 200]]
 # 22 pages of 4 tokens hold the longest sequence (64 tokens) and little more: the three preempt each other.
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=64,
@@ -225,6 +226,83 @@ def test_fp8_checkpoint_is_dequantized_as_read(checkpoint, tmp_path):
     save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="A_log.* is float8 without the block scales"):
         LLM(model=str(tmp_path / "fp8"), attn_impl="reference", **ENGINE)
+
+
+def _hf_kv_scales(hf, token_ids: list[int]) -> np.ndarray:
+    """The calibration's scales from HF's own keys and values (its cache after one forward of `token_ids`):
+    each attention layer's largest magnitude per kv head, times the margin, over e4m3's largest value."""
+    from infire_jax.runner.kv_scales import MARGIN
+    from pallas_kernels.kv_quant import FP8_MAX
+
+    with torch.no_grad():
+        cache = hf(torch.tensor([token_ids]), use_cache=True).past_key_values
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    amax = [[t[0].abs().amax(dim=(1, 2)).double().numpy() for t in (layer.keys, layer.values)] for layer in layers]
+    return np.array(amax) * MARGIN / FP8_MAX
+
+
+def test_fp8_kv_cache_calibrated_or_from_the_checkpoint(checkpoint, tmp_path, monkeypatch):
+    """`kv_cache_dtype="fp8"`: the pool holds the attention layers' keys and values in e4m3, a scale per
+    (attention layer, kv head). Calibrated, the scales are what HF's own keys and values give on the
+    calibration text; preempted and recomputed, the engine gives the tokens and logprobs of HF attending to
+    its keys and values rounded to e4m3 with those scales (and HF's plain tokens). A checkpoint's
+    `k_scale` / `v_scale` on its attention layers (layer 3 and 7 of 8, either naming) are read instead, the
+    weight loader passing them by; one on a linear-attention layer is refused by name."""
+    import shutil
+
+    from quant_reference import attend_to_e4m3
+    from safetensors.numpy import save_file
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from infire_jax import LLM, SamplingParams
+    from infire_jax.runner.kv_scales import CALIBRATION_TEXT
+
+    hf, path = checkpoint
+    want = [hf_greedy(hf, prompt, NUM_TOKENS) for prompt in PROMPTS]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    llm = LLM(model=str(path), attn_impl="reference", kv_cache_dtype="fp8", **ENGINE)
+    try:
+        engine = llm.engine
+        assert engine.runner.cache.k_pages.dtype == np.uint8 and engine.runner.cache.k_pages.shape[0] == 2
+        calibrated = engine.runner.kv_scales
+        np.testing.assert_allclose(calibrated, _hf_kv_scales(hf, engine.loaded.tokenizer.encode(CALIBRATION_TEXT)),
+                                   rtol=1e-4)
+        outs = llm.generate(PROMPTS, params)
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv.num_free_pages == engine.kv.num_pages - 1
+    finally:
+        llm.engine.close()
+    rounded = hf_model()
+    attend_to_e4m3(modeling_qwen3_5, rounded.config, calibrated, monkeypatch, lambda layer: layer // TINY_INTERVAL)
+    want_rounded = [hf_greedy(rounded, prompt, NUM_TOKENS) for prompt in PROMPTS]
+    for (tokens, logprobs), (plain_tokens, plain), out in zip(want_rounded, want, outs):
+        got = out.outputs[0]
+        assert got.token_ids == tokens == plain_tokens
+        logprobs_got = [lp[t].logprob for lp, t in zip(got.logprobs, tokens)]
+        # Measured: within 4e-7 of HF on rounded keys and values, 1.4e-3 to 2.4e-3 off HF's plain ones.
+        np.testing.assert_allclose(logprobs_got, logprobs, atol=1e-5, rtol=0)
+        assert np.abs(np.subtract(logprobs_got, plain)).max() > 5e-4
+
+    shutil.copytree(path, tmp_path / "scaled")
+    given = (2 * calibrated).astype(np.float32)  # a power of two: the same e4m3 mantissas as calibrated
+    # Layer 7's as a multimodal checkpoint names its language model's, its v_scale a scalar (every kv head's).
+    scales = {f"model.{'language_model.' * (layer == 7)}layers.{layer}.self_attn.{kv}_scale": given[i, j]
+              for i, layer in enumerate((3, 7)) for j, kv in enumerate("kv")}
+    scales["model.language_model.layers.7.self_attn.v_scale"] = np.array(given[1, 1].max())
+    save_file(scales, str(tmp_path / "scaled" / "kv_scales.safetensors"))
+    llm = LLM(model=str(tmp_path / "scaled"), attn_impl="reference", kv_cache_dtype="fp8", **ENGINE)
+    try:
+        given[1, 1] = given[1, 1].max()
+        np.testing.assert_array_equal(llm.engine.runner.kv_scales, given)
+        out = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+    finally:
+        llm.engine.close()
+    assert out.token_ids == want[0][0]
+
+    save_file({**scales, "model.layers.2.self_attn.k_scale": np.array(0.1, np.float32)},
+              str(tmp_path / "scaled" / "kv_scales.safetensors"))
+    with pytest.raises(ConfigError, match="model.layers.2.self_attn.k_scale: layer 2 keeps no keys and values"):
+        LLM(model=str(tmp_path / "scaled"), kv_cache_dtype="fp8", **ENGINE)
 
 
 def _reference(x, w, conv0, q, k, v, g, beta, rec0):
@@ -423,7 +501,6 @@ def test_config_refusals():
 @pytest.mark.parametrize("setting, match", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
     (dict(weights_quantization="gguf"), "weights_quantization"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(enable_lora=True), "LoRA adapters are supported on the Llama family"),
 ])
 def test_engine_refusals(checkpoint, setting, match):
@@ -464,7 +541,8 @@ def test_int8_at_load_equals_its_float_twin(tmp_path, monkeypatch):
 def test_meshes_match_hf(checkpoint, tmp_path):
     """On virtual CPU devices, against HF: tp 2 with one kv head (repeated to each device) and tp 2 x ep 2 on
     the MoE (its experts split over ep, every expert's width and the shared expert's over tp). Each device
-    holds its heads' weights and linear state. Meshes that cannot split the model are refused by name."""
+    holds its heads' weights and linear state. Meshes that cannot split the model are refused by name. On tp 2,
+    int8 weights and an fp8 pool give the single device's tokens (and the fp8 pool its scales, repeated)."""
     import os
 
     import yaml
@@ -488,6 +566,9 @@ def test_meshes_match_hf(checkpoint, tmp_path):
     # int8 at load on tp 2 (the one kv head's k and v parts repeated to each device) as on one device
     runs += [{"model": paths["dense"], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
               "tag": f"int8 {m}", "weights_quantization": "int8"} for m in ("1", "2")]
+    # and an fp8 pool: calibrated on tp 2 (from each device's zeroed linear state) as on one device
+    runs += [{"model": paths["dense"], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
+              "tag": f"fp8 {m}", "engine": {"kv_cache_dtype": "fp8"}} for m in ("1", "2")]
     engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32]}  # one bucket compiled
     proc = _run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": NUM_TOKENS, "engine": engine}, 4, tmp_path,
                        "qwen3_5")
@@ -501,6 +582,13 @@ def test_meshes_match_hf(checkpoint, tmp_path):
     assert int8[1]["tokens"] == int8[0]["tokens"]
     np.testing.assert_allclose(int8[1]["logprobs"], int8[0]["logprobs"], atol=1e-4, rtol=0)
     assert int8[1]["params"]["attention_layers.wk.int8"]["spec"][2] == "tp"
+    fp8 = [results[f"fp8 {m}"] for m in ("1", "2")]
+    assert all(r["fits"] for r in fp8), [r.get("error") for r in fp8]
+    assert fp8[1]["tokens"] == fp8[0]["tokens"]
+    np.testing.assert_allclose(fp8[1]["logprobs"], fp8[0]["logprobs"], atol=1e-4, rtol=0)
+    single = np.asarray(fp8[0]["kv_scales"])  # [2 attention layers, (k, v), the one kv head], repeated on tp 2
+    assert single.shape == (2, 2, 1)
+    np.testing.assert_allclose(fp8[1]["kv_scales"], np.repeat(single, 2, axis=2), rtol=1e-5)
     for tag, expected in want.items():
         r = results[tag]
         assert r["fits"], r.get("error")

@@ -344,12 +344,12 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
 def _check_linear_state(ec: EngineConfig) -> None:
     """A model with linear-attention layers (Qwen3.5) keeps each sequence's state in its slot, advanced once
     per token: nothing that runs a token twice, or skips tokens by reusing pages, serves it yet; nor do
-    weights kept in a GGUF file's format (those quantized at load, and a checkpoint's 8-bit ones, are)."""
-    fp8 = is_fp8(resolve_kv_cache_dtype(ec.kv_cache_dtype, jnp.float32))
+    weights kept in a GGUF file's format (those quantized at load, and a checkpoint's 8-bit ones, are).
+    An fp8 pool is served: it holds the attention layers' keys and values alone."""
     served = ec.weights_quantization != "gguf"  # at load, or an 8-bit checkpoint's (loaders/kept_8bit.py)
     refused = {"speculative_config": ec.speculative_config,
                "weights_quantization": None if served else ec.weights_quantization,
-               "weights_compression": ec.weights_compression, "kv_cache_dtype": ec.kv_cache_dtype if fp8 else None}
+               "weights_compression": ec.weights_compression}
     for name, value in refused.items():
         if value:
             raise ConfigError(f"{name}={value!r} is not supported for Qwen3.5 (linear-attention layers) yet")

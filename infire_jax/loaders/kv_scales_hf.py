@@ -1,7 +1,8 @@
 """An HF checkpoint's own fp8 KV-cache scales (issue 30), in the spellings vLLM reads.
 
-Per layer N, under `model.layers.N.self_attn.`: `k_scale` and `v_scale` (FP8 checkpoints such as
-AutoFP8's), `k_proj.k_scale` / `v_proj.v_scale` (ModelOpt), `k_proj.output_scale` /
+Per layer N, under `model.layers.N.self_attn.` (a multimodal checkpoint's `model.language_model.layers.N.`;
+Qwen3.5's attention layers alone, each at its index in the pool): `k_scale` and `v_scale` (FP8
+checkpoints such as AutoFP8's), `k_proj.k_scale` / `v_proj.v_scale` (ModelOpt), `k_proj.output_scale` /
 `v_proj.output_scale` (compressed-tensors' kv_cache_scheme), or the older `kv_scale` (one for both).
 Each is a scalar or one value per kv head, with vLLM's meaning, which is runner/kv_scales.py's:
 `k_fp8 = k / k_scale`. They are no model weights: the weight loaders skip them (`is_kv_scale`)
@@ -22,6 +23,7 @@ from jaxtyping import Float
 from safetensors import safe_open
 
 from infire_jax.errors import ConfigError
+from infire_jax.loaders.weights import language_model_name
 from infire_jax.models.config import ModelConfig
 
 _SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.k_scale|v_proj\.v_scale"
@@ -47,11 +49,15 @@ def read_kv_scales(path: str | None, cfg: ModelConfig) -> Float[np.ndarray, "L 2
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         with jax.default_device(jax.local_devices(backend="cpu")[0]), safe_open(file, framework="flax") as f:
             for name in f.keys():
-                m = _SCALE.fullmatch(name)
+                m = _SCALE.fullmatch(language_model_name(name) or "")
                 if m:
                     layer = int(m.group(1))
                     if layer >= cfg.num_layers:
                         raise ConfigError(f"{name}: the model has {cfg.num_layers} layers")
+                    layer = cfg.kv_layer(layer)
+                    if layer is None:
+                        raise ConfigError(f"{name}: layer {m.group(1)} keeps no keys and values (a linear-attention "
+                                          "layer)")
                     value = _checked(name, np.asarray(f.get_tensor(name), np.float32), cfg)
                     for kv in _SETS[m.group(2)]:
                         key = (layer, kv)
@@ -61,14 +67,15 @@ def read_kv_scales(path: str | None, cfg: ModelConfig) -> Float[np.ndarray, "L 2
                         found[key] = (name, value)
     if not found:
         return None
-    scales = np.empty((cfg.num_layers, 2, cfg.num_kv_heads), np.float32)
+    scales = np.empty((cfg.num_kv_layers, 2, cfg.num_kv_heads), np.float32)
     for layer in range(cfg.num_layers):
-        for kv in (0, 1):
-            if (layer, kv) not in found:
+        pooled = cfg.kv_layer(layer)
+        for kv in (0, 1) if pooled is not None else ():
+            if (pooled, kv) not in found:
                 some = next(iter(found.values()))[0]
                 raise ConfigError(f"model.layers.{layer}.self_attn.{'kv'[kv]}_scale is missing: the checkpoint "
                                   f"has KV-cache scales ({some}, ...) but not for every layer's k and v")
-            scales[layer, kv] = found[(layer, kv)][1]
+            scales[pooled, kv] = found[(pooled, kv)][1]
     return scales
 
 

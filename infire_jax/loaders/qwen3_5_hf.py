@@ -20,6 +20,7 @@ import numpy as np
 
 from infire_jax.errors import UnsupportedModelError
 from infire_jax.loaders.gemma3_hf import gemma_norm
+from infire_jax.loaders.kv_scales_hf import is_kv_scale
 from infire_jax.loaders.weights import language_model_name
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.gated_delta import qkv_order
@@ -87,7 +88,7 @@ def linear_targets(module: str, cfg: ModelConfig) -> tuple[str, ...]:
     m = _LAYER.fullmatch(name or "")
     if m is None or int(m.group(1)) >= cfg.num_layers:
         return ()
-    stack = "attention_layers" if (int(m.group(1)) + 1) % cfg.gated_delta.interval == 0 else "linear_layers"
+    stack = "linear_layers" if cfg.kv_layer(int(m.group(1))) is None else "attention_layers"
     expert = _EXPERT.fullmatch(m.group(2))
     short = ("w_down" if expert.group(2) == "down_proj" else "w_gate_up") if expert else \
         _KEPT.get(m.group(2).removesuffix(".weight"))
@@ -112,7 +113,6 @@ def _split_grouped(short: str, w: np.ndarray, cfg: ModelConfig) -> dict[str, np.
 
 def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our parameter paths from the checkpoint's tensor names and float arrays."""
-    interval = cfg.gated_delta.interval
     stacks = {"attention_layers": [dict() for _ in range(cfg.num_kv_layers)],
               "linear_layers": [dict() for _ in range(cfg.num_linear_layers)]}
     weights: dict[str, np.ndarray] = {}
@@ -121,6 +121,8 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
         if raw.startswith(_SKIPPED):
             continue
         name = language_model_name(raw)
+        if name is not None and is_kv_scale(name):  # fp8 KV-cache scales: read by the engine, not model weights
+            continue
         m = _LAYER.fullmatch(name or "")
         expert = _EXPERT.fullmatch(m.group(2)) if m else None
         if expert is not None and int(m.group(1)) < cfg.num_layers and cfg.is_moe:
@@ -132,18 +134,18 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
                 weights[top] = gemma_norm(w) if top == "final_norm" else w
             continue
         i = int(m.group(1)) if m else cfg.num_layers
-        attends = (i + 1) % interval == 0
+        attends = cfg.kv_layer(i) is not None
         short = _SHARED.get(m.group(2)) or (_ATTENTION if attends else _LINEAR).get(m.group(2)) if m else None
         if short is None or i >= cfg.num_layers:
             raise UnsupportedModelError(f"unexpected weight {raw!r} for Qwen3.5 ({cfg.num_layers} layers)")
-        layer = _layer(stacks, i, interval)
+        layer = _layer(stacks, i, cfg)
         for part, value in (_split_grouped(short, w, cfg) if short in ("qkvz", "ba") else {short: w}).items():
             layer[part] = _layout(part, value, cfg)
     for (i, projection), by_expert in experts.items():
         if sorted(by_expert) != list(range(cfg.num_experts)):
             raise UnsupportedModelError(f"layer {i}'s experts' {projection} are incomplete for {cfg.num_experts} "
                                         "experts")
-        _layer(stacks, i, interval)[projection] = np.stack([by_expert[x] for x in range(cfg.num_experts)])
+        _layer(stacks, i, cfg)[projection] = np.stack([by_expert[x] for x in range(cfg.num_experts)])
     for layer in (*stacks["attention_layers"], *stacks["linear_layers"]):
         if "gate_proj" in layer or "up_proj" in layer:  # per-expert checkpoints: [X, E, F] each
             if not {"gate_proj", "up_proj"} <= set(layer):
@@ -165,8 +167,9 @@ def qwen3_5_weights(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
     return weights
 
 
-def _layer(stacks: dict[str, list[dict]], i: int, interval: int) -> dict:
-    """Layer i's weights: the attention stack's entry i // interval, or the linear stack's."""
-    if (i + 1) % interval == 0:
-        return stacks["attention_layers"][i // interval]
-    return stacks["linear_layers"][i - i // interval]
+def _layer(stacks: dict[str, list[dict]], i: int, cfg: ModelConfig) -> dict:
+    """Layer i's weights: the attention stack's entry (its index in the pool), or the linear stack's."""
+    attention = cfg.kv_layer(i)
+    if attention is not None:
+        return stacks["attention_layers"][attention]
+    return stacks["linear_layers"][i - i // cfg.gated_delta.interval]

@@ -234,6 +234,14 @@ class ModelConfig:
         """The layers that keep keys and values in the paged pool (Qwen3.5: its attention layers alone)."""
         return self.num_layers // self.gated_delta.interval if self.gated_delta else self.num_layers
 
+    def kv_layer(self, layer: int) -> int | None:
+        """Layer `layer`'s index in the paged pool; None for a layer that keeps no keys and values there
+        (Qwen3.5: each group of `interval` layers ends in its attention layer)."""
+        if self.gated_delta is None:
+            return layer
+        interval = self.gated_delta.interval
+        return layer // interval if (layer + 1) % interval == 0 else None
+
     @property
     def num_linear_layers(self) -> int:
         """The layers whose state lives in a request's device slot (Qwen3.5's Gated DeltaNets)."""

@@ -18,6 +18,7 @@ from jaxtyping import Float
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
+from infire_jax.models.gated_delta import LinearState, LinearStep, linear_state_shapes
 from infire_jax.models.kv_entry import kv_entry
 from pallas_kernels.kv_quant import FP8, FP8_MAX
 from pallas_kernels.metadata import AttentionMetadata
@@ -59,20 +60,26 @@ def calibrate(graphdef: nnx.GraphDef, state: nnx.State, cfg: ModelConfig, token_
               plan: ShardPlan | None = None) -> Float[np.ndarray, "L 2 Hkv"]:
     """Per (layer, kv head) scales from one forward of `token_ids` into a float32 pool (one compile,
     off the step programs). On a mesh `cfg` is the placed one (kv heads repeated, layers padded) and
-    the forward runs sharded like a step, so the scales come out in the pool's layout."""
+    the forward runs sharded like a step, so the scales come out in the pool's layout. A model with
+    linear-attention layers (Qwen3.5) runs from a zeroed state in slot 0 (slot 1 the dummy); its pool,
+    and so its scales, hold its attention layers alone (`num_kv_layers`)."""
     if not token_ids:
         raise ValueError("calibration needs at least one token")
     n = len(token_ids)
     entry = kv_entry(cfg)
     pages = -(-n // _PAGE) + 1
-    k_pages = jnp.zeros((cfg.num_layers, pages, _PAGE, entry.heads, entry.k_dim), jnp.float32)
-    v_pages = jnp.zeros((cfg.num_layers, pages, _PAGE, entry.heads, entry.v_dim), jnp.float32)
+    k_pages = jnp.zeros((cfg.num_kv_layers, pages, _PAGE, entry.heads, entry.k_dim), jnp.float32)
+    v_pages = jnp.zeros((cfg.num_kv_layers, pages, _PAGE, entry.heads, entry.v_dim), jnp.float32)
 
     @jax.jit
     def run(state, k_pages, v_pages, tokens, meta):
         model = nnx.merge(graphdef, state)
-        _, (k_pages, v_pages) = model(tokens, (k_pages, v_pages), meta, jnp.array([n - 1]), attn_impl="reference",
-                                      plan=plan)
+        h = model.embed_tokens(tokens)
+        shapes = linear_state_shapes(cfg, 2, h.dtype)
+        linear = {} if shapes is None else {"linear": LinearStep(
+            LinearState(*(jnp.zeros(shape, dtype) for shape, dtype in shapes)), jnp.zeros(n, jnp.int32))}
+        _, (k_pages, v_pages), *_ = model.run_layers(h, (k_pages, v_pages), meta, attn_impl="reference", plan=plan,
+                                                     **linear)
         return (jnp.max(jnp.abs(k_pages), axis=(1, 2, 4)), jnp.max(jnp.abs(v_pages), axis=(1, 2, 4)))
 
     k_amax, v_amax = jax.device_get(run(state, k_pages, v_pages, jnp.asarray(token_ids, jnp.int32),
