@@ -228,6 +228,33 @@ def test_fp8_checkpoint_is_dequantized_as_read(checkpoint, tmp_path):
         LLM(model=str(tmp_path / "fp8"), attn_impl="reference", **ENGINE)
 
 
+def test_ngram_speculation_keeps_only_the_accepted_tokens_in_the_linear_state(checkpoint):
+    """n-gram proposals (one device): a verifying step computes every proposal from the rows' linear state, leaves
+    that state as it found it, and once the verifier has decided advances it over the tokens it kept
+    (step_programs.commit_linear_state). Greedy, preempted and recomputed, the tokens are HF's, with proposals
+    both accepted and rejected; a rejected one kept in the state would change the tokens after it."""
+    from infire_jax import LLM, SamplingParams
+
+    hf, path = checkpoint
+    prompts = [[5, 77, 200, 13, 42] * 4, PROMPTS[1], [258, 3, 3, 190, 64] * 3 + [99]]
+    want = [hf_greedy(hf, prompt, NUM_TOKENS) for prompt in prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "acceptance_threshold": 0.0}
+    llm = LLM(model=str(path), attn_impl="reference", speculative_config=spec, **ENGINE)
+    try:
+        engine = llm.engine
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True,
+                                                    logprobs=1))
+        stats = engine.spec.stats
+        print(f"\nproposed {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens}, "
+              f"preemptions {engine.scheduler.num_preemptions}")
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv.num_free_pages == engine.kv.num_pages - 1
+    finally:
+        llm.engine.close()
+    _assert_as_hf(want, outs)
+
+
 def _hf_kv_scales(hf, token_ids: list[int]) -> np.ndarray:
     """The calibration's scales from HF's own keys and values (its cache after one forward of `token_ids`):
     each attention layer's largest magnitude per kv head, times the margin, over e4m3's largest value."""
@@ -499,7 +526,7 @@ def test_config_refusals():
 
 
 @pytest.mark.parametrize("setting, match", [
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+    (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}), "method 'mtp' is not supported"),
     (dict(weights_quantization="gguf"), "weights_quantization"),
     (dict(enable_lora=True), "LoRA adapters are supported on the Llama family"),
 ])
@@ -562,7 +589,9 @@ def test_meshes_match_hf(checkpoint, tmp_path):
     runs = [{"model": paths["dense"], "mesh": shipped["2"], "tag": "tp2"},
             {"model": paths["moe"], "mesh": str(tp_ep), "tag": "tp2-ep2"},
             {"model": paths["dense"], "mesh": shipped["4"], "tag": "tp4"},
-            {"model": paths["dense"], "mesh": shipped["2-pp2"], "tag": "pp2"}]
+            {"model": paths["dense"], "mesh": shipped["2-pp2"], "tag": "pp2"},
+            {"model": paths["dense"], "mesh": shipped["2"], "tag": "ngram tp2",
+             "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}]
     # int8 at load on tp 2 (the one kv head's k and v parts repeated to each device) as on one device
     runs += [{"model": paths["dense"], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
               "tag": f"int8 {m}", "weights_quantization": "int8"} for m in ("1", "2")]
@@ -577,6 +606,7 @@ def test_meshes_match_hf(checkpoint, tmp_path):
     results = {r["tag"]: r for r in _results(proc)}
     assert not results["tp4"]["fits"] and "2 linear-attention k heads are not divisible by tp=4" in results["tp4"]["error"]
     assert not results["pp2"]["fits"] and "pipeline parallelism is not supported" in results["pp2"]["error"]
+    assert not results["ngram tp2"]["fits"] and "'ngram' on a mesh is not supported" in results["ngram tp2"]["error"]
     int8 = [results[f"int8 {m}"] for m in ("1", "2")]
     assert all(r["fits"] for r in int8), [r.get("error") for r in int8]
     assert int8[1]["tokens"] == int8[0]["tokens"]

@@ -24,9 +24,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.models.config import ModelConfig
+from infire_jax.models.config import GatedDeltaNetConfig, ModelConfig
 from pallas_kernels.attention import is_decode_only
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -86,6 +86,24 @@ class LinearStep(NamedTuple):
     token_slots: Int[Array, "T"]
 
 
+class LinearInputs(NamedTuple):
+    """What a verifying step's tokens put into each linear layer's state: its convolution's inputs and the
+    delta rule's decay and strength. Such a step leaves the state as it found it; once the verifier has
+    decided, the state advances over the tokens it kept (`replay_kept`). A proposal it rejected never
+    enters the state, which, unlike the KV pool, no later write would correct."""
+
+    qkv: Float[Array, "L T C"]
+    decay: Float[Array, "L T Hv"]
+    beta: Float[Array, "L T Hv"]
+
+
+def linear_inputs_shapes(cfg: ModelConfig, num_tokens: int, dtype) -> LinearInputs:
+    """(shape, dtype) of a step's LinearInputs on one device."""
+    g, n = cfg.gated_delta, cfg.num_linear_layers
+    heads = ((n, num_tokens, g.num_v_heads), jnp.dtype(jnp.float32))
+    return LinearInputs(((n, num_tokens, g.conv_dim), jnp.dtype(dtype)), heads, heads)
+
+
 class Rows(NamedTuple):
     """Where each token and row of the step stands, for the convolution's window and the state's slot."""
 
@@ -96,15 +114,22 @@ class Rows(NamedTuple):
     last: Int[Array, "S"]  # each row's last token
 
 
-def step_rows(meta: AttentionMetadata, token_slots: Int[Array, "T"], dummy: int) -> Rows:
+def step_rows(meta: AttentionMetadata, token_slots: Int[Array, "T"], dummy: int,
+              kept: Bool[Array, "T"] | None = None) -> Rows:
+    """Where the step's tokens stand in their rows. `kept` (`replay_kept`): the tokens that update their
+    slot, a prefix of each row; the rest update none."""
     cu = meta.cu_q_lens
     s = cu.shape[0] - 1
     t = jnp.arange(token_slots.shape[0], dtype=jnp.int32)
     offset = t - cu[jnp.clip(meta.seq_ids, 0, s - 1)]
-    row_len = cu[1:] - cu[:-1]
-    last = jnp.clip(cu[1:] - 1, 0, token_slots.shape[0] - 1)
+    if kept is None:
+        row_len = cu[1:] - cu[:-1]
+    else:
+        row_len = jax.ops.segment_sum(kept.astype(jnp.int32), meta.seq_ids, s)  # padding's seq_id S: dropped
+    last = jnp.clip(cu[:-1] + row_len - 1, 0, token_slots.shape[0] - 1)
     row_slot = jnp.where(row_len > 0, token_slots[last], dummy)
-    row = jnp.where(token_slots == dummy, s, meta.seq_ids)
+    updates = token_slots != dummy if kept is None else kept & (token_slots != dummy)
+    row = jnp.where(updates, meta.seq_ids, s)
     return Rows(offset, row, row_slot, row_len, last)
 
 
@@ -258,3 +283,35 @@ def chunked_delta_rule(q: Float[Array, "T H Dk"], k: Float[Array, "T H Dk"], v: 
 
     states, out = jax.lax.scan(body, states, (row, dest, u, w, attn, q_decayed, k_to_end, run, seg))
     return out.reshape(n * chunk, h, -1)[:t], states
+
+
+def delta_net(qkv: Float[Array, "T C"], decay: Float[Array, "T Hv"], beta: Float[Array, "T Hv"],
+              conv_weight: Float[Array, "K C"], state: LinearState, layer: Int[Array, ""], rows: Rows,
+              token_slots: Int[Array, "T"], g: GatedDeltaNetConfig) -> tuple[Float[Array, "T Hv Dv"], LinearState]:
+    """A DeltaNet's core after its projections: the convolution, then the delta rule over this device's heads
+    (the channels grouped by k head, `qkv_order`: each group its q, its k, then its v heads' v). Each token's
+    output and the state of linear layer `layer` after the step."""
+    t, dk, dv = qkv.shape[0], g.k_head_dim, g.v_head_dim
+    mixed, conv = causal_conv(qkv, conv_weight, state.conv, layer, rows, token_slots)
+    grouped = mixed.reshape(t, -1, 2 * dk + g.num_v_heads // g.num_k_heads * dv)
+    q, k = grouped[..., :dk], grouped[..., dk:2 * dk]
+    v = grouped[..., 2 * dk:].reshape(t, -1, dv)
+    out, recurrent = gated_delta_rule(q, k, v, decay, beta, state.recurrent, layer, rows, token_slots)
+    return out, LinearState(conv, recurrent)
+
+
+def replay_kept(inputs: LinearInputs, conv_weights: Float[Array, "L K C"], state: LinearState,
+                meta: AttentionMetadata, token_slots: Int[Array, "T"], kept: Bool[Array, "T"],
+                g: GatedDeltaNetConfig) -> LinearState:
+    """Every linear layer's state advanced, from where a verifying step found it, over the tokens the verifier
+    kept (`kept`: a prefix of each row), from the step's recorded inputs: the state the step would have left
+    had it held those tokens alone."""
+    rows = step_rows(meta, token_slots, state.conv.shape[1] - 1, kept)
+
+    def layer(state, xs):
+        qkv, decay, beta, weight, i = xs
+        return delta_net(qkv, decay, beta, weight, state, i, rows, token_slots, g)[1], None
+
+    index = jnp.arange(conv_weights.shape[0], dtype=jnp.int32)
+    state, _ = jax.lax.scan(layer, state, (*inputs, conv_weights, index))
+    return state

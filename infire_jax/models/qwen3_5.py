@@ -31,13 +31,13 @@ from typing import Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
-from infire_jax.models.gated_delta import (LINEAR_STATE_AXES, LinearState, LinearStep, Rows, causal_conv,
-                                           gated_delta_rule, step_rows)
+from infire_jax.models.gated_delta import (LINEAR_STATE_AXES, LinearInputs, LinearState, LinearStep, Rows,
+                                           delta_net, replay_kept, step_rows)
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_cos_sin, swiglu
 from infire_jax.models.moe import route_for, routed_mlp
 from infire_jax.models.llama import InPlace, linear
@@ -120,24 +120,20 @@ def gated_rms_norm(x: Float[Array, "T H D"], z: Float[Array, "T H D"], weight: F
 
 def linear_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], state: LinearState,
                  layer: Int[Array, ""], rows: Rows, token_slots: Int[Array, "T"]
-                 ) -> tuple[Float[Array, "T E"], LinearState]:
+                 ) -> tuple[Float[Array, "T E"], LinearState, tuple[Array, Array, Array]]:
     """One Gated DeltaNet (linear layer `layer`) over the step's tokens: its output (a partial sum over the
-    heads on a mesh) and the updated state. The heads are this device's: the channels come grouped by k
-    head (gated_delta.qkv_order), each group its q, its k and its v heads' v."""
+    heads on a mesh), the updated state, and what the tokens put into it (a verifying step's `LinearInputs`
+    for this layer). The heads are this device's."""
     g, t = cfg.gated_delta, x.shape[0]
-    dk, dv = g.k_head_dim, g.v_head_dim
-    mixed, conv = causal_conv(linear(x, lp["w_qkv"], "te,ec->tc"), lp["conv"], state.conv, layer, rows, token_slots)
-    grouped = mixed.reshape(t, -1, 2 * dk + g.num_v_heads // g.num_k_heads * dv)
-    q, k = grouped[..., :dk], grouped[..., dk:2 * dk]
-    v = grouped[..., 2 * dk:].reshape(t, -1, dv)
     f32 = jnp.float32
+    qkv = linear(x, lp["w_qkv"], "te,ec->tc")
     beta = jax.nn.sigmoid(linear(x, lp["w_b"], "te,eh->th").astype(f32))
     decay = -jnp.exp(lp["a_log"].astype(f32)) * jax.nn.softplus(linear(x, lp["w_a"], "te,eh->th").astype(f32)
                                                                 + lp["dt_bias"].astype(f32))
-    out, recurrent = gated_delta_rule(q, k, v, decay, beta, state.recurrent, layer, rows, token_slots)
-    z = linear(x, lp["w_z"], "te,ev->tv").reshape(t, -1, dv)
+    out, state = delta_net(qkv, decay, beta, lp["conv"], state, layer, rows, token_slots, g)
+    z = linear(x, lp["w_z"], "te,ev->tv").reshape(t, -1, g.v_head_dim)
     y = gated_rms_norm(out.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps)
-    return linear(y.reshape(t, -1), lp["w_out"], "tv,ve->te"), LinearState(conv, recurrent)
+    return linear(y.reshape(t, -1), lp["w_out"], "tv,ve->te"), state, (qkv, decay, beta)
 
 
 def attention_mixer(cfg: ModelConfig, lp: dict[str, Array], x: Float[Array, "T E"], k_pages: Array, v_pages: Array,
@@ -173,17 +169,18 @@ def _mlp(cfg: ModelConfig, red: Reductions, lp: dict[str, Array], h: Float[Array
     return h + psum(routed, red.mlp) + psum(gate * shared, red.dense)
 
 
-def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
-                  h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
-                  sin: Array, state: LinearState, token_slots: Int[Array, "T"]
-                  ) -> tuple[Float[Array, "T E"], Array, Array, LinearState]:
+def decoder_stack(cfg: ModelConfig, attn_impl: str, record: bool, red: Reductions,
+                  weights: dict[str, dict[str, Array]], h: Float[Array, "T E"], k_pages: Array, v_pages: Array,
+                  meta: AttentionMetadata, cos: Array, sin: Array, state: LinearState, token_slots: Int[Array, "T"]
+                  ) -> tuple[Float[Array, "T E"], Array, Array, LinearState | LinearInputs]:
     """Scans the groups (models/parallel.py's StackFn, with the linear state after the pool; on a mesh, inside
     its shard_map with this device's heads, state and experts): each group's linear layers, unrolled over the
     group's slice of the linear stack, then its attention layer. The pool and the linear state ride in the
-    carry, each layer updating its own rows in place. Never unrolled over the groups (models/layers.py
-    `layer_loop`'s GPU decode form): compiled for an H100, the 27b's unrolled decode burst copied its
-    attention layers' weights out of their stacks, 21 GB a step, and peaked at 95 GB (`bench gpu-compile`,
-    docs/PERFORMANCE.md)."""
+    carry, each layer updating its own rows in place. With `record` (a verifying step) the state is left as
+    found and the linear layers' inputs come back in its place (gated_delta.LinearInputs). Never unrolled
+    over the groups (models/layers.py `layer_loop`'s GPU decode form): compiled for an H100, the 27b's
+    unrolled decode burst copied its attention layers' weights out of their stacks, 21 GB a step, and
+    peaked at 95 GB (`bench gpu-compile`, docs/PERFORMANCE.md)."""
     tokens, groups, per_group = h.shape[0], cfg.num_kv_layers, cfg.gated_delta.interval - 1
     eps, one_device = cfg.rms_norm_eps, red == Reductions()
     linear, attention = weights["linear_layers"], weights["attention_layers"]
@@ -195,22 +192,29 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: di
     def group(carry, xs):
         h, k_pages, v_pages, state = carry
         lin, lp, idx = xs
+        inputs = []
         for j in range(per_group):
             layer = idx * per_group + j
             lj = {**dequantize_layer({name: jax.tree.map(lambda a: a[j], w) for name, w in lin.items()}, h.dtype),
                   **lin_in_place(layer)}
-            y, state = linear_mixer(cfg, lj, rms_norm(h, lj["attn_norm"], eps), state, layer, rows, token_slots)
+            y, after, layer_inputs = linear_mixer(cfg, lj, rms_norm(h, lj["attn_norm"], eps), state, layer, rows,
+                                                  token_slots)
+            state = state if record else after
+            inputs.append(layer_inputs)
             h = _mlp(cfg, red, lj, h + psum(y, red.attn))
         lp = {**dequantize_layer(lp, h.dtype), **attn_in_place(idx)}
         y, k_pages, v_pages = attention_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), k_pages, v_pages, idx,
                                               meta, cos, sin, attn_impl, one_device)
-        return (_mlp(cfg, red, lp, h + psum(y, red.attn)), k_pages, v_pages, state), None
+        recorded = LinearInputs(*(jnp.stack(a) for a in zip(*inputs))) if record else None
+        return (_mlp(cfg, red, lp, h + psum(y, red.attn)), k_pages, v_pages, state), recorded
 
     linear = {name: w for name, w in linear.items() if name not in lin_in_place.stacks}
     attention = {name: w for name, w in attention.items() if name not in attn_in_place.stacks}
     by_group = jax.tree.map(lambda w: w.reshape(groups, per_group, *w.shape[1:]), linear)
     xs = (by_group, attention, np.arange(groups, dtype=np.int32))
-    (h, k_pages, v_pages, state), _ = jax.lax.scan(group, (h, k_pages, v_pages, state), xs)
+    (h, k_pages, v_pages, state), recorded = jax.lax.scan(group, (h, k_pages, v_pages, state), xs)
+    if record:  # [groups, per group, ...] -> [linear layers, ...], in the stack's order
+        return h, k_pages, v_pages, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), recorded)
     return h, k_pages, v_pages, state
 
 
@@ -256,14 +260,18 @@ class Qwen3_5(DecoderModel):
 
     def run_layers(self, h: Float[Array, "T E"], kv: KVPages, meta: AttentionMetadata, *, attn_impl: str,
                    plan: ShardPlan | None = None, aux_layers: tuple[int, ...] | None = None,
-                   linear: LinearStep | None = None) -> tuple[Float[Array, "T E"], KVPages, LinearState]:
+                   linear: LinearStep | None = None, record: bool = False
+                   ) -> tuple[Float[Array, "T E"], KVPages, LinearState | LinearInputs]:
         """Applies every decoder layer, on one device or (with a plan) across the mesh: the updated pool and
-        linear state."""
+        linear state; with `record` (a verifying step, one device), the state as found and, in its place,
+        what the step's tokens would put into it (`commit_kept` puts the verifier's kept ones)."""
         if aux_layers is not None or linear is None:
             raise ConfigError("Qwen3.5 runs with its linear state and without EAGLE-3 aux states")
+        if record and plan is not None:
+            raise ConfigError("Qwen3.5 verifies proposals on one device only")
         rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.gated_delta.rotary_dim)
         cos, sin = rope_cos_sin(rotary, meta.positions)
-        stack = functools.partial(decoder_stack, self.cfg, attn_impl)
+        stack = functools.partial(decoder_stack, self.cfg, attn_impl, record)
         weights = {"linear_layers": self.linear_layers.arrays(), "attention_layers": self.attention_layers.arrays()}
         if plan is None:
             h, k_pages, v_pages, state = stack(Reductions(), weights, h, *kv, meta, cos, sin, *linear)
@@ -271,3 +279,10 @@ class Qwen3_5(DecoderModel):
         axes = {"linear_layers": self.linear_layers.axes(), "attention_layers": self.attention_layers.axes()}
         return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, token_args=(linear.token_slots,),
                            state=linear.state, state_axes=LINEAR_STATE_AXES)
+
+    def commit_kept(self, state: LinearState, inputs: LinearInputs, meta: AttentionMetadata,
+                    token_slots: Int[Array, "T"], kept: Bool[Array, "T"]) -> LinearState:
+        """After a verifying step (`run_layers(record=True)`): the linear state advanced over the tokens the
+        verifier kept, a prefix of each row (gated_delta.replay_kept)."""
+        conv = self.linear_layers.conv[...]
+        return replay_kept(inputs, conv, state, meta, token_slots, kept, self.cfg.gated_delta)

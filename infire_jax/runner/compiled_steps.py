@@ -1,10 +1,10 @@
 """The step's programs, compiled ahead of time for the runner (model_runner.py): step_programs.py's pure
 functions jitted once, with their donations and shardings, then compiled at warmup for every token
 bucket (a sampler per row count and variant, a burst per decode-sized bucket and variant, with
-speculation the verifying forward and the verifier; for prompt logprobs a block gather per bucket
-and one head program; for embeddings a pooling program per bucket), or deserialized from the executable cache
-(executable_cache.py). The steps call only these executables, so nothing compiles after warmup,
-and compiling needs the weights' and the pool's shapes alone. XLA's memory analysis of the same
+speculation the verifying forward and the verifier, and a linear-attention model's commit of its state;
+for prompt logprobs a block gather per bucket and one head program; for embeddings a pooling program per
+bucket), or deserialized from the executable cache (executable_cache.py). The steps call only these
+executables, so nothing compiles after warmup, and compiling needs the weights' and the pool's shapes alone. XLA's memory analysis of the same
 programs gives the largest step's temporaries, which the pool is sized around (kv_pool.py).
 """
 
@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from infire_jax.models.gated_delta import LinearInputs, linear_inputs_shapes
 from infire_jax.runner import executable_cache
 from infire_jax.runner import step_programs as programs
 from infire_jax.runner.batch import DraftInputs, StepBatch, burst_inputs, draft_inputs
@@ -54,6 +55,7 @@ class CompiledSteps:
                          for v in rc.sampler_variants}
         self.verifier = jax.jit(functools.partial(programs.verify_step, branching),
                                 donate_argnums=(0, 1), out_shardings=plan.replicated if plan else None)
+        self.commit = jax.jit(functools.partial(programs.commit_linear_state, graphdef), donate_argnums=(1,))
         self.bursts = {v: jax.jit(functools.partial(programs.decode_burst, graphdef, rc.attn_impl, plan, precision, v,
                                                     rc.decode_steps, branching), donate_argnums=(1,),
                                   out_shardings=(cache_shardings, plan.replicated) if plan else None)
@@ -77,6 +79,7 @@ class CompiledSteps:
         self.compiled_samplers: dict[tuple[int, str], jax.stages.Compiled] = {}
         self.compiled_verify_forward: dict[StepShape, jax.stages.Compiled] = {}  # speculative decoding
         self.compiled_verifiers: dict[int, jax.stages.Compiled] = {}
+        self.compiled_commits: dict[StepShape, jax.stages.Compiled] = {}  # linear state after a verifier (Qwen3.5)
         self.compiled_bursts: dict[tuple[StepShape, str], jax.stages.Compiled] = {}
         self.compiled_prompt_rows: dict[StepShape, jax.stages.Compiled] = {}  # prompt logprobs' block gathers
         self.compiled_pool: dict[StepShape, jax.stages.Compiled] = {}  # embeddings (rc.pooling)
@@ -134,7 +137,16 @@ class CompiledSteps:
             batch = rc.empty_batch(shape, verify=True)
             specs["verify_forward", shape] = self.forward_spec(batch)
             specs["verifier", shape.num_rows] = self.verifier_spec(batch, self._empty_drafts(shape))
+            if self.memory.cache.linear is not None:
+                specs["commit", shape] = self.commit_spec(shape, batch)
         return specs
+
+    def commit_spec(self, shape: StepShape, batch: StepBatch) -> ProgramSpec:
+        m = self.memory
+        inputs = LinearInputs(*(jax.ShapeDtypeStruct(*s) for s in linear_inputs_shapes(m.cfg, shape.num_tokens,
+                                                                                        m.dtype)))
+        rows = jax.ShapeDtypeStruct((shape.num_rows,), jnp.int32)
+        return "commit-linear", self.commit, (m.state, m.cache, batch, inputs, rows, rows)
 
     def small_specs(self) -> dict[ProgramKey, ProgramSpec]:
         """The history program, the page programs of KV transfer, prompt logprobs' programs (a block
@@ -181,6 +193,7 @@ class CompiledSteps:
         compiled once `before_compiling` returns; `on_shape` hears of each bucket's forward."""
         tables = {"forward": self.compiled_forward, "sampler": self.compiled_samplers,
                   "verify_forward": self.compiled_verify_forward, "verifier": self.compiled_verifiers,
+                  "commit": self.compiled_commits,
                   "burst": self.compiled_bursts, "small": self.compiled_small,
                   "prompt_rows": self.compiled_prompt_rows, "pool": self.compiled_pool}
         cache, done = self.executables, {}
@@ -231,4 +244,8 @@ class CompiledSteps:
             peaks.append(self.executable(self.forward_spec(batch)).memory_analysis().temp_size_in_bytes)
             m = self.executable(self.verifier_spec(batch, self._empty_drafts(shape))).memory_analysis()
             peaks.append(m.temp_size_in_bytes + batch.logits_indices.shape[0] * vocab * 4)
+            if self.memory.cache.linear is not None:  # the commit, and the step's inputs it reads
+                spec = self.commit_spec(shape, batch)
+                inputs = sum(a.size * a.dtype.itemsize for a in spec[2][3])
+                peaks.append(self.executable(spec).memory_analysis().temp_size_in_bytes + inputs)
         return max(peaks)

@@ -230,6 +230,9 @@ class ModelRunner(DeviceMemory):
             cache.last_tokens, cache.counts, cache.prompt_mask, fwd.logits, batch.sampling, batch.row_slots,
             batch.sample_rows, drafts, mask)
         self.cache = cache._replace(last_tokens=last, counts=counts)
+        if fwd.linear_inputs is not None:  # the linear state over the tokens the verifier kept (Qwen3.5)
+            self.cache = self.steps.compiled_commits[shape](self.state, self.cache, batch, fwd.linear_inputs,
+                                                            drafts.num, out.num_tokens)
         return fwd, out
 
     def _run_burst(self, shape: StepShape, batch: StepBatch, burst: BurstInputs, variant: str) -> BurstOutput:

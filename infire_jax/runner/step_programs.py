@@ -4,6 +4,7 @@ batch; compiled_steps.py jits and compiles them, the runner (model_runner.py) la
 - `forward`: the model over the step's tokens (embed, the decoder layers over the paged pool,
   the LM head at each row's last token), and each slot's token history for the penalties;
 - `sample_step` / `verify_step`: the sampler, or the verifier of a step carrying proposals;
+- `commit_linear_state`: after the verifier, a linear-attention model's state advanced over the kept tokens;
 - `decode_burst`: several decode steps of the same rows in one launch (forward and sampler in a
   loop on the device, each step feeding its samples to the next), stopping rows on their stop ids;
 - `read_pages` / `write_pages`: a prompt's KV pages out of and into the pool (KV transfer);
@@ -23,9 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from infire_jax.runner.batch import TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs, StepBatch
+from infire_jax.runner.batch import (TOKEN_DRAFT, TOKEN_OUTPUT, TOKEN_PAD, TOKEN_PROMPT, BurstInputs, DraftInputs,
+                                    StepBatch)
 from infire_jax.lora.batched import LoRAStep
-from infire_jax.models.gated_delta import LinearState, LinearStep
+from infire_jax.models.gated_delta import LinearInputs, LinearState, LinearStep
 from infire_jax.models.layers import rms_norm
 from infire_jax.sample.sampler import SamplerOutput, SamplingInputs, no_logprobs, sample
 from infire_jax.speculative.verify import VerifyOutput, count_accepted, verify
@@ -62,6 +64,8 @@ class StepForward(NamedTuple):
     tokens: Int[Array, "T"]  # the step's token ids, the device's last samples filled in
     aux: Float[Array, "T N"] | None  # residual-stream states at RunnerConfig.aux_layers (EAGLE-3), else None
     hidden: Float[Array, "T E"]  # every token's last hidden state, before the final norm (prompt logprobs)
+    # A verifying step's inputs to the linear layers' states (Qwen3.5), for `commit_linear_state`; else None
+    linear_inputs: LinearInputs | None = None
 
 
 def forward(graphdef: nnx.GraphDef, attn_impl: str, plan: ShardPlan | None, precision: str,
@@ -103,12 +107,15 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
     h, kv = model.embed_tokens(tokens), (cache.k_pages, cache.v_pages)
     if b.image_rows is not None:  # an image's patch tokens take its encoder's outputs (runner/image_pool.py)
         h = jnp.where((b.image_rows >= 0)[:, None], cache.images[jnp.maximum(b.image_rows, 0)].astype(h.dtype), h)
-    linear = cache.linear
+    linear, inputs = cache.linear, None
     if linear is not None:  # zeroed for admitted rows (and the dummy slot); a token updates its slot's, if live
         linear = LinearState(*(a.at[:, reset].set(0) for a in linear))
         live_slots = jnp.where(b.token_kind != TOKEN_PAD, tok_slot, dummy)
-        h, (k_pages, v_pages), linear = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan,
-                                                         linear=LinearStep(linear, live_slots))
+        # A verifying step leaves the state as found; `commit_linear_state` advances it over the kept tokens.
+        verifying = b.logits_indices.shape[0] > b.row_slots.shape[0]
+        h, (k_pages, v_pages), updated = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan,
+                                                          linear=LinearStep(linear, live_slots), record=verifying)
+        linear, inputs = (linear, updated) if verifying else (updated, None)
     elif aux_layers is None:
         h, (k_pages, v_pages) = model.run_layers(h, kv, meta, attn_impl=attn_impl, plan=plan, **lora)
     else:
@@ -118,7 +125,24 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
     if plan is not None:  # gather the vocab-split logits once, so the sampler holds no collectives
         logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
     return StepForward(cache._replace(k_pages=k_pages, v_pages=v_pages, counts=counts, prompt_mask=prompt_mask,
-                                      linear=linear), logits, tokens, aux, h)
+                                      linear=linear), logits, tokens, aux, h, inputs)
+
+
+def commit_linear_state(graphdef: nnx.GraphDef, state: nnx.State, cache: DeviceCache, b: StepBatch,
+                        inputs: LinearInputs, num_drafts: Int[Array, "S"],
+                        num_tokens: Int[Array, "S"]) -> DeviceCache:
+    """After a verifying step's verifier (`num_tokens`: each row's accepted proposals + 1): the linear layers'
+    states advanced over the tokens kept, each row's own and the proposals it accepted (models/gated_delta.py
+    `replay_kept`)."""
+    model = nnx.merge(graphdef, state)
+    dummy = cache.last_tokens.shape[0] - 1
+    rows = b.row_slots.shape[0]
+    row = jnp.clip(b.meta.seq_ids, 0, rows - 1)
+    live_slots = jnp.where(b.token_kind != TOKEN_PAD, token_slots(b, dummy + 1), dummy)
+    first_draft = b.meta.cu_q_lens[row + 1] - num_drafts[row]  # a row's proposals end it
+    t = jnp.arange(b.token_kind.shape[0], dtype=jnp.int32)
+    kept = (b.token_kind != TOKEN_PAD) & ((b.token_kind != TOKEN_DRAFT) | (t - first_draft < num_tokens[row] - 1))
+    return cache._replace(linear=model.commit_kept(cache.linear, inputs, b.meta, live_slots, kept))
 
 
 def sample_step(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],
