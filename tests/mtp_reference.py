@@ -14,6 +14,13 @@ import torch
 from torch import nn
 
 
+def normed_last_states(model, tokens: list[int]) -> np.ndarray:
+    """An HF causal LM's last hidden states over `tokens`, after its final norm ([N, E] float64): what its head
+    reads, and what vLLM hands an MTP layer as the target's states."""
+    with torch.no_grad():
+        return model.model(torch.tensor([tokens])).last_hidden_state[0].double().numpy()
+
+
 class ReferenceMTP(nn.Module):
     """The MTP layer of `config` (a DeepseekV3Config or Glm4MoeConfig) with random weights drawn from `seed`;
     `embed` [V, E] is the embedding it reads and `head` [V, E] its shared_head.head (the target's, as the
@@ -56,8 +63,15 @@ class ReferenceMTP(nn.Module):
         mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
         with torch.no_grad():
             out = self.block(u, attention_mask=mask, position_ids=positions,
-                             position_embeddings=self.rotary(u, positions))
-        return (out[0] if isinstance(out, tuple) else out)[0]
+                             position_embeddings=self.rotary_tables(u, positions))
+            return self.output((out[0] if isinstance(out, tuple) else out)[0])
+
+    def rotary_tables(self, u: torch.Tensor, positions: torch.Tensor):
+        return self.rotary(u, positions)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """What the block's output passes on (to the head, and to the next draft)."""
+        return h
 
     def logits(self, h: torch.Tensor) -> np.ndarray:
         with torch.no_grad():
@@ -95,4 +109,46 @@ class ReferenceMTP(nn.Module):
                     out[f"{prefix}mlp.experts.{j}.down_proj.weight"] = w[j]
             else:
                 out[f"{prefix}{name}"] = w
+        return {name: w.detach().to(torch.float32).contiguous() for name, w in out.items()}
+
+
+class ReferenceQwenMTP(ReferenceMTP):
+    """Qwen3.5's MTP module as vLLM's qwen3_next_mtp.py runs it, in float64 with random weights from `seed`:
+    fc over cat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(hidden)), transformers' full-attention
+    `Qwen3_5DecoderLayer` over the whole sequence recomputed from scratch, then its norm (Qwen's 1 + w
+    RMSNorms); the logits are `head` over that normed output, which the next draft reads as its hidden."""
+
+    def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, seed: int = 0):
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+        nn.Module.__init__(self)
+        config._attn_implementation = "eager"
+        e, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm, self.norm = (m.Qwen3_5RMSNorm(e, eps) for _ in range(3))
+        self.eh_proj = nn.Linear(2 * e, e, bias=False)
+        self.block = m.Qwen3_5DecoderLayer(config, config.layer_types.index("full_attention"))
+        self.rotary = m.Qwen3_5TextRotaryEmbedding(config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_((0.3 if "norm" in name else 0.1) * torch.randn(p.shape, generator=gen))
+        self.embed, self.head = embed.double(), head.double()
+        self.double().eval()
+
+    def rotary_tables(self, u: torch.Tensor, positions: torch.Tensor):
+        return self.rotary(u, positions[None].expand(3, 1, -1))  # multimodal RoPE's three position ids
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> np.ndarray:
+        with torch.no_grad():
+            return (h @ self.head.T).numpy()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's `mtp.*` tensors, float32."""
+        out = {"mtp.pre_fc_norm_embedding.weight": self.enorm.weight,
+               "mtp.pre_fc_norm_hidden.weight": self.hnorm.weight,
+               "mtp.fc.weight": self.eh_proj.weight, "mtp.norm.weight": self.norm.weight}
+        out.update({f"mtp.layers.0.{name}": w for name, w in self.block.state_dict().items()})
         return {name: w.detach().to(torch.float32).contiguous() for name, w in out.items()}

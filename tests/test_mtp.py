@@ -23,8 +23,8 @@ from infire_jax.errors import ConfigError
 from infire_jax.loaders.hf import read_hf_config
 from infire_jax.speculative.mtp import mtp_propose
 from infire_jax.speculative.mtp_loader import load_mtp
-from mtp_reference import ReferenceMTP
-from test_eagle3 import PS, hf_states, make_meta, record_proposals
+from mtp_reference import ReferenceMTP, normed_last_states
+from test_eagle3 import PS, make_meta, record_proposals
 
 ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32), max_model_len=128,
               num_kv_pages=96)
@@ -163,7 +163,7 @@ def test_engine_serves_mtp_losslessly(checkpoint, engines):
             continue
         final = next(f for f in finals if f[:len(tokens)] == tokens)
         if tuple(final) not in cache:
-            cache[tuple(final)] = hf_states(hf, final, (3,))
+            cache[tuple(final)] = normed_last_states(hf, final)
         n = len(tokens)
         wanted, logits = ref.greedy_chain(np.asarray(final[1:n]), cache[tuple(final)][:n - 1], 1)
         assert drafts[0] == wanted[0] or logits[0].max() - logits[0][drafts[0]] < 1e-4, (n, drafts, wanted)
@@ -200,25 +200,23 @@ def test_checkpoints_without_an_mtp_layer_are_refused(checkpoint, tmp_path):
         LLM(model=str(tmp_path / "no_tensors"), **ENGINE, speculative_config=spec)
     with pytest.raises(ConfigError, match="has no MTP layer .*num_nextn_predict_layers is 0"):
         LLM(model=str(tmp_path / "no_layer"), **ENGINE, speculative_config=spec)
-    with pytest.raises(ConfigError, match="serves the DeepSeek-V3 family and GLM-4.5, not llama"):
+    with pytest.raises(ConfigError, match="serves the DeepSeek-V3 family, GLM-4.5 and Qwen3.5, not llama"):
         LLM(**ENGINE, speculative_config=spec)
     with pytest.raises(ConfigError, match="method 'mtp' reads the target's own checkpoint"):
         LLM(model=path, **ENGINE, speculative_config=dict(spec, model="elsewhere"))
 
 
-def test_glm4_moe_drafts_match_the_reference(glm4_checkpoint, tmp_path):
-    """GLM-4.5's MTP layer (GQA with q/k norms, a partial rotation and biases, beside DeepSeek-V3's MoE) through
-    glm4_moe.py's layer: two rows' prefills, then k = 2 drafts each, against the reference."""
-    hf, ref, path = glm4_checkpoint
-    cfg = read_hf_config(path)
-    head = load_mtp(path, cfg, dtype=jnp.float32)
+def assert_paged_drafts_are_the_references(hf, ref, path: str, *, vocab: int, kv_heads: int, head_dim: int) -> None:
+    """The MTP layer of checkpoint `path` over two rows' prefills (random tokens and hidden states), then k = 2
+    drafts each, through paged steps: the reference's drafts and logits."""
+    head = load_mtp(path, read_hf_config(path), dtype=jnp.float32)
     graphdef, state = nnx.split(head)
     rng = np.random.default_rng(3)
     lengths, pages = (13, 5), ([4, 1], [6])
-    tokens = rng.integers(0, 320, 32)
+    tokens = rng.integers(0, vocab, 32)
     hidden = rng.standard_normal((32, 64)).astype(np.float32)
     meta = make_meta([(list(range(n)), p) for n, p in zip(lengths, pages)], num_tokens=32, num_rows=3, width=2)
-    kv = (jnp.zeros((1, 8, PS, 2, 16)),) * 2
+    kv = (jnp.zeros((1, 8, PS, kv_heads, head_dim)),) * 2
     out = jax.jit(lambda state, *a: mtp_propose(nnx.merge(graphdef, state), *a, num_draft=2, attn_impl="reference"))(
         state, hf.model.embed_tokens.weight.detach().numpy(), hf.lm_head.weight.detach().numpy(), kv,
         jnp.asarray(tokens), jnp.asarray(hidden), meta, jnp.asarray([12, 17, 0]))
@@ -226,6 +224,13 @@ def test_glm4_moe_drafts_match_the_reference(glm4_checkpoint, tmp_path):
         drafts, logits = ref.greedy_chain(tokens[start:start + n], hidden[start:start + n], 2)
         assert np.asarray(out.token_ids[r]).tolist() == drafts
         np.testing.assert_allclose(out.draft_logits[r], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_glm4_moe_drafts_match_the_reference(glm4_checkpoint, tmp_path):
+    """GLM-4.5's MTP layer (GQA with q/k norms, a partial rotation and biases, beside DeepSeek-V3's MoE) through
+    glm4_moe.py's layer: two rows' prefills, then k = 2 drafts each, against the reference."""
+    hf, ref, path = glm4_checkpoint
+    assert_paged_drafts_are_the_references(hf, ref, path, vocab=320, kv_heads=2, head_dim=16)
 
     # through the engine: GLM-4.5's pool entry for the head, greedy output the engine's own without drafts
     from infire_jax import LLM, SamplingParams

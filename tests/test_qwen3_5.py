@@ -255,6 +255,68 @@ def test_ngram_speculation_keeps_only_the_accepted_tokens_in_the_linear_state(ch
     _assert_as_hf(want, outs)
 
 
+@pytest.fixture(scope="module")
+def mtp_checkpoint(checkpoint, tmp_path_factory):
+    """(HF's model, the reference MTP module, the tiny checkpoint with it as Qwen3.5 ships it: `mtp.*`)."""
+    import copy
+    import shutil
+
+    from mtp_reference import ReferenceQwenMTP
+    from safetensors.torch import save_file
+
+    hf, path = checkpoint
+    ref = ReferenceQwenMTP(copy.deepcopy(hf.config), hf.model.embed_tokens.weight.detach(),
+                           hf.lm_head.weight.detach(), seed=1)
+    out = tmp_path_factory.mktemp("qwen3_5_mtp")
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    save_file(ref.tensors(), str(out / "mtp.safetensors"), metadata={"format": "pt"})
+    return hf, ref, str(out)
+
+
+def test_mtp_drafts_as_the_reference_and_decodes_as_hf(mtp_checkpoint):
+    """The MTP layer (fc over both normed inputs, a gated attention layer with its MLP, its norm) against a float64
+    composition of transformers' layer (tests/mtp_reference.py): two rows' prefills, then k = 2 drafts each,
+    through paged steps. Then through the engine (`{"method": "mtp"}`), preempted and recomputed: HF's greedy
+    tokens, and each proposal's first draft the reference's on HF's own last hidden states after its final norm
+    (what the target's head reads)."""
+    from mtp_reference import normed_last_states
+    from test_eagle3 import record_proposals
+    from test_mtp import assert_paged_drafts_are_the_references
+
+    from infire_jax import LLM, SamplingParams
+
+    hf, ref, path = mtp_checkpoint
+    assert_paged_drafts_are_the_references(hf, ref, path, vocab=VOCAB, kv_heads=2, head_dim=32)
+
+    want = [hf_greedy(hf, prompt, NUM_TOKENS) for prompt in PROMPTS]
+    spec = {"method": "qwen3_next_mtp", "num_speculative_tokens": 2, "acceptance_threshold": 0.0}
+    llm = LLM(model=path, attn_impl="reference", speculative_config=spec, **ENGINE)
+    try:
+        engine = llm.engine
+        assert engine.spec_config.method == "mtp"
+        records = record_proposals(engine)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True,
+                                                    logprobs=1))
+        assert engine.spec.stats.num_draft_tokens > 0 and engine.scheduler.num_preemptions > 0
+        assert engine.kv.num_free_pages == engine.kv.num_pages - 1
+    finally:
+        llm.engine.close()
+    _assert_as_hf(want, outs)
+
+    finals = [p + tokens for p, (tokens, _) in zip(PROMPTS, want)]
+    normed = {tuple(final): normed_last_states(hf, final) for final in finals}
+    checked = 0
+    for tokens, drafts in records:
+        if not drafts:
+            continue
+        final = next(f for f in finals if f[:len(tokens)] == tokens)
+        n = len(tokens)
+        wanted, logits = ref.greedy_chain(np.asarray(final[1:n]), normed[tuple(final)][:n - 1], 1)
+        assert drafts[0] == wanted[0] or logits[0].max() - logits[0][drafts[0]] < 1e-4, (n, drafts, wanted)
+        checked += 1
+    assert checked >= 10
+
+
 def _hf_kv_scales(hf, token_ids: list[int]) -> np.ndarray:
     """The calibration's scales from HF's own keys and values (its cache after one forward of `token_ids`):
     each attention layer's largest magnitude per kv head, times the margin, over e4m3's largest value."""
@@ -526,7 +588,10 @@ def test_config_refusals():
 
 
 @pytest.mark.parametrize("setting, match", [
-    (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}), "method 'mtp' is not supported"),
+    (dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}),
+     "method 'eagle3' is not supported"),
+    (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+     r"lacks the MTP layer's tensors \['mtp.fc.weight', 'mtp.pre_fc_norm_embedding.weight'"),
     (dict(weights_quantization="gguf"), "weights_quantization"),
     (dict(enable_lora=True), "LoRA adapters are supported on the Llama family"),
 ])

@@ -3,8 +3,10 @@
 
 Text checkpoints (`Qwen3_5ForCausalLM`: `model.layers.*`) and the multimodal ones' language model
 (`Qwen3_5ForConditionalGeneration`: `model.language_model.*`, loaders/weights.py `language_model_name`);
-the vision tower (`model.visual.*`) and the multi-token-prediction layer (`mtp.*`) are skipped. Layer i
-goes to the attention stack (its index there: i // interval) when it attends, else to the linear stack.
+the vision tower (`model.visual.*`) and the multi-token-prediction layer (`mtp.*`, read for speculation by
+speculative/mtp_loader.py, which converts its decoder layer here as a one-group model's attention layer)
+are skipped. Layer i goes to the attention stack (its index there: i // interval) when it attends, else
+to the linear stack.
 Experts come fused (`mlp.experts.gate_up_proj`, as transformers 5 saves them) or one by one.
 Every RMSNorm weight but the DeltaNet's gated norm is stored as 1 + w, the factor Qwen3.5's multiplies by.
 The convolution's channels (`in_proj_qkv`'s outputs, `conv1d`'s) are reordered by k head

@@ -169,6 +169,31 @@ def _mlp(cfg: ModelConfig, red: Reductions, lp: dict[str, Array], h: Float[Array
     return h + psum(routed, red.mlp) + psum(gate * shared, red.dense)
 
 
+def attention_block(cfg: ModelConfig, attn_impl: str, red: Reductions, lp: dict[str, Array], h: Float[Array, "T E"],
+                    k_pages: Array, v_pages: Array, idx: Int[Array, ""], meta: AttentionMetadata, cos: Array,
+                    sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+    """An attention layer (pool index `idx`) and its MLP: h + attention(norm(h)), then h + mlp(norm(h))."""
+    y, k_pages, v_pages = attention_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), k_pages, v_pages,
+                                          idx, meta, cos, sin, attn_impl, red == Reductions())
+    return _mlp(cfg, red, lp, h + psum(y, red.attn)), k_pages, v_pages
+
+
+def mtp_stack(cfg: ModelConfig, attn_impl: str, red: Reductions, weights: dict[str, dict[str, Array]],
+              h: Float[Array, "T E"], k_pages: Array, v_pages: Array, meta: AttentionMetadata, cos: Array,
+              sin: Array) -> tuple[Float[Array, "T E"], Array, Array]:
+    """The multi-token-prediction layer (speculative/mtp.py): one attention layer and its MLP, a stack of one
+    (`weights["attention_layers"]`), over its one-layer pool (models/parallel.py's StackFn)."""
+    meta = plan_step(meta, attn_impl, h.shape[0], cfg.num_heads // cfg.num_kv_heads)
+    lp = dequantize_layer({name: jax.tree.map(lambda a: a[0], w) for name, w in weights["attention_layers"].items()},
+                          h.dtype)
+    return attention_block(cfg, attn_impl, red, lp, h, k_pages, v_pages, jnp.int32(0), meta, cos, sin)
+
+
+def rotary_tables(cfg: ModelConfig, positions: Int[Array, "T"]) -> tuple[Array, Array]:
+    """cos and sin of the positions over the first `rotary_dim` dims of a head."""
+    return rope_cos_sin(dataclasses.replace(cfg, head_dim=cfg.gated_delta.rotary_dim), positions)
+
+
 def decoder_stack(cfg: ModelConfig, attn_impl: str, record: bool, red: Reductions,
                   weights: dict[str, dict[str, Array]], h: Float[Array, "T E"], k_pages: Array, v_pages: Array,
                   meta: AttentionMetadata, cos: Array, sin: Array, state: LinearState, token_slots: Int[Array, "T"]
@@ -203,10 +228,9 @@ def decoder_stack(cfg: ModelConfig, attn_impl: str, record: bool, red: Reduction
             inputs.append(layer_inputs)
             h = _mlp(cfg, red, lj, h + psum(y, red.attn))
         lp = {**dequantize_layer(lp, h.dtype), **attn_in_place(idx)}
-        y, k_pages, v_pages = attention_mixer(cfg, lp, rms_norm(h, lp["attn_norm"], eps), k_pages, v_pages, idx,
-                                              meta, cos, sin, attn_impl, one_device)
+        h, k_pages, v_pages = attention_block(cfg, attn_impl, red, lp, h, k_pages, v_pages, idx, meta, cos, sin)
         recorded = LinearInputs(*(jnp.stack(a) for a in zip(*inputs))) if record else None
-        return (_mlp(cfg, red, lp, h + psum(y, red.attn)), k_pages, v_pages, state), recorded
+        return (h, k_pages, v_pages, state), recorded
 
     linear = {name: w for name, w in linear.items() if name not in lin_in_place.stacks}
     attention = {name: w for name, w in attention.items() if name not in attn_in_place.stacks}
@@ -269,8 +293,7 @@ class Qwen3_5(DecoderModel):
             raise ConfigError("Qwen3.5 runs with its linear state and without EAGLE-3 aux states")
         if record and plan is not None:
             raise ConfigError("Qwen3.5 verifies proposals on one device only")
-        rotary = dataclasses.replace(self.cfg, head_dim=self.cfg.gated_delta.rotary_dim)
-        cos, sin = rope_cos_sin(rotary, meta.positions)
+        cos, sin = rotary_tables(self.cfg, meta.positions)
         stack = functools.partial(decoder_stack, self.cfg, attn_impl, record)
         weights = {"linear_layers": self.linear_layers.arrays(), "attention_layers": self.attention_layers.arrays()}
         if plan is None:

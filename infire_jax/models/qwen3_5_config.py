@@ -9,8 +9,8 @@ every `full_attention_interval`-th layer an attention layer; RoPE from `rope_par
 one attention layer (every published Qwen3.5 does; models/qwen3_5.py scans such groups). Multimodal RoPE
 (`mrope_section`) rotates text tokens as plain RoPE (all three position ids are the token's), so a text
 prompt needs nothing more; the vision tower of a `qwen3_5` checkpoint is not loaded, and the model takes
-text. The multi-token-prediction layer (`mtp_*`) is not run. Any other field, or a value models/qwen3_5.py
-does not implement, is refused naming it.
+text. The multi-token-prediction layer (`mtp_*`) runs only for speculation (speculative/mtp_loader.py).
+Any other field, or a value models/qwen3_5.py does not implement, is refused naming it.
 """
 
 from __future__ import annotations

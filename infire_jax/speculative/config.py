@@ -11,7 +11,7 @@ from infire_jax.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 # vLLM's older names of mtp, per family.
-ALIASES = {"deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp"}
+ALIASES = {"deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 
 
 @dataclasses.dataclass(frozen=True)

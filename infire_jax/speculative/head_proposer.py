@@ -3,8 +3,8 @@ every row.
 
 The head reads a state of the target per token: EAGLE-3 its low, middle and high residual-stream states,
 which the target's forward then also returns (`RunnerConfig.aux_layers`); MTP the last layer's output
-before the final norm (`StepForward.hidden`). Once a step is launched, `observe` (one program per token
-bucket, for plain and for verifying steps) runs on the device:
+(`StepForward.hidden`, which mtp.py norms as the target's head does). Once a step is launched, `observe`
+(one program per token bucket, for plain and for verifying steps) runs on the device:
 
 * the head's catch-up input for each token of the step is the token after it: the next token of
   its row in the batch; at a sampling row's last accepted position, the token the step sampled
