@@ -113,21 +113,24 @@ class ReferenceMTP(nn.Module):
 
 
 class ReferenceQwenMTP(ReferenceMTP):
-    """Qwen3.5's MTP module as vLLM's qwen3_next_mtp.py runs it, in float64 with random weights from `seed`:
+    """Qwen3.5's (or Qwen3.5-MoE's) MTP module as vLLM's qwen3_next_mtp.py runs it, in float64 with random weights from `seed`:
     fc over cat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(hidden)), transformers' full-attention
     `Qwen3_5DecoderLayer` over the whole sequence recomputed from scratch, then its norm (Qwen's 1 + w
     RMSNorms); the logits are `head` over that normed output, which the next draft reads as its hidden."""
 
     def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, seed: int = 0):
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+        import importlib
 
+        module, family = {"qwen3_5_text": ("qwen3_5", "Qwen3_5"), "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5Moe")}[
+            config.model_type]
+        m = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         nn.Module.__init__(self)
-        config._attn_implementation = "eager"
+        config._attn_implementation = config._experts_implementation = "eager"  # float64 runs
         e, eps = config.hidden_size, config.rms_norm_eps
-        self.enorm, self.hnorm, self.norm = (m.Qwen3_5RMSNorm(e, eps) for _ in range(3))
+        self.enorm, self.hnorm, self.norm = (getattr(m, f"{family}RMSNorm")(e, eps) for _ in range(3))
         self.eh_proj = nn.Linear(2 * e, e, bias=False)
-        self.block = m.Qwen3_5DecoderLayer(config, config.layer_types.index("full_attention"))
-        self.rotary = m.Qwen3_5TextRotaryEmbedding(config)
+        self.block = getattr(m, f"{family}DecoderLayer")(config, config.layer_types.index("full_attention"))
+        self.rotary = getattr(m, f"{family}TextRotaryEmbedding")(config)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():

@@ -317,6 +317,25 @@ def test_mtp_drafts_as_the_reference_and_decodes_as_hf(mtp_checkpoint):
     assert checked >= 10
 
 
+def test_moe_mtp_layer_drafts_as_the_reference(tmp_path):
+    """Qwen3.5-MoE's MTP layer (routed experts fused as transformers 5 saves them, the shared expert and its gate)
+    through paged steps, against the reference composed of transformers' `Qwen3_5MoeDecoderLayer`."""
+    import copy
+
+    from mtp_reference import ReferenceQwenMTP
+    from safetensors.torch import save_file
+    from test_mtp import assert_paged_drafts_are_the_references
+
+    hf = hf_moe_model("qwen3_5_moe")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _save_tokenizer(tmp_path)
+    ref = ReferenceQwenMTP(copy.deepcopy(hf.config), hf.model.embed_tokens.weight.detach(),
+                           hf.lm_head.weight.detach(), seed=2)
+    assert any(name.startswith("mtp.layers.0.mlp.experts.") for name in ref.tensors())
+    save_file(ref.tensors(), str(tmp_path / "mtp.safetensors"), metadata={"format": "pt"})
+    assert_paged_drafts_are_the_references(hf, ref, str(tmp_path), vocab=VOCAB, kv_heads=2, head_dim=32)
+
+
 def _hf_kv_scales(hf, token_ids: list[int]) -> np.ndarray:
     """The calibration's scales from HF's own keys and values (its cache after one forward of `token_ids`):
     each attention layer's largest magnitude per kv head, times the margin, over e4m3's largest value."""
