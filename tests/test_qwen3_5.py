@@ -653,11 +653,17 @@ def test_meshes_match_hf(checkpoint, tmp_path):
     """On virtual CPU devices, against HF: tp 2 with one kv head (repeated to each device) and tp 2 x ep 2 on
     the MoE (its experts split over ep, every expert's width and the shared expert's over tp). Each device
     holds its heads' weights and linear state. Meshes that cannot split the model are refused by name. On tp 2,
-    int8 weights and an fp8 pool give the single device's tokens (and the fp8 pool its scales, repeated)."""
+    int8 weights and an fp8 pool give the single device's tokens (and the fp8 pool its scales, repeated), and
+    n-gram and MTP speculation HF's tokens."""
     import os
 
     import yaml
     from test_sharding import ROOT, _assert_each_device_holds_its_shard, _results, _run_worker
+
+    import copy
+
+    from mtp_reference import ReferenceQwenMTP
+    from safetensors.torch import save_file
 
     dense = hf_model_with(num_key_value_heads=1)
     moe = hf_moe_model("qwen3_5_moe")
@@ -666,6 +672,9 @@ def test_meshes_match_hf(checkpoint, tmp_path):
         hf.save_pretrained(tmp_path / name, safe_serialization=True)
         _save_tokenizer(tmp_path / name)
         paths[name] = str(tmp_path / name)
+    mtp = ReferenceQwenMTP(copy.deepcopy(dense.config), dense.model.embed_tokens.weight.detach(),
+                           dense.lm_head.weight.detach(), seed=1)
+    save_file(mtp.tensors(), str(tmp_path / "dense" / "mtp.safetensors"), metadata={"format": "pt"})
     tp_ep = tmp_path / "4-tp2-ep2.yaml"
     tp_ep.write_text(yaml.safe_dump({"mesh": {"tp": 2, "ep": 2}, "rules": {
         "vocab": "tp", "q_heads": "tp", "kv_heads": "tp", "mlp": "tp", "experts": "ep"}}))
@@ -674,8 +683,10 @@ def test_meshes_match_hf(checkpoint, tmp_path):
             {"model": paths["moe"], "mesh": str(tp_ep), "tag": "tp2-ep2"},
             {"model": paths["dense"], "mesh": shipped["4"], "tag": "tp4"},
             {"model": paths["dense"], "mesh": shipped["2-pp2"], "tag": "pp2"},
-            {"model": paths["dense"], "mesh": shipped["2"], "tag": "ngram tp2",
-             "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}]
+            {"model": paths["dense"], "mesh": shipped["2"], "tag": "ngram tp2", "speculative_config": {
+                "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "acceptance_threshold": 0.0}},
+            {"model": paths["dense"], "mesh": shipped["2"], "tag": "mtp tp2", "speculative_config": {
+                "method": "mtp", "num_speculative_tokens": 2, "acceptance_threshold": 0.0}}]
     # int8 at load on tp 2 (the one kv head's k and v parts repeated to each device) as on one device
     runs += [{"model": paths["dense"], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
               "tag": f"int8 {m}", "weights_quantization": "int8"} for m in ("1", "2")]
@@ -690,7 +701,13 @@ def test_meshes_match_hf(checkpoint, tmp_path):
     results = {r["tag"]: r for r in _results(proc)}
     assert not results["tp4"]["fits"] and "2 linear-attention k heads are not divisible by tp=4" in results["tp4"]["error"]
     assert not results["pp2"]["fits"] and "pipeline parallelism is not supported" in results["pp2"]["error"]
-    assert not results["ngram tp2"]["fits"] and "'ngram' on a mesh is not supported" in results["ngram tp2"]["error"]
+    for tag in ("ngram tp2", "mtp tp2"):  # each device verifies, then commits its heads' linear state
+        r = results[tag]
+        assert r["fits"], r.get("error")
+        assert r["spec"]["drafted"] > 0 and r["spec"]["compiles"] == 0, r["spec"]
+        for (tokens, logprobs), got, got_lp in zip(want["tp2"], r["tokens"], r["logprobs"]):
+            assert got == tokens, tag
+            np.testing.assert_allclose(got_lp, logprobs, atol=1e-3, rtol=0)
     int8 = [results[f"int8 {m}"] for m in ("1", "2")]
     assert all(r["fits"] for r in int8), [r.get("error") for r in int8]
     assert int8[1]["tokens"] == int8[0]["tokens"]

@@ -334,24 +334,23 @@ def _check_settings(ec: EngineConfig, cfg: ModelConfig) -> ShardPlan | None:
     except ValueError as e:  # unknown attention name, MeshConfigError
         raise ConfigError(str(e)) from e
     if cfg.gated_delta is not None:
-        _check_linear_state(ec, mesh_config)
+        _check_linear_state(ec)
     try:
         return ShardPlan.create(cfg, mesh_config, devices) if mesh_config.num_devices > 1 else None
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
 
-def _check_linear_state(ec: EngineConfig, mesh: MeshConfig) -> None:
+def _check_linear_state(ec: EngineConfig) -> None:
     """A model with linear-attention layers (Qwen3.5) keeps each sequence's state in its slot, advanced once
     per token: nothing that skips tokens by reusing pages serves it yet; nor do weights kept in a GGUF
     file's format (those quantized at load, and a checkpoint's 8-bit ones, are). An fp8 pool is served (it
-    holds the attention layers' keys and values alone), and so are n-gram and MTP proposals on one device: a
-    verifying step's state advances over the tokens the verifier keeps (step_programs.commit_linear_state)."""
+    holds the attention layers' keys and values alone), and so are n-gram and MTP proposals: a verifying
+    step's state advances over the tokens the verifier keeps (step_programs.commit_linear_state)."""
     sc = SpeculativeConfig.parse(ec.speculative_config)
-    if sc is not None and (sc.method not in ("ngram", "mtp") or mesh.num_devices > 1):
-        raise ConfigError(f"speculative_config.method {sc.method!r}"
-                          f"{' on a mesh' if sc.method in ('ngram', 'mtp') else ''} is not supported for Qwen3.5 "
-                          "(linear-attention layers) yet: use ngram or mtp, on one device")
+    if sc is not None and sc.method not in ("ngram", "mtp"):
+        raise ConfigError(f"speculative_config.method {sc.method!r} is not supported for Qwen3.5 "
+                          "(linear-attention layers) yet: use ngram or mtp")
     served = ec.weights_quantization != "gguf"  # at load, or an 8-bit checkpoint's (loaders/kept_8bit.py)
     refused = {"weights_quantization": None if served else ec.weights_quantization,
                "weights_compression": ec.weights_compression}

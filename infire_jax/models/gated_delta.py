@@ -97,8 +97,13 @@ class LinearInputs(NamedTuple):
     beta: Float[Array, "L T Hv"]
 
 
+# Their logical axes: on a mesh each device keeps its own heads' (as LINEAR_STATE_AXES).
+LINEAR_INPUTS_AXES = LinearInputs(qkv=(None, None, "linear_qkv"), decay=(None, None, "linear_heads"),
+                                  beta=(None, None, "linear_heads"))
+
+
 def linear_inputs_shapes(cfg: ModelConfig, num_tokens: int, dtype) -> LinearInputs:
-    """(shape, dtype) of a step's LinearInputs on one device."""
+    """(shape, dtype) of a step's LinearInputs (on a mesh: the whole, split by LINEAR_INPUTS_AXES)."""
     g, n = cfg.gated_delta, cfg.num_linear_layers
     heads = ((n, num_tokens, g.num_v_heads), jnp.dtype(jnp.float32))
     return LinearInputs(((n, num_tokens, g.conv_dim), jnp.dtype(dtype)), heads, heads)

@@ -44,6 +44,12 @@ class Reductions:
                    dense=(width,) if width else ())
 
 
+def logical_specs(plan: ShardPlan, axes: Any) -> Any:
+    """The PartitionSpecs of a pytree whose leaves are logical-axes tuples (a LinearState of them, say)."""
+    return jax.tree.map(plan.spec, axes, is_leaf=lambda x: isinstance(x, tuple) and all(
+        a is None or isinstance(a, str) for a in x))
+
+
 def psum(x: Array, axes: tuple[str, ...]) -> Array:
     return jax.lax.psum(x, axes) if axes else x
 
@@ -66,9 +72,10 @@ def run_sharded(
     token_args: tuple[Array, ...] = (),  # more per-token inputs (leading axis T), replicated: LoRA slots
     state: Any = None,  # arrays the stack updates beside the pool (Qwen3.5's linear state); no pipeline
     state_axes: Any = None,  # their logical axes: a tuple where `state` has an array
+    state_out_axes: Any = None,  # the logical axes of what the stack returns in the state's place, if not those
 ) -> tuple[Float[Array, "T E"], tuple[Array, Array]] | tuple[Float[Array, "T E"], tuple[Array, Array], Any]:
     """The stack across the mesh: h and the pool, and with `state`, the updated state (stack_fn then takes it
-    after the pool's pages and returns it last)."""
+    after the pool's pages and returns it last; a verifying Qwen3.5 step returns its layers' inputs there)."""
     red = Reductions.for_plan(plan)
     stages = plan.num_stages
     carried = () if state is None else (state,)
@@ -100,9 +107,10 @@ def run_sharded(
         layer_kv=None if meta.layer_kv is None else plan.spec((kv_axes[0], None)))
     w_specs = jax.tree.map(plan.spec, dict(weight_axes), is_leaf=lambda x: isinstance(x, tuple))
     state_specs = tuple(jax.tree.map(lambda _, axes: plan.spec(axes), s, state_axes) for s in carried)
+    out_specs = tuple(logical_specs(plan, state_axes if state_out_axes is None else state_out_axes) for _ in carried)
     fn = jax.shard_map(local, mesh=plan.mesh,
                        in_specs=(P(), w_specs, kv_spec, kv_spec, meta_spec, P(), P(), *state_specs,
                                  *[P()] * len(token_args)),
-                       out_specs=(P(), kv_spec, kv_spec, *state_specs), check_vma=False)
+                       out_specs=(P(), kv_spec, kv_spec, *out_specs), check_vma=False)
     h, k_pages, v_pages, *state = fn(h, dict(weights), *kv, meta, cos, sin, *carried, *token_args)
     return (h, (k_pages, v_pages), *state)

@@ -36,12 +36,12 @@ from jaxtyping import Array, Bool, Float, Int
 from infire_jax.errors import ConfigError
 from infire_jax.models.config import ModelConfig
 from infire_jax.models.decoder import DecoderModel
-from infire_jax.models.gated_delta import (LINEAR_STATE_AXES, LinearInputs, LinearState, LinearStep, Rows,
-                                           delta_net, replay_kept, step_rows)
+from infire_jax.models.gated_delta import (LINEAR_INPUTS_AXES, LINEAR_STATE_AXES, LinearInputs, LinearState,
+                                           LinearStep, Rows, delta_net, replay_kept, step_rows)
 from infire_jax.models.layers import apply_rope, param, rms_norm, rope_cos_sin, swiglu
 from infire_jax.models.moe import route_for, routed_mlp
 from infire_jax.models.llama import InPlace, linear
-from infire_jax.models.parallel import Reductions, psum, run_sharded
+from infire_jax.models.parallel import Reductions, logical_specs, psum, run_sharded
 from infire_jax.models.quant_kernels import EXPERT_INPUTS, LayerExperts, layer_stacks
 from infire_jax.quant.resident import QuantLayout, dequantize_layer, keep_quantized, quant_layouts
 from infire_jax.quant.weight_parts import LayerStacks
@@ -287,12 +287,10 @@ class Qwen3_5(DecoderModel):
                    linear: LinearStep | None = None, record: bool = False
                    ) -> tuple[Float[Array, "T E"], KVPages, LinearState | LinearInputs]:
         """Applies every decoder layer, on one device or (with a plan) across the mesh: the updated pool and
-        linear state; with `record` (a verifying step, one device), the state as found and, in its place,
-        what the step's tokens would put into it (`commit_kept` puts the verifier's kept ones)."""
+        linear state; with `record` (a verifying step), the state as found and, in its place, what the step's
+        tokens would put into it (`commit_kept` puts the verifier's kept ones)."""
         if aux_layers is not None or linear is None:
             raise ConfigError("Qwen3.5 runs with its linear state and without EAGLE-3 aux states")
-        if record and plan is not None:
-            raise ConfigError("Qwen3.5 verifies proposals on one device only")
         cos, sin = rotary_tables(self.cfg, meta.positions)
         stack = functools.partial(decoder_stack, self.cfg, attn_impl, record)
         weights = {"linear_layers": self.linear_layers.arrays(), "attention_layers": self.attention_layers.arrays()}
@@ -301,11 +299,22 @@ class Qwen3_5(DecoderModel):
             return h, (k_pages, v_pages), state
         axes = {"linear_layers": self.linear_layers.axes(), "attention_layers": self.attention_layers.axes()}
         return run_sharded(stack, plan, weights, axes, h, kv, meta, cos, sin, token_args=(linear.token_slots,),
-                           state=linear.state, state_axes=LINEAR_STATE_AXES)
+                           state=linear.state, state_axes=LINEAR_STATE_AXES,
+                           state_out_axes=LINEAR_INPUTS_AXES if record else None)
 
     def commit_kept(self, state: LinearState, inputs: LinearInputs, meta: AttentionMetadata,
-                    token_slots: Int[Array, "T"], kept: Bool[Array, "T"]) -> LinearState:
+                    token_slots: Int[Array, "T"], kept: Bool[Array, "T"], plan: ShardPlan | None = None
+                    ) -> LinearState:
         """After a verifying step (`run_layers(record=True)`): the linear state advanced over the tokens the
-        verifier kept, a prefix of each row (gated_delta.replay_kept)."""
+        verifier kept, a prefix of each row (gated_delta.replay_kept); on a mesh each device its own heads'."""
+        replay = functools.partial(replay_kept, g=self.cfg.gated_delta)
         conv = self.linear_layers.conv[...]
-        return replay_kept(inputs, conv, state, meta, token_slots, kept, self.cfg.gated_delta)
+        if plan is None:
+            return replay(inputs, conv, state, meta, token_slots, kept)
+        replicated = jax.sharding.PartitionSpec()
+        state_specs = logical_specs(plan, LINEAR_STATE_AXES)
+        return jax.shard_map(replay, mesh=plan.mesh, check_vma=False,
+                             in_specs=(logical_specs(plan, LINEAR_INPUTS_AXES),
+                                       plan.spec(self.linear_layers.axes()["conv"]), state_specs,
+                                       jax.tree.map(lambda _: replicated, meta), replicated, replicated),
+                             out_specs=state_specs)(inputs, conv, state, meta, token_slots, kept)

@@ -4,8 +4,9 @@ bucket (a sampler per row count and variant, a burst per decode-sized bucket and
 speculation the verifying forward and the verifier, and a linear-attention model's commit of its state;
 for prompt logprobs a block gather per bucket and one head program; for embeddings a pooling program per
 bucket), or deserialized from the executable cache (executable_cache.py). The steps call only these
-executables, so nothing compiles after warmup, and compiling needs the weights' and the pool's shapes alone. XLA's memory analysis of the same
-programs gives the largest step's temporaries, which the pool is sized around (kv_pool.py).
+executables, so nothing compiles after warmup, and compiling needs the weights' and the pool's shapes
+alone. XLA's memory analysis of the same programs gives the largest step's temporaries, which the pool is
+sized around (kv_pool.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from infire_jax.models.gated_delta import LinearInputs, linear_inputs_shapes
+from infire_jax.models.gated_delta import LINEAR_INPUTS_AXES, LinearInputs, linear_inputs_shapes
 from infire_jax.runner import executable_cache
 from infire_jax.runner import step_programs as programs
 from infire_jax.runner.batch import DraftInputs, StepBatch, burst_inputs, draft_inputs
@@ -46,16 +47,25 @@ class CompiledSteps:
         branching = rc.sampler_variants == (BRANCHING,)
         # On a mesh the sampled tokens come back replicated, so every process can read them locally.
         cache_shardings = jax.tree.map(lambda a: a.sharding, m.cache) if plan else None
-        self.forward = jax.jit(functools.partial(programs.forward, graphdef, rc.attn_impl, plan, precision,
-                                                 rc.aux_layers), donate_argnums=(1,),
-                               out_shardings=StepForward(cache_shardings, plan.replicated, plan.replicated,
-                                                         None, plan.replicated) if plan else None)
+        forward = functools.partial(programs.forward, graphdef, rc.attn_impl, plan, precision, rc.aux_layers)
+        outs = StepForward(cache_shardings, plan.replicated, plan.replicated, None, plan.replicated) if plan else None
+        self.forward = jax.jit(forward, donate_argnums=(1,), out_shardings=outs)
+        # A linear-attention model's verifying forward returns its layers' inputs too, each device its heads'.
+        self.linear_inputs = None
+        if m.cache.linear is not None:
+            self.linear_inputs = LinearInputs(*(
+                jax.ShapeDtypeStruct(*s, sharding=plan.sharding(axes) if plan else None)
+                for s, axes in zip(linear_inputs_shapes(m.cfg, 0, m.dtype), LINEAR_INPUTS_AXES)))
+        self.verify_forward = self.forward if not (plan and self.linear_inputs) else jax.jit(
+            forward, donate_argnums=(1,), out_shardings=outs._replace(linear_inputs=LinearInputs(
+                *(a.sharding for a in self.linear_inputs))))
         self.samplers = {v: jax.jit(functools.partial(programs.sample_step, v), donate_argnums=(0,),
                                     out_shardings=plan.replicated if plan else None)
                          for v in rc.sampler_variants}
         self.verifier = jax.jit(functools.partial(programs.verify_step, branching),
                                 donate_argnums=(0, 1), out_shardings=plan.replicated if plan else None)
-        self.commit = jax.jit(functools.partial(programs.commit_linear_state, graphdef), donate_argnums=(1,))
+        self.commit = jax.jit(functools.partial(programs.commit_linear_state, graphdef, plan), donate_argnums=(1,),
+                              out_shardings=cache_shardings if plan else None)
         self.bursts = {v: jax.jit(functools.partial(programs.decode_burst, graphdef, rc.attn_impl, plan, precision, v,
                                                     rc.decode_steps, branching), donate_argnums=(1,),
                                   out_shardings=(cache_shardings, plan.replicated) if plan else None)
@@ -93,6 +103,9 @@ class CompiledSteps:
     # ---- the programs' arguments, as shapes -------------------------------------------------------
     def forward_spec(self, batch: StepBatch) -> ProgramSpec:
         return "forward", self.forward, (self.memory.state, self.memory.cache, batch)
+
+    def verify_forward_spec(self, batch: StepBatch) -> ProgramSpec:
+        return "forward", self.verify_forward, (self.memory.state, self.memory.cache, batch)
 
     def sampler_spec(self, variant: str, batch: StepBatch) -> ProgramSpec:
         c = self.memory.cache
@@ -135,16 +148,16 @@ class CompiledSteps:
                 specs["burst", (shape, variant)] = self.burst_spec(variant, shape, batch)
         if rc.num_spec:
             batch = rc.empty_batch(shape, verify=True)
-            specs["verify_forward", shape] = self.forward_spec(batch)
+            specs["verify_forward", shape] = self.verify_forward_spec(batch)
             specs["verifier", shape.num_rows] = self.verifier_spec(batch, self._empty_drafts(shape))
-            if self.memory.cache.linear is not None:
+            if self.linear_inputs is not None:
                 specs["commit", shape] = self.commit_spec(shape, batch)
         return specs
 
     def commit_spec(self, shape: StepShape, batch: StepBatch) -> ProgramSpec:
         m = self.memory
-        inputs = LinearInputs(*(jax.ShapeDtypeStruct(*s) for s in linear_inputs_shapes(m.cfg, shape.num_tokens,
-                                                                                        m.dtype)))
+        inputs = LinearInputs(*(a.update(shape=(a.shape[0], shape.num_tokens, *a.shape[2:]))
+                                for a in self.linear_inputs))
         rows = jax.ShapeDtypeStruct((shape.num_rows,), jnp.int32)
         return "commit-linear", self.commit, (m.state, m.cache, batch, inputs, rows, rows)
 
@@ -241,10 +254,10 @@ class CompiledSteps:
         if rc.num_spec:
             shape = rc.buckets.shapes[-1]
             batch = rc.empty_batch(shape, verify=True)
-            peaks.append(self.executable(self.forward_spec(batch)).memory_analysis().temp_size_in_bytes)
+            peaks.append(self.executable(self.verify_forward_spec(batch)).memory_analysis().temp_size_in_bytes)
             m = self.executable(self.verifier_spec(batch, self._empty_drafts(shape))).memory_analysis()
             peaks.append(m.temp_size_in_bytes + batch.logits_indices.shape[0] * vocab * 4)
-            if self.memory.cache.linear is not None:  # the commit, and the step's inputs it reads
+            if self.linear_inputs is not None:  # the commit, and the step's inputs it reads
                 spec = self.commit_spec(shape, batch)
                 inputs = sum(a.size * a.dtype.itemsize for a in spec[2][3])
                 peaks.append(self.executable(spec).memory_analysis().temp_size_in_bytes + inputs)

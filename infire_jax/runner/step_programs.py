@@ -128,8 +128,8 @@ def forward_body(graphdef, attn_impl, plan, aux_layers, state, cache: DeviceCach
                                       linear=linear), logits, tokens, aux, h, inputs)
 
 
-def commit_linear_state(graphdef: nnx.GraphDef, state: nnx.State, cache: DeviceCache, b: StepBatch,
-                        inputs: LinearInputs, num_drafts: Int[Array, "S"],
+def commit_linear_state(graphdef: nnx.GraphDef, plan: ShardPlan | None, state: nnx.State, cache: DeviceCache,
+                        b: StepBatch, inputs: LinearInputs, num_drafts: Int[Array, "S"],
                         num_tokens: Int[Array, "S"]) -> DeviceCache:
     """After a verifying step's verifier (`num_tokens`: each row's accepted proposals + 1): the linear layers'
     states advanced over the tokens kept, each row's own and the proposals it accepted (models/gated_delta.py
@@ -142,7 +142,7 @@ def commit_linear_state(graphdef: nnx.GraphDef, state: nnx.State, cache: DeviceC
     first_draft = b.meta.cu_q_lens[row + 1] - num_drafts[row]  # a row's proposals end it
     t = jnp.arange(b.token_kind.shape[0], dtype=jnp.int32)
     kept = (b.token_kind != TOKEN_PAD) & ((b.token_kind != TOKEN_DRAFT) | (t - first_draft < num_tokens[row] - 1))
-    return cache._replace(linear=model.commit_kept(cache.linear, inputs, b.meta, live_slots, kept))
+    return cache._replace(linear=model.commit_kept(cache.linear, inputs, b.meta, live_slots, kept, plan))
 
 
 def sample_step(variant: str, last_tokens: Int[Array, "R"], counts: Int[Array, "R V"], prompt_mask: Bool[Array, "R V"],

@@ -47,9 +47,10 @@ def check_family(cfg: ModelConfig) -> None:
 
 
 class MTPHead(nnx.Module):
-    """enorm, hnorm, eh_proj [2E, E], one MoE decoder layer (`layers`, a stack of one), shared_head.norm
-    (`norm`) and, where the checkpoint's differ from the target's, its own `head` [V, E] and `embed`. On a
-    mesh `cfg` is the placed one (ShardPlan.effective_config: kv heads repeated up to tp)."""
+    """enorm, hnorm, eh_proj [2E, E], one decoder layer (`layers`, a stack of one: a MoE layer of the DeepSeek-V3
+    family's or GLM-4.5's, or Qwen3.5's attention layer with its MLP or MoE), shared_head.norm (`norm`) and,
+    where the checkpoint's differ from the target's, its own `head` [V, E] and `embed`. On a mesh `cfg` is
+    the placed one (ShardPlan.effective_config: kv heads repeated up to tp)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, own_head: bool = False, own_embed: bool = False):
         check_family(cfg)
@@ -90,11 +91,11 @@ class MTPHead(nnx.Module):
         if plan is not None:
             h, kv = run_sharded(stack, plan, weights, {key: self.layers.axes()}, u, kv, meta, cos, sin,
                                 kv_axes=kv_entry(cfg).pool_axes)
-            return h, kv
-        h, k_pages, v_pages = stack(Reductions(), weights, u, *kv, meta, cos, sin)
+        else:
+            h, *kv = stack(Reductions(), weights, u, *kv, meta, cos, sin)
         if cfg.gated_delta is not None:  # Qwen3.5's MTP module ends in its norm: the next draft reads the normed state
             h = rms_norm(h, self.norm[...], eps)
-        return h, (k_pages, v_pages)
+        return h, tuple(kv)
 
     def logits(self, h: Float[Array, "S E"], head: Float[Array, "V E"]) -> Float[Array, "S V"]:
         """shared_head: its norm (Qwen3.5's already applied by `layer`), then `head` (this head's own or the

@@ -28,8 +28,8 @@ from infire_jax.loaders.deepseek_hf import layer_weights, rope_interleaved
 from infire_jax.loaders.gemma3_hf import gemma_norm
 from infire_jax.loaders.hf import checkpoint_tensors
 from infire_jax.loaders.hf_quantized import dequantized, quant_scheme
-from infire_jax.models.config import ModelConfig
 from infire_jax.loaders.qwen3_5_hf import qwen3_5_weights
+from infire_jax.models.config import ModelConfig
 from infire_jax.models.deepseek_config import text_config
 from infire_jax.models.qwen3_5_config import text_config as qwen3_5_text_config
 from infire_jax.speculative.mtp import MTPHead, check_family
@@ -143,11 +143,13 @@ def build_mtp_head(cfg: ModelConfig, own: dict[str, np.ndarray], layer: dict[str
                    plan: ShardPlan | None = None) -> MTPHead:
     """Places the weights in a head: `own` by HF layout ((out, in) eh_proj), `layer` as one layer of the family's
     stacks. On `plan`'s mesh the layer is split as the target's layers (DeepSeek-V3's is 11.6B parameters;
-    GLM-4.5's kv heads repeated up to tp, as ShardPlan.prepare_weights repeats the target's), the rest is whole
-    on every device; without a plan, on the default device."""
+    GLM-4.5's and Qwen3.5's kv heads repeated up to tp, as ShardPlan.prepare_weights repeats the target's),
+    the rest is whole on every device; without a plan, on the default device."""
     weights = {name: (w.T if name == "eh_proj" else w) for name, w in own.items()}
-    stacked = {f"layers.{name}": w[None] for name, w in layer.items()}
-    weights.update(plan.prepare_weights(stacked) if plan is not None else stacked)
+    stack = "attention_layers" if cfg.gated_delta is not None else "layers"  # as the target's stack is named
+    stacked = {f"{stack}.{name}": w[None] for name, w in layer.items()}
+    prepared = plan.prepare_weights(stacked) if plan is not None else stacked
+    weights.update({f"layers.{name.removeprefix(stack + '.')}": w for name, w in prepared.items()})
     placed_cfg = plan.effective_config(cfg) if plan is not None else cfg
     shape = nnx.eval_shape(lambda: MTPHead(placed_cfg, dtype=dtype, own_head="head" in own, own_embed="embed" in own))
     layer_axes = shape.layers.axes()
