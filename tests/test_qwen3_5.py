@@ -649,12 +649,12 @@ def test_int8_at_load_equals_its_float_twin(tmp_path, monkeypatch):
     assert_kept_and_follows_twin(str(tmp_path / "float"), quantized, kept, "int8", PROMPTS, params, want, 1e-4)
 
 
-def test_meshes_match_hf(checkpoint, tmp_path):
+def test_meshes_match_hf(checkpoint, tmp_path, monkeypatch):
     """On virtual CPU devices, against HF: tp 2 with one kv head (repeated to each device) and tp 2 x ep 2 on
     the MoE (its experts split over ep, every expert's width and the shared expert's over tp). Each device
     holds its heads' weights and linear state. Meshes that cannot split the model are refused by name. On tp 2,
-    int8 weights and an fp8 pool give the single device's tokens (and the fp8 pool its scales, repeated), and
-    n-gram and MTP speculation HF's tokens."""
+    int8 weights give the single device's tokens, an fp8 pool HF's scales (the one kv head's repeated) and the
+    tokens of HF attending to e4m3 keys and values, and MTP speculation HF's tokens."""
     import os
 
     import yaml
@@ -664,6 +664,12 @@ def test_meshes_match_hf(checkpoint, tmp_path):
 
     from mtp_reference import ReferenceQwenMTP
     from safetensors.torch import save_file
+
+    from quant_reference import attend_to_e4m3
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from infire_jax.loaders.tokenizer import Tokenizer
+    from infire_jax.runner.kv_scales import CALIBRATION_TEXT
 
     dense = hf_model_with(num_key_value_heads=1)
     moe = hf_moe_model("qwen3_5_moe")
@@ -683,16 +689,13 @@ def test_meshes_match_hf(checkpoint, tmp_path):
             {"model": paths["moe"], "mesh": str(tp_ep), "tag": "tp2-ep2"},
             {"model": paths["dense"], "mesh": shipped["4"], "tag": "tp4"},
             {"model": paths["dense"], "mesh": shipped["2-pp2"], "tag": "pp2"},
-            {"model": paths["dense"], "mesh": shipped["2"], "tag": "ngram tp2", "speculative_config": {
-                "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "acceptance_threshold": 0.0}},
             {"model": paths["dense"], "mesh": shipped["2"], "tag": "mtp tp2", "speculative_config": {
                 "method": "mtp", "num_speculative_tokens": 2, "acceptance_threshold": 0.0}}]
     # int8 at load on tp 2 (the one kv head's k and v parts repeated to each device) as on one device
     runs += [{"model": paths["dense"], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
               "tag": f"int8 {m}", "weights_quantization": "int8"} for m in ("1", "2")]
-    # and an fp8 pool: calibrated on tp 2 (from each device's zeroed linear state) as on one device
-    runs += [{"model": paths["dense"], "mesh": os.path.join(ROOT, "sharding", "configs", f"{m}.yaml"),
-              "tag": f"fp8 {m}", "engine": {"kv_cache_dtype": "fp8"}} for m in ("1", "2")]
+    # and an fp8 pool, calibrated on tp 2 from each device's zeroed linear state
+    runs += [{"model": paths["dense"], "mesh": shipped["2"], "tag": "fp8 tp2", "engine": {"kv_cache_dtype": "fp8"}}]
     engine = {**{k: v for k, v in ENGINE.items() if k != "dtype"}, "token_buckets": [32]}  # one bucket compiled
     proc = _run_worker({"runs": runs, "prompts": PROMPTS, "max_tokens": NUM_TOKENS, "engine": engine}, 4, tmp_path,
                        "qwen3_5")
@@ -701,25 +704,28 @@ def test_meshes_match_hf(checkpoint, tmp_path):
     results = {r["tag"]: r for r in _results(proc)}
     assert not results["tp4"]["fits"] and "2 linear-attention k heads are not divisible by tp=4" in results["tp4"]["error"]
     assert not results["pp2"]["fits"] and "pipeline parallelism is not supported" in results["pp2"]["error"]
-    for tag in ("ngram tp2", "mtp tp2"):  # each device verifies, then commits its heads' linear state
-        r = results[tag]
-        assert r["fits"], r.get("error")
-        assert r["spec"]["drafted"] > 0 and r["spec"]["compiles"] == 0, r["spec"]
-        for (tokens, logprobs), got, got_lp in zip(want["tp2"], r["tokens"], r["logprobs"]):
-            assert got == tokens, tag
-            np.testing.assert_allclose(got_lp, logprobs, atol=1e-3, rtol=0)
+    r = results["mtp tp2"]  # each device verifies, then commits its heads' linear state
+    assert r["fits"], r.get("error")
+    assert r["spec"]["drafted"] > 0 and r["spec"]["compiles"] == 0, r["spec"]
+    for (tokens, logprobs), got, got_lp in zip(want["tp2"], r["tokens"], r["logprobs"]):
+        assert got == tokens
+        np.testing.assert_allclose(got_lp, logprobs, atol=1e-3, rtol=0)
     int8 = [results[f"int8 {m}"] for m in ("1", "2")]
     assert all(r["fits"] for r in int8), [r.get("error") for r in int8]
     assert int8[1]["tokens"] == int8[0]["tokens"]
     np.testing.assert_allclose(int8[1]["logprobs"], int8[0]["logprobs"], atol=1e-4, rtol=0)
     assert int8[1]["params"]["attention_layers.wk.int8"]["spec"][2] == "tp"
-    fp8 = [results[f"fp8 {m}"] for m in ("1", "2")]
-    assert all(r["fits"] for r in fp8), [r.get("error") for r in fp8]
-    assert fp8[1]["tokens"] == fp8[0]["tokens"]
-    np.testing.assert_allclose(fp8[1]["logprobs"], fp8[0]["logprobs"], atol=1e-4, rtol=0)
-    single = np.asarray(fp8[0]["kv_scales"])  # [2 attention layers, (k, v), the one kv head], repeated on tp 2
-    assert single.shape == (2, 2, 1)
-    np.testing.assert_allclose(fp8[1]["kv_scales"], np.repeat(single, 2, axis=2), rtol=1e-5)
+    fp8 = results["fp8 tp2"]
+    assert fp8["fits"], fp8.get("error")
+    ids = Tokenizer.from_dir(paths["dense"]).encode(CALIBRATION_TEXT)  # HF's scales, the one kv head's repeated
+    np.testing.assert_allclose(fp8["kv_scales"], np.repeat(_hf_kv_scales(dense, ids), 2, axis=2), rtol=1e-4)
+    rounded = hf_model_with(num_key_value_heads=1)  # HF attending to e4m3 keys and values, with those scales
+    attend_to_e4m3(modeling_qwen3_5, rounded.config, np.asarray(fp8["kv_scales"])[:, :, :1], monkeypatch,
+                   lambda layer: layer // TINY_INTERVAL)
+    for (tokens, logprobs), got, got_lp in zip((hf_greedy(rounded, p, NUM_TOKENS) for p in PROMPTS), fp8["tokens"],
+                                               fp8["logprobs"]):
+        assert got == tokens
+        np.testing.assert_allclose(got_lp, logprobs, atol=1e-5, rtol=0)
     for tag, expected in want.items():
         r = results[tag]
         assert r["fits"], r.get("error")

@@ -163,6 +163,12 @@ CHECKS = (
     Check("qwen3.5-35b-a3b", 240, ("infire_jax.bench", "latency", "--model", "dummy:qwen3.5-35b-a3b", "--dtype",
                                    "bfloat16", "--input-len", "4096", "--output-len", "128", "--max-model-len",
                                    "4352", "--batch-size", "1", "32")),
+    # The 27b with n-gram proposals on random weights (proposed often, accepted rarely): what verifying k + 1
+    # tokens a row and committing the linear state of the kept ones cost, beside qwen3.5-27b's plain decode.
+    Check("qwen3.5-27b-ngram", 240, ("infire_jax.bench", "latency", "--model", "dummy:qwen3.5-27b", "--dtype",
+                                     "bfloat16", "--input-len", "4096", "--output-len", "128", "--max-model-len",
+                                     "4352", "--batch-size", "1", "32", "--speculative-config",
+                                     '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')),
     Check("kimi-layer-int4", 240, ("infire_jax.bench", "latency", "--model", "dummy:kimi-k2.5,layers=2", "--dtype",
                                    "bfloat16", "--weights-quantization", "int4", "--input-len", "512",
                                    "--output-len", "128", "--batch-size", "1", "64")),
